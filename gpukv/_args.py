@@ -1,0 +1,115 @@
+"""Call normalisation: every accepted argument form becomes one flat, validated list.
+
+`group(keys, values)` turns a key or a list of keys, with an array, a list of arrays, or a
+list of (arrays or lists of arrays), into `Groups`: one entry per distinct key, in order
+of first appearance, holding every array given for that key (a key repeated in a list
+counts as more devices). All argument errors are raised here, before any key is touched.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from ._errors import ArgumentError, ArgumentKindError, KeyKindError
+from .backends import adopt
+
+_SEQ = (list, tuple)
+
+
+class Groups(NamedTuple):
+    keys: list          # distinct keys, in order of first appearance
+    arrays: list        # arrays[i]: the adopted arrays given for keys[i]
+    originals: list     # originals[i]: the objects as the caller passed them
+    all_host: bool      # every array is a NumPy array
+    key_kind: type | None  # int or str; None when no key was given
+
+
+def _check_key(key):
+    if isinstance(key, str):
+        return key, str
+    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
+        return int(key), int
+    raise KeyKindError(f"key {key!r}: expected an int or a str, got {type(key).__name__}")
+
+
+def _adopt(key, obj, name):
+    array = adopt(obj)
+    if array is None:
+        raise ArgumentKindError(
+            f"key {key!r}: {name} must be an array (NumPy, CuPy or any array protocol), "
+            f"got {type(obj).__name__}")
+    return array
+
+
+def _one_key(key, value, name, groups_by_key, keys, arrays, originals):
+    """Add the arrays of one key (an array, or a list of arrays, one per device)."""
+    if isinstance(value, _SEQ):
+        if not value:
+            raise ArgumentError(f"key {key!r}: {name} is an empty list; give one array per device")
+        objs = value
+    else:
+        objs = (value,)
+    adopted = []
+    for obj in objs:
+        if isinstance(obj, _SEQ):
+            raise ArgumentKindError(
+                f"key {key!r}: {name} is nested too deeply: expected an array or a list of "
+                f"arrays, got a list containing a {type(obj).__name__}")
+        adopted.append(_adopt(key, obj, name))
+    index = groups_by_key.get(key)
+    if index is None:
+        groups_by_key[key] = len(keys)
+        keys.append(key)
+        arrays.append(adopted)
+        originals.append(list(objs))
+    else:  # a repeated key: more devices for the same key
+        arrays[index].extend(adopted)
+        originals[index].extend(objs)
+
+
+def group(keys, values, name: str = "value") -> Groups:
+    """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part."""
+    # Fast path: one key, one NumPy array.
+    if type(values) is np.ndarray and (type(keys) is int or type(keys) is str):
+        return Groups([keys], [[values]], [[values]], True, type(keys))
+    groups_by_key: dict = {}
+    out_keys: list = []
+    arrays: list = []
+    originals: list = []
+    if isinstance(keys, _SEQ):
+        if not isinstance(values, _SEQ):
+            raise ArgumentKindError(
+                f"keys {list(keys)!r}: a list of keys needs a list of {name}s, "
+                f"got {type(values).__name__}")
+        if len(keys) != len(values):
+            raise ArgumentError(
+                f"keys {list(keys)!r}: {len(keys)} keys but {len(values)} {name}s")
+        kind = None
+        for raw_key, value in zip(keys, values):
+            key, this_kind = _check_key(raw_key)
+            if kind is None:
+                kind = this_kind
+            elif this_kind is not kind:
+                raise KeyKindError(
+                    f"key {key!r}: one call mixes int and str keys ({kind.__name__} first)")
+            _one_key(key, value, name, groups_by_key, out_keys, arrays, originals)
+    else:
+        key, kind = _check_key(keys)
+        _one_key(key, values, name, groups_by_key, out_keys, arrays, originals)
+    all_host = all(type(a) is np.ndarray or isinstance(a, np.ndarray)
+                   for per_key in arrays for a in per_key)
+    return Groups(out_keys, arrays, originals, all_host, kind)
+
+
+def group_keys(keys):
+    """Validate a key or a list of keys alone (for calls that take no values)."""
+    if isinstance(keys, _SEQ):
+        checked = [_check_key(k) for k in keys]
+        kinds = {kind for _, kind in checked}
+        if len(kinds) > 1:
+            raise KeyKindError(f"keys {list(keys)!r}: one call mixes int and str keys")
+        return [k for k, _ in checked], (kinds.pop() if kinds else None)
+    key, kind = _check_key(keys)
+    return [key], kind

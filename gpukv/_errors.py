@@ -1,0 +1,56 @@
+"""The exception hierarchy: one base, and subclasses that are also the built-in a user catches."""
+
+
+class GpukvError(Exception):
+    """Base of every error gpukv raises on purpose."""
+
+
+class UnknownKeyError(GpukvError, KeyError):
+    """A key that was never initialised."""
+
+    def __str__(self):  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateKeyError(GpukvError, ValueError):
+    """A key initialised twice."""
+
+
+class KeyKindError(GpukvError, TypeError):
+    """A key that is neither int nor str, or a kind other than the store's."""
+
+
+class ArgumentError(GpukvError, ValueError):
+    """A value out of range or lists of the wrong length."""
+
+
+class ArgumentKindError(GpukvError, TypeError):
+    """An argument of the wrong kind: not an array, or lists nested wrongly."""
+
+
+class ShapeError(GpukvError, ValueError):
+    """Arrays whose shapes do not agree."""
+
+
+class DTypeError(GpukvError, ValueError):
+    """A dtype the store does not take, or one that differs from the key's."""
+
+
+class ReadOnlyError(GpukvError, ValueError):
+    """An `out` array that cannot be written."""
+
+
+class DeviceError(GpukvError, ValueError):
+    """A device that does not exist."""
+
+
+class BackendError(GpukvError, RuntimeError):
+    """A backend (CuPy, NCCL, MPI) that is missing or failed."""
+
+
+class TransportError(GpukvError, RuntimeError):
+    """A peer process that vanished or a message that failed."""
+
+
+class CheckpointError(GpukvError, ValueError):
+    """A checkpoint file that is missing, damaged or does not match the store."""

@@ -1,0 +1,6 @@
+"""Reduction strategies: how a key's values meet on its home device and go back."""
+from ._base import BroadcastJob, ReduceJob, Strategy
+from .host import HostStrategy, accumulate_dtype, host_sum
+
+__all__ = ["Strategy", "ReduceJob", "BroadcastJob", "HostStrategy", "host_sum",
+           "accumulate_dtype"]
