@@ -1,0 +1,31 @@
+"""Shared fixtures and the GPU gate: GPU tests skip without a GPU, fail when one is expected."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+GPU_EXPECTED = os.environ.get("GPUKV_TEST_GPU", "") == "1"
+
+
+def _logical_gpus() -> int:
+    from gpukv.backends.cuda import gpu_count, gpu_devices
+    return len(gpu_devices()) if gpu_count() else 0
+
+
+def pytest_runtest_setup(item):
+    needed = 0
+    if item.get_closest_marker("gpu") is not None:
+        needed = 1
+    multi = item.get_closest_marker("multi_gpu")
+    if multi is not None:
+        needed = max(needed, multi.args[0] if multi.args else 2)
+    if not needed:
+        return
+    have = _logical_gpus()
+    if have >= needed:
+        return
+    reason = f"needs {needed} GPU(s), {have} visible (set GPUKV_VIRTUAL_GPUS for more)"
+    if GPU_EXPECTED:
+        pytest.fail(f"GPUKV_TEST_GPU=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
