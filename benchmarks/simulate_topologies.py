@@ -1,0 +1,150 @@
+"""Predicted push+pull time of every reduction strategy on machines we may not have.
+
+Runs the alpha-beta model of `gpukv.comm.simulate` (no GPU needed) for each machine
+profile x strategy x key size x device count, prints a table with the tree/home ratio,
+and writes JSON plus a PNG plot under benchmarks/results/:
+
+    python benchmarks/simulate_topologies.py
+    python benchmarks/simulate_topologies.py --sizes 4K,1M,64M --devices 2,8 --machines dgx1-v100
+
+The numbers are model predictions, not measurements: the JSON records the model's
+constants so that a later measured benchmark can be compared with them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from gpukv.comm import simulate, topology  # noqa: E402
+
+DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M,1G"
+DEFAULT_DEVICES = "2,4,8"
+DEFAULT_JSON = _common.RESULTS_DIR / "simulated_topologies.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"key sizes in bytes per device, K/M/G suffixes (default {DEFAULT_SIZES})")
+    p.add_argument("--devices", default=DEFAULT_DEVICES,
+                   help=f"device counts (default {DEFAULT_DEVICES})")
+    p.add_argument("--machines", default=",".join(simulate.MACHINES),
+                   help="machine profiles (default: all)")
+    p.add_argument("--warmup", type=int, default=0, help="unused: the model is deterministic")
+    p.add_argument("--iters", type=int, default=1, help="unused: the model is deterministic")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON")
+    p.add_argument("--png", default=None, help="where to write the plot (default: JSON's "
+                   "path with .png; 'none' to skip)")
+    return p.parse_args(argv)
+
+
+def run(sizes, devices, machines) -> list:
+    rows = []
+    for name in machines:
+        full = simulate.machine(name)
+        for n in devices:
+            if n > full.n:
+                continue
+            for size in sizes:
+                times = simulate.predict_all(size, n, name)
+                rows.append({
+                    "machine": name, "devices": n, "bytes": size,
+                    "seconds": times,
+                    "best": min(times, key=times.get),
+                    "tree_over_home": times["tree"] / times["home"],
+                    "home_over_tree": times["home"] / times["tree"],
+                })
+    return rows
+
+
+def print_rows(rows) -> None:
+    headers = ["machine", "n", "size"] + [f"{s} (us)" for s in simulate.STRATEGIES] \
+        + ["tree/home", "best"]
+    table = [[r["machine"], r["devices"], _common.format_size(r["bytes"])]
+             + [round(r["seconds"][s] * 1e6, 1) for s in simulate.STRATEGIES]
+             + [round(r["tree_over_home"], 3), r["best"]] for r in rows]
+    _common.print_table(headers, table)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    machines = list(dict.fromkeys(r["machine"] for r in rows))
+    fig, axes = plt.subplots(2, len(machines), figsize=(5 * len(machines), 8), squeeze=False)
+    for col, name in enumerate(machines):
+        mine = [r for r in rows if r["machine"] == name]
+        n_max = max(r["devices"] for r in mine)
+        top = [r for r in mine if r["devices"] == n_max]
+        ax = axes[0][col]
+        for s in simulate.STRATEGIES:
+            ax.loglog([r["bytes"] for r in top], [r["seconds"][s] for r in top],
+                      marker="o", ms=3, label=s)
+        ax.set_title(f"{name}, {n_max} devices")
+        ax.set_xlabel("bytes per device")
+        ax.set_ylabel("predicted push+pull (s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        ax = axes[1][col]
+        for n in sorted({r["devices"] for r in mine}):
+            sel = [r for r in mine if r["devices"] == n]
+            ax.semilogx([r["bytes"] for r in sel], [r["home_over_tree"] for r in sel],
+                        marker="o", ms=3, label=f"{n} devices")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{name}: tree speed-up over home")
+        ax.set_xlabel("bytes per device")
+        ax.set_ylabel("home time / tree time")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sizes = _common.parse_sizes(args.sizes)
+    devices = [int(d) for d in args.devices.split(",") if d.strip()]
+    machines = [m.strip() for m in args.machines.split(",") if m.strip()]
+    rows = run(sizes, devices, machines)
+    print_rows(rows)
+    profiles = {}
+    for name in machines:
+        m = simulate.machine(name)
+        profiles[name] = {
+            "matrix": m.matrix.tolist(),
+            "links": {str(w): dataclasses.asdict(c) for w, c in m.links.items()},
+            "staged": dataclasses.asdict(m.staged),
+            "ports_gbps": m.ports, "buses_gbps": m.buses, "hbm_gbps": m.hbm_gbps,
+            "host_gbps": m.host_gbps, "host_total_gbps": m.host_total_gbps,
+            "host_sum_gbps": m.host_sum_gbps,
+            "ring": topology.plan_ring(m.matrix),
+            "tree_link_usage": topology.usage_summary(topology.plan_trees(m.matrix), m.matrix),
+        }
+    payload = {
+        "kind": "simulated (alpha-beta model, no hardware timed)",
+        "machine": _common.machine_info(),
+        "versions": _common.library_versions("gpukv", "numpy"),
+        "model_constants": dataclasses.asdict(simulate.COSTS),
+        "tree_options": topology.tree_options(),
+        "profiles": profiles,
+        "results": rows,
+    }
+    path = _common.write_json(payload, args.json)
+    print(f"\nwrote {path}")
+    if (args.png or "").lower() != "none":
+        png = Path(args.png) if args.png else Path(args.json).with_suffix(".png")
+        plot(rows, png)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""An alpha-beta cost model of the reduction strategies, for machines we may not have.
+
+`predict(strategy, nbytes, n_devices, machine)` estimates the seconds of one push plus
+pull of a key of `nbytes` bytes on each of `n_devices` devices: the reduction of every
+device's value to the key's home device and the broadcast of the result back to every
+device. `best_strategy` picks the cheapest; the 'auto' strategy uses it as its cost
+model. Strategies:
+
+- ``home``: the home device reads every source over its own links at once, sums them
+  in one kernel, and writes the result back the same way.
+- ``tree``: per-root binary trees from `topology.plan_trees`; each step moves partial
+  sums one level up (broadcast: down). Keys above the array bound are sliced over all
+  trees, so every tree (and link) works at once.
+- ``ring``: reduce-scatter then all-gather over `topology.plan_ring`, 2(n-1) steps of
+  nbytes/n, each issued as separate copies and kernels.
+- ``cpu``: every device copies to host memory, the host sums, and copies back.
+- ``nccl``: the same ring algorithm in one NCCL call: small fixed latency, and NCCL's
+  several channels drive all of a device's links at `nccl_efficiency` of their speed
+  (but no faster than the ring's slowest hop when that hop is a shared path).
+
+A transfer costs latency + bytes / bandwidth. Transfers issued together (one step) run
+at once; they contend where they share a dedicated link (same direction), a per-device
+port (PCIe lanes, an NVSwitch port: `LinkClass.port`), or a machine-wide bus (the
+socket interconnect: `LinkClass.bus`). Each copy or kernel also costs host time to
+issue (`CostModel.launch_us`), which overlaps the device time of its step.
+
+Every constant lives in `COSTS` and in the machine profiles below. They are
+calibrated-by-benchmark defaults: vendor link speeds derated to what a single
+cudaMemcpyPeer reaches, typical launch latencies. Replace them with measured numbers
+(`dataclasses.replace`) where a benchmark on the real machine disagrees.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import topology
+
+__all__ = ["LinkClass", "Machine", "CostModel", "COSTS", "MACHINES", "STRATEGIES",
+           "machine", "generic_machine", "predict", "predict_all", "best_strategy"]
+
+STRATEGIES = ("home", "tree", "ring", "cpu", "nccl")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Machine-independent constants of the model (times in microseconds)."""
+
+    launch_us: float = 6.0        #: host time to issue one copy or kernel (CuPy call)
+    kernel_us: float = 4.0        #: device-side latency of one small kernel
+    host_copy_us: float = 10.0    #: latency of a device<->host copy
+    host_sum_us: float = 5.0      #: fixed cost of one host-side summation
+    nccl_base_us: float = 12.0    #: fixed cost of one NCCL all-reduce call
+    nccl_step_us: float = 1.0     #: per-step latency of NCCL's ring (LL protocol)
+    nccl_efficiency: float = 0.8  #: fraction of link speed NCCL's channels reach
+    itemsize: int = 4             #: bytes per element when slicing keys (float32)
+
+
+COSTS = CostModel()
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """One kind of link: speed of one transfer alone, latency, and what it shares."""
+
+    name: str
+    gbps: float                 #: GB/s (1e9 bytes/s) in one direction
+    latency_us: float
+    port: str | None = None     #: per-device port shared by all links of this port name
+    bus: str | None = None      #: machine-wide bus shared by all links of this bus name
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine profile: link matrix, what each link weight means, and memory speeds."""
+
+    name: str
+    matrix: np.ndarray = field(repr=False)
+    links: dict                 #: link weight -> LinkClass
+    staged: LinkClass           #: pairs without a direct link (weight 0)
+    ports: dict                 #: port name -> GB/s per device per direction
+    buses: dict = field(default_factory=dict)  #: bus name -> GB/s per direction
+    hbm_gbps: float = 800.0     #: device memory bandwidth a sum kernel reaches
+    host_gbps: float = 12.0     #: one device <-> pinned host memory
+    host_total_gbps: float = 40.0  #: all devices <-> host memory at once
+    host_sum_gbps: float = 10.0    #: host summation, bytes of input per second
+
+    @property
+    def n(self) -> int:
+        return self.matrix.shape[0]
+
+    def link(self, i: int, j: int) -> LinkClass:
+        """The link class between devices i and j."""
+        w = float(self.matrix[i, j])
+        if w <= 0:
+            return self.staged
+        if w in self.links:
+            return self.links[w]
+        return _generic_link(w)  # a weight the profile does not list
+
+    def subset(self, n: int) -> "Machine":
+        """The same machine restricted to its first n devices."""
+        if not 1 <= n <= self.n:
+            raise ValueError(f"machine {self.name!r} has {self.n} devices, asked for {n}")
+        return replace(self, matrix=self.matrix[:n, :n].copy())
+
+
+def _generic_link(w: float) -> LinkClass:
+    """MXNet's weight convention: 1 PCIe, k+1 k NVLink2 lanes, SAME_DEVICE_WEIGHT local."""
+    if w >= topology.SAME_DEVICE_WEIGHT:
+        return LinkClass("same device", 400.0, 3.0)
+    if w <= 1:
+        return LinkClass("pcie", 12.0 * w, 10.0, port="pcie")
+    return LinkClass(f"nvlink x{w - 1:g}", 25.0 * (w - 1), 5.0)
+
+
+def generic_machine(matrix, name: str = "generic") -> Machine:
+    """A profile for a bare link matrix in MXNet's convention (see `_generic_link`)."""
+    w = topology.as_link_matrix(matrix)
+    return Machine(name=name, matrix=w, links={},
+                   staged=LinkClass("staged via host", 8.0, 15.0, port="pcie"),
+                   ports={"pcie": 12.0})
+
+
+# Per-link speeds are one direction of one transfer, as the cudaMemcpyPeer bandwidth
+# tests report them (NVLink2 ~25 GB/s per lane, PCIe 3 x16 ~12, PCIe 4 x16 ~25,
+# NVLink4 through NVSwitch ~450 per GPU).
+MACHINES = {
+    "dgx1-v100": Machine(
+        name="dgx1-v100", matrix=topology.dgx1_v100(),
+        links={3.0: LinkClass("nvlink2 x2", 50.0, 5.0),
+               2.0: LinkClass("nvlink2", 25.0, 5.0),
+               1.0: LinkClass("pcie3 + qpi", 10.0, 10.0, port="pcie")},
+        staged=LinkClass("staged via host", 8.0, 15.0, port="pcie"),
+        ports={"pcie": 12.0},
+        hbm_gbps=800.0, host_gbps=12.0, host_total_gbps=40.0, host_sum_gbps=10.0),
+    "nvswitch-h100": Machine(
+        name="nvswitch-h100", matrix=topology.nvswitch_h100(8),
+        links={19.0: LinkClass("nvlink4 via nvswitch", 450.0, 3.0, port="nvlink")},
+        staged=LinkClass("staged via host", 40.0, 15.0, port="pcie"),
+        ports={"nvlink": 450.0, "pcie": 50.0},
+        hbm_gbps=3000.0, host_gbps=50.0, host_total_gbps=150.0, host_sum_gbps=20.0),
+    "pcie-2socket": Machine(
+        name="pcie-2socket", matrix=topology.pcie_two_socket(8),
+        links={2.0: LinkClass("pcie4 switch", 25.0, 8.0, port="pcie"),
+               1.0: LinkClass("pcie4 root complex", 20.0, 10.0, port="pcie")},
+        staged=LinkClass("cross-socket via host (upi)", 12.0, 15.0, port="pcie", bus="upi"),
+        ports={"pcie": 25.0}, buses={"upi": 40.0},
+        hbm_gbps=1500.0, host_gbps=25.0, host_total_gbps=80.0, host_sum_gbps=20.0),
+}
+
+
+def machine(spec, n_devices: int | None = None) -> Machine:
+    """A Machine from a profile name, a Machine, or a link matrix; first n_devices only."""
+    if isinstance(spec, Machine):
+        m = spec
+    elif isinstance(spec, str):
+        try:
+            m = MACHINES[spec.lower()]
+        except KeyError:
+            raise ValueError(f"machine {spec!r}: unknown; known machines are "
+                             f"{', '.join(MACHINES)}") from None
+    else:
+        m = generic_machine(spec)
+    return m if n_devices is None or n_devices == m.n else m.subset(n_devices)
+
+
+# ------------------------------------------------------------------------- model
+def _step_time(m: Machine, transfers, *, compute: dict | None = None,
+               ops: int = 0, costs: CostModel = COSTS) -> float:
+    """Seconds of one step: `transfers` (src, dst, bytes) at once, then the sums.
+
+    `compute` maps device -> bytes its sum kernels read and write in this step.
+    """
+    device_t = 0.0
+    if transfers:
+        per_link: dict = {}
+        per_port: dict = {}
+        per_bus: dict = {}
+        latency = 0.0
+        for src, dst, nbytes in transfers:
+            cls = m.link(src, dst)
+            latency = max(latency, cls.latency_us * 1e-6)
+            key = (src, dst)
+            per_link[key] = per_link.get(key, 0.0) + nbytes / (cls.gbps * GB)
+            if cls.port is not None:
+                for end in (("out", src), ("in", dst)):
+                    k = (cls.port,) + end
+                    per_port[k] = per_port.get(k, 0.0) + nbytes
+            if cls.bus is not None:
+                per_bus[cls.bus] = per_bus.get(cls.bus, 0.0) + nbytes
+        busiest = max(per_link.values())
+        for (port, _, _), nbytes in per_port.items():
+            busiest = max(busiest, nbytes / (m.ports[port] * GB))
+        for bus, nbytes in per_bus.items():
+            busiest = max(busiest, nbytes / (m.buses[bus] * GB))
+        device_t = latency + busiest
+    if compute:
+        device_t += costs.kernel_us * 1e-6 + max(compute.values()) / (m.hbm_gbps * GB)
+    return max(device_t, ops * costs.launch_us * 1e-6)
+
+
+def _home(m: Machine, nbytes: float, home: int, costs: CostModel) -> float:
+    n = m.n
+    others = [j for j in range(n) if j != home]
+    up = _step_time(m, [(j, home, nbytes) for j in others],
+                    compute={home: (n + 1) * nbytes}, ops=n, costs=costs)
+    down = _step_time(m, [(home, j, nbytes) for j in others], ops=n - 1, costs=costs)
+    return up + down
+
+
+def _tree(m: Machine, nbytes: float, home: int, costs: CostModel,
+          array_bound: int | None) -> float:
+    n = m.n
+    trees = topology.plan_trees(m.matrix)
+    nelems = max(1, int(nbytes // costs.itemsize))
+    slices = topology.slice_plan(nelems, n, home, array_bound=array_bound)
+    parts = [(trees[root], (stop - start) * nbytes / nelems) for root, start, stop in slices]
+    total = 0.0
+    for k in range(trees[0].depth):
+        transfers, compute = [], {}
+        for tree, size in parts:
+            for child, par in tree.levels[k]:
+                transfers.append((child, par, size))
+                compute[par] = compute.get(par, 0.0) + 3 * size
+        total += _step_time(m, transfers, compute=compute, ops=2 * len(transfers),
+                            costs=costs)
+        down = [(p, c, s) for c, p, s in transfers]
+        total += _step_time(m, down, ops=len(down), costs=costs)
+    return total
+
+
+def _ring(m: Machine, nbytes: float, costs: CostModel) -> float:
+    n = m.n
+    ring = topology.plan_ring(m.matrix)
+    chunk = nbytes / n
+    hops = [(a, b, chunk) for a, b in zip(ring, ring[1:] + ring[:1])]
+    scatter = _step_time(m, hops, compute={d: 3 * chunk for d in ring}, ops=2 * n,
+                         costs=costs)
+    gather = _step_time(m, hops, ops=n, costs=costs)
+    return (n - 1) * (scatter + gather)
+
+
+def _cpu(m: Machine, nbytes: float, costs: CostModel) -> float:
+    n = m.n
+    move = costs.host_copy_us * 1e-6 + max(nbytes / (m.host_gbps * GB),
+                                           n * nbytes / (m.host_total_gbps * GB))
+    move = max(move, n * costs.launch_us * 1e-6)
+    summed = costs.host_sum_us * 1e-6 + n * nbytes / (m.host_sum_gbps * GB)
+    return 2 * move + summed
+
+
+def _nccl_bus_gbps(m: Machine) -> float:
+    """What NCCL's channels can drive out of the slowest device: all of its links."""
+    best = math.inf
+    for i in range(m.n):
+        dedicated, ported = 0.0, {}
+        for j in range(m.n):
+            if j == i:
+                continue
+            cls = m.link(i, j)
+            if cls.port is None:
+                dedicated += cls.gbps
+            else:
+                ported[cls.port] = ported.get(cls.port, 0.0) + cls.gbps
+        total = dedicated + sum(min(g, m.ports[p]) for p, g in ported.items())
+        best = min(best, total)
+    return best
+
+
+def _nccl(m: Machine, nbytes: float, costs: CostModel) -> float:
+    n = m.n
+    gbps = _nccl_bus_gbps(m)
+    ring = topology.plan_ring(m.matrix)
+    slowest = min((m.link(a, b) for a, b in zip(ring, ring[1:] + ring[:1])),
+                  key=lambda c: c.gbps)
+    if slowest.port is not None or slowest.bus is not None:
+        gbps = min(gbps, slowest.gbps)  # more channels over a shared path add nothing
+    bw = costs.nccl_efficiency * gbps * GB
+    return (costs.nccl_base_us * 1e-6 + 2 * (n - 1) * costs.nccl_step_us * 1e-6
+            + 2 * (n - 1) / n * nbytes / bw)
+
+
+def predict(strategy: str, nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
+            *, home: int | None = None, array_bound: int | None = None,
+            costs: CostModel = COSTS) -> float:
+    """Predicted seconds of one push+pull of `nbytes` per device on `n_devices` devices.
+
+    `machine_or_matrix` is a profile name (`MACHINES`), a `Machine`, or a link matrix
+    (MXNet's weight convention); its first `n_devices` devices take part. `home` is the
+    key's home device; None averages over all homes (keys spread over the devices).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes {nbytes}: expected >= 0")
+    m = machine(machine_or_matrix, n_devices)
+    return _predict(strategy, float(nbytes), m, home, array_bound, costs)
+
+
+def _predict(strategy, nbytes, m, home, array_bound, costs) -> float:
+    n = m.n
+    if n == 1:  # nothing to move: one local copy in, one out
+        return 2 * (costs.launch_us * 1e-6 + 2 * nbytes / (m.hbm_gbps * GB))
+    homes = range(n) if home is None else [home]
+    if strategy == "home":
+        return float(np.mean([_home(m, nbytes, h, costs) for h in homes]))
+    if strategy == "tree":
+        return float(np.mean([_tree(m, nbytes, h, costs, array_bound) for h in homes]))
+    if strategy == "ring":
+        return _ring(m, nbytes, costs)
+    if strategy == "cpu":
+        return _cpu(m, nbytes, costs)
+    return _nccl(m, nbytes, costs)
+
+
+def predict_all(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
+                strategies=STRATEGIES, **kwargs) -> dict:
+    """{strategy: predicted seconds} for every strategy in `strategies`."""
+    return {s: predict(s, nbytes, n_devices, machine_or_matrix, **kwargs) for s in strategies}
+
+
+_BEST_CACHE: dict = {}
+
+
+def best_strategy(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
+                  strategies=STRATEGIES, *, home: int | None = None,
+                  array_bound: int | None = None, costs: CostModel = COSTS) -> str:
+    """The strategy of `strategies` with the lowest predicted push+pull time.
+
+    Ties go to the earlier strategy in `strategies`. Answers are memoised per machine,
+    size and options, so calling it for every key of every step is cheap.
+    """
+    strategies = tuple(strategies)
+    if not strategies:
+        raise ValueError("best_strategy: no strategies to choose from")
+    m = machine(machine_or_matrix, n_devices)
+    key = (repr(m), m.matrix.tobytes(), float(nbytes), strategies, home, array_bound, costs)
+    best = _BEST_CACHE.get(key)
+    if best is None:
+        times = predict_all(nbytes, n_devices, m, strategies, home=home,
+                            array_bound=array_bound, costs=costs)
+        best = min(strategies, key=times.__getitem__)
+        if len(_BEST_CACHE) > 65536:
+            _BEST_CACHE.clear()
+        _BEST_CACHE[key] = best
+    return best
