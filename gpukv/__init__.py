@@ -2,12 +2,14 @@
 from ._errors import (ArgumentError, ArgumentKindError, BackendError, CheckpointError,
                       DeviceError, DTypeError, DuplicateKeyError, GpukvError, KeyKindError,
                       ReadOnlyError, ShapeError, TransportError, UnknownKeyError)
+from .sparse import RowSparse
 from .store import KVStore, create
+from . import optim  # noqa: E402  (gpukv.optim: optimizers for set_optimizer)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "create", "KVStore", "GpukvError", "UnknownKeyError", "DuplicateKeyError",
+    "create", "KVStore", "RowSparse", "GpukvError", "UnknownKeyError", "DuplicateKeyError",
     "KeyKindError", "ArgumentError", "ArgumentKindError", "ShapeError", "DTypeError",
     "ReadOnlyError", "DeviceError", "BackendError", "TransportError", "CheckpointError",
 ]

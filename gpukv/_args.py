@@ -14,6 +14,7 @@ import numpy as np
 
 from ._errors import ArgumentError, ArgumentKindError, KeyKindError
 from .backends import adopt
+from .sparse import RowSparse
 
 _SEQ = (list, tuple)
 
@@ -24,6 +25,7 @@ class Groups(NamedTuple):
     originals: list     # originals[i]: the objects as the caller passed them
     all_host: bool      # every array is a NumPy array
     key_kind: type | None  # int or str; None when no key was given
+    sparse: bool = False   # some array is a RowSparse
 
 
 def _check_key(key):
@@ -35,6 +37,8 @@ def _check_key(key):
 
 
 def _adopt(key, obj, name):
+    if type(obj) is RowSparse:  # passes as it is; the store routes it
+        return obj
     array = adopt(obj)
     if array is None:
         raise ArgumentKindError(
@@ -100,7 +104,8 @@ def group(keys, values, name: str = "value") -> Groups:
         _one_key(key, values, name, groups_by_key, out_keys, arrays, originals)
     all_host = all(type(a) is np.ndarray or isinstance(a, np.ndarray)
                    for per_key in arrays for a in per_key)
-    return Groups(out_keys, arrays, originals, all_host, kind)
+    sparse = not all_host and any(type(a) is RowSparse for per_key in arrays for a in per_key)
+    return Groups(out_keys, arrays, originals, all_host, kind, sparse)
 
 
 def group_keys(keys):

@@ -1,6 +1,8 @@
 """The front end: `create()` and `KVStore`. Orchestration only, never imports CuPy."""
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import threading
 
@@ -11,7 +13,11 @@ from ._errors import (ArgumentError, ArgumentKindError, DTypeError, DuplicateKey
                       KeyKindError, ReadOnlyError, ShapeError, UnknownKeyError)
 from .backends import SUPPORTED_DTYPES, Device, device_of, host_device
 from .comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
-from .comm.registry import make_strategy
+from .comm.host import host_broadcast
+from .comm.registry import STRATEGIES, make_strategy
+from .compression import GradientCompression, compressible, make_compressor
+from .sparse import RowSparse, check_row_ids
+from .sparse import merge as _merge_rows
 
 log = logging.getLogger("gpukv")
 
@@ -27,6 +33,15 @@ _TYPES = {
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
 _HOST_STRATEGY = HostStrategy()
+_DTYPE_OK: dict = {}
+
+
+def _supported(dtype) -> bool:
+    """Whether the store takes `dtype` (memoised: `dtype.name` is slow in NumPy)."""
+    ok = _DTYPE_OK.get(dtype)
+    if ok is None:
+        ok = _DTYPE_OK[dtype] = dtype.name in SUPPORTED_DTYPES
+    return ok
 
 
 class _SplitStrategy:
@@ -50,16 +65,20 @@ class _SplitStrategy:
         _HOST_STRATEGY.broadcast_many(on_host)
 
 
+_ENTRY_SEQ = itertools.count()
+
+
 class _Entry:
     """One key: its value on its home device, and a scratch buffer for merged pushes."""
 
-    __slots__ = ("value", "home", "narrow", "_merge")
+    __slots__ = ("value", "home", "narrow", "_merge", "seq")
 
     def __init__(self, value, home: Device):
         self.value = value
         self.home = home
         self.narrow = accumulate_dtype(value.dtype) != value.dtype
         self._merge = None
+        self.seq = next(_ENTRY_SEQ)  # creation order: str keys are updated in this order
 
     def merge_buffer(self):
         """Where pushes are summed before the updater sees them (float32 for fp16/bf16).
@@ -99,7 +118,20 @@ def create(name: str = "local", **options) -> "KVStore":
     if lowered not in _TYPES:
         raise ArgumentError(
             f"store name {name!r}: unknown; valid names are {', '.join(sorted(_TYPES))}")
+    accepted = _store_options()
+    for option in options:
+        if accepted is not None and option not in accepted:
+            raise ArgumentKindError(f"store option {option!r}: unknown; valid options are "
+                                    f"{', '.join(sorted(accepted)) or 'none'}")
     return KVStore(lowered, **options)
+
+
+def _store_options():
+    """The keyword options KVStore takes (None when it takes any)."""
+    params = inspect.signature(KVStore.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.name not in ("self", "name")}
 
 
 class KVStore:
@@ -108,15 +140,27 @@ class KVStore:
     def __init__(self, name: str, *, strategy: str | None = None):
         self._type = name
         self._on_gpu = _TYPES[name]
+        asked = strategy is not None
         if name == "nccl" and strategy is None:
             strategy = "nccl"
+        if not self._on_gpu and strategy is not None and (
+                not isinstance(strategy, str) or strategy.lower() not in STRATEGIES):
+            raise ArgumentError(  # a host store reduces on the host, but a typo is a typo
+                f"strategy {strategy!r}: unknown; valid strategies are {', '.join(STRATEGIES)}")
         self._strategy = make_strategy(strategy, on_gpu=self._on_gpu)
+        # A strategy the user named (argument or GPUKV_STRATEGY) also runs host arrays,
+        # over host "devices"; otherwise host arrays take the plain host sum.
+        self._route_host = (getattr(self._strategy, "explicit", False)
+                            and (asked or name != "nccl")
+                            and self._strategy.name not in ("auto", "cpu"))
         self._entries: dict = {}
         self._key_kind: type | None = None
         self._updater = None
         self._load: dict = {}  # home device -> bytes of the keys it holds
         self._lock = threading.RLock()
         self._said_host = False
+        self._compression = None  # a GradientCompression, once set
+        self._said_sparse = False
 
     # ----------------------------------------------------------------- properties
     @property
@@ -142,7 +186,7 @@ class KVStore:
                 f"capability: expected a str, got {type(capability).__name__}")
         lowered = capability.lower()
         if lowered == "gradient_compression":
-            return self._on_gpu
+            return self._compression_allowed()
         if lowered in _CAPABILITIES:
             return True
         raise ArgumentError(
@@ -154,13 +198,14 @@ class KVStore:
     _barrier = barrier
 
     # ---------------------------------------------------------------- validation
-    def _check_kind(self, kind) -> None:
+    def _check_kind(self, kind, keys=()) -> None:
         if kind is not None and self._key_kind is not None and kind is not self._key_kind:
-            raise KeyKindError(
-                f"this store holds {self._key_kind.__name__} keys; got a {kind.__name__} key")
+            named = f"key {keys[0]!r}: " if keys else ""
+            raise KeyKindError(f"{named}this store holds {self._key_kind.__name__} keys; "
+                               f"got a {kind.__name__} key")
 
     def _lookup(self, groups: _args.Groups, op: str) -> list:
-        self._check_kind(groups.key_kind)
+        self._check_kind(groups.key_kind, groups.keys)
         entries = []
         for key in groups.keys:
             entry = self._entries.get(key)
@@ -185,14 +230,14 @@ class KVStore:
         for a in arrays:
             if a.shape != shape:
                 raise ShapeError(f"key {key!r}: pull expects out of shape {shape}, got {a.shape}")
-            if a.dtype.name not in SUPPORTED_DTYPES:
+            if not _supported(a.dtype):
                 raise DTypeError(f"key {key!r}: out has unsupported dtype {a.dtype}; "
                                  f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
             if isinstance(a, np.ndarray) and not a.flags.writeable:
                 raise ReadOnlyError(f"key {key!r}: out array is read-only")
 
     def _check_init(self, groups: _args.Groups) -> None:
-        self._check_kind(groups.key_kind)
+        self._check_kind(groups.key_kind, groups.keys)
         for key, arrays in zip(groups.keys, groups.arrays):
             if key in self._entries:
                 raise DuplicateKeyError(f"key {key!r}: already initialised")
@@ -251,6 +296,8 @@ class KVStore:
             self._init_groups(groups)
 
     def _init_groups(self, groups: _args.Groups) -> None:
+        if groups.sparse:  # row-sparse values are stored dense-backed
+            groups = _densified(groups)
         self._check_init(groups)
         homes = self._assign_homes(groups)
         for key, arrays, home in zip(groups.keys, groups.arrays, homes):
@@ -273,11 +320,15 @@ class KVStore:
             self._push_groups(groups, entries)
 
     def _push_groups(self, groups: _args.Groups, entries: list) -> None:
+        if groups.sparse or self._compression is not None:
+            groups, entries = self._push_special(groups, entries)
+            if not groups.keys:
+                return
         updater = self._updater
         jobs, merged = [], []
         for key, entry, sources in zip(groups.keys, entries, groups.arrays):
             assign_direct = updater is None and not entry.narrow
-            if entry.home is _HOST and groups.all_host:
+            if entry.home is _HOST and groups.all_host and not self._route_host:
                 if assign_direct:
                     host_sum(entry.value, sources)
                     continue
@@ -307,6 +358,12 @@ class KVStore:
             for m, s, home in zip(merged, stored, homes):
                 home.copy(s, m)
         else:
+            if len(keys) > 1:  # MXNet's order: int keys ascending, str keys as initialised
+                rank = (keys.__getitem__ if type(keys[0]) is int
+                        else (lambda i: pending[i][1].seq))
+                order = sorted(range(len(keys)), key=rank)
+                keys, merged, stored, homes = ([seq[i] for i in order]
+                                               for seq in (keys, merged, stored, homes))
             updater.update(keys, merged, stored, homes)
 
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
@@ -318,15 +375,15 @@ class KVStore:
             entries = self._lookup(groups, "pull")
             for k, entry, arrays in zip(groups.keys, entries, groups.arrays):
                 self._check_outs(k, entry.value.shape, arrays)
-            self._pull_groups(groups, entries)
+            self._pull_groups(groups, entries, ignore_sparse)
 
-    def _pull_groups(self, groups: _args.Groups, entries: list) -> None:
+    def _pull_groups(self, groups: _args.Groups, entries: list, ignore_sparse=True) -> None:
+        if groups.sparse:
+            groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
         jobs = []
         for key, entry, outs in zip(groups.keys, entries, groups.arrays):
-            if entry.home is _HOST and groups.all_host:
-                src = entry.value
-                for o in outs:
-                    np.copyto(o, src, casting="unsafe")
+            if entry.home is _HOST and groups.all_host and not self._route_host:
+                host_broadcast(entry.value, outs)
                 continue
             jobs.append(BroadcastJob(key, entry.value, entry.home, outs, self._devices(outs)))
         if jobs:
@@ -334,7 +391,7 @@ class KVStore:
 
     def _strategy_for(self, jobs):
         """The store's strategy, or the host one for keys whose home is the host."""
-        if all(job.home.kind == "gpu" for job in jobs):
+        if self._route_host or all(job.home.kind == "gpu" for job in jobs):
             return self._strategy
         if any(job.home.kind == "gpu" for job in jobs):
             return _SplitStrategy(self._strategy)
@@ -354,13 +411,13 @@ class KVStore:
             self._push_groups(groups, entries)
             self._pull_groups(out_groups, out_entries)
 
-    def broadcast(self, key, value, out) -> None:
+    def broadcast(self, key, value, out, priority: int = 0) -> None:
         """Initialise key(s) with `value`, then pull into `out`."""
         groups = _args.group(key, value, "value")
         out_groups = _args.group(key, out, "out")
         with self._lock:
             self._check_init(groups)
-            self._check_kind(out_groups.key_kind)
+            self._check_kind(out_groups.key_kind, out_groups.keys)
             shapes = dict(zip(groups.keys, (a[0].shape for a in groups.arrays)))
             for k, arrays in zip(out_groups.keys, out_groups.arrays):
                 if k not in shapes:
@@ -376,9 +433,324 @@ class KVStore:
                 f"updater: expected a callable, got {type(updater).__name__}")
         with self._lock:
             self._updater = _FunctionUpdater(updater)
+            self._optimizer = None
 
     _set_updater = set_updater
+
+    # The optimizer `set_optimizer` installed (None for a function updater or none).
+    _optimizer = None
+
+    def set_optimizer(self, optimizer) -> None:
+        """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
+
+        Its state (momentum, moments, float32 master copies of 16-bit weights) lives with
+        each key on its home device; replaces any updater set before.
+        """
+        from .optim import Optimizer, OptimizerUpdater
+        if not isinstance(optimizer, Optimizer):
+            raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
+                                    f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+        with self._lock:
+            self._updater = OptimizerUpdater(optimizer)
+            self._optimizer = optimizer
+
+    def _optimizer_updater(self, op: str):
+        if self._optimizer is None:
+            raise ArgumentError(f"{op}: this store has no optimizer; call set_optimizer first")
+        return self._updater
+
+    def save_optimizer_states(self, fname, dump_optimizer: bool = False) -> None:
+        """Write the optimizer's state (and its options if `dump_optimizer`) to `fname`.
+
+        A versioned archive (JSON header, one array per state tensor, no pickle), written
+        to a temporary file and renamed over `fname`: a crash leaves the old file whole.
+        """
+        from ._checkpoint import write_archive
+        with self._lock:
+            header, arrays = self._optimizer_updater(
+                "save_optimizer_states").export_state(bool(dump_optimizer))
+            write_archive(fname, header, arrays)
+
+    def load_optimizer_states(self, fname) -> None:
+        """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit."""
+        import os
+
+        from ._checkpoint import read_archive
+        self._optimizer_updater("load_optimizer_states")
+        header, arrays = read_archive(fname)
+        with self._lock:
+            self._optimizer_updater("load_optimizer_states").import_state(
+                header, arrays, self._entry_map(), path=os.fspath(fname))
+
+    def _entry_map(self) -> dict:
+        return {k: (e.value, e.home) for k, e in self._entries.items()}
+
+    def _export_optimizer_state(self, dump_optimizer: bool = False):
+        """(header, arrays) of the optimizer's state, for whole-store checkpoints."""
+        if self._optimizer is None:
+            return None
+        return self._updater.export_state(dump_optimizer)
+
+    def _import_optimizer_state(self, header, arrays, check_only: bool = False) -> None:
+        self._optimizer_updater("load").import_state(header, arrays, self._entry_map(),
+                                                     check_only=check_only)
+
+    def save(self, path) -> None:
+        """Write every key's value (and the optimizer's state, if one is set) to `path`.
+
+        The file is a versioned `.npz` archive with a JSON header (no pickle), written to a
+        temporary file and renamed over `path`, so a crash mid-save leaves the previous
+        file whole. GPU values are copied to the host for saving.
+        """
+        from ._checkpoint import save_store
+        save_store(self, path)
+
+    def load(self, path) -> None:
+        """Read a file written by `save` into this store.
+
+        Keys missing from the store are created (each on a home device chosen as by
+        `init`: GPU-homed keys go back to GPUs when this store reduces on GPUs and has
+        some); keys already in the store get the saved value, which must match their
+        shape and dtype; keys of the store absent from the file are left as they are.
+        The optimizer's state is restored when the file has some and an optimizer is set.
+        Everything is checked before anything changes: a missing, damaged or foreign file,
+        another key kind, or a key whose shape or dtype differ raise CheckpointError and
+        leave the store untouched.
+        """
+        from ._checkpoint import load_store
+        load_store(self, path)
+
+    # ------------------------------------------------- compression and row-sparse
+    def _compression_allowed(self) -> bool:
+        """MXNet's rule: gradient compression for 'device' and 'dist' stores only."""
+        return "device" in self._type or "dist" in self._type
+
+    def set_gradient_compression(self, compression_params) -> None:
+        """Compress every pushed source on its way home (see `gpukv.compression`).
+
+        `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
+        'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /
+        ``{'type': 'none'}`` to turn it off. Setting it again starts fresh residuals.
+        """
+        if not self._compression_allowed():
+            raise ArgumentError(
+                f"gradient compression is not supported for a {self._type!r} store "
+                f"(as in MXNet); use 'device' or a 'dist' store")
+        compressor = make_compressor(compression_params)
+        with self._lock:
+            self._compression = (None if compressor is None
+                                 else GradientCompression(compressor))
+
+    @property
+    def gradient_compression(self) -> dict | None:
+        """The compression in use, as a dict of its options, or None."""
+        comp = self._compression
+        return None if comp is None else comp.params()
+
+    def _push_special(self, groups: _args.Groups, entries: list):
+        """Push the row-sparse keys and the compressed keys; return the rest, untouched."""
+        comp = self._compression
+        rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
+        sparse_work, comp_work = [], []
+        for key, entry, sources, originals in zip(groups.keys, entries, groups.arrays,
+                                                  groups.originals):
+            n_sparse = sum(type(s) is RowSparse for s in sources)
+            if n_sparse:
+                if n_sparse != len(sources):
+                    raise ArgumentKindError(
+                        f"key {key!r}: push mixes RowSparse and dense values; "
+                        f"give every device the same kind")
+                sparse_work.append((key, entry, sources))
+            elif comp is not None and compressible(entry.value.dtype):
+                comp_work.append((key, entry, sources))
+            else:
+                rest_keys.append(key)
+                rest_arrays.append(sources)
+                rest_originals.append(originals)
+                rest_entries.append(entry)
+        updater = self._updater
+        pending = []  # (key, merged, stored, home) for the updater
+        for key, entry, sources in comp_work:
+            home, value = entry.home, entry.value
+            if value.dtype == np.float32 or entry.narrow:
+                out = entry.merge_buffer()
+            else:
+                out = comp.buffer(key, home, value.shape)
+            comp.reduce(key, sources, self._devices(sources), home, out)
+            if updater is None:
+                home.copy(value, out)
+            else:
+                pending.append((key, out, value, home))
+        rows_pending = []  # row-sparse merges for an updater that updates rows only
+        by_rows = updater is not None and (type(updater) is _FunctionUpdater
+                                           or hasattr(updater, "update_rows"))
+        for key, entry, sources in sparse_work:
+            merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
+            if updater is None:
+                _assign_rows(entry, merged)
+            elif by_rows:
+                rows_pending.append((key, merged, entry.value, entry.home))
+            else:  # an updater that takes dense gradients: the standard (non-lazy) update
+                pending.append((key, merged.todense(), entry.value, entry.home))
+        if pending:
+            updater.update(*(list(column) for column in zip(*pending)))
+        if rows_pending:
+            columns = [list(column) for column in zip(*rows_pending)]
+            if type(updater) is _FunctionUpdater:  # fn(key, RowSparse, stored)
+                updater.update(*columns)
+            else:
+                updater.update_rows(*columns)
+        all_host = all(isinstance(a, np.ndarray) for arrays in rest_arrays for a in arrays)
+        rest = _args.Groups(rest_keys, rest_arrays, rest_originals, all_host, groups.key_kind)
+        return rest, rest_entries
+
+    def _pull_sparse_outs(self, groups: _args.Groups, entries: list, ignore_sparse: bool):
+        """Fill (or, with ignore_sparse, skip) the RowSparse outs; return the dense rest."""
+        rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
+        skipped = False
+        for key, entry, outs, originals in zip(groups.keys, entries, groups.arrays,
+                                               groups.originals):
+            dense = [(o, orig) for o, orig in zip(outs, originals) if type(o) is not RowSparse]
+            for o in outs:
+                if type(o) is RowSparse:
+                    if ignore_sparse:
+                        skipped = True
+                    else:
+                        _fill_rows(entry, o, None)
+            if dense:
+                rest_keys.append(key)
+                rest_arrays.append([o for o, _ in dense])
+                rest_originals.append([orig for _, orig in dense])
+                rest_entries.append(entry)
+        if skipped and not self._said_sparse:
+            self._said_sparse = True
+            log.warning("gpukv: pull(ignore_sparse=True) left RowSparse outs unchanged; "
+                        "use row_sparse_pull(key, out, row_ids) for them")
+        all_host = all(isinstance(a, np.ndarray) for arrays in rest_arrays for a in arrays)
+        rest = _args.Groups(rest_keys, rest_arrays, rest_originals, all_host, groups.key_kind)
+        return rest, rest_entries
+
+    def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
+        """Write the rows `row_ids` of each key into RowSparse `out`(s), as MXNet does.
+
+        `row_ids`: an integer array (any shape) or list of ints, shared by every out of
+        the key, or a list with one such array per out. Each out receives exactly the
+        requested rows, deduplicated and sorted (its other rows are zero), on the device
+        its arrays are on. Works for any key: every key is stored dense-backed.
+        """
+        pairs = _row_sparse_pairs(key, out, row_ids)
+        with self._lock:
+            work = []
+            for k, o, ids in pairs:  # validate everything before writing anything
+                k, kind = _args._check_key(k)
+                self._check_kind(kind)
+                entry = self._entries.get(k)
+                if entry is None:
+                    raise UnknownKeyError(
+                        f"key {k!r}: row_sparse_pull of a key that was never initialised")
+                if type(o) is not RowSparse:
+                    raise ArgumentKindError(
+                        f"key {k!r}: row_sparse_pull writes into gpukv.RowSparse outs, "
+                        f"got {type(o).__name__}")
+                shape = entry.value.shape
+                if o.shape != shape:
+                    raise ShapeError(f"key {k!r}: row_sparse_pull expects out of shape "
+                                     f"{shape}, got {o.shape}")
+                if not _supported(o.dtype):
+                    raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}")
+                if ids is None:
+                    raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
+                ids = _args.adopt(ids) if not isinstance(ids, (list, tuple)) else \
+                    np.asarray(ids, dtype=np.int64).reshape(-1)
+                if ids is None:
+                    raise ArgumentKindError(f"key {k!r}: row_ids must be an integer array")
+                work.append((entry, o, check_row_ids(ids, shape[0],
+                                                     f"key {k!r}: row_sparse_pull")))
+            for entry, o, ids in work:
+                _fill_rows(entry, o, ids)
 
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
                 f"keys={len(self._entries)}>")
+
+
+def _densified(groups: _args.Groups) -> _args.Groups:
+    """`groups` with every RowSparse replaced by its dense array (for init)."""
+    arrays = [[a.todense() if type(a) is RowSparse else a for a in per_key]
+              for per_key in groups.arrays]
+    all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
+    return groups._replace(arrays=arrays, all_host=all_host, sparse=False)
+
+
+def _assign_rows(entry: _Entry, merged: RowSparse) -> None:
+    """The stored value becomes `merged` (rows not in it become zero), as MXNet assigns."""
+    value, home = entry.value, entry.home
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            value.fill(0)
+            value[merged.indices] = merged.data.astype(value.dtype, copy=False)
+        return
+    value.fill(0)
+    value[merged.indices] = merged.data
+
+
+def _fill_rows(entry: _Entry, out: RowSparse, ids) -> None:
+    """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
+    home, value = entry.home, entry.value
+    xp = home.xp
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
+                    else xp.unique(home.to_local(ids)))
+            rows = value[uniq]
+    else:
+        if ids is None:
+            uniq = np.arange(value.shape[0], dtype=np.int64)
+        else:
+            uniq = np.unique(ids if isinstance(ids, np.ndarray) else ids.get())
+        rows = value[uniq]
+    target = device_of(out.data)
+    if home.kind == "gpu":
+        target.wait_for(home)
+    if target == home and isinstance(rows, np.ndarray) and rows.dtype == out.dtype:
+        out.indices, out.data = uniq, rows  # fresh arrays already: no second copy
+        return
+    indices = target.empty(uniq.shape, np.int64)
+    target.copy(indices, uniq)
+    data = target.empty(rows.shape, out.dtype)
+    target.copy(data, rows)
+    out.indices, out.data = indices, data
+
+
+def _row_sparse_pairs(key, out, row_ids) -> list:
+    """(key, out, row_ids) triples for every out of a row_sparse_pull call."""
+    if out is None:
+        raise ArgumentError(f"key {key!r}: row_sparse_pull needs RowSparse `out`s")
+    if isinstance(key, (list, tuple)):
+        if not isinstance(out, (list, tuple)) or len(out) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of outs "
+                                f"of the same length")
+        if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of row_ids "
+                                f"of the same length")
+        pairs = []
+        for k, o, r in zip(key, out, row_ids):
+            pairs.extend(_row_sparse_one(k, o, r))
+        return pairs
+    return _row_sparse_one(key, out, row_ids)
+
+
+def _is_id_list(row_ids) -> bool:
+    """Whether `row_ids` is a list with one id array per out (not a list of ints)."""
+    import numbers
+    return (isinstance(row_ids, (list, tuple)) and len(row_ids) > 0
+            and not isinstance(row_ids[0], numbers.Integral))
+
+
+def _row_sparse_one(key, out, row_ids) -> list:
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    if _is_id_list(row_ids):
+        if len(row_ids) != len(outs):
+            raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
+        return [(key, o, r) for o, r in zip(outs, row_ids)]
+    return [(key, o, row_ids) for o in outs]

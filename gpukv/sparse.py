@@ -1,0 +1,243 @@
+"""Row-sparse values: a set of row indices plus those rows, as MXNet's row_sparse NDArray.
+
+`RowSparse(indices, data, shape)` holds host (NumPy) or GPU (CuPy) arrays, both on the
+same device. `indices` is 1-D and integral, `data` has shape ``(len(indices),) +
+shape[1:]``, and every index lies in ``[0, shape[0])``. Indices need not be sorted or
+unique: a repeated index means its rows are summed (`todense`, pushes), which is where
+gpukv is more lenient than MXNet (MXNet takes unsorted or repeated indices silently and
+gives undefined results).
+
+In the store, a key initialised with a RowSparse is stored dense-backed (a full array on
+the key's home device), so dense `pull` into a dense `out` works on it as on any key, and
+`row_sparse_pull` works on any key. Pushes of RowSparse values are summed row-wise on
+the home device and the updater gets the merged RowSparse (sorted, unique rows), so an
+optimizer can touch only the rows present (lazy update).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
+
+__all__ = ["RowSparse"]
+
+
+def _xp_of(a):
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def _as_array(obj, like=None):
+    """A NumPy or CuPy array for `obj` (lists become arrays on `like`'s device)."""
+    from .backends import adopt
+    if isinstance(obj, (list, tuple, numbers.Number)):
+        xp = np if like is None else _xp_of(like)
+        if xp is np:
+            return np.asarray(obj)
+        with like.device:
+            return xp.asarray(obj)
+    array = adopt(obj)
+    if array is None:
+        raise ArgumentKindError(f"expected an array, got {type(obj).__name__}")
+    return array
+
+
+def _same_device(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+    return a.device.id == b.device.id
+
+
+def check_row_ids(ids, nrows: int, what: str):
+    """`ids` flattened to int64; ArgumentError unless every id is in [0, nrows)."""
+    if ids.dtype.kind not in "iu":
+        raise DTypeError(f"{what}: row ids must be integers, got dtype {ids.dtype}")
+    flat = ids.reshape(-1)
+    if flat.size:
+        lo, hi = int(flat.min()), int(flat.max())  # one device sync on GPU
+        if lo < 0 or hi >= nrows:
+            bad = lo if lo < 0 else hi
+            raise ArgumentError(f"{what}: row id {bad} is out of range for {nrows} rows")
+    return flat.astype(_xp_of(flat).int64, copy=False)
+
+
+class RowSparse:
+    """Rows `indices` of a `shape`-shaped array whose other rows are zero."""
+
+    __slots__ = ("indices", "data", "shape")
+
+    def __init__(self, indices, data, shape):
+        data = _as_array(data)
+        indices = _as_array(indices, like=data)
+        if not isinstance(shape, (tuple, list)) or not shape or not all(
+                isinstance(s, numbers.Integral) and s >= 0 for s in shape):
+            raise ArgumentKindError(
+                f"RowSparse: shape must be a non-empty tuple of non-negative ints, got {shape!r}")
+        shape = tuple(int(s) for s in shape)
+        if not _same_device(indices, data):
+            raise ArgumentError("RowSparse: indices and data live on different devices")
+        if indices.ndim != 1:
+            raise ShapeError(f"RowSparse: indices must be 1-D, got shape {indices.shape}")
+        expected = (indices.shape[0],) + shape[1:]
+        if tuple(data.shape) != expected:
+            raise ShapeError(f"RowSparse: data of {indices.shape[0]} rows of shape {shape} "
+                             f"must have shape {expected}, got {tuple(data.shape)}")
+        self.indices = check_row_ids(indices, shape[0], "RowSparse")
+        self.data = data
+        self.shape = shape
+
+    @classmethod
+    def _trusted(cls, indices, data, shape):
+        """A RowSparse from arrays already known to be valid (no checks, no sync)."""
+        obj = cls.__new__(cls)
+        obj.indices, obj.data, obj.shape = indices, data, tuple(shape)
+        return obj
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dense value this stands for (what a store keeps for it)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.data.dtype.itemsize
+
+    @property
+    def on_host(self) -> bool:
+        return isinstance(self.data, np.ndarray)
+
+    @property
+    def xp(self):
+        return _xp_of(self.data)
+
+    # ------------------------------------------------------------------- builders
+    @classmethod
+    def zeros(cls, shape, dtype=np.float32, xp=np):
+        """An all-zero value with no rows, on the host (xp=numpy) or the current GPU."""
+        shape = tuple(shape)
+        return cls(xp.zeros(0, xp.int64), xp.zeros((0,) + shape[1:], dtype), shape)
+
+    @classmethod
+    def from_dense(cls, dense, row_ids=None):
+        """The rows `row_ids` of `dense` (default: its rows with any nonzero element)."""
+        dense = _as_array(dense)
+        if dense.ndim < 1:
+            raise ShapeError(f"RowSparse.from_dense: expected at least 1-D, got {dense.shape}")
+        xp = _xp_of(dense)
+        if row_ids is None:
+            nonzero = dense.reshape(dense.shape[0], -1) != 0
+            ids = xp.nonzero(nonzero.any(axis=1))[0].astype(xp.int64)
+        else:
+            ids = xp.unique(check_row_ids(_as_array(row_ids, like=dense), dense.shape[0],
+                                          "RowSparse.from_dense"))
+        return cls._trusted(ids, dense[ids].copy(), dense.shape)
+
+    # ------------------------------------------------------------------- helpers
+    def coalesce(self, dtype=None) -> "RowSparse":
+        """The same value with sorted, unique indices (repeated rows summed, in `dtype`)."""
+        xp = self.xp
+        dtype = self.data.dtype if dtype is None else np.dtype(dtype)
+        idx = self.indices
+        if idx.size == 0:
+            return RowSparse._trusted(idx, self.data.astype(dtype), self.shape)
+        order = xp.argsort(idx, kind="stable") if xp is np else xp.argsort(idx)
+        idx = idx[order]
+        data = self.data[order].astype(dtype, copy=False)
+        starts_mask = xp.empty(idx.size, bool)
+        starts_mask[0] = True
+        xp.not_equal(idx[1:], idx[:-1], out=starts_mask[1:])
+        if xp is np:
+            if starts_mask.all():
+                return RowSparse._trusted(idx, np.ascontiguousarray(data), self.shape)
+            starts = np.flatnonzero(starts_mask)
+            return RowSparse._trusted(idx[starts], np.add.reduceat(data, starts, axis=0),
+                                      self.shape)
+        import cupyx
+        starts = xp.nonzero(starts_mask)[0]
+        inverse = xp.cumsum(starts_mask) - 1
+        summed = xp.zeros((starts.size,) + self.shape[1:], dtype)
+        cupyx.scatter_add(summed, inverse, data)
+        return RowSparse._trusted(idx[starts], summed, self.shape)
+
+    def todense(self, dtype=None):
+        """The dense array (repeated rows summed) on the same device."""
+        xp = self.xp
+        dtype = self.data.dtype if dtype is None else np.dtype(dtype)
+        if xp is not np:
+            with self.data.device:
+                return self._todense(xp, dtype)
+        return self._todense(xp, dtype)
+
+    def _todense(self, xp, dtype):
+        out = xp.zeros(self.shape, dtype)
+        merged = self.coalesce()
+        out[merged.indices] = merged.data
+        return out
+
+    def retain(self, row_ids) -> "RowSparse":
+        """Rows `row_ids` (any shape; deduplicated and sorted) of this value, zero if absent."""
+        xp = self.xp
+        ids = xp.unique(check_row_ids(_as_array(row_ids, like=self.data), self.shape[0],
+                                      "RowSparse.retain"))
+        merged = self.coalesce()
+        data = xp.zeros((ids.size,) + self.shape[1:], self.data.dtype)
+        if merged.indices.size and ids.size:
+            pos = xp.searchsorted(merged.indices, ids)
+            pos = xp.minimum(pos, merged.indices.size - 1)
+            hit = merged.indices[pos] == ids
+            data[hit] = merged.data[pos[hit]]
+        return RowSparse._trusted(ids, data, self.shape)
+
+    def copy(self) -> "RowSparse":
+        return RowSparse._trusted(self.indices.copy(), self.data.copy(), self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        if not self.on_host:
+            raise TypeError("a GPU RowSparse has no implicit NumPy form; use .todense().get()")
+        dense = self.todense()
+        return dense if dtype is None else dense.astype(dtype)
+
+    def __mul__(self, other):
+        if not isinstance(other, numbers.Number):
+            return NotImplemented
+        return RowSparse._trusted(self.indices, self.data * other, self.shape)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return RowSparse._trusted(self.indices, -self.data, self.shape)
+
+    def __repr__(self):
+        where = "host" if self.on_host else f"gpu{self.data.device.id}"
+        return (f"RowSparse(shape={self.shape}, rows={int(self.indices.size)}, "
+                f"dtype={self.dtype}, on={where})")
+
+
+def merge(sources, home, dtype):
+    """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
+    xp = home.xp
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            return _merge(sources, home, xp, dtype)
+    return _merge(sources, home, xp, dtype)
+
+
+def _merge(sources, home, xp, dtype):
+    shape = sources[0].shape
+    if len(sources) == 1:
+        idx = home.to_local(sources[0].indices)
+        data = home.to_local(sources[0].data)
+    else:
+        idx = xp.concatenate([home.to_local(s.indices) for s in sources])
+        data = xp.concatenate([home.to_local(s.data).astype(dtype, copy=False)
+                               for s in sources])
+    return RowSparse._trusted(idx, data, shape).coalesce(dtype)

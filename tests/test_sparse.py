@@ -1,0 +1,220 @@
+"""Row-sparse values: RowSparse validation and helpers, push, row_sparse_pull, ignore_sparse."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import RowSparse
+
+REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_sparse_reference.json")
+                 .read_text())
+SHAPE = tuple(REF["shape"])
+
+
+def rsp(indices, data, shape=SHAPE, dtype=np.float32):
+    return RowSparse(np.array(indices, np.int64), np.array(data, dtype), shape)
+
+
+def mxnet_store():
+    kv = gpukv.create("device")
+    kv.init("w", rsp(REF["init"]["indices"], REF["init"]["data"]))
+    return kv
+
+
+# ------------------------------------------------------------------ RowSparse
+@pytest.mark.parametrize("indices,data,shape,error", [
+    ([[0]], [[1, 1]], (3, 2), gpukv.ShapeError),
+    ([0, 1], [[1, 1]], (3, 2), gpukv.ShapeError),
+    ([0], [[1, 1, 1]], (3, 2), gpukv.ShapeError),
+    ([3], [[1, 1]], (3, 2), gpukv.ArgumentError),
+    ([-1], [[1, 1]], (3, 2), gpukv.ArgumentError),
+    (np.array([0.5]), [[1, 1]], (3, 2), gpukv.DTypeError),
+    ([0], [[1, 1]], "3x2", gpukv.ArgumentKindError),
+])
+def test_rowsparse_validation(indices, data, shape, error):
+    """RowSparse refuses bad index shapes, data shapes, out-of-range rows and float ids."""
+    with pytest.raises(error):
+        RowSparse(np.asarray(indices), np.asarray(data, np.float32), shape)
+
+
+@pytest.mark.parametrize("indices", [[2, 0], [1, 1, 0], []])
+def test_todense_sums_repeated_rows(indices):
+    """todense puts each row in place and sums rows whose index repeats."""
+    data = np.arange(len(indices) * 2, dtype=np.float32).reshape(-1, 2) + 1
+    expected = np.zeros((3, 2), np.float32)
+    for i, row in zip(indices, data):
+        expected[i] += row
+    assert np.array_equal(RowSparse(np.array(indices, np.int64), data, (3, 2)).todense(),
+                          expected)
+
+
+def test_from_dense_and_retain():
+    """from_dense keeps nonzero rows (or given ones); retain gives sorted unique rows, zero-filled."""
+    dense = np.array([[0, 0], [1, 2], [0, 0], [3, 0]], np.float32)
+    r = RowSparse.from_dense(dense)
+    assert r.indices.tolist() == [1, 3] and np.array_equal(r.todense(), dense)
+    kept = r.retain(np.array([[3, 0], [3, 2]]))
+    assert kept.indices.tolist() == [0, 2, 3]
+    assert kept.data.tolist() == [[0, 0], [0, 0], [3, 0]]
+    assert RowSparse.from_dense(dense, [2, 1, 1]).indices.tolist() == [1, 2]
+
+
+# --------------------------------------------------------------- store vs MXNet
+def test_pull_after_init_matches_mxnet():
+    """row_sparse_pull after init returns MXNet's rows for unsorted, repeated ids."""
+    kv = mxnet_store()
+    out = RowSparse.zeros(SHAPE)
+    kv.row_sparse_pull("w", out=out, row_ids=np.array(REF["pull_after_init"]["row_ids"]))
+    assert out.indices.tolist() == REF["pull_after_init"]["indices"]
+    assert out.data.tolist() == REF["pull_after_init"]["data"]
+
+
+def _push_ref(kv):
+    kv.push("w", [rsp(p["indices"], p["data"]) for p in REF["push"]])
+
+
+def test_push_assign_matches_mxnet():
+    """A row-sparse push without updater sums rows across devices and replaces the value."""
+    kv = mxnet_store()
+    _push_ref(kv)
+    out = RowSparse.zeros(SHAPE)
+    kv.row_sparse_pull("w", out=out, row_ids=np.array(REF["pull_after_push"]["row_ids"]))
+    assert out.indices.tolist() == REF["pull_after_push"]["indices"]
+    assert out.data.tolist() == REF["pull_after_push"]["data"]
+    dense = np.zeros(SHAPE, np.float32)
+    kv.pull("w", out=dense)
+    assert dense.tolist() == REF["dense_pull_after_push"]
+
+
+def test_updater_sees_merged_rows_like_mxnet():
+    """The updater gets a RowSparse of sorted unique merged rows, as MXNet's does."""
+    kv = mxnet_store()
+    _push_ref(kv)
+    seen = []
+
+    def update(key, grad, weight):
+        seen.append({"stype": "row_sparse", "indices": grad.indices.tolist(),
+                     "data": grad.data.tolist()})
+        weight += grad
+
+    kv.set_updater(update)
+    _push_ref(kv)
+    assert seen == REF["updater_saw"]
+    out = RowSparse.zeros(SHAPE)
+    kv.row_sparse_pull("w", out=out, row_ids=np.arange(SHAPE[0]))
+    assert out.indices.tolist() == REF["pull_after_updater_push"]["indices"]
+    assert out.data.tolist() == REF["pull_after_updater_push"]["data"]
+
+
+@pytest.mark.parametrize("ignore_sparse", [True, False])
+def test_pull_ignore_sparse(ignore_sparse):
+    """pull skips RowSparse outs with ignore_sparse=True and fills them whole otherwise."""
+    kv = mxnet_store()
+    _push_ref(kv)
+    out = rsp([5], [[9, 9]])
+    dense = np.zeros(SHAPE, np.float32)
+    kv.pull("w", out=[out, dense], ignore_sparse=ignore_sparse)
+    assert dense.tolist() == REF["dense_pull_after_push"]
+    if ignore_sparse:
+        assert out.indices.tolist() == REF["ignore_sparse_true_out"]["indices"]
+        assert out.data.tolist() == REF["ignore_sparse_true_out"]["data"]
+    else:
+        assert out.todense().tolist() == REF["dense_pull_after_push"]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_row_ids_shared_or_one_per_out(shared):
+    """One row_ids array may serve several outs, or each out gets its own."""
+    kv = mxnet_store()
+    outs = [RowSparse.zeros(SHAPE) for _ in range(2)]
+    ids = np.array(REF["shared_row_ids"]["row_ids"])
+    kv.row_sparse_pull("w", out=outs, row_ids=ids if shared else [ids, np.array([5, 0])])
+    assert outs[0].indices.tolist() == REF["shared_row_ids"]["indices"][0]
+    assert outs[1].indices.tolist() == (REF["shared_row_ids"]["indices"][1] if shared
+                                        else [0, 5])
+
+
+def test_duplicate_rows_within_one_push_are_summed():
+    """Repeated indices inside one RowSparse push are summed (MXNet leaves this undefined)."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros((4, 2), np.float32))
+    kv.push(0, [rsp([1, 1, 0], np.ones((3, 2)), (4, 2)), rsp([1], [[5, 5]], (4, 2))])
+    out = np.zeros((4, 2), np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [[1, 1], [7, 7], [0, 0], [0, 0]]
+
+
+def test_list_of_keys_and_fp16():
+    """Lists of keys work, and fp16 rows are summed in float32 before the cast back."""
+    kv = gpukv.create("local")
+    kv.init(["a", "b"], [np.zeros((3, 1), np.float16), rsp([2], [[1]], (3, 1))])
+    big = rsp([0], [[60000]], (3, 1), np.float16)
+    kv.push(["a", "a"], [big, rsp([0], [[-59968]], (3, 1), np.float16)])
+    outs = [RowSparse.zeros((3, 1), np.float16), RowSparse.zeros((3, 1))]
+    kv.row_sparse_pull(["a", "b"], out=outs, row_ids=[np.array([0]), np.array([2, 1])])
+    assert outs[0].data.tolist() == [[32.0]] and outs[0].dtype == np.float16
+    assert outs[1].indices.tolist() == [1, 2] and outs[1].data.tolist() == [[0], [1]]
+
+
+def test_optimizer_gets_row_sparse_gradient():
+    """set_optimizer with row-sparse pushes updates the value as with the dense gradient."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones((4, 2), np.float32))
+    from gpukv.optim import create
+    kv.set_optimizer(create("sgd", learning_rate=0.5))
+    kv.push(0, rsp([2], [[2, 2]], (4, 2)))
+    out = np.zeros((4, 2), np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [[1, 1], [1, 1], [0, 0], [1, 1]]
+
+
+# -------------------------------------------------------------------- errors
+@pytest.mark.parametrize("call,error,words", [
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=np.array([6])),
+     gpukv.ArgumentError, "'w'.*6"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=np.array([-1])),
+     gpukv.ArgumentError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=np.array([0.5])),
+     gpukv.DTypeError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=np.zeros(SHAPE), row_ids=np.array([0])),
+     gpukv.ArgumentKindError, "'w'.*RowSparse"),
+    (lambda kv, o: kv.row_sparse_pull("nope", out=o, row_ids=np.array([0])),
+     gpukv.UnknownKeyError, "'nope'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=RowSparse.zeros((6, 3)), row_ids=[0]),
+     gpukv.ShapeError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o), gpukv.ArgumentError, "row_ids"),
+    (lambda kv, o: kv.row_sparse_pull(["w", "w"], out=[o, o], row_ids=[[0], [9]]),
+     gpukv.ArgumentError, "'w'.*9"),
+    (lambda kv, o: kv.push("w", [rsp([0], [[1, 1]]), np.ones(SHAPE, np.float32)]),
+     gpukv.ArgumentKindError, "'w'.*mixes"),
+    (lambda kv, o: kv.push("w", rsp([0], [[1, 1]], (7, 2))), gpukv.ShapeError, "'w'"),
+])
+def test_errors_change_nothing(call, error, words):
+    """Bad row_ids, out kinds, shapes and unknown keys raise typed errors; nothing changes."""
+    kv = mxnet_store()
+    out = rsp([4], [[7, 7]])
+    with pytest.raises(error, match=words):
+        call(kv, out)
+    assert out.indices.tolist() == [4] and out.data.tolist() == [[7, 7]]
+    dense = np.zeros(SHAPE, np.float32)
+    kv.pull("w", out=dense)
+    assert dense.tolist() == RowSparse(np.array([1, 3]), np.array([[1, 1], [3, 3]], np.float32),
+                                       SHAPE).todense().tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_row_sparse_roundtrip():
+    """Row-sparse push and row_sparse_pull with CuPy arrays give the host results."""
+    import cupy
+    kv = gpukv.create("device")
+    kv.init("w", RowSparse(cupy.array([1, 3]), cupy.array([[1, 1], [3, 3]], cupy.float32), SHAPE))
+    kv.push("w", [RowSparse(cupy.asarray(p["indices"]), cupy.asarray(p["data"], cupy.float32),
+                            SHAPE) for p in REF["push"]])
+    out = RowSparse.zeros(SHAPE, xp=cupy)
+    kv.row_sparse_pull("w", out=out, row_ids=cupy.array(REF["pull_after_push"]["row_ids"]))
+    assert out.indices.get().tolist() == REF["pull_after_push"]["indices"]
+    assert out.data.get().tolist() == REF["pull_after_push"]["data"]
