@@ -1,0 +1,415 @@
+"""`python -m gpukv info`: what gpukv sees on this machine and what it would do there.
+
+Versions, GPUs (or "no GPU: host only"), logical/virtual devices, the peer-access and
+link matrices, the reduction trees and ring the planner picks, NCCL and MPI
+availability, and the default strategy. Works without CuPy, a driver or a GPU.
+`--simulate dgx1|nvswitch|pcie` prints the planner's choices for a machine we do not
+have; `--json` prints everything as one JSON object instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SIMULATED = ("dgx1", "nvswitch", "pcie")
+
+
+def _err(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+
+
+# ------------------------------------------------------------------------- pieces
+def cupy_info() -> dict:
+    """CuPy's version and the CUDA versions it sees; `error` when CuPy is unusable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+    except Exception as exc:
+        return {"installed": False, "error": _err(exc)}
+    out = {"installed": True, "version": cupy.__version__}
+    runtime = cupy.cuda.runtime
+    for key, fn in (("cuda_runtime", runtime.runtimeGetVersion),
+                    ("cuda_driver", runtime.driverGetVersion)):
+        try:
+            out[key] = _cuda_version(fn())
+        except Exception as exc:
+            out[key] = None
+            out.setdefault("error", _err(exc))
+    return out
+
+
+def _cuda_version(v: int) -> str:
+    """12090 -> '12.9' (CUDA's encoding: 1000 * major + 10 * minor)."""
+    if not v:
+        return "none"
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def gpu_info() -> dict:
+    """Physical GPUs (name, memory, compute capability) and the logical devices over them."""
+    from .backends.cuda import gpu_count
+    count = gpu_count()
+    out: dict = {"count": count, "gpus": [], "logical": []}
+    if count == 0:
+        out["reason"] = _no_gpu_reason()
+        return out
+    from .backends.cuda import cupy_module, gpu_devices
+    cp = cupy_module()
+    for p in range(count):
+        props = cp.cuda.runtime.getDeviceProperties(p)
+        name = props["name"]
+        out["gpus"].append({
+            "id": p,
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "memory_GiB": round(props["totalGlobalMem"] / 2**30, 1),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "multiprocessors": props.get("multiProcessorCount"),
+        })
+    try:
+        devices = gpu_devices()
+        out["logical"] = [{"index": i, "physical": d.physical, "slot": d.slot}
+                          for i, d in enumerate(devices)]
+    except Exception as exc:
+        out["logical_error"] = _err(exc)
+    out["virtual_gpus_env"] = os.environ.get("GPUKV_VIRTUAL_GPUS") or None
+    return out
+
+
+def _no_gpu_reason() -> str:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+    except Exception:
+        return "CuPy is not installed (pip install 'gpukv[cuda12]')"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"CUDA is unusable: {_err(exc)}"
+    return "no CUDA device is visible" if n == 0 else "unknown"
+
+
+def peer_matrix(physical_ids) -> list:
+    """peer[i][j]: whether GPU i can read GPU j's memory (the diagonal is True)."""
+    from .backends.cuda import cupy_module
+    runtime = cupy_module().cuda.runtime
+    return [[a == b or bool(runtime.deviceCanAccessPeer(a, b)) for b in physical_ids]
+            for a in physical_ids]
+
+
+def plan(matrix) -> dict:
+    """The planner's trees (one per root) and ring for a link matrix."""
+    from .comm import topology
+    out: dict = {"matrix": np.asarray(matrix, dtype=float).tolist()}
+    try:
+        trees = topology.plan_trees(matrix)
+        out["trees"] = [{"root": t.root, "parent": list(t.parent),
+                         "levels": [[list(e) for e in level] for level in t.levels],
+                         "staged": sorted(list(e) for e in getattr(t, "staged", ()))}
+                        for t in trees]
+        summary = getattr(topology, "usage_summary", None)
+        if summary is not None:
+            try:
+                out["link_usage"] = summary(trees, matrix)
+                out["link_usage"]["by_weight"] = {
+                    str(k): v for k, v in out["link_usage"]["by_weight"].items()}
+            except Exception as exc:
+                out["link_usage_error"] = _err(exc)
+    except Exception as exc:
+        out["trees_error"] = _err(exc)
+    try:
+        out["ring"] = [int(i) for i in topology.plan_ring(matrix)]
+    except Exception as exc:
+        out["ring_error"] = _err(exc)
+    return out
+
+
+def topology_info(gpus: dict) -> dict:
+    """Peer access, link matrix, trees and ring of this machine's logical GPUs."""
+    if not gpus["count"]:
+        return {"available": False, "reason": "no GPU"}
+    out: dict = {"available": True}
+    physical = list(range(gpus["count"]))
+    try:
+        out["peer_access"] = peer_matrix(physical)
+    except Exception as exc:
+        out["peer_access_error"] = _err(exc)
+    logical = [d["physical"] for d in gpus["logical"]] or physical
+    out["devices"] = [f"{d['physical']}.{d['slot']}" if d["slot"] else str(d["physical"])
+                      for d in gpus["logical"]] or [str(p) for p in physical]
+    try:
+        from .backends.cuda import cupy_module
+        from .comm import topology
+        matrix = topology.link_matrix_from_cuda(logical, runtime=cupy_module().cuda.runtime)
+    except Exception as exc:
+        out["link_error"] = _err(exc)
+        return out
+    out.update(plan(matrix))
+    return out
+
+
+def simulated_matrix(name: str, n: int | None = None):
+    """The link matrix of a machine we do not have: dgx1 (8 V100), nvswitch, pcie."""
+    from .comm import topology
+    if name == "dgx1":
+        return topology.dgx1_v100(), "DGX-1 V100 hybrid cube-mesh (8 GPUs, NVLink weights 1-3)"
+    if name == "nvswitch":
+        n = n or 8
+        return topology.nvswitch_h100(n), f"NVSwitch box ({n} GPUs, all pairs equal)"
+    if name == "pcie":
+        n = n or 8
+        return (topology.pcie_two_socket(n),
+                f"PCIe-only two-socket box ({n} GPUs; 2: same switch, 1: same socket, "
+                "0: staged through the host)")
+    raise ValueError(f"simulate {name!r}: expected one of {', '.join(SIMULATED)}")
+
+
+def nccl_info() -> dict:
+    """Whether CuPy's NCCL binding loads, and the NCCL version."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
+    except Exception as exc:
+        return {"available": False, "reason": _err(exc)}
+    if not getattr(nccl, "available", False):
+        return {"available": False,
+                "reason": "CuPy cannot load libnccl (pip install 'nvidia-nccl-cu12')"}
+    out = {"available": True}
+    try:
+        out["version"] = _nccl_version(nccl.get_version())
+    except Exception as exc:
+        out["version_error"] = _err(exc)
+    try:
+        out["build_version"] = _nccl_version(nccl.get_build_version())
+    except Exception:
+        pass
+    return out
+
+
+def _nccl_version(v: int) -> str:
+    """NCCL's integer code -> 'major.minor.patch' (2.18+: 10000 * major + 100 * minor)."""
+    v = int(v)
+    if v >= 10000:
+        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+
+
+def mpi_info() -> dict:
+    """mpi4py (without initialising MPI), the MPI library it links, and mpiexec."""
+    out: dict = {}
+    try:
+        import mpi4py
+        out["mpi4py"] = mpi4py.__version__
+        mpi4py.rc.initialize = False  # only ask; never start MPI from `gpukv info`
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+        out["library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        out["standard"] = "{}.{}".format(*MPI.Get_version())
+        out["available"] = True
+    except Exception as exc:
+        out["available"] = False
+        out.setdefault("mpi4py", None)
+        out["reason"] = _err(exc)
+    launcher = shutil.which("mpiexec")
+    if launcher is None:
+        beside = Path(sys.executable).parent / "mpiexec"
+        launcher = str(beside) if beside.exists() else None
+        out["mpiexec_note"] = ("next to this Python, not on PATH" if launcher
+                               else "not found")
+    out["mpiexec"] = launcher
+    return out
+
+
+def strategy_info(on_gpu: bool) -> dict:
+    """The strategy a GPU store uses by default, and what the names resolve to here."""
+    from .comm.registry import STRATEGIES, make_strategy
+    env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
+    out = {"names": list(STRATEGIES), "env": env, "default": env or "auto"}
+    try:
+        chosen = make_strategy(None, on_gpu=on_gpu)
+        out["resolves_to"] = getattr(chosen, "name", type(chosen).__name__)
+    except Exception as exc:
+        out["resolves_to_error"] = _err(exc)
+    if not on_gpu:
+        out["note"] = "no GPU: every store reduces on the host ('cpu')"
+    return out
+
+
+def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
+    """Everything `gpukv info` reports, as a dict."""
+    import gpukv
+    gpus = gpu_info()
+    info = {
+        "gpukv": getattr(gpukv, "__version__", None),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cupy": cupy_info(),
+        "gpus": gpus,
+        "topology": topology_info(gpus),
+        "nccl": nccl_info(),
+        "mpi": mpi_info(),
+        "strategy": strategy_info(gpus["count"] > 0),
+    }
+    torch = _module_version("torch")
+    if torch is not None:
+        info["torch"] = torch
+    if simulate:
+        matrix, text = simulated_matrix(simulate, simulate_n)
+        info["simulated"] = {"name": simulate, "description": text, **plan(matrix)}
+    return info
+
+
+def _module_version(name: str):
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------ output
+def _matrix_lines(matrix, labels, fmt) -> list:
+    width = max(3, max(len(fmt(v)) for row in matrix for v in row), max(map(len, labels)))
+    head = " " * (width + 1) + " ".join(lab.rjust(width) for lab in labels)
+    lines = [head]
+    for lab, row in zip(labels, matrix):
+        lines.append(lab.rjust(width) + " " + " ".join(fmt(v).rjust(width) for v in row))
+    return lines
+
+
+def _plan_lines(p: dict, labels) -> list:
+    lines = []
+    if "matrix" in p:
+        lines.append("link matrix (0: no direct link; higher: faster):")
+        lines += ["  " + s for s in _matrix_lines(p["matrix"], labels,
+                                                   lambda v: f"{v:g}")]
+    if "trees" in p:
+        lines.append("reduction trees (one per root; steps leaves first, child->parent):")
+        for t in p["trees"]:
+            steps = " | ".join(", ".join(f"{labels[c]}->{labels[q]}" for c, q in level)
+                               for level in t["levels"])
+            staged = f"  staged: {t['staged']}" if t.get("staged") else ""
+            lines.append(f"  root {labels[t['root']]}: {steps or '(single device)'}{staged}")
+        use = p.get("link_usage")
+        if use:
+            lines.append(f"  links used: {use['used']} of {use['links']}, uses per link "
+                         f"{use['min']}..{use['max']}, staged edges {use['staged_edges']}")
+    elif "trees_error" in p:
+        lines.append(f"reduction trees: unavailable ({p['trees_error']})")
+    if "ring" in p:
+        lines.append("ring: " + " -> ".join(labels[i] for i in p["ring"] + p["ring"][:1]))
+    elif "ring_error" in p:
+        lines.append(f"ring: unavailable ({p['ring_error']})")
+    return lines
+
+
+def render(info: dict) -> str:
+    lines = [f"gpukv {info['gpukv']}  (Python {info['python']}, NumPy {info['numpy']}, "
+             f"{info['platform']})"]
+    if info.get("torch"):
+        lines[0] = lines[0].rstrip(")") + f", PyTorch {info['torch']})"
+    cp = info["cupy"]
+    if cp["installed"]:
+        lines.append(f"CuPy {cp['version']}: CUDA runtime {cp.get('cuda_runtime') or '-'}, "
+                     f"driver {cp.get('cuda_driver') or '-'}"
+                     + (f"  ({cp['error']})" if cp.get("error") else ""))
+    else:
+        lines.append(f"CuPy: not installed ({cp['error']})")
+    gpus = info["gpus"]
+    lines.append("")
+    if not gpus["count"]:
+        lines.append(f"devices: no GPU: host only ({gpus.get('reason', 'no GPU')})")
+        lines.append("  stores reduce on the host (NumPy); any number of host arrays act as "
+                     "devices")
+    else:
+        lines.append(f"devices: {gpus['count']} GPU(s)")
+        for g in gpus["gpus"]:
+            lines.append(f"  GPU {g['id']}: {g['name']}, {g['memory_GiB']} GiB, "
+                         f"compute capability {g['compute_capability']}")
+        logical = gpus.get("logical") or []
+        virtual = gpus.get("virtual_gpus_env")
+        lines.append(f"logical devices: {len(logical)}"
+                     + (f" (GPUKV_VIRTUAL_GPUS={virtual})" if virtual else "")
+                     + ": " + ", ".join(f"{d['index']}=GPU {d['physical']}"
+                                        + (f" slot {d['slot']}" if d["slot"] else "")
+                                        for d in logical))
+        if gpus.get("logical_error"):
+            lines.append(f"  ({gpus['logical_error']})")
+    topo = info["topology"]
+    if topo.get("available"):
+        if "peer_access" in topo:
+            lines.append("peer access (row reads column):")
+            labels = [str(i) for i in range(len(topo["peer_access"]))]
+            lines += ["  " + s for s in _matrix_lines(topo["peer_access"], labels,
+                                                       lambda v: "yes" if v else "-")]
+        elif "peer_access_error" in topo:
+            lines.append(f"peer access: unavailable ({topo['peer_access_error']})")
+        if "link_error" in topo:
+            lines.append(f"link matrix: unavailable ({topo['link_error']})")
+        else:
+            lines += _plan_lines(topo, topo["devices"])
+    lines.append("")
+    n = info["nccl"]
+    lines.append("NCCL: " + (f"available, version {n.get('version', '?')}" if n["available"]
+                             else f"not available ({n['reason']})"))
+    m = info["mpi"]
+    if m["available"]:
+        lines.append(f"MPI: mpi4py {m['mpi4py']}, {m['library']} (MPI {m['standard']})")
+    else:
+        lines.append(f"MPI: not available ({m['reason']})")
+    lines.append(f"mpiexec: {m['mpiexec'] or 'not found'}"
+                 + (f" ({m['mpiexec_note']})" if m.get("mpiexec_note") and m["mpiexec"] else ""))
+    s = info["strategy"]
+    lines.append(f"default strategy: {s['default']}"
+                 + (" (from GPUKV_STRATEGY)" if s.get("env") else "")
+                 + (f" -> {s['resolves_to']}" if s.get("resolves_to") else "")
+                 + (f"; {s['note']}" if s.get("note") else ""))
+    lines.append(f"strategies: {', '.join(s['names'])}")
+    sim = info.get("simulated")
+    if sim:
+        lines.append("")
+        lines.append(f"simulated {sim['name']}: {sim['description']}")
+        labels = [str(i) for i in range(len(sim["matrix"]))]
+        lines += _plan_lines(sim, labels)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpukv info",
+        description="Show versions, devices, links, NCCL/MPI and the strategies gpukv picks.")
+    p.add_argument("--simulate", choices=SIMULATED,
+                   help="also print the planner's trees and ring for a simulated machine")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs of the simulated nvswitch/pcie machine (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    return p
+
+
+def main(argv=None) -> int:
+    """`gpukv info [--simulate dgx1|nvswitch|pcie] [--json]`; returns 0."""
+    args = build_parser().parse_args(argv)
+    if args.gpus is not None and args.gpus < 1:
+        raise SystemExit("gpukv info: --gpus must be >= 1")
+    info = collect(args.simulate, args.gpus)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print(render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
