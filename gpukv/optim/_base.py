@@ -1,0 +1,223 @@
+"""The optimizer base class: hyper-parameters, their checks, schedules, per-key counts.
+
+An optimizer here is a description of one update rule. `OptimizerUpdater` (in
+`_updater.py`) owns the per-key state and runs the rule over many keys at once: with
+NumPy on the host (`host_step`, vectorised per key) and with one multi-tensor CUDA kernel
+per group of keys on a GPU (`cuda_body`, see `gpukv/_optim_kernels.py`). The two are
+written operation for operation alike, in MXNet 1.9.1's order, so they round alike.
+
+Scalars follow MXNet: every hyper-parameter reaches the kernel as a float32 (MXNet's
+operator parameters are C floats); per-key values (learning rate with its multiplier,
+bias corrections) are computed in Python floats and rounded to float32 once.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .._errors import ArgumentError, ArgumentKindError
+
+_REGISTRY: dict = {}
+
+
+def register(cls):
+    """Make `cls` available to `create(name)` under its lower-cased class name."""
+    _REGISTRY[cls.__name__.lower()] = cls
+    for alias in getattr(cls, "aliases", ()):
+        _REGISTRY[alias] = cls
+    return cls
+
+
+def create(name, **kwargs) -> "Optimizer":
+    """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop', 'lamb')."""
+    if isinstance(name, Optimizer):
+        return name
+    if not isinstance(name, str):
+        raise ArgumentKindError(f"optimizer name: expected a str, got {type(name).__name__}")
+    cls = _REGISTRY.get(name.lower())
+    if cls is None:
+        raise ArgumentError(f"optimizer {name!r}: unknown; known are "
+                            f"{', '.join(sorted(_REGISTRY))}")
+    return cls(**kwargs)
+
+
+def f32(x) -> float:
+    """`x` rounded to float32, as a Python float (how MXNet passes operator parameters)."""
+    return float(np.float32(x))
+
+
+def check_number(name, value, *, low=None, low_open=False, high=None, high_open=False,
+                 none_ok=False):
+    """`value` as a float, or ArgumentKindError / ArgumentError naming the option."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentKindError(f"optimizer option {name}: expected a number, "
+                                f"got {type(value).__name__}")
+    value = float(value)
+    bad = not math.isfinite(value)
+    if not bad and low is not None:
+        bad = value <= low if low_open else value < low
+    if not bad and high is not None:
+        bad = value >= high if high_open else value > high
+    if bad:
+        lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
+        extra = " or None" if none_ok else ""
+        raise ArgumentError(f"optimizer option {name}={value!r} is out of range: "
+                            f"expected a value in {lo}, {hi}{extra}")
+    return value
+
+
+def check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentKindError(f"optimizer option {name}: expected a bool, "
+                                f"got {type(value).__name__}")
+    return bool(value)
+
+
+class Optimizer:
+    """Base of every optimizer (MXNet's `mx.optimizer.Optimizer` arguments).
+
+    learning_rate: the rate (None: the schedule's, else 0.01). wd: L2 weight decay.
+    rescale_grad: multiplies the gradient first (often 1/batch_size). clip_gradient: clip
+    the (rescaled) gradient to [-c, c] (None: no clipping). lr_scheduler: an object with
+    `__call__(num_update) -> lr`. begin_num_update: the update count keys start from.
+    multi_precision: accepted for MXNet compatibility; float16/bfloat16 weights always get
+    a float32 master copy here.
+    """
+
+    #: extra hyper-parameters of a subclass, in the order the CUDA kernel receives them
+    hyper_names: tuple = ()
+    #: the rule's name in files and messages
+    name = "optimizer"
+
+    def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                 lr_scheduler=None, begin_num_update=0, multi_precision=False,
+                 param_idx2name=None, **unknown):
+        if unknown:
+            raise ArgumentKindError(f"{type(self).__name__}: unknown option(s) "
+                                    f"{', '.join(sorted(unknown))}")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise ArgumentKindError(f"optimizer option lr_scheduler: expected a callable "
+                                    f"schedule, got {type(lr_scheduler).__name__}")
+        self.lr_scheduler = lr_scheduler
+        learning_rate = check_number("learning_rate", learning_rate, low=0, none_ok=True)
+        if lr_scheduler is None and learning_rate is None:
+            learning_rate = 0.01
+        if lr_scheduler is not None and learning_rate is not None:
+            lr_scheduler.base_lr = learning_rate
+            if hasattr(lr_scheduler, "warmup_final_lr"):
+                lr_scheduler.warmup_final_lr = learning_rate
+        self.lr = learning_rate
+        self.wd = check_number("wd", wd, low=0)
+        self.rescale_grad = check_number("rescale_grad", rescale_grad, low=0, low_open=True)
+        self.clip_gradient = check_number("clip_gradient", clip_gradient, low=0,
+                                          low_open=True, none_ok=True)
+        if isinstance(begin_num_update, bool) or not isinstance(begin_num_update,
+                                                                numbers.Integral):
+            raise ArgumentKindError("optimizer option begin_num_update: expected an int, got "
+                                    f"{type(begin_num_update).__name__}")
+        if begin_num_update < 0:
+            raise ArgumentError(f"optimizer option begin_num_update={begin_num_update!r} "
+                                f"must be >= 0")
+        self.begin_num_update = int(begin_num_update)
+        self.num_update = self.begin_num_update
+        self.multi_precision = check_bool("multi_precision", multi_precision)
+        self.idx2name = dict(param_idx2name or {})
+        self.lr_mult: dict = {}
+        self.wd_mult: dict = {}
+        self._index_update_count: dict = {}
+
+    # ------------------------------------------------------------- MXNet's interface
+    @property
+    def learning_rate(self) -> float:
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler(self.num_update)
+        return self.lr
+
+    def set_learning_rate(self, lr) -> None:
+        """Set the rate (only without a schedule, as in MXNet)."""
+        if self.lr_scheduler is not None:
+            raise ArgumentError("set_learning_rate: this optimizer follows an lr_scheduler")
+        self.lr = check_number("learning_rate", lr, low=0)
+
+    def set_lr_mult(self, args_lr_mult: dict) -> None:
+        """Per-key learning-rate multipliers: {key: mult}."""
+        self.lr_mult = self._mults("lr_mult", args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: dict) -> None:
+        """Per-key weight-decay multipliers: {key: mult}."""
+        self.wd_mult = self._mults("wd_mult", args_wd_mult)
+
+    @staticmethod
+    def _mults(name, mults) -> dict:
+        if not isinstance(mults, dict):
+            raise ArgumentKindError(f"{name}: expected a dict of key -> number, "
+                                    f"got {type(mults).__name__}")
+        return {k: check_number(f"{name}[{k!r}]", v, low=0) for k, v in mults.items()}
+
+    def _mult(self, table, key) -> float:
+        if key in table:
+            return table[key]
+        name = self.idx2name.get(key)
+        return table.get(name, 1.0) if name is not None else 1.0
+
+    # ---------------------------------------------------------------- the rule
+    def state_names(self) -> tuple:
+        """Names of the per-key state arrays (each shaped and typed like the weight)."""
+        return ()
+
+    def next_scalars(self, key) -> tuple:
+        """Count one more update of `key` and return its per-key kernel scalars.
+
+        The first two are always (lr, wd) as float32 values; subclasses append theirs.
+        Follows MXNet: the count of `key` goes up first, `num_update` becomes the largest
+        count, and the schedule is asked for that.
+        """
+        count = self._index_update_count.get(key, self.begin_num_update) + 1
+        self._index_update_count[key] = count
+        self.num_update = max(self.num_update, count)
+        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        lr *= self._mult(self.lr_mult, key)
+        wd = self.wd * self._mult(self.wd_mult, key)
+        return self._scalars(lr, wd, count)
+
+    def _scalars(self, lr, wd, t) -> tuple:
+        return (f32(lr), f32(wd))
+
+    def hyper(self) -> dict:
+        """The float32 hyper-parameters the kernels use: rescale, clip and `hyper_names`."""
+        out = {"rescale": f32(self.rescale_grad),
+               "clip": f32(self.clip_gradient) if self.clip_gradient is not None else 0.0}
+        for name in self.hyper_names:
+            value = getattr(self, name)
+            out[name] = f32(value) if value is not None else 0.0
+        return out
+
+    def defines(self) -> dict:
+        """Compile-time switches of the CUDA kernel (and branches of the host step)."""
+        return {"HAS_CLIP": int(self.clip_gradient is not None)}
+
+    def host_step(self, w, g, states, sc, hp) -> None:
+        """Update `w` (and `states`) in place from the gradient `g`; NumPy, one key."""
+        raise NotImplementedError
+
+    cuda_body = ""
+
+    # ----------------------------------------------------------- saving and loading
+    _options = ("learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",
+                "multi_precision")
+
+    def options(self) -> dict:
+        """The constructor arguments that rebuild this optimizer (plain JSON values)."""
+        out = {}
+        for name in self._options:
+            out[name] = self.lr if name == "learning_rate" else getattr(self, name)
+        return out
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,521 @@
+"""gpukv.optim and KVStore.set_optimizer: MXNet 1.9.1's numbers, state, checkpoints, errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import optim
+from gpukv._errors import (ArgumentError, ArgumentKindError, CheckpointError, DTypeError,
+                           GpukvError)
+
+DATA = Path(__file__).parent / "data" / "mxnet_optimizer_reference.json"
+REFERENCE = json.loads(DATA.read_text())
+CASES = {c["name"]: c for c in REFERENCE["cases"]}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------- helpers
+def _array(values, shape, dtype):
+    return np.array([float(v) for v in values], np.float64).astype(dtype).reshape(shape)
+
+
+def _optimizer(case):
+    kwargs = dict(case["kwargs"])
+    if case["lr_scheduler"]:
+        spec = dict(case["lr_scheduler"])
+        kwargs["lr_scheduler"] = getattr(optim, spec.pop("class"))(**spec)
+    opt = optim.create(case["optimizer"], **kwargs)
+    if case["lr_mult"]:
+        opt.set_lr_mult({int(k): v for k, v in case["lr_mult"]["lr"].items()})
+        opt.set_wd_mult({int(k): v for k, v in case["lr_mult"]["wd"].items()})
+    return opt
+
+
+def _split(grad, devices):
+    """`devices` arrays whose sum is exactly `grad` in any order of summation."""
+    if devices == 1:
+        return grad
+    half = (grad.astype(np.float32) * np.float32(0.5)).astype(grad.dtype)
+    if not np.array_equal((half.astype(np.float32) * 2).astype(grad.dtype), grad):
+        return [grad] + [np.zeros_like(grad) for _ in range(devices - 1)]  # subnormals
+    return [half, half.copy()] + [np.zeros_like(grad) for _ in range(devices - 2)]
+
+
+def _close(got, want, what):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                               rtol=1e-6, atol=1e-7, err_msg=what)
+
+
+def _store(kind, case, opt=None):
+    dtype = np.dtype(case["dtype"])
+    shapes = [tuple(s) for s in case["shapes"]]
+    kv = gpukv.create(kind)
+    kv.init(case["keys"], [_array(v, s, dtype) for v, s in zip(case["init"], shapes)])
+    kv.set_optimizer(opt if opt is not None else _optimizer(case))
+    return kv, dtype, shapes
+
+
+def _push_step(kv, case, step, dtype, shapes, devices=1):
+    grads = [_array(v, s, dtype) for v, s in zip(case["grads"][step], shapes)]
+    kv.push(case["keys"], [_split(g, devices) for g in grads])
+
+
+def _pull(kv, case, dtype, shapes):
+    outs = [np.zeros(s, dtype) for s in shapes]
+    kv.pull(case["keys"], out=outs)
+    return outs
+
+
+# ------------------------------------------------------------- MXNet reference table
+@pytest.mark.parametrize("store,devices", [("local", 1), ("device", 4)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_mxnet(name, store, devices):
+    """Every step of every reference case gives MXNet 1.9.1's weights and final states."""
+    case = CASES[name]
+    kv, dtype, shapes = _store(store, case)
+    for step in range(REFERENCE["steps"]):
+        _push_step(kv, case, step, dtype, shapes, devices)
+        for key, got, want, shape in zip(case["keys"], _pull(kv, case, dtype, shapes),
+                                         case["after"][step], shapes):
+            _close(got, _array(want, shape, dtype), f"{name} step {step + 1} key {key}")
+    updater = kv._updater
+    for key, shape in zip(case["keys"], shapes):
+        state = updater.states[key]
+        have = dict(zip(kv._optimizer.state_names(), state.arrays))
+        if state.master is not None:
+            have["master"] = state.master
+        assert set(have) == set(case["states"][str(key)]), name
+        for sname, values in case["states"][str(key)].items():
+            want = _array(values, shape, np.float64)
+            if case["optimizer"] == "lamb":  # the norms' order of summation shows here
+                np.testing.assert_allclose(have[sname], want, rtol=1e-5, atol=1e-7)
+            else:
+                _close(have[sname], want, f"{name} {key} {sname}")
+
+
+def test_reference_is_mostly_bit_exact():
+    """Apart from LAMB's norms (summed in another order), the host path is bit-exact."""
+    for name, case in CASES.items():
+        if case["optimizer"] == "lamb" and case["dtype"] == "float32":
+            continue
+        kv, dtype, shapes = _store("local", case)
+        for step in range(REFERENCE["steps"]):
+            _push_step(kv, case, step, dtype, shapes)
+            for got, want, shape in zip(_pull(kv, case, dtype, shapes),
+                                        case["after"][step], shapes):
+                assert np.array_equal(got, _array(want, shape, dtype)), (name, step)
+
+
+def test_single_key_pushes_equal_one_list_push():
+    """Updating keys one push at a time gives the same numbers as one list push."""
+    case = CASES["adam_all"]
+    kv1, dtype, shapes = _store("local", case)
+    kv2, _, _ = _store("local", case)
+    for step in range(REFERENCE["steps"]):
+        _push_step(kv1, case, step, dtype, shapes)
+        for key, v, s in zip(case["keys"], case["grads"][step], shapes):
+            kv2.push(key, _array(v, s, dtype))
+    for a, b in zip(_pull(kv1, case, dtype, shapes), _pull(kv2, case, dtype, shapes)):
+        assert np.array_equal(a, b)
+
+
+def test_update_count_is_per_key():
+    """A key first pushed later starts its own count (Adam's bias correction uses t=1)."""
+    w = np.linspace(-1, 1, 6, dtype=np.float32)
+    g = np.linspace(0.5, -0.5, 6, dtype=np.float32)
+    kv = gpukv.create("local")
+    kv.init([1, 2], [w, w])
+    kv.set_optimizer(optim.Adam(learning_rate=0.1))
+    kv.push(1, g)
+    kv.push(1, g)
+    kv.push([1, 2], [g, g])
+    fresh = gpukv.create("local")
+    fresh.init(2, w)
+    fresh.set_optimizer(optim.Adam(learning_rate=0.1))
+    fresh.push(2, g)
+    a, b = np.zeros(6, np.float32), np.zeros(6, np.float32)
+    kv.pull(2, out=a)
+    fresh.pull(2, out=b)
+    assert np.array_equal(a, b)
+    assert kv._optimizer._index_update_count == {1: 3, 2: 1}
+
+
+# ------------------------------------------------------------------ multi-precision
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_weights_keep_a_float32_master(dtype):
+    """16-bit weights are updated through a float32 master; the stored value is its cast."""
+    dt = np.dtype(getattr(__import__("ml_dtypes"), dtype)) if dtype == "bfloat16" else \
+        np.dtype(dtype)
+    w = np.ones(8, dt)
+    kv = gpukv.create("local")
+    kv.init("w", w)
+    kv.set_optimizer(optim.SGD(learning_rate=1e-4, multi_precision=True))
+    for _ in range(100):  # each step alone is below half an ulp of 1.0 in 16 bits
+        kv.push("w", np.ones(8, dt))
+    master = kv._updater.states["w"].master
+    assert master.dtype == np.float32
+    assert np.allclose(master, 1 - 100 * 1e-4, rtol=1e-5)
+    out = np.zeros(8, dt)
+    kv.pull("w", out=out)
+    assert np.array_equal(out, master.astype(dt))
+    assert float(out[0]) < 1.0
+
+
+def test_float64_weights_compute_in_float64():
+    """float64 keys keep float64 states and no master copy."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(4))
+    kv.set_optimizer(optim.SGD(learning_rate=0.1, momentum=0.9))
+    kv.push(0, np.full(4, 0.5))
+    state = kv._updater.states[0]
+    assert state.master is None and state.arrays[0].dtype == np.float64
+    out = np.zeros(4)
+    kv.pull(0, out=out)
+    assert np.allclose(out, 1 - np.float64(np.float32(0.1)) * 0.5)
+
+
+def test_integer_key_is_refused():
+    """An optimizer cannot update an integer key: DTypeError naming it."""
+    kv = gpukv.create("local")
+    kv.init("steps", np.zeros(3, np.int32))
+    kv.set_optimizer(optim.SGD())
+    with pytest.raises(DTypeError, match="steps"):
+        kv.push("steps", np.ones(3, np.int32))
+
+
+# ------------------------------------------------------------------ argument checks
+@pytest.mark.parametrize("make,option", [
+    (lambda: optim.SGD(learning_rate=-0.1), "learning_rate"),
+    (lambda: optim.SGD(momentum=-0.5), "momentum"),
+    (lambda: optim.SGD(momentum=1.0), "momentum"),
+    (lambda: optim.SGD(wd=-1.0), "wd"),
+    (lambda: optim.SGD(rescale_grad=0.0), "rescale_grad"),
+    (lambda: optim.SGD(clip_gradient=-1.0), "clip_gradient"),
+    (lambda: optim.NAG(momentum=-0.1), "momentum"),
+    (lambda: optim.Adam(beta1=1.0), "beta1"),
+    (lambda: optim.Adam(beta1=-0.1), "beta1"),
+    (lambda: optim.Adam(beta2=1.5), "beta2"),
+    (lambda: optim.Adam(epsilon=0.0), "epsilon"),
+    (lambda: optim.AdamW(epsilon=-1e-8), "epsilon"),
+    (lambda: optim.AdaGrad(eps=0.0), "eps"),
+    (lambda: optim.RMSProp(gamma1=1.0), "gamma1"),
+    (lambda: optim.RMSProp(clip_weights=0.0), "clip_weights"),
+    (lambda: optim.LAMB(lower_bound=2.0, upper_bound=1.0), "lower_bound"),
+    (lambda: optim.SGD(learning_rate=float("nan")), "learning_rate"),
+    (lambda: optim.create("adam", beta1=2), "beta1"),
+])
+def test_options_out_of_range(make, option):
+    """Options out of range raise ArgumentError (a ValueError) naming the option."""
+    with pytest.raises(ArgumentError, match=option) as info:
+        make()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, GpukvError)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.SGD(learning_rate="0.1"),
+    lambda: optim.SGD(lazy_update="yes"),
+    lambda: optim.SGD(bogus=1),
+    lambda: optim.create(3),
+])
+def test_options_of_the_wrong_kind(make):
+    """Options of the wrong type raise ArgumentKindError (a TypeError)."""
+    with pytest.raises(ArgumentKindError):
+        make()
+
+
+def test_unknown_optimizer_name():
+    with pytest.raises(ArgumentError, match="nadamx"):
+        optim.create("nadamx")
+
+
+@pytest.mark.parametrize("bad", ["sgd", optim.SGD, lambda k, g, w: None, None, 3])
+def test_set_optimizer_needs_an_optimizer(bad):
+    """set_optimizer with anything but an Optimizer instance raises ArgumentKindError."""
+    kv = gpukv.create("local")
+    with pytest.raises(ArgumentKindError):
+        kv.set_optimizer(bad)
+
+
+def test_create_names():
+    """create() knows every rule by name, case-insensitively, with MXNet's defaults."""
+    for name, cls in [("SGD", optim.SGD), ("nag", optim.NAG), ("Adam", optim.Adam),
+                      ("adamw", optim.AdamW), ("adagrad", optim.AdaGrad),
+                      ("rmsprop", optim.RMSProp), ("lamb", optim.LAMB)]:
+        assert type(optim.create(name)) is cls
+    assert optim.create("sgd").lr == 0.01 and optim.create("adam").lr == 0.001
+
+
+def test_schedulers_follow_mxnet():
+    """The schedules give MXNet's rates (values computed with mx.lr_scheduler)."""
+    f = optim.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
+    assert [f(n) for n in range(1, 8)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.125]
+    m = optim.MultiFactorScheduler(step=[2, 5], factor=0.1, base_lr=1.0)
+    assert [m(n) for n in (1, 2, 3, 5, 6)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+    c = optim.CosineScheduler(max_update=4, base_lr=1.0, final_lr=0.0)
+    assert [c(n) for n in (0, 2, 4, 9)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    p = optim.PolyScheduler(max_update=4, base_lr=1.0, pwr=2)
+    assert p(2) == pytest.approx(0.25)
+    w = optim.FactorScheduler(step=10, base_lr=1.0, warmup_steps=4, warmup_begin_lr=0.2)
+    assert w(2) == pytest.approx(0.6)
+
+
+# ----------------------------------------------------------------- save and load
+ROUND_TRIP = ["sgd_mom_clip_rescale", "nag_fp16_mp", "adam_cosine", "adamw_all",
+              "adagrad_all", "rmsprop_centered_all", "lamb_all", "sgd_mom_fp16_mp",
+              "sgd_plain"]
+
+
+@pytest.mark.parametrize("dump", [False, True])
+@pytest.mark.parametrize("name", ROUND_TRIP)
+def test_save_load_round_trip(name, dump, tmp_path):
+    """Resuming from saved states gives bit-identical weights to an uninterrupted run."""
+    case = CASES[name]
+    path = tmp_path / "opt.states"
+    kv, dtype, shapes = _store("local", case)
+    for step in range(2):
+        _push_step(kv, case, step, dtype, shapes)
+    kv.save_optimizer_states(path, dump_optimizer=dump)
+    middle = _pull(kv, case, dtype, shapes)
+    for step in range(2, 4):
+        _push_step(kv, case, step, dtype, shapes)
+    want = _pull(kv, case, dtype, shapes)
+
+    resumed = gpukv.create("device")
+    resumed.init(case["keys"], middle)
+    resumed.set_optimizer(_optimizer(case))
+    resumed.load_optimizer_states(path)
+    for step in range(2, 4):
+        _push_step(resumed, case, step, dtype, shapes, devices=4)
+    for a, b in zip(_pull(resumed, case, dtype, shapes), want):
+        assert np.array_equal(a, b), name
+
+
+def test_dump_optimizer_restores_options(tmp_path):
+    """dump_optimizer=True stores the options, multipliers and schedule; load applies them."""
+    kv = gpukv.create("local")
+    kv.init(5, np.ones(3, np.float32))
+    opt = optim.SGD(learning_rate=0.3, momentum=0.7, wd=0.01,
+                    lr_scheduler=optim.FactorScheduler(step=1, factor=0.5))
+    opt.set_lr_mult({5: 0.5})
+    kv.set_optimizer(opt)
+    kv.push(5, np.ones(3, np.float32))
+    kv.push(5, np.ones(3, np.float32))
+    kv.save_optimizer_states(tmp_path / "s", dump_optimizer=True)
+    other = gpukv.create("local")
+    other.init(5, np.ones(3, np.float32))
+    fresh = optim.SGD(momentum=0.7)
+    other.set_optimizer(fresh)
+    other.load_optimizer_states(tmp_path / "s")
+    assert (fresh.lr, fresh.wd, fresh.lr_mult) == (0.3, 0.01, {5: 0.5})
+    assert isinstance(fresh.lr_scheduler, optim.FactorScheduler)
+    assert fresh.lr_scheduler.base_lr == opt.lr_scheduler.base_lr
+    assert fresh.num_update == 2 and fresh._index_update_count == {5: 2}
+
+
+def _saved(tmp_path, opt, name="s", dtype=np.float32):
+    kv = gpukv.create("local")
+    kv.init([1, 2], [np.ones((2, 3), dtype), np.ones(4, dtype)])
+    kv.set_optimizer(opt)
+    kv.push([1, 2], [np.ones((2, 3), dtype), np.ones(4, dtype)])
+    kv.save_optimizer_states(tmp_path / name)
+    return kv, tmp_path / name
+
+
+def _fresh(opt, shapes=((2, 3), (4,)), keys=(1, 2), dtype=np.float32):
+    kv = gpukv.create("local")
+    kv.init(list(keys), [np.ones(s, dtype) for s in shapes])
+    kv.set_optimizer(opt)
+    return kv
+
+
+def test_load_rejects_another_optimizer(tmp_path):
+    _, path = _saved(tmp_path, optim.Adam())
+    with pytest.raises(CheckpointError, match="adam"):
+        _fresh(optim.SGD(momentum=0.9)).load_optimizer_states(path)
+
+
+def test_load_rejects_other_options(tmp_path):
+    """SGD with momentum keeps a state SGD without momentum does not: CheckpointError."""
+    _, path = _saved(tmp_path, optim.SGD(momentum=0.9))
+    with pytest.raises(CheckpointError, match="mom"):
+        _fresh(optim.SGD()).load_optimizer_states(path)
+
+
+@pytest.mark.parametrize("shapes,keys", [(((3, 2), (4,)), (1, 2)), (((2, 3),), (1,)),
+                                         (((2, 3), (4,)), ("1", "2"))])
+def test_load_rejects_keys_that_do_not_match(tmp_path, shapes, keys):
+    """A key missing from the store, or of another shape, is a CheckpointError."""
+    _, path = _saved(tmp_path, optim.Adam())
+    kv = _fresh(optim.Adam(), shapes=shapes, keys=keys)
+    with pytest.raises(CheckpointError):
+        kv.load_optimizer_states(path)
+
+
+def test_load_rejects_a_float16_file_for_float32_keys(tmp_path):
+    _, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
+    with pytest.raises(CheckpointError, match="master"):
+        _fresh(optim.Adam()).load_optimizer_states(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage", "missing"])
+def test_load_rejects_damaged_files(tmp_path, damage):
+    """Truncated, corrupted, empty, foreign or missing files raise CheckpointError."""
+    kv, path = _saved(tmp_path, optim.Adam())
+    raw = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip":
+        start = raw.rindex(b"\x93NUMPY")
+        pos = start + 10 + int.from_bytes(raw[start + 8:start + 10], "little") + 2
+        path.write_bytes(raw[:pos] + bytes([raw[pos] ^ 0xFF]) + raw[pos + 1:])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "garbage":
+        path.write_bytes(b"not a checkpoint at all" * 10)
+    else:
+        path.unlink()
+    before = {k: tuple(a.copy() for a in s.arrays) for k, s in kv._updater.states.items()}
+    with pytest.raises(CheckpointError):
+        kv.load_optimizer_states(path)
+    for k, arrays in before.items():  # a failed load changes nothing
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, kv._updater.states[k].arrays))
+
+
+def test_save_and_load_need_an_optimizer(tmp_path):
+    kv = gpukv.create("local")
+    kv.init(1, np.ones(2, np.float32))
+    with pytest.raises(ArgumentError, match="set_optimizer"):
+        kv.save_optimizer_states(tmp_path / "x")
+    kv.set_updater(lambda k, g, w: None)
+    with pytest.raises(ArgumentError, match="set_optimizer"):
+        kv.load_optimizer_states(tmp_path / "x")
+
+
+def test_file_has_no_pickle(tmp_path):
+    """The file loads with allow_pickle=False and carries a versioned JSON header."""
+    _, path = _saved(tmp_path, optim.Adam())
+    with np.load(path, allow_pickle=False) as npz:
+        names = set(npz.files)
+        assert all(npz[n].dtype != object for n in names)
+    from gpukv._checkpoint import read_archive
+    header, arrays = read_archive(path)
+    assert header["kind"] == "gpukv.optimizer-states" and header["version"] == 1
+    assert header["optimizer"] == "adam"
+    assert {k["key"] for k in header["keys"]} == {1, 2}
+    assert set(arrays) == {"state/0/mean", "state/0/var", "state/1/mean", "state/1/var"}
+
+
+_WRITER = textwrap.dedent("""
+    import sys, numpy as np, gpukv
+    kv = gpukv.create('local')
+    kv.init(0, np.zeros(1 << 21, np.float32))
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.5, momentum=0.5))
+    n = 0
+    while True:
+        kv.push(0, np.ones(1 << 21, np.float32))
+        n += 1
+        kv.save_optimizer_states(sys.argv[1])
+        print(n, flush=True)
+""")
+
+
+def test_killed_writer_leaves_previous_file_whole(tmp_path):
+    """SIGKILL in the middle of saving leaves a whole, loadable file from a finished save."""
+    path = tmp_path / "opt.states"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # a few saves complete, then kill during the next one
+            line = proc.stdout.readline()
+            assert line.strip(), proc.stderr.read()
+        time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(1 << 21, np.float32))
+    kv.set_optimizer(optim.SGD(learning_rate=0.5, momentum=0.5))
+    kv.load_optimizer_states(path)
+    count = kv._optimizer._index_update_count[0]
+    assert count >= 3
+    mom = np.float32(0)
+    for _ in range(count):  # the momentum after `count` pushes of ones
+        mom = np.float32(0.5) * mom - np.float32(0.5) * np.float32(1)
+    assert np.all(kv._updater.states[0].arrays[0] == mom)
+
+
+# ----------------------------------------------------------- the GPU kernel tables
+class _Fake:
+    def __init__(self, size, ptr):
+        self.size = size
+        self.data = type("P", (), {"ptr": ptr})()
+
+
+def test_multi_tensor_plan_covers_every_element_once():
+    """The chunk table of a launch covers each element of each key exactly once."""
+    from gpukv import _optim_kernels as K
+    sizes = [1, K.CHUNK - 1, K.CHUNK, K.CHUNK + 1, 3 * K.CHUNK + 7, 5]
+    items = [(_Fake(n, 1000 * j + 1), _Fake(n, 1000 * j + 2), None,
+              (_Fake(n, 1000 * j + 3),), (0.1, 0.2)) for j, n in enumerate(sizes)]
+    ptrs, got_sizes, start, toff, tensor, scal = K.plan(items)
+    assert ptrs[2, 0] == 2001 and ptrs[2, 3] == 2003 and ptrs[2, 2] == 0
+    assert list(got_sizes) == sizes
+    assert np.allclose(scal[:, :2], [0.1, 0.2]) and not scal[:, 2:].any()
+    seen = [np.zeros(n, int) for n in sizes]
+    for k, s in zip(tensor, start):
+        seen[k][s:s + K.CHUNK] += 1
+    assert all((x == 1).all() for x in seen)
+    assert list(toff) == list(np.cumsum([0] + sizes[:-1]))
+
+
+@pytest.mark.parametrize("name", ["sgd", "nag", "adam", "adamw", "adagrad", "rmsprop", "lamb"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_kernel_sources_are_complete(name, dtype):
+    """Every rule yields CUDA source with every hyper-parameter and switch defined."""
+    from gpukv import _optim_kernels as K
+    opt = optim.create(name, clip_gradient=1.0)
+    for phase in ((1, 2) if name == "lamb" else (0,)):
+        src = K.kernel_source(opt, np.dtype(dtype) if dtype != "bfloat16" else
+                              np.dtype(__import__("ml_dtypes").bfloat16), phase)
+        for h in opt.hyper_names:
+            assert f"const ct {h} = (ct)hp[" in src
+        assert "BODY" not in src and "HYPER_DECLS" not in src
+        assert f"#define PHASE {phase}" in src
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_matches_host_bit_for_bit(name):
+    """On a GPU the multi-tensor kernels give the host's numbers (LAMB: within 1e-6)."""
+    import cupy as cp
+    case = CASES[name]
+    host, dtype, shapes = _store("local", case)
+    gpu = gpukv.create("device")
+    with cp.cuda.Device(0):
+        gpu.init(case["keys"], [cp.asarray(_array(v, s, dtype))
+                                for v, s in zip(case["init"], shapes)])
+    gpu.set_optimizer(_optimizer(case))
+    for step in range(REFERENCE["steps"]):
+        _push_step(host, case, step, dtype, shapes)
+        grads = [cp.asarray(_array(v, s, dtype)) for v, s in zip(case["grads"][step], shapes)]
+        gpu.push(case["keys"], grads)
+    outs = [cp.zeros(s, dtype) for s in shapes]
+    gpu.pull(case["keys"], out=outs)
+    for got, want in zip(outs, _pull(host, case, dtype, shapes)):
+        if case["optimizer"] == "lamb":
+            _close(cp.asnumpy(got), want, name)
+        else:
+            assert np.array_equal(cp.asnumpy(got), want), name
