@@ -1,0 +1,410 @@
+"""`gpukv demo`: the tutorial of the spec, checked step by step, then a short training.
+
+1. The tutorial (push, pull, lists of devices, an updater, lists of keys) on NumPy arrays
+   with a 'local' store, exactly as written; again with CuPy arrays spread over the GPUs
+   and a 'device' store when there are GPUs. Every value pulled is printed and compared
+   with the expected one.
+2. Data-parallel training of a small MLP (binary classification of synthetic data): one
+   data shard per device, each device computes its gradient, the gradients are pushed to
+   the store, an SGD optimizer updates the weights there, every device pulls them back.
+   On every GPU (CuPy) when there are some, else on host "devices" (NumPy).
+
+Exit status: 0 when every tutorial value matches and the loss fell, 1 otherwise. Only
+NumPy is needed; tqdm or rich draw a progress bar when installed and stderr is a terminal.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+import gpukv
+
+# ------------------------------------------------------------------------------ devices
+
+
+class _Place:
+    """Where the demo's arrays live: host "devices" (NumPy) or GPUs (CuPy)."""
+
+    def __init__(self, n: int, gpus: list):
+        self.n = n
+        self.gpus = gpus
+        if gpus:
+            from .backends.cuda import cupy_module
+            self.xp = cupy_module()
+        else:
+            self.xp = np
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.gpus)
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return f"{self.n} host device(s) (NumPy)"
+        ids = sorted({g.physical for g in self.gpus[:self.n]})
+        return f"{self.n} device(s) on GPU(s) {ids} (CuPy)"
+
+    def context(self, i: int):
+        """A context that makes device i current (a no-op on the host)."""
+        if not self.gpus:
+            return _NullContext()
+        return self.gpus[i % len(self.gpus)].cuda_device
+
+    def put(self, i: int, array: np.ndarray):
+        """A copy of the host array `array` on device i."""
+        if not self.gpus:
+            return np.array(array)
+        with self.context(i):
+            return self.xp.asarray(array)
+
+    def full(self, i: int, shape, value, dtype=np.float64):
+        return self.put(i, np.full(shape, value, dtype))
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _to_host(array) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+def _pick_devices(args) -> _Place:
+    gpus = []
+    if not args.cpu:
+        from .backends.cuda import gpu_count, gpu_devices
+        if gpu_count():
+            gpus = gpu_devices()
+    n = args.devices if args.devices else (len(gpus) if gpus else 4)
+    return _Place(n, gpus)
+
+
+# ----------------------------------------------------------------------------- tutorial
+
+
+class _Checker:
+    """Prints each step with the value obtained and counts the ones that differ."""
+
+    def __init__(self, out):
+        self.out = out
+        self.mismatches = 0
+        self.steps = 0
+
+    @staticmethod
+    def _summary(value: np.ndarray) -> str:
+        flat = value.reshape(-1)
+        if flat.size and np.all(flat == flat[0]):
+            return f"all {flat[0]:g}"
+        return np.array2string(value, precision=4, separator=", ").replace("\n", "")
+
+    def check(self, code: str, got, expected: float) -> None:
+        self.steps += 1
+        values = [_to_host(g) for g in (got if isinstance(got, list) else [got])]
+        ok = all(v.shape == (2, 3) and np.all(v == expected) for v in values)
+        shown = self._summary(values[0]) if len(values) == 1 else \
+            f"[{len(values)} arrays] " + ", ".join(self._summary(v) for v in values)
+        verdict = "ok" if ok else f"MISMATCH: expected all {expected:g}"
+        print(f"  {code:<56} -> {shown}   {verdict}", file=self.out)
+        if not ok:
+            self.mismatches += 1
+
+    def expect_calls(self, code: str, got: list, expected: list) -> None:
+        self.steps += 1
+        ok = got == expected
+        verdict = "ok" if ok else f"MISMATCH: expected {expected}"
+        print(f"  {code:<56} -> updater called for {got}   {verdict}", file=self.out)
+        if not ok:
+            self.mismatches += 1
+
+
+def run_tutorial(place: _Place, out=None) -> bool:
+    """The spec's tutorial on `place`; True when every value is the expected one."""
+    out = sys.stdout if out is None else out
+    store = "device" if place.on_gpu else "local"
+    ndev = 4  # "one value per device", spread round-robin over the GPUs
+    if place.on_gpu:
+        ids = sorted({g.physical for g in place.gpus})
+        where = f"CuPy arrays spread over GPU(s) {ids}"
+    else:
+        where = "NumPy arrays"
+    print(f"tutorial: gpukv.create({store!r}) with {where}", file=out)
+    check = _Checker(out)
+    shape = (2, 3)
+    kv = gpukv.create(store)
+    kv.init(3, place.full(0, shape, 2.0))
+    a = place.full(0, shape, 0.0)
+    kv.pull(3, out=a)
+    check.check("kv.init(3, ones*2); kv.pull(3, out=a)", a, 2)
+    kv.push(3, place.full(0, shape, 8.0))
+    kv.pull(3, out=a)
+    check.check("kv.push(3, ones*8); kv.pull(3, out=a)", a, 8)
+    b = [place.full(i, shape, 1.0) for i in range(ndev)]
+    kv.push(3, b)
+    kv.pull(3, out=a)
+    check.check(f"kv.push(3, [ones]*{ndev}); kv.pull(3, out=a)", a, ndev)
+    calls = []
+
+    def update(key, input, stored):
+        print(f"update on key: {key}", file=out)
+        calls.append(key)
+        stored += input * 2
+
+    kv.set_updater(update)
+    kv.pull(3, out=a)
+    check.check("kv.set_updater(update); kv.pull(3, out=a)", a, ndev)
+    kv.push(3, place.full(0, shape, 1.0))
+    kv.pull(3, out=a)
+    check.check("kv.push(3, ones); kv.pull(3, out=a)", a, ndev + 2)
+    check.expect_calls("(updater calls of that push)", calls, [3])
+    b = [place.full(i, shape, 1.0) for i in range(ndev)]
+    kv.pull(3, out=b)
+    check.check(f"kv.pull(3, out=[ones]*{ndev})", b, ndev + 2)
+    keys = [5, 7, 9]
+    kv.init(keys, [place.full(0, shape, 1.0)] * len(keys))
+    del calls[:]
+    kv.push(keys, [place.full(0, shape, 1.0)] * len(keys))
+    check.expect_calls("kv.init(keys, ones); kv.push(keys, ones)", calls, keys)
+    b = [place.full(0, shape, 0.0) for _ in keys]
+    kv.pull(keys, out=b)
+    check.check("kv.pull(keys, out=b); b[1]", b[1], 3)
+    b = [[place.full(i, shape, 1.0) for i in range(ndev)] for _ in keys]
+    kv.push(keys, b)
+    kv.pull(keys, out=b)
+    check.check(f"kv.push(keys, [[ones]*{ndev}]*3); kv.pull(keys, out=b); b[1][1]",
+                b[1][1], 3 + 2 * ndev)
+    if check.mismatches:
+        print(f"tutorial: {check.mismatches} of {check.steps} steps MISMATCH", file=out)
+        return False
+    print(f"tutorial: all {check.steps} steps match", file=out)
+    return True
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _make_data(n_samples: int, n_features: int, seed: int):
+    """Points in a box labelled by a fixed nonlinear rule (a small MLP can learn it)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_samples, n_features))
+    score = x[:, 0] * x[:, 1] + 0.8 * x[:, 2] - 0.5 * x[:, 3] ** 2 + 0.5
+    y = (score > 0).astype(np.float64)
+    return x, y
+
+
+def _init_params(n_features: int, hidden: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed + 1)
+    return {
+        "w1": rng.standard_normal((n_features, hidden)) / math.sqrt(n_features),
+        "b1": np.zeros(hidden),
+        "w2": rng.standard_normal((hidden, 1)) / math.sqrt(hidden),
+        "b2": np.zeros(1),
+    }
+
+
+def _loss_and_grads(xp, p: dict, x, y):
+    """Binary cross-entropy of a tanh MLP on (x, y), and its gradient (means over the shard)."""
+    h = xp.tanh(x @ p["w1"] + p["b1"])
+    z = (h @ p["w2"] + p["b2"])[:, 0]
+    loss = xp.mean(xp.maximum(z, 0) - y * z + xp.log1p(xp.exp(-xp.abs(z))))
+    dz = (1.0 / (1.0 + xp.exp(-z)) - y)[:, None] / x.shape[0]
+    dh = (dz @ p["w2"].T) * (1 - h * h)
+    grads = {"w1": x.T @ dh, "b1": dh.sum(0), "w2": h.T @ dz, "b2": dz.sum(0)}
+    correct = xp.sum((z > 0) == (y > 0.5))
+    return loss, correct, grads
+
+
+def _set_sgd(kv, lr: float, momentum: float, rescale: float) -> str:
+    """gpukv.optim.SGD when the optimizer package is there, else an updater doing the same."""
+    try:
+        from . import optim
+        sgd = getattr(optim, "SGD")
+        kv.set_optimizer(sgd(learning_rate=lr, momentum=momentum, rescale_grad=rescale))
+        return f"gpukv.optim.SGD(learning_rate={lr}, momentum={momentum}, rescale_grad={rescale:g})"
+    except (ImportError, AttributeError):
+        pass
+    moms: dict = {}
+
+    def sgd_update(key, grad, weight):
+        mom = moms.get(key)
+        if mom is None:
+            mom = moms[key] = weight * 0
+        mom *= momentum
+        mom -= grad * (lr * rescale)
+        weight += mom
+
+    kv.set_updater(sgd_update)
+    return f"SGD updater (lr={lr}, momentum={momentum}, rescale_grad={rescale:g})"
+
+
+class _Progress:
+    """A progress bar (tqdm or rich) when asked for or on a terminal, else nothing.
+
+    Lines always go to `out` (through the bar's writer when there is one), so the loss
+    log reads the same with or without a bar.
+    """
+
+    def __init__(self, total: int, kind: str, out):
+        self.out = out
+        self._bar = None
+        self._rich = None
+        if kind == "auto":
+            kind = "tqdm" if sys.stderr.isatty() else "plain"
+            fallbacks = ("tqdm", "rich")
+        else:
+            fallbacks = (kind,)
+        if kind == "plain":
+            return
+        for name in fallbacks:
+            try:
+                if name == "tqdm":
+                    from tqdm import tqdm
+                    self._bar = tqdm(total=total, desc="training", unit="step",
+                                     file=sys.stderr, leave=False)
+                else:
+                    from rich.progress import Progress
+                    self._rich = Progress(transient=True)
+                    self._rich.start()
+                    self._task = self._rich.add_task("training", total=total)
+                return
+            except ImportError:
+                continue
+        print(f"gpukv demo: {kind} is not installed; printing plain progress",
+              file=sys.stderr)
+
+    def line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.out)
+        elif self._rich is not None:
+            self._rich.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def advance(self, loss: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self._bar.update(1)
+        elif self._rich is not None:
+            self._rich.update(self._task, advance=1, description=f"training loss {loss:.4f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._rich is not None:
+            self._rich.stop()
+
+
+def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
+                 out=None, seed: int = 0) -> bool:
+    """Data-parallel training on `place`; True when the loss fell."""
+    out = sys.stdout if out is None else out
+    xp = place.xp
+    n, n_features, hidden, per_device = place.n, 8, 32, 512
+    x, y = (a.astype(np.float32) for a in _make_data(n * per_device, n_features, seed))
+    params = {k: v.astype(np.float32) for k, v in _init_params(n_features, hidden, seed).items()}
+    names = list(params)
+    store = "device" if place.on_gpu else "local"
+    kv = gpukv.create(store)
+    kv.init(names, [params[k] for k in names] if not place.on_gpu
+            else [place.put(0, params[k]) for k in names])
+    opt = _set_sgd(kv, lr, 0.9, 1.0 / n)
+    print(f"training: a {n_features}-{hidden}-1 MLP on {n * per_device} samples, "
+          f"{per_device} per device, on {place.describe()}", file=out)
+    print(f"training: gpukv.create({store!r}), {len(names)} keys {names}, {opt}", file=out)
+    # Each device: its shard of the data and its own copy of the weights.
+    shards = [(place.put(i, x[i * per_device:(i + 1) * per_device]),
+               place.put(i, y[i * per_device:(i + 1) * per_device])) for i in range(n)]
+    local = [{k: place.put(i, params[k]) for k in names} for i in range(n)]
+    every = max(1, steps // 10)
+    bar = _Progress(steps, progress, out)
+    first = last = None
+    started = time.perf_counter()
+    try:
+        for step in range(1, steps + 1):
+            losses, corrects, grads = [], [], []
+            for i in range(n):
+                with place.context(i):
+                    loss, correct, g = _loss_and_grads(xp, local[i], *shards[i])
+                losses.append(loss)
+                corrects.append(correct)
+                grads.append(g)
+            kv.push(names, [[g[k] for g in grads] for k in names])  # summed, then SGD
+            kv.pull(names, out=[[p[k] for p in local] for k in names])
+            loss = sum(float(v) for v in losses) / n  # the loss before this step's update
+            if first is None:
+                first = loss
+            last = loss
+            if not math.isfinite(loss):
+                bar.line(f"step {step:4d}/{steps}  loss {loss}  (not finite)")
+                break
+            bar.advance(loss)
+            if step == 1 or step % every == 0 or step == steps:
+                accuracy = sum(int(c) for c in corrects) / (n * per_device)
+                bar.line(f"step {step:4d}/{steps}  loss {loss:.4f}  accuracy {accuracy:.1%}")
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - started
+    consistent = _same_weights(local)
+    fell = first is not None and math.isfinite(last) and last < 0.8 * first
+    verdict = "ok" if fell else "FAILED: the loss did not fall"
+    if fell:
+        print(f"training: loss fell from {first:.4f} to {last:.4f} in {steps} steps "
+              f"({elapsed:.2f} s)   {verdict}", file=out)
+    else:
+        print(f"training: loss went from {first:.4f} to {last:.4f} in {steps} steps   "
+              f"{verdict}", file=out)
+    if not consistent:
+        print("training: FAILED: the devices pulled different weights", file=out)
+    return fell and consistent
+
+
+def _same_weights(local: list) -> bool:
+    first = {k: _to_host(v) for k, v in local[0].items()}
+    return all(np.array_equal(first[k], _to_host(v)) for p in local[1:] for k, v in p.items())
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpukv demo",
+        description="Run the gpukv tutorial and a short data-parallel training, checking "
+                    "every result (exit status 1 on any mismatch, or if the loss does not fall).")
+    parser.add_argument("--devices", type=int, default=0, metavar="N",
+                        help="devices to train on (default: every GPU, or 4 host devices)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
+    parser.add_argument("--lr", type=float, default=0.5, help="learning rate (default: 0.5)")
+    parser.add_argument("--cpu", action="store_true", help="use host devices even with GPUs")
+    parser.add_argument("--progress", choices=["auto", "tqdm", "rich", "plain"], default="auto",
+                        help="progress display (default: a bar on a terminal when tqdm or "
+                             "rich is installed)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    parser.add_argument("--skip-tutorial", action="store_true", help="only train")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns 0 when everything checked out, 1 otherwise."""
+    args = _parser().parse_args(argv)
+    if args.devices < 0:
+        _parser().error(f"--devices must be at least 1, got {args.devices}")
+    if args.steps < 1:
+        _parser().error(f"--steps must be at least 1, got {args.steps}")
+    place = _pick_devices(args)
+    print(f"gpukv {gpukv.__version__} demo on {place.describe()}")
+    ok = True
+    if not args.skip_tutorial:
+        ok = run_tutorial(_Place(4, []))
+        if place.on_gpu:
+            ok = run_tutorial(place) and ok
+    ok = run_training(place, args.steps, args.lr, args.progress, seed=args.seed) and ok
+    print("demo: OK" if ok else "demo: FAILED")
+    return 0 if ok else 1

@@ -1,0 +1,179 @@
+"""The `gpukv` command line: `python -m gpukv demo`, `--help`, and dispatch to bench / info."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import __main__ as cli
+from gpukv import _demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, code=None, timeout=60):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "gpukv", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO, stdin=subprocess.DEVNULL)
+
+
+TUTORIAL_LINES = [
+    "kv.init(3, ones*2); kv.pull(3, out=a)",
+    "update on key: 3",
+    "update on key: 9",
+    "b[1][1]",
+    "tutorial: all 10 steps match",
+]
+
+
+def test_demo_default():
+    """`python -m gpukv demo` checks the tutorial, trains, and exits 0 with a falling loss."""
+    done = _run("demo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    for line in TUTORIAL_LINES + ["training: loss fell from", "demo: OK"]:
+        assert line in out
+    assert "MISMATCH" not in out and "FAILED" not in out
+    assert "-> all 2   ok" in out and "-> all 11   ok" in out
+
+
+def test_demo_on_host_devices():
+    """--cpu --devices N trains on N host devices and logs the loss at regular steps."""
+    done = _run("demo", "--cpu", "--devices", "3", "--steps", "40", "--progress", "plain")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+    out = done.stdout
+    assert "on 3 host device(s) (NumPy)" in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert steps[0].startswith("step    1/40") and steps[-1].startswith("step   40/40")
+    losses = [float(line.split("loss")[1].split()[0]) for line in steps]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_demo_with_numpy_only():
+    """Without tqdm, rich, CuPy, torch or ml_dtypes the demo still runs (plain progress)."""
+    code = textwrap.dedent("""
+        import sys
+        for name in ("tqdm", "rich", "cupy", "torch", "ml_dtypes", "jax"):
+            sys.modules[name] = None  # makes `import name` fail
+        from gpukv.__main__ import main
+        sys.exit(main(["demo", "--steps", "30", "--progress", "tqdm"]))
+    """)
+    done = _run(code=code)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "demo: OK" in done.stdout
+    assert "tqdm is not installed" in done.stderr
+
+
+def test_demo_with_tqdm():
+    """With tqdm the bar goes to stderr and the loss lines still reach stdout."""
+    pytest.importorskip("tqdm")
+    done = _run("demo", "--cpu", "--skip-tutorial", "--steps", "30", "--progress", "tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step   30/30" in done.stdout and "demo: OK" in done.stdout
+
+
+def test_demo_fails_on_wrong_values(monkeypatch, capsys):
+    """A store that returns wrong values makes the demo report MISMATCH and exit 1."""
+    real_pull = gpukv.KVStore.pull
+
+    def wrong_pull(self, key, out=None, priority=0, ignore_sparse=True):
+        real_pull(self, key, out=out, priority=priority, ignore_sparse=ignore_sparse)
+        if isinstance(out, np.ndarray):
+            out += 1
+
+    monkeypatch.setattr(gpukv.KVStore, "pull", wrong_pull)
+    assert cli.main(["demo", "--cpu", "--steps", "5", "--progress", "plain"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH: expected all 2" in out and "demo: FAILED" in out
+
+
+def test_demo_fails_when_loss_does_not_fall(capsys):
+    """With a zero learning rate the loss stays put, and the demo says so and exits 1."""
+    assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "5", "--lr", "0",
+                       "--progress", "plain"]) == 1
+    out = capsys.readouterr().out
+    assert "the loss did not fall" in out and "demo: FAILED" in out
+
+
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--devices", "-1"], ["--nope"]])
+def test_demo_bad_options(bad, capsys):
+    """Bad demo options are usage errors (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", *bad])
+    assert exc.value.code == 2
+
+
+def test_help():
+    """`python -m gpukv --help` lists the commands and exits 0."""
+    done = _run("--help")
+    assert done.returncode == 0, done.stderr
+    for command in ("demo", "bench", "info"):
+        assert command in done.stdout
+    assert done.stdout.startswith("usage: gpukv")
+
+
+def test_demo_help():
+    """`python -m gpukv demo --help` shows the demo's own options."""
+    done = _run("demo", "--help")
+    assert done.returncode == 0, done.stderr
+    for option in ("--devices", "--steps", "--cpu", "--progress"):
+        assert option in done.stdout
+
+
+def test_no_command_and_unknown_command():
+    """No command or an unknown one is a usage error (exit status 2)."""
+    assert _run().returncode == 2
+    done = _run("frobnicate")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_version():
+    """`--version` prints the package version."""
+    done = _run("--version")
+    assert done.returncode == 0 and gpukv.__version__ in done.stdout
+
+
+@pytest.mark.parametrize("command", ["bench", "info"])
+def test_dispatch_forwards_arguments(monkeypatch, command):
+    """`gpukv bench ...` / `gpukv info ...` hand every later argument to that module's main."""
+    seen = []
+    fake = types.ModuleType(f"gpukv._{command}")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, f"gpukv._{command}", fake)
+    assert cli.main([command, "--json", "x.json", "--help"]) == 7
+    assert seen == [["--json", "x.json", "--help"]]
+
+
+def test_dispatch_missing_module(monkeypatch, capsys):
+    """A command whose module is not installed says so and exits 2."""
+    monkeypatch.setitem(sys.modules, "gpukv._info", None)
+    assert cli.main(["info"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_console_script_declared():
+    """pyproject declares the `gpukv` console script as gpukv.__main__:main."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["gpukv"] == "gpukv.__main__:main"
+
+
+@pytest.mark.gpu
+def test_demo_on_gpus():
+    """With GPUs the demo runs the tutorial and the training on them, with CuPy arrays."""
+    done = _run("demo", "--steps", "40", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "tutorial: gpukv.create('device') with CuPy arrays" in out
+    assert out.count("tutorial: all 10 steps match") == 2
+    assert "(CuPy)" in out and "demo: OK" in out
