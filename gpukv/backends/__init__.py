@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from .._errors import DTypeError
 from ._base import Device
 from .host import HostDevice, host_device
 
@@ -56,7 +57,7 @@ def adopt(obj):
         obj = obj.detach()
         if obj.is_cuda:
             return _cupy().asarray(obj)  # __cuda_array_interface__: zero copy
-        return obj.numpy()  # shares memory, stays writable
+        return _torch_cpu(torch, obj)
     if hasattr(obj, "__cuda_array_interface__"):
         return _cupy().asarray(obj)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
@@ -73,6 +74,26 @@ def adopt(obj):
         return np.asarray(memoryview(obj))
     except TypeError:
         return None
+
+
+def _torch_cpu(torch, tensor):
+    """A CPU tensor as a NumPy array sharing its memory (bfloat16 through ml_dtypes).
+
+    A tensor with a lazy negation or conjugation bit has no memory holding its values:
+    it comes back as a read-only copy, so it can be pushed but never silently pulled into.
+    """
+    if tensor.is_neg() or tensor.is_conj():
+        array = tensor.resolve_neg().resolve_conj()
+        array = _torch_cpu(torch, array)
+        array.flags.writeable = False
+        return array
+    if tensor.dtype == torch.bfloat16:
+        try:
+            from ml_dtypes import bfloat16
+        except ImportError:
+            raise DTypeError("bfloat16 tensors need ml_dtypes (pip install ml_dtypes)") from None
+        return tensor.view(torch.int16).numpy().view(bfloat16)
+    return tensor.numpy()  # shares memory, stays writable
 
 
 def _cupy():

@@ -1,0 +1,301 @@
+"""SPEC section 4: each misuse raises its gpukv error, which is also the built-in a user catches,
+names the key, and leaves the store exactly as it was."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import gpukv
+
+MX = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())[
+    "behaviours"]
+SHAPE = (2, 3)
+F32 = np.float32
+
+
+def ones(value=1.0, shape=SHAPE, dtype=F32):
+    return np.full(shape, value, dtype=dtype)
+
+
+def readonly(value=0.0, shape=SHAPE, dtype=F32):
+    a = ones(value, shape, dtype)
+    a.flags.writeable = False
+    return a
+
+
+class World:
+    """A store holding keys 1 and 2 (or 'a' and 'b'), sentinel outs, and the calls made."""
+
+    def __init__(self, name, kind, with_updater):
+        self.kv = gpukv.create(name)
+        self.k1, self.k2 = (1, 2) if kind == "int" else ("a", "b")
+        self.other = "x" if kind == "int" else 7      # a key of the other kind
+        self.missing = 99 if kind == "int" else "zz"  # never initialised
+        self.kv.init([self.k1, self.k2], [ones(1), ones(2)])
+        self.calls = []
+        if with_updater:
+            self.kv.set_updater(lambda k, m, s: (self.calls.append(k), s.__iadd__(m)))
+        self.outs = [ones(-7), ones(-7)]
+
+    def snapshot(self):
+        values = []
+        for k in (self.k1, self.k2):
+            out = np.zeros(SHAPE, F32)
+            self.kv.pull(k, out=out)
+            values.append(out.tolist())
+        return values
+
+    def assert_unchanged(self, before, fresh_keys=()):
+        assert self.snapshot() == before
+        assert self.calls == []
+        assert all((o == -7).all() for o in self.outs)
+        for k in (self.missing, *fresh_keys):
+            with pytest.raises(KeyError):
+                self.kv.pull(k, out=np.zeros(SHAPE, F32))
+
+
+# (id, call(world), gpukv class, built-in, text the message contains, keys that must not exist)
+CASES = [
+    ("push-unknown", lambda w: w.kv.push(w.missing, ones()),
+     gpukv.UnknownKeyError, KeyError, "missing", ()),
+    ("pull-unknown", lambda w: w.kv.pull(w.missing, out=w.outs[0]),
+     gpukv.UnknownKeyError, KeyError, "missing", ()),
+    ("pushpull-unknown", lambda w: w.kv.pushpull(w.missing, ones(), out=w.outs[0]),
+     gpukv.UnknownKeyError, KeyError, "missing", ()),
+    ("push-list-one-unknown", lambda w: w.kv.push([w.k1, w.missing], [ones(5), ones(5)]),
+     gpukv.UnknownKeyError, KeyError, "missing", ()),
+    ("pull-list-one-unknown", lambda w: w.kv.pull([w.k1, w.missing], out=w.outs),
+     gpukv.UnknownKeyError, KeyError, "missing", ()),
+    ("pushpull-out-shape", lambda w: w.kv.pushpull(w.k1, ones(5), out=[w.outs[0], ones(0, (3,))]),
+     gpukv.ShapeError, ValueError, "k1", ()),
+    ("init-duplicate", lambda w: w.kv.init(w.k1, ones(5)),
+     gpukv.DuplicateKeyError, ValueError, "k1", ()),
+    ("init-list-one-duplicate", lambda w: w.kv.init([w.fresh, w.k2], [ones(5), ones(5)]),
+     gpukv.DuplicateKeyError, ValueError, "k2", ("fresh",)),
+    ("broadcast-duplicate", lambda w: w.kv.broadcast(w.k1, ones(5), out=w.outs[0]),
+     gpukv.DuplicateKeyError, ValueError, "k1", ()),
+    ("init-other-kind", lambda w: w.kv.init(w.other, ones(5)),
+     gpukv.KeyKindError, TypeError, "other", ()),
+    ("push-other-kind", lambda w: w.kv.push(w.other, ones(5)),
+     gpukv.KeyKindError, TypeError, "other", ()),
+    ("pull-other-kind", lambda w: w.kv.pull(w.other, out=w.outs[0]),
+     gpukv.KeyKindError, TypeError, "other", ()),
+    ("init-mixed-in-one-call", lambda w: w.kv.init([w.fresh, w.other], [ones(5), ones(5)]),
+     gpukv.KeyKindError, TypeError, "other", ("fresh",)),
+    ("push-mixed-in-one-call", lambda w: w.kv.push([w.k1, w.other], [ones(5), ones(5)]),
+     gpukv.KeyKindError, TypeError, "other", ()),
+    ("key-float", lambda w: w.kv.push(1.0, ones(5)), gpukv.KeyKindError, TypeError, "1.0", ()),
+    ("key-bool", lambda w: w.kv.push(True, ones(5)), gpukv.KeyKindError, TypeError, "True", ()),
+    ("key-none", lambda w: w.kv.push(None, ones(5)), gpukv.KeyKindError, TypeError, "None", ()),
+    ("key-bytes", lambda w: w.kv.init(b"k", ones(5)), gpukv.KeyKindError, TypeError, "b'k'", ()),
+    ("push-shape", lambda w: w.kv.push(w.k1, ones(5, (3, 2))),
+     gpukv.ShapeError, ValueError, "k1", ()),
+    ("push-shape-same-size", lambda w: w.kv.push(w.k1, ones(5, (6,))),
+     gpukv.ShapeError, ValueError, "k1", ()),
+    ("push-shape-one-device", lambda w: w.kv.push(w.k1, [ones(5), ones(5, (3, 2))]),
+     gpukv.ShapeError, ValueError, "k1", ()),
+    ("push-list-one-bad-shape", lambda w: w.kv.push([w.k1, w.k2], [ones(5), ones(5, (3, 3))]),
+     gpukv.ShapeError, ValueError, "k2", ()),
+    ("pull-shape", lambda w: w.kv.pull(w.k1, out=[w.outs[0], np.zeros((3, 2), F32)]),
+     gpukv.ShapeError, ValueError, "k1", ()),
+    ("pull-list-one-bad-shape", lambda w: w.kv.pull([w.k1, w.k2], out=[w.outs[0], ones(0, (3,))]),
+     gpukv.ShapeError, ValueError, "k2", ()),
+    ("init-devices-disagree", lambda w: w.kv.init(w.fresh, [ones(5), ones(5, (3, 2))]),
+     gpukv.ShapeError, ValueError, "fresh", ("fresh",)),
+    ("broadcast-out-shape", lambda w: w.kv.broadcast(w.fresh, ones(5), out=ones(0, (3, 2))),
+     gpukv.ShapeError, ValueError, "fresh", ("fresh",)),
+    ("init-complex", lambda w: w.kv.init(w.fresh, np.ones(SHAPE, np.complex64)),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-complex128", lambda w: w.kv.init(w.fresh, np.ones(SHAPE, np.complex128)),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-bool", lambda w: w.kv.init(w.fresh, np.ones(SHAPE, bool)),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-object", lambda w: w.kv.init(w.fresh, np.full(SHAPE, None, object)),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-uint16", lambda w: w.kv.init(w.fresh, np.ones(SHAPE, np.uint16)),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-unicode", lambda w: w.kv.init(w.fresh, np.full(SHAPE, "ab")),
+     gpukv.DTypeError, ValueError, "fresh", ("fresh",)),
+    ("init-list-one-bad-dtype",
+     lambda w: w.kv.init([w.fresh, w.fresh2], [ones(1), np.ones(SHAPE, bool)]),
+     gpukv.DTypeError, ValueError, "fresh2", ("fresh", "fresh2")),
+    ("push-dtype", lambda w: w.kv.push(w.k1, np.ones(SHAPE, np.float64)),
+     gpukv.DTypeError, ValueError, "k1", ()),
+    ("push-complex", lambda w: w.kv.push(w.k1, np.ones(SHAPE, np.complex64)),
+     gpukv.DTypeError, ValueError, "k1", ()),
+    ("pull-complex-out", lambda w: w.kv.pull(w.k1, out=np.zeros(SHAPE, np.complex64)),
+     gpukv.DTypeError, ValueError, "k1", ()),
+    ("pull-bool-out", lambda w: w.kv.pull(w.k1, out=np.zeros(SHAPE, bool)),
+     gpukv.DTypeError, ValueError, "k1", ()),
+    ("push-nested-too-deep", lambda w: w.kv.push(w.k1, [[ones(5)]]),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-list-nested-too-deep", lambda w: w.kv.push([w.k1, w.k2], [ones(5), [[ones(5)]]]),
+     gpukv.ArgumentKindError, TypeError, "k2", ()),
+    ("pull-nested-too-deep", lambda w: w.kv.pull(w.k1, out=[[w.outs[0]]]),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("keys-list-value-array", lambda w: w.kv.push([w.k1, w.k2], ones(5)),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-not-an-array", lambda w: w.kv.push(w.k1, "abc"),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-number", lambda w: w.kv.push(w.k1, 5.0), gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-none", lambda w: w.kv.push(w.k1, None), gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-dict", lambda w: w.kv.push(w.k1, {"a": ones()}),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-object-array", lambda w: w.kv.push(w.k1, np.empty(SHAPE, object)),
+     (gpukv.ArgumentKindError, gpukv.DTypeError), (TypeError, ValueError), "k1", ()),
+    ("pull-out-not-an-array", lambda w: w.kv.pull(w.k1, out=[w.outs[0], 3]),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("push-len-mismatch", lambda w: w.kv.push([w.k1, w.k2], [ones(5)]),
+     gpukv.ArgumentError, ValueError, "k1", ()),
+    ("pull-len-mismatch", lambda w: w.kv.pull([w.k1, w.k2], out=[w.outs[0]]),
+     gpukv.ArgumentError, ValueError, "k1", ()),
+    ("init-len-mismatch", lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5)]),
+     gpukv.ArgumentError, ValueError, "fresh", ("fresh", "fresh2")),
+    ("pushpull-out-len-mismatch", lambda w: w.kv.pushpull([w.k1, w.k2], [ones(5), ones(5)],
+                                                          out=[w.outs[0]]),
+     gpukv.ArgumentError, ValueError, "k1", ()),
+    ("push-empty-device-list", lambda w: w.kv.push(w.k1, []),
+     gpukv.ArgumentError, ValueError, "k1", ()),
+    ("pull-without-out", lambda w: w.kv.pull(w.k1), gpukv.ArgumentError, ValueError, "k1", ()),
+    ("pull-read-only-out", lambda w: w.kv.pull(w.k1, out=readonly()),
+     gpukv.ReadOnlyError, ValueError, "k1", ()),
+    ("pull-broadcast-view-out",
+     lambda w: w.kv.pull(w.k1, out=np.broadcast_to(ones(0, (3,)), SHAPE)),
+     gpukv.ReadOnlyError, ValueError, "k1", ()),
+    ("pull-list-one-read-only", lambda w: w.kv.pull([w.k1, w.k2], out=[w.outs[0], readonly()]),
+     gpukv.ReadOnlyError, ValueError, "k2", ()),
+    ("pull-device-list-one-read-only", lambda w: w.kv.pull(w.k1, out=[w.outs[0], readonly()]),
+     gpukv.ReadOnlyError, ValueError, "k1", ()),
+    ("pushpull-read-only-value", lambda w: w.kv.pushpull(w.k1, readonly(5)),
+     gpukv.ReadOnlyError, ValueError, "k1", ()),
+    ("pushpull-read-only-out", lambda w: w.kv.pushpull(w.k1, ones(5), out=readonly()),
+     gpukv.ReadOnlyError, ValueError, "k1", ()),
+    ("broadcast-read-only-out", lambda w: w.kv.broadcast(w.fresh, ones(5), out=readonly()),
+     gpukv.ReadOnlyError, ValueError, "fresh", ("fresh",)),
+    ("broadcast-list-one-bad-out",
+     lambda w: w.kv.broadcast([w.fresh, w.fresh2], [ones(5), ones(5)],
+                              out=[w.outs[0], [ones(0, (4,))]]),
+     gpukv.ShapeError, ValueError, "fresh2", ("fresh", "fresh2")),
+]
+
+
+@pytest.fixture(params=["local", "device"])
+def name(request):
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["int", "str"])
+@pytest.mark.parametrize("with_updater", [False, True], ids=["assign", "updater"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_misuse_raises_and_changes_nothing(name, kind, with_updater, case):
+    """The bad call raises its gpukv class and built-in, names the key, and changes nothing."""
+    _, call, cls, builtin, text, fresh = case
+    w = World(name, kind, with_updater)
+    w.fresh, w.fresh2 = (50, 51) if kind == "int" else ("new", "new2")
+    before = w.snapshot()
+    with pytest.raises(cls) as info:
+        call(w)
+    err = info.value
+    assert isinstance(err, gpukv.GpukvError)
+    assert isinstance(err, builtin)
+    if text in ("k1", "k2", "missing", "other", "fresh", "fresh2"):
+        text = repr(getattr(w, text))
+    assert text in str(err)
+    w.assert_unchanged(before, [getattr(w, f) for f in fresh])
+
+
+def test_failed_call_leaves_store_usable():
+    """After a failed list push the same keys push and pull normally."""
+    w = World("local", "int", True)
+    with pytest.raises(ValueError):
+        w.kv.push([1, 2], [ones(1), ones(1, (4,))])
+    w.kv.push([1, 2], [ones(1), ones(1)])
+    assert w.snapshot() == [ones(2).tolist(), ones(3).tolist()]
+    assert w.calls == [1, 2]
+
+
+def test_unknown_key_message_is_not_quoted():
+    """str() of an UnknownKeyError is the message itself, not KeyError's quoted repr."""
+    kv = gpukv.create()
+    kv.init(1, ones())
+    with pytest.raises(KeyError) as info:
+        kv.pull(99, out=ones())
+    assert str(info.value).startswith("key 99")
+
+
+@pytest.mark.parametrize("bad", [3, None, "update", ones()], ids=repr)
+def test_non_callable_updater(bad):
+    """A non-callable updater is a TypeError and the previous updater stays."""
+    kv = gpukv.create()
+    kv.init(1, ones(1))
+    kv.set_updater(lambda k, m, s: s.__iadd__(m))
+    with pytest.raises(gpukv.ArgumentKindError) as info:
+        kv.set_updater(bad)
+    assert isinstance(info.value, TypeError)
+    kv.push(1, ones(2))
+    out = ones(0)
+    kv.pull(1, out=out)
+    assert (out == 3).all()
+
+
+@pytest.mark.parametrize("name", ["local", "device"])
+@pytest.mark.parametrize("strategy", ["bogus", "Ringg", "", 3])
+def test_bad_strategy_name(name, strategy):
+    """An unknown strategy is a ValueError listing the valid ones, for any store."""
+    with pytest.raises(gpukv.ArgumentError, match="valid strategies are") as info:
+        gpukv.create(name, strategy=strategy)
+    assert isinstance(info.value, ValueError)
+    assert repr(strategy) in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["local", "device"])
+@pytest.mark.parametrize("strategy", ["auto", "home", "tree", "ring", "cpu", "nccl", "AUTO"])
+def test_known_strategy_names_are_accepted_with_host_arrays(name, strategy):
+    """Every documented strategy name creates a store that works with host arrays."""
+    kv = gpukv.create(name, strategy=strategy)
+    kv.init(1, ones(1))
+    kv.push(1, [ones(1), ones(2)])
+    out = ones(0)
+    kv.pull(1, out=out)
+    assert (out == 3).all()
+
+
+def test_unknown_store_option():
+    """An unknown keyword option to create() is a TypeError naming it."""
+    with pytest.raises(gpukv.ArgumentKindError, match="colour") as info:
+        gpukv.create("local", colour="red")
+    assert isinstance(info.value, TypeError)
+
+
+def test_mxnet_raises_on_the_same_misuses():
+    """MXNet 1.9.1 also refuses these calls (gpukv maps them to typed, catchable errors)."""
+    for name in ("duplicate_init_error", "unknown_push_error", "unknown_pull_error",
+                 "push_shape_error", "mixed_kinds_across_calls_error",
+                 "mixed_kinds_one_call_error", "broadcast_existing_key_error"):
+        assert MX[name] is not None, name
+    assert MX["value_after_failed_init"] == 2.0
+
+
+@pytest.mark.parametrize("cls,builtin", [
+    (gpukv.UnknownKeyError, KeyError), (gpukv.DuplicateKeyError, ValueError),
+    (gpukv.KeyKindError, TypeError), (gpukv.ArgumentError, ValueError),
+    (gpukv.ArgumentKindError, TypeError), (gpukv.ShapeError, ValueError),
+    (gpukv.DTypeError, ValueError), (gpukv.ReadOnlyError, ValueError),
+    (gpukv.DeviceError, ValueError), (gpukv.BackendError, RuntimeError),
+    (gpukv.TransportError, RuntimeError), (gpukv.CheckpointError, ValueError)])
+def test_error_classes_subclass_base_and_builtin(cls, builtin):
+    """Every gpukv error class is both a GpukvError and the built-in a user would catch."""
+    assert issubclass(cls, gpukv.GpukvError) and issubclass(cls, builtin)
+
+
+def test_failed_first_init_does_not_fix_the_key_kind():
+    """A first init that fails leaves the store free to take either key kind."""
+    kv = gpukv.create()
+    with pytest.raises(gpukv.DTypeError):
+        kv.init("a", np.ones(SHAPE, np.complex64))
+    kv.init(1, ones(3))
+    with pytest.raises(gpukv.KeyKindError, match="'a'"):
+        kv.init("a", ones(3))

@@ -1,0 +1,226 @@
+"""Arrays from other libraries and protocols: pushed without copies, pulled into in place."""
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import pytest
+
+import gpukv
+
+SHAPE = (2, 3)
+
+
+@pytest.fixture(params=["local", "device"])
+def kv(request):
+    return gpukv.create(request.param)
+
+
+class DLPackOnly:
+    """Exposes a NumPy array through `__dlpack__`/`__dlpack_device__` and nothing else."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class ArrayInterfaceOnly:
+    """Exposes a NumPy array through `__array_interface__` and nothing else."""
+
+    def __init__(self, a):
+        self._a = a
+
+    @property
+    def __array_interface__(self):
+        return self._a.__array_interface__
+
+
+def readonly(a):
+    a.flags.writeable = False
+    return a
+
+
+def pulled(kv, key, shape=SHAPE, dtype=np.float32):
+    out = np.zeros(shape, dtype)
+    kv.pull(key, out=out)
+    return out
+
+
+# -------------------------------------------------------------------------------- torch
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def test_torch_cpu_push_and_pull_in_place(kv, torch):
+    """CPU tensors are init/push sources, and pull writes into the tensor's own memory."""
+    kv.init(1, torch.zeros(SHAPE))
+    kv.push(1, [torch.ones(SHAPE), torch.full(SHAPE, 2.0)])
+    out = torch.zeros(SHAPE)
+    pointer = out.data_ptr()
+    kv.pull(1, out=out)
+    assert out.data_ptr() == pointer
+    assert torch.equal(out, torch.full(SHAPE, 3.0))
+
+
+def test_torch_pushpull_writes_back_into_tensors(kv, torch):
+    """pushpull without out writes the result back into every pushed tensor."""
+    kv.init(1, torch.zeros(SHAPE))
+    grads = [torch.full(SHAPE, float(i)) for i in range(1, 4)]
+    kv.pushpull(1, grads)
+    assert all(torch.equal(g, torch.full(SHAPE, 6.0)) for g in grads)
+
+
+def test_torch_mixed_with_numpy(kv, torch):
+    """Tensors and NumPy arrays mix in one device list and one list of keys."""
+    kv.init([1, 2], [np.zeros(SHAPE, np.float32), torch.zeros(SHAPE)])
+    kv.push([1, 2], [[torch.ones(SHAPE), np.ones(SHAPE, np.float32)],
+                     np.full(SHAPE, 5, np.float32)])
+    outs = [torch.zeros(SHAPE), np.zeros(SHAPE, np.float32)]
+    kv.pull([1, 2], out=outs)
+    assert torch.equal(outs[0], torch.full(SHAPE, 2.0)) and (outs[1] == 5).all()
+
+
+def test_torch_requires_grad_tensors(kv, torch):
+    """Parameters that require grad are pushed and pulled into in place (no autograd error)."""
+    param = torch.nn.Parameter(torch.zeros(SHAPE))
+    kv.init("w", torch.ones(SHAPE))
+    kv.push("w", torch.ones(SHAPE, requires_grad=True) * 4)
+    kv.pull("w", out=param)
+    assert torch.equal(param.detach(), torch.full(SHAPE, 4.0)) and param.requires_grad
+
+
+def test_torch_non_contiguous_out(kv, torch):
+    """A transposed tensor is pulled into through its strides."""
+    kv.init(1, torch.arange(6, dtype=torch.float32).reshape(SHAPE))
+    base = torch.zeros(SHAPE[::-1])
+    kv.pull(1, out=base.t())
+    assert torch.equal(base.t(), torch.arange(6, dtype=torch.float32).reshape(SHAPE))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float64", "int32", "int64", "uint8"])
+def test_torch_dtypes(kv, torch, name):
+    """Tensors of every supported dtype, bfloat16 included, round-trip in place."""
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dtype = getattr(torch, name)
+    kv.init(1, torch.zeros(SHAPE, dtype=dtype))
+    kv.push(1, [torch.ones(SHAPE, dtype=dtype)] * 3)
+    out = torch.zeros(SHAPE, dtype=dtype)
+    kv.pull(1, out=out)
+    assert out.dtype == dtype and torch.equal(out, torch.full(SHAPE, 3, dtype=dtype))
+
+
+def test_torch_negative_view_is_a_source_not_an_out(kv, torch):
+    """A lazily negated tensor pushes its values, but pulling into it raises ReadOnlyError."""
+    kv.init(1, torch.zeros(SHAPE))
+    neg = torch.ones(SHAPE)._neg_view()
+    kv.push(1, neg)
+    assert (pulled(kv, 1) == -1).all()
+    with pytest.raises(gpukv.ReadOnlyError):
+        kv.pull(1, out=torch.zeros(SHAPE)._neg_view())
+
+
+def test_torch_bool_is_unsupported(kv, torch):
+    """A bool tensor is an unsupported dtype (ValueError)."""
+    with pytest.raises(gpukv.DTypeError):
+        kv.init(1, torch.ones(SHAPE, dtype=torch.bool))
+
+
+def test_torch_push_does_not_alias(kv, torch):
+    """Changing a pushed tensor afterwards changes nothing in the store."""
+    kv.init(1, torch.zeros(SHAPE))
+    t = torch.full(SHAPE, 2.0)
+    kv.push(1, t)
+    t.fill_(9.0)
+    assert (pulled(kv, 1) == 2).all()
+
+
+# ----------------------------------------------------------------------------- DLPack
+def test_dlpack_only_source_and_out(kv):
+    """An object exposing only __dlpack__ is read as a source and written as an out in place."""
+    kv.init(1, DLPackOnly(np.full(SHAPE, 2, np.float32)))
+    kv.push(1, [DLPackOnly(np.ones(SHAPE, np.float32)), DLPackOnly(np.ones(SHAPE, np.float32))])
+    backing = np.zeros(SHAPE, np.float32)
+    kv.pull(1, out=DLPackOnly(backing))
+    assert (backing == 2).all()
+
+
+def test_dlpack_read_only_source_is_fine(kv):
+    """A read-only DLPack source can be pushed."""
+    kv.init(1, np.zeros(SHAPE, np.float32))
+    kv.push(1, DLPackOnly(readonly(np.full(SHAPE, 3, np.float32))))
+    assert (pulled(kv, 1) == 3).all()
+
+
+def test_dlpack_read_only_out_raises(kv):
+    """Pulling into a read-only DLPack object is a ReadOnlyError, and nothing is written."""
+    kv.init(1, np.ones(SHAPE, np.float32))
+    target = readonly(np.zeros(SHAPE, np.float32))
+    with pytest.raises(gpukv.ReadOnlyError):
+        kv.pull(1, out=DLPackOnly(target))
+    assert (target == 0).all()
+
+
+# ---------------------------------------------------------------- __array_interface__
+def test_array_interface_only_source_and_out(kv):
+    """An object exposing only __array_interface__ is a source and an out written in place."""
+    kv.init(1, ArrayInterfaceOnly(np.zeros(SHAPE, np.float32)))
+    kv.push(1, ArrayInterfaceOnly(np.full(SHAPE, 7, np.float32)))
+    backing = np.zeros(SHAPE, np.float32)
+    kv.pull(1, out=ArrayInterfaceOnly(backing))
+    assert (backing == 7).all()
+
+
+def test_array_interface_read_only_out_raises(kv):
+    """A read-only array-interface out is a ReadOnlyError."""
+    kv.init(1, np.ones(SHAPE, np.float32))
+    with pytest.raises(gpukv.ReadOnlyError):
+        kv.pull(1, out=ArrayInterfaceOnly(readonly(np.zeros(SHAPE, np.float32))))
+
+
+# ------------------------------------------------------------------------ buffer protocol
+def test_array_array_source_and_out(kv):
+    """array.array (buffer protocol only) is pushed and pulled into in place."""
+    kv.init(1, array.array("d", [0.0] * 4))
+    kv.push(1, [array.array("d", [1, 2, 3, 4]), array.array("d", [1, 1, 1, 1])])
+    out = array.array("d", [0.0] * 4)
+    kv.pull(1, out=out)
+    assert out.tolist() == [2, 3, 4, 5]
+
+
+def test_bytearray_out_and_memoryview_source(kv):
+    """A bytearray is a writable uint8 out; a read-only memoryview is a fine source."""
+    kv.init(1, np.zeros(4, np.uint8))
+    kv.push(1, memoryview(b"\x01\x02\x03\x04"))
+    out = bytearray(4)
+    kv.pull(1, out=out)
+    assert out == bytearray(b"\x01\x02\x03\x04")
+
+
+def test_memoryview_cast_shapes(kv):
+    """A multi-dimensional memoryview keeps its shape and dtype."""
+    backing = np.zeros(SHAPE, np.float32)
+    kv.init(1, np.full(SHAPE, 5, np.float32))
+    kv.pull(1, out=memoryview(backing))
+    assert (backing == 5).all()
+
+
+def test_read_only_memoryview_out_raises(kv):
+    """Pulling into a memoryview of bytes (read-only) is a ReadOnlyError."""
+    kv.init(1, np.zeros(4, np.float64))
+    with pytest.raises(gpukv.ReadOnlyError) as info:
+        kv.pull(1, out=memoryview(bytes(32)).cast("d"))
+    assert isinstance(info.value, ValueError)
+
+
+def test_read_only_numpy_source_is_fine(kv):
+    """Read-only NumPy arrays are valid init and push sources."""
+    kv.init(1, readonly(np.full(SHAPE, 1, np.float32)))
+    kv.push(1, [readonly(np.ones(SHAPE, np.float32))] * 2)
+    assert (pulled(kv, 1) == 2).all()
