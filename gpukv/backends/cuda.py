@@ -1,12 +1,24 @@
-"""The CUDA backend: CuPy arrays on GPUs. CuPy is imported on first use only."""
+"""The CUDA backend: CuPy arrays on GPUs. CuPy is imported on first use only.
+
+Streams and events: every logical device owns the stream its work is queued on
+(slot 0: CuPy's current stream of the GPU; a virtual GPU: its own non-blocking
+stream). Work on two devices is ordered by recording an event on one stream and
+making the other wait for it; nothing here synchronises the host.
+"""
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
+import os
+import threading
 
 import numpy as np
 
 from .._errors import BackendError, DeviceError
 from ._base import Device
+
+log = logging.getLogger("gpukv")
 
 
 @functools.cache
@@ -41,6 +53,7 @@ class CudaDevice(Device):
         self._cp = cupy_module()
         self._cuda_device = self._cp.cuda.Device(physical)
         self._stream = None
+        self._last = None  # event recorded after the last strategy work queued here
 
     @property
     def xp(self):
@@ -64,16 +77,54 @@ class CudaDevice(Device):
                 self._stream = self._cp.cuda.Stream(non_blocking=True)
         return self._stream
 
+    def record(self):
+        """An event recorded now on this device's stream (also kept as its last work)."""
+        stream = self.stream
+        with self._cuda_device:
+            event = stream.record()
+        self._last = (event, stream)
+        return event
+
     def wait_for(self, other: "Device") -> None:
         """Order this device's stream after the work queued so far on `other`'s stream."""
-        if isinstance(other, CudaDevice) and other.stream is not self.stream:
-            with other._cuda_device:
-                event = other.stream.record()
+        if not isinstance(other, CudaDevice):
+            return
+        mine = self.stream
+        theirs = other.stream
+        last = other._last
+        if theirs is not mine:
+            event = other.record()
             with self._cuda_device:
-                self.stream.wait_event(event)
+                mine.wait_event(event)
+        if last is not None and last[1] is not theirs and last[1] is not mine:
+            # Work queued on `other` under a stream that is no longer current.
+            with self._cuda_device:
+                mine.wait_event(last[0])
+
+    def wait_event(self, event) -> None:
+        """Order this device's stream after `event`."""
+        with self._cuda_device:
+            self.stream.wait_event(event)
+
+    def enter(self) -> None:
+        """Order this device's stream after the caller's work on CuPy's current stream."""
+        if self.slot:
+            current = self._cp.cuda.get_current_stream(self.physical)
+            with self._cuda_device:
+                self.stream.wait_event(current.record())
+
+    def leave(self) -> None:
+        """Make CuPy's current stream of this GPU wait for the work queued here."""
+        event = self.record()
+        if self.slot:
+            current = self._cp.cuda.get_current_stream(self.physical)
+            with self._cuda_device:
+                current.wait_event(event)
 
     def empty(self, shape, dtype):
-        with self._cuda_device:
+        # Allocated under this device's stream: CuPy's pool gives a freed block back
+        # to the stream it was allocated on, so reuse stays ordered on that stream.
+        with self._cuda_device, self.stream:
             return self._cp.empty(shape, dtype)
 
     def owns(self, array) -> bool:
@@ -91,12 +142,14 @@ class CudaDevice(Device):
             if (src.dtype == dst.dtype and src.flags.c_contiguous
                     and dst.flags.c_contiguous):
                 # Peer or local: one async memcpy on this device's stream (UVA).
-                dst.data.copy_from_device_async(src.data, src.nbytes, self.stream)
+                if src.nbytes:
+                    dst.data.copy_from_device_async(src.data, src.nbytes, self.stream)
                 return
             if src.device.id != self.physical:
                 staged = cp.empty(src.shape, src.dtype)
-                staged.data.copy_from_device_async(
-                    cp.ascontiguousarray(src).data, src.nbytes, self.stream)
+                src = cp.ascontiguousarray(src) if not src.flags.c_contiguous else src
+                if src.nbytes:
+                    staged.data.copy_from_device_async(src.data, src.nbytes, self.stream)
                 src = staged
             cp.copyto(dst, src, casting="unsafe")
 
@@ -116,11 +169,83 @@ def gpu_devices() -> list[CudaDevice]:
     With `GPUKV_VIRTUAL_GPUS=N`, N logical devices are dealt round-robin onto the
     physical GPUs, each with its own stream, so multi-device code runs on one GPU.
     """
-    import os
-
     count = gpu_count()
     if count == 0:
         return []
     wanted = os.environ.get("GPUKV_VIRTUAL_GPUS", "").strip()
-    n = int(wanted) if wanted else count
+    try:
+        n = int(wanted) if wanted else count
+    except ValueError:
+        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer") from None
+    if n < 1:
+        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer")
     return [cuda_device(i % count, i // count) for i in range(n)]
+
+
+# ------------------------------------------------------------------ peer access
+_peer_lock = threading.Lock()
+_peer: dict = {}  # (reader, owner) physical ids -> whether reader can read owner's memory
+_peer_logged: set = set()
+
+
+def can_access_peer(reader: int, owner: int) -> bool:
+    """Whether a kernel on GPU `reader` can read GPU `owner`'s memory (enabling it once).
+
+    The same GPU always can. For two GPUs, peer access is asked of CUDA and enabled
+    the first time a pair is seen; pairs without it are logged once, together.
+    """
+    if reader == owner:
+        return True
+    pair = (reader, owner)
+    known = _peer.get(pair)
+    if known is not None:
+        return known
+    with _peer_lock:
+        known = _peer.get(pair)
+        if known is not None:
+            return known
+        cp = cupy_module()
+        runtime = cp.cuda.runtime
+        ok = bool(runtime.deviceCanAccessPeer(reader, owner))
+        if ok:
+            try:
+                with cp.cuda.Device(reader):
+                    runtime.deviceEnablePeerAccess(owner)
+            except runtime.CUDARuntimeError as exc:
+                # cudaErrorPeerAccessAlreadyEnabled (704): CuPy or the caller did it first.
+                if getattr(exc, "status", None) != 704:
+                    log.warning("gpukv: enabling peer access GPU %d -> GPU %d failed: %s",
+                                reader, owner, exc)
+                    ok = False
+        _peer[pair] = ok
+        if not ok:
+            _log_missing_peers()
+        return ok
+
+
+def _log_missing_peers() -> None:
+    missing = sorted(p for p, ok in _peer.items() if not ok and p not in _peer_logged)
+    if missing:
+        _peer_logged.update(missing)
+        pairs = ", ".join(f"{a}->{b}" for a, b in missing)
+        log.info("gpukv: no peer access for GPU pairs %s; their data is copied through "
+                 "a staging buffer on the reading GPU", pairs)
+
+
+def enable_peer_access(physical_ids) -> dict:
+    """Enable peer access among `physical_ids` once; {(reader, owner): bool} for every pair."""
+    ids = sorted(set(physical_ids))
+    return {(a, b): can_access_peer(a, b) for a, b in itertools.permutations(ids, 2)}
+
+
+# ------------------------------------------------------------- deferred frees
+_alive_lock = threading.Lock()
+_alive: list = []  # (event, object) pairs kept until the event has completed
+
+
+def keep_alive(obj, event) -> None:
+    """Keep `obj` (a buffer) referenced until `event` has completed on the GPU."""
+    with _alive_lock:
+        _alive.append((event, obj))
+        if len(_alive) > 64:
+            _alive[:] = [(e, o) for e, o in _alive if not e.done]

@@ -1,7 +1,18 @@
-"""Reduction on the key's home GPU: every source copied there and summed."""
+"""Reduction on the key's home device: one fused kernel reads every source in place.
+
+The home GPU sums all sources of all keys homed there in one launch (pointer tables),
+reading sources on other GPUs directly through peer access (enabled once per pair);
+no per-source copy buffer is made. Sources it cannot read (no peer access, host
+memory) are copied through one chunked staging buffer on the home GPU's stream.
+The broadcast is the mirror image: every destination GPU copies all its keys with
+one kernel reading the home GPUs' memory. Events order the devices; the host never
+waits.
+"""
 from __future__ import annotations
 
+from . import _ops
 from ._base import BroadcastJob, ReduceJob, Strategy
+from ._ops import FlatOut, Term
 
 
 class HomeStrategy(Strategy):
@@ -10,21 +21,52 @@ class HomeStrategy(Strategy):
     name = "home"
 
     def reduce(self, job: ReduceJob) -> None:
-        home = job.home
-        xp = home.xp
-        with home.cuda_device, home.stream:
-            for device in job.devices:
-                home.wait_for(device)
-            local = [home.to_local(s) for s in job.sources]
-            xp.copyto(job.out, local[0], casting="unsafe")
-            for s in local[1:]:
-                xp.add(job.out, s, out=job.out)
-        for device in job.devices:  # a source may be overwritten only after it was read
-            device.wait_for(home)
+        self.reduce_many([job])
 
     def broadcast(self, job: BroadcastJob) -> None:
-        home = job.home
-        for out, device in zip(job.outs, job.devices):
-            device.wait_for(home)
-            device.copy(out, job.src)
-            home.wait_for(device)  # the stored value may change only after it was read
+        self.broadcast_many([job])
+
+    def reduce_many(self, jobs: list) -> None:
+        if not jobs:
+            return
+        by_home: dict = {}
+        for job in jobs:
+            by_home.setdefault(job.home, []).append(job)
+        everyone = [d for job in jobs for d in job.devices] + list(by_home)
+        _ops.begin(everyone)
+        for home, group in by_home.items():
+            _ops.wait_all(home, [d for job in group for d in job.devices])
+            outs, work = [], []
+            for job in group:
+                out = FlatOut(job.out, home)
+                terms = [Term(_ops.flat_in(s, d), False)
+                         for s, d in zip(job.sources, job.devices)]
+                work.append((out.flat, terms))
+                outs.append(out)
+            _ops.gather_sum(home, work)
+            for out in outs:
+                out.done()
+        for home in by_home:
+            _ops.finish([d for job in jobs if job.home == home for d in job.devices], home)
+
+    def broadcast_many(self, jobs: list) -> None:
+        if not jobs:
+            return
+        by_device: dict = {}
+        for job in jobs:
+            for out, device in zip(job.outs, job.devices):
+                by_device.setdefault(device, []).append((out, job))
+        homes = _ops.unique([job.home for job in jobs])
+        _ops.begin(list(by_device) + homes)
+        for device, pairs in by_device.items():
+            _ops.wait_all(device, [job.home for _, job in pairs])
+            flat_pairs, outs = [], []
+            for out, job in pairs:
+                target = FlatOut(out, device)
+                flat_pairs.append((target.flat, _ops.flat_in(job.src, job.home)))
+                outs.append(target)
+            _ops.copy_many(device, flat_pairs)
+            for target in outs:
+                target.done()
+        for home in homes:  # the stored value may change only after every read of it
+            _ops.finish([d for job in jobs if job.home == home for d in job.devices], home)

@@ -1,0 +1,304 @@
+"""GPU kernels and their NumPy twins, in one place.
+
+Every kernel here has a NumPy twin with the same contract, so the host backend runs
+the same algorithm and tests compare the two. Layout of this module:
+
+1. Infrastructure: dtype -> CUDA C type/load/store snippets, the compile cache, and
+   launch helpers (pointer tables uploaded to device memory on the launching stream).
+2. Reduction kernels: the fused multi-key k-way sum (`multi_sum`), which also serves as
+   the multi-key copy/cast (`multi_copy`): one launch sums or copies hundreds of keys,
+   reading their sources directly from peer GPUs' memory.
+3. (Optimizer and compression kernels go below, each with its twin, using section 1.)
+
+CuPy is never imported at module level: the GPU functions take arrays whose module
+they use, so `import gpukv` stays light.
+"""
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+# =============================================================== 1. infrastructure
+
+_NARROW = frozenset(["float16", "bfloat16"])
+
+# dtype name -> (storage C type, load expression of `p[i]` as float/acc, store form)
+_CTYPES = {
+    "float16": "unsigned short",
+    "bfloat16": "unsigned short",
+    "float32": "float",
+    "float64": "double",
+    "int8": "signed char",
+    "uint8": "unsigned char",
+    "int32": "int",
+    "int64": "long long",
+}
+
+# Conversions of 16-bit floats without any header: PTX for fp16, bit arithmetic for
+# bf16 (round to nearest even, NaN kept quiet).
+_PRELUDE = r"""
+__device__ __forceinline__ float gpukv_h2f(unsigned short h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short gpukv_f2h(float f) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ float gpukv_b2f(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+__device__ __forceinline__ unsigned short gpukv_f2b(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+"""
+
+
+def accumulate_name(out_dtype) -> str:
+    """The dtype sums into `out_dtype` are accumulated in (float32 for 16-bit floats)."""
+    name = np.dtype(out_dtype).name
+    return "float32" if name in _NARROW else name
+
+
+def ctype(dtype) -> str:
+    """The C storage type of a supported dtype."""
+    return _CTYPES[np.dtype(dtype).name]
+
+
+def load_expr(dtype, ptr: str, index: str, acc: str) -> str:
+    """C expression reading `ptr[index]` (of `dtype`) as the accumulator type `acc`."""
+    name = np.dtype(dtype).name
+    if name == "float16":
+        return f"(({acc})gpukv_h2f({ptr}[{index}]))"
+    if name == "bfloat16":
+        return f"(({acc})gpukv_b2f({ptr}[{index}]))"
+    return f"(({acc}){ptr}[{index}])"
+
+
+def store_stmt(dtype, ptr: str, index: str, value: str) -> str:
+    """C statement writing the accumulator `value` into `ptr[index]` (of `dtype`)."""
+    name = np.dtype(dtype).name
+    if name == "float16":
+        return f"{ptr}[{index}] = gpukv_f2h((float)({value}));"
+    if name == "bfloat16":
+        return f"{ptr}[{index}] = gpukv_f2b((float)({value}));"
+    return f"{ptr}[{index}] = ({_CTYPES[name]})({value});"
+
+
+_compile_lock = threading.Lock()
+_compiled: dict = {}
+
+
+def compiled(cupy, name: str, source: str):
+    """The RawKernel `name` of `source`, built once per process (CuPy caches per device)."""
+    key = (name, source)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        with _compile_lock:
+            kernel = _compiled.get(key)
+            if kernel is None:
+                kernel = cupy.RawKernel(source, name, options=("-std=c++14",))
+                _compiled[key] = kernel
+    return kernel
+
+
+def upload_table(cupy, table: np.ndarray, stream):
+    """`table` (int64) as a device array, copied on `stream` (the launching stream).
+
+    The device array comes from CuPy's pool while `stream` is current, so when it is
+    freed the pool hands it out again only to later work on the same stream.
+    """
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    with stream:
+        dev = cupy.empty(table.shape, np.int64)
+    dev.data.copy_from_host_async(table.ctypes.data, table.nbytes, stream)
+    return dev
+
+
+# =================================================== 2. reduction: fused multi-key sum
+
+THREADS = 256          # threads per block
+PER_THREAD = 4         # elements per thread before a key is given another block
+MAX_BLOCKS = 4096      # blocks per key; larger keys loop (grid-stride within the key)
+META = 6               # int64 words per key: out, n, a_offset, n_a, b_offset, n_b
+
+
+class SumItem(NamedTuple):
+    """`out = sum(a) + sum(b)`, elementwise, accumulated in `accumulate_name(out.dtype)`.
+
+    `a`: arrays of one dtype T (any supported dtype); `b`: arrays of `out`'s dtype,
+    which may include `out` itself (accumulate in place). All 1-D, contiguous and of
+    `out`'s length. With one entry in `a` and none in `b` this is a copy with a cast.
+    """
+    out: object
+    a: tuple
+    b: tuple
+
+
+def plan_blocks(sizes, threads: int = THREADS, per_thread: int = PER_THREAD,
+                max_blocks: int = MAX_BLOCKS) -> np.ndarray:
+    """Block start of every key (length len(sizes)+1): key k owns blocks [s[k], s[k+1])."""
+    per_block = threads * per_thread
+    counts = [min(max_blocks, -(-int(n) // per_block)) for n in sizes]
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return starts
+
+
+def build_table(outs, sizes, a_lists, b_lists, **plan) -> tuple[np.ndarray, int]:
+    """The int64 table the sum kernel reads, and the number of blocks to launch.
+
+    `outs`, `a_lists`, `b_lists` hold addresses (ints). Layout:
+    [block starts (nkeys+1)] [nkeys x META] [addresses of every a and b list].
+    """
+    nkeys = len(sizes)
+    starts = plan_blocks(sizes, **plan)
+    meta = np.zeros((nkeys, META), dtype=np.int64)
+    pointers: list = []
+    for k in range(nkeys):
+        a, b = a_lists[k], b_lists[k]
+        meta[k] = (outs[k], sizes[k], len(pointers), len(a), len(pointers) + len(a), len(b))
+        pointers.extend(a)
+        pointers.extend(b)
+    table = np.concatenate([starts, meta.reshape(-1), np.asarray(pointers, dtype=np.int64)])
+    return table, int(starts[-1])
+
+
+def sum_source(t_dtype, u_dtype) -> tuple[str, str]:
+    """(kernel name, CUDA source) of the multi-key sum reading T and U, writing U."""
+    t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
+    acc = _CTYPES[accumulate_name(u)]
+    name = f"gpukv_multi_sum_{t}_{u}"
+    source = _PRELUDE + f"""
+typedef {_CTYPES[t]} T;
+typedef {_CTYPES[u]} U;
+typedef {acc} A;
+extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
+    const long long* starts = table;
+    const long long* meta = table + nkeys + 1;
+    const long long* ptrs = meta + {META} * (long long)nkeys;
+    const long long b = blockIdx.x;
+    int lo = 0, hi = nkeys - 1;
+    while (lo < hi) {{  /* the last key whose first block is <= b */
+        const int mid = (lo + hi + 1) >> 1;
+        if (starts[mid] <= b) lo = mid; else hi = mid - 1;
+    }}
+    const long long* m = meta + {META} * (long long)lo;
+    U* out = (U*)m[0];
+    const long long n = m[1];
+    const T* const* a = (const T* const*)(ptrs + m[2]);
+    const int na = (int)m[3];
+    const U* const* bb = (const U* const*)(ptrs + m[4]);
+    const int nb = (int)m[5];
+    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
+    for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
+         i += stride) {{
+        A s = (A)0;
+        for (int j = 0; j < na; ++j) s += {load_expr(t, "a[j]", "i", "A")};
+        for (int j = 0; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", "A")};
+        {store_stmt(u, "out", "i", "s")}
+    }}
+}}
+"""
+    return name, source
+
+
+def _group_by_dtypes(items):
+    groups: dict = {}
+    for item in items:
+        if item.out.size == 0:
+            continue
+        t = item.a[0].dtype if item.a else item.out.dtype
+        groups.setdefault((np.dtype(t).name, item.out.dtype.name), []).append(item)
+    return groups
+
+
+def multi_sum_gpu(items, stream) -> None:
+    """Launch the fused sum for every item, one kernel per (T, U) pair, on `stream`.
+
+    Must run with the launching GPU current; sources may live on any GPU the launching
+    one has peer access to (the kernel reads them directly), or on the same GPU.
+    """
+    import cupy
+
+    for (t, u), group in _group_by_dtypes(items).items():
+        table, blocks = build_table(
+            [it.out.data.ptr for it in group], [it.out.size for it in group],
+            [[x.data.ptr for x in it.a] for it in group],
+            [[x.data.ptr for x in it.b] for it in group])
+        name, source = sum_source(t, u)
+        kernel = compiled(cupy, name, source)
+        dev_table = upload_table(cupy, table, stream)
+        with stream:
+            kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+
+
+def multi_sum_host(items) -> None:
+    """NumPy twin of `multi_sum_gpu`: same result, accumulated in the same dtype."""
+    for item in items:
+        out = item.out
+        if out.size == 0:
+            continue
+        acc = np.dtype(accumulate_name(out.dtype))
+        terms = list(item.a) + list(item.b)
+        if len(terms) == 1:
+            np.copyto(out, terms[0], casting="unsafe")
+            continue
+        if any(t is out or np.shares_memory(t, out) for t in terms) or acc != out.dtype:
+            total = np.add(terms[0], terms[1], dtype=acc, casting="unsafe")
+            for t in terms[2:]:
+                np.add(total, t, out=total, dtype=acc, casting="unsafe")
+            np.copyto(out, total, casting="unsafe")
+        else:
+            np.add(terms[0], terms[1], out=out, dtype=acc, casting="unsafe")
+            for t in terms[2:]:
+                np.add(out, t, out=out, dtype=acc, casting="unsafe")
+
+
+def multi_sum(items, stream=None) -> None:
+    """`multi_sum_gpu` for CuPy outputs (on `stream`), `multi_sum_host` for NumPy ones."""
+    if not items:
+        return
+    if isinstance(items[0].out, np.ndarray):
+        multi_sum_host(items)
+    else:
+        multi_sum_gpu(items, stream)
+
+
+def multi_copy(pairs, stream=None) -> None:
+    """Copy (with a cast) every (dst, src) pair of 1-D contiguous arrays in one launch."""
+    multi_sum([SumItem(dst, (src,), ()) for dst, src in pairs], stream)
+
+
+def emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
+                  blocks: int, threads: int = THREADS) -> None:
+    """Run the sum kernel's index arithmetic on the host, block by block.
+
+    Addresses in `table` are indices into `memory` (1-D NumPy arrays); this checks
+    the table layout and the block/stride mapping of `sum_source` without a GPU.
+    """
+    starts = table[:nkeys + 1]
+    meta = table[nkeys + 1:nkeys + 1 + META * nkeys].reshape(nkeys, META)
+    ptrs = table[nkeys + 1 + META * nkeys:]
+    acc = np.dtype(accumulate_name(u_dtype))
+    for b in range(blocks):
+        k = int(np.searchsorted(starts[:nkeys], b, side="right") - 1)
+        out_i, n, a_off, na, b_off, nb = (int(x) for x in meta[k])
+        out = memory[out_i]
+        stride = (int(starts[k + 1]) - int(starts[k])) * threads
+        first = (b - int(starts[k])) * threads
+        idx = np.concatenate([np.arange(i, min(i + threads, n))
+                              for i in range(first, n, stride)] or [np.zeros(0, np.int64)])
+        total = np.zeros(idx.size, dtype=acc)
+        for j in range(na):
+            total += memory[int(ptrs[a_off + j])][idx].astype(acc)
+        for j in range(nb):
+            total += memory[int(ptrs[b_off + j])][idx].astype(acc)
+        out[idx] = total.astype(out.dtype)
+
+
+# ============================================ 3. optimizer and compression kernels
+# (each: a `*_source` builder using section 1, a GPU launcher and a NumPy twin)

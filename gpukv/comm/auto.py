@@ -1,0 +1,128 @@
+"""The 'auto' strategy: per key, the strategy the cost model predicts to be fastest.
+
+For each key the choice depends on its size in bytes, the number of devices that hold
+it and their link matrix (from CUDA's P2P attributes); `simulate.best_strategy` (an
+alpha-beta model whose constants the benchmark calibrates) ranks 'home', 'tree',
+'ring', 'cpu' and, where NCCL loads and the key spans several physical GPUs, 'nccl'.
+Keys on the host only take the host sum; a key on one device takes 'home'. Choices
+are cached per (size, devices, home) and logged once at DEBUG, e.g.
+``gpukv: key 3 (4 MiB, 4 devices) -> tree``. Keys that chose the same strategy are
+handed to it together, so each strategy still batches its keys.
+"""
+from __future__ import annotations
+
+import logging
+
+from . import _ops
+from ._base import BroadcastJob, ReduceJob, Strategy
+
+log = logging.getLogger("gpukv")
+
+_CANDIDATES = ("home", "tree", "ring", "cpu")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class AutoStrategy(Strategy):
+    """Picks a strategy per key from `simulate.best_strategy` (see the module docs).
+
+    `machine`: a link matrix, a `simulate` machine profile name or a `Machine`, used in
+    place of the measured topology (tests, and the benchmark's calibration). `choose`:
+    a callable `(nbytes, n_devices, matrix, home, candidates) -> name` replacing the
+    cost model. `model_host`: choose for host devices too (else they take the host sum).
+    """
+
+    name = "auto"
+
+    def __init__(self, machine=None, choose=None, strategies: dict | None = None,
+                 model_host: bool = False):
+        self._machine = machine
+        self._model_host = model_host  # host slots consult the model too (tests)
+        self._choose = choose
+        self._strategies = dict(strategies or {})
+        self._cache: dict = {}
+        self._said: set = set()
+
+    def strategy(self, name: str) -> Strategy:
+        """The strategy object of `name` this auto strategy delegates to."""
+        s = self._strategies.get(name)
+        if s is None:
+            from .registry import make_strategy
+            s = self._strategies[name] = make_strategy(name)
+        return s
+
+    def choose(self, key, nbytes: int, devices, home) -> str:
+        """The strategy name for one key of `nbytes` on `devices` homed on `home`."""
+        host = _ops.is_host_job(devices, home)
+        if host and not self._model_host:
+            return "cpu"
+        nodes = sorted(_ops.unique(list(devices) + [home]),
+                       key=lambda d: (d.kind, d.physical, d.slot))
+        if len(nodes) == 1 or not (host or _ops.is_gpu_job(devices, home)) \
+                or len(set(devices)) != len(devices):
+            return "home"
+        cache_key = (nbytes, tuple(nodes), home)
+        name = self._cache.get(cache_key)
+        if name is None:
+            name = self._cache[cache_key] = self._decide(nbytes, nodes, home)
+        if cache_key not in self._said and log.isEnabledFor(logging.DEBUG):
+            self._said.add(cache_key)
+            log.debug("gpukv: key %r (%s, %d devices) -> %s", key, _size(nbytes),
+                      len(nodes), name)
+        return name
+
+    def _decide(self, nbytes: int, nodes, home) -> str:
+        candidates = list(_CANDIDATES)
+        if not host_nodes(nodes) and len({d.physical for d in nodes}) > 1:
+            from .nccl import nccl_available
+            if nccl_available():
+                candidates.append("nccl")
+        machine = self._machine
+        if machine is None:
+            machine = _ops.link_matrix(nodes)
+        h = nodes.index(home)
+        if self._choose is not None:
+            return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
+        try:
+            from . import simulate
+        except ImportError:  # pragma: no cover - simulate ships with gpukv
+            return _fallback_choice(nbytes, len(nodes))
+        return simulate.best_strategy(nbytes, len(nodes), machine,
+                                      strategies=tuple(candidates), home=h)
+
+    def _dispatch(self, jobs, devices_of, nbytes_of, method: str) -> None:
+        chosen: dict = {}
+        for job in jobs:
+            name = self.choose(job.key, nbytes_of(job), devices_of(job), job.home)
+            chosen.setdefault(name, []).append(job)
+        for name, group in chosen.items():
+            getattr(self.strategy(name), method)(group)
+
+    def reduce(self, job: ReduceJob) -> None:
+        self.reduce_many([job])
+
+    def broadcast(self, job: BroadcastJob) -> None:
+        self.broadcast_many([job])
+
+    def reduce_many(self, jobs: list) -> None:
+        self._dispatch(jobs, lambda j: j.devices, lambda j: j.sources[0].nbytes, "reduce_many")
+
+    def broadcast_many(self, jobs: list) -> None:
+        self._dispatch(jobs, lambda j: j.devices, lambda j: j.src.nbytes, "broadcast_many")
+
+
+def host_nodes(nodes) -> bool:
+    return not any(_ops.is_gpu(d) for d in nodes)
+
+
+def _fallback_choice(nbytes: int, n: int) -> str:
+    """A size rule for when no cost model is available."""
+    if nbytes < (1 << 20) or n <= 2:
+        return "home"
+    return "tree" if nbytes < (64 << 20) else "ring"

@@ -1,0 +1,225 @@
+"""Topology-aware tree reduction over peer links (MXNet's `comm_tree`).
+
+The devices of a key get one binary tree per root (`topology.plan_trees` on the link
+matrix from CUDA's P2P attributes, with MXNet's link-usage penalty). A key of up to
+`array_bound` elements travels whole on the tree rooted at its home; a bigger key is
+cut into one slice per tree, slice i reduced up the tree rooted at device i (a
+reduce-scatter) and then gathered on the home; the broadcast scatters the slices to
+the roots and sends each down its tree (an all-gather). Every tree level is one fused
+kernel per parent for all keys and slices of the call, reading the children's partial
+sums through peer access.
+"""
+from __future__ import annotations
+
+from . import _ops
+from ._base import BroadcastJob, ReduceJob, Strategy
+from ._ops import FlatOut, Term
+from .home import HomeStrategy
+
+
+def _node_order(device):
+    return (device.kind, device.physical, device.slot)
+
+
+class _Plan:
+    """The nodes of a group of keys and their trees."""
+
+    def __init__(self, nodes, matrix):
+        from . import topology
+        self.nodes = nodes
+        self.index = {d: i for i, d in enumerate(nodes)}
+        self.trees = topology.plan_trees(matrix)
+
+
+class TreeStrategy(Strategy):
+    """Binary trees over the link topology; large keys sliced across one tree per root.
+
+    `matrix`: a link matrix (or a callable `nodes -> matrix`) used instead of the one
+    read from CUDA, e.g. to run a DGX-1 plan on host devices in tests. `array_bound`:
+    elements above which a key is sliced (default: `topology.tree_options()`).
+    """
+
+    name = "tree"
+
+    def __init__(self, matrix=None, array_bound: int | None = None):
+        self._matrix = matrix
+        self._bound = array_bound
+        self._plans: dict = {}
+        self._fallback = HomeStrategy()
+
+    # --------------------------------------------------------------- planning
+    def _plan(self, nodes) -> _Plan:
+        key = tuple(nodes)
+        plan = self._plans.get(key)
+        if plan is None:
+            if self._matrix is None:
+                matrix = _ops.link_matrix(nodes)
+            elif callable(self._matrix):
+                matrix = self._matrix(nodes)
+            else:
+                import numpy as np
+                full = np.asarray(self._matrix, dtype=float)
+                ids = [d.slot if d.kind != "gpu" else d.physical for d in nodes]
+                matrix = full[np.ix_(ids, ids)]
+            plan = self._plans[key] = _Plan(list(nodes), matrix)
+        return plan
+
+    def _bound_now(self) -> int:
+        from . import topology
+        return self._bound if self._bound is not None else topology.tree_options()["array_bound"]
+
+    def _groups(self, jobs, devices_of):
+        """Jobs by their node set; jobs the tree cannot take go to the fallback list."""
+        groups: dict = {}
+        fallback = []
+        for job in jobs:
+            devices = devices_of(job)
+            nodes = sorted(_ops.unique(list(devices) + [job.home]), key=_node_order)
+            ok = (len(nodes) >= 2 and len(set(devices)) == len(devices)
+                  and (_ops.is_host_job(devices, job.home)
+                       or _ops.is_gpu_job(devices, job.home)))
+            if ok:
+                groups.setdefault(tuple(nodes), []).append(job)
+            else:
+                fallback.append(job)
+        return groups, fallback
+
+    def _segments(self, plan, job, size):
+        from . import topology
+        home = plan.index[job.home]
+        return topology.slice_plan(size, len(plan.nodes), home, array_bound=self._bound_now())
+
+    # ----------------------------------------------------------------- reduce
+    def reduce(self, job: ReduceJob) -> None:
+        self.reduce_many([job])
+
+    def reduce_many(self, jobs: list) -> None:
+        groups, fallback = self._groups(jobs, lambda j: j.devices)
+        self._fallback.reduce_many(fallback)
+        for nodes, group in groups.items():
+            self._reduce_group(self._plan(nodes), group)
+
+    def _reduce_group(self, plan: _Plan, jobs) -> None:
+        nodes = plan.nodes
+        _ops.begin(nodes)
+        outs, by_root = [], {}
+        for job in jobs:
+            home = job.home
+            out = FlatOut(job.out, home)
+            outs.append(out)
+            sources = {plan.index[d]: _ops.flat_in(s, d) for s, d in zip(job.sources, job.devices)}
+            h = plan.index[home]
+            for root, start, stop in self._segments(plan, job, out.flat.size):
+                by_root.setdefault(root, []).append((h, out.flat, sources, start, stop))
+        gathers: dict = {}  # home index -> [(out slice, final partial)], roots
+        for root, segs in by_root.items():
+            finals = self._reduce_tree(plan, plan.trees[root], segs)
+            for (h, out, _, start, stop), final in zip(segs, finals):
+                if root != h:
+                    gathers.setdefault(h, ([], set()))
+                    gathers[h][0].append((out[start:stop], final))
+                    gathers[h][1].add(root)
+        for h, (pairs, roots) in gathers.items():
+            home = nodes[h]
+            _ops.wait_all(home, [nodes[r] for r in roots])
+            _ops.copy_many(home, pairs)
+        for out in outs:
+            out.done()
+        homes = _ops.unique([job.home for job in jobs])
+        for home in homes:
+            _ops.finish(nodes, home)
+
+    def _reduce_tree(self, plan: _Plan, tree, segs) -> list:
+        """Reduce every segment up `tree`; the final partial of each (on the root)."""
+        nodes = plan.nodes
+        root = tree.root
+        # partial[s][node]: Term of segment s's running sum on node (None: nothing yet)
+        partial = []
+        for h, out, sources, start, stop in segs:
+            partial.append({i: Term(src[start:stop], False) for i, src in sources.items()})
+        owned = [dict() for _ in segs]  # node -> buffer this call allocated for segment s
+        for level in tree.levels:
+            children_of: dict = {}
+            for child, parent in level:
+                if child != parent:
+                    children_of.setdefault(parent, []).append(child)
+            for parent, children in children_of.items():
+                device = nodes[parent]
+                _ops.wait_all(device, [nodes[c] for c in children])
+                work = []
+                for s, (h, out, sources, start, stop) in enumerate(segs):
+                    terms = [partial[s].get(i) for i in [parent] + children]
+                    terms = [t for t in terms if t is not None]
+                    if not terms:
+                        continue
+                    target = owned[s].get(parent)
+                    if target is None:
+                        if parent == root and root == h:
+                            target = out[start:stop]
+                        else:
+                            target = device.empty(stop - start, out.dtype)
+                        owned[s][parent] = target
+                    work.append((target, terms))
+                    partial[s][parent] = Term(target, True)
+                _ops.gather_sum(device, work)
+        finals = []
+        for s, (h, out, sources, start, stop) in enumerate(segs):
+            final = partial[s].get(root)
+            if root == h and owned[s].get(root) is None:
+                # The root never received anything (cannot happen with >= 2 nodes).
+                _ops.gather_sum(nodes[root], [(out[start:stop], [final] if final else [])])
+                final = Term(out[start:stop], True)
+            finals.append(final.array)
+        return finals
+
+    # -------------------------------------------------------------- broadcast
+    def broadcast(self, job: BroadcastJob) -> None:
+        self.broadcast_many([job])
+
+    def broadcast_many(self, jobs: list) -> None:
+        simple, other = [], []
+        for job in jobs:
+            same = all(o.dtype == job.src.dtype and o.flags.c_contiguous for o in job.outs)
+            (simple if same and job.src.flags.c_contiguous else other).append(job)
+        groups, fallback = self._groups(simple, lambda j: j.devices)
+        self._fallback.broadcast_many(fallback + other)
+        for nodes, group in groups.items():
+            self._broadcast_group(self._plan(nodes), group)
+
+    def _broadcast_group(self, plan: _Plan, jobs) -> None:
+        nodes = plan.nodes
+        _ops.begin(nodes)
+        by_root: dict = {}
+        home_copies: dict = {}
+        for job in jobs:
+            h = plan.index[job.home]
+            src = job.src.reshape(-1)
+            value = {plan.index[d]: o.reshape(-1) for o, d in zip(job.outs, job.devices)}
+            if h in value:  # the home's own out: a local copy at the end
+                home_copies.setdefault(h, []).append((value[h], src))
+            value[h] = src
+            for root, start, stop in self._segments(plan, job, src.size):
+                by_root.setdefault(root, []).append((h, value, start, stop))
+        for root, segs in by_root.items():
+            scatter = [(v[root][a:b], v[h][a:b]) for h, v, a, b in segs if root != h]
+            if scatter:
+                device = nodes[root]
+                _ops.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
+                _ops.copy_many(device, scatter)
+            for level in plan.trees[root].broadcast_levels():
+                by_dst: dict = {}
+                for src_node, dst_node in level:
+                    by_dst.setdefault(dst_node, set()).add(src_node)
+                for dst, srcs in by_dst.items():
+                    device = nodes[dst]
+                    _ops.wait_all(device, [nodes[i] for i in srcs])
+                    pairs = []
+                    for h, v, a, b in segs:
+                        for src_node, dst_node in level:
+                            if dst_node == dst and dst != h:
+                                pairs.append((v[dst][a:b], v[src_node][a:b]))
+                    _ops.copy_many(device, pairs)
+        for h, pairs in home_copies.items():
+            _ops.copy_many(nodes[h], pairs)
+        for home in _ops.unique([job.home for job in jobs]):
+            _ops.finish(nodes, home)

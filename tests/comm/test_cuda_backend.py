@@ -1,0 +1,532 @@
+"""The CUDA backend: virtual GPUs, peer access bookkeeping, streams and events."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import DeviceError
+from gpukv.backends import cuda as cuda_mod
+
+
+class _FakeRuntime:
+    """Stands in for cupy.cuda.runtime: peer access allowed only between 0 and 1."""
+
+    class CUDARuntimeError(Exception):
+        def __init__(self, status):
+            super().__init__(status)
+            self.status = status
+
+    def __init__(self):
+        self.enabled = []
+        self.current = 0
+
+    def deviceCanAccessPeer(self, a, b):
+        return int({a, b} == {0, 1})
+
+    def deviceEnablePeerAccess(self, peer):
+        if (self.current, peer) in self.enabled:
+            raise self.CUDARuntimeError(704)
+        self.enabled.append((self.current, peer))
+
+
+class _FakeDevice:
+    def __init__(self, runtime, i):
+        self.runtime, self.i = runtime, i
+
+    def __enter__(self):
+        self.runtime.current = self.i
+
+    def __exit__(self, *exc):
+        self.runtime.current = 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import types
+    runtime = _FakeRuntime()
+    cuda = types.SimpleNamespace(runtime=runtime, Device=lambda i: _FakeDevice(runtime, i))
+    fake = types.SimpleNamespace(cuda=cuda)
+    monkeypatch.setattr(cuda_mod, "cupy_module", lambda: fake)
+    monkeypatch.setattr(cuda_mod, "_peer", {})
+    monkeypatch.setattr(cuda_mod, "_peer_logged", set())
+    return runtime
+
+
+def test_peer_access_enabled_once_per_pair(fake_cuda):
+    """Peer access is enabled once per (reader, owner) pair and then remembered."""
+    assert cuda_mod.can_access_peer(0, 1)
+    assert cuda_mod.can_access_peer(0, 1)
+    assert cuda_mod.can_access_peer(1, 0)
+    assert fake_cuda.enabled == [(0, 1), (1, 0)]
+    assert cuda_mod.can_access_peer(2, 2)
+
+
+def test_peer_access_already_enabled_is_fine(fake_cuda):
+    """A pair CuPy enabled first (error 704) still counts as accessible."""
+    fake_cuda.enabled.append((0, 1))
+    assert cuda_mod.can_access_peer(0, 1)
+
+
+def test_missing_peer_pairs_logged_together(fake_cuda, caplog):
+    """Pairs without peer access are listed in one log line, once."""
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        table = cuda_mod.enable_peer_access([0, 1, 2])
+        cuda_mod.enable_peer_access([0, 1, 2])
+    assert table[(0, 1)] and not table[(0, 2)] and not table[(2, 1)]
+    lines = [r.getMessage() for r in caplog.records if "no peer access" in r.getMessage()]
+    assert lines and "0->2" in " ".join(lines)
+    assert sum(line.count("0->2") for line in lines) == 1
+
+
+def test_virtual_gpus_env(monkeypatch):
+    """GPUKV_VIRTUAL_GPUS deals N logical devices round-robin onto the physical ones."""
+    made = []
+    monkeypatch.setattr(cuda_mod, "gpu_count", lambda: 2)
+    monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: made.append((p, s)) or (p, s))
+    monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", "5")
+    assert cuda_mod.gpu_devices() == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", "zero")
+    with pytest.raises(DeviceError, match="GPUKV_VIRTUAL_GPUS"):
+        cuda_mod.gpu_devices()
+    monkeypatch.setattr(cuda_mod, "gpu_count", lambda: 0)
+    assert cuda_mod.gpu_devices() == []
+
+
+# ----------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_virtual_slots_have_own_streams():
+    """Slot 0 uses CuPy's current stream; every other slot owns a distinct stream."""
+    import cupy
+    d0 = cuda_mod.cuda_device(0, 0)
+    d1 = cuda_mod.cuda_device(0, 1)
+    d2 = cuda_mod.cuda_device(0, 2)
+    assert d0.stream.ptr == cupy.cuda.get_current_stream(0).ptr
+    assert len({d0.stream.ptr, d1.stream.ptr, d2.stream.ptr}) == 3
+
+
+@pytest.mark.gpu
+def test_wait_for_orders_streams_without_host_sync():
+    """Work on a virtual slot sees data written on another slot's stream via events."""
+    import cupy
+    a = cuda_mod.cuda_device(0, 1)
+    b = cuda_mod.cuda_device(0, 2)
+    x = a.empty((1 << 22,), cupy.float32)
+    with a.cuda_device, a.stream:
+        x.fill(3)
+    b.wait_for(a)
+    y = b.empty(x.shape, x.dtype)
+    b.copy(y, x)
+    b.leave()  # the current stream now waits for b
+    assert float(y.sum()) == 3.0 * (1 << 22)
+
+
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("strategy", ["home", "tree", "ring", "auto"])
+def test_push_pull_ordered_on_current_stream(strategy):
+    """Pull after push, then reads on CuPy's current stream, see every push (no syncs)."""
+    import cupy
+    from gpukv.backends.cuda import gpu_devices
+    devs = gpu_devices()[:4]
+    kv = gpukv.create("device", strategy=strategy)
+    n = 1 << 20
+    with cupy.cuda.Device(devs[0].physical):
+        kv.init("w", cupy.zeros(n, cupy.float32))
+    grads, outs = [], []
+    for i, d in enumerate(devs):
+        with cupy.cuda.Device(d.physical):
+            grads.append(cupy.full(n, float(i + 1), cupy.float32))
+            outs.append(cupy.empty(n, cupy.float32))
+    for step in range(3):
+        kv.push("w", grads)
+        kv.pull("w", out=outs)
+        for g in grads:  # the caller overwrites its gradients right away
+            g += 1
+        for o in outs:
+            with cupy.cuda.Device(o.device.id):
+                assert float(o[0]) == float(o[-1]) == 10 + 4 * step
+
+
+@pytest.mark.multi_gpu(2)
+def test_host_source_into_gpu_home():
+    """A NumPy source pushed to a GPU-homed key is staged onto the home GPU."""
+    import cupy
+    kv = gpukv.create("device", strategy="home")
+    kv.init(1, cupy.zeros(10, cupy.float32))
+    kv.push(1, [cupy.ones(10, cupy.float32), np.full(10, 2, np.float32)])
+    out = np.zeros(10, np.float32)
+    kv.pull(1, out=out)
+    np.testing.assert_array_equal(out, 3)
+
+
+# ------------------------------------------------- stream-order checker (no GPU)
+# Fake GPUs run the strategies' GPU code path eagerly on NumPy, with one vector clock
+# per device: `record`/`wait_event`/`wait_for` move the clocks as CUDA events would,
+# and every kernel or copy checks that what it reads was written, and what it
+# overwrites was read, by work it is ordered after. A missing event is a failure.
+class _Storage:
+    def __init__(self, data, n_dev):
+        self.data = data.reshape(-1)
+        self.w_dev = np.full(self.data.size, -1)
+        self.w_t = np.zeros(self.data.size, np.int64)
+        self.r_t = np.zeros((n_dev, self.data.size), np.int64)
+
+
+_PTRS: dict = {}
+
+
+class _Data:
+    def __init__(self, arr):
+        self.arr = arr
+        self.ptr = id(arr.st) * 1000003 + arr.off
+        _PTRS[self.ptr] = arr
+
+    def copy_from_device_async(self, src, nbytes, stream):
+        dev = stream.dev
+        dev.tick()
+        _read(dev, src.arr)
+        _write(dev, self.arr)
+        self.arr.np[...] = src.arr.np.reshape(self.arr.np.shape)
+
+
+class _Arr:
+    """A 1-D (or reshaped contiguous) view of fake device memory."""
+
+    class flags:  # noqa: N801 - mirrors ndarray.flags
+        c_contiguous = True
+
+    def __init__(self, st, off, shape, device):
+        self.st, self.off, self.shape, self.device = st, off, tuple(shape), device
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def np(self):
+        return self.st.data[self.off:self.off + self.size].reshape(self.shape)
+
+    dtype = property(lambda self: self.st.data.dtype)
+    itemsize = property(lambda self: self.st.data.itemsize)
+    nbytes = property(lambda self: self.size * self.itemsize)
+    data = property(lambda self: _Data(self))
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        shape = (self.size,) if shape in ((-1,), -1) else shape
+        return _Arr(self.st, self.off, shape, self.device)
+
+    def __getitem__(self, s):
+        start, stop, _ = s.indices(self.size)
+        return _Arr(self.st, self.off + start, (max(0, stop - start),), self.device)
+
+    def fill(self, value):
+        dev = _CURRENT[-1]
+        dev.tick()
+        _write(dev, self)
+        self.np[...] = value
+
+
+def _span(a):
+    return slice(a.off, a.off + a.size)
+
+
+def _read(dev, a):
+    sl = _span(a)
+    w_dev, w_t = a.st.w_dev[sl], a.st.w_t[sl]
+    for w in set(w_dev.tolist()) - {-1}:
+        need = w_t[w_dev == w].max()
+        assert dev.clock[w] >= need, f"{dev} reads data of {_DEVS[w]} without waiting for it"
+    a.st.r_t[dev.index, sl] = dev.clock[dev.index]
+
+
+def _write(dev, a):
+    sl = _span(a)
+    _read_ok = a.st.r_t[:, sl].max(axis=1)
+    for r, t in enumerate(_read_ok.tolist()):
+        assert r == dev.index or dev.clock[r] >= t, \
+            f"{dev} overwrites data {_DEVS[r]} may still be reading"
+    _read(dev, a)
+    a.st.w_dev[sl] = dev.index
+    a.st.w_t[sl] = dev.clock[dev.index]
+
+
+_DEVS: list = []
+_CURRENT: list = []
+
+
+class _Stream:
+    def __init__(self, dev):
+        self.dev, self.ptr = dev, 1000 + dev.index
+
+    def __enter__(self):
+        _CURRENT.append(self.dev)
+
+    def __exit__(self, *exc):
+        _CURRENT.pop()
+
+
+class _Event:
+    def __init__(self, clock):
+        self.clock = clock.copy()
+
+    def synchronize(self):
+        pass
+
+
+class _FakeGpu(gpukv.backends.Device):
+    kind = "gpu"
+
+    def __init__(self, physical, slot, index, n_dev):
+        super().__init__(physical, slot)
+        self.index, self.n_dev = index, n_dev
+        self.clock = np.zeros(n_dev, np.int64)
+        self._stream = _Stream(self)
+        self.cuda_device = _Stream(self)
+
+    xp = property(lambda self: np)
+    stream = property(lambda self: self._stream)
+    id = property(lambda self: self.physical)  # arrays' `.device.id`, as in CuPy
+
+    def tick(self):
+        self.clock[self.index] += 1
+
+    def record(self):
+        self.tick()
+        return _Event(self.clock)
+
+    def wait_event(self, event):
+        np.maximum(self.clock, event.clock, out=self.clock)
+
+    def wait_for(self, other):
+        if isinstance(other, _FakeGpu):
+            self.wait_event(other.record())
+
+    def enter(self):
+        pass
+
+    def leave(self):
+        self.record()
+
+    def synchronize(self):
+        pass
+
+    def empty(self, shape, dtype):
+        shape = (shape,) if isinstance(shape, int) else shape
+        return _Arr(_Storage(np.zeros(shape, dtype), self.n_dev), 0, shape, self)
+
+    def owns(self, array):
+        return isinstance(array, _Arr) and array.device.physical == self.physical
+
+    def copy(self, dst, src):
+        self.tick()
+        _read(self, src)
+        _write(self, dst)
+        dst.np[...] = src.np.reshape(dst.shape)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Eight fake GPUs on four physical ids; peer access only within pairs (0,1), (2,3)."""
+    from gpukv import _kernels
+    from gpukv.comm import _ops
+
+    def multi_sum_gpu(items, stream):
+        dev = stream.dev
+        dev.tick()
+        for it in items:
+            for t in list(it.a) + list(it.b):
+                _read(dev, t)
+        for it in items:
+            _write(dev, it.out)
+        _kernels.multi_sum_host([_kernels.SumItem(it.out.np, tuple(t.np for t in it.a),
+                                                  tuple(t.np for t in it.b)) for it in items])
+
+    monkeypatch.setattr(_kernels, "multi_sum_gpu", multi_sum_gpu)
+    monkeypatch.setattr(cuda_mod, "can_access_peer", lambda r, o: r // 2 == o // 2)
+    monkeypatch.setattr(_ops, "link_matrix", lambda nodes: _matrix(nodes))
+    devs = [_FakeGpu(i % 4, i // 4, i, 8) for i in range(8)]
+    _DEVS[:] = devs
+    return devs
+
+
+def _matrix(nodes):
+    from gpukv.comm import topology
+    n = len(nodes)
+    w = np.zeros((n, n))
+    for i, a in enumerate(nodes):
+        for j, b in enumerate(nodes):
+            if i != j:
+                w[i, j] = 64 if a.physical == b.physical else (2 if a.physical // 2
+                                                              == b.physical // 2 else 0)
+    return topology.as_link_matrix(w)
+
+
+def _user_array(dev, values):
+    a = dev.empty(values.shape, values.dtype)
+    a.np[...] = values
+    a.st.w_dev[:] = dev.index
+    a.st.w_t[:] = dev.clock[dev.index] = dev.clock[dev.index] + 1
+    return a
+
+
+@pytest.mark.parametrize("name", ["home", "tree", "ring"])
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("bound", [3, 10 ** 6])
+def test_gpu_path_is_event_ordered(fake_gpus, name, n, bound, monkeypatch):
+    """The GPU code path of each strategy orders every read and overwrite by events."""
+    from gpukv.comm import BroadcastJob, ReduceJob
+    from gpukv.comm.registry import make_strategy
+    from gpukv.comm.tree import TreeStrategy
+    import gpukv.comm._ops as ops
+    monkeypatch.setattr(ops, "STAGE_BYTES", 16)  # many staging chunks
+    strategy = TreeStrategy(array_bound=bound) if name == "tree" else make_strategy(name)
+    devs = fake_gpus[:n]
+    rng = np.random.default_rng(n)
+    for home in {devs[0], devs[-1], fake_gpus[7]}:
+        values = [rng.integers(-9, 9, 23).astype(np.float16) for _ in devs]
+        sources = [_user_array(d, v) for d, v in zip(devs, values)]
+        out = home.empty((23,), np.float32)
+        strategy.reduce_many([ReduceJob("k", sources, list(devs), home, out)])
+        for d, s in zip(devs, sources):  # callers may overwrite their sources now
+            d.tick()
+            _write(d, s)
+        home.tick()
+        _read(home, out)  # and read the result on the home's stream
+        np.testing.assert_array_equal(out.np, sum(v.astype(np.float32) for v in values))
+        outs = [d.empty((23,), np.float32) for d in devs]
+        strategy.broadcast_many([BroadcastJob("k", out, home, outs, list(devs))])
+        home.tick()
+        _write(home, out)  # the stored value may change after the pull returns
+        for d, o in zip(devs, outs):
+            d.tick()
+            _read(d, o)
+            np.testing.assert_array_equal(o.np, out.np)
+
+
+def test_checker_catches_a_missing_wait(fake_gpus):
+    """The stream-order checker fails a read that no event orders."""
+    a, b = fake_gpus[0], fake_gpus[1]
+    x = _user_array(a, np.ones(4))
+    b.tick()
+    with pytest.raises(AssertionError, match="without waiting"):
+        _read(b, x)
+
+
+class _FakeNccl:
+    """cupy.cuda.nccl's surface: grouped reduce/bcast run on the fake GPUs at groupEnd."""
+
+    available = True
+    NCCL_SUM = 0
+    NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_INT32 = 6, 7, 8, 2
+
+    def __init__(self, devs):
+        self.devs = devs
+        self.pending = None
+        self.groups = 0
+        outer = self
+
+        class NcclCommunicator:
+            def __init__(self, group, rank):
+                self.group, self.rank = group, rank
+
+            @staticmethod
+            def initAll(devices):
+                group = tuple(devices)
+                return [NcclCommunicator(group, r) for r in range(len(devices))]
+
+            def reduce(self, send, recv, count, dtype, op, root, stream):
+                outer.pending.append(("reduce", self, send, recv, count, root, stream))
+
+            def bcast(self, buf, count, dtype, root, stream):
+                outer.pending.append(("bcast", self, buf, buf, count, root, stream))
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def groupStart(self):
+        self.pending = []
+
+    def groupEnd(self):
+        self.groups += 1
+        calls, self.pending = self.pending, None
+        seen: dict = {}
+        collectives: dict = {}
+        for call in calls:  # the k-th call of every rank of a group forms one collective
+            op, comm = call[0], call[1]
+            k = seen.get((comm.group, comm.rank), 0)
+            seen[(comm.group, comm.rank)] = k + 1
+            collectives.setdefault((comm.group, k), {})[comm.rank] = call
+        for (group, _), ranks in collectives.items():
+            assert sorted(ranks) == list(range(len(group))), "a rank missed a collective"
+            op = {c[0] for c in ranks.values()}
+            assert len(op) == 1
+            devs = {r: self.devs[c[6] - 1000] for r, c in ranks.items()}
+            for r, c in ranks.items():
+                assert devs[r].physical == group[r], "NCCL call on another GPU's stream"
+            root = ranks[0][5]
+            joint = np.max([d.clock for d in devs.values()], axis=0)
+            if op == {"reduce"}:
+                total = 0
+                for r, c in ranks.items():
+                    devs[r].tick()
+                    _read(devs[r], _PTRS[c[2]][:c[4]])
+                    total = total + _PTRS[c[2]][:c[4]].np
+                joint = np.max([d.clock for d in devs.values()], axis=0)
+                for d in devs.values():
+                    np.maximum(d.clock, joint, out=d.clock)
+                dst = _PTRS[ranks[root][3]][:ranks[root][4]]
+                devs[root].tick()
+                _write(devs[root], dst)
+                dst.np[...] = total
+            else:
+                devs[root].tick()
+                src = _PTRS[ranks[root][2]][:ranks[root][4]]
+                _read(devs[root], src)
+                joint = np.max([d.clock for d in devs.values()], axis=0)
+                for d in devs.values():
+                    np.maximum(d.clock, joint, out=d.clock)
+                for r, c in ranks.items():
+                    if r != root:
+                        devs[r].tick()
+                        dst = _PTRS[c[2]][:c[4]]
+                        _write(devs[r], dst)
+                        dst.np[...] = src.np
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_nccl_path_grouped_and_event_ordered(fake_gpus, n, dtype, monkeypatch):
+    """The 'nccl' strategy's GPU path: one group per call, right sums, ordered by events."""
+    from gpukv.comm import BroadcastJob, ReduceJob
+    from gpukv.comm import nccl as nccl_mod
+    fake = _FakeNccl(fake_gpus)
+    monkeypatch.setattr(nccl_mod, "nccl_module", lambda: fake)
+    monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])
+    strategy = nccl_mod.NcclStrategy()
+    devs = fake_gpus[:n]
+    rng = np.random.default_rng(n)
+    jobs, refs, bjobs = [], [], []
+    for key, home in enumerate({devs[0], devs[-1], fake_gpus[5]}):
+        values = [rng.integers(-9, 9, 17).astype(dtype) for _ in devs]
+        sources = [_user_array(d, v) for d, v in zip(devs, values)]
+        jobs.append(ReduceJob(key, sources, list(devs), home, home.empty((17,), np.float32)))
+        refs.append(sum(v.astype(np.float32) for v in values))
+    strategy.reduce_many(jobs)
+    for job, ref in zip(jobs, refs):
+        for d, s in zip(job.devices, job.sources):
+            d.tick()
+            _write(d, s)
+        job.home.tick()
+        _read(job.home, job.out)
+        np.testing.assert_array_equal(job.out.np, ref)
+        outs = [d.empty((17,), np.float32) for d in devs]
+        bjobs.append(BroadcastJob(job.key, job.out, job.home, outs, list(devs)))
+    strategy.broadcast_many(bjobs)
+    physical = {d.physical for d in devs}
+    assert fake.groups == (2 if len(physical | {j.home.physical for j in jobs}) > 1 else 0)
+    for job in bjobs:
+        job.home.tick()
+        _write(job.home, job.src)
+        for d, o in zip(job.devices, job.outs):
+            d.tick()
+            _read(d, o)
+            np.testing.assert_array_equal(o.np, job.src.np)

@@ -1,0 +1,205 @@
+"""The kernels of gpukv/_kernels.py: NumPy twins, pointer tables, and the CUDA sources."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpukv import _kernels as K
+
+DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _rand(rng, n, dtype):
+    return rng.integers(-20 if dtype.kind != "u" else 0, 20, size=n).astype(dtype)
+
+
+def _reference(a, b, out_dtype):
+    acc = np.dtype(K.accumulate_name(out_dtype))
+    total = np.zeros(len(a[0]) if a else len(b[0]), acc)
+    for x in list(a) + list(b):
+        total = total + x.astype(acc)
+    return total.astype(out_dtype)
+
+
+@pytest.mark.parametrize("t", DTYPES + ["bfloat16"])
+def test_multi_sum_host_matches_reference(t):
+    """The host twin sums sources of T into U, accumulating 16-bit floats in float32."""
+    rng = np.random.default_rng(1)
+    t = _dtype(t)
+    u = np.dtype(K.accumulate_name(t))
+    items, refs = [], []
+    for n in (0, 1, 7, 300):
+        a = tuple(_rand(rng, n, t) for _ in range(3))
+        b = (_rand(rng, n, u),)
+        out = np.zeros(n, u)
+        items.append(K.SumItem(out, a, b))
+        refs.append(_reference(a, b, u))
+    K.multi_sum_host(items)
+    for item, ref in zip(items, refs):
+        np.testing.assert_array_equal(item.out, ref)
+
+
+def test_fp16_sum_does_not_overflow():
+    """Two fp16 pushes of 60000 sum to 120000 in a float32 output (not inf)."""
+    a = (np.full(4, 60000, np.float16),) * 2
+    out = np.zeros(4, np.float32)
+    K.multi_sum_host([K.SumItem(out, a, ())])
+    np.testing.assert_array_equal(out, 120000)
+
+
+def test_in_place_accumulate():
+    """`out` may be one of the `b` terms: out += sum(a)."""
+    out = np.arange(5, dtype=np.float32)
+    K.multi_sum_host([K.SumItem(out, (np.ones(5, np.float16),), (out,))])
+    np.testing.assert_array_equal(out, np.arange(5) + 1)
+
+
+def test_multi_copy_casts():
+    """multi_copy copies every pair, casting to the destination's dtype."""
+    src = [np.arange(6, dtype=np.float32), np.arange(3, dtype=np.int64)]
+    dst = [np.zeros(6, np.float16), np.zeros(3, np.float64)]
+    K.multi_copy(list(zip(dst, src)))
+    for d, s in zip(dst, src):
+        np.testing.assert_array_equal(d, s.astype(d.dtype))
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(0, 70), min_size=1, max_size=8),
+       threads=st.sampled_from([1, 4, 32]), per_thread=st.integers(1, 3),
+       max_blocks=st.integers(1, 5), na=st.integers(0, 3), nb=st.integers(0, 2),
+       t=st.sampled_from(["float16", "int32", "float64"]))
+def test_pointer_table_emulated_like_the_kernel(sizes, threads, per_thread, max_blocks,
+                                                na, nb, t):
+    """The table layout and block/stride mapping of the kernel cover every element once."""
+    if na + nb == 0:
+        na = 1
+    t = np.dtype(t)
+    u = np.dtype(K.accumulate_name(t))
+    rng = np.random.default_rng(len(sizes))
+    memory, outs, a_lists, b_lists, refs = [], [], [], [], []
+
+    def put(x):
+        memory.append(x)
+        return len(memory) - 1
+
+    for n in sizes:
+        a = [_rand(rng, n, t) for _ in range(na)]
+        b = [_rand(rng, n, u) for _ in range(nb)]
+        outs.append(put(np.full(n, 77, u)))
+        a_lists.append([put(x) for x in a])
+        b_lists.append([put(x) for x in b])
+        refs.append(_reference(a, b, u) if n else np.zeros(0, u))
+    table, blocks = K.build_table(outs, sizes, a_lists, b_lists, threads=threads,
+                                  per_thread=per_thread, max_blocks=max_blocks)
+    K.emulate_table(table, len(sizes), memory, t, u, blocks, threads=threads)
+    for o, ref in zip(outs, refs):
+        np.testing.assert_array_equal(memory[o], ref)
+
+
+def test_plan_blocks_caps_blocks_per_key():
+    """Every non-empty key gets at least one block and at most MAX_BLOCKS."""
+    starts = K.plan_blocks([0, 1, 10 ** 9, 1024, 1025])
+    counts = np.diff(starts)
+    assert counts.tolist() == [0, 1, K.MAX_BLOCKS, 1, 2]
+
+
+def test_sources_are_distinct_per_dtype_pair():
+    """Each (T, U) pair gets its own kernel name and typedefs."""
+    seen = set()
+    for t in DTYPES + ["bfloat16"]:
+        for u in {t, K.accumulate_name(t)}:
+            name, src = K.sum_source(t, u)
+            assert name not in seen
+            seen.add(name)
+            assert f"typedef {K.ctype(_dtype(t))} T;" in src
+
+
+def _nvrtc():
+    """CuPy's NVRTC binding when libnvrtc loads (GPUKV_NVRTC_LIB may name the library)."""
+    path = os.environ.get("GPUKV_NVRTC_LIB", "")
+    if path:
+        for lib in sorted(p for p in os.listdir(os.path.dirname(path)) if "builtins" in p):
+            ctypes.CDLL(os.path.join(os.path.dirname(path), lib), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # no CuPy or no libnvrtc: nothing to compile with
+        pytest.skip(f"NVRTC not loadable: {exc}")
+    return nvrtc
+
+
+@pytest.mark.parametrize("t", DTYPES + ["bfloat16"])
+def test_cuda_sources_compile(t):
+    """Every generated CUDA source compiles with NVRTC (no GPU needed)."""
+    nvrtc = _nvrtc()
+    for u in {t, K.accumulate_name(t)}:
+        name, src = K.sum_source(t, u)
+        prog = nvrtc.createProgram(src, name + ".cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_70", "-std=c++14"])
+        except Exception:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        assert name.encode() in nvrtc.getPTX(prog)
+
+
+# ----------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", DTYPES)
+def test_multi_sum_gpu_matches_twin(t):
+    """The CUDA kernel and the NumPy twin agree on many keys in one launch."""
+    import cupy
+    rng = np.random.default_rng(5)
+    t = np.dtype(t)
+    u = np.dtype(K.accumulate_name(t))
+    host_items, gpu_items = [], []
+    for n in (1, 5, 1000, 3 << 16):
+        a = [_rand(rng, n, t) for _ in range(3)]
+        b = [_rand(rng, n, u)]
+        host_items.append(K.SumItem(np.zeros(n, u), tuple(a), tuple(b)))
+        gpu_items.append(K.SumItem(cupy.zeros(n, u), tuple(map(cupy.asarray, a)),
+                                   tuple(map(cupy.asarray, b))))
+    K.multi_sum_host(host_items)
+    stream = cupy.cuda.get_current_stream()
+    K.multi_sum_gpu(gpu_items, stream)
+    for h, g in zip(host_items, gpu_items):
+        np.testing.assert_array_equal(cupy.asnumpy(g.out), h.out)
+
+
+@pytest.mark.gpu
+def test_fp16_and_bf16_rounding_on_gpu():
+    """The kernel's fp16 conversion rounds like NumPy's cast."""
+    import cupy
+    x = np.linspace(-70000, 70000, 4099).astype(np.float32)
+    out = cupy.zeros(x.size, cupy.float16)
+    K.multi_sum_gpu([K.SumItem(out, (cupy.asarray(x),), ())], cupy.cuda.get_current_stream())
+    np.testing.assert_array_equal(cupy.asnumpy(out), x.astype(np.float16))
+
+
+@pytest.mark.multi_gpu(2)
+def test_multi_sum_reads_peer_memory():
+    """One launch on GPU 0 sums sources living on another GPU when peer access allows."""
+    import cupy
+    from gpukv.backends.cuda import can_access_peer, gpu_count
+    if gpu_count() < 2 or not can_access_peer(0, 1):
+        pytest.skip("needs two physical GPUs with peer access")
+    with cupy.cuda.Device(1):
+        remote = cupy.arange(1000, dtype=cupy.float32)
+        cupy.cuda.get_current_stream().synchronize()
+    with cupy.cuda.Device(0):
+        local = cupy.ones(1000, dtype=cupy.float32)
+        out = cupy.zeros(1000, dtype=cupy.float32)
+        K.multi_sum_gpu([K.SumItem(out, (local, remote), ())], cupy.cuda.get_current_stream())
+        np.testing.assert_array_equal(cupy.asnumpy(out), np.arange(1000) + 1)
