@@ -1,0 +1,285 @@
+"""Helpers shared by the benchmark scripts: timing, sizes, machine facts, tables, JSON.
+
+Only the standard library and NumPy are used, so the module also runs under other
+interpreters (the MXNet reference environment imports it to time the baseline).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+# ------------------------------------------------------------------------- arguments
+def parse_size(text: str) -> int:
+    """'1K' -> 1024, '16M' -> 16777216, '300' -> 300 (binary suffixes K, M, G)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text.upper())
+    if match is None:
+        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
+    return int(match.group(1)) * _SUFFIX[match.group(2)]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1K,1M,16M' -> [1024, 1048576, 16777216]."""
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def format_size(n: int) -> str:
+    """The inverse of parse_size for round numbers: 1048576 -> '1M', 1000 -> '1000'."""
+    for suffix in ("G", "M", "K"):
+        unit = _SUFFIX[suffix]
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+# -------------------------------------------------------------------------- timing
+def summarize(samples: list[float]) -> dict:
+    """Median, min, mean and spread of per-iteration times (seconds)."""
+    return {
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "mean_s": statistics.fmean(samples),
+        "stdev_s": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+        "iters": len(samples),
+    }
+
+
+def time_calls(fn, *, warmup: int, iters: int, min_time: float = 0.0,
+               batch: int = 1) -> list[float]:
+    """Per-call seconds of `fn()`: `warmup` untimed calls, then at least `iters` timed.
+
+    With `batch` > 1 each sample is the mean of `batch` back-to-back calls, which keeps
+    timer overhead out of microsecond-scale calls. Sampling goes on until `min_time`
+    seconds have been spent timing, so fast cases collect more samples.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    clock = time.perf_counter
+    spent = 0.0
+    while len(samples) < iters or spent < min_time:
+        t0 = clock()
+        for _ in range(batch):
+            fn()
+        dt = clock() - t0
+        spent += dt
+        samples.append(dt / batch)
+        if len(samples) >= 100 * max(iters, 1):
+            break
+    return samples
+
+
+def batch_for(seconds_per_call: float, target: float = 2e-3) -> int:
+    """How many calls to put in one sample so that a sample lasts about `target` seconds."""
+    if seconds_per_call <= 0:
+        return 1
+    return max(1, min(1000, int(target / seconds_per_call)))
+
+
+# ------------------------------------------------------------------- memory limit
+def copy_bandwidth(nbytes: int = 256 << 20, *, threads: int = 1, warmup: int = 2,
+                   iters: int = 7) -> dict:
+    """Bytes per second of `np.copyto` between two `nbytes` arrays (read + write counted).
+
+    With `threads` > 1 the copy is split in contiguous chunks over that many threads
+    (NumPy releases the GIL while copying). Reports the median and best of `iters`.
+    """
+    import numpy as np
+
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    if threads <= 1:
+        def run():
+            np.copyto(dst, src)
+    else:
+        bounds = [len(src) * i // threads for i in range(threads + 1)]
+        pairs = [(dst[a:b], src[a:b]) for a, b in zip(bounds, bounds[1:])]
+        run = _threaded(lambda d, s: np.copyto(d, s), pairs)
+    samples = time_calls(run, warmup=warmup, iters=iters)
+    moved = 2 * src.nbytes
+    return {
+        "threads": threads,
+        "bytes": src.nbytes,
+        "median_Bps": moved / statistics.median(samples),
+        "best_Bps": moved / min(samples),
+    }
+
+
+def _threaded(work, chunks):
+    """A callable running `work(*chunk)` for every chunk, each on its own thread."""
+    def run():
+        threads = [threading.Thread(target=work, args=c) for c in chunks[1:]]
+        for t in threads:
+            t.start()
+        work(*chunks[0])
+        for t in threads:
+            t.join()
+    return run
+
+
+# ------------------------------------------------------------------- machine facts
+def cpu_model() -> str:
+    """The CPU's marketing name (from /proc/cpuinfo on Linux), else platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """Hostname, CPU, core count, memory and OS of this machine."""
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["memory_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+                    break
+    except OSError:
+        pass
+    caches = _caches()
+    if caches:
+        info["caches"] = caches
+    return info
+
+
+def _caches() -> dict:
+    """Cache sizes of CPU 0 as the kernel reports them, e.g. {'L1d': '48K', 'L2': '1024K'}."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    out = {}
+    for index in sorted(root.glob("index*")) if root.exists() else []:
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        out[name] = size
+    return out
+
+
+def library_versions(*names: str) -> dict:
+    """Installed versions of the named distributions (None when one is missing)."""
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def numpy_build() -> dict:
+    """Which SIMD extensions this NumPy build dispatches to (empty when unknown)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        except ImportError:
+            return {}
+    wanted = ("AVX2", "AVX512F", "AVX512_SKX", "AVX512_SPR", "FMA3")
+    return {k: bool(features.get(k)) for k in wanted if k in features}
+
+
+# --------------------------------------------------------------------------- output
+# Hostnames that say nothing about the machine (VMs, containers, fresh installs).
+_GENERIC_HOSTS = frozenset(["", "localhost", "vm", "host", "ubuntu", "debian", "runner"])
+
+
+def result_name(prefix: str) -> str:
+    """`<prefix>_<host>`: the hostname, or the CPU model when the hostname is generic
+    (a VM's 'vm', a container id), e.g. 'host_amd-epyc'."""
+    host = socket.gethostname()
+    if host.lower() in _GENERIC_HOSTS or re.fullmatch(r"[0-9a-f]{12,}", host):
+        host = cpu_model()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", host).strip("-").lower() or "unknown"
+    return f"{prefix}_{slug}"
+
+
+def write_json(payload: dict, path: str | os.PathLike | None = None, *,
+               prefix: str = "bench") -> Path:
+    """Write `payload` (plus a UTC timestamp and the command line) as pretty JSON.
+
+    Default path: benchmarks/results/<prefix>_<host>.json. Returns the path written.
+    """
+    target = Path(path) if path else RESULTS_DIR / f"{result_name(prefix)}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "created_utc": datetime.datetime.now(datetime.timezone.utc)
+        .isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+    }
+    record.update(payload)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def print_table(headers: list[str], rows: list[list], *, file=None) -> None:
+    """A plain aligned text table; numbers right-aligned, everything else left-aligned."""
+    file = file or sys.stdout
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(_is_number(row[i]) for row in rows) if rows else False
+               for i in range(len(headers))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    print(line(headers), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print(line(row), file=file)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) or v is None
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def format_seconds(s: float | None) -> str:
+    """1.5e-5 -> '15.0 us', 0.0123 -> '12.3 ms'."""
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"

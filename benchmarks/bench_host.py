@@ -1,0 +1,283 @@
+"""Host push+pull speed: gpukv's `local` store against MXNet 1.9.1's, and against memory.
+
+Every case pushes one float32 array per host "device" (4 by default) for each key and
+pulls the result back into one out per device: with the default assign updater that is
+a k-way sum written into the stored value, then a copy of it into k outs. The minimal
+memory traffic of one push+pull is 2 * (k + 1) * nbytes (k reads + 1 write to reduce,
+1 read + k writes to broadcast); dividing it by the time gives GB/s, and dividing that
+by the bandwidth of a plain `np.copyto` measured in the same process (read + write bytes;
+the best of a 1-thread and an n-thread copy, n = gpukv's host threads) gives the fraction
+of the memory limit reached.
+
+MXNet runs in its own interpreter (`--mxnet-python`, e.g. an env with mxnet==1.9.1 and
+numpy==1.23.5) through benchmarks/_mxnet_host.py; its timed steps end in
+`mx.nd.waitall()` so its asynchronous engine is fully counted. The two sides take turns
+case by case (who goes first alternates) for `--rounds` rounds, and each figure is the
+median over rounds, so a slow spell of a shared machine hits both. Cases whose arrays fit
+in the last-level cache can exceed 100% of the copy bandwidth, which is measured on
+arrays far larger than any cache.
+
+    python benchmarks/bench_host.py --mxnet-python /path/to/mxenv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import _common
+
+HERE = Path(__file__).resolve().parent
+
+# Speedup over MXNet each standard case should reach (the host-speed goals).
+GOALS = {"1K": 1.5, "1M": 1.5, "16M": 2.0, "1000x256": 2.0}
+# Fraction of the copy bandwidth the largest standard case should reach.
+BANDWIDTH_GOALS = {"16M": 0.70}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1K,1M,16M",
+                   help="float32 elements per key, comma-separated (K/M/G suffixes)")
+    p.add_argument("--keys", default="1000x256",
+                   help="many-key cases KEYSxFLOATS, pushed and pulled as one list call "
+                        "(comma-separated; '' for none)")
+    p.add_argument("--devices", type=int, default=4, help="host devices (arrays) per key")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    p.add_argument("--iters", type=int, default=10, help="timed samples at least")
+    p.add_argument("--min-time", type=float, default=0.4,
+                   help="seconds of timing at least, per case and side")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="times MXNet and gpukv alternate; figures are medians over rounds")
+    p.add_argument("--mxnet-python", default=os.environ.get("MXNET_PYTHON"),
+                   help="interpreter with mxnet 1.9.1 (default $MXNET_PYTHON; none: skip)")
+    p.add_argument("--json", default=None,
+                   help="result file (default benchmarks/results/host_<host>.json; "
+                        "'-' to write none)")
+    args = p.parse_args(argv)
+    if args.devices < 1:
+        p.error("--devices must be at least 1")
+    return args
+
+
+def make_cases(args) -> list[dict]:
+    cases = [{"name": _common.format_size(n), "keys": 1, "size": n, "devices": args.devices}
+             for n in _common.parse_sizes(args.sizes)]
+    for spec in filter(None, (s.strip() for s in args.keys.split(","))):
+        keys, _, size = spec.lower().partition("x")
+        cases.append({"name": f"{int(keys)}x{_common.format_size(_common.parse_size(size))}",
+                      "keys": int(keys), "size": _common.parse_size(size),
+                      "devices": args.devices})
+    return cases
+
+
+def traffic_bytes(case: dict) -> int:
+    """Minimal bytes one push+pull moves: (k reads + 1 write) + (1 read + k writes)."""
+    return 2 * (case["devices"] + 1) * case["keys"] * case["size"] * 4
+
+
+# ----------------------------------------------------------------------- gpukv side
+def gpukv_step(case: dict):
+    """The push+pull step of one case on a fresh gpukv store (checked once)."""
+    import gpukv
+
+    kv = gpukv.create("local")
+    shape = (case["size"],)
+    keys = list(range(case["keys"]))
+    for k in keys:
+        kv.init(k, np.zeros(shape, np.float32))
+    values = [[np.full(shape, i + 1, np.float32) for i in range(case["devices"])]
+              for _ in keys]
+    outs = [[np.empty(shape, np.float32) for _ in range(case["devices"])] for _ in keys]
+    if case["keys"] == 1:
+        key, vals, out = keys[0], values[0], outs[0]
+    else:
+        key, vals, out = keys, values, outs
+
+    def step():
+        kv.push(key, vals)
+        kv.pull(key, out=out)
+
+    step()
+    expected = sum(range(1, case["devices"] + 1))
+    for per_key in outs:
+        for o in per_key:
+            if not (o == expected).all():
+                raise RuntimeError(f"gpukv {case['name']}: wrong result pulled")
+    return step
+
+
+def time_step(step, args) -> dict:
+    """Median (and spread) of one push+pull, batched so each sample lasts a few ms."""
+    batch = _common.batch_for(min(_common.time_calls(step, warmup=1, iters=3)))
+    return _common.summarize(_common.time_calls(step, warmup=args.warmup, iters=args.iters,
+                                                min_time=args.min_time, batch=batch))
+
+
+def copy_limit(threads: int) -> dict:
+    """Copy bandwidth with 1 thread and with `threads` threads; the limit is the faster."""
+    runs = [_common.copy_bandwidth(threads=1)]
+    if threads > 1:
+        runs.append(_common.copy_bandwidth(threads=threads))
+    best = max(runs, key=lambda r: r["median_Bps"])
+    return {"limit_Bps": best["median_Bps"], "limit_threads": best["threads"], "runs": runs}
+
+
+# ---------------------------------------------------------------------- MXNet side
+class MXNetSide:
+    """benchmarks/_mxnet_host.py running under the MXNet interpreter, timing on request."""
+
+    def __init__(self, python: str):
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([python, str(HERE / "_mxnet_host.py")], cwd=HERE,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+        self.meta = self._read()
+
+    def _read(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            self._log.seek(0)
+            raise SystemExit(f"MXNet side failed (exit {self._proc.returncode}):\n"
+                             f"{self._log.read().strip()}")
+        return json.loads(line)
+
+    def time(self, case: dict, args) -> dict:
+        request = {"case": case, "warmup": args.warmup, "iters": args.iters,
+                   "min_time": args.min_time}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait()
+        self._log.close()
+
+
+# -------------------------------------------------------------------------- driver
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import gpukv
+    from gpukv.comm import host as host_comm
+
+    cases = make_cases(args)
+    mxnet = MXNetSide(args.mxnet_python) if args.mxnet_python else None
+    steps = {case["name"]: gpukv_step(case) for case in cases}
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
+            entry = {"mxnet": {}, "gpukv": {}, "copy": {}}
+            for i, case in enumerate(cases):  # alternate, and alternate who goes first
+                name = case["name"]
+                if mxnet is not None and (r + i) % 2 == 0:
+                    entry["mxnet"][name] = mxnet.time(case, args)
+                entry["gpukv"][name] = time_step(steps[name], args)
+                # The limit right after the timing it is compared with: same machine load.
+                entry["copy"][name] = copy_limit(host_comm.THREADS)
+                if mxnet is not None and (r + i) % 2 == 1:
+                    entry["mxnet"][name] = mxnet.time(case, args)
+            rounds.append(entry)
+    finally:
+        if mxnet is not None:
+            mxnet.close()
+    mx_meta = mxnet.meta if mxnet is not None else None
+
+    limit = statistics.median(c["limit_Bps"] for r in rounds for c in r["copy"].values())
+    rows, summary = [], {}
+    for case in cases:
+        name = case["name"]
+        moved = traffic_bytes(case)
+        gk = [r["gpukv"][name]["median_s"] for r in rounds]
+        mx = [r["mxnet"][name]["median_s"] for r in rounds] if mxnet is not None else []
+        fractions = [moved / g / r["copy"][name]["limit_Bps"] for g, r in zip(gk, rounds)]
+        speedups = [m / g for m, g in zip(mx, gk)]
+        s = {
+            "keys": case["keys"], "floats_per_key": case["size"], "devices": case["devices"],
+            "bytes_moved": moved,
+            "gpukv_s": statistics.median(gk),
+            "mxnet_s": statistics.median(mx) if mx else None,
+            "speedup": statistics.median(speedups) if speedups else None,
+            "GBps": moved / statistics.median(gk) / 1e9,
+            "fraction_of_copy": statistics.median(fractions),
+            "per_round": {"gpukv_s": gk, "mxnet_s": mx, "speedup": speedups,
+                          "fraction_of_copy": fractions},
+        }
+        goal = GOALS.get(name) if case["devices"] == 4 else None
+        bw_goal = BANDWIDTH_GOALS.get(name) if case["devices"] == 4 else None
+        if goal is not None and s["speedup"] is not None:
+            s["speedup_goal"] = goal
+        if bw_goal is not None:
+            s["fraction_goal"] = bw_goal
+        met = []
+        if goal is not None and s["speedup"] is not None:
+            met.append(s["speedup"] >= goal)
+        if bw_goal is not None:
+            met.append(s["fraction_of_copy"] >= bw_goal)
+        s["goals_met"] = all(met) if met else None
+        summary[name] = s
+        rows.append([
+            name, case["keys"], case["size"],
+            _common.format_seconds(s["gpukv_s"]), _common.format_seconds(s["mxnet_s"]),
+            f"{s['speedup']:.2f}x" if s["speedup"] else "-",
+            f"{s['GBps']:.1f}", f"{100 * s['fraction_of_copy']:.0f}%",
+            _goal_text(s),
+        ])
+
+    print(f"\nhost push+pull, {args.devices} devices, float32; median of {args.rounds} rounds; "
+          f"copy limit {limit / 1e9:.1f} GB/s (read+write, best of 1 and "
+          f"{host_comm.THREADS} threads)")
+    _common.print_table(["case", "keys", "floats", "gpukv", "MXNet", "speedup", "GB/s",
+                         "of copy", "goal"], rows)
+
+    if args.json != "-":
+        payload = {
+            "benchmark": "host push+pull",
+            "machine": _common.machine_info(),
+            "numpy_simd": _common.numpy_build(),
+            "versions": {"gpukv": gpukv.__version__,
+                         **_common.library_versions("numpy")},
+            "mxnet": mx_meta,
+            "settings": {"devices": args.devices, "warmup": args.warmup, "iters": args.iters,
+                         "min_time_s": args.min_time, "rounds": args.rounds,
+                         "dtype": "float32",
+                         "host_threads": host_comm.THREADS,
+                         "block_bytes": host_comm.BLOCK_BYTES},
+            "copy_limit": {"median_Bps": limit,
+                           "how": "np.copyto of 256 MiB, read+write bytes, the faster of "
+                                  f"the 1-thread and {host_comm.THREADS}-thread medians, "
+                                  "measured right after each gpukv timing; fractions use "
+                                  "the one next to their timing",
+                           "threads_that_won": sorted({c["limit_threads"] for r in rounds
+                                                       for c in r["copy"].values()})},
+            "results": summary,
+            "raw_rounds": rounds,
+        }
+        path = _common.write_json(payload, None if args.json is None else args.json,
+                                  prefix="host")
+        print(f"\nwrote {path}")
+    return 0
+
+
+def _goal_text(s: dict) -> str:
+    parts = []
+    if s.get("speedup_goal") is not None:
+        ok = s["speedup"] >= s["speedup_goal"]
+        parts.append(f">={s['speedup_goal']}x {'ok' if ok else 'MISS'}")
+    if s.get("fraction_goal") is not None:
+        ok = s["fraction_of_copy"] >= s["fraction_goal"]
+        parts.append(f">={100 * s['fraction_goal']:.0f}% {'ok' if ok else 'MISS'}")
+    return ", ".join(parts) or "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
