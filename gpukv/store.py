@@ -217,9 +217,10 @@ class KVStore:
             if a.shape != value.shape:
                 raise ShapeError(
                     f"key {key!r}: {op} expects shape {value.shape}, got {a.shape}")
-            if a.dtype != value.dtype:
+            if a.dtype != value.dtype and not _supported(a.dtype):
                 raise DTypeError(
-                    f"key {key!r}: {op} expects dtype {value.dtype}, got {a.dtype}")
+                    f"key {key!r}: {op} of unsupported dtype {a.dtype} into a "
+                    f"{value.dtype} key; supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
 
     @staticmethod
     def _check_outs(key, shape, arrays) -> None:
@@ -316,6 +317,7 @@ class KVStore:
             self._push_groups(groups, entries)
 
     def _push_groups(self, groups: _args.Groups, entries: list) -> None:
+        groups = _cast_to_keys(groups, entries)
         if groups.sparse or self._compression is not None:
             groups, entries = self._push_special(groups, entries)
             if not groups.keys:
@@ -668,6 +670,24 @@ class KVStore:
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
                 f"keys={len(self._entries)}>")
+
+
+def _cast_to_keys(groups: _args.Groups, entries: list) -> _args.Groups:
+    """`groups` with every dense source of another dtype converted to its key's dtype.
+
+    MXNet converts a pushed array to the key's dtype before summing; so does gpukv (on
+    the source's own device). The common case, every dtype right, returns `groups` itself.
+    """
+    arrays = None
+    for i, (entry, sources) in enumerate(zip(entries, groups.arrays)):
+        dtype = entry.value.dtype
+        if all(isinstance(s, RowSparse) or s.dtype == dtype for s in sources):
+            continue
+        if arrays is None:
+            arrays = list(groups.arrays)
+        arrays[i] = [s if isinstance(s, RowSparse) or s.dtype == dtype
+                     else device_of(s).cast(s, dtype) for s in sources]
+    return groups if arrays is None else groups._replace(arrays=arrays)
 
 
 def _densified(groups: _args.Groups) -> _args.Groups:

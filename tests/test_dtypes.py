@@ -143,3 +143,18 @@ def test_pull_across_dtypes_matches_mxnet(kv, dtype):
     """Pulling a float32 key of 2s into another dtype gives MXNet's numbers."""
     kv.init(3, full(2, np.float32))
     assert pulled(kv, 3, dtype).tolist() == MX["pull_casts_to_out_dtype"][dtype]
+
+
+@pytest.mark.parametrize("pushed", ["float64", "float16", "int32"])
+@pytest.mark.parametrize("with_updater", [False, True])
+def test_push_of_another_dtype_is_cast_then_summed(kv, pushed, with_updater):
+    """As MXNet, each pushed array is converted to the key's dtype before the sum."""
+    values = [np.full(SHAPE, v, dtype=pushed) for v in (0.1, 0.2, 0.3)]
+    kv.init(1, full(0, "float32"))
+    if with_updater:
+        kv.set_updater(lambda k, m, s: s.__iadd__(m))
+    kv.push(1, values)
+    as_key = [v.astype(np.float32) for v in values]
+    expected = (as_key[0] + as_key[1]) + as_key[2]
+    np.testing.assert_array_equal(pulled(kv, 1, "float32"), expected)
+    np.testing.assert_array_equal(values[0], np.full(SHAPE, 0.1, dtype=pushed))

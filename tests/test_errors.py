@@ -122,7 +122,7 @@ CASES = [
     ("init-list-one-bad-dtype",
      lambda w: w.kv.init([w.fresh, w.fresh2], [ones(1), np.ones(SHAPE, bool)]),
      gpukv.DTypeError, ValueError, "fresh2", ("fresh", "fresh2")),
-    ("push-dtype", lambda w: w.kv.push(w.k1, np.ones(SHAPE, np.float64)),
+    ("push-unsupported-dtype", lambda w: w.kv.push(w.k1, np.ones(SHAPE, np.uint16)),
      gpukv.DTypeError, ValueError, "k1", ()),
     ("push-complex", lambda w: w.kv.push(w.k1, np.ones(SHAPE, np.complex64)),
      gpukv.DTypeError, ValueError, "k1", ()),

@@ -41,6 +41,12 @@ class Device(ABC):
         out.fill(0)
         return out
 
+    def cast(self, array, dtype):
+        """A copy of `array` (which lives here) converted to `dtype`."""
+        out = self.empty(array.shape, dtype)
+        self.copy(out, array)
+        return out
+
     def to_local(self, array):
         """`array` itself if it lives here, else a copy on this device."""
         if self.owns(array):
