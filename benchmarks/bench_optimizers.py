@@ -4,9 +4,9 @@
     python benchmarks/bench_optimizers.py --gpu --devices 2     # on GPUs, when present
 
 For each optimizer and key size it times the updater a list push runs (all keys in one
-`update` call: on the host vectorised NumPy per key, on a GPU one kernel launch per
-(device, dtype) group) against the same updater called once per key (what N single-key
-pushes cost). It also reports the fraction of the machine's copy bandwidth the batched
+`update` call: on the host in-place NumPy over cache-sized pieces, small keys gathered
+into shared pieces; on a GPU one kernel launch per (device, dtype) group) against the
+same updater called once per key (what N single-key pushes cost). It also reports the fraction of the machine's copy bandwidth the batched
 step reaches, counting the bytes the rule must read and write. GPU timings use CUDA
 events. A table is printed; JSON goes to benchmarks/results/.
 """

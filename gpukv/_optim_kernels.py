@@ -138,8 +138,11 @@ BODY
 """
 
 
-def kernel_source(optimizer, wdtype, phase: int = 0) -> str:
-    """The CUDA source of `optimizer`'s step for weights of `wdtype` (phase: LAMB's 1 or 2)."""
+def kernel_source(optimizer, wdtype, phase: int = 0, body: str | None = None) -> str:
+    """The CUDA source of `optimizer`'s step for weights of `wdtype` (phase: LAMB's 1 or 2).
+
+    `body` replaces the rule's `cuda_body` (e.g. its `sparse_cuda_body`).
+    """
     name = np.dtype(wdtype).name
     wkind = {"float16": 1, "bfloat16": 2}.get(name, 0)
     ct = "double" if name == "float64" else "float"
@@ -149,8 +152,8 @@ def kernel_source(optimizer, wdtype, phase: int = 0) -> str:
     decls = "\n".join(f"    const ct {h} = (ct)hp[{2 + j}];"
                       for j, h in enumerate(optimizer.hyper_names))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    body = _PRELUDE.replace("HYPER_DECLS", decls).replace("BODY", optimizer.cuda_body)
-    return head + body
+    body = optimizer.cuda_body if body is None else body
+    return head + _PRELUDE.replace("HYPER_DECLS", decls).replace("BODY", body)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,13 +191,16 @@ def plan(items) -> tuple:
     return ptrs, sizes, chunk_start, toff, chunk_tensor, scal
 
 
-def step(optimizer, home, items, hp: dict) -> None:
+def step(optimizer, home, items, hp: dict, body: str | None = None) -> None:
     """Update every key of `items` on `home` (a CUDA device) with one launch (LAMB: two).
 
     Runs on `home`'s stream; the caller holds `with home.cuda_device, home.stream`.
+    `body`: run it instead of the rule's `cuda_body` (in one phase-0 launch).
     """
     from .backends.cuda import cupy_module
     cp = cupy_module()
+    if body is not None and body == optimizer.cuda_body:
+        body = None  # the rule itself (LAMB keeps its two phases)
     items = [it for it in items if it[0].size]
     if not items:
         return
@@ -212,8 +218,8 @@ def step(optimizer, home, items, hp: dict) -> None:
     d_scal, d_hp = floats[:NSCALAR * n], floats[NSCALAR * n:]
     ct = np.float64 if wdtype == np.float64 else np.float32
     grid, block = (nc,), (BLOCK,)
-    if optimizer.name != "lamb":
-        kernel = _compiled(kernel_source(optimizer, wdtype, 0))
+    if optimizer.name != "lamb" or body is not None:
+        kernel = _compiled(kernel_source(optimizer, wdtype, 0, body))
         kernel(grid, block, (d_ptrs, d_sizes, d_start, d_toff, d_ct, d_scal, d_hp,
                              cp.zeros(2, np.float64), cp.zeros(1, ct)))
         return

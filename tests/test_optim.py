@@ -456,6 +456,202 @@ def test_killed_writer_leaves_previous_file_whole(tmp_path):
     assert np.all(kv._updater.states[0].arrays[0] == mom)
 
 
+# --------------------------------------------------------- row-sparse gradients
+LAZY = json.loads((Path(__file__).parent / "data" / "mxnet_lazy_reference.json").read_text())
+LAZY_CASES = {c["name"]: c for c in LAZY["cases"]}
+
+
+def _rsp_parts(case, step, i, shape, devices):
+    """The gradient of key `i` at `step` as `devices` RowSparse values (rows dealt out)."""
+    rows = np.array(case["rows"][step][i], np.int64)
+    data = _array(case["grads"][step][i], (len(rows),) + shape[1:], np.float32)
+    return [gpukv.RowSparse(rows[j::devices], data[j::devices], shape) for j in range(devices)]
+
+
+def _snapshot(kv, keys):
+    values = [np.zeros(kv._entries[k].value.shape, np.float32) for k in keys]
+    kv.pull(keys, out=values)
+    states = {k: [a.copy() for a in kv._updater.states[k].arrays]
+              for k in keys if k in kv._updater.states}
+    return values, states
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_CASES))
+def test_row_sparse_matches_mxnet(name):
+    """Row-sparse pushes from 4 devices give MXNet 1.9.1's sparse-kernel numbers bit for
+    bit; with a lazy rule, rows absent from a step's gradient keep their weight and state
+    bits exactly."""
+    case = LAZY_CASES[name]
+    shapes = [tuple(s) for s in case["shapes"]]
+    keys = case["keys"]
+    opt = optim.create(case["optimizer"], **case["kwargs"])
+    kv = gpukv.create("device")
+    kv.init(keys, [_array(v, s, np.float32) for v, s in zip(case["init"], shapes)])
+    kv.set_optimizer(opt)
+    lazy = opt.lazy_rows()
+    assert lazy == (case["optimizer"] in ("sgd", "adam", "adagrad")
+                    and case["kwargs"].get("lazy_update", True))
+    for step in range(LAZY["steps"]):
+        before, states = _snapshot(kv, keys)
+        kv.push(keys, [_rsp_parts(case, step, i, s, 4) for i, s in enumerate(shapes)])
+        after, new_states = _snapshot(kv, keys)
+        for i, (key, shape) in enumerate(zip(keys, shapes)):
+            want = _array(case["after"][step][i], shape, np.float32)
+            assert np.array_equal(after[i], want), (name, step, key)
+            if lazy and key in states:
+                absent = np.setdiff1d(np.arange(shape[0]), case["rows"][step][i])
+                assert np.array_equal(after[i][absent], before[i][absent])
+                for old, new in zip(states[key], new_states[key]):
+                    assert np.array_equal(old[absent], new[absent])
+    for key, shape in zip(keys, shapes):
+        have = dict(zip(opt.state_names(), kv._updater.states[key].arrays))
+        assert set(have) == set(case["states"][str(key)])
+        for sname, values in case["states"][str(key)].items():
+            assert np.array_equal(have[sname], _array(values, shape, np.float32)), sname
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.SGD(learning_rate=0.1, momentum=0.9, wd=1e-2),
+    lambda: optim.Adam(learning_rate=0.01, wd=1e-2),
+    lambda: optim.AdaGrad(learning_rate=0.1),
+], ids=["sgd_mom", "adam", "adagrad"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_lazy_rows_follow_the_dense_rule_on_their_rows(make, dtype):
+    """With a fixed row set R, a lazy update of a big key leaves every other row (weight,
+    states, master) bit-identical, and rows R equal a dense update of just those rows."""
+    rng = np.random.default_rng(7)
+    shape = (600, 70)  # over several host pieces
+    rows = np.sort(rng.choice(shape[0], 37, replace=False))
+    w0 = rng.standard_normal(shape).astype(dtype)
+    kv = gpukv.create("device")
+    kv.init("e", w0)
+    kv.set_optimizer(make())
+    ref = gpukv.create("local")
+    ref.init("e", w0[rows])
+    ref.set_optimizer(make())
+    for _ in range(3):
+        g = rng.standard_normal((rows.size, shape[1])).astype(dtype).astype(np.float32)
+        kv.push("e", [gpukv.RowSparse(rows[:20], g[:20], shape),
+                      gpukv.RowSparse(rows[20:], g[20:], shape)])
+        ref.push("e", g.astype(dtype))
+    got = np.zeros(shape, dtype)
+    kv.pull("e", out=got)
+    want = np.zeros((rows.size, shape[1]), dtype)
+    ref.pull("e", out=want)
+    absent = np.setdiff1d(np.arange(shape[0]), rows)
+    assert np.array_equal(got[absent], w0[absent])
+    assert np.array_equal(got[rows], want)
+    st, rst = kv._updater.states["e"], ref._updater.states["e"]
+    for a, b in zip(st.arrays + ((st.master,) if st.master is not None else ()),
+                    rst.arrays + ((rst.master,) if rst.master is not None else ())):
+        assert not a[absent].any() if a is not st.master else np.array_equal(
+            a[absent], w0[absent].astype(np.float32))
+        assert np.array_equal(a[rows], b)
+
+
+def test_standard_sparse_update_equals_a_dense_push():
+    """lazy_update=False: a row-sparse push of SGD with momentum updates every row, as
+    the dense push of the same gradient does."""
+    rng = np.random.default_rng(3)
+    shape = (50, 4)
+    w0 = rng.standard_normal(shape).astype(np.float32)
+    stores = []
+    for _ in range(2):
+        kv = gpukv.create("local")
+        kv.init(1, w0)
+        kv.set_optimizer(optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.01,
+                                   lazy_update=False))
+        stores.append(kv)
+    for _ in range(3):
+        rows = np.sort(rng.choice(shape[0], 5, replace=False))
+        g = rng.standard_normal((5, 4)).astype(np.float32)
+        sparse = gpukv.RowSparse(rows, g, shape)
+        stores[0].push(1, sparse)
+        stores[1].push(1, sparse.todense())
+    a, b = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    stores[0].pull(1, out=a)
+    stores[1].pull(1, out=b)
+    assert np.array_equal(a, b) and not np.array_equal(a, w0)
+
+
+def test_row_sparse_push_without_rows_counts_an_update():
+    """A lazy push with no rows changes nothing but still counts (Adam's t goes up)."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones((3, 2), np.float32))
+    kv.set_optimizer(optim.Adam())
+    kv.push(0, gpukv.RowSparse.zeros((3, 2)))
+    out = np.zeros((3, 2), np.float32)
+    kv.pull(0, out=out)
+    assert np.array_equal(out, np.ones((3, 2), np.float32))
+    assert kv._optimizer._index_update_count == {0: 1}
+
+
+# ------------------------------------------------------------ host step pieces
+@pytest.mark.parametrize("name", ["sgd_mom_clip_rescale", "sgd_clip_nomom", "nag_mom_wd",
+                                  "adam_all", "adamw_all", "adagrad_all",
+                                  "rmsprop_centered_all", "lamb_all", "nag_fp16_mp",
+                                  "adam_fp16_mp", "lamb_fp16_mp", "sgd_lr_mult"])
+def test_pieces_and_gathered_keys_equal_one_whole_step(name, monkeypatch):
+    """Splitting keys into pieces, and gathering small keys into one, changes no bit:
+    the store gives what the rule's whole-array step gives key by key."""
+    from gpukv.optim import _updater
+    monkeypatch.setattr(_updater, "CHUNK", 64)
+    monkeypatch.setattr(_updater, "SMALL", 24)
+    case = CASES[name]
+    dtype = np.dtype(case["dtype"])
+    rng = np.random.default_rng(11)
+    shapes = [(3,), (5, 4), (7,), (1,), (130,), (64,), (9, 9), (2,)]
+    keys = list(range(len(shapes)))
+    init = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    kv = gpukv.create("local")
+    kv.init(keys, init)
+    opt = _optimizer(case)
+    opt.set_lr_mult({5: 0.5, 1: 0.25})
+    kv.set_optimizer(opt)
+    ref = _optimizer(case)
+    ref.set_lr_mult({5: 0.5, 1: 0.25})
+    w = [a.copy() for a in init]
+    master = [a.astype(np.float32) if dtype == np.float16 else None for a in init]
+    ct = np.float32 if dtype != np.float64 else np.float64
+    states = [tuple(np.zeros(s, ct) for _ in ref.state_names()) for s in shapes]
+    hp = {k: ct(v) for k, v in ref.hyper().items()}
+    for step in range(3):
+        push = keys if step != 1 else keys[1::2]
+        grads = {k: rng.standard_normal(shapes[k]).astype(dtype) for k in push}
+        kv.push(push, [grads[k] for k in push])
+        for k in push:
+            sc = tuple(ct(v) for v in ref.next_scalars(k))
+            target = w[k] if master[k] is None else master[k]
+            g = grads[k].astype(target.dtype)
+            if ref.name == "lamb":
+                ref.host_step(target, g, states[k], sc, hp, stored=w[k])
+            else:
+                ref.host_step(target, g, states[k], sc, hp)
+            if master[k] is not None:
+                w[k][...] = master[k].astype(dtype)
+    outs = [np.zeros(s, dtype) for s in shapes]
+    kv.pull(keys, out=outs)
+    for k in keys:
+        assert np.array_equal(outs[k], w[k]), (name, k)
+        for a, b in zip(kv._updater.states[k].arrays, states[k]):
+            assert np.array_equal(a, b), (name, k)
+
+
+def test_states_of_keys_made_together_share_one_buffer():
+    """Keys first updated in one push keep their states side by side in one buffer."""
+    kv = gpukv.create("local")
+    kv.init([1, 2, 3], [np.ones(4, np.float32), np.ones((2, 3), np.float32),
+                        np.ones(5, np.float32)])
+    kv.set_optimizer(optim.Adam())
+    kv.push([1, 2, 3], [np.ones(4, np.float32), np.ones((2, 3), np.float32),
+                        np.ones(5, np.float32)])
+    st = [kv._updater.states[k] for k in (1, 2, 3)]
+    assert st[0].arena is st[1].arena is st[2].arena
+    assert [s.offset for s in st] == [0, 4, 10]
+    assert st[1].arrays[1].shape == (2, 3) and np.shares_memory(st[1].arrays[1],
+                                                                st[0].arena[1])
+
+
 # ----------------------------------------------------------- the GPU kernel tables
 class _Fake:
     def __init__(self, size, ptr):
@@ -496,6 +692,63 @@ def test_kernel_sources_are_complete(name, dtype):
 
 
 # ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LAZY_CASES))
+def test_gpu_row_sparse_matches_mxnet(name):
+    """On a GPU, row-sparse pushes give MXNet 1.9.1's numbers bit for bit."""
+    import cupy as cp
+    case = LAZY_CASES[name]
+    shapes = [tuple(s) for s in case["shapes"]]
+    keys = case["keys"]
+    kv = gpukv.create("device")
+    with cp.cuda.Device(0):
+        kv.init(keys, [cp.asarray(_array(v, s, np.float32))
+                       for v, s in zip(case["init"], shapes)])
+        kv.set_optimizer(optim.create(case["optimizer"], **case["kwargs"]))
+        for step in range(LAZY["steps"]):
+            grads = []
+            for i, s in enumerate(shapes):
+                part = _rsp_parts(case, step, i, s, 1)[0]
+                grads.append(gpukv.RowSparse(cp.asarray(part.indices), cp.asarray(part.data),
+                                             s))
+            kv.push(keys, grads)
+            outs = [cp.zeros(s, np.float32) for s in shapes]
+            kv.pull(keys, out=outs)
+            for i, (o, s) in enumerate(zip(outs, shapes)):
+                assert np.array_equal(cp.asnumpy(o), _array(case["after"][step][i], s,
+                                                            np.float32)), (name, step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_lazy_rows_match_host(dtype):
+    """GPU lazy updates (gather, one launch, scatter) give the host's bits, master too."""
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    shape = (300, 33)
+    w0 = rng.standard_normal(shape).astype(dtype)
+    host, gpu = gpukv.create("local"), gpukv.create("device")
+    host.init("e", w0)
+    with cp.cuda.Device(0):
+        gpu.init("e", cp.asarray(w0))
+    for kv in (host, gpu):
+        kv.set_optimizer(optim.Adam(learning_rate=0.01, wd=1e-3))
+    for _ in range(3):
+        rows = np.sort(rng.choice(shape[0], 40, replace=False))
+        g = rng.standard_normal((40, shape[1])).astype(np.float32)
+        host.push("e", gpukv.RowSparse(rows, g, shape))
+        with cp.cuda.Device(0):
+            gpu.push("e", gpukv.RowSparse(cp.asarray(rows), cp.asarray(g), shape))
+    a = np.zeros(shape, dtype)
+    host.pull("e", out=a)
+    with cp.cuda.Device(0):
+        b = cp.zeros(shape, dtype)
+        gpu.pull("e", out=b)
+        assert np.array_equal(cp.asnumpy(b), a)
+        for x, y in zip(gpu._updater.states["e"].arrays, host._updater.states["e"].arrays):
+            assert np.array_equal(cp.asnumpy(x), y)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gpu_matches_host_bit_for_bit(name):

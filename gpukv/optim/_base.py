@@ -201,11 +201,43 @@ class Optimizer:
         """Compile-time switches of the CUDA kernel (and branches of the host step)."""
         return {"HAS_CLIP": int(self.clip_gradient is not None)}
 
-    def host_step(self, w, g, states, sc, hp) -> None:
-        """Update `w` (and `states`) in place from the gradient `g`; NumPy, one key."""
+    #: scratch arrays (shaped like `w`, of its dtype) `host_chunk` needs
+    host_scratch = 0
+
+    def host_chunk(self, w, g, states, sc, hp, tmp) -> None:
+        """Update `w` (and `states`) in place from `g`, using only in-place ufuncs.
+
+        All arguments are equally shaped arrays of the compute type (any slice of a key,
+        or of several keys sharing the scalars `sc`); `tmp` holds `host_scratch` scratch
+        arrays of that shape. The updater calls it on cache-sized pieces.
+        """
         raise NotImplementedError
 
+    def host_step(self, w, g, states, sc, hp) -> None:
+        """Update `w` (and `states`) in place from the gradient `g`; NumPy, one key."""
+        tmp = [np.empty_like(w) for _ in range(self.host_scratch)]
+        self.host_chunk(w, g, states, sc, hp, tmp)
+
     cuda_body = ""
+
+    # --------------------------------------------------- row-sparse gradients
+    def lazy_rows(self) -> bool:
+        """Whether a row-sparse gradient updates only its rows (weights and states).
+
+        False: the standard update of every row, absent rows with a zero gradient.
+        """
+        return False
+
+    def sparse_chunk(self, w, g, states, sc, hp, tmp) -> None:
+        """`host_chunk` as MXNet's kernel for row-sparse gradients rounds: run on the
+        gradient's rows (lazy) or on every row with the gradient made dense (standard).
+        Rules without a sparse kernel in MXNet use their dense rule."""
+        self.host_chunk(w, g, states, sc, hp, tmp)
+
+    @property
+    def sparse_cuda_body(self) -> str:
+        """`cuda_body` for row-sparse gradients (see `sparse_chunk`)."""
+        return self.cuda_body
 
     # ----------------------------------------------------------- saving and loading
     _options = ("learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",

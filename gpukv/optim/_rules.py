@@ -28,8 +28,10 @@ class SGD(Optimizer):
         mom = momentum * mom - lr * wd * w - lr * clip(rescale_grad * grad)
         w = w + mom
 
-    `lazy_update` is accepted as in MXNet; it only changes row-sparse gradients, and the
-    gradients an updater sees here are dense, so both settings give the standard update.
+    Row-sparse gradients (MXNet's sparse `sgd_update` / `sgd_mom_update`): with
+    `lazy_update` only the gradient's rows of the weight and the momentum change; without
+    it every row gets the standard update (absent rows with a zero gradient; without
+    momentum MXNet first scales every row by 1 - lr * wd, then applies the rows).
     """
 
     hyper_names = ("momentum",)
@@ -48,25 +50,63 @@ class SGD(Optimizer):
     def defines(self):
         return {**super().defines(), "HAS_MOM": int(self.momentum > 0)}
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 2
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
+        t, u = tmp[0], tmp[1]
         if self.clip_gradient is not None:
-            t = _clip(np.multiply(g, hp["rescale"]), hp["clip"])
-            t *= lr
+            np.multiply(g, hp["rescale"], out=t)
+            _clip(t, hp["clip"])
+            np.multiply(t, lr, out=t)
         else:
-            t = np.multiply(g, lr * hp["rescale"])
-        u = np.multiply(w, lr * wd)
+            np.multiply(g, lr * hp["rescale"], out=t)
+        np.multiply(w, lr * wd, out=u)
         if self.momentum > 0:
             mom = states[0]
-            m = np.multiply(mom, hp["momentum"])
-            m -= u
-            m -= t
-            mom[...] = m
-            w += m
+            np.multiply(mom, hp["momentum"], out=mom)
+            np.subtract(mom, u, out=mom)
+            np.subtract(mom, t, out=mom)
+            np.add(w, mom, out=w)
         else:
             np.negative(u, out=u)
-            u -= t
-            w += u
+            np.subtract(u, t, out=u)
+            np.add(w, u, out=w)
+
+    # Row-sparse gradients (MXNet's sparse `sgd_update` / `sgd_mom_update`): with momentum
+    # the rows follow the dense rule; without, `sgd_update`'s own order of operations.
+    # MXNet's standard (non-lazy) sparse `sgd_update` scales every row by 1 - lr * wd,
+    # then subtracts the rows' step: on a zero-filled dense gradient that is this rule.
+    def lazy_rows(self) -> bool:
+        return self.lazy_update
+
+    def sparse_chunk(self, w, g, states, sc, hp, tmp):
+        if self.momentum > 0:
+            return self.host_chunk(w, g, states, sc, hp, tmp)
+        lr, wd = sc[0], sc[1]
+        t = tmp[0]
+        if self.clip_gradient is not None:    # (1 - lr * wd) * w - lr * clip(rescale * g)
+            np.multiply(g, hp["rescale"], out=t)
+            _clip(t, hp["clip"])
+            np.multiply(t, lr, out=t)
+        else:                                 # (1 - lr * wd) * w - (lr * rescale) * g
+            np.multiply(g, lr * hp["rescale"], out=t)
+        np.multiply(w, w.dtype.type(1) - lr * wd, out=w)
+        np.subtract(w, t, out=w)
+
+    @property
+    def sparse_cuda_body(self):
+        if self.momentum > 0:
+            return self.cuda_body
+        return r"""
+    ct t;
+#if HAS_CLIP
+    t = g * rescale; t = clipv(t, clip); t = lr * t;
+#else
+    t = (lr * rescale) * g;
+#endif
+    w = ((ct)1 - lr * wd) * w; w = w - t;
+"""
 
     cuda_body = r"""
     ct t;
@@ -111,34 +151,37 @@ class NAG(Optimizer):
     def defines(self):
         return {**super().defines(), "HAS_MOM": int(self.momentum > 0)}
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 3
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
-        t = np.multiply(g, hp["rescale"])
+        t, d, e = tmp[0], tmp[1], tmp[2]
+        np.multiply(g, hp["rescale"], out=t)
         if self.clip_gradient is not None:
             _clip(t, hp["clip"])
         if self.momentum > 0:
             mom = states[0]
-            d = np.multiply(w, wd)
-            d += t
-            d *= lr                                   # d = lr * (clip(rg) + wd * w)
-            mom *= hp["momentum"]
-            out = np.subtract(w, mom)
-            diff = np.subtract(mom, d)
-            diff *= hp["momentum"] + w.dtype.type(1)
-            out += diff
-            w[...] = out
+            np.multiply(w, wd, out=d)
+            np.add(d, t, out=d)
+            np.multiply(d, lr, out=d)                 # d = lr * (clip(rg) + wd * w)
+            np.multiply(mom, hp["momentum"], out=mom)
+            np.subtract(w, mom, out=e)                # e = w - mom
+            np.subtract(mom, d, out=d)                # d = mom - d
+            np.multiply(d, hp["momentum"] + w.dtype.type(1), out=d)
+            np.add(e, d, out=w)
             # MXNet writes the new weight in place first, so the momentum's decay term
             # sees the updated weight.
-            t += np.multiply(w, wd)
-            t *= lr
-            mom -= t
+            np.multiply(w, wd, out=d)
+            np.add(t, d, out=t)
+            np.multiply(t, lr, out=t)
+            np.subtract(mom, t, out=mom)
         else:                                         # (1 - lr*wd) * w - lr * rg
             if self.clip_gradient is not None:
-                t *= lr
+                np.multiply(t, lr, out=t)
             else:
-                t = np.multiply(g, lr * hp["rescale"])
-            w *= w.dtype.type(1) - lr * wd
-            w -= t
+                np.multiply(g, lr * hp["rescale"], out=t)
+            np.multiply(w, w.dtype.type(1) - lr * wd, out=w)
+            np.subtract(w, t, out=w)
 
     cuda_body = r"""
     ct t = g * rescale;
@@ -170,6 +213,9 @@ class Adam(Optimizer):
         g = clip(rescale_grad * grad + wd * w)
         m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
         w = w - lr * sqrt(1 - beta2**t) / (1 - beta1**t) * m / (sqrt(v) + epsilon)
+
+    Row-sparse gradients: with `lazy_update` only the gradient's rows of w, m and v
+    change (MXNet's lazy `adam_update`); without it, every row (absent rows: zero grad).
     """
 
     hyper_names = ("beta1", "beta2", "epsilon")
@@ -193,25 +239,80 @@ class Adam(Optimizer):
         coef2 = 1.0 - self.beta2 ** t
         return (f32(lr * math.sqrt(coef2) / coef1), f32(wd))
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 2
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
         one = w.dtype.type(1)
         mean, var = states
-        r = np.multiply(g, hp["rescale"])
-        r += np.multiply(w, wd)
+        r, s = tmp[0], tmp[1]
+        np.multiply(g, hp["rescale"], out=r)
+        np.multiply(w, wd, out=s)
+        np.add(r, s, out=r)
         if self.clip_gradient is not None:
             _clip(r, hp["clip"])
-        mean *= hp["beta1"]
-        mean += np.multiply(r, one - hp["beta1"])
-        sq = np.multiply(r, one - hp["beta2"])
-        sq *= r
-        var *= hp["beta2"]
-        var += sq
-        den = np.sqrt(var)
-        den += hp["epsilon"]
-        num = np.multiply(mean, lr)
-        num /= den
-        w -= num
+        np.multiply(mean, hp["beta1"], out=mean)
+        np.multiply(r, one - hp["beta1"], out=s)
+        np.add(mean, s, out=mean)
+        np.multiply(r, one - hp["beta2"], out=s)
+        np.multiply(s, r, out=s)
+        np.multiply(var, hp["beta2"], out=var)
+        np.add(var, s, out=var)
+        np.sqrt(var, out=r)
+        np.add(r, hp["epsilon"], out=r)
+        np.multiply(mean, lr, out=s)
+        np.divide(s, r, out=s)
+        np.subtract(w, s, out=w)
+
+    def lazy_rows(self) -> bool:
+        return self.lazy_update
+
+    # MXNet's sparse `adam_update` computes (1 - beta2) * square(g) where the dense and
+    # the lazy unclipped kernels compute ((1 - beta2) * g) * g: its standard update and
+    # its clipped lazy update round v that way.
+    def _sparse_square(self) -> bool:
+        return not (self.lazy_update and self.clip_gradient is None)
+
+    def sparse_chunk(self, w, g, states, sc, hp, tmp):
+        if not self._sparse_square():
+            return self.host_chunk(w, g, states, sc, hp, tmp)
+        lr, wd = sc[0], sc[1]
+        one = w.dtype.type(1)
+        mean, var = states
+        r, s = tmp[0], tmp[1]
+        np.multiply(g, hp["rescale"], out=r)
+        np.multiply(w, wd, out=s)
+        np.add(r, s, out=r)
+        if self.clip_gradient is not None:
+            _clip(r, hp["clip"])
+        np.multiply(mean, hp["beta1"], out=mean)
+        np.multiply(r, one - hp["beta1"], out=s)
+        np.add(mean, s, out=mean)
+        np.multiply(r, r, out=s)
+        np.multiply(s, one - hp["beta2"], out=s)
+        np.multiply(var, hp["beta2"], out=var)
+        np.add(var, s, out=var)
+        np.sqrt(var, out=r)
+        np.add(r, hp["epsilon"], out=r)
+        np.multiply(mean, lr, out=s)
+        np.divide(s, r, out=s)
+        np.subtract(w, s, out=w)
+
+    @property
+    def sparse_cuda_body(self):
+        if not self._sparse_square():
+            return self.cuda_body
+        return r"""
+    ct r = g * rescale; r = r + w * wd;
+#if HAS_CLIP
+    r = clipv(r, clip);
+#endif
+    ct m = beta1 * S0[i]; m = m + ((ct)1 - beta1) * r; S0[i] = m;
+    ct sq = r * r; sq = ((ct)1 - beta2) * sq;
+    ct v = beta2 * S1[i]; v = v + sq; S1[i] = v;
+    ct den = sqrt(v) + epsilon;
+    w = w - (lr * m) / den;
+"""
 
     cuda_body = r"""
     ct r = g * rescale; r = r + w * wd;
@@ -257,25 +358,30 @@ class AdamW(Optimizer):
             lr = lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
         return (f32(lr), f32(wd))
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 2
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         eta, wd = sc[0], sc[1]
         one = w.dtype.type(1)
         mean, var = states
-        r = np.multiply(g, hp["rescale"])
+        r, s = tmp[0], tmp[1]
+        np.multiply(g, hp["rescale"], out=r)
         if self.clip_gradient is not None:
             _clip(r, hp["clip"])
-        mean *= hp["beta1"]
-        mean += np.multiply(r, one - hp["beta1"])
-        sq = np.multiply(r, r)
-        sq *= one - hp["beta2"]
-        var *= hp["beta2"]
-        var += sq
-        den = np.sqrt(var)
-        den += hp["epsilon"]
-        d = np.divide(mean, den)
-        d += np.multiply(w, wd)
-        d *= eta
-        w -= d
+        np.multiply(mean, hp["beta1"], out=mean)
+        np.multiply(r, one - hp["beta1"], out=s)
+        np.add(mean, s, out=mean)
+        np.multiply(r, r, out=s)
+        np.multiply(s, one - hp["beta2"], out=s)
+        np.multiply(var, hp["beta2"], out=var)
+        np.add(var, s, out=var)
+        np.sqrt(var, out=r)
+        np.add(r, hp["epsilon"], out=r)
+        np.divide(mean, r, out=r)
+        np.multiply(w, wd, out=s)
+        np.add(r, s, out=r)
+        np.multiply(r, eta, out=r)
+        np.subtract(w, r, out=w)
 
     cuda_body = r"""
     ct r = g * rescale;
@@ -295,6 +401,8 @@ class AdaGrad(Optimizer):
 
         g = clip(grad * rescale_grad);  history += g * g
         w += (g / sqrt(history + eps) + w * wd) * -lr
+
+    A row-sparse gradient always updates only its rows (MXNet's sparse `adagrad_update`).
     """
 
     hyper_names = ("eps",)
@@ -313,19 +421,30 @@ class AdaGrad(Optimizer):
     def state_names(self):
         return ("history",)
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 2
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
         (hist,) = states
-        r = np.multiply(g, hp["rescale"])
+        r, s = tmp[0], tmp[1]
+        np.multiply(g, hp["rescale"], out=r)
         if self.clip_gradient is not None:
             _clip(r, hp["clip"])
-        hist += np.multiply(r, r)
-        den = np.add(hist, hp["eps"])
-        np.sqrt(den, out=den)
-        d = np.divide(r, den)
-        d += np.multiply(w, wd)
-        d *= -lr
-        w += d
+        np.multiply(r, r, out=s)
+        np.add(hist, s, out=hist)
+        np.add(hist, hp["eps"], out=s)
+        np.sqrt(s, out=s)
+        np.divide(r, s, out=r)
+        np.multiply(w, wd, out=s)
+        np.add(r, s, out=r)
+        np.multiply(r, -lr, out=r)
+        np.add(w, r, out=w)
+
+    # MXNet's sparse `adagrad_update` always updates only the gradient's rows; its
+    # w - lr * (g / sqrt(h + eps)) rounds as the dense w + (g / sqrt(h + eps) + 0) * -lr.
+    # (MXNet refuses weight decay there; here the rows also get the dense rule's wd term.)
+    def lazy_rows(self) -> bool:
+        return True
 
     cuda_body = r"""
     ct r = g * rescale;
@@ -365,42 +484,47 @@ class RMSProp(Optimizer):
         return {**super().defines(), "CENTERED": int(self.centered),
                 "HAS_CLIP_W": int(self.clip_weights is not None)}
 
-    def host_step(self, w, g, states, sc, hp):
+    host_scratch = 3
+
+    def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
         one = w.dtype.type(1)
-        r = np.multiply(g, hp["rescale"])
-        r += np.multiply(w, wd)
+        r, s, d = tmp[0], tmp[1], tmp[2]
+        np.multiply(g, hp["rescale"], out=r)
+        np.multiply(w, wd, out=s)
+        np.add(r, s, out=r)
         if self.clip_gradient is not None:
             _clip(r, hp["clip"])
         g1 = hp["gamma1"]
         if not self.centered:
             (n,) = states
-            sq = np.multiply(r, r)
-            sq *= one - g1
-            n *= g1
-            n += sq
-            den = np.add(n, hp["epsilon"])
-            np.sqrt(den, out=den)
-            d = np.divide(r, den)
-            d *= lr
-            w -= d
+            np.multiply(r, r, out=s)
+            np.multiply(s, one - g1, out=s)
+            np.multiply(n, g1, out=n)
+            np.add(n, s, out=n)
+            np.add(n, hp["epsilon"], out=s)
+            np.sqrt(s, out=s)
+            np.divide(r, s, out=s)
+            np.multiply(s, lr, out=s)
+            np.subtract(w, s, out=w)
         else:
             n, gs, delta = states
-            sq = np.multiply(r, one - g1)
-            sq *= r
-            n *= g1
-            n += sq
-            gs *= g1
-            gs += np.multiply(r, one - g1)
-            den = np.multiply(gs, gs)
-            np.subtract(n, den, out=den)
-            den += hp["epsilon"]
-            np.sqrt(den, out=den)
-            d = np.multiply(r, lr)
-            d /= den
-            delta *= hp["gamma2"]
-            delta -= d
-            w += delta
+            np.multiply(r, one - g1, out=s)
+            np.multiply(s, r, out=s)
+            np.multiply(n, g1, out=n)
+            np.add(n, s, out=n)
+            np.multiply(gs, g1, out=gs)
+            np.multiply(r, one - g1, out=s)
+            np.add(gs, s, out=gs)
+            np.multiply(gs, gs, out=s)
+            np.subtract(n, s, out=s)
+            np.add(s, hp["epsilon"], out=s)
+            np.sqrt(s, out=s)
+            np.multiply(r, lr, out=d)
+            np.divide(d, s, out=d)
+            np.multiply(delta, hp["gamma2"], out=delta)
+            np.subtract(delta, d, out=delta)
+            np.add(w, delta, out=w)
         if self.clip_weights is not None:
             _clip(w, hp["clip_weights"])
 
@@ -431,6 +555,8 @@ class LAMB(Optimizer):
 
     hyper_names = ("beta1", "beta2", "epsilon", "lower_bound", "upper_bound")
     name = "lamb"
+    #: the step needs whole-key norms: the updater runs it key by key
+    per_key_norms = True
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
                  lower_bound=None, upper_bound=None, bias_correction=True, **kwargs):
@@ -465,29 +591,40 @@ class LAMB(Optimizer):
         bc2 = one - np.power(np.float32(self.beta2), np.float32(t))
         return (f32(lr), f32(wd), float(bc1), float(bc2))
 
-    def host_direction(self, w, g, states, sc, hp):
-        """Phase one: update the moments, return the direction (a new array)."""
+    host_scratch = 2
+
+    def host_direction_chunk(self, w, g, states, sc, hp, d, tmp) -> None:
+        """Phase one on a piece: update the moments, write the direction into `d`."""
         wd, bc1, bc2 = sc[1], sc[2], sc[3]
         one = w.dtype.type(1)
         mean, var = states
-        r = np.multiply(g, hp["rescale"])
+        r, s = tmp[0], tmp[1]
+        np.multiply(g, hp["rescale"], out=r)
         if self.clip_gradient is not None:
             _clip(r, hp["clip"])
-        mean *= hp["beta1"]
-        mean += np.multiply(r, one - hp["beta1"])
-        sq = np.multiply(r, one - hp["beta2"])
-        sq *= r
-        var *= hp["beta2"]
-        var += sq
+        np.multiply(mean, hp["beta1"], out=mean)
+        np.multiply(r, one - hp["beta1"], out=s)
+        np.add(mean, s, out=mean)
+        np.multiply(r, one - hp["beta2"], out=s)
+        np.multiply(s, r, out=s)
+        np.multiply(var, hp["beta2"], out=var)
+        np.add(var, s, out=var)
         if self.bias_correction:
-            m = np.divide(mean, bc1)
-            v = np.divide(var, bc2)
+            np.divide(mean, bc1, out=d)
+            np.divide(var, bc2, out=s)
         else:
-            m, v = mean, var.copy()
-        np.sqrt(v, out=v)
-        v += hp["epsilon"]
-        d = np.divide(m, v)
-        d += np.multiply(w, wd)
+            np.copyto(d, mean)
+            np.copyto(s, var)
+        np.sqrt(s, out=s)
+        np.add(s, hp["epsilon"], out=s)
+        np.divide(d, s, out=d)
+        np.multiply(w, wd, out=s)
+        np.add(d, s, out=d)
+
+    def host_direction(self, w, g, states, sc, hp):
+        """Phase one: update the moments, return the direction (a new array)."""
+        d = np.empty_like(w)
+        self.host_direction_chunk(w, g, states, sc, hp, d, [np.empty_like(w), np.empty_like(w)])
         return d
 
     def trust_lr(self, lr, sumsq_w, sumsq_d, hp, ct):

@@ -1,10 +1,23 @@
 """`OptimizerUpdater`: runs an Optimizer over the keys of a push, where they live.
 
 The store calls `update(keys, merged, stored, homes)` once per push with every key of
-the call. Per key the updater keeps its state arrays (and, for float16/bfloat16 weights,
-a float32 master copy) on the key's home device, created on the key's first update.
-Host-homed keys are updated with vectorised NumPy, one key at a time; GPU-homed keys are
-grouped by (home, dtype) and each group is updated by one multi-tensor kernel launch.
+the call, and `update_rows(keys, merged, stored, homes)` with the merged `RowSparse`
+gradients of row-sparse pushes. Per key the updater keeps its state arrays (and, for
+float16/bfloat16 weights, a float32 master copy) on the key's home device, created on the
+key's first update. GPU-homed keys are grouped by (home, dtype) and each group is updated
+by one multi-tensor kernel launch.
+
+On the host the rule's `host_chunk` (in-place ufuncs only) runs over pieces of `CHUNK`
+elements, so its several passes find their operands in cache, with scratch buffers the
+updater keeps. The states of keys first updated together are views into one flat buffer
+per state; keys smaller than `SMALL` that share their scalars are gathered into one piece
+(their states, when adjacent in that buffer, are used in place), so a push of many small
+keys costs a few ufunc calls per piece instead of per key.
+
+Row-sparse gradients: when the rule updates lazily (`Optimizer.lazy_rows`), the rows of
+the weight and of each state named by the gradient are gathered, updated with the rule's
+sparse form and scattered back; no other row is read or written. Otherwise the gradient
+is made dense and every row gets the standard update, as MXNet 1.9.1 does.
 
 Optimizer state is saved as an archive (`gpukv._checkpoint`): a JSON header with the
 format version, the optimizer's name, per-key kind, shape, dtype, state names and update
@@ -26,6 +39,12 @@ STATE_KIND = "gpukv.optimizer-states"
 STATE_VERSION = 1
 _NARROW = frozenset(["float16", "bfloat16"])
 _FLOATS = frozenset(["float16", "bfloat16", "float32", "float64"])
+_FLOAT_DTYPES: dict = {}  # dtype -> whether an optimizer can update it
+
+#: elements per piece of a host step (the rule's operands stay in L2 while it runs)
+CHUNK = 1 << 15
+#: keys below this many elements are gathered with others into one piece
+SMALL = 1 << 14
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -34,18 +53,52 @@ def compute_dtype(dtype) -> np.dtype:
 
 
 class KeyState:
-    """One key's optimizer state: state arrays and an optional float32 master copy."""
+    """One key's optimizer state: state arrays and an optional float32 master copy.
 
-    __slots__ = ("arrays", "master", "home")
+    Host states made together share `arena` (their flat buffers: one per state, then
+    the master's); this key's elements start at `offset` in each.
+    """
 
-    def __init__(self, arrays: tuple, master, home):
+    __slots__ = ("arrays", "master", "home", "arena", "offset")
+
+    def __init__(self, arrays: tuple, master, home, arena=None, offset=0):
         self.arrays = arrays
         self.master = master
         self.home = home
+        self.arena = arena
+        self.offset = offset
 
 
 def _host_copy(array) -> np.ndarray:
     return array if isinstance(array, np.ndarray) else array.get()
+
+
+def _flat(a) -> np.ndarray:
+    return a.reshape(-1)
+
+
+class _Scratch:
+    """The host scratch of one compute dtype: pieces of CHUNK elements, grown on demand."""
+
+    __slots__ = ("dtype", "rows", "wide")
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.rows = np.empty((0, CHUNK), dtype)
+        self.wide = [np.empty(0, dtype), np.empty(0, np.float64)]
+
+    def take(self, n: int) -> np.ndarray:
+        """`n` scratch arrays of CHUNK elements (rows of one buffer, made once)."""
+        if self.rows.shape[0] < n:
+            self.rows = np.empty((n, CHUNK), self.dtype)
+        return self.rows
+
+    def full(self, size: int, slot: int = 0) -> np.ndarray:
+        """A flat scratch array of `size` elements: slot 0 of this dtype (LAMB's
+        direction), slot 1 of float64 (its squares, for the norms)."""
+        if self.wide[slot].size < size:
+            self.wide[slot] = np.empty(size, self.wide[slot].dtype)
+        return self.wide[slot][:size]
 
 
 class OptimizerUpdater:
@@ -54,6 +107,8 @@ class OptimizerUpdater:
     def __init__(self, optimizer: Optimizer):
         self.optimizer = optimizer
         self.states: dict = {}
+        self._scratch: dict = {}
+        self._typed: tuple = (None, {})
 
     # ------------------------------------------------------------------ states
     def _new_state(self, stored, home) -> KeyState:
@@ -70,51 +125,385 @@ class OptimizerUpdater:
             master = stored.astype(np.float32) if narrow else None
         return KeyState(arrays, master, home)
 
-    # ------------------------------------------------------------------ update
-    def update(self, keys, merged, stored, homes) -> None:
+    def _new_host_states(self, keys, stored) -> None:
+        """States of new host keys of one compute dtype: views into shared flat buffers."""
+        names = self.optimizer.state_names()
+        by_type: dict = {}
         for key, s in zip(keys, stored):
-            if s.dtype.name not in _FLOATS:
+            by_type.setdefault((compute_dtype(s.dtype), s.dtype.name in _NARROW),
+                               []).append((key, s))
+        for (ct, narrow), group in by_type.items():
+            total = sum(s.size for _, s in group)
+            arena = tuple(np.zeros(total, ct) for _ in names)
+            if narrow:
+                arena = arena + (np.empty(total, np.float32),)
+            offset = 0
+            for key, s in group:
+                end = offset + s.size
+                arrays = tuple(a[offset:end].reshape(s.shape) for a in arena[:len(names)])
+                master = None
+                if narrow:
+                    master = arena[-1][offset:end].reshape(s.shape)
+                    np.copyto(master, s, casting="unsafe")
+                self.states[key] = KeyState(arrays, master, None, arena, offset)
+                offset = end
+
+    def _ensure_states(self, keys, stored, homes) -> None:
+        states = self.states
+        new_host = None
+        for key, s, home in zip(keys, stored, homes):
+            state = states.get(key)
+            if state is not None:
+                continue
+            if home.kind == "gpu":
+                states[key] = self._new_state(s, home)
+            else:
+                if new_host is None:
+                    new_host = ([], [], [])
+                new_host[0].append(key)
+                new_host[1].append(s)
+                new_host[2].append(home)
+        if new_host is not None:
+            self._new_host_states(new_host[0], new_host[1])
+            for key, home in zip(new_host[0], new_host[2]):
+                states[key].home = home
+
+    def _check(self, keys, stored) -> None:
+        known = _FLOAT_DTYPES
+        for key, s in zip(keys, stored):
+            ok = known.get(s.dtype)
+            if ok is None:  # dtype.name is slow in NumPy: read once per dtype
+                ok = known[s.dtype] = s.dtype.name in _FLOATS
+            if not ok:
                 raise DTypeError(f"key {key!r}: optimizer {self.optimizer.name!r} needs a "
                                  f"floating-point value, the key holds {s.dtype}")
+
+    def _hyper(self, hp: dict, ct) -> dict:
+        """`hp` with every value as a `ct` scalar (cached while `hp` stays the same)."""
+        base, typed = self._typed
+        if base != hp:
+            typed = {}
+            self._typed = (hp, typed)
+        out = typed.get(ct)
+        if out is None:
+            out = typed[ct] = {k: ct(v) for k, v in hp.items()}
+        return out
+
+    def _scratch_for(self, ct) -> _Scratch:
+        sc = self._scratch.get(ct)
+        if sc is None:
+            sc = self._scratch[ct] = _Scratch(np.dtype(ct))
+        return sc
+
+    # ------------------------------------------------------------------ update
+    def update(self, keys, merged, stored, homes) -> None:
+        self._check(keys, stored)
         opt = self.optimizer
         hp = opt.hyper()
+        self._ensure_states(keys, stored, homes)
+        states = self.states
         host, gpu = [], {}
         for key, m, s, home in zip(keys, merged, stored, homes):
-            state = self.states.get(key)
-            if state is None:
-                state = self.states[key] = self._new_state(s, home)
+            state = states[key]
             scalars = opt.next_scalars(key)
-            item = (s, m, state.master, state.arrays, scalars)
             if home.kind == "gpu":
-                gpu.setdefault((home, s.dtype), []).append(item)
+                gpu.setdefault((home, s.dtype), []).append(
+                    (s, m, state.master, state.arrays, scalars))
             else:
-                host.append(item)
+                host.append((s, m, state, scalars))
         if host:
             self._host(host, hp)
         if gpu:
-            from .. import _optim_kernels
-            for (home, _), items in gpu.items():
-                with home.cuda_device, home.stream:
-                    items = [self._gpu_item(home, it) for it in items]
-                    _optim_kernels.step(opt, home, items, hp)
+            self._gpu(gpu, hp)
 
-    def _host(self, items, hp) -> None:
+    def _gpu(self, gpu, hp, body=None) -> None:
+        from .. import _optim_kernels
         opt = self.optimizer
-        typed = {}
-        for stored, grad, master, states, scalars in items:
-            ct = compute_dtype(stored.dtype).type
-            hpc = typed.get(ct)
-            if hpc is None:
-                hpc = typed[ct] = {k: ct(v) for k, v in hp.items()}
-            sc = tuple(ct(v) for v in scalars)
-            w = stored if master is None else master
+        for (home, _), items in gpu.items():
+            with home.cuda_device, home.stream:
+                items = [self._gpu_item(home, it) for it in items]
+                _optim_kernels.step(opt, home, items, hp, body=body)
+
+    # ------------------------------------------------------------- host steps
+    def _host(self, items, hp, chunk_fn=None) -> None:
+        """Update host `items` [(stored, grad, KeyState, scalars)] in place."""
+        opt = self.optimizer
+        lamb = getattr(opt, "per_key_norms", False)
+        if chunk_fn is None:
+            chunk_fn = opt.host_chunk
+        batch, bkey, btotal = [], None, 0
+        for item in items:
+            stored = item[0]
+            n = stored.size
+            if lamb or n >= SMALL or not stored.flags.c_contiguous:
+                if batch:
+                    self._host_batch(batch, hp, chunk_fn)
+                    batch, bkey, btotal = [], None, 0
+                if lamb:
+                    self._host_lamb(item, hp)
+                else:
+                    self._host_key(item, hp, chunk_fn)
+                continue
+            key = (stored.dtype, item[3])
+            if batch and (key != bkey or btotal + n > CHUNK):
+                self._host_batch(batch, hp, chunk_fn)
+                batch, btotal = [], 0
+            batch.append(item)
+            bkey = key
+            btotal += n
+        if batch:
+            self._host_batch(batch, hp, chunk_fn)
+
+    def _host_key(self, item, hp, chunk_fn) -> None:
+        """One key, piece by piece, in place."""
+        stored, grad, state, scalars = item
+        master = state.master
+        w = stored if master is None else master
+        ct = w.dtype.type
+        hpc = self._hyper(hp, ct)
+        sc = tuple(ct(v) for v in scalars)
+        if not (w.flags.c_contiguous and all(a.flags.c_contiguous for a in state.arrays)):
             g = grad if grad.dtype == w.dtype else grad.astype(w.dtype)
-            if opt.name == "lamb":
-                opt.host_step(w, g, states, sc, hpc, stored=stored)
-            else:
-                opt.host_step(w, g, states, sc, hpc)
+            tmp = [np.empty_like(w) for _ in range(self.optimizer.host_scratch)]
+            chunk_fn(w, g, state.arrays, sc, hpc, tmp)
             if master is not None:
                 np.copyto(stored, master, casting="unsafe")
+            return
+        self._run_pieces(_flat(w), _flat(grad), [_flat(a) for a in state.arrays], sc, hpc,
+                         chunk_fn, None if master is None else _flat(stored))
+
+    def _run_pieces(self, wf, gf, sf, sc, hpc, chunk_fn, stored_flat=None) -> None:
+        n = wf.size
+        scratch = self._scratch_for(wf.dtype.type)
+        ntmp = self.optimizer.host_scratch
+        cast = gf.dtype != wf.dtype
+        rows = scratch.take(ntmp + (1 if cast else 0))
+        if n <= CHUNK:
+            m = n
+            tmp = [rows[i, :m] for i in range(ntmp)]
+            if cast:
+                np.copyto(rows[ntmp, :m], gf, casting="unsafe")
+                gf = rows[ntmp, :m]
+            chunk_fn(wf, gf, sf, sc, hpc, tmp)
+            if stored_flat is not None:
+                np.copyto(stored_flat, wf, casting="unsafe")
+            return
+        for a in range(0, n, CHUNK):
+            b = min(a + CHUNK, n)
+            m = b - a
+            tmp = [rows[i, :m] for i in range(ntmp)]
+            g = gf[a:b]
+            if cast:
+                np.copyto(rows[ntmp, :m], g, casting="unsafe")
+                g = rows[ntmp, :m]
+            w = wf[a:b]
+            chunk_fn(w, g, [s[a:b] for s in sf], sc, hpc, tmp)
+            if stored_flat is not None:
+                np.copyto(stored_flat[a:b], w, casting="unsafe")
+
+    def _host_batch(self, batch, hp, chunk_fn) -> None:
+        """Small keys sharing a dtype and scalars: gathered into one piece."""
+        if len(batch) == 1:
+            self._host_key(batch[0], hp, chunk_fn)
+            return
+        opt = self.optimizer
+        first = batch[0][2]
+        narrow = first.master is not None
+        ct = compute_dtype(batch[0][0].dtype).type
+        hpc = self._hyper(hp, ct)
+        sc = tuple(ct(v) for v in batch[0][3])
+        sizes = [it[0].size for it in batch]
+        n = sum(sizes)
+        nstates = len(first.arrays)
+        arena, start = first.arena, first.offset
+        adjacent = arena is not None
+        if adjacent:
+            end = start
+            for it, size in zip(batch, sizes):
+                st = it[2]
+                if st.arena is not arena or st.offset != end:
+                    adjacent = False
+                    break
+                end += size
+        ntmp = opt.host_scratch
+        # scratch rows: tmp..., grad, weight, states... (the last two when not adjacent)
+        need = ntmp + 1 + (0 if adjacent and narrow else 1) + (0 if adjacent else nstates)
+        rows = self._scratch_for(ct).take(need)
+        tmp = [rows[i, :n] for i in range(ntmp)]
+        g = rows[ntmp, :n]
+        np.concatenate([_flat(it[1]) for it in batch], out=g, casting="unsafe")
+        row = ntmp + 1
+        if adjacent:
+            states = [a[start:start + n] for a in arena[:nstates]]
+        else:
+            states = []
+            for j in range(nstates):
+                buf = rows[row, :n]
+                row += 1
+                np.concatenate([_flat(it[2].arrays[j]) for it in batch], out=buf)
+                states.append(buf)
+        if narrow and adjacent:
+            w = arena[-1][start:start + n]
+        else:
+            w = rows[row, :n]
+            np.concatenate([_flat(it[2].master if narrow else it[0]) for it in batch],
+                           out=w)
+        chunk_fn(w, g, states, sc, hpc, tmp)
+        a = 0
+        for it, size in zip(batch, sizes):
+            b = a + size
+            stored, _, st, _ = it
+            if narrow:
+                np.copyto(_flat(stored), w[a:b], casting="unsafe")
+                if not adjacent:
+                    np.copyto(_flat(st.master), w[a:b])
+            else:
+                np.copyto(_flat(stored), w[a:b])
+            if not adjacent:
+                for arr, buf in zip(st.arrays, states):
+                    np.copyto(_flat(arr), buf[a:b])
+            a = b
+
+    def _host_lamb(self, item, hp) -> None:
+        """LAMB: the direction piece by piece, the whole key's norms, then the step."""
+        opt = self.optimizer
+        stored, grad, state, scalars = item
+        master = state.master
+        w = stored if master is None else master
+        ct = w.dtype.type
+        hpc = self._hyper(hp, ct)
+        sc = tuple(ct(v) for v in scalars)
+        if not (w.flags.c_contiguous and all(a.flags.c_contiguous for a in state.arrays)):
+            g = grad if grad.dtype == w.dtype else grad.astype(w.dtype)
+            opt.host_step(w, g, state.arrays, sc, hpc, stored=stored)
+            if master is not None:
+                np.copyto(stored, master, casting="unsafe")
+            return
+        n = w.size
+        scratch = self._scratch_for(ct)
+        d = scratch.full(n)
+        wf, gf = _flat(w), _flat(grad)
+        sf = [_flat(a) for a in state.arrays]
+        cast = gf.dtype != wf.dtype
+        rows = scratch.take(opt.host_scratch + 1)
+        for a in range(0, n, CHUNK):
+            b = min(a + CHUNK, n)
+            m = b - a
+            g = gf[a:b]
+            if cast:
+                np.copyto(rows[opt.host_scratch, :m], g, casting="unsafe")
+                g = rows[opt.host_scratch, :m]
+            opt.host_direction_chunk(wf[a:b], g, [s[a:b] for s in sf], sc, hpc, d[a:b],
+                                     [rows[i, :m] for i in range(opt.host_scratch)])
+        sq = scratch.full(n, 1).reshape(w.shape)
+        np.square(stored, dtype=np.float64, out=sq)
+        sumsq_w = float(np.sum(sq))
+        sumsq_d = float(np.sum(np.square(d.reshape(w.shape), dtype=np.float64, out=sq)))
+        lr = opt.trust_lr(sc[0], sumsq_w, sumsq_d, hpc, ct)
+        sflat = None if master is None else _flat(stored)
+        for a in range(0, n, CHUNK):
+            b = min(a + CHUNK, n)
+            piece = d[a:b]
+            np.multiply(piece, lr, out=piece)
+            np.subtract(wf[a:b], piece, out=wf[a:b])
+            if sflat is not None:
+                np.copyto(sflat[a:b], wf[a:b], casting="unsafe")
+
+    # ----------------------------------------------------------- row-sparse
+    def update_rows(self, keys, merged, stored, homes) -> None:
+        """Apply row-sparse gradients (`RowSparse`, sorted unique rows, on each home).
+
+        A lazy rule reads and writes only the gradient's rows of each weight and state;
+        otherwise every row is updated, absent rows with a zero gradient.
+        """
+        self._check(keys, stored)
+        opt = self.optimizer
+        hp = opt.hyper()
+        self._ensure_states(keys, stored, homes)
+        lazy = opt.lazy_rows()
+        host, gpu, host_rows, gpu_rows = [], {}, [], {}
+        for key, m, s, home in zip(keys, merged, stored, homes):
+            state = self.states[key]
+            scalars = opt.next_scalars(key)
+            on_gpu = home.kind == "gpu"
+            if lazy:
+                item = (s, m, state, scalars)
+                if on_gpu:
+                    gpu_rows.setdefault((home, s.dtype), []).append(item)
+                else:
+                    host_rows.append(item)
+            elif on_gpu:
+                with home.cuda_device, home.stream:
+                    dense = m.todense()
+                gpu.setdefault((home, s.dtype), []).append(
+                    (s, dense, state.master, state.arrays, scalars))
+            else:
+                host.append((s, m.todense(), state, scalars))
+        if host:
+            self._host(host, hp, chunk_fn=opt.sparse_chunk)
+        if gpu:
+            self._gpu(gpu, hp, body=opt.sparse_cuda_body)
+        if host_rows:
+            self._host_rows(host_rows, hp)
+        if gpu_rows:
+            self._gpu_rows(gpu_rows, hp)
+
+    def _host_rows(self, items, hp) -> None:
+        """Gather the gradient's rows of weights and states, update them, scatter back."""
+        work, scatter = [], []
+        for stored, rs, state, scalars in items:
+            idx = rs.indices
+            if idx.size == 0:
+                continue
+            master = state.master
+            w = stored if master is None else master
+            nrows = w.shape[0]
+            w2 = w.reshape(nrows, -1)
+            wr = np.take(w2, idx, axis=0)
+            srows = tuple(np.take(a.reshape(nrows, -1), idx, axis=0) for a in state.arrays)
+            # the gathered rows are updated as a key of their own (weights in compute type)
+            work.append((wr, rs.data.reshape(idx.size, -1), KeyState(srows, None, None),
+                         scalars))
+            scatter.append((w2, idx, wr, state.arrays, srows, stored, master))
+        if work:
+            self._host(work, hp, chunk_fn=self.optimizer.sparse_chunk)
+        for w2, idx, wr, arrays, srows, stored, master in scatter:
+            nrows = w2.shape[0]
+            w2[idx] = wr
+            for a, r in zip(arrays, srows):
+                a.reshape(nrows, -1)[idx] = r
+            if master is not None:
+                stored.reshape(nrows, -1)[idx] = wr.astype(stored.dtype)
+
+    def _gpu_rows(self, groups, hp) -> None:
+        """As `_host_rows`, with CuPy gathers and scatters around one kernel launch."""
+        from .. import _optim_kernels
+        opt = self.optimizer
+        for (home, _), group in groups.items():
+            with home.cuda_device, home.stream:
+                launch, scatter = [], []
+                for stored, rs, state, scalars in group:
+                    idx = home.to_local(rs.indices)
+                    if idx.size == 0:
+                        continue
+                    master = state.master
+                    nrows = stored.shape[0]
+                    ct = compute_dtype(stored.dtype)
+                    g = home.to_local(rs.data).reshape(idx.size, -1).astype(ct, copy=False)
+                    sr = stored.reshape(nrows, -1)[idx]
+                    mr = None if master is None else master.reshape(nrows, -1)[idx]
+                    srows = tuple(a.reshape(nrows, -1)[idx] for a in state.arrays)
+                    launch.append(self._gpu_item(home, (sr, g, mr, srows, scalars)))
+                    scatter.append((stored, master, state.arrays, idx, sr, mr, srows))
+                if launch:
+                    _optim_kernels.step(opt, home, launch, hp, body=opt.sparse_cuda_body)
+                for stored, master, arrays, idx, sr, mr, srows in scatter:
+                    nrows = stored.shape[0]
+                    stored.reshape(nrows, -1)[idx] = sr
+                    if master is not None:
+                        master.reshape(nrows, -1)[idx] = mr
+                    for a, r in zip(arrays, srows):
+                        a.reshape(nrows, -1)[idx] = r
 
     @staticmethod
     def _gpu_item(home, item):
@@ -122,7 +511,7 @@ class OptimizerUpdater:
         xp = home.xp
         ct = compute_dtype(stored.dtype)
         if not home.owns(grad) or grad.dtype != ct or not grad.flags.c_contiguous:
-            local = xp.empty(stored.shape, ct)
+            local = xp.empty(grad.shape, ct)
             home.copy(local, grad)
             grad = local
         return (stored, grad, master, states, scalars)
