@@ -1,0 +1,24 @@
+"""The README's Python examples run as written."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_readme_has_python_examples():
+    """The README carries the API tour as runnable code."""
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index, tmp_path, monkeypatch):
+    """Each README example runs in order after the ones before it, without error."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in BLOCKS[: index + 1]:
+        exec(compile(block, f"README block {index}", "exec"), namespace)
