@@ -219,11 +219,15 @@ extern "C" __global__ void gpukv_dequantize_1bit(
 """
 
 
+#: NVRTC options of `_CUDA_SOURCE` (CuPy adds -arch and a few of its own)
+COMPILE_OPTIONS = ()
+
+
 @functools.lru_cache(maxsize=None)
 def _module(device_id: int):
     import cupy
     with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=_CUDA_SOURCE)
+        return cupy.RawModule(code=_CUDA_SOURCE, options=COMPILE_OPTIONS)
 
 
 def _launch(name, items, args):

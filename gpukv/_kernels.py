@@ -88,6 +88,9 @@ def store_stmt(dtype, ptr: str, index: str, value: str) -> str:
     return f"{ptr}[{index}] = ({_CTYPES[name]})({value});"
 
 
+#: NVRTC options of every kernel of this module (CuPy adds -arch and a few of its own)
+COMPILE_OPTIONS = ("-std=c++14",)
+
 _compile_lock = threading.Lock()
 _compiled: dict = {}
 
@@ -100,7 +103,7 @@ def compiled(cupy, name: str, source: str):
         with _compile_lock:
             kernel = _compiled.get(key)
             if kernel is None:
-                kernel = cupy.RawKernel(source, name, options=("-std=c++14",))
+                kernel = cupy.RawKernel(source, name, options=COMPILE_OPTIONS)
                 _compiled[key] = kernel
     return kernel
 

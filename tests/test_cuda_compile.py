@@ -1,0 +1,281 @@
+"""Every CUDA kernel source gpukv can generate compiles with NVRTC: no GPU or driver needed.
+
+Covered: the multi-key sum/copy of `gpukv/_kernels.py` for every (source, destination)
+dtype pair, the compression module of `gpukv/_compression_kernels.py`, and the
+multi-tensor optimizer step of `gpukv/_optim_kernels.py` for every registered rule, weight
+dtype, compile-time switch (`defines()`), body (dense, row-sparse, module-level `*_BODY`)
+and phase. Each source is compiled with the options its module gives CuPy plus the ones
+CuPy adds, to a cubin for the oldest target (as CuPy does at run time: ptxas runs too) and
+to PTX for a recent one.
+
+NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (the `nvidia` namespace package) or
+from GPUKV_NVRTC_LIB (the path of a libnvrtc.so.*); it is driven through CuPy's binding.
+Without it the tests skip; with GPUKV_TEST_NVRTC=1 they fail instead (CI sets it).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import inspect
+import itertools
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from gpukv import _compression_kernels, _kernels, _optim_kernels, optim
+from gpukv._errors import GpukvError
+from gpukv.optim import _base as optim_base
+
+REQUIRED = os.environ.get("GPUKV_TEST_NVRTC", "") == "1"
+
+#: oldest GPU generation compiled for (Volta), or NVRTC's oldest if that is newer
+OLDEST_ARCH = 70
+#: PTX target besides the oldest one's cubin (Hopper)
+RECENT_PTX = "compute_90"
+#: options CuPy's RawKernel/RawModule add to a module's own (cupy/cuda/compiler.py)
+CUPY_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+#: the options `_optim_kernels._compiled` gives CuPy
+OPTIM_OPTIONS = ("--fmad=false",)
+
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+
+
+class Variant(NamedTuple):
+    source: str
+    options: tuple
+
+
+# ------------------------------------------------------------------ the sources
+def _sum_variants():
+    """Every (T, U) pair: sums read T and U, and `multi_copy` casts any T to any U."""
+    import ml_dtypes
+    dtypes = [np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+              for name in sorted(_kernels._CTYPES)]
+    for t, u in itertools.product(dtypes, dtypes):
+        _, source = _kernels.sum_source(t, u)
+        yield f"sum-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
+
+
+def _compression_variants():
+    yield "compression", Variant(_compression_kernels._CUDA_SOURCE,
+                                 _compression_kernels.COMPILE_OPTIONS)
+
+
+#: values of constructor options that are not a bool or an optional (None) number
+_OPTION_VALUES = {"momentum": (0.0, 0.9)}
+
+
+def _option_grid(cls) -> dict:
+    """{option: values} whose product flips every compile-time switch of `cls`."""
+    grid = {"clip_gradient": (None, 1.0)}
+    common = inspect.signature(optim.Optimizer.__init__).parameters
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name in common:
+            continue
+        if p.name in _OPTION_VALUES:
+            grid[p.name] = _OPTION_VALUES[p.name]
+        elif isinstance(p.default, bool):
+            grid[p.name] = (False, True)
+        elif p.default is None and p.kind is p.POSITIONAL_OR_KEYWORD:
+            grid[p.name] = (None, 1.0)
+    return grid
+
+
+def _rules() -> list:
+    return sorted(set(optim_base._REGISTRY.values()), key=lambda cls: cls.__name__)
+
+
+def _rule_instances(cls):
+    grid = _option_grid(cls)
+    for values in itertools.product(*grid.values()):
+        kwargs = dict(zip(grid, values))
+        try:
+            opt = cls(**kwargs)
+        except GpukvError:  # not a valid configuration: no kernel to build for it
+            continue
+        label = ",".join(f"{k}={v}" for k, v in kwargs.items() if v not in (None, False, 0.0))
+        yield label or "default", opt
+
+
+def _weight_dtypes():
+    import ml_dtypes
+    return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
+            np.dtype(np.float64)]
+
+
+def _optim_variants():
+    """The sources `_optim_kernels.step` can compile, over every switch combination."""
+    extra_bodies = {name.lower(): body for name, body in vars(_optim_kernels).items()
+                    if name.endswith("_BODY") and isinstance(body, str)}
+    for cls in _rules():
+        for label, opt in _rule_instances(cls):
+            rule_phases = (1, 2) if getattr(opt, "per_key_norms", False) else (0,)
+            launches = [("dense", None, phase) for phase in rule_phases]
+            sparse = getattr(opt, "sparse_cuda_body", opt.cuda_body)
+            if sparse != opt.cuda_body:
+                launches.append(("sparse", sparse, 0))
+            launches += [(name, body, 0) for name, body in extra_bodies.items()]
+            for dtype in _weight_dtypes():
+                for body_name, body, phase in launches:
+                    source = _optim_kernels.kernel_source(opt, dtype, phase, body)
+                    yield (f"optim-{opt.name}-{dtype.name}-{label}-{body_name}-p{phase}",
+                           Variant(source, OPTIM_OPTIONS))
+
+
+def _variants() -> dict:
+    """{id: Variant}, one per distinct (source, options)."""
+    out, seen = {}, set()
+    for vid, variant in itertools.chain(_sum_variants(), _compression_variants(),
+                                        _optim_variants()):
+        if variant not in seen:
+            seen.add(variant)
+            out[vid] = variant
+    return out
+
+
+VARIANTS = _variants()
+
+
+# ---------------------------------------------------------------------- NVRTC
+def _unavailable(reason: str):
+    if REQUIRED:
+        pytest.fail(f"GPUKV_TEST_NVRTC=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _library_dirs_and_lib():
+    """(directory, libnvrtc path) of GPUKV_NVRTC_LIB or the wheel, or None."""
+    path = os.environ.get("GPUKV_NVRTC_LIB", "")
+    if path:
+        if not os.path.isfile(path):
+            _unavailable(f"GPUKV_NVRTC_LIB={path!r} is not a file")
+        return os.path.dirname(path), path
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        libdir = os.path.join(root, "cuda_nvrtc", "lib")
+        libs = sorted(glob.glob(os.path.join(libdir, "libnvrtc.so.[0-9]*")))
+        if libs:
+            return libdir, libs[-1]
+    return None
+
+
+@lru_cache(maxsize=None)
+def _load_nvrtc():
+    """CuPy's NVRTC binding, with the wheel's (or GPUKV_NVRTC_LIB's) library loaded first.
+
+    Returns (binding, None) or (None, why not)."""
+    found = _library_dirs_and_lib()
+    if found is not None:
+        libdir, lib = found
+        builtins = sorted(glob.glob(os.path.join(libdir, "libnvrtc-builtins.so.*")))
+        for path in builtins + [lib]:  # the builtins first: libnvrtc dlopens them
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                return None, f"cannot load {path}: {exc}"
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as exc:
+        return None, f"CuPy (whose NVRTC binding is used) is not importable: {exc}"
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # no libnvrtc anywhere CuPy looks
+        where = (f"{found[1]} was loaded" if found else
+                 "no libnvrtc found (pip install nvidia-cuda-nvrtc-cu12, or set "
+                 "GPUKV_NVRTC_LIB to a libnvrtc.so.*)")
+        return None, f"NVRTC is not usable through CuPy: {where}; {type(exc).__name__}: {exc}"
+    return nvrtc, None
+
+
+def _nvrtc():
+    nvrtc, why = _load_nvrtc()
+    if nvrtc is None:
+        _unavailable(why)
+    return nvrtc
+
+
+@lru_cache(maxsize=None)
+def _targets() -> tuple:
+    """A cubin for the oldest GPU generation, as CuPy builds one at run time (ptxas runs
+    on the inline PTX too, and code needing a newer GPU fails), and PTX for a recent one."""
+    oldest = max([OLDEST_ARCH, min(_nvrtc().getSupportedArchs())])
+    return f"sm_{oldest}", RECENT_PTX
+
+
+@lru_cache(maxsize=None)
+def _compile(source: str, options: tuple, arch: str) -> tuple:
+    """(ok, NVRTC log, cubin or PTX) of `source` for `arch`."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source, "gpukv_kernel.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [*options, *CUPY_OPTIONS, f"-arch={arch}"])
+        except nvrtc.NVRTCError as exc:
+            return False, f"{exc}\n{nvrtc.getProgramLog(prog)}", b""
+        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return True, nvrtc.getProgramLog(prog), image
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.fixture(scope="module")
+def compile_selected(request):
+    """Compiles every selected variant in parallel once (NVRTC releases the GIL)."""
+    _nvrtc()
+    selected = [item.callspec.params["variant"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")
+                and "variant" in item.callspec.params]
+    jobs = [(VARIANTS[v].source, VARIANTS[v].options, arch) for v in selected
+            for arch in _targets()]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda job: _compile(*job), jobs))
+    return _compile
+
+
+# ---------------------------------------------------------------------- tests
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_compiles(variant, compile_selected):
+    """The source compiles for every target and holds each kernel it declares."""
+    source, options = VARIANTS[variant]
+    entries = _ENTRY.findall(source)
+    assert entries, "no extern \"C\" __global__ kernel in the source"
+    failures = []
+    for arch in _targets():
+        ok, log, image = compile_selected(source, options, arch)
+        if not ok:
+            failures.append(f"--- -arch={arch} {' '.join(options)}: NVRTC log\n{log}")
+            continue
+        missing = [e for e in entries if e.encode() not in image]
+        if missing:
+            failures.append(f"--- -arch={arch}: kernels missing from the output: {missing}")
+    if failures:
+        numbered = "\n".join(f"{i + 1:4d} {line}" for i, line in enumerate(source.splitlines()))
+        pytest.fail("\n".join(failures) + f"\n--- source of {variant}\n{numbered}",
+                    pytrace=False)
+
+
+def test_every_rule_switch_combination_is_compiled():
+    """The option grid reaches every 0/1 combination of each rule's `defines()`.
+
+    A new rule or switch that the grid does not reach fails here: extend _OPTION_VALUES.
+    """
+    for cls in _rules():
+        seen = {tuple(sorted(opt.defines().items())) for _, opt in _rule_instances(cls)}
+        names = sorted({k for combo in seen for k, _ in combo})
+        want = {tuple(zip(names, bits)) for bits in itertools.product((0, 1), repeat=len(names))}
+        missing = want - seen
+        assert not missing, f"{cls.__name__}: switch combinations not compiled: {missing}"
+
+
+def test_variants_cover_every_family():
+    """Each kernel module contributes its sources (a guard against an empty enumeration)."""
+    families = {vid.split("-")[0] for vid in VARIANTS}
+    assert families == {"sum", "compression", "optim"}
+    rules = {vid.split("-")[1] for vid in VARIANTS if vid.startswith("optim-")}
+    assert rules == {cls.name for cls in _rules()}
