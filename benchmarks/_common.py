@@ -6,6 +6,7 @@ interpreters (the MXNet reference environment imports it to time the baseline).
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -20,7 +21,21 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+def _load_benchutil():
+    """gpukv/_benchutil.py, loaded by its path: this module also runs under interpreters
+    where gpukv is not installed (the MXNet one)."""
+    path = Path(__file__).resolve().parent.parent / "gpukv" / "_benchutil.py"
+    spec = importlib.util.spec_from_file_location("_gpukv_benchutil", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_util = _load_benchutil()
+_SUFFIX = _util.SUFFIX
+format_size = _util.format_size
+format_seconds = _util.format_seconds
 
 
 # ------------------------------------------------------------------------- arguments
@@ -35,15 +50,6 @@ def parse_size(text: str) -> int:
 def parse_sizes(text: str) -> list[int]:
     """'1K,1M,16M' -> [1024, 1048576, 16777216]."""
     return [parse_size(part) for part in text.split(",") if part.strip()]
-
-
-def format_size(n: int) -> str:
-    """The inverse of parse_size for round numbers: 1048576 -> '1M', 1000 -> '1000'."""
-    for suffix in ("G", "M", "K"):
-        unit = _SUFFIX[suffix]
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
 
 
 # -------------------------------------------------------------------------- timing
@@ -134,14 +140,7 @@ def _threaded(work, chunks):
 # ------------------------------------------------------------------- machine facts
 def cpu_model() -> str:
     """The CPU's marketing name (from /proc/cpuinfo on Linux), else platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _util.cpu_model()
 
 
 def machine_info() -> dict:
@@ -220,8 +219,7 @@ def result_name(prefix: str) -> str:
     host = socket.gethostname()
     if host.lower() in _GENERIC_HOSTS or re.fullmatch(r"[0-9a-f]{12,}", host):
         host = cpu_model()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", host).strip("-").lower() or "unknown"
-    return f"{prefix}_{slug}"
+    return f"{prefix}_{_util.slug(host)}"
 
 
 def write_json(payload: dict, path: str | os.PathLike | None = None, *,
@@ -231,55 +229,18 @@ def write_json(payload: dict, path: str | os.PathLike | None = None, *,
     Default path: benchmarks/results/<prefix>_<host>.json. Returns the path written.
     """
     target = Path(path) if path else RESULTS_DIR / f"{result_name(prefix)}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "created_utc": datetime.datetime.now(datetime.timezone.utc)
-        .isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-    }
-    record.update(payload)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, target)
-    return target
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return _util.write_record(target, payload, created)
 
 
 def print_table(headers: list[str], rows: list[list], *, file=None) -> None:
     """A plain aligned text table; numbers right-aligned, everything else left-aligned."""
-    file = file or sys.stdout
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(_is_number(row[i]) for row in rows) if rows else False
-               for i in range(len(headers))]
-
-    def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    print(line(headers), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for row in cells:
-        print(line(row), file=file)
+    left = {i for i in range(len(headers))
+            if not (rows and all(_is_number(row[i]) for row in rows))}
+    _util.print_table(headers, rows, left, file=file)
 
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) or v is None
 
 
-def _cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-def format_seconds(s: float | None) -> str:
-    """1.5e-5 -> '15.0 us', 0.0123 -> '12.3 ms'."""
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"

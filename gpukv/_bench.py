@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _benchutil
+
 DTYPE = np.float32
 GPU_SIZES = "4K,64K,1M,16M,256M,1G"
 HOST_SIZES = "4K,64K,1M,16M"
@@ -60,7 +62,10 @@ LARGE_GOAL_FRACTION = 0.85  # push+pull must reach 85% of the measured D2D copy 
 log = logging.getLogger("gpukv.bench")
 
 # ----------------------------------------------------------------------------- helpers
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SUFFIX = _benchutil.SUFFIX
+format_size = _benchutil.format_size
+format_seconds = _benchutil.format_seconds
+slug = _benchutil.slug
 
 
 def _load_common():
@@ -123,63 +128,15 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
-def format_size(n: int) -> str:
-    for suffix in ("G", "M", "K"):
-        unit = _SUFFIX[suffix]
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
-
-
-def format_seconds(s) -> str:
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
-
-
-def _fmt(v, digits=3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
 def print_table(headers, rows, file=None) -> None:
-    file = file or sys.stdout
-    cells = [[_fmt(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    left = [i for i in range(len(headers))
+    left = {i for i in range(len(headers))
             if any(isinstance(row[i], str) and not row[i].endswith(("s", "x", "%"))
-                   for row in rows)]
-
-    def line(values):
-        return "  ".join(v.ljust(w) if i in left else v.rjust(w)
-                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
-
-    print(line(headers), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for row in cells:
-        print(line(row), file=file)
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "unknown"
+                   for row in rows)}
+    _benchutil.print_table(headers, rows, left, file=file)
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return _benchutil.cpu_model(default="cpu")
 
 
 def _progress(total: int, enabled: bool):
@@ -859,14 +816,8 @@ def _results_dir(common) -> Path:
 def write_json(result: dict, path: Path, common) -> Path:
     if common is not None and hasattr(common, "write_json"):
         return common.write_json(result, path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": " ".join([Path(sys.executable).name] + sys.argv)}
-    record.update(result)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return _benchutil.write_record(path, result,
+                                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 # ------------------------------------------------------------------------------ main

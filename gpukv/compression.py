@@ -89,52 +89,51 @@ class Compressor:
         return f"<gpukv compressor {opts}>"
 
 
-class TwoBit(Compressor):
+class _Threshold(Compressor):
+    """A quantiser with error feedback: bits packed from the gradient plus its residual."""
+
+    uses_residual = True
+
+    def __init__(self, threshold: float = 0.5):
+        self.threshold = float(np.float32(threshold))
+
+    def compress(self, x, residual=None):
+        g = _flat_f32(x)
+        if residual is None:
+            residual = _xp_of(g).zeros(g.size, np.float32)
+        return self._quantize(g, residual), Ctx(g.size, tuple(x.shape))
+
+    def decompress(self, payload, ctx, out=None, accumulate=False):
+        out = self._out(payload, ctx, out)
+        self._dequantize(payload, ctx.size, out.reshape(-1), accumulate)
+        return out
+
+    def params(self):
+        return {"type": self.name, "threshold": self.threshold}
+
+
+class TwoBit(_Threshold):
     """MXNet's 2-bit quantisation with error feedback (bytes identical to MXNet's)."""
 
     name = "2bit"
-    uses_residual = True
 
-    def __init__(self, threshold: float = 0.5):
-        self.threshold = float(np.float32(threshold))
+    def _quantize(self, g, residual):
+        return _k.quantize_2bit(g, residual, self.threshold)
 
-    def compress(self, x, residual=None):
-        g = _flat_f32(x)
-        if residual is None:
-            residual = _xp_of(g).zeros(g.size, np.float32)
-        return _k.quantize_2bit(g, residual, self.threshold), Ctx(g.size, tuple(x.shape))
-
-    def decompress(self, payload, ctx, out=None, accumulate=False):
-        out = self._out(payload, ctx, out)
-        _k.dequantize_2bit(payload, ctx.size, self.threshold, out.reshape(-1), accumulate)
-        return out
-
-    def params(self):
-        return {"type": "2bit", "threshold": self.threshold}
+    def _dequantize(self, payload, size, out, accumulate):
+        _k.dequantize_2bit(payload, size, self.threshold, out, accumulate)
 
 
-class OneBit(Compressor):
+class OneBit(_Threshold):
     """MXNet master's 1-bit quantisation with error feedback: bits decode to +1 / -1."""
 
     name = "1bit"
-    uses_residual = True
 
-    def __init__(self, threshold: float = 0.5):
-        self.threshold = float(np.float32(threshold))
+    def _quantize(self, g, residual):
+        return _k.quantize_1bit(g, residual, self.threshold)
 
-    def compress(self, x, residual=None):
-        g = _flat_f32(x)
-        if residual is None:
-            residual = _xp_of(g).zeros(g.size, np.float32)
-        return _k.quantize_1bit(g, residual, self.threshold), Ctx(g.size, tuple(x.shape))
-
-    def decompress(self, payload, ctx, out=None, accumulate=False):
-        out = self._out(payload, ctx, out)
-        _k.dequantize_1bit(payload, ctx.size, out.reshape(-1), accumulate)
-        return out
-
-    def params(self):
-        return {"type": "1bit", "threshold": self.threshold}
+    def _dequantize(self, payload, size, out, accumulate):
+        _k.dequantize_1bit(payload, size, out, accumulate)
 
 
 class Cast(Compressor):

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from . import _args
+from . import _args, _sparse_store
 from ._errors import (ArgumentError, ArgumentKindError, DTypeError, DuplicateKeyError,
                       KeyKindError, ReadOnlyError, ShapeError, UnknownKeyError)
 from .backends import SUPPORTED_DTYPES, Device, device_of, host_device
@@ -294,7 +294,7 @@ class KVStore:
 
     def _init_groups(self, groups: _args.Groups) -> None:
         if groups.sparse:  # row-sparse values are stored dense-backed
-            groups = _densified(groups)
+            groups = _sparse_store.densified(groups)
         self._check_init(groups)
         homes = self._assign_homes(groups)
         for key, arrays, home in zip(groups.keys, groups.arrays, homes):
@@ -585,7 +585,7 @@ class KVStore:
         for key, entry, sources in sparse_work:
             merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
             if updater is None:
-                _assign_rows(entry, merged)
+                _sparse_store.assign_rows(entry, merged)
             elif by_rows:
                 rows_pending.append((key, merged, entry.value, entry.home))
             else:  # an updater that takes dense gradients: the standard (non-lazy) update
@@ -598,8 +598,7 @@ class KVStore:
                 updater.update(*columns)
             else:
                 updater.update_rows(*columns)
-        all_host = all(isinstance(a, np.ndarray) for arrays in rest_arrays for a in arrays)
-        rest = _args.Groups(rest_keys, rest_arrays, rest_originals, all_host, groups.key_kind)
+        rest = _sparse_store.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
         return rest, rest_entries
 
     def _pull_sparse_outs(self, groups: _args.Groups, entries: list, ignore_sparse: bool):
@@ -614,7 +613,7 @@ class KVStore:
                     if ignore_sparse:
                         skipped = True
                     else:
-                        _fill_rows(entry, o, None)
+                        _sparse_store.fill_rows(entry, o, None)
             if dense:
                 rest_keys.append(key)
                 rest_arrays.append([o for o, _ in dense])
@@ -624,8 +623,7 @@ class KVStore:
             self._said_sparse = True
             log.warning("gpukv: pull(ignore_sparse=True) left RowSparse outs unchanged; "
                         "use row_sparse_pull(key, out, row_ids) for them")
-        all_host = all(isinstance(a, np.ndarray) for arrays in rest_arrays for a in arrays)
-        rest = _args.Groups(rest_keys, rest_arrays, rest_originals, all_host, groups.key_kind)
+        rest = _sparse_store.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
         return rest, rest_entries
 
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
@@ -636,7 +634,7 @@ class KVStore:
         requested rows, deduplicated and sorted (its other rows are zero), on the device
         its arrays are on. Works for any key: every key is stored dense-backed.
         """
-        pairs = _row_sparse_pairs(key, out, row_ids)
+        pairs = _sparse_store.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             work = []
             for k, o, ids in pairs:  # validate everything before writing anything
@@ -665,7 +663,7 @@ class KVStore:
                 work.append((entry, o, check_row_ids(ids, shape[0],
                                                      f"key {k!r}: row_sparse_pull")))
             for entry, o, ids in work:
-                _fill_rows(entry, o, ids)
+                _sparse_store.fill_rows(entry, o, ids)
 
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
@@ -688,85 +686,3 @@ def _cast_to_keys(groups: _args.Groups, entries: list) -> _args.Groups:
         arrays[i] = [s if isinstance(s, RowSparse) or s.dtype == dtype
                      else device_of(s).cast(s, dtype) for s in sources]
     return groups if arrays is None else groups._replace(arrays=arrays)
-
-
-def _densified(groups: _args.Groups) -> _args.Groups:
-    """`groups` with every RowSparse replaced by its dense array (for init)."""
-    arrays = [[a.todense() if type(a) is RowSparse else a for a in per_key]
-              for per_key in groups.arrays]
-    all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
-    return groups._replace(arrays=arrays, all_host=all_host, sparse=False)
-
-
-def _assign_rows(entry: _Entry, merged: RowSparse) -> None:
-    """The stored value becomes `merged` (rows not in it become zero), as MXNet assigns."""
-    value, home = entry.value, entry.home
-    if home.kind == "gpu":
-        with home.cuda_device, home.stream:
-            value.fill(0)
-            value[merged.indices] = merged.data.astype(value.dtype, copy=False)
-        return
-    value.fill(0)
-    value[merged.indices] = merged.data
-
-
-def _fill_rows(entry: _Entry, out: RowSparse, ids) -> None:
-    """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
-    home, value = entry.home, entry.value
-    xp = home.xp
-    if home.kind == "gpu":
-        with home.cuda_device, home.stream:
-            uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
-                    else xp.unique(home.to_local(ids)))
-            rows = value[uniq]
-    else:
-        if ids is None:
-            uniq = np.arange(value.shape[0], dtype=np.int64)
-        else:
-            uniq = np.unique(ids if isinstance(ids, np.ndarray) else ids.get())
-        rows = value[uniq]
-    target = device_of(out.data)
-    if home.kind == "gpu":
-        target.wait_for(home)
-    if target == home and isinstance(rows, np.ndarray) and rows.dtype == out.dtype:
-        out.indices, out.data = uniq, rows  # fresh arrays already: no second copy
-        return
-    indices = target.empty(uniq.shape, np.int64)
-    target.copy(indices, uniq)
-    data = target.empty(rows.shape, out.dtype)
-    target.copy(data, rows)
-    out.indices, out.data = indices, data
-
-
-def _row_sparse_pairs(key, out, row_ids) -> list:
-    """(key, out, row_ids) triples for every out of a row_sparse_pull call."""
-    if out is None:
-        raise ArgumentError(f"key {key!r}: row_sparse_pull needs RowSparse `out`s")
-    if isinstance(key, (list, tuple)):
-        if not isinstance(out, (list, tuple)) or len(out) != len(key):
-            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of outs "
-                                f"of the same length")
-        if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
-            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of row_ids "
-                                f"of the same length")
-        pairs = []
-        for k, o, r in zip(key, out, row_ids):
-            pairs.extend(_row_sparse_one(k, o, r))
-        return pairs
-    return _row_sparse_one(key, out, row_ids)
-
-
-def _is_id_list(row_ids) -> bool:
-    """Whether `row_ids` is a list with one id array per out (not a list of ints)."""
-    import numbers
-    return (isinstance(row_ids, (list, tuple)) and len(row_ids) > 0
-            and not isinstance(row_ids[0], numbers.Integral))
-
-
-def _row_sparse_one(key, out, row_ids) -> list:
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    if _is_id_list(row_ids):
-        if len(row_ids) != len(outs):
-            raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
-        return [(key, o, r) for o, r in zip(outs, row_ids)]
-    return [(key, o, row_ids) for o in outs]

@@ -47,6 +47,34 @@ def is_gpu_job(devices, home) -> bool:
 
 
 # ------------------------------------------------------------------ events
+def is_uniform_job(devices, home) -> bool:
+    """Whether a job's devices and home are all host devices or all GPUs."""
+    return is_host_job(devices, home) or is_gpu_job(devices, home)
+
+
+def group_jobs(jobs, nodes_of):
+    """({node tuple: [jobs]}, [fallback jobs]): jobs by `nodes_of(job)`; None: fallback."""
+    groups: dict = {}
+    fallback = []
+    for job in jobs:
+        nodes = nodes_of(job)
+        if nodes is not None:
+            groups.setdefault(nodes, []).append(job)
+        else:
+            fallback.append(job)
+    return groups, fallback
+
+
+def split_plain_broadcasts(jobs):
+    """(plain, other): broadcast jobs whose source and outs are C-contiguous of one dtype
+    first, the rest second."""
+    plain, other = [], []
+    for job in jobs:
+        same = all(o.dtype == job.src.dtype and o.flags.c_contiguous for o in job.outs)
+        (plain if same and job.src.flags.c_contiguous else other).append(job)
+    return plain, other
+
+
 def begin(devices) -> None:
     """Order every device's stream after the caller's work on CuPy's current stream."""
     for d in unique(devices):
@@ -275,6 +303,19 @@ def link_matrix(nodes) -> np.ndarray:
     w = np.full((n, n), topology.SAME_DEVICE_WEIGHT)
     np.fill_diagonal(w, 0.0)
     return w
+
+
+def link_matrix_for(nodes, matrix=None) -> np.ndarray:
+    """The link matrix of `nodes`: `link_matrix`'s without `matrix`; else `matrix(nodes)`
+    for a callable, or the rows and columns of `nodes` (host slot or physical GPU) of a
+    full matrix."""
+    if matrix is None:
+        return link_matrix(nodes)
+    if callable(matrix):
+        return matrix(nodes)
+    full = np.asarray(matrix, dtype=float)
+    ids = [d.slot if d.kind != "gpu" else d.physical for d in nodes]
+    return full[np.ix_(ids, ids)]
 
 
 def host_slots(n: int) -> list:

@@ -99,21 +99,14 @@ class NcclStrategy(Strategy):
         self._home.reduce_many(other)
         if not mine:
             return
-        ranks = _rank_devices(mine)
-        everyone = _ops.unique([d for j in mine for d in j.devices] + [j.home for j in mine]
-                               + list(ranks.values()))
-        _ops.begin(everyone)
+        ranks, everyone = _begin(mine)
         calls, outs = [], []
         for job in mine:
             home = job.home
             out = FlatOut(job.out, home)
             outs.append(out)
-            by_gpu: dict = {}
-            for s, d in zip(job.sources, job.devices):
-                by_gpu.setdefault(d.physical, []).append((_ops.flat_in(s, d), d))
-            by_gpu.setdefault(home.physical, [])
-            physical = tuple(sorted(by_gpu))
-            root = physical.index(home.physical)
+            by_gpu, physical, root = _by_gpu(
+                ((_ops.flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
             for rank, p in enumerate(physical):
                 local = by_gpu[p]
                 if p == home.physical:  # the root reduces in place into the out
@@ -162,20 +155,12 @@ class NcclStrategy(Strategy):
         self._home.broadcast_many(other + rest)
         if not mine:
             return
-        ranks = _rank_devices(mine)
-        everyone = _ops.unique([d for j in mine for d in j.devices] + [j.home for j in mine]
-                               + list(ranks.values()))
-        _ops.begin(everyone)
+        ranks, everyone = _begin(mine)
         calls, after = [], []
         for job in mine:
             home = job.home
             src = job.src.reshape(-1)
-            by_gpu: dict = {}
-            for o, d in zip(job.outs, job.devices):
-                by_gpu.setdefault(d.physical, []).append((o, d))
-            by_gpu.setdefault(home.physical, [])
-            physical = tuple(sorted(by_gpu))
-            root = physical.index(home.physical)
+            by_gpu, physical, root = _by_gpu(zip(job.outs, job.devices), home)
             for rank, p in enumerate(physical):
                 local = by_gpu[p]
                 device = ranks[p]
@@ -208,6 +193,26 @@ class NcclStrategy(Strategy):
             target.done()
         for home in _ops.unique([j.home for j in mine]):
             _ops.finish(everyone, home)
+
+
+def _begin(jobs):
+    """(rank devices, every device of `jobs`), the latter ordered after the caller's work."""
+    ranks = _rank_devices(jobs)
+    everyone = _ops.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
+                           + list(ranks.values()))
+    _ops.begin(everyone)
+    return ranks, everyone
+
+
+def _by_gpu(pairs, home):
+    """(physical GPU -> [(array, device)], the GPUs sorted, the home's rank among them)
+    for one job's `pairs`; the home's GPU is always a rank."""
+    by_gpu: dict = {}
+    for a, d in pairs:
+        by_gpu.setdefault(d.physical, []).append((a, d))
+    by_gpu.setdefault(home.physical, [])
+    physical = tuple(sorted(by_gpu))
+    return by_gpu, physical, physical.index(home.physical)
 
 
 def _rank_devices(jobs) -> dict:

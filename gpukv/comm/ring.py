@@ -38,6 +38,16 @@ def gather_schedule(k: int) -> list:
     return [[(j, (j - s) % k, (j - 1) % k) for j in range(k)] for s in range(1, k)]
 
 
+def _ring_nodes(job):
+    """The sorted devices of `job` when the ring can take it (one source per device,
+    at least two, all host or all GPU), else None."""
+    devices = list(job.devices)
+    nodes = sorted(_ops.unique(devices), key=lambda d: (d.kind, d.physical, d.slot))
+    ok = (len(nodes) >= 2 and len(nodes) == len(devices)
+          and _ops.is_uniform_job(devices, job.home))
+    return tuple(nodes) if ok else None
+
+
 class RingStrategy(Strategy):
     """Chunked ring reduce-scatter / all-gather over peer copies.
 
@@ -57,33 +67,13 @@ class RingStrategy(Strategy):
         ring = self._rings.get(key)
         if ring is None:
             from . import topology
-            if self._matrix is None:
-                matrix = _ops.link_matrix(nodes)
-            elif callable(self._matrix):
-                matrix = self._matrix(nodes)
-            else:
-                import numpy as np
-                full = np.asarray(self._matrix, dtype=float)
-                ids = [d.slot if d.kind != "gpu" else d.physical for d in nodes]
-                matrix = full[np.ix_(ids, ids)]
+            matrix = _ops.link_matrix_for(nodes, self._matrix)
             order = topology.plan_ring(matrix) if len(nodes) > 1 else [0]
             ring = self._rings[key] = [nodes[i] for i in order]
         return ring
 
     def _groups(self, jobs):
-        groups: dict = {}
-        fallback = []
-        for job in jobs:
-            devices = list(job.devices)
-            nodes = sorted(_ops.unique(devices), key=lambda d: (d.kind, d.physical, d.slot))
-            ok = (len(nodes) >= 2 and len(nodes) == len(devices)
-                  and (_ops.is_host_job(devices, job.home)
-                       or _ops.is_gpu_job(devices, job.home)))
-            if ok:
-                groups.setdefault(tuple(nodes), []).append(job)
-            else:
-                fallback.append(job)
-        return groups, fallback
+        return _ops.group_jobs(jobs, _ring_nodes)
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, job: ReduceJob) -> None:
@@ -153,10 +143,7 @@ class RingStrategy(Strategy):
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = [], []
-        for job in jobs:
-            same = all(o.dtype == job.src.dtype and o.flags.c_contiguous for o in job.outs)
-            (simple if same and job.src.flags.c_contiguous else other).append(job)
+        simple, other = _ops.split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():

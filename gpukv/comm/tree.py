@@ -52,15 +52,7 @@ class TreeStrategy(Strategy):
         key = tuple(nodes)
         plan = self._plans.get(key)
         if plan is None:
-            if self._matrix is None:
-                matrix = _ops.link_matrix(nodes)
-            elif callable(self._matrix):
-                matrix = self._matrix(nodes)
-            else:
-                import numpy as np
-                full = np.asarray(self._matrix, dtype=float)
-                ids = [d.slot if d.kind != "gpu" else d.physical for d in nodes]
-                matrix = full[np.ix_(ids, ids)]
+            matrix = _ops.link_matrix_for(nodes, self._matrix)
             plan = self._plans[key] = _Plan(list(nodes), matrix)
         return plan
 
@@ -70,19 +62,14 @@ class TreeStrategy(Strategy):
 
     def _groups(self, jobs, devices_of):
         """Jobs by their node set; jobs the tree cannot take go to the fallback list."""
-        groups: dict = {}
-        fallback = []
-        for job in jobs:
+        def nodes_of(job):
             devices = devices_of(job)
             nodes = sorted(_ops.unique(list(devices) + [job.home]), key=_node_order)
             ok = (len(nodes) >= 2 and len(set(devices)) == len(devices)
-                  and (_ops.is_host_job(devices, job.home)
-                       or _ops.is_gpu_job(devices, job.home)))
-            if ok:
-                groups.setdefault(tuple(nodes), []).append(job)
-            else:
-                fallback.append(job)
-        return groups, fallback
+                  and _ops.is_uniform_job(devices, job.home))
+            return tuple(nodes) if ok else None
+
+        return _ops.group_jobs(jobs, nodes_of)
 
     def _segments(self, plan, job, size):
         from . import topology
@@ -177,10 +164,7 @@ class TreeStrategy(Strategy):
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = [], []
-        for job in jobs:
-            same = all(o.dtype == job.src.dtype and o.flags.c_contiguous for o in job.outs)
-            (simple if same and job.src.flags.c_contiguous else other).append(job)
+        simple, other = _ops.split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple, lambda j: j.devices)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():

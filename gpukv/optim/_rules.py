@@ -21,6 +21,60 @@ def _clip(x, c):
     return x
 
 
+def _rescaled(g, hp, clip: bool, out, w=None, wd=None, tmp=None):
+    """out = clip(rescale_grad * g), or clip(rescale_grad * g + w * wd) given `w` (`tmp`:
+    scratch for the decay term); no clip unless `clip`."""
+    np.multiply(g, hp["rescale"], out=out)
+    if w is not None:
+        np.multiply(w, wd, out=tmp)
+        np.add(out, tmp, out=out)
+    if clip:
+        _clip(out, hp["clip"])
+    return out
+
+
+def _lr_step(g, lr, hp, clip: bool, out):
+    """out = lr * clip(rescale_grad * g); unclipped, MXNet rounds it as (lr * rescale) * g."""
+    if clip:
+        _rescaled(g, hp, True, out)
+        np.multiply(out, lr, out=out)
+    else:
+        np.multiply(g, lr * hp["rescale"], out=out)
+    return out
+
+
+def _decay_step(w, g, lr, wd, hp, clip: bool, t):
+    """MXNet's `sgd_update`: w = (1 - lr * wd) * w - lr * clip(rescale_grad * g)."""
+    _lr_step(g, lr, hp, clip, t)
+    np.multiply(w, w.dtype.type(1) - lr * wd, out=w)
+    np.subtract(w, t, out=w)
+
+
+def _set_moment_options(opt, beta1, beta2, epsilon) -> None:
+    """Check and set the options of Adam-like rules: beta1, beta2 in [0, 1), epsilon > 0."""
+    opt.beta1 = check_number("beta1", beta1, low=0, high=1, high_open=True)
+    opt.beta2 = check_number("beta2", beta2, low=0, high=1, high_open=True)
+    opt.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
+
+
+def _moments(mean, var, r, s, hp, square_first: bool):
+    """Adam's moments: mean = beta1 * mean + (1 - beta1) * r and var = beta2 * var +
+    (1 - beta2) * r * r, rounded as ((1 - beta2) * r) * r, or with `square_first` as
+    (r * r) * (1 - beta2). `s`: scratch."""
+    one = r.dtype.type(1)
+    np.multiply(mean, hp["beta1"], out=mean)
+    np.multiply(r, one - hp["beta1"], out=s)
+    np.add(mean, s, out=mean)
+    if square_first:
+        np.multiply(r, r, out=s)
+        np.multiply(s, one - hp["beta2"], out=s)
+    else:
+        np.multiply(r, one - hp["beta2"], out=s)
+        np.multiply(s, r, out=s)
+    np.multiply(var, hp["beta2"], out=var)
+    np.add(var, s, out=var)
+
+
 @register
 class SGD(Optimizer):
     """SGD with momentum and weight decay (MXNet's `multi_sgd_mom_update` kernel).
@@ -55,12 +109,7 @@ class SGD(Optimizer):
     def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
         t, u = tmp[0], tmp[1]
-        if self.clip_gradient is not None:
-            np.multiply(g, hp["rescale"], out=t)
-            _clip(t, hp["clip"])
-            np.multiply(t, lr, out=t)
-        else:
-            np.multiply(g, lr * hp["rescale"], out=t)
+        _lr_step(g, lr, hp, self.clip_gradient is not None, t)
         np.multiply(w, lr * wd, out=u)
         if self.momentum > 0:
             mom = states[0]
@@ -83,16 +132,7 @@ class SGD(Optimizer):
     def sparse_chunk(self, w, g, states, sc, hp, tmp):
         if self.momentum > 0:
             return self.host_chunk(w, g, states, sc, hp, tmp)
-        lr, wd = sc[0], sc[1]
-        t = tmp[0]
-        if self.clip_gradient is not None:    # (1 - lr * wd) * w - lr * clip(rescale * g)
-            np.multiply(g, hp["rescale"], out=t)
-            _clip(t, hp["clip"])
-            np.multiply(t, lr, out=t)
-        else:                                 # (1 - lr * wd) * w - (lr * rescale) * g
-            np.multiply(g, lr * hp["rescale"], out=t)
-        np.multiply(w, w.dtype.type(1) - lr * wd, out=w)
-        np.subtract(w, t, out=w)
+        _decay_step(w, g, sc[0], sc[1], hp, self.clip_gradient is not None, tmp[0])
 
     @property
     def sparse_cuda_body(self):
@@ -156,10 +196,8 @@ class NAG(Optimizer):
     def host_chunk(self, w, g, states, sc, hp, tmp):
         lr, wd = sc[0], sc[1]
         t, d, e = tmp[0], tmp[1], tmp[2]
-        np.multiply(g, hp["rescale"], out=t)
-        if self.clip_gradient is not None:
-            _clip(t, hp["clip"])
         if self.momentum > 0:
+            _rescaled(g, hp, self.clip_gradient is not None, t)
             mom = states[0]
             np.multiply(w, wd, out=d)
             np.add(d, t, out=d)
@@ -176,12 +214,7 @@ class NAG(Optimizer):
             np.multiply(t, lr, out=t)
             np.subtract(mom, t, out=mom)
         else:                                         # (1 - lr*wd) * w - lr * rg
-            if self.clip_gradient is not None:
-                np.multiply(t, lr, out=t)
-            else:
-                np.multiply(g, lr * hp["rescale"], out=t)
-            np.multiply(w, w.dtype.type(1) - lr * wd, out=w)
-            np.subtract(w, t, out=w)
+            _decay_step(w, g, lr, wd, hp, self.clip_gradient is not None, t)
 
     cuda_body = r"""
     ct t = g * rescale;
@@ -224,9 +257,7 @@ class Adam(Optimizer):
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  lazy_update=True, **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = check_number("beta1", beta1, low=0, high=1, high_open=True)
-        self.beta2 = check_number("beta2", beta2, low=0, high=1, high_open=True)
-        self.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
+        _set_moment_options(self, beta1, beta2, epsilon)
         self.lazy_update = check_bool("lazy_update", lazy_update)
 
     _options = Optimizer._options + ("beta1", "beta2", "epsilon", "lazy_update")
@@ -241,23 +272,12 @@ class Adam(Optimizer):
 
     host_scratch = 2
 
-    def host_chunk(self, w, g, states, sc, hp, tmp):
+    def host_chunk(self, w, g, states, sc, hp, tmp, square_first=False):
         lr, wd = sc[0], sc[1]
-        one = w.dtype.type(1)
         mean, var = states
         r, s = tmp[0], tmp[1]
-        np.multiply(g, hp["rescale"], out=r)
-        np.multiply(w, wd, out=s)
-        np.add(r, s, out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
-        np.multiply(mean, hp["beta1"], out=mean)
-        np.multiply(r, one - hp["beta1"], out=s)
-        np.add(mean, s, out=mean)
-        np.multiply(r, one - hp["beta2"], out=s)
-        np.multiply(s, r, out=s)
-        np.multiply(var, hp["beta2"], out=var)
-        np.add(var, s, out=var)
+        _rescaled(g, hp, self.clip_gradient is not None, r, w, wd, s)
+        _moments(mean, var, r, s, hp, square_first)
         np.sqrt(var, out=r)
         np.add(r, hp["epsilon"], out=r)
         np.multiply(mean, lr, out=s)
@@ -274,57 +294,27 @@ class Adam(Optimizer):
         return not (self.lazy_update and self.clip_gradient is None)
 
     def sparse_chunk(self, w, g, states, sc, hp, tmp):
-        if not self._sparse_square():
-            return self.host_chunk(w, g, states, sc, hp, tmp)
-        lr, wd = sc[0], sc[1]
-        one = w.dtype.type(1)
-        mean, var = states
-        r, s = tmp[0], tmp[1]
-        np.multiply(g, hp["rescale"], out=r)
-        np.multiply(w, wd, out=s)
-        np.add(r, s, out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
-        np.multiply(mean, hp["beta1"], out=mean)
-        np.multiply(r, one - hp["beta1"], out=s)
-        np.add(mean, s, out=mean)
-        np.multiply(r, r, out=s)
-        np.multiply(s, one - hp["beta2"], out=s)
-        np.multiply(var, hp["beta2"], out=var)
-        np.add(var, s, out=var)
-        np.sqrt(var, out=r)
-        np.add(r, hp["epsilon"], out=r)
-        np.multiply(mean, lr, out=s)
-        np.divide(s, r, out=s)
-        np.subtract(w, s, out=w)
+        self.host_chunk(w, g, states, sc, hp, tmp, square_first=self._sparse_square())
+
+    _body = r"""
+    ct r = g * rescale; r = r + w * wd;
+#if HAS_CLIP
+    r = clipv(r, clip);
+#endif
+    ct m = beta1 * S0[i]; m = m + ((ct)1 - beta1) * r; S0[i] = m;
+    ct sq = SQUARE;
+    ct v = beta2 * S1[i]; v = v + sq; S1[i] = v;
+    ct den = sqrt(v) + epsilon;
+    w = w - (lr * m) / den;
+"""
 
     @property
     def sparse_cuda_body(self):
         if not self._sparse_square():
             return self.cuda_body
-        return r"""
-    ct r = g * rescale; r = r + w * wd;
-#if HAS_CLIP
-    r = clipv(r, clip);
-#endif
-    ct m = beta1 * S0[i]; m = m + ((ct)1 - beta1) * r; S0[i] = m;
-    ct sq = r * r; sq = ((ct)1 - beta2) * sq;
-    ct v = beta2 * S1[i]; v = v + sq; S1[i] = v;
-    ct den = sqrt(v) + epsilon;
-    w = w - (lr * m) / den;
-"""
+        return self._body.replace("SQUARE", "r * r; sq = ((ct)1 - beta2) * sq")
 
-    cuda_body = r"""
-    ct r = g * rescale; r = r + w * wd;
-#if HAS_CLIP
-    r = clipv(r, clip);
-#endif
-    ct m = beta1 * S0[i]; m = m + ((ct)1 - beta1) * r; S0[i] = m;
-    ct sq = ((ct)1 - beta2) * r; sq = sq * r;
-    ct v = beta2 * S1[i]; v = v + sq; S1[i] = v;
-    ct den = sqrt(v) + epsilon;
-    w = w - (lr * m) / den;
-"""
+    cuda_body = _body.replace("SQUARE", "((ct)1 - beta2) * r; sq = sq * r")
 
 
 @register
@@ -343,9 +333,7 @@ class AdamW(Optimizer):
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
                  correct_bias=True, **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = check_number("beta1", beta1, low=0, high=1, high_open=True)
-        self.beta2 = check_number("beta2", beta2, low=0, high=1, high_open=True)
-        self.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
+        _set_moment_options(self, beta1, beta2, epsilon)
         self.correct_bias = check_bool("correct_bias", correct_bias)
 
     _options = Optimizer._options + ("beta1", "beta2", "epsilon", "correct_bias")
@@ -362,19 +350,10 @@ class AdamW(Optimizer):
 
     def host_chunk(self, w, g, states, sc, hp, tmp):
         eta, wd = sc[0], sc[1]
-        one = w.dtype.type(1)
         mean, var = states
         r, s = tmp[0], tmp[1]
-        np.multiply(g, hp["rescale"], out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
-        np.multiply(mean, hp["beta1"], out=mean)
-        np.multiply(r, one - hp["beta1"], out=s)
-        np.add(mean, s, out=mean)
-        np.multiply(r, r, out=s)
-        np.multiply(s, one - hp["beta2"], out=s)
-        np.multiply(var, hp["beta2"], out=var)
-        np.add(var, s, out=var)
+        _rescaled(g, hp, self.clip_gradient is not None, r)
+        _moments(mean, var, r, s, hp, square_first=True)
         np.sqrt(var, out=r)
         np.add(r, hp["epsilon"], out=r)
         np.divide(mean, r, out=r)
@@ -427,9 +406,7 @@ class AdaGrad(Optimizer):
         lr, wd = sc[0], sc[1]
         (hist,) = states
         r, s = tmp[0], tmp[1]
-        np.multiply(g, hp["rescale"], out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
+        _rescaled(g, hp, self.clip_gradient is not None, r)
         np.multiply(r, r, out=s)
         np.add(hist, s, out=hist)
         np.add(hist, hp["eps"], out=s)
@@ -490,11 +467,7 @@ class RMSProp(Optimizer):
         lr, wd = sc[0], sc[1]
         one = w.dtype.type(1)
         r, s, d = tmp[0], tmp[1], tmp[2]
-        np.multiply(g, hp["rescale"], out=r)
-        np.multiply(w, wd, out=s)
-        np.add(r, s, out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
+        _rescaled(g, hp, self.clip_gradient is not None, r, w, wd, s)
         g1 = hp["gamma1"]
         if not self.centered:
             (n,) = states
@@ -561,9 +534,7 @@ class LAMB(Optimizer):
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
                  lower_bound=None, upper_bound=None, bias_correction=True, **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.beta1 = check_number("beta1", beta1, low=0, high=1, high_open=True)
-        self.beta2 = check_number("beta2", beta2, low=0, high=1, high_open=True)
-        self.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
+        _set_moment_options(self, beta1, beta2, epsilon)
         self.lower_bound = check_number("lower_bound", lower_bound, low=0, low_open=True,
                                         none_ok=True)
         self.upper_bound = check_number("upper_bound", upper_bound, low=0, low_open=True,
@@ -596,19 +567,10 @@ class LAMB(Optimizer):
     def host_direction_chunk(self, w, g, states, sc, hp, d, tmp) -> None:
         """Phase one on a piece: update the moments, write the direction into `d`."""
         wd, bc1, bc2 = sc[1], sc[2], sc[3]
-        one = w.dtype.type(1)
         mean, var = states
         r, s = tmp[0], tmp[1]
-        np.multiply(g, hp["rescale"], out=r)
-        if self.clip_gradient is not None:
-            _clip(r, hp["clip"])
-        np.multiply(mean, hp["beta1"], out=mean)
-        np.multiply(r, one - hp["beta1"], out=s)
-        np.add(mean, s, out=mean)
-        np.multiply(r, one - hp["beta2"], out=s)
-        np.multiply(s, r, out=s)
-        np.multiply(var, hp["beta2"], out=var)
-        np.add(var, s, out=var)
+        _rescaled(g, hp, self.clip_gradient is not None, r)
+        _moments(mean, var, r, s, hp, square_first=False)
         if self.bias_correction:
             np.divide(mean, bc1, out=d)
             np.divide(var, bc2, out=s)

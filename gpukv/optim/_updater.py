@@ -254,23 +254,35 @@ class OptimizerUpdater:
         if batch:
             self._host_batch(batch, hp, chunk_fn)
 
+    def _key_setup(self, item, hp):
+        """(stored, grad, state, w, hyper, scalars) of a host item: `w` is what the rule
+        updates (the float32 master copy, if the key has one), hyper and scalars in its type."""
+        stored, grad, state, scalars = item
+        w = stored if state.master is None else state.master
+        ct = w.dtype.type
+        return stored, grad, state, w, self._hyper(hp, ct), tuple(ct(v) for v in scalars)
+
+    @staticmethod
+    def _whole_key(stored, grad, state, w, step) -> bool:
+        """For a key with a strided weight or state: run `step(g)` on it at once (`g`: the
+        gradient in w's dtype), copy the master back into `stored`, and return True.
+        False (nothing done) when everything is C-contiguous: go piece by piece."""
+        if w.flags.c_contiguous and all(a.flags.c_contiguous for a in state.arrays):
+            return False
+        step(grad if grad.dtype == w.dtype else grad.astype(w.dtype))
+        if state.master is not None:
+            np.copyto(stored, state.master, casting="unsafe")
+        return True
+
     def _host_key(self, item, hp, chunk_fn) -> None:
         """One key, piece by piece, in place."""
-        stored, grad, state, scalars = item
-        master = state.master
-        w = stored if master is None else master
-        ct = w.dtype.type
-        hpc = self._hyper(hp, ct)
-        sc = tuple(ct(v) for v in scalars)
-        if not (w.flags.c_contiguous and all(a.flags.c_contiguous for a in state.arrays)):
-            g = grad if grad.dtype == w.dtype else grad.astype(w.dtype)
-            tmp = [np.empty_like(w) for _ in range(self.optimizer.host_scratch)]
-            chunk_fn(w, g, state.arrays, sc, hpc, tmp)
-            if master is not None:
-                np.copyto(stored, master, casting="unsafe")
+        stored, grad, state, w, hpc, sc = self._key_setup(item, hp)
+        ntmp = self.optimizer.host_scratch
+        if self._whole_key(stored, grad, state, w, lambda g: chunk_fn(
+                w, g, state.arrays, sc, hpc, [np.empty_like(w) for _ in range(ntmp)])):
             return
         self._run_pieces(_flat(w), _flat(grad), [_flat(a) for a in state.arrays], sc, hpc,
-                         chunk_fn, None if master is None else _flat(stored))
+                         chunk_fn, None if state.master is None else _flat(stored))
 
     def _run_pieces(self, wf, gf, sf, sc, hpc, chunk_fn, stored_flat=None) -> None:
         n = wf.size
@@ -367,18 +379,12 @@ class OptimizerUpdater:
     def _host_lamb(self, item, hp) -> None:
         """LAMB: the direction piece by piece, the whole key's norms, then the step."""
         opt = self.optimizer
-        stored, grad, state, scalars = item
-        master = state.master
-        w = stored if master is None else master
-        ct = w.dtype.type
-        hpc = self._hyper(hp, ct)
-        sc = tuple(ct(v) for v in scalars)
-        if not (w.flags.c_contiguous and all(a.flags.c_contiguous for a in state.arrays)):
-            g = grad if grad.dtype == w.dtype else grad.astype(w.dtype)
-            opt.host_step(w, g, state.arrays, sc, hpc, stored=stored)
-            if master is not None:
-                np.copyto(stored, master, casting="unsafe")
+        stored, grad, state, w, hpc, sc = self._key_setup(item, hp)
+        if self._whole_key(stored, grad, state, w, lambda g: opt.host_step(
+                w, g, state.arrays, sc, hpc, stored=stored)):
             return
+        master = state.master
+        ct = w.dtype.type
         n = w.size
         scratch = self._scratch_for(ct)
         d = scratch.full(n)

@@ -22,6 +22,8 @@ import os
 import mxnet as mx
 import numpy as np
 
+from _mxnet_common import values, write_cases  # this script's folder
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_lazy_reference.json")
 KEYS = [3, 7]
 SHAPES = [(7, 3), (5, 2)]
@@ -68,10 +70,6 @@ STATE_NAMES = {"sgd": ("mom",), "nag": ("mom",), "adam": ("mean", "var"),
                "adagrad": ("history",), "rmsprop": ("n",)}
 
 
-def values(a):
-    return [repr(float(x)) for x in np.asarray(a, dtype=np.float64).reshape(-1)]
-
-
 def run(c, seed):
     rng = np.random.RandomState(seed)
     w0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
@@ -106,12 +104,7 @@ def run(c, seed):
 
 
 def main():
-    cases = [run(c, 2000 + i) for i, c in enumerate(CASES)]
-    doc = {"mxnet": mx.__version__, "numpy": np.__version__, "steps": STEPS, "cases": cases}
-    with open(OUT, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
-        f.write("\n")
-    print(f"wrote {len(cases)} cases to {OUT}")
+    write_cases(OUT, [run(c, 2000 + i) for i, c in enumerate(CASES)], STEPS)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import os
 import mxnet as mx
 import numpy as np
 
+from _mxnet_common import values, write_cases  # this script's folder
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_optimizer_reference.json")
 KEYS = [3, 7]
 SHAPES = [(3, 4), (5,)]
@@ -165,10 +167,6 @@ def flat_states(opt_name, kwargs, state, mp):
     return out
 
 
-def values(a):
-    return [repr(float(x)) for x in np.asarray(a, dtype=np.float64).reshape(-1)]
-
-
 def run(c, seed):
     rng = np.random.RandomState(seed)
     dtype = np.dtype(c["dtype"])
@@ -210,12 +208,7 @@ def run(c, seed):
 
 
 def main():
-    cases = [run(c, 1000 + i) for i, c in enumerate(CASES)]
-    doc = {"mxnet": mx.__version__, "numpy": np.__version__, "steps": STEPS, "cases": cases}
-    with open(OUT, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
-        f.write("\n")
-    print(f"wrote {len(cases)} cases to {OUT}")
+    write_cases(OUT, [run(c, 1000 + i) for i, c in enumerate(CASES)], STEPS)
 
 
 if __name__ == "__main__":

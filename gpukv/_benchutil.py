@@ -1,0 +1,92 @@
+"""Formatting and file helpers shared by `python -m gpukv bench` and benchmarks/*.py.
+
+Standard library only and no package-relative imports: benchmarks/_common.py loads this
+file by its path, also under interpreters where gpukv is not installed (the MXNet one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def format_size(n: int) -> str:
+    """The inverse of parse_size for round numbers: 1048576 -> '1M', 1000 -> '1000'."""
+    for suffix in ("G", "M", "K"):
+        unit = SUFFIX[suffix]
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def format_seconds(s: float | None) -> str:
+    """1.5e-5 -> '15.0 us', 0.0123 -> '12.3 ms'."""
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def cell(v, digits: int = 3) -> str:
+    """A table cell: '-' for None, floats to `digits` significant digits below 1000."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def print_table(headers, rows, left, *, file=None) -> None:
+    """A plain aligned text table; the columns whose index is in `left` left-aligned,
+    the others right-aligned."""
+    file = file or sys.stdout
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if i in left else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+
+    print(line(headers), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print(line(row), file=file)
+
+
+def slug(text: str) -> str:
+    """'AMD EPYC 7B13' -> 'amd-epyc-7b13' ('unknown' when nothing is left)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "unknown"
+
+
+def cpu_model(default: str = "") -> str:
+    """The CPU's marketing name (from /proc/cpuinfo on Linux), else platform's guess,
+    else `default`."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or default
+
+
+def write_record(path: Path, payload: dict, created_utc: str) -> Path:
+    """Write `payload` after its creation time and the command line as pretty JSON,
+    through a temporary file renamed over `path`. Returns `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"created_utc": created_utc,
+              "command": " ".join([Path(sys.executable).name] + sys.argv)}
+    record.update(payload)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,102 @@
+"""Row-sparse plumbing of the store: pure functions on its keys' values and RowSparse outs.
+
+An entry here is anything with the store's `value` (the dense-backed array) and `home`
+(its `Device`).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import _args
+from ._errors import ArgumentError
+from .backends import device_of
+from .sparse import RowSparse
+
+
+def regroup(keys, arrays, originals, key_kind) -> _args.Groups:
+    """The dense keys a push or pull left after taking out its row-sparse (or other) work."""
+    all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
+    return _args.Groups(keys, arrays, originals, all_host, key_kind)
+
+
+def densified(groups: _args.Groups) -> _args.Groups:
+    """`groups` with every RowSparse replaced by its dense array (for init)."""
+    arrays = [[a.todense() if type(a) is RowSparse else a for a in per_key]
+              for per_key in groups.arrays]
+    all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
+    return groups._replace(arrays=arrays, all_host=all_host, sparse=False)
+
+
+def assign_rows(entry, merged: RowSparse) -> None:
+    """The stored value becomes `merged` (rows not in it become zero), as MXNet assigns."""
+    value, home = entry.value, entry.home
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            value.fill(0)
+            value[merged.indices] = merged.data.astype(value.dtype, copy=False)
+        return
+    value.fill(0)
+    value[merged.indices] = merged.data
+
+
+def fill_rows(entry, out: RowSparse, ids) -> None:
+    """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
+    home, value = entry.home, entry.value
+    xp = home.xp
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
+                    else xp.unique(home.to_local(ids)))
+            rows = value[uniq]
+    else:
+        if ids is None:
+            uniq = np.arange(value.shape[0], dtype=np.int64)
+        else:
+            uniq = np.unique(ids if isinstance(ids, np.ndarray) else ids.get())
+        rows = value[uniq]
+    target = device_of(out.data)
+    if home.kind == "gpu":
+        target.wait_for(home)
+    if target == home and isinstance(rows, np.ndarray) and rows.dtype == out.dtype:
+        out.indices, out.data = uniq, rows  # fresh arrays already: no second copy
+        return
+    indices = target.empty(uniq.shape, np.int64)
+    target.copy(indices, uniq)
+    data = target.empty(rows.shape, out.dtype)
+    target.copy(data, rows)
+    out.indices, out.data = indices, data
+
+
+def row_sparse_pairs(key, out, row_ids) -> list:
+    """(key, out, row_ids) triples for every out of a row_sparse_pull call."""
+    if out is None:
+        raise ArgumentError(f"key {key!r}: row_sparse_pull needs RowSparse `out`s")
+    if isinstance(key, (list, tuple)):
+        if not isinstance(out, (list, tuple)) or len(out) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of outs "
+                                f"of the same length")
+        if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of row_ids "
+                                f"of the same length")
+        pairs = []
+        for k, o, r in zip(key, out, row_ids):
+            pairs.extend(_row_sparse_one(k, o, r))
+        return pairs
+    return _row_sparse_one(key, out, row_ids)
+
+
+def _is_id_list(row_ids) -> bool:
+    """Whether `row_ids` is a list with one id array per out (not a list of ints)."""
+    return (isinstance(row_ids, (list, tuple)) and len(row_ids) > 0
+            and not isinstance(row_ids[0], numbers.Integral))
+
+
+def _row_sparse_one(key, out, row_ids) -> list:
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    if _is_id_list(row_ids):
+        if len(row_ids) != len(outs):
+            raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
+        return [(key, o, r) for o, r in zip(outs, row_ids)]
+    return [(key, o, row_ids) for o in outs]
