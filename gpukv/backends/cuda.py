@@ -92,11 +92,15 @@ class CudaDevice(Device):
         mine = self.stream
         theirs = other.stream
         last = other._last
-        if theirs is not mine:
+        # One stream object may stand for a stream of every GPU: CuPy's default
+        # `Stream.null` (and `Stream.ptds`) is a single object for all devices, so the
+        # same object on two GPUs is two streams.
+        same_gpu = other.physical == self.physical
+        if theirs is not mine or not same_gpu:
             event = other.record()
             with self._cuda_device:
                 mine.wait_event(event)
-        if last is not None and last[1] is not theirs and last[1] is not mine:
+        if last is not None and last[1] is not theirs and not (same_gpu and last[1] is mine):
             # Work queued on `other` under a stream that is no longer current.
             with self._cuda_device:
                 mine.wait_event(last[0])
@@ -127,6 +131,12 @@ class CudaDevice(Device):
         with self._cuda_device, self.stream:
             return self._cp.empty(shape, dtype)
 
+    def zeros(self, shape, dtype):
+        with self._cuda_device, self.stream:
+            out = self._cp.empty(shape, dtype)
+            out.fill(0)
+        return out
+
     def owns(self, array) -> bool:
         return isinstance(array, self._cp.ndarray) and array.device.id == self.physical
 
@@ -154,7 +164,9 @@ class CudaDevice(Device):
             cp.copyto(dst, src, casting="unsafe")
 
     def synchronize(self) -> None:
-        self.stream.synchronize()
+        # Under this GPU: the default stream (handle 0) means the current device's one.
+        with self._cuda_device:
+            self.stream.synchronize()
 
 
 @functools.cache

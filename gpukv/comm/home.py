@@ -34,8 +34,11 @@ class HomeStrategy(Strategy):
             by_home.setdefault(job.home, []).append(job)
         everyone = [d for job in jobs for d in job.devices] + list(by_home)
         _ops.begin(everyone)
+        # Flat copies of strided sources are made on their own devices first (the home
+        # then waits for them) and kept until `finish`: CuPy's pool would hand a freed
+        # copy to the next allocation on its stream while another home still reads it.
+        alive = []
         for home, group in by_home.items():
-            _ops.wait_all(home, [d for job in group for d in job.devices])
             outs, work = [], []
             for job in group:
                 out = FlatOut(job.out, home)
@@ -43,9 +46,11 @@ class HomeStrategy(Strategy):
                          for s, d in zip(job.sources, job.devices)]
                 work.append((out.flat, terms))
                 outs.append(out)
+            _ops.wait_all(home, [d for job in group for d in job.devices])
             _ops.gather_sum(home, work)
             for out in outs:
                 out.done()
+            alive.append(work)
         for home in by_home:
             _ops.finish([d for job in jobs if job.home == home for d in job.devices], home)
 
@@ -58,13 +63,15 @@ class HomeStrategy(Strategy):
                 by_device.setdefault(device, []).append((out, job))
         homes = _ops.unique([job.home for job in jobs])
         _ops.begin(list(by_device) + homes)
+        alive = []  # flat copies of strided values, kept until `finish` (see reduce_many)
         for device, pairs in by_device.items():
-            _ops.wait_all(device, [job.home for _, job in pairs])
             flat_pairs, outs = [], []
             for out, job in pairs:
                 target = FlatOut(out, device)
                 flat_pairs.append((target.flat, _ops.flat_in(job.src, job.home)))
                 outs.append(target)
+            alive.append(flat_pairs)
+            _ops.wait_all(device, [job.home for _, job in pairs])
             _ops.copy_many(device, flat_pairs)
             for target in outs:
                 target.done()

@@ -101,12 +101,14 @@ class NcclStrategy(Strategy):
             return
         ranks, everyone = _begin(mine)
         calls, outs = [], []
+        alive = []  # flat copies of strided sources: freed only after `finish`
         for job in mine:
             home = job.home
             out = FlatOut(job.out, home)
             outs.append(out)
             by_gpu, physical, root = _by_gpu(
                 ((_ops.flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
+            alive.append(by_gpu)
             for rank, p in enumerate(physical):
                 local = by_gpu[p]
                 if p == home.physical:  # the root reduces in place into the out
@@ -124,10 +126,12 @@ class NcclStrategy(Strategy):
         # One stream per GPU for the grouped call: its slot-0 device's (CuPy's current).
         for physical, rank, leader, buf, out, root in calls:
             _ops.wait_all(ranks[physical[rank]], [leader])
+        # Communicators are made before the group: one created inside it is initialised
+        # only at groupEnd, too late for the collectives queued on it in the same group.
+        comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
         nccl.groupStart()
         try:
-            for physical, rank, leader, buf, out, root in calls:
-                comm = self._communicators(nccl, physical)[rank]
+            for comm, (physical, rank, leader, buf, out, root) in zip(comms, calls):
                 device = ranks[physical[rank]]
                 recv = out if rank == root else buf
                 with device.cuda_device:
@@ -177,10 +181,10 @@ class NcclStrategy(Strategy):
                     if o.reshape(-1) is not buf and not (
                             o.flags.c_contiguous and o.data.ptr == buf.data.ptr):
                         after.append((d, device, o, buf))
+        comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
         nccl.groupStart()
         try:
-            for physical, rank, device, buf, root in calls:
-                comm = self._communicators(nccl, physical)[rank]
+            for comm, (physical, rank, device, buf, root) in zip(comms, calls):
                 with device.cuda_device:
                     comm.bcast(buf.data.ptr, buf.size, nccl_dtype(nccl, buf.dtype), root,
                                device.stream.ptr)

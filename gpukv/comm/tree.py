@@ -99,8 +99,11 @@ class TreeStrategy(Strategy):
             for root, start, stop in self._segments(plan, job, out.flat.size):
                 by_root.setdefault(root, []).append((h, out.flat, sources, start, stop))
         gathers: dict = {}  # home index -> [(out slice, final partial)], roots
+        # Partial-sum buffers live until `finish`: CuPy's pool hands a freed block to the
+        # next allocation on its stream, which is not ordered after the other GPUs' reads.
+        keep: list = []
         for root, segs in by_root.items():
-            finals = self._reduce_tree(plan, plan.trees[root], segs)
+            finals = self._reduce_tree(plan, plan.trees[root], segs, keep)
             for (h, out, _, start, stop), final in zip(segs, finals):
                 if root != h:
                     gathers.setdefault(h, ([], set()))
@@ -116,8 +119,11 @@ class TreeStrategy(Strategy):
         for home in homes:
             _ops.finish(nodes, home)
 
-    def _reduce_tree(self, plan: _Plan, tree, segs) -> list:
-        """Reduce every segment up `tree`; the final partial of each (on the root)."""
+    def _reduce_tree(self, plan: _Plan, tree, segs, keep: list) -> list:
+        """Reduce every segment up `tree`; the final partial of each (on the root).
+
+        The buffers it allocates are appended to `keep` (the caller frees them after
+        every device is ordered after their readers)."""
         nodes = plan.nodes
         root = tree.root
         # partial[s][node]: Term of segment s's running sum on node (None: nothing yet)
@@ -145,6 +151,7 @@ class TreeStrategy(Strategy):
                             target = out[start:stop]
                         else:
                             target = device.empty(stop - start, out.dtype)
+                            keep.append(target)
                         owned[s][parent] = target
                     work.append((target, terms))
                     partial[s][parent] = Term(target, True)

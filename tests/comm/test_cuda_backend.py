@@ -81,6 +81,101 @@ def test_missing_peer_pairs_logged_together(fake_cuda, caplog):
     assert sum(line.count("0->2") for line in lines) == 1
 
 
+class _FakeStream:
+    """A CuPy stream: `device` -1 is the default stream, one object for every GPU
+    (CuPy's `Stream.null`), whose work goes to the current device's default stream."""
+
+    def __init__(self, cuda, name, device):
+        self.cuda, self.name, self.device = cuda, name, device
+
+    def _on(self):
+        return self.cuda.current if self.device == -1 else self.device
+
+    def record(self):
+        return ("event", self.name, self._on())
+
+    def wait_event(self, event):
+        self.cuda.log.append(("wait", self.name, self._on(), event))
+
+    def synchronize(self):
+        self.cuda.log.append(("sync", self.name, self._on()))
+
+    def __enter__(self):
+        dev = self._on()
+        self.cuda.stack.append((dev, self.cuda.streams.get(dev)))
+        self.cuda.streams[dev] = self
+
+    def __exit__(self, *exc):
+        dev, prev = self.cuda.stack.pop()
+        if prev is None:
+            del self.cuda.streams[dev]
+        else:
+            self.cuda.streams[dev] = prev
+
+
+class _FakeCuda:
+    """cupy.cuda's stream/device surface over `n` GPUs, logging waits and syncs."""
+
+    def __init__(self, n):
+        import types
+        self.current, self.log, self.stack, self.streams = 0, [], [], {}
+        self.runtime = types.SimpleNamespace(getDeviceCount=lambda: n)
+        self.null = _FakeStream(self, "null", -1)
+
+    def get_current_stream(self, device_id=-1):
+        return self.streams.get(self.current if device_id == -1 else device_id, self.null)
+
+    def Stream(self, non_blocking=False):  # noqa: N802 - mirrors cupy.cuda.Stream
+        return _FakeStream(self, f"s{len(self.log)}-{self.current}", self.current)
+
+    def Device(self, i):  # noqa: N802 - mirrors cupy.cuda.Device
+        cuda = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.prev, cuda.current = cuda.current, i
+
+            def __exit__(self, *exc):
+                cuda.current = self.prev
+
+        return _Ctx()
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    import types
+    cuda = _FakeCuda(2)
+
+    class _Array:
+        def fill(self, value):
+            cuda.log.append(("fill", cuda.current, cuda.get_current_stream().name))
+
+    fake = types.SimpleNamespace(cuda=cuda, empty=lambda shape, dtype: _Array())
+    monkeypatch.setattr(cuda_mod, "cupy_module", lambda: fake)
+    return cuda
+
+
+def test_default_streams_of_two_gpus_wait_through_an_event(fake_cupy):
+    """Slot 0 of two GPUs, both on CuPy's default stream object, still waits on an event."""
+    a, b = cuda_mod.CudaDevice(0), cuda_mod.CudaDevice(1)
+    assert a.stream is b.stream  # CuPy's one `Stream.null` object for both GPUs
+    b.wait_for(a)
+    assert fake_cupy.log == [("wait", "null", 1, ("event", "null", 0))]
+
+
+def test_synchronize_waits_for_its_own_gpu(fake_cupy):
+    """synchronize() of GPU 1 waits for GPU 1's default stream, whatever device is current."""
+    cuda_mod.CudaDevice(1).synchronize()
+    assert fake_cupy.log == [("sync", "null", 1)]
+
+
+def test_zeros_filled_on_the_slot_stream(fake_cupy):
+    """zeros() on a virtual GPU is filled under its GPU, on its own stream."""
+    d = cuda_mod.CudaDevice(1, 1)
+    d.zeros(4, np.float32)
+    assert fake_cupy.log == [("fill", 1, d.stream.name)]
+
+
 def test_virtual_gpus_env(monkeypatch):
     """GPUKV_VIRTUAL_GPUS deals N logical devices round-robin onto the physical ones."""
     made = []
@@ -191,14 +286,26 @@ class _Data:
         self.arr.np[...] = src.arr.np.reshape(self.arr.np.shape)
 
 
+class _Block:
+    """One allocation of a fake device's pool; when the last view of it dies, the block
+    goes back to the pool of its device (one stream per device, as in CuPy's pool)."""
+
+    def __init__(self, st, device):
+        self.st, self.device = st, device
+
+    def __del__(self):
+        self.device.free.append(self.st)
+
+
 class _Arr:
     """A 1-D (or reshaped contiguous) view of fake device memory."""
 
     class flags:  # noqa: N801 - mirrors ndarray.flags
         c_contiguous = True
 
-    def __init__(self, st, off, shape, device):
+    def __init__(self, st, off, shape, device, block=None):
         self.st, self.off, self.shape, self.device = st, off, tuple(shape), device
+        self.block = block  # keeps the pool block in use while this view lives
         self.size = int(np.prod(self.shape, dtype=np.int64))
 
     @property
@@ -213,11 +320,12 @@ class _Arr:
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         shape = (self.size,) if shape in ((-1,), -1) else shape
-        return _Arr(self.st, self.off, shape, self.device)
+        return _Arr(self.st, self.off, shape, self.device, self.block)
 
     def __getitem__(self, s):
         start, stop, _ = s.indices(self.size)
-        return _Arr(self.st, self.off + start, (max(0, stop - start),), self.device)
+        return _Arr(self.st, self.off + start, (max(0, stop - start),), self.device,
+                    self.block)
 
     def fill(self, value):
         dev = _CURRENT[-1]
@@ -282,6 +390,7 @@ class _FakeGpu(gpukv.backends.Device):
         self.clock = np.zeros(n_dev, np.int64)
         self._stream = _Stream(self)
         self.cuda_device = _Stream(self)
+        self.free: list = []  # storages freed to this device's (single) stream pool
 
     xp = property(lambda self: np)
     stream = property(lambda self: self._stream)
@@ -311,8 +420,16 @@ class _FakeGpu(gpukv.backends.Device):
         pass
 
     def empty(self, shape, dtype):
-        shape = (shape,) if isinstance(shape, int) else shape
-        return _Arr(_Storage(np.zeros(shape, dtype), self.n_dev), 0, shape, self)
+        """A block from this device's pool: a freed one of the dtype and enough size is
+        reused first (with its read/write history), as CuPy's pool does per stream."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        for i, st in enumerate(self.free):
+            if st.data.dtype == np.dtype(dtype) and st.data.size >= size:
+                del self.free[i]
+                return _Arr(st, 0, shape, self, _Block(st, self))
+        st = _Storage(np.zeros(shape, dtype), self.n_dev)
+        return _Arr(st, 0, shape, self, _Block(st, self))
 
     def owns(self, array):
         return isinstance(array, _Arr) and array.device.physical == self.physical
@@ -403,6 +520,38 @@ def test_gpu_path_is_event_ordered(fake_gpus, name, n, bound, monkeypatch):
             np.testing.assert_array_equal(o.np, out.np)
 
 
+class _Strided(_Arr):
+    """A fake array that reports itself as non-contiguous (so it is copied flat first)."""
+
+    class flags:  # noqa: N801 - mirrors ndarray.flags
+        c_contiguous = False
+
+
+def _strided(a):
+    return _Strided(a.st, a.off, a.shape, a.device, a.block)
+
+
+@pytest.mark.parametrize("name", ["home", "tree", "ring"])
+def test_flat_copies_live_until_every_home_read_them(fake_gpus, name):
+    """Contiguous copies of strided sources outlive their readers on every home of a call."""
+    from gpukv.comm import ReduceJob
+    from gpukv.comm.registry import make_strategy
+    strategy = make_strategy(name)
+    devs = fake_gpus[:3]
+    rng = np.random.default_rng(7)
+    jobs, refs = [], []
+    for key, home in enumerate([devs[0], devs[1], devs[2], devs[0]]):
+        values = [rng.integers(-9, 9, 40).astype(np.float32) for _ in devs]
+        sources = [_strided(_user_array(d, v)) for d, v in zip(devs, values)]
+        jobs.append(ReduceJob(key, sources, list(devs), home, home.empty((40,), np.float32)))
+        refs.append(sum(values))
+    strategy.reduce_many(jobs)
+    for job, ref in zip(jobs, refs):
+        job.home.tick()
+        _read(job.home, job.out)
+        np.testing.assert_array_equal(job.out.np, ref)
+
+
 def test_checker_catches_a_missing_wait(fake_gpus):
     """The stream-order checker fails a read that no event orders."""
     a, b = fake_gpus[0], fake_gpus[1]
@@ -431,6 +580,9 @@ class _FakeNccl:
 
             @staticmethod
             def initAll(devices):
+                # Inside a group NCCL defers the init to groupEnd, so the collectives
+                # queued on the new communicators in that group would find it unready.
+                assert outer.pending is None, "communicators created inside a group"
                 group = tuple(devices)
                 return [NcclCommunicator(group, r) for r in range(len(devices))]
 
@@ -530,3 +682,42 @@ def test_nccl_path_grouped_and_event_ordered(fake_gpus, n, dtype, monkeypatch):
             d.tick()
             _read(d, o)
             np.testing.assert_array_equal(o.np, job.src.np)
+
+
+def test_nccl_strided_sources_over_several_homes(fake_gpus, monkeypatch):
+    """Flat copies of strided sources outlive the NCCL reduce of every key of a call."""
+    from gpukv.comm import ReduceJob
+    from gpukv.comm import nccl as nccl_mod
+    fake = _FakeNccl(fake_gpus)
+    monkeypatch.setattr(nccl_mod, "nccl_module", lambda: fake)
+    monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])
+    devs = [fake_gpus[0], fake_gpus[1], fake_gpus[4]]  # GPU 1, and two slots of GPU 0
+    rng = np.random.default_rng(3)
+    jobs, refs = [], []
+    for key, home in enumerate([devs[0], devs[1], devs[2], devs[1]]):
+        values = [rng.integers(-9, 9, 40).astype(np.float32) for _ in devs]
+        sources = [_strided(_user_array(d, v)) for d, v in zip(devs, values)]
+        jobs.append(ReduceJob(key, sources, list(devs), home, home.empty((40,), np.float32)))
+        refs.append(sum(values))
+    nccl_mod.NcclStrategy().reduce_many(jobs)
+    assert fake.groups == 1
+    for job, ref in zip(jobs, refs):
+        job.home.tick()
+        _read(job.home, job.out)
+        np.testing.assert_array_equal(job.out.np, ref)
+
+
+def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
+    """init copies its GPU input before the caller's later work on that GPU may change it."""
+    from gpukv import _args
+    home = fake_gpus[2]
+    monkeypatch.setattr(cuda_mod, "gpu_devices", lambda: [home])
+    monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])
+    kv = gpukv.create("device", strategy="home")
+    source = _user_array(fake_gpus[0], np.arange(6, dtype=np.float32))
+    kv._init_groups(_args.Groups(["w"], [[source]], [[source]], False, str))
+    fake_gpus[0].tick()
+    _write(fake_gpus[0], source)  # the caller reuses its array on its own stream
+    home.tick()
+    _read(home, kv._entries["w"].value)
+    np.testing.assert_array_equal(kv._entries["w"].value.np, np.arange(6))
