@@ -10,8 +10,11 @@ key chunk_tensor[b]. The update rule itself is the optimizer's `cuda_body` (see
 The code is compiled with --fmad=false: no multiply-add is fused, so every operation
 rounds as the NumPy twin (`Optimizer.host_step`) rounds, and host and GPU agree bit for
 bit on +, -, *, / and sqrt (LAMB's norms are summed in double and may differ in the last
-bit of float32). 16-bit weights are converted with PTX `cvt.rn` (float16) and
-round-to-nearest-even bit arithmetic (bfloat16), as NumPy and ml_dtypes convert.
+bit of float32), except that float32 subnormals flush to zero on the GPU: CuPy compiles
+every kernel with -ftz=true, so a float32 operand or result below 2**-126 in magnitude
+becomes a (signed) zero there and not on the host (float64 keys are not affected).
+16-bit weights are converted with PTX `cvt.rn` (float16) and round-to-nearest-even bit
+arithmetic (bfloat16), as NumPy and ml_dtypes convert.
 
 CuPy is imported only by the functions here, which the updater calls for GPU keys only.
 """

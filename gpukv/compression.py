@@ -236,7 +236,8 @@ class GradientCompression:
         r = self._residuals.get(slot)
         if r is None or r.size != size:
             if device.kind == "gpu":
-                with device.cuda_device:
+                # zero-filled on the stream the kernels that use it run on
+                with device.cuda_device, device.stream:
                     r = device.zeros(size, np.float32)
             else:
                 r = device.zeros(size, np.float32)
@@ -264,7 +265,9 @@ class GradientCompression:
 
         `out` is a float32 array on `home`. Payloads are summed in source order.
         """
+        from .comm._ops import begin, finish
         comp = self.compressor
+        begin(list(devices) + [home])  # after the caller's work on its current streams
         for i, (source, device) in enumerate(zip(sources, devices)):
             payload, ctx = self._compress_on(key, source, device)
             if home.kind == "gpu":
@@ -277,6 +280,6 @@ class GradientCompression:
                     with device.cuda_device:
                         payload = payload.get(stream=device.stream)
                 comp.decompress(payload, ctx, out, accumulate=i > 0)
-        if home.kind == "gpu":
-            for device in devices:  # a source may be overwritten only after it was read
-                device.wait_for(home)
+        # A source may be overwritten only after it was read, and the caller's current
+        # streams see `out`.
+        finish(devices, home)

@@ -52,6 +52,24 @@ def _same_device(a, b) -> bool:
     return a.device.id == b.device.id
 
 
+#: dtypes CuPy's scatter_add (atomicAdd) takes; others are summed in a wider one
+_SCATTER_ADD_DTYPES = frozenset(
+    ["int32", "int64", "uint32", "uint64", "float16", "float32", "float64"])
+
+
+def _scatter_add_dtype(dtype) -> np.dtype:
+    """The dtype a GPU row sum of `dtype` runs in: `dtype` itself where CuPy's
+    scatter_add takes it, else float32 (bfloat16), int32 or uint32 (8/16-bit ints)."""
+    dtype = np.dtype(dtype)
+    if dtype.name in _SCATTER_ADD_DTYPES:
+        return dtype
+    if dtype.kind == "i":
+        return np.dtype(np.int32)
+    if dtype.kind == "u":
+        return np.dtype(np.uint32)
+    return np.dtype(np.float32)
+
+
 def check_row_ids(ids, nrows: int, what: str):
     """`ids` flattened to int64; ArgumentError unless every id is in [0, nrows)."""
     if ids.dtype.kind not in "iu":
@@ -159,13 +177,16 @@ class RowSparse:
             if starts_mask.all():
                 return RowSparse._trusted(idx, np.ascontiguousarray(data), self.shape)
             starts = np.flatnonzero(starts_mask)
-            return RowSparse._trusted(idx[starts], np.add.reduceat(data, starts, axis=0),
-                                      self.shape)
+            summed = np.add.reduceat(data, starts, axis=0, dtype=dtype)  # not widened
+            return RowSparse._trusted(idx[starts], summed, self.shape)
         import cupyx
         starts = xp.nonzero(starts_mask)[0]
         inverse = xp.cumsum(starts_mask) - 1
-        summed = xp.zeros((starts.size,) + self.shape[1:], dtype)
-        cupyx.scatter_add(summed, inverse, data)
+        acc = _scatter_add_dtype(dtype)
+        summed = xp.zeros((starts.size,) + self.shape[1:], acc)
+        cupyx.scatter_add(summed, inverse, data.astype(acc, copy=False))
+        if acc != dtype:  # integers wrap on the way back, as NumPy's sum in `dtype` does
+            summed = summed.astype(dtype)
         return RowSparse._trusted(idx[starts], summed, self.shape)
 
     def todense(self, dtype=None):
@@ -226,8 +247,18 @@ def merge(sources, home, dtype):
     """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
     xp = home.xp
     if home.kind == "gpu":
+        from .backends import device_of
+        from .comm._ops import begin, finish
+        devices = [device_of(s.data) for s in sources]
+        # Read the sources after the work their devices queued (on other GPUs too),
+        # and let those devices overwrite them only once they have been read.
+        begin(devices + [home])
+        for d in devices:
+            home.wait_for(d)
         with home.cuda_device, home.stream:
-            return _merge(sources, home, xp, dtype)
+            merged = _merge(sources, home, xp, dtype)
+        finish(devices, home)
+        return merged
     return _merge(sources, home, xp, dtype)
 
 

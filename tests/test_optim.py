@@ -51,6 +51,19 @@ def _split(grad, devices):
     return [half, half.copy()] + [np.zeros_like(grad) for _ in range(devices - 2)]
 
 
+def _assert_no_subnormals(*arrays):
+    """GPU-vs-host checks use float32 inputs without subnormals: CuPy compiles kernels
+    with -ftz=true, so the GPU flushes them to zero where NumPy keeps them."""
+    def flat(x):
+        if isinstance(x, (list, tuple)):
+            return [v for item in x for v in flat(item)]
+        return list(np.asarray(x, np.float64).reshape(-1)) if hasattr(x, "shape") else [x]
+
+    a = np.array([float(v) for v in flat(list(arrays))], np.float64).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    assert not ((a != 0) & (np.abs(a) < tiny)).any(), "float32 subnormal in the input"
+
+
 def _close(got, want, what):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
                                rtol=1e-6, atol=1e-7, err_msg=what)
@@ -695,9 +708,11 @@ def test_kernel_sources_are_complete(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LAZY_CASES))
 def test_gpu_row_sparse_matches_mxnet(name):
-    """On a GPU, row-sparse pushes give MXNet 1.9.1's numbers bit for bit."""
+    """On a GPU, row-sparse pushes give MXNet 1.9.1's numbers bit for bit (the inputs
+    hold no float32 subnormals, which the GPU would flush to zero)."""
     import cupy as cp
     case = LAZY_CASES[name]
+    _assert_no_subnormals(*case["init"])
     shapes = [tuple(s) for s in case["shapes"]]
     keys = case["keys"]
     kv = gpukv.create("device")
@@ -727,6 +742,7 @@ def test_gpu_lazy_rows_match_host(dtype):
     rng = np.random.default_rng(5)
     shape = (300, 33)
     w0 = rng.standard_normal(shape).astype(dtype)
+    _assert_no_subnormals(w0)
     host, gpu = gpukv.create("local"), gpukv.create("device")
     host.init("e", w0)
     with cp.cuda.Device(0):
@@ -736,6 +752,7 @@ def test_gpu_lazy_rows_match_host(dtype):
     for _ in range(3):
         rows = np.sort(rng.choice(shape[0], 40, replace=False))
         g = rng.standard_normal((40, shape[1])).astype(np.float32)
+        _assert_no_subnormals(g)
         host.push("e", gpukv.RowSparse(rows, g, shape))
         with cp.cuda.Device(0):
             gpu.push("e", gpukv.RowSparse(cp.asarray(rows), cp.asarray(g), shape))
@@ -752,9 +769,11 @@ def test_gpu_lazy_rows_match_host(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gpu_matches_host_bit_for_bit(name):
-    """On a GPU the multi-tensor kernels give the host's numbers (LAMB: within 1e-6)."""
+    """On a GPU the multi-tensor kernels give the host's numbers (LAMB: within 1e-6);
+    the inputs hold no float32 subnormals, which the GPU would flush to zero."""
     import cupy as cp
     case = CASES[name]
+    _assert_no_subnormals(*case["init"], *case["grads"])
     host, dtype, shapes = _store("local", case)
     gpu = gpukv.create("device")
     with cp.cuda.Device(0):

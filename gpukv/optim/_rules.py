@@ -1,7 +1,9 @@
 """The update rules, each in MXNet 1.9.1's order of operations.
 
 For every rule, `host_step` (NumPy) and `cuda_body` (CUDA C, compiled with --fmad=false so
-nothing is fused) perform the same float operations in the same order. In `cuda_body`,
+nothing is fused) perform the same float operations in the same order, so they give the
+same bits, except that float32 subnormals flush to zero on GPUs (CuPy compiles with
+-ftz=true; see `gpukv/_optim_kernels.py`). In `cuda_body`,
 `w` and `g` are the weight (or its float32 master copy) and the gradient in the compute
 type `ct`, `S0..S2` the state arrays, `lr, wd, x0, x1` the per-key scalars and the hyper
 parameters have their own names. `clipv(x, c)` is mshadow's clip.
