@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import ArgumentError, ArgumentKindError, KeyKindError
+from ._errors import ArgumentError, ArgumentKindError, GpukvError, KeyKindError
 from .backends import adopt
 from .sparse import RowSparse
 
@@ -39,7 +39,10 @@ def _check_key(key):
 def _adopt(key, obj, name):
     if type(obj) is RowSparse:  # passes as it is; the store routes it
         return obj
-    array = adopt(obj)
+    try:
+        array = adopt(obj)
+    except GpukvError as exc:  # a device or dtype the store cannot take: name the key
+        raise type(exc)(f"key {key!r}: {name}: {exc}") from None
     if array is None:
         raise ArgumentKindError(
             f"key {key!r}: {name} must be an array (NumPy, CuPy or any array protocol), "
@@ -118,3 +121,10 @@ def group_keys(keys):
         return [k for k, _ in checked], (kinds.pop() if kinds else None)
     key, kind = _check_key(keys)
     return [key], kind
+
+
+def check_priority(key, priority) -> None:
+    """An ArgumentKindError unless `priority` is an int (as MXNet, which takes a C int)."""
+    if type(priority) is not int and not isinstance(priority, numbers.Integral):
+        raise ArgumentKindError(
+            f"key {key!r}: priority must be an int, got {type(priority).__name__}")

@@ -10,7 +10,7 @@ import numbers
 import numpy as np
 
 from . import _args
-from ._errors import ArgumentError
+from ._errors import ArgumentError, ArgumentKindError, GpukvError
 from .backends import device_of
 from .sparse import RowSparse
 
@@ -59,6 +59,8 @@ def fill_rows(entry, out: RowSparse, ids) -> None:
     target = device_of(out.data)
     if home.kind == "gpu":
         target.wait_for(home)
+        if target.kind != "gpu":  # a host copy reads on the current stream, not home's
+            home.synchronize()
     if target == home and isinstance(rows, np.ndarray) and rows.dtype == out.dtype:
         out.indices, out.data = uniq, rows  # fresh arrays already: no second copy
         return
@@ -66,7 +68,34 @@ def fill_rows(entry, out: RowSparse, ids) -> None:
     target.copy(indices, uniq)
     data = target.empty(rows.shape, out.dtype)
     target.copy(data, rows)
+    if home.kind == "gpu" and target.kind == "gpu":
+        home.wait_for(target)  # `uniq` and `rows` go back to home's pool once read
     out.indices, out.data = indices, data
+
+
+def row_ids_array(key, ids):
+    """The row ids of one out as an array (any integer dtype; `check_row_ids` checks it).
+
+    A list is taken as it is, never cast: [1, 2.7] is a DTypeError, not rows 1 and 2.
+    """
+    if not isinstance(ids, (list, tuple)):
+        try:
+            array = _args.adopt(ids)
+        except GpukvError as exc:  # an array on a device this process cannot use
+            raise type(exc)(f"key {key!r}: row_ids: {exc}") from None
+    elif not ids:
+        array = np.zeros(0, np.int64)
+    else:
+        try:
+            array = np.asarray(ids)
+        except ValueError:  # ragged
+            array = None
+        if array is not None and array.dtype == object:  # ints past 64 bits, or ragged
+            array = None
+    if array is None:
+        raise ArgumentKindError(f"key {key!r}: row_ids must be an integer array or a list "
+                                f"of ints, got {ids!r:.80}")
+    return array
 
 
 def row_sparse_pairs(key, out, row_ids) -> list:

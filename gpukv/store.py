@@ -9,9 +9,10 @@ import threading
 import numpy as np
 
 from . import _args, _sparse_store
-from ._errors import (ArgumentError, ArgumentKindError, DTypeError, DuplicateKeyError,
-                      KeyKindError, ReadOnlyError, ShapeError, UnknownKeyError)
-from .backends import SUPPORTED_DTYPES, Device, device_of, host_device
+from ._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
+                      DuplicateKeyError, KeyKindError, ReadOnlyError, ShapeError,
+                      UnknownKeyError)
+from .backends import SUPPORTED_DTYPES, Device, device_of, host_device, virtual_gpus
 from .comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
 from .comm.host import host_broadcast
 from .comm.registry import make_strategy
@@ -30,6 +31,8 @@ _TYPES = {
     "local_allreduce_device": True,
     "nccl": True,
 }
+# SPEC section 6's names: known, but their backend does not exist yet.
+_DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
 _HOST_STRATEGY = HostStrategy()
@@ -115,6 +118,10 @@ def create(name: str = "local", **options) -> "KVStore":
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
+    if lowered in _DIST_TYPES:
+        raise BackendError(f"store name {name!r}: several machines (dist_sync, dist_async, "
+                           f"dist_device_sync) are not implemented yet; use 'local', "
+                           f"'device' or 'nccl' in one process")
     if lowered not in _TYPES:
         raise ArgumentError(
             f"store name {name!r}: unknown; valid names are {', '.join(sorted(_TYPES))}")
@@ -140,6 +147,8 @@ class KVStore:
     def __init__(self, name: str, *, strategy: str | None = None):
         self._type = name
         self._on_gpu = _TYPES[name]
+        if self._on_gpu:
+            virtual_gpus()  # a malformed GPUKV_VIRTUAL_GPUS is a DeviceError here, GPU or not
         asked = strategy is not None
         if name == "nccl" and strategy is None:
             strategy = "nccl"
@@ -246,7 +255,8 @@ class KVStore:
                 if a.shape != first.shape:
                     raise ShapeError(f"key {key!r}: init values disagree in shape: "
                                      f"{first.shape} and {a.shape}")
-                if a.dtype != first.dtype:
+                if a.dtype != first.dtype and (a.dtype.newbyteorder("=")
+                                               != first.dtype.newbyteorder("=")):
                     raise DTypeError(f"key {key!r}: init values disagree in dtype: "
                                      f"{first.dtype} and {a.dtype}")
 
@@ -299,16 +309,24 @@ class KVStore:
         homes = self._assign_homes(groups)
         for key, arrays, home in zip(groups.keys, groups.arrays, homes):
             source = arrays[0]
-            stored = home.empty(source.shape, source.dtype)
+            dtype = source.dtype  # stored in native byte order: '>f4' is kept as float32
+            stored = home.empty(source.shape, dtype if dtype.isnative
+                                else dtype.newbyteorder("="))
             if home.kind == "gpu":
-                home.wait_for(self._devices([source])[0])
-            home.copy(stored, source)
+                where = self._devices([source])[0]
+                home.wait_for(where)
+                home.copy(stored, source)
+                where.wait_for(home)  # the caller may overwrite `source` once init returns
+            else:
+                home.copy(stored, source)
             self._entries[key] = _Entry(stored, home)
         if groups.key_kind is not None:
             self._key_kind = groups.key_kind
 
     def push(self, key, value, priority: int = 0) -> None:
         """Sum the value(s) of each key and apply the updater (default: assign) at home."""
+        if type(priority) is not int:
+            _args.check_priority(key, priority)
         groups = _args.group(key, value, "value")
         with self._lock:
             entries = self._lookup(groups, "push")
@@ -368,6 +386,8 @@ class KVStore:
         """Copy the value of each key into every array of `out` (written in place)."""
         if out is None:
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
+        if type(priority) is not int:
+            _args.check_priority(key, priority)
         groups = _args.group(key, out, "out")
         with self._lock:
             entries = self._lookup(groups, "pull")
@@ -397,6 +417,8 @@ class KVStore:
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push `value` then pull into `out` (or back into `value` when out is None)."""
+        if type(priority) is not int:
+            _args.check_priority(key, priority)
         groups = _args.group(key, value, "value")
         out_groups = groups if out is None else _args.group(key, out, "out")
         with self._lock:
@@ -411,6 +433,8 @@ class KVStore:
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """Initialise key(s) with `value`, then pull into `out`."""
+        if type(priority) is not int:
+            _args.check_priority(key, priority)
         groups = _args.group(key, value, "value")
         out_groups = _args.group(key, out, "out")
         with self._lock:
@@ -425,7 +449,14 @@ class KVStore:
             self._pull_groups(out_groups, self._lookup(out_groups, "broadcast"))
 
     def set_updater(self, updater) -> None:
-        """Use `updater(key, merged, stored)` on every push; it changes `stored` in place."""
+        """Use `updater(key, merged, stored)` on every push; it changes `stored` in place.
+
+        Rebinding `stored` (``stored = merged * 2``) changes nothing, as in MXNet. An
+        exception raised by the updater reaches the caller of push/pushpull and the store
+        stays usable, but the call is not undone: the keys updated before it (int keys
+        ascending, str keys in init order) keep their new values, the key it raised on
+        keeps whatever the updater wrote before raising, and the later keys are unchanged.
+        """
         if not callable(updater):
             raise ArgumentKindError(
                 f"updater: expected a callable, got {type(updater).__name__}")
@@ -634,12 +665,14 @@ class KVStore:
         requested rows, deduplicated and sorted (its other rows are zero), on the device
         its arrays are on. Works for any key: every key is stored dense-backed.
         """
+        if type(priority) is not int:
+            _args.check_priority(key, priority)
         pairs = _sparse_store.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             work = []
             for k, o, ids in pairs:  # validate everything before writing anything
                 k, kind = _args._check_key(k)
-                self._check_kind(kind)
+                self._check_kind(kind, (k,))
                 entry = self._entries.get(k)
                 if entry is None:
                     raise UnknownKeyError(
@@ -656,10 +689,7 @@ class KVStore:
                     raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}")
                 if ids is None:
                     raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
-                ids = _args.adopt(ids) if not isinstance(ids, (list, tuple)) else \
-                    np.asarray(ids, dtype=np.int64).reshape(-1)
-                if ids is None:
-                    raise ArgumentKindError(f"key {k!r}: row_ids must be an integer array")
+                ids = _sparse_store.row_ids_array(k, ids)
                 work.append((entry, o, check_row_ids(ids, shape[0],
                                                      f"key {k!r}: row_sparse_pull")))
             for entry, o, ids in work:

@@ -158,3 +158,25 @@ def test_push_of_another_dtype_is_cast_then_summed(kv, pushed, with_updater):
     expected = (as_key[0] + as_key[1]) + as_key[2]
     np.testing.assert_array_equal(pulled(kv, 1, "float32"), expected)
     np.testing.assert_array_equal(values[0], np.full(SHAPE, 0.1, dtype=pushed))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+def test_non_native_byte_order_is_stored_native(kv, dtype, tmp_path):
+    """A big-endian init value is stored in native order, so save/load and pushes round-trip."""
+    swapped = np.dtype(dtype).newbyteorder("S")
+    kv.init(1, np.arange(6).reshape(SHAPE).astype(swapped))
+    kv.push(1, [full(1, swapped), full(2, dtype)])
+    assert pulled(kv, 1, dtype).tolist() == full(3, dtype).tolist()
+    kv.save(tmp_path / "kv.npz")
+    kv.load(tmp_path / "kv.npz")
+    fresh = gpukv.create(kv.type)
+    fresh.load(tmp_path / "kv.npz")
+    assert pulled(fresh, 1, dtype).tolist() == full(3, dtype).tolist()
+
+
+def test_init_device_lists_may_differ_in_byte_order_only(kv):
+    """Device-list init entries of one dtype in two byte orders agree; other dtypes do not."""
+    kv.init(1, [full(2, ">f4"), full(2, "<f4")])
+    assert pulled(kv, 1, "float32").tolist() == full(2, "float32").tolist()
+    with pytest.raises(gpukv.DTypeError, match="key 2"):
+        kv.init(2, [full(2, ">f4"), full(2, "<f8")])

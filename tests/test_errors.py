@@ -26,6 +26,19 @@ def readonly(value=0.0, shape=SHAPE, dtype=F32):
     return a
 
 
+class OnDevice:
+    """A (2, 3) float32 DLPack array on a DLPack device type gpukv does not take (ROCm...)."""
+
+    def __init__(self, device_type, device_id=0):
+        self._device = (device_type, device_id)
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a device gpukv cannot use is refused before any read")
+
+
 class World:
     """A store holding keys 1 and 2 (or 'a' and 'b'), sentinel outs, and the calls made."""
 
@@ -179,6 +192,21 @@ CASES = [
      lambda w: w.kv.broadcast([w.fresh, w.fresh2], [ones(5), ones(5)],
                               out=[w.outs[0], [ones(0, (4,))]]),
      gpukv.ShapeError, ValueError, "fresh2", ("fresh", "fresh2")),
+    ("push-priority-str", lambda w: w.kv.push(w.k1, ones(5), priority="high"),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("pull-priority-float", lambda w: w.kv.pull(w.k1, out=w.outs[0], priority=1.5),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("pushpull-priority-none", lambda w: w.kv.pushpull(w.k1, ones(5), w.outs[0], None),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("broadcast-priority-str", lambda w: w.kv.broadcast(w.fresh, ones(5), w.outs[0], "0"),
+     gpukv.ArgumentKindError, TypeError, "fresh", ("fresh",)),
+    ("push-unsupported-dlpack-device", lambda w: w.kv.push(w.k1, [ones(5), OnDevice(10)]),
+     gpukv.DeviceError, ValueError, "k1", ()),
+    ("pull-unsupported-dlpack-device", lambda w: w.kv.pull(w.k1, out=[w.outs[0], OnDevice(7)]),
+     gpukv.DeviceError, ValueError, "k1", ()),
+    ("init-list-unsupported-dlpack-device",
+     lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5), OnDevice(14)]),
+     gpukv.DeviceError, ValueError, "fresh2", ("fresh", "fresh2")),
 ]
 
 
@@ -299,3 +327,63 @@ def test_failed_first_init_does_not_fix_the_key_kind():
     kv.init(1, ones(3))
     with pytest.raises(gpukv.KeyKindError, match="'a'"):
         kv.init("a", ones(3))
+
+
+@pytest.mark.parametrize("name", ["dist_sync", "dist_async", "dist_device_sync", "DIST_SYNC"])
+def test_dist_store_names_are_a_missing_backend(name):
+    """SPEC's several-machine store names are a BackendError (RuntimeError), not 'unknown'."""
+    with pytest.raises(gpukv.BackendError, match="not implemented") as info:
+        gpukv.create(name)
+    assert isinstance(info.value, RuntimeError) and repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "two"])
+@pytest.mark.parametrize("name", ["device", "nccl", "local_allreduce_device"])
+def test_malformed_virtual_gpus_is_a_device_error_at_create(monkeypatch, name, value):
+    """A malformed GPUKV_VIRTUAL_GPUS is a DeviceError naming it when a GPU store is made."""
+    monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", value)
+    with pytest.raises(gpukv.DeviceError, match="GPUKV_VIRTUAL_GPUS") as info:
+        gpukv.create(name)
+    assert isinstance(info.value, ValueError) and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_virtual_gpus_does_not_concern_a_local_store(monkeypatch, value):
+    """A 'local' store never uses GPUKV_VIRTUAL_GPUS, so it works whatever it says."""
+    monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", value)
+    kv = gpukv.create("local")
+    kv.init(1, ones(2))
+    assert kv.type == "local"
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+@pytest.mark.parametrize("name", ["local", "device"])
+def test_updater_error_keeps_earlier_keys_and_releases_the_lock(name, failing):
+    """A raising updater: earlier keys keep their update, later ones do not, other threads go on."""
+    import threading
+
+    kv = gpukv.create(name)
+    kv.init([3, 1, 2], [ones(0), ones(0), ones(0)])
+
+    def update(key, merged, stored):
+        if key == failing:
+            raise RuntimeError(f"updater failed on {key}")
+        stored += merged
+
+    kv.set_updater(update)
+    with pytest.raises(RuntimeError, match=f"failed on {failing}"):
+        kv.push([3, 1, 2], [ones(1), ones(1), ones(1)])
+
+    def value(key):
+        out = ones(-1)
+        kv.pull(key, out=out)
+        return float(out[0, 0])
+
+    # int keys are updated in ascending order: those before the failing key are done
+    assert [value(k) for k in (1, 2, 3)] == [1.0 if k < failing else 0.0 for k in (1, 2, 3)]
+    kv.set_updater(lambda k, m, s: s.__iadd__(m))
+    worker = threading.Thread(target=kv.push, args=([1, 2, 3], [ones(1), ones(1), ones(1)]))
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the failed push kept the store's lock"
+    assert [value(k) for k in (1, 2, 3)] == [2.0 if k < failing else 1.0 for k in (1, 2, 3)]

@@ -224,3 +224,81 @@ def test_read_only_numpy_source_is_fine(kv):
     kv.init(1, readonly(np.full(SHAPE, 1, np.float32)))
     kv.push(1, [readonly(np.ones(SHAPE, np.float32))] * 2)
     assert (pulled(kv, 1) == 2).all()
+
+
+# ------------------------------------------------------------ devices gpukv cannot use
+class OnDLPackDevice:
+    """A float32 (2, 3) array that says it lives on DLPack device (type, id)."""
+
+    def __init__(self, device_type, device_id=0):
+        self._device = (device_type, device_id)
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("an array on a device gpukv cannot use is never read")
+
+
+@pytest.mark.parametrize("device", [(2, 99), (13, 99), (10, 0), (14, 0), (4, 0)],
+                         ids=["cuda-99", "cuda-managed-99", "rocm", "oneapi", "opencl"])
+@pytest.mark.parametrize("role", ["value", "out"])
+def test_array_on_a_device_that_does_not_exist_is_a_device_error(kv, device, role):
+    """A DLPack array on a missing GPU, or on a device kind gpukv lacks, is a DeviceError."""
+    if device[0] in (2, 13):
+        pytest.importorskip("cupy")  # without CuPy it is a BackendError saying how to get it
+    kv.init(1, np.ones(SHAPE, np.float32))
+    call = kv.push if role == "value" else (lambda k, v: kv.pull(k, out=v))
+    with pytest.raises(gpukv.DeviceError, match=f"key 1: {role}: ") as info:
+        call(1, [np.ones(SHAPE, np.float32), OnDLPackDevice(*device)])
+    assert isinstance(info.value, ValueError)
+    assert ("GPU" if device[0] in (2, 13) else f"device type {device[0]}") in str(info.value)
+    assert (pulled(kv, 1) == 1).all()
+
+
+@pytest.mark.parametrize("role", ["value", "out"])
+def test_torch_meta_tensor_is_a_device_error(kv, torch, role):
+    """A PyTorch tensor on the 'meta' device (no memory) is a DeviceError naming the key."""
+    kv.init(1, np.ones(SHAPE, np.float32))
+    meta = torch.ones(SHAPE, device="meta")
+    with pytest.raises(gpukv.DeviceError, match="key 1: .*'meta'"):
+        if role == "value":
+            kv.push(1, meta)
+        else:
+            kv.pull(1, out=meta)
+    assert (pulled(kv, 1) == 1).all()
+
+
+def test_torch_sparse_tensor_is_an_argument_kind_error(kv, torch):
+    """A sparse-layout PyTorch tensor is an ArgumentKindError (TypeError) naming the key."""
+    kv.init(1, np.ones(SHAPE, np.float32))
+    with pytest.raises(gpukv.ArgumentKindError, match="key 1: .*to_dense") as info:
+        kv.push(1, torch.ones(SHAPE).to_sparse())
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("view", ["expand", "stride0"])
+def test_torch_expanded_tensor_is_a_source_not_an_out(kv, torch, view):
+    """An expanded tensor (rows sharing memory) is read as a source but refused as an out."""
+    base = torch.arange(3, dtype=torch.float32)
+    t = base.expand(2, 3) if view == "expand" else torch.as_strided(base, SHAPE, (0, 1))
+    kv.init(1, np.arange(6, dtype=np.float32).reshape(SHAPE))
+    with pytest.raises(gpukv.ReadOnlyError, match="key 1"):
+        kv.pull(1, out=t)
+    assert base.tolist() == [0, 1, 2]
+    kv.push(1, t)
+    assert pulled(kv, 1).tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("scalar", [np.float32, np.float64, np.int64, np.uint8])
+def test_numpy_scalars_are_sources_never_outs(kv, scalar):
+    """A NumPy scalar (np.float64 as well as np.float32) is a 0-d source; as an out, read-only."""
+    kv.init(1, scalar(2))
+    kv.push(1, [scalar(3), np.ones((), scalar)])
+    out = np.zeros((), scalar)
+    kv.pull(1, out=out)
+    assert out == 4
+    target = scalar(0)
+    with pytest.raises(gpukv.ReadOnlyError, match="key 1"):
+        kv.pull(1, out=target)
+    assert target == 0

@@ -192,6 +192,17 @@ def test_optimizer_gets_row_sparse_gradient():
     (lambda kv, o: kv.push("w", [rsp([0], [[1, 1]]), np.ones(SHAPE, np.float32)]),
      gpukv.ArgumentKindError, "'w'.*mixes"),
     (lambda kv, o: kv.push("w", rsp([0], [[1, 1]], (7, 2))), gpukv.ShapeError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[1, 2.7]), gpukv.DTypeError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[True]), gpukv.DTypeError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[1, 2 ** 70]),
+     gpukv.ArgumentKindError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[1, [2]]),
+     gpukv.ArgumentKindError, "'w'"),
+    (lambda kv, o: kv.row_sparse_pull(7, out=o, row_ids=[0]), gpukv.KeyKindError, "key 7"),
+    (lambda kv, o: kv.row_sparse_pull(["w", 7], out=[o, o], row_ids=[[0], [0]]),
+     gpukv.KeyKindError, "key 7"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[0], priority="high"),
+     gpukv.ArgumentKindError, "'w'.*priority"),
 ])
 def test_errors_change_nothing(call, error, words):
     """Bad row_ids, out kinds, shapes and unknown keys raise typed errors; nothing changes."""
@@ -218,3 +229,106 @@ def test_gpu_row_sparse_roundtrip():
     kv.row_sparse_pull("w", out=out, row_ids=cupy.array(REF["pull_after_push"]["row_ids"]))
     assert out.indices.get().tolist() == REF["pull_after_push"]["indices"]
     assert out.data.get().tolist() == REF["pull_after_push"]["data"]
+
+
+# ----------------------------------------------- GPU code paths, checked on the host
+def _strict_scatter_add(a, slices, value):
+    """CuPy 14's scatter_add: only the dtypes CUDA's atomicAdd takes."""
+    if a.dtype.name not in ("int32", "int64", "uint32", "uint64", "float16", "float32",
+                            "float64"):
+        raise TypeError(f"cupy.add.at does not support {a.dtype}")
+    np.add.at(a, slices, value.astype(a.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "float16", "bfloat16"])
+def test_gpu_coalesce_sums_every_dtype(monkeypatch, dtype):
+    """The GPU row sum also works for dtypes CuPy's scatter_add lacks (8-bit ints wrap
+    as on the host; bfloat16 is summed in float32)."""
+    import sys
+    import types
+    import gpukv.sparse as sp
+    if dtype == "bfloat16":
+        dtype = __import__("ml_dtypes").bfloat16
+    fake_cupy = types.ModuleType("fake_cupy")
+    fake_cupy.__getattr__ = lambda name: getattr(np, name)
+    monkeypatch.setattr(sp, "_xp_of", lambda a: fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
+        scatter_add=_strict_scatter_add))
+    idx = np.array([3, 1, 3, 0], np.int64)
+    data = np.array([[100, 1], [1, 2], [100, 3], [4, 5]]).astype(dtype)
+    got = RowSparse._trusted(idx, data, (5, 2)).coalesce()
+    monkeypatch.undo()
+    want = RowSparse._trusted(idx, data, (5, 2)).coalesce()
+    assert got.indices.tolist() == want.indices.tolist() == [0, 1, 3]
+    assert got.data.dtype == want.data.dtype == np.dtype(dtype)
+    assert got.data.tobytes() == want.data.tobytes()
+
+
+def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
+    """Row-sparse sources on other GPUs are read only after their devices' queued work,
+    and those devices reuse them only after the home device has read them."""
+    import gpukv.backends
+    from gpukv.sparse import merge
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    home, other = FakeGpu(0, log, current), FakeGpu(1, log, current)
+    a, b = rsp([1], [[1, 1]]), rsp([1, 2], [[2, 2], [3, 3]])
+    where = {id(a.data): home, id(b.data): other}
+    monkeypatch.setattr(gpukv.backends, "device_of", lambda x, slot=0: where[id(x)])
+    merged = merge([a, b], home, np.float32)
+    assert merged.indices.tolist() == [1, 2]
+    assert merged.data.tolist() == [[3, 3], [3, 3]]
+    assert ("wait_for", home.name, other.name) in log
+    assert ("wait_for", other.name, home.name) in log
+    assert log.index(("wait_for", home.name, other.name)) < log.index(
+        ("wait_for", other.name, home.name))
+
+
+def _gpu_entry(log, current):
+    from types import SimpleNamespace
+    from .fake_gpu import FakeGpu
+    home = FakeGpu(0, log, current)
+    value = np.arange(8, dtype=np.float32).reshape(4, 2)
+    return SimpleNamespace(value=value, home=home)
+
+
+def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
+    """row_sparse_pull of a GPU key into a host RowSparse waits for the gather on the
+    key's stream (a host copy reads on CuPy's current stream, not the key's)."""
+    from gpukv import _sparse_store
+    log, current = [], {}
+    entry = _gpu_entry(log, current)
+    out = RowSparse.zeros((4, 2))
+    _sparse_store.fill_rows(entry, out, np.array([2, 0, 2]))
+    assert out.indices.tolist() == [0, 2] and out.data.tolist() == [[0, 1], [4, 5]]
+    assert ("synchronize", entry.home.name) in log
+
+
+def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
+    """Into a RowSparse on another GPU: the key's device waits for the copies before its
+    gathered rows go back to its memory pool."""
+    from gpukv import _sparse_store
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    entry = _gpu_entry(log, current)
+    target = FakeGpu(1, log, current)
+    out = RowSparse.zeros((4, 2))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_sparse_store, "device_of", lambda a, slot=0: target)
+    try:
+        _sparse_store.fill_rows(entry, out, np.array([3]))
+    finally:
+        mp.undo()
+    assert out.indices.tolist() == [3] and out.data.tolist() == [[6, 7]]
+    last_copy = max(i for i, e in enumerate(log) if e == ("copy", target.name))
+    assert ("wait_for", entry.home.name, target.name) in log[last_copy:]
+
+
+def test_row_ids_on_a_device_gpukv_cannot_use_name_the_key():
+    """row_ids on a device this process cannot use are a DeviceError naming the key."""
+    torch = pytest.importorskip("torch")
+    kv = mxnet_store()
+    out = rsp([4], [[7, 7]])
+    with pytest.raises(gpukv.DeviceError, match="key 'w': row_ids: .*'meta'"):
+        kv.row_sparse_pull("w", out=out, row_ids=torch.zeros(2, dtype=torch.int64, device="meta"))
+    assert out.indices.tolist() == [4]

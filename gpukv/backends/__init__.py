@@ -5,16 +5,17 @@ Nothing heavy is imported here: CuPy and PyTorch types are recognised through
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 
-from .._errors import DTypeError
+from .._errors import ArgumentKindError, DeviceError, DTypeError
 from ._base import Device
 from .host import HostDevice, host_device
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "is_gpu_array", "device_of",
-           "SUPPORTED_DTYPES", "dtype_name"]
+           "SUPPORTED_DTYPES", "dtype_name", "virtual_gpus"]
 
 # MXNet's dtypes plus bfloat16 (NumPy's via ml_dtypes, when a caller uses it).
 SUPPORTED_DTYPES = frozenset(
@@ -41,7 +42,10 @@ def adopt(obj):
 
     NumPy and CuPy arrays come back as they are. PyTorch tensors, JAX arrays and any
     object with `__cuda_array_interface__`, `__dlpack__` or the buffer/array interface
-    are wrapped without a copy wherever the protocol allows it.
+    are wrapped without a copy wherever the protocol allows it. An array on a device
+    this process cannot use (a GPU it does not see, a PyTorch 'meta' tensor, a DLPack
+    device other than the CPU and CUDA) is a DeviceError; a NumPy scalar, which cannot
+    be written in place, comes back read-only.
     """
     if type(obj) is np.ndarray:
         return obj
@@ -50,30 +54,86 @@ def adopt(obj):
         return obj
     if isinstance(obj, np.ndarray):  # subclasses (np.matrix, memmap)
         return obj
+    if isinstance(obj, np.generic):  # a NumPy scalar (even np.float64): immutable, never an out
+        array = np.asarray(obj)
+        array.flags.writeable = False
+        return array if array.dtype != object else None
     if isinstance(obj, (list, tuple, dict, str, bytes, int, float, complex)) or obj is None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         obj = obj.detach()
         if obj.is_cuda:
-            return _cupy().asarray(obj)  # __cuda_array_interface__: zero copy
-        return _torch_cpu(torch, obj)
+            return _from_gpu(obj, obj.device.index, lambda cp: cp.asarray(obj))  # zero copy
+        if obj.device.type != "cpu":
+            raise DeviceError(f"a PyTorch tensor on device {str(obj.device)!r}: gpukv takes "
+                              f"CPU and CUDA tensors")
+        if obj.layout is not torch.strided:
+            raise ArgumentKindError(f"a PyTorch tensor of layout {obj.layout}: gpukv takes "
+                                    f"dense (strided) tensors; call .to_dense() first")
+        return _one_place_per_element(_torch_cpu(torch, obj))
     if hasattr(obj, "__cuda_array_interface__"):
-        return _cupy().asarray(obj)
+        return _from_gpu(obj, None, lambda cp: cp.asarray(obj))
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        device_type = obj.__dlpack_device__()[0]
+        device_type, device_id = obj.__dlpack_device__()[:2]
         if device_type in (2, 13):  # kDLCUDA, kDLCUDAManaged
-            return _cupy().from_dlpack(obj)
+            return _from_gpu(obj, device_id, lambda cp: cp.from_dlpack(obj))
         if device_type == 1:  # kDLCPU
-            return np.from_dlpack(obj)
-        return None
+            return _one_place_per_element(np.from_dlpack(obj))
+        raise DeviceError(f"a {type(obj).__name__} on DLPack device type {device_type} "
+                          f"(id {device_id}): gpukv takes CPU (1) and CUDA (2, 13) arrays")
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
         array = np.asarray(obj)
-        return array if array.dtype != object else None
+        return _one_place_per_element(array) if array.dtype != object else None
     try:
         return np.asarray(memoryview(obj))
     except TypeError:
         return None
+
+
+def _one_place_per_element(array):
+    """`array`, read-only when several of its elements share memory (a broadcast view).
+
+    A PyTorch `expand`ed tensor comes out writable with a zero stride; pulling into it
+    would keep only the last row written, so it is a source, never an out.
+    """
+    if array.flags.writeable and array.size > 1 and any(
+            stride == 0 and n > 1 for stride, n in zip(array.strides, array.shape)):
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+_GPU_COUNT: list = []  # [number of visible GPUs], once asked
+
+
+def _from_gpu(obj, device_id, convert):
+    """`convert(cupy)` for a CUDA array; DeviceError when its GPU is not visible here."""
+    cupy = _cupy()  # BackendError (how to install CuPy) when it is missing
+    if not _GPU_COUNT:
+        from .cuda import gpu_count
+        _GPU_COUNT.append(gpu_count())
+    count = _GPU_COUNT[0]
+    if count == 0:
+        raise DeviceError(f"a CUDA array ({type(obj).__name__}), but this process sees no GPU")
+    if device_id is not None and not 0 <= device_id < count:
+        raise DeviceError(f"a CUDA array on GPU {device_id}, which does not exist: "
+                          f"{count} GPU(s) are visible")
+    return convert(cupy)
+
+
+def virtual_gpus() -> int | None:
+    """`GPUKV_VIRTUAL_GPUS` as a positive int (None when unset); DeviceError when malformed."""
+    wanted = os.environ.get("GPUKV_VIRTUAL_GPUS", "").strip()
+    if not wanted:
+        return None
+    try:
+        n = int(wanted)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer")
+    return n
 
 
 def _torch_cpu(torch, tensor):
