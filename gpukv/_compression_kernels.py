@@ -1,8 +1,12 @@
-"""Gradient-compression kernels: CuPy kernels and their NumPy twins, bit for bit the same.
+"""Gradient-compression kernels: CuPy kernels and their NumPy twins, bit for bit the same
+but for float32 subnormals, which flush to zero on the GPU.
 
 Every function takes flat, contiguous float32 arrays (the caller converts) and works on
 whichever library the arrays belong to: NumPy arrays run the vectorised NumPy twin,
-CuPy arrays a CUDA kernel. The two produce identical bytes and identical residuals.
+CuPy arrays a CUDA kernel. The two produce identical bytes and identical residuals,
+except where a float32 subnormal (magnitude below 2**-126) is read or produced: CuPy
+compiles every kernel, its own elementwise ones included, with -ftz=true, so on the GPU
+such a value is a (signed) zero, in residuals, decoded sums and `pre_divide` scaling.
 
 Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
 
@@ -20,11 +24,59 @@ NumPy twin apply the update as one vectorised add.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
 # Elements per block of the NumPy twins: the temporaries of one block stay in L2.
 BLOCK = 1 << 15  # a multiple of 32, so blocks start on word boundaries of both layouts
+
+_U8, _I8, _U32, _I32, _F32 = np.uint8, np.int8, np.uint32, np.int32, np.float32
+# Arrays at least this long (elements) are split over the host thread pool.
+_THREADED_MIN = 1 << 19
+_POOL_MIN = 3
+_LOCAL = threading.local()
+_CONSTS: dict = {}
+
+
+def _scratch(name: str, dtype, size: int) -> np.ndarray:
+    """`size` elements of this thread's scratch buffer `name`, kept between calls."""
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    key = (name, dtype)
+    buf = bufs.get(key)
+    if buf is None or buf.size < size:
+        buf = bufs[key] = np.empty(max(size, BLOCK), dtype)
+    return buf[:size]
+
+
+def _const(value: int, dtype, size: int) -> np.ndarray:
+    """`size` copies of `value`, read-only: np.minimum/np.maximum of two arrays run
+    several times faster than against a scalar."""
+    key = (value, np.dtype(dtype).str)
+    arr = _CONSTS.get(key)
+    if arr is None:
+        arr = np.full(BLOCK, value, dtype)
+        arr.flags.writeable = False
+        _CONSTS[key] = arr
+    return arr[:size]
+
+
+def _blocks(fn, n: int, *args) -> None:
+    """fn(*args, lo, hi) over [0, n): inline, or in BLOCK-aligned chunks on the host
+    thread pool of gpukv.comm.host for long arrays (NumPy releases the GIL in ufuncs)
+    when that pool has at least _POOL_MIN threads. On a 2-vCPU VM two threads were
+    slower than one for every encoder (the twins are compute-bound in L2, and the second
+    vCPU is often busy), so small pools run inline."""
+    if n < _THREADED_MIN:
+        fn(*args, 0, n)
+        return
+    from .comm import host
+    if host.THREADS < _POOL_MIN:
+        fn(*args, 0, n)
+        return
+    host._POOL.run(fn, [args + c for c in host._chunks(n, 4, BLOCK)])
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -59,41 +111,52 @@ def _cached_table_2bit(threshold: float) -> np.ndarray:
 
 
 # -------------------------------------------------------------------- NumPy twins
-def _np_quantize_2bit(grad, residual, threshold, out):
-    n = grad.size
-    t = np.float32(threshold)
+# Each twin runs block by block (a block's residual, flags and codes stay in L2), with
+# in-place ufuncs on per-thread scratch, and splits long arrays over the host threads.
+# (c0 | c1 << 8 | c2 << 16 | c3 << 24) * _GATHER_2BIT >> 24, mod 2**32, is the byte
+# c0 << 6 | c1 << 4 | c2 << 2 | c3 for 2-bit codes c: the partial products below bit 24
+# sum to less than 2**24 and the others fall above bit 31.
+_GATHER_2BIT = 0x40100401
+
+
+def _np_quantize_2bit_range(grad, residual, t, out, lo, hi):
     nt = np.float32(-t)
-    m = min(n, BLOCK)
-    pos = np.empty(m, bool)
-    neg = np.empty(m, bool)
-    q = np.empty(m, np.int8)
-    qf = np.empty(m, np.float32)
-    codes = np.zeros(BLOCK if n > BLOCK else -(-n // 16) * 16, np.uint8)
-    for start in range(0, n, BLOCK):
-        stop = min(start + BLOCK, n)
+    pos = _scratch("pos", np.bool_, BLOCK)
+    neg = _scratch("neg", np.bool_, BLOCK)
+    q = _scratch("q", _I8, BLOCK)
+    qf = _scratch("qf", _F32, BLOCK)
+    words = _scratch("words", _U32, BLOCK // 4)
+    words2 = _scratch("words2", _U32, BLOCK // 4)
+    pos_code = _U32(3 * _GATHER_2BIT & 0xFFFFFFFF)  # code 0b11 for +t
+    neg_code = _U32(2 * _GATHER_2BIT & 0xFFFFFFFF)  # code 0b10 for -t
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
         k = stop - start
+        kk = -(-k // 16) * 16
         r = residual[start:stop]
         p, ng, qq, qv = pos[:k], neg[:k], q[:k], qf[:k]
         np.add(r, grad[start:stop], out=r)
         np.greater_equal(r, t, out=p)
         np.less_equal(r, nt, out=ng)
-        np.subtract(p.view(np.int8), ng.view(np.int8), out=qq)
-        np.multiply(qq, t, out=qv)           # +t, -t or +0
+        np.subtract(p.view(_I8), ng.view(_I8), out=qq)
+        np.copyto(qv, qq)                    # -1, 0 or +1
+        np.multiply(qv, t, out=qv)           # -t, +0 or +t
         np.subtract(r, qv, out=r)            # r - t, r - (-t) == r + t, or r unchanged
-        words = -(-k // 16)
-        c = codes[:words * 16]
-        if words * 16 > k:
-            c[k:] = 0
-        np.bitwise_or(p, ng, out=ng)
-        np.left_shift(ng.view(np.uint8), 1, out=c[:k])
-        np.bitwise_or(c[:k], p.view(np.uint8), out=c[:k])
-        w = c.view("<u4")                    # four codes per word, one per byte
-        packed = w << 6
-        packed |= w >> 4
-        packed |= w >> 14
-        packed |= w >> 24
+        if kk > k:                           # codes of the last word's padding: 0
+            pos[k:kk] = False
+            neg[k:kk] = False
+        m = kk // 4
+        w, w2 = words[:m], words2[:m]        # four flags per word, one per byte
+        np.multiply(pos[:kk].view(_U32), pos_code, out=w)
+        np.multiply(neg[:kk].view(_U32), neg_code, out=w2)
+        np.add(w, w2, out=w)
+        np.right_shift(w, 24, out=w)
         b0 = start // 4
-        np.copyto(out[b0:b0 + words * 4], packed, casting="unsafe")
+        np.copyto(out[b0:b0 + m], w, casting="unsafe")
+
+
+def _np_quantize_2bit(grad, residual, threshold, out):
+    _blocks(_np_quantize_2bit_range, grad.size, grad, residual, np.float32(threshold), out)
     return out
 
 
@@ -103,53 +166,208 @@ def _np_dequantize_2bit(payload, n, threshold, out, accumulate):
     return out
 
 
+def _np_lookup_range(table, per_byte, payload, out, accumulate, lo, hi):
+    idx = _scratch("idx", np.intp, BLOCK // per_byte)
+    rows = _scratch("rows", _F32, BLOCK).reshape(-1, per_byte) if accumulate else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        b0 = start // per_byte
+        full = (stop - start) // per_byte
+        if full:
+            ib = idx[:full]
+            np.copyto(ib, payload[b0:b0 + full])  # take() converts to intp anyway
+            body = out[start:start + full * per_byte].reshape(full, per_byte)
+            dest = rows[:full] if accumulate else body
+            np.take(table, ib, axis=0, out=dest, mode="wrap")  # 0 <= ib < 256: no wrap
+            if accumulate:
+                np.add(body, dest, out=body)
+        rest = stop - start - full * per_byte
+        if rest:  # a last, partial byte
+            tail = table[payload[b0 + full]][:rest]
+            o = out[stop - rest:stop]
+            if accumulate:
+                np.add(o, tail, out=o)
+            else:
+                o[...] = tail
+
+
 def _np_lookup(table, per_byte, payload, n, out, accumulate):
-    nbytes_used = -(-n // per_byte)
-    full = n // per_byte
-    step = BLOCK // per_byte
-    scratch = np.empty((min(step, max(full, 1)), per_byte), np.float32) if accumulate else None
-    body = out[:full * per_byte].reshape(full, per_byte)
-    for b in range(0, full, step):
-        e = min(b + step, full)
-        if accumulate:
-            s = scratch[:e - b]
-            np.take(table, payload[b:e], axis=0, out=s)
-            np.add(body[b:e], s, out=body[b:e])
-        else:
-            np.take(table, payload[b:e], axis=0, out=body[b:e])
-    if nbytes_used > full:  # a last, partial byte
-        tail = table[payload[full]][:n - full * per_byte]
-        if accumulate:
-            np.add(out[full * per_byte:], tail, out=out[full * per_byte:])
-        else:
-            out[full * per_byte:] = tail
+    _blocks(_np_lookup_range, n, table, per_byte, payload, out, accumulate)
+
+
+def _np_quantize_1bit_range(grad, residual, t, out, lo, hi):
+    bits = _scratch("bits", np.bool_, BLOCK)
+    step8 = _scratch("step8", _U8, BLOCK)
+    step = _scratch("step", _F32, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        kk = -(-k // 4) * 4
+        r = residual[start:stop]
+        bt = bits[:k]
+        np.add(r, grad[start:stop], out=r)
+        np.greater(r, t, out=bt)
+        if kk > k:
+            bits[k:kk] = False
+        s32 = step8[:kk].view(_U32)          # four flags per word, one per byte
+        np.multiply(bits[:kk].view(_U32), _U32(0xFE), out=s32)
+        np.bitwise_or(s32, _U32(0x01010101), out=s32)  # int8 -1 where the bit is set, else +1
+        d = step[:k]
+        np.copyto(d, step8[:k].view(_I8))
+        np.add(r, d, out=r)                  # r + (-1) == r - 1, or r + 1
+        packed = np.packbits(bt)
+        b0 = start // 8
+        out[b0:b0 + packed.size] = packed
 
 
 def _np_quantize_1bit(grad, residual, threshold, out):
     n = grad.size
-    t = np.float32(threshold)
-    m = min(n, BLOCK)
-    bit = np.empty(m, bool)
-    delta = np.empty(m, np.float32)
     out[-(-n // 8):] = 0  # padding bytes of the last word
-    for start in range(0, n, BLOCK):
-        stop = min(start + BLOCK, n)
-        k = stop - start
-        r = residual[start:stop]
-        bt, d = bit[:k], delta[:k]
-        np.add(r, grad[start:stop], out=r)
-        np.greater(r, t, out=bt)
-        np.multiply(bt, np.float32(-2), out=d)
-        np.add(d, np.float32(1), out=d)      # -1 where the bit is set, +1 elsewhere
-        np.add(r, d, out=r)
-        packed = np.packbits(bt)
-        b0 = start // 8
-        out[b0:b0 + packed.size] = packed
+    _blocks(_np_quantize_1bit_range, n, grad, residual, np.float32(threshold), out)
     return out
 
 
 def _np_dequantize_1bit(payload, n, out, accumulate):
     _np_lookup(_TABLE_1BIT, 8, payload, n, out, accumulate)
+    return out
+
+
+def _np_cast_fp16_range(x, scale, out, lo, hi):
+    """float32 -> float16 bits as NumPy's astype (round to nearest even), without its
+    per-element loop. For a = |x| with exponent e (e >= -14, as fp16's subnormals share
+    the grid of its smallest normals), M = 2**(e+13) has fp16's ulp at a, so the float32
+    sum a + M rounds a to fp16's grid (ties to even, M being even) and its bits minus
+    M's are the fp16 significand; adding the rebiased exponent gives the fp16 bits.
+    a >= 65536 is clamped to 65536, which rounds to inf. A block with a NaN takes
+    NumPy's cast, which keeps the payload."""
+    a = _scratch("a", _U32, BLOCK)
+    e = _scratch("e", _U32, BLOCK)
+    mag = _scratch("mag", _U32, BLOCK)
+    xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        xb = x[start:stop]
+        if scale is not None:
+            xb = np.divide(xb, scale, out=xs[:k])
+        u = xb.view(_U32)
+        ab, eb, mb = a[:k], e[:k], mag[:k]
+        np.bitwise_and(u, _U32(0x7FFFFFFF), out=ab)
+        top = ab.max()
+        if top > 0x7F800000:
+            with np.errstate(over="ignore"):
+                np.copyto(out[start:stop], xb, casting="unsafe")
+            continue
+        if top >= 0x47800000:
+            np.minimum(ab, _const(0x47800000, _U32, k), out=ab)
+        np.bitwise_and(ab, _U32(0x7F800000), out=eb)
+        np.maximum(eb, _const(0x38800000, _U32, k), out=eb)  # 2**e, e >= -14
+        np.add(eb, _U32(13 << 23), out=mb)                     # M = 2**(e+13)
+        np.add(ab.view(_F32), mb.view(_F32), out=ab.view(_F32))
+        np.subtract(ab, mb, out=ab)                            # significand (+1024 if normal)
+        np.right_shift(eb, 13, out=eb)
+        np.add(ab, eb, out=ab)                                 # fp16 bits + 0x1C400 - 0x20000
+        np.right_shift(u, 16, out=eb)
+        np.bitwise_and(eb, _U32(0x8000), out=eb)
+        np.bitwise_or(eb, _U32(0x3C00), out=eb)                # sign, and -0x1C400 mod 2**16
+        np.add(ab, eb, out=ab)
+        np.copyto(out[start:stop].view(np.uint16), ab, casting="unsafe")
+
+
+def _np_cast_fp16(x, scale):
+    out = np.empty(x.size, np.float16)
+    _blocks(_np_cast_fp16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    return out
+
+
+def _np_uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
+    """float16 -> float32 as NumPy's astype: the fp16 bits without the sign, shifted to
+    a float32's significand, times 2**112 (exact, subnormals included), with the sign
+    kept by widening as int16. A block with an inf or NaN takes NumPy's cast."""
+    mag = _scratch("mag16", np.uint16, BLOCK)
+    wide = _scratch("wide", _I32, BLOCK) if accumulate else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        p = payload[start:stop]
+        mb = mag[:k]
+        f = wide[:k] if accumulate else out[start:stop].view(_I32)
+        np.bitwise_and(p, np.uint16(0x7FFF), out=mb)
+        if mb.max() >= 0x7C00:
+            np.copyto(f.view(_F32), p.view(np.float16))
+        else:
+            np.copyto(f, p.view(np.int16))                      # sign-extended
+            np.left_shift(f, 13, out=f)
+            np.bitwise_and(f, _I32(-0x70000001), out=f)         # 0x8FFFFFFF: sign | bits << 13
+            np.multiply(f.view(_F32), _F32(2.0 ** 112), out=f.view(_F32))
+        ff = f.view(_F32)
+        if scale is not None:
+            np.multiply(ff, scale, out=ff)
+        if accumulate:
+            o = out[start:stop]
+            np.add(o, ff, out=o)
+
+
+def _np_uncast_fp16(payload, scale, out, accumulate):
+    _blocks(_np_uncast_fp16_range, payload.size, payload.view(np.uint16),
+            None if scale == 1.0 else np.float32(scale), out, accumulate)
+    return out
+
+
+def _bf16_bits(u):
+    """bfloat16 bits (uint32) of float32 bits `u`: round to nearest even, NaN quieted."""
+    rounded = (u + (_U32(0x7FFF) + ((u >> 16) & _U32(1)))) >> 16
+    quiet = (u >> 16) | _U32(0x0040)
+    return np.where(np.isnan(u.view(_F32)), quiet, rounded)
+
+
+def _np_cast_bf16_range(x, scale, out, lo, hi):
+    tmp = _scratch("bf", _U32, BLOCK)
+    xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        xb = x[start:stop]
+        if scale is not None:
+            xb = np.divide(xb, scale, out=xs[:k])
+        u = xb.view(_U32)
+        if np.isnan(np.minimum.reduce(xb)):  # the minimum is NaN when any value is
+            out[start:stop] = _bf16_bits(u)
+            continue
+        tb = tmp[:k]
+        np.right_shift(u, 16, out=tb)
+        np.bitwise_and(tb, _U32(1), out=tb)
+        np.add(tb, _U32(0x7FFF), out=tb)
+        np.add(tb, u, out=tb)
+        np.right_shift(tb, 16, out=tb)
+        np.copyto(out[start:stop], tb, casting="unsafe")
+
+
+def _np_cast_bf16(x, scale):
+    out = np.empty(x.size, np.uint16)
+    _blocks(_np_cast_bf16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    return out
+
+
+def _np_uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
+    wide = _scratch("wide", _U32, BLOCK) if accumulate else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        f = wide[:k] if accumulate else out[start:stop].view(_U32)
+        np.copyto(f, payload[start:stop])
+        np.left_shift(f, 16, out=f)
+        ff = f.view(_F32)
+        if scale is not None:
+            np.multiply(ff, scale, out=ff)
+        if accumulate:
+            o = out[start:stop]
+            np.add(o, ff, out=o)
+
+
+def _np_uncast_bf16(payload, scale, out, accumulate):
+    _blocks(_np_uncast_bf16_range, payload.size, payload,
+            None if scale == 1.0 else np.float32(scale), out, accumulate)
     return out
 
 
@@ -298,8 +516,16 @@ def _xp(a):
     return cupy
 
 
+def _host_vectors(payload, dtype, out) -> bool:
+    """Whether the NumPy twin decodes `payload` into `out`: 1-D host arrays of one length."""
+    return (_is_host(payload) and _is_host(out) and payload.dtype == dtype
+            and out.dtype == _F32 and payload.ndim == 1 and out.shape == payload.shape)
+
+
 def cast_fp16(x, scale: float):
     """`x / scale` rounded to float16 (round to nearest even); `scale` 1 divides nothing."""
+    if _is_host(x) and x.dtype == _F32:
+        return _np_cast_fp16(x.reshape(-1), scale).reshape(x.shape)
     xp = _xp(x)
     if scale != 1.0:
         x = xp.divide(x, xp.float32(scale))
@@ -311,6 +537,8 @@ def cast_fp16(x, scale: float):
 
 def uncast_fp16(payload, scale: float, out, accumulate=False):
     """float32(payload) * scale written into `out`, or added to it."""
+    if _host_vectors(payload, np.float16, out):
+        return _np_uncast_fp16(payload, scale, out, accumulate)
     xp = _xp(payload)
     value = payload.astype(xp.float32)
     if scale != 1.0:
@@ -324,6 +552,8 @@ def uncast_fp16(payload, scale: float, out, accumulate=False):
 
 def cast_bf16(x, scale: float):
     """`x / scale` as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    if _is_host(x) and x.dtype == _F32:
+        return _np_cast_bf16(x.reshape(-1), scale).reshape(x.shape)
     xp = _xp(x)
     if scale != 1.0:
         x = xp.divide(x, xp.float32(scale))
@@ -335,6 +565,8 @@ def cast_bf16(x, scale: float):
 
 def uncast_bf16(payload, scale: float, out, accumulate=False):
     """The float32 value of bfloat16 bit patterns, times `scale`, into `out` (or added)."""
+    if _host_vectors(payload, np.uint16, out):
+        return _np_uncast_bf16(payload, scale, out, accumulate)
     xp = _xp(payload)
     value = (payload.astype(xp.uint32) << 16).view(xp.float32)
     if scale != 1.0:

@@ -40,3 +40,19 @@ def gradient_steps(max_size=70, max_steps=4):
         return st.lists(arrays, min_size=1, max_size=max_steps)
 
     return st.integers(1, max_size).flatmap(lambda n: st.tuples(st.just(n), steps_of(n)))
+
+
+# float32 bit patterns around the float16 edges: subnormals, ties, 65504/65520, inf, NaN.
+F16_EDGE_BITS = [0, 0x80000000, 1, 0x007FFFFF, 0x00800000, 0x33000000, 0x33000001,
+                 0x337FFFFF, 0x33800000, 0x33C00000, 0x387FC000, 0x387FE000, 0x387FF000,
+                 0x38800000, 0x38801000, 0x38803000, 0x3F801000, 0x3F803000, 0x477FE000,
+                 0x477FEFFF, 0x477FF000, 0x47800000, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                 0x7F800001, 0x7F801FFF, 0x7F802000, 0x7FC00000, 0xFFC00001, 0xFFFFFFFF]
+
+
+def float32_bits(max_size=200):
+    """Arrays of float32 values from arbitrary bit patterns, float16 edge cases among them."""
+    word = st.one_of(st.integers(0, 2 ** 32 - 1), st.sampled_from(F16_EDGE_BITS),
+                     st.sampled_from(F16_EDGE_BITS).map(lambda b: b ^ 0x80000000))
+    return st.lists(word, min_size=1, max_size=max_size).map(
+        lambda ws: np.array(ws, dtype=np.uint32).view(np.float32))

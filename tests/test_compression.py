@@ -8,18 +8,24 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpukv
 from gpukv import _compression_kernels as K
 from gpukv.compression import Cast, OneBit, TwoBit, make_compressor
 
-from .strategies import gradient_steps
+from .strategies import float32_bits, gradient_steps
 
 REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_2bit_reference.json").read_text())
 
 
 def f32(xs):
     return np.array(xs, dtype=np.float32)
+
+
+def without_subnormals(x):
+    """`x` (float32) with its subnormals made zero, as a GPU flushes them (-ftz=true)."""
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
 
 
 # ------------------------------------------------------------- pure-Python rules
@@ -166,6 +172,72 @@ def test_casts_round_to_nearest_even(kind, dtype, pre_divide):
     assert np.isnan(comp.decompress(nan_payload, ctx._replace(size=1, shape=(1,))))[0]
 
 
+# ------------------------------------------------ host twins vs NumPy's own casts
+def bf16_reference(x):
+    """MXNet/CUDA-style bfloat16 bits of float32 `x`: round to nearest even, NaN quieted."""
+    u = x.view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
+    return np.where(np.isnan(x), (u >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+@settings(max_examples=150, deadline=None)
+@given(float32_bits(), st.sampled_from([1.0, 3.0, 0.125]))
+def test_cast_twins_match_numpy_on_any_bits(x, scale):
+    """fp16 payloads are NumPy's astype (NaN payloads, subnormals, ties, overflow to inf),
+    bf16 payloads the rounding rule, with and without NaN in the block."""
+    with np.errstate(all="ignore"):
+        for v in (x, x[~np.isnan(x)]):  # a NaN sends its block to NumPy's own cast
+            if not v.size:
+                continue
+            scaled = v if scale == 1.0 else v / np.float32(scale)
+            fp16 = K.cast_fp16(v, scale)
+            assert fp16.dtype == np.float16
+            assert np.array_equal(fp16.view(np.uint16), scaled.astype(np.float16).view(np.uint16))
+            assert np.array_equal(K.cast_bf16(v, scale), bf16_reference(scaled))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_uncast_twins_match_numpy_on_every_pattern(scale, accumulate):
+    """Every float16 and bfloat16 bit pattern decodes as NumPy's astype times the scale,
+    finite-only blocks (the arithmetic path) and blocks with inf/NaN alike."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = every[(every & 0x7C00) != 0x7C00]
+    for bits in (every, finite):
+        start = np.linspace(-2, 2, bits.size, dtype=np.float32)
+        half = bits.view(np.float16).astype(np.float32)
+        brain = (bits.astype(np.uint32) << 16).view(np.float32)
+        with np.errstate(all="ignore"):
+            if scale != 1.0:  # (x * 1 would quiet signalling NaNs)
+                half, brain = half * np.float32(scale), brain * np.float32(scale)
+            for payload, value, uncast in ((bits.view(np.float16), half, K.uncast_fp16),
+                                           (bits, brain, K.uncast_bf16)):
+                out = start.copy()
+                uncast(payload, scale, out, accumulate)
+                assert same_bits(out, start + value if accumulate else value)
+
+
+@pytest.mark.parametrize("comp", [TwoBit(0.5), OneBit(0.1), Cast("fp16", 2.0), Cast("bf16")],
+                         ids=["2bit", "1bit", "fp16", "bf16"])
+def test_threaded_host_twins_equal_one_thread(comp, monkeypatch):
+    """Long arrays split over the host threads give the bytes and residuals of one thread."""
+    from gpukv.comm import host
+    n = K._THREADED_MIN * 2 + 77
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal(n).astype(np.float32)
+    r0 = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    results = []
+    for threads, threshold in ((1, 1 << 62), (3, K._THREADED_MIN)):
+        monkeypatch.setattr(host, "THREADS", threads)
+        monkeypatch.setattr(K, "_THREADED_MIN", threshold)
+        r = r0.copy()
+        payload, ctx = comp.compress(g, r)
+        out = np.full(n, 0.5, np.float32)
+        comp.decompress(payload, ctx, out, accumulate=True)
+        results.append((payload.tobytes(), r.tobytes(), out.tobytes()))
+    assert results[0] == results[1]
+
+
 # ------------------------------------------------------------------- the store
 def _store(params, updater=None):
     kv = gpukv.create("device")
@@ -306,11 +378,12 @@ def test_threshold_as_string_accepted():
                          ids=["2bit", "1bit", "fp16", "bf16"])
 @pytest.mark.parametrize("n", [1, 17, 33, 100_003])
 def test_gpu_kernels_bit_identical(comp, n):
-    """The CUDA kernels give the NumPy twins' bytes, residuals and decoded values."""
+    """The CUDA kernels give the NumPy twins' bytes, residuals and decoded values (for
+    inputs without float32 subnormals, which CuPy's -ftz=true flushes to zero)."""
     import cupy
     rng = np.random.default_rng(n)
-    g = rng.standard_normal(n).astype(np.float32)
-    r = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    g = without_subnormals(rng.standard_normal(n).astype(np.float32))
+    r = without_subnormals((rng.standard_normal(n) * 0.3).astype(np.float32))
     r_gpu = cupy.asarray(r)
     p_host, ctx = comp.compress(g, r)
     p_gpu, _ = comp.compress(cupy.asarray(g), r_gpu)
@@ -345,3 +418,33 @@ def test_gpu_store_nightly_sequence():
         out = np.zeros(shape, np.float32)
         kv.pull(0, out=out)
         assert same_bits(out.ravel(), step["pulled"])
+
+
+# ----------------------------------------------- stream order of GPU paths, on the host
+def test_gpu_residual_zeroed_on_its_device_stream():
+    """A GPU residual is zero-filled on its device's stream, where the kernels read it."""
+    from gpukv.compression import GradientCompression
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    dev = FakeGpu(0, log, current, slot=1)
+    r = GradientCompression(TwoBit(0.5)).residual("k", dev, 8)
+    assert not r.any()
+    assert log == [("fill", dev.name, dev.stream.name)]
+
+
+def test_gpu_compressed_reduce_enters_and_leaves_every_device():
+    """A compressed push on GPUs waits for the caller's streams first and makes them wait
+    for its work last (virtual GPUs have streams of their own), as the strategies do."""
+    from gpukv.compression import GradientCompression
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    home, other = FakeGpu(0, log, current), FakeGpu(0, log, current, slot=1)
+    sources = [f32([1, -1, 0.2, 0.7]), f32([1, 0.1, -1, 0.7])]
+    out = np.zeros(4, np.float32)
+    GradientCompression(TwoBit(0.5)).reduce("k", sources, [home, other], home, out)
+    assert out.tolist() == [1.0, -0.5, -0.5, 1.0]
+    names = {home.name, other.name}
+    ops = [e for e in log if e[0] != "fill"]
+    assert {e[1] for e in ops[:2] if e[0] == "enter"} == names
+    assert {e[1] for e in ops[-2:] if e[0] == "leave"} == names
+    assert ("wait_for", other.name, home.name) in ops  # sources are read before reuse
