@@ -41,15 +41,42 @@ def assign_rows(entry, merged: RowSparse) -> None:
     value[merged.indices] = merged.data
 
 
+def dense_gradient(merged: RowSparse, home):
+    """`merged` as a dense array, made on `home`'s stream (where the updater reads it)."""
+    if home.kind == "gpu":
+        with home.cuda_device, home.stream:
+            return merged.todense()
+    return merged.todense()
+
+
+def refuse_sparse_outs(groups: _args.Groups, in_place: bool) -> None:
+    """ArgumentKindError naming the key if pushpull would have to pull into a RowSparse."""
+    for key, arrays in zip(groups.keys, groups.arrays):
+        if any(type(a) is RowSparse for a in arrays):
+            what = "values (out=None pulls into them)" if in_place else "outs"
+            raise ArgumentKindError(
+                f"key {key!r}: pushpull cannot pull into RowSparse {what}: which rows they "
+                f"should get is not defined (MXNet skips them without an error); pass dense "
+                f"`out` arrays, or push then row_sparse_pull(key, out, row_ids)")
+
+
 def fill_rows(entry, out: RowSparse, ids) -> None:
     """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
     home, value = entry.home, entry.value
     xp = home.xp
     if home.kind == "gpu":
+        # Ids on another device (another GPU, or CuPy's current stream when home is a
+        # virtual GPU) are read after the work queued there, and reused there only once
+        # home has read them.
+        source = None if ids is None else device_of(ids)
+        if source is not None and source != home:
+            home.wait_for(source)
         with home.cuda_device, home.stream:
             uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
                     else xp.unique(home.to_local(ids)))
             rows = value[uniq]
+        if source is not None and source.kind == "gpu" and source != home:
+            source.wait_for(home)
     else:
         if ids is None:
             uniq = np.arange(value.shape[0], dtype=np.int64)

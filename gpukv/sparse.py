@@ -15,6 +15,7 @@ optimizer can touch only the rows present (lazy update).
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import numpy as np
@@ -46,6 +47,34 @@ def _as_array(obj, like=None):
     return array
 
 
+def _on_device_of(array):
+    """A context running CuPy work on `array`'s GPU (and that GPU's current stream).
+
+    CuPy launches kernels and allocates results on the *current* device: every
+    computation on a RowSparse runs under the device its arrays live on, so one built
+    or used outside `with cupy.cuda.Device(i)` stays on GPU i. A no-op for NumPy arrays.
+    """
+    if _xp_of(array) is np:
+        return contextlib.nullcontext()
+    return array.device
+
+
+def _ids_like(ids, like, what: str):
+    """Row ids `ids` on the device of `like`: host ids are copied there; ids on another
+    GPU (or GPU ids for host data) are an ArgumentError, as for RowSparse itself."""
+    if _xp_of(like) is np:
+        if _xp_of(ids) is not np:
+            raise ArgumentError(f"{what}: row ids on a GPU for data on the host")
+        return ids
+    if _xp_of(ids) is np:
+        with like.device:
+            return _xp_of(like).asarray(ids)
+    if ids.device.id != like.device.id:
+        raise ArgumentError(f"{what}: row ids on GPU {ids.device.id} for data on GPU "
+                            f"{like.device.id}; copy them to the data's GPU first")
+    return ids
+
+
 def _same_device(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
@@ -74,13 +103,14 @@ def check_row_ids(ids, nrows: int, what: str):
     """`ids` flattened to int64; ArgumentError unless every id is in [0, nrows)."""
     if ids.dtype.kind not in "iu":
         raise DTypeError(f"{what}: row ids must be integers, got dtype {ids.dtype}")
-    flat = ids.reshape(-1)
-    if flat.size:
-        lo, hi = int(flat.min()), int(flat.max())  # one device sync on GPU
-        if lo < 0 or hi >= nrows:
-            bad = lo if lo < 0 else hi
-            raise ArgumentError(f"{what}: row id {bad} is out of range for {nrows} rows")
-    return flat.astype(_xp_of(flat).int64, copy=False)
+    with _on_device_of(ids):
+        flat = ids.reshape(-1)
+        if flat.size:
+            lo, hi = int(flat.min()), int(flat.max())  # one device sync on GPU
+            if lo < 0 or hi >= nrows:
+                bad = lo if lo < 0 else hi
+                raise ArgumentError(f"{what}: row id {bad} is out of range for {nrows} rows")
+        return flat.astype(_xp_of(flat).int64, copy=False)
 
 
 class RowSparse:
@@ -151,17 +181,23 @@ class RowSparse:
         if dense.ndim < 1:
             raise ShapeError(f"RowSparse.from_dense: expected at least 1-D, got {dense.shape}")
         xp = _xp_of(dense)
-        if row_ids is None:
-            nonzero = dense.reshape(dense.shape[0], -1) != 0
-            ids = xp.nonzero(nonzero.any(axis=1))[0].astype(xp.int64)
-        else:
-            ids = xp.unique(check_row_ids(_as_array(row_ids, like=dense), dense.shape[0],
-                                          "RowSparse.from_dense"))
-        return cls._trusted(ids, dense[ids].copy(), dense.shape)
+        if row_ids is not None:
+            row_ids = _ids_like(_as_array(row_ids, like=dense), dense, "RowSparse.from_dense")
+        with _on_device_of(dense):
+            if row_ids is None:
+                nonzero = dense.reshape(dense.shape[0], -1) != 0
+                ids = xp.nonzero(nonzero.any(axis=1))[0].astype(xp.int64)
+            else:
+                ids = xp.unique(check_row_ids(row_ids, dense.shape[0], "RowSparse.from_dense"))
+            return cls._trusted(ids, dense[ids].copy(), dense.shape)
 
     # ------------------------------------------------------------------- helpers
     def coalesce(self, dtype=None) -> "RowSparse":
         """The same value with sorted, unique indices (repeated rows summed, in `dtype`)."""
+        with _on_device_of(self.data):
+            return self._coalesce(dtype)
+
+    def _coalesce(self, dtype) -> "RowSparse":
         xp = self.xp
         dtype = self.data.dtype if dtype is None else np.dtype(dtype)
         idx = self.indices
@@ -191,12 +227,9 @@ class RowSparse:
 
     def todense(self, dtype=None):
         """The dense array (repeated rows summed) on the same device."""
-        xp = self.xp
         dtype = self.data.dtype if dtype is None else np.dtype(dtype)
-        if xp is not np:
-            with self.data.device:
-                return self._todense(xp, dtype)
-        return self._todense(xp, dtype)
+        with _on_device_of(self.data):
+            return self._todense(self.xp, dtype)
 
     def _todense(self, xp, dtype):
         out = xp.zeros(self.shape, dtype)
@@ -207,8 +240,12 @@ class RowSparse:
     def retain(self, row_ids) -> "RowSparse":
         """Rows `row_ids` (any shape; deduplicated and sorted) of this value, zero if absent."""
         xp = self.xp
-        ids = xp.unique(check_row_ids(_as_array(row_ids, like=self.data), self.shape[0],
-                                      "RowSparse.retain"))
+        row_ids = _ids_like(_as_array(row_ids, like=self.data), self.data, "RowSparse.retain")
+        with _on_device_of(self.data):
+            return self._retain(xp, check_row_ids(row_ids, self.shape[0], "RowSparse.retain"))
+
+    def _retain(self, xp, ids) -> "RowSparse":
+        ids = xp.unique(ids)
         merged = self.coalesce()
         data = xp.zeros((ids.size,) + self.shape[1:], self.data.dtype)
         if merged.indices.size and ids.size:
@@ -219,7 +256,8 @@ class RowSparse:
         return RowSparse._trusted(ids, data, self.shape)
 
     def copy(self) -> "RowSparse":
-        return RowSparse._trusted(self.indices.copy(), self.data.copy(), self.shape)
+        with _on_device_of(self.data):  # CuPy copies to the current device
+            return RowSparse._trusted(self.indices.copy(), self.data.copy(), self.shape)
 
     def __array__(self, dtype=None, copy=None):
         if not self.on_host:
@@ -230,12 +268,14 @@ class RowSparse:
     def __mul__(self, other):
         if not isinstance(other, numbers.Number):
             return NotImplemented
-        return RowSparse._trusted(self.indices, self.data * other, self.shape)
+        with _on_device_of(self.data):
+            return RowSparse._trusted(self.indices, self.data * other, self.shape)
 
     __rmul__ = __mul__
 
     def __neg__(self):
-        return RowSparse._trusted(self.indices, -self.data, self.shape)
+        with _on_device_of(self.data):
+            return RowSparse._trusted(self.indices, -self.data, self.shape)
 
     def __repr__(self):
         where = "host" if self.on_host else f"gpu{self.data.device.id}"

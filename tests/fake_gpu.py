@@ -76,3 +76,120 @@ class FakeGpu(gpukv.backends.Device):
 
     def synchronize(self) -> None:
         self.log.append(("synchronize", self.name))
+
+
+class FakeCupy:
+    """A stand-in for the `cupy` module over NumPy that keeps CuPy's device rules.
+
+    Arrays (`FakeCupy.ndarray`, a NumPy subclass) have a `device` that is a context
+    manager, as CuPy's are; a new array lands on the current device (a view stays with its
+    base), and every operation that reads or writes arrays on a device other than the
+    current one is appended to `cross` as (operation, current device, array devices).
+    `scatter_add` stands in for `cupyx.scatter_add`.
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.cross: list = []
+        fake = self
+
+        class Device:
+            def __init__(self, id):
+                self.id = id
+                self._saved: list = []
+
+            def __enter__(self):
+                self._saved.append(fake.current)
+                fake.current = self.id
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self._saved.pop()
+                return False
+
+        class ndarray(np.ndarray):
+            def __array_finalize__(self, obj):
+                inherited = getattr(obj, "_device_id", None) if self.base is not None else None
+                self._device_id = fake.current if inherited is None else inherited
+
+            @property
+            def device(self):
+                return Device(self._device_id)
+
+            def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+                fake.check(ufunc.__name__, inputs + (out or ()))
+                args = [fake.plain(x) for x in inputs]
+                if out is not None:
+                    kwargs["out"] = tuple(fake.plain(o) for o in out)
+                result = getattr(ufunc, method)(*args, **kwargs)
+                return (out[0] if len(out) == 1 else out) if out is not None else fake.wrap(result)
+
+            def __array_function__(self, func, types, args, kwargs):
+                return fake.call(func, args, kwargs)
+
+            def __getitem__(self, index):
+                fake.check("getitem", (self,) + (index if isinstance(index, tuple) else (index,)))
+                return super().__getitem__(index)
+
+            def __setitem__(self, index, value):
+                fake.check("setitem", (self, value)
+                           + (index if isinstance(index, tuple) else (index,)))
+                super().__setitem__(index, value)
+
+            def astype(self, *args, **kwargs):
+                fake.check("astype", (self,))
+                return super().astype(*args, **kwargs)
+
+            def copy(self, *args, **kwargs):
+                fake.check("copy", (self,))
+                return super().copy(*args, **kwargs)
+
+        self.ndarray = ndarray
+        self.Device = Device
+
+    # ---------------------------------------------------------------- helpers
+    def plain(self, x):
+        return x.view(np.ndarray) if isinstance(x, self.ndarray) else x
+
+    def wrap(self, result):
+        """Results of an operation: new arrays on the current device."""
+        if isinstance(result, tuple):
+            return tuple(self.wrap(r) for r in result)
+        if type(result) is np.ndarray:
+            return result.view(self.ndarray)  # a view of a fresh array: current device
+        return result
+
+    def check(self, op, arrays) -> None:
+        devices = []
+        for a in arrays:
+            for x in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(x, self.ndarray):
+                    devices.append(x._device_id)
+        if any(d != self.current for d in devices):
+            self.cross.append((op, self.current, devices))
+
+    def call(self, func, args, kwargs):
+        self.check(getattr(func, "__name__", "call"), tuple(args) + tuple(kwargs.values()))
+        args = [[self.plain(x) for x in a] if isinstance(a, (list, tuple)) else self.plain(a)
+                for a in args]
+        kwargs = {k: self.plain(v) for k, v in kwargs.items()}
+        return self.wrap(func(*args, **kwargs))
+
+    def array_on(self, device_id: int, array):
+        """A copy of `array` on fake GPU `device_id`."""
+        with self.Device(device_id):
+            return self.wrap(np.array(array))
+
+    def scatter_add(self, a, slices, value):
+        """CuPy 14's scatter_add: only the dtypes CUDA's atomicAdd takes."""
+        self.check("scatter_add", (a, slices, value))
+        if a.dtype.name not in ("int32", "int64", "uint32", "uint64", "float16", "float32",
+                                "float64"):
+            raise TypeError(f"cupy.add.at does not support {a.dtype}")
+        np.add.at(self.plain(a), self.plain(slices), self.plain(value).astype(a.dtype))
+
+    def __getattr__(self, name):
+        target = getattr(np, name)
+        if callable(target) and not isinstance(target, type):
+            return lambda *args, **kwargs: self.call(target, args, kwargs)
+        return target

@@ -172,6 +172,53 @@ def test_optimizer_gets_row_sparse_gradient():
     assert out.tolist() == [[1, 1], [1, 1], [0, 0], [1, 1]]
 
 
+@pytest.mark.parametrize("explicit_out", [False, True])
+def test_pushpull_into_row_sparse_is_refused_before_pushing(explicit_out):
+    """pushpull with RowSparse values and out=None (or RowSparse outs) is an
+    ArgumentKindError naming the key, raised before anything is pushed: MXNet 1.9.1
+    pushes and then leaves them unchanged, which hands back stale values silently."""
+    kv = mxnet_store()
+    values = [rsp(p["indices"], p["data"]) for p in REF["push"]]
+    out = RowSparse.zeros(SHAPE) if explicit_out else None
+    with pytest.raises(gpukv.ArgumentKindError,
+                       match="key 'w': pushpull .*RowSparse .*row_sparse_pull"):
+        kv.pushpull("w", values, out=out)
+    assert [v.indices.tolist() for v in values] == [p["indices"] for p in REF["push"]]
+    assert [v.data.tolist() for v in values] == [p["data"] for p in REF["push"]]
+    dense = np.zeros(SHAPE, np.float32)
+    kv.pull("w", out=dense)
+    assert dense.tolist() == rsp(REF["init"]["indices"], REF["init"]["data"]).todense().tolist()
+    kv.pushpull("w", values, out=dense)  # dense outs take the result, as in MXNet
+    assert dense.tolist() == REF["dense_pull_after_push"]
+
+
+def test_dense_updater_gets_rows_made_dense_on_the_key_stream(monkeypatch):
+    """For an updater taking dense gradients, a GPU key's merged rows are made dense on
+    the key's own stream (a virtual GPU's is not CuPy's current one), where it reads them."""
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    kv = gpukv.create("local")
+    kv.init("w", np.zeros((4, 2), np.float32))
+    home = kv._entries["w"].home = FakeGpu(0, log, current, slot=1)
+    streams, todense = [], RowSparse.todense
+
+    def logged(self, dtype=None):
+        streams.append(current.get("stream"))
+        return todense(self, dtype)
+
+    monkeypatch.setattr(RowSparse, "todense", logged)
+
+    class DenseUpdater:
+        def update(self, keys, merged, stored, homes):
+            for m, s in zip(merged, stored):
+                s += m
+
+    kv._updater = DenseUpdater()
+    kv.push("w", rsp([2], [[1, 1]], (4, 2)))
+    assert streams == [home.name]
+    assert kv._entries["w"].value.tolist() == [[0, 0], [0, 0], [1, 1], [0, 0]]
+
+
 # -------------------------------------------------------------------- errors
 @pytest.mark.parametrize("call,error,words", [
     (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=np.array([6])),
@@ -232,36 +279,81 @@ def test_gpu_row_sparse_roundtrip():
 
 
 # ----------------------------------------------- GPU code paths, checked on the host
-def _strict_scatter_add(a, slices, value):
-    """CuPy 14's scatter_add: only the dtypes CUDA's atomicAdd takes."""
-    if a.dtype.name not in ("int32", "int64", "uint32", "uint64", "float16", "float32",
-                            "float64"):
-        raise TypeError(f"cupy.add.at does not support {a.dtype}")
-    np.add.at(a, slices, value.astype(a.dtype))
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """gpukv.sparse computing with a fake CuPy whose arrays know their (fake) GPU."""
+    import sys
+    import gpukv.sparse as sp
+    from .fake_gpu import FakeCupy
+    fake = FakeCupy()
+    monkeypatch.setattr(sp, "_xp_of", lambda a: fake if isinstance(a, fake.ndarray) else np)
+    monkeypatch.setitem(sys.modules, "cupyx", fake)
+    return fake
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "float16", "bfloat16"])
-def test_gpu_coalesce_sums_every_dtype(monkeypatch, dtype):
+def test_gpu_coalesce_sums_every_dtype(fake_cupy, monkeypatch, dtype):
     """The GPU row sum also works for dtypes CuPy's scatter_add lacks (8-bit ints wrap
     as on the host; bfloat16 is summed in float32)."""
-    import sys
-    import types
-    import gpukv.sparse as sp
     if dtype == "bfloat16":
         dtype = __import__("ml_dtypes").bfloat16
-    fake_cupy = types.ModuleType("fake_cupy")
-    fake_cupy.__getattr__ = lambda name: getattr(np, name)
-    monkeypatch.setattr(sp, "_xp_of", lambda a: fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
-        scatter_add=_strict_scatter_add))
     idx = np.array([3, 1, 3, 0], np.int64)
     data = np.array([[100, 1], [1, 2], [100, 3], [4, 5]]).astype(dtype)
-    got = RowSparse._trusted(idx, data, (5, 2)).coalesce()
+    got = RowSparse._trusted(fake_cupy.array_on(0, idx), fake_cupy.array_on(0, data),
+                             (5, 2)).coalesce()
     monkeypatch.undo()
     want = RowSparse._trusted(idx, data, (5, 2)).coalesce()
     assert got.indices.tolist() == want.indices.tolist() == [0, 1, 3]
     assert got.data.dtype == want.data.dtype == np.dtype(dtype)
     assert got.data.tobytes() == want.data.tobytes()
+
+
+_DENSE = np.array([[0, 0], [1, 2], [0, 0], [3, 0]], np.float32)
+_ON_GPU1 = {  # name: work on a RowSparse, a dense array and int32 row ids
+    "init": lambda v, d, i: RowSparse(v.indices, v.data, v.shape),
+    "init_int32": lambda v, d, i: RowSparse(i, v.data, v.shape),
+    "init_list": lambda v, d, i: RowSparse([3, 0, 3], v.data, v.shape),
+    "from_dense": lambda v, d, i: RowSparse.from_dense(d),
+    "from_dense_ids": lambda v, d, i: RowSparse.from_dense(d, [3, 1, 3]),
+    "from_dense_host_ids": lambda v, d, i: RowSparse.from_dense(d, np.array([3, 1])),
+    "coalesce": lambda v, d, i: v.coalesce(),
+    "coalesce_fp16": lambda v, d, i: v.coalesce(np.float16),
+    "retain": lambda v, d, i: v.retain([3, 1]),
+    "todense": lambda v, d, i: v.todense(),
+    "copy": lambda v, d, i: v.copy(),
+    "mul": lambda v, d, i: 2 * v,
+    "neg": lambda v, d, i: -v,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ON_GPU1))
+def test_gpu_rowsparse_work_runs_on_its_own_device(fake_cupy, name):
+    """A RowSparse on GPU 1 used while GPU 0 is current computes on GPU 1 (no kernel
+    reads another GPU's memory) and its results live on GPU 1, with the host's values."""
+    on1 = lambda a: fake_cupy.array_on(1, a)  # noqa: E731
+    idx, data = np.array([3, 0, 3], np.int64), np.array([[1, 1], [2, 2], [3, 3]], np.float32)
+    got = _ON_GPU1[name](RowSparse._trusted(on1(idx), on1(data), (4, 2)), on1(_DENSE),
+                         on1(idx.astype(np.int32)))
+    assert fake_cupy.current == 0 and fake_cupy.cross == []
+    arrays = [got.indices, got.data] if isinstance(got, RowSparse) else [got]
+    assert [a.device.id for a in arrays] == [1] * len(arrays)
+    want = _ON_GPU1[name](RowSparse._trusted(idx, data, (4, 2)), _DENSE, idx.astype(np.int32))
+    if isinstance(want, RowSparse):
+        assert got.indices.tolist() == want.indices.tolist()
+        assert got.data.dtype == want.data.dtype and got.data.tolist() == want.data.tolist()
+    else:
+        assert got.tolist() == want.tolist()
+
+
+def test_gpu_rowsparse_refuses_row_ids_of_another_gpu(fake_cupy):
+    """from_dense and retain take row ids on the data's GPU or the host, not another GPU."""
+    value = RowSparse._trusted(fake_cupy.array_on(1, np.array([1])),
+                               fake_cupy.array_on(1, np.ones((1, 2), np.float32)), (4, 2))
+    ids = fake_cupy.array_on(0, np.array([1]))
+    with pytest.raises(gpukv.ArgumentError, match="GPU 0 .* GPU 1"):
+        value.retain(ids)
+    with pytest.raises(gpukv.ArgumentError, match="GPU 0 .* GPU 1"):
+        RowSparse.from_dense(fake_cupy.array_on(1, _DENSE), ids)
 
 
 def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
@@ -322,6 +414,30 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     assert out.indices.tolist() == [3] and out.data.tolist() == [[6, 7]]
     last_copy = max(i for i, e in enumerate(log) if e == ("copy", target.name))
     assert ("wait_for", entry.home.name, target.name) in log[last_copy:]
+
+
+def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
+    """row_ids on another GPU are copied to the key's GPU only after the work queued on
+    theirs, and their GPU may reuse them only once the copy has read them."""
+    from gpukv import _sparse_store
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    entry = _gpu_entry(log, current)
+    other = FakeGpu(1, log, current)
+    ids = np.array([3, 1, 3])
+    entry.home.owns = lambda a: a is not ids  # the ids live on `other`
+    out = RowSparse.zeros((4, 2))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_sparse_store, "device_of",
+               lambda a, slot=0: other if a is ids else gpukv.backends.device_of(a, slot))
+    try:
+        _sparse_store.fill_rows(entry, out, ids)
+    finally:
+        mp.undo()
+    assert out.indices.tolist() == [1, 3] and out.data.tolist() == [[2, 3], [6, 7]]
+    copy = log.index(("copy", entry.home.name))
+    assert ("wait_for", entry.home.name, other.name) in log[:copy]
+    assert ("wait_for", other.name, entry.home.name) in log[copy:]
 
 
 def test_row_ids_on_a_device_gpukv_cannot_use_name_the_key():

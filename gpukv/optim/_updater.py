@@ -636,15 +636,18 @@ class OptimizerUpdater:
             return
         states = {}
         for key, home, got, master, count in plan:
+            # C order whatever the file's: the multi-tensor kernels walk flat pointers
+            # (an .npz member may be Fortran-ordered, and cupy.asarray keeps that order).
             if home.kind == "gpu":
                 with home.cuda_device, home.stream:
                     xp = home.xp
-                    arrs = tuple(xp.asarray(a) for a in got)
-                    m = xp.asarray(master) if master is not None else None
+                    arrs = tuple(xp.asarray(np.asarray(a, order="C")) for a in got)
+                    m = (xp.asarray(np.asarray(master, order="C"))
+                         if master is not None else None)
                 home.synchronize()
             else:
-                arrs = tuple(np.array(a, copy=True) for a in got)
-                m = np.array(master, copy=True) if master is not None else None
+                arrs = tuple(np.array(a, copy=True, order="C") for a in got)
+                m = np.array(master, copy=True, order="C") if master is not None else None
             states[key] = KeyState(arrs, m, home)
             counts.setdefault(key, count)
         if new_opt is not None:
