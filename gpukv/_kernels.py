@@ -108,16 +108,70 @@ def compiled(cupy, name: str, source: str):
     return kernel
 
 
+class _PinnedTables:
+    """A small pool of page-locked host buffers the pointer tables are uploaded from.
+
+    A copy from pageable memory may make the host wait for the copy (the driver stages
+    it); from pinned memory it is truly asynchronous, so the buffer must stay untouched
+    until the copy has run: each buffer handed out comes back with the event recorded
+    after its copy, and is given out again only once that event has completed. At most
+    `keep` idle buffers are kept; a busy one is never dropped.
+    """
+
+    MIN_WORDS = 512  # int64 words of the smallest buffer (4 KiB)
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.idle: list = []  # buffers free to reuse
+        self.busy: list = []  # (event, buffer): in use by a copy until event is done
+
+    def take(self, cupy, words: int) -> np.ndarray:
+        """A pinned int64 buffer of at least `words` elements, not in use by any copy."""
+        with self.lock:
+            still = []
+            for event, buf in self.busy:
+                if event.done:
+                    self.idle.append(buf)
+                else:
+                    still.append((event, buf))
+            self.busy = still
+            self.idle.sort(key=lambda b: b.size)
+            del self.idle[:max(0, len(self.idle) - self.keep)]  # drop the smallest
+            for i, buf in enumerate(self.idle):  # the smallest that fits
+                if buf.size >= words:
+                    del self.idle[i]
+                    return buf
+        size = max(self.MIN_WORDS, 1 << (max(1, words) - 1).bit_length())
+        mem = cupy.cuda.alloc_pinned_memory(size * 8)
+        return np.ndarray((size,), np.int64, buffer=mem)
+
+    def give(self, buf: np.ndarray, event) -> None:
+        """Return `buf`, in use until `event` has completed."""
+        with self.lock:
+            self.busy.append((event, buf))
+
+
+_TABLES = _PinnedTables()
+
+
 def upload_table(cupy, table: np.ndarray, stream):
     """`table` (int64) as a device array, copied on `stream` (the launching stream).
 
-    The device array comes from CuPy's pool while `stream` is current, so when it is
-    freed the pool hands it out again only to later work on the same stream.
+    The copy is asynchronous, from a pinned staging buffer that is reused only after an
+    event recorded behind the copy has completed, so a launch never waits for the host
+    nor the host for it. Must run with the stream's GPU current. The device array comes
+    from CuPy's pool while `stream` is current, so when it is freed the pool hands it
+    out again only to later work on the same stream.
     """
     table = np.ascontiguousarray(table, dtype=np.int64)
     with stream:
         dev = cupy.empty(table.shape, np.int64)
-    dev.data.copy_from_host_async(table.ctypes.data, table.nbytes, stream)
+    if table.size:
+        host = _TABLES.take(cupy, table.size)
+        host[:table.size] = table
+        dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
+        _TABLES.give(host, stream.record())
     return dev
 
 

@@ -12,7 +12,8 @@ from . import _args, _sparse_store
 from ._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
                       DuplicateKeyError, KeyKindError, ReadOnlyError, ShapeError,
                       UnknownKeyError)
-from .backends import SUPPORTED_DTYPES, Device, device_of, host_device, virtual_gpus
+from .backends import (SUPPORTED_DTYPES, Device, device_of, has_overlapping_elements,
+                       host_device, virtual_gpus)
 from .comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
 from .comm.host import host_broadcast
 from .comm.registry import make_strategy
@@ -241,6 +242,10 @@ class KVStore:
                                  f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
             if isinstance(a, np.ndarray) and not a.flags.writeable:
                 raise ReadOnlyError(f"key {key!r}: out array is read-only")
+            if has_overlapping_elements(a):  # host or GPU: an expanded/overlapping view
+                raise ReadOnlyError(f"key {key!r}: out has elements sharing memory (a "
+                                    f"zero-stride or overlapping view); pull needs one "
+                                    f"place per element")
 
     def _check_init(self, groups: _args.Groups) -> None:
         self._check_kind(groups.key_kind, groups.keys)
@@ -428,6 +433,8 @@ class KVStore:
                 self._check_sources(k, entry, arrays, "pushpull")
             for k, entry, arrays in zip(out_groups.keys, out_entries, out_groups.arrays):
                 self._check_outs(k, entry.value.shape, arrays)
+            if out_groups.sparse:
+                _sparse_store.refuse_sparse_outs(out_groups, out is None)
             self._push_groups(groups, entries)
             self._pull_groups(out_groups, out_entries)
 
@@ -620,7 +627,8 @@ class KVStore:
             elif by_rows:
                 rows_pending.append((key, merged, entry.value, entry.home))
             else:  # an updater that takes dense gradients: the standard (non-lazy) update
-                pending.append((key, merged.todense(), entry.value, entry.home))
+                pending.append((key, _sparse_store.dense_gradient(merged, entry.home),
+                                entry.value, entry.home))
         if pending:
             updater.update(*(list(column) for column in zip(*pending)))
         if rows_pending:

@@ -302,3 +302,48 @@ def test_numpy_scalars_are_sources_never_outs(kv, scalar):
     with pytest.raises(gpukv.ReadOnlyError, match="key 1"):
         kv.pull(1, out=target)
     assert target == 0
+
+
+def _cupy_view(shape, strides, dtype=np.float32):
+    """A CuPy array header over made-up device memory (never read: no GPU is needed)."""
+    cupy = pytest.importorskip("cupy")
+    mem = cupy.cuda.UnownedMemory(1 << 20, 1 << 12, None, device_id=0)
+    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
+@pytest.mark.parametrize("strides", [(0, 4), (4, 4), (8, 0)], ids=["expanded", "overlap", "bcast"])
+def test_gpu_out_with_shared_elements_is_refused(kv, strides):
+    """A CuPy out whose elements share memory (zero stride, as an expanded PyTorch CUDA
+    tensor arrives; or overlapping rows) is a ReadOnlyError naming the key, before any
+    copy."""
+    kv.init("w", np.zeros((3, 4), np.float32))
+    out = _cupy_view((3, 4), strides)
+    with pytest.raises(gpukv.ReadOnlyError, match="'w'.*sharing memory"):
+        kv.pull("w", out=out)
+    with pytest.raises(gpukv.ReadOnlyError, match="'w'"):
+        kv.pushpull("w", np.ones((3, 4), np.float32), out=out)
+
+
+def test_writable_host_out_with_shared_elements_is_refused(kv):
+    """A writable NumPy view with a zero stride (as_strided) is refused as an out too."""
+    from numpy.lib.stride_tricks import as_strided
+    kv.init("w", np.zeros((3, 4), np.float32))
+    base = np.zeros(4, np.float32)
+    with pytest.raises(gpukv.ReadOnlyError, match="'w'"):
+        kv.pull("w", out=as_strided(base, (3, 4), (0, 4)))
+    assert not base.any()
+
+
+@pytest.mark.parametrize("shape,strides,expected", [
+    ((3, 4), (16, 4), False), ((3, 4), (4, 12), False), ((3, 2), (8, 12), False),
+    ((4,), (-4,), False), ((3, 4), (0, 4), True), ((3, 4), (4, 4), True),
+    ((2, 2), (4, 4), True), ((5,), (2,), True), ((0, 4), (0, 4), False), ((1, 4), (0, 4), False),
+])
+def test_has_overlapping_elements_from_strides(shape, strides, expected):
+    """Element overlap is read from shape and strides alone, for any array-like header."""
+    import types
+    from gpukv.backends import has_overlapping_elements
+    header = types.SimpleNamespace(shape=shape, strides=strides, itemsize=4,
+                                   flags=types.SimpleNamespace(c_contiguous=False,
+                                                               f_contiguous=False))
+    assert has_overlapping_elements(header) is expected

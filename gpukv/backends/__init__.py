@@ -15,7 +15,7 @@ from ._base import Device
 from .host import HostDevice, host_device
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "is_gpu_array", "device_of",
-           "SUPPORTED_DTYPES", "dtype_name", "virtual_gpus"]
+           "SUPPORTED_DTYPES", "dtype_name", "virtual_gpus", "has_overlapping_elements"]
 
 # MXNet's dtypes plus bfloat16 (NumPy's via ml_dtypes, when a caller uses it).
 SUPPORTED_DTYPES = frozenset(
@@ -102,6 +102,51 @@ def _one_place_per_element(array):
         array = array.view()
         array.flags.writeable = False
     return array
+
+
+#: Arrays up to this many elements get an exact overlap test when the quick one fails.
+_EXACT_OVERLAP_LIMIT = 1 << 20
+
+
+def has_overlapping_elements(array) -> bool:
+    """Whether two elements of `array` (NumPy, CuPy, or any object with `shape`,
+    `strides` and `itemsize`) share memory: a zero-stride (expanded, broadcast) or
+    otherwise overlapping view, which can be read but never be written elementwise.
+
+    Decided from shape and strides alone (no memory is touched, nothing is imported):
+    contiguous arrays at once; otherwise the dimensions, ordered by stride, must each
+    step over everything the smaller ones span; failing that, up to
+    `_EXACT_OVERLAP_LIMIT` elements are compared address by address, and larger arrays
+    count as overlapping.
+    """
+    flags = getattr(array, "flags", None)
+    if flags is None or getattr(flags, "c_contiguous", False) or getattr(
+            flags, "f_contiguous", False):
+        return False
+    shape, strides = getattr(array, "shape", None), getattr(array, "strides", None)
+    itemsize = getattr(array, "itemsize", None)
+    if shape is None or strides is None or not itemsize:
+        return False
+    if any(n == 0 for n in shape):
+        return False
+    dims = sorted((abs(int(st)), int(n)) for st, n in zip(strides, shape) if n > 1)
+    reach = itemsize  # bytes spanned by the dimensions seen so far
+    for stride, n in dims:
+        if stride < reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    size = 1
+    for _, n in dims:
+        size *= n
+    if size > _EXACT_OVERLAP_LIMIT:
+        return True
+    offsets = np.zeros(1, np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + stride * np.arange(n, dtype=np.int64)).reshape(-1)
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < itemsize))
 
 
 _GPU_COUNT: list = []  # [number of visible GPUs], once asked

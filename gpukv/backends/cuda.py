@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import threading
 
 import numpy as np
@@ -142,6 +141,12 @@ class CudaDevice(Device):
 
     def copy(self, dst, src) -> None:
         cp = self._cp
+        packed = None
+        if (not isinstance(src, np.ndarray) and src.device.id != self.physical
+                and not src.flags.c_contiguous):
+            # A strided array on another GPU: packed there, by its own GPU, so that only
+            # one contiguous peer memcpy crosses the link (no kernel here reads peer memory).
+            src = packed = self._pack_on_owner(src)
         with self._cuda_device, self.stream:
             if isinstance(src, np.ndarray):
                 if src.dtype == dst.dtype and src.flags.c_contiguous and dst.flags.c_contiguous:
@@ -154,14 +159,35 @@ class CudaDevice(Device):
                 # Peer or local: one async memcpy on this device's stream (UVA).
                 if src.nbytes:
                     dst.data.copy_from_device_async(src.data, src.nbytes, self.stream)
-                return
-            if src.device.id != self.physical:
-                staged = cp.empty(src.shape, src.dtype)
-                src = cp.ascontiguousarray(src) if not src.flags.c_contiguous else src
-                if src.nbytes:
-                    staged.data.copy_from_device_async(src.data, src.nbytes, self.stream)
-                src = staged
-            cp.copyto(dst, src, casting="unsafe")
+            else:
+                if src.device.id != self.physical:
+                    staged = cp.empty(src.shape, src.dtype)
+                    if src.nbytes:
+                        staged.data.copy_from_device_async(src.data, src.nbytes, self.stream)
+                    src = staged
+                cp.copyto(dst, src, casting="unsafe")
+            if packed is not None:
+                # The packed copy was allocated on its GPU's stream: it goes back to that
+                # stream's pool only after this device's memcpy has read it.
+                keep_alive(packed, self.stream.record())
+
+    def _pack_on_owner(self, src):
+        """A C-contiguous copy of `src` made by its own GPU on that GPU's current stream,
+        ordered after the work this device is ordered after, with this device's stream
+        ordered after the copy."""
+        cp = self._cp
+        owner = src.device.id
+        with self._cuda_device:
+            ready = self.stream.record()  # whatever wrote src, this stream waited for
+        stream = cp.cuda.get_current_stream(owner)
+        with cp.cuda.Device(owner):
+            stream.wait_event(ready)
+            with stream:
+                packed = cp.ascontiguousarray(src)
+            done = stream.record()
+        with self._cuda_device:
+            self.stream.wait_event(done)
+        return packed
 
     def synchronize(self) -> None:
         # Under this GPU: the default stream (handle 0) means the current device's one.
@@ -181,17 +207,30 @@ def gpu_devices() -> list[CudaDevice]:
     With `GPUKV_VIRTUAL_GPUS=N`, N logical devices are dealt round-robin onto the
     physical GPUs, each with its own stream, so multi-device code runs on one GPU.
     """
+    from . import virtual_gpus  # DeviceError when malformed
     count = gpu_count()
     if count == 0:
         return []
-    wanted = os.environ.get("GPUKV_VIRTUAL_GPUS", "").strip()
-    try:
-        n = int(wanted) if wanted else count
-    except ValueError:
-        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer") from None
-    if n < 1:
-        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer")
+    n = virtual_gpus() or count
     return [cuda_device(i % count, i // count) for i in range(n)]
+
+
+def to_numpy(array, device=None) -> np.ndarray:
+    """`array` (a CuPy array) copied into a new NumPy array, synchronously, by its own GPU.
+
+    The copy runs on `device`'s stream when `device` is the logical GPU the array
+    belongs to, else on CuPy's current stream of the array's GPU (not the current GPU's).
+    """
+    if isinstance(array, np.ndarray):
+        return array
+    if isinstance(device, CudaDevice) and device.physical == array.device.id:
+        stream = device.stream
+        with device.cuda_device:
+            return array.get(stream=stream)
+    cp = cupy_module()
+    gpu = array.device.id
+    with cp.cuda.Device(gpu):
+        return array.get(stream=cp.cuda.get_current_stream(gpu))
 
 
 # ------------------------------------------------------------------ peer access

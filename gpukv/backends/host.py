@@ -19,8 +19,9 @@ class HostDevice(Device):
         return np.empty(shape, dtype)
 
     def copy(self, dst, src) -> None:
-        if not isinstance(src, np.ndarray):  # a GPU array: bring it to the host
-            src = src.get()
+        if not isinstance(src, np.ndarray):  # a GPU array: brought over by its own GPU
+            from .cuda import to_numpy
+            src = to_numpy(src)
         np.copyto(dst, src, casting="unsafe")
 
     def owns(self, array) -> bool:

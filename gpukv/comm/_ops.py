@@ -169,9 +169,14 @@ def readable(reader, array) -> bool:
     return can_access_peer(reader.physical, array.device.id)
 
 
-def to_host(array):
-    """A NumPy array of `array` (a GPU array is copied, synchronously)."""
-    return array if isinstance(array, np.ndarray) else array.get()
+def to_host(array, device=None):
+    """A NumPy array of `array`: a GPU array is copied synchronously by its own GPU, on
+    `device`'s stream when that is the array's logical device, else on CuPy's current
+    stream of the array's GPU."""
+    if isinstance(array, np.ndarray):
+        return array
+    from ..backends.cuda import to_numpy
+    return to_numpy(array, device)
 
 
 # ------------------------------------------------------------- fused sums

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .._errors import ArgumentError
 from ._base import BroadcastJob, ReduceJob, Strategy
 
 _NARROW = frozenset(["float16", "bfloat16"])
@@ -50,17 +51,35 @@ THREAD_BYTES = 1 << 20
 
 
 def _default_threads() -> int:
+    """`GPUKV_HOST_THREADS` (a positive integer), else the usable CPUs, at most 4."""
     env = os.environ.get("GPUKV_HOST_THREADS", "").strip()
     if env:
         try:
-            return max(1, int(env))
+            n = int(env)
         except ValueError:
-            pass
+            n = 0
+        if n < 1:
+            raise ArgumentError(f"GPUKV_HOST_THREADS={env!r}: expected a positive integer")
+        return n
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(4, cpus or 1))
 
 
-THREADS = _default_threads()
+def thread_count() -> int:
+    """The threads a large host sum or copy is cut over (`THREADS`), read from the
+    environment on first use; a malformed `GPUKV_HOST_THREADS` is an ArgumentError."""
+    n = globals().get("THREADS")
+    if n is None:
+        n = globals()["THREADS"] = _default_threads()
+    return n
+
+
+def __getattr__(name: str):
+    # `THREADS` is read lazily, so that importing gpukv never fails on the environment.
+    if name == "THREADS":
+        return thread_count()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _ACC_CACHE: dict = {}
 
@@ -130,7 +149,7 @@ _POOL = _Pool()
 
 def _chunks(n: int, itemsize: int, block: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges cutting n elements over the pool: whole blocks, THREAD_BYTES each."""
-    parts = max(1, min(THREADS, (n * itemsize) // THREAD_BYTES))
+    parts = max(1, min(thread_count(), (n * itemsize) // THREAD_BYTES))
     if parts == 1:
         return [(0, n)]
     blocks = -(-n // block)
@@ -230,6 +249,12 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     _POOL.run(_copy_range, chunks)
 
 
+def _to_host(array) -> np.ndarray:
+    """A GPU array copied to the host by its own GPU, on CuPy's current stream there."""
+    from ..backends.cuda import to_numpy
+    return to_numpy(array)
+
+
 class HostStrategy(Strategy):
     """Everything through main memory: GPU sources are copied to the host first.
 
@@ -239,7 +264,7 @@ class HostStrategy(Strategy):
     name = "cpu"
 
     def reduce(self, job: ReduceJob) -> None:
-        sources = [s if isinstance(s, np.ndarray) else s.get() for s in job.sources]
+        sources = [s if isinstance(s, np.ndarray) else _to_host(s) for s in job.sources]
         host_sum(job.out, sources)
 
     def broadcast(self, job: BroadcastJob) -> None:

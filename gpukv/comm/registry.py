@@ -57,8 +57,11 @@ def make_strategy(name: str | None = None, *, on_gpu: bool = True, **options) ->
 
     `name=None`: on a GPU store, `$GPUKV_STRATEGY` or else 'auto'; on a host store
     ('local'), the host sum. `options` go to the strategy's constructor (e.g. `matrix`
-    for 'tree'/'ring', `machine` for 'auto').
+    for 'tree'/'ring', `machine` for 'auto'). ArgumentError for an unknown name or a
+    malformed `GPUKV_HOST_THREADS`.
     """
+    from .host import thread_count
+    thread_count()  # a malformed GPUKV_HOST_THREADS fails here, when a store is made
     explicit = name is not None
     if name is None:
         env = os.environ.get("GPUKV_STRATEGY", "").strip()

@@ -24,18 +24,22 @@ Tuning (environment, read by `tree_options`; MXNet's names are honoured too):
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
+log = logging.getLogger("gpukv")
+
 __all__ = [
     "Tree", "plan_tree", "plan_trees", "plan_ring", "validate_tree", "is_valid_tree",
     "tree_depth", "link_usage", "usage_summary", "slice_plan", "ring_bottleneck",
-    "as_link_matrix", "effective_weights", "link_matrix_from_cuda", "tree_options",
-    "dgx1_v100", "nvswitch_h100", "pcie_two_socket", "random_link_matrix",
+    "as_link_matrix", "effective_weights", "link_matrix_from_cuda", "cuda_driver",
+    "tree_options", "dgx1_v100", "nvswitch_h100", "pcie_two_socket", "random_link_matrix",
     "SAME_DEVICE_WEIGHT", "DEFAULT_PENALTY", "DEFAULT_ARRAY_BOUND",
 ]
 
@@ -147,26 +151,91 @@ def random_link_matrix(n: int, seed: int | None = None, *, density: float = 0.5,
 
 
 # ------------------------------------------------------------------------- CUDA
-def link_matrix_from_cuda(device_ids, *, runtime=None) -> np.ndarray:
-    """The link matrix of the given CUDA devices, from the CUDA runtime's P2P queries.
+#: `CUdevice_P2PAttribute` values of the CUDA driver API (cuda.h).
+CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK = 0x01
+CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED = 0x02
+CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 0x03
+CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED = 0x04
 
-    `device_ids` are CUDA ordinals (or objects with `.physical` or `.id`); one ordinal
-    may appear several times (virtual GPUs on one physical GPU), and such pairs get
-    `SAME_DEVICE_WEIGHT`. For distinct GPUs, a pair that `deviceCanAccessPeer` rejects
-    (or whose `cudaDevP2PAttrAccessSupported` is 0) gets 0. Otherwise the weight comes
-    from `cudaDevP2PAttrPerformanceRank` (lower rank = faster link): the slowest rank
-    seen gets 1, each faster rank one more. Where the rank cannot be queried, every
-    accessible pair gets 1. `runtime` defaults to `cupy.cuda.runtime` (imported here).
+_DRIVER_NAMES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
+_driver_lock = threading.Lock()
+_driver: list = []  # [the loaded driver library, or None], once tried
+
+
+def cuda_driver():
+    """The CUDA driver library (`ctypes.CDLL` of libcuda) with the P2P query functions
+    typed, or None where it cannot be loaded (no driver, or a driver without them)."""
+    if _driver:
+        return _driver[0]
+    with _driver_lock:
+        if not _driver:
+            _driver.append(_load_driver())
+    return _driver[0]
+
+
+def _load_driver():
+    import ctypes  # noqa: PLC0415 - only where a link matrix is asked of CUDA
+    for name in _DRIVER_NAMES:
+        try:
+            lib = ctypes.CDLL(name)
+            cint_p = ctypes.POINTER(ctypes.c_int)
+            lib.cuInit.argtypes = [ctypes.c_uint]
+            lib.cuDeviceGet.argtypes = [cint_p, ctypes.c_int]
+            lib.cuDeviceGetP2PAttribute.argtypes = [cint_p, ctypes.c_int, ctypes.c_int,
+                                                    ctypes.c_int]
+            for fn in (lib.cuInit, lib.cuDeviceGet, lib.cuDeviceGetP2PAttribute):
+                fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+def _driver_ranks(driver, ordinals) -> dict | None:
+    """{(a, b): performance rank} of the ordered pairs of `ordinals` with P2P access,
+    from the CUDA driver API; None when a driver call fails.
+
+    Driver ordinals index the GPUs this process sees after `CUDA_VISIBLE_DEVICES` (and
+    `CUDA_DEVICE_ORDER`), exactly as the runtime's, hence CuPy's, device ids do.
     """
-    if runtime is None:
-        from cupy.cuda import runtime  # noqa: PLC0415 - CuPy stays optional
-    ids = [_ordinal(d) for d in device_ids]
-    n = len(ids)
+    import ctypes  # noqa: PLC0415
+
+    def call(fn, *args):
+        status = fn(*args)
+        if status != 0:
+            raise OSError(f"{getattr(fn, '__name__', 'CUDA driver call')} returned {status}")
+
+    try:
+        call(driver.cuInit, 0)
+        handles = {}
+        for ordinal in ordinals:
+            dev = ctypes.c_int()
+            call(driver.cuDeviceGet, ctypes.pointer(dev), ordinal)
+            handles[ordinal] = dev.value
+        ranks = {}
+        for a, b in itertools.permutations(ordinals, 2):
+            value = ctypes.c_int()
+            call(driver.cuDeviceGetP2PAttribute, ctypes.pointer(value),
+                 CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, handles[a], handles[b])
+            if not value.value:
+                continue
+            call(driver.cuDeviceGetP2PAttribute, ctypes.pointer(value),
+                 CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, handles[a], handles[b])
+            ranks[a, b] = int(value.value)
+    except OSError as exc:
+        log.debug("gpukv: CUDA driver P2P query failed (%s); asking the runtime", exc)
+        return None
+    return ranks
+
+
+def _runtime_ranks(runtime, ordinals) -> dict:
+    """{(a, b): performance rank} from the CUDA runtime: pairs `deviceCanAccessPeer`
+    accepts, ranked by `deviceGetP2PAttribute` where the runtime has it, else all 0."""
     rank_attr = getattr(runtime, "cudaDevP2PAttrPerformanceRank", 1)
     access_attr = getattr(runtime, "cudaDevP2PAttrAccessSupported", 2)
     get_attr = getattr(runtime, "deviceGetP2PAttribute", None)
     ranks = {}
-    for a, b in itertools.permutations(sorted(set(ids)), 2):
+    for a, b in itertools.permutations(ordinals, 2):
         if not runtime.deviceCanAccessPeer(a, b):
             continue
         rank = 0
@@ -178,6 +247,39 @@ def link_matrix_from_cuda(device_ids, *, runtime=None) -> np.ndarray:
             except Exception:  # an old runtime without the attribute: access is enough
                 rank = 0
         ranks[a, b] = rank
+    return ranks
+
+
+def link_matrix_from_cuda(device_ids, *, runtime=None, driver=None) -> np.ndarray:
+    """The link matrix of the given CUDA devices, from CUDA's P2P attributes.
+
+    `device_ids` are CUDA ordinals (or objects with `.physical` or `.id`); one ordinal
+    may appear several times (virtual GPUs on one physical GPU), and such pairs get
+    `SAME_DEVICE_WEIGHT`. For distinct GPUs, a pair without P2P access gets 0.
+    Otherwise the weight comes from the P2P performance rank (lower rank = faster
+    link): the slowest rank seen gets 1, each faster rank one more.
+
+    The attributes are asked of the CUDA driver API (`cuDeviceGetP2PAttribute` of
+    libcuda, through ctypes: CuPy's runtime module has no `deviceGetP2PAttribute`).
+    `driver` is that library or a stand-in; by default libcuda is loaded, unless a
+    `runtime` is given. Without a usable driver the runtime is asked instead
+    (`runtime` defaults to `cupy.cuda.runtime`): `deviceCanAccessPeer`, and the rank
+    where it has `deviceGetP2PAttribute`, else every accessible pair gets 1.
+    """
+    ids = [_ordinal(d) for d in device_ids]
+    n = len(ids)
+    distinct = sorted(set(ids))
+    ranks = None
+    if len(distinct) > 1:
+        if driver is None and runtime is None:
+            driver = cuda_driver()
+        if driver is not None:
+            ranks = _driver_ranks(driver, distinct)
+        if ranks is None:
+            if runtime is None:
+                from cupy.cuda import runtime  # noqa: PLC0415 - CuPy stays optional
+            ranks = _runtime_ranks(runtime, distinct)
+    ranks = ranks or {}
     worst = max(ranks.values(), default=0)
     w = np.zeros((n, n))
     for i, j in itertools.permutations(range(n), 2):

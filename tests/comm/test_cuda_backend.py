@@ -721,3 +721,122 @@ def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
     home.tick()
     _read(home, kv._entries["w"].value)
     np.testing.assert_array_equal(kv._entries["w"].value.np, np.arange(6))
+
+
+# ------------------------------------------- which GPU and stream do the work (no GPU)
+def test_gpu_devices_count_comes_from_virtual_gpus(monkeypatch):
+    """gpu_devices() takes the logical device count from backends.virtual_gpus(), the one
+    reader of GPUKV_VIRTUAL_GPUS."""
+    import gpukv.backends as backends
+    asked = []
+    monkeypatch.setattr(cuda_mod, "gpu_count", lambda: 2)
+    monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: (p, s))
+    monkeypatch.setattr(backends, "virtual_gpus", lambda: asked.append(1) or 3)
+    monkeypatch.delenv("GPUKV_VIRTUAL_GPUS", raising=False)
+    assert cuda_mod.gpu_devices() == [(0, 0), (1, 0), (0, 1)]
+    assert asked
+    monkeypatch.setattr(backends, "virtual_gpus", lambda: None)
+    assert cuda_mod.gpu_devices() == [(0, 0), (1, 0)]
+
+
+class _Tagged:
+    """A CuPy array stand-in on GPU `gpu`: copies, packs and reads are logged by tag."""
+
+    def __init__(self, cuda, gpu, tag, contiguous=True):
+        import types
+        self.cuda, self.tag = cuda, tag
+        self.device = types.SimpleNamespace(id=gpu)
+        self.flags = types.SimpleNamespace(c_contiguous=contiguous)
+        self.shape, self.dtype, self.nbytes = (4,), np.dtype(np.float32), 16
+        self.data = types.SimpleNamespace(owner=self, copy_from_device_async=self._memcpy)
+
+    def _memcpy(self, src, nbytes, stream):
+        self.cuda.log.append(("memcpy", self.cuda.current, stream.name, src.owner.tag))
+
+    def get(self, stream=None):
+        self.cuda.log.append(("get", self.cuda.current, getattr(stream, "name", None)))
+        return np.zeros(self.shape, self.dtype)
+
+
+@pytest.fixture
+def tagged_cupy(fake_cupy, monkeypatch):
+    """fake_cupy with array functions over `_Tagged`, numbered events, and keep_alive logged."""
+    cuda = fake_cupy
+    fake = cuda_mod.cupy_module()
+    fake.empty = lambda shape, dtype: _Tagged(cuda, cuda.current, "staged")
+
+    def pack(a):
+        cuda.log.append(("pack", cuda.current, cuda.get_current_stream().name, a.tag))
+        return _Tagged(cuda, cuda.current, "packed")
+
+    fake.ascontiguousarray = pack
+    fake.copyto = lambda dst, src, casting: cuda.log.append(
+        ("copyto", cuda.current, cuda.get_current_stream().name, dst.tag, src.tag))
+    seq = iter(range(1000))
+
+    def record(stream):
+        event = ("event", stream.name, stream._on(), next(seq))
+        cuda.log.append(("record",) + event[1:])
+        return event
+
+    monkeypatch.setattr(_FakeStream, "record", record)
+    monkeypatch.setattr(cuda_mod, "keep_alive",
+                        lambda obj, event: cuda.log.append(("keep", obj.tag, event)))
+    return cuda
+
+
+def test_to_host_copies_under_the_arrays_own_gpu(tagged_cupy):
+    """A GPU array brought to the host is copied under its own GPU: on that GPU's current
+    stream, or on its logical device's stream when that is given."""
+    from gpukv.comm import _ops
+    cuda = tagged_cupy
+    with cuda.Device(1):
+        side = cuda.Stream()
+    cuda.streams[1] = side  # the caller's current stream on GPU 1 (GPU 0 is current)
+    array = _Tagged(cuda, 1, "x")
+    _ops.to_host(array)
+    assert cuda.log[-1] == ("get", 1, side.name)
+    slot = cuda_mod.CudaDevice(1, 1)
+    _ops.to_host(array, slot)
+    assert cuda.log[-1] == ("get", 1, slot.stream.name) and cuda.current == 0
+
+
+def test_strided_peer_source_packed_by_its_own_gpu(tagged_cupy):
+    """A strided source on another GPU is made contiguous by that GPU (ordered after this
+    device's stream), then crosses in one memcpy on this device's stream after the pack,
+    and the packed copy is kept alive until that memcpy has run."""
+    cuda = tagged_cupy
+    dev = cuda_mod.CudaDevice(0, 1)
+    mine = dev.stream.name
+    src = _Tagged(cuda, 1, "src", contiguous=False)
+    dst = _Tagged(cuda, 0, "dst")
+    cuda.log.clear()
+    dev.copy(dst, src)
+    e1, e2, e3 = ("event", mine, 0, 0), ("event", "null", 1, 1), ("event", mine, 0, 2)
+    assert cuda.log == [
+        ("record", mine, 0, 0),
+        ("wait", "null", 1, e1),           # GPU 1's stream after what dev is ordered after
+        ("pack", 1, "null", "src"),        # the strided read happens on GPU 1
+        ("record", "null", 1, 1),
+        ("wait", mine, 0, e2),             # the memcpy after the pack
+        ("memcpy", 0, mine, "packed"),
+        ("record", mine, 0, 2),
+        ("keep", "packed", e3),            # freed only once the memcpy has read it
+    ]
+    assert cuda.current == 0
+
+
+def test_strided_peer_source_into_a_cast_packs_then_stages(tagged_cupy):
+    """With a dtype cast as well, the packed copy is staged here, then cast locally."""
+    cuda = tagged_cupy
+    dev = cuda_mod.CudaDevice(0)
+    src = _Tagged(cuda, 1, "src", contiguous=False)
+    dst = _Tagged(cuda, 0, "dst")
+    dst.dtype = np.dtype(np.float16)
+    cuda.log.clear()
+    dev.copy(dst, src)
+    kinds = [entry[0] for entry in cuda.log]
+    assert kinds == ["record", "wait", "pack", "record", "wait", "memcpy", "copyto",
+                     "record", "keep"]
+    assert cuda.log[2][1] == 1 and cuda.log[5][1:] == (0, "null", "packed")
+    assert cuda.log[6][1:] == (0, "null", "dst", "staged")

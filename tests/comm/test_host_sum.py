@@ -308,3 +308,24 @@ def test_store_fp16_push_does_not_overflow(tiny):
     out = np.empty(100, np.float16)
     kv.pull("w", out=out)
     np.testing.assert_array_equal(out, np.float16(60000))
+
+
+@pytest.mark.parametrize("value", ["four", "2.5", "0", "-3"])
+def test_malformed_host_threads_env_is_an_error(monkeypatch, value):
+    """A GPUKV_HOST_THREADS that is not a positive integer is an ArgumentError naming the
+    variable and the value, when a store is made and at first use, never ignored."""
+    monkeypatch.setenv("GPUKV_HOST_THREADS", value)
+    monkeypatch.setitem(host.__dict__, "THREADS", None)  # not read yet
+    with pytest.raises(gpukv.ArgumentError, match=f"GPUKV_HOST_THREADS='{value}'"):
+        gpukv.create("local")
+    with pytest.raises(gpukv.ArgumentError, match="GPUKV_HOST_THREADS"):
+        host.host_sum(np.empty(1 << 20, np.float32), [np.ones(1 << 20, np.float32)] * 2)
+
+
+def test_host_threads_env_read_at_first_use(monkeypatch):
+    """A well-formed GPUKV_HOST_THREADS sets the pool size, read once on first use."""
+    monkeypatch.setenv("GPUKV_HOST_THREADS", " 3 ")
+    monkeypatch.setitem(host.__dict__, "THREADS", None)  # not read yet
+    assert host.thread_count() == 3 and host.THREADS == 3
+    monkeypatch.setenv("GPUKV_HOST_THREADS", "5")
+    assert host.thread_count() == 3

@@ -172,3 +172,88 @@ def test_multi_sum_reads_peer_memory():
         out = cupy.zeros(1000, dtype=cupy.float32)
         K.multi_sum_gpu([K.SumItem(out, (local, remote), ())], cupy.cuda.get_current_stream())
         np.testing.assert_array_equal(cupy.asnumpy(out), np.arange(1000) + 1)
+
+
+class _TableEvent:
+    done = False
+
+
+class _TableStream:
+    """A CuPy stream stand-in: `record()` hands out events the test completes by hand."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def record(self):
+        self.events.append(_TableEvent())
+        return self.events[-1]
+
+
+class _TableCupy:
+    """The bits of CuPy upload_table uses: pinned allocations, and device arrays whose
+    async host-to-device copies are logged with the bytes they would read."""
+
+    def __init__(self):
+        import types
+        self.pinned, self.copies = [], []
+        self.cuda = types.SimpleNamespace(alloc_pinned_memory=self._pinned)
+
+    def _pinned(self, nbytes):
+        self.pinned.append(bytearray(nbytes))
+        return self.pinned[-1]
+
+    def pinned_at(self, ptr) -> bool:
+        return any(np.frombuffer(m, np.uint8).ctypes.data <= ptr
+                   < np.frombuffer(m, np.uint8).ctypes.data + len(m) for m in self.pinned)
+
+    def empty(self, shape, dtype):
+        import ctypes
+        import types
+        fake = self
+
+        def copy(ptr, nbytes, stream):
+            fake.copies.append((ptr, nbytes, stream))
+            return ctypes.string_at(ptr, nbytes)
+
+        return types.SimpleNamespace(shape=shape, data=types.SimpleNamespace(
+            copy_from_host_async=copy))
+
+
+def test_tables_upload_from_pinned_buffers_kept_until_the_copy_ran(monkeypatch):
+    """Pointer tables are copied from pinned memory; a buffer is not written again until
+    the event recorded after its copy has completed, and is reused after that."""
+    import ctypes
+    monkeypatch.setattr(K, "_TABLES", K._PinnedTables())
+    cp, stream = _TableCupy(), _TableStream()
+    first = np.arange(10, dtype=np.int64)
+    K.upload_table(cp, first, stream)
+    ptr1, n1, s1 = cp.copies[0]
+    assert cp.pinned_at(ptr1) and n1 == first.nbytes and s1 is stream
+    K.upload_table(cp, first + 100, stream)  # first copy still pending: another buffer
+    ptr2 = cp.copies[1][0]
+    assert cp.pinned_at(ptr2) and ptr2 != ptr1 and len(cp.pinned) == 2
+    assert np.array_equal(np.frombuffer(ctypes.string_at(ptr1, n1), np.int64), first)
+    stream.events[0].done = True  # the first copy has run: its buffer may be reused
+    K.upload_table(cp, first + 200, stream)
+    assert cp.copies[2][0] == ptr1 and len(cp.pinned) == 2
+    assert np.array_equal(np.frombuffer(ctypes.string_at(ptr1, n1), np.int64), first + 200)
+    assert len(stream.events) == 3  # one event behind every copy
+
+
+def test_pinned_table_pool_keeps_few_idle_buffers():
+    """Completed buffers beyond `keep` are let go (the smallest first); busy ones never."""
+    pool = K._PinnedTables(keep=2)
+    cp = _TableCupy()
+    bufs = [pool.take(cp, words) for words in (10, 2000, 5000)]
+    events = [_TableEvent() for _ in bufs]
+    for buf, event in zip(bufs, events):
+        pool.give(buf, event)
+    events[0].done = events[1].done = events[2].done = True
+    assert pool.take(cp, 3000) is bufs[2]
+    assert [b.size for b in pool.idle] == [2048]  # the 512-word one was dropped

@@ -262,3 +262,101 @@ def test_topology_does_not_import_cupy():
             "T.plan_trees(T.dgx1_v100()); T.plan_ring(T.dgx1_v100()); "
             "assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class FakeDriver:
+    """A stand-in for libcuda (ctypes): GPUs 0-1 on NVLink (rank 0), 0-2 and 1-2 on PCIe
+    (rank 1), 3 reachable from nobody. The CUdevice handles differ from the ordinals, as
+    they may under CUDA_VISIBLE_DEVICES, so the attributes are keyed by handle."""
+
+    HANDLE = {0: 10, 1: 11, 2: 12, 3: 13}
+    ranks = {frozenset({10, 11}): 0, frozenset({10, 12}): 1, frozenset({11, 12}): 1}
+
+    def __init__(self, init_status=0):
+        self.init_status = init_status
+        self.calls = []
+
+    def cuInit(self, flags):  # noqa: N802 - the driver API's name
+        self.calls.append(("cuInit", flags))
+        return self.init_status
+
+    def cuDeviceGet(self, dev, ordinal):  # noqa: N802
+        assert self.calls and self.calls[0][0] == "cuInit", "cuDeviceGet before cuInit"
+        self.calls.append(("cuDeviceGet", ordinal))
+        if ordinal not in self.HANDLE:
+            return 101  # CUDA_ERROR_INVALID_DEVICE
+        dev.contents.value = self.HANDLE[ordinal]
+        return 0
+
+    def cuDeviceGetP2PAttribute(self, value, attrib, src, dst):  # noqa: N802
+        assert src in self.HANDLE.values() and dst in self.HANDLE.values(), "not a handle"
+        self.calls.append(("p2p", attrib, src, dst))
+        pair = frozenset({src, dst})
+        if attrib == T.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED:
+            value.contents.value = int(pair in self.ranks)
+        elif attrib == T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK:
+            value.contents.value = self.ranks.get(pair, 0)
+        else:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        return 0
+
+
+class AccessOnlyRuntime:
+    """cupy.cuda.runtime as in CuPy 14: can-access-peer, but no deviceGetP2PAttribute."""
+
+    def deviceCanAccessPeer(self, a, b):
+        return int({a, b} != {2, 3} and 3 not in {a, b})
+
+
+def test_cuda_driver_enum_values_are_cuda_h():
+    """The P2P attribute numbers are those of cuda.h's CUdevice_P2PAttribute."""
+    assert (T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, T.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+            T.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+            T.CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED) == (1, 2, 3, 4)
+
+
+def test_link_matrix_from_cuda_asks_the_driver_for_ranks(monkeypatch):
+    """With libcuda loadable, NVLink and PCIe pairs get different weights (driver ranks),
+    asked with the CUdevice handles of the ordinals after cuInit."""
+    driver = FakeDriver()
+    monkeypatch.setattr(T, "cuda_driver", lambda: driver)
+    w = T.link_matrix_from_cuda([0, 1, 2, 3, 0])
+    assert w[0, 1] == 2 and w[0, 2] == 1 and w[1, 2] == 1
+    assert w[2, 3] == 0 and w[0, 3] == 0
+    assert w[0, 4] == T.SAME_DEVICE_WEIGHT and w[1, 4] == 2
+    assert driver.calls[0] == ("cuInit", 0)
+    assert ("p2p", T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, 10, 11) in driver.calls
+    assert not any(c[0] == "p2p" and c[1] == T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK
+                   and 13 in c[2:] for c in driver.calls)  # no rank asked without access
+    _check_trees(w)
+
+
+def test_link_matrix_from_cuda_falls_back_to_the_runtime(monkeypatch):
+    """Without a usable driver (not loadable, or cuInit failing) peer access from the
+    runtime is used, every accessible pair at weight 1."""
+    for driver in (None, FakeDriver(init_status=100)):
+        monkeypatch.setattr(T, "cuda_driver", lambda d=driver: d)
+        import sys
+        import types
+        fake_cuda = types.SimpleNamespace(runtime=AccessOnlyRuntime())
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=fake_cuda))
+        monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cuda)
+        w = T.link_matrix_from_cuda([0, 1, 2, 3])
+        assert w[0, 1] == w[0, 2] == w[1, 2] == 1
+        assert not w[3].any()
+
+
+def test_cuda_driver_is_none_without_libcuda(monkeypatch):
+    """When libcuda cannot be loaded, cuda_driver() is None (and is asked only once)."""
+    import ctypes
+    tried = []
+
+    def cdll(name):
+        tried.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(T, "_driver", [])
+    assert T.cuda_driver() is None
+    assert T.cuda_driver() is None
+    assert tried == list(T._DRIVER_NAMES)
