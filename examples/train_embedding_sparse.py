@@ -74,6 +74,7 @@ def main(argv=None):
     kv.set_updater(sgd)
     print(f"{len(devs)} {'GPU' if devs[0][1] is not None else 'host'} device(s), "
           f"store {store!r}, vocab {args.vocab}, dim {args.dim}")
+    history = []
     for step in range(1, args.steps + 1):
         grads_emb, grads_w, losses = [], [], []
         for xp, dev in devs:
@@ -98,8 +99,12 @@ def main(argv=None):
                 grads_w.append(((2.0 / args.batch) * (err @ h)).astype(xp.float32))
         kv.push("emb", grads_emb)
         kv.push("w", grads_w)
+        history.append(float(np.mean(losses)))
         if step == 1 or step % args.every == 0:
-            print(f"step {step:4d}  loss {np.mean(losses):.4f}")
+            print(f"step {step:4d}  loss {history[-1]:.4f}")
+    print(f"loss {history[0]:.4f} -> {history[-1]:.4f}")
+    if not history[-1] < history[0] / 2:
+        raise SystemExit("the loss did not fall")
 
 
 if __name__ == "__main__":

@@ -231,7 +231,8 @@ def test_info_renders_gpus_without_a_gpu(monkeypatch):
 
 
 # -------------------------------------------------------------------------- examples
-@pytest.mark.parametrize("script", ["cupy_mlp.py", "torch_training.py"])
+@pytest.mark.parametrize("script", ["cupy_mlp.py", "torch_training.py",
+                                    "train_set_optimizer.py", "train_embedding_sparse.py"])
 def test_examples_train(script):
     """The examples train to a lower loss (they exit non-zero otherwise)."""
     if script.startswith("torch"):
