@@ -17,6 +17,7 @@ from .backends import adopt
 from .sparse import RowSparse
 
 _SEQ = (list, tuple)
+_NDARRAY = np.ndarray
 
 
 class Groups(NamedTuple):
@@ -76,11 +77,61 @@ def _one_key(key, value, name, groups_by_key, keys, arrays, originals):
         originals[index].extend(objs)
 
 
+def _plain_arrays(value):
+    """`value` as a list of arrays when it is a NumPy array or a non-empty list of them
+    (exact `np.ndarray`, which adopt returns as they are); None for anything else."""
+    if type(value) is _NDARRAY:
+        return [value]
+    if type(value) is not list or not value:
+        return None
+    for a in value:
+        if type(a) is not _NDARRAY:
+            return None
+    return value
+
+
+def _group_plain(keys, values):
+    """Groups for the common call (distinct int or str keys, each with a NumPy array or a
+    non-empty list of them), or None for any other call, which `group` then handles."""
+    kind = type(keys[0])
+    if kind is not int and kind is not str:
+        return None
+    ndarray = _NDARRAY
+    arrays = []
+    append = arrays.append
+    for key, value in zip(keys, values):
+        if type(key) is not kind:
+            return None
+        if type(value) is list:  # one array per device
+            if not value:
+                return None
+            for a in value:
+                if type(a) is not ndarray:
+                    return None
+            append(value)
+        elif type(value) is ndarray:
+            append([value])
+        else:
+            return None
+    out_keys = list(keys)
+    if len(set(out_keys)) != len(out_keys):  # a repeated key: more devices, merged by group
+        return None
+    # Every array is adopted as it is, so the originals are the arrays themselves.
+    return Groups(out_keys, arrays, arrays, True, kind)
+
+
 def group(keys, values, name: str = "value") -> Groups:
     """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part."""
-    # Fast path: one key, one NumPy array.
-    if type(values) is np.ndarray and (type(keys) is int or type(keys) is str):
-        return Groups([keys], [[values]], [[values]], True, type(keys))
+    # Fast paths: NumPy arrays under int or str keys, taken as they are.
+    if type(keys) is int or type(keys) is str:
+        plain = _plain_arrays(values)
+        if plain is not None:
+            return Groups([keys], [plain], [plain], True, type(keys))
+    elif (type(keys) is list or type(keys) is tuple) and keys and (
+            type(values) is list or type(values) is tuple) and len(keys) == len(values):
+        groups = _group_plain(keys, values)
+        if groups is not None:
+            return groups
     groups_by_key: dict = {}
     out_keys: list = []
     arrays: list = []

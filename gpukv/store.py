@@ -212,12 +212,12 @@ class KVStore:
 
     def _lookup(self, groups: _args.Groups, op: str) -> list:
         self._check_kind(groups.key_kind, groups.keys)
-        entries = []
-        for key in groups.keys:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise UnknownKeyError(f"key {key!r}: {op} of a key that was never initialised")
-            entries.append(entry)
+        entries = list(map(self._entries.get, groups.keys))
+        if None in entries:  # name the first key never initialised
+            for key, entry in zip(groups.keys, entries):
+                if entry is None:
+                    raise UnknownKeyError(
+                        f"key {key!r}: {op} of a key that was never initialised")
         return entries
 
     @staticmethod
@@ -246,6 +246,44 @@ class KVStore:
                 raise ReadOnlyError(f"key {key!r}: out has elements sharing memory (a "
                                     f"zero-stride or overlapping view); pull needs one "
                                     f"place per element")
+
+    @staticmethod
+    def _check_all_sources(groups: _args.Groups, entries: list, op: str) -> bool:
+        """`_check_sources` for every key of a call; arrays of the key's own shape and
+        dtype pass at once, any other key is checked (and named) by `_check_sources`.
+
+        Returns whether every array has its key's dtype (then none needs a cast).
+        """
+        exact = True
+        for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
+            value = entry.value
+            shape, dtype = value.shape, value.dtype
+            for a in arrays:
+                if a.dtype is not dtype or a.shape != shape:
+                    KVStore._check_sources(key, entry, arrays, op)
+                    exact = False
+                    break
+        return exact
+
+    @staticmethod
+    def _check_all_outs(groups: _args.Groups, entries: list) -> None:
+        """`_check_outs` for every key of a call; writable C-contiguous NumPy arrays of the
+        key's shape and a supported dtype pass at once, any other key is checked (and named)
+        by `_check_outs`."""
+        ndarray = np.ndarray
+        ok_dtype = None  # the last dtype found supported
+        for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
+            shape = entry.value.shape
+            for a in arrays:
+                if type(a) is ndarray and a.shape == shape:
+                    dtype = a.dtype
+                    if dtype is ok_dtype or _supported(dtype):
+                        ok_dtype = dtype
+                        flags = a.flags
+                        if flags.writeable and flags.c_contiguous:  # one place per element
+                            continue
+                KVStore._check_outs(key, shape, arrays)
+                break
 
     def _check_init(self, groups: _args.Groups) -> None:
         self._check_kind(groups.key_kind, groups.keys)
@@ -335,21 +373,23 @@ class KVStore:
         groups = _args.group(key, value, "value")
         with self._lock:
             entries = self._lookup(groups, "push")
-            for k, entry, arrays in zip(groups.keys, entries, groups.arrays):
-                self._check_sources(k, entry, arrays, "push")
-            self._push_groups(groups, entries)
+            exact = self._check_all_sources(groups, entries, "push")
+            self._push_groups(groups, entries, cast=not exact)
 
-    def _push_groups(self, groups: _args.Groups, entries: list) -> None:
-        groups = _cast_to_keys(groups, entries)
+    def _push_groups(self, groups: _args.Groups, entries: list, cast: bool = True) -> None:
+        """Reduce and update checked `groups`; `cast=False`: every source has its key's dtype."""
+        if cast:
+            groups = _cast_to_keys(groups, entries)
         if groups.sparse or self._compression is not None:
             groups, entries = self._push_special(groups, entries)
             if not groups.keys:
                 return
         updater = self._updater
+        on_host = groups.all_host and not self._route_host  # plain host sums for host keys
         jobs, merged = [], []
         for key, entry, sources in zip(groups.keys, entries, groups.arrays):
             assign_direct = updater is None and not entry.narrow
-            if entry.home is _HOST and groups.all_host and not self._route_host:
+            if on_host and entry.home is _HOST:
                 if assign_direct:
                     host_sum(entry.value, sources)
                     continue
@@ -396,16 +436,16 @@ class KVStore:
         groups = _args.group(key, out, "out")
         with self._lock:
             entries = self._lookup(groups, "pull")
-            for k, entry, arrays in zip(groups.keys, entries, groups.arrays):
-                self._check_outs(k, entry.value.shape, arrays)
+            self._check_all_outs(groups, entries)
             self._pull_groups(groups, entries, ignore_sparse)
 
     def _pull_groups(self, groups: _args.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
+        on_host = groups.all_host and not self._route_host  # plain host copies for host keys
         jobs = []
         for key, entry, outs in zip(groups.keys, entries, groups.arrays):
-            if entry.home is _HOST and groups.all_host and not self._route_host:
+            if on_host and entry.home is _HOST:
                 host_broadcast(entry.value, outs)
                 continue
             jobs.append(BroadcastJob(key, entry.value, entry.home, outs, self._devices(outs)))
@@ -429,13 +469,11 @@ class KVStore:
         with self._lock:
             entries = self._lookup(groups, "pushpull")
             out_entries = entries if out is None else self._lookup(out_groups, "pushpull")
-            for k, entry, arrays in zip(groups.keys, entries, groups.arrays):
-                self._check_sources(k, entry, arrays, "pushpull")
-            for k, entry, arrays in zip(out_groups.keys, out_entries, out_groups.arrays):
-                self._check_outs(k, entry.value.shape, arrays)
+            exact = self._check_all_sources(groups, entries, "pushpull")
+            self._check_all_outs(out_groups, out_entries)
             if out_groups.sparse:
                 _sparse_store.refuse_sparse_outs(out_groups, out is None)
-            self._push_groups(groups, entries)
+            self._push_groups(groups, entries, cast=not exact)
             self._pull_groups(out_groups, out_entries)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
@@ -714,6 +752,16 @@ def _cast_to_keys(groups: _args.Groups, entries: list) -> _args.Groups:
     MXNet converts a pushed array to the key's dtype before summing; so does gpukv (on
     the source's own device). The common case, every dtype right, returns `groups` itself.
     """
+    for entry, sources in zip(entries, groups.arrays):  # quick pass: every dtype the key's
+        dtype = entry.value.dtype
+        for s in sources:
+            if s.dtype is not dtype:
+                break
+        else:
+            continue
+        break
+    else:
+        return groups
     arrays = None
     for i, (entry, sources) in enumerate(zip(entries, groups.arrays)):
         dtype = entry.value.dtype

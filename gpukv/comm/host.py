@@ -27,6 +27,7 @@ from ._base import BroadcastJob, ReduceJob, Strategy
 
 _NARROW = frozenset(["float16", "bfloat16"])
 _F32 = np.dtype(np.float32)
+_NDARRAY = np.ndarray
 _SAME: dict = {}  # ufunc keywords when every array has the output's dtype: none
 
 
@@ -191,10 +192,21 @@ def host_sum(out: np.ndarray, sources: list) -> None:
     float32 buffer and rounded into `out` once. `out` must not be one of `sources`; any
     strides work.
     """
+    dtype = out.dtype
+    if len(sources) > 1 and out.nbytes < BLOCKED_BYTES and _ACC_CACHE.get(dtype) is dtype:
+        # Small, and every source of out's dtype (the common case): the plain ufunc calls.
+        for s in sources:
+            if s.dtype is not dtype:
+                break
+        else:
+            add = np.add
+            add(sources[0], sources[1], out)
+            for s in sources[2:]:
+                add(out, s, out)
+            return
     if len(sources) == 1:
         host_broadcast(sources[0], [out])
         return
-    dtype = out.dtype
     acc = accumulate_dtype(dtype)
     if acc is not dtype:  # a 16-bit out: never round the partial sums
         wide = np.empty(out.shape, acc)
@@ -235,7 +247,7 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     if (src.nbytes < BLOCKED_BYTES or not src.flags.c_contiguous or not _contiguous(outs)
             or _overlapping(outs)):
         for o in outs:
-            if type(o) is np.ndarray:
+            if type(o) is _NDARRAY:
                 o[...] = src  # the same unsafe cast as copyto, with less call overhead
             else:
                 np.copyto(o, src, casting="unsafe")
