@@ -9,8 +9,10 @@ model. Strategies:
 - ``home``: the home device reads every source over its own links at once, sums them
   in one kernel, and writes the result back the same way.
 - ``tree``: per-root binary trees from `topology.plan_trees`; each step moves partial
-  sums one level up (broadcast: down). Keys above the array bound are sliced over all
-  trees, so every tree (and link) works at once.
+  sums one level up (broadcast: down). A key may be sliced over several trees, so more
+  trees (and links) work at once; slices reduced on another root are then gathered on
+  the home (broadcast: scattered from it) in one more step. How many slices is
+  `tree_slice_plan`'s decision, the very one the 'tree' strategy runs.
 - ``ring``: reduce-scatter then all-gather over `topology.plan_ring`, 2(n-1) steps of
   nbytes/n, each issued as separate copies and kernels.
 - ``cpu``: every device copies to host memory, the host sums, and copies back.
@@ -39,10 +41,15 @@ import numpy as np
 from . import topology
 
 __all__ = ["LinkClass", "Machine", "CostModel", "COSTS", "MACHINES", "STRATEGIES",
-           "machine", "generic_machine", "predict", "predict_all", "best_strategy"]
+           "MIN_SLICE_BYTES", "machine", "generic_machine", "predict", "predict_all",
+           "best_strategy", "tree_slice_plan"]
 
 STRATEGIES = ("home", "tree", "ring", "cpu", "nccl")
 GB = 1e9
+#: Smallest slice, in bytes, `tree_slice_plan` cuts a key into: smaller keys stay on one
+#: tree whatever the model says, since their time is launch and link latency, which
+#: slicing multiplies.
+MIN_SLICE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -214,15 +221,21 @@ def _home(m: Machine, nbytes: float, home: int, costs: CostModel) -> float:
 
 def _tree(m: Machine, nbytes: float, home: int, costs: CostModel,
           array_bound: int | None) -> float:
-    n = m.n
-    trees = topology.plan_trees(m.matrix)
     nelems = max(1, int(nbytes // costs.itemsize))
-    slices = topology.slice_plan(nelems, n, home, array_bound=array_bound)
-    parts = [(trees[root], (stop - start) * nbytes / nelems) for root, start, stop in slices]
+    plan = tree_slice_plan(nelems, m, home, itemsize=costs.itemsize,
+                           array_bound=array_bound, costs=costs)
+    return _tree_time(m, topology.plan_trees(m.matrix), plan, nelems, nbytes, home, costs)
+
+
+def _tree_time(m: Machine, trees, plan, nelems: int, nbytes: float, home: int,
+               costs: CostModel) -> float:
+    """Seconds of one push+pull of a key cut as `plan` [(root, start, stop)] over `trees`."""
+    parts = [(trees[root], root, (stop - start) * nbytes / max(1, nelems))
+             for root, start, stop in plan]
     total = 0.0
     for k in range(trees[0].depth):
         transfers, compute = [], {}
-        for tree, size in parts:
+        for tree, _, size in parts:
             for child, par in tree.levels[k]:
                 transfers.append((child, par, size))
                 compute[par] = compute.get(par, 0.0) + 3 * size
@@ -230,7 +243,70 @@ def _tree(m: Machine, nbytes: float, home: int, costs: CostModel,
                             costs=costs)
         down = [(p, c, s) for c, p, s in transfers]
         total += _step_time(m, down, ops=len(down), costs=costs)
+    gather = [(root, home, size) for _, root, size in parts if root != home]
+    if gather:  # reduce: slices to the home; broadcast: slices from it to their roots
+        total += _step_time(m, gather, ops=len(gather), costs=costs)
+        total += _step_time(m, [(h, r, s) for r, h, s in gather], ops=len(gather),
+                            costs=costs)
     return total
+
+
+_SLICE_CACHE: dict = {}
+
+
+def tree_slice_plan(nelems: int, machine_or_matrix, home: int, *, itemsize: int | None = None,
+                    array_bound: int | None = None, costs: CostModel = COSTS,
+                    min_slice_bytes: int | None = None) -> list:
+    """How the 'tree' strategy runs a key of `nelems` elements homed on device `home`:
+    [(root, start, stop), ...] as `topology.slice_plan` gives it.
+
+    All devices of `machine_or_matrix` (a profile name, a `Machine`, or a link matrix in
+    MXNet's convention) take part. Precedence: an explicit `array_bound` (elements), else
+    ``GPUKV_TREE_ARRAY_BOUND``, else ``MXNET_KVSTORE_TREE_ARRAY_BOUND`` (see
+    `topology.tree_options`), applies MXNet's fixed rule: whole on the home's tree up to
+    the bound, sliced over every tree above it. With no bound set, the cost model decides:
+    of k = 1..n slices over `topology.slice_roots` (the home's tree and those rooted at
+    its best-linked devices), the k with the lowest predicted push+pull time, counting
+    the gather on the home; k = 1 (no slicing) unless a larger k is strictly faster, and
+    no slice smaller than `min_slice_bytes` (default `MIN_SLICE_BYTES`) of `itemsize`-byte
+    elements (default `costs.itemsize`). The simulator's 'tree' prediction uses this
+    same decision. Answers are memoised.
+    """
+    m = machine(machine_or_matrix)
+    n = m.n
+    nelems = int(nelems)
+    if nelems < 0:
+        raise ValueError(f"tree_slice_plan: nelems {nelems}: expected >= 0")
+    if not 0 <= home < n:
+        raise ValueError(f"tree_slice_plan: home {home} outside 0..{n - 1}")
+    opts = topology.tree_options()
+    bound = opts["array_bound"] if array_bound is None else array_bound
+    if bound is not None:
+        return topology.slice_plan(nelems, n, home, array_bound=bound)
+    itemsize = costs.itemsize if itemsize is None else int(itemsize)
+    min_slice = MIN_SLICE_BYTES if min_slice_bytes is None else min_slice_bytes
+    whole = [(home, 0, nelems)]
+    nbytes = float(nelems * itemsize)
+    if n == 1 or nelems < 2 or nbytes < 2 * min_slice:
+        return whole
+    key = (repr(m), m.matrix.tobytes(), nelems, itemsize, home, min_slice, costs,
+           opts["penalty"], opts["backtrack"])
+    plan = _SLICE_CACHE.get(key)
+    if plan is None:
+        trees = topology.plan_trees(m.matrix)
+        plan, best = whole, _tree_time(m, trees, whole, nelems, nbytes, home, costs)
+        for k in range(2, min(n, nelems) + 1):
+            if nbytes < k * min_slice:
+                break
+            trial = topology.slice_plan(nelems, n, home,
+                                        roots=topology.slice_roots(m.matrix, home, k))
+            t = _tree_time(m, trees, trial, nelems, nbytes, home, costs)
+            if t < best * (1 - 1e-9):
+                plan, best = trial, t
+        if len(_SLICE_CACHE) > 65536:
+            _SLICE_CACHE.clear()
+        _SLICE_CACHE[key] = plan
+    return list(plan)
 
 
 def _ring(m: Machine, nbytes: float, costs: CostModel) -> float:
@@ -292,6 +368,8 @@ def predict(strategy: str, nbytes: float, n_devices: int, machine_or_matrix="dgx
     `machine_or_matrix` is a profile name (`MACHINES`), a `Machine`, or a link matrix
     (MXNet's weight convention); its first `n_devices` devices take part. `home` is the
     key's home device; None averages over all homes (keys spread over the devices).
+    `array_bound` fixes the tree's slicing rule (see `tree_slice_plan`, which 'tree'
+    follows); by default the environment's bound, else the cost model's choice.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
@@ -338,6 +416,8 @@ def best_strategy(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
     if not strategies:
         raise ValueError("best_strategy: no strategies to choose from")
     m = machine(machine_or_matrix, n_devices)
+    if array_bound is None:
+        array_bound = topology.tree_options()["array_bound"]
     key = (repr(m), m.matrix.tobytes(), float(nbytes), strategies, home, array_bound, costs)
     best = _BEST_CACHE.get(key)
     if best is None:

@@ -19,7 +19,10 @@ ceil(log2 n).
 
 Tuning (environment, read by `tree_options`; MXNet's names are honoured too):
 ``GPUKV_TREE_LINK_USAGE_PENALTY`` (0.7), ``GPUKV_TREE_BACKTRACK`` (0) and
-``GPUKV_TREE_ARRAY_BOUND`` (10,000,000 elements).
+``GPUKV_TREE_ARRAY_BOUND`` (unset). With no array bound set, whether and into how many
+slices a key is cut across the per-root trees is decided per key by the cost model
+(`simulate.tree_slice_plan`); a bound set there restores MXNet's fixed rule (whole up to
+the bound, sliced over every tree above it).
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ __all__ = [
     "tree_depth", "link_usage", "usage_summary", "slice_plan", "ring_bottleneck",
     "as_link_matrix", "effective_weights", "link_matrix_from_cuda", "cuda_driver",
     "tree_options", "dgx1_v100", "nvswitch_h100", "pcie_two_socket", "random_link_matrix",
-    "SAME_DEVICE_WEIGHT", "DEFAULT_PENALTY", "DEFAULT_ARRAY_BOUND",
+    "slice_roots", "SAME_DEVICE_WEIGHT", "DEFAULT_PENALTY", "DEFAULT_ARRAY_BOUND",
+    "MXNET_ARRAY_BOUND",
 ]
 
 #: Weight of a "link" between two logical devices on one physical GPU (a device copy):
@@ -48,8 +52,12 @@ __all__ = [
 SAME_DEVICE_WEIGHT = 64.0
 #: Factor applied to a link's planning weight each time a tree uses it (MXNet: 0.7).
 DEFAULT_PENALTY = 0.7
-#: Arrays with more elements than this are sliced across all per-root trees.
-DEFAULT_ARRAY_BOUND = 10_000_000
+#: No fixed array bound by default: the cost model decides per key whether to slice it
+#: across the per-root trees (`simulate.tree_slice_plan`).
+DEFAULT_ARRAY_BOUND = None
+#: MXNet's default ``MXNET_KVSTORE_TREE_ARRAY_BOUND`` (elements): the bound `slice_plan`
+#: applies when it is given neither a bound nor roots and none is set in the environment.
+MXNET_ARRAY_BOUND = 10_000_000
 #: A staged edge (no direct link) weighs this fraction of the weakest real link, so the
 #: planner takes one only where no direct link can do the job.
 STAGED_FRACTION = 1e-3
@@ -345,7 +353,10 @@ def tree_depth(n: int) -> int:
 
 
 def tree_options() -> dict:
-    """Planner settings from the environment (GPUKV_TREE_*, else MXNET_KVSTORE_TREE_*)."""
+    """Planner settings from the environment (GPUKV_TREE_*, else MXNET_KVSTORE_TREE_*).
+
+    ``array_bound`` is None unless a bound is set: the cost model then decides slicing.
+    """
     def env(name, default, cast):
         for prefix in ("GPUKV_TREE_", "MXNET_KVSTORE_TREE_"):
             raw = os.environ.get(prefix + name, "").strip()
@@ -360,7 +371,7 @@ def tree_options() -> dict:
     if not 0 < penalty <= 1:
         raise ValueError(f"tree link usage penalty {penalty}: expected 0 < penalty <= 1")
     bound = env("ARRAY_BOUND", DEFAULT_ARRAY_BOUND, int)
-    if bound < 1:
+    if bound is not None and bound < 1:
         raise ValueError(f"tree array bound {bound}: expected a positive element count")
     return {"penalty": penalty, "backtrack": bool(env("BACKTRACK", 0, int)),
             "array_bound": bound}
@@ -675,28 +686,60 @@ def usage_summary(trees, matrix) -> dict:
     }
 
 
-def slice_plan(nelems: int, n_trees: int, home: int, *,
-               array_bound: int | None = None) -> list:
+def slice_plan(nelems: int, n_trees: int, home: int, *, array_bound: int | None = None,
+               roots=None) -> list:
     """How to run one key over the per-root trees: [(root, start, stop), ...].
 
-    A key of at most `array_bound` elements travels whole on the tree rooted at its home
-    device. A bigger key is cut into `n_trees` contiguous slices (the first ones one
-    element longer when it does not divide), slice i on the tree rooted at device i, so
-    all links carry data at once (MXNet's ``MXNET_KVSTORE_TREE_ARRAY_BOUND``).
+    With `roots` (e.g. from `slice_roots`), the key is cut into ``len(roots)`` contiguous
+    slices (the first ones one element longer when it does not divide; empty ones
+    dropped), one per root in ascending root order: slice i travels on the tree rooted
+    at the i-th root. Otherwise MXNet's fixed rule (``MXNET_KVSTORE_TREE_ARRAY_BOUND``):
+    a key of at most `array_bound` elements travels whole on the tree rooted at its home
+    device, a bigger one is cut over all `n_trees` trees, so all links carry data at once.
+    `array_bound` defaults to `tree_options()`'s, else `MXNET_ARRAY_BOUND`.
     """
     if n_trees < 1 or not 0 <= home < n_trees:
         raise ValueError(f"slice_plan: home {home} outside 0..{n_trees - 1}")
-    bound = tree_options()["array_bound"] if array_bound is None else array_bound
-    if nelems <= bound or n_trees == 1:
+    if roots is not None:
+        roots = sorted({int(r) for r in roots})
+        if not roots or not all(0 <= r < n_trees for r in roots):
+            raise ValueError(f"slice_plan: roots {roots} must be non-empty, within "
+                             f"0..{n_trees - 1}")
+        if nelems == 0:
+            return [(home, 0, 0)]
+    else:
+        bound = tree_options()["array_bound"] if array_bound is None else array_bound
+        bound = MXNET_ARRAY_BOUND if bound is None else bound
+        if nelems <= bound or n_trees == 1:
+            return [(home, 0, nelems)]
+        roots = list(range(n_trees))
+    if roots == [home]:
         return [(home, 0, nelems)]
-    base, extra = divmod(nelems, n_trees)
+    base, extra = divmod(nelems, len(roots))
     out, start = [], 0
-    for root in range(n_trees):
-        stop = start + base + (1 if root < extra else 0)
+    for i, root in enumerate(roots):
+        stop = start + base + (1 if i < extra else 0)
         if stop > start:
             out.append((root, start, stop))
         start = stop
     return out
+
+
+def slice_roots(matrix, home: int, count: int) -> list:
+    """The `count` trees (by root) a key homed on `home` is sliced over, ascending.
+
+    The home's own tree first, then the trees rooted at the devices with the fastest
+    links to the home (ties: lower device first): slices reduced on another root are
+    gathered on the home (and scattered from it for the broadcast) over those links.
+    """
+    w = as_link_matrix(matrix)
+    n = w.shape[0]
+    if not 0 <= home < n:
+        raise ValueError(f"slice_roots: home {home} outside 0..{n - 1}")
+    if not 1 <= count <= n:
+        raise ValueError(f"slice_roots: count {count}: expected 1..{n}")
+    others = sorted((j for j in range(n) if j != home), key=lambda j: (-w[home, j], j))
+    return sorted([home] + others[:count - 1])
 
 
 # ---------------------------------------------------------------------------- rings

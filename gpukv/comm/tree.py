@@ -1,13 +1,19 @@
 """Topology-aware tree reduction over peer links (MXNet's `comm_tree`).
 
 The devices of a key get one binary tree per root (`topology.plan_trees` on the link
-matrix from CUDA's P2P attributes, with MXNet's link-usage penalty). A key of up to
-`array_bound` elements travels whole on the tree rooted at its home; a bigger key is
-cut into one slice per tree, slice i reduced up the tree rooted at device i (a
-reduce-scatter) and then gathered on the home; the broadcast scatters the slices to
-the roots and sends each down its tree (an all-gather). Every tree level is one fused
-kernel per parent for all keys and slices of the call, reading the children's partial
-sums through peer access.
+matrix from CUDA's P2P attributes, with MXNet's link-usage penalty). A key travels whole
+on the tree rooted at its home, or is cut into slices over several trees, each slice
+reduced up the tree rooted at its own root (a reduce-scatter) and then gathered on the
+home; the broadcast scatters the slices to the roots and sends each down its tree (an
+all-gather). Every tree level is one fused kernel per parent for all keys and slices of
+the call, reading the children's partial sums through peer access.
+
+Whether and how finely a key is sliced is `simulate.tree_slice_plan`'s decision, the one
+the simulator's 'tree' prediction (and so the 'auto' strategy) uses. Precedence: the
+`array_bound=` option, else ``GPUKV_TREE_ARRAY_BOUND``, else
+``MXNET_KVSTORE_TREE_ARRAY_BOUND`` (MXNet's fixed rule: whole up to that many elements,
+sliced over every tree above); with none set, the cost model picks the number of slices
+with the lowest predicted time, never slicing below `simulate.MIN_SLICE_BYTES` per slice.
 """
 from __future__ import annotations
 
@@ -22,13 +28,24 @@ def _node_order(device):
 
 
 class _Plan:
-    """The nodes of a group of keys and their trees."""
+    """The nodes of a group of keys, their trees, and the cost model's machine."""
 
-    def __init__(self, nodes, matrix):
+    def __init__(self, nodes, matrix, machine=None):
         from . import topology
         self.nodes = nodes
         self.index = {d: i for i, d in enumerate(nodes)}
+        self.matrix = matrix
         self.trees = topology.plan_trees(matrix)
+        self._machine = machine
+        self.slices: dict = {}  # (elements, itemsize, home index, bound) -> slice plan
+
+    @property
+    def machine(self):
+        """The machine the slicing decision is modelled on (default: the link matrix)."""
+        if self._machine is None:
+            from . import simulate
+            self._machine = simulate.machine(self.matrix)
+        return self._machine
 
 
 class TreeStrategy(Strategy):
@@ -36,14 +53,24 @@ class TreeStrategy(Strategy):
 
     `matrix`: a link matrix (or a callable `nodes -> matrix`) used instead of the one
     read from CUDA, e.g. to run a DGX-1 plan on host devices in tests. `array_bound`:
-    elements above which a key is sliced (default: `topology.tree_options()`).
+    elements above which a key is sliced over every tree, MXNet's fixed rule (default:
+    `topology.tree_options()`'s; None there too: the cost model decides per key, see
+    `simulate.tree_slice_plan`). `machine`: the `simulate` machine (a `Machine`, profile
+    name, or callable `nodes -> Machine`) the decision is modelled on; by default the
+    generic profile of the link matrix; when given without `matrix`, its first devices'
+    matrix is also the one planned on. `costs` and `min_slice_bytes`: the model's
+    constants and smallest slice (default `simulate.COSTS`, `simulate.MIN_SLICE_BYTES`).
     """
 
     name = "tree"
 
-    def __init__(self, matrix=None, array_bound: int | None = None):
+    def __init__(self, matrix=None, array_bound: int | None = None, *, machine=None,
+                 costs=None, min_slice_bytes: int | None = None):
         self._matrix = matrix
         self._bound = array_bound
+        self._machine = machine
+        self._costs = costs
+        self._min_slice = min_slice_bytes
         self._plans: dict = {}
         self._fallback = HomeStrategy()
 
@@ -52,11 +79,19 @@ class TreeStrategy(Strategy):
         key = tuple(nodes)
         plan = self._plans.get(key)
         if plan is None:
-            matrix = _ops.link_matrix_for(nodes, self._matrix)
-            plan = self._plans[key] = _Plan(list(nodes), matrix)
+            model = None
+            if self._machine is not None:
+                from . import simulate
+                spec = self._machine(nodes) if callable(self._machine) else self._machine
+                model = simulate.machine(spec, len(nodes))
+            if self._matrix is None and model is not None:
+                matrix = model.matrix
+            else:
+                matrix = _ops.link_matrix_for(nodes, self._matrix)
+            plan = self._plans[key] = _Plan(list(nodes), matrix, model)
         return plan
 
-    def _bound_now(self) -> int:
+    def _bound_now(self) -> int | None:
         from . import topology
         return self._bound if self._bound is not None else topology.tree_options()["array_bound"]
 
@@ -71,10 +106,22 @@ class TreeStrategy(Strategy):
 
         return _ops.group_jobs(jobs, nodes_of)
 
-    def _segments(self, plan, job, size):
-        from . import topology
+    def _segments(self, plan, job, size, itemsize):
+        """[(root index, start, stop)]: how this key is cut over the plan's trees."""
         home = plan.index[job.home]
-        return topology.slice_plan(size, len(plan.nodes), home, array_bound=self._bound_now())
+        bound = self._bound_now()
+        key = (size, itemsize, home, bound)
+        segments = plan.slices.get(key)
+        if segments is None:
+            from . import simulate
+            options = {"costs": self._costs} if self._costs is not None else {}
+            segments = simulate.tree_slice_plan(
+                size, plan.machine, home, itemsize=itemsize, array_bound=bound,
+                min_slice_bytes=self._min_slice, **options)
+            if len(plan.slices) > 4096:
+                plan.slices.clear()
+            plan.slices[key] = segments
+        return segments
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, job: ReduceJob) -> None:
@@ -96,7 +143,8 @@ class TreeStrategy(Strategy):
             outs.append(out)
             sources = {plan.index[d]: _ops.flat_in(s, d) for s, d in zip(job.sources, job.devices)}
             h = plan.index[home]
-            for root, start, stop in self._segments(plan, job, out.flat.size):
+            for root, start, stop in self._segments(plan, job, out.flat.size,
+                                                    out.flat.dtype.itemsize):
                 by_root.setdefault(root, []).append((h, out.flat, sources, start, stop))
         gathers: dict = {}  # home index -> [(out slice, final partial)], roots
         # Partial-sum buffers live until `finish`: CuPy's pool hands a freed block to the
@@ -189,7 +237,7 @@ class TreeStrategy(Strategy):
             if h in value:  # the home's own out: a local copy at the end
                 home_copies.setdefault(h, []).append((value[h], src))
             value[h] = src
-            for root, start, stop in self._segments(plan, job, src.size):
+            for root, start, stop in self._segments(plan, job, src.size, src.dtype.itemsize):
                 by_root.setdefault(root, []).append((h, value, start, stop))
         for root, segs in by_root.items():
             scatter = [(v[root][a:b], v[h][a:b]) for h, v, a, b in segs if root != h]

@@ -101,3 +101,118 @@ def test_best_strategy_is_the_minimum():
     for size in SIZES:
         times = S.predict_all(size, 8, "nvswitch-h100")
         assert S.best_strategy(size, 8, "nvswitch-h100") == min(times, key=times.get)
+
+
+# ------------------------------------------------------------ tree slicing decision
+FINE_SIZES = [int(4 * KB * 2 ** (i / 2)) for i in range(37)]  # 4 KB .. 1 GB, x sqrt(2)
+
+
+@pytest.fixture
+def no_bound(monkeypatch):
+    """No array bound in the environment: the cost model decides the tree's slicing."""
+    for prefix in ("GPUKV_TREE_", "MXNET_KVSTORE_TREE_"):
+        monkeypatch.delenv(prefix + "ARRAY_BOUND", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("machine", sorted(S.MACHINES))
+@pytest.mark.parametrize("n", [2, 4, 6, 8])
+def test_tree_slicing_decision_is_monotone(no_bound, machine, n):
+    """Tiny keys stay whole on the home's tree, big ones are sliced, the slice count never
+    drops as keys grow, and no slice is under MIN_SLICE_BYTES."""
+    m = S.machine(machine, n)
+    for home in range(n):
+        counts = []
+        for size in FINE_SIZES:
+            plan = S.tree_slice_plan(size // 4, m, home)
+            assert plan[0][1] == 0 and plan[-1][2] == size // 4
+            assert all(a[2] == b[1] for a, b in zip(plan, plan[1:]))
+            if len(plan) > 1:
+                assert min(stop - start for _, start, stop in plan) * 4 >= S.MIN_SLICE_BYTES
+            else:
+                assert plan == [(home, 0, size // 4)]
+            counts.append(len(plan))
+        assert counts[0] == 1 and counts[-1] >= 2
+        assert all(a <= b for a, b in zip(counts, counts[1:])), counts
+
+
+def test_tree_slices_well_below_mxnet_bound_on_dgx1(no_bound):
+    """On an 8-GPU DGX-1, 64 KB stays whole and 16 MB (4M elements, under MXNet's 10M
+    bound) is sliced over the home's tree and its NVLink neighbours' trees."""
+    assert S.tree_slice_plan(16 * KB, "dgx1-v100", 0) == [(0, 0, 16 * KB)]
+    plan = S.tree_slice_plan(4 * MB, "dgx1-v100", 0)
+    assert [r for r, _, _ in plan] == [0, 1, 2, 3, 4]
+
+
+def test_explicit_array_bound_wins(no_bound):
+    """array_bound= beats GPUKV_TREE_ARRAY_BOUND, which beats MXNET_KVSTORE_TREE_ARRAY_BOUND,
+    which beats the cost model; a bound gives MXNet's whole-or-all-trees rule."""
+    big, tiny = 256 * MB // 4, 1000
+    assert len(S.tree_slice_plan(big, "dgx1-v100", 2)) > 1
+    assert S.tree_slice_plan(big, "dgx1-v100", 2, array_bound=1 << 40) == [(2, 0, big)]
+    assert len(S.tree_slice_plan(tiny, "dgx1-v100", 2, array_bound=1)) == 8
+    no_bound.setenv("MXNET_KVSTORE_TREE_ARRAY_BOUND", str(1 << 40))
+    assert S.tree_slice_plan(big, "dgx1-v100", 2) == [(2, 0, big)]
+    no_bound.setenv("GPUKV_TREE_ARRAY_BOUND", "1")
+    assert len(S.tree_slice_plan(tiny, "dgx1-v100", 2)) == 8
+    assert S.tree_slice_plan(tiny, "dgx1-v100", 2, array_bound=tiny) == [(2, 0, tiny)]
+    # the prediction follows the bound too: always-on slicing is slower for 64 KB keys
+    assert S.predict("tree", 64 * KB, 8, "dgx1-v100") == \
+        S.predict("tree", 64 * KB, 8, "dgx1-v100", array_bound=1)
+
+
+def test_tree_prediction_has_no_jump_at_the_old_bound(no_bound):
+    """16 MB (under MXNet's bound) is no slower than 64 MB (over it) on an 8-GPU DGX-1."""
+    t16 = S.predict("tree", 16 * MB, 8, "dgx1-v100")
+    t64 = S.predict("tree", 64 * MB, 8, "dgx1-v100")
+    assert t16 <= t64
+    fixed16 = S.predict("tree", 16 * MB, 8, "dgx1-v100", array_bound=T.MXNET_ARRAY_BOUND)
+    assert t16 < fixed16 / 2  # the fixed bound left 16 MB unsliced
+
+
+@pytest.mark.parametrize("machine", sorted(S.MACHINES))
+@pytest.mark.parametrize("n", [2, 4, 6, 8])
+def test_tree_prediction_grows_and_amortises(no_bound, machine, n):
+    """The tree's predicted time never drops as a key grows, and its time per byte never
+    rises: slicing only ever removes time, it never causes a step."""
+    times = [S.predict("tree", s, n, machine) for s in FINE_SIZES]
+    assert all(a <= b for a, b in zip(times, times[1:]))
+    per_byte = [t / s for t, s in zip(times, FINE_SIZES)]
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(per_byte, per_byte[1:]))
+
+
+@pytest.mark.parametrize("machine", sorted(S.MACHINES))
+def test_tree_decision_is_the_fastest_candidate(no_bound, machine):
+    """The model's plan is never predicted slower than whole or sliced over every tree."""
+    for size in (64 * KB, 4 * MB, 64 * MB):
+        chosen = S.predict("tree", size, 8, machine, home=3)
+        whole = S.predict("tree", size, 8, machine, home=3, array_bound=1 << 40)
+        every = S.predict("tree", size, 8, machine, home=3, array_bound=1)
+        assert chosen <= min(whole, every) * (1 + 1e-9)
+
+
+def test_strategy_and_prediction_share_the_decision(no_bound, monkeypatch):
+    """The tree strategy cuts keys exactly as the simulator's 'tree' prediction assumes."""
+    from gpukv.backends import host_device
+    from gpukv.comm import ReduceJob
+    from gpukv.comm.tree import TreeStrategy
+
+    calls = []
+    original = S.tree_slice_plan
+
+    def spy(nelems, m, home, **kw):
+        plan = original(nelems, m, home, **kw)
+        calls.append((nelems, home, plan))
+        return plan
+
+    monkeypatch.setattr(S, "tree_slice_plan", spy)
+    nelems = 4 * MB // 4
+    S.predict("tree", 4 * MB, 8, T.dgx1_v100(), home=5)
+    predicted = calls[-1]
+    strategy = TreeStrategy(matrix=T.dgx1_v100())
+    values = [np.full(nelems, i, np.float32) for i in range(8)]
+    out = np.zeros(nelems, np.float32)
+    strategy.reduce_many([ReduceJob("k", values, [host_device(i) for i in range(8)],
+                                    host_device(5), out)])
+    assert calls[-1] == predicted and len(predicted[2]) > 1
+    np.testing.assert_array_equal(out, np.full(nelems, 28.0))

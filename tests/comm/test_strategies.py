@@ -1,6 +1,7 @@
 """Every reduction strategy gives NumPy's sums, on host devices (CI) and on GPUs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -13,13 +14,15 @@ from gpukv import ArgumentError, BackendError
 from gpukv.backends import host_device
 from gpukv.comm import BroadcastJob, ReduceJob
 from gpukv.comm import nccl as nccl_mod
-from gpukv.comm import topology
+from gpukv.comm import simulate, topology
 from gpukv.comm.auto import AutoStrategy
 from gpukv.comm.registry import STRATEGIES, describe, make_strategy, strategy_class
 from gpukv.comm.ring import chunk_bounds, gather_schedule, reduce_schedule
 from gpukv.comm.tree import TreeStrategy
 
-ALGORITHMS = ("home", "tree", "ring", "cpu", "nccl", "auto")
+# 'tree-model': the tree strategy slicing by its cost model, on a latency-free machine
+# where slicing pays at every size, so tiny keys are cut into uneven slices.
+ALGORITHMS = ("home", "tree", "tree-model", "ring", "cpu", "nccl", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 SHAPES = st.sampled_from([(), (1,), (5,), (2, 3), (7, 5), (3, 1, 4), (1000,)])
 
@@ -55,9 +58,29 @@ def _machine(nodes):
     return topology.dgx1_v100()[:n, :n] if n <= 8 else topology.pcie_two_socket(n)
 
 
+#: Only bandwidth counts: no launch, kernel or link latency.
+_FREE_COSTS = simulate.CostModel(launch_us=0.0, kernel_us=0.0)
+
+
+def _free_machine(nodes):
+    """`_machine(nodes)` as a simulated machine whose links have no latency."""
+    m = simulate.generic_machine(_machine(nodes))
+    weights = {float(w) for w in np.unique(m.matrix) if w > 0}
+    links = {w: simulate.LinkClass(f"w{w:g}", 10.0 * w, 0.0) for w in weights}
+    return dataclasses.replace(m, links=links,
+                               staged=simulate.LinkClass("staged", 1.0, 0.0))
+
+
+def _model_tree():
+    return TreeStrategy(matrix=_machine, machine=_free_machine, costs=_FREE_COSTS,
+                        min_slice_bytes=1)
+
+
 def _make(name):
     if name == "tree":  # slice every key over all trees, and plan on a DGX-1
         return TreeStrategy(matrix=_machine, array_bound=4)
+    if name == "tree-model":
+        return _model_tree()
     if name == "ring":
         return make_strategy("ring", matrix=_machine)
     return make_strategy(name)
@@ -95,6 +118,31 @@ def test_broadcast_copies_to_every_host_device(name, dtype, shape, n, home, seed
                                              devices)])
     for o in outs:
         np.testing.assert_array_equal(o, src)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), shape=SHAPES, n=st.integers(2, 8),
+       home=st.integers(0, 8), seed=st.integers(0, 2 ** 16))
+def test_model_sliced_tree_matches_numpy(dtype, shape, n, home, seed):
+    """The tree sliced by its cost model (slicing at every size here) reduces and
+    broadcasts exactly, whatever the slice count and home."""
+    dtype = _dtype(dtype)
+    acc = _acc(dtype)
+    values = _values(np.random.default_rng(seed), shape, dtype, n)
+    strategy = _model_tree()
+    seen = []
+    original = strategy._segments
+    strategy._segments = lambda *a: seen.append(original(*a)) or seen[-1]
+    home = home % (n + 1)
+    out = _reduce(strategy, values, home, acc)
+    np.testing.assert_array_equal(out, _reference(values, acc).astype(acc))
+    outs = [np.zeros(shape, acc) for _ in range(n)]
+    strategy.broadcast_many([BroadcastJob("k", out, host_device(home), outs,
+                                          [host_device(i) for i in range(n)])])
+    for o in outs:
+        np.testing.assert_array_equal(o, out)
+    if int(np.prod(shape)) >= 2:
+        assert seen and all(len(seg) > 1 for seg in seen)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -157,6 +205,56 @@ def test_tree_slices_over_roots(matrix, bound):
         strategy.broadcast_many([BroadcastJob("k", out, host_device(home), outs, devices)])
         for o in outs:
             np.testing.assert_array_equal(o, out)
+
+
+@pytest.fixture
+def no_bound(monkeypatch):
+    for prefix in ("GPUKV_TREE_", "MXNET_KVSTORE_TREE_"):
+        monkeypatch.delenv(prefix + "ARRAY_BOUND", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("n,nelems", [(2, 2), (3, 5), (5, 7), (8, 3), (8, 37), (8, 1000)])
+def test_tree_model_slices_small_keys(no_bound, n, nelems):
+    """Where the model says slicing pays, even tiny keys are cut over several trees (never
+    more slices than elements), and the sums stay exact."""
+    strategy = _model_tree()
+    seen = []
+    original = strategy._segments
+
+    def spy(*args):
+        segments = original(*args)
+        seen.append(segments)
+        return segments
+
+    strategy._segments = spy
+    values = [np.arange(nelems, dtype=np.int64) * (i + 3) for i in range(n)]
+    devices = [host_device(i) for i in range(n)]
+    for home in (0, n - 1, n):
+        out = np.zeros(nelems, np.int64)
+        strategy.reduce_many([ReduceJob("k", values, devices, host_device(home), out)])
+        np.testing.assert_array_equal(out, sum(values))
+        outs = [np.zeros(nelems, np.int64) for _ in range(n)]
+        strategy.broadcast_many([BroadcastJob("k", out, host_device(home), outs, devices)])
+        for o in outs:
+            np.testing.assert_array_equal(o, out)
+    assert all(1 < len(seg) <= nelems for seg in seen)
+
+
+def test_tree_model_keeps_small_keys_whole(no_bound):
+    """With the default model and minimum slice, small keys stay on the home's tree; the
+    explicit array bound still slices them."""
+    values = [np.full(1000, i + 1.0, np.float32) for i in range(8)]
+    devices = [host_device(i) for i in range(8)]
+    for strategy, count in ((TreeStrategy(matrix=topology.dgx1_v100()), 1),
+                            (TreeStrategy(matrix=topology.dgx1_v100(), array_bound=10), 8)):
+        seen = []
+        original = strategy._segments
+        strategy._segments = lambda *a, _o=original: seen.append(_o(*a)) or seen[-1]
+        out = np.zeros(1000, np.float32)
+        strategy.reduce_many([ReduceJob("k", values, devices, host_device(2), out)])
+        np.testing.assert_array_equal(out, np.full(1000, 36.0))
+        assert [len(s) for s in seen] == [count]
 
 
 def test_tree_home_without_source():

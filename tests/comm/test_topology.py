@@ -195,15 +195,49 @@ def test_slice_plan(nelems, bound, expected):
     assert T.slice_plan(nelems, 4, 3, array_bound=bound) == expected
 
 
+@pytest.mark.parametrize("nelems,roots,expected", [
+    (10, [3], [(3, 0, 10)]),
+    (10, [3, 1], [(1, 0, 5), (3, 5, 10)]),
+    (7, [0, 2, 3], [(0, 0, 3), (2, 3, 5), (3, 5, 7)]),
+    (2, [0, 1, 2, 3], [(0, 0, 1), (1, 1, 2)]),
+    (0, [0, 1], [(3, 0, 0)]),
+])
+def test_slice_plan_over_given_roots(nelems, roots, expected):
+    """With roots, a key is cut contiguously over exactly those trees, in root order."""
+    assert T.slice_plan(nelems, 4, 3, roots=roots) == expected
+
+
+def test_slice_plan_without_bound_uses_mxnet_default(monkeypatch):
+    """With no bound given or set, slice_plan applies MXNet's 10M-element bound."""
+    for prefix in ("GPUKV_TREE_", "MXNET_KVSTORE_TREE_"):
+        monkeypatch.delenv(prefix + "ARRAY_BOUND", raising=False)
+    assert T.slice_plan(T.MXNET_ARRAY_BOUND, 8, 2) == [(2, 0, T.MXNET_ARRAY_BOUND)]
+    assert len(T.slice_plan(T.MXNET_ARRAY_BOUND + 1, 8, 2)) == 8
+
+
+def test_slice_roots_prefer_the_homes_fastest_links():
+    """The home's tree first, then trees rooted at the home's best-linked devices."""
+    w = T.dgx1_v100()
+    assert T.slice_roots(w, 0, 1) == [0]
+    assert T.slice_roots(w, 0, 3) == [0, 3, 4]        # the two double NVLinks of GPU 0
+    assert T.slice_roots(w, 0, 5) == [0, 1, 2, 3, 4]  # then the single NVLinks
+    assert T.slice_roots(w, 5, 8) == list(range(8))
+    with pytest.raises(ValueError):
+        T.slice_roots(w, 0, 9)
+
+
 @pytest.mark.parametrize("env,expected", [
-    ({}, {"penalty": 0.7, "backtrack": False, "array_bound": 10_000_000}),
+    ({}, {"penalty": 0.7, "backtrack": False, "array_bound": None}),
     ({"MXNET_KVSTORE_TREE_LINK_USAGE_PENALTY": "0.5", "GPUKV_TREE_BACKTRACK": "1"},
-     {"penalty": 0.5, "backtrack": True, "array_bound": 10_000_000}),
+     {"penalty": 0.5, "backtrack": True, "array_bound": None}),
     ({"GPUKV_TREE_ARRAY_BOUND": "5", "MXNET_KVSTORE_TREE_ARRAY_BOUND": "7"},
      {"penalty": 0.7, "backtrack": False, "array_bound": 5}),
+    ({"MXNET_KVSTORE_TREE_ARRAY_BOUND": "7"},
+     {"penalty": 0.7, "backtrack": False, "array_bound": 7}),
 ])
 def test_tree_options_from_environment(monkeypatch, env, expected):
-    """GPUKV_TREE_* settings win over MXNET_KVSTORE_TREE_* ones, which win over defaults."""
+    """GPUKV_TREE_* settings win over MXNET_KVSTORE_TREE_* ones, which win over defaults
+    (no array bound by default: the cost model decides slicing)."""
     for name in ("LINK_USAGE_PENALTY", "BACKTRACK", "ARRAY_BOUND"):
         monkeypatch.delenv("GPUKV_TREE_" + name, raising=False)
         monkeypatch.delenv("MXNET_KVSTORE_TREE_" + name, raising=False)
