@@ -4,6 +4,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# CI runs the same examples every time, so a landing never depends on a lucky draw;
+# local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 GPU_EXPECTED = os.environ.get("GPUKV_TEST_GPU", "") == "1"
 

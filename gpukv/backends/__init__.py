@@ -5,11 +5,11 @@ Nothing heavy is imported here: CuPy and PyTorch types are recognised through
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 
+from .._env import positive_int
 from .._errors import ArgumentKindError, DeviceError, DTypeError
 from ._base import Device
 from .host import HostDevice, host_device
@@ -169,16 +169,7 @@ def _from_gpu(obj, device_id, convert):
 
 def virtual_gpus() -> int | None:
     """`GPUKV_VIRTUAL_GPUS` as a positive int (None when unset); DeviceError when malformed."""
-    wanted = os.environ.get("GPUKV_VIRTUAL_GPUS", "").strip()
-    if not wanted:
-        return None
-    try:
-        n = int(wanted)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise DeviceError(f"GPUKV_VIRTUAL_GPUS={wanted!r}: expected a positive integer")
-    return n
+    return positive_int("GPUKV_VIRTUAL_GPUS", DeviceError)
 
 
 def _torch_cpu(torch, tensor):

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._errors import ArgumentError
+from .._env import positive_int
 from ._base import BroadcastJob, ReduceJob, Strategy
 
 _NARROW = frozenset(["float16", "bfloat16"])
@@ -53,15 +53,9 @@ THREAD_BYTES = 1 << 20
 
 def _default_threads() -> int:
     """`GPUKV_HOST_THREADS` (a positive integer), else the usable CPUs, at most 4."""
-    env = os.environ.get("GPUKV_HOST_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ArgumentError(f"GPUKV_HOST_THREADS={env!r}: expected a positive integer")
-        return n
+    threads = positive_int("GPUKV_HOST_THREADS")
+    if threads is not None:
+        return threads
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(4, cpus or 1))
 

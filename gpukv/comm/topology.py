@@ -36,6 +36,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from .._errors import ArgumentError
+
 log = logging.getLogger("gpukv")
 
 __all__ = [
@@ -364,15 +366,15 @@ def tree_options() -> dict:
                 try:
                     return cast(raw)
                 except ValueError:
-                    raise ValueError(f"{prefix + name}={raw!r}: expected a number") from None
+                    raise ArgumentError(f"{prefix + name}={raw!r}: expected a number") from None
         return default
 
     penalty = env("LINK_USAGE_PENALTY", DEFAULT_PENALTY, float)
     if not 0 < penalty <= 1:
-        raise ValueError(f"tree link usage penalty {penalty}: expected 0 < penalty <= 1")
+        raise ArgumentError(f"tree link usage penalty {penalty}: expected 0 < penalty <= 1")
     bound = env("ARRAY_BOUND", DEFAULT_ARRAY_BOUND, int)
     if bound is not None and bound < 1:
-        raise ValueError(f"tree array bound {bound}: expected a positive element count")
+        raise ArgumentError(f"tree array bound {bound}: expected a positive element count")
     return {"penalty": penalty, "backtrack": bool(env("BACKTRACK", 0, int)),
             "array_bound": bound}
 

@@ -124,8 +124,8 @@ def test_broadcast_copies_to_every_host_device(name, dtype, shape, n, home, seed
 @given(dtype=st.sampled_from(DTYPES), shape=SHAPES, n=st.integers(2, 8),
        home=st.integers(0, 8), seed=st.integers(0, 2 ** 16))
 def test_model_sliced_tree_matches_numpy(dtype, shape, n, home, seed):
-    """The tree sliced by its cost model (slicing at every size here) reduces and
-    broadcasts exactly, whatever the slice count and home."""
+    """The tree sliced by its cost model (with three or more devices, slicing at every
+    size here) reduces and broadcasts exactly, whatever the slice count and home."""
     dtype = _dtype(dtype)
     acc = _acc(dtype)
     values = _values(np.random.default_rng(seed), shape, dtype, n)
@@ -141,7 +141,9 @@ def test_model_sliced_tree_matches_numpy(dtype, shape, n, home, seed):
                                           [host_device(i) for i in range(n)])])
     for o in outs:
         np.testing.assert_array_equal(o, out)
-    if int(np.prod(shape)) >= 2:
+    # Two devices gain next to nothing from slicing (the home needs the whole sum), so
+    # the model may tie and keep a key whole there.
+    if int(np.prod(shape)) >= 2 and n >= 3:
         assert seen and all(len(seg) > 1 for seg in seen)
 
 

@@ -1,0 +1,20 @@
+"""Settings read from environment variables, refused with a typed error when malformed."""
+from __future__ import annotations
+
+import os
+
+from ._errors import ArgumentError
+
+
+def positive_int(name: str, error: type = ArgumentError) -> int | None:
+    """`$name` as a positive int, None when unset or blank; `error` names it when malformed."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise error(f"{name}={raw!r}: expected a positive integer")
+    return n
