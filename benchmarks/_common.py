@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import json
 import os
 import platform
 import re
 import socket
 import statistics
-import sys
 import threading
 import time
 from importlib import metadata

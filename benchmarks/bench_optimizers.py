@@ -6,9 +6,10 @@
 For each optimizer and key size it times the updater a list push runs (all keys in one
 `update` call: on the host in-place NumPy over cache-sized pieces, small keys gathered
 into shared pieces; on a GPU one kernel launch per (device, dtype) group) against the
-same updater called once per key (what N single-key pushes cost). It also reports the fraction of the machine's copy bandwidth the batched
-step reaches, counting the bytes the rule must read and write. GPU timings use CUDA
-events. A table is printed; JSON goes to benchmarks/results/.
+same updater called once per key (what N single-key pushes cost). On the host it also
+reports the fraction of the machine's copy bandwidth the batched step reaches, counting
+the bytes the rule must read and write. GPU timings use CUDA events. A table is printed;
+JSON goes to benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as C  # noqa: E402
 
-import gpukv  # noqa: E402
 from gpukv import optim  # noqa: E402
 from gpukv.backends import host_device  # noqa: E402
 

@@ -3,8 +3,8 @@
 Every replica (one per CUDA device, or several CPU replicas when there is no GPU) keeps
 its own copy of a small MLP and computes gradients on its shard of each batch. The
 gradients go to the store as the `p.grad` tensors themselves (PyTorch tensors are used
-through `__cuda_array_interface__` / the buffer protocol, so nothing is copied), the
-store sums them and applies SGD on the key's home device, and every replica pulls the
+through `__cuda_array_interface__` on GPUs and `Tensor.numpy()` on the CPU, so nothing is
+copied), the store sums them and applies SGD on the key's home device, and every replica pulls the
 new weights straight into `p.data`, in place.
 
     python examples/torch_training.py                 # every GPU, or 4 CPU replicas
@@ -100,8 +100,9 @@ def main(argv=None) -> int:
         if grads is None:  # the grad tensors exist now and keep their memory from here on
             grads = [[params[r][k].grad for r in range(n)] for k in keys]
             weights = [[params[r][k].data for r in range(n)] for k in keys]
-        # On GPUs the store queues its work on CuPy's current stream, which by default is
-        # the same legacy default stream PyTorch uses, so no synchronisation is needed.
+        # On GPUs the store orders its work after CuPy's current stream, and that stream
+        # after its work; by default it is the legacy default stream PyTorch uses too, so
+        # no synchronisation is needed.
         kv.push(keys, grads)
         kv.pull(keys, out=weights)
         losses.append(step_loss)

@@ -12,6 +12,7 @@ travels as an ordinary dense key. The printed loss falls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 
@@ -31,17 +32,9 @@ def devices():
     return [(np, None)] * 4, "local"
 
 
-class _On:
-    def __init__(self, xp, dev):
-        self.ctx = xp.cuda.Device(dev) if dev is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+def _on(xp, dev):
+    """A context making GPU `dev` current (nothing for a host device)."""
+    return xp.cuda.Device(dev) if dev is not None else contextlib.nullcontext()
 
 
 def main(argv=None):
@@ -78,7 +71,7 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         grads_emb, grads_w, losses = [], [], []
         for xp, dev in devs:
-            with _On(xp, dev):
+            with _on(xp, dev):
                 tokens_h = rng.integers(0, args.vocab, (args.batch, args.tokens))
                 target_h = true_emb[tokens_h].sum(axis=1) @ true_w
                 tokens = xp.asarray(tokens_h)

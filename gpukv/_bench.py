@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import gc
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -258,8 +257,6 @@ class HostEnv:
     def __init__(self):
         self.xp = np
         self.name = f"host {cpu_model()}"
-        self.file_tag = f"host_{slug(cpu_model())}"
-        self.physical = 0
 
     def array(self, device: int, elems: int):
         return np.zeros(elems, DTYPE)
@@ -322,8 +319,6 @@ class CudaEnv:
         props = self.cp.cuda.runtime.getDeviceProperties(0)
         name = props["name"]
         self.name = name.decode() if isinstance(name, bytes) else str(name)
-        self.file_tag = slug(self.name)
-        self.props = props
 
     def physical(self, device: int) -> int:
         return device % self.count
@@ -456,7 +451,7 @@ def versions(env) -> dict:
 
     import gpukv
     out = {"python": platform.python_version(), "numpy": np.__version__,
-           "gpukv": getattr(gpukv, "__version__", None)}
+           "gpukv": gpukv.__version__}
     torch = sys.modules.get("torch")
     out["torch"] = getattr(torch, "__version__", None) if torch is not None else None
     if torch is not None:
@@ -525,15 +520,18 @@ class Workload:
         return True
 
 
-def _store_step(name: str, w: Workload):
-    """push+pull of every key through a gpukv store ('local', or 'device' with `name`)."""
+def _new_store(name: str, w: Workload):
+    """A store ('local', or 'device' with strategy `name`) holding every key of `w`."""
     import gpukv
-    if name == "local":
-        kv = gpukv.create("local")
-    else:
-        kv = gpukv.create("device", strategy=name)
+    kv = gpukv.create("local") if name == "local" else gpukv.create("device", strategy=name)
     keys = list(range(w.keys))
     kv.init(keys, [w.data[0][k] for k in keys])
+    return kv, keys
+
+
+def _store_step(name: str, w: Workload):
+    """push+pull of every key through a gpukv store ('local', or 'device' with `name`)."""
+    kv, keys = _new_store(name, w)
     values = w.values
     if w.keys == 1:
         key, value = 0, values[0]
@@ -545,22 +543,19 @@ def _store_step(name: str, w: Workload):
         def step():
             kv.push(keys, values)
             kv.pull(keys, out=values)
-    return step, getattr(kv, "strategy", name), kv
+    return step, kv.strategy, kv
 
 
 def _store_per_key_step(name: str, w: Workload):
     """The same store driven with one push and one pull call per key."""
-    import gpukv
-    kv = gpukv.create("local") if name == "local" else gpukv.create("device", strategy=name)
-    keys = list(range(w.keys))
-    kv.init(keys, [w.data[0][k] for k in keys])
+    kv, keys = _new_store(name, w)
     values = w.values
 
     def step():
         for k in keys:
             kv.push(k, values[k])
             kv.pull(k, out=values[k])
-    return step, getattr(kv, "strategy", name), kv
+    return step, kv.strategy, kv
 
 
 def _loop_step(w: Workload):
@@ -679,7 +674,7 @@ def bench_point(env, case, n, keys, size, strategies, baselines, args, bar, copy
                 step, effective, obj = _store_step(label, w)
                 path = "store"
                 if (env.kind == "host" and label not in ("local", "cpu")
-                        and not getattr(obj, "_route_host", True)):
+                        and not obj._route_host):
                     effective = "host-sum"  # host arrays take the plain host sum
             w.fill(lambda d: d + 1)
             step()
@@ -736,8 +731,7 @@ class _Sized:
 
 # ---------------------------------------------------------------------------- output
 def _speed(r, name):
-    v = (r.get("speedup") or {}).get(name)
-    return f"{v:.2f}x" if v else "-"
+    return _x((r.get("speedup") or {}).get(name))
 
 
 def table_rows(rows):
@@ -901,9 +895,9 @@ def run(args) -> dict:
     if bad:
         raise SystemExit(f"gpukv bench: unknown case(s) {bad}; known: sweep, small, goal")
     goal_size = args.goal_size or parse_size("256M" if on_gpu else "16M")
-    goal_strategy = args.goal_strategy.lower() if on_gpu else "local"
-    if not on_gpu and args.goal_strategy.lower() not in ("auto", "local"):
-        goal_strategy = args.goal_strategy.lower()
+    goal_strategy = args.goal_strategy.lower()
+    if not on_gpu and goal_strategy == "auto":
+        goal_strategy = "local"  # host arrays: the 'local' store
     if on_gpu:
         wanted = max(list(args.devices) * ("sweep" in cases)
                      + list(args.goal_devices) * ("goal" in cases)
@@ -1046,7 +1040,7 @@ def report(result: dict, file=None) -> None:
             continue
         print(f"\n== {case}: {titles[case]}", file=file)
         ran = {r["name"] for r in rows if r["path"] == "baseline" and r.get("time_s")}
-        keep = [i for i, h in enumerate(HEADERS)
+        keep = [i for i in range(len(HEADERS))
                 if i < len(HEADERS) - len(BASELINES) or BASELINES[i - len(HEADERS)] in ran]
         print_table([HEADERS[i] for i in keep],
                     [[row[i] for i in keep] for row in table_rows(rows)], file=file)

@@ -188,8 +188,8 @@ def read_archive(path) -> tuple[dict, dict]:
                 raise CheckpointError(f"{path}: not a gpukv checkpoint (no {_HEADER_MEMBER})")
             meta = json.loads(npz[_HEADER_MEMBER].tobytes().decode("utf-8"))
             if not isinstance(meta, dict) or meta.get("format") != ARCHIVE_FORMAT:
-                raise CheckpointError(f"{path}: not a gpukv checkpoint (format "
-                                      f"{meta.get('format') if isinstance(meta, dict) else meta!r})")
+                found = meta.get("format") if isinstance(meta, dict) else meta
+                raise CheckpointError(f"{path}: not a gpukv checkpoint (format {found!r})")
             version = meta.get("version")
             if not isinstance(version, int) or version > ARCHIVE_VERSION or version < 1:
                 raise CheckpointError(f"{path}: archive version {version!r} is not supported "
@@ -228,16 +228,8 @@ def _read_member(path: str, npz, name: str, info) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------ whole stores
-def _optimizer_hooks(kv):
-    """The store's optimizer state export/import pair (each None where it is missing).
-
-    The optimizer side provides `kv._export_optimizer_state() -> (header, {name: array})`
-    and `kv._import_optimizer_state(header, arrays, check_only=False)`.
-    """
-    return (getattr(kv, "_export_optimizer_state", None),
-            getattr(kv, "_import_optimizer_state", None))
-
-
+# The optimizer state travels through the store's `_export_optimizer_state()` ->
+# (header, {name: array}) and `_import_optimizer_state(header, arrays, check_only)`.
 def _to_host(entry) -> np.ndarray:
     value = entry.value
     if isinstance(value, np.ndarray):
@@ -258,9 +250,8 @@ def save_store(kv, path) -> None:
             arrays[f"value/{i}"] = _to_host(entry)
             homes.append(entry.home.kind)
         optimizer = None
-        export = _optimizer_hooks(kv)[0]
-        if export is not None and _has_optimizer(kv):
-            exported = export()
+        if kv._optimizer is not None:
+            exported = kv._export_optimizer_state()
             if exported is not None:
                 opt_header, opt_arrays = exported
                 optimizer = {"header": opt_header, "arrays": []}
@@ -340,10 +331,9 @@ def load_store(kv, path) -> None:
                 home = _new_home(kv, home_kind, load)
                 load[home] = load.get(home, 0) + value.nbytes
                 planned[key] = (value, home)
-        restore = _optimizer_hooks(kv)[1]
-        restore_optimizer = optimizer is not None and restore is not None and _has_optimizer(kv)
+        restore_optimizer = optimizer is not None and kv._optimizer is not None
         if restore_optimizer:
-            _check_optimizer_state(kv, path, optimizer, planned, restore)
+            _check_optimizer_state(kv, path, optimizer, planned)
         elif optimizer is not None:
             log.info("gpukv: %s holds optimizer state but the store has no optimizer; "
                      "only values were loaded", path)
@@ -366,7 +356,7 @@ def load_store(kv, path) -> None:
         if kind is not None:
             kv._key_kind = kind
         if restore_optimizer:
-            restore(optimizer[0], optimizer[1], check_only=False)
+            kv._import_optimizer_state(optimizer[0], optimizer[1], check_only=False)
 
 
 def _new_home(kv, home_kind: str, load: dict):
@@ -381,25 +371,19 @@ def _new_home(kv, home_kind: str, load: dict):
     return host_device(0)
 
 
-def _check_optimizer_state(kv, path: str, optimizer, planned: dict, restore) -> None:
+def _check_optimizer_state(kv, path: str, optimizer, planned: dict) -> None:
     """Validate the file's optimizer state against the store as it will be after the load."""
     header, arrays = optimizer
-    updater = getattr(kv, "_updater", None)
-    entry_map = getattr(kv, "_entry_map", None)
+    updater = kv._updater
     try:
-        if hasattr(updater, "import_state") and entry_map is not None:
-            entries = entry_map()
+        if hasattr(updater, "import_state"):
+            entries = kv._entry_map()
             entries.update(planned)  # keys the load creates are checked too
             updater.import_state(header, arrays, entries, check_only=True, path=path)
         else:
-            restore(header, arrays, check_only=True)
+            kv._import_optimizer_state(header, arrays, check_only=True)
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"{path}: optimizer state does not fit this store's "
                               f"optimizer: {type(exc).__name__}: {exc}") from exc
-
-
-def _has_optimizer(kv) -> bool:
-    probe = getattr(kv, "_optimizer", None)
-    return probe is not None

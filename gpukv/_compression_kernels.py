@@ -314,11 +314,11 @@ def _np_uncast_fp16(payload, scale, out, accumulate):
     return out
 
 
-def _bf16_bits(u):
+def _bf16_bits(u, xp=np):
     """bfloat16 bits (uint32) of float32 bits `u`: round to nearest even, NaN quieted."""
-    rounded = (u + (_U32(0x7FFF) + ((u >> 16) & _U32(1)))) >> 16
-    quiet = (u >> 16) | _U32(0x0040)
-    return np.where(np.isnan(u.view(_F32)), quiet, rounded)
+    rounded = (u + (xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1)))) >> 16
+    quiet = (u >> 16) | xp.uint32(0x0040)
+    return xp.where(xp.isnan(u.view(xp.float32)), quiet, rounded)
 
 
 def _np_cast_bf16_range(x, scale, out, lo, hi):
@@ -457,21 +457,29 @@ def _launch(name, items, args):
 
 
 # ---------------------------------------------------------------------- front door
-def quantize_2bit(grad, residual, threshold, out=None):
-    """Add `grad` into `residual`, write MXNet's 2-bit codes into `out` (uint8), return it."""
+def _quantize(bits, host_fn, kernel, grad, residual, threshold, out):
+    """`host_fn` on host arrays, else the CUDA `kernel` (one thread per byte it writes);
+    the payload's bytes past the last value are zero."""
     n = grad.size
-    nbytes = packed_nbytes(n, 2)
+    nbytes = packed_nbytes(n, bits)
     if _is_host(grad):
         if out is None:
             out = np.empty(nbytes, np.uint8)
-        return _np_quantize_2bit(grad, residual, threshold, out)
+        return host_fn(grad, residual, threshold, out)
     import cupy
     if out is None:
         out = cupy.empty(nbytes, cupy.uint8)
-    out[(n + 3) // 4:] = 0
-    _launch("gpukv_quantize_2bit", (n + 3) // 4,
-            (grad, residual, out, np.int64(n), np.int64((n + 3) // 4), np.float32(threshold)))
+    used = -(-n * bits // 8)
+    out[used:] = 0
+    _launch(kernel, used,
+            (grad, residual, out, np.int64(n), np.int64(used), np.float32(threshold)))
     return out
+
+
+def quantize_2bit(grad, residual, threshold, out=None):
+    """Add `grad` into `residual`, write MXNet's 2-bit codes into `out` (uint8), return it."""
+    return _quantize(2, _np_quantize_2bit, "gpukv_quantize_2bit", grad, residual, threshold,
+                     out)
 
 
 def dequantize_2bit(payload, n, threshold, out, accumulate=False):
@@ -485,19 +493,8 @@ def dequantize_2bit(payload, n, threshold, out, accumulate=False):
 
 def quantize_1bit(grad, residual, threshold, out=None):
     """Add `grad` into `residual`, write MXNet master's 1-bit codes into `out`, return it."""
-    n = grad.size
-    nbytes = packed_nbytes(n, 1)
-    if _is_host(grad):
-        if out is None:
-            out = np.empty(nbytes, np.uint8)
-        return _np_quantize_1bit(grad, residual, threshold, out)
-    import cupy
-    if out is None:
-        out = cupy.empty(nbytes, cupy.uint8)
-    out[(n + 7) // 8:] = 0
-    _launch("gpukv_quantize_1bit", (n + 7) // 8,
-            (grad, residual, out, np.int64(n), np.int64((n + 7) // 8), np.float32(threshold)))
-    return out
+    return _quantize(1, _np_quantize_1bit, "gpukv_quantize_1bit", grad, residual, threshold,
+                     out)
 
 
 def dequantize_1bit(payload, n, out, accumulate=False):
@@ -514,6 +511,17 @@ def _xp(a):
         return np
     import cupy
     return cupy
+
+
+def _write(xp, out, value, scale: float, accumulate: bool):
+    """out = value * scale, or out += value * scale (`value` is a temporary, scaled in place)."""
+    if scale != 1.0:
+        xp.multiply(value, xp.float32(scale), out=value)
+    if accumulate:
+        xp.add(out, value, out=out)
+    else:
+        out[...] = value
+    return out
 
 
 def _host_vectors(payload, dtype, out) -> bool:
@@ -540,14 +548,7 @@ def uncast_fp16(payload, scale: float, out, accumulate=False):
     if _host_vectors(payload, np.float16, out):
         return _np_uncast_fp16(payload, scale, out, accumulate)
     xp = _xp(payload)
-    value = payload.astype(xp.float32)
-    if scale != 1.0:
-        xp.multiply(value, xp.float32(scale), out=value)
-    if accumulate:
-        xp.add(out, value, out=out)
-    else:
-        out[...] = value
-    return out
+    return _write(xp, out, payload.astype(xp.float32), scale, accumulate)
 
 
 def cast_bf16(x, scale: float):
@@ -558,9 +559,7 @@ def cast_bf16(x, scale: float):
     if scale != 1.0:
         x = xp.divide(x, xp.float32(scale))
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    rounded = (u + (xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1)))) >> 16
-    quiet = (u >> 16) | xp.uint32(0x0040)
-    return xp.where(xp.isnan(x), quiet, rounded).astype(xp.uint16)
+    return _bf16_bits(u, xp).astype(xp.uint16)
 
 
 def uncast_bf16(payload, scale: float, out, accumulate=False):
@@ -568,11 +567,5 @@ def uncast_bf16(payload, scale: float, out, accumulate=False):
     if _host_vectors(payload, np.uint16, out):
         return _np_uncast_bf16(payload, scale, out, accumulate)
     xp = _xp(payload)
-    value = (payload.astype(xp.uint32) << 16).view(xp.float32)
-    if scale != 1.0:
-        xp.multiply(value, xp.float32(scale), out=value)
-    if accumulate:
-        xp.add(out, value, out=out)
-    else:
-        out[...] = value
-    return out
+    return _write(xp, out, (payload.astype(xp.uint32) << 16).view(xp.float32), scale,
+                  accumulate)

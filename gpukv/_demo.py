@@ -1,4 +1,4 @@
-"""`gpukv demo`: the tutorial of the spec, checked step by step, then a short training.
+"""`gpukv demo`: MXNet's KVStore tutorial, checked step by step, then a short training.
 
 1. The tutorial (push, pull, lists of devices, an updater, lists of keys) on NumPy arrays
    with a 'local' store, exactly as written; again with CuPy arrays spread over the GPUs
@@ -15,6 +15,7 @@ NumPy is needed; tqdm or rich draw a progress bar when installed and stderr is a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -51,7 +52,7 @@ class _Place:
     def context(self, i: int):
         """A context that makes device i current (a no-op on the host)."""
         if not self.gpus:
-            return _NullContext()
+            return contextlib.nullcontext()
         return self.gpus[i % len(self.gpus)].cuda_device
 
     def put(self, i: int, array: np.ndarray):
@@ -63,14 +64,6 @@ class _Place:
 
     def full(self, i: int, shape, value, dtype=np.float64):
         return self.put(i, np.full(shape, value, dtype))
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _to_host(array) -> np.ndarray:
@@ -126,7 +119,7 @@ class _Checker:
 
 
 def run_tutorial(place: _Place, out=None) -> bool:
-    """The spec's tutorial on `place`; True when every value is the expected one."""
+    """MXNet's KVStore tutorial on `place`; True when every value is the expected one."""
     out = sys.stdout if out is None else out
     store = "device" if place.on_gpu else "local"
     ndev = 4  # "one value per device", spread round-robin over the GPUs
@@ -222,26 +215,10 @@ def _loss_and_grads(xp, p: dict, x, y):
 
 
 def _set_sgd(kv, lr: float, momentum: float, rescale: float) -> str:
-    """gpukv.optim.SGD when the optimizer package is there, else an updater doing the same."""
-    try:
-        from . import optim
-        sgd = getattr(optim, "SGD")
-        kv.set_optimizer(sgd(learning_rate=lr, momentum=momentum, rescale_grad=rescale))
-        return f"gpukv.optim.SGD(learning_rate={lr}, momentum={momentum}, rescale_grad={rescale:g})"
-    except (ImportError, AttributeError):
-        pass
-    moms: dict = {}
-
-    def sgd_update(key, grad, weight):
-        mom = moms.get(key)
-        if mom is None:
-            mom = moms[key] = weight * 0
-        mom *= momentum
-        mom -= grad * (lr * rescale)
-        weight += mom
-
-    kv.set_updater(sgd_update)
-    return f"SGD updater (lr={lr}, momentum={momentum}, rescale_grad={rescale:g})"
+    """Give `kv` gpukv.optim.SGD with these options; returns how to print it."""
+    from .optim import SGD
+    kv.set_optimizer(SGD(learning_rate=lr, momentum=momentum, rescale_grad=rescale))
+    return f"gpukv.optim.SGD(learning_rate={lr}, momentum={momentum}, rescale_grad={rescale:g})"
 
 
 class _Progress:
@@ -312,8 +289,7 @@ def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
     names = list(params)
     store = "device" if place.on_gpu else "local"
     kv = gpukv.create(store)
-    kv.init(names, [params[k] for k in names] if not place.on_gpu
-            else [place.put(0, params[k]) for k in names])
+    kv.init(names, [place.put(0, params[k]) for k in names])
     opt = _set_sgd(kv, lr, 0.9, 1.0 / n)
     print(f"training: a {n_features}-{hidden}-1 MLP on {n * per_device} samples, "
           f"{per_device} per device, on {place.describe()}", file=out)

@@ -115,16 +115,14 @@ def plan(matrix) -> dict:
         trees = topology.plan_trees(matrix)
         out["trees"] = [{"root": t.root, "parent": list(t.parent),
                          "levels": [[list(e) for e in level] for level in t.levels],
-                         "staged": sorted(list(e) for e in getattr(t, "staged", ()))}
+                         "staged": sorted(list(e) for e in t.staged)}
                         for t in trees]
-        summary = getattr(topology, "usage_summary", None)
-        if summary is not None:
-            try:
-                out["link_usage"] = summary(trees, matrix)
-                out["link_usage"]["by_weight"] = {
-                    str(k): v for k, v in out["link_usage"]["by_weight"].items()}
-            except Exception as exc:
-                out["link_usage_error"] = _err(exc)
+        try:
+            out["link_usage"] = topology.usage_summary(trees, matrix)
+            out["link_usage"]["by_weight"] = {
+                str(k): v for k, v in out["link_usage"]["by_weight"].items()}
+        except Exception as exc:
+            out["link_usage_error"] = _err(exc)
     except Exception as exc:
         out["trees_error"] = _err(exc)
     try:
@@ -238,7 +236,7 @@ def strategy_info(on_gpu: bool) -> dict:
     out = {"names": list(STRATEGIES), "env": env, "default": env or "auto"}
     try:
         chosen = make_strategy(None, on_gpu=on_gpu)
-        out["resolves_to"] = getattr(chosen, "name", type(chosen).__name__)
+        out["resolves_to"] = chosen.name
     except Exception as exc:
         out["resolves_to_error"] = _err(exc)
     if not on_gpu:
@@ -251,7 +249,7 @@ def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
     import gpukv
     gpus = gpu_info()
     info = {
-        "gpukv": getattr(gpukv, "__version__", None),
+        "gpukv": gpukv.__version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),

@@ -1,17 +1,17 @@
-"""GPU kernels and their NumPy twins, in one place.
+"""The reduction kernels (CUDA) and their NumPy twins.
 
 Every kernel here has a NumPy twin with the same contract, so the host backend runs
-the same algorithm and tests compare the two. Layout of this module:
+the same algorithm and tests compare the two. The optimizer and compression kernels
+live in `_optim_kernels.py` and `_compression_kernels.py`. Layout of this module:
 
 1. Infrastructure: dtype -> CUDA C type/load/store snippets, the compile cache, and
    launch helpers (pointer tables uploaded to device memory on the launching stream).
 2. Reduction kernels: the fused multi-key k-way sum (`multi_sum`), which also serves as
    the multi-key copy/cast (`multi_copy`): one launch sums or copies hundreds of keys,
    reading their sources directly from peer GPUs' memory.
-3. (Optimizer and compression kernels go below, each with its twin, using section 1.)
 
-CuPy is never imported at module level: the GPU functions take arrays whose module
-they use, so `import gpukv` stays light.
+CuPy is never imported at module level, only by the GPU functions when they are
+called, so `import gpukv` stays light.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 
 _NARROW = frozenset(["float16", "bfloat16"])
 
-# dtype name -> (storage C type, load expression of `p[i]` as float/acc, store form)
+# dtype name -> the C type its elements are stored as (16-bit floats as raw bits)
 _CTYPES = {
     "float16": "unsigned short",
     "bfloat16": "unsigned short",
@@ -294,7 +294,8 @@ def multi_sum_gpu(items, stream) -> None:
 
 
 def multi_sum_host(items) -> None:
-    """NumPy twin of `multi_sum_gpu`: same result, accumulated in the same dtype."""
+    """NumPy twin of `multi_sum_gpu`: the same terms added in the same order, in the same
+    accumulation dtype."""
     for item in items:
         out = item.out
         if out.size == 0:
@@ -356,6 +357,3 @@ def emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
             total += memory[int(ptrs[b_off + j])][idx].astype(acc)
         out[idx] = total.astype(out.dtype)
 
-
-# ============================================ 3. optimizer and compression kernels
-# (each: a `*_source` builder using section 1, a GPU launcher and a NumPy twin)

@@ -8,7 +8,7 @@ key chunk_tensor[b]. The update rule itself is the optimizer's `cuda_body` (see
 `gpukv/optim/_rules.py`), spliced into the loop below.
 
 The code is compiled with --fmad=false: no multiply-add is fused, so every operation
-rounds as the NumPy twin (`Optimizer.host_step`) rounds, and host and GPU agree bit for
+rounds as the NumPy twin (`Optimizer.host_chunk`) rounds, and host and GPU agree bit for
 bit on +, -, *, / and sqrt (LAMB's norms are summed in double and may differ in the last
 bit of float32), except that float32 subnormals flush to zero on the GPU: CuPy compiles
 every kernel with -ftz=true, so a float32 operand or result below 2**-126 in magnitude

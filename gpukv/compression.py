@@ -50,16 +50,9 @@ class Ctx(NamedTuple):
     shape: tuple
 
 
-def _xp_of(a):
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-    return cupy
-
-
 def _flat_f32(x):
     """`x` as a flat, contiguous float32 array (a view when it already is one)."""
-    xp = _xp_of(x)
+    xp = _k._xp(x)
     return xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1)
 
 
@@ -78,7 +71,7 @@ class Compressor:
 
     def _out(self, payload, ctx, out):
         if out is None:
-            out = _xp_of(payload).empty(ctx.shape, np.float32)
+            out = _k._xp(payload).empty(ctx.shape, np.float32)
         return out
 
     def params(self) -> dict:
@@ -100,7 +93,7 @@ class _Threshold(Compressor):
     def compress(self, x, residual=None):
         g = _flat_f32(x)
         if residual is None:
-            residual = _xp_of(g).zeros(g.size, np.float32)
+            residual = _k._xp(g).zeros(g.size, np.float32)
         return self._quantize(g, residual), Ctx(g.size, tuple(x.shape))
 
     def decompress(self, payload, ctx, out=None, accumulate=False):
@@ -138,8 +131,6 @@ class OneBit(_Threshold):
 
 class Cast(Compressor):
     """A cast to float16 or bfloat16 on the way, with an optional pre-divide factor."""
-
-    uses_residual = False
 
     def __init__(self, kind: str = "fp16", pre_divide: float = 1.0):
         self.name = kind

@@ -261,7 +261,8 @@ class RowSparse:
 
     def __array__(self, dtype=None, copy=None):
         if not self.on_host:
-            raise TypeError("a GPU RowSparse has no implicit NumPy form; use .todense().get()")
+            raise ArgumentKindError("a GPU RowSparse has no implicit NumPy form; use "
+                                    ".todense().get()")
         dense = self.todense()
         return dense if dtype is None else dense.astype(dtype)
 

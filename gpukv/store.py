@@ -32,7 +32,7 @@ _TYPES = {
     "local_allreduce_device": True,
     "nccl": True,
 }
-# SPEC section 6's names: known, but their backend does not exist yet.
+# MXNet's several-machine store names: known, but not implemented yet.
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
@@ -128,18 +128,16 @@ def create(name: str = "local", **options) -> "KVStore":
             f"store name {name!r}: unknown; valid names are {', '.join(sorted(_TYPES))}")
     accepted = _store_options()
     for option in options:
-        if accepted is not None and option not in accepted:
+        if option not in accepted:
             raise ArgumentKindError(f"store option {option!r}: unknown; valid options are "
                                     f"{', '.join(sorted(accepted)) or 'none'}")
     return KVStore(lowered, **options)
 
 
-def _store_options():
-    """The keyword options KVStore takes (None when it takes any)."""
-    params = inspect.signature(KVStore.__init__).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.name not in ("self", "name")}
+def _store_options() -> set:
+    """The keyword options KVStore takes."""
+    params = inspect.signature(KVStore.__init__).parameters
+    return {name for name in params if name not in ("self", "name")}
 
 
 class KVStore:
@@ -162,6 +160,7 @@ class KVStore:
         self._entries: dict = {}
         self._key_kind: type | None = None
         self._updater = None
+        self._optimizer = None  # the Optimizer set_optimizer installed (None otherwise)
         self._load: dict = {}  # home device -> bytes of the keys it holds
         self._lock = threading.RLock()
         self._said_host = False
@@ -291,7 +290,7 @@ class KVStore:
             if key in self._entries:
                 raise DuplicateKeyError(f"key {key!r}: already initialised")
             first = arrays[0]
-            if first.dtype.name not in SUPPORTED_DTYPES:
+            if not _supported(first.dtype):
                 raise DTypeError(f"key {key!r}: unsupported dtype {first.dtype}; "
                                  f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
             for a in arrays[1:]:
@@ -511,9 +510,6 @@ class KVStore:
 
     _set_updater = set_updater
 
-    # The optimizer `set_optimizer` installed (None for a function updater or none).
-    _optimizer = None
-
     def set_optimizer(self, optimizer) -> None:
         """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
 
@@ -732,7 +728,8 @@ class KVStore:
                     raise ShapeError(f"key {k!r}: row_sparse_pull expects out of shape "
                                      f"{shape}, got {o.shape}")
                 if not _supported(o.dtype):
-                    raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}")
+                    raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}; "
+                                     f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
                 if ids is None:
                     raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
                 ids = _sparse_store.row_ids_array(k, ids)

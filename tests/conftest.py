@@ -6,7 +6,7 @@ import os
 import pytest
 from hypothesis import settings
 
-# CI runs the same examples every time, so a landing never depends on a lucky draw;
+# CI runs the same examples every time, so a CI result never depends on a lucky draw;
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):

@@ -54,6 +54,14 @@ def _snapshot(kv, keys, likes):
     return [_pull(kv, k, v) for k, v in zip(keys, likes)]
 
 
+def _reloaded(kv, path):
+    """A fresh 'local' store loaded from `kv` saved at `path`."""
+    kv.save(path)
+    fresh = gpukv.create("local")
+    fresh.load(path)
+    return fresh
+
+
 # ------------------------------------------------------------------------------ round trip
 @pytest.mark.parametrize("keys", [
     [3, 5, 7],
@@ -66,9 +74,7 @@ def test_round_trip_keys(tmp_path, keys):
     values = [_value((4, 3), "float32", seed=i) for i in range(len(keys))]
     kv = gpukv.create("local")
     kv.init(keys, values)
-    kv.save(tmp_path / "ck.npz")
-    fresh = gpukv.create("local")
-    fresh.load(tmp_path / "ck.npz")
+    fresh = _reloaded(kv, tmp_path / "ck.npz")
     for key, value in zip(keys, values):
         assert _same(_pull(fresh, key, value), value)
     other = "x" if isinstance(keys[0], int) else 1
@@ -83,9 +89,7 @@ def test_round_trip_dtypes(tmp_path, dtype, shape):
     value = _value(shape, dtype)
     kv = gpukv.create("local")
     kv.init(9, value)
-    kv.save(tmp_path / "ck.npz")
-    fresh = gpukv.create("local")
-    fresh.load(tmp_path / "ck.npz")
+    fresh = _reloaded(kv, tmp_path / "ck.npz")
     assert _same(_pull(fresh, 9, value), value)
 
 
@@ -96,9 +100,7 @@ def test_round_trip_special_floats(tmp_path):
         value = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-40, 65504.0], np.float32).astype(dt)
         kv = gpukv.create("local")
         kv.init(i, value)
-        kv.save(tmp_path / f"{name}.npz")
-        fresh = gpukv.create("local")
-        fresh.load(tmp_path / f"{name}.npz")
+        fresh = _reloaded(kv, tmp_path / f"{name}.npz")
         assert _same(_pull(fresh, i, value), value)
 
 
@@ -108,9 +110,7 @@ def test_mixed_dtypes_one_file(tmp_path):
     values = [_value((3, 2), d, seed=i) for i, d in enumerate(DTYPES)]
     kv = gpukv.create("local")
     kv.init(keys, values)
-    kv.save(tmp_path / "ck.npz")
-    fresh = gpukv.create("local")
-    fresh.load(tmp_path / "ck.npz")
+    fresh = _reloaded(kv, tmp_path / "ck.npz")
     for key, value in zip(keys, values):
         assert _same(_pull(fresh, key, value), value)
 
@@ -132,9 +132,7 @@ def test_saved_after_pushes_and_usable_after_load(tmp_path):
 
 def test_empty_store(tmp_path):
     """An empty store saves and loads; the loaded store still takes either key kind."""
-    gpukv.create("local").save(tmp_path / "ck.npz")
-    fresh = gpukv.create("local")
-    fresh.load(tmp_path / "ck.npz")
+    fresh = _reloaded(gpukv.create("local"), tmp_path / "ck.npz")
     fresh.init("a", np.zeros(2))
 
 
@@ -192,7 +190,7 @@ def test_load_overwrites_matching_keys_and_keeps_others(tmp_path):
     src = gpukv.create("local")
     src.init([2, 4], [np.full((2, 2), 20.0, np.float32), np.full(3, 40.0)])
     src.save(tmp_path / "ck.npz")
-    kv, keys, values = _three_keys()
+    kv, _, values = _three_keys()
     kv.load(tmp_path / "ck.npz")
     assert np.array_equal(_pull(kv, 1, values[0]), values[0])
     assert np.array_equal(_pull(kv, 2, values[1]), np.full((2, 2), 20.0, np.float32))

@@ -3,10 +3,10 @@
 Covered: the multi-key sum/copy of `gpukv/_kernels.py` for every (source, destination)
 dtype pair, the compression module of `gpukv/_compression_kernels.py`, and the
 multi-tensor optimizer step of `gpukv/_optim_kernels.py` for every registered rule, weight
-dtype, compile-time switch (`defines()`), body (dense, row-sparse, module-level `*_BODY`)
-and phase. Each source is compiled with the options its module gives CuPy plus the ones
-CuPy adds, to a cubin for the oldest target (as CuPy does at run time: ptxas runs too) and
-to PTX for a recent one.
+dtype, compile-time switch (`defines()`), body (dense and row-sparse) and phase. Each
+source is compiled with the options its module gives CuPy plus the ones CuPy adds, to a
+cubin for the oldest target (as CuPy does at run time: ptxas runs too) and to PTX for a
+recent one.
 
 NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (the `nvidia` namespace package) or
 from GPUKV_NVRTC_LIB (the path of a libnvrtc.so.*); it is driven through CuPy's binding.
@@ -111,16 +111,12 @@ def _weight_dtypes():
 
 def _optim_variants():
     """The sources `_optim_kernels.step` can compile, over every switch combination."""
-    extra_bodies = {name.lower(): body for name, body in vars(_optim_kernels).items()
-                    if name.endswith("_BODY") and isinstance(body, str)}
     for cls in _rules():
         for label, opt in _rule_instances(cls):
             rule_phases = (1, 2) if getattr(opt, "per_key_norms", False) else (0,)
             launches = [("dense", None, phase) for phase in rule_phases]
-            sparse = getattr(opt, "sparse_cuda_body", opt.cuda_body)
-            if sparse != opt.cuda_body:
-                launches.append(("sparse", sparse, 0))
-            launches += [(name, body, 0) for name, body in extra_bodies.items()]
+            if opt.sparse_cuda_body != opt.cuda_body:
+                launches.append(("sparse", opt.sparse_cuda_body, 0))
             for dtype in _weight_dtypes():
                 for body_name, body, phase in launches:
                     source = _optim_kernels.kernel_source(opt, dtype, phase, body)

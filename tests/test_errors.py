@@ -1,5 +1,5 @@
-"""SPEC section 4: each misuse raises its gpukv error, which is also the built-in a user catches,
-names the key, and leaves the store exactly as it was."""
+"""Each misuse raises its gpukv error, which is also the built-in a user catches, names the
+key, and leaves the store exactly as it was."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import gpukv
+
+from .foreign import OnDLPackDevice
 
 MX = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())[
     "behaviours"]
@@ -24,19 +26,6 @@ def readonly(value=0.0, shape=SHAPE, dtype=F32):
     a = ones(value, shape, dtype)
     a.flags.writeable = False
     return a
-
-
-class OnDevice:
-    """A (2, 3) float32 DLPack array on a DLPack device type gpukv does not take (ROCm...)."""
-
-    def __init__(self, device_type, device_id=0):
-        self._device = (device_type, device_id)
-
-    def __dlpack_device__(self):
-        return self._device
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("a device gpukv cannot use is refused before any read")
 
 
 class World:
@@ -200,12 +189,12 @@ CASES = [
      gpukv.ArgumentKindError, TypeError, "k1", ()),
     ("broadcast-priority-str", lambda w: w.kv.broadcast(w.fresh, ones(5), w.outs[0], "0"),
      gpukv.ArgumentKindError, TypeError, "fresh", ("fresh",)),
-    ("push-unsupported-dlpack-device", lambda w: w.kv.push(w.k1, [ones(5), OnDevice(10)]),
+    ("push-unsupported-dlpack-device", lambda w: w.kv.push(w.k1, [ones(5), OnDLPackDevice(10)]),
      gpukv.DeviceError, ValueError, "k1", ()),
-    ("pull-unsupported-dlpack-device", lambda w: w.kv.pull(w.k1, out=[w.outs[0], OnDevice(7)]),
+    ("pull-unsupported-dlpack-device", lambda w: w.kv.pull(w.k1, out=[w.outs[0], OnDLPackDevice(7)]),
      gpukv.DeviceError, ValueError, "k1", ()),
     ("init-list-unsupported-dlpack-device",
-     lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5), OnDevice(14)]),
+     lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5), OnDLPackDevice(14)]),
      gpukv.DeviceError, ValueError, "fresh2", ("fresh", "fresh2")),
 ]
 
@@ -299,12 +288,28 @@ def test_unknown_store_option():
 
 
 def test_mxnet_raises_on_the_same_misuses():
-    """MXNet 1.9.1 also refuses these calls (gpukv maps them to typed, catchable errors)."""
-    for name in ("duplicate_init_error", "unknown_push_error", "unknown_pull_error",
-                 "push_shape_error", "mixed_kinds_across_calls_error",
-                 "mixed_kinds_one_call_error", "broadcast_existing_key_error"):
+    """The calls MXNet 1.9.1 refuses (as recorded) raise gpukv's typed errors, and a failed
+    init leaves the value MXNet leaves."""
+    kv = gpukv.create("local")
+    kv.init(3, ones(2))
+    misuses = {
+        "broadcast_existing_key_error": (lambda: kv.broadcast(3, ones(7), out=ones(0)),
+                                         gpukv.DuplicateKeyError),
+        "duplicate_init_error": (lambda: kv.init(3, ones()), gpukv.DuplicateKeyError),
+        "unknown_push_error": (lambda: kv.push(99, ones()), gpukv.UnknownKeyError),
+        "unknown_pull_error": (lambda: kv.pull(99, out=ones(0)), gpukv.UnknownKeyError),
+        "mixed_kinds_across_calls_error": (lambda: kv.init("a", ones()), gpukv.KeyKindError),
+        "push_shape_error": (lambda: kv.push(3, ones(1, (3, 2))), gpukv.ShapeError),
+        "mixed_kinds_one_call_error": (lambda: gpukv.create().init([1, "a"], [ones()] * 2),
+                                       gpukv.KeyKindError),
+    }
+    for name, (call, cls) in misuses.items():
         assert MX[name] is not None, name
-    assert MX["value_after_failed_init"] == 2.0
+        with pytest.raises(cls):
+            call()
+    out = ones(0)
+    kv.pull(3, out=out)
+    assert MX["value_after_failed_init"] == 2.0 and (out == 2.0).all()
 
 
 @pytest.mark.parametrize("cls,builtin", [
@@ -331,7 +336,7 @@ def test_failed_first_init_does_not_fix_the_key_kind():
 
 @pytest.mark.parametrize("name", ["dist_sync", "dist_async", "dist_device_sync", "DIST_SYNC"])
 def test_dist_store_names_are_a_missing_backend(name):
-    """SPEC's several-machine store names are a BackendError (RuntimeError), not 'unknown'."""
+    """MXNet's several-machine store names are a BackendError (RuntimeError), not 'unknown'."""
     with pytest.raises(gpukv.BackendError, match="not implemented") as info:
         gpukv.create(name)
     assert isinstance(info.value, RuntimeError) and repr(name) in str(info.value)

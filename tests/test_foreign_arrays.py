@@ -8,36 +8,14 @@ import pytest
 
 import gpukv
 
+from .foreign import ArrayInterfaceOnly, DLPackOnly, OnDLPackDevice
+
 SHAPE = (2, 3)
 
 
 @pytest.fixture(params=["local", "device"])
 def kv(request):
     return gpukv.create(request.param)
-
-
-class DLPackOnly:
-    """Exposes a NumPy array through `__dlpack__`/`__dlpack_device__` and nothing else."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
-class ArrayInterfaceOnly:
-    """Exposes a NumPy array through `__array_interface__` and nothing else."""
-
-    def __init__(self, a):
-        self._a = a
-
-    @property
-    def __array_interface__(self):
-        return self._a.__array_interface__
 
 
 def readonly(a):
@@ -227,19 +205,6 @@ def test_read_only_numpy_source_is_fine(kv):
 
 
 # ------------------------------------------------------------ devices gpukv cannot use
-class OnDLPackDevice:
-    """A float32 (2, 3) array that says it lives on DLPack device (type, id)."""
-
-    def __init__(self, device_type, device_id=0):
-        self._device = (device_type, device_id)
-
-    def __dlpack_device__(self):
-        return self._device
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("an array on a device gpukv cannot use is never read")
-
-
 @pytest.mark.parametrize("device", [(2, 99), (13, 99), (10, 0), (14, 0), (4, 0)],
                          ids=["cuda-99", "cuda-managed-99", "rocm", "oneapi", "opencl"])
 @pytest.mark.parametrize("role", ["value", "out"])

@@ -247,6 +247,7 @@ def test_options_of_the_wrong_kind(make):
 
 
 def test_unknown_optimizer_name():
+    """An unknown optimizer name is an ArgumentError naming it."""
     with pytest.raises(ArgumentError, match="nadamx"):
         optim.create("nadamx")
 
@@ -401,6 +402,7 @@ def test_load_of_fortran_ordered_states_gives_c_order(tmp_path, home):
 
 
 def test_load_rejects_another_optimizer(tmp_path):
+    """States saved by another optimizer are a CheckpointError naming the saved one."""
     _, path = _saved(tmp_path, optim.Adam())
     with pytest.raises(CheckpointError, match="adam"):
         _fresh(optim.SGD(momentum=0.9)).load_optimizer_states(path)
@@ -424,6 +426,7 @@ def test_load_rejects_keys_that_do_not_match(tmp_path, shapes, keys):
 
 
 def test_load_rejects_a_float16_file_for_float32_keys(tmp_path):
+    """States of float16 keys (with master copies) do not load into float32 keys."""
     _, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
     with pytest.raises(CheckpointError, match="master"):
         _fresh(optim.Adam()).load_optimizer_states(path)
@@ -454,6 +457,7 @@ def test_load_rejects_damaged_files(tmp_path, damage):
 
 
 def test_save_and_load_need_an_optimizer(tmp_path):
+    """Saving or loading optimizer states without set_optimizer is an ArgumentError."""
     kv = gpukv.create("local")
     kv.init(1, np.ones(2, np.float32))
     with pytest.raises(ArgumentError, match="set_optimizer"):

@@ -53,7 +53,8 @@ def test_todense_sums_repeated_rows(indices):
 
 
 def test_from_dense_and_retain():
-    """from_dense keeps nonzero rows (or given ones); retain gives sorted unique rows, zero-filled."""
+    """from_dense keeps nonzero rows (or given ones); retain gives sorted unique rows,
+    zero-filled."""
     dense = np.array([[0, 0], [1, 2], [0, 0], [3, 0]], np.float32)
     r = RowSparse.from_dense(dense)
     assert r.indices.tolist() == [1, 3] and np.array_equal(r.todense(), dense)

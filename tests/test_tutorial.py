@@ -1,4 +1,4 @@
-"""SPEC section 1: the tutorial, run as written, prints and holds exactly what MXNet 1.9.1 does."""
+"""MXNet's KVStore tutorial, run as written, prints and holds exactly what MXNet 1.9.1 does."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,13 @@ import gpukv
 
 TUTORIAL = json.loads(
     (pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())["tutorial"]
-SPEC_PRINTED = ["update on key: 3", "update on key: 5", "update on key: 7", "update on key: 9",
-                "update on key: 5", "update on key: 7", "update on key: 9"]
+TUTORIAL_PRINTED = ["update on key: 3", "update on key: 5", "update on key: 7",
+                    "update on key: 9", "update on key: 5", "update on key: 7",
+                    "update on key: 9"]
 
 
 def run_tutorial(name):
-    """The program of SPEC section 1 (store name aside), returning what it observed."""
+    """The tutorial's program (store name aside), returning what it observed."""
     seen = {}
     kv = gpukv.create(name)
     shape = (2, 3)
@@ -56,11 +57,11 @@ def test_tutorial_values_match_mxnet(name, capsys):
     """Every value the tutorial pulls equals MXNet's, and it prints MXNet's lines."""
     seen = run_tutorial(name)
     assert seen == TUTORIAL["values"]
-    assert capsys.readouterr().out.splitlines() == TUTORIAL["printed"] == SPEC_PRINTED
+    assert capsys.readouterr().out.splitlines() == TUTORIAL["printed"] == TUTORIAL_PRINTED
 
 
-def test_tutorial_spec_numbers(capsys):
-    """The numbers written in SPEC section 1 (2, 8, 4, 4, 6, 6, 3, 11) hold."""
+def test_tutorial_numbers(capsys):
+    """The numbers the tutorial states (2, 8, 4, 4, 6, 6, 3, 11) hold."""
     seen = run_tutorial("local")
     capsys.readouterr()
     expect = {"after_init": 2, "after_push": 8, "after_device_push": 4,

@@ -14,27 +14,17 @@ from .._errors import ArgumentKindError, DeviceError, DTypeError
 from ._base import Device
 from .host import HostDevice, host_device
 
-__all__ = ["Device", "HostDevice", "host_device", "adopt", "is_gpu_array", "device_of",
-           "SUPPORTED_DTYPES", "dtype_name", "virtual_gpus", "has_overlapping_elements"]
+__all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
+           "virtual_gpus", "has_overlapping_elements"]
 
 # MXNet's dtypes plus bfloat16 (NumPy's via ml_dtypes, when a caller uses it).
 SUPPORTED_DTYPES = frozenset(
     ["float16", "bfloat16", "float32", "float64", "uint8", "int8", "int32", "int64"])
 
 
-def dtype_name(dtype) -> str:
-    return np.dtype(dtype).name if not hasattr(dtype, "name") else dtype.name
-
-
 def _cupy_ndarray():
     cupy = sys.modules.get("cupy")
     return cupy.ndarray if cupy is not None else None
-
-
-def is_gpu_array(array) -> bool:
-    """Whether `array` (already adopted) is a CuPy array."""
-    cls = _cupy_ndarray()
-    return cls is not None and isinstance(array, cls)
 
 
 def adopt(obj):

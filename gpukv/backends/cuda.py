@@ -233,6 +233,13 @@ def to_numpy(array, device=None) -> np.ndarray:
         return array.get(stream=cp.cuda.get_current_stream(gpu))
 
 
+def empty_pinned(shape, dtype) -> np.ndarray:
+    """A new NumPy array in page-locked host memory (for asynchronous GPU copies)."""
+    cupy_module()  # BackendError (how to install CuPy) when it is missing
+    import cupyx
+    return cupyx.empty_pinned(shape, dtype)
+
+
 # ------------------------------------------------------------------ peer access
 _peer_lock = threading.Lock()
 _peer: dict = {}  # (reader, owner) physical ids -> whether reader can read owner's memory

@@ -3,10 +3,10 @@
 Each step takes `Device` objects and runs on host devices (NumPy, in CI) and on
 GPUs (CuPy, stream-ordered) alike:
 
-- `flat_in` / `flat_out`: 1-D contiguous views (or copies) of a job's arrays;
+- `flat_in` / `FlatOut`: 1-D contiguous views (or copies) of a job's arrays;
 - `readable`: whether a device can read an array where it lies (peer access);
 - `gather_sum`: the fused k-way sum on one device, reading peer memory directly
-  and staging the rest through one chunked buffer (never a full copy per source);
+  and staging the rest chunk by chunk (at most `STAGE_BYTES` of buffer per source);
 - `begin` / `finish`: the events that order a call after the caller's work and
   the caller's later work after the call, with no host synchronisation.
 """
@@ -16,9 +16,8 @@ import numpy as np
 
 from .. import _kernels
 from .._kernels import SumItem
-from ..backends import host_device
 
-# Bytes of the staging buffer for sources a device cannot read directly.
+# Bytes of the staging buffer, per source, for sources a device cannot read directly.
 STAGE_BYTES = 8 << 20
 # Same-dtype copies at least this large use a memcpy instead of the copy kernel.
 BIG_COPY = 4 << 20
@@ -26,6 +25,11 @@ BIG_COPY = 4 << 20
 
 def is_gpu(device) -> bool:
     return device.kind == "gpu"
+
+
+def node_order(device) -> tuple:
+    """The sort key that puts a job's devices in one canonical order."""
+    return (device.kind, device.physical, device.slot)
 
 
 def unique(devices) -> list:
@@ -46,7 +50,6 @@ def is_gpu_job(devices, home) -> bool:
     return is_gpu(home) and all(is_gpu(d) for d in devices)
 
 
-# ------------------------------------------------------------------ events
 def is_uniform_job(devices, home) -> bool:
     """Whether a job's devices and home are all host devices or all GPUs."""
     return is_host_job(devices, home) or is_gpu_job(devices, home)
@@ -75,6 +78,16 @@ def split_plain_broadcasts(jobs):
     return plain, other
 
 
+def split_host_jobs(jobs):
+    """(host, other): jobs whose devices and home are all host devices first, the rest
+    second."""
+    host, other = [], []
+    for job in jobs:
+        (host if is_host_job(job.devices, job.home) else other).append(job)
+    return host, other
+
+
+# ------------------------------------------------------------------ events
 def begin(devices) -> None:
     """Order every device's stream after the caller's work on CuPy's current stream."""
     for d in unique(devices):
@@ -195,9 +208,10 @@ def gather_sum(device, jobs) -> None:
 
     `out` is 1-D contiguous on `device`; each term is a `Term`. Terms the device can
     read directly are summed by one fused kernel for all jobs together (pointer
-    tables); the others are copied chunk by chunk through one staging buffer on the
-    device's stream and added in. A term may be `out` itself (accumulate in place).
-    The caller has already ordered `device` after the devices the terms live on.
+    tables); the others are copied chunk by chunk through a staging buffer (at most
+    `STAGE_BYTES`) on the device's stream and added in. A term may be `out` itself
+    (accumulate in place). The caller has already ordered `device` after the devices
+    the terms live on.
     """
     stream = device.stream if is_gpu(device) else None
     direct_items, staged_jobs = [], []
@@ -321,8 +335,3 @@ def link_matrix_for(nodes, matrix=None) -> np.ndarray:
     full = np.asarray(matrix, dtype=float)
     ids = [d.slot if d.kind != "gpu" else d.physical for d in nodes]
     return full[np.ix_(ids, ids)]
-
-
-def host_slots(n: int) -> list:
-    """n host "devices" (slots 0..n-1), for tests of the multi-device strategies."""
-    return [host_device(i) for i in range(n)]

@@ -62,8 +62,7 @@ class AutoStrategy(Strategy):
         host = _ops.is_host_job(devices, home)
         if host and not self._model_host:
             return "cpu"
-        nodes = sorted(_ops.unique(list(devices) + [home]),
-                       key=lambda d: (d.kind, d.physical, d.slot))
+        nodes = sorted(_ops.unique(list(devices) + [home]), key=_ops.node_order)
         if len(nodes) == 1 or not (host or _ops.is_gpu_job(devices, home)) \
                 or len(set(devices)) != len(devices):
             return "home"
@@ -89,17 +88,14 @@ class AutoStrategy(Strategy):
         h = nodes.index(home)
         if self._choose is not None:
             return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
-        try:
-            from . import simulate
-        except ImportError:  # pragma: no cover - simulate ships with gpukv
-            return _fallback_choice(nbytes, len(nodes))
+        from . import simulate
         return simulate.best_strategy(nbytes, len(nodes), machine,
                                       strategies=tuple(candidates), home=h)
 
-    def _dispatch(self, jobs, devices_of, nbytes_of, method: str) -> None:
+    def _dispatch(self, jobs, nbytes_of, method: str) -> None:
         chosen: dict = {}
         for job in jobs:
-            name = self.choose(job.key, nbytes_of(job), devices_of(job), job.home)
+            name = self.choose(job.key, nbytes_of(job), job.devices, job.home)
             chosen.setdefault(name, []).append(job)
         for name, group in chosen.items():
             getattr(self.strategy(name), method)(group)
@@ -111,18 +107,11 @@ class AutoStrategy(Strategy):
         self.broadcast_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        self._dispatch(jobs, lambda j: j.devices, lambda j: j.sources[0].nbytes, "reduce_many")
+        self._dispatch(jobs, lambda j: j.sources[0].nbytes, "reduce_many")
 
     def broadcast_many(self, jobs: list) -> None:
-        self._dispatch(jobs, lambda j: j.devices, lambda j: j.src.nbytes, "broadcast_many")
+        self._dispatch(jobs, lambda j: j.src.nbytes, "broadcast_many")
 
 
 def host_nodes(nodes) -> bool:
     return not any(_ops.is_gpu(d) for d in nodes)
-
-
-def _fallback_choice(nbytes: int, n: int) -> str:
-    """A size rule for when no cost model is available."""
-    if nbytes < (1 << 20) or n <= 2:
-        return "home"
-    return "tree" if nbytes < (64 << 20) else "ring"

@@ -16,8 +16,8 @@ from .host import HostStrategy, host_sum
 
 
 def _pinned(shape, dtype):
-    import cupyx
-    return cupyx.empty_pinned(shape, dtype)
+    from ..backends.cuda import empty_pinned
+    return empty_pinned(shape, dtype)
 
 
 def _to_pinned(array, device):
@@ -57,9 +57,8 @@ class CpuStrategy(Strategy):
         self.broadcast_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        host_jobs = [j for j in jobs if _ops.is_host_job(j.devices, j.home)]
+        host_jobs, jobs = _ops.split_host_jobs(jobs)
         self._host.reduce_many(host_jobs)
-        jobs = [j for j in jobs if not _ops.is_host_job(j.devices, j.home)]
         if not jobs:
             return
         _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
@@ -84,9 +83,8 @@ class CpuStrategy(Strategy):
             _ops.finish([d for j in jobs if j.home == home for d in j.devices], home)
 
     def broadcast_many(self, jobs: list) -> None:
-        host_jobs = [j for j in jobs if _ops.is_host_job(j.devices, j.home)]
+        host_jobs, jobs = _ops.split_host_jobs(jobs)
         self._host.broadcast_many(host_jobs)
-        jobs = [j for j in jobs if not _ops.is_host_job(j.devices, j.home)]
         if not jobs:
             return
         _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])

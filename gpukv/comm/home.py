@@ -2,8 +2,8 @@
 
 The home GPU sums all sources of all keys homed there in one launch (pointer tables),
 reading sources on other GPUs directly through peer access (enabled once per pair);
-no per-source copy buffer is made. Sources it cannot read (no peer access, host
-memory) are copied through one chunked staging buffer on the home GPU's stream.
+no full-size copy of a source is made. Sources it cannot read (no peer access, host
+memory) are copied chunk by chunk through a staging buffer on the home GPU's stream.
 The broadcast is the mirror image: every destination GPU copies all its keys with
 one kernel reading the home GPUs' memory. Events order the devices; the host never
 waits.

@@ -1,7 +1,7 @@
 """Strategy names -> strategy objects.
 
 `STRATEGIES` lists the names; `make_strategy(name, **options)` builds one;
-`strategy_names()` / `describe()` are for tools (the benchmark CLI) that list them.
+`strategy_class(name)` and `describe()` tell what a name stands for.
 A strategy built from a name the caller gave (argument or `GPUKV_STRATEGY`) is marked
 `explicit`: the store then sends host arrays through it too (its algorithm runs over
 host "devices"), instead of the plain host sum used by default.
@@ -25,11 +25,6 @@ def _classes() -> dict:
     from .tree import TreeStrategy
     return {"auto": AutoStrategy, "home": HomeStrategy, "tree": TreeStrategy,
             "ring": RingStrategy, "cpu": CpuStrategy, "nccl": NcclStrategy}
-
-
-def strategy_names() -> tuple:
-    """Every strategy name, 'auto' first."""
-    return STRATEGIES
 
 
 def strategy_class(name: str) -> type:

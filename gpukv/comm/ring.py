@@ -42,7 +42,7 @@ def _ring_nodes(job):
     """The sorted devices of `job` when the ring can take it (one source per device,
     at least two, all host or all GPU), else None."""
     devices = list(job.devices)
-    nodes = sorted(_ops.unique(devices), key=lambda d: (d.kind, d.physical, d.slot))
+    nodes = sorted(_ops.unique(devices), key=_ops.node_order)
     ok = (len(nodes) >= 2 and len(nodes) == len(devices)
           and _ops.is_uniform_job(devices, job.home))
     return tuple(nodes) if ok else None

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._errors import ArgumentError
 from . import topology
 
 __all__ = ["LinkClass", "Machine", "CostModel", "COSTS", "MACHINES", "STRATEGIES",
@@ -111,7 +112,7 @@ class Machine:
     def subset(self, n: int) -> "Machine":
         """The same machine restricted to its first n devices."""
         if not 1 <= n <= self.n:
-            raise ValueError(f"machine {self.name!r} has {self.n} devices, asked for {n}")
+            raise ArgumentError(f"machine {self.name!r} has {self.n} devices, asked for {n}")
         return replace(self, matrix=self.matrix[:n, :n].copy())
 
 
@@ -168,7 +169,7 @@ def machine(spec, n_devices: int | None = None) -> Machine:
         try:
             m = MACHINES[spec.lower()]
         except KeyError:
-            raise ValueError(f"machine {spec!r}: unknown; known machines are "
+            raise ArgumentError(f"machine {spec!r}: unknown; known machines are "
                              f"{', '.join(MACHINES)}") from None
     else:
         m = generic_machine(spec)
@@ -276,9 +277,9 @@ def tree_slice_plan(nelems: int, machine_or_matrix, home: int, *, itemsize: int 
     n = m.n
     nelems = int(nelems)
     if nelems < 0:
-        raise ValueError(f"tree_slice_plan: nelems {nelems}: expected >= 0")
+        raise ArgumentError(f"tree_slice_plan: nelems {nelems}: expected >= 0")
     if not 0 <= home < n:
-        raise ValueError(f"tree_slice_plan: home {home} outside 0..{n - 1}")
+        raise ArgumentError(f"tree_slice_plan: home {home} outside 0..{n - 1}")
     opts = topology.tree_options()
     bound = opts["array_bound"] if array_bound is None else array_bound
     if bound is not None:
@@ -372,9 +373,9 @@ def predict(strategy: str, nbytes: float, n_devices: int, machine_or_matrix="dgx
     follows); by default the environment's bound, else the cost model's choice.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+        raise ArgumentError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if nbytes < 0:
-        raise ValueError(f"nbytes {nbytes}: expected >= 0")
+        raise ArgumentError(f"nbytes {nbytes}: expected >= 0")
     m = machine(machine_or_matrix, n_devices)
     return _predict(strategy, float(nbytes), m, home, array_bound, costs)
 
@@ -414,7 +415,7 @@ def best_strategy(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
     """
     strategies = tuple(strategies)
     if not strategies:
-        raise ValueError("best_strategy: no strategies to choose from")
+        raise ArgumentError("best_strategy: no strategies to choose from")
     m = machine(machine_or_matrix, n_devices)
     if array_bound is None:
         array_bound = topology.tree_options()["array_bound"]

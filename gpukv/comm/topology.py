@@ -41,7 +41,7 @@ from .._errors import ArgumentError
 log = logging.getLogger("gpukv")
 
 __all__ = [
-    "Tree", "plan_tree", "plan_trees", "plan_ring", "validate_tree", "is_valid_tree",
+    "Tree", "plan_trees", "plan_ring", "validate_tree", "is_valid_tree",
     "tree_depth", "link_usage", "usage_summary", "slice_plan", "ring_bottleneck",
     "as_link_matrix", "effective_weights", "link_matrix_from_cuda", "cuda_driver",
     "tree_options", "dgx1_v100", "nvswitch_h100", "pcie_two_socket", "random_link_matrix",
@@ -82,10 +82,10 @@ def as_link_matrix(matrix) -> np.ndarray:
     """
     w = np.array(matrix, dtype=np.float64, copy=True)
     if w.ndim != 2 or w.shape[0] != w.shape[1] or w.shape[0] < 1:
-        raise ValueError(f"link matrix: expected a non-empty square 2-D array, got shape "
+        raise ArgumentError(f"link matrix: expected a non-empty square 2-D array, got shape "
                          f"{w.shape}")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError("link matrix: expected finite non-negative weights")
+        raise ArgumentError("link matrix: expected finite non-negative weights")
     w = np.minimum(w, w.T)
     np.fill_diagonal(w, 0.0)
     return w
@@ -126,7 +126,7 @@ def dgx1_v100() -> np.ndarray:
 def nvswitch_h100(n: int = 8) -> np.ndarray:
     """An NVSwitch box (HGX/DGX H100): every pair linked equally (weight 19 = 18 NVLinks+1)."""
     if n < 1:
-        raise ValueError(f"nvswitch_h100: n must be >= 1, got {n}")
+        raise ArgumentError(f"nvswitch_h100: n must be >= 1, got {n}")
     w = np.full((n, n), 19.0)
     np.fill_diagonal(w, 0.0)
     return w
@@ -140,7 +140,7 @@ def pcie_two_socket(n: int = 8) -> np.ndarray:
     path and are staged through host memory over QPI/UPI.
     """
     if n < 1:
-        raise ValueError(f"pcie_two_socket: n must be >= 1, got {n}")
+        raise ArgumentError(f"pcie_two_socket: n must be >= 1, got {n}")
     half = (n + 1) // 2
     socket = np.array([0 if i < half else 1 for i in range(n)])
     switch = np.array([(i // 2) if i < half else 1000 + (i - half) // 2 for i in range(n)])
@@ -340,10 +340,6 @@ class Tree:
         """Every (child, parent) edge in reduction order."""
         return [e for level in self.levels for e in level]
 
-    def children(self, node: int) -> list:
-        """The devices that send to `node`, in reduction order."""
-        return [c for c, p in self.edges() if p == node]
-
     def broadcast_levels(self) -> list:
         """The broadcast steps: (source, destination) edges, root first."""
         return [[(p, c) for c, p in level] for level in reversed(self.levels)]
@@ -424,15 +420,6 @@ def _plan_trees_cached(raw: bytes, n: int, penalty: float, backtrack: bool) -> t
             eff[c, p] *= penalty
             eff[p, c] *= penalty
     return tuple(trees)
-
-
-def plan_tree(matrix, root: int = 0, *, backtrack: bool | None = None) -> Tree:
-    """A single reduction tree rooted at `root` (no penalty from other trees)."""
-    w = as_link_matrix(matrix)
-    if not 0 <= root < w.shape[0]:
-        raise ValueError(f"root {root}: expected 0 <= root < {w.shape[0]}")
-    backtrack = tree_options()["backtrack"] if backtrack is None else bool(backtrack)
-    return _plan_one(w, _planning_weights(w), root, backtrack)
 
 
 def _plan_one(w: np.ndarray, eff: np.ndarray, root: int, backtrack: bool) -> Tree:
@@ -591,7 +578,8 @@ def _exact_plan(raw: bytes, n: int, nodes: frozenset, root: int):
 
 # ----------------------------------------------------------------------- checking
 def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = None) -> None:
-    """Raise ValueError unless `tree` reaches every device exactly once, in valid steps.
+    """Raise ArgumentError (a ValueError) unless `tree` reaches every device exactly once,
+    in valid steps.
 
     Checks: parents in range and acyclic with every device leading to the root; each
     non-root device sends exactly once; levels agree with `parent`; no device is in two
@@ -601,16 +589,16 @@ def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = N
     n = tree.n if n is None else n
     parent = list(tree.parent)
     if len(parent) != n:
-        raise ValueError(f"tree rooted at {tree.root}: {len(parent)} parents for {n} devices")
+        raise ArgumentError(f"tree rooted at {tree.root}: {len(parent)} parents for {n} devices")
     if not 0 <= tree.root < n or parent[tree.root] != -1:
-        raise ValueError(f"tree root {tree.root}: must be a device with parent -1")
+        raise ArgumentError(f"tree root {tree.root}: must be a device with parent -1")
     for node, p in enumerate(parent):
         if node != tree.root and not (0 <= p < n and p != node):
-            raise ValueError(f"tree rooted at {tree.root}: device {node} has parent {p}")
+            raise ArgumentError(f"tree rooted at {tree.root}: device {node} has parent {p}")
         seen, cur = set(), node
         while cur != tree.root:
             if cur in seen:
-                raise ValueError(f"tree rooted at {tree.root}: cycle through device {node}")
+                raise ArgumentError(f"tree rooted at {tree.root}: cycle through device {node}")
             seen.add(cur)
             cur = parent[cur]
     sent_at: dict = {}
@@ -618,24 +606,24 @@ def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = N
         busy = set()
         for child, par in level:
             if parent[child] != par:
-                raise ValueError(f"edge ({child}, {par}) at step {step}: parent of {child} "
+                raise ArgumentError(f"edge ({child}, {par}) at step {step}: parent of {child} "
                                  f"is {parent[child]}")
             if child in sent_at:
-                raise ValueError(f"device {child} sends twice (steps {sent_at[child]}, {step})")
+                raise ArgumentError(f"device {child} sends twice (steps {sent_at[child]}, {step})")
             if child in busy or par in busy:
-                raise ValueError(f"step {step}: a device is in two edges")
+                raise ArgumentError(f"step {step}: a device is in two edges")
             busy.update((child, par))
             sent_at[child] = step
     missing = [i for i in range(n) if i != tree.root and i not in sent_at]
     if missing:
-        raise ValueError(f"tree rooted at {tree.root}: devices {missing} never send")
+        raise ArgumentError(f"tree rooted at {tree.root}: devices {missing} never send")
     for child, step in sent_at.items():
         par = parent[child]
         if par != tree.root and sent_at[par] <= step:
-            raise ValueError(f"device {par} sends at step {sent_at[par]} before its child "
+            raise ArgumentError(f"device {par} sends at step {sent_at[par]} before its child "
                              f"{child} (step {step})")
     if max_depth is not None and tree.depth > max_depth:
-        raise ValueError(f"tree rooted at {tree.root}: depth {tree.depth} > {max_depth}")
+        raise ArgumentError(f"tree rooted at {tree.root}: depth {tree.depth} > {max_depth}")
 
 
 def is_valid_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = None) -> bool:
@@ -701,11 +689,11 @@ def slice_plan(nelems: int, n_trees: int, home: int, *, array_bound: int | None 
     `array_bound` defaults to `tree_options()`'s, else `MXNET_ARRAY_BOUND`.
     """
     if n_trees < 1 or not 0 <= home < n_trees:
-        raise ValueError(f"slice_plan: home {home} outside 0..{n_trees - 1}")
+        raise ArgumentError(f"slice_plan: home {home} outside 0..{n_trees - 1}")
     if roots is not None:
         roots = sorted({int(r) for r in roots})
         if not roots or not all(0 <= r < n_trees for r in roots):
-            raise ValueError(f"slice_plan: roots {roots} must be non-empty, within "
+            raise ArgumentError(f"slice_plan: roots {roots} must be non-empty, within "
                              f"0..{n_trees - 1}")
         if nelems == 0:
             return [(home, 0, 0)]
@@ -737,9 +725,9 @@ def slice_roots(matrix, home: int, count: int) -> list:
     w = as_link_matrix(matrix)
     n = w.shape[0]
     if not 0 <= home < n:
-        raise ValueError(f"slice_roots: home {home} outside 0..{n - 1}")
+        raise ArgumentError(f"slice_roots: home {home} outside 0..{n - 1}")
     if not 1 <= count <= n:
-        raise ValueError(f"slice_roots: count {count}: expected 1..{n}")
+        raise ArgumentError(f"slice_roots: count {count}: expected 1..{n}")
     others = sorted((j for j in range(n) if j != home), key=lambda j: (-w[home, j], j))
     return sorted([home] + others[:count - 1])
 

@@ -23,10 +23,6 @@ from ._ops import FlatOut, Term
 from .home import HomeStrategy
 
 
-def _node_order(device):
-    return (device.kind, device.physical, device.slot)
-
-
 class _Plan:
     """The nodes of a group of keys, their trees, and the cost model's machine."""
 
@@ -95,11 +91,11 @@ class TreeStrategy(Strategy):
         from . import topology
         return self._bound if self._bound is not None else topology.tree_options()["array_bound"]
 
-    def _groups(self, jobs, devices_of):
+    def _groups(self, jobs):
         """Jobs by their node set; jobs the tree cannot take go to the fallback list."""
         def nodes_of(job):
-            devices = devices_of(job)
-            nodes = sorted(_ops.unique(list(devices) + [job.home]), key=_node_order)
+            devices = job.devices
+            nodes = sorted(_ops.unique(list(devices) + [job.home]), key=_ops.node_order)
             ok = (len(nodes) >= 2 and len(set(devices)) == len(devices)
                   and _ops.is_uniform_job(devices, job.home))
             return tuple(nodes) if ok else None
@@ -128,7 +124,7 @@ class TreeStrategy(Strategy):
         self.reduce_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        groups, fallback = self._groups(jobs, lambda j: j.devices)
+        groups, fallback = self._groups(jobs)
         self._fallback.reduce_many(fallback)
         for nodes, group in groups.items():
             self._reduce_group(self._plan(nodes), group)
@@ -220,7 +216,7 @@ class TreeStrategy(Strategy):
 
     def broadcast_many(self, jobs: list) -> None:
         simple, other = _ops.split_plain_broadcasts(jobs)
-        groups, fallback = self._groups(simple, lambda j: j.devices)
+        groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():
             self._broadcast_group(self._plan(nodes), group)

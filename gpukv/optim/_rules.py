@@ -1,12 +1,12 @@
 """The update rules, each in MXNet 1.9.1's order of operations.
 
-For every rule, `host_step` (NumPy) and `cuda_body` (CUDA C, compiled with --fmad=false so
-nothing is fused) perform the same float operations in the same order, so they give the
-same bits, except that float32 subnormals flush to zero on GPUs (CuPy compiles with
--ftz=true; see `gpukv/_optim_kernels.py`). In `cuda_body`,
-`w` and `g` are the weight (or its float32 master copy) and the gradient in the compute
-type `ct`, `S0..S2` the state arrays, `lr, wd, x0, x1` the per-key scalars and the hyper
-parameters have their own names. `clipv(x, c)` is mshadow's clip.
+For every rule, `host_chunk` (NumPy; LAMB: `host_direction_chunk`, then `host_step`) and
+`cuda_body` (CUDA C, compiled with --fmad=false so nothing is fused) perform the same float
+operations in the same order, so they give the same bits, except that float32 subnormals
+flush to zero on GPUs (CuPy compiles with -ftz=true; see `gpukv/_optim_kernels.py`). In
+`cuda_body`, `w` and `g` are the weight (or its float32 master copy) and the gradient in
+the compute type `ct`, `S0..S2` the state arrays, `lr, wd, x0, x1` the per-key scalars and
+the hyper parameters have their own names. `clipv(x, c)` is mshadow's clip.
 """
 from __future__ import annotations
 
@@ -394,10 +394,6 @@ class AdaGrad(Optimizer):
         self.eps = check_number("eps", eps, low=0, low_open=True)
 
     _options = Optimizer._options + ("eps",)
-
-    @property
-    def float_stable_eps(self):
-        return self.eps
 
     def state_names(self):
         return ("history",)

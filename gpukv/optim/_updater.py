@@ -69,10 +69,6 @@ class KeyState:
         self.offset = offset
 
 
-def _host_copy(array) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else array.get()
-
-
 def _flat(a) -> np.ndarray:
     return a.reshape(-1)
 

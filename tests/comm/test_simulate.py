@@ -161,7 +161,7 @@ def test_explicit_array_bound_wins(no_bound):
         S.predict("tree", 64 * KB, 8, "dgx1-v100", array_bound=1)
 
 
-def test_tree_prediction_has_no_jump_at_the_old_bound(no_bound):
+def test_tree_prediction_has_no_jump_at_mxnets_bound(no_bound):
     """16 MB (under MXNet's bound) is no slower than 64 MB (over it) on an 8-GPU DGX-1."""
     t16 = S.predict("tree", 16 * MB, 8, "dgx1-v100")
     t64 = S.predict("tree", 64 * MB, 8, "dgx1-v100")

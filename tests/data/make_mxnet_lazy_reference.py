@@ -16,7 +16,6 @@ kernels: MXNet densifies the gradient. The JSON holds the initial weights, the r
 rows of every gradient, the weights after every step and the final states; floats are
 written with repr, so float32 values survive.
 """
-import json
 import os
 
 import mxnet as mx

@@ -12,7 +12,6 @@ AdamW has no optimizer class in MXNet 1.9.1: the case drives the contrib `adamw_
 `mp_adamw_update` operators the way MXNet's later AdamW optimizer does (lr=1, eta=the
 bias-corrected learning rate). Floats are written with repr, so float32 values survive.
 """
-import json
 import math
 import os
 
