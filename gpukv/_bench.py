@@ -25,6 +25,9 @@ Definitions (reported in the JSON too):
   measured in the same run (GPU: device-to-device memcpy on GPU 0; host: np.copyto), with
   bytes read + written counted, so 1.0 means "as fast as a plain memory copy".
 
+`--calibrate` runs none of this: it measures the constants of the 'auto' strategy's cost
+model on this machine and writes them to a calibration file (see `gpukv._calibrate`).
+
 On a machine without a GPU (or with --host) the same steps run on host devices (NumPy
 arrays standing for n devices), through `gpukv.create('local')` and through
 `gpukv.create('device', strategy=name)`, which runs a named strategy's algorithm over host
@@ -861,6 +864,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="draw no chart")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the file names")
+    p.add_argument("--calibrate", action="store_true",
+                   help="instead of the benchmark, measure the cost model's constants on "
+                        "this machine (host summation; on GPUs also launch and kernel "
+                        "latency, memory, peer-link and host-copy bandwidths, NCCL) and "
+                        "write them to the calibration file the 'auto' and 'tree' "
+                        "strategies read; --host: host constants only, --copy-size: "
+                        "bytes of the bandwidth measurements")
+    p.add_argument("--calibration-file", default=None, metavar="PATH",
+                   help="where --calibrate writes (default $GPUKV_CALIBRATION, else "
+                        "$XDG_CACHE_HOME/gpukv/calibration.json or "
+                        "~/.cache/gpukv/calibration.json)")
     return p
 
 
@@ -1078,6 +1092,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.warmup < 0 or args.iters < 1:
         raise SystemExit("gpukv bench: need --warmup >= 0 and --iters >= 1")
+    if args.calibrate:
+        from . import _calibrate
+        return _calibrate.main(args)
     logging.getLogger("gpukv").setLevel(logging.ERROR)  # "host arrays only" notes etc.
     common = _load_common()
     result = run(args)

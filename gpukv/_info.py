@@ -2,7 +2,9 @@
 
 Versions, GPUs (or "no GPU: host only"), logical/virtual devices, the peer-access and
 link matrices, the reduction trees and ring the planner picks, NCCL and MPI
-availability, and the default strategy. Works without CuPy, a driver or a GPU.
+availability, the default strategy, and whether its cost model uses a calibration file
+(`python -m gpukv bench --calibrate`) or the default constants. Works without CuPy, a
+driver or a GPU.
 `--simulate dgx1|nvswitch|pcie` prints the planner's choices for a machine we do not
 have; `--json` prints everything as one JSON object instead.
 """
@@ -244,6 +246,15 @@ def strategy_info(on_gpu: bool) -> dict:
     return out
 
 
+def calibration_info() -> dict:
+    """Whether the cost model uses a calibration file (which, when measured) or defaults."""
+    from .comm import simulate
+    try:
+        return simulate.calibration_status()
+    except Exception as exc:  # never let a calibration problem break `info`
+        return {"in_use": False, "path": None, "reason": _err(exc)}
+
+
 def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
     """Everything `gpukv info` reports, as a dict."""
     import gpukv
@@ -259,6 +270,7 @@ def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
         "nccl": nccl_info(),
         "mpi": mpi_info(),
         "strategy": strategy_info(gpus["count"] > 0),
+        "calibration": calibration_info(),
     }
     torch = _module_version("torch")
     if torch is not None:
@@ -375,6 +387,16 @@ def render(info: dict) -> str:
                  + (f" -> {s['resolves_to']}" if s.get("resolves_to") else "")
                  + (f"; {s['note']}" if s.get("note") else ""))
     lines.append(f"strategies: {', '.join(s['names'])}")
+    c = info.get("calibration")
+    if c:
+        if c["in_use"]:
+            lines.append(f"cost model: calibrated from {c['path']} (measured "
+                         f"{c['created_utc']} on {c.get('measured_on') or '?'}; "
+                         f"{len(c['constants'])} constants, {len(c['links'])} link classes)")
+        else:
+            where = f" at {c['path']}" if c.get("path") else ""
+            lines.append(f"cost model: default constants ({c['reason']}{where}; "
+                         "`python -m gpukv bench --calibrate` measures this machine's)")
     sim = info.get("simulated")
     if sim:
         lines.append("")

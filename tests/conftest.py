@@ -15,6 +15,20 @@ if os.environ.get("CI"):
 GPU_EXPECTED = os.environ.get("GPUKV_TEST_GPU", "") == "1"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_calibration(tmp_path_factory):
+    """No test (nor a subprocess it starts) reads or writes the user's cost-model
+    calibration: the cache folder is a temporary one and GPUKV_CALIBRATION is unset."""
+    from gpukv.comm import simulate
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    patch.delenv("GPUKV_CALIBRATION", raising=False)
+    simulate.reset_calibration()
+    yield
+    patch.undo()
+    simulate.reset_calibration()
+
+
 def _logical_gpus() -> int:
     from gpukv.backends.cuda import gpu_count, gpu_devices
     return len(gpu_devices()) if gpu_count() else 0

@@ -2,8 +2,11 @@
 
 For each key the choice depends on its size in bytes, the number of devices that hold
 it and their link matrix (from CUDA's P2P attributes); `simulate.best_strategy` (an
-alpha-beta model whose constants the benchmark calibrates) ranks 'home', 'tree',
-'ring', 'cpu' and, where NCCL loads and the key spans several physical GPUs, 'nccl'.
+alpha-beta model) ranks 'home', 'tree', 'ring', 'cpu' and, where NCCL loads and the
+key spans several physical GPUs, 'nccl'. For GPUs the model is
+`simulate.calibrated_machine` of their link matrix with `simulate.calibrated_costs`:
+the constants `python -m gpukv bench --calibrate` measured on this machine when its
+calibration file is there and usable, the defaults otherwise.
 Keys on the host only take the host sum; a key on one device takes 'home'. Choices
 are cached per (size, devices, home) and logged once at DEBUG, e.g.
 ``gpukv: key 3 (4 MiB, 4 devices) -> tree``. Keys that chose the same strategy are
@@ -33,7 +36,8 @@ class AutoStrategy(Strategy):
     """Picks a strategy per key from `simulate.best_strategy` (see the module docs).
 
     `machine`: a link matrix, a `simulate` machine profile name or a `Machine`, used in
-    place of the measured topology (tests, and the benchmark's calibration). `choose`:
+    place of the measured topology and modelled with the default constants (no
+    calibration: it stands for another machine, or for tests). `choose`:
     a callable `(nbytes, n_devices, matrix, home, candidates) -> name` replacing the
     cost model. `model_host`: choose for host devices too (else they take the host sum).
     """
@@ -83,14 +87,19 @@ class AutoStrategy(Strategy):
             if nccl_available():
                 candidates.append("nccl")
         machine = self._machine
-        if machine is None:
+        measured = machine is None
+        if measured:
             machine = _ops.link_matrix(nodes)
         h = nodes.index(home)
         if self._choose is not None:
             return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
         from . import simulate
+        costs = simulate.COSTS
+        if measured and not host_nodes(nodes):  # these GPUs: measured constants, if any
+            machine = simulate.calibrated_machine(machine)
+            costs = simulate.calibrated_costs()
         return simulate.best_strategy(nbytes, len(nodes), machine,
-                                      strategies=tuple(candidates), home=h)
+                                      strategies=tuple(candidates), home=h, costs=costs)
 
     def _dispatch(self, jobs, nbytes_of, method: str) -> None:
         chosen: dict = {}

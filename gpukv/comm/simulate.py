@@ -27,14 +27,24 @@ socket interconnect: `LinkClass.bus`). Each copy or kernel also costs host time 
 issue (`CostModel.launch_us`), which overlaps the device time of its step.
 
 Every constant lives in `COSTS` and in the machine profiles below. They are
-calibrated-by-benchmark defaults: vendor link speeds derated to what a single
-cudaMemcpyPeer reaches, typical launch latencies. Replace them with measured numbers
-(`dataclasses.replace`) where a benchmark on the real machine disagrees.
+defaults: vendor link speeds derated to what a single cudaMemcpyPeer reaches, typical
+launch latencies. `python -m gpukv bench --calibrate` measures this machine's own
+values and writes them to a calibration file (``GPUKV_CALIBRATION``, else
+``$XDG_CACHE_HOME/gpukv/calibration.json``, else ``~/.cache/gpukv/calibration.json``).
+`load_calibration` reads it once per process; `calibrated_costs` and
+`calibrated_machine` (the generic profile of a measured link matrix) apply it, and
+are what the 'auto' and 'tree' strategies model the GPUs they run on with. Without a
+usable file they return `COSTS` and `generic_machine`'s defaults. The named profiles
+in `MACHINES` describe other machines and are never calibrated.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +53,12 @@ from . import topology
 
 __all__ = ["LinkClass", "Machine", "CostModel", "COSTS", "MACHINES", "STRATEGIES",
            "MIN_SLICE_BYTES", "machine", "generic_machine", "predict", "predict_all",
-           "best_strategy", "tree_slice_plan"]
+           "best_strategy", "tree_slice_plan", "Calibration", "CALIBRATION_FORMAT",
+           "CALIBRATION_VERSION", "CALIBRATED", "calibration_path", "load_calibration",
+           "reset_calibration", "calibrated_costs", "calibrated_machine",
+           "calibration_status"]
+
+log = logging.getLogger("gpukv")
 
 STRATEGIES = ("home", "tree", "ring", "cpu", "nccl")
 GB = 1e9
@@ -429,3 +444,271 @@ def best_strategy(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
             _BEST_CACHE.clear()
         _BEST_CACHE[key] = best
     return best
+
+
+# ------------------------------------------------------------------ calibration
+CALIBRATION_FORMAT = "gpukv-calibration"
+CALIBRATION_VERSION = 1
+#: The constants a calibration file may set: name -> (unit, "costs" for a `CostModel`
+#: field or "machine" for a `Machine` field). Link classes come in the file's "links".
+CALIBRATED = {
+    "launch_us": ("us", "costs"),
+    "kernel_us": ("us", "costs"),
+    "host_copy_us": ("us", "costs"),
+    "host_sum_us": ("us", "costs"),
+    "nccl_base_us": ("us", "costs"),
+    "hbm_gbps": ("GB/s", "machine"),
+    "host_gbps": ("GB/s", "machine"),
+    "host_total_gbps": ("GB/s", "machine"),
+    "host_sum_gbps": ("GB/s", "machine"),
+}
+_OFF = ("off", "none", "0")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Constants measured on this machine by `python -m gpukv bench --calibrate`.
+
+    `constants`: name (a key of `CALIBRATED`) -> value in its unit, only those measured.
+    `links`: link weight (MXNet's convention; 0: pairs staged through the host) ->
+    (GB/s one way, latency in us) of one transfer over a link of that weight.
+    """
+
+    path: str
+    created_utc: str
+    constants: dict
+    links: dict = field(default_factory=dict)
+    system: dict = field(default_factory=dict, repr=False, compare=False)
+    versions: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def costs(self, base: CostModel = COSTS) -> CostModel:
+        """`base` with the measured `CostModel` constants in place of its own."""
+        return replace(base, **{k: v for k, v in self.constants.items()
+                                if CALIBRATED[k][1] == "costs"})
+
+    def apply(self, m: Machine) -> Machine:
+        """`m` (a generic profile) with the measured memory and link speeds.
+
+        A measured link class keeps the generic one's port (PCIe links share the
+        device's PCIe port); the port's speed becomes the fastest single transfer
+        measured through it or to host memory, since one transfer cannot beat it.
+        """
+        fields = {k: v for k, v in self.constants.items() if CALIBRATED[k][1] == "machine"}
+        links, staged, ported = dict(m.links), m.staged, {}
+        for w, (gbps, latency) in sorted(self.links.items()):
+            base = staged if w <= 0 else links.get(w) or _generic_link(w)
+            cls = replace(base, name=f"{base.name} (measured)", gbps=gbps, latency_us=latency)
+            if w <= 0:
+                staged = cls
+            else:
+                links[w] = cls
+            if cls.port is not None:
+                ported[cls.port] = max(ported.get(cls.port, 0.0), gbps)
+        if "host_gbps" in fields:
+            ported["pcie"] = max(ported.get("pcie", 0.0), fields["host_gbps"])
+        ports = {**m.ports, **ported}
+        host_gbps = fields.get("host_gbps", m.host_gbps)
+        fields["host_total_gbps"] = max(fields.get("host_total_gbps", m.host_total_gbps),
+                                        host_gbps)
+        return replace(m, links=links, staged=staged, ports=ports, **fields)
+
+
+class _Unusable(Exception):
+    """Why a calibration file cannot be used."""
+
+
+def default_calibration_path() -> Path:
+    """The per-user cache file: $XDG_CACHE_HOME/gpukv/calibration.json, else
+    ~/.cache/gpukv/calibration.json."""
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    return root / "gpukv" / "calibration.json"
+
+
+def calibration_path() -> Path | None:
+    """The calibration file in effect: ``GPUKV_CALIBRATION`` when set (``off``, ``none``
+    or ``0``: none at all, so None), else `default_calibration_path()`."""
+    env = os.environ.get("GPUKV_CALIBRATION", "").strip()
+    if env.lower() in _OFF:
+        return None
+    return Path(env).expanduser() if env else default_calibration_path()
+
+
+_LOADED: dict = {}    # path -> Calibration | None, for load_calibration()
+_PROBLEMS: dict = {}  # path -> why its file was not used
+
+
+def reset_calibration() -> None:
+    """Forget the calibration read by `load_calibration()`: the next call reads again."""
+    _LOADED.clear()
+    _PROBLEMS.clear()
+
+
+def load_calibration(path=None) -> Calibration | None:
+    """The calibration in `path`, or None when there is none to use.
+
+    Without `path`: the file of `calibration_path()`, read once per process and cached
+    (`reset_calibration` forgets it). A missing default cache file is no calibration; a
+    missing ``GPUKV_CALIBRATION`` file, and any file that is malformed, of another
+    format, of a newer format version, or measured on another machine (another CPU
+    model or other GPU models than this process sees) is logged as a warning naming the
+    file and the problem, and None is returned, so the model keeps its defaults.
+    """
+    if path is not None:
+        return _load(Path(path), explicit=True)
+    p = calibration_path()
+    if p is None:
+        return None
+    key = str(p)
+    if key not in _LOADED:
+        explicit = bool(os.environ.get("GPUKV_CALIBRATION", "").strip())
+        _LOADED[key] = _load(p, explicit=explicit)
+    return _LOADED[key]
+
+
+def _load(path: Path, explicit: bool) -> Calibration | None:
+    try:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            if not explicit:
+                return None
+            raise _Unusable("no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _Unusable(f"cannot read it: {exc}") from None
+        try:
+            record = json.loads(text)
+        except ValueError as exc:
+            raise _Unusable(f"not valid JSON: {exc}") from None
+        cal = _parse(record, str(path))
+        other = _other_machine(cal.system)
+        if other:
+            raise _Unusable(f"measured on another machine: {other}")
+        return cal
+    except _Unusable as exc:
+        _PROBLEMS[str(path)] = str(exc)
+        log.warning("gpukv: calibration file %s not used (%s); the cost model keeps its "
+                    "default constants", path, exc)
+        return None
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise _Unusable(f"{what}: {value!r} is not a positive number")
+    return float(value)
+
+
+def _measured(entry, what: str, unit: str) -> float:
+    if not isinstance(entry, dict) or "value" not in entry:
+        raise _Unusable(f"{what}: expected an object with 'value' and 'unit'")
+    if entry.get("unit") != unit:
+        raise _Unusable(f"{what}: unit {entry.get('unit')!r}, expected {unit!r}")
+    return _number(entry["value"], what)
+
+
+def _parse(record, path: str) -> Calibration:
+    """A Calibration from a parsed file; _Unusable saying what is wrong."""
+    if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise _Unusable(f"not a gpukv calibration file (format {found!r}, expected "
+                        f"{CALIBRATION_FORMAT!r})")
+    version = record.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise _Unusable(f"version {version!r}: expected a positive integer")
+    if version > CALIBRATION_VERSION:
+        raise _Unusable(f"format version {version} is newer than this gpukv reads "
+                        f"({CALIBRATION_VERSION}); run `python -m gpukv bench --calibrate` "
+                        "again")
+    created = record.get("created_utc")
+    system = record.get("machine")
+    versions = record.get("versions", {})
+    constants = record.get("constants")
+    links = record.get("links", [])
+    if not isinstance(created, str) or not isinstance(system, dict) \
+            or not isinstance(versions, dict):
+        raise _Unusable("'created_utc', 'machine' or 'versions' missing or malformed")
+    if not isinstance(constants, dict) or not isinstance(links, list):
+        raise _Unusable("'constants' must be an object and 'links' a list")
+    values = {}
+    for name, entry in constants.items():
+        if name not in CALIBRATED:
+            raise _Unusable(f"unknown constant {name!r}")
+        values[name] = _measured(entry, name, CALIBRATED[name][0])
+    measured_links = {}
+    for i, entry in enumerate(links):
+        if not isinstance(entry, dict):
+            raise _Unusable(f"links[{i}]: expected an object")
+        w = entry.get("weight")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
+                or w < 0:
+            raise _Unusable(f"links[{i}]: weight {w!r} is not a number >= 0")
+        measured_links[float(w)] = (_measured(entry.get("gbps"), f"links[{i}].gbps", "GB/s"),
+                                    _measured(entry.get("latency_us"),
+                                              f"links[{i}].latency_us", "us"))
+    return Calibration(path=path, created_utc=created, constants=values,
+                       links=measured_links, system=system, versions=versions)
+
+
+def _other_machine(system: dict) -> str | None:
+    """What differs between the machine of a calibration file and this one, or None."""
+    from .._benchutil import cpu_model
+    theirs = system.get("cpu_model")
+    ours = cpu_model()
+    if theirs and ours and theirs != ours:
+        return f"CPU {theirs!r}, this one has {ours!r}"
+    gpus = system.get("gpus") or []
+    if gpus:
+        ours_gpus = _local_gpu_names()
+        if ours_gpus and set(ours_gpus) != set(gpus):
+            return f"GPUs {sorted(set(gpus))}, this one has {sorted(set(ours_gpus))}"
+    return None
+
+
+def _local_gpu_names() -> list:
+    """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
+    try:
+        from ..backends.cuda import cupy_module, gpu_count
+        count = gpu_count()
+        if not count:
+            return []
+        runtime = cupy_module().cuda.runtime
+        names = [runtime.getDeviceProperties(i)["name"] for i in range(count)]
+    except Exception:
+        return []
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+
+def calibrated_costs() -> CostModel:
+    """`COSTS` with this machine's measured constants (`load_calibration()`), if any."""
+    cal = load_calibration()
+    return COSTS if cal is None else cal.costs()
+
+
+def calibrated_machine(matrix, name: str = "measured") -> Machine:
+    """`generic_machine(matrix)` with this machine's measured memory and link speeds
+    (`load_calibration()`), if any: the model of the GPUs a store runs on."""
+    m = generic_machine(matrix, name)
+    cal = load_calibration()
+    return m if cal is None else cal.apply(m)
+
+
+def calibration_status() -> dict:
+    """What the cost model of this machine uses: the calibration file, its date and
+    constants, or the defaults and why (for `python -m gpukv info`)."""
+    env = os.environ.get("GPUKV_CALIBRATION", "").strip()
+    path = calibration_path()
+    if path is None:
+        return {"in_use": False, "path": None, "reason": f"GPUKV_CALIBRATION={env}"}
+    cal = load_calibration()
+    out = {"in_use": cal is not None, "path": str(path),
+           "from": "GPUKV_CALIBRATION" if env else "user cache"}
+    if cal is None:
+        out["reason"] = _PROBLEMS.get(str(path), "no calibration file")
+        return out
+    out["created_utc"] = cal.created_utc
+    out["measured_on"] = cal.system.get("name") or cal.system.get("hostname")
+    out["constants"] = dict(cal.constants)
+    out["links"] = {f"{w:g}": {"gbps": g, "latency_us": lat}
+                    for w, (g, lat) in sorted(cal.links.items())}
+    return out

@@ -14,6 +14,9 @@ the simulator's 'tree' prediction (and so the 'auto' strategy) uses. Precedence:
 ``MXNET_KVSTORE_TREE_ARRAY_BOUND`` (MXNet's fixed rule: whole up to that many elements,
 sliced over every tree above); with none set, the cost model picks the number of slices
 with the lowest predicted time, never slicing below `simulate.MIN_SLICE_BYTES` per slice.
+On GPUs whose link matrix is read from CUDA, that model is `simulate.calibrated_machine`
+with `simulate.calibrated_costs` (this machine's measured constants when
+`python -m gpukv bench --calibrate` wrote a usable calibration file), as for 'auto'.
 """
 from __future__ import annotations
 
@@ -26,22 +29,31 @@ from .home import HomeStrategy
 class _Plan:
     """The nodes of a group of keys, their trees, and the cost model's machine."""
 
-    def __init__(self, nodes, matrix, machine=None):
+    def __init__(self, nodes, matrix, machine=None, calibrated: bool = False):
         from . import topology
         self.nodes = nodes
         self.index = {d: i for i, d in enumerate(nodes)}
         self.matrix = matrix
         self.trees = topology.plan_trees(matrix)
         self._machine = machine
+        self.calibrated = calibrated  # model the measured GPUs with the calibration
         self.slices: dict = {}  # (elements, itemsize, home index, bound) -> slice plan
 
     @property
     def machine(self):
-        """The machine the slicing decision is modelled on (default: the link matrix)."""
+        """The machine the slicing decision is modelled on (default: the generic profile
+        of the link matrix, calibrated when the matrix is this machine's GPUs')."""
         if self._machine is None:
             from . import simulate
-            self._machine = simulate.machine(self.matrix)
+            self._machine = (simulate.calibrated_machine(self.matrix) if self.calibrated
+                             else simulate.machine(self.matrix))
         return self._machine
+
+    @property
+    def costs(self):
+        """The model's constants: calibrated ones for this machine's GPUs, else defaults."""
+        from . import simulate
+        return simulate.calibrated_costs() if self.calibrated else simulate.COSTS
 
 
 class TreeStrategy(Strategy):
@@ -53,9 +65,12 @@ class TreeStrategy(Strategy):
     `topology.tree_options()`'s; None there too: the cost model decides per key, see
     `simulate.tree_slice_plan`). `machine`: the `simulate` machine (a `Machine`, profile
     name, or callable `nodes -> Machine`) the decision is modelled on; by default the
-    generic profile of the link matrix; when given without `matrix`, its first devices'
-    matrix is also the one planned on. `costs` and `min_slice_bytes`: the model's
-    constants and smallest slice (default `simulate.COSTS`, `simulate.MIN_SLICE_BYTES`).
+    generic profile of the link matrix (for GPUs with neither `matrix` nor `machine`
+    given: `simulate.calibrated_machine`, this machine's measured speeds when calibrated);
+    when given without `matrix`, its first devices' matrix is also the one planned on.
+    `costs` and `min_slice_bytes`: the model's constants and smallest slice (default
+    `simulate.calibrated_costs()` for this machine's GPUs, else `simulate.COSTS`, and
+    `simulate.MIN_SLICE_BYTES`).
     """
 
     name = "tree"
@@ -84,7 +99,9 @@ class TreeStrategy(Strategy):
                 matrix = model.matrix
             else:
                 matrix = _ops.link_matrix_for(nodes, self._matrix)
-            plan = self._plans[key] = _Plan(list(nodes), matrix, model)
+            measured = (model is None and self._matrix is None
+                        and all(_ops.is_gpu(d) for d in nodes))
+            plan = self._plans[key] = _Plan(list(nodes), matrix, model, calibrated=measured)
         return plan
 
     def _bound_now(self) -> int | None:
@@ -110,10 +127,10 @@ class TreeStrategy(Strategy):
         segments = plan.slices.get(key)
         if segments is None:
             from . import simulate
-            options = {"costs": self._costs} if self._costs is not None else {}
+            costs = self._costs if self._costs is not None else plan.costs
             segments = simulate.tree_slice_plan(
                 size, plan.machine, home, itemsize=itemsize, array_bound=bound,
-                min_slice_bytes=self._min_slice, **options)
+                min_slice_bytes=self._min_slice, costs=costs)
             if len(plan.slices) > 4096:
                 plan.slices.clear()
             plan.slices[key] = segments
