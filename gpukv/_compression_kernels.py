@@ -232,6 +232,17 @@ def _np_dequantize_1bit(payload, n, out, accumulate):
     return out
 
 
+def _scaled_blocks(x, scale, lo, hi):
+    """(start, stop, block of x[lo:hi] divided by `scale`, or x's own slice if None)."""
+    xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        xb = x[start:stop]
+        if scale is not None:
+            xb = np.divide(xb, scale, out=xs[:stop - start])
+        yield start, stop, xb
+
+
 def _np_cast_fp16_range(x, scale, out, lo, hi):
     """float32 -> float16 bits as NumPy's astype (round to nearest even), without its
     per-element loop. For a = |x| with exponent e (e >= -14, as fp16's subnormals share
@@ -243,13 +254,8 @@ def _np_cast_fp16_range(x, scale, out, lo, hi):
     a = _scratch("a", _U32, BLOCK)
     e = _scratch("e", _U32, BLOCK)
     mag = _scratch("mag", _U32, BLOCK)
-    xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
-    for start in range(lo, hi, BLOCK):
-        stop = min(start + BLOCK, hi)
+    for start, stop, xb in _scaled_blocks(x, scale, lo, hi):
         k = stop - start
-        xb = x[start:stop]
-        if scale is not None:
-            xb = np.divide(xb, scale, out=xs[:k])
         u = xb.view(_U32)
         ab, eb, mb = a[:k], e[:k], mag[:k]
         np.bitwise_and(u, _U32(0x7FFFFFFF), out=ab)
@@ -323,13 +329,8 @@ def _bf16_bits(u, xp=np):
 
 def _np_cast_bf16_range(x, scale, out, lo, hi):
     tmp = _scratch("bf", _U32, BLOCK)
-    xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
-    for start in range(lo, hi, BLOCK):
-        stop = min(start + BLOCK, hi)
+    for start, stop, xb in _scaled_blocks(x, scale, lo, hi):
         k = stop - start
-        xb = x[start:stop]
-        if scale is not None:
-            xb = np.divide(xb, scale, out=xs[:k])
         u = xb.view(_U32)
         if np.isnan(np.minimum.reduce(xb)):  # the minimum is NaN when any value is
             out[start:stop] = _bf16_bits(u)
