@@ -125,29 +125,11 @@ class MultiFactorScheduler(LRScheduler):
         return self.base_lr
 
 
-class PolyScheduler(LRScheduler):
-    """`final_lr + (base_lr - final_lr) * (1 - nup / max_update) ** pwr` after warm-up."""
+class _DecayScheduler(LRScheduler):
+    """After warm-up, `final_lr + (base_lr - final_lr) * decay(steps)` up to `max_update`.
 
-    def __init__(self, max_update, base_lr=0.01, pwr=2, final_lr=0,
-                 warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
-        super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
-        self.max_update = _int("max_update", max_update, 1)
-        self.power = _number("pwr", pwr, low=0)
-        self.base_lr_orig = self.base_lr
-        self.final_lr = _number("final_lr", final_lr, low=0)
-        self.max_steps = self.max_update - self.warmup_steps
-
-    def __call__(self, num_update):
-        if num_update < self.warmup_steps:
-            return self.get_warmup_lr(num_update)
-        if num_update <= self.max_update:
-            self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * pow(
-                1 - float(num_update - self.warmup_steps) / float(self.max_steps), self.power)
-        return self.base_lr
-
-
-class CosineScheduler(LRScheduler):
-    """`final_lr + (base_lr - final_lr) * (1 + cos(pi * nup / max_update)) / 2`."""
+    `decay(steps)` (steps: updates since warm-up) goes from 1 to 0; subclasses give it.
+    """
 
     def __init__(self, max_update, base_lr=0.01, final_lr=0,
                  warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
@@ -157,13 +139,36 @@ class CosineScheduler(LRScheduler):
         self.final_lr = _number("final_lr", final_lr, low=0)
         self.max_steps = self.max_update - self.warmup_steps
 
+    def _decay(self, steps):
+        raise NotImplementedError
+
     def __call__(self, num_update):
         if num_update < self.warmup_steps:
             return self.get_warmup_lr(num_update)
         if num_update <= self.max_update:
-            self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * (
-                1 + math.cos(math.pi * (num_update - self.warmup_steps) / self.max_steps)) / 2
+            self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * self._decay(
+                num_update - self.warmup_steps)
         return self.base_lr
+
+
+class PolyScheduler(_DecayScheduler):
+    """`final_lr + (base_lr - final_lr) * (1 - nup / max_update) ** pwr` after warm-up."""
+
+    def __init__(self, max_update, base_lr=0.01, pwr=2, final_lr=0,
+                 warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
+        super().__init__(max_update, base_lr, final_lr, warmup_steps, warmup_begin_lr,
+                         warmup_mode)
+        self.power = _number("pwr", pwr, low=0)
+
+    def _decay(self, steps):
+        return pow(1 - float(steps) / float(self.max_steps), self.power)
+
+
+class CosineScheduler(_DecayScheduler):
+    """`final_lr + (base_lr - final_lr) * (1 + cos(pi * nup / max_update)) / 2`."""
+
+    def _decay(self, steps):
+        return (1 + math.cos(math.pi * steps / self.max_steps)) / 2
 
 
 _CLASSES = {c.__name__: c for c in
