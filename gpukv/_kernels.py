@@ -20,9 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._dtypes import NARROW_FLOATS
+
 # =============================================================== 1. infrastructure
 
-_NARROW = frozenset(["float16", "bfloat16"])
 
 # dtype name -> the C type its elements are stored as (16-bit floats as raw bits)
 _CTYPES = {
@@ -60,7 +61,7 @@ __device__ __forceinline__ unsigned short gpukv_f2b(float f) {
 def accumulate_name(out_dtype) -> str:
     """The dtype sums into `out_dtype` are accumulated in (float32 for 16-bit floats)."""
     name = np.dtype(out_dtype).name
-    return "float32" if name in _NARROW else name
+    return "float32" if name in NARROW_FLOATS else name
 
 
 def ctype(dtype) -> str:

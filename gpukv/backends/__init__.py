@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from .._dtypes import SUPPORTED_DTYPES
 from .._env import positive_int
 from .._errors import ArgumentKindError, DeviceError, DTypeError
 from ._base import Device
@@ -17,9 +18,6 @@ from .host import HostDevice, host_device
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
            "virtual_gpus", "has_overlapping_elements"]
 
-# MXNet's dtypes plus bfloat16 (NumPy's via ml_dtypes, when a caller uses it).
-SUPPORTED_DTYPES = frozenset(
-    ["float16", "bfloat16", "float32", "float64", "uint8", "int8", "int32", "int64"])
 
 
 def _cupy_ndarray():

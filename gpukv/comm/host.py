@@ -22,10 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
 from ._base import BroadcastJob, ReduceJob, Strategy
 
-_NARROW = frozenset(["float16", "bfloat16"])
 _F32 = np.dtype(np.float32)
 _NDARRAY = np.ndarray
 _SAME: dict = {}  # ufunc keywords when every array has the output's dtype: none
@@ -84,7 +84,7 @@ def accumulate_dtype(dtype):
     dtype = np.dtype(dtype)
     acc = _ACC_CACHE.get(dtype)
     if acc is None:  # dtype.name is slow in NumPy, so it is read once per dtype
-        acc = _ACC_CACHE[dtype] = _F32 if dtype.name in _NARROW else dtype
+        acc = _ACC_CACHE[dtype] = _F32 if dtype.name in NARROW_FLOATS else dtype
     return acc
 
 

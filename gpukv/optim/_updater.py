@@ -29,6 +29,7 @@ import logging
 
 import numpy as np
 
+from .._dtypes import NARROW_FLOATS
 from .._errors import CheckpointError, DTypeError
 from ._base import Optimizer
 from . import lr_scheduler as _sched
@@ -37,7 +38,6 @@ log = logging.getLogger("gpukv")
 
 STATE_KIND = "gpukv.optimizer-states"
 STATE_VERSION = 1
-_NARROW = frozenset(["float16", "bfloat16"])
 _FLOATS = frozenset(["float16", "bfloat16", "float32", "float64"])
 _FLOAT_DTYPES: dict = {}  # dtype -> whether an optimizer can update it
 
@@ -110,7 +110,7 @@ class OptimizerUpdater:
     def _new_state(self, stored, home) -> KeyState:
         names = self.optimizer.state_names()
         ct = compute_dtype(stored.dtype)
-        narrow = stored.dtype.name in _NARROW
+        narrow = stored.dtype.name in NARROW_FLOATS
         if home.kind == "gpu":
             with home.cuda_device, home.stream:
                 xp = home.xp
@@ -126,7 +126,7 @@ class OptimizerUpdater:
         names = self.optimizer.state_names()
         by_type: dict = {}
         for key, s in zip(keys, stored):
-            by_type.setdefault((compute_dtype(s.dtype), s.dtype.name in _NARROW),
+            by_type.setdefault((compute_dtype(s.dtype), s.dtype.name in NARROW_FLOATS),
                                []).append((key, s))
         for (ct, narrow), group in by_type.items():
             total = sum(s.size for _, s in group)
@@ -594,7 +594,7 @@ class OptimizerUpdater:
                         f"{where}key {key!r}: the file holds states {info['states']}, this "
                         f"optimizer keeps {list(names)} (different options?)")
                 ct = compute_dtype(value.dtype)
-                narrow = value.dtype.name in _NARROW
+                narrow = value.dtype.name in NARROW_FLOATS
                 if bool(info["master"]) != narrow:
                     raise CheckpointError(f"{where}key {key!r}: the file's master copy does "
                                           f"not fit a {value.dtype} weight")
