@@ -1,4 +1,4 @@
-"""Shared fixtures and the GPU gate: GPU tests skip without a GPU, fail when one is expected."""
+"""Shared fixtures, the GPUs of the run (tests/gpu_env.py), and the GPU gate."""
 from __future__ import annotations
 
 import os
@@ -6,13 +6,16 @@ import os
 import pytest
 from hypothesis import settings
 
+from . import gpu_env
+from .gpu_gate import gpu_unavailable
+
+gpu_env.install()
+
 # CI runs the same examples every time, so a CI result never depends on a lucky draw;
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-GPU_EXPECTED = os.environ.get("GPUKV_TEST_GPU", "") == "1"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -46,7 +49,6 @@ def pytest_runtest_setup(item):
     have = _logical_gpus()
     if have >= needed:
         return
-    reason = f"needs {needed} GPU(s), {have} visible (set GPUKV_VIRTUAL_GPUS for more)"
-    if GPU_EXPECTED:
-        pytest.fail(f"GPUKV_TEST_GPU=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+    gpu_unavailable(f"needs {needed} GPU(s), {have} visible (set GPUKV_VIRTUAL_GPUS for "
+                    f"more)")
+

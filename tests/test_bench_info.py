@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -12,6 +11,8 @@ import pytest
 
 from gpukv import _bench, _info
 
+from . import gpu_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--host", "--sizes", "4K,16K", "--devices", "2,3", "--strategies", "local,cpu",
         "--baselines", "loop", "--warmup", "0", "--iters", "2", "--small-keys", "6",
@@ -19,10 +20,8 @@ TINY = ["--host", "--sizes", "4K,16K", "--devices", "2,3", "--strategies", "loca
         "--copy-size", "1M", "--no-progress"]
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
+def _env(gpus: bool = False):
+    return gpu_env.subprocess_env(gpus=gpus)
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +233,24 @@ def test_info_renders_gpus_without_a_gpu(monkeypatch):
 @pytest.mark.parametrize("script", ["cupy_mlp.py", "torch_training.py",
                                     "train_set_optimizer.py", "train_embedding_sparse.py"])
 def test_examples_train(script):
-    """The examples train to a lower loss (they exit non-zero otherwise)."""
+    """The examples train to a lower loss on host devices (they exit non-zero otherwise)."""
     if script.startswith("torch"):
         pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)],
                           capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script, args", [
+    ("cupy_mlp.py", ["--steps", "60"]), ("train_set_optimizer.py", []),
+    ("train_embedding_sparse.py", [])])
+def test_examples_train_on_gpus(script, args):
+    """The GPU examples train on every GPU of this run (eight virtual ones), with CuPy."""
+    env = _env(gpus=True)
+    env["GPUKV_VIRTUAL_GPUS"] = "8"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loss" in proc.stdout and "no GPU" not in proc.stdout

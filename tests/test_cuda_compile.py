@@ -8,15 +8,13 @@ source is compiled with the options its module gives CuPy plus the ones CuPy add
 cubin for the oldest target (as CuPy does at run time: ptxas runs too) and to PTX for a
 recent one.
 
-NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (the `nvidia` namespace package) or
-from GPUKV_NVRTC_LIB (the path of a libnvrtc.so.*); it is driven through CuPy's binding.
-Without it the tests skip; with GPUKV_TEST_NVRTC=1 they fail instead (CI sets it).
+NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel of the `test` extra (or from
+GPUKV_NVRTC_LIB, the path of a libnvrtc.so.*) and is driven through ctypes (tests/nvrtc.py),
+so neither CuPy nor a GPU is needed. Without it the tests go through the GPU gate: they
+skip, or fail when GPUKV_TEST_GPU=1 or GPUKV_TEST_NVRTC=1.
 """
 from __future__ import annotations
 
-import ctypes
-import glob
-import importlib.util
 import inspect
 import itertools
 import os
@@ -31,6 +29,9 @@ import pytest
 from gpukv import _compression_kernels, _kernels, _optim_kernels, optim
 from gpukv._errors import GpukvError
 from gpukv.optim import _base as optim_base
+
+from . import nvrtc
+from .gpu_gate import gpu_unavailable
 
 REQUIRED = os.environ.get("GPUKV_TEST_NVRTC", "") == "1"
 
@@ -139,85 +140,32 @@ VARIANTS = _variants()
 
 
 # ---------------------------------------------------------------------- NVRTC
-def _unavailable(reason: str):
-    if REQUIRED:
-        pytest.fail(f"GPUKV_TEST_NVRTC=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
-def _library_dirs_and_lib():
-    """(directory, libnvrtc path) of GPUKV_NVRTC_LIB or the wheel, or None."""
-    path = os.environ.get("GPUKV_NVRTC_LIB", "")
-    if path:
-        if not os.path.isfile(path):
-            _unavailable(f"GPUKV_NVRTC_LIB={path!r} is not a file")
-        return os.path.dirname(path), path
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        libdir = os.path.join(root, "cuda_nvrtc", "lib")
-        libs = sorted(glob.glob(os.path.join(libdir, "libnvrtc.so.[0-9]*")))
-        if libs:
-            return libdir, libs[-1]
-    return None
-
-
-@lru_cache(maxsize=None)
-def _load_nvrtc():
-    """CuPy's NVRTC binding, with the wheel's (or GPUKV_NVRTC_LIB's) library loaded first.
-
-    Returns (binding, None) or (None, why not)."""
-    found = _library_dirs_and_lib()
-    if found is not None:
-        libdir, lib = found
-        builtins = sorted(glob.glob(os.path.join(libdir, "libnvrtc-builtins.so.*")))
-        for path in builtins + [lib]:  # the builtins first: libnvrtc dlopens them
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError as exc:
-                return None, f"cannot load {path}: {exc}"
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except ImportError as exc:
-        return None, f"CuPy (whose NVRTC binding is used) is not importable: {exc}"
-    try:
-        nvrtc.getVersion()
-    except Exception as exc:  # no libnvrtc anywhere CuPy looks
-        where = (f"{found[1]} was loaded" if found else
-                 "no libnvrtc found (pip install nvidia-cuda-nvrtc-cu12, or set "
-                 "GPUKV_NVRTC_LIB to a libnvrtc.so.*)")
-        return None, f"NVRTC is not usable through CuPy: {where}; {type(exc).__name__}: {exc}"
-    return nvrtc, None
-
-
 def _nvrtc():
-    nvrtc, why = _load_nvrtc()
-    if nvrtc is None:
-        _unavailable(why)
-    return nvrtc
+    """NVRTC, or the GPU gate's skip (a failure when NVRTC is required) naming why not."""
+    compiler, why = nvrtc.load()
+    if compiler is None:
+        if REQUIRED:
+            pytest.fail(f"GPUKV_TEST_NVRTC=1 but {why}", pytrace=False)
+        gpu_unavailable(why)
+    return compiler
 
 
 @lru_cache(maxsize=None)
 def _targets() -> tuple:
     """A cubin for the oldest GPU generation, as CuPy builds one at run time (ptxas runs
     on the inline PTX too, and code needing a newer GPU fails), and PTX for a recent one."""
-    oldest = max([OLDEST_ARCH, min(_nvrtc().getSupportedArchs())])
+    oldest = max([OLDEST_ARCH, min(_nvrtc().supported_archs())])
     return f"sm_{oldest}", RECENT_PTX
 
 
 @lru_cache(maxsize=None)
 def _compile(source: str, options: tuple, arch: str) -> tuple:
     """(ok, NVRTC log, cubin or PTX) of `source` for `arch`."""
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(source, "gpukv_kernel.cu", [], [])
     try:
-        try:
-            nvrtc.compileProgram(prog, [*options, *CUPY_OPTIONS, f"-arch={arch}"])
-        except nvrtc.NVRTCError as exc:
-            return False, f"{exc}\n{nvrtc.getProgramLog(prog)}", b""
-        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
-        return True, nvrtc.getProgramLog(prog), image
-    finally:
-        nvrtc.destroyProgram(prog)
+        log, image = _nvrtc().compile(source, [*options, *CUPY_OPTIONS], arch)
+    except nvrtc.NvrtcError as exc:
+        return False, f"{exc}\n{exc.log}", b""
+    return True, log, image
 
 
 @pytest.fixture(scope="module")

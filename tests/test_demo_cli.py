@@ -1,7 +1,6 @@
 """The `gpukv` command line: `python -m gpukv demo`, `--help`, and dispatch to bench / info."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,12 +14,14 @@ import gpukv
 from gpukv import __main__ as cli
 from gpukv import _demo
 
+from . import gpu_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, code=None, timeout=60):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+def _run(*args, code=None, timeout=60, gpus=False):
+    """`python -m gpukv *args` (or `-c code`): on the host, or with this run's GPUs."""
+    env = gpu_env.subprocess_env(gpus=gpus)
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "gpukv", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO, stdin=subprocess.DEVNULL)
@@ -171,7 +172,7 @@ def test_console_script_declared():
 @pytest.mark.gpu
 def test_demo_on_gpus():
     """With GPUs the demo runs the tutorial and the training on them, with CuPy arrays."""
-    done = _run("demo", "--steps", "40", timeout=300)
+    done = _run("demo", "--steps", "40", timeout=300, gpus=True)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "tutorial: gpukv.create('device') with CuPy arrays" in out

@@ -91,7 +91,7 @@ class _FakeStream:
     def _on(self):
         return self.cuda.current if self.device == -1 else self.device
 
-    def record(self):
+    def record(self, event=None):
         return ("event", self.name, self._on())
 
     def wait_event(self, event):
@@ -121,6 +121,7 @@ class _FakeCuda:
         self.current, self.log, self.stack, self.streams = 0, [], [], {}
         self.runtime = types.SimpleNamespace(getDeviceCount=lambda: n)
         self.null = _FakeStream(self, "null", -1)
+        self.Event = lambda disable_timing=False: None  # recorded through the stream
 
     def get_current_stream(self, device_id=-1):
         return self.streams.get(self.current if device_id == -1 else device_id, self.null)
@@ -238,7 +239,8 @@ def test_push_pull_ordered_on_current_stream(strategy):
         kv.push("w", grads)
         kv.pull("w", out=outs)
         for g in grads:  # the caller overwrites its gradients right away
-            g += 1
+            with cupy.cuda.Device(g.device.id):
+                g += 1
         for o in outs:
             with cupy.cuda.Device(o.device.id):
                 assert float(o[0]) == float(o[-1]) == 10 + 4 * step
@@ -774,7 +776,7 @@ def tagged_cupy(fake_cupy, monkeypatch):
         ("copyto", cuda.current, cuda.get_current_stream().name, dst.tag, src.tag))
     seq = iter(range(1000))
 
-    def record(stream):
+    def record(stream, event=None):
         event = ("event", stream.name, stream._on(), next(seq))
         cuda.log.append(("record",) + event[1:])
         return event

@@ -428,7 +428,8 @@ def test_auto_host_jobs_take_host_sum():
 
 
 def test_auto_uses_cost_model():
-    """The auto strategy's decision is simulate.best_strategy's for the same inputs."""
+    """The auto strategy's decision is simulate.best_strategy's for the same inputs (NCCL
+    among the candidates where it is available)."""
     from gpukv.comm import simulate
     auto = AutoStrategy(machine=topology.dgx1_v100())
 
@@ -445,9 +446,11 @@ def test_auto_uses_cost_model():
             return self.physical == other.physical
 
     nodes = [Fake(i) for i in range(8)]
+    candidates = ("home", "tree", "ring", "cpu") + (
+        ("nccl",) if nccl_mod.nccl_available() else ())
     for nbytes in (1 << 10, 1 << 20, 256 << 20):
         want = simulate.best_strategy(nbytes, 8, topology.dgx1_v100(),
-                                      strategies=("home", "tree", "ring", "cpu"), home=0)
+                                      strategies=candidates, home=0)
         assert auto._decide(nbytes, nodes, nodes[0]) == want
 
 

@@ -1,0 +1,680 @@
+"""`cupy.ndarray` and the array functions of the emulated `cupy` module.
+
+An emulated array is a NumPy view of emulated device memory (see memory.py) plus the
+`MemoryPointer` of its first element. It keeps CuPy's rules where code written against
+NumPy would slip: it is not a `numpy.ndarray`, it refuses implicit conversion to one
+(`numpy.asarray(x)` raises TypeError), operations refuse NumPy arrays as operands,
+reductions return 0-d arrays, new arrays land on the current device, and an operation
+reading an array of another GPU needs peer access between the two (as CuPy checks).
+
+Arithmetic is NumPy's, run on the host over the device memory: results are therefore
+NumPy's bit for bit (a real GPU may differ in the last bit of transcendental functions
+and flushes float32 subnormals in CuPy's own kernels).
+"""
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import numpy as np
+
+from . import machine, memory, runtime
+from .memory import MemoryPointer
+from .names import FUNCTIONS, UFUNCS
+
+
+class PerformanceWarning(RuntimeWarning):
+    """CuPy's `cupy._util.PerformanceWarning`."""
+
+
+# --------------------------------------------------------------------- device rules
+def _check_device(array: "ndarray", device: int) -> None:
+    """CuPy's peer-access check for a kernel on `device` reading `array`."""
+    owner = array._data.device_id
+    if owner == device:
+        return
+    msg = (f"The device where the array resides ({owner}) is different from the current "
+           f"device ({device}).")
+    if not machine.MACHINE.can_access_peer(device, owner):
+        raise ValueError(f"{msg} Peer access is unavailable between these devices.")
+    if not runtime.peer_enabled(device, owner):
+        try:
+            with runtime.Device(device):
+                runtime.runtime.deviceEnablePeerAccess(owner)
+        except runtime.CUDARuntimeError:
+            pass
+        warnings.warn(f"{msg} Peer access has been activated automatically.",
+                      PerformanceWarning, stacklevel=4)
+
+
+def _unsupported(x) -> TypeError:
+    return TypeError(f"Unsupported type {type(x)}")
+
+
+def _operand(x, device: int, *, host_ok: bool = False):
+    """The NumPy view (or scalar) an operand stands for in a computation on `device`."""
+    if isinstance(x, ndarray):
+        _check_device(x, device)
+        return x._view
+    if isinstance(x, (list, tuple)):
+        return type(x)(_operand(v, device, host_ok=host_ok) for v in x)
+    if isinstance(x, np.ndarray) and not host_ok:
+        raise _unsupported(x)
+    return x
+
+
+def _views_only(x):
+    """Operands of an operation that only makes views: NumPy views, no device check."""
+    if isinstance(x, ndarray):
+        return x._view
+    if isinstance(x, (list, tuple)):
+        return type(x)(_views_only(v) for v in x)
+    if isinstance(x, np.ndarray):
+        raise _unsupported(x)
+    return x
+
+
+# ------------------------------------------------------------- making arrays
+def _address(view: np.ndarray) -> int:
+    return view.__array_interface__["data"][0]
+
+
+def _view_of(memptr: MemoryPointer, shape, dtype, strides=None) -> np.ndarray:
+    """A NumPy view of `shape`/`dtype`/`strides` with its first element at `memptr`."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    if strides is None:
+        strides = _c_strides(shape, dtype.itemsize)
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0:
+        return np.empty(shape, dtype)
+    low = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + dtype.itemsize
+    buffer = memory.host_bytes(memptr.ptr + low, high - low, memptr.mem)
+    return np.ndarray(shape, dtype, buffer=buffer, offset=-low, strides=tuple(strides))
+
+
+def _c_strides(shape, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> "ndarray":
+    """A new array on `device` (the current one by default), poisoned in guard mode."""
+    dtype = _dtype(dtype)
+    shape = _shape(shape)
+    device = runtime.current_device() if device is None else device
+    size = int(np.prod(shape, dtype=np.int64))
+    memptr = memory.alloc(size * dtype.itemsize, device)
+    strides = None
+    if order == "F":
+        strides = tuple(reversed(_c_strides(tuple(reversed(shape)), dtype.itemsize)))
+    return ndarray._wrap(_view_of(memptr, shape, dtype, strides), memptr.mem)
+
+
+def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") -> "ndarray":
+    """A device copy of the host array `host`."""
+    if host.dtype == object:
+        raise ValueError("Unsupported dtype object")
+    order = "F" if order == "F" or (order in ("A", "K") and host.flags.f_contiguous
+                                     and not host.flags.c_contiguous) else "C"
+    out = _allocate(host.shape, host.dtype, order, device)
+    np.copyto(out._view, host, casting="no")
+    return out
+
+
+def _result(value, device: int):
+    """An operation's NumPy result as emulated arrays: a view of device memory stays a
+    view (of the same allocation), anything else is copied to `device`; NumPy scalars
+    become 0-d arrays, as CuPy's results are."""
+    if isinstance(value, np.ndarray):
+        if value.size:
+            mem = memory.find(_address(value))
+            if mem is not None and mem.device_id is not None:
+                return ndarray._wrap(value, mem)
+        return _to_device(value, device, "K")
+    if isinstance(value, np.generic):
+        return _to_device(np.asarray(value), device)
+    if isinstance(value, tuple):
+        return tuple(_result(v, device) for v in value)
+    if isinstance(value, list):
+        return [_result(v, device) for v in value]
+    return value
+
+
+def _dtype(dtype):
+    return np.dtype(float if dtype is None else dtype)
+
+
+def _shape(shape) -> tuple:
+    if isinstance(shape, numbers.Integral):
+        return (int(shape),)
+    return tuple(int(n) for n in shape)
+
+
+# ------------------------------------------------------------------ the array
+class Flags:
+    """`ndarray.flags` as CuPy has it (no `writeable`: device arrays are always writable)."""
+
+    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
+
+    def __init__(self, view: np.ndarray, owndata: bool):
+        self.c_contiguous = view.flags.c_contiguous
+        self.f_contiguous = view.flags.f_contiguous
+        self.owndata = owndata
+
+    def __getitem__(self, name):
+        return getattr(self, {"C_CONTIGUOUS": "c_contiguous", "F_CONTIGUOUS":
+                              "f_contiguous", "OWNDATA": "owndata"}[name])
+
+    def __repr__(self):
+        return (f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : "
+                f"{self.f_contiguous}\n  OWNDATA : {self.owndata}")
+
+
+class ndarray:  # noqa: N801 - CuPy's name
+    """An array in emulated device memory."""
+
+    __slots__ = ("_view", "_data", "_base", "__weakref__")
+    __array_priority__ = 100
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        dtype = _dtype(dtype)
+        shape = _shape(shape)
+        if memptr is None:
+            made = _allocate(shape, dtype, order)
+            self._view, self._data, self._base = made._view, made._data, None
+            return
+        if strides is None and order == "F":
+            strides = tuple(reversed(_c_strides(tuple(reversed(shape)), dtype.itemsize)))
+        self._view = _view_of(memptr, shape, dtype, strides)
+        self._data = memptr
+        self._base = None
+
+    @classmethod
+    def _wrap(cls, view: np.ndarray, mem, base=None) -> "ndarray":
+        self = cls.__new__(cls)
+        self._view = view
+        ptr = _address(view) if view.size else mem.ptr
+        self._data = MemoryPointer(mem, ptr - mem.ptr)
+        self._base = base
+        return self
+
+    def _derived(self, view: np.ndarray) -> "ndarray":
+        """A view of this array's memory (NumPy made `view` from `self._view`)."""
+        return ndarray._wrap(view, self._data.mem, self if self._base is None else self._base)
+
+    # ------------------------------------------------------------- attributes
+    shape = property(lambda self: self._view.shape)
+    dtype = property(lambda self: self._view.dtype)
+    strides = property(lambda self: self._view.strides)
+    size = property(lambda self: self._view.size)
+    ndim = property(lambda self: self._view.ndim)
+    itemsize = property(lambda self: self._view.itemsize)
+    nbytes = property(lambda self: self._view.nbytes)
+    data = property(lambda self: self._data)
+    base = property(lambda self: self._base)
+
+    @property
+    def flags(self) -> Flags:
+        return Flags(self._view, self._base is None)
+
+    @property
+    def device(self) -> runtime.Device:
+        return runtime.Device(self._data.device_id)
+
+    @property
+    def T(self):  # noqa: N802
+        return self.transpose()
+
+    @property
+    def mT(self):  # noqa: N802
+        return self.swapaxes(-1, -2)
+
+    @property
+    def real(self):
+        return self._derived(self._view.real) if self.dtype.kind == "c" else self
+
+    @property
+    def imag(self):
+        return _call(np.imag, (self,), {})
+
+    @shape.setter
+    def shape(self, value):
+        self._view = self._view.reshape(value)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        view = self._view
+        descr = view.dtype.descr
+        typestr = view.dtype.str
+        if view.dtype.names is None and view.dtype.type.__module__ == "ml_dtypes":
+            typestr, descr = f"<V{view.itemsize}", [("", f"<V{view.itemsize}")]
+        return {"shape": view.shape, "typestr": typestr, "descr": descr,
+                "data": (self._data.ptr if view.size else 0, False),
+                "strides": None if view.flags.c_contiguous else view.strides,
+                "version": 3, "stream": 1}
+
+    # ------------------------------------------------------ conversions (refused)
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                        "`.get()` to construct a NumPy array explicitly.")
+
+    # As CuPy's, these go through a host copy and follow NumPy's rules (0-d only for
+    # int/float/complex); there is no __index__.
+    def __int__(self):
+        return int(self.get())
+
+    def __float__(self):
+        return float(self.get())
+
+    def __complex__(self):
+        return complex(self.get())
+
+    def __bool__(self):
+        if self.size == 0:
+            warnings.warn("The truth value of an empty array is ambiguous. Returning False, "
+                          "but in future this will result in an error. Use `array.size > 0` "
+                          "to check that an array is not empty.", DeprecationWarning)
+            return False
+        if self.size != 1:
+            raise ValueError("The truth value of an array with more than one element is "
+                             "ambiguous. Use a.any() or a.all()")
+        return bool(self.get())
+
+    def __len__(self):
+        if self.ndim == 0:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __iter__(self):
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self.shape[0]))
+
+    def item(self):
+        if self.size != 1:
+            raise ValueError("can only convert an array of size 1 to a Python scalar")
+        return self.get().item()
+
+    def tolist(self):
+        return self._view.tolist()
+
+    def tobytes(self, order="C"):
+        return self._view.tobytes(order)
+
+    def __repr__(self):
+        return repr(self._view.copy())
+
+    def __str__(self):
+        return str(self._view.copy())
+
+    def __format__(self, spec):
+        return format(self._view.copy() if self.ndim else self._view[()], spec)
+
+    def __reduce__(self):
+        return (array, (self.get(),))
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    # ------------------------------------------------------------ host transfers
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """A host copy; into `out` (a NumPy array of the same shape and dtype) if given."""
+        if stream is not None and not hasattr(stream, "ptr"):
+            raise AttributeError(f"'{type(stream).__name__}' object has no attribute 'ptr'")
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError("Only numpy.ndarray can be obtained fromcupy.ndarray")
+            if out.dtype != self.dtype:
+                raise TypeError(f"{out.dtype} array cannot be obtained from "
+                                f"{self.dtype} array")
+            if out.shape != self.shape:
+                raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, "
+                                 f"actual shape: {out.shape}")
+            if not (out.flags.c_contiguous or out.flags.f_contiguous):
+                raise RuntimeError("`out` cannot be specified when copying to "
+                                   "non-contiguous ndarray")
+            np.copyto(np.ndarray(out.shape, out.dtype, buffer=memory.host_bytes(
+                out.ctypes.data, out.nbytes, out), strides=out.strides), self._view)
+            return out
+        order = order.upper()
+        if order == "A":
+            order = "F" if self._view.flags.f_contiguous and not \
+                self._view.flags.c_contiguous else "C"
+        if order not in ("C", "F"):
+            raise ValueError(f"unsupported order: {order}")
+        return np.array(self._view, order=order, copy=True)
+
+    def set(self, arr, stream=None):
+        """Copy the host array `arr` (same shape and dtype, C- or F-contiguous) in."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: "
+                             f"{arr.shape}")
+        if not (self._view.flags.c_contiguous or self._view.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
+        np.copyto(self._view, arr)
+
+    # ---------------------------------------------------------------- views
+    def view(self, dtype=None, type=None):  # noqa: A002 - NumPy's name
+        if dtype is None:
+            return self._derived(self._view.view())
+        return self._derived(self._view.view(dtype))
+
+    def reshape(self, *shape, order="C"):
+        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+            shape = tuple(shape[0])
+        return _call(np.reshape, (self, shape), {"order": order}, views=True)
+
+    def ravel(self, order="C"):
+        return _call(np.ravel, (self,), {"order": order}, views=True)
+
+    def flatten(self, order="C"):
+        return _call(np.ravel, (self.copy(order),), {"order": order}, views=True)
+
+    def transpose(self, *axes):
+        if len(axes) == 1 and not isinstance(axes[0], numbers.Integral):
+            axes = axes[0]
+        return self._derived(self._view.transpose(*axes) if axes else self._view.transpose())
+
+    def swapaxes(self, a, b):
+        return self._derived(self._view.swapaxes(a, b))
+
+    def squeeze(self, axis=None):
+        return self._derived(self._view.squeeze(axis))
+
+    def diagonal(self, offset=0, axis1=0, axis2=1):
+        return self._derived(self._view.diagonal(offset, axis1, axis2))
+
+    # ---------------------------------------------------------------- copies
+    def copy(self, order="C"):
+        """A copy on the current device (no peer check, as CuPy's copy makes none)."""
+        device = runtime.current_device()
+        if self._data.device_id != device and not (self._view.flags.c_contiguous
+                                                   or self._view.flags.f_contiguous):
+            raise NotImplementedError("CuPy cannot copy non-contiguous array between "
+                                      "devices.")
+        out = _allocate(self.shape, self.dtype, "F" if order == "F" else "C", device)
+        np.copyto(out._view, self._view)
+        return out
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        if casting is not None:
+            raise TypeError("casting is not supported yet")
+        if subok is not None:
+            raise TypeError("subok is not supported yet")
+        dtype = np.dtype(dtype)
+        if not copy and dtype == self.dtype:
+            return self
+        device = runtime.current_device()
+        _check_device(self, device)
+        keep_f = order == "F" or (order in ("A", "K") and self._view.flags.f_contiguous
+                                  and not self._view.flags.c_contiguous)
+        out = _allocate(self.shape, dtype, "F" if keep_f else "C", device)
+        np.copyto(out._view, self._view, casting="unsafe")
+        return out
+
+    def fill(self, value):
+        _check_device(self, runtime.current_device())
+        if isinstance(value, np.ndarray):
+            raise _unsupported(value)
+        self._view.fill(value.item() if isinstance(value, ndarray) else value)
+
+    # --------------------------------------------------------------- indexing
+    def _index(self, index, device):
+        if isinstance(index, tuple):
+            return tuple(self._index(i, device) for i in index)
+        if isinstance(index, ndarray):
+            _check_device(index, device)
+            return index._view
+        if isinstance(index, list):
+            return np.asarray(index)
+        return index
+
+    def __getitem__(self, index):
+        device = runtime.current_device()
+        index = self._index(index, device)
+        if not isinstance(index, tuple):
+            index = (index,)
+        if not any(i is Ellipsis for i in index):
+            index = index + (Ellipsis,)  # an element comes back as a 0-d view, as in CuPy
+        result = self._view[index]
+        if isinstance(result, np.ndarray) and result.size and _in(result, self):
+            return self._derived(result)  # basic indexing: a view
+        _check_device(self, device)
+        return _result(np.asarray(result), device)
+
+    def __setitem__(self, index, value):
+        device = runtime.current_device()
+        _check_device(self, device)
+        if isinstance(value, ndarray):
+            _check_device(value, device)
+            value = value._view
+        elif isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray)
+                                                  and value.ndim):
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+        self._view[self._index(index, device)] = value
+
+    # ---------------------------------------------------------- DLPack
+    def __dlpack_device__(self):
+        return (2, self._data.device_id)  # kDLCUDA
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        from . import dlpack
+        return dlpack.to_capsule(self)
+
+    def toDlpack(self):  # noqa: N802 - CuPy's name
+        return self.__dlpack__()
+
+    # -------------------------------------------------------------- scatter
+    def scatter_add(self, slices, value):
+        from . import api
+        api.scatter_add(self, slices, value)
+
+
+def _in(view: np.ndarray, array: ndarray) -> bool:
+    """Whether NumPy returned a view into `array`'s memory (basic indexing)."""
+    start = _address(view)
+    mem = array._data.mem
+    return mem.ptr <= start < mem.ptr + max(mem.size, 1)
+
+
+# ---------------------------------------------------------------- operations
+_VIEW_FUNCTIONS = frozenset("""
+    reshape ravel transpose squeeze expand_dims broadcast_to broadcast_arrays swapaxes
+    moveaxis rollaxis atleast_1d atleast_2d atleast_3d split array_split hsplit vsplit
+    dsplit diagonal flip fliplr flipud real imag
+""".split())
+
+
+def _call(func, args, kwargs, *, views: bool = False):
+    """`func` (a NumPy function) over emulated arrays, as the CuPy function would run."""
+    device = runtime.current_device()
+    out = kwargs.get("out")
+    if views:
+        np_args = _views_only(args)
+        np_kwargs = {k: _views_only(v) for k, v in kwargs.items()}
+    else:
+        np_args = _operand(args, device)
+        np_kwargs = {k: _operand(v, device) for k, v in kwargs.items()}
+        if out is not None and not isinstance(out, (ndarray, tuple)):
+            raise TypeError(f"Output must be cupy.ndarray, not {type(out).__name__}")
+    result = func(*np_args, **np_kwargs)
+    if out is not None:  # NumPy wrote into the outs' device memory
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+    return _result(result, device)
+
+
+class ufunc:  # noqa: N801 - CuPy's name
+    """A CuPy ufunc: NumPy's, over emulated arrays."""
+
+    def __init__(self, np_ufunc):
+        self._np = np_ufunc
+        self.name = np_ufunc.__name__ if isinstance(np_ufunc, np.ufunc) else np_ufunc.__name__
+        self.nin = getattr(np_ufunc, "nin", 1)
+        self.nout = getattr(np_ufunc, "nout", 1)
+        self.__doc__ = np_ufunc.__doc__
+
+    def __call__(self, *args, **kwargs):
+        for x in args:
+            if isinstance(x, (list, tuple)):
+                raise TypeError(f"Unsupported type {type(x)}")
+        return _call(self._np, args, kwargs)
+
+    def reduce(self, *args, **kwargs):
+        return _call(self._np.reduce, args, kwargs)
+
+    def accumulate(self, *args, **kwargs):
+        return _call(self._np.accumulate, args, kwargs)
+
+    def outer(self, *args, **kwargs):
+        return _call(self._np.outer, args, kwargs)
+
+    def at(self, a, indices, b=None):
+        device = runtime.current_device()
+        args = (a, indices) if b is None else (a, indices, b)
+        self._np.at(*_operand(args, device))
+
+    def __repr__(self):
+        return f"<ufunc '{self.name}'>"
+
+
+def function(name: str):
+    """The emulated `cupy.<name>` for a NumPy function of that name."""
+    func = getattr(np, name)
+    views = name in _VIEW_FUNCTIONS
+
+    def run(*args, **kwargs):
+        return _call(func, args, kwargs, views=views)
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = func.__doc__
+    return run
+
+
+_UFUNCS = {name: ufunc(getattr(np, name)) for name in UFUNCS if hasattr(np, name)}
+
+
+def _method(name: str):
+    func = getattr(np.ndarray, name)
+
+    def run(self, *args, **kwargs):
+        return _call(lambda view, *a, **k: func(view, *a, **k), (self,) + args, kwargs)
+
+    run.__name__ = name
+    return run
+
+
+for _name in ("sum", "prod", "mean", "var", "std", "max", "min", "argmax", "argmin", "all",
+              "any", "cumsum", "cumprod", "clip", "round", "dot", "nonzero", "argpartition",
+              "repeat", "take", "compress", "trace", "ptp", "conj", "conjugate", "choose",
+              "put", "partition"):
+    if hasattr(np.ndarray, _name):
+        setattr(ndarray, _name, _method(_name))
+
+
+def _argsort(self, axis=-1, kind=None):
+    from . import api
+    return api.argsort(self, axis=axis, kind=kind)
+
+
+def _sort(self, axis=-1, kind=None):
+    from . import api
+    self[...] = api.sort(self, axis=axis, kind=kind)
+
+
+def _searchsorted(self, v, side="left", sorter=None):
+    from . import api
+    return api.searchsorted(self, v, side, sorter)
+
+
+# Sorting is stable, as CuPy's is whatever `kind` says.
+ndarray.argsort, ndarray.sort, ndarray.searchsorted = _argsort, _sort, _searchsorted
+
+
+def _binary(np_ufunc, reflected: bool = False, inplace: bool = False,
+            compare: bool = False):
+    def op(self, other):
+        if compare and isinstance(other, np.ndarray) and other.ndim == 0:
+            other = other.item()  # CuPy compares with a 0-d host array's value
+        if isinstance(other, np.ndarray):
+            raise _unsupported(other)
+        if not isinstance(other, (ndarray, numbers.Number, np.generic)):
+            if compare and other is None:  # `a == None` is all False, `a != None` all True
+                return _fill_like(self, np_ufunc is np.not_equal)
+            raise TypeError(f"operand type(s) all returned NotImplemented from "
+                            f"__array_ufunc__({np_ufunc!r}): 'ndarray', "
+                            f"'{type(other).__name__}'")
+        if inplace:
+            return _call(np_ufunc, (self, other), {"out": (self,)})
+        args = (other, self) if reflected else (self, other)
+        return _call(np_ufunc, args, {})
+    return op
+
+
+def _fill_like(array, value: bool):
+    out = _allocate(array.shape, bool)
+    out._view.fill(value)
+    return out
+
+
+for _name, _uf in (("add", np.add), ("sub", np.subtract), ("mul", np.multiply),
+                   ("truediv", np.true_divide), ("floordiv", np.floor_divide),
+                   ("mod", np.remainder), ("pow", np.power), ("lshift", np.left_shift),
+                   ("rshift", np.right_shift), ("and", np.bitwise_and),
+                   ("or", np.bitwise_or), ("xor", np.bitwise_xor),
+                   ("matmul", np.matmul)):
+    setattr(ndarray, f"__{_name}__", _binary(_uf))
+    setattr(ndarray, f"__r{_name}__", _binary(_uf, reflected=True))
+    if _name != "matmul":
+        setattr(ndarray, f"__i{_name}__", _binary(_uf, inplace=True))
+
+for _name, _uf in (("eq", np.equal), ("ne", np.not_equal), ("lt", np.less),
+                   ("le", np.less_equal), ("gt", np.greater), ("ge", np.greater_equal)):
+    setattr(ndarray, f"__{_name}__", _binary(_uf, compare=True))
+
+for _name, _uf in (("neg", np.negative), ("pos", np.positive), ("abs", np.absolute),
+                   ("invert", np.invert)):
+    setattr(ndarray, f"__{_name}__", lambda self, _uf=_uf: _call(_uf, (self,), {}))
+
+ndarray.__hash__ = None  # arrays compare elementwise, so they are not hashable
+ndarray.__module__ = "cupy"  # the name code under test sees, as with CuPy's own
+
+
+def _array_ufunc(self, np_ufunc, method, *inputs, **kwargs):
+    """NumPy ufuncs called on emulated arrays run as CuPy's (CuPy dispatches them too)."""
+    name = np_ufunc.__name__
+    if name not in UFUNCS and name not in ("true_divide", "conjugate"):
+        return NotImplemented
+    out = kwargs.get("out")
+    for x in inputs + tuple(out or ()):
+        if isinstance(x, np.ndarray):  # passed on to the CuPy ufunc, which refuses it
+            raise _unsupported(x)
+        if not isinstance(x, (ndarray, numbers.Number, np.generic)):
+            return NotImplemented
+    target = getattr(np_ufunc, method)
+    if out is not None:
+        kwargs = dict(kwargs, out=tuple(out))
+    return _call(target, inputs, kwargs)
+
+
+def _array_function(self, func, types, args, kwargs):
+    name = func.__name__
+    if name in UFUNCS or name in FUNCTIONS:
+        from . import api
+        return getattr(api, name)(*args, **kwargs)
+    return NotImplemented
+
+
+ndarray.__array_ufunc__ = _array_ufunc
+ndarray.__array_function__ = _array_function

@@ -1,0 +1,360 @@
+"""Emulated device memory: host memory at real addresses, one registry of live allocations.
+
+Every allocation is its own anonymous mapping. In guard mode (the default) its bytes end
+exactly where an inaccessible page begins, another such page lies before it, and it
+starts filled with all-ones bytes (NaN in every float type, -1 in every signed integer),
+so a kernel that reads or writes past the end crashes at once (turned into an
+illegal-address error by the kernel launcher) and a read of memory nobody wrote shows up
+as NaN. The registry maps any address back to its allocation: CUDA array interface
+adoption, NCCL buffers and fault messages all use it.
+
+The classes mirror `cupy.cuda.memory`: `Memory`, `UnownedMemory`, `MemoryPointer`,
+`PinnedMemory`, `PinnedMemoryPointer`.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+from . import machine
+from .errors import CUDARuntimeError, INVALID_VALUE
+
+PAGE = mmap.PAGESIZE
+POISON = 0xFF
+ALIGN = 256  # cudaMalloc's alignment, used when guard pages are off
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE = 0  # (the mmap module names only PROT_READ, PROT_WRITE and PROT_EXEC)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# ------------------------------------------------------------------- the registry
+_lock = threading.Lock()
+_starts: list = []          # sorted start addresses of live allocations
+_live: dict = {}            # start address -> weakref to its Memory
+_freed = collections.deque(maxlen=256)  # (address, size, place) of recent frees
+_used: collections.Counter = collections.Counter()  # place -> live bytes
+
+
+def _register(mem) -> None:
+    with _lock:
+        bisect.insort(_starts, mem.ptr)
+        _live[mem.ptr] = weakref.ref(mem)
+        _used[mem.place] += mem.size
+
+
+def _unregister(ptr: int, size: int, place) -> None:
+    with _lock:
+        i = bisect.bisect_left(_starts, ptr)
+        if i < len(_starts) and _starts[i] == ptr:
+            del _starts[i]
+        _live.pop(ptr, None)
+        _used[place] -= size
+        _freed.append((ptr, size, place))
+
+
+def find(ptr: int):
+    """The live Memory whose bytes contain address `ptr`, or None."""
+    with _lock:
+        i = bisect.bisect_right(_starts, ptr) - 1
+        if i < 0:
+            return None
+        mem = _live[_starts[i]]()
+    if mem is not None and mem.ptr <= ptr < mem.ptr + mem.size:
+        return mem
+    return None
+
+
+def used_bytes(place) -> int:
+    """Live bytes allocated on `place` (a GPU id, or "pinned")."""
+    return _used[place]
+
+
+def _where(place) -> str:
+    return "pinned host memory" if place == "pinned" else f"GPU {place}"
+
+
+def describe(ptr: int) -> str:
+    """Where address `ptr` lies relative to the allocations, for fault messages: inside or
+    near a live allocation, else inside or near a recently freed one."""
+    with _lock:
+        live = [ref() for ref in _live.values()]
+    spans = [(m.ptr, m.size, m.place) for m in live if m is not None]
+    for state, candidates in (("", spans), ("freed ", list(_freed))):
+        best = None
+        for start, size, place in candidates:
+            end = start + size
+            if start <= ptr < end:
+                return (f"0x{ptr:x}: byte {ptr - start} of a {state}{size}-byte allocation "
+                        f"at 0x{start:x} on {_where(place)}")
+            gap = ptr - end if ptr >= end else start - ptr
+            if best is None or gap < best[0]:
+                where = (f"byte {ptr - start} of" if ptr >= end
+                         else f"{start - ptr} byte(s) before the start of")
+                best = (gap, f"0x{ptr:x}: {where} a {state}{size}-byte allocation at "
+                             f"0x{start:x} on {_where(place)} (out of bounds)")
+        if best is not None and best[0] < PAGE:
+            return best[1]
+    return f"0x{ptr:x}: in no allocation"
+
+
+def check_range(ptr: int, nbytes: int, what: str, place=None):
+    """The Memory holding [ptr, ptr + nbytes) (on `place`, when given); CUDARuntimeError
+    (invalid value) when no single live allocation holds it."""
+    mem = find(ptr)
+    if mem is None or ptr + nbytes > mem.ptr + mem.size:
+        raise CUDARuntimeError(INVALID_VALUE, f"{what}: {nbytes} bytes at {describe(ptr)}")
+    if place is not None and mem.place != place:
+        raise CUDARuntimeError(INVALID_VALUE, f"{what}: memory of {_where(mem.place)}, "
+                                              f"expected {_where(place)}")
+    return mem
+
+
+def check_host_range(ptr: int, nbytes: int, what: str) -> None:
+    """A host address range must not be device memory (a host/device mix-up)."""
+    mem = find(ptr)
+    if mem is not None and mem.place != "pinned":
+        raise CUDARuntimeError(INVALID_VALUE, f"{what}: a host pointer was expected, got "
+                                              f"device memory at {describe(ptr)}")
+
+
+# ---------------------------------------------------------------- allocations
+def _map(length: int) -> int:
+    base = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if base in (None, _MAP_FAILED):
+        raise CUDARuntimeError(2, f"mmap of {length} bytes failed "
+                                  f"(errno {ctypes.get_errno()})")
+    return base
+
+
+def _unmap(base: int, length: int, ptr: int, size: int, place) -> None:
+    _unregister(ptr, size, place)
+    _libc.munmap(base, length)
+
+
+class BaseMemory:
+    """Memory at `ptr` of `size` bytes on GPU `device_id` (CuPy's BaseMemory)."""
+
+    ptr: int
+    size: int
+    device_id: int
+
+    @property
+    def place(self):
+        return self.device_id
+
+    def __int__(self):
+        return self.ptr
+
+
+class Memory(BaseMemory):
+    """One allocation of `size` bytes on GPU `device_id` (pinned host memory when
+    `device_id` is None): guarded and poisoned in guard mode."""
+
+    def __init__(self, size: int, device_id: int | None):
+        self.size = int(size)
+        self.device_id = device_id
+        self.ptr = 0
+        if self.size == 0:  # CuPy hands out a null pointer for empty arrays
+            return
+        if machine.MACHINE.guard:
+            body = _round_up(self.size, PAGE)
+            length = body + 2 * PAGE
+            base = _map(length)
+            _libc.mprotect(base, PAGE, _PROT_NONE)
+            _libc.mprotect(base + PAGE + body, PAGE, _PROT_NONE)
+            ctypes.memset(base + PAGE, POISON, body)
+            self.ptr = base + PAGE + body - self.size
+        else:
+            length = _round_up(self.size, PAGE)
+            base = _map(length)
+            self.ptr = base
+        _register(self)
+        weakref.finalize(self, _unmap, base, length, self.ptr, self.size, self.place)
+
+    @property
+    def place(self):
+        return "pinned" if self.device_id is None else self.device_id
+
+
+class UnownedMemory(BaseMemory):
+    """Memory someone else owns (CuPy's UnownedMemory); `owner` is kept alive."""
+
+    def __init__(self, ptr: int, size: int, owner, device_id: int | None = None):
+        self.ptr, self.size, self.owner = int(ptr), int(size), owner
+        if device_id is None:
+            mem = find(self.ptr)
+            if mem is None or mem.device_id is None:
+                raise CUDARuntimeError(INVALID_VALUE, f"UnownedMemory: {describe(self.ptr)}")
+            device_id = mem.device_id
+        self.device_id = device_id
+
+
+def host_bytes(ptr: int, nbytes: int, keep) -> np.ndarray:
+    """A writable uint8 view of `nbytes` at `ptr` that keeps `keep` alive."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    buffer = (ctypes.c_char * nbytes).from_address(ptr)
+    buffer.owner = keep  # the view -> buffer -> owner chain keeps the memory mapped
+    return np.frombuffer(buffer, np.uint8)
+
+
+class MemoryPointer:
+    """A pointer into device memory: `mem` plus a byte `offset` (CuPy's MemoryPointer)."""
+
+    __slots__ = ("mem", "ptr", "device_id")
+
+    def __init__(self, mem: BaseMemory, offset: int):
+        self.mem = mem
+        self.ptr = mem.ptr + int(offset)
+        self.device_id = mem.device_id
+
+    def __int__(self):
+        return self.ptr
+
+    def __add__(self, offset: int):
+        return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
+
+    def __sub__(self, offset: int):
+        return self + (-int(offset))
+
+    def __bool__(self):
+        return self.ptr != 0
+
+    @property
+    def device(self):
+        from .runtime import Device
+        return Device(self.device_id)
+
+    # Copies run at once (the emulation executes work in issue order); `stream` is
+    # accepted as CuPy's API takes it.
+    def copy_from_device_async(self, src, size: int, stream=None) -> None:
+        size = int(size)
+        if size <= 0:
+            return
+        source = _device_address(src)
+        check_range(self.ptr, size, "memcpy destination")
+        check_range(source, size, "memcpy source")
+        ctypes.memmove(self.ptr, source, size)
+
+    def copy_from_device(self, src, size: int) -> None:
+        self.copy_from_device_async(src, size)
+
+    def copy_from_host_async(self, mem, size: int, stream=None) -> None:
+        size = int(size)
+        if size <= 0:
+            return
+        source = _host_address(mem)
+        check_range(self.ptr, size, "memcpy destination")
+        check_host_range(source, size, "memcpy source")
+        ctypes.memmove(self.ptr, source, size)
+
+    def copy_from_host(self, mem, size: int) -> None:
+        self.copy_from_host_async(mem, size)
+
+    def copy_to_host_async(self, mem, size: int, stream=None) -> None:
+        size = int(size)
+        if size <= 0:
+            return
+        target = _host_address(mem)
+        check_range(self.ptr, size, "memcpy source")
+        check_host_range(target, size, "memcpy destination")
+        ctypes.memmove(target, self.ptr, size)
+
+    def copy_to_host(self, mem, size: int) -> None:
+        self.copy_to_host_async(mem, size)
+
+    def copy_from_async(self, mem, size: int, stream=None) -> None:
+        if isinstance(mem, MemoryPointer):
+            self.copy_from_device_async(mem, size, stream)
+        else:
+            self.copy_from_host_async(mem, size, stream)
+
+    def copy_from(self, mem, size: int) -> None:
+        self.copy_from_async(mem, size)
+
+    def memset_async(self, value: int, size: int, stream=None) -> None:
+        size = int(size)
+        if size > 0:
+            check_range(self.ptr, size, "memset")
+            ctypes.memset(self.ptr, int(value), size)
+
+    def memset(self, value: int, size: int) -> None:
+        self.memset_async(value, size)
+
+
+def _device_address(src) -> int:
+    """A device source as CuPy takes one: a MemoryPointer only."""
+    if not isinstance(src, MemoryPointer):
+        raise TypeError(f"Argument 'src' has incorrect type (expected cupy.cuda.memory."
+                        f"MemoryPointer, got {type(src).__name__})")
+    return src.ptr
+
+
+def _host_address(mem) -> int:
+    """A host address as CuPy takes one: a Python int, or an object with `.value` (a
+    ctypes pointer); NumPy arrays, MemoryPointers and pinned pointers are refused."""
+    if type(mem) is int:
+        return mem
+    if not hasattr(mem, "value"):
+        raise AttributeError(f"'{type(mem).__name__}' object has no attribute 'value'")
+    return int(mem.value or 0)
+
+
+def alloc(size: int, device_id: int) -> MemoryPointer:
+    """`size` bytes on GPU `device_id`, as `cupy.cuda.alloc` gives them."""
+    return MemoryPointer(Memory(size, device_id), 0)
+
+
+# ------------------------------------------------------------------ pinned memory
+class PinnedMemory(Memory):
+    """Page-locked host memory (emulated: a guarded host mapping)."""
+
+    def __init__(self, size: int):
+        super().__init__(size, None)
+
+
+_EMPTY = PinnedMemory(1)  # what a zero-byte pinned pointer points at
+
+
+def _pinned_pointer(mem: PinnedMemory):
+    """CuPy's PinnedMemoryPointer: `ptr`, `size`, `mem`, and the buffer protocol (so
+    `numpy.ndarray(shape, dtype, buffer=p)` works), here a ctypes array at the address."""
+    pointer = (ctypes.c_char * max(mem.size, 1)).from_address(mem.ptr or _EMPTY.ptr)
+    pointer.mem, pointer.ptr = mem, mem.ptr
+    pointer.size = lambda: mem.size  # a method in CuPy
+    return pointer
+
+
+def alloc_pinned_memory(size: int):
+    """`size` bytes of (emulated) page-locked host memory."""
+    return _pinned_pointer(PinnedMemory(size))
+
+
+def pinned_bytes_in_use() -> int:
+    """Bytes of pinned memory currently allocated (nothing is pooled)."""
+    return _used["pinned"]
+
+
+def is_pinned(array: np.ndarray) -> bool:
+    """Whether a NumPy array's memory lies in emulated pinned memory."""
+    if array.size == 0:
+        return True
+    mem = find(array.ctypes.data)
+    return mem is not None and mem.device_id is None

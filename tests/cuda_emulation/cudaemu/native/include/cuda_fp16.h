@@ -1,0 +1,2 @@
+// Everything CUDA declares here comes from emu.h, which every kernel source includes.
+#pragma once

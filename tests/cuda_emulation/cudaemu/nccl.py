@@ -1,0 +1,320 @@
+"""`cupy.cuda.nccl` for the GPUs of one process, checking every call as NCCL would need it.
+
+A collective runs once every rank of its communicator has issued it. Calls made between
+`groupStart()` and `groupEnd()` are matched at `groupEnd`: the k-th call of every rank
+forms the k-th collective. Each collective is checked before it runs: every rank issued
+one (real NCCL would hang), with the same operation, count, data type, reduction and
+root; every buffer lies inside one allocation on the rank's own GPU, large enough for
+`count` elements of the data type (so a wrong dtype code or count fails here); and the
+stream belongs to the rank's GPU. A call outside a group on a communicator whose ranks
+all live in this process could never complete (NCCL deadlocks): it is refused.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from . import memory, runtime
+
+__all__ = ["available", "NcclCommunicator", "NcclError", "groupStart", "groupEnd",
+           "get_unique_id", "get_version", "get_build_version", "NCCL_INT8", "NCCL_CHAR",
+           "NCCL_UINT8", "NCCL_INT32", "NCCL_INT", "NCCL_UINT32", "NCCL_INT64", "NCCL_UINT64",
+           "NCCL_FLOAT16", "NCCL_HALF", "NCCL_FLOAT32", "NCCL_FLOAT", "NCCL_FLOAT64",
+           "NCCL_DOUBLE", "NCCL_BFLOAT16", "NCCL_SUM", "NCCL_PROD", "NCCL_MAX", "NCCL_MIN",
+           "NCCL_AVG"]
+
+available = True
+
+NCCL_INT8 = NCCL_CHAR = 0
+NCCL_UINT8 = 1
+NCCL_INT32 = NCCL_INT = 2
+NCCL_UINT32 = 3
+NCCL_INT64 = 4
+NCCL_UINT64 = 5
+NCCL_FLOAT16 = NCCL_HALF = 6
+NCCL_FLOAT32 = NCCL_FLOAT = 7
+NCCL_FLOAT64 = NCCL_DOUBLE = 8
+NCCL_BFLOAT16 = 9
+
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+
+
+def _bfloat16():
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_DTYPES = {NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32,
+           NCCL_UINT32: np.uint32, NCCL_INT64: np.int64, NCCL_UINT64: np.uint64,
+           NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+_OPS = {NCCL_SUM: np.add, NCCL_PROD: np.multiply, NCCL_MAX: np.maximum, NCCL_MIN: np.minimum}
+
+
+class NcclError(RuntimeError):
+    """A failed NCCL call (CuPy's `cupy_backends.cuda.libs.nccl.NcclError`)."""
+
+    def __init__(self, status: int, detail: str):
+        self.status = status
+        super().__init__(f"NCCL_ERROR_INVALID_USAGE: {detail}" if status == 5
+                         else f"NCCL_ERROR_INVALID_ARGUMENT: {detail}")
+
+
+def _usage(detail):
+    return NcclError(5, detail)
+
+
+def _argument(detail):
+    return NcclError(4, detail)
+
+
+def get_version() -> int:
+    return 22105
+
+
+get_build_version = get_version
+_ids = itertools.count(1)
+
+
+def get_unique_id() -> bytes:
+    return next(_ids).to_bytes(8, "little") + bytes(120)
+
+
+# ------------------------------------------------------------------- communicators
+class _Clique:
+    """The ranks of one communicator, and the calls each has issued but not yet run."""
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self.pending = [[] for _ in self.devices]
+        self.lock = threading.Lock()
+
+
+class NcclCommunicator:
+    """One rank of a communicator (made with `initAll` for every GPU of this process)."""
+
+    def __init__(self, ndev: int, commId=None, rank: int = 0, *, _clique=None):
+        if _clique is None:
+            raise _usage("a communicator of several ranks in one process needs initAll "
+                         "(creating ranks one by one from one thread would hang)")
+        self._clique, self._rank = _clique, rank
+        self._alive = True
+
+    @staticmethod
+    def initAll(devices):  # noqa: N802 - NCCL's name
+        if _group_depth() > 0:
+            raise _usage("initAll inside groupStart()/groupEnd(): the communicators are "
+                         "initialised only at groupEnd")
+        if isinstance(devices, int):
+            devices = list(range(devices))
+        devices = [int(d) for d in devices]
+        if len(set(devices)) != len(devices):
+            raise _argument(f"initAll: a GPU appears twice in {devices}")
+        for d in devices:
+            runtime._check_device(d)
+        clique = _Clique(devices)
+        return [NcclCommunicator(len(devices), None, r, _clique=clique)
+                for r in range(len(devices))]
+
+    def device_id(self) -> int:
+        return self._clique.devices[self._rank]
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self._clique.devices)
+
+    def destroy(self) -> None:
+        self._alive = False
+
+    abort = destroy
+
+    # ------------------------------------------------------------ collectives
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+        self._issue("allReduce", dict(send=sendbuf, recv=recvbuf, count=count,
+                                      datatype=datatype, op=op), stream)
+
+    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        self._issue("reduce", dict(send=sendbuf, recv=recvbuf, count=count,
+                                   datatype=datatype, op=op, root=root), stream)
+
+    def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+        self._issue("broadcast", dict(send=sendbuf, recv=recvbuf, count=count,
+                                      datatype=datatype, root=root), stream)
+
+    def bcast(self, buff, count, datatype, root, stream):
+        self.broadcast(buff, buff, count, datatype, root, stream)
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+        self._issue("reduceScatter", dict(send=sendbuf, recv=recvbuf, count=recvcount,
+                                          datatype=datatype, op=op), stream)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
+        self._issue("allGather", dict(send=sendbuf, recv=recvbuf, count=count,
+                                      datatype=datatype), stream)
+
+    def _issue(self, kind: str, args: dict, stream) -> None:
+        for name, value in list(args.items()) + [("stream", stream)]:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"an integer is required ({kind} {name}: "
+                                f"{type(value).__name__})")
+        if not self._alive:
+            raise _usage("the communicator was destroyed")
+        device = self.device_id()
+        stream_gpu = runtime.stream_device(int(stream))
+        if stream_gpu != device:
+            raise _argument(f"{kind} of rank {self._rank} (GPU {device}) on a stream of "
+                            f"GPU {stream_gpu}")
+        call = _Call(kind, self._rank, device, args)
+        call.check_buffers(self.size())
+        clique = self._clique
+        with clique.lock:
+            clique.pending[self._rank].append(call)
+        if _group_depth() == 0:
+            if self.size() > 1:
+                raise _usage(f"{kind} outside groupStart()/groupEnd() on a communicator of "
+                             f"{self.size()} ranks in one process would hang")
+            _run_ready(clique)
+        else:
+            _group_cliques().add(clique)
+
+
+class _Call:
+    def __init__(self, kind, rank, device, args):
+        self.kind, self.rank, self.device = kind, rank, device
+        self.count = int(args["count"])
+        self.datatype = int(args["datatype"])
+        self.op = args.get("op")
+        self.root = args.get("root")
+        self.send, self.recv = int(args["send"]), int(args["recv"])
+        if self.datatype == NCCL_BFLOAT16:
+            self.dtype = _bfloat16()
+        elif self.datatype in _DTYPES:
+            self.dtype = np.dtype(_DTYPES[self.datatype])
+        else:
+            raise _argument(f"{kind}: unknown data type {self.datatype}")
+        if self.count < 0:
+            raise _argument(f"{kind}: count {self.count}")
+
+    def sizes(self, nranks: int) -> tuple:
+        """(elements read from send, elements written to recv) on this rank."""
+        if self.kind == "reduceScatter":
+            return self.count * nranks, self.count
+        if self.kind == "allGather":
+            return self.count, self.count * nranks
+        return self.count, self.count
+
+    def check_buffers(self, nranks: int) -> None:
+        n_send, n_recv = self.sizes(nranks)
+        item = self.dtype.itemsize
+        is_root = self.root is None or self.root == self.rank
+        reads = self.kind != "broadcast" or self.rank == self.root
+        writes = self.kind != "reduce" or is_root
+        for what, ptr, n, used in (("send", self.send, n_send, reads),
+                                   ("recv", self.recv, n_recv, writes)):
+            if used and n:
+                try:
+                    memory.check_range(ptr, n * item, f"NCCL {self.kind} {what} buffer of "
+                                                      f"rank {self.rank}", place=self.device)
+                except runtime.CUDARuntimeError as exc:
+                    raise _argument(str(exc)) from None
+
+    def view(self, ptr: int, n: int) -> np.ndarray:
+        mem = memory.find(ptr)
+        raw = memory.host_bytes(ptr, n * self.dtype.itemsize, mem)
+        return raw.view(self.dtype)
+
+
+def _run_ready(clique: _Clique) -> None:
+    """Run every collective all ranks have issued; complain when one is incomplete."""
+    with clique.lock:
+        ready = min(len(p) for p in clique.pending)
+        waiting = [r for r, p in enumerate(clique.pending) if len(p) > ready]
+        calls = [[clique.pending[r][k] for r in range(len(clique.devices))]
+                 for k in range(ready)]
+        for p in clique.pending:  # an incomplete collective is reported, then dropped
+            p.clear()
+    for k, ranks in enumerate(calls):
+        _run(ranks, k)
+    if waiting:
+        raise _usage(f"ranks {waiting} of communicator {clique.devices} issued a "
+                     f"collective the other ranks never joined (NCCL would hang)")
+
+
+def _run(ranks: list, k: int) -> None:
+    first = ranks[0]
+    for c in ranks:
+        for field in ("kind", "count", "datatype", "op", "root"):
+            if getattr(c, field) != getattr(first, field):
+                raise _argument(f"collective #{k}: rank {c.rank} called {c.kind}(count="
+                                f"{c.count}, datatype={c.datatype}, op={c.op}, root={c.root})"
+                                f" where rank {first.rank} called {first.kind}(count="
+                                f"{first.count}, datatype={first.datatype}, op={first.op}, "
+                                f"root={first.root})")
+    n = len(ranks)
+    if first.root is not None and not 0 <= first.root < n:
+        raise _argument(f"{first.kind}: root {first.root} of {n} ranks")
+    for c in ranks:
+        c.check_buffers(n)
+    count = first.count
+    if first.kind in ("allReduce", "reduce", "reduceScatter"):
+        op = _OPS.get(first.op)
+        if op is None and first.op != NCCL_AVG:
+            raise _argument(f"{first.kind}: unknown reduction {first.op}")
+        n_in = count * n if first.kind == "reduceScatter" else count
+        inputs = [c.view(c.send, n_in).copy() for c in ranks]
+        total = inputs[0].copy()
+        for x in inputs[1:]:
+            np.add(total, x, out=total) if op is None else op(total, x, out=total)
+        if op is None:
+            total = (total / n).astype(first.dtype)
+        if first.kind == "allReduce":
+            for c in ranks:
+                c.view(c.recv, count)[...] = total
+        elif first.kind == "reduce":
+            root = ranks[first.root]
+            root.view(root.recv, count)[...] = total
+        else:
+            for r, c in enumerate(ranks):
+                c.view(c.recv, count)[...] = total[r * count:(r + 1) * count]
+    elif first.kind == "broadcast":
+        root = ranks[first.root]
+        data = root.view(root.send, count).copy()
+        for c in ranks:
+            c.view(c.recv, count)[...] = data
+    elif first.kind == "allGather":
+        parts = np.concatenate([c.view(c.send, count) for c in ranks])
+        for c in ranks:
+            c.view(c.recv, count * n)[...] = parts
+
+
+# --------------------------------------------------------------------------- groups
+_thread = threading.local()
+
+
+def _group_depth() -> int:
+    return getattr(_thread, "depth", 0)
+
+
+def _group_cliques() -> set:
+    cliques = getattr(_thread, "cliques", None)
+    if cliques is None:
+        cliques = _thread.cliques = set()
+    return cliques
+
+
+def groupStart() -> None:  # noqa: N802 - NCCL's name
+    _thread.depth = _group_depth() + 1
+
+
+def groupEnd() -> None:  # noqa: N802 - NCCL's name
+    if _group_depth() == 0:
+        raise _usage("groupEnd without groupStart")
+    _thread.depth = _group_depth() - 1
+    if _thread.depth:
+        return
+    cliques, _thread.cliques = _group_cliques(), set()
+    for clique in cliques:
+        _run_ready(clique)
