@@ -172,7 +172,7 @@ def upload_table(cupy, table: np.ndarray, stream):
         host = _TABLES.take(cupy, table.size)
         host[:table.size] = table
         dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
-        _TABLES.give(host, stream.record())
+        _TABLES.give(host, stream.record(cupy.cuda.Event(disable_timing=True)))
     return dev
 
 
@@ -226,10 +226,22 @@ def build_table(outs, sizes, a_lists, b_lists, **plan) -> tuple[np.ndarray, int]
 
 
 def sum_source(t_dtype, u_dtype) -> tuple[str, str]:
-    """(kernel name, CUDA source) of the multi-key sum reading T and U, writing U."""
+    """(kernel name, CUDA source) of the multi-key sum reading T and U, writing U.
+
+    The sum starts from its first term, never from zero: a sum of one term is then a copy
+    (with a cast when T is not U) that keeps -0.0, and when T is U the kernel copies the
+    raw bits, so no arithmetic can flush a subnormal or change a NaN payload.
+    """
     t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
     acc = _CTYPES[accumulate_name(u)]
     name = f"gpukv_multi_sum_{t}_{u}"
+    bit_copy = ""
+    if t == u:
+        bit_copy = """
+        if (na + nb == 1) {  /* one term of the out's own dtype: a bit copy */
+            out[i] = na ? (U)a[0][i] : bb[0][i];
+            continue;
+        }"""
     source = _PRELUDE + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
@@ -253,10 +265,10 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
     const int nb = (int)m[5];
     const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
     for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
-         i += stride) {{
-        A s = (A)0;
-        for (int j = 0; j < na; ++j) s += {load_expr(t, "a[j]", "i", "A")};
-        for (int j = 0; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", "A")};
+         i += stride) {{{bit_copy}
+        A s = na ? {load_expr(t, "a[0]", "i", "A")} : {load_expr(u, "bb[0]", "i", "A")};
+        for (int j = 1; j < na; ++j) s += {load_expr(t, "a[j]", "i", "A")};
+        for (int j = na ? 0 : 1; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", "A")};
         {store_stmt(u, "out", "i", "s")}
     }}
 }}
@@ -264,25 +276,35 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
     return name, source
 
 
-def _group_by_dtypes(items):
-    groups: dict = {}
+def _launch_order(items) -> list:
+    """[((T, U), [items])] in launch order: one launch per (T, U) pair and wave, waves in
+    order. The k-th item writing an out is in wave k: a key whose terms have several
+    dtypes becomes several items, each adding into the out the one before wrote, so it
+    must not run before (or in the same launch as) that one."""
+    seen: dict = {}
+    waves: dict = {}
     for item in items:
         if item.out.size == 0:
             continue
+        ptr = item.out.data.ptr
+        wave = seen.get(ptr, 0)
+        seen[ptr] = wave + 1
         t = item.a[0].dtype if item.a else item.out.dtype
-        groups.setdefault((np.dtype(t).name, item.out.dtype.name), []).append(item)
-    return groups
+        waves.setdefault((wave, np.dtype(t).name, item.out.dtype.name), []).append(item)
+    return [((t, u), group) for (_, t, u), group in sorted(
+        waves.items(), key=lambda kv: kv[0][0])]
 
 
 def multi_sum_gpu(items, stream) -> None:
-    """Launch the fused sum for every item, one kernel per (T, U) pair, on `stream`.
+    """Launch the fused sum for every item, one kernel per (T, U) pair and wave, on
+    `stream`.
 
     Must run with the launching GPU current; sources may live on any GPU the launching
     one has peer access to (the kernel reads them directly), or on the same GPU.
     """
     import cupy
 
-    for (t, u), group in _group_by_dtypes(items).items():
+    for (t, u), group in _launch_order(items):
         table, blocks = build_table(
             [it.out.data.ptr for it in group], [it.out.size for it in group],
             [[x.data.ptr for x in it.a] for it in group],
@@ -292,6 +314,58 @@ def multi_sum_gpu(items, stream) -> None:
         dev_table = upload_table(cupy, table, stream)
         with stream:
             kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+
+
+# ============================================ 3. row sums of sorted row-sparse values
+
+SEGMENT_THREADS = 256
+
+
+def segment_sum_source(t_dtype) -> tuple[str, str]:
+    """(kernel name, CUDA source) of the row sum of runs of rows: out[s, c] is the sum of
+    data[r, c] over the rows r of run s, added one row after the other from the first
+    (deterministic, no atomics), in the accumulation dtype of T (float32 for 16-bit
+    floats), which is also the out's dtype. One thread per (run, column)."""
+    t = np.dtype(t_dtype).name
+    a = accumulate_name(t)
+    name = f"gpukv_segment_sum_{t}"
+    source = _PRELUDE + f"""
+typedef {_CTYPES[t]} T;
+typedef {_CTYPES[a]} A;
+extern "C" __global__ void {name}(const T* __restrict__ data,
+                                   const long long* __restrict__ starts,
+                                   A* __restrict__ out, const long long runs,
+                                   const long long width) {{
+    const long long n = runs * width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {{
+        const long long run = i / width, c = i - run * width;
+        const long long end = starts[run + 1];
+        long long r = starts[run];
+        A s = {load_expr(t, "data", "r * width + c", "A")};
+        for (++r; r < end; ++r) s += {load_expr(t, "data", "r * width + c", "A")};
+        out[i] = s;
+    }}
+}}
+"""
+    return name, source
+
+
+def segment_sum_gpu(data, starts):
+    """Rows of `data` (CuPy, C-contiguous, rows first) summed per run: run s is rows
+    [starts[s], starts[s+1]) (`starts`: int64, runs + 1 entries, on data's GPU, which
+    is current). Returns the sums in the accumulation dtype of data's dtype, one launch."""
+    import cupy
+    runs = starts.size - 1
+    width = data.size // data.shape[0] if data.shape[0] else 0
+    out = cupy.empty((runs,) + data.shape[1:], accumulate_name(data.dtype))
+    if out.size == 0:
+        return out
+    name, source = segment_sum_source(data.dtype)
+    blocks = min(MAX_BLOCKS, -(-out.size // SEGMENT_THREADS))
+    compiled(cupy, name, source)((blocks,), (SEGMENT_THREADS,),
+                                 (data, starts, out, np.int64(runs), np.int64(width)))
+    return out
 
 
 def multi_sum_host(items) -> None:
@@ -351,10 +425,10 @@ def emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
         first = (b - int(starts[k])) * threads
         idx = np.concatenate([np.arange(i, min(i + threads, n))
                               for i in range(first, n, stride)] or [np.zeros(0, np.int64)])
-        total = np.zeros(idx.size, dtype=acc)
-        for j in range(na):
-            total += memory[int(ptrs[a_off + j])][idx].astype(acc)
-        for j in range(nb):
-            total += memory[int(ptrs[b_off + j])][idx].astype(acc)
+        terms = ([memory[int(ptrs[a_off + j])] for j in range(na)]
+                 + [memory[int(ptrs[b_off + j])] for j in range(nb)])
+        total = terms[0][idx].astype(acc)  # from the first term, as the kernel sums
+        for term in terms[1:]:
+            total += term[idx].astype(acc)
         out[idx] = total.astype(out.dtype)
 

@@ -21,6 +21,7 @@ import numbers
 import numpy as np
 
 from ._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
+from ._kernels import accumulate_name
 
 __all__ = ["RowSparse"]
 
@@ -81,22 +82,21 @@ def _same_device(a, b) -> bool:
     return a.device.id == b.device.id
 
 
-#: dtypes CuPy's scatter_add (atomicAdd) takes; others are summed in a wider one
-_SCATTER_ADD_DTYPES = frozenset(
-    ["int32", "int64", "uint32", "uint64", "float16", "float32", "float64"])
-
-
-def _scatter_add_dtype(dtype) -> np.dtype:
-    """The dtype a GPU row sum of `dtype` runs in: `dtype` itself where CuPy's
-    scatter_add takes it, else float32 (bfloat16), int32 or uint32 (8/16-bit ints)."""
-    dtype = np.dtype(dtype)
-    if dtype.name in _SCATTER_ADD_DTYPES:
-        return dtype
-    if dtype.kind == "i":
-        return np.dtype(np.int32)
-    if dtype.kind == "u":
-        return np.dtype(np.uint32)
-    return np.dtype(np.float32)
+def _segment_sums(xp, data, starts_mask, acc):
+    """(sums, starts): the rows of `data` (sorted by id) summed per run of equal ids (a run
+    starts where `starts_mask` is set), in `acc`, each run's rows added one after the
+    other from the first: the same bits on host and GPU and on every run of the program
+    (no atomics)."""
+    if xp is np:
+        starts = np.flatnonzero(starts_mask)
+        sums = data[starts].astype(acc)
+        later = np.flatnonzero(~starts_mask)  # np.add.at adds them in this order
+        np.add.at(sums, np.cumsum(starts_mask)[later] - 1, data[later].astype(acc, copy=False))
+        return sums, starts
+    from ._kernels import segment_sum_gpu
+    starts = xp.nonzero(starts_mask)[0]
+    bounds = xp.concatenate([starts, xp.asarray([data.shape[0]], dtype=starts.dtype)])
+    return segment_sum_gpu(xp.ascontiguousarray(data), bounds.astype(xp.int64)), starts
 
 
 def check_row_ids(ids, nrows: int, what: str):
@@ -203,27 +203,19 @@ class RowSparse:
         idx = self.indices
         if idx.size == 0:
             return RowSparse._trusted(idx, self.data.astype(dtype), self.shape)
-        order = xp.argsort(idx, kind="stable") if xp is np else xp.argsort(idx)
+        order = xp.argsort(idx, kind="stable")
         idx = idx[order]
         data = self.data[order].astype(dtype, copy=False)
         starts_mask = xp.empty(idx.size, bool)
         starts_mask[0] = True
         xp.not_equal(idx[1:], idx[:-1], out=starts_mask[1:])
-        if xp is np:
-            if starts_mask.all():
-                return RowSparse._trusted(idx, np.ascontiguousarray(data), self.shape)
-            starts = np.flatnonzero(starts_mask)
-            summed = np.add.reduceat(data, starts, axis=0, dtype=dtype)  # not widened
-            return RowSparse._trusted(idx[starts], summed, self.shape)
-        import cupyx
-        starts = xp.nonzero(starts_mask)[0]
-        inverse = xp.cumsum(starts_mask) - 1
-        acc = _scatter_add_dtype(dtype)
-        summed = xp.zeros((starts.size,) + self.shape[1:], acc)
-        cupyx.scatter_add(summed, inverse, data.astype(acc, copy=False))
-        if acc != dtype:  # integers wrap on the way back, as NumPy's sum in `dtype` does
-            summed = summed.astype(dtype)
-        return RowSparse._trusted(idx[starts], summed, self.shape)
+        # Repeated rows are summed in the order they came, in float32 for 16-bit floats
+        # (as dense pushes are), the same on every run.
+        acc = np.dtype(accumulate_name(dtype))
+        if xp is np and starts_mask.all():
+            return RowSparse._trusted(idx, np.ascontiguousarray(data, dtype), self.shape)
+        summed, starts = _segment_sums(xp, data, starts_mask, acc)
+        return RowSparse._trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
 
     def todense(self, dtype=None):
         """The dense array (repeated rows summed) on the same device."""

@@ -38,6 +38,8 @@ def _logical_gpus() -> int:
 
 
 def pytest_runtest_setup(item):
+    """The GPU gate. A `multi_gpu(n)` test on a machine with fewer GPUs gets n logical
+    ones through GPUKV_VIRTUAL_GPUS (for that test only), so it runs on one GPU too."""
     needed = 0
     if item.get_closest_marker("gpu") is not None:
         needed = 1
@@ -49,6 +51,20 @@ def pytest_runtest_setup(item):
     have = _logical_gpus()
     if have >= needed:
         return
-    gpu_unavailable(f"needs {needed} GPU(s), {have} visible (set GPUKV_VIRTUAL_GPUS for "
-                    f"more)")
+    if have:
+        item._virtual_gpus = pytest.MonkeyPatch()
+        item._virtual_gpus.setenv("GPUKV_VIRTUAL_GPUS", str(needed))
+        return
+    gpu_unavailable(f"needs {needed} GPU(s), none is visible")
 
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    """The gate's GPUKV_VIRTUAL_GPUS is undone after the test's own fixtures (which may
+    have set it too) are torn down."""
+    try:
+        return (yield)
+    finally:
+        patch = getattr(item, "_virtual_gpus", None)
+        if patch is not None:
+            patch.undo()

@@ -48,3 +48,47 @@ class OnDLPackDevice:
 
     def __dlpack__(self, **kwargs):
         raise AssertionError("an array on a device gpukv cannot use is never read")
+
+
+def torch_cuda_tensor(array):
+    """A PyTorch CUDA tensor holding the CuPy array `array`: the real thing where PyTorch
+    has CUDA, else a `torch.Tensor` that says it lives on `array`'s GPU and hands out
+    `array` through DLPack and the CUDA array interface as PyTorch does (bfloat16 there
+    as the raw `<V2` PyTorch publishes)."""
+    import torch
+    if torch.cuda.is_available():
+        return torch.from_dlpack(array)
+
+    class CudaTensor(torch.Tensor):
+        @staticmethod
+        def __new__(cls, backing):
+            tensor = torch.Tensor._make_subclass(cls, torch.empty(0))
+            tensor.backing = backing
+            return tensor
+
+        is_cuda = property(lambda self: True)
+        device = property(lambda self: torch.device("cuda", self.backing.device.id))
+
+        def detach(self):
+            return self
+
+        def data_ptr(self):
+            return self.backing.data.ptr
+
+        def __dlpack__(self, stream=None, **kwargs):
+            return self.backing.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return self.backing.__dlpack_device__()
+
+        @property
+        def __cuda_array_interface__(self):
+            return self.backing.__cuda_array_interface__
+
+    return CudaTensor(array)
+
+
+def cuda_tensor_values(tensor):
+    """The values of a tensor made by `torch_cuda_tensor`, as a NumPy array."""
+    backing = getattr(tensor, "backing", None)
+    return backing.get() if backing is not None else tensor.cpu().numpy()

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 EMULATION_DIR = Path(__file__).resolve().parent / "cuda_emulation"
 
@@ -43,9 +45,12 @@ def install() -> None:
     sys.path.insert(0, str(EMULATION_DIR))
     import cudaemu
     cudaemu.install()
-    from cudaemu import kernels
+    from cudaemu import driver, kernels
     # Child processes share the compiled kernels, whatever XDG_CACHE_HOME says then.
     os.environ.setdefault("CUDAEMU_CACHE_DIR", str(kernels.CACHE_DIR))
+    # libcuda's P2P and pointer queries are answered by the emulated machine.
+    from gpukv.backends import cuda_driver
+    cuda_driver._driver[:] = [driver]
 
 
 def subprocess_env(*, gpus: bool = True) -> dict:
@@ -58,3 +63,17 @@ def subprocess_env(*, gpus: bool = True) -> dict:
         paths.insert(0, str(EMULATION_DIR))
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def guarded_zeros(shape, dtype):
+    """A zero-filled NumPy array that, under the emulation, lies in a guarded allocation
+    (an access past its end faults), for host stand-ins that kernels read and write."""
+    if not EMULATED:
+        return np.zeros(shape, dtype)
+    from cudaemu import memory
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = memory.Memory(count * dtype.itemsize, 0)
+    array = memory.host_bytes(mem.ptr, mem.size, mem).view(dtype).reshape(shape)
+    array[...] = 0
+    return array

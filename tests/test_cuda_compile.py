@@ -1,7 +1,7 @@
 """Every CUDA kernel source gpukv can generate compiles with NVRTC: no GPU or driver needed.
 
 Covered: the multi-key sum/copy of `gpukv/_kernels.py` for every (source, destination)
-dtype pair, the compression module of `gpukv/_compression_kernels.py`, and the
+dtype pair and its row-sparse run sum for every dtype, the compression module of `gpukv/_compression_kernels.py`, and the
 multi-tensor optimizer step of `gpukv/_optim_kernels.py` for every registered rule, weight
 dtype, compile-time switch (`defines()`), body (dense and row-sparse) and phase. Each
 source is compiled with the options its module gives CuPy plus the ones CuPy adds, to a
@@ -61,6 +61,15 @@ def _sum_variants():
     for t, u in itertools.product(dtypes, dtypes):
         _, source = _kernels.sum_source(t, u)
         yield f"sum-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
+
+
+def _segment_variants():
+    """The row-sparse run sum, for every dtype."""
+    import ml_dtypes
+    for name in sorted(_kernels._CTYPES):
+        t = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+        _, source = _kernels.segment_sum_source(t)
+        yield f"segment-{t.name}", Variant(source, _kernels.COMPILE_OPTIONS)
 
 
 def _compression_variants():
@@ -128,8 +137,8 @@ def _optim_variants():
 def _variants() -> dict:
     """{id: Variant}, one per distinct (source, options)."""
     out, seen = {}, set()
-    for vid, variant in itertools.chain(_sum_variants(), _compression_variants(),
-                                        _optim_variants()):
+    for vid, variant in itertools.chain(_sum_variants(), _segment_variants(),
+                                        _compression_variants(), _optim_variants()):
         if variant not in seen:
             seen.add(variant)
             out[vid] = variant
@@ -220,6 +229,6 @@ def test_every_rule_switch_combination_is_compiled():
 def test_variants_cover_every_family():
     """Each kernel module contributes its sources (a guard against an empty enumeration)."""
     families = {vid.split("-")[0] for vid in VARIANTS}
-    assert families == {"sum", "compression", "optim"}
+    assert families == {"sum", "segment", "compression", "optim"}
     rules = {vid.split("-")[1] for vid in VARIANTS if vid.startswith("optim-")}
     assert rules == {cls.name for cls in _rules()}

@@ -1,5 +1,6 @@
-"""The core API on CuPy arrays and CUDA tensors (skips without a GPU; GPUKV_TEST_GPU=1 makes
-a missing GPU fail). Several logical devices come from real GPUs or GPUKV_VIRTUAL_GPUS."""
+"""The core API on CuPy arrays and CUDA tensors, on real GPUs or the CUDA emulation (the GPU
+gate of tests/gpu_gate.py decides). Several logical devices come from the GPUs or
+GPUKV_VIRTUAL_GPUS."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import pytest
 
 import gpukv
 
-from .foreign import CudaInterfaceOnly, DLPackOnly
+from .foreign import CudaInterfaceOnly, DLPackOnly, cuda_tensor_values, torch_cuda_tensor
+from .gpu_gate import gpu_unavailable
 
 pytestmark = pytest.mark.gpu
 
@@ -243,7 +245,7 @@ def test_gpu_strategies_agree(cp, devices, strategy):
     try:
         kv = gpukv.create("device", strategy=strategy)
     except gpukv.BackendError as exc:  # e.g. NCCL missing from this CuPy build
-        pytest.skip(str(exc))
+        gpu_unavailable(str(exc))
     kv.init([1, 2], [cp.zeros((1000,), cp.float32), cp.zeros(SHAPE, cp.float32)])
     big = [on(cp, d[0], lambda i=i: cp.full((1000,), i + 1, cp.float32))
            for i, d in enumerate(devices)]
@@ -288,19 +290,39 @@ def test_gpu_protocol_objects(cp, name, wrap):
     assert (host(cp, backing) == 3).all()
 
 
-def test_torch_cuda_tensors_in_place(name):
+def test_torch_cuda_tensors_in_place(cp, name):
     """CUDA tensors are pushed without copies and pulled into in place."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("this PyTorch build has no CUDA")
+    pytest.importorskip("torch")
+
+    def tensor(value):
+        return torch_cuda_tensor(cp.full(SHAPE, value, cp.float32))
+
     kv = gpukv.create(name)
-    kv.init(1, torch.zeros(SHAPE, device="cuda"))
-    kv.push(1, [torch.ones(SHAPE, device="cuda"), torch.full(SHAPE, 2.0, device="cuda")])
-    out = torch.zeros(SHAPE, device="cuda")
+    kv.init(1, tensor(0.0))
+    kv.push(1, [tensor(1.0), tensor(2.0)])
+    out = tensor(0.0)
     pointer = out.data_ptr()
     kv.pull(1, out=out)
     assert out.data_ptr() == pointer
-    assert torch.equal(out.cpu(), torch.full(SHAPE, 3.0))
-    grads = [torch.full(SHAPE, 1.0, device="cuda") for _ in range(3)]
+    np.testing.assert_array_equal(cuda_tensor_values(out), np.full(SHAPE, 3.0))
+    grads = [tensor(1.0) for _ in range(3)]
     kv.pushpull(1, grads)
-    assert all(torch.equal(g.cpu(), torch.full(SHAPE, 3.0)) for g in grads)
+    assert all((cuda_tensor_values(g) == 3.0).all() for g in grads)
+
+
+def test_torch_cuda_bfloat16_adopted_through_dlpack(cp, name):
+    """A bfloat16 CUDA tensor keeps its dtype and memory: it is adopted through DLPack,
+    not through the CUDA array interface, where bfloat16 is a raw 2-byte void."""
+    pytest.importorskip("torch")
+    import ml_dtypes
+    from gpukv.backends import adopt
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    backing = cp.full(SHAPE, 1.5, bf16)
+    adopted = adopt(torch_cuda_tensor(backing))
+    assert adopted.dtype == bf16 and adopted.data.ptr == backing.data.ptr
+    kv = gpukv.create(name)
+    kv.init("w", cp.zeros(SHAPE, bf16))
+    kv.push("w", [torch_cuda_tensor(cp.full(SHAPE, 1.5, bf16)) for _ in range(2)])
+    out = torch_cuda_tensor(cp.zeros(SHAPE, bf16))
+    kv.pull("w", out=out)
+    np.testing.assert_array_equal(cuda_tensor_values(out), np.full(SHAPE, 3.0, bf16))

@@ -52,7 +52,9 @@ def adopt(obj):
     if torch is not None and isinstance(obj, torch.Tensor):
         obj = obj.detach()
         if obj.is_cuda:
-            return _from_gpu(obj, obj.device.index, lambda cp: cp.asarray(obj))  # zero copy
+            # DLPack, not the CUDA array interface, which publishes bfloat16 as raw
+            # 2-byte voids (or not at all); zero copy either way.
+            return _from_gpu(obj, obj.device.index, lambda cp: cp.from_dlpack(obj))
         if obj.device.type != "cpu":
             raise DeviceError(f"a PyTorch tensor on device {str(obj.device)!r}: gpukv takes "
                               f"CPU and CUDA tensors")

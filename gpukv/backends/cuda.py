@@ -16,6 +16,7 @@ import numpy as np
 
 from .._errors import BackendError, DeviceError
 from ._base import Device
+from .cuda_driver import CU_MEM_ACCESS_FLAGS_PROT_NONE, pointer_access
 
 log = logging.getLogger("gpukv")
 
@@ -39,6 +40,12 @@ def gpu_count() -> int:
         return 0
 
 
+def ordering_event(stream):
+    """An event recorded now on `stream`, made only to order work: without timing, which
+    CUDA records and waits on more cheaply than a timed one."""
+    return stream.record(cupy_module().cuda.Event(disable_timing=True))
+
+
 class CudaDevice(Device):
     """One GPU, or one virtual GPU (`slot`) sharing a physical one, with its own stream."""
 
@@ -52,7 +59,8 @@ class CudaDevice(Device):
         self._cp = cupy_module()
         self._cuda_device = self._cp.cuda.Device(physical)
         self._stream = None
-        self._last = None  # event recorded after the last strategy work queued here
+        self._stream_lock = threading.Lock()  # devices are shared by every thread
+        self._last = None  # (event, stream) recorded after the last work queued here
 
     @property
     def xp(self):
@@ -72,15 +80,17 @@ class CudaDevice(Device):
         if self.slot == 0:
             return self._cp.cuda.get_current_stream(self.physical)
         if self._stream is None:
-            with self._cuda_device:
-                self._stream = self._cp.cuda.Stream(non_blocking=True)
+            with self._stream_lock:  # one stream, whichever thread asks first
+                if self._stream is None:
+                    with self._cuda_device:
+                        self._stream = self._cp.cuda.Stream(non_blocking=True)
         return self._stream
 
     def record(self):
         """An event recorded now on this device's stream (also kept as its last work)."""
         stream = self.stream
         with self._cuda_device:
-            event = stream.record()
+            event = ordering_event(stream)
         self._last = (event, stream)
         return event
 
@@ -114,7 +124,7 @@ class CudaDevice(Device):
         if self.slot:
             current = self._cp.cuda.get_current_stream(self.physical)
             with self._cuda_device:
-                self.stream.wait_event(current.record())
+                self.stream.wait_event(ordering_event(current))
 
     def leave(self) -> None:
         """Make CuPy's current stream of this GPU wait for the work queued here."""
@@ -169,7 +179,7 @@ class CudaDevice(Device):
             if packed is not None:
                 # The packed copy was allocated on its GPU's stream: it goes back to that
                 # stream's pool only after this device's memcpy has read it.
-                keep_alive(packed, self.stream.record())
+                keep_alive(packed, ordering_event(self.stream))
 
     def _pack_on_owner(self, src):
         """A C-contiguous copy of `src` made by its own GPU on that GPU's current stream,
@@ -178,13 +188,13 @@ class CudaDevice(Device):
         cp = self._cp
         owner = src.device.id
         with self._cuda_device:
-            ready = self.stream.record()  # whatever wrote src, this stream waited for
+            ready = ordering_event(self.stream)  # whatever wrote src, this stream waited for
         stream = cp.cuda.get_current_stream(owner)
         with cp.cuda.Device(owner):
             stream.wait_event(ready)
             with stream:
                 packed = cp.ascontiguousarray(src)
-            done = stream.record()
+            done = ordering_event(stream)
         with self._cuda_device:
             self.stream.wait_event(done)
         return packed
@@ -281,6 +291,24 @@ def can_access_peer(reader: int, owner: int) -> bool:
         return ok
 
 
+def peer_readable(reader: int, array) -> bool:
+    """Whether a kernel on GPU `reader` can read the CuPy array `array` where it lies.
+
+    Another GPU's memory needs peer access between the two GPUs and, for memory of a
+    stream-ordered pool or a virtual-memory mapping, access granted to `reader` by that
+    pool or mapping (see `cuda_driver.pointer_access`); without it the caller stages the
+    data through a copy, which needs no access at all.
+    """
+    owner = array.device.id
+    if reader == owner:
+        return True
+    if not can_access_peer(reader, owner):
+        return False
+    with cupy_module().cuda.Device(reader):  # the driver answers for the current GPU
+        flags = pointer_access(array.data.ptr)
+    return flags != CU_MEM_ACCESS_FLAGS_PROT_NONE
+
+
 def _log_missing_peers() -> None:
     missing = sorted(p for p, ok in _peer.items() if not ok and p not in _peer_logged)
     if missing:
@@ -297,13 +325,37 @@ def enable_peer_access(physical_ids) -> dict:
 
 
 # ------------------------------------------------------------- deferred frees
+#: page-locked host bytes kept for copies still in flight; past it, the host waits for
+#: the oldest copies (a few large keys must not pin tens of GB)
+PINNED_CAP = 256 << 20
+
 _alive_lock = threading.Lock()
 _alive: list = []  # (event, object) pairs kept until the event has completed
 
 
 def keep_alive(obj, event) -> None:
-    """Keep `obj` (a buffer) referenced until `event` has completed on the GPU."""
+    """Keep `obj` (a buffer) referenced until `event` has completed on the GPU.
+
+    Buffers whose copies are done are let go at every call; host buffers still in flight
+    are capped at PINNED_CAP bytes, past which the oldest copies are waited for.
+    """
     with _alive_lock:
         _alive.append((event, obj))
-        if len(_alive) > 64:
-            _alive[:] = [(e, o) for e, o in _alive if not e.done]
+        _release_done()
+        while len(_alive) > 1 and _pinned_bytes() > PINNED_CAP:
+            oldest, _ = _alive.pop(0)
+            oldest.synchronize()
+
+
+def release_done() -> None:
+    """Let go of every kept buffer whose copy has completed."""
+    with _alive_lock:
+        _release_done()
+
+
+def _release_done() -> None:
+    _alive[:] = [(e, o) for e, o in _alive if not e.done]
+
+
+def _pinned_bytes() -> int:
+    return sum(o.nbytes for _, o in _alive if isinstance(o, np.ndarray))

@@ -178,8 +178,8 @@ def readable(reader, array) -> bool:
         return isinstance(array, np.ndarray)
     if isinstance(array, np.ndarray):
         return False
-    from ..backends.cuda import can_access_peer
-    return can_access_peer(reader.physical, array.device.id)
+    from ..backends.cuda import peer_readable
+    return peer_readable(reader.physical, array)
 
 
 def to_host(array, device=None):

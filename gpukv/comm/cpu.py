@@ -42,6 +42,12 @@ def _from_pinned(dst, host, device) -> None:
     keep_alive(host, device.record())
 
 
+def _release_finished_copies() -> None:
+    """Pinned buffers of earlier calls whose copies have completed are let go now."""
+    from ..backends.cuda import release_done
+    release_done()
+
+
 class CpuStrategy(Strategy):
     """Through main memory: GPU sources copied to pinned buffers, summed by NumPy."""
 
@@ -61,6 +67,7 @@ class CpuStrategy(Strategy):
         self._host.reduce_many(host_jobs)
         if not jobs:
             return
+        _release_finished_copies()
         _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
         staged = []
         for job in jobs:  # every device-to-host copy is queued before the host waits
@@ -87,6 +94,7 @@ class CpuStrategy(Strategy):
         self._host.broadcast_many(host_jobs)
         if not jobs:
             return
+        _release_finished_copies()
         _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
         staged = [j.src if isinstance(j.src, np.ndarray) else _to_pinned(j.src, j.home)
                   for j in jobs]

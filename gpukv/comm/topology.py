@@ -30,13 +30,16 @@ import itertools
 import logging
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
 from .._errors import ArgumentError
+from ..backends.cuda_driver import (
+    CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED,
+    CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+    cuda_driver)
 
 log = logging.getLogger("gpukv")
 
@@ -161,46 +164,6 @@ def random_link_matrix(n: int, seed: int | None = None, *, density: float = 0.5,
 
 
 # ------------------------------------------------------------------------- CUDA
-#: `CUdevice_P2PAttribute` values of the CUDA driver API (cuda.h).
-CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK = 0x01
-CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED = 0x02
-CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 0x03
-CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED = 0x04
-
-_DRIVER_NAMES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
-_driver_lock = threading.Lock()
-_driver: list = []  # [the loaded driver library, or None], once tried
-
-
-def cuda_driver():
-    """The CUDA driver library (`ctypes.CDLL` of libcuda) with the P2P query functions
-    typed, or None where it cannot be loaded (no driver, or a driver without them)."""
-    if _driver:
-        return _driver[0]
-    with _driver_lock:
-        if not _driver:
-            _driver.append(_load_driver())
-    return _driver[0]
-
-
-def _load_driver():
-    import ctypes  # noqa: PLC0415 - only where a link matrix is asked of CUDA
-    for name in _DRIVER_NAMES:
-        try:
-            lib = ctypes.CDLL(name)
-            cint_p = ctypes.POINTER(ctypes.c_int)
-            lib.cuInit.argtypes = [ctypes.c_uint]
-            lib.cuDeviceGet.argtypes = [cint_p, ctypes.c_int]
-            lib.cuDeviceGetP2PAttribute.argtypes = [cint_p, ctypes.c_int, ctypes.c_int,
-                                                    ctypes.c_int]
-            for fn in (lib.cuInit, lib.cuDeviceGet, lib.cuDeviceGetP2PAttribute):
-                fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            continue
-        return lib
-    return None
-
-
 def _driver_ranks(driver, ordinals) -> dict | None:
     """{(a, b): performance rank} of the ordered pairs of `ordinals` with P2P access,
     from the CUDA driver API; None when a driver call fails.

@@ -10,6 +10,9 @@ import gpukv
 from gpukv import DeviceError
 from gpukv.backends import cuda as cuda_mod
 
+from .. import gpu_env
+from ..gpu_gate import gpu_unavailable
+
 
 class _FakeRuntime:
     """Stands in for cupy.cuda.runtime: peer access allowed only between 0 and 1."""
@@ -258,11 +261,12 @@ def test_host_source_into_gpu_home():
     np.testing.assert_array_equal(out, 3)
 
 
-# ------------------------------------------------- stream-order checker (no GPU)
-# Fake GPUs run the strategies' GPU code path eagerly on NumPy, with one vector clock
-# per device: `record`/`wait_event`/`wait_for` move the clocks as CUDA events would,
-# and every kernel or copy checks that what it reads was written, and what it
-# overwrites was read, by work it is ordered after. A missing event is a failure.
+# ------------------------------------------------------------- stream-order checker
+# Fake GPUs run the strategies' GPU code path eagerly on host memory, with one vector
+# clock per device: `record`/`wait_event`/`wait_for` move the clocks as CUDA events
+# would, and every kernel or copy checks that what it reads was written, and what it
+# overwrites was read, by work it is ordered after. A missing event is a failure. The
+# sums are the real CUDA kernel, run by the emulation (or a GPU) on those addresses.
 class _Storage:
     def __init__(self, data, n_dev):
         self.data = data.reshape(-1)
@@ -277,7 +281,7 @@ _PTRS: dict = {}
 class _Data:
     def __init__(self, arr):
         self.arr = arr
-        self.ptr = id(arr.st) * 1000003 + arr.off
+        self.ptr = arr.np.__array_interface__["data"][0]  # a real address the kernel reads
         _PTRS[self.ptr] = arr
 
     def copy_from_device_async(self, src, nbytes, stream):
@@ -430,7 +434,7 @@ class _FakeGpu(gpukv.backends.Device):
             if st.data.dtype == np.dtype(dtype) and st.data.size >= size:
                 del self.free[i]
                 return _Arr(st, 0, shape, self, _Block(st, self))
-        st = _Storage(np.zeros(shape, dtype), self.n_dev)
+        st = _Storage(gpu_env.guarded_zeros(shape, dtype), self.n_dev)
         return _Arr(st, 0, shape, self, _Block(st, self))
 
     def owns(self, array):
@@ -449,6 +453,18 @@ def fake_gpus(monkeypatch):
     from gpukv import _kernels
     from gpukv.comm import _ops
 
+
+    def kernel_sum(items):
+        """The CUDA kernel on the emulation (it reads host memory, as no GPU can); the
+        NumPy twin elsewhere (the kernel itself is tested on GPUs in test_kernels.py)."""
+        if gpu_env.EMULATED:
+            import cupy
+            return real_sum(items, cupy.cuda.get_current_stream())
+        _kernels.multi_sum_host([_kernels.SumItem(it.out.np, tuple(t.np for t in it.a),
+                                                  tuple(t.np for t in it.b)) for it in items])
+
+    real_sum = _kernels.multi_sum_gpu
+
     def multi_sum_gpu(items, stream):
         dev = stream.dev
         dev.tick()
@@ -457,8 +473,7 @@ def fake_gpus(monkeypatch):
                 _read(dev, t)
         for it in items:
             _write(dev, it.out)
-        _kernels.multi_sum_host([_kernels.SumItem(it.out.np, tuple(t.np for t in it.a),
-                                                  tuple(t.np for t in it.b)) for it in items])
+        kernel_sum(items)
 
     monkeypatch.setattr(_kernels, "multi_sum_gpu", multi_sum_gpu)
     monkeypatch.setattr(cuda_mod, "can_access_peer", lambda r, o: r // 2 == o // 2)
@@ -842,3 +857,181 @@ def test_strided_peer_source_into_a_cast_packs_then_stages(tagged_cupy):
                      "record", "keep"]
     assert cuda.log[2][1] == 1 and cuda.log[5][1:] == (0, "null", "packed")
     assert cuda.log[6][1:] == (0, "null", "dst", "staged")
+
+
+# ------------------------------------------------------- events, threads, pinned buffers
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("strategy", ["home", "tree", "ring", "cpu", "nccl"])
+def test_ordering_events_are_made_without_timing(strategy, monkeypatch):
+    """Every event gpukv records to order work is made with disable_timing=True (cheaper
+    to record and wait on): a push and pull make no timing event at all."""
+    import cupy
+    from gpukv.backends.cuda import gpu_devices
+
+    if gpu_env.EMULATED:  # the emulation counts every event made, CuPy's own included
+        from cudaemu import runtime
+        timed = lambda: runtime.created["timed_event"]  # noqa: E731
+    else:  # a real GPU: the events gpukv makes itself
+        made = []
+        real = cupy.cuda.Event
+        monkeypatch.setattr(cupy.cuda, "Event", lambda *a, **k: made.append(
+            not k.get("disable_timing", a[1] if len(a) > 1 else False)) or real(*a, **k))
+        timed = lambda: sum(made)  # noqa: E731
+    kv = gpukv.create("device", strategy=strategy)
+    devs = gpu_devices()[:4]
+    values = []
+    for i, d in enumerate(devs):
+        with cupy.cuda.Device(d.physical):
+            values.append(cupy.full((3, 5), float(i), cupy.float32))
+    kv.init("w", values[0])
+    before = timed()
+    kv.pushpull("w", values)
+    assert timed() == before
+
+
+@pytest.mark.multi_gpu(4)
+def test_virtual_gpu_stream_made_once_under_threads(monkeypatch):
+    """Two threads asking a virtual GPU for its stream at the same moment get the same
+    stream: it is made once, so no work is queued on a stream nobody waits for."""
+    import threading
+    import cupy
+    device = cuda_mod.CudaDevice(0, 3)  # a fresh logical device, not the shared one
+    both_inside = threading.Barrier(2, timeout=0.5)
+    real = cupy.cuda.Stream
+
+    def slow_stream(*args, **kwargs):
+        try:
+            both_inside.wait()  # without a lock both threads get here together
+        except threading.BrokenBarrierError:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cupy.cuda, "Stream", slow_stream)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(device.stream)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 2 and seen[0] is seen[1]
+
+
+class _Copy:
+    """An event of a copy in flight: done once waited for (or marked done)."""
+
+    def __init__(self, log):
+        self.done, self.log = False, log
+
+    def synchronize(self):
+        self.log.append(self)
+        self.done = True
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """An empty keep-alive list, with the pinned cap at 4 KiB."""
+    monkeypatch.setattr(cuda_mod, "_alive", [])
+    monkeypatch.setattr(cuda_mod, "PINNED_CAP", 4096)
+    return cuda_mod._alive
+
+
+def test_buffers_let_go_once_their_copy_is_done(kept):
+    """A kept buffer is released at the next call after its copy completed, not later."""
+    log = []
+    first, second = _Copy(log), _Copy(log)
+    cuda_mod.keep_alive(np.zeros(10), first)
+    first.done = True
+    cuda_mod.keep_alive(np.zeros(10), second)
+    assert [e for e, _ in kept] == [second]
+    second.done = True
+    cuda_mod.release_done()
+    assert kept == [] and log == []
+
+
+def test_pinned_bytes_in_flight_are_capped(kept):
+    """Past PINNED_CAP bytes of host buffers in flight, the oldest copies are waited for
+    and their buffers let go; the newest is always kept."""
+    log = []
+    events = [_Copy(log) for _ in range(4)]
+    for e in events:
+        cuda_mod.keep_alive(np.zeros(256), e)  # 2 KiB each
+    assert log == events[:2] and [e for e, _ in kept] == events[2:]
+    big = _Copy(log)
+    cuda_mod.keep_alive(np.zeros(4096), big)  # 32 KiB alone: over the cap, yet kept
+    assert [e for e, _ in kept] == [big]
+
+
+@pytest.mark.multi_gpu(2)
+def test_cpu_strategy_keeps_no_pinned_buffer_after_its_copies(monkeypatch):
+    """Pinned buffers of a call whose copies have completed are gone by the next call
+    (a few large keys must not keep their size pinned in host memory)."""
+    import cupy
+    from gpukv.backends.cuda import gpu_devices
+    monkeypatch.setattr(cuda_mod, "_alive", [])
+    kv = gpukv.create("device", strategy="cpu")
+    devs = gpu_devices()[:2]
+    values = []
+    for d in devs:
+        with cupy.cuda.Device(d.physical):
+            values.append(cupy.ones(1 << 16, cupy.float32))
+    kv.init([0, 1], [values[0], values[1]])
+    kv.pushpull([0, 1], [values, values])
+    for d in devs:
+        d.synchronize()
+    earlier = [buffer for _, buffer in cuda_mod._alive]
+    kv.pull(0, out=values[0])  # the next call finds the earlier copies done
+    assert not any(b is e for _, b in cuda_mod._alive for e in earlier)
+
+
+# ------------------------------------------------- memory peer access does not reach
+def _push_from_gpu1(source, strategy="home"):
+    """Push `source` (on GPU 1) and ones on GPU 0 into a key homed on GPU 0; the pull."""
+    import cupy
+    kv = gpukv.create("device", strategy=strategy)
+    with cupy.cuda.Device(0):
+        kv.init("w", cupy.zeros(source.shape, cupy.float32))
+        local = cupy.ones(source.shape, cupy.float32)
+        out = cupy.zeros(source.shape, cupy.float32)
+    kv.push("w", [source, local])
+    kv.pull("w", out=out)
+    return out.get()
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("strategy", ["home", "tree"])
+def test_stream_ordered_pool_memory_of_a_peer_is_staged(strategy):
+    """Memory from a stream-ordered pool (cudaMallocAsync) on GPU 1 is not readable from
+    GPU 0 through peer access alone: it is copied over, not read by the sum kernel."""
+    import cupy
+    from gpukv.backends.cuda import can_access_peer, gpu_count, peer_readable
+    if gpu_count() < 2 or not can_access_peer(0, 1):
+        gpu_unavailable("needs two physical GPUs with peer access")
+    pool = cupy.cuda.MemoryAsyncPool()
+    with cupy.cuda.Device(1):
+        cupy.cuda.set_allocator(pool.malloc)
+        try:
+            source = cupy.full((1000,), 2.0, cupy.float32)
+        finally:
+            cupy.cuda.set_allocator(None)
+    assert not peer_readable(0, source)
+    np.testing.assert_array_equal(_push_from_gpu1(source, strategy), 3.0)
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.skipif(not gpu_env.EMULATED, reason="makes a virtual-memory mapping of the "
+                                                 "CUDA emulation")
+@pytest.mark.parametrize("granted", [False, True])
+def test_virtual_memory_mapping_of_a_peer_is_read_only_once_granted(granted):
+    """Memory of a virtual-memory mapping (PyTorch's expandable segments) on GPU 1 is read
+    directly from GPU 0 only when the mapping grants GPU 0 access; else it is staged."""
+    import cupy
+    from cudaemu import memory
+    from gpukv.backends.cuda import peer_readable
+    with cupy.cuda.Device(1):
+        memptr = memory.mapped_alloc(1000 * 4, 1)
+        source = cupy.ndarray((1000,), cupy.float32, memptr=memptr)
+        source.fill(2.0)
+    if granted:
+        memptr.mem.domain.grant(0)
+    assert peer_readable(0, source) is granted
+    np.testing.assert_array_equal(_push_from_gpu1(source), 3.0)

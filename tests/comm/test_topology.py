@@ -389,8 +389,9 @@ def test_cuda_driver_is_none_without_libcuda(monkeypatch):
         tried.append(name)
         raise OSError(f"{name}: cannot open shared object file")
 
+    from gpukv.backends import cuda_driver as D
     monkeypatch.setattr(ctypes, "CDLL", cdll)
-    monkeypatch.setattr(T, "_driver", [])
+    monkeypatch.setattr(D, "_driver", [])
     assert T.cuda_driver() is None
     assert T.cuda_driver() is None
-    assert tried == list(T._DRIVER_NAMES)
+    assert tried == list(D._NAMES)

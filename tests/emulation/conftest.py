@@ -6,12 +6,6 @@ import pytest
 from .support import kernels
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "compile_all: compiles every kernel source gpukv generates through the "
-                   "CPU emulation (slow on a cold compile cache)")
-
-
 @pytest.fixture
 def address_describer():
     """Installs a describer (or None) for the test's duration, then puts back whichever

@@ -36,6 +36,8 @@ class _Pointer:
 class DeviceArray:
     """A NumPy array passed to kernels as a device array: `.data.ptr` is its address."""
 
+    buffer = None
+
     def __init__(self, host: np.ndarray):
         self.host = host
         self.data = _Pointer(host.ctypes.data)
@@ -47,9 +49,6 @@ class DeviceArray:
 kernels.register_array_type(DeviceArray)
 
 
-def device(values, dtype=None) -> DeviceArray:
-    """A device array holding a contiguous copy of `values`."""
-    return DeviceArray(np.array(values, dtype=dtype, copy=True, order="C"))
 
 
 PAGE = mmap.PAGESIZE
@@ -76,3 +75,15 @@ class GuardedBuffer:
         """The buffer as a writable 1-D array of `dtype`."""
         dtype = np.dtype(dtype)
         return np.frombuffer(self._map, dtype, self.nbytes // dtype.itemsize, self._offset)
+
+
+def device(values, dtype=None) -> DeviceArray:
+    """A device array holding a contiguous copy of `values`, ending at a PROT_NONE page
+    (a kernel going past its end faults instead of corrupting the test process)."""
+    host = np.array(values, dtype=dtype, copy=True, order="C")
+    buffer = GuardedBuffer(max(host.nbytes, host.itemsize))
+    guarded = buffer.array(host.dtype)[:host.size].reshape(host.shape)
+    guarded[...] = host
+    array = DeviceArray(guarded)
+    array.buffer = buffer  # the mapping lives as long as the array
+    return array

@@ -38,18 +38,19 @@ def test_sum_kernel_matches_its_numpy_twin_bit_for_bit(t, u):
     for every key, with keys that loop over the grid and outputs summed into in place."""
     rng = np.random.default_rng(7)
     sizes = [1, 1000, 5000, 3, 2048]
-    outs = [_random(rng, u, n) for n in sizes]
-    terms = [[_random(rng, t, n) for _ in range(k % 3 + 1)] for k, n in enumerate(sizes)]
-    expected = [o.copy() for o in outs]
-    _kernels.multi_sum_host([_kernels.SumItem(e, tuple(a), (e,))
+    outs = [device(_random(rng, u, n)) for n in sizes]
+    terms = [[device(_random(rng, t, n)) for _ in range(k % 3 + 1)]
+             for k, n in enumerate(sizes)]
+    expected = [o.host.copy() for o in outs]
+    _kernels.multi_sum_host([_kernels.SumItem(e, tuple(x.host for x in a), (e,))
                              for e, a in zip(expected, terms)])
     table, blocks = _kernels.build_table(
-        [o.ctypes.data for o in outs], sizes,
-        [[x.ctypes.data for x in a] for a in terms], [[o.ctypes.data] for o in outs],
+        [o.data.ptr for o in outs], sizes,
+        [[x.data.ptr for x in a] for a in terms], [[o.data.ptr] for o in outs],
         max_blocks=2)
     _sum_kernel(t, u)((blocks,), (_kernels.THREADS,), (device(table), np.int32(len(sizes))))
     for k, (got, want) in enumerate(zip(outs, expected)):
-        assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), f"key {k}"
+        assert got.host.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), f"key {k}"
 
 
 _ARGS_SOURCE = r"""
@@ -241,13 +242,13 @@ def test_launches_from_several_threads_all_complete():
     def work(seed):
         try:
             rng = np.random.default_rng(seed)
-            xs = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
-            out = np.zeros(n, np.float32)
+            xs = [device(rng.standard_normal(n).astype(np.float32)) for _ in range(2)]
+            out = device(np.zeros(n, np.float32))
             for _ in range(5):
-                table, blocks = _kernels.build_table([out.ctypes.data], [n],
-                                                     [[x.ctypes.data for x in xs]], [[]])
-                kernel((blocks,), (256,), (DeviceArray(table), np.int32(1)))
-                np.testing.assert_array_equal(out, xs[0] + xs[1])
+                table, blocks = _kernels.build_table([out.data.ptr], [n],
+                                                     [[x.data.ptr for x in xs]], [[]])
+                kernel((blocks,), (256,), (device(table), np.int32(1)))
+                np.testing.assert_array_equal(out.host, xs[0].host + xs[1].host)
         except Exception as exc:  # collected: an assertion in a thread would be lost
             errors.append(exc)
 

@@ -298,6 +298,7 @@ def _wire_kernels() -> None:
     from . import kernels
     kernels.register_array_type(ndarray)
     kernels.set_address_describer(memory.describe)
+    kernels.set_launch_guard(memory.kernel_access)
 
 
 _wire_kernels()

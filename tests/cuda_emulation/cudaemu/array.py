@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from . import machine, memory, runtime
+from .errors import CUDARuntimeError
 from .memory import MemoryPointer
 from .names import FUNCTIONS, UFUNCS
 
@@ -43,8 +44,13 @@ def _check_device(array: "ndarray", device: int) -> None:
                 runtime.runtime.deviceEnablePeerAccess(owner)
         except runtime.CUDARuntimeError:
             pass
-        warnings.warn(f"{msg} Peer access has been activated automatically.",
-                      PerformanceWarning, stacklevel=4)
+    # CuPy warns at every such call, whether it enabled peer access now or before.
+    warnings.warn(f"{msg} Peer access has been activated automatically.",
+                  PerformanceWarning, stacklevel=4)
+    if memory.access_flags(device, array._data.mem) == memory.ACCESS_NONE:
+        # pool or mapping memory not granted to this GPU: CuPy's kernel would fault
+        raise CUDARuntimeError(700, f"GPU {device} reading {memory.describe(array._data.ptr)}"
+                                    f", whose pool or mapping grants it no access")
 
 
 def _unsupported(x) -> TypeError:
@@ -449,8 +455,9 @@ class ndarray:  # noqa: N801 - CuPy's name
         if not any(i is Ellipsis for i in index):
             index = index + (Ellipsis,)  # an element comes back as a 0-d view, as in CuPy
         result = self._view[index]
-        if isinstance(result, np.ndarray) and result.size and _in(result, self):
-            return self._derived(result)  # basic indexing: a view
+        basic = not any(isinstance(i, (np.ndarray, list)) for i in index)
+        if isinstance(result, np.ndarray) and (_in(result, self) if result.size else basic):
+            return self._derived(result)  # basic indexing: a view, on this array's GPU
         _check_device(self, device)
         return _result(np.asarray(result), device)
 
@@ -509,10 +516,36 @@ def _call(func, args, kwargs, *, views: bool = False):
         np_kwargs = {k: _operand(v, device) for k, v in kwargs.items()}
         if out is not None and not isinstance(out, (ndarray, tuple)):
             raise TypeError(f"Output must be cupy.ndarray, not {type(out).__name__}")
-    result = func(*np_args, **np_kwargs)
+    with np.errstate(all="ignore"):  # GPU arithmetic raises no floating-point warnings
+        result = func(*np_args, **np_kwargs)
     if out is not None:  # NumPy wrote into the outs' device memory
         return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+    if views:
+        source = next((x for x in _arrays(args)), None)
+        if source is not None:  # a view, even an empty one, stays with its array
+            return _view_result(result, source, device)
     return _result(result, device)
+
+
+def _arrays(x):
+    """The emulated arrays among the (nested) arguments `x`."""
+    if isinstance(x, ndarray):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _arrays(v)
+
+
+def _view_result(value, source: "ndarray", device: int):
+    """A view operation's result: views of `source`'s memory (an empty one included);
+    anything NumPy had to copy goes to `device`."""
+    if isinstance(value, np.ndarray):
+        if value.size == 0 or _in(value, source):
+            return source._derived(value)
+        return _result(value, device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_view_result(v, source, device) for v in value)
+    return _result(value, device)
 
 
 class ufunc:  # noqa: N801 - CuPy's name

@@ -59,7 +59,7 @@ _raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
 _raw_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", _api))
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # capsule destructors may run (GC) while it is held
 _exported: dict = {}  # address of a DLManagedTensor -> what keeps it and its array alive
 
 

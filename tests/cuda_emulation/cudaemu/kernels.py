@@ -22,6 +22,7 @@ primitives, grid-wide synchronisation, and C++ (mangled) kernel names.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -152,6 +153,16 @@ def register_array_type(cls) -> None:
         raise TypeError(f"register_array_type: expected a class, got {cls!r}")
     if cls not in _array_types:
         _array_types = _array_types + (cls,)
+
+
+_launch_guard = contextlib.nullcontext
+
+
+def set_launch_guard(factory) -> None:
+    """Run every launch inside `factory()` (a context manager; None: nothing), e.g. to
+    make memory the launching GPU may not access unreachable for its duration."""
+    global _launch_guard
+    _launch_guard = contextlib.nullcontext if factory is None else factory
 
 
 def set_address_describer(fn):
@@ -850,7 +861,7 @@ class Function:
         keep, argv = _pack(self.name, self.params, args)  # argv points into `keep`
         config = _Config(grid, block, int(shared_mem), int(self.fibers), 0)
         result = _Result()
-        with _launch_lock:
+        with _launch_lock, _launch_guard():
             self._launch(ctypes.byref(config), argv, ctypes.byref(result))
         del keep
         if result.status:

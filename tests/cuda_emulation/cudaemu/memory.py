@@ -44,33 +44,52 @@ def _round_up(n: int, to: int) -> int:
 
 
 # ------------------------------------------------------------------- the registry
+# Allocations are unmapped by finalizers, which may run inside any allocation (garbage
+# collection), even while this module holds its lock: so a finalizer only notes the
+# free in `_dead`, and the registry takes note under its lock the next time it is used.
 _lock = threading.Lock()
 _starts: list = []          # sorted start addresses of live allocations
 _live: dict = {}            # start address -> weakref to its Memory
+_dead = collections.deque()  # (address, size, place) unmapped, not yet out of the registry
 _freed = collections.deque(maxlen=256)  # (address, size, place) of recent frees
 _used: collections.Counter = collections.Counter()  # place -> live bytes
 
 
+def _forget_dead() -> None:
+    """Take the allocations freed since the last call out of the registry (lock held)."""
+    while _dead:
+        ptr, size, place = _dead.popleft()
+        ref = _live.get(ptr)
+        if ref is not None and ref() is None:  # not a new allocation at the same address
+            i = bisect.bisect_left(_starts, ptr)
+            if i < len(_starts) and _starts[i] == ptr:
+                del _starts[i]
+            del _live[ptr]
+        _used[place] -= size
+        _freed.append((ptr, size, place))
+
+
 def _register(mem) -> None:
     with _lock:
-        bisect.insort(_starts, mem.ptr)
+        _forget_dead()
+        if mem.ptr not in _live:
+            bisect.insort(_starts, mem.ptr)
         _live[mem.ptr] = weakref.ref(mem)
         _used[mem.place] += mem.size
 
 
-def _unregister(ptr: int, size: int, place) -> None:
+def _live_memories() -> list:
+    """Every live allocation (a snapshot)."""
     with _lock:
-        i = bisect.bisect_left(_starts, ptr)
-        if i < len(_starts) and _starts[i] == ptr:
-            del _starts[i]
-        _live.pop(ptr, None)
-        _used[place] -= size
-        _freed.append((ptr, size, place))
+        _forget_dead()
+        refs = list(_live.values())
+    return [m for m in (ref() for ref in refs) if m is not None]
 
 
 def find(ptr: int):
     """The live Memory whose bytes contain address `ptr`, or None."""
     with _lock:
+        _forget_dead()
         i = bisect.bisect_right(_starts, ptr) - 1
         if i < 0:
             return None
@@ -82,7 +101,9 @@ def find(ptr: int):
 
 def used_bytes(place) -> int:
     """Live bytes allocated on `place` (a GPU id, or "pinned")."""
-    return _used[place]
+    with _lock:
+        _forget_dead()
+        return _used[place]
 
 
 def _where(place) -> str:
@@ -92,9 +113,7 @@ def _where(place) -> str:
 def describe(ptr: int) -> str:
     """Where address `ptr` lies relative to the allocations, for fault messages: inside or
     near a live allocation, else inside or near a recently freed one."""
-    with _lock:
-        live = [ref() for ref in _live.values()]
-    spans = [(m.ptr, m.size, m.place) for m in live if m is not None]
+    spans = [(m.ptr, m.size, m.place) for m in _live_memories()]
     for state, candidates in (("", spans), ("freed ", list(_freed))):
         best = None
         for start, size, place in candidates:
@@ -144,8 +163,8 @@ def _map(length: int) -> int:
 
 
 def _unmap(base: int, length: int, ptr: int, size: int, place) -> None:
-    _unregister(ptr, size, place)
     _libc.munmap(base, length)
+    _dead.append((ptr, size, place))  # the registry forgets it at its next use
 
 
 class BaseMemory:
@@ -163,14 +182,33 @@ class BaseMemory:
         return self.ptr
 
 
+class AccessDomain:
+    """What grants other GPUs access to some memory: a stream-ordered pool
+    (cudaMemPoolSetAccess) or a virtual-memory mapping (cuMemSetAccess). Plain
+    allocations have none: peer access between the GPUs is what counts for them."""
+
+    _handles = iter(range(0x5000, 1 << 62))
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.handle = next(self._handles)
+        self.readers: set = set()
+
+    def grant(self, reader: int) -> None:
+        self.readers.add(int(reader))
+
+
 class Memory(BaseMemory):
     """One allocation of `size` bytes on GPU `device_id` (pinned host memory when
-    `device_id` is None): guarded and poisoned in guard mode."""
+    `device_id` is None): guarded and poisoned in guard mode. `domain` is the pool or
+    mapping it belongs to, if any."""
 
-    def __init__(self, size: int, device_id: int | None):
+    def __init__(self, size: int, device_id: int | None, domain: AccessDomain | None = None):
         self.size = int(size)
         self.device_id = device_id
+        self.domain = domain
         self.ptr = 0
+        self.pages = (0, 0)  # the pages holding its bytes: (start, length)
         if self.size == 0:  # CuPy hands out a null pointer for empty arrays
             return
         if machine.MACHINE.guard:
@@ -181,10 +219,12 @@ class Memory(BaseMemory):
             _libc.mprotect(base + PAGE + body, PAGE, _PROT_NONE)
             ctypes.memset(base + PAGE, POISON, body)
             self.ptr = base + PAGE + body - self.size
+            self.pages = (base + PAGE, body)
         else:
             length = _round_up(self.size, PAGE)
             base = _map(length)
             self.ptr = base
+            self.pages = (base, length)
         _register(self)
         weakref.finalize(self, _unmap, base, length, self.ptr, self.size, self.place)
 
@@ -318,8 +358,106 @@ def _host_address(mem) -> int:
 
 
 def alloc(size: int, device_id: int) -> MemoryPointer:
-    """`size` bytes on GPU `device_id`, as `cupy.cuda.alloc` gives them."""
+    """`size` bytes on GPU `device_id`, from the allocator set by `set_allocator` if any
+    (it allocates on the current device, which the caller has made `device_id`)."""
+    allocator = _allocator.get("malloc")
+    if allocator is not None:
+        return allocator(size)
     return MemoryPointer(Memory(size, device_id), 0)
+
+
+_allocator: dict = {}
+
+
+def set_allocator(allocator=None) -> None:
+    """`cupy.cuda.set_allocator`: `allocator(size) -> MemoryPointer`, or None for the
+    default one."""
+    if allocator is None:
+        _allocator.pop("malloc", None)
+    else:
+        _allocator["malloc"] = allocator
+
+
+def get_allocator():
+    return _allocator.get("malloc") or (lambda size: alloc(size, _current_device()))
+
+
+def _current_device() -> int:
+    from .runtime import current_device
+    return current_device()
+
+
+class MemoryAsyncPool:
+    """`cupy.cuda.MemoryAsyncPool`: stream-ordered allocations (cudaMallocAsync), from one
+    pool per GPU whose memory other GPUs reach only once the pool grants them access."""
+
+    def __init__(self, pool_handles="current"):
+        self.pools: dict = {}  # GPU -> its AccessDomain
+
+    def pool(self, device_id: int) -> AccessDomain:
+        return self.pools.setdefault(device_id, AccessDomain("pool"))
+
+    def malloc(self, size: int) -> MemoryPointer:
+        device = _current_device()
+        return MemoryPointer(Memory(size, device, self.pool(device)), 0)
+
+    def used_bytes(self) -> int:
+        return used_bytes(_current_device())
+
+    total_bytes = used_bytes
+
+    def free_bytes(self) -> int:
+        return 0
+
+    def free_all_blocks(self, stream=None) -> None:
+        pass
+
+    def n_free_blocks(self) -> int:
+        return 0
+
+
+def mapped_alloc(size: int, device_id: int) -> MemoryPointer:
+    """`size` bytes of a virtual-memory mapping on GPU `device_id` (as cuMemCreate and
+    cuMemMap make them, e.g. PyTorch's expandable segments): other GPUs reach them only
+    once the mapping grants access (`.mem.domain.grant(reader)`)."""
+    return MemoryPointer(Memory(size, device_id, AccessDomain("mapping")), 0)
+
+
+#: `CUmemAccess_flags`
+ACCESS_NONE, ACCESS_READWRITE = 0, 3
+
+
+def access_flags(reader: int, mem: BaseMemory) -> int:
+    """The access GPU `reader` has to `mem`, as cuPointerGetAttribute(ACCESS_FLAGS) says."""
+    owner = mem.device_id
+    if owner is None or owner == reader:
+        return ACCESS_READWRITE
+    domain = getattr(mem, "domain", None)
+    if domain is not None:
+        return ACCESS_READWRITE if reader in domain.readers else ACCESS_NONE
+    from .runtime import peer_enabled
+    return ACCESS_READWRITE if peer_enabled(reader, owner) else ACCESS_NONE
+
+
+class kernel_access:  # noqa: N801 - used as a context manager
+    """Around a kernel launched on the current GPU: the pages of pool and mapping memory
+    that GPU may not access are made inaccessible, so a kernel reading them faults as it
+    would on the GPU (plain memory keeps its pages: checking peer access for every
+    allocation at every launch would cost too much)."""
+
+    def __enter__(self):
+        reader = _current_device()
+        self.hidden = [m.pages for m in _live_memories() if m.size
+                       and getattr(m, "domain", None) is not None
+                       and access_flags(reader, m) == ACCESS_NONE]
+        for start, length in self.hidden:
+            _libc.mprotect(start, length, _PROT_NONE)
+        return self
+
+    def __exit__(self, *exc):
+        for start, length in self.hidden:
+            _libc.mprotect(start, length, mmap.PROT_READ | mmap.PROT_WRITE)
+        return False
 
 
 # ------------------------------------------------------------------ pinned memory
@@ -349,7 +487,7 @@ def alloc_pinned_memory(size: int):
 
 def pinned_bytes_in_use() -> int:
     """Bytes of pinned memory currently allocated (nothing is pooled)."""
-    return _used["pinned"]
+    return used_bytes("pinned")
 
 
 def is_pinned(array: np.ndarray) -> bool:
