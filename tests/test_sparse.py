@@ -1,14 +1,18 @@
 """Row-sparse values: RowSparse validation and helpers, push, row_sparse_pull, ignore_sparse."""
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
+import warnings
 
 import numpy as np
 import pytest
 
 import gpukv
 from gpukv import RowSparse
+
+from .gpu_gate import gpu_unavailable
 
 REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_sparse_reference.json")
                  .read_text())
@@ -149,6 +153,16 @@ def test_duplicate_rows_within_one_push_are_summed():
     assert out.tolist() == [[1, 1], [7, 7], [0, 0], [0, 0]]
 
 
+@pytest.mark.parametrize("repeats", [3, 9, 40])
+def test_repeated_rows_are_summed_in_their_order(repeats):
+    """coalesce adds a row's repeats one after the other, as the GPU does: 1 followed by
+    2**-24s stays 1 (each addition rounds back), where adding the small ones first
+    would not."""
+    data = np.array([[1.0]] + [[2.0 ** -24]] * (repeats - 1), np.float32)
+    got = RowSparse(np.zeros(repeats, np.int64), data, (2, 1)).coalesce()
+    assert got.indices.tolist() == [0] and got.data.tolist() == [[1.0]]
+
+
 def test_list_of_keys_and_fp16():
     """Lists of keys work, and fp16 rows are summed in float32 before the cast back."""
     kv = gpukv.create("local")
@@ -279,34 +293,44 @@ def test_gpu_row_sparse_roundtrip():
     assert out.data.get().tolist() == REF["pull_after_push"]["data"]
 
 
-# ----------------------------------------------- GPU code paths, checked on the host
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """gpukv.sparse computing with a fake CuPy whose arrays know their (fake) GPU."""
-    import sys
-    import gpukv.sparse as sp
-    from .fake_gpu import FakeCupy
-    fake = FakeCupy()
-    monkeypatch.setattr(sp, "_xp_of", lambda a: fake if isinstance(a, fake.ndarray) else np)
-    monkeypatch.setitem(sys.modules, "cupyx", fake)
-    return fake
+# ------------------------------------------------ GPU code paths, on GPUs of their own
+def _on_gpu(physical, array):
+    """A copy of host `array` on GPU `physical`."""
+    import cupy
+    with cupy.cuda.Device(physical):
+        return cupy.asarray(array)
 
 
+@contextlib.contextmanager
+def _reads_of_other_gpus_raise():
+    """Any operation that reads another GPU's array raises: CuPy's ValueError without
+    peer access, and its PerformanceWarning (made an error here) with it."""
+    import cupy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cupy._util.PerformanceWarning)
+        yield
+
+
+def _physical_gpus(n):
+    from gpukv.backends.cuda import gpu_count
+    if gpu_count() < n:
+        gpu_unavailable(f"needs {n} physical GPUs")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "float16", "bfloat16"])
-def test_gpu_coalesce_sums_every_dtype(fake_cupy, monkeypatch, dtype):
-    """The GPU row sum also works for dtypes CuPy's scatter_add lacks (8-bit ints wrap
-    as on the host; bfloat16 is summed in float32)."""
+def test_gpu_coalesce_sums_every_dtype(dtype):
+    """The GPU row sum works for every dtype, those CUDA's atomicAdd lacks too, and gives
+    the host's bytes (8-bit ints wrap; 16-bit floats are summed in float32)."""
     if dtype == "bfloat16":
         dtype = __import__("ml_dtypes").bfloat16
-    idx = np.array([3, 1, 3, 0], np.int64)
-    data = np.array([[100, 1], [1, 2], [100, 3], [4, 5]]).astype(dtype)
-    got = RowSparse._trusted(fake_cupy.array_on(0, idx), fake_cupy.array_on(0, data),
-                             (5, 2)).coalesce()
-    monkeypatch.undo()
+    idx = np.array([3, 1, 3, 0, 3], np.int64)
+    data = np.array([[100, 1], [1, 2], [100, 3], [4, 5], [100, -9]]).astype(dtype)
+    got = RowSparse._trusted(_on_gpu(0, idx), _on_gpu(0, data), (5, 2)).coalesce()
     want = RowSparse._trusted(idx, data, (5, 2)).coalesce()
-    assert got.indices.tolist() == want.indices.tolist() == [0, 1, 3]
+    assert got.indices.get().tolist() == want.indices.tolist() == [0, 1, 3]
     assert got.data.dtype == want.data.dtype == np.dtype(dtype)
-    assert got.data.tobytes() == want.data.tobytes()
+    assert got.data.get().tobytes() == want.data.tobytes()
 
 
 _DENSE = np.array([[0, 0], [1, 2], [0, 0], [3, 0]], np.float32)
@@ -327,34 +351,42 @@ _ON_GPU1 = {  # name: work on a RowSparse, a dense array and int32 row ids
 }
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu", [1, 3], ids=["gpu1", "gpu3"])
 @pytest.mark.parametrize("name", sorted(_ON_GPU1))
-def test_gpu_rowsparse_work_runs_on_its_own_device(fake_cupy, name):
-    """A RowSparse on GPU 1 used while GPU 0 is current computes on GPU 1 (no kernel
-    reads another GPU's memory) and its results live on GPU 1, with the host's values."""
-    on1 = lambda a: fake_cupy.array_on(1, a)  # noqa: E731
+def test_gpu_rowsparse_work_runs_on_its_own_device(name, gpu):
+    """A RowSparse on another GPU than the current one computes on its own GPU, reading
+    no other GPU's memory (the emulation gives GPU 0 peer access to GPU 1, not to GPU 3),
+    and its results live there, with the host's values."""
+    import cupy
+    _physical_gpus(gpu + 1)
     idx, data = np.array([3, 0, 3], np.int64), np.array([[1, 1], [2, 2], [3, 3]], np.float32)
-    got = _ON_GPU1[name](RowSparse._trusted(on1(idx), on1(data), (4, 2)), on1(_DENSE),
-                         on1(idx.astype(np.int32)))
-    assert fake_cupy.current == 0 and fake_cupy.cross == []
+    value = RowSparse._trusted(_on_gpu(gpu, idx), _on_gpu(gpu, data), (4, 2))
+    with cupy.cuda.Device(0), _reads_of_other_gpus_raise():
+        got = _ON_GPU1[name](value, _on_gpu(gpu, _DENSE), _on_gpu(gpu, idx.astype(np.int32)))
+        assert cupy.cuda.Device().id == 0
     arrays = [got.indices, got.data] if isinstance(got, RowSparse) else [got]
-    assert [a.device.id for a in arrays] == [1] * len(arrays)
+    assert [a.device.id for a in arrays] == [gpu] * len(arrays)
     want = _ON_GPU1[name](RowSparse._trusted(idx, data, (4, 2)), _DENSE, idx.astype(np.int32))
     if isinstance(want, RowSparse):
-        assert got.indices.tolist() == want.indices.tolist()
-        assert got.data.dtype == want.data.dtype and got.data.tolist() == want.data.tolist()
+        assert got.indices.get().tolist() == want.indices.tolist()
+        assert got.data.dtype == want.data.dtype
+        assert got.data.get().tolist() == want.data.tolist()
     else:
-        assert got.tolist() == want.tolist()
+        assert got.get().tolist() == want.tolist()
 
 
-def test_gpu_rowsparse_refuses_row_ids_of_another_gpu(fake_cupy):
+@pytest.mark.gpu
+def test_gpu_rowsparse_refuses_row_ids_of_another_gpu():
     """from_dense and retain take row ids on the data's GPU or the host, not another GPU."""
-    value = RowSparse._trusted(fake_cupy.array_on(1, np.array([1])),
-                               fake_cupy.array_on(1, np.ones((1, 2), np.float32)), (4, 2))
-    ids = fake_cupy.array_on(0, np.array([1]))
+    _physical_gpus(2)
+    value = RowSparse._trusted(_on_gpu(1, np.array([1])),
+                               _on_gpu(1, np.ones((1, 2), np.float32)), (4, 2))
+    ids = _on_gpu(0, np.array([1]))
     with pytest.raises(gpukv.ArgumentError, match="GPU 0 .* GPU 1"):
         value.retain(ids)
     with pytest.raises(gpukv.ArgumentError, match="GPU 0 .* GPU 1"):
-        RowSparse.from_dense(fake_cupy.array_on(1, _DENSE), ids)
+        RowSparse.from_dense(_on_gpu(1, _DENSE), ids)
 
 
 def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):

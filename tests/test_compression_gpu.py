@@ -1,0 +1,263 @@
+"""Gradient compression on GPUs: the CUDA kernels against their NumPy twins, and 'device'
+stores pushing from every GPU against the same store on host arrays, bit for bit."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv import _compression_kernels as K
+from gpukv.backends import host_device
+
+pytestmark = pytest.mark.gpu
+
+# Sizes that are not multiples of a packed word (16 values at 2 bits, 32 at 1 bit),
+# around them, and one value alone.
+SIZES = [1, 2, 15, 16, 17, 31, 33, 47, 1001, 4099]
+
+
+def f32_without_subnormals(x):
+    """`x` as float32 with no subnormal (a GPU flushes them: CuPy compiles with -ftz)."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+
+
+def _bits(a) -> np.ndarray:
+    return a.reshape(-1).view(f"u{a.dtype.itemsize}")
+
+
+def assert_same_bits(got, want, what=""):
+    """Same dtype, shape and bytes; else say where they first differ."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    differ = np.flatnonzero(_bits(got) != _bits(want))
+    assert differ.size == 0, (f"{what}: {differ.size} of {got.size} elements differ, first "
+                              f"at {differ[0]}: {got.reshape(-1)[differ[0]]!r} != "
+                              f"{want.reshape(-1)[differ[0]]!r}")
+
+
+@pytest.fixture
+def cp():
+    """CuPy (or the emulation), imported once the GPU gate let the test run."""
+    import cupy
+    return cupy
+
+
+def _on(cp, dev, array):
+    """A copy of host `array` on logical device `dev`'s GPU."""
+    with dev.cuda_device:
+        return cp.asarray(array)
+
+
+def _grad_and_residual(n, seed):
+    rng = np.random.default_rng(seed)
+    g = f32_without_subnormals(rng.standard_normal(n) * 0.7)
+    r = f32_without_subnormals(rng.standard_normal(n) * 0.3)
+    return g, r
+
+
+# ----------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits,threshold", [(2, 0.5), (2, 0.125), (1, 0.0), (1, -0.2)],
+                         ids=["2bit-0.5", "2bit-0.125", "1bit-0", "1bit-neg"])
+def test_quantize_kernels_give_the_twins_bytes_and_residuals(cp, bits, threshold, n):
+    """Three quantisations in a row with one residual: the CUDA kernel writes the twin's
+    payload bytes (padding of the last word zero, even over a poisoned `out`) and leaves
+    the twin's residual; decoding into an exact-size out, or adding to it, gives the
+    twin's values."""
+    quantize = K.quantize_2bit if bits == 2 else K.quantize_1bit
+    g, r = _grad_and_residual(n, n)
+    r_gpu = cp.asarray(r)
+    nbytes = K.packed_nbytes(n, bits)
+    for step in range(3):
+        want = quantize(g, r, threshold)
+        out = cp.empty(nbytes, cp.uint8) if step else None  # fresh memory is poisoned
+        got = quantize(cp.asarray(g), r_gpu, threshold, out=out)
+        assert got.dtype == cp.uint8 and got.shape == (nbytes,)
+        assert got.get().tobytes() == want.tobytes(), f"payload of step {step}"
+        assert_same_bits(r_gpu.get(), r, f"residual after step {step}")
+    used = -(-n * bits // 8)
+    assert not want[used:].any()
+    for accumulate in (False, True):
+        base = f32_without_subnormals(np.linspace(-1, 1, n))
+        host_out, gpu_out = base.copy(), cp.asarray(base)
+        if bits == 2:
+            K.dequantize_2bit(want, n, threshold, host_out, accumulate)
+            K.dequantize_2bit(got, n, threshold, gpu_out, accumulate)
+        else:
+            K.dequantize_1bit(want, n, host_out, accumulate)
+            K.dequantize_1bit(got, n, gpu_out, accumulate)
+        assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+
+
+@pytest.mark.parametrize("bits", [2, 1])
+@pytest.mark.parametrize("n", [1, 17, 33])
+def test_dequantize_kernels_write_only_n_values(cp, bits, n):
+    """Decoding n values into a longer out writes its first n elements and leaves the
+    rest (poisoned, NaN) as it was."""
+    g, r = _grad_and_residual(n, 3)
+    payload = (K.quantize_2bit if bits == 2 else K.quantize_1bit)(cp.asarray(g),
+                                                                  cp.asarray(r), 0.25)
+    out = cp.empty(n + 40, cp.float32)
+    out[n:] = cp.nan
+    if bits == 2:
+        K.dequantize_2bit(payload, n, 0.25, out[:n])
+    else:
+        K.dequantize_1bit(payload, n, out[:n])
+    host = out.get()
+    assert not np.isnan(host[:n]).any() and np.isnan(host[n:]).all()
+
+
+# Signed zeros, float16's largest value and what rounds past it, infinities, float16's
+# subnormals, ties of both formats, float32's extremes (no value, divided or multiplied by
+# a scale below, is a float32 subnormal, which a GPU would flush to zero).
+_SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, -7e4, 1e5, np.inf, -np.inf,
+                     2.0 ** -14, 2.0 ** -24, 3 * 2.0 ** -25, 1.0 + 2.0 ** -11,
+                     1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.4e38,
+                     -3.4e38, 2.0 ** -100], np.float32)
+
+
+# Values past float32's range after the scale overflow to inf, with NumPy's warning.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scale", [1.0, 4.0, 0.3])
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_cast_kernels_give_the_twins_bits(cp, kind, scale, n):
+    """float32 -> fp16 / bf16 (with a pre-divide scale) and back, written or added into
+    an out, give the twin's bits: ties to even, overflow to inf, fp16 subnormals kept."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    x[:min(n, _SPECIAL.size)] = _SPECIAL[:min(n, _SPECIAL.size)]
+    cast, uncast = ((K.cast_fp16, K.uncast_fp16) if kind == "fp16"
+                    else (K.cast_bf16, K.uncast_bf16))
+    want = cast(x, scale)
+    got = cast(cp.asarray(x), scale)
+    assert_same_bits(got.get(), want, "payload")
+    for accumulate in (False, True):
+        base = f32_without_subnormals(rng.standard_normal(n))
+        host_out, gpu_out = base.copy(), cp.asarray(base)
+        uncast(want, scale, host_out, accumulate)
+        uncast(got, scale, gpu_out, accumulate)
+        assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+
+
+def test_cast_payload_dtypes(cp):
+    """An fp16 payload is float16, a bf16 payload holds bfloat16 bit patterns (uint16),
+    on the GPU as on the host."""
+    x = np.array([1.5, -2.25, 1e-3], np.float32)
+    assert K.cast_fp16(cp.asarray(x), 1.0).dtype == np.float16 == K.cast_fp16(x, 1.0).dtype
+    bits = K.cast_bf16(cp.asarray(x), 2.0)
+    assert bits.dtype == np.uint16
+    assert_same_bits(bits.get().view(ml_dtypes.bfloat16),
+                     (x / np.float32(2)).astype(ml_dtypes.bfloat16))
+
+
+# ------------------------------------------------------------------------- the store
+KEYS = {  # name: (shape, dtype); one push carries all of them
+    "a": ((4099,), np.dtype(np.float32)),
+    "b": ((33, 3), np.dtype(np.float16)),
+    "c": ((17,), np.dtype(np.float64)),
+    "d": ((31,), np.dtype(ml_dtypes.bfloat16)),
+    "e": ((5,), np.dtype(np.int32)),          # travels uncompressed
+    "f": ((1,), np.dtype(np.float32)),
+}
+COMPRESSIONS = {
+    "2bit-0.5": {"type": "2bit", "threshold": 0.5},
+    "2bit-0.25": {"type": "2bit", "threshold": 0.25},
+    "1bit-0": {"type": "1bit", "threshold": 0.0},
+    "1bit-0.3": {"type": "1bit", "threshold": 0.3},
+    "fp16": {"type": "fp16"},
+    "fp16-pre8": {"type": "fp16", "pre_divide": 8},
+    "bf16": {"type": "bf16"},
+    "bf16-pre4": {"type": "bf16", "pre_divide": 4},
+}
+
+
+def _gradient(rng, shape, dtype, params):
+    """A gradient of `dtype`; for fp16 with a pre_divide, float32 and float64 values
+    beyond float16's range, which only the pre-divided trip keeps finite."""
+    scale = 1.0
+    if params.get("type") == "fp16" and params.get("pre_divide") and dtype.itemsize >= 4:
+        scale = 3e4
+    if dtype.kind == "i":
+        return rng.integers(-50, 50, shape).astype(dtype)
+    x = f32_without_subnormals(rng.standard_normal(shape) * scale)
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("gpus", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
+                                  pytest.param(8, marks=pytest.mark.multi_gpu(8))])
+@pytest.mark.parametrize("name", sorted(COMPRESSIONS))
+def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
+    """Four pushes of six keys (float32, float16, float64, bfloat16, int32), one source
+    per logical GPU: after each push the stored values, and every (key, source)
+    residual, equal those of the same store fed NumPy arrays, bit for bit."""
+    from gpukv.backends.cuda import gpu_devices
+    devs = gpu_devices()[:gpus]  # the GPU gate made at least `gpus` of them
+    assert len(devs) == gpus
+    params = COMPRESSIONS[name]
+    rng = np.random.default_rng(gpus)
+    keys = sorted(KEYS)
+    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
+    host, gpu = gpukv.create("device"), gpukv.create("device")
+    host.init(keys, [init[k] for k in keys])
+    with cp.cuda.Device(0):
+        gpu.init(keys, [cp.asarray(init[k]) for k in keys])
+    for kv in (host, gpu):
+        kv.set_gradient_compression(params)
+    assert {gpu._entries[k].home.kind for k in keys} == {"gpu"}
+    for step in range(4):
+        grads = {k: [_gradient(rng, *KEYS[k], params) for _ in devs] for k in keys}
+        host.push(keys, [grads[k] for k in keys])
+        # source i on logical GPU i (its slot: how many sources before it on its GPU)
+        gpu.push(keys, [[_on(cp, d, g) for d, g in zip(devs, grads[k])] for k in keys])
+        for k in keys:
+            assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
+                             f"key {k!r} after push {step}")
+        if params["type"] in ("2bit", "1bit"):
+            hr, gr = host._compression._residuals, gpu._compression._residuals
+            assert len(gr) == len(hr) == len(devs) * (len(keys) - 1)
+            for k in keys:
+                for i, d in enumerate(devs):
+                    if KEYS[k][1].kind == "i":
+                        assert (k, d) not in gr
+                        continue
+                    assert_same_bits(gr[(k, d)].get(), hr[(k, host_device(i))],
+                                     f"residual of key {k!r}, source {i}, push {step}")
+    out = [cp.zeros(KEYS[k][0], KEYS[k][1]) for k in keys]
+    gpu.pull(keys, out=out)
+    for k, o in zip(keys, out):
+        assert_same_bits(o.get(), host._entries[k].value, f"pulled key {k!r}")
+        assert KEYS[k][1].kind == "i" or np.isfinite(o.get().astype(np.float64)).all()
+
+
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16"])
+def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
+    """With an optimizer, the decompressed float32 sum of every GPU's source updates
+    each float key (float32, float16, float64, bfloat16) to the host store's bits, its
+    states and master copy too."""
+    from gpukv.backends.cuda import gpu_devices
+    devs = gpu_devices()[:4]
+    params = COMPRESSIONS[name]
+    rng = np.random.default_rng(7)
+    keys = [k for k in sorted(KEYS) if KEYS[k][1].kind != "i"]
+    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
+    host, gpu = gpukv.create("device"), gpukv.create("device")
+    host.init(keys, [init[k] for k in keys])
+    with cp.cuda.Device(0):
+        gpu.init(keys, [cp.asarray(init[k]) for k in keys])
+    for kv in (host, gpu):
+        kv.set_gradient_compression(params)
+        kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.01, wd=1e-3))
+    for step in range(3):
+        grads = {k: [_gradient(rng, *KEYS[k], {}) for _ in devs] for k in keys}
+        host.push(keys, [grads[k] for k in keys])
+        gpu.push(keys, [[_on(cp, d, g) for d, g in zip(devs, grads[k])] for k in keys])
+    for k in keys:
+        assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value, f"key {k!r}")
+        hs, gs = host._updater.states[k], gpu._updater.states[k]
+        for i, (g, h) in enumerate(zip(gs.arrays, hs.arrays)):
+            assert_same_bits(g.get(), h, f"state {i} of key {k!r}")
+        if hs.master is not None:
+            assert_same_bits(gs.master.get(), hs.master, f"master of key {k!r}")
