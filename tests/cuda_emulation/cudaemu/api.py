@@ -212,35 +212,7 @@ def zeros_pinned(shape, dtype=float, order="C") -> np.ndarray:
 
 
 # ------------------------------------------------------------------- memory pools
-class MemoryPool:
-    """`cupy.get_default_memory_pool()`: nothing is pooled here; it reports live bytes."""
-
-    def __init__(self, pinned: bool = False):
-        self._pinned = pinned
-
-    def used_bytes(self) -> int:
-        if self._pinned:
-            return memory.pinned_bytes_in_use()
-        return memory.used_bytes(runtime.current_device())
-
-    total_bytes = used_bytes
-
-    def free_bytes(self) -> int:
-        return 0
-
-    def free_all_blocks(self, stream=None) -> None:
-        pass
-
-    def n_free_blocks(self) -> int:
-        return 0
-
-    def set_limit(self, size=None, fraction=None) -> None:
-        pass
-
-    def get_limit(self) -> int:
-        return 0
-
-
+MemoryPool = memory.MemoryPool
 _POOL, _PINNED_POOL = MemoryPool(), MemoryPool(pinned=True)
 
 

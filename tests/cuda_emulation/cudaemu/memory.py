@@ -387,22 +387,15 @@ def _current_device() -> int:
     return current_device()
 
 
-class MemoryAsyncPool:
-    """`cupy.cuda.MemoryAsyncPool`: stream-ordered allocations (cudaMallocAsync), from one
-    pool per GPU whose memory other GPUs reach only once the pool grants them access."""
+class MemoryPool:
+    """`cupy.cuda.MemoryPool` (the default pool): nothing is pooled here, every block is
+    its own guarded mapping, and the byte counts are the live ones."""
 
-    def __init__(self, pool_handles="current"):
-        self.pools: dict = {}  # GPU -> its AccessDomain
-
-    def pool(self, device_id: int) -> AccessDomain:
-        return self.pools.setdefault(device_id, AccessDomain("pool"))
-
-    def malloc(self, size: int) -> MemoryPointer:
-        device = _current_device()
-        return MemoryPointer(Memory(size, device, self.pool(device)), 0)
+    def __init__(self, allocator=None, *, pinned: bool = False):
+        self._place = "pinned" if pinned else None
 
     def used_bytes(self) -> int:
-        return used_bytes(_current_device())
+        return used_bytes(self._place or _current_device())
 
     total_bytes = used_bytes
 
@@ -414,6 +407,28 @@ class MemoryAsyncPool:
 
     def n_free_blocks(self) -> int:
         return 0
+
+    def set_limit(self, size=None, fraction=None) -> None:
+        pass
+
+    def get_limit(self) -> int:
+        return 0
+
+
+class MemoryAsyncPool(MemoryPool):
+    """`cupy.cuda.MemoryAsyncPool`: stream-ordered allocations (cudaMallocAsync), from one
+    pool per GPU whose memory other GPUs reach only once the pool grants them access."""
+
+    def __init__(self, pool_handles="current"):
+        super().__init__()
+        self.pools: dict = {}  # GPU -> its AccessDomain
+
+    def pool(self, device_id: int) -> AccessDomain:
+        return self.pools.setdefault(device_id, AccessDomain("pool"))
+
+    def malloc(self, size: int) -> MemoryPointer:
+        device = _current_device()
+        return MemoryPointer(Memory(size, device, self.pool(device)), 0)
 
 
 def mapped_alloc(size: int, device_id: int) -> MemoryPointer:
@@ -483,16 +498,3 @@ def _pinned_pointer(mem: PinnedMemory):
 def alloc_pinned_memory(size: int):
     """`size` bytes of (emulated) page-locked host memory."""
     return _pinned_pointer(PinnedMemory(size))
-
-
-def pinned_bytes_in_use() -> int:
-    """Bytes of pinned memory currently allocated (nothing is pooled)."""
-    return used_bytes("pinned")
-
-
-def is_pinned(array: np.ndarray) -> bool:
-    """Whether a NumPy array's memory lies in emulated pinned memory."""
-    if array.size == 0:
-        return True
-    mem = find(array.ctypes.data)
-    return mem is not None and mem.device_id is None

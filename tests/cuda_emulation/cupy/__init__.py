@@ -8,7 +8,7 @@ import numpy as _np
 
 from cudaemu import api as _api
 from cudaemu.api import (
-    MemoryPool, array, asanyarray, asarray, ascontiguousarray, asnumpy, copyto, empty,
+    array, asanyarray, asarray, ascontiguousarray, asnumpy, copyto, empty,
     empty_like, from_dlpack, fromDlpack, full, full_like, get_array_module,
     get_default_memory_pool, get_default_pinned_memory_pool, ndarray, ones, ones_like,
     ufunc, zeros, zeros_like,
