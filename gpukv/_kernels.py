@@ -7,8 +7,9 @@ live in `_optim_kernels.py` and `_compression_kernels.py`. Layout of this module
 1. Infrastructure: dtype -> CUDA C type/load/store snippets, the compile cache, and
    launch helpers (pointer tables uploaded to device memory on the launching stream).
 2. Reduction kernels: the fused multi-key k-way sum (`multi_sum`), which also serves as
-   the multi-key copy/cast (`multi_copy`): one launch sums or copies hundreds of keys,
-   reading their sources directly from peer GPUs' memory.
+   the multi-key copy/cast (`multi_copy`, a bit copy when the dtypes agree): one launch
+   sums or copies hundreds of keys, reading their sources directly from peer GPUs' memory.
+3. The row sum of runs of sorted row-sparse rows (`segment_sum`), in order, no atomics.
 
 CuPy is never imported at module level, only by the GPU functions when they are
 called, so `import gpukv` stays light.
@@ -172,7 +173,8 @@ def upload_table(cupy, table: np.ndarray, stream):
         host = _TABLES.take(cupy, table.size)
         host[:table.size] = table
         dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
-        _TABLES.give(host, stream.record(cupy.cuda.Event(disable_timing=True)))
+        from .backends.cuda import ordering_event
+        _TABLES.give(host, ordering_event(stream))
     return dev
 
 
@@ -213,6 +215,9 @@ def build_table(outs, sizes, a_lists, b_lists, **plan) -> tuple[np.ndarray, int]
     [block starts (nkeys+1)] [nkeys x META] [addresses of every a and b list].
     """
     nkeys = len(sizes)
+    for k in range(nkeys):
+        if sizes[k] and not (a_lists[k] or b_lists[k]):  # the kernel starts from a term
+            raise ValueError(f"key {k} of the sum table has no term")
     starts = plan_blocks(sizes, **plan)
     meta = np.zeros((nkeys, META), dtype=np.int64)
     pointers: list = []
@@ -325,7 +330,7 @@ def segment_sum_source(t_dtype) -> tuple[str, str]:
     """(kernel name, CUDA source) of the row sum of runs of rows: out[s, c] is the sum of
     data[r, c] over the rows r of run s, added one row after the other from the first
     (deterministic, no atomics), in the accumulation dtype of T (float32 for 16-bit
-    floats), which is also the out's dtype. One thread per (run, column)."""
+    floats), which is also the out's dtype. A grid-stride loop over (run, column)."""
     t = np.dtype(t_dtype).name
     a = accumulate_name(t)
     name = f"gpukv_segment_sum_{t}"
@@ -351,21 +356,52 @@ extern "C" __global__ void {name}(const T* __restrict__ data,
     return name, source
 
 
-def segment_sum_gpu(data, starts):
-    """Rows of `data` (CuPy, C-contiguous, rows first) summed per run: run s is rows
-    [starts[s], starts[s+1]) (`starts`: int64, runs + 1 entries, on data's GPU, which
-    is current). Returns the sums in the accumulation dtype of data's dtype, one launch."""
+#: dtypes the run sum has no kernel for, summed in a wider integer type; the result
+#: wraps back on the cast as a sum in the narrow type would (bool: any row set)
+_SEGMENT_WIDER = {"int16": "int32", "uint16": "int32", "uint32": "int64",
+                  "uint64": "int64", "bool": "int64"}
+
+
+def segment_sum_gpu(data, bounds):
+    """Rows of `data` (CuPy, rows first, on the current GPU) summed per run: run s is rows
+    [bounds[s], bounds[s+1]) (`bounds`: int64, runs + 1 entries). Returns the sums in the
+    accumulation dtype of data's dtype, in one launch on the current stream."""
     import cupy
-    runs = starts.size - 1
+    acc = np.dtype(accumulate_name(data.dtype))
+    wider = _SEGMENT_WIDER.get(data.dtype.name)
+    if wider is not None:
+        return segment_sum_gpu(data.astype(wider), bounds).astype(acc)
+    data = cupy.ascontiguousarray(data)
+    runs = bounds.size - 1
     width = data.size // data.shape[0] if data.shape[0] else 0
-    out = cupy.empty((runs,) + data.shape[1:], accumulate_name(data.dtype))
+    out = cupy.empty((runs,) + data.shape[1:], acc)
     if out.size == 0:
         return out
     name, source = segment_sum_source(data.dtype)
     blocks = min(MAX_BLOCKS, -(-out.size // SEGMENT_THREADS))
     compiled(cupy, name, source)((blocks,), (SEGMENT_THREADS,),
-                                 (data, starts, out, np.int64(runs), np.int64(width)))
+                                 (data, bounds, out, np.int64(runs), np.int64(width)))
     return out
+
+
+def segment_sum_host(data, bounds):
+    """NumPy twin of `segment_sum_gpu`: each run's rows added one after the other from
+    its first (np.add.at adds in index order)."""
+    acc = np.dtype(accumulate_name(data.dtype))
+    starts = bounds[:-1]
+    sums = data[starts].astype(acc)
+    run_of = np.repeat(np.arange(starts.size), np.diff(bounds))
+    later = np.ones(data.shape[0], bool)
+    later[starts] = False
+    np.add.at(sums, run_of[later], data[later].astype(acc, copy=False))
+    return sums
+
+
+def segment_sum(data, bounds):
+    """`segment_sum_gpu` for CuPy arrays, `segment_sum_host` for NumPy ones."""
+    if isinstance(data, np.ndarray):
+        return segment_sum_host(data, bounds)
+    return segment_sum_gpu(data, bounds)
 
 
 def multi_sum_host(items) -> None:

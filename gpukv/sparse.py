@@ -21,7 +21,7 @@ import numbers
 import numpy as np
 
 from ._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
-from ._kernels import accumulate_name
+from ._kernels import segment_sum
 
 __all__ = ["RowSparse"]
 
@@ -80,23 +80,6 @@ def _same_device(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
     return a.device.id == b.device.id
-
-
-def _segment_sums(xp, data, starts_mask, acc):
-    """(sums, starts): the rows of `data` (sorted by id) summed per run of equal ids (a run
-    starts where `starts_mask` is set), in `acc`, each run's rows added one after the
-    other from the first: the same bits on host and GPU and on every run of the program
-    (no atomics)."""
-    if xp is np:
-        starts = np.flatnonzero(starts_mask)
-        sums = data[starts].astype(acc)
-        later = np.flatnonzero(~starts_mask)  # np.add.at adds them in this order
-        np.add.at(sums, np.cumsum(starts_mask)[later] - 1, data[later].astype(acc, copy=False))
-        return sums, starts
-    from ._kernels import segment_sum_gpu
-    starts = xp.nonzero(starts_mask)[0]
-    bounds = xp.concatenate([starts, xp.asarray([data.shape[0]], dtype=starts.dtype)])
-    return segment_sum_gpu(xp.ascontiguousarray(data), bounds.astype(xp.int64)), starts
 
 
 def check_row_ids(ids, nrows: int, what: str):
@@ -209,12 +192,13 @@ class RowSparse:
         starts_mask = xp.empty(idx.size, bool)
         starts_mask[0] = True
         xp.not_equal(idx[1:], idx[:-1], out=starts_mask[1:])
-        # Repeated rows are summed in the order they came, in float32 for 16-bit floats
-        # (as dense pushes are), the same on every run.
-        acc = np.dtype(accumulate_name(dtype))
-        if xp is np and starts_mask.all():
-            return RowSparse._trusted(idx, np.ascontiguousarray(data, dtype), self.shape)
-        summed, starts = _segment_sums(xp, data, starts_mask, acc)
+        starts = xp.nonzero(starts_mask)[0]
+        if starts.size == idx.size:  # no repeated row
+            return RowSparse._trusted(idx, xp.ascontiguousarray(data), self.shape)
+        # Repeated rows are summed in the order they came (no atomics: the same result on
+        # every run), in float32 for 16-bit floats as dense pushes are.
+        bounds = xp.concatenate([starts, xp.asarray([idx.size], dtype=starts.dtype)])
+        summed = segment_sum(data, bounds.astype(np.int64, copy=False))
         return RowSparse._trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
 
     def todense(self, dtype=None):

@@ -14,3 +14,13 @@ def gpu_unavailable(reason: str):
     if GPU_EXPECTED:
         pytest.fail(f"GPUKV_TEST_GPU=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def hardware_missing(reason: str):
+    """For a test that needs more of the machine than a GPU (several physical GPUs, peer
+    access, NCCL): the CUDA emulation always provides it, so there its absence fails the
+    test; a real machine may simply not have it, so there the test skips."""
+    from . import gpu_env
+    if gpu_env.EMULATED:
+        pytest.fail(f"the CUDA emulation should provide this, but {reason}", pytrace=False)
+    pytest.skip(reason)

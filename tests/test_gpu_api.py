@@ -12,7 +12,7 @@ import pytest
 import gpukv
 
 from .foreign import CudaInterfaceOnly, DLPackOnly, cuda_tensor_values, torch_cuda_tensor
-from .gpu_gate import gpu_unavailable
+from .gpu_gate import hardware_missing
 
 pytestmark = pytest.mark.gpu
 
@@ -245,7 +245,7 @@ def test_gpu_strategies_agree(cp, devices, strategy):
     try:
         kv = gpukv.create("device", strategy=strategy)
     except gpukv.BackendError as exc:  # e.g. NCCL missing from this CuPy build
-        gpu_unavailable(str(exc))
+        hardware_missing(str(exc))
     kv.init([1, 2], [cp.zeros((1000,), cp.float32), cp.zeros(SHAPE, cp.float32)])
     big = [on(cp, d[0], lambda i=i: cp.full((1000,), i + 1, cp.float32))
            for i, d in enumerate(devices)]

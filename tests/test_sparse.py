@@ -12,7 +12,7 @@ import pytest
 import gpukv
 from gpukv import RowSparse
 
-from .gpu_gate import gpu_unavailable
+from .gpu_gate import hardware_missing
 
 REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_sparse_reference.json")
                  .read_text())
@@ -314,18 +314,25 @@ def _reads_of_other_gpus_raise():
 def _physical_gpus(n):
     from gpukv.backends.cuda import gpu_count
     if gpu_count() < n:
-        gpu_unavailable(f"needs {n} physical GPUs")
+        hardware_missing(f"needs {n} physical GPUs")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32",
+                                   "int64", "uint64", "bool", "float16", "bfloat16",
+                                   "float32", "float64"])
 def test_gpu_coalesce_sums_every_dtype(dtype):
-    """The GPU row sum works for every dtype, those CUDA's atomicAdd lacks too, and gives
-    the host's bytes (8-bit ints wrap; 16-bit floats are summed in float32)."""
+    """The GPU row sum works for every dtype, those with no kernel of their own too (summed
+    wider), and gives the host's bytes (integers wrap, bool rows are or-ed, 16-bit floats
+    are summed in float32)."""
     if dtype == "bfloat16":
         dtype = __import__("ml_dtypes").bfloat16
     idx = np.array([3, 1, 3, 0, 3], np.int64)
-    data = np.array([[100, 1], [1, 2], [100, 3], [4, 5], [100, -9]]).astype(dtype)
+    values = np.array([[100, 1], [1, 2], [100, 3], [4, 5], [100, -9]])
+    big = {"int16": 30000, "uint16": 60000, "uint32": 4 * 10 ** 9}.get(np.dtype(dtype).name)
+    if big is not None:  # sums that wrap in the dtype
+        values[[0, 2, 4]] = big
+    data = values.astype(dtype)
     got = RowSparse._trusted(_on_gpu(0, idx), _on_gpu(0, data), (5, 2)).coalesce()
     want = RowSparse._trusted(idx, data, (5, 2)).coalesce()
     assert got.indices.get().tolist() == want.indices.tolist() == [0, 1, 3]

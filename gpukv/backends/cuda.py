@@ -3,10 +3,12 @@
 Streams and events: every logical device owns the stream its work is queued on
 (slot 0: CuPy's current stream of the GPU; a virtual GPU: its own non-blocking
 stream). Work on two devices is ordered by recording an event on one stream and
-making the other wait for it; nothing here synchronises the host.
+making the other wait for it; nothing here synchronises the host, except `keep_alive`
+when too many page-locked bytes wait for their copies.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -16,7 +18,7 @@ import numpy as np
 
 from .._errors import BackendError, DeviceError
 from ._base import Device
-from .cuda_driver import CU_MEM_ACCESS_FLAGS_PROT_NONE, pointer_access
+from .cuda_driver import CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE, pointer_access
 
 log = logging.getLogger("gpukv")
 
@@ -291,22 +293,32 @@ def can_access_peer(reader: int, owner: int) -> bool:
         return ok
 
 
+#: memory classes of CuPy's own cudaMalloc allocations (its default pool, or no pool),
+#: which peer access alone makes readable from another GPU
+_PLAIN_MEMORY = frozenset(["PooledMemory", "Memory"])
+
+
 def peer_readable(reader: int, array) -> bool:
     """Whether a kernel on GPU `reader` can read the CuPy array `array` where it lies.
 
-    Another GPU's memory needs peer access between the two GPUs and, for memory of a
-    stream-ordered pool or a virtual-memory mapping, access granted to `reader` by that
-    pool or mapping (see `cuda_driver.pointer_access`); without it the caller stages the
-    data through a copy, which needs no access at all.
+    Another GPU's memory needs peer access between the two GPUs. That is all CuPy's own
+    cudaMalloc memory needs; other memory (a stream-ordered pool's, CuPy's
+    MemoryAsyncPool; or adopted from another library, maybe a virtual-memory mapping such
+    as PyTorch's expandable segments) also needs access granted by its pool or mapping,
+    which the driver is asked about (`cuda_driver.pointer_access`). Without access the
+    caller stages the data through a copy (cudaMemcpyPeer), which needs none.
     """
     owner = array.device.id
     if reader == owner:
         return True
     if not can_access_peer(reader, owner):
         return False
+    if type(array.data.mem).__name__ in _PLAIN_MEMORY:
+        return True
     with cupy_module().cuda.Device(reader):  # the driver answers for the current GPU
         flags = pointer_access(array.data.ptr)
-    return flags != CU_MEM_ACCESS_FLAGS_PROT_NONE
+    # No driver (None): nothing better to go on than peer access.
+    return flags is None or flags != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE
 
 
 def _log_missing_peers() -> None:
@@ -330,32 +342,53 @@ def enable_peer_access(physical_ids) -> dict:
 PINNED_CAP = 256 << 20
 
 _alive_lock = threading.Lock()
-_alive: list = []  # (event, object) pairs kept until the event has completed
+_alive: collections.deque = collections.deque()  # (event, buffer), oldest first
+_held: dict = {}  # id of a kept host buffer -> [entries holding it]; counted once
+_held_bytes = [0]  # bytes of the host buffers in `_held`
 
 
 def keep_alive(obj, event) -> None:
     """Keep `obj` (a buffer) referenced until `event` has completed on the GPU.
 
-    Buffers whose copies are done are let go at every call; host buffers still in flight
-    are capped at PINNED_CAP bytes, past which the oldest copies are waited for.
+    Buffers whose copies are done are let go at every call (oldest first); host buffers
+    still in flight are capped at PINNED_CAP bytes (a buffer kept for several copies is
+    counted once), past which the host waits for the oldest copies, outside the lock.
     """
     with _alive_lock:
         _alive.append((event, obj))
+        _hold(obj)
         _release_done()
-        while len(_alive) > 1 and _pinned_bytes() > PINNED_CAP:
-            oldest, _ = _alive.pop(0)
-            oldest.synchronize()
+        waiting = []
+        while len(_alive) > 1 and _held_bytes[0] > PINNED_CAP:
+            waiting.append(_alive.popleft())
+            _let_go(waiting[-1][1])
+    for oldest, _ in waiting:  # the buffers stay referenced here until their copies ran
+        oldest.synchronize()
 
 
 def release_done() -> None:
-    """Let go of every kept buffer whose copy has completed."""
+    """Let go of the kept buffers whose copies have completed (oldest first)."""
     with _alive_lock:
         _release_done()
 
 
 def _release_done() -> None:
-    _alive[:] = [(e, o) for e, o in _alive if not e.done]
+    while _alive and _alive[0][0].done:
+        _let_go(_alive.popleft()[1])
 
 
-def _pinned_bytes() -> int:
-    return sum(o.nbytes for _, o in _alive if isinstance(o, np.ndarray))
+def _hold(obj) -> None:
+    if isinstance(obj, np.ndarray):
+        entry = _held.setdefault(id(obj), [obj, 0])
+        if entry[1] == 0:
+            _held_bytes[0] += obj.nbytes
+        entry[1] += 1
+
+
+def _let_go(obj) -> None:
+    entry = _held.get(id(obj)) if isinstance(obj, np.ndarray) else None
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[id(obj)]
+            _held_bytes[0] -= obj.nbytes

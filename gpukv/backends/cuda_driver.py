@@ -16,8 +16,8 @@ CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 0x03
 CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED = 0x04
 #: `CUpointer_attribute` value: the access the current context's GPU has to the memory
 CU_POINTER_ATTRIBUTE_ACCESS_FLAGS = 16
-#: `CUmemAccess_flags` value: no access, the memory must be staged through a copy
-CU_MEM_ACCESS_FLAGS_PROT_NONE = 0
+#: `CUDA_POINTER_ATTRIBUTE_ACCESS_FLAGS` value: no access, the memory must be staged
+CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE = 0
 
 _NAMES = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 _lock = threading.Lock()
@@ -55,8 +55,9 @@ def _load():
 
 
 def pointer_access(ptr: int) -> int | None:
-    """The `CUmemAccess_flags` the current GPU has to the memory at device address `ptr`,
-    or None where the driver cannot say.
+    """The access flags (`CUDA_POINTER_ATTRIBUTE_ACCESS_FLAGS`) the current GPU has to the
+    memory at device address `ptr`; None without a driver; no access (0) when the driver
+    fails to answer, so that the caller stages rather than risk a faulting read.
 
     Peer access (cudaDeviceEnablePeerAccess) covers plain allocations only: memory from a
     stream-ordered pool (cudaMallocAsync, CuPy's MemoryAsyncPool) is reachable from
@@ -71,4 +72,4 @@ def pointer_access(ptr: int) -> int | None:
     status = driver.cuPointerGetAttribute(ctypes.byref(flags),
                                           CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
                                           ctypes.c_uint64(ptr))
-    return flags.value if status == 0 else None
+    return flags.value if status == 0 else CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE

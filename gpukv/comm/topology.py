@@ -36,10 +36,8 @@ from functools import lru_cache
 import numpy as np
 
 from .._errors import ArgumentError
-from ..backends.cuda_driver import (
-    CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED,
-    CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
-    cuda_driver)
+from ..backends.cuda_driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+                                    CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, cuda_driver)
 
 log = logging.getLogger("gpukv")
 

@@ -1,6 +1,7 @@
 """The CUDA backend: virtual GPUs, peer access bookkeeping, streams and events."""
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -11,7 +12,7 @@ from gpukv import DeviceError
 from gpukv.backends import cuda as cuda_mod
 
 from .. import gpu_env
-from ..gpu_gate import gpu_unavailable
+from ..gpu_gate import hardware_missing
 
 
 class _FakeRuntime:
@@ -477,6 +478,7 @@ def fake_gpus(monkeypatch):
 
     monkeypatch.setattr(_kernels, "multi_sum_gpu", multi_sum_gpu)
     monkeypatch.setattr(cuda_mod, "can_access_peer", lambda r, o: r // 2 == o // 2)
+    monkeypatch.setattr(cuda_mod, "peer_readable", lambda r, a: r // 2 == a.device.id // 2)
     monkeypatch.setattr(_ops, "link_matrix", lambda nodes: _matrix(nodes))
     devs = [_FakeGpu(i % 4, i // 4, i, 8) for i in range(8)]
     _DEVS[:] = devs
@@ -930,7 +932,9 @@ class _Copy:
 @pytest.fixture
 def kept(monkeypatch):
     """An empty keep-alive list, with the pinned cap at 4 KiB."""
-    monkeypatch.setattr(cuda_mod, "_alive", [])
+    monkeypatch.setattr(cuda_mod, "_alive", collections.deque())
+    monkeypatch.setattr(cuda_mod, "_held", {})
+    monkeypatch.setattr(cuda_mod, "_held_bytes", [0])
     monkeypatch.setattr(cuda_mod, "PINNED_CAP", 4096)
     return cuda_mod._alive
 
@@ -945,7 +949,7 @@ def test_buffers_let_go_once_their_copy_is_done(kept):
     assert [e for e, _ in kept] == [second]
     second.done = True
     cuda_mod.release_done()
-    assert kept == [] and log == []
+    assert not kept and log == [] and cuda_mod._held_bytes == [0]
 
 
 def test_pinned_bytes_in_flight_are_capped(kept):
@@ -961,13 +965,28 @@ def test_pinned_bytes_in_flight_are_capped(kept):
     assert [e for e, _ in kept] == [big]
 
 
+def test_a_buffer_kept_for_several_copies_counts_once(kept):
+    """A broadcast keeps one host buffer for a copy to every device: its bytes count once
+    towards the cap, and it is let go after its last copy."""
+    log = []
+    shared = np.zeros(400)  # 3.2 KiB, under the 4 KiB cap
+    copies = [_Copy(log) for _ in range(8)]
+    for e in copies:
+        cuda_mod.keep_alive(shared, e)
+    assert log == [] and len(kept) == 8 and cuda_mod._held_bytes == [shared.nbytes]
+    for e in copies:
+        e.done = True
+    cuda_mod.release_done()
+    assert not kept and cuda_mod._held_bytes == [0] and cuda_mod._held == {}
+
+
 @pytest.mark.multi_gpu(2)
 def test_cpu_strategy_keeps_no_pinned_buffer_after_its_copies(monkeypatch):
     """Pinned buffers of a call whose copies have completed are gone by the next call
     (a few large keys must not keep their size pinned in host memory)."""
     import cupy
     from gpukv.backends.cuda import gpu_devices
-    monkeypatch.setattr(cuda_mod, "_alive", [])
+    monkeypatch.setattr(cuda_mod, "_alive", collections.deque())
     kv = gpukv.create("device", strategy="cpu")
     devs = gpu_devices()[:2]
     values = []
@@ -1005,14 +1024,10 @@ def test_stream_ordered_pool_memory_of_a_peer_is_staged(strategy):
     import cupy
     from gpukv.backends.cuda import can_access_peer, gpu_count, peer_readable
     if gpu_count() < 2 or not can_access_peer(0, 1):
-        gpu_unavailable("needs two physical GPUs with peer access")
+        hardware_missing("needs two physical GPUs with peer access")
     pool = cupy.cuda.MemoryAsyncPool()
-    with cupy.cuda.Device(1):
-        cupy.cuda.set_allocator(pool.malloc)
-        try:
-            source = cupy.full((1000,), 2.0, cupy.float32)
-        finally:
-            cupy.cuda.set_allocator(None)
+    with cupy.cuda.Device(1), cupy.cuda.using_allocator(pool.malloc):
+        source = cupy.full((1000,), 2.0, cupy.float32)
     assert not peer_readable(0, source)
     np.testing.assert_array_equal(_push_from_gpu1(source, strategy), 3.0)
 
@@ -1032,6 +1047,6 @@ def test_virtual_memory_mapping_of_a_peer_is_read_only_once_granted(granted):
         source = cupy.ndarray((1000,), cupy.float32, memptr=memptr)
         source.fill(2.0)
     if granted:
-        memptr.mem.domain.grant(0)
+        memory.mapping_of(memptr).grant(0)
     assert peer_readable(0, source) is granted
     np.testing.assert_array_equal(_push_from_gpu1(source), 3.0)

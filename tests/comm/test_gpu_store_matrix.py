@@ -16,6 +16,8 @@ import gpukv
 from gpukv.comm import _ops
 from gpukv.comm import nccl as nccl_mod
 
+from ..gpu_gate import hardware_missing
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 pytestmark = pytest.mark.gpu
@@ -134,7 +136,7 @@ def machine(request, monkeypatch):
 def _store(name):
     from gpukv.backends.cuda import gpu_count
     if name == "nccl" and gpu_count() > 1 and not nccl_mod.nccl_available():
-        pytest.skip("NCCL is not installed")
+        hardware_missing("NCCL is not installed")
     return gpukv.create("device", strategy=name)
 
 
@@ -286,9 +288,9 @@ def nccl_calls(monkeypatch):
     """(collectives issued, group counts) of every 'nccl' store of the test."""
     from gpukv.backends.cuda import gpu_count
     if gpu_count() < 2:
-        pytest.skip("NCCL between GPUs needs two physical GPUs")
+        hardware_missing("NCCL between GPUs needs two physical GPUs")
     if not nccl_mod.nccl_available():
-        pytest.skip("NCCL is not installed")
+        hardware_missing("NCCL is not installed")
     nccl = nccl_mod.nccl_module()
     log, groups = [], {"open": 0, "ended": 0}
     start, end = nccl.groupStart, nccl.groupEnd

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gpukv import _kernels as K
 
-from ..gpu_gate import gpu_unavailable
+from ..gpu_gate import hardware_missing
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 
@@ -166,7 +166,7 @@ def test_multi_sum_reads_peer_memory():
     import cupy
     from gpukv.backends.cuda import can_access_peer, gpu_count
     if gpu_count() < 2 or not can_access_peer(0, 1):
-        gpu_unavailable("needs two physical GPUs with peer access")
+        hardware_missing("needs two physical GPUs with peer access")
     with cupy.cuda.Device(1):
         remote = cupy.arange(1000, dtype=cupy.float32)
         cupy.cuda.get_current_stream().synchronize()

@@ -343,10 +343,12 @@ class AccessOnlyRuntime:
 
 
 def test_cuda_driver_enum_values_are_cuda_h():
-    """The P2P attribute numbers are those of cuda.h's CUdevice_P2PAttribute."""
-    assert (T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, T.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
-            T.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-            T.CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED) == (1, 2, 3, 4)
+    """The P2P and pointer attribute numbers are those of cuda.h."""
+    from gpukv.backends import cuda_driver as D
+    assert (D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, D.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+            D.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+            D.CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED) == (1, 2, 3, 4)
+    assert (D.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, D.CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE) == (16, 0)
 
 
 def test_link_matrix_from_cuda_asks_the_driver_for_ranks(monkeypatch):

@@ -219,8 +219,9 @@ def test_compiled_kernels_are_cached_on_disk_by_source_and_options(tmp_path):
     assert not list((tmp_path / "cache").glob(".build-*"))
 
 
-def test_threads_compiling_one_new_source_build_it_once():
+def test_threads_compiling_one_new_source_build_it_once(tmp_path, monkeypatch):
     """Concurrent first uses of a source share one compile and one loaded module."""
+    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)  # a source new to every run
     source = _SQUARE.replace("SCALE", f"SCALE * {os.getpid()}.0f / {os.getpid()}.0f")
     made = [kernels.RawKernel(source, "square", options=("-DSCALE=3.0f",)) for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:

@@ -70,23 +70,33 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=
     if not isinstance(obj, ndarray) and hasattr(obj, "__cuda_array_interface__"):
         obj = _from_cuda_array_interface(obj)
     if isinstance(obj, ndarray):
+        layout = "F" if order == "F" else "C"
+        cast = dtype is not None and np.dtype(dtype) != obj.dtype
+        if copy is False and cast:
+            raise ValueError("Unable to avoid copy while creating an array as requested.")
         out = obj
-        if obj.data.device_id != runtime.current_device():
-            copy = True  # an array of another GPU is copied to the current one
-        if copy or (dtype is not None and np.dtype(dtype) != obj.dtype):
-            out = obj.astype(obj.dtype if dtype is None else dtype,
-                             order="C" if order == "K" else order, copy=True)
+        moved = obj.data.device_id != runtime.current_device()
+        if moved:  # an array of another GPU is copied to the current one (no peer check)
+            out = obj.copy(layout)
+        if cast:
+            out = out.astype(dtype, order=layout)
+        elif copy and not moved:
+            out = obj.copy(layout)
         while out.ndim < ndmin:
             out = out.reshape((1,) + out.shape)
         return out
     if isinstance(obj, (list, tuple)) and any(isinstance(x, ndarray) for x in obj):
+        if any(isinstance(x, np.ndarray) for x in obj):  # NumPy calls __array__ on them
+            raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                            "`.get()` to construct a NumPy array explicitly.")
         return _call(np.stack, ([asarray(x) for x in obj],), {})
     host = np.array(obj, dtype=dtype, order="C" if order == "K" else order, ndmin=ndmin)
     return _to_device(host, order=order or "C")
 
 
 def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
-    return array(a, dtype=dtype, copy=bool(copy), order=order or "K", blocking=blocking)
+    """As `array`, copying only where needed (None), never (False) or always (True)."""
+    return array(a, dtype=dtype, copy=copy, order=order or "K", blocking=blocking)
 
 
 def asanyarray(a, dtype=None, order=None, *, copy=None, blocking=False):

@@ -123,8 +123,9 @@ def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> "nda
 
 def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") -> "ndarray":
     """A device copy of the host array `host`."""
-    if host.dtype == object:
-        raise ValueError("Unsupported dtype object")
+    native = _dtype(host.dtype)
+    if native != host.dtype:  # big-endian data is stored in the native order
+        host = host.astype(native)
     order = "F" if order == "F" or (order in ("A", "K") and host.flags.f_contiguous
                                      and not host.flags.c_contiguous) else "C"
     out = _allocate(host.shape, host.dtype, order, device)
@@ -152,7 +153,14 @@ def _result(value, device: int):
 
 
 def _dtype(dtype):
-    return np.dtype(float if dtype is None else dtype)
+    """A dtype CuPy can hold (native byte order); ValueError for the others."""
+    dtype = np.dtype(float if dtype is None else dtype)
+    if dtype.type.__module__ == "ml_dtypes":  # bfloat16 and friends, as CuPy 14 takes them
+        return dtype
+    if dtype.kind in "OSUVMm" or dtype.itemsize > 8 and dtype.kind == "f" or (
+            dtype.kind == "c" and dtype.itemsize > 16):
+        raise ValueError(f"Unsupported dtype {dtype}")
+    return dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype
 
 
 def _shape(shape) -> tuple:
@@ -250,7 +258,9 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     @shape.setter
     def shape(self, value):
-        self._view = self._view.reshape(value)
+        view = self._view.view()
+        view.shape = value  # NumPy refuses what would need a copy, as CuPy does
+        self._view = view
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -548,6 +558,9 @@ def _view_result(value, source: "ndarray", device: int):
     return _result(value, device)
 
 
+_AT_DTYPES = ("int32", "int64", "uint32", "uint64", "float16", "float32", "float64")
+
+
 class ufunc:  # noqa: N801 - CuPy's name
     """A CuPy ufunc: NumPy's, over emulated arrays."""
 
@@ -574,6 +587,9 @@ class ufunc:  # noqa: N801 - CuPy's name
         return _call(self._np.outer, args, kwargs)
 
     def at(self, a, indices, b=None):
+        if self.name == "add" and isinstance(a, ndarray) and a.dtype.name not in _AT_DTYPES:
+            raise TypeError("cupy.add.at only supports int32, int64, float16, float32, "
+                            "float64, uint32, uint64 as data type")
         device = runtime.current_device()
         args = (a, indices) if b is None else (a, indices, b)
         self._np.at(*_operand(args, device))

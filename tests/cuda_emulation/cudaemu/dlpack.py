@@ -162,6 +162,9 @@ def from_dlpack(obj):
     if not hasattr(obj, "__dlpack__"):
         return from_capsule(obj)
     device_type, _ = obj.__dlpack_device__()[:2]
+    if device_type == KDL_CPU:
+        raise TypeError("CPU arrays cannot be directly imported to CuPy. Use "
+                        "`cupy.array(numpy.from_dlpack(input))` instead.")
     if device_type not in (KDL_CUDA, KDL_CUDA_MANAGED):
-        raise RuntimeError(f"CuPy only supports CUDA tensors (device type {device_type})")
+        raise TypeError(f"Unsupported array type: {device_type}")
     return from_capsule(obj.__dlpack__(stream=1))

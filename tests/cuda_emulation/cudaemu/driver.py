@@ -12,7 +12,7 @@ from . import machine, memory, runtime
 
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_DEVICE = 0, 1, 101
 P2P_PERFORMANCE_RANK, P2P_ACCESS_SUPPORTED = 1, 2
-POINTER_ACCESS_FLAGS, POINTER_MEMPOOL_HANDLE = 16, 17
+POINTER_ACCESS_FLAGS = 16
 
 
 def _store(out, value: int) -> None:
@@ -52,11 +52,7 @@ def cuPointerGetAttribute(data, attribute, ptr):  # noqa: N802
     if mem is None:
         return CUDA_ERROR_INVALID_VALUE
     attribute = _int(attribute)
-    if attribute == POINTER_ACCESS_FLAGS:
-        _store(data, memory.access_flags(runtime.current_device(), mem))
-    elif attribute == POINTER_MEMPOOL_HANDLE:
-        domain = getattr(mem, "domain", None)
-        _store(data, domain.handle if domain is not None and domain.kind == "pool" else 0)
-    else:
+    if attribute != POINTER_ACCESS_FLAGS:
         return CUDA_ERROR_INVALID_VALUE
+    _store(data, memory.access_flags(runtime.current_device(), mem))
     return CUDA_SUCCESS

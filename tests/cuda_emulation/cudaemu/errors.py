@@ -7,6 +7,7 @@ _ERRORS = {
     2: ("cudaErrorMemoryAllocation", "out of memory"),
     9: ("cudaErrorInvalidConfiguration", "invalid configuration argument"),
     101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+    400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
     217: ("cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices"),
     600: ("cudaErrorNotReady", "device not ready"),
     700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),

@@ -832,6 +832,20 @@ def _fault(kernel: str, result: _Result) -> KernelFaultError:
     return KernelFaultError("CUDA_ERROR_LAUNCH_FAILED", f"{where}: {note}", kernel, block, thread)
 
 
+def _check_stream(kernel: str, stream) -> None:
+    """A launch's stream: None (the current one) or a stream of the current GPU."""
+    if stream is None:
+        return
+    if not hasattr(stream, "ptr"):
+        raise AttributeError(f"'{type(stream).__name__}' object has no attribute 'ptr'")
+    owner = getattr(stream, "device_id", -1)
+    from . import runtime
+    if owner not in (-1, runtime.current_device()):
+        raise CUDADriverError("CUDA_ERROR_INVALID_HANDLE",
+                              f"invalid resource handle: kernel {kernel} launched with GPU "
+                              f"{runtime.current_device()} current on a stream of GPU {owner}")
+
+
 class Function:
     """One kernel of a compiled module, callable as CuPy's `Function`."""
 
@@ -850,10 +864,10 @@ class Function:
         self._launch = getattr(module.library, f"gpukv_emu_launch__{name}")
         self._launch.restype = None
 
-    def __call__(self, grid, block, args, *, shared_mem=0, stream=None,
-                 enable_cooperative_groups=False):
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
         """Run the kernel now, on this thread: the emulation is eager, so `stream` orders
-        nothing, and cooperative launches are plain ones (grid sync is not emulated)."""
+        nothing; it must be a stream of the current GPU, as cuLaunchKernel requires."""
+        _check_stream(self.name, stream)
         grid = _dims("grid", self.name, grid)
         block = _dims("block", self.name, block)
         _check_configuration(self.name, grid, block, shared_mem,
@@ -883,7 +897,7 @@ def _check_common(code, options, backend, translate_cucomplex) -> None:
 class RawModule:
     """CuPy's RawModule for source code: `get_function(name)` gives a kernel."""
 
-    def __init__(self, code=None, *, path=None, options=(), backend="nvrtc",
+    def __init__(self, *, code=None, path=None, options=(), backend="nvrtc",
                  translate_cucomplex=False, enable_cooperative_groups=False,
                  name_expressions=None, jitify=False):
         if path is not None:
@@ -974,7 +988,5 @@ class RawKernel:
                                       f"[0, {MAX_DYNAMIC_SHARED}]")
         self.kernel.max_dynamic_shared_size_bytes = int(value)
 
-    def __call__(self, grid, block, args, *, shared_mem=0, stream=None,
-                 enable_cooperative_groups=False):
-        self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream,
-                    enable_cooperative_groups=enable_cooperative_groups)
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
+        self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)

@@ -378,6 +378,22 @@ def set_allocator(allocator=None) -> None:
         _allocator["malloc"] = allocator
 
 
+class using_allocator:  # noqa: N801 - CuPy's name
+    """`cupy.cuda.using_allocator(allocator)`: the allocator of this block, then the
+    previous one again."""
+
+    def __init__(self, allocator=None):
+        self.allocator = allocator
+
+    def __enter__(self):
+        self.previous = _allocator.get("malloc")
+        set_allocator(self.allocator)
+
+    def __exit__(self, *exc):
+        set_allocator(self.previous)
+        return False
+
+
 def get_allocator():
     return _allocator.get("malloc") or (lambda size: alloc(size, _current_device()))
 
@@ -428,14 +444,25 @@ class MemoryAsyncPool(MemoryPool):
 
     def malloc(self, size: int) -> MemoryPointer:
         device = _current_device()
-        return MemoryPointer(Memory(size, device, self.pool(device)), 0)
+        return MemoryPointer(MemoryAsync(size, device, self.pool(device)), 0)
+
+
+class MemoryAsync(Memory):
+    """An allocation of a stream-ordered pool (CuPy's class of that name)."""
 
 
 def mapped_alloc(size: int, device_id: int) -> MemoryPointer:
     """`size` bytes of a virtual-memory mapping on GPU `device_id` (as cuMemCreate and
-    cuMemMap make them, e.g. PyTorch's expandable segments): other GPUs reach them only
-    once the mapping grants access (`.mem.domain.grant(reader)`)."""
-    return MemoryPointer(Memory(size, device_id, AccessDomain("mapping")), 0)
+    cuMemMap make them, e.g. PyTorch's expandable segments), as CuPy sees such memory:
+    an UnownedMemory. Other GPUs reach it only once the mapping grants access
+    (`mapping_of(memptr).grant(reader)`)."""
+    mapping = Memory(size, device_id, AccessDomain("mapping"))
+    return MemoryPointer(UnownedMemory(mapping.ptr, size, mapping, device_id), 0)
+
+
+def mapping_of(memptr: MemoryPointer) -> AccessDomain:
+    """The pool or mapping the memory at `memptr` belongs to (None: plain memory)."""
+    return getattr(find(memptr.ptr), "domain", None)
 
 
 #: `CUmemAccess_flags`
@@ -447,7 +474,7 @@ def access_flags(reader: int, mem: BaseMemory) -> int:
     owner = mem.device_id
     if owner is None or owner == reader:
         return ACCESS_READWRITE
-    domain = getattr(mem, "domain", None)
+    domain = getattr(find(mem.ptr) or mem, "domain", None)  # an UnownedMemory: its owner's
     if domain is not None:
         return ACCESS_READWRITE if reader in domain.readers else ACCESS_NONE
     from .runtime import peer_enabled

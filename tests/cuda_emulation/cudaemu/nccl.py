@@ -108,6 +108,8 @@ class NcclCommunicator:
                          "initialised only at groupEnd")
         if isinstance(devices, int):
             devices = list(range(devices))
+        elif not isinstance(devices, list):
+            raise ValueError('"devices" should be an int or a list of int.')
         devices = [int(d) for d in devices]
         if len(set(devices)) != len(devices):
             raise _argument(f"initAll: a GPU appears twice in {devices}")

@@ -4,9 +4,9 @@
 Work runs at once, in the order it is issued, so every event has completed when it is
 recorded and a wait has nothing to wait for; what is kept is CuPy's bookkeeping: the
 current device of each host thread, the current stream of each device, and which
-device a stream or an event belongs to (a wait or record across devices is checked the
-way CUDA checks it). Counters of streams and events made let tests see what the code
-under test creates.
+device a stream or an event belongs to (an event recorded on a stream of another GPU,
+a stream entered under another GPU, a kernel launched on one, fail as in CUDA).
+Counters of streams and events made let tests see what the code under test creates.
 """
 from __future__ import annotations
 
@@ -236,6 +236,7 @@ class Event:
     def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False):
         self.disable_timing = disable_timing
+        self.device = current_device()  # an event belongs to the GPU current when made
         self.ptr = next(_handles)
         self.recorded_on = None
         self.time = None
@@ -246,6 +247,10 @@ class Event:
     def record(self, stream=None) -> None:
         if stream is None:
             stream = get_current_stream()
+        on = stream._device()
+        if on != self.device:  # cudaEventRecord: the event and stream of one GPU
+            raise CUDARuntimeError(400, f"an event of GPU {self.device} recorded on a stream "
+                                        f"of GPU {on}")
         self.recorded_on = stream
         self.time = time.perf_counter()
 
@@ -260,8 +265,7 @@ class Event:
 def get_elapsed_time(start: Event, end: Event) -> float:
     """Milliseconds between two recorded, timing-enabled events."""
     if start.disable_timing or end.disable_timing or start.time is None or end.time is None:
-        raise CUDARuntimeError(400, "cudaErrorInvalidResourceHandle: an event without "
-                                    "timing, or never recorded")
+        raise CUDARuntimeError(400, "an event without timing, or never recorded")
     return (end.time - start.time) * 1e3
 
 

@@ -3,6 +3,7 @@ from cudaemu.errors import CUDARuntimeError  # noqa: F401
 from cudaemu.memory import (  # noqa: F401
     BaseMemory, Memory, MemoryAsyncPool, MemoryPointer, MemoryPool, PinnedMemory,
     UnownedMemory, alloc, alloc_pinned_memory, get_allocator, set_allocator,
+    using_allocator,
 )
 from cudaemu.runtime import (  # noqa: F401
     Device, Event, ExternalStream, Stream, get_current_stream, get_device_id,
