@@ -467,4 +467,3 @@ def emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
         for term in terms[1:]:
             total += term[idx].astype(acc)
         out[idx] = total.astype(out.dtype)
-

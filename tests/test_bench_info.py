@@ -152,6 +152,27 @@ def test_python_m_gpukv_bench_runs(tmp_path):
     assert json.loads(path.read_text())["results"][0]["check"] == "ok"
 
 
+@pytest.mark.gpu
+def test_gpu_benchmark_runs_and_records_its_device(tmp_path):
+    """The GPU benchmark (CUDA-event timing) runs unchanged on this run's GPUs: every row
+    checks out and the JSON names the GPUs it measured."""
+    from gpukv.backends.cuda import gpu_devices
+    path = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpukv", "bench", "--sizes", "4K", "--devices", "2",
+         "--strategies", "home,tree,ring,nccl", "--baselines", "loop", "--small-keys", "8",
+         "--small-devices", "2", "--goal-size", "64K", "--goal-devices", "2",
+         "--copy-size", "1M", "--warmup", "0", "--iters", "1", "--no-progress",
+         "--json", str(path), "--no-plot"],
+        capture_output=True, text=True, timeout=300, env=_env(gpus=True), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(path.read_text())
+    assert record["device"]["kind"] == "gpu" and record["device"]["gpus"]
+    assert len(record["device"]["gpus"]) == len({d.physical for d in gpu_devices()})
+    assert all(r["error"] is None for r in record["results"])
+    assert {r["check"] for r in record["results"] if r["path"] == "store"} == {"ok"}
+
+
 # ------------------------------------------------------------------------------ info
 def test_info_reports_devices_nccl_mpi_and_strategy():
     """`gpukv info` says which devices, NCCL, MPI and default strategy this machine has."""

@@ -454,10 +454,9 @@ def fake_gpus(monkeypatch):
     from gpukv import _kernels
     from gpukv.comm import _ops
 
-
     def kernel_sum(items):
-        """The CUDA kernel on the emulation (it reads host memory, as no GPU can); the
-        NumPy twin elsewhere (the kernel itself is tested on GPUs in test_kernels.py)."""
+        """The CUDA kernel on the emulation; the NumPy twin on a real GPU, whose kernels
+        cannot read the fake devices' host memory (they are tested in test_kernels.py)."""
         if gpu_env.EMULATED:
             import cupy
             return real_sum(items, cupy.cuda.get_current_stream())

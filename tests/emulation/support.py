@@ -49,8 +49,6 @@ class DeviceArray:
 kernels.register_array_type(DeviceArray)
 
 
-
-
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

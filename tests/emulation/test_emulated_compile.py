@@ -17,7 +17,6 @@ from tests.test_cuda_compile import _ENTRY, VARIANTS
 from .support import device, kernels
 
 
-
 @pytest.fixture(scope="module")
 def compiled_variants(request):
     """Compiles every selected variant once, in parallel (g++ runs in subprocesses)."""

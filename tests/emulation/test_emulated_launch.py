@@ -10,7 +10,7 @@ import pytest
 
 from gpukv import _kernels
 
-from .support import DeviceArray, device, kernels
+from .support import device, kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -126,8 +126,8 @@ def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") ->
     native = _dtype(host.dtype)
     if native != host.dtype:  # big-endian data is stored in the native order
         host = host.astype(native)
-    order = "F" if order == "F" or (order in ("A", "K") and host.flags.f_contiguous
-                                     and not host.flags.c_contiguous) else "C"
+    keep_f = host.flags.f_contiguous and not host.flags.c_contiguous
+    order = "F" if order == "F" or (order in ("A", "K") and keep_f) else "C"
     out = _allocate(host.shape, host.dtype, order, device)
     np.copyto(out._view, host, casting="no")
     return out
@@ -331,8 +331,8 @@ class ndarray:  # noqa: N801 - CuPy's name
     def __format__(self, spec):
         return format(self._view.copy() if self.ndim else self._view[()], spec)
 
-    def __reduce__(self):
-        return (array, (self.get(),))
+    def __reduce__(self):  # pickled through the host, unpickled on the current GPU
+        return (_to_device, (self.get(),))
 
     def __copy__(self):
         return self.copy()

@@ -1,7 +1,7 @@
 """The emulated machine: how many GPUs, which pairs have peer access, guard pages or not.
 
-Read once from the environment when the emulation is imported, and changeable by tests
-through `configure` (before they make arrays on GPUs that would no longer exist):
+Read once from the environment when the emulation is imported (a subprocess can be given
+another machine through its environment):
 
 - `CUDAEMU_GPUS`: number of physical GPUs (default 2);
 - `CUDAEMU_PEERS`: `all` (default), `none`, or pairs like `0-1,2-3` (both directions);
@@ -47,26 +47,3 @@ def from_environment() -> Machine:
 
 
 MACHINE = from_environment()
-
-
-def configure(*, gpus: int | None = None, peers=None, guard: bool | None = None) -> Machine:
-    """Change the emulated machine; returns the previous one (pass its fields back to undo).
-
-    `peers`: "all", "none", a "0-1,2-3" string, or a set of ordered (reader, owner) pairs.
-    """
-    global MACHINE
-    old = MACHINE
-    n = old.gpus if gpus is None else gpus
-    if peers is None:
-        pairs = old.peers if gpus is None else _parse_peers("all", n)
-    elif isinstance(peers, str):
-        pairs = _parse_peers(peers, n)
-    else:
-        pairs = frozenset(peers)
-    MACHINE = Machine(gpus=n, peers=pairs, guard=old.guard if guard is None else guard)
-    return old
-
-
-def restore(machine: Machine) -> None:
-    global MACHINE
-    MACHINE = machine

@@ -187,11 +187,8 @@ class AccessDomain:
     (cudaMemPoolSetAccess) or a virtual-memory mapping (cuMemSetAccess). Plain
     allocations have none: peer access between the GPUs is what counts for them."""
 
-    _handles = iter(range(0x5000, 1 << 62))
-
     def __init__(self, kind: str):
         self.kind = kind
-        self.handle = next(self._handles)
         self.readers: set = set()
 
     def grant(self, reader: int) -> None:

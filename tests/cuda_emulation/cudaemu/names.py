@@ -65,4 +65,3 @@ METHODS = frozenset("""
     scatter_max scatter_min searchsorted set shape size sort squeeze std strides sum
     swapaxes take toDlpack tobytes tofile tolist trace transpose var view
 """.split())
-
