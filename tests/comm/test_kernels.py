@@ -318,3 +318,29 @@ def test_pieces_of_one_out_run_in_order():
     K.multi_sum_gpu(items, cupy.cuda.get_current_stream())
     np.testing.assert_array_equal(cupy.asnumpy(out_a), 110)
     np.testing.assert_array_equal(cupy.asnumpy(out_b), 1)
+
+
+_ALL = sorted(K._CTYPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("u", _ALL)
+@pytest.mark.parametrize("t", _ALL)
+def test_every_dtype_pair_sums_like_the_twin(t, u):
+    """The sum kernel of every (source, out) dtype pair gives the twin's bytes: two terms
+    of T and the out itself (U), and a one-term cast of T into U."""
+    import cupy
+    t, u = _dtype(t), _dtype(u)
+    rng = np.random.default_rng(3)
+    n = 1031
+    terms = [_rand(rng, n, t) for _ in range(2)]
+    host_out, host_cast = _rand(rng, n, u), np.zeros(n, u)
+    gpu_out, gpu_cast = cupy.asarray(host_out), cupy.zeros(n, u)
+    with np.errstate(over="ignore", invalid="ignore"):
+        K.multi_sum_host([K.SumItem(host_out, tuple(terms), (host_out,)),
+                          K.SumItem(host_cast, (terms[0],), ())])
+    K.multi_sum_gpu([K.SumItem(gpu_out, tuple(map(cupy.asarray, terms)), (gpu_out,)),
+                     K.SumItem(gpu_cast, (cupy.asarray(terms[0]),), ())],
+                    cupy.cuda.get_current_stream())
+    assert cupy.asnumpy(gpu_out).tobytes() == host_out.tobytes()
+    assert cupy.asnumpy(gpu_cast).tobytes() == host_cast.tobytes()
