@@ -173,6 +173,19 @@ COMPRESSIONS = {
 }
 
 
+def _compressed_stores(cp, rng, keys, params):
+    """Two 'device' stores with compression `params` and the same random values of
+    `keys`: one fed host arrays (the host reference), one GPU arrays made on GPU 0."""
+    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
+    host, gpu = gpukv.create("device"), gpukv.create("device")
+    host.init(keys, [init[k] for k in keys])
+    with cp.cuda.Device(0):
+        gpu.init(keys, [cp.asarray(init[k]) for k in keys])
+    for kv in (host, gpu):
+        kv.set_gradient_compression(params)
+    return host, gpu
+
+
 def _gradient(rng, shape, dtype, params):
     """A gradient of `dtype`; for fp16 with a pre_divide, float32 and float64 values
     beyond float16's range, which only the pre-divided trip keeps finite."""
@@ -198,13 +211,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
     params = COMPRESSIONS[name]
     rng = np.random.default_rng(gpus)
     keys = sorted(KEYS)
-    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
-    host, gpu = gpukv.create("device"), gpukv.create("device")
-    host.init(keys, [init[k] for k in keys])
-    with cp.cuda.Device(0):
-        gpu.init(keys, [cp.asarray(init[k]) for k in keys])
-    for kv in (host, gpu):
-        kv.set_gradient_compression(params)
+    host, gpu = _compressed_stores(cp, rng, keys, params)
     assert {gpu._entries[k].home.kind for k in keys} == {"gpu"}
     for step in range(4):
         grads = {k: [_gradient(rng, *KEYS[k], params) for _ in devs] for k in keys}
@@ -242,13 +249,8 @@ def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
     params = COMPRESSIONS[name]
     rng = np.random.default_rng(7)
     keys = [k for k in sorted(KEYS) if KEYS[k][1].kind != "i"]
-    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
-    host, gpu = gpukv.create("device"), gpukv.create("device")
-    host.init(keys, [init[k] for k in keys])
-    with cp.cuda.Device(0):
-        gpu.init(keys, [cp.asarray(init[k]) for k in keys])
+    host, gpu = _compressed_stores(cp, rng, keys, params)
     for kv in (host, gpu):
-        kv.set_gradient_compression(params)
         kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.01, wd=1e-3))
     for step in range(3):
         grads = {k: [_gradient(rng, *KEYS[k], {}) for _ in devs] for k in keys}

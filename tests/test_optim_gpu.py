@@ -120,13 +120,15 @@ def launches(monkeypatch):
     return seen
 
 
-def _stores(name, dtype, weights, cp):
+def _stores(name, dtype, weights, cp, keys=KEYS):
+    """A 'local' store and a 'device' store (values made on GPU 0) of `weights`, each
+    with optimizer `name`."""
     host = gpukv.create("local")
-    host.init(KEYS, [weights[k] for k in KEYS])
+    host.init(keys, [weights[k] for k in keys])
     host.set_optimizer(_make(name))
     gpu = gpukv.create("device")
     with cp.cuda.Device(0):
-        gpu.init(KEYS, [cp.asarray(weights[k]) for k in KEYS])
+        gpu.init(keys, [cp.asarray(weights[k]) for k in keys])
     gpu.set_optimizer(_make(name))
     return host, gpu
 
@@ -194,13 +196,7 @@ def test_gpu_keys_of_every_dtype_over_four_gpus(name, launches):
     dtypes = {k: DTYPES[k % 4] for k in shapes}
     keys = sorted(shapes)
     w0 = {k: rng.standard_normal(shapes[k]).astype(np.float32).astype(dtypes[k]) for k in keys}
-    host = gpukv.create("local")
-    host.init(keys, [w0[k] for k in keys])
-    host.set_optimizer(_make(name))
-    gpu = gpukv.create("device")
-    with cp.cuda.Device(0):
-        gpu.init(keys, [cp.asarray(w0[k]) for k in keys])
-    gpu.set_optimizer(_make(name))
+    host, gpu = _stores(name, None, w0, cp, keys)
     homes = {gpu._entries[k].home for k in keys}
     assert len(homes) == min(len(keys), len(gpu_devices()))  # largest keys spread first
     groups = {(gpu._entries[k].home, dtypes[k]) for k in keys}
