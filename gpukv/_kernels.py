@@ -215,14 +215,13 @@ def build_table(outs, sizes, a_lists, b_lists, **plan) -> tuple[np.ndarray, int]
     [block starts (nkeys+1)] [nkeys x META] [addresses of every a and b list].
     """
     nkeys = len(sizes)
-    for k in range(nkeys):
-        if sizes[k] and not (a_lists[k] or b_lists[k]):  # the kernel starts from a term
-            raise ValueError(f"key {k} of the sum table has no term")
     starts = plan_blocks(sizes, **plan)
     meta = np.zeros((nkeys, META), dtype=np.int64)
     pointers: list = []
     for k in range(nkeys):
         a, b = a_lists[k], b_lists[k]
+        if sizes[k] and not (a or b):  # the kernel starts from a term
+            raise ValueError(f"key {k} of the sum table has no term")
         meta[k] = (outs[k], sizes[k], len(pointers), len(a), len(pointers) + len(a), len(b))
         pointers.extend(a)
         pointers.extend(b)

@@ -79,6 +79,15 @@ def _pushes(rng, step):
                 for g in range(4)] for k, (shape, dtype) in KEYS.items()}
 
 
+def _stores(cp, devs, keys, init):
+    """A 'local' store and a 'device' store of the row-sparse values `init` (the latter's
+    made on the first GPU)."""
+    host, gpu = gpukv.create("local"), gpukv.create("device")
+    host.init(keys, init)
+    gpu.init(keys, [_to_gpu(cp, devs[0], v) for v in init])
+    return host, gpu
+
+
 def test_pushes_from_four_gpus_equal_local(cp, devs):
     """Row-sparse pushes from four GPUs, with rows repeated inside each source and
     across them, store a 'local' store's bits after every push (16-bit floats summed in
@@ -86,9 +95,7 @@ def test_pushes_from_four_gpus_equal_local(cp, devs):
     rng = np.random.default_rng(1)
     keys = sorted(KEYS)
     init = [_rows(rng, *KEYS[k], 5) for k in keys]
-    host, gpu = gpukv.create("local"), gpukv.create("device")
-    host.init(keys, init)
-    gpu.init(keys, [_to_gpu(cp, devs[0], v) for v in init])
+    host, gpu = _stores(cp, devs, keys, init)
     assert {gpu._entries[k].home.physical for k in keys} == {0, 1, 2, 3}
     for step in range(3):
         pushes = _pushes(rng, step)
@@ -114,9 +121,7 @@ def test_row_sparse_pull_into_gpu_outs_equals_local(cp, devs, ids_kind):
     rng = np.random.default_rng(2)
     keys = sorted(KEYS)
     init = [_rows(rng, *KEYS[k], 20) for k in keys]
-    host, gpu = gpukv.create("local"), gpukv.create("device")
-    host.init(keys, init)
-    gpu.init(keys, [_to_gpu(cp, devs[0], v) for v in init])
+    host, gpu = _stores(cp, devs, keys, init)
     pushes = _pushes(rng, 0)
     host.push(keys, [pushes[k] for k in keys])
     gpu.push(keys, [[_to_gpu(cp, d, v) for d, v in zip(devs, pushes[k])] for k in keys])

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import dlpack, memory, runtime
 from .array import PerformanceWarning, _UFUNCS, _allocate, _call, _check_device, _dtype, \
-    _to_device, _unsupported, function, ndarray, ufunc
+    _to_device, _unsupported, check_add_at_dtype, function, ndarray, ufunc
 from .names import FUNCTIONS, TYPES, UFUNCS
 
 __all__ = ["ndarray", "ufunc", "PerformanceWarning"]
@@ -173,16 +173,11 @@ def _from_cuda_array_interface(obj) -> ndarray:
 
 
 # ------------------------------------------------------------------ cupyx parts
-_SCATTER_DTYPES = ("int32", "int64", "uint32", "uint64", "float16", "float32", "float64")
-
-
 def scatter_add(a, slices, value):
     """`cupyx.scatter_add`: a[slices] += value, duplicates accumulated (atomicAdd)."""
     warnings.warn("`ndarray.scatter_add` is deprecated. Please use `cupy.add.at` instead.",
                   DeprecationWarning, stacklevel=2)
-    if a.dtype.name not in _SCATTER_DTYPES:
-        raise TypeError("cupy.add.at only supports int32, int64, float16, float32, "
-                        "float64, uint32, uint64 as data type")
+    check_add_at_dtype(a)  # CuPy's scatter_add is cupy.add.at
     device = runtime.current_device()
     _check_device(a, device)
     np.add.at(a._view, _index(slices, device), _value(value, device, a.dtype))

@@ -561,6 +561,13 @@ def _view_result(value, source: "ndarray", device: int):
 _AT_DTYPES = ("int32", "int64", "uint32", "uint64", "float16", "float32", "float64")
 
 
+def check_add_at_dtype(a) -> None:
+    """cupy.add.at (and scatter_add) take only the dtypes CUDA's atomicAdd has."""
+    if isinstance(a, ndarray) and a.dtype.name not in _AT_DTYPES:
+        raise TypeError("cupy.add.at only supports int32, int64, float16, float32, "
+                        "float64, uint32, uint64 as data type")
+
+
 class ufunc:  # noqa: N801 - CuPy's name
     """A CuPy ufunc: NumPy's, over emulated arrays."""
 
@@ -587,9 +594,8 @@ class ufunc:  # noqa: N801 - CuPy's name
         return _call(self._np.outer, args, kwargs)
 
     def at(self, a, indices, b=None):
-        if self.name == "add" and isinstance(a, ndarray) and a.dtype.name not in _AT_DTYPES:
-            raise TypeError("cupy.add.at only supports int32, int64, float16, float32, "
-                            "float64, uint32, uint64 as data type")
+        if self.name == "add":
+            check_add_at_dtype(a)
         device = runtime.current_device()
         args = (a, indices) if b is None else (a, indices, b)
         self._np.at(*_operand(args, device))
