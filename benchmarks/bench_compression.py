@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common  # noqa: E402
 
-from gpukv.compression import Cast, OneBit, TwoBit  # noqa: E402
+from gpukv.update.compression import Cast, OneBit, TwoBit  # noqa: E402
 
 KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0),
          "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}
@@ -87,7 +87,7 @@ def _record(n, kind, where, enc, dec, cp, payload_bytes):
 
 def _has_gpu() -> bool:
     try:
-        from gpukv.backends.cuda import gpu_count
+        from gpukv.device.cuda.device import gpu_count
         return gpu_count() > 0
     except Exception:
         return False

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as C  # noqa: E402
 
 from gpukv import optim  # noqa: E402
-from gpukv.backends import host_device  # noqa: E402
+from gpukv.device import host_device  # noqa: E402
 
 RULES = {
     "sgd_mom": lambda: optim.SGD(learning_rate=0.01, momentum=0.9, wd=1e-4),
@@ -91,7 +91,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.gpu:
-        from gpukv.backends.cuda import gpu_devices
+        from gpukv.device.cuda.device import gpu_devices
         homes = gpu_devices()[:args.devices]
         if not homes:
             sys.exit("--gpu: no GPU visible")

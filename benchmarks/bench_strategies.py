@@ -1,6 +1,6 @@
 """Push+pull of every reduction strategy against a per-key loop and PyTorch.
 
-A thin wrapper: the benchmark lives in `gpukv._bench` so that `python -m gpukv bench`
+A thin wrapper: the benchmark lives in `gpukv.tools.bench` so that `python -m gpukv bench`
 runs the same code from an installed package. See `--help` for the options, e.g.
 
     python benchmarks/bench_strategies.py --sizes 4K..256M --devices 2,4,8 --iters 20
@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # benchmarks/_common.py
 sys.path.insert(1, str(HERE.parent))  # the gpukv package of this checkout
 
-from gpukv._bench import main  # noqa: E402
+from gpukv.tools.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Predicted push+pull time of every reduction strategy on machines we may not have.
 
-Runs the alpha-beta model of `gpukv.comm.simulate` (no GPU needed) for each machine
+Runs the alpha-beta model of `gpukv.comm.plan.simulate` (no GPU needed) for each machine
 profile x strategy x key size x device count, prints a table with the tree/home ratio,
 and writes JSON plus a PNG plot under benchmarks/results/:
 
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from gpukv.comm import simulate, topology  # noqa: E402
+from gpukv.comm.plan import simulate, topology  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M,1G"
 DEFAULT_DEVICES = "2,4,8"

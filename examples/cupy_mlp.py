@@ -24,7 +24,7 @@ import gpukv
 
 def devices():
     """(array module, [(label, context manager factory)], store name) for this machine."""
-    from gpukv.backends.cuda import gpu_count, gpu_devices
+    from gpukv.device.cuda.device import gpu_count, gpu_devices
     if gpu_count() > 0:
         import cupy
         logical = gpu_devices()

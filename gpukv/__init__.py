@@ -2,8 +2,8 @@
 from ._errors import (ArgumentError, ArgumentKindError, BackendError, CheckpointError,
                       DeviceError, DTypeError, DuplicateKeyError, GpukvError, KeyKindError,
                       ReadOnlyError, ShapeError, TransportError, UnknownKeyError)
-from .sparse import RowSparse
-from .store import KVStore, create
+from .update.sparse import RowSparse
+from .api.store import KVStore, create
 from . import optim  # noqa: E402  (gpukv.optim: optimizers for set_optimizer)
 
 __version__ = "0.1.0"

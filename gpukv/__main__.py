@@ -7,9 +7,9 @@ import sys
 
 # name -> (module with a `main(argv) -> int`, one line of help)
 _COMMANDS = {
-    "demo": ("gpukv._demo", "run the tutorial and a short data-parallel training, checked"),
-    "bench": ("gpukv._bench", "measure push/pull/pushpull speed against baselines"),
-    "info": ("gpukv._info", "show versions, devices, links and the strategies gpukv would pick"),
+    "demo": ("gpukv.tools.demo", "run the tutorial and a short data-parallel training, checked"),
+    "bench": ("gpukv.tools.bench", "measure push/pull/pushpull speed against baselines"),
+    "info": ("gpukv.tools.info", "show versions, devices, links and the strategies gpukv would pick"),
 }
 
 

@@ -22,7 +22,7 @@ if os.environ.get("CI"):
 def _no_user_calibration(tmp_path_factory):
     """No test (nor a subprocess it starts) reads or writes the user's cost-model
     calibration: the cache folder is a temporary one and GPUKV_CALIBRATION is unset."""
-    from gpukv.comm import simulate
+    from gpukv.comm.plan import simulate
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
     patch.delenv("GPUKV_CALIBRATION", raising=False)
@@ -33,7 +33,7 @@ def _no_user_calibration(tmp_path_factory):
 
 
 def _logical_gpus() -> int:
-    from gpukv.backends.cuda import gpu_count, gpu_devices
+    from gpukv.device.cuda.device import gpu_count, gpu_devices
     return len(gpu_devices()) if gpu_count() else 0
 
 

@@ -37,7 +37,7 @@ class StreamCheckedArray(np.ndarray):
         super().fill(value)
 
 
-class FakeGpu(gpukv.backends.Device):
+class FakeGpu(gpukv.device.Device):
     """A "GPU" holding NumPy arrays, logging every ordering call into `log`."""
 
     kind = "gpu"

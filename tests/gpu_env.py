@@ -49,7 +49,7 @@ def install() -> None:
     # Child processes share the compiled kernels, whatever XDG_CACHE_HOME says then.
     os.environ.setdefault("CUDAEMU_CACHE_DIR", str(kernels.CACHE_DIR))
     # libcuda's P2P and pointer queries are answered by the emulated machine.
-    from gpukv.backends import cuda_driver
+    from gpukv.device.cuda import driver as cuda_driver
     cuda_driver._driver[:] = [driver]
 
 

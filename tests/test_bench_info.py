@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpukv import _bench, _info
+from gpukv.tools import bench as _bench
+
+from gpukv.tools import info as _info
 
 from . import gpu_env
 
@@ -156,7 +158,7 @@ def test_python_m_gpukv_bench_runs(tmp_path):
 def test_gpu_benchmark_runs_and_records_its_device(tmp_path):
     """The GPU benchmark (CUDA-event timing) runs unchanged on this run's GPUs: every row
     checks out and the JSON names the GPUs it measured."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     path = tmp_path / "gpu.json"
     proc = subprocess.run(
         [sys.executable, "-m", "gpukv", "bench", "--sizes", "4K", "--devices", "2",
@@ -182,7 +184,7 @@ def test_info_reports_devices_nccl_mpi_and_strategy():
     out = proc.stdout
     assert "devices:" in out and "NCCL:" in out and "MPI:" in out and "mpiexec:" in out
     assert "default strategy:" in out
-    from gpukv.backends.cuda import gpu_count
+    from gpukv.device.cuda.device import gpu_count
     if gpu_count() == 0:
         assert "no GPU: host only" in out
 
@@ -215,7 +217,7 @@ def test_info_simulate_plans_trees_and_a_ring(name, n, capsys):
 def test_info_renders_gpus_without_a_gpu(monkeypatch):
     """The GPU part of `info` (names, logical devices, peer access, links, trees) renders
     against a stand-in CUDA runtime with two GPUs and three logical devices."""
-    import gpukv.backends.cuda as cuda
+    import gpukv.device.cuda.device as cuda
 
     class Runtime:
         cudaDevP2PAttrPerformanceRank = 1

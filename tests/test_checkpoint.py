@@ -1,4 +1,4 @@
-"""KVStore.save / KVStore.load and the checkpoint archive format (gpukv._checkpoint)."""
+"""KVStore.save / KVStore.load and the checkpoint archive format (gpukv.api.checkpoint)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv._checkpoint import read_archive, write_archive
+from gpukv.api.checkpoint import read_archive, write_archive
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -146,7 +146,7 @@ def test_file_is_plain_npz_without_pickle(tmp_path):
         meta = json.loads(npz["__gpukv__"].tobytes())
         assert meta["format"] == "gpukv-archive" and meta["version"] == 1
         header = meta["header"]
-        assert header["kind"] == "gpukv.store" and header["version"] == 1
+        assert header["kind"] == "gpukv.api.store" and header["version"] == 1
         assert header["key_kind"] == "int"
         assert header["keys"] == [str(2**70), "1"]
         bf16 = meta["arrays"]["value/1"]
@@ -292,7 +292,7 @@ def test_pickled_objects_refused(tmp_path):
     """An archive member holding pickled objects is never unpickled."""
     with zipfile.ZipFile(tmp_path / "evil.npz", "w") as zf:
         header = json.dumps({"format": "gpukv-archive", "version": 1,
-                             "header": {"kind": "gpukv.store", "version": 1, "key_kind": "int",
+                             "header": {"kind": "gpukv.api.store", "version": 1, "key_kind": "int",
                                         "keys": ["1"], "homes": ["cpu"], "optimizer": None},
                              "arrays": {"value/0": {"dtype": "float32", "stored_as": None,
                                                     "shape": [2], "crc32": 0}}})
@@ -308,7 +308,7 @@ def test_newer_versions_refused(tmp_path):
     """Archives or store headers of a newer version, or of another kind, are refused."""
     write_archive(tmp_path / "kind.npz", {"kind": "gpukv.optimizer", "version": 1}, {})
     _assert_load_fails_cleanly(tmp_path / "kind.npz", match="not a store checkpoint")
-    write_archive(tmp_path / "store.npz", {"kind": "gpukv.store", "version": 99,
+    write_archive(tmp_path / "store.npz", {"kind": "gpukv.api.store", "version": 99,
                                            "key_kind": None, "keys": [], "homes": []}, {})
     _assert_load_fails_cleanly(tmp_path / "store.npz", match="version 99")
     text = json.dumps({"format": "gpukv-archive", "version": 2, "header": {}, "arrays": {}})
@@ -318,11 +318,11 @@ def test_newer_versions_refused(tmp_path):
 
 def test_damaged_store_header(tmp_path):
     """A store header whose keys and values do not agree is refused whole."""
-    write_archive(tmp_path / "a.npz", {"kind": "gpukv.store", "version": 1, "key_kind": "int",
+    write_archive(tmp_path / "a.npz", {"kind": "gpukv.api.store", "version": 1, "key_kind": "int",
                                        "keys": ["1", "2"], "homes": ["cpu", "cpu"]},
                   {"value/0": np.zeros((2, 2), np.float32)})
     _assert_load_fails_cleanly(tmp_path / "a.npz", match="key 2")
-    write_archive(tmp_path / "b.npz", {"kind": "gpukv.store", "version": 1, "key_kind": "int",
+    write_archive(tmp_path / "b.npz", {"kind": "gpukv.api.store", "version": 1, "key_kind": "int",
                                        "keys": ["x"], "homes": ["cpu"]},
                   {"value/0": np.zeros((2, 2), np.float32)})
     _assert_load_fails_cleanly(tmp_path / "b.npz")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv._checkpoint import read_archive
+from gpukv.api.checkpoint import read_archive
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 optim = pytest.importorskip("gpukv.optim")
@@ -47,7 +47,7 @@ def cp():
 def devices(request, monkeypatch):
     """The logical GPUs of the test (GPUKV_VIRTUAL_GPUS)."""
     monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", str(request.param))
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     return gpu_devices()
 
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpukv
-from gpukv import _compression_kernels as K
-from gpukv.compression import Cast, OneBit, TwoBit, make_compressor
+from gpukv.device.cuda import compression_kernels as K
+from gpukv.update.compression import Cast, OneBit, TwoBit, make_compressor
 
 from .strategies import float32_bits, gradient_steps
 
@@ -82,7 +82,7 @@ def test_2bit_decodes_every_byte_as_mxnet():
     """Every byte value (0b01 codes included) decodes to MXNet's values."""
     ref = REF["decode_every_byte"]
     payload = np.frombuffer(bytes.fromhex(ref["packed_hex"]), np.uint8)
-    out = TwoBit(ref["threshold"]).decompress(payload, gpukv.compression.Ctx(1024, (1024,)))
+    out = TwoBit(ref["threshold"]).decompress(payload, gpukv.update.compression.Ctx(1024, (1024,)))
     assert same_bits(out, ref["decoded"])
 
 
@@ -398,7 +398,7 @@ def test_gpu_kernels_bit_identical(comp, n):
 def test_gpu_store_nightly_sequence():
     """The nightly sequence on GPUs pulls MXNet's values."""
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     ref = REF["kvstore_sequence"]
     shape = tuple(ref["shape"])
     devs = gpu_devices()[:4]
@@ -423,7 +423,7 @@ def test_gpu_store_nightly_sequence():
 # ----------------------------------------------- stream order of GPU paths, on the host
 def test_gpu_residual_zeroed_on_its_device_stream():
     """A GPU residual is zero-filled on its device's stream, where the kernels read it."""
-    from gpukv.compression import GradientCompression
+    from gpukv.update.compression import GradientCompression
     from .fake_gpu import FakeGpu
     log, current = [], {}
     dev = FakeGpu(0, log, current, slot=1)
@@ -435,7 +435,7 @@ def test_gpu_residual_zeroed_on_its_device_stream():
 def test_gpu_compressed_reduce_enters_and_leaves_every_device():
     """A compressed push on GPUs waits for the caller's streams first and makes them wait
     for its work last (virtual GPUs have streams of their own), as the strategies do."""
-    from gpukv.compression import GradientCompression
+    from gpukv.update.compression import GradientCompression
     from .fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(0, log, current, slot=1)

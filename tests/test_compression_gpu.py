@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv import _compression_kernels as K
-from gpukv.backends import host_device
+from gpukv.device.cuda import compression_kernels as K
+from gpukv.device import host_device
 
 pytestmark = pytest.mark.gpu
 
@@ -205,7 +205,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
     """Four pushes of six keys (float32, float16, float64, bfloat16, int32), one source
     per logical GPU: after each push the stored values, and every (key, source)
     residual, equal those of the same store fed NumPy arrays, bit for bit."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:gpus]  # the GPU gate made at least `gpus` of them
     assert len(devs) == gpus
     params = COMPRESSIONS[name]
@@ -244,7 +244,7 @@ def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
     """With an optimizer, the decompressed float32 sum of every GPU's source updates
     each float key (float32, float16, float64, bfloat16) to the host store's bits, its
     states and master copy too."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     params = COMPRESSIONS[name]
     rng = np.random.default_rng(7)

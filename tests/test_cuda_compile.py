@@ -26,7 +26,13 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from gpukv import _compression_kernels, _kernels, _optim_kernels, optim
+from gpukv import optim
+
+from gpukv.device.cuda import compression_kernels as _compression_kernels
+
+from gpukv.device.cuda import kernels as _kernels
+
+from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv._errors import GpukvError
 from gpukv.optim import _base as optim_base
 

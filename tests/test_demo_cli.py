@@ -12,7 +12,7 @@ import pytest
 
 import gpukv
 from gpukv import __main__ as cli
-from gpukv import _demo
+from gpukv.tools import demo as _demo
 
 from . import gpu_env
 
@@ -148,16 +148,16 @@ def test_version():
 def test_dispatch_forwards_arguments(monkeypatch, command):
     """`gpukv bench ...` / `gpukv info ...` hand every later argument to that module's main."""
     seen = []
-    fake = types.ModuleType(f"gpukv._{command}")
+    fake = types.ModuleType(f"gpukv.tools.{command}")
     fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, f"gpukv._{command}", fake)
+    monkeypatch.setitem(sys.modules, f"gpukv.tools.{command}", fake)
     assert cli.main([command, "--json", "x.json", "--help"]) == 7
     assert seen == [["--json", "x.json", "--help"]]
 
 
 def test_dispatch_missing_module(monkeypatch, capsys):
     """A command whose module is not installed says so and exits 2."""
-    monkeypatch.setitem(sys.modules, "gpukv._info", None)
+    monkeypatch.setitem(sys.modules, "gpukv.tools.info", None)
     assert cli.main(["info"]) == 2
     assert "not available" in capsys.readouterr().err
 

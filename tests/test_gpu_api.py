@@ -30,7 +30,7 @@ def cp():
 @pytest.fixture
 def devices():
     """The logical GPUs gpukv sees: (physical id, slot) of each."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     return [(d.physical, d.slot) for d in gpu_devices()]
 
 
@@ -272,7 +272,7 @@ def test_gpu_errors_change_nothing(cp, name):
 
 def test_missing_device_is_device_error():
     """Asking for a GPU that does not exist is a DeviceError (a ValueError)."""
-    from gpukv.backends.cuda import cuda_device, gpu_count
+    from gpukv.device.cuda.device import cuda_device, gpu_count
     with pytest.raises(gpukv.DeviceError) as info:
         cuda_device(gpu_count() + 7)
     assert isinstance(info.value, ValueError)
@@ -315,7 +315,7 @@ def test_torch_cuda_bfloat16_adopted_through_dlpack(cp, name):
     not through the CUDA array interface, where bfloat16 is a raw 2-byte void."""
     pytest.importorskip("torch")
     import ml_dtypes
-    from gpukv.backends import adopt
+    from gpukv.device import adopt
     bf16 = np.dtype(ml_dtypes.bfloat16)
     backing = cp.full(SHAPE, 1.5, bf16)
     adopted = adopt(torch_cuda_tensor(backing))

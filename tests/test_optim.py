@@ -373,12 +373,12 @@ def _fortran_ordered(path, out):
 def test_load_of_fortran_ordered_states_gives_c_order(tmp_path, home):
     """States read from a file with Fortran-ordered members are C-contiguous (the GPU
     multi-tensor kernels index flat pointers) and resume exactly as from a C-ordered file."""
-    from gpukv._checkpoint import read_archive
+    from gpukv.api.checkpoint import read_archive
     from .fake_gpu import FakeGpu
     kv, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
     header, arrays = read_archive(_fortran_ordered(path, tmp_path / "f"))
     assert any(a.ndim == 2 and not a.flags.c_contiguous for a in arrays.values())
-    kinds = {"host": lambda: gpukv.backends.host_device(0),
+    kinds = {"host": lambda: gpukv.device.host_device(0),
              "gpu": lambda: FakeGpu(0, [], {})}
     resumed = _fresh(optim.Adam(), dtype=np.float16)
     for k, e in resumed._entries.items():
@@ -473,7 +473,7 @@ def test_file_has_no_pickle(tmp_path):
     with np.load(path, allow_pickle=False) as npz:
         names = set(npz.files)
         assert all(npz[n].dtype != object for n in names)
-    from gpukv._checkpoint import read_archive
+    from gpukv.api.checkpoint import read_archive
     header, arrays = read_archive(path)
     assert header["kind"] == "gpukv.optimizer-states" and header["version"] == 1
     assert header["optimizer"] == "adam"
@@ -727,7 +727,7 @@ class _Fake:
 
 def test_multi_tensor_plan_covers_every_element_once():
     """The chunk table of a launch covers each element of each key exactly once."""
-    from gpukv import _optim_kernels as K
+    from gpukv.device.cuda import optim_kernels as K
     sizes = [1, K.CHUNK - 1, K.CHUNK, K.CHUNK + 1, 3 * K.CHUNK + 7, 5]
     items = [(_Fake(n, 1000 * j + 1), _Fake(n, 1000 * j + 2), None,
               (_Fake(n, 1000 * j + 3),), (0.1, 0.2)) for j, n in enumerate(sizes)]
@@ -746,7 +746,7 @@ def test_multi_tensor_plan_covers_every_element_once():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_kernel_sources_are_complete(name, dtype):
     """Every rule yields CUDA source with every hyper-parameter and switch defined."""
-    from gpukv import _optim_kernels as K
+    from gpukv.device.cuda import optim_kernels as K
     opt = optim.create(name, clip_gradient=1.0)
     for phase in ((1, 2) if name == "lamb" else (0,)):
         src = K.kernel_source(opt, np.dtype(dtype) if dtype != "bfloat16" else

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv import _optim_kernels, optim
+from gpukv import optim
+from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim import lr_scheduler as sched
 
 pytestmark = pytest.mark.gpu
@@ -189,7 +190,7 @@ def test_gpu_keys_of_every_dtype_over_four_gpus(name, launches):
     launch per (home, dtype) group, with the host's bits (LAMB's weights: up to their
     last bits)."""
     import cupy as cp
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     rng = np.random.default_rng(4)
     shapes = {k: (9000 + 10 * k,) if k % 3 == 0 else (5 + k, 3) for k in range(8)}

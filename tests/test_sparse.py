@@ -312,7 +312,7 @@ def _reads_of_other_gpus_raise():
 
 
 def _physical_gpus(n):
-    from gpukv.backends.cuda import gpu_count
+    from gpukv.device.cuda.device import gpu_count
     if gpu_count() < n:
         hardware_missing(f"needs {n} physical GPUs")
 
@@ -399,14 +399,14 @@ def test_gpu_rowsparse_refuses_row_ids_of_another_gpu():
 def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     """Row-sparse sources on other GPUs are read only after their devices' queued work,
     and those devices reuse them only after the home device has read them."""
-    import gpukv.backends
-    from gpukv.sparse import merge
+    import gpukv.device
+    from gpukv.update.sparse import merge
     from .fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(1, log, current)
     a, b = rsp([1], [[1, 1]]), rsp([1, 2], [[2, 2], [3, 3]])
     where = {id(a.data): home, id(b.data): other}
-    monkeypatch.setattr(gpukv.backends, "device_of", lambda x, slot=0: where[id(x)])
+    monkeypatch.setattr(gpukv.device, "device_of", lambda x, slot=0: where[id(x)])
     merged = merge([a, b], home, np.float32)
     assert merged.indices.tolist() == [1, 2]
     assert merged.data.tolist() == [[3, 3], [3, 3]]
@@ -427,7 +427,7 @@ def _gpu_entry(log, current):
 def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
     """row_sparse_pull of a GPU key into a host RowSparse waits for the gather on the
     key's stream (a host copy reads on CuPy's current stream, not the key's)."""
-    from gpukv import _sparse_store
+    from gpukv.api import rows as _sparse_store
     log, current = [], {}
     entry = _gpu_entry(log, current)
     out = RowSparse.zeros((4, 2))
@@ -439,7 +439,7 @@ def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
 def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     """Into a RowSparse on another GPU: the key's device waits for the copies before its
     gathered rows go back to its memory pool."""
-    from gpukv import _sparse_store
+    from gpukv.api import rows as _sparse_store
     from .fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
@@ -459,7 +459,7 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
 def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     """row_ids on another GPU are copied to the key's GPU only after the work queued on
     theirs, and their GPU may reuse them only once the copy has read them."""
-    from gpukv import _sparse_store
+    from gpukv.api import rows as _sparse_store
     from .fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
@@ -469,7 +469,7 @@ def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     out = RowSparse.zeros((4, 2))
     mp = pytest.MonkeyPatch()
     mp.setattr(_sparse_store, "device_of",
-               lambda a, slot=0: other if a is ids else gpukv.backends.device_of(a, slot))
+               lambda a, slot=0: other if a is ids else gpukv.device.device_of(a, slot))
     try:
         _sparse_store.fill_rows(entry, out, ids)
     finally:

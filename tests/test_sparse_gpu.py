@@ -25,7 +25,7 @@ def cp():
 @pytest.fixture
 def devs():
     """Four logical GPUs, one per physical GPU where there are four."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     return gpu_devices()[:4]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
-from ..backends import Device
+from ..device import Device
 
 
 class ReduceJob(NamedTuple):

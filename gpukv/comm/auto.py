@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
 
 log = logging.getLogger("gpukv")
@@ -63,11 +63,11 @@ class AutoStrategy(Strategy):
 
     def choose(self, key, nbytes: int, devices, home) -> str:
         """The strategy name for one key of `nbytes` on `devices` homed on `home`."""
-        host = _ops.is_host_job(devices, home)
+        host = execute.is_host_job(devices, home)
         if host and not self._model_host:
             return "cpu"
-        nodes = sorted(_ops.unique(list(devices) + [home]), key=_ops.node_order)
-        if len(nodes) == 1 or not (host or _ops.is_gpu_job(devices, home)) \
+        nodes = sorted(execute.unique(list(devices) + [home]), key=execute.node_order)
+        if len(nodes) == 1 or not (host or execute.is_gpu_job(devices, home)) \
                 or len(set(devices)) != len(devices):
             return "home"
         cache_key = (nbytes, tuple(nodes), home)
@@ -89,11 +89,11 @@ class AutoStrategy(Strategy):
         machine = self._machine
         measured = machine is None
         if measured:
-            machine = _ops.link_matrix(nodes)
+            machine = execute.link_matrix(nodes)
         h = nodes.index(home)
         if self._choose is not None:
             return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
-        from . import simulate
+        from .plan import simulate
         costs = simulate.COSTS
         if measured and not host_nodes(nodes):  # these GPUs: measured constants, if any
             machine = simulate.calibrated_machine(machine)
@@ -123,4 +123,4 @@ class AutoStrategy(Strategy):
 
 
 def host_nodes(nodes) -> bool:
-    return not any(_ops.is_gpu(d) for d in nodes)
+    return not any(execute.is_gpu(d) for d in nodes)

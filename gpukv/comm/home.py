@@ -10,9 +10,9 @@ waits.
 """
 from __future__ import annotations
 
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from ._ops import FlatOut, Term
+from .execute import FlatOut, Term
 
 
 class HomeStrategy(Strategy):
@@ -33,7 +33,7 @@ class HomeStrategy(Strategy):
         for job in jobs:
             by_home.setdefault(job.home, []).append(job)
         everyone = [d for job in jobs for d in job.devices] + list(by_home)
-        _ops.begin(everyone)
+        execute.begin(everyone)
         # Flat copies of strided sources are made on their own devices first (the home
         # then waits for them) and kept until `finish`: CuPy's pool would hand a freed
         # copy to the next allocation on its stream while another home still reads it.
@@ -42,17 +42,17 @@ class HomeStrategy(Strategy):
             outs, work = [], []
             for job in group:
                 out = FlatOut(job.out, home)
-                terms = [Term(_ops.flat_in(s, d), False)
+                terms = [Term(execute.flat_in(s, d), False)
                          for s, d in zip(job.sources, job.devices)]
                 work.append((out.flat, terms))
                 outs.append(out)
-            _ops.wait_all(home, [d for job in group for d in job.devices])
-            _ops.gather_sum(home, work)
+            execute.wait_all(home, [d for job in group for d in job.devices])
+            execute.gather_sum(home, work)
             for out in outs:
                 out.done()
             alive.append(work)
         for home in by_home:
-            _ops.finish([d for job in jobs if job.home == home for d in job.devices], home)
+            execute.finish([d for job in jobs if job.home == home for d in job.devices], home)
 
     def broadcast_many(self, jobs: list) -> None:
         if not jobs:
@@ -61,19 +61,19 @@ class HomeStrategy(Strategy):
         for job in jobs:
             for out, device in zip(job.outs, job.devices):
                 by_device.setdefault(device, []).append((out, job))
-        homes = _ops.unique([job.home for job in jobs])
-        _ops.begin(list(by_device) + homes)
+        homes = execute.unique([job.home for job in jobs])
+        execute.begin(list(by_device) + homes)
         alive = []  # flat copies of strided values, kept until `finish` (see reduce_many)
         for device, pairs in by_device.items():
             flat_pairs, outs = [], []
             for out, job in pairs:
                 target = FlatOut(out, device)
-                flat_pairs.append((target.flat, _ops.flat_in(job.src, job.home)))
+                flat_pairs.append((target.flat, execute.flat_in(job.src, job.home)))
                 outs.append(target)
             alive.append(flat_pairs)
-            _ops.wait_all(device, [job.home for _, job in pairs])
-            _ops.copy_many(device, flat_pairs)
+            execute.wait_all(device, [job.home for _, job in pairs])
+            execute.copy_many(device, flat_pairs)
             for target in outs:
                 target.done()
         for home in homes:  # the stored value may change only after every read of it
-            _ops.finish([d for job in jobs if job.home == home for d in job.devices], home)
+            execute.finish([d for job in jobs if job.home == home for d in job.devices], home)

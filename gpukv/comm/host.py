@@ -257,7 +257,7 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
 
 def _to_host(array) -> np.ndarray:
     """A GPU array copied to the host by its own GPU, on CuPy's current stream there."""
-    from ..backends.cuda import to_numpy
+    from ..device.cuda.device import to_numpy
     return to_numpy(array)
 
 

@@ -14,9 +14,9 @@ import warnings
 import numpy as np
 
 from .._errors import BackendError
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from ._ops import FlatOut, Term
+from .execute import FlatOut, Term
 from .home import HomeStrategy
 
 INSTALL_HINT = ("the 'nccl' strategy needs NCCL for CuPy: pip install 'nvidia-nccl-cu12>=2.18' "
@@ -78,7 +78,7 @@ class NcclStrategy(Strategy):
         nccl = None
         for job in jobs:
             devices = list(job.devices)
-            multi = (_ops.is_gpu_job(devices, job.home)
+            multi = (execute.is_gpu_job(devices, job.home)
                      and len({d.physical for d in devices} | {job.home.physical}) > 1)
             if not multi:
                 other.append(job)
@@ -107,25 +107,25 @@ class NcclStrategy(Strategy):
             out = FlatOut(job.out, home)
             outs.append(out)
             by_gpu, physical, root = _by_gpu(
-                ((_ops.flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
+                ((execute.flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
             alive.append(by_gpu)
             for rank, p in enumerate(physical):
                 local = by_gpu[p]
                 if p == home.physical:  # the root reduces in place into the out
                     leader, buf = home, out.flat
-                    _ops.wait_all(home, [d for _, d in local])
-                    _ops.gather_sum(home, [(buf, [Term(a, False) for a, _ in local])])
+                    execute.wait_all(home, [d for _, d in local])
+                    execute.gather_sum(home, [(buf, [Term(a, False) for a, _ in local])])
                 elif len(local) == 1 and local[0][0].dtype == out.flat.dtype:
                     leader, buf = local[0][1], local[0][0]
                 else:  # virtual GPUs on one GPU, or 16-bit floats: a local fp32 sum first
                     leader = local[0][1]
                     buf = leader.empty(out.flat.size, out.flat.dtype)
-                    _ops.wait_all(leader, [d for _, d in local])
-                    _ops.gather_sum(leader, [(buf, [Term(a, False) for a, _ in local])])
+                    execute.wait_all(leader, [d for _, d in local])
+                    execute.gather_sum(leader, [(buf, [Term(a, False) for a, _ in local])])
                 calls.append((physical, rank, leader, buf, out.flat, root))
         # One stream per GPU for the grouped call: its slot-0 device's (CuPy's current).
         for physical, rank, leader, buf, out, root in calls:
-            _ops.wait_all(ranks[physical[rank]], [leader])
+            execute.wait_all(ranks[physical[rank]], [leader])
         # Communicators are made before the group: one created inside it is initialised
         # only at groupEnd, too late for the collectives queued on it in the same group.
         comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
@@ -141,11 +141,11 @@ class NcclStrategy(Strategy):
         finally:
             nccl.groupEnd()
         for job in mine:
-            _ops.wait_all(job.home, [ranks[job.home.physical]])
+            execute.wait_all(job.home, [ranks[job.home.physical]])
         for out in outs:
             out.done()
-        for home in _ops.unique([j.home for j in mine]):
-            _ops.finish(everyone, home)
+        for home in execute.unique([j.home for j in mine]):
+            execute.finish(everyone, home)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, job: BroadcastJob) -> None:
@@ -170,12 +170,12 @@ class NcclStrategy(Strategy):
                 device = ranks[p]
                 if p == home.physical:
                     buf = src
-                    _ops.wait_all(device, [home])
+                    execute.wait_all(device, [home])
                 else:
                     first = next((o for o, _ in local if o.flags.c_contiguous), None)
                     buf = (device.empty(src.size, src.dtype) if first is None
                            else first.reshape(-1))
-                    _ops.wait_all(device, [d for _, d in local])  # outs free to overwrite
+                    execute.wait_all(device, [d for _, d in local])  # outs free to overwrite
                 calls.append((physical, rank, device, buf, root))
                 for o, d in local:
                     if o.reshape(-1) is not buf and not (
@@ -191,20 +191,20 @@ class NcclStrategy(Strategy):
         finally:
             nccl.groupEnd()
         for device, rank_device, o, buf in after:  # more outs on a GPU: local copies
-            _ops.wait_all(device, [rank_device])
+            execute.wait_all(device, [rank_device])
             target = FlatOut(o, device)
-            _ops.copy_many(device, [(target.flat, buf)])
+            execute.copy_many(device, [(target.flat, buf)])
             target.done()
-        for home in _ops.unique([j.home for j in mine]):
-            _ops.finish(everyone, home)
+        for home in execute.unique([j.home for j in mine]):
+            execute.finish(everyone, home)
 
 
 def _begin(jobs):
     """(rank devices, every device of `jobs`), the latter ordered after the caller's work."""
     ranks = _rank_devices(jobs)
-    everyone = _ops.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
+    everyone = execute.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
                            + list(ranks.values()))
-    _ops.begin(everyone)
+    execute.begin(everyone)
     return ranks, everyone
 
 
@@ -221,6 +221,6 @@ def _by_gpu(pairs, home):
 
 def _rank_devices(jobs) -> dict:
     """physical GPU -> the device whose stream carries its NCCL calls (slot 0)."""
-    from ..backends.cuda import cuda_device
+    from ..device.cuda.device import cuda_device
     gpus = {d.physical for j in jobs for d in list(j.devices) + [j.home]}
     return {p: cuda_device(p, 0) for p in sorted(gpus)}

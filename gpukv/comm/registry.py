@@ -18,7 +18,7 @@ STRATEGIES = ("auto", "home", "tree", "ring", "cpu", "nccl")
 
 def _classes() -> dict:
     from .auto import AutoStrategy
-    from .cpu import CpuStrategy
+    from .staged import CpuStrategy
     from .home import HomeStrategy
     from .nccl import NcclStrategy
     from .ring import RingStrategy

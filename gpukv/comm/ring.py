@@ -11,9 +11,9 @@ into the `out` arrays. Each step is one fused kernel per device for all keys.
 """
 from __future__ import annotations
 
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from ._ops import FlatOut, Term
+from .execute import FlatOut, Term
 from .home import HomeStrategy
 
 
@@ -42,9 +42,9 @@ def _ring_nodes(job):
     """The sorted devices of `job` when the ring can take it (one source per device,
     at least two, all host or all GPU), else None."""
     devices = list(job.devices)
-    nodes = sorted(_ops.unique(devices), key=_ops.node_order)
+    nodes = sorted(execute.unique(devices), key=execute.node_order)
     ok = (len(nodes) >= 2 and len(nodes) == len(devices)
-          and _ops.is_uniform_job(devices, job.home))
+          and execute.is_uniform_job(devices, job.home))
     return tuple(nodes) if ok else None
 
 
@@ -66,14 +66,14 @@ class RingStrategy(Strategy):
         key = tuple(nodes)
         ring = self._rings.get(key)
         if ring is None:
-            from . import topology
-            matrix = _ops.link_matrix_for(nodes, self._matrix)
+            from .plan import topology
+            matrix = execute.link_matrix_for(nodes, self._matrix)
             order = topology.plan_ring(matrix) if len(nodes) > 1 else [0]
             ring = self._rings[key] = [nodes[i] for i in order]
         return ring
 
     def _groups(self, jobs):
-        return _ops.group_jobs(jobs, _ring_nodes)
+        return execute.group_jobs(jobs, _ring_nodes)
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, job: ReduceJob) -> None:
@@ -88,22 +88,22 @@ class RingStrategy(Strategy):
     def _reduce_group(self, ring: list, jobs) -> None:
         k = len(ring)
         position = {d: j for j, d in enumerate(ring)}
-        homes = _ops.unique([job.home for job in jobs])
-        _ops.begin(ring + homes)
+        homes = execute.unique([job.home for job in jobs])
+        execute.begin(ring + homes)
         work = []  # (out FlatOut, sources by position, chunk bounds, partial buffers)
         for job in jobs:
             out = FlatOut(job.out, job.home)
             src = [None] * k
             for s, d in zip(job.sources, job.devices):
-                src[position[d]] = _ops.flat_in(s, d)
+                src[position[d]] = execute.flat_in(s, d)
             bounds = chunk_bounds(out.flat.size, k)
             acc = [None] * k  # acc[j]: device j's running sums (a buffer of the out's size)
             work.append((job, out, src, bounds, acc))
         for s, step in enumerate(reduce_schedule(k)):
-            marks = [_ops.mark(d) for d in ring]  # what each device had done before the step
+            marks = [execute.mark(d) for d in ring]  # what each device had done before the step
             for j, c, pred in step:
                 device = ring[j]
-                _ops.wait_mark(device, marks[pred])
+                execute.wait_mark(device, marks[pred])
                 items = []
                 for job, out, src, bounds, acc in work:
                     a, b = bounds[c]
@@ -119,10 +119,10 @@ class RingStrategy(Strategy):
                     else:
                         terms.append(Term(acc[pred][a:b], True))
                     items.append((acc[j][a:b], terms))
-                _ops.gather_sum(device, items)
+                execute.gather_sum(device, items)
         # Device j now holds the complete chunk (j+1) % k; the home gathers them.
         for home in homes:
-            _ops.wait_all(home, ring)
+            execute.wait_all(home, ring)
             pairs = []
             for job, out, src, bounds, acc in work:
                 if job.home != home:
@@ -132,18 +132,18 @@ class RingStrategy(Strategy):
                     a, b = bounds[c]
                     if b > a and ring[j] != home:
                         pairs.append((out.flat[a:b], acc[j][a:b]))
-            _ops.copy_many(home, pairs)
+            execute.copy_many(home, pairs)
         for job, out, src, bounds, acc in work:
             out.done()
         for home in homes:
-            _ops.finish(ring, home)
+            execute.finish(ring, home)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, job: BroadcastJob) -> None:
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = _ops.split_plain_broadcasts(jobs)
+        simple, other = execute.split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():
@@ -152,8 +152,8 @@ class RingStrategy(Strategy):
     def _broadcast_group(self, ring: list, jobs) -> None:
         k = len(ring)
         position = {d: j for j, d in enumerate(ring)}
-        homes = _ops.unique([job.home for job in jobs])
-        _ops.begin(ring + homes)
+        homes = execute.unique([job.home for job in jobs])
+        execute.begin(ring + homes)
         work = []
         for job in jobs:
             outs = [None] * k
@@ -161,17 +161,17 @@ class RingStrategy(Strategy):
                 outs[position[d]] = o.reshape(-1)
             work.append((job, job.src.reshape(-1), outs, chunk_bounds(job.src.size, k)))
         for j, device in enumerate(ring):  # scatter: chunk j to ring position j
-            _ops.wait_all(device, homes)
-            _ops.copy_many(device, [(outs[j][a:b], src[a:b])
+            execute.wait_all(device, homes)
+            execute.copy_many(device, [(outs[j][a:b], src[a:b])
                                     for job, src, outs, bounds in work
                                     for a, b in [bounds[j]] if b > a])
         for step in gather_schedule(k):
-            marks = [_ops.mark(d) for d in ring]
+            marks = [execute.mark(d) for d in ring]
             for j, c, pred in step:
                 device = ring[j]
-                _ops.wait_mark(device, marks[pred])
-                _ops.copy_many(device, [(outs[j][a:b], outs[pred][a:b])
+                execute.wait_mark(device, marks[pred])
+                execute.copy_many(device, [(outs[j][a:b], outs[pred][a:b])
                                         for job, src, outs, bounds in work
                                         for a, b in [bounds[c]] if b > a])
         for home in homes:
-            _ops.finish(ring, home)
+            execute.finish(ring, home)

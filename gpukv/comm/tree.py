@@ -20,9 +20,9 @@ with `simulate.calibrated_costs` (this machine's measured constants when
 """
 from __future__ import annotations
 
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from ._ops import FlatOut, Term
+from .execute import FlatOut, Term
 from .home import HomeStrategy
 
 
@@ -30,7 +30,7 @@ class _Plan:
     """The nodes of a group of keys, their trees, and the cost model's machine."""
 
     def __init__(self, nodes, matrix, machine=None, calibrated: bool = False):
-        from . import topology
+        from .plan import topology
         self.nodes = nodes
         self.index = {d: i for i, d in enumerate(nodes)}
         self.matrix = matrix
@@ -44,7 +44,7 @@ class _Plan:
         """The machine the slicing decision is modelled on (default: the generic profile
         of the link matrix, calibrated when the matrix is this machine's GPUs')."""
         if self._machine is None:
-            from . import simulate
+            from .plan import simulate
             self._machine = (simulate.calibrated_machine(self.matrix) if self.calibrated
                              else simulate.machine(self.matrix))
         return self._machine
@@ -52,7 +52,7 @@ class _Plan:
     @property
     def costs(self):
         """The model's constants: calibrated ones for this machine's GPUs, else defaults."""
-        from . import simulate
+        from .plan import simulate
         return simulate.calibrated_costs() if self.calibrated else simulate.COSTS
 
 
@@ -92,32 +92,32 @@ class TreeStrategy(Strategy):
         if plan is None:
             model = None
             if self._machine is not None:
-                from . import simulate
+                from .plan import simulate
                 spec = self._machine(nodes) if callable(self._machine) else self._machine
                 model = simulate.machine(spec, len(nodes))
             if self._matrix is None and model is not None:
                 matrix = model.matrix
             else:
-                matrix = _ops.link_matrix_for(nodes, self._matrix)
+                matrix = execute.link_matrix_for(nodes, self._matrix)
             measured = (model is None and self._matrix is None
-                        and all(_ops.is_gpu(d) for d in nodes))
+                        and all(execute.is_gpu(d) for d in nodes))
             plan = self._plans[key] = _Plan(list(nodes), matrix, model, calibrated=measured)
         return plan
 
     def _bound_now(self) -> int | None:
-        from . import topology
+        from .plan import topology
         return self._bound if self._bound is not None else topology.tree_options()["array_bound"]
 
     def _groups(self, jobs):
         """Jobs by their node set; jobs the tree cannot take go to the fallback list."""
         def nodes_of(job):
             devices = job.devices
-            nodes = sorted(_ops.unique(list(devices) + [job.home]), key=_ops.node_order)
+            nodes = sorted(execute.unique(list(devices) + [job.home]), key=execute.node_order)
             ok = (len(nodes) >= 2 and len(set(devices)) == len(devices)
-                  and _ops.is_uniform_job(devices, job.home))
+                  and execute.is_uniform_job(devices, job.home))
             return tuple(nodes) if ok else None
 
-        return _ops.group_jobs(jobs, nodes_of)
+        return execute.group_jobs(jobs, nodes_of)
 
     def _segments(self, plan, job, size, itemsize):
         """[(root index, start, stop)]: how this key is cut over the plan's trees."""
@@ -126,7 +126,7 @@ class TreeStrategy(Strategy):
         key = (size, itemsize, home, bound)
         segments = plan.slices.get(key)
         if segments is None:
-            from . import simulate
+            from .plan import simulate
             costs = self._costs if self._costs is not None else plan.costs
             segments = simulate.tree_slice_plan(
                 size, plan.machine, home, itemsize=itemsize, array_bound=bound,
@@ -148,13 +148,13 @@ class TreeStrategy(Strategy):
 
     def _reduce_group(self, plan: _Plan, jobs) -> None:
         nodes = plan.nodes
-        _ops.begin(nodes)
+        execute.begin(nodes)
         outs, by_root = [], {}
         for job in jobs:
             home = job.home
             out = FlatOut(job.out, home)
             outs.append(out)
-            sources = {plan.index[d]: _ops.flat_in(s, d) for s, d in zip(job.sources, job.devices)}
+            sources = {plan.index[d]: execute.flat_in(s, d) for s, d in zip(job.sources, job.devices)}
             h = plan.index[home]
             for root, start, stop in self._segments(plan, job, out.flat.size,
                                                     out.flat.dtype.itemsize):
@@ -172,13 +172,13 @@ class TreeStrategy(Strategy):
                     gathers[h][1].add(root)
         for h, (pairs, roots) in gathers.items():
             home = nodes[h]
-            _ops.wait_all(home, [nodes[r] for r in roots])
-            _ops.copy_many(home, pairs)
+            execute.wait_all(home, [nodes[r] for r in roots])
+            execute.copy_many(home, pairs)
         for out in outs:
             out.done()
-        homes = _ops.unique([job.home for job in jobs])
+        homes = execute.unique([job.home for job in jobs])
         for home in homes:
-            _ops.finish(nodes, home)
+            execute.finish(nodes, home)
 
     def _reduce_tree(self, plan: _Plan, tree, segs, keep: list) -> list:
         """Reduce every segment up `tree`; the final partial of each (on the root).
@@ -199,7 +199,7 @@ class TreeStrategy(Strategy):
                     children_of.setdefault(parent, []).append(child)
             for parent, children in children_of.items():
                 device = nodes[parent]
-                _ops.wait_all(device, [nodes[c] for c in children])
+                execute.wait_all(device, [nodes[c] for c in children])
                 work = []
                 for s, (h, out, sources, start, stop) in enumerate(segs):
                     terms = [partial[s].get(i) for i in [parent] + children]
@@ -216,13 +216,13 @@ class TreeStrategy(Strategy):
                         owned[s][parent] = target
                     work.append((target, terms))
                     partial[s][parent] = Term(target, True)
-                _ops.gather_sum(device, work)
+                execute.gather_sum(device, work)
         finals = []
         for s, (h, out, sources, start, stop) in enumerate(segs):
             final = partial[s].get(root)
             if root == h and owned[s].get(root) is None:
                 # The root never received anything (cannot happen with >= 2 nodes).
-                _ops.gather_sum(nodes[root], [(out[start:stop], [final] if final else [])])
+                execute.gather_sum(nodes[root], [(out[start:stop], [final] if final else [])])
                 final = Term(out[start:stop], True)
             finals.append(final.array)
         return finals
@@ -232,7 +232,7 @@ class TreeStrategy(Strategy):
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = _ops.split_plain_broadcasts(jobs)
+        simple, other = execute.split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():
@@ -240,7 +240,7 @@ class TreeStrategy(Strategy):
 
     def _broadcast_group(self, plan: _Plan, jobs) -> None:
         nodes = plan.nodes
-        _ops.begin(nodes)
+        execute.begin(nodes)
         by_root: dict = {}
         home_copies: dict = {}
         for job in jobs:
@@ -256,22 +256,22 @@ class TreeStrategy(Strategy):
             scatter = [(v[root][a:b], v[h][a:b]) for h, v, a, b in segs if root != h]
             if scatter:
                 device = nodes[root]
-                _ops.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
-                _ops.copy_many(device, scatter)
+                execute.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
+                execute.copy_many(device, scatter)
             for level in plan.trees[root].broadcast_levels():
                 by_dst: dict = {}
                 for src_node, dst_node in level:
                     by_dst.setdefault(dst_node, set()).add(src_node)
                 for dst, srcs in by_dst.items():
                     device = nodes[dst]
-                    _ops.wait_all(device, [nodes[i] for i in srcs])
+                    execute.wait_all(device, [nodes[i] for i in srcs])
                     pairs = []
                     for h, v, a, b in segs:
                         for src_node, dst_node in level:
                             if dst_node == dst and dst != h:
                                 pairs.append((v[dst][a:b], v[src_node][a:b]))
-                    _ops.copy_many(device, pairs)
+                    execute.copy_many(device, pairs)
         for h, pairs in home_copies.items():
-            _ops.copy_many(nodes[h], pairs)
-        for home in _ops.unique([job.home for job in jobs]):
-            _ops.finish(nodes, home)
+            execute.copy_many(nodes[h], pairs)
+        for home in execute.unique([job.home for job in jobs]):
+            execute.finish(nodes, home)

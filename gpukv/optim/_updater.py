@@ -19,7 +19,7 @@ the weight and of each state named by the gradient are gathered, updated with th
 sparse form and scattered back; no other row is read or written. Otherwise the gradient
 is made dense and every row gets the standard update, as MXNet 1.9.1 does.
 
-Optimizer state is saved as an archive (`gpukv._checkpoint`): a JSON header with the
+Optimizer state is saved as an archive (`gpukv.api.checkpoint`): a JSON header with the
 format version, the optimizer's name, per-key kind, shape, dtype, state names and update
 count (plus the hyper-parameters when asked), and one array per state tensor.
 """
@@ -213,7 +213,7 @@ class OptimizerUpdater:
             self._gpu(gpu, hp)
 
     def _gpu(self, gpu, hp, body=None) -> None:
-        from .. import _optim_kernels
+        from ..device.cuda import optim_kernels as _optim_kernels
         opt = self.optimizer
         for (home, _), items in gpu.items():
             with home.cuda_device, home.stream:
@@ -479,7 +479,7 @@ class OptimizerUpdater:
 
     def _gpu_rows(self, groups, hp) -> None:
         """As `_host_rows`, with CuPy gathers and scatters around one kernel launch."""
-        from .. import _optim_kernels
+        from ..device.cuda import optim_kernels as _optim_kernels
         opt = self.optimizer
         for (home, _), group in groups.items():
             with home.cuda_device, home.stream:

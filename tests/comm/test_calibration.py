@@ -7,10 +7,12 @@ import logging
 import numpy as np
 import pytest
 
-from gpukv import _bench, _calibrate
-from gpukv._benchutil import cpu_model
-from gpukv.comm import simulate as S
-from gpukv.comm import topology as T
+from gpukv.tools import bench as _bench
+
+from gpukv.tools import calibrate as _calibrate
+from gpukv.tools.benchutil import cpu_model
+from gpukv.comm.plan import simulate as S
+from gpukv.comm.plan import topology as T
 from tests.fake_cupy import Costs, FakeCupy
 from tests.fake_gpu import FakeGpu
 
@@ -234,7 +236,7 @@ def test_other_gpus_make_the_file_foreign(tmp_path, monkeypatch, caplog):
 
 def test_info_says_whether_a_calibration_is_in_use(tmp_path, monkeypatch):
     """`gpukv info` names the calibration file and its date, or says it uses defaults."""
-    from gpukv import _info
+    from gpukv.tools import info as _info
     text = _info.render(_info.collect())
     assert "cost model: default constants (no calibration file" in text
     path = use(tmp_path, monkeypatch, record({"launch_us": 2.0}))
@@ -254,7 +256,8 @@ def _gpus(n):
 def test_auto_models_its_gpus_with_the_calibration(tmp_path, monkeypatch):
     """'auto' ranks strategies for its GPUs with the calibrated model: a machine whose host
     path is measured to be very fast sends a large key through the host."""
-    from gpukv.comm import _ops, nccl
+    from gpukv.comm import nccl
+    from gpukv.comm import execute as _ops
     from gpukv.comm.auto import AutoStrategy
     monkeypatch.setattr(_ops, "link_matrix", lambda nodes: T.pcie_two_socket(len(nodes)))
     monkeypatch.setattr(nccl, "nccl_available", lambda: False)
@@ -270,7 +273,7 @@ def test_auto_models_its_gpus_with_the_calibration(tmp_path, monkeypatch):
 
 def test_tree_plans_its_gpus_on_the_calibrated_model(tmp_path, monkeypatch):
     """The tree's slicing model of its GPUs is the calibrated one; a given matrix is not."""
-    from gpukv.comm import _ops
+    from gpukv.comm import execute as _ops
     from gpukv.comm.tree import TreeStrategy
     monkeypatch.setattr(_ops, "link_matrix", lambda nodes: T.dgx1_v100()[:len(nodes),
                                                                          :len(nodes)])
@@ -318,7 +321,7 @@ def test_gpu_probe_recovers_a_simulated_machine():
 def test_gpu_calibration_round_trips_into_the_model(tmp_path, monkeypatch):
     """`bench --calibrate` on a (stand-in) GPU writes a file whose link speeds and
     latencies become the model of this machine; NCCL failing to load is recorded."""
-    import gpukv.backends.cuda as cuda
+    import gpukv.device.cuda.device as cuda
     fake = FakeCupy(MATRIX[:4, :4], Costs(links=LINK_COSTS))
     monkeypatch.setattr(cuda, "gpu_count", lambda: fake.count)
     monkeypatch.setattr(cuda, "cupy_module", lambda: fake)

@@ -9,7 +9,7 @@ import pytest
 
 import gpukv
 from gpukv import DeviceError
-from gpukv.backends import cuda as cuda_mod
+from gpukv.device.cuda import device as cuda_mod
 
 from .. import gpu_env
 from ..gpu_gate import hardware_missing
@@ -228,7 +228,7 @@ def test_wait_for_orders_streams_without_host_sync():
 def test_push_pull_ordered_on_current_stream(strategy):
     """Pull after push, then reads on CuPy's current stream, see every push (no syncs)."""
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     kv = gpukv.create("device", strategy=strategy)
     n = 1 << 20
@@ -388,7 +388,7 @@ class _Event:
         pass
 
 
-class _FakeGpu(gpukv.backends.Device):
+class _FakeGpu(gpukv.device.Device):
     kind = "gpu"
 
     def __init__(self, physical, slot, index, n_dev):
@@ -451,8 +451,8 @@ class _FakeGpu(gpukv.backends.Device):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Eight fake GPUs on four physical ids; peer access only within pairs (0,1), (2,3)."""
-    from gpukv import _kernels
-    from gpukv.comm import _ops
+    from gpukv.device.cuda import kernels as _kernels
+    from gpukv.comm import execute as _ops
 
     def kernel_sum(items):
         """The CUDA kernel on the emulation; the NumPy twin on a real GPU, whose kernels
@@ -485,7 +485,7 @@ def fake_gpus(monkeypatch):
 
 
 def _matrix(nodes):
-    from gpukv.comm import topology
+    from gpukv.comm.plan import topology
     n = len(nodes)
     w = np.zeros((n, n))
     for i, a in enumerate(nodes):
@@ -512,7 +512,7 @@ def test_gpu_path_is_event_ordered(fake_gpus, name, n, bound, monkeypatch):
     from gpukv.comm import BroadcastJob, ReduceJob
     from gpukv.comm.registry import make_strategy
     from gpukv.comm.tree import TreeStrategy
-    import gpukv.comm._ops as ops
+    import gpukv.comm.execute as ops
     monkeypatch.setattr(ops, "STAGE_BYTES", 16)  # many staging chunks
     strategy = TreeStrategy(array_bound=bound) if name == "tree" else make_strategy(name)
     devs = fake_gpus[:n]
@@ -727,7 +727,7 @@ def test_nccl_strided_sources_over_several_homes(fake_gpus, monkeypatch):
 
 def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
     """init copies its GPU input before the caller's later work on that GPU may change it."""
-    from gpukv import _args
+    from gpukv.api import check as _args
     home = fake_gpus[2]
     monkeypatch.setattr(cuda_mod, "gpu_devices", lambda: [home])
     monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])
@@ -745,7 +745,7 @@ def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
 def test_gpu_devices_count_comes_from_virtual_gpus(monkeypatch):
     """gpu_devices() takes the logical device count from backends.virtual_gpus(), the one
     reader of GPUKV_VIRTUAL_GPUS."""
-    import gpukv.backends as backends
+    import gpukv.device as backends
     asked = []
     monkeypatch.setattr(cuda_mod, "gpu_count", lambda: 2)
     monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: (p, s))
@@ -806,7 +806,7 @@ def tagged_cupy(fake_cupy, monkeypatch):
 def test_to_host_copies_under_the_arrays_own_gpu(tagged_cupy):
     """A GPU array brought to the host is copied under its own GPU: on that GPU's current
     stream, or on its logical device's stream when that is given."""
-    from gpukv.comm import _ops
+    from gpukv.comm import execute as _ops
     cuda = tagged_cupy
     with cuda.Device(1):
         side = cuda.Stream()
@@ -867,7 +867,7 @@ def test_ordering_events_are_made_without_timing(strategy, monkeypatch):
     """Every event gpukv records to order work is made with disable_timing=True (cheaper
     to record and wait on): a push and pull make no timing event at all."""
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
 
     if gpu_env.EMULATED:  # the emulation counts every event made, CuPy's own included
         from cudaemu import runtime
@@ -984,7 +984,7 @@ def test_cpu_strategy_keeps_no_pinned_buffer_after_its_copies(monkeypatch):
     """Pinned buffers of a call whose copies have completed are gone by the next call
     (a few large keys must not keep their size pinned in host memory)."""
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     monkeypatch.setattr(cuda_mod, "_alive", collections.deque())
     kv = gpukv.create("device", strategy="cpu")
     devs = gpu_devices()[:2]
@@ -1021,7 +1021,7 @@ def test_stream_ordered_pool_memory_of_a_peer_is_staged(strategy):
     """Memory from a stream-ordered pool (cudaMallocAsync) on GPU 1 is not readable from
     GPU 0 through peer access alone: it is copied over, not read by the sum kernel."""
     import cupy
-    from gpukv.backends.cuda import can_access_peer, gpu_count, peer_readable
+    from gpukv.device.cuda.device import can_access_peer, gpu_count, peer_readable
     if gpu_count() < 2 or not can_access_peer(0, 1):
         hardware_missing("needs two physical GPUs with peer access")
     pool = cupy.cuda.MemoryAsyncPool()
@@ -1040,7 +1040,7 @@ def test_virtual_memory_mapping_of_a_peer_is_read_only_once_granted(granted):
     directly from GPU 0 only when the mapping grants GPU 0 access; else it is staged."""
     import cupy
     from cudaemu import memory
-    from gpukv.backends.cuda import peer_readable
+    from gpukv.device.cuda.device import peer_readable
     with cupy.cuda.Device(1):
         memptr = memory.mapped_alloc(1000 * 4, 1)
         source = cupy.ndarray((1000,), cupy.float32, memptr=memptr)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.comm import _ops
+from gpukv.comm import execute as _ops
 from gpukv.comm import nccl as nccl_mod
 
 from ..gpu_gate import hardware_missing
@@ -127,14 +127,14 @@ def machine(request, monkeypatch):
     monkeypatch.delenv("GPUKV_STRATEGY", raising=False)
     monkeypatch.setattr(_ops, "STAGE_BYTES", 1024)
     monkeypatch.setattr(_ops, "BIG_COPY", 2048)
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devices = gpu_devices()
     assert len(devices) == request.param
     return devices
 
 
 def _store(name):
-    from gpukv.backends.cuda import gpu_count
+    from gpukv.device.cuda.device import gpu_count
     if name == "nccl" and gpu_count() > 1 and not nccl_mod.nccl_available():
         hardware_missing("NCCL is not installed")
     return gpukv.create("device", strategy=name)
@@ -228,7 +228,7 @@ def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
     """A push of KEYS really cuts the large keys: over every tree ('tree'), into one
     chunk per logical GPU ('ring'), and into several staged pieces when two GPUs have
     no peer access ('home'), so the bit-for-bit tests above cover those paths."""
-    from gpukv.backends.cuda import can_access_peer
+    from gpukv.device.cuda.device import can_access_peer
     from gpukv.comm import ring, tree
     seen = {"slices": [], "chunks": [], "staged": []}
     segments, bounds, staged = tree.TreeStrategy._segments, ring.chunk_bounds, _ops._staged_sum
@@ -286,7 +286,7 @@ class _Recorder:
 @pytest.fixture
 def nccl_calls(monkeypatch):
     """(collectives issued, group counts) of every 'nccl' store of the test."""
-    from gpukv.backends.cuda import gpu_count
+    from gpukv.device.cuda.device import gpu_count
     if gpu_count() < 2:
         hardware_missing("NCCL between GPUs needs two physical GPUs")
     if not nccl_mod.nccl_available():
@@ -340,7 +340,7 @@ def test_nccl_store_runs_grouped_collectives(cp, monkeypatch, nccl_calls, virtua
         monkeypatch.delenv("GPUKV_VIRTUAL_GPUS", raising=False)
     else:
         monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", str(virtual))
-    from gpukv.backends.cuda import gpu_count, gpu_devices
+    from gpukv.device.cuda.device import gpu_count, gpu_devices
     devices = gpu_devices()
     physical = sorted({d.physical for d in devices})
     assert len(physical) == gpu_count() >= 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpukv.comm import simulate as S
-from gpukv.comm import topology as T
+from gpukv.comm.plan import simulate as S
+from gpukv.comm.plan import topology as T
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB, 256 * MB, 1 * GB]
@@ -193,7 +193,7 @@ def test_tree_decision_is_the_fastest_candidate(no_bound, machine):
 
 def test_strategy_and_prediction_share_the_decision(no_bound, monkeypatch):
     """The tree strategy cuts keys exactly as the simulator's 'tree' prediction assumes."""
-    from gpukv.backends import host_device
+    from gpukv.device import host_device
     from gpukv.comm import ReduceJob
     from gpukv.comm.tree import TreeStrategy
 

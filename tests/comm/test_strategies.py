@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 import gpukv
 from gpukv import ArgumentError, BackendError
-from gpukv.backends import host_device
+from gpukv.device import host_device
 from gpukv.comm import BroadcastJob, ReduceJob
 from gpukv.comm import nccl as nccl_mod
-from gpukv.comm import simulate, topology
+from gpukv.comm.plan import simulate
+from gpukv.comm.plan import topology
 from gpukv.comm.auto import AutoStrategy
 from gpukv.comm.registry import STRATEGIES, describe, make_strategy, strategy_class
 from gpukv.comm.ring import chunk_bounds, gather_schedule, reduce_schedule
@@ -430,7 +431,7 @@ def test_auto_host_jobs_take_host_sum():
 def test_auto_uses_cost_model():
     """The auto strategy's decision is simulate.best_strategy's for the same inputs (NCCL
     among the candidates where it is available)."""
-    from gpukv.comm import simulate
+    from gpukv.comm.plan import simulate
     auto = AutoStrategy(machine=topology.dgx1_v100())
 
     class Fake:
@@ -457,7 +458,7 @@ def test_auto_uses_cost_model():
 # ----------------------------------------------------------------------- GPU
 def _gpu_store_case(name, n_dev, dtype, shape, seed):
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:n_dev]
     rng = np.random.default_rng(seed)
     host_vals = _values(rng, shape, _dtype(dtype), n_dev)
@@ -507,7 +508,7 @@ def test_gpu_store_eight_devices_sliced(name, monkeypatch):
 @pytest.mark.multi_gpu(2)
 def test_gpu_nccl_or_backend_error():
     """'nccl' on two GPUs either matches NumPy or raises BackendError naming the install."""
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:2]
     try:
         nccl_mod.nccl_module()
@@ -525,7 +526,7 @@ def test_gpu_nccl_or_backend_error():
 def test_gpu_many_keys_one_call(name):
     """A push and pull of 300 small keys on four GPUs gives NumPy's sums."""
     import cupy
-    from gpukv.backends.cuda import gpu_devices
+    from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     kv = gpukv.create("device", strategy=name)
     keys = list(range(300))

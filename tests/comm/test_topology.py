@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpukv.comm import topology as T
+from gpukv.comm.plan import topology as T
 
 MACHINES = {
     "dgx1": T.dgx1_v100(),
@@ -292,7 +292,7 @@ def test_topology_does_not_import_cupy():
     """Importing and using the planner never imports CuPy."""
     import subprocess
     import sys
-    code = ("import sys; from gpukv.comm import topology as T; "
+    code = ("import sys; from gpukv.comm.plan import topology as T; "
             "T.plan_trees(T.dgx1_v100()); T.plan_ring(T.dgx1_v100()); "
             "assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -344,7 +344,7 @@ class AccessOnlyRuntime:
 
 def test_cuda_driver_enum_values_are_cuda_h():
     """The P2P and pointer attribute numbers are those of cuda.h."""
-    from gpukv.backends import cuda_driver as D
+    from gpukv.device.cuda import driver as D
     assert (D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, D.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
             D.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
             D.CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED) == (1, 2, 3, 4)
@@ -391,7 +391,7 @@ def test_cuda_driver_is_none_without_libcuda(monkeypatch):
         tried.append(name)
         raise OSError(f"{name}: cannot open shared object file")
 
-    from gpukv.backends import cuda_driver as D
+    from gpukv.device.cuda import driver as D
     monkeypatch.setattr(ctypes, "CDLL", cdll)
     monkeypatch.setattr(D, "_driver", [])
     assert T.cuda_driver() is None

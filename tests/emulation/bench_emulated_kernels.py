@@ -63,7 +63,11 @@ def bench_compile(kernels, variants) -> None:
 def bench_launches(kernels, device, iters: int) -> None:
     import numpy as np
 
-    from gpukv import _kernels, _optim_kernels, optim
+    from gpukv import optim
+
+    from gpukv.device.cuda import kernels as _kernels
+
+    from gpukv.device.cuda import optim_kernels as _optim_kernels
 
     n = 1 << 20
     rng = np.random.default_rng(0)

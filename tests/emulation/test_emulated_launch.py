@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpukv import _kernels
+from gpukv.device.cuda import kernels as _kernels
 
 from .support import device, kernels
 

@@ -6,7 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpukv import _optim_kernels, optim
+from gpukv import optim
+
+from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim._updater import compute_dtype
 
 from .support import device, kernels

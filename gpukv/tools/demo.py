@@ -34,7 +34,7 @@ class _Place:
         self.n = n
         self.gpus = gpus
         if gpus:
-            from .backends.cuda import cupy_module
+            from ..device.cuda.device import cupy_module
             self.xp = cupy_module()
         else:
             self.xp = np
@@ -73,7 +73,7 @@ def _to_host(array) -> np.ndarray:
 def _pick_devices(args) -> _Place:
     gpus = []
     if not args.cpu:
-        from .backends.cuda import gpu_count, gpu_devices
+        from ..device.cuda.device import gpu_count, gpu_devices
         if gpu_count():
             gpus = gpu_devices()
     n = args.devices if args.devices else (len(gpus) if gpus else 4)
@@ -216,7 +216,7 @@ def _loss_and_grads(xp, p: dict, x, y):
 
 def _set_sgd(kv, lr: float, momentum: float, rescale: float) -> str:
     """Give `kv` gpukv.optim.SGD with these options; returns how to print it."""
-    from .optim import SGD
+    from ..optim import SGD
     kv.set_optimizer(SGD(learning_rate=lr, momentum=momentum, rescale_grad=rescale))
     return f"gpukv.optim.SGD(learning_rate={lr}, momentum={momentum}, rescale_grad={rescale:g})"
 

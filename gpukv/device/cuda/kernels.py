@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._dtypes import NARROW_FLOATS
+from ..._dtypes import NARROW_FLOATS
 
 # =============================================================== 1. infrastructure
 
@@ -173,7 +173,7 @@ def upload_table(cupy, table: np.ndarray, stream):
         host = _TABLES.take(cupy, table.size)
         host[:table.size] = table
         dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
-        from .backends.cuda import ordering_event
+        from .device import ordering_event
         _TABLES.give(host, ordering_event(stream))
     return dev
 

@@ -8,18 +8,19 @@ import threading
 
 import numpy as np
 
-from . import _args, _sparse_store
-from ._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
+from . import check
+from . import rows
+from .._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
                       DuplicateKeyError, KeyKindError, ReadOnlyError, ShapeError,
                       UnknownKeyError)
-from .backends import (SUPPORTED_DTYPES, Device, device_of, has_overlapping_elements,
+from ..device import (SUPPORTED_DTYPES, Device, device_of, has_overlapping_elements,
                        host_device, virtual_gpus)
-from .comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
-from .comm.host import host_broadcast
-from .comm.registry import make_strategy
-from .compression import GradientCompression, compressible, make_compressor
-from .sparse import RowSparse, check_row_ids
-from .sparse import merge as _merge_rows
+from ..comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
+from ..comm.host import host_broadcast
+from ..comm.registry import make_strategy
+from ..update.compression import GradientCompression, compressible, make_compressor
+from ..update.sparse import RowSparse, check_row_ids
+from ..update.sparse import merge as _merge_rows
 
 log = logging.getLogger("gpukv")
 
@@ -209,7 +210,7 @@ class KVStore:
             raise KeyKindError(f"{named}this store holds {self._key_kind.__name__} keys; "
                                f"got a {kind.__name__} key")
 
-    def _lookup(self, groups: _args.Groups, op: str) -> list:
+    def _lookup(self, groups: check.Groups, op: str) -> list:
         self._check_kind(groups.key_kind, groups.keys)
         entries = list(map(self._entries.get, groups.keys))
         if None in entries:  # name the first key never initialised
@@ -247,7 +248,7 @@ class KVStore:
                                     f"place per element")
 
     @staticmethod
-    def _check_all_sources(groups: _args.Groups, entries: list, op: str) -> bool:
+    def _check_all_sources(groups: check.Groups, entries: list, op: str) -> bool:
         """`_check_sources` for every key of a call; arrays of the key's own shape and
         dtype pass at once, any other key is checked (and named) by `_check_sources`.
 
@@ -265,7 +266,7 @@ class KVStore:
         return exact
 
     @staticmethod
-    def _check_all_outs(groups: _args.Groups, entries: list) -> None:
+    def _check_all_outs(groups: check.Groups, entries: list) -> None:
         """`_check_outs` for every key of a call; writable C-contiguous NumPy arrays of the
         key's shape and a supported dtype pass at once, any other key is checked (and named)
         by `_check_outs`."""
@@ -284,7 +285,7 @@ class KVStore:
                 KVStore._check_outs(key, shape, arrays)
                 break
 
-    def _check_init(self, groups: _args.Groups) -> None:
+    def _check_init(self, groups: check.Groups) -> None:
         self._check_kind(groups.key_kind, groups.keys)
         for key, arrays in zip(groups.keys, groups.arrays):
             if key in self._entries:
@@ -311,10 +312,10 @@ class KVStore:
                 log.warning("gpukv %r store: only host arrays, so keys are reduced on the host",
                             self._type)
             return [_HOST]
-        from .backends.cuda import gpu_devices
+        from ..device.cuda.device import gpu_devices
         return gpu_devices()
 
-    def _assign_homes(self, groups: _args.Groups) -> list:
+    def _assign_homes(self, groups: check.Groups) -> list:
         """Home devices for new keys: the largest keys first, each to the least-loaded device."""
         homes = [None] * len(groups.keys)
         order = sorted(range(len(groups.keys)), key=lambda i: -groups.arrays[i][0].nbytes)
@@ -340,13 +341,13 @@ class KVStore:
     # ------------------------------------------------------------------ the API
     def init(self, key, value) -> None:
         """Create key(s) with a copy of `value` (per key: an array, or a list that agree)."""
-        groups = _args.group(key, value, "value")
+        groups = check.group(key, value, "value")
         with self._lock:
             self._init_groups(groups)
 
-    def _init_groups(self, groups: _args.Groups) -> None:
+    def _init_groups(self, groups: check.Groups) -> None:
         if groups.sparse:  # row-sparse values are stored dense-backed
-            groups = _sparse_store.densified(groups)
+            groups = rows.densified(groups)
         self._check_init(groups)
         homes = self._assign_homes(groups)
         for key, arrays, home in zip(groups.keys, groups.arrays, homes):
@@ -368,14 +369,14 @@ class KVStore:
     def push(self, key, value, priority: int = 0) -> None:
         """Sum the value(s) of each key and apply the updater (default: assign) at home."""
         if type(priority) is not int:
-            _args.check_priority(key, priority)
-        groups = _args.group(key, value, "value")
+            check.check_priority(key, priority)
+        groups = check.group(key, value, "value")
         with self._lock:
             entries = self._lookup(groups, "push")
             exact = self._check_all_sources(groups, entries, "push")
             self._push_groups(groups, entries, cast=not exact)
 
-    def _push_groups(self, groups: _args.Groups, entries: list, cast: bool = True) -> None:
+    def _push_groups(self, groups: check.Groups, entries: list, cast: bool = True) -> None:
         """Reduce and update checked `groups`; `cast=False`: every source has its key's dtype."""
         if cast:
             groups = _cast_to_keys(groups, entries)
@@ -431,14 +432,14 @@ class KVStore:
         if out is None:
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
         if type(priority) is not int:
-            _args.check_priority(key, priority)
-        groups = _args.group(key, out, "out")
+            check.check_priority(key, priority)
+        groups = check.group(key, out, "out")
         with self._lock:
             entries = self._lookup(groups, "pull")
             self._check_all_outs(groups, entries)
             self._pull_groups(groups, entries, ignore_sparse)
 
-    def _pull_groups(self, groups: _args.Groups, entries: list, ignore_sparse=True) -> None:
+    def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
         on_host = groups.all_host and not self._route_host  # plain host copies for host keys
@@ -462,25 +463,25 @@ class KVStore:
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push `value` then pull into `out` (or back into `value` when out is None)."""
         if type(priority) is not int:
-            _args.check_priority(key, priority)
-        groups = _args.group(key, value, "value")
-        out_groups = groups if out is None else _args.group(key, out, "out")
+            check.check_priority(key, priority)
+        groups = check.group(key, value, "value")
+        out_groups = groups if out is None else check.group(key, out, "out")
         with self._lock:
             entries = self._lookup(groups, "pushpull")
             out_entries = entries if out is None else self._lookup(out_groups, "pushpull")
             exact = self._check_all_sources(groups, entries, "pushpull")
             self._check_all_outs(out_groups, out_entries)
             if out_groups.sparse:
-                _sparse_store.refuse_sparse_outs(out_groups, out is None)
+                rows.refuse_sparse_outs(out_groups, out is None)
             self._push_groups(groups, entries, cast=not exact)
             self._pull_groups(out_groups, out_entries)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """Initialise key(s) with `value`, then pull into `out`."""
         if type(priority) is not int:
-            _args.check_priority(key, priority)
-        groups = _args.group(key, value, "value")
-        out_groups = _args.group(key, out, "out")
+            check.check_priority(key, priority)
+        groups = check.group(key, value, "value")
+        out_groups = check.group(key, out, "out")
         with self._lock:
             self._check_init(groups)
             self._check_kind(out_groups.key_kind, out_groups.keys)
@@ -516,7 +517,7 @@ class KVStore:
         Its state (momentum, moments, float32 master copies of 16-bit weights) lives with
         each key on its home device; replaces any updater set before.
         """
-        from .optim import Optimizer, OptimizerUpdater
+        from ..optim import Optimizer, OptimizerUpdater
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
@@ -535,7 +536,7 @@ class KVStore:
         A versioned archive (JSON header, one array per state tensor, no pickle), written
         to a temporary file and renamed over `fname`: a crash leaves the old file whole.
         """
-        from ._checkpoint import write_archive
+        from .checkpoint import write_archive
         with self._lock:
             header, arrays = self._optimizer_updater(
                 "save_optimizer_states").export_state(bool(dump_optimizer))
@@ -545,7 +546,7 @@ class KVStore:
         """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit."""
         import os
 
-        from ._checkpoint import read_archive
+        from .checkpoint import read_archive
         self._optimizer_updater("load_optimizer_states")
         header, arrays = read_archive(fname)
         with self._lock:
@@ -572,7 +573,7 @@ class KVStore:
         temporary file and renamed over `path`, so a crash mid-save leaves the previous
         file whole. GPU values are copied to the host for saving.
         """
-        from ._checkpoint import save_store
+        from .checkpoint import save_store
         save_store(self, path)
 
     def load(self, path) -> None:
@@ -587,7 +588,7 @@ class KVStore:
         another key kind, or a key whose shape or dtype differ raise CheckpointError and
         leave the store untouched.
         """
-        from ._checkpoint import load_store
+        from .checkpoint import load_store
         load_store(self, path)
 
     # ------------------------------------------------- compression and row-sparse
@@ -596,7 +597,7 @@ class KVStore:
         return "device" in self._type or "dist" in self._type
 
     def set_gradient_compression(self, compression_params) -> None:
-        """Compress every pushed source on its way home (see `gpukv.compression`).
+        """Compress every pushed source on its way home (see `gpukv.update.compression`).
 
         `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
         'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /
@@ -617,7 +618,7 @@ class KVStore:
         comp = self._compression
         return None if comp is None else comp.params()
 
-    def _push_special(self, groups: _args.Groups, entries: list):
+    def _push_special(self, groups: check.Groups, entries: list):
         """Push the row-sparse keys and the compressed keys; return the rest, untouched."""
         comp = self._compression
         rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
@@ -657,11 +658,11 @@ class KVStore:
         for key, entry, sources in sparse_work:
             merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
             if updater is None:
-                _sparse_store.assign_rows(entry, merged)
+                rows.assign_rows(entry, merged)
             elif by_rows:
                 rows_pending.append((key, merged, entry.value, entry.home))
             else:  # an updater that takes dense gradients: the standard (non-lazy) update
-                pending.append((key, _sparse_store.dense_gradient(merged, entry.home),
+                pending.append((key, rows.dense_gradient(merged, entry.home),
                                 entry.value, entry.home))
         if pending:
             updater.update(*(list(column) for column in zip(*pending)))
@@ -671,10 +672,10 @@ class KVStore:
                 updater.update(*columns)
             else:
                 updater.update_rows(*columns)
-        rest = _sparse_store.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
+        rest = rows.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
         return rest, rest_entries
 
-    def _pull_sparse_outs(self, groups: _args.Groups, entries: list, ignore_sparse: bool):
+    def _pull_sparse_outs(self, groups: check.Groups, entries: list, ignore_sparse: bool):
         """Fill (or, with ignore_sparse, skip) the RowSparse outs; return the dense rest."""
         rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
         skipped = False
@@ -686,7 +687,7 @@ class KVStore:
                     if ignore_sparse:
                         skipped = True
                     else:
-                        _sparse_store.fill_rows(entry, o, None)
+                        rows.fill_rows(entry, o, None)
             if dense:
                 rest_keys.append(key)
                 rest_arrays.append([o for o, _ in dense])
@@ -696,7 +697,7 @@ class KVStore:
             self._said_sparse = True
             log.warning("gpukv: pull(ignore_sparse=True) left RowSparse outs unchanged; "
                         "use row_sparse_pull(key, out, row_ids) for them")
-        rest = _sparse_store.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
+        rest = rows.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
         return rest, rest_entries
 
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
@@ -708,12 +709,12 @@ class KVStore:
         its arrays are on. Works for any key: every key is stored dense-backed.
         """
         if type(priority) is not int:
-            _args.check_priority(key, priority)
-        pairs = _sparse_store.row_sparse_pairs(key, out, row_ids)
+            check.check_priority(key, priority)
+        pairs = rows.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             work = []
             for k, o, ids in pairs:  # validate everything before writing anything
-                k, kind = _args._check_key(k)
+                k, kind = check._check_key(k)
                 self._check_kind(kind, (k,))
                 entry = self._entries.get(k)
                 if entry is None:
@@ -732,18 +733,18 @@ class KVStore:
                                      f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
                 if ids is None:
                     raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
-                ids = _sparse_store.row_ids_array(k, ids)
+                ids = rows.row_ids_array(k, ids)
                 work.append((entry, o, check_row_ids(ids, shape[0],
                                                      f"key {k!r}: row_sparse_pull")))
             for entry, o, ids in work:
-                _sparse_store.fill_rows(entry, o, ids)
+                rows.fill_rows(entry, o, ids)
 
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
                 f"keys={len(self._entries)}>")
 
 
-def _cast_to_keys(groups: _args.Groups, entries: list) -> _args.Groups:
+def _cast_to_keys(groups: check.Groups, entries: list) -> check.Groups:
     """`groups` with every dense source of another dtype converted to its key's dtype.
 
     MXNet converts a pushed array to the key's dtype before summing; so does gpukv (on

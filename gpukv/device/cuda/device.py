@@ -16,9 +16,9 @@ import threading
 
 import numpy as np
 
-from .._errors import BackendError, DeviceError
-from ._base import Device
-from .cuda_driver import CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE, pointer_access
+from ..._errors import BackendError, DeviceError
+from ..base import Device
+from .driver import CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE, pointer_access
 
 log = logging.getLogger("gpukv")
 
@@ -219,7 +219,7 @@ def gpu_devices() -> list[CudaDevice]:
     With `GPUKV_VIRTUAL_GPUS=N`, N logical devices are dealt round-robin onto the
     physical GPUs, each with its own stream, so multi-device code runs on one GPU.
     """
-    from . import virtual_gpus  # DeviceError when malformed
+    from .. import virtual_gpus  # DeviceError when malformed
     count = gpu_count()
     if count == 0:
         return []

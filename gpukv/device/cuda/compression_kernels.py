@@ -72,7 +72,7 @@ def _blocks(fn, n: int, *args) -> None:
     if n < _THREADED_MIN:
         fn(*args, 0, n)
         return
-    from .comm import host
+    from ...comm import host
     if host.THREADS < _POOL_MIN:
         fn(*args, 0, n)
         return

@@ -12,7 +12,7 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES
 from .._env import positive_int
 from .._errors import ArgumentKindError, DeviceError, DTypeError
-from ._base import Device
+from .base import Device
 from .host import HostDevice, host_device
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
@@ -146,7 +146,7 @@ def _from_gpu(obj, device_id, convert):
     """`convert(cupy)` for a CUDA array; DeviceError when its GPU is not visible here."""
     cupy = _cupy()  # BackendError (how to install CuPy) when it is missing
     if not _GPU_COUNT:
-        from .cuda import gpu_count
+        from .cuda.device import gpu_count
         _GPU_COUNT.append(gpu_count())
     count = _GPU_COUNT[0]
     if count == 0:
@@ -183,7 +183,7 @@ def _torch_cpu(torch, tensor):
 
 
 def _cupy():
-    from .cuda import cupy_module
+    from .cuda.device import cupy_module
     return cupy_module()
 
 
@@ -191,5 +191,5 @@ def device_of(array, slot: int = 0) -> Device:
     """The Device an adopted array lives on; `slot` picks the logical device."""
     if isinstance(array, np.ndarray):
         return host_device(slot)
-    from .cuda import cuda_device
+    from .cuda.device import cuda_device
     return cuda_device(array.device.id, slot)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _benchutil
+from . import benchutil
 
 MIB = 1 << 20
 HOST_SUM_SOURCES = 4
@@ -70,7 +70,7 @@ def _positive(x: float, floor: float) -> float:
 def measure_host(warmup: int = 3, iters: int = 10, nbytes: int = HOST_SUM_BYTES,
                  sources: int = HOST_SUM_SOURCES) -> dict:
     """{'host_sum_gbps': entry, 'host_sum_us': entry} measured with `comm.host.host_sum`."""
-    from .comm.host import host_sum
+    from ..comm.host import host_sum
     elems = max(1, nbytes // 4)
     srcs = [np.full(elems, i + 1, np.float32) for i in range(sources)]
     out = np.empty(elems, np.float32)
@@ -88,7 +88,7 @@ def measure_host(warmup: int = 3, iters: int = 10, nbytes: int = HOST_SUM_BYTES,
     return {
         "host_sum_gbps": _entry(
             gbps, "GB/s", f"host_sum of {sources} float32 sources of "
-            f"{_benchutil.format_size(elems * 4)}: input bytes / "
+            f"{benchutil.format_size(elems * 4)}: input bytes / "
             f"(median time - host_sum_us), {iters} runs"),
         "host_sum_us": _entry(
             _positive(fixed * 1e6, 0.01), "us",
@@ -100,7 +100,7 @@ def measure_host(warmup: int = 3, iters: int = 10, nbytes: int = HOST_SUM_BYTES,
 # ------------------------------------------------------------------------------- GPU
 def _link_matrix(count: int):
     """The link matrix of GPUs 0..count-1, read as the strategies read it."""
-    from .comm import topology
+    from ..comm.plan import topology
     return topology.link_matrix_from_cuda(list(range(count)))
 
 
@@ -158,7 +158,7 @@ class GpuProbe:
     def timed(self, devices, step, *, preload: bool = False, per: int = 1) -> float:
         """Median seconds of `step()` / `per`, by CUDA events spanning the streams of
         `devices`; with `preload`, each interval starts behind a large queued copy."""
-        from ._bench import CudaClock
+        from .bench import CudaClock
         clock = CudaClock(self.cp, [(d, self.stream(d)) for d in devices])
 
         def once(pairs=None):
@@ -259,7 +259,7 @@ class GpuProbe:
 
         t = self.timed([0], step)
         return _entry(3 * n / _positive(t - kernel_s, 1e-9) / 1e9, "GB/s",
-                      f"cupy.add of two {_benchutil.format_size(n)} float32 arrays on GPU 0: "
+                      f"cupy.add of two {benchutil.format_size(n)} float32 arrays on GPU 0: "
                       "bytes read + written / (median CUDA-event time - kernel_us)")
 
     def host_copies(self) -> dict:
@@ -294,7 +294,7 @@ class GpuProbe:
         return {
             "host_gbps": _entry(
                 2 / (1 / bw[0] + 1 / bw[1]), "GB/s",
-                f"GPU 0 <-> pinned host copies of {_benchutil.format_size(n)}: harmonic mean "
+                f"GPU 0 <-> pinned host copies of {benchutil.format_size(n)}: harmonic mean "
                 "of both directions, bytes / (median CUDA-event time - latency)",
                 d2h_gbps=bw[0], h2d_gbps=bw[1]),
             "host_copy_us": _entry(
@@ -330,7 +330,7 @@ class GpuProbe:
                  for fn in (d2h, h2d)]
         return _entry(2 / (1 / rates[0] + 1 / rates[1]), "GB/s",
                       f"all {self.count} GPUs <-> pinned host at once, "
-                      f"{_benchutil.format_size(n)} each: total bytes / (median CUDA-event "
+                      f"{benchutil.format_size(n)} each: total bytes / (median CUDA-event "
                       "time spanning every GPU's stream - host_copy_us), harmonic mean of "
                       "both directions",
                       d2h_gbps=rates[0], h2d_gbps=rates[1])
@@ -338,7 +338,7 @@ class GpuProbe:
     def links(self) -> list:
         """One entry per link weight present between distinct GPUs, plus weight 64
         (same GPU: virtual GPUs); each measured on the first pair of that weight."""
-        from .comm import topology
+        from ..comm.plan import topology
         pairs = {float(topology.SAME_DEVICE_WEIGHT): (0, 0)}
         for i in range(self.count):
             for j in range(self.count):
@@ -353,7 +353,7 @@ class GpuProbe:
                 "weight": w, "pair": [i, j], "kind": kind,
                 "gbps": _entry(gbps, "GB/s",
                                f"GPU {i} -> GPU {j} copy of "
-                               f"{_benchutil.format_size(self.nbytes)}: bytes / (median "
+                               f"{benchutil.format_size(self.nbytes)}: bytes / (median "
                                "CUDA-event time - latency)"),
                 "latency_us": _entry(_positive(latency * 1e6, 0.01), "us",
                                      f"4-byte GPU {i} -> GPU {j} copies, {DEVICE_BATCH} "
@@ -364,9 +364,9 @@ class GpuProbe:
     def nccl_base_us(self) -> dict:
         nccl = self.nccl
         if nccl is None:
-            from .comm.nccl import nccl_module
+            from ..comm.nccl import nccl_module
             nccl = nccl_module()
-        from .comm.simulate import COSTS
+        from ..comm.plan.simulate import COSTS
         devices = list(range(self.count))
         comms = nccl.NcclCommunicator.initAll(devices)
         bufs = [self.array(d, 16, 1.0) for d in devices]
@@ -427,7 +427,7 @@ class GpuProbe:
 # ------------------------------------------------------------------------------ run
 def system_info(cp=None, count: int = 0, matrix=None) -> dict:
     """The machine a calibration was measured on (what `load_calibration` compares)."""
-    out = {"hostname": platform.node(), "cpu_model": _benchutil.cpu_model(),
+    out = {"hostname": platform.node(), "cpu_model": benchutil.cpu_model(),
            "logical_cpus": os.cpu_count(), "gpus": []}
     if cp is not None:
         for i in range(count):
@@ -448,11 +448,11 @@ def calibrate(*, host_only: bool = False, warmup: int = 3, iters: int = 10,
     """
     from types import SimpleNamespace
 
-    from . import _bench
-    from .comm import simulate
+    from . import bench
+    from ..comm.plan import simulate
     cp = cupy
     if cp is None and not host_only:
-        from .backends.cuda import cupy_module, gpu_count
+        from ..device.cuda.device import cupy_module, gpu_count
         if gpu_count() > 0:
             cp = cupy_module()
     if host_only:
@@ -473,7 +473,7 @@ def calibrate(*, host_only: bool = False, warmup: int = 3, iters: int = 10,
                           else "no GPU: only the host constants were measured")
     env = SimpleNamespace(kind="gpu", cp=cp) if cp is not None else SimpleNamespace(kind="host")
     try:
-        versions = _bench.versions(env)
+        versions = bench.versions(env)
     except Exception as exc:  # versions are informative; never fail the calibration
         versions = {"error": f"{type(exc).__name__}: {exc}"}
     return {
@@ -494,7 +494,7 @@ def write(record: dict, path) -> Path:
     """Write `record` atomically to `path` (folders created); returns the path."""
     import json
 
-    from ._checkpoint import atomic_write
+    from ..api.checkpoint import atomic_write
     path = Path(path).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -508,7 +508,7 @@ def write(record: dict, path) -> Path:
 
 def _defaults() -> dict:
     """name -> the model's default value, for the report."""
-    from .comm import simulate
+    from ..comm.plan import simulate
     m = simulate.generic_machine(np.zeros((1, 1)))
     out = {}
     for name, (_, where) in simulate.CALIBRATED.items():
@@ -519,7 +519,7 @@ def _defaults() -> dict:
 def report(record: dict, file=None) -> None:
     import sys
     file = file or sys.stdout
-    from .comm import simulate
+    from ..comm.plan import simulate
     defaults = _defaults()
     print(f"gpukv calibration on {record['machine']['name']} "
           f"({record['settings']['seconds']:.1f} s)", file=file)
@@ -532,7 +532,7 @@ def report(record: dict, file=None) -> None:
             e = link[key]
             rows.append([f"link {link['weight']:g} {key}", e["value"], e["unit"], default,
                          f"{link['kind']}: {e['method']}"])
-    _benchutil.print_table(["constant", "measured", "unit", "default", "how"], rows,
+    benchutil.print_table(["constant", "measured", "unit", "default", "how"], rows,
                            {0, 2, 4}, file=file)
     for name, why in record.get("skipped", {}).items():
         print(f"  not measured: {name}: {why}", file=file)
@@ -540,7 +540,7 @@ def report(record: dict, file=None) -> None:
 
 def main(args) -> int:
     """The --calibrate mode of `gpukv bench` for parsed `args`; returns 0."""
-    from .comm import simulate
+    from ..comm.plan import simulate
     path = args.calibration_file or simulate.calibration_path()
     if path is None:
         raise SystemExit("gpukv bench --calibrate: GPUKV_CALIBRATION is off; pass "

@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _compression_kernels as _k
-from ._errors import ArgumentError, ArgumentKindError
+from ..device.cuda import compression_kernels as _k
+from .._errors import ArgumentError, ArgumentKindError
 
 __all__ = ["Compressor", "TwoBit", "OneBit", "Cast", "GradientCompression", "make_compressor"]
 
@@ -256,7 +256,7 @@ class GradientCompression:
 
         `out` is a float32 array on `home`. Payloads are summed in source order.
         """
-        from .comm._ops import begin, finish
+        from ..comm.execute import begin, finish
         comp = self.compressor
         begin(list(devices) + [home])  # after the caller's work on its current streams
         for i, (source, device) in enumerate(zip(sources, devices)):

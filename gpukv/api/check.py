@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import ArgumentError, ArgumentKindError, GpukvError, KeyKindError
-from .backends import adopt
-from .sparse import RowSparse
+from .._errors import ArgumentError, ArgumentKindError, GpukvError, KeyKindError
+from ..device import adopt
+from ..update.sparse import RowSparse
 
 _SEQ = (list, tuple)
 _NDARRAY = np.ndarray

@@ -161,7 +161,7 @@ def kernel_source(optimizer, wdtype, phase: int = 0, body: str | None = None) ->
 
 @functools.lru_cache(maxsize=None)
 def _compiled(source: str):
-    from .backends.cuda import cupy_module
+    from .device import cupy_module
     return cupy_module().RawKernel(source, "gpukv_optim_step", options=("--fmad=false",))
 
 
@@ -200,7 +200,7 @@ def step(optimizer, home, items, hp: dict, body: str | None = None) -> None:
     Runs on `home`'s stream; the caller holds `with home.cuda_device, home.stream`.
     `body`: run it instead of the rule's `cuda_body` (in one phase-0 launch).
     """
-    from .backends.cuda import cupy_module
+    from .device import cupy_module
     cp = cupy_module()
     if body is not None and body == optimizer.cuda_body:
         body = None  # the rule itself (LAMB keeps its two phases)

@@ -9,19 +9,19 @@ import numbers
 
 import numpy as np
 
-from . import _args
-from ._errors import ArgumentError, ArgumentKindError, GpukvError
-from .backends import device_of
-from .sparse import RowSparse
+from . import check
+from .._errors import ArgumentError, ArgumentKindError, GpukvError
+from ..device import device_of
+from ..update.sparse import RowSparse
 
 
-def regroup(keys, arrays, originals, key_kind) -> _args.Groups:
+def regroup(keys, arrays, originals, key_kind) -> check.Groups:
     """The dense keys a push or pull left after taking out its row-sparse (or other) work."""
     all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
-    return _args.Groups(keys, arrays, originals, all_host, key_kind)
+    return check.Groups(keys, arrays, originals, all_host, key_kind)
 
 
-def densified(groups: _args.Groups) -> _args.Groups:
+def densified(groups: check.Groups) -> check.Groups:
     """`groups` with every RowSparse replaced by its dense array (for init)."""
     arrays = [[a.todense() if type(a) is RowSparse else a for a in per_key]
               for per_key in groups.arrays]
@@ -49,7 +49,7 @@ def dense_gradient(merged: RowSparse, home):
     return merged.todense()
 
 
-def refuse_sparse_outs(groups: _args.Groups, in_place: bool) -> None:
+def refuse_sparse_outs(groups: check.Groups, in_place: bool) -> None:
     """ArgumentKindError naming the key if pushpull would have to pull into a RowSparse."""
     for key, arrays in zip(groups.keys, groups.arrays):
         if any(type(a) is RowSparse for a in arrays):
@@ -107,7 +107,7 @@ def row_ids_array(key, ids):
     """
     if not isinstance(ids, (list, tuple)):
         try:
-            array = _args.adopt(ids)
+            array = check.adopt(ids)
         except GpukvError as exc:  # an array on a device this process cannot use
             raise type(exc)(f"key {key!r}: row_ids: {exc}") from None
     elif not ids:

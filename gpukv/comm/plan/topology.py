@@ -35,8 +35,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._errors import ArgumentError
-from ..backends.cuda_driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+from ..._errors import ArgumentError
+from ...device.cuda.driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
                                     CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, cuda_driver)
 
 log = logging.getLogger("gpukv")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _ops
+from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
 from .host import HostStrategy, host_sum
 
 
 def _pinned(shape, dtype):
-    from ..backends.cuda import empty_pinned
+    from ..device.cuda.device import empty_pinned
     return empty_pinned(shape, dtype)
 
 
@@ -33,7 +33,7 @@ def _to_pinned(array, device):
 
 def _from_pinned(dst, host, device) -> None:
     """Async copy of pinned `host` into GPU `dst` on `device`'s stream (kept alive)."""
-    from ..backends.cuda import keep_alive
+    from ..device.cuda.device import keep_alive
     with device.cuda_device:
         if dst.flags.c_contiguous and dst.dtype == host.dtype:
             dst.set(host, stream=device.stream)
@@ -44,7 +44,7 @@ def _from_pinned(dst, host, device) -> None:
 
 def _release_finished_copies() -> None:
     """Pinned buffers of earlier calls whose copies have completed are let go now."""
-    from ..backends.cuda import release_done
+    from ..device.cuda.device import release_done
     release_done()
 
 
@@ -63,12 +63,12 @@ class CpuStrategy(Strategy):
         self.broadcast_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        host_jobs, jobs = _ops.split_host_jobs(jobs)
+        host_jobs, jobs = execute.split_host_jobs(jobs)
         self._host.reduce_many(host_jobs)
         if not jobs:
             return
         _release_finished_copies()
-        _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
+        execute.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
         staged = []
         for job in jobs:  # every device-to-host copy is queued before the host waits
             staged.append([s if isinstance(s, np.ndarray) else _to_pinned(s, d)
@@ -76,30 +76,30 @@ class CpuStrategy(Strategy):
         waited = set()
         for job in jobs:
             for d in job.devices:
-                if _ops.is_gpu(d) and d not in waited:
+                if execute.is_gpu(d) and d not in waited:
                     waited.add(d)
                     d.synchronize()
         for job, sources in zip(jobs, staged):
-            if _ops.is_gpu(job.home):
+            if execute.is_gpu(job.home):
                 result = _pinned(job.out.shape, job.out.dtype)
                 host_sum(result, sources)
                 _from_pinned(job.out, result, job.home)
             else:
                 host_sum(job.out, sources)
-        for home in _ops.unique([j.home for j in jobs]):
-            _ops.finish([d for j in jobs if j.home == home for d in j.devices], home)
+        for home in execute.unique([j.home for j in jobs]):
+            execute.finish([d for j in jobs if j.home == home for d in j.devices], home)
 
     def broadcast_many(self, jobs: list) -> None:
-        host_jobs, jobs = _ops.split_host_jobs(jobs)
+        host_jobs, jobs = execute.split_host_jobs(jobs)
         self._host.broadcast_many(host_jobs)
         if not jobs:
             return
         _release_finished_copies()
-        _ops.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
+        execute.begin([d for j in jobs for d in j.devices] + [j.home for j in jobs])
         staged = [j.src if isinstance(j.src, np.ndarray) else _to_pinned(j.src, j.home)
                   for j in jobs]
-        for home in _ops.unique([j.home for j in jobs]):
-            if _ops.is_gpu(home):
+        for home in execute.unique([j.home for j in jobs]):
+            if execute.is_gpu(home):
                 home.synchronize()
         for job, host in zip(jobs, staged):
             for out, device in zip(job.outs, job.devices):
@@ -107,5 +107,5 @@ class CpuStrategy(Strategy):
                     np.copyto(out, host, casting="unsafe")
                 else:
                     _from_pinned(out, host, device)
-        for home in _ops.unique([j.home for j in jobs]):
-            _ops.finish([d for j in jobs if j.home == home for d in j.devices], home)
+        for home in execute.unique([j.home for j in jobs]):
+            execute.finish([d for j in jobs if j.home == home for d in j.devices], home)

@@ -59,13 +59,13 @@ def _cuda_version(v: int) -> str:
 
 def gpu_info() -> dict:
     """Physical GPUs (name, memory, compute capability) and the logical devices over them."""
-    from .backends.cuda import gpu_count
+    from ..device.cuda.device import gpu_count
     count = gpu_count()
     out: dict = {"count": count, "gpus": [], "logical": []}
     if count == 0:
         out["reason"] = _no_gpu_reason()
         return out
-    from .backends.cuda import cupy_module, gpu_devices
+    from ..device.cuda.device import cupy_module, gpu_devices
     cp = cupy_module()
     for p in range(count):
         props = cp.cuda.runtime.getDeviceProperties(p)
@@ -103,7 +103,7 @@ def _no_gpu_reason() -> str:
 
 def peer_matrix(physical_ids) -> list:
     """peer[i][j]: whether GPU i can read GPU j's memory (the diagonal is True)."""
-    from .backends.cuda import cupy_module
+    from ..device.cuda.device import cupy_module
     runtime = cupy_module().cuda.runtime
     return [[a == b or bool(runtime.deviceCanAccessPeer(a, b)) for b in physical_ids]
             for a in physical_ids]
@@ -111,7 +111,7 @@ def peer_matrix(physical_ids) -> list:
 
 def plan(matrix) -> dict:
     """The planner's trees (one per root) and ring for a link matrix."""
-    from .comm import topology
+    from ..comm.plan import topology
     out: dict = {"matrix": np.asarray(matrix, dtype=float).tolist()}
     try:
         trees = topology.plan_trees(matrix)
@@ -148,8 +148,8 @@ def topology_info(gpus: dict) -> dict:
     out["devices"] = [f"{d['physical']}.{d['slot']}" if d["slot"] else str(d["physical"])
                       for d in gpus["logical"]] or [str(p) for p in physical]
     try:
-        from .backends.cuda import cupy_module
-        from .comm import topology
+        from ..device.cuda.device import cupy_module
+        from ..comm.plan import topology
         matrix = topology.link_matrix_from_cuda(logical, runtime=cupy_module().cuda.runtime)
     except Exception as exc:
         out["link_error"] = _err(exc)
@@ -160,7 +160,7 @@ def topology_info(gpus: dict) -> dict:
 
 def simulated_matrix(name: str, n: int | None = None):
     """The link matrix of a machine we do not have: dgx1 (8 V100), nvswitch, pcie."""
-    from .comm import topology
+    from ..comm.plan import topology
     if name == "dgx1":
         return topology.dgx1_v100(), "DGX-1 V100 hybrid cube-mesh (8 GPUs, NVLink weights 1-3)"
     if name == "nvswitch":
@@ -233,7 +233,7 @@ def mpi_info() -> dict:
 
 def strategy_info(on_gpu: bool) -> dict:
     """The strategy a GPU store uses by default, and what the names resolve to here."""
-    from .comm.registry import STRATEGIES, make_strategy
+    from ..comm.registry import STRATEGIES, make_strategy
     env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
     out = {"names": list(STRATEGIES), "env": env, "default": env or "auto"}
     try:
@@ -248,7 +248,7 @@ def strategy_info(on_gpu: bool) -> dict:
 
 def calibration_info() -> dict:
     """Whether the cost model uses a calibration file (which, when measured) or defaults."""
-    from .comm import simulate
+    from ..comm.plan import simulate
     try:
         return simulate.calibration_status()
     except Exception as exc:  # never let a calibration problem break `info`

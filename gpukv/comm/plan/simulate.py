@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._errors import ArgumentError
+from ..._errors import ArgumentError
 from . import topology
 
 __all__ = ["LinkClass", "Machine", "CostModel", "COSTS", "MACHINES", "STRATEGIES",
@@ -652,7 +652,7 @@ def _parse(record, path: str) -> Calibration:
 
 def _other_machine(system: dict) -> str | None:
     """What differs between the machine of a calibration file and this one, or None."""
-    from .._benchutil import cpu_model
+    from ...tools.benchutil import cpu_model
     theirs = system.get("cpu_model")
     ours = cpu_model()
     if theirs and ours and theirs != ours:
@@ -668,7 +668,7 @@ def _other_machine(system: dict) -> str | None:
 def _local_gpu_names() -> list:
     """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
     try:
-        from ..backends.cuda import cupy_module, gpu_count
+        from ...device.cuda.device import cupy_module, gpu_count
         count = gpu_count()
         if not count:
             return []

@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 
 __all__ = ["atomic_write", "write_archive", "read_archive", "save_store", "load_store",
            "ARCHIVE_FORMAT", "ARCHIVE_VERSION", "STORE_KIND", "STORE_VERSION"]
@@ -40,7 +40,7 @@ log = logging.getLogger("gpukv")
 
 ARCHIVE_FORMAT = "gpukv-archive"
 ARCHIVE_VERSION = 1
-STORE_KIND = "gpukv.store"
+STORE_KIND = "gpukv.api.store"
 STORE_VERSION = 1
 
 _HEADER_MEMBER = "__gpukv__"
@@ -285,7 +285,7 @@ def _parse_store(path: str, header: dict, arrays: dict):
         raise CheckpointError(f"{path}: damaged store header (int keys): {exc}") from exc
     if len(set(keys)) != len(keys):
         raise CheckpointError(f"{path}: damaged store header (a key appears twice)")
-    from .backends import SUPPORTED_DTYPES
+    from ..device import SUPPORTED_DTYPES
     values = []
     for i, key in enumerate(keys):
         value = arrays.get(f"value/{i}")
@@ -362,9 +362,9 @@ def load_store(kv, path) -> None:
 def _new_home(kv, home_kind: str, load: dict):
     """The home of a key the load creates: GPU-homed keys back on the least-loaded GPU
     when the store reduces on GPUs and has some, every other key on the host."""
-    from .backends import host_device
+    from ..device import host_device
     if home_kind == "gpu" and kv._on_gpu:
-        from .backends.cuda import gpu_count, gpu_devices
+        from ..device.cuda.device import gpu_count, gpu_devices
         gpus = gpu_devices() if gpu_count() else []
         if gpus:
             return min(gpus, key=lambda d: load.get(d, 0))

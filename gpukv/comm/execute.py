@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _kernels
-from .._kernels import SumItem
+from ..device.cuda import kernels as _kernels
+from ..device.cuda.kernels import SumItem
 
 # Bytes of the staging buffer, per source, for sources a device cannot read directly.
 STAGE_BYTES = 8 << 20
@@ -178,7 +178,7 @@ def readable(reader, array) -> bool:
         return isinstance(array, np.ndarray)
     if isinstance(array, np.ndarray):
         return False
-    from ..backends.cuda import peer_readable
+    from ..device.cuda.device import peer_readable
     return peer_readable(reader.physical, array)
 
 
@@ -188,7 +188,7 @@ def to_host(array, device=None):
     stream of the array's GPU."""
     if isinstance(array, np.ndarray):
         return array
-    from ..backends.cuda import to_numpy
+    from ..device.cuda.device import to_numpy
     return to_numpy(array, device)
 
 
@@ -315,7 +315,7 @@ def copy_many(device, pairs) -> None:
 # ----------------------------------------------------------------- topology
 def link_matrix(nodes) -> np.ndarray:
     """The link matrix of logical devices `nodes` (host slots: all equal links)."""
-    from . import topology
+    from .plan import topology
     if all(is_gpu(d) for d in nodes):
         return topology.link_matrix_from_cuda(nodes)
     n = len(nodes)

@@ -20,8 +20,8 @@ import numbers
 
 import numpy as np
 
-from ._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
-from ._kernels import segment_sum
+from .._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
+from ..device.cuda.kernels import segment_sum
 
 __all__ = ["RowSparse"]
 
@@ -35,7 +35,7 @@ def _xp_of(a):
 
 def _as_array(obj, like=None):
     """A NumPy or CuPy array for `obj` (lists become arrays on `like`'s device)."""
-    from .backends import adopt
+    from ..device import adopt
     if isinstance(obj, (list, tuple, numbers.Number)):
         xp = np if like is None else _xp_of(like)
         if xp is np:
@@ -264,8 +264,8 @@ def merge(sources, home, dtype):
     """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
     xp = home.xp
     if home.kind == "gpu":
-        from .backends import device_of
-        from .comm._ops import begin, finish
+        from ..device import device_of
+        from ..comm.execute import begin, finish
         devices = [device_of(s.data) for s in sources]
         # Read the sources after the work their devices queued (on other GPUs too),
         # and let those devices overwrite them only once they have been read.

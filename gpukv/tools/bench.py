@@ -26,7 +26,7 @@ Definitions (reported in the JSON too):
   bytes read + written counted, so 1.0 means "as fast as a plain memory copy".
 
 `--calibrate` runs none of this: it measures the constants of the 'auto' strategy's cost
-model on this machine and writes them to a calibration file (see `gpukv._calibrate`).
+model on this machine and writes them to a calibration file (see `gpukv.tools.calibrate`).
 
 On a machine without a GPU (or with --host) the same steps run on host devices (NumPy
 arrays standing for n devices), through `gpukv.create('local')` and through
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _benchutil
+from . import benchutil
 
 DTYPE = np.float32
 GPU_SIZES = "4K,64K,1M,16M,256M,1G"
@@ -64,10 +64,10 @@ LARGE_GOAL_FRACTION = 0.85  # push+pull must reach 85% of the measured D2D copy 
 log = logging.getLogger("gpukv.bench")
 
 # ----------------------------------------------------------------------------- helpers
-_SUFFIX = _benchutil.SUFFIX
-format_size = _benchutil.format_size
-format_seconds = _benchutil.format_seconds
-slug = _benchutil.slug
+_SUFFIX = benchutil.SUFFIX
+format_size = benchutil.format_size
+format_seconds = benchutil.format_seconds
+slug = benchutil.slug
 
 
 def _load_common():
@@ -134,11 +134,11 @@ def print_table(headers, rows, file=None) -> None:
     left = {i for i in range(len(headers))
             if any(isinstance(row[i], str) and not row[i].endswith(("s", "x", "%"))
                    for row in rows)}
-    _benchutil.print_table(headers, rows, left, file=file)
+    benchutil.print_table(headers, rows, left, file=file)
 
 
 def cpu_model() -> str:
-    return _benchutil.cpu_model(default="cpu")
+    return benchutil.cpu_model(default="cpu")
 
 
 def _progress(total: int, enabled: bool):
@@ -315,7 +315,7 @@ class CudaEnv:
     kind = "gpu"
 
     def __init__(self):
-        from .backends.cuda import cupy_module, gpu_count
+        from ..device.cuda.device import cupy_module, gpu_count
         self.cp = cupy_module()
         self.xp = self.cp
         self.count = gpu_count()
@@ -331,7 +331,7 @@ class CudaEnv:
             return self.cp.zeros(elems, DTYPE)
 
     def _logical(self, n: int):
-        from .backends.cuda import cuda_device
+        from ..device.cuda.device import cuda_device
         return [cuda_device(i % self.count, i // self.count) for i in range(n)]
 
     def clock(self, n: int):
@@ -813,7 +813,7 @@ def _results_dir(common) -> Path:
 def write_json(result: dict, path: Path, common) -> Path:
     if common is not None and hasattr(common, "write_json"):
         return common.write_json(result, path)
-    return _benchutil.write_record(path, result,
+    return benchutil.write_record(path, result,
                                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
@@ -880,7 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _choose_env(args):
     if not args.host:
-        from .backends.cuda import gpu_count
+        from ..device.cuda.device import gpu_count
         if gpu_count() > 0:
             return CudaEnv()
     return HostEnv()
@@ -898,7 +898,7 @@ def run(args) -> dict:
     if args.strategies:
         strategies = _split(args.strategies)
     else:
-        from .comm.registry import STRATEGIES
+        from ..comm.registry import STRATEGIES
         strategies = list(STRATEGIES) if on_gpu else ["local"] + list(STRATEGIES)
     baselines = _split(args.baselines)
     unknown = [b for b in baselines if b not in BASELINES]
@@ -1093,8 +1093,8 @@ def main(argv=None) -> int:
     if args.warmup < 0 or args.iters < 1:
         raise SystemExit("gpukv bench: need --warmup >= 0 and --iters >= 1")
     if args.calibrate:
-        from . import _calibrate
-        return _calibrate.main(args)
+        from . import calibrate
+        return calibrate.main(args)
     logging.getLogger("gpukv").setLevel(logging.ERROR)  # "host arrays only" notes etc.
     common = _load_common()
     result = run(args)

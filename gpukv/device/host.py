@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._base import Device
+from .base import Device
 
 
 class HostDevice(Device):
@@ -20,7 +20,7 @@ class HostDevice(Device):
 
     def copy(self, dst, src) -> None:
         if not isinstance(src, np.ndarray):  # a GPU array: brought over by its own GPU
-            from .cuda import to_numpy
+            from .cuda.device import to_numpy
             src = to_numpy(src)
         np.copyto(dst, src, casting="unsafe")
 
