@@ -21,9 +21,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _load_benchutil():
-    """gpukv/_benchutil.py, loaded by its path: this module also runs under interpreters
+    """gpukv/tools/benchutil.py, loaded by its path: this module also runs under interpreters
     where gpukv is not installed (the MXNet one)."""
-    path = Path(__file__).resolve().parent.parent / "gpukv" / "_benchutil.py"
+    path = Path(__file__).resolve().parent.parent / "gpukv" / "tools" / "benchutil.py"
     spec = importlib.util.spec_from_file_location("_gpukv_benchutil", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -112,8 +112,8 @@ def main(argv=None):
     for where in places:
         for n in sizes:
             for kind in kinds:
-                rec = (host_case if where == "host" else gpu_case)(n, kind, args.warmup,
-                                                                     args.iters)
+                case = host_case if where == "host" else gpu_case
+                rec = case(n, kind, args.warmup, args.iters)
                 records.append(rec)
                 rows.append([where, _common.format_size(n), kind, f"{rec['ratio']:.0f}x",
                              round(rec["encode_GBps"], 2), round(rec["decode_GBps"], 2),

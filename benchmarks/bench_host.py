@@ -167,7 +167,7 @@ class MXNetSide:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import gpukv
-    from gpukv.comm import host as host_comm
+    from gpukv.device import host_sum as host_comm
 
     cases = make_cases(args)
     mxnet = MXNetSide(args.mxnet_python) if args.mxnet_python else None

@@ -9,7 +9,8 @@ import sys
 _COMMANDS = {
     "demo": ("gpukv.tools.demo", "run the tutorial and a short data-parallel training, checked"),
     "bench": ("gpukv.tools.bench", "measure push/pull/pushpull speed against baselines"),
-    "info": ("gpukv.tools.info", "show versions, devices, links and the strategies gpukv would pick"),
+    "info": ("gpukv.tools.info",
+             "show versions, devices, links and the strategies gpukv would pick"),
 }
 
 

@@ -44,12 +44,12 @@ class DeviceError(GpukvError, ValueError):
     """A device that does not exist."""
 
 
+class OutOfMemoryError(GpukvError, MemoryError):
+    """Memory a call needs that its device cannot give (the call changed nothing)."""
+
+
 class BackendError(GpukvError, RuntimeError):
     """A backend (CuPy, NCCL, MPI) that is missing or failed."""
-
-
-class TransportError(GpukvError, RuntimeError):
-    """A peer process that vanished or a message that failed."""
 
 
 class CheckpointError(GpukvError, ValueError):

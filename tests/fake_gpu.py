@@ -6,6 +6,8 @@ synchronisations, all appended to one shared `log`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 import gpukv
@@ -41,6 +43,9 @@ class FakeGpu(gpukv.device.Device):
     """A "GPU" holding NumPy arrays, logging every ordering call into `log`."""
 
     kind = "gpu"
+    asynchronous = True
+    peer_links = True
+    supports_nccl = True
 
     def __init__(self, physical: int, log: list, current: dict, slot: int = 0):
         super().__init__(physical, slot)
@@ -50,6 +55,11 @@ class FakeGpu(gpukv.device.Device):
         self.stream = _Context(current, "stream", self.name)
 
     xp = property(lambda self: np)
+
+    @contextlib.contextmanager
+    def activate(self):
+        with self.cuda_device, self.stream:
+            yield
 
     def empty(self, shape, dtype):
         with self.cuda_device, self.stream:
@@ -76,4 +86,3 @@ class FakeGpu(gpukv.device.Device):
 
     def synchronize(self) -> None:
         self.log.append(("synchronize", self.name))
-

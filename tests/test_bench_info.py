@@ -277,3 +277,47 @@ def test_examples_train_on_gpus(script, args):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss" in proc.stdout and "no GPU" not in proc.stdout
+
+
+# ------------------------------------------------------------------------- layering
+def _cupy_uses(path: Path) -> list:
+    """(line, what) of every CuPy import or `cupy_module` use in the Python file `path`."""
+    import ast
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names
+                      if a.name.split(".")[0] in ("cupy", "cupyx")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] in ("cupy", "cupyx"):
+            found.append((node.lineno, node.module))
+        elif isinstance(node, (ast.Name, ast.Attribute)) and "cupy_module" in (
+                getattr(node, "id", None), getattr(node, "attr", None)):
+            found.append((node.lineno, "cupy_module"))
+        elif isinstance(node, ast.alias) and node.name == "cupy_module":
+            found.append((node.lineno, "cupy_module"))
+    return found
+
+
+def test_only_the_device_layer_touches_cupy():
+    """Outside gpukv/device no module imports CuPy or asks for it: tools, strategies and
+    planners reach GPUs through the device layer."""
+    package = ROOT / "gpukv"
+    offenders = {str(p.relative_to(ROOT)): uses for p in sorted(package.rglob("*.py"))
+                 if "device" not in p.relative_to(package).parts[:1]
+                 for uses in [_cupy_uses(p)] if uses}
+    assert offenders == {}
+
+
+def test_calibration_loading_imports_no_tools(tmp_path):
+    """Reading a calibration file (as the strategies do) loads nothing of gpukv.tools."""
+    code = ("import json, sys; from gpukv.comm.plan import simulate as S; "
+            f"p = {str(tmp_path / 'c.json')!r}; "
+            "open(p, 'w').write(json.dumps({'format': S.CALIBRATION_FORMAT, 'version': 1, "
+            "'created_utc': 'x', 'machine': {'cpu_model': 'Other CPU', 'gpus': ['G']}, "
+            "'constants': {}})); "
+            "assert S.load_calibration(p) is None; "
+            "assert not [m for m in sys.modules if m.startswith('gpukv.tools')], sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import ml_dtypes
@@ -11,8 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpukv
+from gpukv.comm import ReduceJob
+from gpukv.comm.registry import make_strategy
+from gpukv.device import host_device
 from gpukv.device.cuda import compression_kernels as K
-from gpukv.update.compression import Cast, OneBit, TwoBit, make_compressor
+from gpukv.update.compression import (Cast, GradientCompression, OneBit, TwoBit,
+                                      make_compressor)
 
 from .strategies import float32_bits, gradient_steps
 
@@ -221,7 +226,7 @@ def test_uncast_twins_match_numpy_on_every_pattern(scale, accumulate):
                          ids=["2bit", "1bit", "fp16", "bf16"])
 def test_threaded_host_twins_equal_one_thread(comp, monkeypatch):
     """Long arrays split over the host threads give the bytes and residuals of one thread."""
-    from gpukv.comm import host
+    from gpukv.device import host_sum as host
     n = K._THREADED_MIN * 2 + 77
     rng = np.random.default_rng(11)
     g = rng.standard_normal(n).astype(np.float32)
@@ -335,6 +340,112 @@ def test_no_compression_after_none():
     assert (out == np.float32(0.3)).all()
 
 
+# ------------------------------------------- compressed terms reduced by a strategy
+def reduce_as_before(comp, residuals, sources):
+    """The float32 sum of every source's compress/decompress trip (residual i for source
+    i), decoded and added at home in source order."""
+    out = np.empty(sources[0].shape, np.float32)
+    for i, (source, residual) in enumerate(zip(sources, residuals)):
+        payload, ctx = comp.compress(source, residual)
+        comp.decompress(payload, ctx, out, accumulate=i > 0)
+    return out
+
+
+def compressed_push(gc, key, sources, strategy, home_slot=0):
+    """One push of `sources` (source i on host slot i): encoded per source, reduced by
+    `strategy` into a fresh float32 out at `home_slot`, then finished there."""
+    devices = [host_device(i) for i in range(len(sources))]
+    home = host_device(home_slot)
+    out = np.full(sources[0].shape, np.nan, np.float32)
+    terms = gc.encode(key, sources, devices)
+    assert [t.shape for t in terms] == [s.shape for s in sources]
+    strategy.reduce_many([ReduceJob(key, terms, devices, home, out)])
+    gc.finish(key, out, home)
+    return out
+
+
+def _power_of_two(x: float) -> bool:
+    return math.frexp(x)[0] == 0.5
+
+
+ENCODINGS = [{"type": "2bit", "threshold": 0.5}, {"type": "2bit", "threshold": 0.3},
+             {"type": "2bit", "threshold": 1e-3}, {"type": "1bit", "threshold": 0.0},
+             {"type": "1bit", "threshold": -0.2}, {"type": "fp16"},
+             {"type": "fp16", "pre_divide": 8}, {"type": "fp16", "pre_divide": 0.5},
+             {"type": "fp16", "pre_divide": 3}, {"type": "fp16", "pre_divide": 0.3},
+             {"type": "bf16"}, {"type": "bf16", "pre_divide": 0.3}]
+
+
+@settings(max_examples=120, deadline=None)
+@given(params=st.sampled_from(ENCODINGS), n=st.integers(1, 5),
+       shape=st.sampled_from([(1,), (7,), (3, 5), (67,)]),
+       scale=st.sampled_from([1e-3, 1.0, 300.0, 4e4]), steps=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 16))
+def test_home_reduce_of_encoded_terms_equals_the_decoded_sum(params, n, shape, scale, steps,
+                                                             seed):
+    """Terms encoded per source and summed by the 'home' strategy give the float32 sum of
+    each source's decompressed trip in source order, and its residuals, bit for bit; fp16
+    payloads are summed first and scaled by pre_divide once, which is the same bits for
+    a power-of-two pre_divide and within the rounding of the sum otherwise."""
+    rng = np.random.default_rng(seed)
+    comp = make_compressor(params)
+    gc = GradientCompression(make_compressor(params))
+    residuals = [np.zeros(int(np.prod(shape)), np.float32) for _ in range(n)]
+    exact = params["type"] != "fp16" or _power_of_two(comp.pre_divide)
+    for _ in range(steps):
+        grads = [(rng.standard_normal(shape) * scale).astype(np.float32) for _ in range(n)]
+        before = [r.copy() for r in residuals]
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, on purpose
+            want = reduce_as_before(comp, residuals, grads)
+            got = compressed_push(gc, "k", grads, make_strategy("home"))
+        if exact:
+            assert same_bits(got, want)
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                terms = [comp.decompress(*comp.compress(g, r.copy()))
+                         for g, r in zip(grads, before)]
+                bound = 2 * n * np.finfo(np.float32).eps * np.sum(np.abs(terms), axis=0)
+            finite = np.isfinite(want)
+            assert same_bits(got[~finite], want[~finite])
+            assert (np.abs(got[finite] - want[finite]) <= bound[finite]).all()
+        for i, r in enumerate(residuals):
+            if comp.uses_residual:
+                assert same_bits(gc._residuals[("k", host_device(i))], r)
+
+
+@pytest.mark.parametrize("params", [{"type": "2bit", "threshold": 0.5},
+                                    {"type": "1bit", "threshold": 0.25}, {"type": "fp16"},
+                                    {"type": "fp16", "pre_divide": 4},
+                                    {"type": "bf16", "pre_divide": 2}],
+                         ids=["2bit", "1bit", "fp16", "fp16-pre4", "bf16-pre2"])
+def test_compressed_push_same_for_every_strategy(params):
+    """Pushes from four host devices, encoded per source, pull the same sums (and leave
+    the same residuals) whether 'home', 'tree' (sliced) or 'ring' reduces the terms."""
+    rng = np.random.default_rng(1)
+    strategies = {"home": make_strategy("home"), "tree": make_strategy("tree", array_bound=4),
+                  "ring": make_strategy("ring")}
+    stores = {name: GradientCompression(make_compressor(params)) for name in strategies}
+    for step in range(3):
+        # multiples of 1/64 below 8: every sum of their trips is exact in float32
+        grads = [rng.integers(-512, 512, (33, 5)).astype(np.float32) / 64 for _ in range(4)]
+        got = {name: compressed_push(stores[name], "w", grads, strategy, home_slot=step)
+               for name, strategy in strategies.items()}
+        assert not np.isnan(got["home"]).any()
+        for name in ("tree", "ring"):
+            assert same_bits(got[name], got["home"]), name
+            for slot, r in stores["home"]._residuals.items():
+                assert same_bits(stores[name]._residuals[slot], r)
+
+
+def test_repeated_device_keeps_each_sources_term():
+    """Two sources of one key on the same device get a decoded term each, so the second
+    source's decoding never overwrites the first's before the strategy reads it."""
+    gc = GradientCompression(make_compressor({"type": "2bit", "threshold": 0.5}))
+    dev = host_device(0)
+    terms = gc.encode("k", [f32([1, -1, 0]), f32([-1, 1, 0.6])], [dev, dev])
+    assert terms[0].tolist() == [0.5, -0.5, 0] and terms[1].tolist() == [-0.5, 0.5, 0.5]
+
+
 # ------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("name", ["local", "local_allreduce_cpu", "nccl"])
 def test_refused_for_stores_mxnet_refuses(name):
@@ -365,6 +476,63 @@ def test_bad_options(params, error, words):
     with pytest.raises(error, match=words):
         kv.set_gradient_compression(params)
     assert kv.gradient_compression == {"type": "fp16", "pre_divide": 1.0}
+
+
+# Values that are not representable in float32, the precision the kernels run in: a
+# nonzero value that rounds to 0, one that is a subnormal (a GPU flushes it to 0), or one
+# that overflows to inf; and values that are not numbers at all.
+UNREPRESENTABLE = [
+    ({"type": "2bit", "threshold": 1e-50}, gpukv.ArgumentError, r"'threshold'.*1e-50"),
+    ({"type": "2bit", "threshold": 1e-40}, gpukv.ArgumentError, r"'threshold'.*1e-40"),
+    ({"type": "2bit", "threshold": 1e39}, gpukv.ArgumentError, r"'threshold'.*1e\+39"),
+    ({"type": "2bit", "threshold": "1e39"}, gpukv.ArgumentError, r"'threshold'.*'1e39'"),
+    ({"type": "2bit", "threshold": 10 ** 400}, gpukv.ArgumentError, r"'threshold'.*10000"),
+    ({"type": "2bit", "threshold": float("inf")}, gpukv.ArgumentError, r"'threshold'.*inf"),
+    ({"type": "2bit", "threshold": True}, gpukv.ArgumentKindError, r"'threshold'.*bool"),
+    ({"type": "1bit", "threshold": 1e-50}, gpukv.ArgumentError, r"'threshold'.*1e-50"),
+    ({"type": "1bit", "threshold": -1e-40}, gpukv.ArgumentError, r"'threshold'.*-1e-40"),
+    ({"type": "1bit", "threshold": -1e39}, gpukv.ArgumentError, r"'threshold'.*-1e\+39"),
+    ({"type": "1bit", "threshold": -(10 ** 400)}, gpukv.ArgumentError, r"'threshold'.*-1000"),
+    ({"type": "1bit", "threshold": float("nan")}, gpukv.ArgumentError, r"'threshold'.*nan"),
+    ({"type": "1bit", "threshold": "nan"}, gpukv.ArgumentError, r"'threshold'.*'nan'"),
+    ({"type": "fp16", "pre_divide": 1e39}, gpukv.ArgumentError, r"'pre_divide'.*1e\+39"),
+    ({"type": "fp16", "pre_divide": 1e-50}, gpukv.ArgumentError, r"'pre_divide'.*1e-50"),
+    ({"type": "fp16", "pre_divide": 1e-45}, gpukv.ArgumentError, r"'pre_divide'.*1e-45"),
+    ({"type": "fp16", "pre_divide": 10 ** 400}, gpukv.ArgumentError, r"'pre_divide'.*10000"),
+    ({"type": "fp16", "pre_divide": float("nan")}, gpukv.ArgumentError, r"'pre_divide'.*nan"),
+    ({"type": "fp16", "pre_divide": float("-inf")}, gpukv.ArgumentError,
+     r"'pre_divide'.*-inf"),
+    ({"type": "fp16", "pre_divide": False}, gpukv.ArgumentKindError, r"'pre_divide'.*bool"),
+    ({"type": "fp16", "pre_divide": "two"}, gpukv.ArgumentError, r"'pre_divide'.*'two'"),
+    ({"type": "bf16", "pre_divide": "1e-50"}, gpukv.ArgumentError, r"'pre_divide'.*'1e-50'"),
+    ({"type": "bf16", "pre_divide": np.float64(3e38 * 10)}, gpukv.ArgumentError,
+     r"'pre_divide'.*3e\+39"),
+]
+
+
+@pytest.mark.parametrize("params,error,words", UNREPRESENTABLE,
+                         ids=[f"{p['type']}-{list(p.values())[1]!r:.12}"
+                              for p, _, _ in UNREPRESENTABLE])
+def test_options_unrepresentable_in_float32_are_refused(params, error, words):
+    """An option that is no float32 number (0, a subnormal or inf once rounded to float32,
+    beyond any float, NaN, a bool, a word) raises a typed error naming the option and the
+    value when compression is set, and the previous setting stays."""
+    kv = _store({"type": "2bit", "threshold": 0.25})
+    with pytest.raises(error, match=words):
+        kv.set_gradient_compression(params)
+    assert kv.gradient_compression == {"type": "2bit", "threshold": 0.25}
+
+
+@pytest.mark.parametrize("params", [{"type": "1bit", "threshold": 0},
+                                    {"type": "1bit", "threshold": -3.4e38},
+                                    {"type": "2bit", "threshold": 2.0 ** -126},
+                                    {"type": "fp16", "pre_divide": 3.4e38},
+                                    {"type": "bf16", "pre_divide": "1.2e-38"}],
+                         ids=["1bit-0", "1bit-min", "2bit-tiny", "fp16-max", "bf16-tiny"])
+def test_float32_extremes_accepted(params):
+    """0 (for 1bit) and float32's largest and smallest normal magnitudes are valid options."""
+    kv = _store(params)
+    assert kv.gradient_compression["type"] == params["type"]
 
 
 def test_threshold_as_string_accepted():
@@ -423,7 +591,6 @@ def test_gpu_store_nightly_sequence():
 # ----------------------------------------------- stream order of GPU paths, on the host
 def test_gpu_residual_zeroed_on_its_device_stream():
     """A GPU residual is zero-filled on its device's stream, where the kernels read it."""
-    from gpukv.update.compression import GradientCompression
     from .fake_gpu import FakeGpu
     log, current = [], {}
     dev = FakeGpu(0, log, current, slot=1)
@@ -432,19 +599,33 @@ def test_gpu_residual_zeroed_on_its_device_stream():
     assert log == [("fill", dev.name, dev.stream.name)]
 
 
-def test_gpu_compressed_reduce_enters_and_leaves_every_device():
-    """A compressed push on GPUs waits for the caller's streams first and makes them wait
-    for its work last (virtual GPUs have streams of their own), as the strategies do."""
-    from gpukv.update.compression import GradientCompression
+def test_gpu_encode_enters_every_device_first():
+    """Encoding on GPUs first orders every device after the caller's streams (virtual
+    GPUs have streams of their own), then works on each device's own stream."""
     from .fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(0, log, current, slot=1)
     sources = [f32([1, -1, 0.2, 0.7]), f32([1, 0.1, -1, 0.7])]
-    out = np.zeros(4, np.float32)
-    GradientCompression(TwoBit(0.5)).reduce("k", sources, [home, other], home, out)
-    assert out.tolist() == [1.0, -0.5, -0.5, 1.0]
-    names = {home.name, other.name}
-    ops = [e for e in log if e[0] != "fill"]
-    assert {e[1] for e in ops[:2] if e[0] == "enter"} == names
-    assert {e[1] for e in ops[-2:] if e[0] == "leave"} == names
-    assert ("wait_for", other.name, home.name) in ops  # sources are read before reuse
+    terms = GradientCompression(TwoBit(0.5)).encode("k", sources, [home, other])
+    assert [t.tolist() for t in terms] == [[0.5, -0.5, 0, 0.5], [0.5, 0, -0.5, 0.5]]
+    assert log[:2] == [("enter", home.name), ("enter", other.name)]
+    assert log[2:] == [("fill", home.name, home.name), ("fill", other.name, other.name)]
+
+
+def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
+    """fp16 with a pre_divide scales the summed payloads on the home device's stream and
+    then orders the caller's stream after it; without a scale, finish does nothing."""
+    from .fake_gpu import FakeGpu
+    log, current = [], {}
+    home = FakeGpu(0, log, current, slot=2)
+    scale = K.scale_in_place
+    monkeypatch.setattr(K, "scale_in_place", lambda out, factor: (
+        log.append(("scale", current.get("stream"), factor)), scale(out, factor))[1])
+    out = f32([1, -2.5])
+    GradientCompression(Cast("fp16", 4)).finish("k", out, home)
+    assert out.tolist() == [4, -10]
+    assert log == [("scale", home.name, 4.0), ("leave", home.name)]
+    log.clear()
+    for comp in (Cast("fp16"), Cast("bf16", 4), TwoBit(0.5)):
+        GradientCompression(comp).finish("k", out, home)
+    assert log == [] and out.tolist() == [4, -10]

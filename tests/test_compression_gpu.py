@@ -173,11 +173,13 @@ COMPRESSIONS = {
 }
 
 
-def _compressed_stores(cp, rng, keys, params):
+def _compressed_stores(cp, rng, keys, params, strategy="home"):
     """Two 'device' stores with compression `params` and the same random values of
-    `keys`: one fed host arrays (the host reference), one GPU arrays made on GPU 0."""
+    `keys`: one fed host arrays (the host reference, which sums the terms in source
+    order), one GPU arrays made on GPU 0 reducing with `strategy` ('home' sums in
+    source order too)."""
     init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
-    host, gpu = gpukv.create("device"), gpukv.create("device")
+    host, gpu = gpukv.create("device"), gpukv.create("device", strategy=strategy)
     host.init(keys, [init[k] for k in keys])
     with cp.cuda.Device(0):
         gpu.init(keys, [cp.asarray(init[k]) for k in keys])
@@ -187,15 +189,17 @@ def _compressed_stores(cp, rng, keys, params):
 
 
 def _gradient(rng, shape, dtype, params):
-    """A gradient of `dtype`; for fp16 with a pre_divide, float32 and float64 values
-    beyond float16's range, which only the pre-divided trip keeps finite."""
-    scale = 1.0
-    if params.get("type") == "fp16" and params.get("pre_divide") and dtype.itemsize >= 4:
-        scale = 3e4
+    """A gradient of `dtype` on a grid where a sum of eight of them, or of their trips,
+    is exact in float32 in any order (a strategy's order, or the home GPU's, which adds
+    the terms it reads through staging after those it reads directly): multiples of
+    1/64 up to 4; for fp16 with a pre_divide, float32 and float64 multiples of 512 up
+    to 65536, beyond float16's range, which only the pre-divided trip keeps finite."""
     if dtype.kind == "i":
         return rng.integers(-50, 50, shape).astype(dtype)
-    x = f32_without_subnormals(rng.standard_normal(shape) * scale)
-    return x.astype(dtype)
+    step = 1 / 64
+    if params.get("type") == "fp16" and params.get("pre_divide") and dtype.itemsize >= 4:
+        step = 512.0
+    return (rng.integers(-256, 257, shape) * step).astype(dtype)
 
 
 @pytest.mark.parametrize("gpus", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
@@ -236,6 +240,39 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
     for k, o in zip(keys, out):
         assert_same_bits(o.get(), host._entries[k].value, f"pulled key {k!r}")
         assert KEYS[k][1].kind == "i" or np.isfinite(o.get().astype(np.float64)).all()
+
+
+@pytest.mark.multi_gpu(8)
+@pytest.mark.parametrize("strategy", ["auto", "tree", "ring", "cpu"])
+@pytest.mark.parametrize("name", sorted(COMPRESSIONS))
+def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
+    """With compression on, a 'device' store on eight logical GPUs hands the encoded
+    terms to its strategy: every strategy stores the host store's bits and leaves the
+    same residuals."""
+    from gpukv.device.cuda.device import gpu_devices
+    devs = gpu_devices()[:8]
+    params = COMPRESSIONS[name]
+    rng = np.random.default_rng(3)
+    keys = sorted(KEYS)
+    host, gpu = _compressed_stores(cp, rng, keys, params, strategy)
+    assert gpu.strategy == strategy
+    reduced, reduce_many = [], gpu._strategy.reduce_many
+    gpu._strategy.reduce_many = lambda jobs: (reduced.extend(jobs), reduce_many(jobs))
+    for step in range(3):
+        grads = {k: [_gradient(rng, *KEYS[k], params) for _ in devs] for k in keys}
+        host.push(keys, [grads[k] for k in keys])
+        gpu.push(keys, [[_on(cp, d, g) for d, g in zip(devs, grads[k])] for k in keys])
+        assert sorted(job.key for job in reduced) == keys  # compressed keys too
+        assert all(job.out.dtype == np.float32 for job in reduced if job.key != "e")
+        reduced.clear()
+        for k in keys:
+            assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
+                             f"key {k!r} after push {step}")
+        hr, gr = host._compression._residuals, gpu._compression._residuals
+        assert len(gr) == len(hr)
+        for (k, d), r in gr.items():
+            assert_same_bits(r.get(), hr[(k, host_device(devs.index(d)))],
+                             f"residual of key {k!r} on {d!r}")
 
 
 @pytest.mark.multi_gpu(4)

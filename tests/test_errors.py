@@ -318,7 +318,7 @@ def test_mxnet_raises_on_the_same_misuses():
     (gpukv.ArgumentKindError, TypeError), (gpukv.ShapeError, ValueError),
     (gpukv.DTypeError, ValueError), (gpukv.ReadOnlyError, ValueError),
     (gpukv.DeviceError, ValueError), (gpukv.BackendError, RuntimeError),
-    (gpukv.TransportError, RuntimeError), (gpukv.CheckpointError, ValueError)])
+    (gpukv.OutOfMemoryError, MemoryError), (gpukv.CheckpointError, ValueError)])
 def test_error_classes_subclass_base_and_builtin(cls, builtin):
     """Every gpukv error class is both a GpukvError and the built-in a user would catch."""
     assert issubclass(cls, gpukv.GpukvError) and issubclass(cls, builtin)

@@ -224,6 +224,9 @@ def test_dense_updater_gets_rows_made_dense_on_the_key_stream(monkeypatch):
     monkeypatch.setattr(RowSparse, "todense", logged)
 
     class DenseUpdater:
+        def check(self, keys, stored):
+            pass
+
         def update(self, keys, merged, stored, homes):
             for m, s in zip(merged, stored):
                 s += m
@@ -406,7 +409,9 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     home, other = FakeGpu(0, log, current), FakeGpu(1, log, current)
     a, b = rsp([1], [[1, 1]]), rsp([1, 2], [[2, 2], [3, 3]])
     where = {id(a.data): home, id(b.data): other}
-    monkeypatch.setattr(gpukv.device, "device_of", lambda x, slot=0: where[id(x)])
+    real = gpukv.device.device_of
+    monkeypatch.setattr(gpukv.device, "device_of",
+                        lambda x, slot=0: where.get(id(x)) or real(x, slot))
     merged = merge([a, b], home, np.float32)
     assert merged.indices.tolist() == [1, 2]
     assert merged.data.tolist() == [[3, 3], [3, 3]]

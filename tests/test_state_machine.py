@@ -1,5 +1,6 @@
-"""A model-based test: random init/push/pull/pushpull/broadcast/set_updater sequences on a store
-never diverge from a plain dict of NumPy arrays."""
+"""A model-based test: random init/push/pull/pushpull/broadcast/set_updater sequences on a store,
+with 2bit-compressed and row-sparse pushes and failing calls among them, never diverge from a
+plain dict of NumPy arrays; a failing call changes nothing."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,6 +31,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.model: dict = {}
         self.dtypes: dict = {}
         self.update = None  # None: assign
+        self.threshold = None  # 2bit compression's threshold, once set
+        self.residuals: dict = {}  # (key, device slot) -> the model's 2bit residual
 
     # ------------------------------------------------------------------ helpers
     def _fresh_keys(self, data, n):
@@ -59,8 +62,23 @@ class StoreMachine(RuleBasedStateMachine):
             return outs[0], outs
         return outs, outs
 
+    def _decoded(self, key, arrays):
+        """What the store sums for `key`: the arrays, or their 2bit codes with compression."""
+        if self.threshold is None:
+            return [a.astype(np.float64) for a in arrays]
+        t, out = self.threshold, []
+        for slot, a in enumerate(arrays):  # the n-th array of a key is on host device n
+            q = self.residuals.get((key, slot), 0.0) + a.astype(np.float64)
+            code = np.where(q >= t, t, np.where(q <= -t, -t, 0.0))
+            self.residuals[(key, slot)] = q - code
+            out.append(code)
+        return out
+
     def _apply(self, key, arrays):
-        merged = np.sum([a.astype(np.float64) for a in arrays], axis=0)
+        merged = np.sum(self._decoded(key, arrays), axis=0)
+        self._apply_merged(key, merged)
+
+    def _apply_merged(self, key, merged):
         if self.update is None:
             self.model[key] = merged
         else:
@@ -172,6 +190,78 @@ class StoreMachine(RuleBasedStateMachine):
     def set_updater(self, which):
         self.kv.set_updater(UPDATERS[which][0])
         self.update = which
+
+    @precondition(lambda self: self.kv.type == "device")
+    @rule()
+    def set_compression(self):
+        self.kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        self.threshold = 0.5
+        self.residuals = {}  # setting it again starts fresh residuals
+
+    def _row_keys(self):
+        return sorted((k for k, v in self.model.items() if v.ndim >= 1 and v.shape[0]),
+                      key=repr)
+
+    def _rows_value(self, data, key):
+        """One RowSparse of `key` (ids may repeat) and its dense sum."""
+        shape = self.model[key].shape
+        ids = np.array(data.draw(st.lists(st.integers(0, shape[0] - 1), max_size=4)), np.int64)
+        rows = data.draw(small_ints((len(ids),) + shape[1:], self.dtypes[key]))
+        dense = np.zeros(shape, np.float64)
+        np.add.at(dense, ids, rows.astype(np.float64))
+        return gpukv.RowSparse(ids, rows, shape), dense
+
+    @precondition(lambda self: self._row_keys())
+    @rule(data=st.data())
+    def push_rows(self, data):
+        keys = data.draw(st.lists(st.sampled_from(self._row_keys()), min_size=1, max_size=3,
+                                  unique=True))
+        values, merged = [], {}
+        for k in keys:
+            n = data.draw(st.integers(1, 3))
+            pairs = [self._rows_value(data, k) for _ in range(n)]
+            values.append([rs for rs, _ in pairs] if n > 1 else pairs[0][0])
+            merged[k] = np.sum([d for _, d in pairs], axis=0)
+        self.kv.push(keys, values)
+        for k in keys:  # row-sparse keys are never compressed
+            self._apply_merged(k, merged[k])
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), bad=st.sampled_from(["shape", "dtype", "rows", "mixed", "unknown"]),
+          first=st.booleans())
+    def failing_push_changes_nothing(self, data, bad, first):
+        """A push with one bad part among good ones raises and leaves every key (and every
+        compression residual) as it was."""
+        keys, _ = self._known(data, max_size=3)
+        keys = list(dict.fromkeys(keys))
+        values = [np.ones(self.model[k].shape, self.dtypes[k]) for k in keys]
+        row_keys = self._row_keys()
+        if bad == "shape":
+            bad_key, bad_value = keys[0], np.ones(self.model[keys[0]].shape + (2,), np.float32)
+        elif bad == "dtype":
+            bad_key, bad_value = keys[0], np.ones(self.model[keys[0]].shape, np.complex64)
+        elif bad in ("rows", "mixed") and row_keys:
+            bad_key = data.draw(st.sampled_from(row_keys))
+            rows, _ = self._rows_value(data, bad_key)
+            if bad == "rows":
+                rows = gpukv.RowSparse([0], np.ones((1,) + self.model[bad_key].shape[1:],
+                                                    self.dtypes[bad_key]), rows.shape)
+                rows.indices[0] = self.model[bad_key].shape[0]  # edited after it was built
+                bad_value = rows
+            else:
+                bad_value = [rows, np.ones(self.model[bad_key].shape, self.dtypes[bad_key])]
+        else:
+            bad_key = data.draw(keys_of(self.kind))
+            if bad_key in self.model:
+                return
+            bad_value = np.zeros(3, np.float32)
+        if bad_key in keys:
+            i = keys.index(bad_key)
+            del keys[i], values[i]
+        keys = [bad_key] + keys if first else keys + [bad_key]
+        values = [bad_value] + values if first else values + [bad_value]
+        with pytest.raises(gpukv.GpukvError):
+            self.kv.push(keys, values)
 
     @rule(data=st.data())
     def push_unknown_key_changes_nothing(self, data):

@@ -8,6 +8,7 @@ counts as more devices). All argument errors are raised here, before any key is 
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -29,12 +30,38 @@ class Groups(NamedTuple):
     sparse: bool = False   # some array is a RowSparse
 
 
+#: int keys of at least this many bits are looked at closely: Python refuses to write
+#: ints of more than `sys.get_int_max_str_digits()` digits (4300 by default) as text, so
+#: such a key could be named in no message and written in no checkpoint.
+_LONG_KEY_BITS = 13_000
+_LONG_KEY = 1 << _LONG_KEY_BITS
+
+
 def _check_key(key):
     if isinstance(key, str):
         return key, str
     if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
-        return int(key), int
+        key = int(key)
+        if not -_LONG_KEY < key < _LONG_KEY:
+            _check_long_key(key)
+        return key, int
     raise KeyKindError(f"key {key!r}: expected an int or a str, got {type(key).__name__}")
+
+
+def _check_long_key(key: int) -> None:
+    """ArgumentError unless Python can write `key` in decimal (to name it, to save it)."""
+    try:
+        repr(key)
+    except ValueError:
+        raise ArgumentError(
+            f"key <an int of {key.bit_length()} bits>: too long to write in decimal; int "
+            f"keys may have at most {sys.get_int_max_str_digits()} digits") from None
+
+
+def _short_keys(keys) -> bool:
+    """Whether every int of `keys` (a non-empty list of ints) is short enough to skip
+    `_check_long_key`."""
+    return -_LONG_KEY < min(keys) and max(keys) < _LONG_KEY
 
 
 def _adopt(key, obj, name):
@@ -114,6 +141,8 @@ def _group_plain(keys, values):
         else:
             return None
     out_keys = list(keys)
+    if kind is int and not _short_keys(out_keys):
+        return None
     if len(set(out_keys)) != len(out_keys):  # a repeated key: more devices, merged by group
         return None
     # Every array is adopted as it is, so the originals are the arrays themselves.
@@ -123,7 +152,7 @@ def _group_plain(keys, values):
 def group(keys, values, name: str = "value") -> Groups:
     """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part."""
     # Fast paths: NumPy arrays under int or str keys, taken as they are.
-    if type(keys) is int or type(keys) is str:
+    if (type(keys) is int and -_LONG_KEY < keys < _LONG_KEY) or type(keys) is str:
         plain = _plain_arrays(values)
         if plain is not None:
             return Groups([keys], [plain], [plain], True, type(keys))
@@ -160,18 +189,6 @@ def group(keys, values, name: str = "value") -> Groups:
                    for per_key in arrays for a in per_key)
     sparse = not all_host and any(type(a) is RowSparse for per_key in arrays for a in per_key)
     return Groups(out_keys, arrays, originals, all_host, kind, sparse)
-
-
-def group_keys(keys):
-    """Validate a key or a list of keys alone (for calls that take no values)."""
-    if isinstance(keys, _SEQ):
-        checked = [_check_key(k) for k in keys]
-        kinds = {kind for _, kind in checked}
-        if len(kinds) > 1:
-            raise KeyKindError(f"keys {list(keys)!r}: one call mixes int and str keys")
-        return [k for k, _ in checked], (kinds.pop() if kinds else None)
-    key, kind = _check_key(keys)
-    return [key], kind
 
 
 def check_priority(key, priority) -> None:

@@ -13,27 +13,42 @@ An archive is a plain `.npz` file (an uncompressed zip of `.npy` members, readab
 
 Files are written through `atomic_write`: a temporary file in the same folder, flushed and
 fsynced, then `os.replace`d over the target and the folder fsynced, so a crash at any point
-leaves either the previous file or the new one, whole. Every problem reading a file (missing,
-truncated, corrupt, foreign, newer version) raises CheckpointError naming the path.
+leaves either the previous file or the new one, whole. Every problem with a path or a file
+(no path, a folder, a missing or read-only folder, a full disk; a missing, truncated,
+corrupt or foreign file, a newer version) raises CheckpointError naming the path and the
+cause, chained from the OS error when there is one.
 
-`save_store` / `load_store` implement `KVStore.save` / `KVStore.load` on top of this.
+Whole stores: `KVStore.save` hands `save_store` a `StoreSnapshot` (every key in order with
+its value and home kind, and the store's optimizer updater); `KVStore.load` reads the file
+with `read_store` (outside the store's lock), turns it into a `LoadPlan` with `plan_load`
+against a snapshot of the store (checking everything, optimizer state included), and
+applies the plan, both under one hold of its lock. This module never sees a KVStore.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
+import io
 import json
 import logging
+import math
+import mmap
 import os
 import re
+import struct
 import tempfile
 import zipfile
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
+from .._dtypes import SUPPORTED_DTYPES
 from .._errors import CheckpointError
 
-__all__ = ["atomic_write", "write_archive", "read_archive", "save_store", "load_store",
+__all__ = ["atomic_write", "write_archive", "read_archive", "checkpoint_path",
+           "StoreSnapshot", "StoreFile", "LoadPlan", "save_store", "read_store", "plan_load",
            "ARCHIVE_FORMAT", "ARCHIVE_VERSION", "STORE_KIND", "STORE_VERSION"]
 
 log = logging.getLogger("gpukv")
@@ -44,8 +59,42 @@ STORE_KIND = "gpukv.api.store"
 STORE_VERSION = 1
 
 _HEADER_MEMBER = "__gpukv__"
-_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,200}")
+_PART = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9_.\-]+"  # no empty, '.' or '..' part
+_NAME = re.compile(rf"(?=.{{1,200}}\Z){_PART}(?:/{_PART})*")
+_INT_KEY = re.compile(r"0|-?[1-9][0-9]*")  # how str(int) writes an int key, nothing else
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_LOCAL_HEADER = b"PK\x03\x04"
+
+
+# ----------------------------------------------------------------------------- paths
+def checkpoint_path(path) -> str:
+    """`path` (a str, bytes or os.PathLike) as a str; CheckpointError for None, an empty
+    path, a NUL character or anything that is not a path."""
+    try:
+        text = os.fsdecode(os.fspath(path))
+    except TypeError as exc:
+        raise CheckpointError(f"checkpoint path {_show(path)}: expected a str or an "
+                              f"os.PathLike, got {type(path).__name__}") from exc
+    if not text:
+        raise CheckpointError("checkpoint path '': an empty path names no file")
+    if "\0" in text:
+        raise CheckpointError(f"checkpoint path {_show(text)}: contains a NUL character")
+    return text
+
+
+def _show(value, limit: int = 80) -> str:
+    """`repr(value)` for messages: shortened when long, and never a ValueError (an int
+    beyond Python's int-to-str digit limit is described by its size)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an int of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+
+
+def _reason(exc: OSError) -> str:
+    """The OS's words for `exc`, without the temporary file names it may carry."""
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 # --------------------------------------------------------------------------- atomic writes
@@ -70,32 +119,49 @@ def atomic_write(path):
     `with atomic_write(path) as f: f.write(...)` writes a temporary file in the folder of
     `path`; on a clean exit it is flushed, fsynced, renamed over `path` (atomic) and the
     folder is fsynced. On an exception the temporary file is removed and `path` is left
-    untouched; a process killed meanwhile leaves `path` untouched and, at worst, a stray
-    `.<name>.*.tmp` file beside it.
+    untouched; an OS error (a full disk, a folder that cannot be written, `path` a folder)
+    becomes a CheckpointError naming `path` and the cause. A process killed meanwhile
+    leaves `path` untouched and, at worst, a stray `.<name>.*.tmp` file beside it.
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    name = os.path.basename(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    path = checkpoint_path(path)
+    if os.path.isdir(path):  # found before writing a whole file that could not be renamed
+        raise CheckpointError(f"{path}: is a folder; a checkpoint needs a file name") from (
+            IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path))
+    folder, name = os.path.split(os.path.abspath(path))
+    try:  # the name is shortened so that the temporary name stays within NAME_MAX
+        fd, tmp = tempfile.mkstemp(prefix=f".{name[:100]}.", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot write a checkpoint there: {exc}") from exc
+        raise CheckpointError(f"{path}: cannot write a checkpoint there: "
+                              f"{_reason(exc)}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"{path}: the checkpoint could not be written: "
+                                  f"{_reason(exc)}; the previous file is unchanged") from exc
         raise
     _fsync_dir(folder)
 
 
 # ------------------------------------------------------------------------------- archives
-def _restore_dtype(name: str) -> np.dtype:
+_DTYPE_NAMES: dict = {}  # np.dtype -> its name
+
+
+def _restore_dtype(name) -> np.dtype:
     """The dtype called `name`, looking in ml_dtypes for the ones NumPy lacks."""
+    if not isinstance(name, str):
+        raise CheckpointError(f"dtype {_show(name)} is not a dtype name")
+    return _named_dtype(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _named_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
@@ -107,7 +173,7 @@ def _restore_dtype(name: str) -> np.dtype:
             f"dtype {name!r} needs the ml_dtypes package: pip install ml_dtypes") from exc
     found = getattr(ml_dtypes, name, None)
     if found is None:
-        raise CheckpointError(f"unknown dtype {name!r}")
+        raise CheckpointError(f"unknown dtype {_show(name)}")
     return np.dtype(found)
 
 
@@ -127,13 +193,31 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else array.copy(order="C")  # keeps 0-d arrays
 
 
+def _bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 view (0-d arrays too)."""
+    return array.reshape(-1).view(np.uint8)
+
+
 def _crc(array: np.ndarray) -> int:
-    return zlib.crc32(_contiguous(array).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+    return zlib.crc32(_bytes(_contiguous(array))) & 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:
+    """The header `numpy.lib.format.write_array` writes before a C-ordered array."""
+    fields = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": shape}
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buf, fields)
+    except ValueError:  # a header beyond 64 KiB (thousands of dimensions)
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, fields)
+    return buf.getvalue()
 
 
 def _bad_name(name) -> bool:
-    return (not isinstance(name, str) or not _NAME.fullmatch(name) or name == _HEADER_MEMBER
-            or any(part in ("", ".", "..") for part in name.split("/")))
+    return not isinstance(name, str) or not _NAME.fullmatch(name) or name == _HEADER_MEMBER
 
 
 def write_archive(path, header: dict, arrays: dict) -> None:
@@ -142,18 +226,19 @@ def write_archive(path, header: dict, arrays: dict) -> None:
     Names are 1-200 characters of letters, digits and `_ . - /`. The arrays must be NumPy
     arrays (copy GPU arrays to the host first).
     """
+    path = checkpoint_path(path)
     manifest = {}
     prepared = []
     for name, array in arrays.items():
         if _bad_name(name):
-            raise CheckpointError(f"array name {name!r}: use 1-200 of [A-Za-z0-9_.-/], "
+            raise CheckpointError(f"array name {_show(name)}: use 1-200 of [A-Za-z0-9_.-/], "
                                   f"no empty, '.' or '..' parts")
         if not isinstance(array, np.ndarray):
             raise CheckpointError(
                 f"array {name!r}: expected a NumPy array, got {type(array).__name__}")
         array = _contiguous(array)
         stored, stored_as = _storable(array)
-        manifest[name] = {"dtype": array.dtype.name, "stored_as": stored_as,
+        manifest[name] = {"dtype": _dtype_name(array.dtype), "stored_as": stored_as,
                           "shape": list(array.shape), "crc32": _crc(stored)}
         prepared.append((name, stored))
     try:
@@ -161,227 +246,364 @@ def write_archive(path, header: dict, arrays: dict) -> None:
                            "header": header, "arrays": manifest},
                           allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{os.fspath(path)}: header is not plain JSON: {exc}") from exc
+        raise CheckpointError(f"{path}: header is not plain JSON: {exc}") from exc
     header_bytes = np.frombuffer(text.encode("utf-8"), np.uint8)
     with atomic_write(path) as f:
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for name, stored in [(_HEADER_MEMBER, header_bytes)] + prepared:
-                with zf.open(name + ".npy", "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, stored, allow_pickle=False)
+        with zipfile.ZipFile(_Appending(f), "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            _write_member(zf, _HEADER_MEMBER, header_bytes)
+            for name, stored in prepared:
+                _write_member(zf, name, stored)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """`dtype.name`, remembered (NumPy computes it anew on every call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
+class _Appending:
+    """A file zipfile can only append to: it then writes each member's sizes and checksum
+    after its data (a standard data descriptor) instead of seeking back to its header,
+    which costs a flush and two seeks per member (a third of a save of many small keys)."""
+
+    def __init__(self, f):
+        self._f = f
+        self._at = f.tell()
+
+    def write(self, data) -> int:
+        written = self._f.write(data)
+        self._at += written
+        return written
+
+    def tell(self) -> int:
+        return self._at
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_member(zf: zipfile.ZipFile, name: str, stored: np.ndarray) -> None:
+    """Member `<name>.npy`: the bytes `numpy.save` would write for the C-ordered `stored`."""
+    head = _npy_header(stored.dtype, stored.shape)
+    info = zipfile.ZipInfo(name + ".npy")  # dated 1980-01-01: a store saves to the same bytes
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = len(head) + stored.nbytes  # known: zip64 fields only when needed
+    with zf.open(info, "w") as member:
+        member.write(head)
+        if stored.nbytes:
+            member.write(_bytes(stored))
+
+
+class _Members:
+    """The `.npy` members of an open archive.
+
+    A stored (uncompressed) member laid out as `write_archive` writes it is read straight
+    from a memory map of the file: the central directory gives its place, and its header
+    must be the very bytes NumPy writes for the expected dtype and shape. Anything else
+    (compressed members, other headers, Fortran order) is read by zipfile and NumPy.
+    Either way each array is a fresh copy.
+    """
+
+    def __init__(self, f, zf: zipfile.ZipFile):
+        self.zf = zf
+        self.infos = {info.filename: info for info in zf.infolist()}
+        try:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # a file that cannot be mapped: zipfile reads it all
+            self.map = None
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+
+    def has(self, name: str) -> bool:
+        return name + ".npy" in self.infos
+
+    def read(self, name: str, dtype: np.dtype | None = None, shape: tuple | None = None):
+        """Member `name` as an array; `dtype` and `shape`: what the manifest says it is."""
+        info = self.infos[name + ".npy"]
+        if dtype is not None:
+            mapped = self._mapped(info, dtype, shape)
+            if mapped is not None:
+                return mapped
+        with self.zf.open(info) as member:
+            return np.lib.format.read_array(member, allow_pickle=False)
+
+    def _mapped(self, info: zipfile.ZipInfo, dtype: np.dtype, shape: tuple):
+        view = self.map
+        if (view is None or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1
+                or dtype.kind not in "biufc"):
+            return None
+        head = _npy_header(dtype, shape)
+        count = math.prod(shape)
+        at = info.header_offset
+        if info.file_size != len(head) + count * dtype.itemsize or at + 30 > len(view):
+            return None
+        if view[at:at + 4] != _LOCAL_HEADER:
+            return None
+        name_len, extra_len = struct.unpack_from("<HH", view, at + 26)
+        start = at + 30 + name_len + extra_len
+        if start + info.file_size > len(view) or view[start:start + len(head)] != head:
+            return None
+        if count == 0:
+            return np.empty(shape, dtype)
+        return np.frombuffer(view, dtype, count, start + len(head)).reshape(shape).copy()
 
 
 def read_archive(path) -> tuple[dict, dict]:
     """`(header, arrays)` from an archive written by `write_archive`, checked whole.
 
-    Raises CheckpointError for a missing, truncated, corrupt or foreign file, or one
-    written by a newer version of the format.
+    Raises CheckpointError for a bad path, a missing, unreadable, truncated, corrupt or
+    foreign file, or one written by a newer version of the format. Linear in the number
+    of arrays.
     """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such checkpoint file")
+    path = checkpoint_path(path)
     try:
-        npz = np.load(path, allow_pickle=False)
-        if not isinstance(npz, np.lib.npyio.NpzFile):
-            raise CheckpointError(f"{path}: not a gpukv checkpoint (a single .npy array)")
-        with npz:
-            if _HEADER_MEMBER not in npz.files:
-                raise CheckpointError(f"{path}: not a gpukv checkpoint (no {_HEADER_MEMBER})")
-            meta = json.loads(npz[_HEADER_MEMBER].tobytes().decode("utf-8"))
-            if not isinstance(meta, dict) or meta.get("format") != ARCHIVE_FORMAT:
-                found = meta.get("format") if isinstance(meta, dict) else meta
-                raise CheckpointError(f"{path}: not a gpukv checkpoint (format {found!r})")
-            version = meta.get("version")
-            if not isinstance(version, int) or version > ARCHIVE_VERSION or version < 1:
-                raise CheckpointError(f"{path}: archive version {version!r} is not supported "
-                                      f"(this gpukv reads up to {ARCHIVE_VERSION})")
-            header, manifest = meta.get("header"), meta.get("arrays")
-            if not isinstance(header, dict) or not isinstance(manifest, dict):
-                raise CheckpointError(f"{path}: damaged archive header")
-            arrays = {}
-            for name, info in manifest.items():
-                arrays[name] = _read_member(path, npz, name, info)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # zipfile, numpy.format, json, unicode, OS errors
-        raise CheckpointError(f"{path}: unreadable or damaged checkpoint: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        f = open(path, "rb")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: no such checkpoint file") from exc
+    except IsADirectoryError as exc:
+        raise CheckpointError(f"{path}: is a folder, not a checkpoint file") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {_reason(exc)}") from exc
+    with f:
+        try:
+            zf = zipfile.ZipFile(f)
+        except zipfile.BadZipFile as exc:
+            raise CheckpointError(f"{path}: not a gpukv checkpoint, or a damaged one (not "
+                                  f"a complete zip archive)") from exc
+        except Exception as exc:  # OS errors, oddities of the zip reader
+            raise CheckpointError(f"{path}: unreadable or damaged checkpoint: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        with zf:
+            members = _Members(f, zf)
+            try:
+                return _read_contents(path, members)
+            except CheckpointError:
+                raise
+            except Exception as exc:  # zipfile, numpy.format, json, unicode, OS errors
+                raise CheckpointError(f"{path}: unreadable or damaged checkpoint: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                members.close()
+
+
+def _read_contents(path: str, members: _Members) -> tuple[dict, dict]:
+    if not members.has(_HEADER_MEMBER):
+        raise CheckpointError(f"{path}: not a gpukv checkpoint (no {_HEADER_MEMBER})")
+    meta = json.loads(members.read(_HEADER_MEMBER).tobytes().decode("utf-8"))
+    if not isinstance(meta, dict) or meta.get("format") != ARCHIVE_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise CheckpointError(f"{path}: not a gpukv checkpoint (format {_show(found)})")
+    version = meta.get("version")
+    if type(version) is not int or version > ARCHIVE_VERSION or version < 1:
+        raise CheckpointError(f"{path}: archive version {_show(version)} is not supported "
+                              f"(this gpukv reads up to {ARCHIVE_VERSION})")
+    header, manifest = meta.get("header"), meta.get("arrays")
+    if not isinstance(header, dict) or not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: damaged archive header")
+    arrays = {name: _read_member(path, members, name, info)
+              for name, info in manifest.items()}
     return header, arrays
 
 
-def _read_member(path: str, npz, name: str, info) -> np.ndarray:
-    if name not in npz.files or not isinstance(info, dict):
-        raise CheckpointError(f"{path}: array {name!r} is missing")
-    stored = npz[name]
+def _shape(value) -> tuple | None:
+    """A manifest's shape as a tuple of sizes, or None when it is not one."""
+    if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        return None
+    return tuple(value)
+
+
+def _read_member(path: str, members: _Members, name: str, info) -> np.ndarray:
+    if _bad_name(name) or not members.has(name) or not isinstance(info, dict):
+        raise CheckpointError(f"{path}: array {_show(name)} is missing")
+    shape = _shape(info.get("shape"))
+    if shape is None:
+        raise CheckpointError(f"{path}: array {name!r} is damaged (bad shape)")
+    dtype = _restore_dtype(info.get("dtype"))
+    stored_as = info.get("stored_as")
+    want = dtype if stored_as is None else _restore_dtype(stored_as)
+    if want.kind not in "biufc":
+        raise CheckpointError(f"{path}: array {name!r} has a foreign dtype {want}")
+    if stored_as is not None and (want.kind != "u" or want.itemsize != dtype.itemsize):
+        raise CheckpointError(f"{path}: array {name!r} is damaged (dtype differs)")
+    stored = members.read(name, want, shape)
     if stored.dtype.kind not in "biufc":
         raise CheckpointError(f"{path}: array {name!r} has a foreign dtype {stored.dtype}")
-    if list(stored.shape) != info.get("shape") or _crc(stored) != info.get("crc32"):
+    if stored.shape != shape or _crc(stored) != info.get("crc32"):
         raise CheckpointError(f"{path}: array {name!r} is damaged (shape or checksum differ)")
-    dtype = _restore_dtype(str(info.get("dtype")))
-    stored_as = info.get("stored_as")
-    if stored_as is None:
-        if stored.dtype != dtype:
-            raise CheckpointError(f"{path}: array {name!r} is damaged (dtype differs)")
-        return stored
-    if stored.dtype.name != stored_as or stored.dtype.itemsize != dtype.itemsize:
+    if stored.dtype != want:
         raise CheckpointError(f"{path}: array {name!r} is damaged (dtype differs)")
-    return stored.view(dtype)
+    return stored if stored_as is None else stored.view(dtype)
 
 
 # ------------------------------------------------------------------------ whole stores
-# The optimizer state travels through the store's `_export_optimizer_state()` ->
-# (header, {name: array}) and `_import_optimizer_state(header, arrays, check_only)`.
-def _to_host(entry) -> np.ndarray:
-    value = entry.value
-    if isinstance(value, np.ndarray):
-        return value
-    home = entry.home
-    with home.cuda_device:
-        return value.get(stream=home.stream)
+class StoreSnapshot(NamedTuple):
+    """A store as a checkpoint sees it (made by `KVStore._snapshot` under its lock)."""
+    store_type: str
+    key_kind: type | None   # int, str, or None while the store is empty
+    entries: list           # (key, value, home kind) of every key, in init order
+    updater: object         # the OptimizerUpdater of `set_optimizer`, or None
 
 
-def save_store(kv, path) -> None:
-    """Write every key of `kv` (and its optimizer state) to `path`; see `KVStore.save`."""
-    with kv._lock:
-        keys = list(kv._entries)
-        kind = kv._key_kind.__name__ if kv._key_kind is not None else None
-        arrays, homes = {}, []
-        for i, key in enumerate(keys):
-            entry = kv._entries[key]
-            arrays[f"value/{i}"] = _to_host(entry)
-            homes.append(entry.home.kind)
-        optimizer = None
-        if kv._optimizer is not None:
-            exported = kv._export_optimizer_state()
-            if exported is not None:
-                opt_header, opt_arrays = exported
-                optimizer = {"header": opt_header, "arrays": []}
-                for name, array in opt_arrays.items():
-                    arrays[f"optimizer/{name}"] = array
-                    optimizer["arrays"].append(name)
-        header = {"kind": STORE_KIND, "version": STORE_VERSION, "store_type": kv.type,
-                  "key_kind": kind, "keys": [str(k) for k in keys], "homes": homes,
-                  "optimizer": optimizer}
-        write_archive(path, header, arrays)
+class StoreFile(NamedTuple):
+    """What a store checkpoint holds, checked on its own (not yet against a store)."""
+    path: str
+    key_kind: type | None
+    keys: list
+    homes: list             # the kind of each key's home when it was saved
+    values: list            # NumPy arrays
+    optimizer: tuple | None  # (header, arrays) of the optimizer's state
 
 
-def _parse_store(path: str, header: dict, arrays: dict):
-    """(keys, kind, homes, values, optimizer) from a store archive, or CheckpointError."""
+class LoadPlan(NamedTuple):
+    """A load checked against a store: applying it cannot fail on the file's content."""
+    key_kind: type | None   # the key kind the store takes on (None: unchanged)
+    updates: list           # (key, value) of keys the store holds
+    creates: list           # (key, value, home kind) of keys the load creates
+    optimizer: object       # the updater's checked state (`check_state`), or None
+
+
+def save_store(snapshot: StoreSnapshot, path) -> None:
+    """Write every key of a store (and its optimizer's state) to `path`; see `KVStore.save`.
+
+    The snapshot's values must stay unchanged while this runs (the store holds its lock).
+    """
+    path = checkpoint_path(path)
+    kind = snapshot.key_kind
+    arrays, keys, homes = {}, [], []
+    for i, (key, value, home) in enumerate(snapshot.entries):
+        arrays[f"value/{i}"] = value
+        keys.append(_key_text(path, key))
+        homes.append(home)
+    optimizer = None
+    if snapshot.updater is not None:
+        opt_header, opt_arrays = snapshot.updater.export_state()
+        optimizer = {"header": opt_header, "arrays": list(opt_arrays)}
+        for name, array in opt_arrays.items():
+            arrays[f"optimizer/{name}"] = array
+    header = {"kind": STORE_KIND, "version": STORE_VERSION, "store_type": snapshot.store_type,
+              "key_kind": kind.__name__ if kind is not None else None, "keys": keys,
+              "homes": homes, "optimizer": optimizer}
+    write_archive(path, header, arrays)
+
+
+def _key_text(path: str, key) -> str:
+    if isinstance(key, str):
+        return key
+    try:
+        return str(key)
+    except ValueError as exc:  # beyond sys.get_int_max_str_digits()
+        raise CheckpointError(f"{path}: key {_show(key)} has too many digits to be "
+                              f"saved: {exc}") from exc
+
+
+def read_store(path) -> StoreFile:
+    """Read and check a file `save_store` wrote (the file alone; see `plan_load`)."""
+    path = checkpoint_path(path)
+    header, arrays = read_archive(path)
+    return _parse_store(path, header, arrays)
+
+
+def _parse_store(path: str, header: dict, arrays: dict) -> StoreFile:
     if header.get("kind") != STORE_KIND:
-        raise CheckpointError(f"{path}: a {header.get('kind')!r} archive, not a store checkpoint")
+        raise CheckpointError(
+            f"{path}: a {_show(header.get('kind'))} archive, not a store checkpoint")
     version = header.get("version")
-    if not isinstance(version, int) or not 1 <= version <= STORE_VERSION:
-        raise CheckpointError(f"{path}: store checkpoint version {version!r} is not supported "
-                              f"(this gpukv reads up to {STORE_VERSION})")
+    if type(version) is not int or not 1 <= version <= STORE_VERSION:
+        raise CheckpointError(f"{path}: store checkpoint version {_show(version)} is not "
+                              f"supported (this gpukv reads up to {STORE_VERSION})")
     kind_name, raw_keys, homes = header.get("key_kind"), header.get("keys"), header.get("homes")
     if (kind_name not in ("int", "str", None) or not isinstance(raw_keys, list)
             or not isinstance(homes, list) or len(homes) != len(raw_keys)
             or not all(isinstance(k, str) for k in raw_keys)
+            or not all(isinstance(h, str) for h in homes)
             or (kind_name is None and raw_keys)):
         raise CheckpointError(f"{path}: damaged store header")
     kind = {"int": int, "str": str, None: None}[kind_name]
-    try:
-        keys = [int(k) for k in raw_keys] if kind is int else list(raw_keys)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: damaged store header (int keys): {exc}") from exc
+    keys = [_int_key(path, k) for k in raw_keys] if kind is int else raw_keys
     if len(set(keys)) != len(keys):
         raise CheckpointError(f"{path}: damaged store header (a key appears twice)")
-    from ..device import SUPPORTED_DTYPES
     values = []
     for i, key in enumerate(keys):
         value = arrays.get(f"value/{i}")
         if value is None:
-            raise CheckpointError(f"{path}: the value of key {key!r} is missing")
-        if value.dtype.name not in SUPPORTED_DTYPES:
-            raise CheckpointError(f"{path}: key {key!r} has unsupported dtype {value.dtype}")
+            raise CheckpointError(f"{path}: the value of key {_show(key)} is missing")
+        if _dtype_name(value.dtype) not in SUPPORTED_DTYPES:
+            raise CheckpointError(
+                f"{path}: key {_show(key)} has unsupported dtype {value.dtype}")
         values.append(value)
-    optimizer = header.get("optimizer")
-    if optimizer is not None:
-        if not isinstance(optimizer, dict) or not isinstance(optimizer.get("arrays"), list):
-            raise CheckpointError(f"{path}: damaged optimizer section")
-        try:
-            opt_arrays = {name: arrays[f"optimizer/{name}"] for name in optimizer["arrays"]}
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path}: optimizer array {exc} is missing") from exc
-        optimizer = (optimizer.get("header"), opt_arrays)
-    return keys, kind, homes, values, optimizer
+    return StoreFile(path, kind, keys, homes, values, _optimizer_section(path, header, arrays))
 
 
-def load_store(kv, path) -> None:
-    """Read `path` into `kv`; see `KVStore.load` for the semantics."""
-    path = os.fspath(path)
-    header, arrays = read_archive(path)
-    keys, kind, homes, values, optimizer = _parse_store(path, header, arrays)
-    from .store import _Entry
-    with kv._lock:
-        # Check everything first: a failed load changes nothing.
-        if kind is not None and kv._key_kind is not None and kind is not kv._key_kind:
-            raise CheckpointError(f"{path}: holds {kind.__name__} keys but this store holds "
-                                  f"{kv._key_kind.__name__} keys")
-        for key, value in zip(keys, values):
-            entry = kv._entries.get(key)
-            if entry is not None and (entry.value.shape != value.shape
-                                      or entry.value.dtype != value.dtype):
-                raise CheckpointError(
-                    f"{path}: key {key!r} is {value.dtype}{list(value.shape)} in the file but "
-                    f"{entry.value.dtype}{list(entry.value.shape)} in the store")
-        load = dict(kv._load)
-        planned = {}  # new key -> (value from the file, its home device)
-        for key, value, home_kind in zip(keys, values, homes):
-            if key not in kv._entries:
-                home = _new_home(kv, home_kind, load)
-                load[home] = load.get(home, 0) + value.nbytes
-                planned[key] = (value, home)
-        restore_optimizer = optimizer is not None and kv._optimizer is not None
-        if restore_optimizer:
-            _check_optimizer_state(kv, path, optimizer, planned)
-        elif optimizer is not None:
-            log.info("gpukv: %s holds optimizer state but the store has no optimizer; "
-                     "only values were loaded", path)
-        # Apply.
-        touched = set()
-        for key, value in zip(keys, values):
-            entry = kv._entries.get(key)
-            if entry is None:
-                home = planned[key][1]
-                stored = home.empty(value.shape, value.dtype)
-                home.copy(stored, value)
-                entry = kv._entries[key] = _Entry(stored, home)
-            else:
-                entry.home.copy(entry.value, value)
-            if entry.home.kind == "gpu":
-                touched.add(entry.home)
-        for home in touched:  # the host arrays from the file go away after this call
-            home.synchronize()
-        kv._load = load
-        if kind is not None:
-            kv._key_kind = kind
-        if restore_optimizer:
-            kv._import_optimizer_state(optimizer[0], optimizer[1], check_only=False)
-
-
-def _new_home(kv, home_kind: str, load: dict):
-    """The home of a key the load creates: GPU-homed keys back on the least-loaded GPU
-    when the store reduces on GPUs and has some, every other key on the host."""
-    from ..device import host_device
-    if home_kind == "gpu" and kv._on_gpu:
-        from ..device.cuda.device import gpu_count, gpu_devices
-        gpus = gpu_devices() if gpu_count() else []
-        if gpus:
-            return min(gpus, key=lambda d: load.get(d, 0))
-    return host_device(0)
-
-
-def _check_optimizer_state(kv, path: str, optimizer, planned: dict) -> None:
-    """Validate the file's optimizer state against the store as it will be after the load."""
-    header, arrays = optimizer
-    updater = kv._updater
+def _int_key(path: str, text: str) -> int:
+    """An int key written by `save_store` (decimal, as `str` writes it)."""
+    if not _INT_KEY.fullmatch(text):
+        raise CheckpointError(f"{path}: damaged store header (int key {_show(text)})")
     try:
-        if hasattr(updater, "import_state"):
-            entries = kv._entry_map()
-            entries.update(planned)  # keys the load creates are checked too
-            updater.import_state(header, arrays, entries, check_only=True, path=path)
+        return int(text)
+    except ValueError as exc:  # beyond sys.get_int_max_str_digits()
+        raise CheckpointError(f"{path}: damaged store header: an int key of {len(text)} "
+                              f"digits: {exc}") from exc
+
+
+def _optimizer_section(path: str, header: dict, arrays: dict):
+    section = header.get("optimizer")
+    if section is None:
+        return None
+    names = section.get("arrays") if isinstance(section, dict) else None
+    if (not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+            or not isinstance(section.get("header"), dict)):
+        raise CheckpointError(f"{path}: damaged optimizer section")
+    opt_arrays = {}
+    for name in names:
+        array = arrays.get(f"optimizer/{name}")
+        if array is None:
+            raise CheckpointError(f"{path}: optimizer array {_show(name)} is missing")
+        opt_arrays[name] = array
+    return section["header"], opt_arrays
+
+
+def plan_load(contents: StoreFile, snapshot: StoreSnapshot) -> LoadPlan:
+    """Check a read file against a store (as `snapshot` shows it) and say what to change.
+
+    Raises CheckpointError, changing nothing, for another key kind, a key whose shape or
+    dtype differ from the store's, or optimizer state that does not fit the store's
+    optimizer and the keys as they will be after the load. Linear in the keys.
+    """
+    path, kind = contents.path, contents.key_kind
+    if kind is not None and snapshot.key_kind is not None and kind is not snapshot.key_kind:
+        raise CheckpointError(f"{path}: holds {kind.__name__} keys but this store holds "
+                              f"{snapshot.key_kind.__name__} keys")
+    held = {key: value for key, value, _ in snapshot.entries}
+    updates, creates = [], []
+    for key, value, home in zip(contents.keys, contents.values, contents.homes):
+        current = held.get(key)
+        if current is None:
+            creates.append((key, value, home))
+        elif current.shape != value.shape or current.dtype != value.dtype:
+            raise CheckpointError(
+                f"{path}: key {_show(key)} is {value.dtype}{list(value.shape)} in the file "
+                f"but {current.dtype}{list(current.shape)} in the store")
         else:
-            kv._import_optimizer_state(header, arrays, check_only=True)
+            updates.append((key, value))
+    optimizer = None
+    if contents.optimizer is not None and snapshot.updater is not None:
+        weights = held  # every key as it will be after the load (shape and dtype)
+        weights.update((key, value) for key, value, _ in creates)
+        optimizer = _checked_optimizer(path, snapshot.updater, contents.optimizer, weights)
+    elif contents.optimizer is not None:
+        log.info("gpukv: %s holds optimizer state but the store has no optimizer; "
+                 "only values were loaded", path)
+    return LoadPlan(kind, updates, creates, optimizer)
+
+
+def _checked_optimizer(path: str, updater, optimizer, weights: dict):
+    header, arrays = optimizer
+    try:
+        return updater.check_state(header, arrays, weights, path=path)
     except CheckpointError:
         raise
     except Exception as exc:

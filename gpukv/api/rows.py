@@ -23,8 +23,9 @@ def regroup(keys, arrays, originals, key_kind) -> check.Groups:
 
 def densified(groups: check.Groups) -> check.Groups:
     """`groups` with every RowSparse replaced by its dense array (for init)."""
-    arrays = [[a.todense() if type(a) is RowSparse else a for a in per_key]
-              for per_key in groups.arrays]
+    arrays = [[a.checked(f"key {key!r}: init").todense() if type(a) is RowSparse else a
+               for a in per_key]
+              for key, per_key in zip(groups.keys, groups.arrays)]
     all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
     return groups._replace(arrays=arrays, all_host=all_host, sparse=False)
 
@@ -32,21 +33,15 @@ def densified(groups: check.Groups) -> check.Groups:
 def assign_rows(entry, merged: RowSparse) -> None:
     """The stored value becomes `merged` (rows not in it become zero), as MXNet assigns."""
     value, home = entry.value, entry.home
-    if home.kind == "gpu":
-        with home.cuda_device, home.stream:
-            value.fill(0)
-            value[merged.indices] = merged.data.astype(value.dtype, copy=False)
-        return
-    value.fill(0)
-    value[merged.indices] = merged.data
+    with home.activate():
+        value.fill(0)
+        value[merged.indices] = merged.data.astype(value.dtype, copy=False)
 
 
 def dense_gradient(merged: RowSparse, home):
     """`merged` as a dense array, made on `home`'s stream (where the updater reads it)."""
-    if home.kind == "gpu":
-        with home.cuda_device, home.stream:
-            return merged.todense()
-    return merged.todense()
+    with home.activate():
+        return merged.todense()
 
 
 def refuse_sparse_outs(groups: check.Groups, in_place: bool) -> None:
@@ -64,38 +59,27 @@ def fill_rows(entry, out: RowSparse, ids) -> None:
     """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
     home, value = entry.home, entry.value
     xp = home.xp
-    if home.kind == "gpu":
-        # Ids on another device (another GPU, or CuPy's current stream when home is a
-        # virtual GPU) are read after the work queued there, and reused there only once
-        # home has read them.
-        source = None if ids is None else device_of(ids)
-        if source is not None and source != home:
-            home.wait_for(source)
-        with home.cuda_device, home.stream:
-            uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
-                    else xp.unique(home.to_local(ids)))
-            rows = value[uniq]
-        if source is not None and source.kind == "gpu" and source != home:
-            source.wait_for(home)
-    else:
-        if ids is None:
-            uniq = np.arange(value.shape[0], dtype=np.int64)
-        else:
-            uniq = np.unique(ids if isinstance(ids, np.ndarray) else ids.get())
+    # Ids on another device (another GPU, or CuPy's current stream when home is a virtual
+    # GPU) are read after the work queued there, and reused there only once home read them.
+    source = None if ids is None else device_of(ids)
+    if source is not None and source != home:
+        home.wait_for(source)
+    with home.activate():
+        uniq = (xp.arange(value.shape[0], dtype=xp.int64) if ids is None
+                else xp.unique(home.to_local(ids)))
         rows = value[uniq]
+    if source is not None and source != home:
+        source.wait_for(home)
     target = device_of(out.data)
-    if home.kind == "gpu":
-        target.wait_for(home)
-        if target.kind != "gpu":  # a host copy reads on the current stream, not home's
-            home.synchronize()
-    if target == home and isinstance(rows, np.ndarray) and rows.dtype == out.dtype:
+    target.wait_for(home)  # a host target waits for home's stream: it copies on its own
+    if target == home and home.host_memory and rows.dtype == out.dtype:
         out.indices, out.data = uniq, rows  # fresh arrays already: no second copy
         return
     indices = target.empty(uniq.shape, np.int64)
     target.copy(indices, uniq)
     data = target.empty(rows.shape, out.dtype)
     target.copy(data, rows)
-    if home.kind == "gpu" and target.kind == "gpu":
+    if home.asynchronous and target.asynchronous:
         home.wait_for(target)  # `uniq` and `rows` go back to home's pool once read
     out.indices, out.data = indices, data
 

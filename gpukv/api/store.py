@@ -1,22 +1,24 @@
 """The front end: `create()` and `KVStore`. Orchestration only, never imports CuPy."""
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
 from . import check
 from . import rows
 from .._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
-                      DuplicateKeyError, KeyKindError, ReadOnlyError, ShapeError,
-                      UnknownKeyError)
-from ..device import (SUPPORTED_DTYPES, Device, device_of, has_overlapping_elements,
-                       host_device, virtual_gpus)
-from ..comm import BroadcastJob, HostStrategy, ReduceJob, accumulate_dtype, host_sum
-from ..comm.host import host_broadcast
+                       DuplicateKeyError, KeyKindError, OutOfMemoryError, ReadOnlyError,
+                       ShapeError, UnknownKeyError)
+from ..device import (SUPPORTED_DTYPES, Device, device_of, gpu_devices,
+                      has_overlapping_elements, host_device, virtual_gpus)
+from ..comm import BroadcastJob, HostStrategy, ReduceJob
+from ..device.host_sum import accumulate_dtype
 from ..comm.registry import make_strategy
 from ..update.compression import GradientCompression, compressible, make_compressor
 from ..update.sparse import RowSparse, check_row_ids
@@ -56,8 +58,8 @@ class _SplitStrategy:
         self._gpu = gpu_strategy
 
     def _split(self, jobs):
-        return ([j for j in jobs if j.home.kind == "gpu"],
-                [j for j in jobs if j.home.kind != "gpu"])
+        return ([j for j in jobs if not j.home.host_memory],
+                [j for j in jobs if j.home.host_memory])
 
     def reduce_many(self, jobs):
         on_gpu, on_host = self._split(jobs)
@@ -68,6 +70,42 @@ class _SplitStrategy:
         on_gpu, on_host = self._split(jobs)
         self._gpu.broadcast_many(on_gpu)
         _HOST_STRATEGY.broadcast_many(on_host)
+
+
+def _out_of_memory(key, op: str, exc: MemoryError) -> OutOfMemoryError:
+    return OutOfMemoryError(f"key {key!r}: {op} needs more memory than its device has "
+                            f"free; nothing was changed ({exc})")
+
+
+class _PushKind:
+    """How one key of a push is reduced."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+_DENSE, _COMPRESSED, _ROWS = _PushKind("dense"), _PushKind("compressed"), _PushKind("rows")
+
+
+class _PushPlan(NamedTuple):
+    """A checked push, as jobs: nothing of the store has changed yet."""
+    jobs: list        # ReduceJobs of the dense keys
+    compressed: list  # (key, sources, devices, home, out) of the compressed keys
+    rows: list        # (key, entry, merged rows at home) of the row-sparse keys
+    updates: list     # (key, entry, merged out, or _ROWS) for the updater, in call order
+
+
+@functools.cache
+def _host_slot_list(n: int) -> tuple:
+    return tuple(host_device(i) for i in range(n))
+
+
+def _host_slots(n: int) -> list:
+    """The devices of `n` host arrays given for one key: host slots 0..n-1."""
+    return list(_host_slot_list(n))
 
 
 _ENTRY_SEQ = itertools.count()
@@ -104,11 +142,11 @@ class _FunctionUpdater:
 
     def update(self, keys, merged, stored, homes):
         for key, m, s, home in zip(keys, merged, stored, homes):
-            if home.kind == "gpu":
-                with home.cuda_device, home.stream:
-                    self.fn(key, m, s)
-            else:
+            with home.activate():
                 self.fn(key, m, s)
+
+    def check(self, keys, stored) -> None:
+        """Any key and value: what a function takes is its own business."""
 
 
 def create(name: str = "local", **options) -> "KVStore":
@@ -312,19 +350,20 @@ class KVStore:
                 log.warning("gpukv %r store: only host arrays, so keys are reduced on the host",
                             self._type)
             return [_HOST]
-        from ..device.cuda.device import gpu_devices
         return gpu_devices()
 
-    def _assign_homes(self, groups: check.Groups) -> list:
-        """Home devices for new keys: the largest keys first, each to the least-loaded device."""
+    def _assign_homes(self, groups: check.Groups) -> tuple[list, dict]:
+        """Home devices for new keys (the largest first, each to the least-loaded device),
+        and the bytes each device would then hold; `self._load` is left as it is."""
+        load = dict(self._load)
         homes = [None] * len(groups.keys)
         order = sorted(range(len(groups.keys)), key=lambda i: -groups.arrays[i][0].nbytes)
         for i in order:
             candidates = self._candidates(groups.arrays[i])
-            home = min(candidates, key=lambda d: self._load.get(d, 0))
-            self._load[home] = self._load.get(home, 0) + groups.arrays[i][0].nbytes
+            home = min(candidates, key=lambda d: load.get(d, 0))
+            load[home] = load.get(home, 0) + groups.arrays[i][0].nbytes
             homes[i] = home
-        return homes
+        return homes, load
 
     @staticmethod
     def _devices(arrays) -> list:
@@ -346,23 +385,27 @@ class KVStore:
             self._init_groups(groups)
 
     def _init_groups(self, groups: check.Groups) -> None:
-        if groups.sparse:  # row-sparse values are stored dense-backed
-            groups = rows.densified(groups)
         self._check_init(groups)
-        homes = self._assign_homes(groups)
-        for key, arrays, home in zip(groups.keys, groups.arrays, homes):
+        key = groups.keys[0]
+        try:  # every allocation first: a key that cannot get its memory creates no key
+            if groups.sparse:  # row-sparse values are stored dense-backed
+                groups = rows.densified(groups)
+            homes, load = self._assign_homes(groups)
+            stored = []
+            for key, arrays, home in zip(groups.keys, groups.arrays, homes):
+                dtype = arrays[0].dtype  # stored in native byte order: '>f4' is kept as float32
+                stored.append(home.empty(arrays[0].shape, dtype if dtype.isnative
+                                         else dtype.newbyteorder("=")))
+        except MemoryError as exc:
+            raise _out_of_memory(key, "init", exc) from exc
+        for key, arrays, home, value in zip(groups.keys, groups.arrays, homes, stored):
             source = arrays[0]
-            dtype = source.dtype  # stored in native byte order: '>f4' is kept as float32
-            stored = home.empty(source.shape, dtype if dtype.isnative
-                                else dtype.newbyteorder("="))
-            if home.kind == "gpu":
-                where = self._devices([source])[0]
-                home.wait_for(where)
-                home.copy(stored, source)
-                where.wait_for(home)  # the caller may overwrite `source` once init returns
-            else:
-                home.copy(stored, source)
-            self._entries[key] = _Entry(stored, home)
+            where = self._devices([source])[0]
+            home.wait_for(where)
+            home.copy(value, source)
+            where.wait_for(home)  # the caller may overwrite `source` once init returns
+            self._entries[key] = _Entry(value, home)
+        self._load = load
         if groups.key_kind is not None:
             self._key_kind = groups.key_kind
 
@@ -374,58 +417,116 @@ class KVStore:
         with self._lock:
             entries = self._lookup(groups, "push")
             exact = self._check_all_sources(groups, entries, "push")
-            self._push_groups(groups, entries, cast=not exact)
+            self._run_push(self._plan_push(groups, entries, cast=not exact))
 
-    def _push_groups(self, groups: check.Groups, entries: list, cast: bool = True) -> None:
-        """Reduce and update checked `groups`; `cast=False`: every source has its key's dtype."""
+    # The push pipeline: `_plan_push` checks what `_check_all_sources` could not (row ids,
+    # mixed kinds, what the updater takes), makes the allocations (casts, merge buffers,
+    # row merges) and turns the call into jobs; `_run_push` reduces, then updates in the
+    # documented order. Nothing after the plan fails on the caller's input, except the
+    # caller's own updater.
+    def _plan_push(self, groups: check.Groups, entries: list, cast: bool = True) -> _PushPlan:
+        """The checked jobs of a push; raises (changing nothing) on any bad part of it."""
         if cast:
-            groups = _cast_to_keys(groups, entries)
-        if groups.sparse or self._compression is not None:
-            groups, entries = self._push_special(groups, entries)
-            if not groups.keys:
-                return
+            try:
+                groups = _cast_to_keys(groups, entries)
+            except MemoryError as exc:
+                raise _out_of_memory(groups.keys[0], "push (a dtype conversion)", exc) from exc
         updater = self._updater
-        on_host = groups.all_host and not self._route_host  # plain host sums for host keys
-        jobs, merged = [], []
+        comp = self._compression
+        special = groups.sparse or comp is not None
+        host_slots = _host_slots if groups.all_host else None
+        plan = _PushPlan([], [], [], [])
         for key, entry, sources in zip(groups.keys, entries, groups.arrays):
-            assign_direct = updater is None and not entry.narrow
-            if on_host and entry.home is _HOST:
-                if assign_direct:
-                    host_sum(entry.value, sources)
+            kind = self._push_kind(key, entry, sources, comp) if special else _DENSE
+            try:
+                if kind is _ROWS:
+                    plan.rows.append((key, entry, self._merged_rows(key, entry, sources)))
+                    plan.updates.append((key, entry, _ROWS))
                     continue
-                if len(sources) == 1 and not entry.narrow:
-                    view = sources[0].view()  # the updater may read but never change it
-                    view.flags.writeable = False
-                    merged.append(view)
+                devices = (host_slots(len(sources)) if host_slots is not None
+                           else self._devices(sources))
+                if kind is _COMPRESSED:
+                    out = (entry.merge_buffer() if entry.value.dtype == np.float32
+                           or entry.narrow else comp.buffer(key, entry.home, entry.value.shape))
+                    comp.reserve(key, sources, devices)
+                    plan.compressed.append((key, sources, devices, entry.home, out))
+                elif updater is None and not entry.narrow:  # assigned: summed straight in
+                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
                     continue
-                out = entry.merge_buffer()
-                host_sum(out, sources)
-                merged.append(out)
-                continue
-            out = entry.value if assign_direct else entry.merge_buffer()
-            jobs.append(ReduceJob(key, sources, self._devices(sources), entry.home, out))
-            if not assign_direct:
-                merged.append(out)
+                else:
+                    out = entry.merge_buffer()
+                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, out))
+            except MemoryError as exc:
+                raise _out_of_memory(key, "push", exc) from exc
+            plan.updates.append((key, entry, out))
+        if updater is not None and plan.updates:
+            updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
+        return plan
+
+    def _merged_rows(self, key, entry, sources) -> RowSparse:
+        """The row-wise sum of checked RowSparse `sources` at home: what the updater gets
+        (made dense for an updater that takes dense gradients only)."""
+        sources = [s.checked(f"key {key!r}: push") for s in sources]
+        merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
+        updater = self._updater
+        takes_rows = (updater is None or type(updater) is _FunctionUpdater
+                      or hasattr(updater, "update_rows"))
+        # An updater without `update_rows` gets the standard (non-lazy) dense gradient.
+        return merged if takes_rows else rows.dense_gradient(merged, entry.home)
+
+    @staticmethod
+    def _push_kind(key, entry, sources, comp):
+        """How one key of a push is reduced: dense, compressed or row-sparse."""
+        n_rows = sum(type(s) is RowSparse for s in sources)
+        if n_rows:
+            if n_rows != len(sources):
+                raise ArgumentKindError(f"key {key!r}: push mixes RowSparse and dense values; "
+                                        f"give every device the same kind")
+            return _ROWS
+        if comp is not None and compressible(entry.value.dtype):
+            return _COMPRESSED
+        return _DENSE
+
+    def _run_push(self, plan: _PushPlan) -> None:
+        """Reduce every job of a checked push, then run the updater (or assign)."""
+        jobs = plan.jobs
+        if plan.compressed:  # compressed keys: the strategy sums the encoded terms
+            comp = self._compression
+            jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home, out)
+                           for key, sources, devices, home, out in plan.compressed]
         if jobs:
             self._strategy_for(jobs).reduce_many(jobs)
-        if not merged:
+        for key, _, _, home, out in plan.compressed:
+            comp.finish(key, out, home)
+        updater = self._updater
+        merged_rows = {}
+        for key, entry, merged in plan.rows:
+            if updater is None:
+                rows.assign_rows(entry, merged)
+            else:
+                merged_rows[key] = merged
+        if updater is None:  # narrow floats and compressed sums: assigned with one cast
+            for key, entry, out in plan.updates:
+                if out is not _ROWS:
+                    entry.home.copy(entry.value, out)
             return
-        pending = [(k, e) for k, e in zip(groups.keys, entries)
-                   if not (updater is None and not e.narrow)]
-        keys = [k for k, _ in pending]
-        stored = [e.value for _, e in pending]
-        homes = [e.home for _, e in pending]
-        if updater is None:  # narrow floats: summed in fp32, assigned with one cast
-            for m, s, home in zip(merged, stored, homes):
-                home.copy(s, m)
-        else:
-            if len(keys) > 1:  # MXNet's order: int keys ascending, str keys as initialised
-                rank = (keys.__getitem__ if type(keys[0]) is int
-                        else (lambda i: pending[i][1].seq))
-                order = sorted(range(len(keys)), key=rank)
-                keys, merged, stored, homes = ([seq[i] for i in order]
-                                               for seq in (keys, merged, stored, homes))
-            updater.update(keys, merged, stored, homes)
+        updates = plan.updates
+        if len(updates) > 1:  # MXNet's order: int keys ascending, str keys as initialised
+            rank = ((lambda u: u[0]) if type(updates[0][0]) is int else (lambda u: u[1].seq))
+            updates = sorted(updates, key=rank)
+        # Runs of one kind go to the updater together (optimizers batch them).
+        lazy_rows = type(updater) is not _FunctionUpdater and hasattr(updater, "update_rows")
+        for is_rows, run in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
+            run = list(run)
+            keys = [u[0] for u in run]
+            stored = [u[1].value for u in run]
+            homes = [u[1].home for u in run]
+            if not is_rows:
+                updater.update(keys, [u[2] for u in run], stored, homes)
+            elif lazy_rows:
+                updater.update_rows(keys, [merged_rows[k] for k in keys], stored, homes)
+            else:  # fn(key, RowSparse, stored), or an updater taking dense gradients only
+                updater.update(keys, [merged_rows[k] for k in keys], stored, homes)
 
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy the value of each key into every array of `out` (written in place)."""
@@ -442,21 +543,19 @@ class KVStore:
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
-        on_host = groups.all_host and not self._route_host  # plain host copies for host keys
-        jobs = []
-        for key, entry, outs in zip(groups.keys, entries, groups.arrays):
-            if on_host and entry.home is _HOST:
-                host_broadcast(entry.value, outs)
-                continue
-            jobs.append(BroadcastJob(key, entry.value, entry.home, outs, self._devices(outs)))
+        host_slots = _host_slots if groups.all_host else None
+        jobs = [BroadcastJob(key, entry.value, entry.home, outs,
+                             host_slots(len(outs)) if host_slots is not None
+                             else self._devices(outs))
+                for key, entry, outs in zip(groups.keys, entries, groups.arrays)]
         if jobs:
             self._strategy_for(jobs).broadcast_many(jobs)
 
     def _strategy_for(self, jobs):
         """The store's strategy, or the host one for keys whose home is the host."""
-        if self._route_host or all(job.home.kind == "gpu" for job in jobs):
+        if self._route_host or not any(job.home.host_memory for job in jobs):
             return self._strategy
-        if any(job.home.kind == "gpu" for job in jobs):
+        if not all(job.home.host_memory for job in jobs):
             return _SplitStrategy(self._strategy)
         return _HOST_STRATEGY
 
@@ -473,7 +572,7 @@ class KVStore:
             self._check_all_outs(out_groups, out_entries)
             if out_groups.sparse:
                 rows.refuse_sparse_outs(out_groups, out is None)
-            self._push_groups(groups, entries, cast=not exact)
+            self._run_push(self._plan_push(groups, entries, cast=not exact))
             self._pull_groups(out_groups, out_entries)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
@@ -535,46 +634,45 @@ class KVStore:
 
         A versioned archive (JSON header, one array per state tensor, no pickle), written
         to a temporary file and renamed over `fname`: a crash leaves the old file whole.
+        A bad path, a folder, a folder that cannot be written or a full disk raise
+        CheckpointError and leave the old file whole, with no temporary file behind.
         """
-        from .checkpoint import write_archive
+        from .checkpoint import checkpoint_path, write_archive
+        path = checkpoint_path(fname)
         with self._lock:
             header, arrays = self._optimizer_updater(
                 "save_optimizer_states").export_state(bool(dump_optimizer))
-            write_archive(fname, header, arrays)
+            write_archive(path, header, arrays)
 
     def load_optimizer_states(self, fname) -> None:
-        """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit."""
-        import os
+        """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit.
 
-        from .checkpoint import read_archive
+        The file, every key's state, and the options, multipliers and schedule it may
+        hold are all checked before anything changes: a failed load changes nothing.
+        """
+        from .checkpoint import checkpoint_path, read_archive
         self._optimizer_updater("load_optimizer_states")
-        header, arrays = read_archive(fname)
+        path = checkpoint_path(fname)
+        header, arrays = read_archive(path)
         with self._lock:
             self._optimizer_updater("load_optimizer_states").import_state(
-                header, arrays, self._entry_map(), path=os.fspath(fname))
+                header, arrays, self._entry_map(), path=path)
 
     def _entry_map(self) -> dict:
         return {k: (e.value, e.home) for k, e in self._entries.items()}
-
-    def _export_optimizer_state(self, dump_optimizer: bool = False):
-        """(header, arrays) of the optimizer's state, for whole-store checkpoints."""
-        if self._optimizer is None:
-            return None
-        return self._updater.export_state(dump_optimizer)
-
-    def _import_optimizer_state(self, header, arrays, check_only: bool = False) -> None:
-        self._optimizer_updater("load").import_state(header, arrays, self._entry_map(),
-                                                     check_only=check_only)
 
     def save(self, path) -> None:
         """Write every key's value (and the optimizer's state, if one is set) to `path`.
 
         The file is a versioned `.npz` archive with a JSON header (no pickle), written to a
         temporary file and renamed over `path`, so a crash mid-save leaves the previous
-        file whole. GPU values are copied to the host for saving.
+        file whole. GPU values are copied to the host for saving. A bad path, a folder, a
+        folder that cannot be written or a full disk raise CheckpointError and leave the
+        previous file whole, with no temporary file behind.
         """
-        from .checkpoint import save_store
-        save_store(self, path)
+        from . import checkpoint
+        with self._lock:  # the values stay as they are while the file is written
+            checkpoint.save_store(self._snapshot(to_host=True), path)
 
     def load(self, path) -> None:
         """Read a file written by `save` into this store.
@@ -584,12 +682,81 @@ class KVStore:
         some); keys already in the store get the saved value, which must match their
         shape and dtype; keys of the store absent from the file are left as they are.
         The optimizer's state is restored when the file has some and an optimizer is set.
-        Everything is checked before anything changes: a missing, damaged or foreign file,
-        another key kind, or a key whose shape or dtype differ raise CheckpointError and
-        leave the store untouched.
+        Everything is checked before anything changes: a bad path, a missing, damaged or
+        foreign file, another key kind, a key whose shape or dtype differ, or optimizer
+        state that does not fit raise CheckpointError and leave the store untouched.
         """
-        from .checkpoint import load_store
-        load_store(self, path)
+        from . import checkpoint
+        contents = checkpoint.read_store(path)  # the file alone, outside the lock
+        with self._lock:  # checked against the store and applied in one hold of the lock
+            self._apply_load(checkpoint.plan_load(contents, self._snapshot()))
+
+    def _snapshot(self, to_host: bool = False):
+        """The store as `gpukv.api.checkpoint` sees it; with `_apply_load`, the only door
+        between a store and its checkpoints.
+
+        A `checkpoint.StoreSnapshot`: the store's type and key kind, (key, value, home
+        kind) of every key in init order, and the optimizer's updater (None without
+        `set_optimizer`). `to_host`: values as NumPy arrays (GPU values copied over);
+        otherwise the stored arrays, for their shapes and dtypes. Host values are the
+        store's own arrays: hold the store's lock for as long as the snapshot is used.
+        """
+        from .checkpoint import StoreSnapshot
+        with self._lock:
+            if to_host:
+                entries = [(k, e.home.to_host(e.value), e.home.kind)
+                           for k, e in self._entries.items()]
+            else:
+                entries = [(k, e.value, e.home.kind) for k, e in self._entries.items()]
+            updater = self._updater if self._optimizer is not None else None
+            return StoreSnapshot(self._type, self._key_kind, entries, updater)
+
+    def _apply_load(self, plan) -> None:
+        """Apply a `checkpoint.LoadPlan`: with `_snapshot`, the only door between a store
+        and its checkpoints, and the only way a checkpoint changes a store.
+
+        `plan` must come from `checkpoint.plan_load` on a `_snapshot()` taken in the same
+        hold of the store's lock (as `load` does): it was checked against the store as it
+        is, so nothing here fails on the file's content. The new keys' memory and the
+        optimizer's state are allocated before any value changes; running out of memory
+        there changes nothing.
+        """
+        with self._lock:
+            load = dict(self._load)
+            gpus = []
+            if self._on_gpu and any(saved_on == "gpu" for _, _, saved_on in plan.creates):
+                gpus = gpu_devices()
+            created = []  # (key, its new entry, the file's value)
+            try:
+                for key, value, saved_on in plan.creates:  # the file's record of the home
+                    home = (min(gpus, key=lambda d: load.get(d, 0))
+                            if gpus and saved_on == "gpu" else _HOST)
+                    load[home] = load.get(home, 0) + value.nbytes
+                    created.append((key, _Entry(home.empty(value.shape, value.dtype), home),
+                                    value))
+                if plan.optimizer is not None:
+                    homes = {k: e.home for k, e in self._entries.items()}
+                    homes.update((k, e.home) for k, e, _ in created)
+                    self._updater.apply_state(plan.optimizer, homes)
+            except MemoryError as exc:
+                raise OutOfMemoryError(f"load: the checkpoint's keys and optimizer state need "
+                                       f"more memory than their devices have free; nothing "
+                                       f"was changed ({exc})") from exc
+            touched = set()
+            entries = self._entries
+            for key, value in plan.updates:
+                entry = entries[key]
+                entry.home.copy(entry.value, value)
+                touched.add(entry.home)
+            for key, entry, value in created:
+                entry.home.copy(entry.value, value)
+                entries[key] = entry
+                touched.add(entry.home)
+            for home in touched:  # the file's host arrays go away after this call
+                home.synchronize()
+            self._load = load
+            if plan.key_kind is not None:
+                self._key_kind = plan.key_kind
 
     # ------------------------------------------------- compression and row-sparse
     def _compression_allowed(self) -> bool:
@@ -617,63 +784,6 @@ class KVStore:
         """The compression in use, as a dict of its options, or None."""
         comp = self._compression
         return None if comp is None else comp.params()
-
-    def _push_special(self, groups: check.Groups, entries: list):
-        """Push the row-sparse keys and the compressed keys; return the rest, untouched."""
-        comp = self._compression
-        rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
-        sparse_work, comp_work = [], []
-        for key, entry, sources, originals in zip(groups.keys, entries, groups.arrays,
-                                                  groups.originals):
-            n_sparse = sum(type(s) is RowSparse for s in sources)
-            if n_sparse:
-                if n_sparse != len(sources):
-                    raise ArgumentKindError(
-                        f"key {key!r}: push mixes RowSparse and dense values; "
-                        f"give every device the same kind")
-                sparse_work.append((key, entry, sources))
-            elif comp is not None and compressible(entry.value.dtype):
-                comp_work.append((key, entry, sources))
-            else:
-                rest_keys.append(key)
-                rest_arrays.append(sources)
-                rest_originals.append(originals)
-                rest_entries.append(entry)
-        updater = self._updater
-        pending = []  # (key, merged, stored, home) for the updater
-        for key, entry, sources in comp_work:
-            home, value = entry.home, entry.value
-            if value.dtype == np.float32 or entry.narrow:
-                out = entry.merge_buffer()
-            else:
-                out = comp.buffer(key, home, value.shape)
-            comp.reduce(key, sources, self._devices(sources), home, out)
-            if updater is None:
-                home.copy(value, out)
-            else:
-                pending.append((key, out, value, home))
-        rows_pending = []  # row-sparse merges for an updater that updates rows only
-        by_rows = updater is not None and (type(updater) is _FunctionUpdater
-                                           or hasattr(updater, "update_rows"))
-        for key, entry, sources in sparse_work:
-            merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
-            if updater is None:
-                rows.assign_rows(entry, merged)
-            elif by_rows:
-                rows_pending.append((key, merged, entry.value, entry.home))
-            else:  # an updater that takes dense gradients: the standard (non-lazy) update
-                pending.append((key, rows.dense_gradient(merged, entry.home),
-                                entry.value, entry.home))
-        if pending:
-            updater.update(*(list(column) for column in zip(*pending)))
-        if rows_pending:
-            columns = [list(column) for column in zip(*rows_pending)]
-            if type(updater) is _FunctionUpdater:  # fn(key, RowSparse, stored)
-                updater.update(*columns)
-            else:
-                updater.update_rows(*columns)
-        rest = rows.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
-        return rest, rest_entries
 
     def _pull_sparse_outs(self, groups: check.Groups, entries: list, ignore_sparse: bool):
         """Fill (or, with ignore_sparse, skip) the RowSparse outs; return the dense rest."""

@@ -1,6 +1,5 @@
 """Reduction strategies: how a key's values meet on its home device and go back."""
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .host import HostStrategy, accumulate_dtype, host_sum
+from .host import HostStrategy
 
-__all__ = ["Strategy", "ReduceJob", "BroadcastJob", "HostStrategy", "host_sum",
-           "accumulate_dtype"]
+__all__ = ["Strategy", "ReduceJob", "BroadcastJob", "HostStrategy"]

@@ -1,12 +1,14 @@
 """The 'auto' strategy: per key, the strategy the cost model predicts to be fastest.
 
 For each key the choice depends on its size in bytes, the number of devices that hold
-it and their link matrix (from CUDA's P2P attributes); `simulate.best_strategy` (an
-alpha-beta model) ranks 'home', 'tree', 'ring', 'cpu' and, where NCCL loads and the
-key spans several physical GPUs, 'nccl'. For GPUs the model is
-`simulate.calibrated_machine` of their link matrix with `simulate.calibrated_costs`:
-the constants `python -m gpukv bench --calibrate` measured on this machine when its
-calibration file is there and usable, the defaults otherwise.
+it and their link matrix (`execute.link_matrix`); `simulate.best_strategy` (an
+alpha-beta model) ranks 'home', 'tree', 'ring', 'cpu' and, where NCCL loads, the
+devices support it (`Device.supports_nccl`) and the key spans several of their
+memories, 'nccl'. For devices whose links are read from the hardware
+(`execute.measured_links`: GPUs) the model is `simulate.calibrated_machine` of their
+link matrix with `simulate.calibrated_costs`: the constants `python -m gpukv bench
+--calibrate` measured on this machine when its calibration file is there and usable,
+the defaults otherwise. Nothing here asks which kind a device is.
 Keys on the host only take the host sum; a key on one device takes 'home'. Choices
 are cached per (size, devices, home) and logged once at DEBUG, e.g.
 ``gpukv: key 3 (4 MiB, 4 devices) -> tree``. Keys that chose the same strategy are
@@ -32,21 +34,37 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def delegate_classes() -> dict:
+    """{name: class} of the strategies 'auto' hands keys to, in the registry's order
+    (imported on first use, so that importing this module loads none of them)."""
+    from .home import HomeStrategy
+    from .nccl import NcclStrategy
+    from .ring import RingStrategy
+    from .staged import CpuStrategy
+    from .tree import TreeStrategy
+    return {"home": HomeStrategy, "tree": TreeStrategy, "ring": RingStrategy,
+            "cpu": CpuStrategy, "nccl": NcclStrategy}
+
+
 class AutoStrategy(Strategy):
     """Picks a strategy per key from `simulate.best_strategy` (see the module docs).
 
     `machine`: a link matrix, a `simulate` machine profile name or a `Machine`, used in
     place of the measured topology and modelled with the default constants (no
-    calibration: it stands for another machine, or for tests). `choose`:
+    calibration: it stands for another machine, or for tests). `costs`: a
+    `simulate.CostModel` used in place of the default or calibrated constants. `choose`:
     a callable `(nbytes, n_devices, matrix, home, candidates) -> name` replacing the
-    cost model. `model_host`: choose for host devices too (else they take the host sum).
+    cost model. `strategies`: {name: strategy object} to delegate to (the others are
+    built from `delegate_classes` when first chosen). `model_host`: choose for host
+    devices too (else they take the host sum).
     """
 
     name = "auto"
 
     def __init__(self, machine=None, choose=None, strategies: dict | None = None,
-                 model_host: bool = False):
+                 model_host: bool = False, costs=None):
         self._machine = machine
+        self._costs = costs
         self._model_host = model_host  # host slots consult the model too (tests)
         self._choose = choose
         self._strategies = dict(strategies or {})
@@ -57,8 +75,7 @@ class AutoStrategy(Strategy):
         """The strategy object of `name` this auto strategy delegates to."""
         s = self._strategies.get(name)
         if s is None:
-            from .registry import make_strategy
-            s = self._strategies[name] = make_strategy(name)
+            s = self._strategies[name] = delegate_classes()[name]()
         return s
 
     def choose(self, key, nbytes: int, devices, home) -> str:
@@ -67,7 +84,7 @@ class AutoStrategy(Strategy):
         if host and not self._model_host:
             return "cpu"
         nodes = sorted(execute.unique(list(devices) + [home]), key=execute.node_order)
-        if len(nodes) == 1 or not (host or execute.is_gpu_job(devices, home)) \
+        if len(nodes) == 1 or not execute.is_uniform_job(devices, home) \
                 or len(set(devices)) != len(devices):
             return "home"
         cache_key = (nbytes, tuple(nodes), home)
@@ -81,8 +98,9 @@ class AutoStrategy(Strategy):
         return name
 
     def _decide(self, nbytes: int, nodes, home) -> str:
+        """The candidate the cost model predicts to be fastest for `nodes`."""
         candidates = list(_CANDIDATES)
-        if not host_nodes(nodes) and len({d.physical for d in nodes}) > 1:
+        if all(d.supports_nccl for d in nodes) and len({d.physical for d in nodes}) > 1:
             from .nccl import nccl_available
             if nccl_available():
                 candidates.append("nccl")
@@ -94,10 +112,11 @@ class AutoStrategy(Strategy):
         if self._choose is not None:
             return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
         from .plan import simulate
-        costs = simulate.COSTS
-        if measured and not host_nodes(nodes):  # these GPUs: measured constants, if any
+        costs = simulate.COSTS if self._costs is None else self._costs
+        if measured and execute.measured_links(nodes):  # this machine: measured constants
             machine = simulate.calibrated_machine(machine)
-            costs = simulate.calibrated_costs()
+            if self._costs is None:
+                costs = simulate.calibrated_costs()
         return simulate.best_strategy(nbytes, len(nodes), machine,
                                       strategies=tuple(candidates), home=h, costs=costs)
 
@@ -120,7 +139,3 @@ class AutoStrategy(Strategy):
 
     def broadcast_many(self, jobs: list) -> None:
         self._dispatch(jobs, lambda j: j.src.nbytes, "broadcast_many")
-
-
-def host_nodes(nodes) -> bool:
-    return not any(execute.is_gpu(d) for d in nodes)

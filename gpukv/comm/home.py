@@ -10,9 +10,10 @@ waits.
 """
 from __future__ import annotations
 
+from ..device.base import Term
 from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut, Term
+from .execute import FlatOut
 
 
 class HomeStrategy(Strategy):
@@ -47,7 +48,7 @@ class HomeStrategy(Strategy):
                 work.append((out.flat, terms))
                 outs.append(out)
             execute.wait_all(home, [d for job in group for d in job.devices])
-            execute.gather_sum(home, work)
+            home.sum_into(work)
             for out in outs:
                 out.done()
             alive.append(work)
@@ -72,7 +73,7 @@ class HomeStrategy(Strategy):
                 outs.append(target)
             alive.append(flat_pairs)
             execute.wait_all(device, [job.home for _, job in pairs])
-            execute.copy_many(device, flat_pairs)
+            device.copy_many(flat_pairs)
             for target in outs:
                 target.done()
         for home in homes:  # the stored value may change only after every read of it

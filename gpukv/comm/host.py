@@ -1,281 +1,56 @@
-"""Reduction on the host: NumPy sums and copies in cache-sized blocks, split over threads.
+"""The host strategy: every key summed and copied in main memory by the host device.
 
-Large host reductions are limited by memory bandwidth, not arithmetic. Two things keep the
-traffic near its minimum (for k sources: k reads and 1 write to reduce, 1 read and k writes
-to broadcast):
-
-- Blocks: the running sum of one block stays in the core's L2 while every source is added
-  to it, so the output goes to memory once, not once per source; a broadcast copies one
-  block of the source to every output while that block is still in cache.
-- Threads: one core rarely saturates the memory of a modern CPU. NumPy releases the GIL
-  inside ufuncs and copies, so large arrays are cut into contiguous chunks, one per
-  thread of a small persistent pool (`GPUKV_HOST_THREADS`, default: usable CPUs, at
-  most 4).
-
-Small arrays skip all of that: one ufunc call per source, nothing else.
+The sums themselves (blocked, threaded NumPy) are the host device's
+(`gpukv.device.host_sum`).
 """
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
-from .._dtypes import NARROW_FLOATS
-from .._env import positive_int
+from ..device.host import host_device
 from ._base import BroadcastJob, ReduceJob, Strategy
 
-_F32 = np.dtype(np.float32)
+__all__ = ["HostStrategy"]
+
 _NDARRAY = np.ndarray
-_SAME: dict = {}  # ufunc keywords when every array has the output's dtype: none
-
-
-def _l2_bytes() -> int:
-    """The size of the L2 cache of CPU 0 (Linux sysfs), or 1 MiB when unknown."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
-            text = f.read().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        return int(text.rstrip("KM")) * scale
-    except (OSError, ValueError):
-        return 1 << 20
-
-
-# Bytes per block: half of L2 holds the block of the output (the other half is left to
-# the streaming sources), clamped to a range where per-block Python overhead is small.
-BLOCK_BYTES = min(max(_l2_bytes() // 2, 128 << 10), 1 << 20)
-# Arrays at least this large (bytes) are cut in blocks; smaller ones fit in cache anyway.
-BLOCKED_BYTES = 1 << 20
-# A thread of the pool gets at least this many bytes of output; smaller jobs run inline.
-THREAD_BYTES = 1 << 20
-
-
-def _default_threads() -> int:
-    """`GPUKV_HOST_THREADS` (a positive integer), else the usable CPUs, at most 4."""
-    threads = positive_int("GPUKV_HOST_THREADS")
-    if threads is not None:
-        return threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(4, cpus or 1))
-
-
-def thread_count() -> int:
-    """The threads a large host sum or copy is cut over (`THREADS`), read from the
-    environment on first use; a malformed `GPUKV_HOST_THREADS` is an ArgumentError."""
-    n = globals().get("THREADS")
-    if n is None:
-        n = globals()["THREADS"] = _default_threads()
-    return n
-
-
-def __getattr__(name: str):
-    # `THREADS` is read lazily, so that importing gpukv never fails on the environment.
-    if name == "THREADS":
-        return thread_count()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_ACC_CACHE: dict = {}
-
-
-def accumulate_dtype(dtype):
-    """The dtype sums of `dtype` are accumulated in: float32 for 16-bit floats."""
-    dtype = np.dtype(dtype)
-    acc = _ACC_CACHE.get(dtype)
-    if acc is None:  # dtype.name is slow in NumPy, so it is read once per dtype
-        acc = _ACC_CACHE[dtype] = _F32 if dtype.name in NARROW_FLOATS else dtype
-    return acc
-
-
-class _Pool:
-    """A few persistent threads that run the chunks of one large sum or copy.
-
-    The caller's thread runs the first chunk itself and waits for the others, so a call
-    returns only when every chunk is written. Recreated after a fork (threads do not
-    survive one).
-    """
-
-    def __init__(self):
-        self._executor = None
-        self._workers = 0
-        self._pid = None
-        self._lock = threading.Lock()
-
-    def _get(self, workers: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None or self._pid != os.getpid() or self._workers < workers:
-                if self._executor is not None and self._pid == os.getpid():
-                    self._executor.shutdown(wait=False)  # too small: replaced by a larger one
-                self._executor = ThreadPoolExecutor(workers, thread_name_prefix="gpukv-host")
-                self._workers = workers
-                self._pid = os.getpid()
-            return self._executor
-
-    def run(self, fn, chunks: list) -> None:
-        """Call `fn(*chunk)` for every chunk, concurrently; re-raise the first error."""
-        if len(chunks) == 1:
-            fn(*chunks[0])
-            return
-        executor = self._get(len(chunks) - 1)
-        futures, inline = [], [chunks[0]]
-        for chunk in chunks[1:]:
-            try:
-                futures.append(executor.submit(fn, *chunk))
-            except RuntimeError:  # pool shut down (interpreter exit, resize): run it here
-                inline.append(chunk)
-        error = None
-        try:
-            for chunk in inline:
-                fn(*chunk)
-        except BaseException as e:  # noqa: B036 - re-raised below, after the others finish
-            error = e
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as e:  # noqa: B036
-                error = error or e
-        if error is not None:
-            raise error
-
-
-_POOL = _Pool()
-
-
-def _chunks(n: int, itemsize: int, block: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges cutting n elements over the pool: whole blocks, THREAD_BYTES each."""
-    parts = max(1, min(thread_count(), (n * itemsize) // THREAD_BYTES))
-    if parts == 1:
-        return [(0, n)]
-    blocks = -(-n // block)
-    edges = [min(n, (blocks * i // parts) * block) for i in range(parts + 1)]
-    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
-
-
-def _contiguous(arrays) -> bool:
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            return False
-    return True
-
-
-def _overlapping(arrays) -> bool:
-    """Whether two of `arrays` may share memory (then only whole-array order is safe)."""
-    for i in range(1, len(arrays)):
-        for j in range(i):
-            if np.may_share_memory(arrays[i], arrays[j]):
-                return True
-    return False
-
-
-def _sum_range(out, first, second, rest, kwargs, block, lo, hi) -> None:
-    add = np.add
-    for start in range(lo, hi, block):
-        stop = min(start + block, hi)
-        acc = out[start:stop]
-        add(first[start:stop], second[start:stop], acc, **kwargs)
-        for s in rest:
-            add(acc, s[start:stop], acc, **kwargs)
-
-
-def host_sum(out: np.ndarray, sources: list) -> None:
-    """Write the sum of `sources` (arrays of `out`'s shape) into `out`.
-
-    Sources of another dtype than `out` (float16/bfloat16 into a float32 merge buffer)
-    are accumulated in `out`'s dtype; when `out` itself is 16-bit the sum is done in a
-    float32 buffer and rounded into `out` once. `out` must not be one of `sources`; any
-    strides work.
-    """
-    dtype = out.dtype
-    if len(sources) > 1 and out.nbytes < BLOCKED_BYTES and _ACC_CACHE.get(dtype) is dtype:
-        # Small, and every source of out's dtype (the common case): the plain ufunc calls.
-        for s in sources:
-            if s.dtype is not dtype:
-                break
-        else:
-            add = np.add
-            add(sources[0], sources[1], out)
-            for s in sources[2:]:
-                add(out, s, out)
-            return
-    if len(sources) == 1:
-        host_broadcast(sources[0], [out])
-        return
-    acc = accumulate_dtype(dtype)
-    if acc is not dtype:  # a 16-bit out: never round the partial sums
-        wide = np.empty(out.shape, acc)
-        host_sum(wide, sources)
-        host_broadcast(wide, [out])
-        return
-    first, second, rest = sources[0], sources[1], sources[2:]
-    kwargs = _SAME
-    for s in sources:
-        if s.dtype is not dtype:  # e.g. float16 sources into a float32 merge buffer
-            kwargs = {"dtype": acc, "casting": "unsafe"}
-            break
-    nbytes = out.nbytes
-    if nbytes < BLOCKED_BYTES or not _contiguous(sources) or not out.flags.c_contiguous:
-        np.add(first, second, out, **kwargs)
-        for s in rest:
-            np.add(out, s, out, **kwargs)
-        return
-    flat_out = out.reshape(-1)
-    flat = [s.reshape(-1) for s in sources]
-    block = max(1, BLOCK_BYTES // max(dtype.itemsize, acc.itemsize))
-    chunks = [(flat_out, flat[0], flat[1], flat[2:], kwargs, block, lo, hi)
-              for lo, hi in _chunks(flat_out.size, dtype.itemsize, block)]
-    _POOL.run(_sum_range, chunks)
-
-
-def _copy_range(outs, src, block, lo, hi) -> None:
-    copyto = np.copyto
-    for start in range(lo, hi, block):
-        stop = min(start + block, hi)
-        piece = src[start:stop]
-        for o in outs:
-            copyto(o[start:stop], piece, casting="unsafe")
-
-
-def host_broadcast(src: np.ndarray, outs: list) -> None:
-    """Copy `src` into every array of `outs` (same shape; dtypes cast as NumPy does)."""
-    if (src.nbytes < BLOCKED_BYTES or not src.flags.c_contiguous or not _contiguous(outs)
-            or _overlapping(outs)):
-        for o in outs:
-            if type(o) is _NDARRAY:
-                o[...] = src  # the same unsafe cast as copyto, with less call overhead
-            else:
-                np.copyto(o, src, casting="unsafe")
-        return
-    flat_src = src.reshape(-1)
-    flat = [o.reshape(-1) for o in outs]
-    widest = max([src.dtype.itemsize] + [o.dtype.itemsize for o in outs])
-    block = max(1, BLOCK_BYTES // widest)
-    chunks = [(flat, flat_src, block, lo, hi)
-              for lo, hi in _chunks(flat_src.size, src.dtype.itemsize, block)]
-    _POOL.run(_copy_range, chunks)
-
-
-def _to_host(array) -> np.ndarray:
-    """A GPU array copied to the host by its own GPU, on CuPy's current stream there."""
-    from ..device.cuda.device import to_numpy
-    return to_numpy(array)
+_HOST = host_device(0)
+_SUM = _HOST.sum
+_BROADCAST = _HOST.broadcast
+_TO_HOST = _HOST.to_host
 
 
 class HostStrategy(Strategy):
     """Everything through main memory: GPU sources are copied to the host first.
 
-    This is MXNet's `local` store (and the `'cpu'` strategy on GPUs).
+    This is MXNet's `local` store (and the `'cpu'` strategy on GPUs). The loops over a
+    call's keys are written out here: with many small keys they are the host's hot path.
     """
 
     name = "cpu"
 
     def reduce(self, job: ReduceJob) -> None:
-        sources = [s if isinstance(s, np.ndarray) else _to_host(s) for s in job.sources]
-        host_sum(job.out, sources)
+        self.reduce_many((job,))
 
     def broadcast(self, job: BroadcastJob) -> None:
-        if all(isinstance(o, np.ndarray) for o in job.outs) and isinstance(job.src, np.ndarray):
-            host_broadcast(job.src, job.outs)
-            return
-        for out, device in zip(job.outs, job.devices):
-            device.copy(out, job.src)
+        self.broadcast_many((job,))
+
+    def reduce_many(self, jobs) -> None:
+        for _, sources, _, _, out in jobs:
+            for s in sources:
+                if type(s) is not _NDARRAY and not isinstance(s, _NDARRAY):
+                    # a GPU array: read by the host, synchronously
+                    sources = [_TO_HOST(s) for s in sources]
+                    break
+            _SUM(out, sources)
+
+    def broadcast_many(self, jobs) -> None:
+        for _, src, _, outs, devices in jobs:
+            if _on_host(src) and all(_on_host(o) for o in outs):
+                _BROADCAST(src, outs)
+                continue
+            for out, device in zip(outs, devices):
+                device.copy(out, src)
+
+
+def _on_host(array) -> bool:
+    return type(array) is _NDARRAY or isinstance(array, _NDARRAY)

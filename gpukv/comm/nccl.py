@@ -9,52 +9,15 @@ host, or on a single physical GPU, need no NCCL and run the 'home' algorithm.
 """
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
-
-from .._errors import BackendError
+from ..device.base import Term
+from ..device.cuda import nccl as _nccl
+from ..device.cuda.nccl import INSTALL_HINT, nccl_available, nccl_dtype, nccl_module
 from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut, Term
+from .execute import FlatOut
 from .home import HomeStrategy
 
-INSTALL_HINT = ("the 'nccl' strategy needs NCCL for CuPy: pip install 'nvidia-nccl-cu12>=2.18' "
-                "(or nvidia-nccl-cu13 with cupy-cuda13x), or install CuPy from conda-forge, "
-                "which brings NCCL")
-
-
-def nccl_module():
-    """`cupy.cuda.nccl`, loaded; a BackendError saying how to install NCCL otherwise."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from cupy.cuda import nccl
-    except ImportError as exc:
-        raise BackendError(f"NCCL is not available ({exc}); {INSTALL_HINT}") from exc
-    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator"):
-        raise BackendError(f"NCCL is not available (libnccl could not be loaded); "
-                           f"{INSTALL_HINT}")
-    return nccl
-
-
-def nccl_available() -> bool:
-    try:
-        nccl_module()
-    except Exception:
-        return False
-    return True
-
-
-_NCCL_TYPES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16",
-               "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int8": "NCCL_INT8",
-               "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
-
-
-def nccl_dtype(nccl, dtype):
-    """NCCL's code for `dtype`, or None when NCCL has none."""
-    name = _NCCL_TYPES.get(np.dtype(dtype).name)
-    return getattr(nccl, name, None) if name else None
+__all__ = ["NcclStrategy", "INSTALL_HINT", "nccl_available", "nccl_dtype", "nccl_module"]
 
 
 class NcclStrategy(Strategy):
@@ -69,7 +32,7 @@ class NcclStrategy(Strategy):
     def _communicators(self, nccl, physical: tuple) -> list:
         comms = self._comms.get(physical)
         if comms is None:
-            comms = self._comms[physical] = nccl.NcclCommunicator.initAll(list(physical))
+            comms = self._comms[physical] = _nccl.communicators(nccl, physical)
         return comms
 
     def _split(self, jobs, outs_of, dtype_of):
@@ -77,9 +40,9 @@ class NcclStrategy(Strategy):
         mine, other = [], []
         nccl = None
         for job in jobs:
-            devices = list(job.devices)
-            multi = (execute.is_gpu_job(devices, job.home)
-                     and len({d.physical for d in devices} | {job.home.physical}) > 1)
+            devices = list(job.devices) + [job.home]
+            multi = (all(d.supports_nccl for d in devices)
+                     and len({d.physical for d in devices}) > 1)
             if not multi:
                 other.append(job)
                 continue
@@ -114,14 +77,14 @@ class NcclStrategy(Strategy):
                 if p == home.physical:  # the root reduces in place into the out
                     leader, buf = home, out.flat
                     execute.wait_all(home, [d for _, d in local])
-                    execute.gather_sum(home, [(buf, [Term(a, False) for a, _ in local])])
+                    home.sum_into([(buf, [Term(a, False) for a, _ in local])])
                 elif len(local) == 1 and local[0][0].dtype == out.flat.dtype:
                     leader, buf = local[0][1], local[0][0]
                 else:  # virtual GPUs on one GPU, or 16-bit floats: a local fp32 sum first
                     leader = local[0][1]
                     buf = leader.empty(out.flat.size, out.flat.dtype)
                     execute.wait_all(leader, [d for _, d in local])
-                    execute.gather_sum(leader, [(buf, [Term(a, False) for a, _ in local])])
+                    leader.sum_into([(buf, [Term(a, False) for a, _ in local])])
                 calls.append((physical, rank, leader, buf, out.flat, root))
         # One stream per GPU for the grouped call: its slot-0 device's (CuPy's current).
         for physical, rank, leader, buf, out, root in calls:
@@ -129,17 +92,10 @@ class NcclStrategy(Strategy):
         # Communicators are made before the group: one created inside it is initialised
         # only at groupEnd, too late for the collectives queued on it in the same group.
         comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
-        nccl.groupStart()
-        try:
+        with _nccl.group(nccl):
             for comm, (physical, rank, leader, buf, out, root) in zip(comms, calls):
-                device = ranks[physical[rank]]
                 recv = out if rank == root else buf
-                with device.cuda_device:
-                    comm.reduce(buf.data.ptr, recv.data.ptr, out.size,
-                                nccl_dtype(nccl, out.dtype), nccl.NCCL_SUM, root,
-                                device.stream.ptr)
-        finally:
-            nccl.groupEnd()
+                _nccl.reduce(nccl, comm, ranks[physical[rank]], buf, recv, root)
         for job in mine:
             execute.wait_all(job.home, [ranks[job.home.physical]])
         for out in outs:
@@ -182,18 +138,13 @@ class NcclStrategy(Strategy):
                             o.flags.c_contiguous and o.data.ptr == buf.data.ptr):
                         after.append((d, device, o, buf))
         comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
-        nccl.groupStart()
-        try:
+        with _nccl.group(nccl):
             for comm, (physical, rank, device, buf, root) in zip(comms, calls):
-                with device.cuda_device:
-                    comm.bcast(buf.data.ptr, buf.size, nccl_dtype(nccl, buf.dtype), root,
-                               device.stream.ptr)
-        finally:
-            nccl.groupEnd()
+                _nccl.bcast(nccl, comm, device, buf, root)
         for device, rank_device, o, buf in after:  # more outs on a GPU: local copies
             execute.wait_all(device, [rank_device])
             target = FlatOut(o, device)
-            execute.copy_many(device, [(target.flat, buf)])
+            device.copy_many([(target.flat, buf)])
             target.done()
         for home in execute.unique([j.home for j in mine]):
             execute.finish(everyone, home)
@@ -203,7 +154,7 @@ def _begin(jobs):
     """(rank devices, every device of `jobs`), the latter ordered after the caller's work."""
     ranks = _rank_devices(jobs)
     everyone = execute.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
-                           + list(ranks.values()))
+                              + list(ranks.values()))
     execute.begin(everyone)
     return ranks, everyone
 
@@ -221,6 +172,9 @@ def _by_gpu(pairs, home):
 
 def _rank_devices(jobs) -> dict:
     """physical GPU -> the device whose stream carries its NCCL calls (slot 0)."""
-    from ..device.cuda.device import cuda_device
-    gpus = {d.physical for j in jobs for d in list(j.devices) + [j.home]}
-    return {p: cuda_device(p, 0) for p in sorted(gpus)}
+    ranks = {}
+    for j in jobs:
+        for d in list(j.devices) + [j.home]:
+            if d.physical not in ranks:
+                ranks[d.physical] = d.primary
+    return dict(sorted(ranks.items()))

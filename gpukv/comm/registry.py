@@ -17,14 +17,8 @@ STRATEGIES = ("auto", "home", "tree", "ring", "cpu", "nccl")
 
 
 def _classes() -> dict:
-    from .auto import AutoStrategy
-    from .staged import CpuStrategy
-    from .home import HomeStrategy
-    from .nccl import NcclStrategy
-    from .ring import RingStrategy
-    from .tree import TreeStrategy
-    return {"auto": AutoStrategy, "home": HomeStrategy, "tree": TreeStrategy,
-            "ring": RingStrategy, "cpu": CpuStrategy, "nccl": NcclStrategy}
+    from .auto import AutoStrategy, delegate_classes
+    return {"auto": AutoStrategy, **delegate_classes()}
 
 
 def strategy_class(name: str) -> type:
@@ -55,7 +49,7 @@ def make_strategy(name: str | None = None, *, on_gpu: bool = True, **options) ->
     for 'tree'/'ring', `machine` for 'auto'). ArgumentError for an unknown name or a
     malformed `GPUKV_HOST_THREADS`.
     """
-    from .host import thread_count
+    from ..device.host_sum import thread_count
     thread_count()  # a malformed GPUKV_HOST_THREADS fails here, when a store is made
     explicit = name is not None
     if name is None:

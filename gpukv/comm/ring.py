@@ -11,9 +11,10 @@ into the `out` arrays. Each step is one fused kernel per device for all keys.
 """
 from __future__ import annotations
 
+from ..device.base import Term
 from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut, Term
+from .execute import FlatOut
 from .home import HomeStrategy
 
 
@@ -100,10 +101,10 @@ class RingStrategy(Strategy):
             acc = [None] * k  # acc[j]: device j's running sums (a buffer of the out's size)
             work.append((job, out, src, bounds, acc))
         for s, step in enumerate(reduce_schedule(k)):
-            marks = [execute.mark(d) for d in ring]  # what each device had done before the step
+            marks = [d.record() for d in ring]  # what each device had done before the step
             for j, c, pred in step:
                 device = ring[j]
-                execute.wait_mark(device, marks[pred])
+                device.wait_event(marks[pred])
                 items = []
                 for job, out, src, bounds, acc in work:
                     a, b = bounds[c]
@@ -119,7 +120,7 @@ class RingStrategy(Strategy):
                     else:
                         terms.append(Term(acc[pred][a:b], True))
                     items.append((acc[j][a:b], terms))
-                execute.gather_sum(device, items)
+                device.sum_into(items)
         # Device j now holds the complete chunk (j+1) % k; the home gathers them.
         for home in homes:
             execute.wait_all(home, ring)
@@ -132,7 +133,7 @@ class RingStrategy(Strategy):
                     a, b = bounds[c]
                     if b > a and ring[j] != home:
                         pairs.append((out.flat[a:b], acc[j][a:b]))
-            execute.copy_many(home, pairs)
+            home.copy_many(pairs)
         for job, out, src, bounds, acc in work:
             out.done()
         for home in homes:
@@ -162,16 +163,16 @@ class RingStrategy(Strategy):
             work.append((job, job.src.reshape(-1), outs, chunk_bounds(job.src.size, k)))
         for j, device in enumerate(ring):  # scatter: chunk j to ring position j
             execute.wait_all(device, homes)
-            execute.copy_many(device, [(outs[j][a:b], src[a:b])
-                                    for job, src, outs, bounds in work
-                                    for a, b in [bounds[j]] if b > a])
+            device.copy_many([(outs[j][a:b], src[a:b])
+                              for job, src, outs, bounds in work
+                              for a, b in [bounds[j]] if b > a])
         for step in gather_schedule(k):
-            marks = [execute.mark(d) for d in ring]
+            marks = [d.record() for d in ring]
             for j, c, pred in step:
                 device = ring[j]
-                execute.wait_mark(device, marks[pred])
-                execute.copy_many(device, [(outs[j][a:b], outs[pred][a:b])
-                                        for job, src, outs, bounds in work
-                                        for a, b in [bounds[c]] if b > a])
+                device.wait_event(marks[pred])
+                device.copy_many([(outs[j][a:b], outs[pred][a:b])
+                                  for job, src, outs, bounds in work
+                                  for a, b in [bounds[c]] if b > a])
         for home in homes:
             execute.finish(ring, home)

@@ -20,9 +20,10 @@ with `simulate.calibrated_costs` (this machine's measured constants when
 """
 from __future__ import annotations
 
+from ..device.base import Term
 from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut, Term
+from .execute import FlatOut
 from .home import HomeStrategy
 
 
@@ -100,7 +101,7 @@ class TreeStrategy(Strategy):
             else:
                 matrix = execute.link_matrix_for(nodes, self._matrix)
             measured = (model is None and self._matrix is None
-                        and all(execute.is_gpu(d) for d in nodes))
+                        and execute.measured_links(nodes))
             plan = self._plans[key] = _Plan(list(nodes), matrix, model, calibrated=measured)
         return plan
 
@@ -154,7 +155,8 @@ class TreeStrategy(Strategy):
             home = job.home
             out = FlatOut(job.out, home)
             outs.append(out)
-            sources = {plan.index[d]: execute.flat_in(s, d) for s, d in zip(job.sources, job.devices)}
+            sources = {plan.index[d]: execute.flat_in(s, d)
+                       for s, d in zip(job.sources, job.devices)}
             h = plan.index[home]
             for root, start, stop in self._segments(plan, job, out.flat.size,
                                                     out.flat.dtype.itemsize):
@@ -173,7 +175,7 @@ class TreeStrategy(Strategy):
         for h, (pairs, roots) in gathers.items():
             home = nodes[h]
             execute.wait_all(home, [nodes[r] for r in roots])
-            execute.copy_many(home, pairs)
+            home.copy_many(pairs)
         for out in outs:
             out.done()
         homes = execute.unique([job.home for job in jobs])
@@ -216,13 +218,13 @@ class TreeStrategy(Strategy):
                         owned[s][parent] = target
                     work.append((target, terms))
                     partial[s][parent] = Term(target, True)
-                execute.gather_sum(device, work)
+                device.sum_into(work)
         finals = []
         for s, (h, out, sources, start, stop) in enumerate(segs):
             final = partial[s].get(root)
             if root == h and owned[s].get(root) is None:
                 # The root never received anything (cannot happen with >= 2 nodes).
-                execute.gather_sum(nodes[root], [(out[start:stop], [final] if final else [])])
+                nodes[root].sum_into([(out[start:stop], [final] if final else [])])
                 final = Term(out[start:stop], True)
             finals.append(final.array)
         return finals
@@ -257,7 +259,7 @@ class TreeStrategy(Strategy):
             if scatter:
                 device = nodes[root]
                 execute.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
-                execute.copy_many(device, scatter)
+                device.copy_many(scatter)
             for level in plan.trees[root].broadcast_levels():
                 by_dst: dict = {}
                 for src_node, dst_node in level:
@@ -270,8 +272,8 @@ class TreeStrategy(Strategy):
                         for src_node, dst_node in level:
                             if dst_node == dst and dst != h:
                                 pairs.append((v[dst][a:b], v[src_node][a:b]))
-                    execute.copy_many(device, pairs)
+                    device.copy_many(pairs)
         for h, pairs in home_copies.items():
-            execute.copy_many(nodes[h], pairs)
+            nodes[h].copy_many(pairs)
         for home in execute.unique([job.home for job in jobs]):
             execute.finish(nodes, home)

@@ -16,8 +16,7 @@ from .base import Device
 from .host import HostDevice, host_device
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
-           "virtual_gpus", "has_overlapping_elements"]
-
+           "virtual_gpus", "has_overlapping_elements", "gpu_devices"]
 
 
 def _cupy_ndarray():
@@ -193,3 +192,10 @@ def device_of(array, slot: int = 0) -> Device:
         return host_device(slot)
     from .cuda.device import cuda_device
     return cuda_device(array.device.id, slot)
+
+
+def gpu_devices() -> list:
+    """The logical GPUs of this process (every visible GPU, or `GPUKV_VIRTUAL_GPUS` of
+    them); none without CuPy or a GPU."""
+    from .cuda.device import gpu_devices as cuda_gpu_devices
+    return cuda_gpu_devices()

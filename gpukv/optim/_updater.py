@@ -25,13 +25,17 @@ count (plus the hyper-parameters when asked), and one array per state tensor.
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
+import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 from .._dtypes import NARROW_FLOATS
-from .._errors import CheckpointError, DTypeError
-from ._base import Optimizer
+from .._errors import CheckpointError, DTypeError, GpukvError
+from ._base import Optimizer, check_number
 from . import lr_scheduler as _sched
 
 log = logging.getLogger("gpukv")
@@ -108,16 +112,13 @@ class OptimizerUpdater:
 
     # ------------------------------------------------------------------ states
     def _new_state(self, stored, home) -> KeyState:
+        """The state of one key, its arrays made on `home` (on its stream)."""
         names = self.optimizer.state_names()
         ct = compute_dtype(stored.dtype)
         narrow = stored.dtype.name in NARROW_FLOATS
-        if home.kind == "gpu":
-            with home.cuda_device, home.stream:
-                xp = home.xp
-                arrays = tuple(xp.zeros(stored.shape, ct) for _ in names)
-                master = stored.astype(np.float32) if narrow else None
-        else:
-            arrays = tuple(np.zeros(stored.shape, ct) for _ in names)
+        with home.activate():
+            xp = home.xp
+            arrays = tuple(xp.zeros(stored.shape, ct) for _ in names)
             master = stored.astype(np.float32) if narrow else None
         return KeyState(arrays, master, home)
 
@@ -151,7 +152,7 @@ class OptimizerUpdater:
             state = states.get(key)
             if state is not None:
                 continue
-            if home.kind == "gpu":
+            if not home.host_memory:
                 states[key] = self._new_state(s, home)
             else:
                 if new_host is None:
@@ -164,7 +165,8 @@ class OptimizerUpdater:
             for key, home in zip(new_host[0], new_host[2]):
                 states[key].home = home
 
-    def _check(self, keys, stored) -> None:
+    def check(self, keys, stored) -> None:
+        """DTypeError naming the first key whose value this optimizer cannot update."""
         known = _FLOAT_DTYPES
         for key, s in zip(keys, stored):
             ok = known.get(s.dtype)
@@ -193,7 +195,7 @@ class OptimizerUpdater:
 
     # ------------------------------------------------------------------ update
     def update(self, keys, merged, stored, homes) -> None:
-        self._check(keys, stored)
+        self.check(keys, stored)
         opt = self.optimizer
         hp = opt.hyper()
         self._ensure_states(keys, stored, homes)
@@ -202,23 +204,23 @@ class OptimizerUpdater:
         for key, m, s, home in zip(keys, merged, stored, homes):
             state = states[key]
             scalars = opt.next_scalars(key)
-            if home.kind == "gpu":
+            if home.host_memory:
+                host.append((s, m, state, scalars))
+            else:
                 gpu.setdefault((home, s.dtype), []).append(
                     (s, m, state.master, state.arrays, scalars))
-            else:
-                host.append((s, m, state, scalars))
         if host:
             self._host(host, hp)
         if gpu:
             self._gpu(gpu, hp)
 
     def _gpu(self, gpu, hp, body=None) -> None:
-        from ..device.cuda import optim_kernels as _optim_kernels
+        """Update the keys of device homes, one multi-tensor step per (home, dtype)."""
         opt = self.optimizer
         for (home, _), items in gpu.items():
-            with home.cuda_device, home.stream:
+            with home.activate():
                 items = [self._gpu_item(home, it) for it in items]
-                _optim_kernels.step(opt, home, items, hp, body=body)
+                home.optimizer_step(opt, items, hp, body=body)
 
     # ------------------------------------------------------------- host steps
     def _host(self, items, hp, chunk_fn=None) -> None:
@@ -418,7 +420,7 @@ class OptimizerUpdater:
         A lazy rule reads and writes only the gradient's rows of each weight and state;
         otherwise every row is updated, absent rows with a zero gradient.
         """
-        self._check(keys, stored)
+        self.check(keys, stored)
         opt = self.optimizer
         hp = opt.hyper()
         self._ensure_states(keys, stored, homes)
@@ -427,7 +429,7 @@ class OptimizerUpdater:
         for key, m, s, home in zip(keys, merged, stored, homes):
             state = self.states[key]
             scalars = opt.next_scalars(key)
-            on_gpu = home.kind == "gpu"
+            on_gpu = not home.host_memory
             if lazy:
                 item = (s, m, state, scalars)
                 if on_gpu:
@@ -435,7 +437,7 @@ class OptimizerUpdater:
                 else:
                     host_rows.append(item)
             elif on_gpu:
-                with home.cuda_device, home.stream:
+                with home.activate():
                     dense = m.todense()
                 gpu.setdefault((home, s.dtype), []).append(
                     (s, dense, state.master, state.arrays, scalars))
@@ -478,11 +480,10 @@ class OptimizerUpdater:
                 stored.reshape(nrows, -1)[idx] = wr.astype(stored.dtype)
 
     def _gpu_rows(self, groups, hp) -> None:
-        """As `_host_rows`, with CuPy gathers and scatters around one kernel launch."""
-        from ..device.cuda import optim_kernels as _optim_kernels
+        """As `_host_rows`, with gathers and scatters on the home around one step."""
         opt = self.optimizer
         for (home, _), group in groups.items():
-            with home.cuda_device, home.stream:
+            with home.activate():
                 launch, scatter = [], []
                 for stored, rs, state, scalars in group:
                     idx = home.to_local(rs.indices)
@@ -498,7 +499,7 @@ class OptimizerUpdater:
                     launch.append(self._gpu_item(home, (sr, g, mr, srows, scalars)))
                     scatter.append((stored, master, state.arrays, idx, sr, mr, srows))
                 if launch:
-                    _optim_kernels.step(opt, home, launch, hp, body=opt.sparse_cuda_body)
+                    home.optimizer_step(opt, launch, hp, body=opt.sparse_cuda_body)
                 for stored, master, arrays, idx, sr, mr, srows in scatter:
                     nrows = stored.shape[0]
                     stored.reshape(nrows, -1)[idx] = sr
@@ -555,114 +556,361 @@ class OptimizerUpdater:
 
     @staticmethod
     def _fetch(home, arr) -> np.ndarray:
-        if isinstance(arr, np.ndarray):
-            return arr.copy()
-        with home.cuda_device:
-            return arr.get(stream=home.stream)
+        """A NumPy copy of state array `arr`, which lives on `home`."""
+        fetched = home.to_host(arr)
+        return fetched.copy() if fetched is arr else fetched
 
     def import_state(self, header, arrays, entries, *, check_only=False, path="") -> None:
         """Replace every state with the saved ones; `entries`: {key: (value, home)}.
 
-        Everything is checked before anything changes; any mismatch is a CheckpointError.
+        `check_state`, then `apply_state`: everything is checked before anything changes,
+        and any mismatch is a CheckpointError. `check_only`: check, change nothing.
+        """
+        plan = self.check_state(header, arrays, {k: v for k, (v, _) in entries.items()},
+                                path=path)
+        if not check_only:
+            self.apply_state(plan, {k: home for k, (_, home) in entries.items()})
+
+    def check_state(self, header, arrays, weights, *, path="") -> "StatePlan":
+        """Check saved state (`export_state`'s header and arrays) against this optimizer.
+
+        `weights`: {key: the key's value as it will be when the plan is applied}; only
+        shapes and dtypes are read. Returns the `StatePlan` that `apply_state` installs.
+        Raises CheckpointError, changing nothing, for another optimizer or version, a key
+        not in `weights`, states of the wrong names, shape or dtype, bad update counts,
+        unknown or invalid options, multipliers that are not numbers >= 0, or a schedule
+        with missing, unknown or wrong-typed attributes. When the file holds options the
+        states are checked against the optimizer as those options will make it.
         """
         where = f"{path}: " if path else ""
         opt = self.optimizer
         if not isinstance(header, dict) or header.get("kind") != STATE_KIND:
             raise CheckpointError(f"{where}not a gpukv optimizer-state checkpoint")
         version = header.get("version")
-        if not isinstance(version, int) or not 1 <= version <= STATE_VERSION:
-            raise CheckpointError(f"{where}optimizer-state version {version!r} is not "
+        if type(version) is not int or not 1 <= version <= STATE_VERSION:
+            raise CheckpointError(f"{where}optimizer-state version {_brief(version)} is not "
                                   f"supported (this gpukv reads up to {STATE_VERSION})")
         if header.get("optimizer") != opt.name:
             raise CheckpointError(f"{where}holds the state of optimizer "
-                                  f"{header.get('optimizer')!r}, but this store's optimizer "
-                                  f"is {opt.name!r}")
+                                  f"{_brief(header.get('optimizer'))}, but this store's "
+                                  f"optimizer is {opt.name!r}")
         try:
-            keys = header["keys"]
-            plan = []
-            for i, info in enumerate(keys):
-                key = self._key(info)
-                if key not in entries and check_only:
-                    continue  # a whole-store load creates the key before the states
-                if key not in entries:
-                    raise CheckpointError(f"{where}key {key!r} has optimizer state in the "
-                                          f"file but is not in this store")
-                value, home = entries[key]
-                names = tuple(opt.state_names())
-                if tuple(info["states"]) != names:
-                    raise CheckpointError(
-                        f"{where}key {key!r}: the file holds states {info['states']}, this "
-                        f"optimizer keeps {list(names)} (different options?)")
-                ct = compute_dtype(value.dtype)
-                narrow = value.dtype.name in NARROW_FLOATS
-                if bool(info["master"]) != narrow:
-                    raise CheckpointError(f"{where}key {key!r}: the file's master copy does "
-                                          f"not fit a {value.dtype} weight")
-                got = []
-                for name in names:
-                    arr = arrays.get(f"state/{i}/{name}")
-                    if arr is None:
-                        raise CheckpointError(f"{where}key {key!r}: state {name!r} is missing")
-                    if arr.shape != value.shape or arr.dtype != ct:
-                        raise CheckpointError(
-                            f"{where}key {key!r}: state {name!r} is {arr.dtype}"
-                            f"{list(arr.shape)}, expected {ct}{list(value.shape)}")
-                    got.append(arr)
-                master = None
-                if narrow:
-                    master = arrays.get(f"state/{i}/master")
-                    if (master is None or master.shape != value.shape
-                            or master.dtype != np.float32):
-                        raise CheckpointError(f"{where}key {key!r}: master copy missing or "
-                                              f"of the wrong shape")
-                plan.append((key, home, got, master, int(info["count"])))
-            counts = {self._key(c): int(c["count"]) for c in header.get("counts", [])}
-            num_update = int(header["num_update"])
-            new_opt = new_sched = None
-            if header.get("options") is not None:
-                new_opt = type(opt)(**header["options"])
-                if header.get("lr_scheduler") is not None:
-                    new_sched = _sched.from_state(header["lr_scheduler"])
+            return self._checked_plan(header, arrays, weights, where)
         except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"{where}damaged optimizer-state header: "
                                   f"{type(exc).__name__}: {exc}") from exc
-        if check_only:
-            return
-        states = {}
-        for key, home, got, master, count in plan:
-            # C order whatever the file's: the multi-tensor kernels walk flat pointers
-            # (an .npz member may be Fortran-ordered, and cupy.asarray keeps that order).
-            if home.kind == "gpu":
-                with home.cuda_device, home.stream:
-                    xp = home.xp
-                    arrs = tuple(xp.asarray(np.asarray(a, order="C")) for a in got)
-                    m = (xp.asarray(np.asarray(master, order="C"))
-                         if master is not None else None)
-                home.synchronize()
-            else:
-                arrs = tuple(np.array(a, copy=True, order="C") for a in got)
-                m = np.array(master, copy=True, order="C") if master is not None else None
-            states[key] = KeyState(arrs, m, home)
-            counts.setdefault(key, count)
-        if new_opt is not None:
-            for name in opt._options:
-                attr = "lr" if name == "learning_rate" else name
-                setattr(opt, attr, getattr(new_opt, attr))
-            opt.lr_mult = {self._key(e): float(e["mult"]) for e in header.get("lr_mult", [])}
-            opt.wd_mult = {self._key(e): float(e["mult"]) for e in header.get("wd_mult", [])}
-            if new_sched is not None:
-                opt.lr_scheduler = new_sched
+
+    def apply_state(self, plan: "StatePlan", homes: dict) -> None:
+        """Install a plan `check_state` made; `homes`: {key: its home device}.
+
+        Every state array is made first (running out of memory changes nothing), then the
+        states, update counts, options, multipliers and schedule are swapped in at once.
+        """
+        states = self._loaded_states(plan.keys, homes)
+        opt = self.optimizer
+        if plan.options is not None:
+            for attr, value in plan.options.items():
+                setattr(opt, attr, value)
+            opt.lr_mult = dict(plan.lr_mult or {})
+            opt.wd_mult = dict(plan.wd_mult or {})
+            if plan.schedule is not None:
+                opt.lr_scheduler = plan.schedule
         self.states = states
-        opt._index_update_count = counts
-        opt.num_update = num_update
+        opt._index_update_count = dict(plan.counts)
+        opt.num_update = plan.num_update
+
+    def _checked_plan(self, header, arrays, weights, where) -> "StatePlan":
+        options, rule = self._checked_options(header.get("options"), where)
+        num_update = _checked_count(header.get("num_update"), "num_update", where)
+        lr_mult = self._checked_mults(header.get("lr_mult"), "lr_mult", where)
+        wd_mult = self._checked_mults(header.get("wd_mult"), "wd_mult", where)
+        schedule = _checked_schedule(header.get("lr_scheduler"), num_update, where)
+        keys = self._checked_keys(header.get("keys"), arrays, weights,
+                                  tuple(rule.state_names()), where)
+        raw_counts = header.get("counts", [])
+        if not isinstance(raw_counts, list):
+            raise CheckpointError(f"{where}damaged optimizer-state header (counts)")
+        counts = {}
+        for entry in raw_counts:
+            key = self._key(entry, where)
+            counts[key] = _checked_count(entry.get("count"), f"the update count of key "
+                                         f"{_brief(key)}", where)
+        for loaded in keys:
+            counts.setdefault(loaded.key, loaded.count)
+        return StatePlan(keys, counts, num_update, options, lr_mult, wd_mult, schedule)
+
+    def _checked_options(self, raw, where):
+        """({attribute: value} the file's options give, the optimizer they make), or
+        (None, this optimizer) when the file holds none."""
+        opt = self.optimizer
+        if raw is None:
+            return None, opt
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where}damaged optimizer options {_brief(raw)}")
+        known = type(opt)._options
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise CheckpointError(f"{where}unknown option(s) {', '.join(map(_brief, unknown))} "
+                                  f"of optimizer {opt.name!r} (it takes {', '.join(known)})")
+        try:
+            rule = type(opt)(**raw)
+        except GpukvError as exc:
+            raise CheckpointError(f"{where}the file's optimizer options do not fit: "
+                                  f"{exc}") from exc
+        attrs = ["lr" if name == "learning_rate" else name for name in known]
+        return {attr: getattr(rule, attr) for attr in attrs}, rule
+
+    def _checked_mults(self, raw, name, where):
+        """{key: multiplier} of the file's `name` section, or None when it has none."""
+        if raw is None:
+            return None
+        if not isinstance(raw, list):
+            raise CheckpointError(f"{where}damaged {name} section {_brief(raw)}")
+        table = {}
+        for entry in raw:
+            key = self._key(entry, where)
+            try:
+                table[key] = check_number(f"{name}[{_brief(key)}]", entry.get("mult"), low=0)
+            except GpukvError as exc:
+                raise CheckpointError(f"{where}{exc}") from exc
+        return table
+
+    def _checked_keys(self, infos, arrays, weights, names, where) -> list:
+        """The `_LoadedKey` of every key of the file, checked against `weights`."""
+        if not isinstance(infos, list):
+            raise CheckpointError(f"{where}damaged optimizer-state header (keys)")
+        opt = self.optimizer
+        loaded, seen, names_of = [], set(), {}
+        for i, info in enumerate(infos):
+            key = self._key(info, where)
+            if key in seen:
+                raise CheckpointError(f"{where}key {_brief(key)} has optimizer state twice")
+            seen.add(key)
+            weight = weights.get(key)
+            if weight is None:
+                raise CheckpointError(f"{where}key {_brief(key)} has optimizer state in the "
+                                      f"file but is not in this store")
+            dtype = weight.dtype
+            name_of = names_of.get(dtype)
+            if name_of is None:  # dtype.name is slow in NumPy: read once per dtype
+                name_of = names_of[dtype] = dtype.name
+            if name_of not in _FLOATS:
+                raise CheckpointError(
+                    f"{where}key {_brief(key)}: the file has optimizer state for it, but it "
+                    f"holds {dtype}; optimizer {opt.name!r} updates floating-point values")
+            if info.get("states") != list(names):
+                raise CheckpointError(
+                    f"{where}key {_brief(key)}: the file holds states "
+                    f"{_brief(info.get('states'))}, this optimizer keeps {list(names)} "
+                    f"(different options?)")
+            narrow = name_of in NARROW_FLOATS
+            if info.get("master") is not narrow:
+                raise CheckpointError(f"{where}key {_brief(key)}: the file's master copy "
+                                      f"({_brief(info.get('master'))}) does not fit a "
+                                      f"{dtype} weight")
+            count = _checked_count(info.get("count"), f"the update count of key "
+                                   f"{_brief(key)}", where)
+            shape = tuple(weight.shape)
+            ct = compute_dtype(dtype)
+            states = tuple(_state_array(arrays, f"state/{i}/{name}", key, f"state {name!r}",
+                                        shape, ct, where) for name in names)
+            master = (_state_array(arrays, f"state/{i}/master", key, "master copy", shape,
+                                   np.dtype(np.float32), where) if narrow else None)
+            loaded.append(_LoadedKey(key, shape, ct, states, master, count))
+        return loaded
+
+    def _loaded_states(self, keys, homes) -> dict:
+        """{key: KeyState} holding copies of the checked arrays of `keys`, on each home;
+        host states of one compute dtype share flat buffers, as states made together do."""
+        states = dict.fromkeys(loaded.key for loaded in keys)  # the file's order
+        on_host: dict = {}
+        devices = set()
+        for loaded in keys:
+            home = homes[loaded.key]
+            if home.host_memory:
+                on_host.setdefault((loaded.ct, loaded.master is not None), []).append(
+                    (loaded, home))
+                continue
+            master = None if loaded.master is None else _on_device(home, loaded.master)
+            states[loaded.key] = KeyState(tuple(_on_device(home, a) for a in loaded.states),
+                                          master, home)
+            devices.add(home)
+        for (ct, narrow), group in on_host.items():
+            _host_arena(states, group, ct, narrow)
+        for home in devices:  # the file's host arrays may go away once this returns
+            home.synchronize()
+        return states
 
     @staticmethod
-    def _key(info):
-        kind, key = info["key_kind"], info["key"]
-        if kind == "int" and isinstance(key, int) and not isinstance(key, bool):
+    def _key(info, where=""):
+        kind, key = ((info.get("key_kind"), info.get("key")) if isinstance(info, dict)
+                     else (None, None))
+        if kind == "int" and type(key) is int:
             return key
         if kind == "str" and isinstance(key, str):
             return key
-        raise CheckpointError(f"damaged key entry {info!r}")
+        raise CheckpointError(f"{where}damaged key entry {_brief(info)}")
+
+
+# ------------------------------------------------------- loading saved state: helpers
+class _LoadedKey(NamedTuple):
+    """One key's saved state, checked: host arrays of the key's shape."""
+    key: object
+    shape: tuple
+    ct: np.dtype          # the compute dtype of the key's weight
+    states: tuple         # one array per state name
+    master: object        # the float32 master copy of a 16-bit weight, or None
+    count: int
+
+
+class StatePlan(NamedTuple):
+    """Saved optimizer state checked by `OptimizerUpdater.check_state`, ready to apply."""
+    keys: list            # _LoadedKey of every key with state
+    counts: dict          # key -> update count
+    num_update: int
+    options: dict | None  # optimizer attribute -> value, when the file holds options
+    lr_mult: dict | None
+    wd_mult: dict | None
+    schedule: object      # a restored LRScheduler, or None
+
+
+def _brief(value, limit: int = 80) -> str:
+    """`repr(value)` for messages: shortened when long, never a ValueError."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "<an int too long to print>"
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def _checked_count(value, what: str, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{where}{what} is {_brief(value)}; expected an int >= 0")
+    return value
+
+
+def _state_array(arrays, name, key, what, shape, dtype, where) -> np.ndarray:
+    array = arrays.get(name)
+    if array is None:
+        raise CheckpointError(f"{where}key {_brief(key)}: {what} is missing")
+    if array.shape != shape or array.dtype != dtype:
+        raise CheckpointError(f"{where}key {_brief(key)}: {what} is {array.dtype}"
+                              f"{list(array.shape)}, expected {dtype}{list(shape)}")
+    return array
+
+
+def _on_device(home, array):
+    """A C-ordered copy of host `array` on `home` (an .npz member may be Fortran-ordered,
+    and the multi-tensor kernels walk flat pointers)."""
+    out = home.empty(array.shape, array.dtype)
+    home.copy(out, array)
+    return out
+
+
+def _host_arena(states: dict, group: list, ct, narrow: bool) -> None:
+    """Host states of `group` [(loaded key, home)] as views into shared flat buffers (one
+    per state, then the master copies'), laid out as `KeyState` describes."""
+    nstates = len(group[0][0].states)
+    total = sum(math.prod(loaded.shape) for loaded, _ in group)
+    arena = tuple(np.empty(total, ct) for _ in range(nstates))
+    if narrow:
+        arena += (np.empty(total, np.float32),)
+    offset = 0
+    for loaded, home in group:
+        end = offset + math.prod(loaded.shape)
+        arrays = tuple(a[offset:end].reshape(loaded.shape) for a in arena[:nstates])
+        for dst, src in zip(arrays, loaded.states):
+            np.copyto(dst, src)
+        master = None
+        if narrow:
+            master = arena[-1][offset:end].reshape(loaded.shape)
+            np.copyto(master, loaded.master)
+        states[loaded.key] = KeyState(arrays, master, home, arena, offset)
+        offset = end
+
+
+# Schedules `lr_scheduler.from_state` restores, each made once with the fewest arguments:
+# a saved one must have exactly the attributes these have, of the same kinds.
+_SCHEDULES = {
+    "FactorScheduler": lambda: _sched.FactorScheduler(step=1),
+    "MultiFactorScheduler": lambda: _sched.MultiFactorScheduler(step=[1]),
+    "PolyScheduler": lambda: _sched.PolyScheduler(max_update=1),
+    "CosineScheduler": lambda: _sched.CosineScheduler(max_update=1),
+}
+_AT_LEAST_ONE = frozenset(["step", "max_update"])
+#: FactorScheduler steps its count one `step` at a time up to num_update: a saved count
+#: further behind than this many steps would make the next push loop for ever
+_MAX_CATCH_UP = 10_000_000
+
+
+def _checked_schedule(state, num_update: int, where: str):
+    """The schedule a file's `lr_scheduler` section describes, every attribute checked
+    and tried at the next updates, or None when the section is empty."""
+    if state is None:
+        return None
+    name = state.get("class") if isinstance(state, dict) else None
+    attrs = state.get("attrs") if isinstance(state, dict) else None
+    if name not in _SCHEDULES or not isinstance(attrs, dict):
+        raise CheckpointError(f"{where}lr_scheduler: not a schedule gpukv can restore "
+                              f"({_brief(state)})")
+    sample = vars(_SCHEDULES[name]())
+    missing = sorted(set(sample) - set(attrs))
+    unknown = sorted(set(attrs) - set(sample))
+    if missing or unknown:
+        problems = ([f"missing attribute(s) {', '.join(missing)}"] if missing else []) + (
+            [f"unknown attribute(s) {', '.join(map(_brief, unknown))}"] if unknown else [])
+        raise CheckpointError(f"{where}lr_scheduler {name}: {'; '.join(problems)}")
+    clean = {attr: _schedule_value(f"{where}lr_scheduler {name}.{attr}", attr, attrs[attr],
+                                   sample[attr]) for attr in sample}
+    what = f"{where}lr_scheduler {name}"
+    if "cur_step_ind" in clean and clean["cur_step_ind"] > len(clean["step"]):
+        raise CheckpointError(f"{what}: cur_step_ind {clean['cur_step_ind']} is past its "
+                              f"{len(clean['step'])} steps")
+    if "max_steps" in clean and clean["max_steps"] != clean["max_update"] - clean["warmup_steps"]:
+        raise CheckpointError(f"{what}: max_steps {clean['max_steps']} is not max_update - "
+                              f"warmup_steps")
+    if name == "FactorScheduler" and num_update + 1 - clean["count"] > (
+            _MAX_CATCH_UP * clean["step"]):
+        raise CheckpointError(f"{what}: count {clean['count']} is too far behind num_update "
+                              f"{num_update} for step {clean['step']}")
+    schedule = _sched.from_state({"class": name, "attrs": clean})
+    trial = copy.deepcopy(schedule)  # schedules keep books as they are called
+    for n in (num_update, num_update + 1):
+        try:
+            lr = trial(n)
+        except Exception as exc:
+            raise CheckpointError(f"{what} fails at update {n}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        if (isinstance(lr, bool) or not isinstance(lr, numbers.Real)
+                or not math.isfinite(lr) or lr < 0):
+            raise CheckpointError(f"{what} gives the learning rate {_brief(lr)} at update {n}")
+    return schedule
+
+
+def _schedule_value(what: str, attr: str, value, sample):
+    """`value` of a saved schedule's attribute, checked against `sample`'s kind."""
+    if isinstance(sample, str):  # warmup_mode
+        if value not in ("linear", "constant"):
+            raise CheckpointError(f"{what} is {_brief(value)}; expected 'linear' or "
+                                  f"'constant'")
+        return value
+    if isinstance(sample, list):  # MultiFactorScheduler's steps
+        if (not isinstance(value, list) or not value
+                or not all(type(s) is int and s >= 1 for s in value)
+                or any(b <= a for a, b in zip(value, value[1:]))):
+            raise CheckpointError(f"{what} is {_brief(value)}; expected increasing ints >= 1")
+        return list(value)
+    if isinstance(sample, int):
+        low = 1 if attr in _AT_LEAST_ONE else (None if attr == "max_steps" else 0)
+        if type(value) is not int or (low is not None and value < low):
+            bound = f" >= {low}" if low is not None else ""
+            raise CheckpointError(f"{what} is {_brief(value)}; expected an int{bound}")
+        return value
+    high = 1 if attr == "factor" else math.inf
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value <= high):
+        raise CheckpointError(f"{what} is {_brief(value)}; expected a number in "
+                              f"[0, {high:g}]")
+    return float(value)

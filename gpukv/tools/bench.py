@@ -41,12 +41,10 @@ import gc
 import importlib.util
 import logging
 import os
-import platform
 import re
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -189,53 +187,6 @@ class HostClock:
         return [b - a for a, b in pairs]
 
 
-class CudaClock:
-    """CUDA-event time of work queued on several streams, possibly on several GPUs.
-
-    `streams` is a list of (device id, stream). `start` records an event on the first
-    stream and makes every other stream wait for it; `stop` makes the first stream wait
-    for every other one and records there, so each interval spans all of their work.
-    """
-
-    def __init__(self, cp, streams):
-        self.cp = cp
-        seen, self.streams = set(), []
-        for dev, stream in streams:  # the null stream is 0 on every GPU: key by both
-            if (dev, stream.ptr) not in seen:
-                seen.add((dev, stream.ptr))
-                self.streams.append((dev, stream))
-
-    def start(self):
-        cp = self.cp
-        dev0, s0 = self.streams[0]
-        with cp.cuda.Device(dev0):
-            event = cp.cuda.Event()
-            event.record(s0)
-        for dev, stream in self.streams[1:]:
-            with cp.cuda.Device(dev):
-                stream.wait_event(event)
-        return event
-
-    def stop(self):
-        cp = self.cp
-        dev0, s0 = self.streams[0]
-        for dev, stream in self.streams[1:]:
-            with cp.cuda.Device(dev):
-                done = cp.cuda.Event(disable_timing=True)
-                done.record(stream)
-            with cp.cuda.Device(dev0):
-                s0.wait_event(done)
-        with cp.cuda.Device(dev0):
-            event = cp.cuda.Event()
-            event.record(s0)
-        return event
-
-    def elapsed(self, pairs) -> list[float]:
-        if pairs:
-            pairs[-1][1].synchronize()
-        return [self.cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in pairs]
-
-
 def measure(step, clock, warmup: int, iters: int, sync) -> dict:
     """Median/min seconds of `step()` after `warmup` untimed calls."""
     for _ in range(warmup):
@@ -260,6 +211,9 @@ class HostEnv:
     def __init__(self):
         self.xp = np
         self.name = f"host {cpu_model()}"
+
+    def activate(self, device: int):
+        return contextlib.nullcontext()
 
     def array(self, device: int, elems: int):
         return np.zeros(elems, DTYPE)
@@ -304,31 +258,45 @@ class HostEnv:
                 "GBps": 2 * src.nbytes / result["time_s"] / 1e9,
                 "best_GBps": 2 * src.nbytes / result["time_min_s"] / 1e9}
 
+    def gpu_versions(self) -> None:
+        return None
+
     def info(self) -> dict:
         return {"kind": "host", "name": self.name, "cpu_model": cpu_model(),
                 "logical_cpus": os.cpu_count()}
 
 
 class CudaEnv:
-    """n logical GPUs: device i lives on GPU i % count (virtual GPUs share a GPU)."""
+    """n logical GPUs: device i lives on GPU i % count (virtual GPUs share a GPU).
+
+    Everything GPU-side goes through gpukv's device layer: arrays are made, copied and
+    waited for by its CUDA devices, GPU facts come from `device.cuda.probe` and times
+    from CUDA events (`device.cuda.timing`).
+    """
 
     kind = "gpu"
 
     def __init__(self):
-        from ..device.cuda.device import cupy_module, gpu_count
-        self.cp = cupy_module()
-        self.xp = self.cp
-        self.count = gpu_count()
-        props = self.cp.cuda.runtime.getDeviceProperties(0)
-        name = props["name"]
-        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        from ..device.cuda import probe
+        self.gpus = probe.gpu_properties()
+        self.count = len(self.gpus)
+        self.name = self.gpus[0]["name"]
+        self.xp = self.device(0).xp  # the GPUs' array module, for the checks
 
     def physical(self, device: int) -> int:
         return device % self.count
 
+    def device(self, device: int):
+        """gpukv's device for (the physical GPU of) logical device `device`."""
+        from ..device.cuda.device import cuda_device
+        return cuda_device(self.physical(device))
+
+    def activate(self, device: int):
+        """A context making (the GPU of) logical device `device` current."""
+        return self.device(device).activate()
+
     def array(self, device: int, elems: int):
-        with self.cp.cuda.Device(self.physical(device)):
-            return self.cp.zeros(elems, DTYPE)
+        return self.device(device).zeros(elems, DTYPE)
 
     def _logical(self, n: int):
         from ..device.cuda.device import cuda_device
@@ -336,154 +304,90 @@ class CudaEnv:
 
     def clock(self, n: int):
         """A clock spanning the streams of n logical devices and each GPU's current stream."""
-        streams = [(d.physical, d.stream) for d in self._logical(n)]
-        streams += [(p, self.cp.cuda.get_current_stream(p))
-                    for p in range(min(n, self.count))]
-        return CudaClock(self.cp, streams)
+        from ..device.cuda.timing import clock_for_devices
+        return clock_for_devices(self._logical(n))
 
     def sync(self):
-        for p in range(self.count):
-            with self.cp.cuda.Device(p):
-                self.cp.cuda.Device(p).synchronize()
+        from ..device.cuda.probe import synchronize
+        synchronize(range(self.count))
 
     def free(self):
+        from ..device.cuda.probe import release_cached_memory
         gc.collect()
         self.sync()
-        self.cp.get_default_memory_pool().free_all_blocks()
+        release_cached_memory()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit on every GPU (spread evenly)."""
+        from ..device.cuda.probe import free_memory
         per_gpu = nbytes / max(1, self.count)
-        for p in range(self.count):
-            with self.cp.cuda.Device(p):
-                free, _ = self.cp.cuda.runtime.memGetInfo()
-            pool = self.cp.get_default_memory_pool()
-            if per_gpu > 0.85 * (free + pool.free_bytes()):
-                return False
-        return True
+        return all(per_gpu <= 0.85 * free_memory(p) for p in range(self.count))
 
     def to_home(self, array, home_device: int):
         """`array` on GPU `home_device` (a peer copy when it lives elsewhere)."""
-        cp = self.cp
-        if array.device.id == home_device:
-            return array
-        with cp.cuda.Device(home_device):
-            out = cp.empty(array.shape, array.dtype)
-            out.data.copy_from_device_async(array.data, array.nbytes)
-        return out
+        return self.device(home_device).to_local(array)
 
     def copy_into(self, dst, src):
-        cp = self.cp
-        with cp.cuda.Device(dst.device.id):
-            if src.device.id == dst.device.id:
-                cp.copyto(dst, src)
-            else:
-                dst.data.copy_from_device_async(src.data, src.nbytes)
+        from ..device import device_of
+        device_of(dst).copy(dst, src)
 
     def torch_tensor(self, torch, array):
         return torch.from_dlpack(array)
 
     def torch_clock(self, torch, n: int):
-        cp = self.cp
-        streams = []
-        for p in range(min(n, self.count)):
-            ptr = torch.cuda.current_stream(p).cuda_stream
-            with cp.cuda.Device(p):
-                streams.append((p, cp.cuda.ExternalStream(ptr, p)))
-        return CudaClock(cp, streams)
+        from ..device.cuda.timing import clock_for_stream_handles
+        return clock_for_stream_handles([(p, torch.cuda.current_stream(p).cuda_stream)
+                                         for p in range(min(n, self.count))])
 
     def torch_sync(self, torch):
         for p in range(self.count):
             torch.cuda.synchronize(p)
 
+    def _copy_time(self, device: int, dst, src, warmup: int, iters: int) -> dict:
+        """`measure` of copies src -> dst queued on GPU `device`, by CUDA events."""
+        from ..device.cuda.timing import clock_for_devices
+        dev = self.device(device)
+        return measure(lambda: dev.copy(dst, src), clock_for_devices([dev]), warmup, iters,
+                       self.sync)
+
     def copy_bandwidth(self, nbytes: int, warmup: int, iters: int) -> dict:
         """Device-to-device memcpy bandwidth on GPU 0 (and GPU 0 -> 1 when there are two)."""
-        cp = self.cp
         out = {"method": "cudaMemcpyAsync device-to-device on GPU 0, read + write bytes counted",
                "bytes": int(nbytes)}
-        with cp.cuda.Device(0):
-            src = cp.ones(nbytes // 4, DTYPE)
-            dst = cp.empty(src.shape, src.dtype)
-            stream = cp.cuda.get_current_stream()
-            clock = CudaClock(cp, [(0, stream)])
-            result = measure(lambda: dst.data.copy_from_device_async(src.data, src.nbytes,
-                                                                     stream),
-                             clock, warmup, iters, self.sync)
+        src = self.array(0, nbytes // 4)
+        dst = self.array(0, nbytes // 4)
+        result = self._copy_time(0, dst, src, warmup, iters)
         out["GBps"] = 2 * src.nbytes / result["time_s"] / 1e9
         out["best_GBps"] = 2 * src.nbytes / result["time_min_s"] / 1e9
         if self.count >= 2:
-            with cp.cuda.Device(1):
-                peer = cp.empty(src.shape, src.dtype)
+            from ..device.cuda.probe import peer_access
+            peer = self.array(1, nbytes // 4)
             try:
-                can = cp.cuda.runtime.deviceCanAccessPeer(1, 0)
+                can = peer_access([1, 0])[0][1]
             except Exception:
                 can = None
-            with cp.cuda.Device(1):
-                stream = cp.cuda.get_current_stream()
-                clock = CudaClock(cp, [(1, stream)])
-                result = measure(lambda: peer.data.copy_from_device_async(src.data, src.nbytes,
-                                                                          stream),
-                                 clock, warmup, iters, self.sync)
+            result = self._copy_time(1, peer, src, warmup, iters)
             out["peer_0_to_1_GBps"] = src.nbytes / result["time_s"] / 1e9
             out["peer_0_to_1_note"] = "one-way bytes per second of a GPU 0 -> GPU 1 memcpy"
-            out["peer_access_1_0"] = bool(can) if can is not None else None
+            out["peer_access_1_0"] = can
             del peer
         del src, dst
         self.free()
         return out
 
+    def gpu_versions(self) -> dict:
+        from ..device.cuda.probe import gpu_versions
+        return gpu_versions()
+
     def info(self) -> dict:
-        cp = self.cp
-        gpus = []
-        for p in range(self.count):
-            props = cp.cuda.runtime.getDeviceProperties(p)
-            name = props["name"]
-            gpus.append({"id": p, "name": name.decode() if isinstance(name, bytes) else name,
-                         "memory_GiB": round(props["totalGlobalMem"] / 2**30, 1),
-                         "compute_capability": f"{props['major']}.{props['minor']}"})
-        return {"kind": "gpu", "name": self.name, "gpus": gpus,
+        keys = ("id", "name", "memory_GiB", "compute_capability")
+        return {"kind": "gpu", "name": self.name,
+                "gpus": [{k: g[k] for k in keys} for g in self.gpus],
                 "virtual_gpus": os.environ.get("GPUKV_VIRTUAL_GPUS") or None,
                 "cpu_model": cpu_model()}
-
-
-def versions(env) -> dict:
-    from importlib import metadata
-
-    import gpukv
-    out = {"python": platform.python_version(), "numpy": np.__version__,
-           "gpukv": gpukv.__version__}
-    torch = sys.modules.get("torch")
-    out["torch"] = getattr(torch, "__version__", None) if torch is not None else None
-    if torch is not None:
-        out["torch_threads"] = torch.get_num_threads()
-    try:
-        out["tqdm"] = metadata.version("tqdm")
-    except metadata.PackageNotFoundError:
-        out["tqdm"] = None
-    if env.kind == "gpu":
-        cp = env.cp
-        out["cupy"] = cp.__version__
-        out["cuda_runtime"] = cp.cuda.runtime.runtimeGetVersion()
-        out["cuda_driver"] = cp.cuda.runtime.driverGetVersion()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from cupy.cuda import nccl
-            out["nccl"] = nccl.get_version() if getattr(nccl, "available", False) else None
-        except Exception:
-            out["nccl"] = None
-    else:  # installed, even if unusable here (no driver or no GPU)
-        out["cupy"] = None
-        for dist in ("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"):
-            try:
-                out["cupy"] = f"{metadata.version(dist)} ({dist}, not used: no GPU)"
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return out
 
 
 # --------------------------------------------------------------------------- workloads
@@ -499,15 +403,9 @@ class Workload:
     def key_bytes(self) -> int:
         return self.elems * np.dtype(DTYPE).itemsize
 
-    def _on(self, d):
-        """A context making device d current (CuPy ops act on the current GPU)."""
-        if self.env.kind == "gpu":
-            return self.env.cp.cuda.Device(self.env.physical(d))
-        return contextlib.nullcontext()
-
     def fill(self, per_device):
         for d in range(self.n):
-            with self._on(d):
+            with self.env.activate(d):
                 for a in self.data[d]:
                     a.fill(per_device(d))
 
@@ -516,7 +414,7 @@ class Workload:
         expected = self.n * (self.n + 1) / 2
         xp = self.env.xp
         for d in range(self.n):
-            with self._on(d):
+            with self.env.activate(d):
                 for a in self.data[d]:
                     if not bool(xp.all(a == expected)):
                         return False
@@ -571,7 +469,7 @@ def _loop_step(w: Workload):
         def step():
             for k, srcs in enumerate(values):
                 home = homes[k]
-                with env.cp.cuda.Device(home):
+                with env.activate(home):
                     acc = env.to_home(srcs[0], home).copy()
                     for s in srcs[1:]:
                         acc += env.to_home(s, home)
@@ -814,7 +712,7 @@ def write_json(result: dict, path: Path, common) -> Path:
     if common is not None and hasattr(common, "write_json"):
         return common.write_json(result, path)
     return benchutil.write_record(path, result,
-                                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                                  time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 # ------------------------------------------------------------------------------ main
@@ -968,7 +866,7 @@ def run(args) -> dict:
     result = {
         "benchmark": "strategies",
         "device": env.info(),
-        "versions": versions(env),
+        "versions": benchutil.versions(env.gpu_versions()),
         "copy_bandwidth": copy,
         "settings": {"sizes": sizes, "devices": args.devices, "strategies": strategies,
                      "baselines": baselines, "cases": cases, "warmup": args.warmup,

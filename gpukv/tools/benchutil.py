@@ -1,4 +1,5 @@
-"""Formatting and file helpers shared by `python -m gpukv bench` and benchmarks/*.py.
+"""Formatting, file and version helpers shared by `python -m gpukv bench`, its
+`--calibrate` mode and benchmarks/*.py.
 
 Standard library only and no package-relative imports: benchmarks/_common.py loads this
 file by its path, also under interpreters where gpukv is not installed (the MXNet one).
@@ -77,6 +78,48 @@ def cpu_model(default: str = "") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or default
+
+
+def module_version(name: str) -> str | None:
+    """The version of module `name`: its `__version__` when it is imported, else its
+    installed distribution's; None when neither is there."""
+    version = getattr(sys.modules.get(name), "__version__", None)
+    return str(version) if version is not None else _distribution_version(name)
+
+
+CUPY_DISTRIBUTIONS = ("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy")
+
+
+def versions(gpu: dict | None = None) -> dict:
+    """The versions a measurement ran with: Python, NumPy, gpukv, PyTorch (when imported,
+    with its thread count) and tqdm, then `gpu` (CuPy, CUDA and NCCL versions from the
+    device layer) for a run on GPUs; without `gpu`, the CuPy distribution installed
+    but not used."""
+    out = {"python": platform.python_version(), "numpy": module_version("numpy"),
+           "gpukv": module_version("gpukv")}
+    torch = sys.modules.get("torch")
+    out["torch"] = getattr(torch, "__version__", None) if torch is not None else None
+    if torch is not None:
+        out["torch_threads"] = torch.get_num_threads()
+    out["tqdm"] = module_version("tqdm")
+    if gpu is not None:
+        out.update(gpu)
+        return out
+    out["cupy"] = None
+    for dist in CUPY_DISTRIBUTIONS:  # installed, even if unusable here (no driver or GPU)
+        version = _distribution_version(dist)
+        if version is not None:
+            out["cupy"] = f"{version} ({dist}, not used: no GPU)"
+            break
+    return out
+
+
+def _distribution_version(dist: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def write_record(path: Path, payload: dict, created_utc: str) -> Path:

@@ -33,11 +33,7 @@ class _Place:
     def __init__(self, n: int, gpus: list):
         self.n = n
         self.gpus = gpus
-        if gpus:
-            from ..device.cuda.device import cupy_module
-            self.xp = cupy_module()
-        else:
-            self.xp = np
+        self.xp = gpus[0].xp if gpus else np  # the devices' array module
 
     @property
     def on_gpu(self) -> bool:
@@ -53,7 +49,7 @@ class _Place:
         """A context that makes device i current (a no-op on the host)."""
         if not self.gpus:
             return contextlib.nullcontext()
-        return self.gpus[i % len(self.gpus)].cuda_device
+        return self.gpus[i % len(self.gpus)].activate()
 
     def put(self, i: int, array: np.ndarray):
         """A copy of the host array `array` on device i."""
@@ -67,7 +63,8 @@ class _Place:
 
 
 def _to_host(array) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else array.get()
+    from ..device.cuda.device import to_numpy
+    return to_numpy(array)
 
 
 def _pick_devices(args) -> _Place:

@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,51 +31,19 @@ def _err(exc: BaseException) -> str:
 # ------------------------------------------------------------------------- pieces
 def cupy_info() -> dict:
     """CuPy's version and the CUDA versions it sees; `error` when CuPy is unusable."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-    except Exception as exc:
-        return {"installed": False, "error": _err(exc)}
-    out = {"installed": True, "version": cupy.__version__}
-    runtime = cupy.cuda.runtime
-    for key, fn in (("cuda_runtime", runtime.runtimeGetVersion),
-                    ("cuda_driver", runtime.driverGetVersion)):
-        try:
-            out[key] = _cuda_version(fn())
-        except Exception as exc:
-            out[key] = None
-            out.setdefault("error", _err(exc))
-    return out
-
-
-def _cuda_version(v: int) -> str:
-    """12090 -> '12.9' (CUDA's encoding: 1000 * major + 10 * minor)."""
-    if not v:
-        return "none"
-    return f"{v // 1000}.{(v % 1000) // 10}"
+    from ..device.cuda.probe import cupy_versions
+    return cupy_versions()
 
 
 def gpu_info() -> dict:
     """Physical GPUs (name, memory, compute capability) and the logical devices over them."""
-    from ..device.cuda.device import gpu_count
-    count = gpu_count()
-    out: dict = {"count": count, "gpus": [], "logical": []}
-    if count == 0:
-        out["reason"] = _no_gpu_reason()
+    from ..device.cuda import probe
+    from ..device.cuda.device import gpu_devices
+    gpus = probe.gpu_properties()
+    out: dict = {"count": len(gpus), "gpus": gpus, "logical": []}
+    if not gpus:
+        out["reason"] = probe.no_gpu_reason()
         return out
-    from ..device.cuda.device import cupy_module, gpu_devices
-    cp = cupy_module()
-    for p in range(count):
-        props = cp.cuda.runtime.getDeviceProperties(p)
-        name = props["name"]
-        out["gpus"].append({
-            "id": p,
-            "name": name.decode() if isinstance(name, bytes) else str(name),
-            "memory_GiB": round(props["totalGlobalMem"] / 2**30, 1),
-            "compute_capability": f"{props['major']}.{props['minor']}",
-            "multiprocessors": props.get("multiProcessorCount"),
-        })
     try:
         devices = gpu_devices()
         out["logical"] = [{"index": i, "physical": d.physical, "slot": d.slot}
@@ -85,28 +52,6 @@ def gpu_info() -> dict:
         out["logical_error"] = _err(exc)
     out["virtual_gpus_env"] = os.environ.get("GPUKV_VIRTUAL_GPUS") or None
     return out
-
-
-def _no_gpu_reason() -> str:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-    except Exception:
-        return "CuPy is not installed (pip install 'gpukv[cuda12]')"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"CUDA is unusable: {_err(exc)}"
-    return "no CUDA device is visible" if n == 0 else "unknown"
-
-
-def peer_matrix(physical_ids) -> list:
-    """peer[i][j]: whether GPU i can read GPU j's memory (the diagonal is True)."""
-    from ..device.cuda.device import cupy_module
-    runtime = cupy_module().cuda.runtime
-    return [[a == b or bool(runtime.deviceCanAccessPeer(a, b)) for b in physical_ids]
-            for a in physical_ids]
 
 
 def plan(matrix) -> dict:
@@ -138,19 +83,19 @@ def topology_info(gpus: dict) -> dict:
     """Peer access, link matrix, trees and ring of this machine's logical GPUs."""
     if not gpus["count"]:
         return {"available": False, "reason": "no GPU"}
+    from ..comm.plan import topology
+    from ..device.cuda import probe
     out: dict = {"available": True}
     physical = list(range(gpus["count"]))
     try:
-        out["peer_access"] = peer_matrix(physical)
+        out["peer_access"] = probe.peer_access(physical)
     except Exception as exc:
         out["peer_access_error"] = _err(exc)
     logical = [d["physical"] for d in gpus["logical"]] or physical
     out["devices"] = [f"{d['physical']}.{d['slot']}" if d["slot"] else str(d["physical"])
                       for d in gpus["logical"]] or [str(p) for p in physical]
     try:
-        from ..device.cuda.device import cupy_module
-        from ..comm.plan import topology
-        matrix = topology.link_matrix_from_cuda(logical, runtime=cupy_module().cuda.runtime)
+        matrix = topology.link_matrix_from_ranks(logical, probe.p2p_ranks(logical))
     except Exception as exc:
         out["link_error"] = _err(exc)
         return out
@@ -176,33 +121,8 @@ def simulated_matrix(name: str, n: int | None = None):
 
 def nccl_info() -> dict:
     """Whether CuPy's NCCL binding loads, and the NCCL version."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from cupy.cuda import nccl
-    except Exception as exc:
-        return {"available": False, "reason": _err(exc)}
-    if not getattr(nccl, "available", False):
-        return {"available": False,
-                "reason": "CuPy cannot load libnccl (pip install 'nvidia-nccl-cu12')"}
-    out = {"available": True}
-    try:
-        out["version"] = _nccl_version(nccl.get_version())
-    except Exception as exc:
-        out["version_error"] = _err(exc)
-    try:
-        out["build_version"] = _nccl_version(nccl.get_build_version())
-    except Exception:
-        pass
-    return out
-
-
-def _nccl_version(v: int) -> str:
-    """NCCL's integer code -> 'major.minor.patch' (2.18+: 10000 * major + 100 * minor)."""
-    v = int(v)
-    if v >= 10000:
-        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
-    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+    from ..device.cuda.probe import nccl_versions
+    return nccl_versions()
 
 
 def mpi_info() -> dict:
@@ -304,7 +224,7 @@ def _plan_lines(p: dict, labels) -> list:
     if "matrix" in p:
         lines.append("link matrix (0: no direct link; higher: faster):")
         lines += ["  " + s for s in _matrix_lines(p["matrix"], labels,
-                                                   lambda v: f"{v:g}")]
+                                                  lambda v: f"{v:g}")]
     if "trees" in p:
         lines.append("reduction trees (one per root; steps leaves first, child->parent):")
         for t in p["trees"]:
@@ -363,7 +283,7 @@ def render(info: dict) -> str:
             lines.append("peer access (row reads column):")
             labels = [str(i) for i in range(len(topo["peer_access"]))]
             lines += ["  " + s for s in _matrix_lines(topo["peer_access"], labels,
-                                                       lambda v: "yes" if v else "-")]
+                                                      lambda v: "yes" if v else "-")]
         elif "peer_access_error" in topo:
             lines.append(f"peer access: unavailable ({topo['peer_access_error']})")
         if "link_error" in topo:

@@ -6,7 +6,7 @@
   feedback. Each source keeps a residual r per (key, source device): r += g; where
   r >= t the source sends +t and r -= t; where r <= -t it sends -t and r += t; else 0.
   Sixteen values travel in one 32-bit word, packed exactly as MXNet packs them.
-- ``{'type': '1bit', 'threshold': t}`` (any finite t, default 0.5): MXNet master's rule:
+- ``{'type': '1bit', 'threshold': t}`` (any t, default 0.5): MXNet master's rule:
   r += g; where r > t the bit is 1 and r -= 1, else the bit is 0 and r += 1. Bits decode
   to +1 / -1; 32 values per word.
 - ``{'type': 'fp16'}`` / ``{'type': 'bf16'}``, optional ``'pre_divide': f`` (f > 0,
@@ -14,13 +14,29 @@
   f again at home, so values up to f times the type's range survive the trip.
 - ``None`` or ``{'type': 'none'}``: no compression (the default).
 
+Options are numbers (or strings of numbers, as MXNet passes them) checked in float32,
+the precision the kernels run in: one that is inf there, or nonzero but below float32's
+smallest normal number (0 or flushed to 0 on a GPU), is refused.
+
 Every source of a dense floating-point key is compressed, the home device's own source
-too, so no device is favoured; the payloads are decompressed on the home device and
-summed in float32 there, and the updater sees that float32 sum. Integer keys and
-row-sparse pushes travel uncompressed; init and pull are never compressed (as in MXNet).
+too, so no device is favoured, and the updater sees the float32 sum of the trips.
+Integer keys and row-sparse pushes travel uncompressed; init and pull are never
+compressed (as in MXNet).
 
 Compressors have Horovod's shape: ``compress(x, residual) -> (payload, ctx)`` and
-``decompress(payload, ctx, out, accumulate=False)``.
+``decompress(payload, ctx, out, accumulate=False)``, wrapped around the reduction rather
+than replacing it. A compressed push is an ordinary reduce job for whichever strategy
+the store picks::
+
+    terms = comp.encode(key, sources, devices)    # one array per source, on its device
+    strategy.reduce_many([ReduceJob(key, terms, devices, home, out)])
+    comp.finish(key, out, home)                   # e.g. the pre_divide scale, at home
+
+`out` is a float32 array on `home` (`comp.buffer(key, home, shape)` keeps one for keys
+whose own dtype is wider). The strategies add terms of another dtype than `out` in
+float32. The 'home' strategy adds them in source order (on a GPU, those it reads
+directly, then those it stages), so its sum is each source's decoded value added in
+turn, bit for bit; fp16 payloads are summed first and scaled once (see `Cast`).
 """
 from __future__ import annotations
 
@@ -50,17 +66,17 @@ class Ctx(NamedTuple):
     shape: tuple
 
 
-def _flat_f32(x):
-    """`x` as a flat, contiguous float32 array (a view when it already is one)."""
-    xp = _k._xp(x)
-    return xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1)
-
-
 class Compressor:
-    """compress(x, residual) -> (payload, ctx); decompress(payload, ctx, out) -> out."""
+    """compress(x, residual) -> (payload, ctx); decompress(payload, ctx, out) -> out.
+
+    Around a reduction: with `sums_payload` the strategy sums the payloads themselves
+    (into a float32 out) and `finish(total)` turns that sum into the sum of the decoded
+    values; otherwise each source's decoded float32 value is the term it sums.
+    """
 
     name = ""
     uses_residual = False
+    sums_payload = False
 
     def compress(self, x, residual=None):
         raise NotImplementedError
@@ -69,9 +85,17 @@ class Compressor:
         """The float32 value of `payload`, written into `out` (or added to it)."""
         raise NotImplementedError
 
+    @property
+    def finishes(self) -> bool:
+        """Whether `finish` has anything to do."""
+        return False
+
+    def finish(self, total) -> None:
+        """Turn the strategy's sum of the payloads into the sum of their values, in place."""
+
     def _out(self, payload, ctx, out):
         if out is None:
-            out = _k._xp(payload).empty(ctx.shape, np.float32)
+            out = _k.empty_f32(payload, ctx.shape)
         return out
 
     def params(self) -> dict:
@@ -91,9 +115,10 @@ class _Threshold(Compressor):
         self.threshold = float(np.float32(threshold))
 
     def compress(self, x, residual=None):
-        g = _flat_f32(x)
+        g = _k.flat_f32(x)
         if residual is None:
-            residual = _k._xp(g).zeros(g.size, np.float32)
+            residual = _k.empty_f32(g, g.size)
+            residual.fill(0)
         return self._quantize(g, residual), Ctx(g.size, tuple(x.shape))
 
     def decompress(self, payload, ctx, out=None, accumulate=False):
@@ -130,16 +155,27 @@ class OneBit(_Threshold):
 
 
 class Cast(Compressor):
-    """A cast to float16 or bfloat16 on the way, with an optional pre-divide factor."""
+    """A cast to float16 or bfloat16 on the way, with an optional pre-divide factor.
+
+    fp16 payloads are the terms a strategy sums: every strategy adds float16 sources
+    into a float32 out exactly (each float16 is a float32), so the float32 sum of the
+    payloads, times pre_divide once at home, is as accurate as the sum of the decoded
+    values (the same bits for a power-of-two pre_divide, one rounding fewer per source
+    otherwise), and half the bytes cross the links. bf16 payloads are bit patterns
+    (uint16): NumPy has no bfloat16 type without the optional ml_dtypes, nor CuPy one at
+    all, so a strategy would add them as integers; their decoded float32 values are the
+    terms instead.
+    """
 
     def __init__(self, kind: str = "fp16", pre_divide: float = 1.0):
         self.name = kind
         self.pre_divide = float(pre_divide)
+        self.sums_payload = kind == "fp16"
         self._cast = _k.cast_fp16 if kind == "fp16" else _k.cast_bf16
         self._uncast = _k.uncast_fp16 if kind == "fp16" else _k.uncast_bf16
 
     def compress(self, x, residual=None):
-        g = _flat_f32(x)
+        g = _k.flat_f32(x)
         return self._cast(g, self.pre_divide), Ctx(g.size, tuple(x.shape))
 
     def decompress(self, payload, ctx, out=None, accumulate=False):
@@ -147,22 +183,47 @@ class Cast(Compressor):
         self._uncast(payload, self.pre_divide, out.reshape(-1), accumulate)
         return out
 
+    @property
+    def finishes(self) -> bool:
+        return self.sums_payload and self.pre_divide != 1.0
+
+    def finish(self, total) -> None:
+        if self.finishes:
+            _k.scale_in_place(total, self.pre_divide)
+
     def params(self):
         return {"type": self.name, "pre_divide": self.pre_divide}
 
 
+_F32 = np.finfo(np.float32)
+
+
+def _short(value) -> str:
+    """repr(value), cut short: an int such as 10**400 has hundreds of digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+
+
 def _number(kind, option, value) -> float:
+    """`value` as a float that float32, the precision the kernels run in, keeps as it
+    means it: finite once rounded to float32, and zero or at least float32's smallest
+    normal in magnitude (a GPU flushes smaller values to zero)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, str)):
         raise ArgumentKindError(f"gradient compression {kind!r}: option {option!r} must be a "
                                 f"number, got {type(value).__name__}")
+    prefix = f"gradient compression {kind!r}: option {option!r}"
     try:
         number = float(value)  # MXNet passes options as strings; accept '0.5' too
-    except ValueError:
-        raise ArgumentError(f"gradient compression {kind!r}: option {option!r} must be a "
-                            f"number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ArgumentError(
-            f"gradient compression {kind!r}: option {option!r} must be finite, got {value!r}")
+    except (ValueError, OverflowError):
+        raise ArgumentError(f"{prefix} must be a float32 number, got {_short(value)}") from None
+    with np.errstate(over="ignore"):
+        rounded = abs(float(np.float32(number)))
+    if not math.isfinite(rounded):
+        raise ArgumentError(f"{prefix} must be a finite float32 number (magnitude at most "
+                            f"{str(_F32.max)}), got {_short(value)}")
+    if number != 0 and rounded < _F32.tiny:
+        raise ArgumentError(f"{prefix} is {_short(value)}: in float32 a magnitude below "
+                            f"{str(_F32.tiny)} (its smallest normal number) is 0 on a GPU")
     return number
 
 
@@ -195,13 +256,13 @@ def make_compressor(params) -> Compressor | None:
         if kind == "2bit":
             if threshold <= 0:
                 raise ArgumentError(f"gradient compression '2bit': option 'threshold' must "
-                                    f"be greater than 0, got {params['threshold']!r}")
+                                    f"be greater than 0, got {_short(params['threshold'])}")
             return TwoBit(threshold)
         return OneBit(threshold)
     pre_divide = _number(kind, "pre_divide", params.get("pre_divide", 1.0))
     if pre_divide <= 0:
         raise ArgumentError(f"gradient compression {kind!r}: option 'pre_divide' must be "
-                            f"greater than 0, got {params['pre_divide']!r}")
+                            f"greater than 0, got {_short(params['pre_divide'])}")
     return Cast(kind, pre_divide)
 
 
@@ -211,11 +272,13 @@ def compressible(dtype) -> bool:
 
 
 class GradientCompression:
-    """A store's compressor plus the residuals it keeps per (key, source device)."""
+    """A store's compressor plus what it keeps per (key, source device): the residuals
+    of error feedback, and the buffers the sources' decoded values are written into."""
 
     def __init__(self, compressor: Compressor):
         self.compressor = compressor
         self._residuals: dict = {}
+        self._decoded: dict = {}
         self._buffers: dict = {}
 
     def params(self) -> dict:
@@ -226,51 +289,75 @@ class GradientCompression:
         slot = (key, device)
         r = self._residuals.get(slot)
         if r is None or r.size != size:
-            if device.kind == "gpu":
-                # zero-filled on the stream the kernels that use it run on
-                with device.cuda_device, device.stream:
-                    r = device.zeros(size, np.float32)
-            else:
+            with device.activate():  # zero-filled on the stream the kernels use it on
                 r = device.zeros(size, np.float32)
             self._residuals[slot] = r
         return r
 
     def buffer(self, key, home, shape):
-        """A float32 buffer on `home` for the decompressed sum of `key`."""
+        """A float32 buffer on `home` for the sum of `key`'s terms (for keys whose own
+        dtype is neither float32 nor a 16-bit float, which have a merge buffer)."""
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tuple(shape):
             buf = home.empty(shape, np.float32)
             self._buffers[key] = buf
         return buf
 
-    def _compress_on(self, key, source, device):
+    def _decoded_buffer(self, key, device, nth: int, shape):
+        """The float32 buffer for the decoded value of `key`'s `nth` source on `device`
+        (allocated inside the device's `activate`)."""
+        slot = (key, device, nth)
+        buf = self._decoded.get(slot)
+        if buf is None or buf.shape != tuple(shape):
+            buf = device.empty(shape, np.float32)
+            self._decoded[slot] = buf
+        return buf
+
+    def reserve(self, key, sources, devices) -> None:
+        """Allocate now what `encode` keeps for `key` (residuals, decoded buffers), so that
+        a push short of memory fails while it is still checked, before anything moved."""
         comp = self.compressor
-        residual = self.residual(key, device, source.size) if comp.uses_residual else None
-        if device.kind == "gpu":
-            with device.cuda_device, device.stream:
-                return comp.compress(source, residual)
-        return comp.compress(source, residual)
+        seen: dict = {}
+        for source, device in zip(sources, devices):
+            nth = seen[device] = seen.get(device, -1) + 1
+            if comp.uses_residual:
+                self.residual(key, device, source.size)
+            if not comp.sums_payload:
+                with device.activate():
+                    self._decoded_buffer(key, device, nth, source.shape)
 
-    def reduce(self, key, sources, devices, home, out) -> None:
-        """Compress every source on its device, decompress on `home`, sum into `out`.
+    def encode(self, key, sources, devices) -> list:
+        """One term per source, on that source's device, for a strategy to sum into
+        `key`'s float32 out at home; `finish` follows the reduction.
 
-        `out` is a float32 array on `home`. Payloads are summed in source order.
+        Call it once every check has passed: it moves the residuals on. The terms are
+        the decoded values (2bit, 1bit, bf16), kept in per-(key, device) buffers that the
+        next push reuses, or the payloads themselves (fp16). Each device's work is queued
+        on its stream after the caller's work on CuPy's current stream; the strategy's
+        own join then orders the next push's reuse of the buffers after every read.
         """
-        from ..comm.execute import begin, finish
         comp = self.compressor
-        begin(list(devices) + [home])  # after the caller's work on its current streams
-        for i, (source, device) in enumerate(zip(sources, devices)):
-            payload, ctx = self._compress_on(key, source, device)
-            if home.kind == "gpu":
-                home.wait_for(device)
-                with home.cuda_device, home.stream:
-                    local = home.to_local(payload)
-                    comp.decompress(local, ctx, out, accumulate=i > 0)
-            else:
-                if not isinstance(payload, np.ndarray):
-                    with device.cuda_device:
-                        payload = payload.get(stream=device.stream)
-                comp.decompress(payload, ctx, out, accumulate=i > 0)
-        # A source may be overwritten only after it was read, and the caller's current
-        # streams see `out`.
-        finish(devices, home)
+        for device in dict.fromkeys(devices):
+            device.enter()
+        terms, seen = [], {}
+        for source, device in zip(sources, devices):
+            nth = seen[device] = seen.get(device, -1) + 1
+            residual = self.residual(key, device, source.size) if comp.uses_residual else None
+            with device.activate():
+                payload, ctx = comp.compress(source, residual)
+                if comp.sums_payload:
+                    terms.append(payload.reshape(ctx.shape))
+                else:
+                    decoded = self._decoded_buffer(key, device, nth, ctx.shape)
+                    terms.append(comp.decompress(payload, ctx, decoded))
+        return terms
+
+    def finish(self, key, out, home) -> None:
+        """The step at `home` after a strategy summed `key`'s terms into `out` (fp16 with
+        a pre_divide: the scale); the caller's current stream then sees `out`."""
+        comp = self.compressor
+        if not comp.finishes:
+            return
+        with home.activate():
+            comp.finish(out)
+        home.leave()

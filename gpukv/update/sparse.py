@@ -20,8 +20,8 @@ import numbers
 
 import numpy as np
 
+from .. import device as _device
 from .._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
-from ..device.cuda.kernels import segment_sum
 
 __all__ = ["RowSparse"]
 
@@ -29,19 +29,18 @@ __all__ = ["RowSparse"]
 def _xp_of(a):
     if isinstance(a, np.ndarray):
         return np
-    import cupy
-    return cupy
+    return _device.device_of(a).xp
 
 
 def _as_array(obj, like=None):
     """A NumPy or CuPy array for `obj` (lists become arrays on `like`'s device)."""
     from ..device import adopt
     if isinstance(obj, (list, tuple, numbers.Number)):
-        xp = np if like is None else _xp_of(like)
-        if xp is np:
+        if like is None or isinstance(like, np.ndarray):
             return np.asarray(obj)
-        with like.device:
-            return xp.asarray(obj)
+        device = _device.device_of(like)
+        with device.activate():
+            return device.xp.asarray(obj)
     array = adopt(obj)
     if array is None:
         raise ArgumentKindError(f"expected an array, got {type(obj).__name__}")
@@ -49,15 +48,15 @@ def _as_array(obj, like=None):
 
 
 def _on_device_of(array):
-    """A context running CuPy work on `array`'s GPU (and that GPU's current stream).
+    """A context running work on `array`'s device (a GPU: it and its current stream).
 
     CuPy launches kernels and allocates results on the *current* device: every
     computation on a RowSparse runs under the device its arrays live on, so one built
     or used outside `with cupy.cuda.Device(i)` stays on GPU i. A no-op for NumPy arrays.
     """
-    if _xp_of(array) is np:
+    if isinstance(array, np.ndarray):
         return contextlib.nullcontext()
-    return array.device
+    return _device.device_of(array).activate()
 
 
 def _ids_like(ids, like, what: str):
@@ -67,19 +66,21 @@ def _ids_like(ids, like, what: str):
         if _xp_of(ids) is not np:
             raise ArgumentError(f"{what}: row ids on a GPU for data on the host")
         return ids
-    if _xp_of(ids) is np:
-        with like.device:
-            return _xp_of(like).asarray(ids)
-    if ids.device.id != like.device.id:
-        raise ArgumentError(f"{what}: row ids on GPU {ids.device.id} for data on GPU "
-                            f"{like.device.id}; copy them to the data's GPU first")
+    device = _device.device_of(like)
+    if isinstance(ids, np.ndarray):
+        with device.activate():
+            return device.xp.asarray(ids)
+    where = _device.device_of(ids)
+    if where.physical != device.physical:
+        raise ArgumentError(f"{what}: row ids on GPU {where.physical} for data on GPU "
+                            f"{device.physical}; copy them to the data's GPU first")
     return ids
 
 
 def _same_device(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-    return a.device.id == b.device.id
+    return _device.device_of(a) == _device.device_of(b)
 
 
 def check_row_ids(ids, nrows: int, what: str):
@@ -94,6 +95,13 @@ def check_row_ids(ids, nrows: int, what: str):
                 bad = lo if lo < 0 else hi
                 raise ArgumentError(f"{what}: row id {bad} is out of range for {nrows} rows")
         return flat.astype(_xp_of(flat).int64, copy=False)
+
+
+def _own(ids):
+    """A copy of `ids` made on their device: later edits of the caller's array (or of the
+    view `check_row_ids` may return) change nothing held here."""
+    with _on_device_of(ids):
+        return ids.copy()
 
 
 class RowSparse:
@@ -117,9 +125,22 @@ class RowSparse:
         if tuple(data.shape) != expected:
             raise ShapeError(f"RowSparse: data of {indices.shape[0]} rows of shape {shape} "
                              f"must have shape {expected}, got {tuple(data.shape)}")
-        self.indices = check_row_ids(indices, shape[0], "RowSparse")
+        self.indices = _own(check_row_ids(indices, shape[0], "RowSparse"))
         self.data = data
         self.shape = shape
+
+    def checked(self, what: str) -> "RowSparse":
+        """This value with its ids checked again and copied: `indices` may have been
+        edited since it was built. ArgumentError (prefixed with `what`) if they no longer
+        fit the data and the shape."""
+        ids, data = self.indices, self.data
+        if not _same_device(ids, data):
+            raise ArgumentError(f"{what}: RowSparse indices and data live on different devices")
+        if ids.ndim != 1 or ids.shape[0] != data.shape[0]:
+            raise ShapeError(f"{what}: RowSparse indices of shape {ids.shape} for "
+                             f"{data.shape[0]} rows of data")
+        ids = _own(check_row_ids(ids, self.shape[0], what))
+        return RowSparse._trusted(ids, data, self.shape)
 
     @classmethod
     def _trusted(cls, indices, data, shape):
@@ -198,7 +219,7 @@ class RowSparse:
         # Repeated rows are summed in the order they came (no atomics: the same result on
         # every run), in float32 for 16-bit floats as dense pushes are.
         bounds = xp.concatenate([starts, xp.asarray([idx.size], dtype=starts.dtype)])
-        summed = segment_sum(data, bounds.astype(np.int64, copy=False))
+        summed = _device.device_of(data).segment_sum(data, bounds.astype(np.int64, copy=False))
         return RowSparse._trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
 
     def todense(self, dtype=None):
@@ -262,21 +283,17 @@ class RowSparse:
 
 def merge(sources, home, dtype):
     """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
-    xp = home.xp
-    if home.kind == "gpu":
-        from ..device import device_of
-        from ..comm.execute import begin, finish
-        devices = [device_of(s.data) for s in sources]
-        # Read the sources after the work their devices queued (on other GPUs too),
-        # and let those devices overwrite them only once they have been read.
-        begin(devices + [home])
-        for d in devices:
-            home.wait_for(d)
-        with home.cuda_device, home.stream:
-            merged = _merge(sources, home, xp, dtype)
-        finish(devices, home)
-        return merged
-    return _merge(sources, home, xp, dtype)
+    from ..comm.execute import begin, finish
+    devices = [_device.device_of(s.data) for s in sources]
+    # Read the sources after the work their devices queued (on other GPUs too),
+    # and let those devices overwrite them only once they have been read.
+    begin(devices + [home])
+    for d in devices:
+        home.wait_for(d)
+    with home.activate():
+        merged = _merge(sources, home, home.xp, dtype)
+    finish(devices, home)
+    return merged
 
 
 def _merge(sources, home, xp, dtype):

@@ -10,7 +10,7 @@ import pytest
 from gpukv.tools import bench as _bench
 
 from gpukv.tools import calibrate as _calibrate
-from gpukv.tools.benchutil import cpu_model
+from gpukv.device.cuda.probe import cpu_model
 from gpukv.comm.plan import simulate as S
 from gpukv.comm.plan import topology as T
 from tests.fake_cupy import Costs, FakeCupy
@@ -327,7 +327,7 @@ def test_gpu_calibration_round_trips_into_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda, "cupy_module", lambda: fake)
     monkeypatch.setattr(_calibrate, "_link_matrix", lambda count: MATRIX[:count, :count])
     monkeypatch.setattr(S, "_local_gpu_names", lambda: ["Fake GPU"] * 4)
-    import gpukv.comm.nccl as nccl_mod
+    import gpukv.device.cuda.nccl as nccl_mod
 
     def no_nccl():
         raise RuntimeError("no libnccl here")
@@ -359,4 +359,5 @@ def test_gpu_calibration_on_this_gpu(tmp_path):
         assert rec["constants"][name]["value"] > 0, name
     assert any(link["weight"] == T.SAME_DEVICE_WEIGHT for link in rec["links"])
     cal = S.load_calibration(path)
-    assert cal is not None and cal.constants["hbm_gbps"] > 10
+    assert cal is not None
+    assert cal.constants == {k: e["value"] for k, e in rec["constants"].items()}

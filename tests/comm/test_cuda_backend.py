@@ -136,12 +136,16 @@ class _FakeCuda:
     def Device(self, i):  # noqa: N802 - mirrors cupy.cuda.Device
         cuda = self
 
-        class _Ctx:
+        class _Ctx:  # re-entrant, as CuPy's Device keeps a stack of previous devices
+            def __init__(self):
+                self.prev = []
+
             def __enter__(self):
-                self.prev, cuda.current = cuda.current, i
+                self.prev.append(cuda.current)
+                cuda.current = i
 
             def __exit__(self, *exc):
-                cuda.current = self.prev
+                cuda.current = self.prev.pop()
 
         return _Ctx()
 
@@ -179,6 +183,16 @@ def test_zeros_filled_on_the_slot_stream(fake_cupy):
     d = cuda_mod.CudaDevice(1, 1)
     d.zeros(4, np.float32)
     assert fake_cupy.log == [("fill", 1, d.stream.name)]
+
+
+def test_activate_makes_the_gpu_and_the_slot_stream_current(fake_cupy):
+    """Inside `activate()` a virtual GPU's device and its own stream are current (CuPy
+    work there is queued on its stream); afterwards the caller's are current again."""
+    d = cuda_mod.CudaDevice(1, 1)
+    with d.activate():
+        assert fake_cupy.current == 1
+        assert fake_cupy.get_current_stream() is d.stream
+    assert fake_cupy.current == 0 and fake_cupy.get_current_stream() is fake_cupy.null
 
 
 def test_virtual_gpus_env(monkeypatch):
@@ -388,15 +402,16 @@ class _Event:
         pass
 
 
-class _FakeGpu(gpukv.device.Device):
-    kind = "gpu"
+class _FakeGpu(cuda_mod.CudaDevice):
+    """A CudaDevice whose memory, streams and events are the clocked stand-ins above:
+    its own verbs (sums, copies, staging) run as on a GPU, on host memory."""
 
     def __init__(self, physical, slot, index, n_dev):
-        super().__init__(physical, slot)
+        gpukv.device.Device.__init__(self, physical, slot)
         self.index, self.n_dev = index, n_dev
         self.clock = np.zeros(n_dev, np.int64)
         self._stream = _Stream(self)
-        self.cuda_device = _Stream(self)
+        self._cuda_device = _Stream(self)
         self.free: list = []  # storages freed to this device's (single) stream pool
 
     xp = property(lambda self: np)
@@ -452,6 +467,7 @@ class _FakeGpu(gpukv.device.Device):
 def fake_gpus(monkeypatch):
     """Eight fake GPUs on four physical ids; peer access only within pairs (0,1), (2,3)."""
     from gpukv.device.cuda import kernels as _kernels
+    from gpukv.device.host_kernels import multi_sum_host
     from gpukv.comm import execute as _ops
 
     def kernel_sum(items):
@@ -460,8 +476,8 @@ def fake_gpus(monkeypatch):
         if gpu_env.EMULATED:
             import cupy
             return real_sum(items, cupy.cuda.get_current_stream())
-        _kernels.multi_sum_host([_kernels.SumItem(it.out.np, tuple(t.np for t in it.a),
-                                                  tuple(t.np for t in it.b)) for it in items])
+        multi_sum_host([_kernels.SumItem(it.out.np, tuple(t.np for t in it.a),
+                                         tuple(t.np for t in it.b)) for it in items])
 
     real_sum = _kernels.multi_sum_gpu
 
@@ -512,8 +528,8 @@ def test_gpu_path_is_event_ordered(fake_gpus, name, n, bound, monkeypatch):
     from gpukv.comm import BroadcastJob, ReduceJob
     from gpukv.comm.registry import make_strategy
     from gpukv.comm.tree import TreeStrategy
-    import gpukv.comm.execute as ops
-    monkeypatch.setattr(ops, "STAGE_BYTES", 16)  # many staging chunks
+    from gpukv.device.cuda import sums
+    monkeypatch.setattr(sums, "STAGE_BYTES", 16)  # many staging chunks
     strategy = TreeStrategy(array_bound=bound) if name == "tree" else make_strategy(name)
     devs = fake_gpus[:n]
     rng = np.random.default_rng(n)
@@ -804,18 +820,17 @@ def tagged_cupy(fake_cupy, monkeypatch):
 
 
 def test_to_host_copies_under_the_arrays_own_gpu(tagged_cupy):
-    """A GPU array brought to the host is copied under its own GPU: on that GPU's current
-    stream, or on its logical device's stream when that is given."""
-    from gpukv.comm import execute as _ops
+    """A GPU array brought to the host is copied under its own GPU: by the host device, on
+    that GPU's current stream; by its own logical device, on that device's stream."""
     cuda = tagged_cupy
     with cuda.Device(1):
         side = cuda.Stream()
     cuda.streams[1] = side  # the caller's current stream on GPU 1 (GPU 0 is current)
     array = _Tagged(cuda, 1, "x")
-    _ops.to_host(array)
+    gpukv.device.host_device().to_host(array)
     assert cuda.log[-1] == ("get", 1, side.name)
     slot = cuda_mod.CudaDevice(1, 1)
-    _ops.to_host(array, slot)
+    slot.to_host(array)
     assert cuda.log[-1] == ("get", 1, slot.stream.name) and cuda.current == 0
 
 

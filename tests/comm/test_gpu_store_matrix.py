@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.comm import execute as _ops
 from gpukv.comm import nccl as nccl_mod
+from gpukv.device.cuda import sums as _sums
 
 from ..gpu_gate import hardware_missing
 
@@ -125,8 +125,8 @@ def machine(request, monkeypatch):
     monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", str(request.param))
     monkeypatch.setenv("GPUKV_TREE_ARRAY_BOUND", str(TREE_BOUND))
     monkeypatch.delenv("GPUKV_STRATEGY", raising=False)
-    monkeypatch.setattr(_ops, "STAGE_BYTES", 1024)
-    monkeypatch.setattr(_ops, "BIG_COPY", 2048)
+    monkeypatch.setattr(_sums, "STAGE_BYTES", 1024)
+    monkeypatch.setattr(_sums, "BIG_COPY", 2048)
     from gpukv.device.cuda.device import gpu_devices
     devices = gpu_devices()
     assert len(devices) == request.param
@@ -231,7 +231,7 @@ def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
     from gpukv.device.cuda.device import can_access_peer
     from gpukv.comm import ring, tree
     seen = {"slices": [], "chunks": [], "staged": []}
-    segments, bounds, staged = tree.TreeStrategy._segments, ring.chunk_bounds, _ops._staged_sum
+    segments, bounds, staged = tree.TreeStrategy._segments, ring.chunk_bounds, _sums._staged_sum
 
     def spy_segments(self, plan, job, size, itemsize):
         cut = segments(self, plan, job, size, itemsize)
@@ -248,7 +248,7 @@ def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
 
     monkeypatch.setattr(tree.TreeStrategy, "_segments", spy_segments)
     monkeypatch.setattr(ring, "chunk_bounds", spy_bounds)
-    monkeypatch.setattr(_ops, "_staged_sum", spy_staged)
+    monkeypatch.setattr(_sums, "_staged_sum", spy_staged)
     kv = _store(name)
     keys = _init_both(cp, kv, gpukv.create("local"), machine, 1)
     kv.push(keys, _sources(cp, machine, 2)[0])
@@ -260,7 +260,7 @@ def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
     else:
         physical = sorted({d.physical for d in machine})
         unlinked = any(not can_access_peer(a, b) for a in physical for b in physical)
-        piece = _ops.STAGE_BYTES // 4  # float32 elements per staged piece
+        piece = _sums.STAGE_BYTES // 4  # float32 elements per staged piece
         if unlinked:
             assert any(size > piece for size in seen["staged"])
 

@@ -1,4 +1,4 @@
-"""Host reduction and broadcast (gpukv.comm.host): exact sums across blocks and threads.
+"""Host reduction and broadcast (gpukv.device.host_sum): exact sums across blocks and threads.
 
 Most tests shrink the block, blocking and threading thresholds (the `tiny` fixture) so
 that arrays of a few hundred elements run through every path the large ones take:
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpukv
-from gpukv.comm import host
+from gpukv.device import host_sum as host
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,5 +1,6 @@
-"""The kernels of gpukv/_kernels.py: NumPy twins, pointer tables, and the CUDA sources
-(compiled with NVRTC, for every dtype pair, in tests/test_cuda_compile.py)."""
+"""The kernels of gpukv/device/cuda/kernels.py, their NumPy twins (gpukv/device/
+host_kernels.py), pointer tables, and the CUDA sources (compiled with NVRTC, for every
+dtype pair, in tests/test_cuda_compile.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpukv.device import host_kernels as HK
 from gpukv.device.cuda import kernels as K
 
 from ..gpu_gate import hardware_missing
@@ -46,7 +48,7 @@ def test_multi_sum_host_matches_reference(t):
         out = np.zeros(n, u)
         items.append(K.SumItem(out, a, b))
         refs.append(_reference(a, b, u))
-    K.multi_sum_host(items)
+    HK.multi_sum_host(items)
     for item, ref in zip(items, refs):
         np.testing.assert_array_equal(item.out, ref)
 
@@ -55,24 +57,51 @@ def test_fp16_sum_does_not_overflow():
     """Two fp16 pushes of 60000 sum to 120000 in a float32 output (not inf)."""
     a = (np.full(4, 60000, np.float16),) * 2
     out = np.zeros(4, np.float32)
-    K.multi_sum_host([K.SumItem(out, a, ())])
+    HK.multi_sum_host([K.SumItem(out, a, ())])
     np.testing.assert_array_equal(out, 120000)
 
 
 def test_in_place_accumulate():
     """`out` may be one of the `b` terms: out += sum(a)."""
     out = np.arange(5, dtype=np.float32)
-    K.multi_sum_host([K.SumItem(out, (np.ones(5, np.float16),), (out,))])
+    HK.multi_sum_host([K.SumItem(out, (np.ones(5, np.float16),), (out,))])
     np.testing.assert_array_equal(out, np.arange(5) + 1)
 
 
 def test_multi_copy_casts():
-    """multi_copy copies every pair, casting to the destination's dtype."""
+    """multi_copy_host copies every pair, casting to the destination's dtype."""
     src = [np.arange(6, dtype=np.float32), np.arange(3, dtype=np.int64)]
     dst = [np.zeros(6, np.float16), np.zeros(3, np.float64)]
-    K.multi_copy(list(zip(dst, src)))
+    HK.multi_copy_host(list(zip(dst, src)))
     for d, s in zip(dst, src):
         np.testing.assert_array_equal(d, s.astype(d.dtype))
+
+
+def _emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
+                   blocks: int, threads: int = K.THREADS) -> None:
+    """Run the sum kernel's index arithmetic on the host, block by block.
+
+    Addresses in `table` are indices into `memory` (1-D NumPy arrays); this checks the
+    table layout and the block/stride mapping of `K.sum_source` without a GPU.
+    """
+    starts = table[:nkeys + 1]
+    meta = table[nkeys + 1:nkeys + 1 + K.META * nkeys].reshape(nkeys, K.META)
+    ptrs = table[nkeys + 1 + K.META * nkeys:]
+    acc = np.dtype(K.accumulate_name(u_dtype))
+    for b in range(blocks):
+        k = int(np.searchsorted(starts[:nkeys], b, side="right") - 1)
+        out_i, n, a_off, na, b_off, nb = (int(x) for x in meta[k])
+        out = memory[out_i]
+        stride = (int(starts[k + 1]) - int(starts[k])) * threads
+        first = (b - int(starts[k])) * threads
+        idx = np.concatenate([np.arange(i, min(i + threads, n))
+                              for i in range(first, n, stride)] or [np.zeros(0, np.int64)])
+        terms = ([memory[int(ptrs[a_off + j])] for j in range(na)]
+                 + [memory[int(ptrs[b_off + j])] for j in range(nb)])
+        total = terms[0][idx].astype(acc)  # from the first term, as the kernel sums
+        for term in terms[1:]:
+            total += term[idx].astype(acc)
+        out[idx] = total.astype(out.dtype)
 
 
 @settings(max_examples=50, deadline=None)
@@ -103,7 +132,7 @@ def test_pointer_table_emulated_like_the_kernel(sizes, threads, per_thread, max_
         refs.append(_reference(a, b, u) if n else np.zeros(0, u))
     table, blocks = K.build_table(outs, sizes, a_lists, b_lists, threads=threads,
                                   per_thread=per_thread, max_blocks=max_blocks)
-    K.emulate_table(table, len(sizes), memory, t, u, blocks, threads=threads)
+    _emulate_table(table, len(sizes), memory, t, u, blocks, threads=threads)
     for o, ref in zip(outs, refs):
         np.testing.assert_array_equal(memory[o], ref)
 
@@ -142,7 +171,7 @@ def test_multi_sum_gpu_matches_twin(t):
         host_items.append(K.SumItem(np.zeros(n, u), tuple(a), tuple(b)))
         gpu_items.append(K.SumItem(cupy.zeros(n, u), tuple(map(cupy.asarray, a)),
                                    tuple(map(cupy.asarray, b))))
-    K.multi_sum_host(host_items)
+    HK.multi_sum_host(host_items)
     stream = cupy.cuda.get_current_stream()
     K.multi_sum_gpu(gpu_items, stream)
     for h, g in zip(host_items, gpu_items):
@@ -288,7 +317,7 @@ def test_multi_copy_is_a_bit_copy(dtype, n):
     dtype = _dtype(dtype)
     src = _awkward_bits(dtype, n)
     dst = cupy.zeros(n, dtype)
-    K.multi_copy([(dst, cupy.asarray(src))], cupy.cuda.get_current_stream())
+    K.multi_copy_gpu([(dst, cupy.asarray(src))], cupy.cuda.get_current_stream())
     assert cupy.asnumpy(dst).tobytes() == src.tobytes()
 
 
@@ -337,7 +366,7 @@ def test_every_dtype_pair_sums_like_the_twin(t, u):
     host_out, host_cast = _rand(rng, n, u), np.zeros(n, u)
     gpu_out, gpu_cast = cupy.asarray(host_out), cupy.zeros(n, u)
     with np.errstate(over="ignore", invalid="ignore"):
-        K.multi_sum_host([K.SumItem(host_out, tuple(terms), (host_out,)),
+        HK.multi_sum_host([K.SumItem(host_out, tuple(terms), (host_out,)),
                           K.SumItem(host_cast, (terms[0],), ())])
     K.multi_sum_gpu([K.SumItem(gpu_out, tuple(map(cupy.asarray, terms)), (gpu_out,)),
                      K.SumItem(gpu_cast, (cupy.asarray(terms[0]),), ())],

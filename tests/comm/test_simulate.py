@@ -1,9 +1,12 @@
 """The alpha-beta simulator: sane, monotonic predictions that rank strategies sensibly."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from gpukv.comm import Strategy
 from gpukv.comm.plan import simulate as S
 from gpukv.comm.plan import topology as T
 
@@ -216,3 +219,52 @@ def test_strategy_and_prediction_share_the_decision(no_bound, monkeypatch):
                                     host_device(5), out)])
     assert calls[-1] == predicted and len(predicted[2]) > 1
     np.testing.assert_array_equal(out, np.full(nelems, 28.0))
+
+
+# ------------------------------------------------------------- 'auto' follows the model
+#: Four devices joined only through slow staged copies (0.5 GB/s), next to a host path
+#: (copies to host memory and the host sum) that is a thousand times faster.
+FAST_HOST = S.Machine(
+    name="fast host, slow links", matrix=np.zeros((4, 4)), links={},
+    staged=S.LinkClass("staged", 0.5, 50.0, port="pcie"), ports={"pcie": 0.5},
+    hbm_gbps=1000.0, host_gbps=1000.0, host_total_gbps=4000.0, host_sum_gbps=1000.0)
+#: The same constants, but every host copy and host sum costs ten seconds to start.
+SLOW_HOST_CALLS = dataclasses.replace(S.COSTS, host_copy_us=1e7, host_sum_us=1e7)
+
+
+class _Recorder(Strategy):
+    """A strategy that sums on the host and notes, under its name, every key it ran."""
+
+    def __init__(self, name: str, ran: list):
+        self.name, self.ran = name, ran
+
+    def reduce(self, job):
+        self.ran.append((self.name, job.key))
+        job.out[...] = sum(job.sources)
+
+    def broadcast(self, job):
+        for out in job.outs:
+            out[...] = job.src
+
+
+@pytest.mark.parametrize("costs, best", [
+    (S.COSTS, "cpu"),             # the host path is far faster: through the host
+    (SLOW_HOST_CALLS, "ring"),    # host calls cost seconds: the bandwidth-optimal ring
+])
+def test_auto_hands_a_key_to_the_cheapest_strategy_of_its_cost_table(costs, best):
+    """On a machine whose best strategy is known, 'auto' runs the key through it, and a
+    cost table that makes the host path slow moves the key to the ring."""
+    from gpukv.comm import ReduceJob
+    from gpukv.comm.auto import AutoStrategy
+    from gpukv.device import host_device
+
+    ran: list = []
+    names = ("home", "tree", "ring", "cpu", "nccl")
+    auto = AutoStrategy(machine=FAST_HOST, costs=costs, model_host=True,
+                        strategies={n: _Recorder(n, ran) for n in names})
+    devices = [host_device(i) for i in range(4)]
+    values = [np.full(MB // 4, i + 1, np.float32) for i in range(4)]  # 1 MiB each
+    out = np.zeros(MB // 4, np.float32)
+    auto.reduce_many([ReduceJob("k", values, devices, devices[0], out)])
+    assert ran == [(best, "k")]
+    np.testing.assert_array_equal(out, 10.0)

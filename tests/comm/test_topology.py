@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpukv.comm.plan import topology as T
+from gpukv.device.cuda import driver as D
+from gpukv.device.cuda import probe
 
 MACHINES = {
     "dgx1": T.dgx1_v100(),
@@ -278,9 +280,10 @@ class FakeRuntime:
         return self.ranks[frozenset({a, b})]
 
 
-def test_link_matrix_from_cuda_turns_ranks_into_weights():
+def test_link_matrix_from_ranks_turns_ranks_into_weights():
     """Lower CUDA performance rank -> higher weight; no peer access -> 0; same GPU -> fastest."""
-    w = T.link_matrix_from_cuda([0, 1, 2, 3, 0], runtime=FakeRuntime())
+    ranks = {(0, 1): 0, (1, 0): 0, (0, 2): 1, (2, 0): 1, (1, 2): 1, (2, 1): 1}
+    w = T.link_matrix_from_ranks([0, 1, 2, 3, 0], ranks)
     assert w[0, 1] == 2 and w[0, 2] == 1 and w[1, 2] == 1
     assert w[2, 3] == 0 and w[0, 3] == 0
     assert w[0, 4] == T.SAME_DEVICE_WEIGHT and w[1, 4] == 2
@@ -288,13 +291,31 @@ def test_link_matrix_from_cuda_turns_ranks_into_weights():
     _check_trees(w)
 
 
+def test_link_matrix_from_ranks_takes_device_objects():
+    """Devices are named by their `.physical` (or `.id`) GPU; a one-way rank counts as
+    the pair's link only in that direction, so the matrix keeps the slower one (none)."""
+    import types
+    devs = [types.SimpleNamespace(physical=0), types.SimpleNamespace(id=1)]
+    assert T.link_matrix_from_ranks(devs, {(0, 1): 0, (1, 0): 0})[0, 1] == 1
+    assert T.link_matrix_from_ranks([0, 1], {(0, 1): 0})[0, 1] == 0
+
+
+def test_probe_ranks_come_from_the_runtime_without_a_driver():
+    """Given only a runtime, the probe reports every pair with peer access and its rank."""
+    ranks = probe.p2p_ranks([0, 1, 2, 3, 0], runtime=FakeRuntime())
+    assert ranks == {(0, 1): 0, (1, 0): 0, (0, 2): 1, (2, 0): 1, (1, 2): 1, (2, 1): 1}
+    assert probe.p2p_ranks([2, 2], runtime=FakeRuntime()) == {}
+
+
 def test_topology_does_not_import_cupy():
-    """Importing and using the planner never imports CuPy."""
+    """Importing and using the planner never imports CuPy, nor asks the device layer."""
     import subprocess
     import sys
     code = ("import sys; from gpukv.comm.plan import topology as T; "
             "T.plan_trees(T.dgx1_v100()); T.plan_ring(T.dgx1_v100()); "
-            "assert 'cupy' not in sys.modules")
+            "T.link_matrix_from_ranks([0, 1, 1], {(0, 1): 0, (1, 0): 0}); "
+            "assert 'cupy' not in sys.modules; "
+            "assert 'gpukv.device.cuda.probe' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -326,9 +347,9 @@ class FakeDriver:
         assert src in self.HANDLE.values() and dst in self.HANDLE.values(), "not a handle"
         self.calls.append(("p2p", attrib, src, dst))
         pair = frozenset({src, dst})
-        if attrib == T.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED:
+        if attrib == D.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED:
             value.contents.value = int(pair in self.ranks)
-        elif attrib == T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK:
+        elif attrib == D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK:
             value.contents.value = self.ranks.get(pair, 0)
         else:
             return 1  # CUDA_ERROR_INVALID_VALUE
@@ -344,40 +365,40 @@ class AccessOnlyRuntime:
 
 def test_cuda_driver_enum_values_are_cuda_h():
     """The P2P and pointer attribute numbers are those of cuda.h."""
-    from gpukv.device.cuda import driver as D
     assert (D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, D.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
             D.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
             D.CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED) == (1, 2, 3, 4)
     assert (D.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, D.CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE) == (16, 0)
 
 
-def test_link_matrix_from_cuda_asks_the_driver_for_ranks(monkeypatch):
+def test_probe_asks_the_driver_for_ranks(monkeypatch):
     """With libcuda loadable, NVLink and PCIe pairs get different weights (driver ranks),
     asked with the CUdevice handles of the ordinals after cuInit."""
     driver = FakeDriver()
-    monkeypatch.setattr(T, "cuda_driver", lambda: driver)
-    w = T.link_matrix_from_cuda([0, 1, 2, 3, 0])
+    monkeypatch.setattr(probe, "cuda_driver", lambda: driver)
+    ids = [0, 1, 2, 3, 0]
+    w = T.link_matrix_from_ranks(ids, probe.p2p_ranks(ids))
     assert w[0, 1] == 2 and w[0, 2] == 1 and w[1, 2] == 1
     assert w[2, 3] == 0 and w[0, 3] == 0
     assert w[0, 4] == T.SAME_DEVICE_WEIGHT and w[1, 4] == 2
     assert driver.calls[0] == ("cuInit", 0)
-    assert ("p2p", T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, 10, 11) in driver.calls
-    assert not any(c[0] == "p2p" and c[1] == T.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK
+    assert ("p2p", D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, 10, 11) in driver.calls
+    assert not any(c[0] == "p2p" and c[1] == D.CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK
                    and 13 in c[2:] for c in driver.calls)  # no rank asked without access
     _check_trees(w)
 
 
-def test_link_matrix_from_cuda_falls_back_to_the_runtime(monkeypatch):
+def test_probe_falls_back_to_the_runtime(monkeypatch):
     """Without a usable driver (not loadable, or cuInit failing) peer access from the
     runtime is used, every accessible pair at weight 1."""
+    import types
+    from gpukv.device.cuda import device as cuda
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=AccessOnlyRuntime()))
+    monkeypatch.setattr(cuda, "cupy_module", lambda: fake)
     for driver in (None, FakeDriver(init_status=100)):
-        monkeypatch.setattr(T, "cuda_driver", lambda d=driver: d)
-        import sys
-        import types
-        fake_cuda = types.SimpleNamespace(runtime=AccessOnlyRuntime())
-        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=fake_cuda))
-        monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cuda)
-        w = T.link_matrix_from_cuda([0, 1, 2, 3])
+        monkeypatch.setattr(probe, "cuda_driver", lambda d=driver: d)
+        ids = [0, 1, 2, 3]
+        w = T.link_matrix_from_ranks(ids, probe.p2p_ranks(ids))
         assert w[0, 1] == w[0, 2] == w[1, 2] == 1
         assert not w[3].any()
 
@@ -391,9 +412,8 @@ def test_cuda_driver_is_none_without_libcuda(monkeypatch):
         tried.append(name)
         raise OSError(f"{name}: cannot open shared object file")
 
-    from gpukv.device.cuda import driver as D
     monkeypatch.setattr(ctypes, "CDLL", cdll)
     monkeypatch.setattr(D, "_driver", [])
-    assert T.cuda_driver() is None
-    assert T.cuda_driver() is None
+    assert D.cuda_driver() is None
+    assert D.cuda_driver() is None
     assert tried == list(D._NAMES)

@@ -185,7 +185,7 @@ def machine(spec, n_devices: int | None = None) -> Machine:
             m = MACHINES[spec.lower()]
         except KeyError:
             raise ArgumentError(f"machine {spec!r}: unknown; known machines are "
-                             f"{', '.join(MACHINES)}") from None
+                                f"{', '.join(MACHINES)}") from None
     else:
         m = generic_machine(spec)
     return m if n_devices is None or n_devices == m.n else m.subset(n_devices)
@@ -652,9 +652,8 @@ def _parse(record, path: str) -> Calibration:
 
 def _other_machine(system: dict) -> str | None:
     """What differs between the machine of a calibration file and this one, or None."""
-    from ...tools.benchutil import cpu_model
     theirs = system.get("cpu_model")
-    ours = cpu_model()
+    ours = _local_cpu_model()
     if theirs and ours and theirs != ours:
         return f"CPU {theirs!r}, this one has {ours!r}"
     gpus = system.get("gpus") or []
@@ -665,18 +664,16 @@ def _other_machine(system: dict) -> str | None:
     return None
 
 
+def _local_cpu_model() -> str:
+    """This machine's CPU model, as the device layer reports it (and calibrations record)."""
+    from ...device.cuda.probe import cpu_model
+    return cpu_model()
+
+
 def _local_gpu_names() -> list:
     """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
-    try:
-        from ...device.cuda.device import cupy_module, gpu_count
-        count = gpu_count()
-        if not count:
-            return []
-        runtime = cupy_module().cuda.runtime
-        names = [runtime.getDeviceProperties(i)["name"] for i in range(count)]
-    except Exception:
-        return []
-    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    from ...device.cuda.probe import gpu_names
+    return gpu_names()
 
 
 def calibrated_costs() -> CostModel:

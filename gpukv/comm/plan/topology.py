@@ -3,10 +3,11 @@
 A *link matrix* is an n x n symmetric array of link weights between devices: 0 means
 no direct peer-to-peer link (a copy is staged through the host), and a higher weight
 means a faster link. The built-in machines follow MXNet's convention (1: PCIe,
-2: one NVLink, 3: two NVLinks); `link_matrix_from_cuda` derives weights from the CUDA
-P2P performance rank. Nothing here needs a GPU: the planners work on any matrix, so
-machines we do not have (DGX-1, NVSwitch boxes, PCIe-only boxes) are planned and
-simulated (see `simulate.py`) in CI.
+2: one NVLink, 3: two NVLinks); `link_matrix_from_ranks` derives weights from the CUDA
+P2P performance ranks the device layer probes (`gpukv.device.cuda.probe.p2p_ranks`).
+Nothing here needs a GPU, and nothing here asks one: the planners are functions of a
+matrix, so machines we do not have (DGX-1, NVSwitch boxes, PCIe-only boxes) are
+planned and simulated (see `simulate.py`) in CI.
 
 Trees follow the scheme of MXNet's `gpu_topology.h`: for every root, a binary
 reduction tree built by recursive balanced bisection of the devices (an exact search
@@ -27,7 +28,6 @@ the bound, sliced over every tree above it).
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,15 +36,11 @@ from functools import lru_cache
 import numpy as np
 
 from ..._errors import ArgumentError
-from ...device.cuda.driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
-                                    CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, cuda_driver)
-
-log = logging.getLogger("gpukv")
 
 __all__ = [
     "Tree", "plan_trees", "plan_ring", "validate_tree", "is_valid_tree",
     "tree_depth", "link_usage", "usage_summary", "slice_plan", "ring_bottleneck",
-    "as_link_matrix", "effective_weights", "link_matrix_from_cuda", "cuda_driver",
+    "as_link_matrix", "effective_weights", "link_matrix_from_ranks",
     "tree_options", "dgx1_v100", "nvswitch_h100", "pcie_two_socket", "random_link_matrix",
     "slice_roots", "SAME_DEVICE_WEIGHT", "DEFAULT_PENALTY", "DEFAULT_ARRAY_BOUND",
     "MXNET_ARRAY_BOUND",
@@ -84,7 +80,7 @@ def as_link_matrix(matrix) -> np.ndarray:
     w = np.array(matrix, dtype=np.float64, copy=True)
     if w.ndim != 2 or w.shape[0] != w.shape[1] or w.shape[0] < 1:
         raise ArgumentError(f"link matrix: expected a non-empty square 2-D array, got shape "
-                         f"{w.shape}")
+                            f"{w.shape}")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
         raise ArgumentError("link matrix: expected finite non-negative weights")
     w = np.minimum(w, w.T)
@@ -161,96 +157,19 @@ def random_link_matrix(n: int, seed: int | None = None, *, density: float = 0.5,
     return w + w.T
 
 
-# ------------------------------------------------------------------------- CUDA
-def _driver_ranks(driver, ordinals) -> dict | None:
-    """{(a, b): performance rank} of the ordered pairs of `ordinals` with P2P access,
-    from the CUDA driver API; None when a driver call fails.
+# ------------------------------------------------------------- measured links
+def link_matrix_from_ranks(device_ids, ranks) -> np.ndarray:
+    """The link matrix of devices on the given GPUs, from their P2P performance ranks.
 
-    Driver ordinals index the GPUs this process sees after `CUDA_VISIBLE_DEVICES` (and
-    `CUDA_DEVICE_ORDER`), exactly as the runtime's, hence CuPy's, device ids do.
-    """
-    import ctypes  # noqa: PLC0415
-
-    def call(fn, *args):
-        status = fn(*args)
-        if status != 0:
-            raise OSError(f"{getattr(fn, '__name__', 'CUDA driver call')} returned {status}")
-
-    try:
-        call(driver.cuInit, 0)
-        handles = {}
-        for ordinal in ordinals:
-            dev = ctypes.c_int()
-            call(driver.cuDeviceGet, ctypes.pointer(dev), ordinal)
-            handles[ordinal] = dev.value
-        ranks = {}
-        for a, b in itertools.permutations(ordinals, 2):
-            value = ctypes.c_int()
-            call(driver.cuDeviceGetP2PAttribute, ctypes.pointer(value),
-                 CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, handles[a], handles[b])
-            if not value.value:
-                continue
-            call(driver.cuDeviceGetP2PAttribute, ctypes.pointer(value),
-                 CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, handles[a], handles[b])
-            ranks[a, b] = int(value.value)
-    except OSError as exc:
-        log.debug("gpukv: CUDA driver P2P query failed (%s); asking the runtime", exc)
-        return None
-    return ranks
-
-
-def _runtime_ranks(runtime, ordinals) -> dict:
-    """{(a, b): performance rank} from the CUDA runtime: pairs `deviceCanAccessPeer`
-    accepts, ranked by `deviceGetP2PAttribute` where the runtime has it, else all 0."""
-    rank_attr = getattr(runtime, "cudaDevP2PAttrPerformanceRank", 1)
-    access_attr = getattr(runtime, "cudaDevP2PAttrAccessSupported", 2)
-    get_attr = getattr(runtime, "deviceGetP2PAttribute", None)
-    ranks = {}
-    for a, b in itertools.permutations(ordinals, 2):
-        if not runtime.deviceCanAccessPeer(a, b):
-            continue
-        rank = 0
-        if get_attr is not None:
-            try:
-                if not get_attr(access_attr, a, b):
-                    continue
-                rank = int(get_attr(rank_attr, a, b))
-            except Exception:  # an old runtime without the attribute: access is enough
-                rank = 0
-        ranks[a, b] = rank
-    return ranks
-
-
-def link_matrix_from_cuda(device_ids, *, runtime=None, driver=None) -> np.ndarray:
-    """The link matrix of the given CUDA devices, from CUDA's P2P attributes.
-
-    `device_ids` are CUDA ordinals (or objects with `.physical` or `.id`); one ordinal
+    `device_ids` are GPU ordinals (or objects with `.physical` or `.id`); one ordinal
     may appear several times (virtual GPUs on one physical GPU), and such pairs get
-    `SAME_DEVICE_WEIGHT`. For distinct GPUs, a pair without P2P access gets 0.
-    Otherwise the weight comes from the P2P performance rank (lower rank = faster
-    link): the slowest rank seen gets 1, each faster rank one more.
-
-    The attributes are asked of the CUDA driver API (`cuDeviceGetP2PAttribute` of
-    libcuda, through ctypes: CuPy's runtime module has no `deviceGetP2PAttribute`).
-    `driver` is that library or a stand-in; by default libcuda is loaded, unless a
-    `runtime` is given. Without a usable driver the runtime is asked instead
-    (`runtime` defaults to `cupy.cuda.runtime`): `deviceCanAccessPeer`, and the rank
-    where it has `deviceGetP2PAttribute`, else every accessible pair gets 1.
+    `SAME_DEVICE_WEIGHT`. `ranks` maps ordered pairs (a, b) of distinct ordinals with
+    peer access to CUDA's P2P performance rank (lower rank = faster link), as the
+    device layer reports them; a pair of distinct GPUs missing from it gets 0. The
+    slowest rank seen gets weight 1, each faster rank one more.
     """
     ids = [_ordinal(d) for d in device_ids]
     n = len(ids)
-    distinct = sorted(set(ids))
-    ranks = None
-    if len(distinct) > 1:
-        if driver is None and runtime is None:
-            driver = cuda_driver()
-        if driver is not None:
-            ranks = _driver_ranks(driver, distinct)
-        if ranks is None:
-            if runtime is None:
-                from cupy.cuda import runtime  # noqa: PLC0415 - CuPy stays optional
-            ranks = _runtime_ranks(runtime, distinct)
-    ranks = ranks or {}
     worst = max(ranks.values(), default=0)
     w = np.zeros((n, n))
     for i, j in itertools.permutations(range(n), 2):
@@ -568,7 +487,7 @@ def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = N
         for child, par in level:
             if parent[child] != par:
                 raise ArgumentError(f"edge ({child}, {par}) at step {step}: parent of {child} "
-                                 f"is {parent[child]}")
+                                    f"is {parent[child]}")
             if child in sent_at:
                 raise ArgumentError(f"device {child} sends twice (steps {sent_at[child]}, {step})")
             if child in busy or par in busy:
@@ -582,7 +501,7 @@ def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = N
         par = parent[child]
         if par != tree.root and sent_at[par] <= step:
             raise ArgumentError(f"device {par} sends at step {sent_at[par]} before its child "
-                             f"{child} (step {step})")
+                                f"{child} (step {step})")
     if max_depth is not None and tree.depth > max_depth:
         raise ArgumentError(f"tree rooted at {tree.root}: depth {tree.depth} > {max_depth}")
 
@@ -655,7 +574,7 @@ def slice_plan(nelems: int, n_trees: int, home: int, *, array_bound: int | None 
         roots = sorted({int(r) for r in roots})
         if not roots or not all(0 <= r < n_trees for r in roots):
             raise ArgumentError(f"slice_plan: roots {roots} must be non-empty, within "
-                             f"0..{n_trees - 1}")
+                                f"0..{n_trees - 1}")
         if nelems == 0:
             return [(home, 0, 0)]
     else:

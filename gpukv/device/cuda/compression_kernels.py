@@ -65,18 +65,18 @@ def _const(value: int, dtype, size: int) -> np.ndarray:
 
 def _blocks(fn, n: int, *args) -> None:
     """fn(*args, lo, hi) over [0, n): inline, or in BLOCK-aligned chunks on the host
-    thread pool of gpukv.comm.host for long arrays (NumPy releases the GIL in ufuncs)
-    when that pool has at least _POOL_MIN threads. On a 2-vCPU VM two threads were
-    slower than one for every encoder (the twins are compute-bound in L2, and the second
-    vCPU is often busy), so small pools run inline."""
+    thread pool (gpukv.device.host_sum) for long arrays (NumPy releases the GIL in
+    ufuncs) when that pool has at least _POOL_MIN threads. On a 2-vCPU VM two threads
+    were slower than one for every encoder (the twins are compute-bound in L2, and the
+    second vCPU is often busy), so small pools run inline."""
     if n < _THREADED_MIN:
         fn(*args, 0, n)
         return
-    from ...comm import host
-    if host.THREADS < _POOL_MIN:
+    from .. import host_sum
+    if host_sum.thread_count() < _POOL_MIN:
         fn(*args, 0, n)
         return
-    host._POOL.run(fn, [args + c for c in host._chunks(n, 4, BLOCK)])
+    host_sum.run_chunks(fn, [args + c for c in host_sum.chunk_ranges(n, 4, BLOCK)])
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -512,6 +512,25 @@ def _xp(a):
         return np
     import cupy
     return cupy
+
+
+def flat_f32(x):
+    """`x` as a flat, contiguous float32 array on its own device (a view when it already
+    is one; a GPU copy is made on the current device and stream)."""
+    xp = _xp(x)
+    return xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1)
+
+
+def empty_f32(like, shape):
+    """A new float32 array of `shape` where `like` lives (current device and stream)."""
+    return _xp(like).empty(shape, _F32)
+
+
+def scale_in_place(out, factor: float):
+    """out *= float32(factor), in place (on the current stream for a GPU array)."""
+    xp = _xp(out)
+    xp.multiply(out, xp.float32(factor), out=out)
+    return out
 
 
 def _write(xp, out, value, scale: float, accumulate: bool):

@@ -9,6 +9,7 @@ when too many page-locked bytes wait for their copies.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -16,42 +17,24 @@ import threading
 
 import numpy as np
 
-from ..._errors import BackendError, DeviceError
+from ..._errors import DeviceError
 from ..base import Device
+from . import kernels as _kernels
+from . import optim_kernels as _optim_kernels
+from . import sums as _sums
 from .driver import CU_POINTER_ATTRIBUTE_ACCESS_FLAG_NONE, pointer_access
+from .runtime import cupy_module, gpu_count, ordering_event  # noqa: F401 (re-exported)
 
 log = logging.getLogger("gpukv")
-
-
-@functools.cache
-def cupy_module():
-    """CuPy, imported now; a BackendError saying how to install it if that fails."""
-    try:
-        import cupy
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise BackendError(
-            "GPU arrays need CuPy: pip install 'gpukv[cuda12]' (or cuda13)") from exc
-    return cupy
-
-
-def gpu_count() -> int:
-    """Physical GPUs CuPy can see; 0 without CuPy, a driver or a GPU."""
-    try:
-        return cupy_module().cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-def ordering_event(stream):
-    """An event recorded now on `stream`, made only to order work: without timing, which
-    CUDA records and waits on more cheaply than a timed one."""
-    return stream.record(cupy_module().cuda.Event(disable_timing=True))
 
 
 class CudaDevice(Device):
     """One GPU, or one virtual GPU (`slot`) sharing a physical one, with its own stream."""
 
     kind = "gpu"
+    asynchronous = True
+    peer_links = True
+    supports_nccl = True
 
     def __init__(self, physical: int, slot: int = 0):
         count = gpu_count()
@@ -88,6 +71,12 @@ class CudaDevice(Device):
                         self._stream = self._cp.cuda.Stream(non_blocking=True)
         return self._stream
 
+    @contextlib.contextmanager
+    def activate(self):
+        """Make this GPU and this device's stream current inside the `with` block."""
+        with self._cuda_device, self.stream:
+            yield
+
     def record(self):
         """An event recorded now on this device's stream (also kept as its last work)."""
         stream = self.stream
@@ -117,7 +106,9 @@ class CudaDevice(Device):
                 mine.wait_event(last[0])
 
     def wait_event(self, event) -> None:
-        """Order this device's stream after `event`."""
+        """Order this device's stream after `event` (None: nothing to wait for)."""
+        if event is None:
+            return
         with self._cuda_device:
             self.stream.wait_event(event)
 
@@ -148,8 +139,73 @@ class CudaDevice(Device):
             out.fill(0)
         return out
 
+    def fill0(self, out) -> None:
+        with self._cuda_device, self.stream:
+            out.fill(0)
+
     def owns(self, array) -> bool:
         return isinstance(array, self._cp.ndarray) and array.device.id == self.physical
+
+    def readable(self, array) -> bool:
+        """Whether a kernel on this GPU can read `array` where it lies (never host memory:
+        that is staged)."""
+        if isinstance(array, np.ndarray):
+            return False
+        return peer_readable(self.physical, array)
+
+    def to_host(self, array) -> np.ndarray:
+        """`array` (NumPy, or a CuPy array) as a NumPy array: copied synchronously by its
+        own GPU, on this device's stream when it lives here, else on CuPy's current
+        stream of its GPU."""
+        return to_numpy(array, self)
+
+    @property
+    def primary(self) -> "CudaDevice":
+        return cuda_device(self.physical, 0)
+
+    # ------------------------------------------------------------------ work
+    def sum_into(self, jobs) -> None:
+        _sums.sum_into(self, jobs)
+
+    def copy_many(self, pairs) -> None:
+        _sums.copy_many(self, pairs)
+
+    def segment_sum(self, data, bounds):
+        with self._cuda_device, self.stream:
+            return _kernels.segment_sum_gpu(data, bounds)
+
+    def optimizer_step(self, optimizer, items, hp: dict, body: str | None = None) -> None:
+        """Update every key of `items` [(stored, grad, master, states, scalars)], all on
+        this GPU with C-contiguous arrays and grads in the compute dtype, with one
+        multi-tensor launch (LAMB: two) on this device's stream. `body`: the rule's CUDA
+        body to run instead of its `cuda_body` (e.g. its row-sparse form)."""
+        with self._cuda_device, self.stream:
+            _optim_kernels.step(optimizer, self, items, hp, body=body)
+
+    # ------------------------------------------------------ staging in main memory
+    def host_buffer(self, shape, dtype) -> np.ndarray:
+        """A page-locked NumPy array (host buffers of earlier copies that have completed
+        are let go first)."""
+        release_done()
+        return empty_pinned(shape, dtype)
+
+    def to_host_async(self, array) -> np.ndarray:
+        """A pinned NumPy copy of `array` (on this GPU), queued on this device's stream."""
+        host = self.host_buffer(array.shape, array.dtype)
+        with self._cuda_device, self.stream:
+            src = array if array.flags.c_contiguous else array.copy()
+            src.get(stream=self.stream, out=host, blocking=False)
+        return host
+
+    def from_host_async(self, dst, host) -> None:
+        """Copy pinned `host` into `dst` on this device's stream; `host` is kept alive
+        until the copy has run."""
+        with self._cuda_device:
+            if dst.flags.c_contiguous and dst.dtype == host.dtype:
+                dst.set(host, stream=self.stream)
+            else:
+                self.copy(dst, host)
+        keep_alive(host, self.record())
 
     def copy(self, dst, src) -> None:
         cp = self._cp

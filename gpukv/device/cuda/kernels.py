@@ -1,15 +1,16 @@
-"""The reduction kernels (CUDA) and their NumPy twins.
+"""The reduction kernels (CUDA); their NumPy twins are `gpukv/device/host_kernels.py`.
 
 Every kernel here has a NumPy twin with the same contract, so the host backend runs
 the same algorithm and tests compare the two. The optimizer and compression kernels
-live in `_optim_kernels.py` and `_compression_kernels.py`. Layout of this module:
+live in `optim_kernels.py` and `compression_kernels.py`. Layout of this module:
 
 1. Infrastructure: dtype -> CUDA C type/load/store snippets, the compile cache, and
    launch helpers (pointer tables uploaded to device memory on the launching stream).
-2. Reduction kernels: the fused multi-key k-way sum (`multi_sum`), which also serves as
-   the multi-key copy/cast (`multi_copy`, a bit copy when the dtypes agree): one launch
-   sums or copies hundreds of keys, reading their sources directly from peer GPUs' memory.
-3. The row sum of runs of sorted row-sparse rows (`segment_sum`), in order, no atomics.
+2. Reduction kernels: the fused multi-key k-way sum (`multi_sum_gpu`), which also serves
+   as the multi-key copy/cast (`multi_copy_gpu`, a bit copy when the dtypes agree): one
+   launch sums or copies hundreds of keys, reading their sources directly from peer
+   GPUs' memory.
+3. The row sum of runs of sorted row-sparse rows (`segment_sum_gpu`), in order, no atomics.
 
 CuPy is never imported at module level, only by the GPU functions when they are
 called, so `import gpukv` stays light.
@@ -17,11 +18,11 @@ called, so `import gpukv` stays light.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 import numpy as np
 
 from ..._dtypes import NARROW_FLOATS
+from ..base import SumItem
 
 # =============================================================== 1. infrastructure
 
@@ -173,7 +174,7 @@ def upload_table(cupy, table: np.ndarray, stream):
         host = _TABLES.take(cupy, table.size)
         host[:table.size] = table
         dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
-        from .device import ordering_event
+        from .runtime import ordering_event
         _TABLES.give(host, ordering_event(stream))
     return dev
 
@@ -184,18 +185,6 @@ THREADS = 256          # threads per block
 PER_THREAD = 4         # elements per thread before a key is given another block
 MAX_BLOCKS = 4096      # blocks per key; larger keys loop (grid-stride within the key)
 META = 6               # int64 words per key: out, n, a_offset, n_a, b_offset, n_b
-
-
-class SumItem(NamedTuple):
-    """`out = sum(a) + sum(b)`, elementwise, accumulated in `accumulate_name(out.dtype)`.
-
-    `a`: arrays of one dtype T (any supported dtype); `b`: arrays of `out`'s dtype,
-    which may include `out` itself (accumulate in place). All 1-D, contiguous and of
-    `out`'s length. With one entry in `a` and none in `b` this is a copy with a cast.
-    """
-    out: object
-    a: tuple
-    b: tuple
 
 
 def plan_blocks(sizes, threads: int = THREADS, per_thread: int = PER_THREAD,
@@ -383,86 +372,7 @@ def segment_sum_gpu(data, bounds):
     return out
 
 
-def segment_sum_host(data, bounds):
-    """NumPy twin of `segment_sum_gpu`: each run's rows added one after the other from
-    its first (np.add.at adds in index order)."""
-    acc = np.dtype(accumulate_name(data.dtype))
-    starts = bounds[:-1]
-    sums = data[starts].astype(acc)
-    run_of = np.repeat(np.arange(starts.size), np.diff(bounds))
-    later = np.ones(data.shape[0], bool)
-    later[starts] = False
-    np.add.at(sums, run_of[later], data[later].astype(acc, copy=False))
-    return sums
-
-
-def segment_sum(data, bounds):
-    """`segment_sum_gpu` for CuPy arrays, `segment_sum_host` for NumPy ones."""
-    if isinstance(data, np.ndarray):
-        return segment_sum_host(data, bounds)
-    return segment_sum_gpu(data, bounds)
-
-
-def multi_sum_host(items) -> None:
-    """NumPy twin of `multi_sum_gpu`: the same terms added in the same order, in the same
-    accumulation dtype."""
-    for item in items:
-        out = item.out
-        if out.size == 0:
-            continue
-        acc = np.dtype(accumulate_name(out.dtype))
-        terms = list(item.a) + list(item.b)
-        if len(terms) == 1:
-            np.copyto(out, terms[0], casting="unsafe")
-            continue
-        if any(t is out or np.shares_memory(t, out) for t in terms) or acc != out.dtype:
-            total = np.add(terms[0], terms[1], dtype=acc, casting="unsafe")
-            for t in terms[2:]:
-                np.add(total, t, out=total, dtype=acc, casting="unsafe")
-            np.copyto(out, total, casting="unsafe")
-        else:
-            np.add(terms[0], terms[1], out=out, dtype=acc, casting="unsafe")
-            for t in terms[2:]:
-                np.add(out, t, out=out, dtype=acc, casting="unsafe")
-
-
-def multi_sum(items, stream=None) -> None:
-    """`multi_sum_gpu` for CuPy outputs (on `stream`), `multi_sum_host` for NumPy ones."""
-    if not items:
-        return
-    if isinstance(items[0].out, np.ndarray):
-        multi_sum_host(items)
-    else:
-        multi_sum_gpu(items, stream)
-
-
-def multi_copy(pairs, stream=None) -> None:
-    """Copy (with a cast) every (dst, src) pair of 1-D contiguous arrays in one launch."""
-    multi_sum([SumItem(dst, (src,), ()) for dst, src in pairs], stream)
-
-
-def emulate_table(table: np.ndarray, nkeys: int, memory: list, t_dtype, u_dtype,
-                  blocks: int, threads: int = THREADS) -> None:
-    """Run the sum kernel's index arithmetic on the host, block by block.
-
-    Addresses in `table` are indices into `memory` (1-D NumPy arrays); this checks
-    the table layout and the block/stride mapping of `sum_source` without a GPU.
-    """
-    starts = table[:nkeys + 1]
-    meta = table[nkeys + 1:nkeys + 1 + META * nkeys].reshape(nkeys, META)
-    ptrs = table[nkeys + 1 + META * nkeys:]
-    acc = np.dtype(accumulate_name(u_dtype))
-    for b in range(blocks):
-        k = int(np.searchsorted(starts[:nkeys], b, side="right") - 1)
-        out_i, n, a_off, na, b_off, nb = (int(x) for x in meta[k])
-        out = memory[out_i]
-        stride = (int(starts[k + 1]) - int(starts[k])) * threads
-        first = (b - int(starts[k])) * threads
-        idx = np.concatenate([np.arange(i, min(i + threads, n))
-                              for i in range(first, n, stride)] or [np.zeros(0, np.int64)])
-        terms = ([memory[int(ptrs[a_off + j])] for j in range(na)]
-                 + [memory[int(ptrs[b_off + j])] for j in range(nb)])
-        total = terms[0][idx].astype(acc)  # from the first term, as the kernel sums
-        for term in terms[1:]:
-            total += term[idx].astype(acc)
-        out[idx] = total.astype(out.dtype)
+def multi_copy_gpu(pairs, stream) -> None:
+    """Copy (with a cast) every (dst, src) pair of 1-D contiguous CuPy arrays in one
+    launch on `stream` (a bit copy when the dtypes agree); the launching GPU current."""
+    multi_sum_gpu([SumItem(dst, (src,), ()) for dst, src in pairs], stream)

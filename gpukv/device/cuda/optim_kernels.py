@@ -16,7 +16,7 @@ becomes a (signed) zero there and not on the host (float64 keys are not affected
 16-bit weights are converted with PTX `cvt.rn` (float16) and round-to-nearest-even bit
 arithmetic (bfloat16), as NumPy and ml_dtypes convert.
 
-CuPy is imported only by the functions here, which the updater calls for GPU keys only.
+CuPy is imported only by the functions here, which `CudaDevice.optimizer_step` calls.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def kernel_source(optimizer, wdtype, phase: int = 0, body: str | None = None) ->
 
 @functools.lru_cache(maxsize=None)
 def _compiled(source: str):
-    from .device import cupy_module
+    from .runtime import cupy_module
     return cupy_module().RawKernel(source, "gpukv_optim_step", options=("--fmad=false",))
 
 
@@ -197,10 +197,10 @@ def plan(items) -> tuple:
 def step(optimizer, home, items, hp: dict, body: str | None = None) -> None:
     """Update every key of `items` on `home` (a CUDA device) with one launch (LAMB: two).
 
-    Runs on `home`'s stream; the caller holds `with home.cuda_device, home.stream`.
+    Runs on `home`'s stream: `CudaDevice.optimizer_step` calls it with `home` activated.
     `body`: run it instead of the rule's `cuda_body` (in one phase-0 launch).
     """
-    from .device import cupy_module
+    from .runtime import cupy_module
     cp = cupy_module()
     if body is not None and body == optimizer.cuda_body:
         body = None  # the rule itself (LAMB keeps its two phases)

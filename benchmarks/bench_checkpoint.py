@@ -1,0 +1,146 @@
+"""Whole-store checkpoints with many small keys: KVStore.save and KVStore.load.
+
+    python benchmarks/bench_checkpoint.py --keys 100000
+    python benchmarks/bench_checkpoint.py --keys 10000,100000 --shape 4 --optimizer adam
+
+For each key count it fills a 'local' store with that many keys of `--shape` float32
+elements, sets the optimizer (its state is created by one push of every key) and times
+`save`, `load` into a fresh store with the same optimizer (every key created) and `load`
+back into the store that saved (every key overwritten). The baseline, measured in the same
+run, is writing and reading the same bytes as one flat .npy file: the ratio says what the
+per-key bookkeeping costs on top of moving the data. Each loaded store is checked against
+the saved one (values and a following push); a mismatch or a failure exits non-zero.
+A table is printed; JSON goes to --out DIR (default benchmarks/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as C  # noqa: E402
+
+import gpukv  # noqa: E402
+from gpukv import optim  # noqa: E402
+
+OPTIMIZERS = {
+    "none": lambda: None,
+    "sgd_mom": lambda: optim.SGD(learning_rate=0.01, momentum=0.9),
+    "adam": lambda: optim.Adam(learning_rate=1e-3),
+}
+
+
+def _store(n_keys: int, shape: tuple, make_opt):
+    kv = gpukv.create("local")
+    keys = list(range(n_keys))
+    kv.init(keys, [np.full(shape, k % 97, np.float32) for k in keys])
+    opt = make_opt()
+    if opt is not None:
+        kv.set_optimizer(opt)
+        kv.push(keys, [np.full(shape, 0.5, np.float32)] * n_keys)
+    return kv, keys
+
+
+def _values(kv, keys, shape):
+    outs = [np.empty(shape, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+    return np.stack(outs) if outs else np.empty((0,) + shape, np.float32)
+
+
+def _timed(fn, cpu: list | None = None) -> float:
+    """Wall seconds of `fn()`; its process CPU seconds are appended to `cpu` (on a shared
+    machine they say more than the wall clock)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - start_cpu)
+    return time.perf_counter() - start
+
+
+def _same_after_push(a, b, keys, shape) -> bool:
+    """Whether stores `a` and `b` hold the same values, also after one more push."""
+    if not np.array_equal(_values(a, keys, shape), _values(b, keys, shape)):
+        return False
+    grads = [np.full(shape, 0.25, np.float32)] * len(keys)
+    a.push(keys, grads)
+    b.push(keys, grads)
+    return np.array_equal(_values(a, keys, shape), _values(b, keys, shape))
+
+
+def _baseline(nbytes: int, folder: Path) -> tuple[float, float]:
+    """Seconds to write and to read `nbytes` as one flat .npy file."""
+    flat = np.ones(max(nbytes // 4, 1), np.float32)
+    path = folder / "flat.npy"
+    write = _timed(lambda: np.save(path, flat))
+    read = _timed(lambda: np.load(path))
+    return write, read
+
+
+def run_case(n_keys, shape, rule, iters, folder: Path) -> dict:
+    make_opt = OPTIMIZERS[rule]
+    kv, keys = _store(n_keys, shape, make_opt)
+    path = folder / f"ck_{n_keys}.npz"
+    saves, fresh_loads, same_loads = [], [], []
+    save_cpu, load_cpu = [], []
+    ok = True
+    for _ in range(iters):
+        saves.append(_timed(lambda: kv.save(path), save_cpu))
+        fresh = gpukv.create("local")
+        opt = make_opt()
+        if opt is not None:
+            fresh.set_optimizer(opt)
+        fresh_loads.append(_timed(lambda: fresh.load(path), load_cpu))
+        same_loads.append(_timed(lambda: kv.load(path)))
+        ok = ok and _same_after_push(kv, fresh, keys, shape)  # pulls every key
+    size = path.stat().st_size
+    base_write, base_read = _baseline(size, folder)
+    save_s, fresh_s, same_s = (statistics.median(s) for s in (saves, fresh_loads, same_loads))
+    return {"keys": n_keys, "shape": list(shape), "optimizer": rule, "file_bytes": size,
+            "save_s": save_s, "load_new_keys_s": fresh_s, "load_existing_keys_s": same_s,
+            "save_cpu_s": statistics.median(save_cpu),
+            "load_new_keys_cpu_s": statistics.median(load_cpu),
+            "baseline_write_s": base_write, "baseline_read_s": base_read,
+            "save_per_key_us": save_s / max(n_keys, 1) * 1e6,
+            "load_per_key_us": fresh_s / max(n_keys, 1) * 1e6, "ok": ok}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--keys", default="100000", help="key counts, e.g. 10000,100000")
+    p.add_argument("--shape", default="4", help="shape of every key, e.g. 4 or 2x3")
+    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
+    p.add_argument("--iters", type=int, default=1, help="timed save/load rounds per case")
+    p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results/)")
+    args = p.parse_args(argv)
+    shape = tuple(int(s) for s in args.shape.lower().split("x"))
+    rows, records = [], []
+    with tempfile.TemporaryDirectory(prefix="gpukv-bench-ck-") as tmp:
+        for n_keys in (int(k) for k in args.keys.split(",") if k.strip()):
+            rec = run_case(n_keys, shape, args.optimizer, max(args.iters, 1), Path(tmp))
+            records.append(rec)
+            rows.append([n_keys, args.optimizer, C.format_size(rec["file_bytes"]),
+                         C.format_seconds(rec["save_s"]),
+                         C.format_seconds(rec["load_new_keys_s"]),
+                         C.format_seconds(rec["load_existing_keys_s"]),
+                         round(rec["save_s"] / rec["baseline_write_s"], 1),
+                         round(rec["load_new_keys_s"] / rec["baseline_read_s"], 1),
+                         "ok" if rec["ok"] else "MISMATCH"])
+    C.print_table(["keys", "optimizer", "file", "save", "load (new)", "load (existing)",
+                   "save/flat write", "load/flat read", "check"], rows)
+    payload = {"benchmark": "checkpoint", "machine": C.machine_info(),
+               "libraries": C.library_versions("numpy"), "results": records}
+    out = Path(args.out) / f"{C.result_name('checkpoint')}.json" if args.out else None
+    print(f"wrote {C.write_json(payload, out, prefix='checkpoint')}")
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
