@@ -240,5 +240,3 @@ def print_table(headers: list[str], rows: list[list], *, file=None) -> None:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) or v is None
-
-

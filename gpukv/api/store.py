@@ -96,16 +96,14 @@ class _PushPlan(NamedTuple):
     compressed: list  # (key, sources, devices, home, out) of the compressed keys
     rows: list        # (key, entry, merged rows at home) of the row-sparse keys
     updates: list     # (key, entry, merged out, or _ROWS) for the updater, in call order
+    host_outs: list   # a host store's NumPy call as columns: out i = sum of host_sources[i]
+    host_sources: list
 
 
 @functools.cache
-def _host_slot_list(n: int) -> tuple:
-    return tuple(host_device(i) for i in range(n))
-
-
-def _host_slots(n: int) -> list:
+def _host_slots(n: int) -> tuple:
     """The devices of `n` host arrays given for one key: host slots 0..n-1."""
-    return list(_host_slot_list(n))
+    return tuple(host_device(i) for i in range(n))
 
 
 _ENTRY_SEQ = itertools.count()
@@ -196,6 +194,8 @@ class KVStore:
         self._route_host = (getattr(self._strategy, "explicit", False)
                             and (asked or name != "nccl")
                             and self._strategy.name not in ("auto", "cpu"))
+        # Every key lives on the host and takes the host strategy.
+        self._host_only = not self._on_gpu and not self._route_host
         self._entries: dict = {}
         self._key_kind: type | None = None
         self._updater = None
@@ -432,36 +432,76 @@ class KVStore:
             except MemoryError as exc:
                 raise _out_of_memory(groups.keys[0], "push (a dtype conversion)", exc) from exc
         updater = self._updater
+        plan = _PushPlan([], [], [], [], [], groups.arrays)
+        if groups.sparse or self._compression is not None:
+            self._plan_keys(plan, groups, entries)
+        elif groups.all_host and self._host_only:
+            self._plan_host(plan, groups, entries)
+        else:
+            self._plan_dense(plan, groups, entries)
+        if updater is not None and plan.updates:
+            updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
+        return plan
+
+    def _plan_host(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
+        """`_plan_push` for NumPy arrays of dense keys in a host store (the hot loop of many
+        small keys): the outs as a column beside `groups.arrays`, no job per key."""
+        assign = self._updater is None
+        outs, updates = plan.host_outs, plan.updates
+        try:
+            for key, entry in zip(groups.keys, entries):
+                if assign and not entry.narrow:  # assigned: summed straight into the value
+                    outs.append(entry.value)
+                else:
+                    out = entry.merge_buffer()
+                    outs.append(out)
+                    updates.append((key, entry, out))
+        except MemoryError as exc:
+            raise _out_of_memory(key, "push", exc) from exc
+
+    def _plan_dense(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
+        """`_plan_push` for dense keys."""
+        assign = self._updater is None
+        try:
+            for key, entry, sources in zip(groups.keys, entries, groups.arrays):
+                devices = (_host_slots(len(sources)) if groups.all_host
+                           else self._devices(sources))
+                if assign and not entry.narrow:  # assigned: summed straight into the value
+                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
+                else:
+                    out = entry.merge_buffer()
+                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, out))
+                    plan.updates.append((key, entry, out))
+        except MemoryError as exc:
+            raise _out_of_memory(key, "push", exc) from exc
+
+    def _plan_keys(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
+        """`_plan_push` for a call with compressed or row-sparse keys among its keys."""
         comp = self._compression
-        special = groups.sparse or comp is not None
-        host_slots = _host_slots if groups.all_host else None
-        plan = _PushPlan([], [], [], [])
-        for key, entry, sources in zip(groups.keys, entries, groups.arrays):
-            kind = self._push_kind(key, entry, sources, comp) if special else _DENSE
-            try:
+        assign = self._updater is None
+        try:
+            for key, entry, sources in zip(groups.keys, entries, groups.arrays):
+                kind = self._push_kind(key, entry, sources, comp)
                 if kind is _ROWS:
                     plan.rows.append((key, entry, self._merged_rows(key, entry, sources)))
                     plan.updates.append((key, entry, _ROWS))
                     continue
-                devices = (host_slots(len(sources)) if host_slots is not None
+                devices = (_host_slots(len(sources)) if groups.all_host
                            else self._devices(sources))
                 if kind is _COMPRESSED:
                     out = (entry.merge_buffer() if entry.value.dtype == np.float32
                            or entry.narrow else comp.buffer(key, entry.home, entry.value.shape))
                     comp.reserve(key, sources, devices)
                     plan.compressed.append((key, sources, devices, entry.home, out))
-                elif updater is None and not entry.narrow:  # assigned: summed straight in
+                elif assign and not entry.narrow:
                     plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
                     continue
                 else:
                     out = entry.merge_buffer()
                     plan.jobs.append(ReduceJob(key, sources, devices, entry.home, out))
-            except MemoryError as exc:
-                raise _out_of_memory(key, "push", exc) from exc
-            plan.updates.append((key, entry, out))
-        if updater is not None and plan.updates:
-            updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
-        return plan
+                plan.updates.append((key, entry, out))
+        except MemoryError as exc:
+            raise _out_of_memory(key, "push", exc) from exc
 
     def _merged_rows(self, key, entry, sources) -> RowSparse:
         """The row-wise sum of checked RowSparse `sources` at home: what the updater gets
@@ -496,6 +536,8 @@ class KVStore:
                            for key, sources, devices, home, out in plan.compressed]
         if jobs:
             self._strategy_for(jobs).reduce_many(jobs)
+        if plan.host_outs:
+            _HOST_STRATEGY.reduce_columns(plan.host_outs, plan.host_sources)
         for key, _, _, home, out in plan.compressed:
             comp.finish(key, out, home)
         updater = self._updater
@@ -543,17 +585,22 @@ class KVStore:
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
-        host_slots = _host_slots if groups.all_host else None
+        if groups.all_host and self._host_only:  # as columns: no job per key
+            _HOST_STRATEGY.broadcast_columns([e.value for e in entries], groups.arrays)
+            return
         jobs = [BroadcastJob(key, entry.value, entry.home, outs,
-                             host_slots(len(outs)) if host_slots is not None
-                             else self._devices(outs))
+                             _host_slots(len(outs)) if groups.all_host else self._devices(outs))
                 for key, entry, outs in zip(groups.keys, entries, groups.arrays)]
         if jobs:
             self._strategy_for(jobs).broadcast_many(jobs)
 
     def _strategy_for(self, jobs):
         """The store's strategy, or the host one for keys whose home is the host."""
-        if self._route_host or not any(job.home.host_memory for job in jobs):
+        if self._route_host:
+            return self._strategy
+        if self._host_only:
+            return _HOST_STRATEGY
+        if not any(job.home.host_memory for job in jobs):
             return self._strategy
         if not all(job.home.host_memory for job in jobs):
             return _SplitStrategy(self._strategy)

@@ -45,11 +45,23 @@ class HostStrategy(Strategy):
 
     def broadcast_many(self, jobs) -> None:
         for _, src, _, outs, devices in jobs:
-            if _on_host(src) and all(_on_host(o) for o in outs):
+            if _on_host(src) and all(map(_on_host, outs)):
                 _BROADCAST(src, outs)
                 continue
             for out, device in zip(outs, devices):
                 device.copy(out, src)
+
+    # The batch form of the store's all-host calls: jobs as parallel lists, with nothing
+    # built per key (with many small keys, a job object is a good part of a key's cost).
+    def reduce_columns(self, outs, sources) -> None:
+        """outs[i] = the sum of the NumPy arrays sources[i], for every i."""
+        for out, arrays in zip(outs, sources):
+            _SUM(out, arrays)
+
+    def broadcast_columns(self, srcs, outs) -> None:
+        """Every NumPy array of outs[i] = srcs[i], for every i."""
+        for src, arrays in zip(srcs, outs):
+            _BROADCAST(src, arrays)
 
 
 def _on_host(array) -> bool:

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.compile:  # before the emulation is imported: it reads the folder once
         os.environ["CUDAEMU_CACHE_DIR"] = tempfile.mkdtemp(prefix="cudaemu-bench-")
-    from tests.test_cuda_compile import VARIANTS
+    from tests.device.cuda.test_cuda_compile import VARIANTS
 
     from .support import device, kernels
     print(f"cache: {kernels.CACHE_DIR}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_cuda_compile import _ENTRY, VARIANTS
+from tests.device.cuda.test_cuda_compile import _ENTRY, VARIANTS
 
 from .support import device, kernels
 

@@ -11,8 +11,8 @@ import gpukv
 from gpukv import DeviceError
 from gpukv.device.cuda import device as cuda_mod
 
-from .. import gpu_env
-from ..gpu_gate import hardware_missing
+from ... import gpu_env
+from ...gpu_gate import hardware_missing
 
 
 class _FakeRuntime:

@@ -8,7 +8,7 @@ import pytest
 
 import gpukv
 
-from .foreign import ArrayInterfaceOnly, DLPackOnly, OnDLPackDevice
+from ..foreign import ArrayInterfaceOnly, DLPackOnly, OnDLPackDevice
 
 SHAPE = (2, 3)
 

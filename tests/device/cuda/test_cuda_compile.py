@@ -36,8 +36,8 @@ from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv._errors import GpukvError
 from gpukv.optim import _base as optim_base
 
-from . import nvrtc
-from .gpu_gate import gpu_unavailable
+from ... import nvrtc
+from ...gpu_gate import gpu_unavailable
 
 REQUIRED = os.environ.get("GPUKV_TEST_NVRTC", "") == "1"
 

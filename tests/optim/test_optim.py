@@ -18,10 +18,10 @@ from gpukv import optim
 from gpukv._errors import (ArgumentError, ArgumentKindError, CheckpointError, DTypeError,
                            GpukvError)
 
-DATA = Path(__file__).parent / "data" / "mxnet_optimizer_reference.json"
+DATA = Path(__file__).parents[1] / "data" / "mxnet_optimizer_reference.json"
 REFERENCE = json.loads(DATA.read_text())
 CASES = {c["name"]: c for c in REFERENCE["cases"]}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------- helpers
@@ -374,7 +374,7 @@ def test_load_of_fortran_ordered_states_gives_c_order(tmp_path, home):
     """States read from a file with Fortran-ordered members are C-contiguous (the GPU
     multi-tensor kernels index flat pointers) and resume exactly as from a C-ordered file."""
     from gpukv.api.checkpoint import read_archive
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     kv, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
     header, arrays = read_archive(_fortran_ordered(path, tmp_path / "f"))
     assert any(a.ndim == 2 and not a.flags.c_contiguous for a in arrays.values())
@@ -523,7 +523,7 @@ def test_killed_writer_leaves_previous_file_whole(tmp_path):
 
 
 # --------------------------------------------------------- row-sparse gradients
-LAZY = json.loads((Path(__file__).parent / "data" / "mxnet_lazy_reference.json").read_text())
+LAZY = json.loads((Path(__file__).parents[1] / "data" / "mxnet_lazy_reference.json").read_text())
 LAZY_CASES = {c["name"]: c for c in LAZY["cases"]}
 
 

@@ -20,7 +20,7 @@ from gpukv.api.checkpoint import read_archive, write_archive
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "uint8", "int8", "int32", "int64"]
 

@@ -12,9 +12,9 @@ import pytest
 import gpukv
 from gpukv import RowSparse
 
-from .gpu_gate import hardware_missing
+from ..gpu_gate import hardware_missing
 
-REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_sparse_reference.json")
+REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_sparse_reference.json")
                  .read_text())
 SHAPE = tuple(REF["shape"])
 
@@ -210,7 +210,7 @@ def test_pushpull_into_row_sparse_is_refused_before_pushing(explicit_out):
 def test_dense_updater_gets_rows_made_dense_on_the_key_stream(monkeypatch):
     """For an updater taking dense gradients, a GPU key's merged rows are made dense on
     the key's own stream (a virtual GPU's is not CuPy's current one), where it reads them."""
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     kv = gpukv.create("local")
     kv.init("w", np.zeros((4, 2), np.float32))
@@ -404,7 +404,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     and those devices reuse them only after the home device has read them."""
     import gpukv.device
     from gpukv.update.sparse import merge
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(1, log, current)
     a, b = rsp([1], [[1, 1]]), rsp([1, 2], [[2, 2], [3, 3]])
@@ -423,7 +423,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
 
 def _gpu_entry(log, current):
     from types import SimpleNamespace
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     home = FakeGpu(0, log, current)
     value = np.arange(8, dtype=np.float32).reshape(4, 2)
     return SimpleNamespace(value=value, home=home)
@@ -445,7 +445,7 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     """Into a RowSparse on another GPU: the key's device waits for the copies before its
     gathered rows go back to its memory pool."""
     from gpukv.api import rows as _sparse_store
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
     target = FakeGpu(1, log, current)
@@ -465,7 +465,7 @@ def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     """row_ids on another GPU are copied to the key's GPU only after the work queued on
     theirs, and their GPU may reuse them only once the copy has read them."""
     from gpukv.api import rows as _sparse_store
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
     other = FakeGpu(1, log, current)

@@ -12,7 +12,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import gpukv
 
-from .strategies import DTYPES, SHAPES, device_values, keys_of, small_ints
+from ..strategies import DTYPES, SHAPES, device_values, keys_of, small_ints
 
 UPDATERS = {
     "sum": (lambda key, merged, stored: stored.__iadd__(merged), lambda s, m: s + m),

@@ -19,9 +19,9 @@ from gpukv.device.cuda import compression_kernels as K
 from gpukv.update.compression import (Cast, GradientCompression, OneBit, TwoBit,
                                       make_compressor)
 
-from .strategies import float32_bits, gradient_steps
+from ..strategies import float32_bits, gradient_steps
 
-REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_2bit_reference.json").read_text())
+REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_2bit_reference.json").read_text())
 
 
 def f32(xs):
@@ -591,7 +591,7 @@ def test_gpu_store_nightly_sequence():
 # ----------------------------------------------- stream order of GPU paths, on the host
 def test_gpu_residual_zeroed_on_its_device_stream():
     """A GPU residual is zero-filled on its device's stream, where the kernels read it."""
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     dev = FakeGpu(0, log, current, slot=1)
     r = GradientCompression(TwoBit(0.5)).residual("k", dev, 8)
@@ -602,7 +602,7 @@ def test_gpu_residual_zeroed_on_its_device_stream():
 def test_gpu_encode_enters_every_device_first():
     """Encoding on GPUs first orders every device after the caller's streams (virtual
     GPUs have streams of their own), then works on each device's own stream."""
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(0, log, current, slot=1)
     sources = [f32([1, -1, 0.2, 0.7]), f32([1, 0.1, -1, 0.7])]
@@ -615,7 +615,7 @@ def test_gpu_encode_enters_every_device_first():
 def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
     """fp16 with a pre_divide scales the summed payloads on the home device's stream and
     then orders the caller's stream after it; without a scale, finish does nothing."""
-    from .fake_gpu import FakeGpu
+    from ..fake_gpu import FakeGpu
     log, current = [], {}
     home = FakeGpu(0, log, current, slot=2)
     scale = K.scale_in_place

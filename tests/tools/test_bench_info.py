@@ -13,9 +13,9 @@ from gpukv.tools import bench as _bench
 
 from gpukv.tools import info as _info
 
-from . import gpu_env
+from .. import gpu_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--host", "--sizes", "4K,16K", "--devices", "2,3", "--strategies", "local,cpu",
         "--baselines", "loop", "--warmup", "0", "--iters", "2", "--small-keys", "6",
         "--small-devices", "3", "--goal-size", "8K", "--goal-devices", "2",

@@ -1,6 +1,6 @@
 """The kernels of gpukv/device/cuda/kernels.py, their NumPy twins (gpukv/device/
 host_kernels.py), pointer tables, and the CUDA sources (compiled with NVRTC, for every
-dtype pair, in tests/test_cuda_compile.py)."""
+dtype pair, in tests/device/cuda/test_cuda_compile.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gpukv.device import host_kernels as HK
 from gpukv.device.cuda import kernels as K
 
-from ..gpu_gate import hardware_missing
+from ...gpu_gate import hardware_missing
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 

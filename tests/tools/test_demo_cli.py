@@ -14,9 +14,9 @@ import gpukv
 from gpukv import __main__ as cli
 from gpukv.tools import demo as _demo
 
-from . import gpu_env
+from .. import gpu_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, code=None, timeout=60, gpus=False):

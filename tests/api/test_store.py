@@ -16,7 +16,7 @@ import pytest
 
 import gpukv
 
-REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())
+REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_reference.json").read_text())
 MX = REF["behaviours"]
 SHAPE = (2, 3)
 STORE_NAMES = ["local", "device", "local_update_cpu", "local_allreduce_cpu",

@@ -11,12 +11,12 @@ import pytest
 
 import gpukv
 
-from .foreign import CudaInterfaceOnly, DLPackOnly, cuda_tensor_values, torch_cuda_tensor
-from .gpu_gate import hardware_missing
+from ..foreign import CudaInterfaceOnly, DLPackOnly, cuda_tensor_values, torch_cuda_tensor
+from ..gpu_gate import hardware_missing
 
 pytestmark = pytest.mark.gpu
 
-REF = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())
+REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_reference.json").read_text())
 SHAPE = (2, 3)
 
 
