@@ -1,9 +1,12 @@
-"""Call normalisation: every accepted argument form becomes one flat, validated list.
+"""The check phase of every call: its arguments normalised and checked whole, against the
+store's keys too, before anything is touched; every argument error is raised here, typed,
+naming the key.
 
 `group(keys, values)` turns a key or a list of keys, with an array, a list of arrays, or a
 list of (arrays or lists of arrays), into `Groups`: one entry per distinct key, in order
 of first appearance, holding every array given for that key (a key repeated in a list
-counts as more devices). All argument errors are raised here, before any key is touched.
+counts as more devices). The functions after it check Groups against the store's entries
+(`lookup`, `all_sources`, `all_outs`, `init_values`) and the parts of row-sparse calls.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import ArgumentError, ArgumentKindError, GpukvError, KeyKindError
-from ..device import adopt
-from ..update.sparse import RowSparse
+from .._errors import (ArgumentError, ArgumentKindError, DTypeError, DuplicateKeyError,
+                       GpukvError, KeyKindError, ReadOnlyError, ShapeError, UnknownKeyError)
+from ..device import SUPPORTED_DTYPES, adopt, has_overlapping_elements
+from ..update.sparse import RowSparse, check_row_ids
 
 _SEQ = (list, tuple)
 _NDARRAY = np.ndarray
@@ -35,6 +39,8 @@ class Groups(NamedTuple):
 #: such a key could be named in no message and written in no checkpoint.
 _LONG_KEY_BITS = 13_000
 _LONG_KEY = 1 << _LONG_KEY_BITS
+#: below this, an int key is short at a glance (comparing with `_LONG_KEY` costs more)
+_SHORT_KEY = 1 << 62
 
 
 def _check_key(key):
@@ -61,7 +67,8 @@ def _check_long_key(key: int) -> None:
 def _short_keys(keys) -> bool:
     """Whether every int of `keys` (a non-empty list of ints) is short enough to skip
     `_check_long_key`."""
-    return -_LONG_KEY < min(keys) and max(keys) < _LONG_KEY
+    lo, hi = min(keys), max(keys)
+    return (-_SHORT_KEY < lo and hi < _SHORT_KEY) or (-_LONG_KEY < lo and hi < _LONG_KEY)
 
 
 def _adopt(key, obj, name):
@@ -152,7 +159,7 @@ def _group_plain(keys, values):
 def group(keys, values, name: str = "value") -> Groups:
     """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part."""
     # Fast paths: NumPy arrays under int or str keys, taken as they are.
-    if (type(keys) is int and -_LONG_KEY < keys < _LONG_KEY) or type(keys) is str:
+    if (type(keys) is int and -_SHORT_KEY < keys < _SHORT_KEY) or type(keys) is str:
         plain = _plain_arrays(values)
         if plain is not None:
             return Groups([keys], [plain], [plain], True, type(keys))
@@ -196,3 +203,226 @@ def check_priority(key, priority) -> None:
     if type(priority) is not int and not isinstance(priority, numbers.Integral):
         raise ArgumentKindError(
             f"key {key!r}: priority must be an int, got {type(priority).__name__}")
+
+
+# ------------------------------------------------------------- against the store
+# `entries` is the store's {key: entry}; an entry has the key's `value` (on its home).
+_DTYPE_OK: dict = {}
+
+
+def supported(dtype) -> bool:
+    """Whether the store takes `dtype` (memoised: `dtype.name` is slow in NumPy)."""
+    ok = _DTYPE_OK.get(dtype)
+    if ok is None:
+        ok = _DTYPE_OK[dtype] = dtype.name in SUPPORTED_DTYPES
+    return ok
+
+
+def _supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_DTYPES))
+
+
+def key_kind(kind, held, keys=()) -> None:
+    """KeyKindError (naming the first of `keys`) if `kind` is not the store's `held`."""
+    if kind is not None and held is not None and kind is not held:
+        named = f"key {keys[0]!r}: " if keys else ""
+        raise KeyKindError(f"{named}this store holds {held.__name__} keys; "
+                           f"got a {kind.__name__} key")
+
+
+def lookup(entries: dict, held, groups: Groups, op: str) -> list:
+    """The entries of `groups`' keys; KeyKindError or UnknownKeyError naming the key."""
+    kind = groups.key_kind
+    if kind is not held and kind is not None and held is not None:
+        key_kind(kind, held, groups.keys)
+    found = list(map(entries.get, groups.keys))
+    if None in found:  # name the first key never initialised
+        for key, entry in zip(groups.keys, found):
+            if entry is None:
+                raise UnknownKeyError(f"key {key!r}: {op} of a key that was never initialised")
+    return found
+
+
+def sources(key, entry, arrays, op: str) -> None:
+    """ShapeError or DTypeError naming `key` unless every array can be pushed into it."""
+    value = entry.value
+    for a in arrays:
+        if a.shape != value.shape:
+            raise ShapeError(f"key {key!r}: {op} expects shape {value.shape}, got {a.shape}")
+        if a.dtype != value.dtype and not supported(a.dtype):
+            raise DTypeError(f"key {key!r}: {op} of unsupported dtype {a.dtype} into a "
+                             f"{value.dtype} key; supported: {_supported_list()}")
+
+
+def outs(key, shape, arrays) -> None:
+    """ShapeError, DTypeError or ReadOnlyError naming `key` unless every array can be
+    pulled into."""
+    for a in arrays:
+        if a.shape != shape:
+            raise ShapeError(f"key {key!r}: pull expects out of shape {shape}, got {a.shape}")
+        if not supported(a.dtype):
+            raise DTypeError(f"key {key!r}: out has unsupported dtype {a.dtype}; "
+                             f"supported: {_supported_list()}")
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ReadOnlyError(f"key {key!r}: out array is read-only")
+        if has_overlapping_elements(a):  # host or GPU: an expanded/overlapping view
+            raise ReadOnlyError(f"key {key!r}: out has elements sharing memory (a "
+                                f"zero-stride or overlapping view); pull needs one "
+                                f"place per element")
+
+
+def all_sources(groups: Groups, entries: list, op: str) -> bool:
+    """`sources` for every key of a call; arrays of the key's own shape and dtype pass at
+    once, any other key is checked (and named) by `sources`.
+
+    Returns whether every array has its key's dtype (then none needs a cast).
+    """
+    exact = True
+    for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
+        value = entry.value
+        shape, dtype = value.shape, value.dtype
+        for a in arrays:
+            if a.dtype is not dtype or a.shape != shape:
+                sources(key, entry, arrays, op)
+                exact = False
+                break
+    return exact
+
+
+def all_outs(groups: Groups, entries: list) -> None:
+    """`outs` for every key of a call; writable C-contiguous NumPy arrays of the key's
+    shape and a supported dtype pass at once, any other key is checked (and named) by
+    `outs`."""
+    ndarray = np.ndarray
+    ok_dtype = None  # the last dtype found supported
+    for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
+        shape = entry.value.shape
+        for a in arrays:
+            if type(a) is ndarray and a.shape == shape:
+                dtype = a.dtype
+                if dtype is ok_dtype or supported(dtype):
+                    ok_dtype = dtype
+                    flags = a.flags
+                    if flags.writeable and flags.c_contiguous:  # one place per element
+                        continue
+            outs(key, shape, arrays)
+            break
+
+
+def init_values(groups: Groups, entries: dict, held) -> None:
+    """DuplicateKeyError, DTypeError or ShapeError naming the key unless every key of an
+    init is new and its values agree."""
+    key_kind(groups.key_kind, held, groups.keys)
+    for key, arrays in zip(groups.keys, groups.arrays):
+        if key in entries:
+            raise DuplicateKeyError(f"key {key!r}: already initialised")
+        first = arrays[0]
+        if not supported(first.dtype):
+            raise DTypeError(f"key {key!r}: unsupported dtype {first.dtype}; "
+                             f"supported: {_supported_list()}")
+        for a in arrays[1:]:
+            if a.shape != first.shape:
+                raise ShapeError(f"key {key!r}: init values disagree in shape: "
+                                 f"{first.shape} and {a.shape}")
+            if a.dtype != first.dtype and (a.dtype.newbyteorder("=")
+                                           != first.dtype.newbyteorder("=")):
+                raise DTypeError(f"key {key!r}: init values disagree in dtype: "
+                                 f"{first.dtype} and {a.dtype}")
+
+
+def refuse_sparse_outs(groups: Groups, in_place: bool) -> None:
+    """ArgumentKindError naming the key if pushpull would have to pull into a RowSparse."""
+    for key, arrays in zip(groups.keys, groups.arrays):
+        if any(type(a) is RowSparse for a in arrays):
+            what = "values (out=None pulls into them)" if in_place else "outs"
+            raise ArgumentKindError(
+                f"key {key!r}: pushpull cannot pull into RowSparse {what}: which rows they "
+                f"should get is not defined (MXNet skips them without an error); pass dense "
+                f"`out` arrays, or push then row_sparse_pull(key, out, row_ids)")
+
+
+# ---------------------------------------------------------------- row_sparse_pull
+def row_sparse_pulls(pairs, entries: dict, held) -> list:
+    """(entry, RowSparse out, checked int64 row ids) for every (key, out, row_ids) of a
+    row_sparse_pull, every part checked before any is returned."""
+    work = []
+    for k, o, ids in pairs:
+        k, kind = _check_key(k)
+        key_kind(kind, held, (k,))
+        entry = entries.get(k)
+        if entry is None:
+            raise UnknownKeyError(
+                f"key {k!r}: row_sparse_pull of a key that was never initialised")
+        if type(o) is not RowSparse:
+            raise ArgumentKindError(f"key {k!r}: row_sparse_pull writes into gpukv.RowSparse "
+                                    f"outs, got {type(o).__name__}")
+        shape = entry.value.shape
+        if o.shape != shape:
+            raise ShapeError(f"key {k!r}: row_sparse_pull expects out of shape {shape}, "
+                             f"got {o.shape}")
+        if not supported(o.dtype):
+            raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}; "
+                             f"supported: {_supported_list()}")
+        if ids is None:
+            raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
+        ids = row_ids_array(k, ids)
+        work.append((entry, o, check_row_ids(ids, shape[0], f"key {k!r}: row_sparse_pull")))
+    return work
+
+
+def row_ids_array(key, ids):
+    """The row ids of one out as an array (any integer dtype; `check_row_ids` checks it).
+
+    A list is taken as it is, never cast: [1, 2.7] is a DTypeError, not rows 1 and 2.
+    """
+    if not isinstance(ids, (list, tuple)):
+        try:
+            array = adopt(ids)
+        except GpukvError as exc:  # an array on a device this process cannot use
+            raise type(exc)(f"key {key!r}: row_ids: {exc}") from None
+    elif not ids:
+        array = np.zeros(0, np.int64)
+    else:
+        try:
+            array = np.asarray(ids)
+        except ValueError:  # ragged
+            array = None
+        if array is not None and array.dtype == object:  # ints past 64 bits, or ragged
+            array = None
+    if array is None:
+        raise ArgumentKindError(f"key {key!r}: row_ids must be an integer array or a list "
+                                f"of ints, got {ids!r:.80}")
+    return array
+
+
+def row_sparse_pairs(key, out, row_ids) -> list:
+    """(key, out, row_ids) triples for every out of a row_sparse_pull call."""
+    if out is None:
+        raise ArgumentError(f"key {key!r}: row_sparse_pull needs RowSparse `out`s")
+    if isinstance(key, (list, tuple)):
+        if not isinstance(out, (list, tuple)) or len(out) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of outs "
+                                f"of the same length")
+        if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
+            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of row_ids "
+                                f"of the same length")
+        pairs = []
+        for k, o, r in zip(key, out, row_ids):
+            pairs.extend(_row_sparse_one(k, o, r))
+        return pairs
+    return _row_sparse_one(key, out, row_ids)
+
+
+def _is_id_list(row_ids) -> bool:
+    """Whether `row_ids` is a list with one id array per out (not a list of ints)."""
+    return (isinstance(row_ids, (list, tuple)) and len(row_ids) > 0
+            and not isinstance(row_ids[0], numbers.Integral))
+
+
+def _row_sparse_one(key, out, row_ids) -> list:
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    if _is_id_list(row_ids):
+        if len(row_ids) != len(outs):
+            raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
+        return [(key, o, r) for o, r in zip(outs, row_ids)]
+    return [(key, o, row_ids) for o in outs]

@@ -5,12 +5,9 @@ An entry here is anything with the store's `value` (the dense-backed array) and 
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
 from . import check
-from .._errors import ArgumentError, ArgumentKindError, GpukvError
 from ..device import device_of
 from ..update.sparse import RowSparse
 
@@ -44,17 +41,6 @@ def dense_gradient(merged: RowSparse, home):
         return merged.todense()
 
 
-def refuse_sparse_outs(groups: check.Groups, in_place: bool) -> None:
-    """ArgumentKindError naming the key if pushpull would have to pull into a RowSparse."""
-    for key, arrays in zip(groups.keys, groups.arrays):
-        if any(type(a) is RowSparse for a in arrays):
-            what = "values (out=None pulls into them)" if in_place else "outs"
-            raise ArgumentKindError(
-                f"key {key!r}: pushpull cannot pull into RowSparse {what}: which rows they "
-                f"should get is not defined (MXNet skips them without an error); pass dense "
-                f"`out` arrays, or push then row_sparse_pull(key, out, row_ids)")
-
-
 def fill_rows(entry, out: RowSparse, ids) -> None:
     """Give `out` the rows `ids` (deduplicated, sorted; None: every row) of the key."""
     home, value = entry.home, entry.value
@@ -82,61 +68,3 @@ def fill_rows(entry, out: RowSparse, ids) -> None:
     if home.asynchronous and target.asynchronous:
         home.wait_for(target)  # `uniq` and `rows` go back to home's pool once read
     out.indices, out.data = indices, data
-
-
-def row_ids_array(key, ids):
-    """The row ids of one out as an array (any integer dtype; `check_row_ids` checks it).
-
-    A list is taken as it is, never cast: [1, 2.7] is a DTypeError, not rows 1 and 2.
-    """
-    if not isinstance(ids, (list, tuple)):
-        try:
-            array = check.adopt(ids)
-        except GpukvError as exc:  # an array on a device this process cannot use
-            raise type(exc)(f"key {key!r}: row_ids: {exc}") from None
-    elif not ids:
-        array = np.zeros(0, np.int64)
-    else:
-        try:
-            array = np.asarray(ids)
-        except ValueError:  # ragged
-            array = None
-        if array is not None and array.dtype == object:  # ints past 64 bits, or ragged
-            array = None
-    if array is None:
-        raise ArgumentKindError(f"key {key!r}: row_ids must be an integer array or a list "
-                                f"of ints, got {ids!r:.80}")
-    return array
-
-
-def row_sparse_pairs(key, out, row_ids) -> list:
-    """(key, out, row_ids) triples for every out of a row_sparse_pull call."""
-    if out is None:
-        raise ArgumentError(f"key {key!r}: row_sparse_pull needs RowSparse `out`s")
-    if isinstance(key, (list, tuple)):
-        if not isinstance(out, (list, tuple)) or len(out) != len(key):
-            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of outs "
-                                f"of the same length")
-        if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
-            raise ArgumentError(f"keys {list(key)!r}: a list of keys needs a list of row_ids "
-                                f"of the same length")
-        pairs = []
-        for k, o, r in zip(key, out, row_ids):
-            pairs.extend(_row_sparse_one(k, o, r))
-        return pairs
-    return _row_sparse_one(key, out, row_ids)
-
-
-def _is_id_list(row_ids) -> bool:
-    """Whether `row_ids` is a list with one id array per out (not a list of ints)."""
-    return (isinstance(row_ids, (list, tuple)) and len(row_ids) > 0
-            and not isinstance(row_ids[0], numbers.Integral))
-
-
-def _row_sparse_one(key, out, row_ids) -> list:
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    if _is_id_list(row_ids):
-        if len(row_ids) != len(outs):
-            raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
-        return [(key, o, r) for o, r in zip(outs, row_ids)]
-    return [(key, o, row_ids) for o in outs]

@@ -5,6 +5,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import threading
 from typing import NamedTuple
 
@@ -12,16 +13,13 @@ import numpy as np
 
 from . import check
 from . import rows
-from .._errors import (ArgumentError, ArgumentKindError, BackendError, DTypeError,
-                       DuplicateKeyError, KeyKindError, OutOfMemoryError, ReadOnlyError,
-                       ShapeError, UnknownKeyError)
-from ..device import (SUPPORTED_DTYPES, Device, device_of, gpu_devices,
-                      has_overlapping_elements, host_device, virtual_gpus)
+from .._errors import ArgumentError, ArgumentKindError, BackendError, OutOfMemoryError
 from ..comm import BroadcastJob, HostStrategy, ReduceJob
-from ..device.host_sum import accumulate_dtype
 from ..comm.registry import make_strategy
+from ..device import Device, device_of, gpu_devices, host_device, virtual_gpus
+from ..device.host_sum import accumulate_dtype
 from ..update.compression import GradientCompression, compressible, make_compressor
-from ..update.sparse import RowSparse, check_row_ids
+from ..update.sparse import RowSparse
 from ..update.sparse import merge as _merge_rows
 
 log = logging.getLogger("gpukv")
@@ -40,15 +38,6 @@ _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
 _HOST_STRATEGY = HostStrategy()
-_DTYPE_OK: dict = {}
-
-
-def _supported(dtype) -> bool:
-    """Whether the store takes `dtype` (memoised: `dtype.name` is slow in NumPy)."""
-    ok = _DTYPE_OK.get(dtype)
-    if ok is None:
-        ok = _DTYPE_OK[dtype] = dtype.name in SUPPORTED_DTYPES
-    return ok
 
 
 class _SplitStrategy:
@@ -107,6 +96,7 @@ def _host_slots(n: int) -> tuple:
 
 
 _ENTRY_SEQ = itertools.count()
+_value_of = operator.attrgetter("value")
 
 
 class _Entry:
@@ -241,105 +231,9 @@ class KVStore:
 
     _barrier = barrier
 
-    # ---------------------------------------------------------------- validation
-    def _check_kind(self, kind, keys=()) -> None:
-        if kind is not None and self._key_kind is not None and kind is not self._key_kind:
-            named = f"key {keys[0]!r}: " if keys else ""
-            raise KeyKindError(f"{named}this store holds {self._key_kind.__name__} keys; "
-                               f"got a {kind.__name__} key")
-
     def _lookup(self, groups: check.Groups, op: str) -> list:
-        self._check_kind(groups.key_kind, groups.keys)
-        entries = list(map(self._entries.get, groups.keys))
-        if None in entries:  # name the first key never initialised
-            for key, entry in zip(groups.keys, entries):
-                if entry is None:
-                    raise UnknownKeyError(
-                        f"key {key!r}: {op} of a key that was never initialised")
-        return entries
-
-    @staticmethod
-    def _check_sources(key, entry: _Entry, arrays, op: str) -> None:
-        value = entry.value
-        for a in arrays:
-            if a.shape != value.shape:
-                raise ShapeError(
-                    f"key {key!r}: {op} expects shape {value.shape}, got {a.shape}")
-            if a.dtype != value.dtype and not _supported(a.dtype):
-                raise DTypeError(
-                    f"key {key!r}: {op} of unsupported dtype {a.dtype} into a "
-                    f"{value.dtype} key; supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
-
-    @staticmethod
-    def _check_outs(key, shape, arrays) -> None:
-        for a in arrays:
-            if a.shape != shape:
-                raise ShapeError(f"key {key!r}: pull expects out of shape {shape}, got {a.shape}")
-            if not _supported(a.dtype):
-                raise DTypeError(f"key {key!r}: out has unsupported dtype {a.dtype}; "
-                                 f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
-            if isinstance(a, np.ndarray) and not a.flags.writeable:
-                raise ReadOnlyError(f"key {key!r}: out array is read-only")
-            if has_overlapping_elements(a):  # host or GPU: an expanded/overlapping view
-                raise ReadOnlyError(f"key {key!r}: out has elements sharing memory (a "
-                                    f"zero-stride or overlapping view); pull needs one "
-                                    f"place per element")
-
-    @staticmethod
-    def _check_all_sources(groups: check.Groups, entries: list, op: str) -> bool:
-        """`_check_sources` for every key of a call; arrays of the key's own shape and
-        dtype pass at once, any other key is checked (and named) by `_check_sources`.
-
-        Returns whether every array has its key's dtype (then none needs a cast).
-        """
-        exact = True
-        for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
-            value = entry.value
-            shape, dtype = value.shape, value.dtype
-            for a in arrays:
-                if a.dtype is not dtype or a.shape != shape:
-                    KVStore._check_sources(key, entry, arrays, op)
-                    exact = False
-                    break
-        return exact
-
-    @staticmethod
-    def _check_all_outs(groups: check.Groups, entries: list) -> None:
-        """`_check_outs` for every key of a call; writable C-contiguous NumPy arrays of the
-        key's shape and a supported dtype pass at once, any other key is checked (and named)
-        by `_check_outs`."""
-        ndarray = np.ndarray
-        ok_dtype = None  # the last dtype found supported
-        for key, entry, arrays in zip(groups.keys, entries, groups.arrays):
-            shape = entry.value.shape
-            for a in arrays:
-                if type(a) is ndarray and a.shape == shape:
-                    dtype = a.dtype
-                    if dtype is ok_dtype or _supported(dtype):
-                        ok_dtype = dtype
-                        flags = a.flags
-                        if flags.writeable and flags.c_contiguous:  # one place per element
-                            continue
-                KVStore._check_outs(key, shape, arrays)
-                break
-
-    def _check_init(self, groups: check.Groups) -> None:
-        self._check_kind(groups.key_kind, groups.keys)
-        for key, arrays in zip(groups.keys, groups.arrays):
-            if key in self._entries:
-                raise DuplicateKeyError(f"key {key!r}: already initialised")
-            first = arrays[0]
-            if not _supported(first.dtype):
-                raise DTypeError(f"key {key!r}: unsupported dtype {first.dtype}; "
-                                 f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
-            for a in arrays[1:]:
-                if a.shape != first.shape:
-                    raise ShapeError(f"key {key!r}: init values disagree in shape: "
-                                     f"{first.shape} and {a.shape}")
-                if a.dtype != first.dtype and (a.dtype.newbyteorder("=")
-                                               != first.dtype.newbyteorder("=")):
-                    raise DTypeError(f"key {key!r}: init values disagree in dtype: "
-                                     f"{first.dtype} and {a.dtype}")
+        """The entries of a call's keys (every key known, of the store's kind)."""
+        return check.lookup(self._entries, self._key_kind, groups, op)
 
     # --------------------------------------------------------------- home devices
     def _candidates(self, arrays) -> list:
@@ -385,7 +279,7 @@ class KVStore:
             self._init_groups(groups)
 
     def _init_groups(self, groups: check.Groups) -> None:
-        self._check_init(groups)
+        check.init_values(groups, self._entries, self._key_kind)
         key = groups.keys[0]
         try:  # every allocation first: a key that cannot get its memory creates no key
             if groups.sparse:  # row-sparse values are stored dense-backed
@@ -415,8 +309,8 @@ class KVStore:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
         with self._lock:
-            entries = self._lookup(groups, "push")
-            exact = self._check_all_sources(groups, entries, "push")
+            entries = check.lookup(self._entries, self._key_kind, groups, "push")
+            exact = check.all_sources(groups, entries, "push")
             self._run_push(self._plan_push(groups, entries, cast=not exact))
 
     # The push pipeline: `_plan_push` checks what `_check_all_sources` could not (row ids,
@@ -432,56 +326,38 @@ class KVStore:
             except MemoryError as exc:
                 raise _out_of_memory(groups.keys[0], "push (a dtype conversion)", exc) from exc
         updater = self._updater
-        plan = _PushPlan([], [], [], [], [], groups.arrays)
-        if groups.sparse or self._compression is not None:
-            self._plan_keys(plan, groups, entries)
-        elif groups.all_host and self._host_only:
-            self._plan_host(plan, groups, entries)
+        if (groups.all_host and self._host_only and not groups.sparse
+                and self._compression is None):
+            # NumPy arrays of dense keys in a host store (the hot loop of many small keys):
+            # the outs as a column beside `groups.arrays`, no job per key. (tuple.__new__:
+            # without NamedTuple's Python-level __new__, a hot spot with one small key.)
+            outs, updates = [], []
+            plan = tuple.__new__(_PushPlan, ((), (), (), updates, outs, groups.arrays))
+            try:
+                for key, entry in zip(groups.keys, entries):
+                    if updater is None and not entry.narrow:  # summed straight into it
+                        outs.append(entry.value)
+                    else:
+                        out = entry.merge_buffer()
+                        outs.append(out)
+                        updates.append((key, entry, out))
+            except MemoryError as exc:
+                raise _out_of_memory(key, "push", exc) from exc
         else:
-            self._plan_dense(plan, groups, entries)
+            plan = _PushPlan([], [], [], [], [], [])
+            self._plan_keys(plan, groups, entries)
         if updater is not None and plan.updates:
             updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
         return plan
 
-    def _plan_host(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
-        """`_plan_push` for NumPy arrays of dense keys in a host store (the hot loop of many
-        small keys): the outs as a column beside `groups.arrays`, no job per key."""
-        assign = self._updater is None
-        outs, updates = plan.host_outs, plan.updates
-        try:
-            for key, entry in zip(groups.keys, entries):
-                if assign and not entry.narrow:  # assigned: summed straight into the value
-                    outs.append(entry.value)
-                else:
-                    out = entry.merge_buffer()
-                    outs.append(out)
-                    updates.append((key, entry, out))
-        except MemoryError as exc:
-            raise _out_of_memory(key, "push", exc) from exc
-
-    def _plan_dense(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
-        """`_plan_push` for dense keys."""
-        assign = self._updater is None
-        try:
-            for key, entry, sources in zip(groups.keys, entries, groups.arrays):
-                devices = (_host_slots(len(sources)) if groups.all_host
-                           else self._devices(sources))
-                if assign and not entry.narrow:  # assigned: summed straight into the value
-                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
-                else:
-                    out = entry.merge_buffer()
-                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, out))
-                    plan.updates.append((key, entry, out))
-        except MemoryError as exc:
-            raise _out_of_memory(key, "push", exc) from exc
-
     def _plan_keys(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
-        """`_plan_push` for a call with compressed or row-sparse keys among its keys."""
+        """`_plan_push` for keys of every kind: dense, compressed, row-sparse."""
         comp = self._compression
+        special = groups.sparse or comp is not None
         assign = self._updater is None
         try:
             for key, entry, sources in zip(groups.keys, entries, groups.arrays):
-                kind = self._push_kind(key, entry, sources, comp)
+                kind = self._push_kind(key, entry, sources, comp) if special else _DENSE
                 if kind is _ROWS:
                     plan.rows.append((key, entry, self._merged_rows(key, entry, sources)))
                     plan.updates.append((key, entry, _ROWS))
@@ -529,6 +405,10 @@ class KVStore:
 
     def _run_push(self, plan: _PushPlan) -> None:
         """Reduce every job of a checked push, then run the updater (or assign)."""
+        if plan.host_outs:
+            _HOST_STRATEGY.reduce_columns(plan.host_outs, plan.host_sources)
+            if not plan.updates:  # summed straight into the values: done
+                return
         jobs = plan.jobs
         if plan.compressed:  # compressed keys: the strategy sums the encoded terms
             comp = self._compression
@@ -536,8 +416,6 @@ class KVStore:
                            for key, sources, devices, home, out in plan.compressed]
         if jobs:
             self._strategy_for(jobs).reduce_many(jobs)
-        if plan.host_outs:
-            _HOST_STRATEGY.reduce_columns(plan.host_outs, plan.host_sources)
         for key, _, _, home, out in plan.compressed:
             comp.finish(key, out, home)
         updater = self._updater
@@ -579,14 +457,14 @@ class KVStore:
         groups = check.group(key, out, "out")
         with self._lock:
             entries = self._lookup(groups, "pull")
-            self._check_all_outs(groups, entries)
+            check.all_outs(groups, entries)
             self._pull_groups(groups, entries, ignore_sparse)
 
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
         if groups.all_host and self._host_only:  # as columns: no job per key
-            _HOST_STRATEGY.broadcast_columns([e.value for e in entries], groups.arrays)
+            _HOST_STRATEGY.broadcast_columns(map(_value_of, entries), groups.arrays)
             return
         jobs = [BroadcastJob(key, entry.value, entry.home, outs,
                              _host_slots(len(outs)) if groups.all_host else self._devices(outs))
@@ -615,10 +493,10 @@ class KVStore:
         with self._lock:
             entries = self._lookup(groups, "pushpull")
             out_entries = entries if out is None else self._lookup(out_groups, "pushpull")
-            exact = self._check_all_sources(groups, entries, "pushpull")
-            self._check_all_outs(out_groups, out_entries)
+            exact = check.all_sources(groups, entries, "pushpull")
+            check.all_outs(out_groups, out_entries)
             if out_groups.sparse:
-                rows.refuse_sparse_outs(out_groups, out is None)
+                check.refuse_sparse_outs(out_groups, out is None)
             self._run_push(self._plan_push(groups, entries, cast=not exact))
             self._pull_groups(out_groups, out_entries)
 
@@ -629,13 +507,13 @@ class KVStore:
         groups = check.group(key, value, "value")
         out_groups = check.group(key, out, "out")
         with self._lock:
-            self._check_init(groups)
-            self._check_kind(out_groups.key_kind, out_groups.keys)
+            check.init_values(groups, self._entries, self._key_kind)
+            check.key_kind(out_groups.key_kind, self._key_kind, out_groups.keys)
             shapes = dict(zip(groups.keys, (a[0].shape for a in groups.arrays)))
             for k, arrays in zip(out_groups.keys, out_groups.arrays):
                 if k not in shapes:
                     raise ArgumentError(f"key {k!r}: broadcast has an out but no value for it")
-                self._check_outs(k, shapes[k], arrays)
+                check.outs(k, shapes[k], arrays)
             self._init_groups(groups)
             self._pull_groups(out_groups, self._lookup(out_groups, "broadcast"))
 
@@ -867,33 +745,9 @@ class KVStore:
         """
         if type(priority) is not int:
             check.check_priority(key, priority)
-        pairs = rows.row_sparse_pairs(key, out, row_ids)
+        pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
-            work = []
-            for k, o, ids in pairs:  # validate everything before writing anything
-                k, kind = check._check_key(k)
-                self._check_kind(kind, (k,))
-                entry = self._entries.get(k)
-                if entry is None:
-                    raise UnknownKeyError(
-                        f"key {k!r}: row_sparse_pull of a key that was never initialised")
-                if type(o) is not RowSparse:
-                    raise ArgumentKindError(
-                        f"key {k!r}: row_sparse_pull writes into gpukv.RowSparse outs, "
-                        f"got {type(o).__name__}")
-                shape = entry.value.shape
-                if o.shape != shape:
-                    raise ShapeError(f"key {k!r}: row_sparse_pull expects out of shape "
-                                     f"{shape}, got {o.shape}")
-                if not _supported(o.dtype):
-                    raise DTypeError(f"key {k!r}: out has unsupported dtype {o.dtype}; "
-                                     f"supported: {', '.join(sorted(SUPPORTED_DTYPES))}")
-                if ids is None:
-                    raise ArgumentError(f"key {k!r}: row_sparse_pull needs row_ids")
-                ids = rows.row_ids_array(k, ids)
-                work.append((entry, o, check_row_ids(ids, shape[0],
-                                                     f"key {k!r}: row_sparse_pull")))
-            for entry, o, ids in work:
+            for entry, o, ids in check.row_sparse_pulls(pairs, self._entries, self._key_kind):
                 rows.fill_rows(entry, o, ids)
 
     def __repr__(self):

@@ -4,7 +4,7 @@ An optimizer here is a description of one update rule. `OptimizerUpdater` (in
 `_updater.py`) owns the per-key state and runs the rule over many keys at once: with
 NumPy on the host (`host_chunk`, in-place ufuncs over cache-sized pieces) and with one
 multi-tensor CUDA kernel per group of keys on a GPU (`cuda_body`, see
-`gpukv/_optim_kernels.py`). The two are written operation for operation alike, in MXNet
+`gpukv/device/cuda/optim_kernels.py`). The two are written operation for operation alike, in MXNet
 1.9.1's order, so they round alike (bit for bit, except that float32 subnormals flush to
 zero on GPUs: CuPy compiles every kernel with -ftz=true).
 

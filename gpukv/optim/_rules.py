@@ -3,7 +3,7 @@
 For every rule, `host_chunk` (NumPy; LAMB: `host_direction_chunk`, then `host_step`) and
 `cuda_body` (CUDA C, compiled with --fmad=false so nothing is fused) perform the same float
 operations in the same order, so they give the same bits, except that float32 subnormals
-flush to zero on GPUs (CuPy compiles with -ftz=true; see `gpukv/_optim_kernels.py`). In
+flush to zero on GPUs (CuPy compiles with -ftz=true; see `gpukv/device/cuda/optim_kernels.py`). In
 `cuda_body`, `w` and `g` are the weight (or its float32 master copy) and the gradient in
 the compute type `ct`, `S0..S2` the state arrays, `lr, wd, x0, x1` the per-key scalars and
 the hyper parameters have their own names. `clipv(x, c)` is mshadow's clip.

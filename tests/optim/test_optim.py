@@ -844,3 +844,23 @@ def test_gpu_matches_host_bit_for_bit(name):
             _close(cp.asnumpy(got), want, name)
         else:
             assert np.array_equal(cp.asnumpy(got), want), name
+
+
+def test_set_learning_rate_changes_the_next_updates():
+    """`Optimizer.set_learning_rate` (MXNet's way to change the rate between epochs) takes
+    effect at the next push, and is refused while a schedule drives the rate."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(3, np.float32))
+    opt = gpukv.optim.SGD(learning_rate=1.0)
+    kv.set_optimizer(opt)
+    kv.push(0, np.ones(3, np.float32))
+    opt.set_learning_rate(0.25)
+    kv.push(0, np.ones(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    np.testing.assert_array_equal(out, np.full(3, -1.25, np.float32))
+    assert opt.learning_rate == 0.25
+    scheduled = gpukv.optim.SGD(learning_rate=1.0,
+                                lr_scheduler=gpukv.optim.lr_scheduler.FactorScheduler(step=2))
+    with pytest.raises(gpukv.ArgumentError, match="lr_scheduler"):
+        scheduled.set_learning_rate(0.5)

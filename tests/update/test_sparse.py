@@ -432,11 +432,11 @@ def _gpu_entry(log, current):
 def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
     """row_sparse_pull of a GPU key into a host RowSparse waits for the gather on the
     key's stream (a host copy reads on CuPy's current stream, not the key's)."""
-    from gpukv.api import rows as _sparse_store
+    from gpukv.api import rows
     log, current = [], {}
     entry = _gpu_entry(log, current)
     out = RowSparse.zeros((4, 2))
-    _sparse_store.fill_rows(entry, out, np.array([2, 0, 2]))
+    rows.fill_rows(entry, out, np.array([2, 0, 2]))
     assert out.indices.tolist() == [0, 2] and out.data.tolist() == [[0, 1], [4, 5]]
     assert ("synchronize", entry.home.name) in log
 
@@ -444,16 +444,16 @@ def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
 def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     """Into a RowSparse on another GPU: the key's device waits for the copies before its
     gathered rows go back to its memory pool."""
-    from gpukv.api import rows as _sparse_store
+    from gpukv.api import rows
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
     target = FakeGpu(1, log, current)
     out = RowSparse.zeros((4, 2))
     mp = pytest.MonkeyPatch()
-    mp.setattr(_sparse_store, "device_of", lambda a, slot=0: target)
+    mp.setattr(rows, "device_of", lambda a, slot=0: target)
     try:
-        _sparse_store.fill_rows(entry, out, np.array([3]))
+        rows.fill_rows(entry, out, np.array([3]))
     finally:
         mp.undo()
     assert out.indices.tolist() == [3] and out.data.tolist() == [[6, 7]]
@@ -464,7 +464,7 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
 def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     """row_ids on another GPU are copied to the key's GPU only after the work queued on
     theirs, and their GPU may reuse them only once the copy has read them."""
-    from gpukv.api import rows as _sparse_store
+    from gpukv.api import rows
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
@@ -473,10 +473,10 @@ def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     entry.home.owns = lambda a: a is not ids  # the ids live on `other`
     out = RowSparse.zeros((4, 2))
     mp = pytest.MonkeyPatch()
-    mp.setattr(_sparse_store, "device_of",
+    mp.setattr(rows, "device_of",
                lambda a, slot=0: other if a is ids else gpukv.device.device_of(a, slot))
     try:
-        _sparse_store.fill_rows(entry, out, ids)
+        rows.fill_rows(entry, out, ids)
     finally:
         mp.undo()
     assert out.indices.tolist() == [1, 3] and out.data.tolist() == [[2, 3], [6, 7]]
