@@ -21,7 +21,8 @@ from gpukv.update.compression import (Cast, GradientCompression, OneBit, TwoBit,
 
 from ..strategies import float32_bits, gradient_steps
 
-REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_2bit_reference.json").read_text())
+REF = json.loads((pathlib.Path(__file__).parents[1] / "data"
+                  / "mxnet_2bit_reference.json").read_text())
 
 
 def f32(xs):

@@ -1,12 +1,12 @@
 """Every CUDA kernel source gpukv can generate compiles with NVRTC: no GPU or driver needed.
 
-Covered: the multi-key sum/copy of `gpukv/device/cuda/kernels.py` for every (source, destination)
-dtype pair and its row-sparse run sum for every dtype, the compression module of `gpukv/device/cuda/compression_kernels.py`, and the
-multi-tensor optimizer step of `gpukv/device/cuda/optim_kernels.py` for every registered rule, weight
-dtype, compile-time switch (`defines()`), body (dense and row-sparse) and phase. Each
-source is compiled with the options its module gives CuPy plus the ones CuPy adds, to a
-cubin for the oldest target (as CuPy does at run time: ptxas runs too) and to PTX for a
-recent one.
+Covered: the multi-key sum/copy of `gpukv/device/cuda/kernels.py` for every (source,
+destination) dtype pair and its row-sparse run sum for every dtype, the compression module of
+`gpukv/device/cuda/compression_kernels.py`, and the multi-tensor optimizer step of
+`gpukv/device/cuda/optim_kernels.py` for every registered rule, weight dtype, compile-time
+switch (`defines()`), body (dense and row-sparse) and phase. Each source is compiled with the
+options its module gives CuPy plus the ones CuPy adds, to a cubin for the oldest target (as
+CuPy does at run time: ptxas runs too) and to PTX for a recent one.
 
 NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel of the `test` extra (or from
 GPUKV_NVRTC_LIB, the path of a libnvrtc.so.*) and is driven through ctypes (tests/nvrtc.py),

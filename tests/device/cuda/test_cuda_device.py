@@ -507,8 +507,8 @@ def _matrix(nodes):
     for i, a in enumerate(nodes):
         for j, b in enumerate(nodes):
             if i != j:
-                w[i, j] = 64 if a.physical == b.physical else (2 if a.physical // 2
-                                                              == b.physical // 2 else 0)
+                same_pair = a.physical // 2 == b.physical // 2
+                w[i, j] = 64 if a.physical == b.physical else (2 if same_pair else 0)
     return topology.as_link_matrix(w)
 
 
