@@ -40,10 +40,10 @@ def delegate_classes() -> dict:
     from .home import HomeStrategy
     from .nccl import NcclStrategy
     from .ring import RingStrategy
-    from .staged import CpuStrategy
+    from .staged import StagedStrategy
     from .tree import TreeStrategy
     return {"home": HomeStrategy, "tree": TreeStrategy, "ring": RingStrategy,
-            "cpu": CpuStrategy, "nccl": NcclStrategy}
+            "cpu": StagedStrategy, "nccl": NcclStrategy}
 
 
 class AutoStrategy(Strategy):

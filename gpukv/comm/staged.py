@@ -14,7 +14,7 @@ from ._base import BroadcastJob, ReduceJob, Strategy
 from .host import HostStrategy
 
 
-class CpuStrategy(Strategy):
+class StagedStrategy(Strategy):
     """Through main memory: GPU sources copied to pinned buffers, summed by NumPy."""
 
     name = "cpu"
