@@ -68,7 +68,7 @@ def adopt(obj):
         if device_type in (2, 13):  # kDLCUDA, kDLCUDAManaged
             return _from_gpu(obj, device_id, lambda cp: cp.from_dlpack(obj))
         if device_type == 1:  # kDLCPU
-            return _one_place_per_element(np.from_dlpack(obj))
+            return _from_cpu_dlpack(obj)
         raise DeviceError(f"a {type(obj).__name__} on DLPack device type {device_type} "
                           f"(id {device_id}): gpukv takes CPU (1) and CUDA (2, 13) arrays")
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
@@ -78,6 +78,21 @@ def adopt(obj):
         return np.asarray(memoryview(obj))
     except TypeError:
         return None
+
+
+def _from_cpu_dlpack(obj):
+    """A CPU array through DLPack; through its `__array__` when NumPy cannot take its
+    dtype over DLPack (bfloat16, as a JAX array's), else a DTypeError saying so."""
+    try:
+        return _one_place_per_element(np.from_dlpack(obj))
+    except (RuntimeError, BufferError, TypeError, ValueError) as exc:
+        reason = exc  # NumPy: "Unsupported dtype in DLTensor."
+    if hasattr(obj, "__array__"):
+        array = np.asarray(obj)
+        if array.dtype != object:
+            return _one_place_per_element(array)
+    raise DTypeError(f"a {type(obj).__name__} whose dtype NumPy cannot take over DLPack "
+                     f"({reason}); pass a NumPy array (bfloat16 through ml_dtypes) instead")
 
 
 def _one_place_per_element(array):

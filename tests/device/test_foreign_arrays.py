@@ -312,3 +312,37 @@ def test_has_overlapping_elements_from_strides(shape, strides, expected):
                                    flags=types.SimpleNamespace(c_contiguous=False,
                                                                f_contiguous=False))
     assert has_overlapping_elements(header) is expected
+
+
+class _DLPackOf:
+    """A CPU array seen only through DLPack (as a JAX array is, first)."""
+
+    def __init__(self, tensor, array=None):
+        self._tensor, self._array = tensor, array
+
+    def __dlpack__(self, **kwargs):
+        return self._tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._tensor.__dlpack_device__()
+
+
+class _DLPackAndArray(_DLPackOf):
+    def __array__(self, dtype=None, copy=None):
+        return self._array
+
+
+def test_bfloat16_over_dlpack_is_a_typed_error_naming_the_key():
+    """A bfloat16 array NumPy cannot take over DLPack is a DTypeError naming the key, not
+    NumPy's bare RuntimeError; with `__array__` too (as JAX arrays have) it is pushed."""
+    torch = pytest.importorskip("torch")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    kv = gpukv.create("local")
+    kv.init("w", np.zeros(3, ml_dtypes.bfloat16))
+    grad = torch.full((3,), 2.0, dtype=torch.bfloat16)
+    with pytest.raises(gpukv.DTypeError, match="key 'w'.*DLPack"):
+        kv.push("w", _DLPackOf(grad))
+    kv.push("w", _DLPackAndArray(grad, np.full(3, 2.0, ml_dtypes.bfloat16)))
+    out = np.zeros(3, ml_dtypes.bfloat16)
+    kv.pull("w", out=out)
+    assert out.astype(np.float32).tolist() == [2.0, 2.0, 2.0]
