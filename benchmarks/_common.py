@@ -31,23 +31,18 @@ def _load_benchutil():
 
 
 _util = _load_benchutil()
-_SUFFIX = _util.SUFFIX
 format_size = _util.format_size
 format_seconds = _util.format_seconds
 
 
 # ------------------------------------------------------------------------- arguments
-def parse_size(text: str) -> int:
-    """'1K' -> 1024, '16M' -> 16777216, '300' -> 300 (binary suffixes K, M, G)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text.upper())
-    if match is None:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
-    return int(match.group(1)) * _SUFFIX[match.group(2)]
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'1K,1M,16M' -> [1024, 1048576, 16777216]."""
-    return [parse_size(part) for part in text.split(",") if part.strip()]
+# One parser for every script (and `gpukv bench`): sizes '300', '4K', '16MiB', 'A..B'
+# (x4 steps); the errors are ValueErrors that argparse shows as usage errors (exit 2).
+BadArgument = _util.BadArgument
+parse_size = _util.parse_size
+parse_sizes = _util.parse_sizes
+parse_ints = _util.parse_ints
+name_list = _util.name_list
 
 
 # -------------------------------------------------------------------------- timing

@@ -112,18 +112,30 @@ def run_case(n_keys, shape, rule, iters, folder: Path) -> dict:
             "load_per_key_us": fresh_s / max(n_keys, 1) * 1e6, "ok": ok}
 
 
+def parse_shape(text: str) -> tuple:
+    """'4' -> (4,), '2x3' -> (2, 3)."""
+    parts = text.strip().lower().split("x")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise C.BadArgument(f"shape {text!r}: expected positive integers joined by x, "
+                            "e.g. 4 or 2x3")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--keys", default="100000", help="key counts, e.g. 10000,100000")
-    p.add_argument("--shape", default="4", help="shape of every key, e.g. 4 or 2x3")
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--keys", type=C.parse_ints, default="100000",
+                   help="key counts, e.g. 10000,100000")
+    p.add_argument("--shape", type=parse_shape, default="4",
+                   help="shape of every key, e.g. 4 or 2x3")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     p.add_argument("--iters", type=int, default=1, help="timed save/load rounds per case")
     p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results/)")
     args = p.parse_args(argv)
-    shape = tuple(int(s) for s in args.shape.lower().split("x"))
+    shape = args.shape
     rows, records = [], []
     with tempfile.TemporaryDirectory(prefix="gpukv-bench-ck-") as tmp:
-        for n_keys in (int(k) for k in args.keys.split(",") if k.strip()):
+        for n_keys in args.keys:
             rec = run_case(n_keys, shape, args.optimizer, max(args.iters, 1), Path(tmp))
             records.append(rec)
             rows.append([n_keys, args.optimizer, C.format_size(rec["file_bytes"]),

@@ -94,9 +94,13 @@ def _has_gpu() -> bool:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64K,1M,16M", help="float32 elements, e.g. 1M,16M")
-    parser.add_argument("--kinds", default="2bit,1bit,fp16,bf16")
+    parser = argparse.ArgumentParser(prog=Path(__file__).name,
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=_common.parse_sizes, default="64K,1M,16M",
+                        help="float32 elements, e.g. 1M,16M")
+    parser.add_argument("--kinds", type=_common.name_list(KINDS, "compressor"),
+                        default=",".join(KINDS),
+                        help=f"compressors among {', '.join(KINDS)} (default: all)")
     parser.add_argument("--devices", default="auto", choices=["auto", "host", "gpu"],
                         help="where to run: host, gpu, or both when a GPU is present")
     parser.add_argument("--warmup", type=int, default=2)
@@ -104,8 +108,9 @@ def main(argv=None):
     parser.add_argument("--json", nargs="?", const="", default=None,
                         help="write JSON (default path: benchmarks/results/)")
     args = parser.parse_args(argv)
-    sizes = _common.parse_sizes(args.sizes)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if args.warmup < 0 or args.iters < 1:
+        parser.error("need --warmup >= 0 and --iters >= 1")
+    sizes, kinds = args.sizes, args.kinds
     places = ["host"] if args.devices == "host" else (
         ["gpu"] if args.devices == "gpu" else ["host"] + (["gpu"] if _has_gpu() else []))
     rows, records = [], []

@@ -42,11 +42,27 @@ GOALS = {"1K": 1.5, "1M": 1.5, "16M": 2.0, "1000x256": 2.0}
 BANDWIDTH_GOALS = {"16M": 0.70}
 
 
+def parse_key_cases(text: str) -> list[tuple[int, int]]:
+    """'1000x256,10x1M' -> [(1000, 256), (10, 1048576)]: KEYSxFLOATS, '' for none."""
+    cases = []
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        keys, x, size = spec.lower().partition("x")
+        try:
+            if not x:
+                raise ValueError("no x")
+            cases.append((_common.parse_ints(keys)[0], _common.parse_size(size)))
+        except ValueError:
+            raise _common.BadArgument(f"{spec!r}: expected KEYSxFLOATS, e.g. 1000x256 "
+                                      "or 10x1M") from None
+    return cases
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="1K,1M,16M",
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=_common.parse_sizes, default="1K,1M,16M",
                    help="float32 elements per key, comma-separated (K/M/G suffixes)")
-    p.add_argument("--keys", default="1000x256",
+    p.add_argument("--keys", type=parse_key_cases, default="1000x256",
                    help="many-key cases KEYSxFLOATS, pushed and pulled as one list call "
                         "(comma-separated; '' for none)")
     p.add_argument("--devices", type=int, default=4, help="host devices (arrays) per key")
@@ -64,17 +80,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error("--devices must be at least 1")
+    if args.warmup < 0 or args.iters < 1 or args.rounds < 1:
+        p.error("need --warmup >= 0, --iters >= 1 and --rounds >= 1")
     return args
 
 
 def make_cases(args) -> list[dict]:
     cases = [{"name": _common.format_size(n), "keys": 1, "size": n, "devices": args.devices}
-             for n in _common.parse_sizes(args.sizes)]
-    for spec in filter(None, (s.strip() for s in args.keys.split(","))):
-        keys, _, size = spec.lower().partition("x")
-        cases.append({"name": f"{int(keys)}x{_common.format_size(_common.parse_size(size))}",
-                      "keys": int(keys), "size": _common.parse_size(size),
-                      "devices": args.devices})
+             for n in args.sizes]
+    for keys, size in args.keys:
+        cases.append({"name": f"{keys}x{_common.format_size(size)}",
+                      "keys": keys, "size": size, "devices": args.devices})
     return cases
 
 

@@ -79,16 +79,21 @@ def _time(fn, homes, gpu, warmup, iters):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="256,4K,64K,1M", help="elements per key")
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=C.parse_sizes, default="256,4K,64K,1M",
+                   help="elements per key")
     p.add_argument("--keys", type=int, default=64, help="keys per push")
     p.add_argument("--devices", type=int, default=1, help="GPU homes (with --gpu)")
-    p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--rules", type=C.name_list(RULES, "rule"), default=",".join(RULES),
+                   help=f"optimizers among {', '.join(RULES)} (default: all)")
     p.add_argument("--gpu", action="store_true", help="keys on GPUs (needs CuPy and a GPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
     args = p.parse_args(argv)
+    if args.keys < 1 or args.devices < 1 or args.warmup < 0 or args.iters < 1:
+        p.error("need --keys >= 1, --devices >= 1, --warmup >= 0 and --iters >= 1")
 
     if args.gpu:
         from gpukv.device.cuda.device import gpu_devices
@@ -99,8 +104,8 @@ def main(argv=None):
         homes = [host_device(0)]
     bandwidth = None if args.gpu else C.copy_bandwidth(64 << 20)["median_Bps"]
     rows, records = [], []
-    for rule in args.rules.split(","):
-        for size in C.parse_sizes(args.sizes):
+    for rule in args.rules:
+        for size in args.sizes:
             updater, keys, merged, stored, key_homes = _setup(rule, args.keys, size, homes,
                                                               args.gpu)
 

@@ -18,4 +18,4 @@ sys.path.insert(1, str(HERE.parent))  # the gpukv package of this checkout
 from gpukv.tools.bench import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog=Path(__file__).name))

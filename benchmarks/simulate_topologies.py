@@ -28,13 +28,16 @@ DEFAULT_JSON = _common.RESULTS_DIR / "simulated_topologies.json"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=DEFAULT_SIZES,
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=_common.parse_sizes, default=DEFAULT_SIZES,
                    help=f"key sizes in bytes per device, K/M/G suffixes (default {DEFAULT_SIZES})")
-    p.add_argument("--devices", default=DEFAULT_DEVICES,
+    p.add_argument("--devices", type=_common.parse_ints, default=DEFAULT_DEVICES,
                    help=f"device counts (default {DEFAULT_DEVICES})")
-    p.add_argument("--machines", default=",".join(simulate.MACHINES),
-                   help="machine profiles (default: all)")
+    p.add_argument("--machines", type=_common.name_list(simulate.MACHINES, "machine"),
+                   default=",".join(simulate.MACHINES),
+                   help=f"machine profiles among {', '.join(simulate.MACHINES)} "
+                        "(default: all)")
     p.add_argument("--warmup", type=int, default=0, help="unused: the model is deterministic")
     p.add_argument("--iters", type=int, default=1, help="unused: the model is deterministic")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON")
@@ -110,9 +113,7 @@ def plot(rows, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sizes = _common.parse_sizes(args.sizes)
-    devices = [int(d) for d in args.devices.split(",") if d.strip()]
-    machines = [m.strip() for m in args.machines.split(",") if m.strip()]
+    sizes, devices, machines = args.sizes, args.devices, args.machines
     rows = run(sizes, devices, machines)
     print_rows(rows)
     profiles = {}

@@ -1,4 +1,6 @@
 """gpukv: a key-value store for tensors shared by several devices and machines."""
+import logging
+
 from ._errors import (ArgumentError, ArgumentKindError, BackendError, CheckpointError,
                       DeviceError, DTypeError, DuplicateKeyError, GpukvError, KeyKindError,
                       OutOfMemoryError, ReadOnlyError, ShapeError, UnknownKeyError)
@@ -7,6 +9,10 @@ from .api.store import KVStore, create
 from . import optim  # noqa: E402,F401  (gpukv.optim: optimizers for set_optimizer)
 
 __version__ = "0.1.0"
+
+# A library's notices go where the program's logging config sends them, and nowhere (not
+# to stderr through logging's last resort) when the program configured none.
+logging.getLogger("gpukv").addHandler(logging.NullHandler())
 
 __all__ = [
     "create", "KVStore", "RowSparse", "GpukvError", "UnknownKeyError", "DuplicateKeyError",

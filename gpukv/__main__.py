@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 # name -> (module with a `main(argv) -> int`, one line of help)
@@ -30,7 +32,43 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `gpukv` / `python -m gpukv`; returns the exit status."""
+    """Entry point of `gpukv` / `python -m gpukv`; returns the exit status.
+
+    When the reader of stdout goes away (`gpukv demo | head -1`) the command stops
+    quietly with status 1, as command-line tools do, instead of with a traceback.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:  # also on SystemExit (--help, usage errors)
+            sys.stdout.flush()  # buffered output meets a closed pipe here
+    except BrokenPipeError:
+        if not _stdout_is_closed():
+            raise  # another pipe or socket broke: a real error
+        _silence_stdout()
+        return 1
+
+
+def _stdout_is_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone away."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or no file behind stdout
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is
+    still buffered does not fail again (the recipe of Python's `signal` documentation)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _run(argv: list[str] | None) -> int:
+    """Parse the command name and hand the rest of `argv` to that command's `main`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv[:1])  # the command name (or --help / --version)
     module_name, _ = _COMMANDS[args.command]

@@ -260,7 +260,7 @@ def test_non_callable_updater(bad):
 
 
 @pytest.mark.parametrize("name", ["local", "device"])
-@pytest.mark.parametrize("strategy", ["bogus", "Ringg", "", 3])
+@pytest.mark.parametrize("strategy", ["bogus", "Ringg", ""])
 def test_bad_strategy_name(name, strategy):
     """An unknown strategy is a ValueError listing the valid ones, for any store."""
     with pytest.raises(gpukv.ArgumentError, match="valid strategies are") as info:

@@ -43,7 +43,8 @@ _LONG_KEY = 1 << _LONG_KEY_BITS
 _SHORT_KEY = 1 << 62
 
 
-def _check_key(key):
+def check_key(key) -> tuple:
+    """(`key` as an int or a str, its kind); KeyKindError or ArgumentError otherwise."""
     if isinstance(key, str):
         return key, str
     if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
@@ -182,7 +183,7 @@ def group(keys, values, name: str = "value") -> Groups:
                 f"keys {list(keys)!r}: {len(keys)} keys but {len(values)} {name}s")
         kind = None
         for raw_key, value in zip(keys, values):
-            key, this_kind = _check_key(raw_key)
+            key, this_kind = check_key(raw_key)
             if kind is None:
                 kind = this_kind
             elif this_kind is not kind:
@@ -190,7 +191,7 @@ def group(keys, values, name: str = "value") -> Groups:
                     f"key {key!r}: one call mixes int and str keys ({kind.__name__} first)")
             _one_key(key, value, name, groups_by_key, out_keys, arrays, originals)
     else:
-        key, kind = _check_key(keys)
+        key, kind = check_key(keys)
         _one_key(key, values, name, groups_by_key, out_keys, arrays, originals)
     all_host = all(type(a) is np.ndarray or isinstance(a, np.ndarray)
                    for per_key in arrays for a in per_key)
@@ -347,7 +348,7 @@ def row_sparse_pulls(pairs, entries: dict, held) -> list:
     row_sparse_pull, every part checked before any is returned."""
     work = []
     for k, o, ids in pairs:
-        k, kind = _check_key(k)
+        k, kind = check_key(k)
         key_kind(kind, held, (k,))
         entry = entries.get(k)
         if entry is None:

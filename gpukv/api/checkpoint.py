@@ -40,7 +40,7 @@ import struct
 import tempfile
 import zipfile
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -199,7 +199,8 @@ def _bytes(array: np.ndarray) -> np.ndarray:
 
 
 def _crc(array: np.ndarray) -> int:
-    return zlib.crc32(_bytes(_contiguous(array))) & 0xFFFFFFFF
+    # a uint8 ndarray is a buffer; the stubs ask for `Buffer`, which ndarray does not declare
+    return zlib.crc32(_bytes(_contiguous(array))) & 0xFFFFFFFF  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -249,7 +250,9 @@ def write_archive(path, header: dict, arrays: dict) -> None:
         raise CheckpointError(f"{path}: header is not plain JSON: {exc}") from exc
     header_bytes = np.frombuffer(text.encode("utf-8"), np.uint8)
     with atomic_write(path) as f:
-        with zipfile.ZipFile(_Appending(f), "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        # the stubs want close(), which zipfile never calls on a file object it was given
+        with zipfile.ZipFile(_Appending(f), "w", zipfile.ZIP_STORED,  # type: ignore[call-overload]
+                             allowZip64=True) as zf:
             _write_member(zf, _HEADER_MEMBER, header_bytes)
             for name, stored in prepared:
                 _write_member(zf, name, stored)
@@ -293,7 +296,7 @@ def _write_member(zf: zipfile.ZipFile, name: str, stored: np.ndarray) -> None:
     with zf.open(info, "w") as member:
         member.write(head)
         if stored.nbytes:
-            member.write(_bytes(stored))
+            member.write(_bytes(stored))  # type: ignore[call-overload]  # ndarray is a buffer
 
 
 class _Members:
@@ -309,6 +312,7 @@ class _Members:
     def __init__(self, f, zf: zipfile.ZipFile):
         self.zf = zf
         self.infos = {info.filename: info for info in zf.infolist()}
+        self.map: mmap.mmap | None
         try:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):  # a file that cannot be mapped: zipfile reads it all
@@ -324,7 +328,7 @@ class _Members:
     def read(self, name: str, dtype: np.dtype | None = None, shape: tuple | None = None):
         """Member `name` as an array; `dtype` and `shape`: what the manifest says it is."""
         info = self.infos[name + ".npy"]
-        if dtype is not None:
+        if dtype is not None and shape is not None:
             mapped = self._mapped(info, dtype, shape)
             if mapped is not None:
                 return mapped
@@ -445,7 +449,7 @@ class StoreSnapshot(NamedTuple):
     store_type: str
     key_kind: type | None   # int, str, or None while the store is empty
     entries: list           # (key, value, home kind) of every key, in init order
-    updater: object         # the OptimizerUpdater of `set_optimizer`, or None
+    updater: Any            # the OptimizerUpdater of `set_optimizer`, or None
 
 
 class StoreFile(NamedTuple):

@@ -7,15 +7,16 @@ import itertools
 import logging
 import operator
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import check
 from . import rows
-from .._errors import ArgumentError, ArgumentKindError, BackendError, OutOfMemoryError
-from ..comm import BroadcastJob, HostStrategy, ReduceJob
-from ..comm.registry import make_strategy
+from .._errors import (ArgumentError, ArgumentKindError, BackendError, GpukvError,
+                       OutOfMemoryError)
+from ..comm import BroadcastJob, HostStrategy, ReduceJob, Strategy
+from ..comm.registry import all_strategy_options, make_strategy
 from ..device import Device, device_of, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
 from ..update.compression import GradientCompression, compressible, make_compressor
@@ -140,8 +141,10 @@ class _FunctionUpdater:
 def create(name: str = "local", **options) -> "KVStore":
     """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases.
 
-    Options of GPU stores: `strategy` ('auto', 'home', 'tree', 'ring', 'cpu', 'nccl'; the
-    environment variable GPUKV_STRATEGY gives the default).
+    Options: `strategy`, a name ('auto', 'home', 'tree', 'ring', 'cpu', 'nccl'; the
+    environment variable GPUKV_STRATEGY gives the default of GPU stores) or a
+    `gpukv.comm.Strategy` instance; and the keyword options of the strategy the name picks
+    (e.g. `array_bound=` for 'tree'), passed to its constructor.
     """
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
@@ -162,15 +165,18 @@ def create(name: str = "local", **options) -> "KVStore":
 
 
 def _store_options() -> set:
-    """The keyword options KVStore takes."""
-    params = inspect.signature(KVStore.__init__).parameters
-    return {name for name in params if name not in ("self", "name")}
+    """The keyword options KVStore takes: its own, and every strategy's (each checked
+    against the strategy the store ends up with when it is made)."""
+    params = inspect.signature(KVStore.__init__).parameters.values()
+    own = {p.name for p in params if p.kind == p.KEYWORD_ONLY}
+    return own | all_strategy_options()
 
 
 class KVStore:
     """A key-value store of tensors shared by several devices (see `create`)."""
 
-    def __init__(self, name: str, *, strategy: str | None = None):
+    def __init__(self, name: str, *, strategy: str | Strategy | None = None,
+                 **strategy_options):
         self._type = name
         self._on_gpu = _TYPES[name]
         if self._on_gpu:
@@ -178,8 +184,8 @@ class KVStore:
         asked = strategy is not None
         if name == "nccl" and strategy is None:
             strategy = "nccl"
-        self._strategy = make_strategy(strategy, on_gpu=self._on_gpu)
-        # A strategy the user named (argument or GPUKV_STRATEGY) also runs host arrays,
+        self._strategy = make_strategy(strategy, on_gpu=self._on_gpu, **strategy_options)
+        # A strategy the user gave (a name, GPUKV_STRATEGY or an object) also runs host arrays,
         # over host "devices"; otherwise host arrays take the plain host sum.
         self._route_host = (getattr(self._strategy, "explicit", False)
                             and (asked or name != "nccl")
@@ -188,12 +194,12 @@ class KVStore:
         self._host_only = not self._on_gpu and not self._route_host
         self._entries: dict = {}
         self._key_kind: type | None = None
-        self._updater = None
-        self._optimizer = None  # the Optimizer set_optimizer installed (None otherwise)
+        self._updater: Any = None  # a _FunctionUpdater or an OptimizerUpdater, once set
+        self._optimizer: Any = None  # the Optimizer set_optimizer installed (None otherwise)
         self._load: dict = {}  # home device -> bytes of the keys it holds
         self._lock = threading.RLock()
         self._said_host = False
-        self._compression = None  # a GradientCompression, once set
+        self._compression: GradientCompression | None = None
         self._said_sparse = False
 
     # ----------------------------------------------------------------- properties
@@ -225,6 +231,22 @@ class KVStore:
             return True
         raise ArgumentError(
             f"capability {capability!r}: unknown; known are {', '.join(sorted(_CAPABILITIES))}")
+
+    def keys(self) -> list:
+        """The keys of the store, in the order they were initialised."""
+        with self._lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        """Whether `key` was initialised (any other object, even unhashable: False)."""
+        try:
+            key, _ = check.check_key(key)
+        except GpukvError:  # not a key at all
+            return False
+        return key in self._entries
 
     def barrier(self) -> None:
         """Wait for every worker (one process: returns at once)."""
@@ -331,7 +353,8 @@ class KVStore:
             # NumPy arrays of dense keys in a host store (the hot loop of many small keys):
             # the outs as a column beside `groups.arrays`, no job per key. (tuple.__new__:
             # without NamedTuple's Python-level __new__, a hot spot with one small key.)
-            outs, updates = [], []
+            outs: list = []
+            updates: list = []
             plan = tuple.__new__(_PushPlan, ((), (), (), updates, outs, groups.arrays))
             try:
                 for key, entry in zip(groups.keys, entries):
@@ -365,6 +388,7 @@ class KVStore:
                 devices = (_host_slots(len(sources)) if groups.all_host
                            else self._devices(sources))
                 if kind is _COMPRESSED:
+                    assert comp is not None  # `_push_kind` said so
                     out = (entry.merge_buffer() if entry.value.dtype == np.float32
                            or entry.narrow else comp.buffer(key, entry.home, entry.value.shape))
                     comp.reserve(key, sources, devices)
@@ -410,16 +434,18 @@ class KVStore:
             if not plan.updates:  # summed straight into the values: done
                 return
         jobs = plan.jobs
+        comp = self._compression
         if plan.compressed:  # compressed keys: the strategy sums the encoded terms
-            comp = self._compression
+            assert comp is not None  # they were planned with it
             jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home, out)
                            for key, sources, devices, home, out in plan.compressed]
         if jobs:
             self._strategy_for(jobs).reduce_many(jobs)
         for key, _, _, home, out in plan.compressed:
+            assert comp is not None
             comp.finish(key, out, home)
         updater = self._updater
-        merged_rows = {}
+        merged_rows: dict = {}
         for key, entry, merged in plan.rows:
             if updater is None:
                 rows.assign_rows(entry, merged)
@@ -436,8 +462,8 @@ class KVStore:
             updates = sorted(updates, key=rank)
         # Runs of one kind go to the updater together (optimizers batch them).
         lazy_rows = type(updater) is not _FunctionUpdater and hasattr(updater, "update_rows")
-        for is_rows, run in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
-            run = list(run)
+        for is_rows, group in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
+            run = list(group)
             keys = [u[0] for u in run]
             stored = [u[1].value for u in run]
             homes = [u[1].home for u in run]

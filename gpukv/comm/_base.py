@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..device import Device
@@ -11,7 +12,7 @@ class ReduceJob(NamedTuple):
     """Sum `sources` (arrays on `devices`) into `out`, an array on `home`."""
     key: object
     sources: list
-    devices: list
+    devices: Sequence[Device]
     home: Device
     out: object
 
@@ -22,7 +23,7 @@ class BroadcastJob(NamedTuple):
     src: object
     home: Device
     outs: list
-    devices: list
+    devices: Sequence[Device]
 
 
 class Strategy(ABC):
@@ -34,6 +35,11 @@ class Strategy(ABC):
     """
 
     name: str = ""
+    #: the constructor's keyword options a store passes on (`create(..., array_bound=...)`)
+    store_options: tuple[str, ...] = ()
+    #: named by the caller (argument or GPUKV_STRATEGY): the store sends host arrays
+    #: through it too, instead of the plain host sum
+    explicit: bool = False
 
     @abstractmethod
     def reduce(self, job: ReduceJob) -> None:

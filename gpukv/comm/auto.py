@@ -60,6 +60,7 @@ class AutoStrategy(Strategy):
     """
 
     name = "auto"
+    store_options = ("machine", "costs")  # `choose`, `strategies`, `model_host`: tests'
 
     def __init__(self, machine=None, choose=None, strategies: dict | None = None,
                  model_host: bool = False, costs=None):

@@ -56,6 +56,7 @@ class RingStrategy(Strategy):
     """
 
     name = "ring"
+    store_options = ("matrix",)
 
     def __init__(self, matrix=None):
         self._matrix = matrix
@@ -98,7 +99,7 @@ class RingStrategy(Strategy):
             for s, d in zip(job.sources, job.devices):
                 src[position[d]] = execute.flat_in(s, d)
             bounds = chunk_bounds(out.flat.size, k)
-            acc = [None] * k  # acc[j]: device j's running sums (a buffer of the out's size)
+            acc: list = [None] * k  # acc[j]: device j's running sums (a buffer of the out's size)
             work.append((job, out, src, bounds, acc))
         for s, step in enumerate(reduce_schedule(k)):
             marks = [d.record() for d in ring]  # what each device had done before the step
@@ -157,7 +158,7 @@ class RingStrategy(Strategy):
         execute.begin(ring + homes)
         work = []
         for job in jobs:
-            outs = [None] * k
+            outs: list = [None] * k
             for o, d in zip(job.outs, job.devices):
                 outs[position[d]] = o.reshape(-1)
             work.append((job, job.src.reshape(-1), outs, chunk_bounds(job.src.size, k)))

@@ -20,6 +20,9 @@ with `simulate.calibrated_costs` (this machine's measured constants when
 """
 from __future__ import annotations
 
+import numbers
+
+from .._errors import ArgumentError, ArgumentKindError
 from ..device.base import Term
 from . import execute
 from ._base import BroadcastJob, ReduceJob, Strategy
@@ -57,6 +60,19 @@ class _Plan:
         return simulate.calibrated_costs() if self.calibrated else simulate.COSTS
 
 
+def _positive_int_or_none(option: str, value):
+    """`value` when None or a positive int; else a typed error naming the option (a bad
+    bound would otherwise fail in the middle of a push)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentKindError(f"tree option {option}={value!r}: expected a positive int, "
+                                f"got {type(value).__name__}")
+    if value < 1:
+        raise ArgumentError(f"tree option {option}={value!r}: expected a positive int")
+    return int(value)
+
+
 class TreeStrategy(Strategy):
     """Binary trees over the link topology; large keys sliced across one tree per root.
 
@@ -75,14 +91,15 @@ class TreeStrategy(Strategy):
     """
 
     name = "tree"
+    store_options = ("matrix", "array_bound", "machine", "costs", "min_slice_bytes")
 
     def __init__(self, matrix=None, array_bound: int | None = None, *, machine=None,
                  costs=None, min_slice_bytes: int | None = None):
         self._matrix = matrix
-        self._bound = array_bound
+        self._bound = _positive_int_or_none("array_bound", array_bound)
         self._machine = machine
         self._costs = costs
-        self._min_slice = min_slice_bytes
+        self._min_slice = _positive_int_or_none("min_slice_bytes", min_slice_bytes)
         self._plans: dict = {}
         self._fallback = HomeStrategy()
 
@@ -150,7 +167,8 @@ class TreeStrategy(Strategy):
     def _reduce_group(self, plan: _Plan, jobs) -> None:
         nodes = plan.nodes
         execute.begin(nodes)
-        outs, by_root = [], {}
+        outs: list = []
+        by_root: dict = {}
         for job in jobs:
             home = job.home
             out = FlatOut(job.out, home)
@@ -193,7 +211,7 @@ class TreeStrategy(Strategy):
         partial = []
         for h, out, sources, start, stop in segs:
             partial.append({i: Term(src[start:stop], False) for i, src in sources.items()})
-        owned = [dict() for _ in segs]  # node -> buffer this call allocated for segment s
+        owned: list[dict] = [{} for _ in segs]  # node -> buffer this call allocated for segment s
         for level in tree.levels:
             children_of: dict = {}
             for child, parent in level:
@@ -226,6 +244,7 @@ class TreeStrategy(Strategy):
                 # The root never received anything (cannot happen with >= 2 nodes).
                 nodes[root].sum_into([(out[start:stop], [final] if final else [])])
                 final = Term(out[start:stop], True)
+            assert final is not None  # every root summed into its slice at least once
             finals.append(final.array)
         return finals
 

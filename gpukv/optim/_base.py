@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import ClassVar
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class Optimizer:
     """
 
     #: extra hyper-parameters of a subclass, in the order the CUDA kernel receives them
-    hyper_names: tuple = ()
+    hyper_names: ClassVar[tuple[str, ...]] = ()
     #: the rule's name in files and messages
     name = "optimizer"
 
@@ -242,8 +243,9 @@ class Optimizer:
         return self.cuda_body
 
     # ----------------------------------------------------------- saving and loading
-    _options = ("learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",
-                "multi_precision")
+    _options: ClassVar[tuple[str, ...]] = (
+        "learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",
+        "multi_precision")
 
     def options(self) -> dict:
         """The constructor arguments that rebuild this optimizer (plain JSON values)."""

@@ -29,7 +29,8 @@ import copy
 import logging
 import math
 import numbers
-from typing import NamedTuple
+import typing
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from .._dtypes import NARROW_FLOATS
 from .._errors import CheckpointError, DTypeError, GpukvError
 from ._base import Optimizer, check_number
 from . import lr_scheduler as _sched
+
+if TYPE_CHECKING:
+    from ._rules import LAMB
 
 log = logging.getLogger("gpukv")
 
@@ -147,7 +151,7 @@ class OptimizerUpdater:
 
     def _ensure_states(self, keys, stored, homes) -> None:
         states = self.states
-        new_host = None
+        new_host: tuple[list, list, list] | None = None
         for key, s, home in zip(keys, stored, homes):
             state = states.get(key)
             if state is not None:
@@ -200,7 +204,8 @@ class OptimizerUpdater:
         hp = opt.hyper()
         self._ensure_states(keys, stored, homes)
         states = self.states
-        host, gpu = [], {}
+        host: list = []
+        gpu: dict = {}
         for key, m, s, home in zip(keys, merged, stored, homes):
             state = states[key]
             scalars = opt.next_scalars(key)
@@ -229,7 +234,8 @@ class OptimizerUpdater:
         lamb = getattr(opt, "per_key_norms", False)
         if chunk_fn is None:
             chunk_fn = opt.host_chunk
-        batch, bkey, btotal = [], None, 0
+        batch: list = []
+        bkey, btotal = None, 0
         for item in items:
             stored = item[0]
             n = stored.size
@@ -376,7 +382,7 @@ class OptimizerUpdater:
 
     def _host_lamb(self, item, hp) -> None:
         """LAMB: the direction piece by piece, the whole key's norms, then the step."""
-        opt = self.optimizer
+        opt = typing.cast("LAMB", self.optimizer)  # only LAMB sets per_key_norms
         stored, grad, state, w, hpc, sc = self._key_setup(item, hp)
         if self._whole_key(stored, grad, state, w, lambda g: opt.host_step(
                 w, g, state.arrays, sc, hpc, stored=stored)):
@@ -425,7 +431,10 @@ class OptimizerUpdater:
         hp = opt.hyper()
         self._ensure_states(keys, stored, homes)
         lazy = opt.lazy_rows()
-        host, gpu, host_rows, gpu_rows = [], {}, [], {}
+        host: list = []
+        host_rows: list = []
+        gpu: dict = {}
+        gpu_rows: dict = {}
         for key, m, s, home in zip(keys, merged, stored, homes):
             state = self.states[key]
             scalars = opt.next_scalars(key)
@@ -682,7 +691,9 @@ class OptimizerUpdater:
         if not isinstance(infos, list):
             raise CheckpointError(f"{where}damaged optimizer-state header (keys)")
         opt = self.optimizer
-        loaded, seen, names_of = [], set(), {}
+        loaded: list = []
+        seen: set = set()
+        names_of: dict = {}
         for i, info in enumerate(infos):
             key = self._key(info, where)
             if key in seen:
@@ -762,7 +773,7 @@ class _LoadedKey(NamedTuple):
     ct: np.dtype          # the compute dtype of the key's weight
     states: tuple         # one array per state name
     master: object        # the float32 master copy of a 16-bit weight, or None
-    count: int
+    count: int  # type: ignore[assignment]  # a field may shadow tuple.count
 
 
 class StatePlan(NamedTuple):

@@ -177,7 +177,7 @@ _CLASSES = {c.__name__: c for c in
 
 def from_state(state: dict) -> LRScheduler:
     """The schedule `LRScheduler.state()` described (only the classes defined here)."""
-    cls = _CLASSES.get(state.get("class")) if isinstance(state, dict) else None
+    cls = _CLASSES.get(state.get("class", "")) if isinstance(state, dict) else None
     attrs = state.get("attrs") if cls is not None else None
     if cls is None or not isinstance(attrs, dict):
         raise ArgumentError(f"not a known learning-rate schedule: {state!r}")

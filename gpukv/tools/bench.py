@@ -41,7 +41,6 @@ import gc
 import importlib.util
 import logging
 import os
-import re
 import statistics
 import sys
 import time
@@ -85,47 +84,36 @@ def _load_common():
     return mod
 
 
-def parse_size(text: str) -> int:
-    """'4K' / '4KB' / '4KiB' -> 4096, '1G' -> 2**30, '300' -> 300 (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r}: expected a number with an optional K, M or G suffix")
-    return int(match.group(1)) * _SUFFIX[match.group(2)]
+parse_size = benchutil.parse_size
+parse_ints = benchutil.parse_ints
 
 
 def parse_sizes(text: str) -> list[int]:
-    """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included)."""
-    sizes: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if ".." in part:
-            lo_text, hi_text = part.split("..", 1)
-            lo, hi = parse_size(lo_text), parse_size(hi_text)
-            if lo <= 0 or hi < lo:
-                raise argparse.ArgumentTypeError(f"size range {part!r}: expected 0 < A <= B")
-            size = lo
-            while size < hi:
-                sizes.append(size)
-                size *= 4
-            sizes.append(hi)
-        else:
-            sizes.append(parse_size(part))
-    if not sizes or min(sizes) < 4:
-        raise argparse.ArgumentTypeError(f"sizes {text!r}: need sizes of at least 4 bytes")
-    return sizes
+    """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included);
+    at least 4 bytes each (one float32)."""
+    return benchutil.parse_sizes(text, minimum=np.dtype(DTYPE).itemsize)
 
 
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return values
+CASES = ("sweep", "small", "goal")
+
+
+def strategy_names() -> list[str]:
+    """What --strategies and --goal-strategy accept: 'local' and the registry's names."""
+    from ..comm.registry import STRATEGIES
+    return ["local"] + list(STRATEGIES)
+
+
+parse_strategies = benchutil.name_list(strategy_names, "strategy")
+parse_baselines = benchutil.name_list(BASELINES, "baseline", allow_empty=True)
+parse_cases = benchutil.name_list(CASES, "case")
+
+
+def parse_strategy(text: str) -> str:
+    """One name of `strategy_names()`, lower-cased."""
+    names = parse_strategies(text)
+    if len(names) != 1:
+        raise benchutil.BadArgument(f"{text!r}: expected one strategy")
+    return names[0]
 
 
 def print_table(headers, rows, file=None) -> None:
@@ -137,6 +125,14 @@ def print_table(headers, rows, file=None) -> None:
 
 def cpu_model() -> str:
     return benchutil.cpu_model(default="cpu")
+
+
+def _wants_progress(args) -> bool:
+    """--progress draws the bar; otherwise only a terminal gets one (a log file or a pipe
+    would fill with carriage-return redraws)."""
+    if args.progress:
+        return True
+    return not (args.no_progress or args.quiet) and sys.stderr.isatty()
 
 
 def _progress(total: int, enabled: bool):
@@ -162,6 +158,9 @@ def _progress(total: int, enabled: bool):
         def write(self, s):
             print(s, file=sys.stderr)
     return _Null()
+
+
+NO_TORCH = "skipped: PyTorch (torch) is not installed or does not import"
 
 
 def _torch():
@@ -553,9 +552,9 @@ def bench_point(env, case, n, keys, size, strategies, baselines, args, bar, copy
     torch = _torch() if any(b.startswith("torch") for b in baselines) else None
     labels = list(strategies) + (["store_per_key"] if per_key_store else []) + list(baselines)
     if not env.fits(total * 2 + 2 * keys * elems * 4):
-        w = _Sized(env, n, keys, elems)
+        sized = _Sized(env, n, keys, elems)
         for label in labels:
-            rows.append(_row(case, label, "skipped", w, None, None, copy_gbps,
+            rows.append(_row(case, label, "skipped", sized, None, None, copy_gbps,
                              error=f"skipped: {format_size(total)} does not fit in memory"))
             bar.update()
         return rows
@@ -593,16 +592,16 @@ def bench_point(env, case, n, keys, size, strategies, baselines, args, bar, copy
         bar.update()
     for label in baselines:
         bar.set_postfix_str(f"{case} n={n} {format_size(size)} {label}")
+        skip = _baseline_skip(env, label, torch, n, elems)
+        if skip is not None:  # cannot run here: not a failure
+            rows.append(_row(case, label, "skipped", w, None, None, copy_gbps, error=skip))
+            bar.update()
+            continue
         try:
             if label == "loop":
                 step = _loop_step(w)
                 timing = measure(step, clock, args.warmup, args.iters, env.sync)
-            elif torch is None:
-                raise RuntimeError("torch is not installed")
             else:
-                if env.kind == "gpu" and label == "torch_stack" and not env.fits(
-                        (n + 2) * elems * 4):
-                    raise MemoryError("torch.stack would not fit in GPU memory")
                 step = _torch_steps(torch, w)[label]
                 timing = measure(step, env.torch_clock(torch, n), args.warmup, args.iters,
                                  lambda: env.torch_sync(torch))
@@ -620,6 +619,16 @@ def bench_point(env, case, n, keys, size, strategies, baselines, args, bar, copy
     del w, clock, step, obj
     env.free()
     return rows
+
+
+def _baseline_skip(env, label, torch, n, elems) -> str | None:
+    """Why baseline `label` cannot run here (its library is missing, it would not fit),
+    or None."""
+    if label.startswith("torch") and torch is None:
+        return NO_TORCH
+    if env.kind == "gpu" and label == "torch_stack" and not env.fits((n + 2) * elems * 4):
+        return "skipped: torch.stack would not fit in GPU memory"
+    return None
 
 
 class _Sized:
@@ -716,9 +725,9 @@ def write_json(result: dict, path: Path, common) -> Path:
 
 
 # ------------------------------------------------------------------------------ main
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "gpukv bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gpukv bench",
+        prog=prog,
         description="Time push+pull (an allreduce through the store) for every strategy, "
                     "against a per-key array loop and PyTorch, on GPUs or host devices.")
     p.add_argument("--sizes", type=parse_sizes, default=None,
@@ -727,12 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=parse_ints, default=parse_ints(DEFAULT_DEVICES),
                    help=f"device counts (default {DEFAULT_DEVICES}); more than the GPUs "
                         "present become virtual GPUs (GPUKV_VIRTUAL_GPUS)")
-    p.add_argument("--strategies", default=None,
-                   help="comma-separated strategies (default: all of the registry; "
-                        "host runs add 'local')")
-    p.add_argument("--baselines", default=",".join(BASELINES),
+    p.add_argument("--strategies", type=parse_strategies, default=None,
+                   help="comma-separated strategies among local and the registry's "
+                        "(default: all of the registry; host runs add 'local')")
+    p.add_argument("--baselines", type=parse_baselines, default=",".join(BASELINES),
                    help=f"comma-separated baselines among {', '.join(BASELINES)} ('' for none)")
-    p.add_argument("--cases", default="sweep,small,goal",
+    p.add_argument("--cases", type=parse_cases, default=",".join(CASES),
                    help="which cases to run: sweep, small (many small keys), goal (large key)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
@@ -744,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per device of the large-key case (default GPU 256M, host 16M)")
     p.add_argument("--goal-devices", type=parse_ints, default=parse_ints("4,8"),
                    help="device counts of the large-key case (default 4,8)")
-    p.add_argument("--goal-strategy", default="auto",
+    p.add_argument("--goal-strategy", type=parse_strategy, default="auto",
                    help="strategy of the small and large-key cases (default auto; host: local)")
     p.add_argument("--copy-size", type=parse_size, default=None,
                    help="bytes of the copy-bandwidth measurement (default GPU 256M, host 64M)")
@@ -760,7 +769,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", nargs="?", const="", default="", metavar="PATH",
                    help="where to write the PNG chart (default next to the JSON)")
     p.add_argument("--no-plot", action="store_true", help="draw no chart")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", action="store_true",
+                          help="draw the progress bar even when stderr is not a terminal")
+    progress.add_argument("--no-progress", action="store_true",
+                          help="no progress bar (default when stderr is not a terminal)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the file names")
     p.add_argument("--calibrate", action="store_true",
                    help="instead of the benchmark, measure the cost model's constants on "
@@ -784,8 +797,11 @@ def _choose_env(args):
     return HostEnv()
 
 
-def _split(text: str) -> list[str]:
-    return [s.strip().lower() for s in text.split(",") if s.strip()]
+def _names(value) -> list[str]:
+    """A parsed name list as is; a comma-separated string (a hand-made Namespace) split."""
+    if isinstance(value, str):
+        return [s.strip().lower() for s in value.split(",") if s.strip()]
+    return list(value)
 
 
 def run(args) -> dict:
@@ -794,18 +810,12 @@ def run(args) -> dict:
     on_gpu = env.kind == "gpu"
     sizes = args.sizes or parse_sizes(GPU_SIZES if on_gpu else HOST_SIZES)
     if args.strategies:
-        strategies = _split(args.strategies)
+        strategies = _names(args.strategies)
     else:
         from ..comm.registry import STRATEGIES
         strategies = list(STRATEGIES) if on_gpu else ["local"] + list(STRATEGIES)
-    baselines = _split(args.baselines)
-    unknown = [b for b in baselines if b not in BASELINES]
-    if unknown:
-        raise SystemExit(f"gpukv bench: unknown baseline(s) {unknown}; known: {BASELINES}")
-    cases = _split(args.cases)
-    bad = [c for c in cases if c not in ("sweep", "small", "goal")]
-    if bad:
-        raise SystemExit(f"gpukv bench: unknown case(s) {bad}; known: sweep, small, goal")
+    baselines = _names(args.baselines)
+    cases = _names(args.cases)
     goal_size = args.goal_size or parse_size("256M" if on_gpu else "16M")
     goal_strategy = args.goal_strategy.lower()
     if not on_gpu and goal_strategy == "auto":
@@ -835,7 +845,7 @@ def run(args) -> dict:
     total = (n_sweep * ("sweep" in cases)
              + (2 + len(baselines)) * ("small" in cases)
              + len(args.goal_devices) * (1 + len(baselines)) * ("goal" in cases))
-    bar = _progress(total, not (args.no_progress or args.quiet))
+    bar = _progress(total, _wants_progress(args))
     rows: list[dict] = []
     try:
         if "sweep" in cases:
@@ -905,7 +915,7 @@ def run(args) -> dict:
 
 def goals(rows, on_gpu: bool) -> dict:
     """The two targets: many small keys vs the loop and torch; large key vs the copy limit."""
-    out = {"applies": "GPU" if on_gpu else "GPU (this host run is informational)"}
+    out: dict = {"applies": "GPU" if on_gpu else "GPU (this host run is informational)"}
     small = [r for r in rows if r["case"] == "small"]
     store = next((r for r in small if r["path"] == "store"
                   and r["name"] != "store_per_key" and r.get("time_s")), None)
@@ -979,17 +989,27 @@ def report(result: dict, file=None) -> None:
     bad = [r for r in result["results"] if r.get("check") == "WRONG"]
     if bad:
         print(f"\nWRONG RESULTS: {', '.join(sorted({r['name'] for r in bad}))}", file=file)
+    failed = failed_rows(result)
+    if failed:
+        print(f"\nFAILED: {', '.join(sorted({r['name'] for r in failed}))}", file=file)
+
+
+def failed_rows(result: dict) -> list[dict]:
+    """Rows of cases that raised (not those skipped because they cannot run here)."""
+    return [r for r in result["results"] if r["path"] == "error"]
 
 
 def _x(v):
     return f"{v:.2f}x" if v else "-"
 
 
-def main(argv=None) -> int:
-    """`gpukv bench [options]`: returns the exit status (1 when a strategy computed wrong sums)."""
-    args = build_parser().parse_args(argv)
-    if args.warmup < 0 or args.iters < 1:
-        raise SystemExit("gpukv bench: need --warmup >= 0 and --iters >= 1")
+def main(argv=None, prog: str = "gpukv bench") -> int:
+    """`gpukv bench [options]`: returns the exit status (1 when a strategy computed wrong
+    sums or a case failed; 2 for bad options). `prog` names the command in its usage."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.iters < 1 or args.small_keys < 1 or args.small_devices < 1:
+        parser.error("need --warmup >= 0, and --iters, --small-keys, --small-devices >= 1")
     if args.calibrate:
         from . import calibrate
         return calibrate.main(args)
@@ -1017,8 +1037,8 @@ def main(argv=None) -> int:
         if written is not None:
             print(f"wrote {written}")
     wrong = any(r.get("check") == "WRONG" for r in result["results"])
-    return 1 if wrong else 0
+    return 1 if wrong or failed_rows(result) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m gpukv.tools.bench"))

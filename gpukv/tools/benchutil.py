@@ -6,6 +6,7 @@ file by its path, also under interpreters where gpukv is not installed (the MXNe
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -14,6 +15,78 @@ import sys
 from pathlib import Path
 
 SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class BadArgument(ValueError, argparse.ArgumentTypeError):
+    """A malformed command-line value. A ValueError for callers; as the `type` of an
+    argparse option it becomes 'argument --x: <message>' and exit status 2."""
+
+
+_SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:I?B)?")
+
+
+def parse_size(text: str) -> int:
+    """'4K' / '4KB' / '4KiB' -> 4096, '1G' -> 2**30, '300' / '300B' -> 300 (binary units)."""
+    match = _SIZE.fullmatch(text.strip().upper())
+    if match is None:
+        raise BadArgument(f"size {text.strip()!r}: expected a number with an optional "
+                          "K, M or G suffix (binary), e.g. 300, 4K, 16M, 1GiB")
+    return int(match.group(1)) * SUFFIX[match.group(2)]
+
+
+def parse_sizes(text: str, minimum: int = 1) -> list[int]:
+    """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included).
+    Every size must be at least `minimum`, and there must be one."""
+    sizes: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if ".." in part:
+            sizes += _size_range(part)
+        elif part:
+            sizes.append(parse_size(part))
+    if not sizes:
+        raise BadArgument(f"sizes {text!r}: expected one or more, e.g. 4K,1M or 4K..1M")
+    small = [s for s in sizes if s < minimum]
+    if small:
+        raise BadArgument(f"sizes {text!r}: {small[0]} is below the smallest size, {minimum}")
+    return sizes
+
+
+def _size_range(part: str) -> list[int]:
+    lo, hi = (parse_size(t) for t in part.split("..", 1))
+    if lo <= 0 or hi < lo:
+        raise BadArgument(f"size range {part!r}: expected A..B with 0 < A <= B")
+    sizes = []
+    while lo < hi:
+        sizes.append(lo)
+        lo *= 4
+    return sizes + [hi]
+
+
+def parse_ints(text: str) -> list[int]:
+    """'2,4,8' -> [2, 4, 8]: one or more positive integers."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if not p.isdigit() or int(p) < 1]
+    if bad or not parts:
+        raise BadArgument(f"{bad[0] if bad else text!r}: expected comma-separated "
+                          "positive integers, e.g. 2,4,8")
+    return [int(p) for p in parts]
+
+
+def name_list(valid, what: str, allow_empty: bool = False):
+    """An argparse `type` for comma-separated names among `valid` (a sequence, or a
+    callable returning one, for names known only once imported), lower-cased."""
+    def parse(text: str) -> list[str]:
+        known = list(valid() if callable(valid) else valid)
+        names = [s.strip().lower() for s in text.split(",") if s.strip()]
+        unknown = [n for n in names if n not in known]
+        choices = ", ".join(known)
+        if unknown:
+            raise BadArgument(f"unknown {what} {', '.join(map(repr, unknown))}: "
+                              f"choose from {choices}")
+        if not (names or allow_empty):
+            raise BadArgument(f"no {what} given: choose from {choices}")
+        return names
+    return parse
 
 
 def format_size(n: int) -> str:

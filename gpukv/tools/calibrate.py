@@ -34,6 +34,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,8 +112,8 @@ def system_info(gpus=(), matrix=None) -> dict:
     """The machine a calibration was measured on (what `load_calibration` compares):
     this host, and the names of the GPUs measured with their link matrix."""
     from ..device.cuda.probe import cpu_model
-    out = {"hostname": platform.node(), "cpu_model": cpu_model(),
-           "logical_cpus": os.cpu_count(), "gpus": list(gpus)}
+    out: dict[str, Any] = {"hostname": platform.node(), "cpu_model": cpu_model(),
+                           "logical_cpus": os.cpu_count(), "gpus": list(gpus)}
     if matrix is not None:
         out["link_matrix"] = np.asarray(matrix, dtype=float).tolist()
     out["name"] = (f"{len(out['gpus'])} x {out['gpus'][0]}" if out["gpus"]

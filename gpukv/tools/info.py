@@ -6,7 +6,8 @@ availability, the default strategy, and whether its cost model uses a calibratio
 (`python -m gpukv bench --calibrate`) or the default constants. Works without CuPy, a
 driver or a GPU.
 `--simulate dgx1|nvswitch|pcie` prints the planner's choices for a machine we do not
-have; `--json` prints everything as one JSON object instead.
+have (`--gpus N` sizes the nvswitch and pcie ones); `--json` prints everything as one
+JSON object instead.
 """
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from pathlib import Path
 import numpy as np
 
 SIMULATED = ("dgx1", "nvswitch", "pcie")
+RESIZABLE = ("nvswitch", "pcie")  # simulations whose GPU count --gpus sets (dgx1 has 8)
+# The planner's time grows steeply with the GPU count (about 0.4 s at 32, 8 s at 64).
+MAX_SIMULATED_GPUS = 32
+# gpukv is installed from its source tree, so the CUDA extra is named by path, not by name.
+INSTALL_HINT = "in a gpukv checkout: pip install '.[cuda12]' (or '.[cuda13]')"
 
 
 def _err(exc: BaseException) -> str:
@@ -35,14 +41,18 @@ def cupy_info() -> dict:
     return cupy_versions()
 
 
-def gpu_info() -> dict:
-    """Physical GPUs (name, memory, compute capability) and the logical devices over them."""
+def gpu_info(cupy: dict | None = None) -> dict:
+    """Physical GPUs (name, memory, compute capability) and the logical devices over them;
+    `cupy` is `cupy_info()` when already known."""
     from ..device.cuda import probe
     from ..device.cuda.device import gpu_devices
     gpus = probe.gpu_properties()
     out: dict = {"count": len(gpus), "gpus": gpus, "logical": []}
     if not gpus:
-        out["reason"] = probe.no_gpu_reason()
+        cupy = cupy_info() if cupy is None else cupy
+        # Without CuPy the reason is plain; how to install it is said once, with CuPy's line.
+        out["reason"] = (probe.no_gpu_reason() if cupy["installed"]
+                         else "CuPy is not installed")
         return out
     try:
         devices = gpu_devices()
@@ -178,13 +188,14 @@ def calibration_info() -> dict:
 def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
     """Everything `gpukv info` reports, as a dict."""
     import gpukv
-    gpus = gpu_info()
+    cupy = cupy_info()
+    gpus = gpu_info(cupy)
     info = {
         "gpukv": gpukv.__version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),
-        "cupy": cupy_info(),
+        "cupy": cupy,
         "gpus": gpus,
         "topology": topology_info(gpus),
         "nccl": nccl_info(),
@@ -257,6 +268,7 @@ def render(info: dict) -> str:
                      + (f"  ({cp['error']})" if cp.get("error") else ""))
     else:
         lines.append(f"CuPy: not installed ({cp['error']})")
+        lines.append(f"  for GPUs, {INSTALL_HINT}")
     gpus = info["gpus"]
     lines.append("")
     if not gpus["count"]:
@@ -326,23 +338,41 @@ def render(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _simulated_gpus(text: str) -> int:
+    """An argparse type: a GPU count the planner handles in well under a second."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= n <= MAX_SIMULATED_GPUS:
+        raise argparse.ArgumentTypeError(
+            f"must be in 1..{MAX_SIMULATED_GPUS}, got {n} (planning takes much longer "
+            "beyond that)")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpukv info",
         description="Show versions, devices, links, NCCL/MPI and the strategies gpukv picks.")
     p.add_argument("--simulate", choices=SIMULATED,
                    help="also print the planner's trees and ring for a simulated machine")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="GPUs of the simulated nvswitch/pcie machine (default 8)")
+    p.add_argument("--gpus", type=_simulated_gpus, default=None, metavar="N",
+                   help="GPUs of the simulated nvswitch or pcie machine, 1.."
+                        f"{MAX_SIMULATED_GPUS} (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     return p
 
 
 def main(argv=None) -> int:
-    """`gpukv info [--simulate dgx1|nvswitch|pcie] [--json]`; returns 0."""
-    args = build_parser().parse_args(argv)
-    if args.gpus is not None and args.gpus < 1:
-        raise SystemExit("gpukv info: --gpus must be >= 1")
+    """`gpukv info [--simulate dgx1|nvswitch|pcie [--gpus N]] [--json]`; returns 0."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.gpus is not None and args.simulate not in RESIZABLE:
+        given = f"--simulate {args.simulate} always has 8 GPUs" if args.simulate else \
+            "without --simulate, info shows this machine's"
+        parser.error(f"argument --gpus: sets the GPUs of --simulate "
+                     f"{' or '.join(RESIZABLE)} only ({given})")
     info = collect(args.simulate, args.gpus)
     if args.json:
         print(json.dumps(info, indent=2, default=str))

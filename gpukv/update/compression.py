@@ -339,7 +339,8 @@ class GradientCompression:
         comp = self.compressor
         for device in dict.fromkeys(devices):
             device.enter()
-        terms, seen = [], {}
+        terms: list = []
+        seen: dict = {}
         for source, device in zip(sources, devices):
             nth = seen[device] = seen.get(device, -1) + 1
             residual = self.residual(key, device, source.size) if comp.uses_residual else None

@@ -748,3 +748,15 @@ def test_updater_set_after_a_device_push_sees_the_stored_value(kv):
     kv.set_updater(summing)
     kv.push(1, [ones(1), ones(1)])
     assert value_of(kv, 1)[0, 0] == 7
+
+
+def test_keys_len_and_contains():
+    """keys() lists the keys in init order, len() counts them and `in` tells a key of the
+    store from any other object (unhashable ones included) without raising."""
+    kv = gpukv.create("local")
+    assert kv.keys() == [] and len(kv) == 0 and 3 not in kv
+    kv.init([7, 3], [np.zeros(2), np.zeros(2)])
+    kv.init(5, np.zeros(2))
+    assert kv.keys() == [7, 3, 5] and len(kv) == 3
+    assert 3 in kv and 4 not in kv and "3" not in kv and [3] not in kv and True not in kv
+    assert np.int64(3) in kv

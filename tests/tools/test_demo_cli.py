@@ -178,3 +178,73 @@ def test_demo_on_gpus():
     assert "tutorial: gpukv.create('device') with CuPy arrays" in out
     assert out.count("tutorial: all 10 steps match") == 2
     assert "(CuPy)" in out and "demo: OK" in out
+
+
+def test_demo_passes_when_the_final_loss_is_below_the_first(capsys):
+    """A short training whose loss ends below where it started passes (exit 0, 'loss fell')."""
+    assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "10", "--progress", "plain"]) == 0
+    out = capsys.readouterr().out
+    assert "training: loss fell from" in out and "demo: OK" in out
+    assert "FAILED" not in out
+
+
+def test_demo_fails_when_the_loss_diverges(capsys):
+    """A learning rate so large that the loss ends above where it started fails (exit 1)."""
+    assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "10", "--lr", "50",
+                       "--progress", "plain"]) == 1
+    out = capsys.readouterr().out
+    assert "the loss did not fall" in out and "demo: FAILED" in out
+
+
+@pytest.mark.parametrize("option", ["--devices", "--steps"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_demo_counts_below_one_are_usage_errors(option, value, capsys):
+    """--devices and --steps below 1 are argparse errors (exit 2) that name the option."""
+    with pytest.raises(SystemExit) as exc:
+        _demo.main([option, value, "--cpu", "--skip-tutorial", "--progress", "plain"]
+                   + (["--steps", "1"] if option == "--devices" else []))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and "at least 1" in err
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+@pytest.mark.parametrize("args, status", [(["demo", "--steps", "2"], 1), (["info"], 1),
+                                          (["bench", "--help"], None), (["--help"], None)])
+def test_closed_stdout_ends_quietly(args, status, buffered):
+    """Every command whose reader has gone away (`gpukv demo | head -1`) stops with no
+    traceback, and with exit status 1 (argparse's --help already ignores a failed write)."""
+    import os
+    env = gpu_env.subprocess_env(gpus=False)
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "gpukv", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO,
+                              env=env, stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    if status is not None:
+        assert done.returncode == status
+
+
+def test_tutorial_output_reads_as_an_aligned_table():
+    """The tutorial's rows keep one column for '->', and what its updater prints is shown
+    indented under the row of the call that ran it, never as a row of its own."""
+    import io
+    out = io.StringIO()
+    assert _demo.run_tutorial(_demo._Place(4, []), out=out)
+    lines = out.getvalue().splitlines()
+    body = lines[1:-1]  # between the "tutorial: ..." header and its verdict
+    rows = [line for line in body if " -> " in line]
+    assert len(rows) == 10
+    assert len({row.index(" -> ") for row in rows}) == 1
+    printed = [line for line in body if " -> " not in line]
+    assert [line.split("update on key: ")[1] for line in printed] == \
+        ["3", "5", "7", "9", "5", "7", "9"]
+    assert all(line.startswith("      ") for line in printed)
+    assert body.index(printed[0]) == body.index(next(r for r in rows if "push(3, ones)" in r)) + 1

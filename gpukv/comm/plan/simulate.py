@@ -250,7 +250,8 @@ def _tree_time(m: Machine, trees, plan, nelems: int, nbytes: float, home: int,
              for root, start, stop in plan]
     total = 0.0
     for k in range(trees[0].depth):
-        transfers, compute = [], {}
+        transfers: list = []
+        compute: dict = {}
         for tree, _, size in parts:
             for child, par in tree.levels[k]:
                 transfers.append((child, par, size))
@@ -349,7 +350,8 @@ def _nccl_bus_gbps(m: Machine) -> float:
     """What NCCL's channels can drive out of the slowest device: all of its links."""
     best = math.inf
     for i in range(m.n):
-        dedicated, ported = 0.0, {}
+        dedicated = 0.0
+        ported: dict = {}
         for j in range(m.n):
             if j == i:
                 continue
@@ -494,7 +496,8 @@ class Calibration:
         measured through it or to host memory, since one transfer cannot beat it.
         """
         fields = {k: v for k, v in self.constants.items() if CALIBRATED[k][1] == "machine"}
-        links, staged, ported = dict(m.links), m.staged, {}
+        links, staged = dict(m.links), m.staged
+        ported: dict = {}
         for w, (gbps, latency) in sorted(self.links.items()):
             base = staged if w <= 0 else links.get(w) or _generic_link(w)
             cls = replace(base, name=f"{base.name} (measured)", gbps=gbps, latency_us=latency)

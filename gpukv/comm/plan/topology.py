@@ -483,7 +483,7 @@ def validate_tree(tree: Tree, n: int | None = None, *, max_depth: int | None = N
             cur = parent[cur]
     sent_at: dict = {}
     for step, level in enumerate(tree.levels):
-        busy = set()
+        busy: set = set()
         for child, par in level:
             if parent[child] != par:
                 raise ArgumentError(f"edge ({child}, {par}) at step {step}: parent of {child} "
@@ -663,6 +663,7 @@ def _ring_heuristic(eff) -> list:
         value = _ring_value(eff, ring)
         if best is None or value > best[0]:
             best = (value, ring)
+    assert best is not None  # n >= 1: the loop ran
     ring = best[1]
     zero = ring.index(0)
     return ring[zero:] + ring[:zero]

@@ -159,7 +159,7 @@ def no_gpu_reason() -> str:
             warnings.simplefilter("ignore")
             runtime = _runtime()
     except Exception:
-        return "CuPy is not installed (pip install 'gpukv[cuda12]')"
+        return "CuPy is not installed (in a gpukv checkout: pip install '.[cuda12]')"
     try:
         n = runtime.getDeviceCount()
     except Exception as exc:
@@ -252,7 +252,7 @@ def nccl_versions() -> dict:
     if not getattr(nccl, "available", False):
         return {"available": False,
                 "reason": "CuPy cannot load libnccl (pip install 'nvidia-nccl-cu12')"}
-    out = {"available": True}
+    out: dict[str, object] = {"available": True}
     try:
         out["version"] = _nccl_version(nccl.get_version())
     except Exception as exc:

@@ -22,7 +22,8 @@ def sum_into(device, jobs) -> None:
     """On `device` (a CudaDevice): out = sum(terms) for every (out, terms) of `jobs`."""
     direct_items, staged_jobs = [], []
     for out, terms in jobs:
-        direct, staged = [], []
+        direct: list = []
+        staged: list = []
         for t in terms:
             (direct if device.readable(t.array) else staged).append(t)
         if direct:
@@ -71,11 +72,13 @@ def copy_many(device, pairs) -> None:
     Sources the device can read directly are copied (with a cast) by one kernel for all
     pairs, large same-dtype ones by the copy engine; the rest go through `device.copy`.
     """
-    direct, other = [], []
+    direct: list = []
+    other: list = []
     for dst, src in pairs:
         (direct if device.readable(src) else other).append((dst, src))
     if direct:
-        big, rest = [], []
+        big: list = []
+        rest: list = []
         for d, s in direct:
             (big if d.dtype == s.dtype and d.nbytes >= BIG_COPY else rest).append((d, s))
         stream = device.stream

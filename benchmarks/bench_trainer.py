@@ -1,0 +1,177 @@
+"""PyTorch data-parallel step: gpukv.torch.Trainer vs per-parameter keys vs plain PyTorch.
+
+    python benchmarks/bench_trainer.py                      # 4 CPU replicas, both models
+    python benchmarks/bench_trainer.py --replicas 2 --iters 50 --json /tmp/trainer.json
+
+Two models: an MLP (a few large parameters) and a stack of 500 Linear(8, 8) layers (1000
+small parameters). For each, on N CPU replicas sharing a 'local' store, three ways to
+train with plain SGD:
+- trainer: `gpukv.torch.Trainer.step` (small parameters fused into a few keys, weights
+  and gradients views of one flat buffer per replica);
+- per-key: the hand-written loop of examples/torch_training.py (one int key per
+  parameter, `kv.push(keys, grads)` then `kv.pull(keys, out=weights)`), with the
+  example's Python updater ('per-key fn') and with gpukv.optim.SGD ('per-key sgd');
+- torch: one process, one model on the whole batch, torch.optim.SGD.
+'sync' times the part after backward (the step, or push+pull, or optimizer.step);
+'iteration' adds zero_grad, forward and backward on every replica. The ways are timed in
+turns (medians of `--iters` rounds); ratios are against the trainer in the same run. A
+table is printed; JSON goes to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as C  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.torch  # noqa: E402
+
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512),
+                                  nn.ReLU(), nn.Linear(512, 10)), 256),
+    "1000-params": (lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(500)]), 8),
+}
+LR = 0.01
+
+
+class Case:
+    """Replicas of one model, a batch split over them, and a loss (per-sample sum)."""
+
+    def __init__(self, model_name, replicas, batch, seed=0):
+        torch.manual_seed(seed)
+        make, dim = MODELS[model_name]
+        self.base = make()
+        self.x = torch.randn(batch, dim)
+        self.y = torch.randint(0, dim if model_name != "mlp" else 10, (batch,))
+        self.batch = batch
+        self.replicas = replicas
+        self.loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    def models(self):
+        return [copy.deepcopy(self.base) for _ in range(self.replicas)]
+
+    def backward(self, models):
+        for m, xs, ys in zip(models, self.x.chunk(len(models)), self.y.chunk(len(models))):
+            self.loss_fn(m(xs), ys).backward()
+
+
+def trainer_way(case):
+    models = case.models()
+    trainer = gpukv.torch.Trainer(models, "sgd", {"learning_rate": LR}, kvstore="local")
+    sync = lambda: trainer.step(case.batch)  # noqa: E731
+    return models, trainer.zero_grad, sync, len(trainer.keys)
+
+
+def per_key_way(case, updater):
+    models = case.models()
+    params = [list(m.parameters()) for m in models]
+    keys = list(range(len(params[0])))
+    kv = gpukv.create("local")
+    kv.init(keys, [p.data for p in params[0]])
+    if updater == "fn":
+        def sgd(key, grad, weight):  # as examples/torch_training.py
+            weight -= (LR / case.batch) * grad
+        kv.set_updater(sgd)
+    else:
+        kv.set_optimizer(gpukv.optim.SGD(learning_rate=LR, rescale_grad=1.0 / case.batch))
+    kv.pull(keys, out=[[row[k].data for row in params] for k in keys])
+    case.backward(models)  # the grad tensors exist from here on
+    grads = [[row[k].grad for row in params] for k in keys]
+    weights = [[row[k].data for row in params] for k in keys]
+
+    def zero():
+        for m in models:
+            m.zero_grad(set_to_none=False)
+
+    def sync():
+        kv.push(keys, grads)
+        kv.pull(keys, out=weights)
+    return models, zero, sync, len(keys)
+
+
+def torch_way(case):
+    model = copy.deepcopy(case.base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR / case.batch)
+    return [model], lambda: opt.zero_grad(set_to_none=False), opt.step, 0
+
+
+WAYS = {
+    "trainer": trainer_way,
+    "per-key sgd": lambda c: per_key_way(c, "sgd"),
+    "per-key fn": lambda c: per_key_way(c, "fn"),
+    "torch": torch_way,
+}
+
+
+def measure(case, warmup, iters):
+    """Median sync and iteration seconds of every way, timed in turns (one sample of each
+    way per round) so that a busy machine slows them all alike."""
+    setups = {}
+    for way, make in WAYS.items():
+        models, zero, sync, keys = make(case)
+        zero()
+        case.backward(models)
+
+        def iteration(models=models, zero=zero, sync=sync):
+            zero()
+            case.backward(models)
+            sync()
+        setups[way] = (sync, iteration, keys)
+    samples = {way: ([], []) for way in WAYS}
+    for _ in range(iters):
+        for way, (sync, iteration, _) in setups.items():
+            samples[way][0].extend(C.time_calls(sync, warmup=warmup, iters=1))
+            samples[way][1].extend(C.time_calls(iteration, warmup=warmup, iters=1))
+        warmup = 0
+    return {way: {"sync_s": C.summarize(samples[way][0])["median_s"],
+                  "iteration_s": C.summarize(samples[way][1])["median_s"],
+                  "keys": setups[way][2]} for way in WAYS}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256, help="global batch size")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    rows, records = [], []
+    for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if model_name not in MODELS:
+            p.error(f"--models: unknown {model_name!r}; valid: {', '.join(MODELS)}")
+        case = Case(model_name, args.replicas, args.batch)
+        n_params = sum(1 for _ in case.base.parameters())
+        results = measure(case, args.warmup, args.iters)
+        base = results["trainer"]
+        for way, r in results.items():
+            rows.append([model_name, way, r["keys"] if way != "torch" else None,
+                         C.format_seconds(r["sync_s"]), round(r["sync_s"] / base["sync_s"], 2),
+                         C.format_seconds(r["iteration_s"]),
+                         round(r["iteration_s"] / base["iteration_s"], 2)])
+            records.append({"model": model_name, "parameters": n_params, "way": way, **r})
+    C.print_table(["model", "way", "keys", "sync", "sync/trainer", "iteration",
+                   "iter/trainer"], rows)
+    payload = {"replicas": args.replicas, "batch": args.batch, "threads": args.threads,
+               "results": records, "machine": C.machine_info(),
+               "libraries": C.library_versions("numpy", "torch")}
+    path = C.write_json(payload, args.json, prefix="trainer")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

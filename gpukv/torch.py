@@ -1,0 +1,403 @@
+"""`Trainer`: data-parallel PyTorch training on a gpukv store, as gluon's Trainer did on MXNet.
+
+    import gpukv.torch
+    trainer = gpukv.torch.Trainer(replicas, 'sgd', {'learning_rate': 0.1, 'momentum': 0.9})
+    for x, y in batches:
+        trainer.zero_grad()
+        for model, xs, ys in zip(replicas, x.chunk(n), y.chunk(n)):
+            loss_fn(model(xs), ys).backward()      # a per-sample sum, as in gluon
+        trainer.step(batch_size=len(x))            # push, update on the store, pull
+
+One `torch.nn.Module` per device (same architecture), or a single module. Every trainable
+parameter takes part; parameters with `requires_grad=False` are left out. Parameters are
+grouped in buckets (consecutive parameters of one dtype, up to `bucket_bytes`), one store
+key per bucket: a key holding one parameter is named after it, a fused one
+``'<first>..<last>'``. In every replica the weights and the gradients of a bucket are
+views of one flat buffer each (as PyTorch DDP's ``gradient_as_bucket_view``), so a step
+pushes and pulls a handful of keys, and the store reads and writes the replicas' memory
+without copies. Keep those tensors: `module.to(...)`, assigning `p.data`, or creating
+a new optimizer state in PyTorch is not seen by the trainer. `zero_grad()` zeroes the
+buffers in place; `model.zero_grad()` (which sets `.grad` to None) works too, at the cost
+of one copy per parameter into its view at the next step.
+
+Only this module imports PyTorch (`import gpukv` never does).
+"""
+from __future__ import annotations
+
+import copy
+import numbers
+
+from ._errors import ArgumentError, ArgumentKindError, BackendError, ShapeError
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise BackendError("gpukv.torch needs PyTorch: pip install torch") from exc
+
+from .api.store import KVStore, create
+from .optim import LAMB, Optimizer, create as create_optimizer
+
+__all__ = ["Trainer"]
+
+#: bucket capacity in bytes (PyTorch DDP's default)
+BUCKET_BYTES = 25 << 20
+
+
+class _Bucket:
+    """Consecutive trainable parameters of one dtype that share one store key.
+
+    `weights[r]` / `grads[r]` are replica r's flat buffers (or, for a bucket of one
+    parameter, the parameter's own tensors); `params[r][i]` is replica r's i-th parameter.
+    """
+
+    def __init__(self, names: list, params: list) -> None:
+        self.names = names
+        self.params = params  # [replica][i]
+        self.key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        self.weights: list = []
+        self.grads: list = []
+        self.views: list = []  # [replica][i]: the grad view param i must hold
+
+    @property
+    def fused(self) -> bool:
+        return len(self.names) > 1
+
+
+class Trainer:
+    """Apply an optimizer to the parameters of several replicas through a gpukv store.
+
+    modules: a `torch.nn.Module`, or a list of them (one per device, same architecture).
+    optimizer: a name for `gpukv.optim.create` (with `optimizer_params`) or a
+    `gpukv.optim.Optimizer`. kvstore: a store name for `gpukv.create` or a `KVStore`.
+    compression_params: gradient compression for the store (see
+    `KVStore.set_gradient_compression`). update_on_kvstore: True runs the optimizer on the
+    store; False sums the gradients on the store, pulls them into every replica's `.grad`
+    and runs the optimizer on each replica (on a local store per replica).
+    bucket_bytes: capacity of a fused key; 0 gives every parameter its own key. LAMB,
+    whose trust ratio is per key, always gets one key per parameter; so should per-key
+    multipliers (`optimizer.set_lr_mult`), which name keys, not parameters.
+    """
+
+    def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
+                 compression_params=None, update_on_kvstore=True, *,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self._modules = _module_list(modules)
+        self._optimizer = _make_optimizer(optimizer, optimizer_params)
+        self._scale = self._optimizer.rescale_grad
+        self._kv = _make_store(kvstore)
+        self._update_on_kvstore = _check_flag("update_on_kvstore", update_on_kvstore)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
+                or bucket_bytes < 0:
+            raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
+        if isinstance(self._optimizer, LAMB):
+            bucket_bytes = 0
+        names, params = _trainable(self._modules)
+        self._buckets: list[_Bucket] = _make_buckets(names, params, int(bucket_bytes))
+        for bucket in self._buckets:
+            _flatten(bucket, len(self._modules))
+        if compression_params is not None:
+            self._kv.set_gradient_compression(compression_params)
+        self._local: list = []  # with update_on_kvstore=False: one store per replica
+        self._local_opts: list = []  # and its optimizer
+        self._init_store()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def kvstore(self) -> KVStore:
+        return self._kv
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._optimizer
+
+    @property
+    def keys(self) -> list:
+        """The store keys, one per bucket, in parameter order."""
+        return [b.key for b in self._buckets]
+
+    @property
+    def buckets(self) -> dict:
+        """Every store key and the names of the parameters it holds."""
+        return {b.key: list(b.names) for b in self._buckets}
+
+    @property
+    def learning_rate(self) -> float:
+        return self._optimizer.learning_rate
+
+    def set_learning_rate(self, lr) -> None:
+        """Set the optimizer's learning rate (not with an lr_scheduler, as in MXNet)."""
+        self._optimizer.set_learning_rate(lr)
+        for opt in self._local_opts:
+            opt.set_learning_rate(lr)
+
+    # ------------------------------------------------------------------- training
+    def zero_grad(self) -> None:
+        """Zero every replica's gradients in place (the views stay the `.grad` tensors)."""
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for r, grad in enumerate(bucket.grads):
+                    grad.zero_()
+                    for p, view in zip(bucket.params[r], bucket.views[r]):
+                        if p.grad is not view:  # set to None or replaced since
+                            p.grad = view
+
+    def step(self, batch_size, ignore_stale_grad: bool = False) -> None:
+        """Push every replica's gradients (rescaled by 1/batch_size), update, pull weights.
+
+        A parameter whose `.grad` is None in some replica is an ArgumentError naming it,
+        unless `ignore_stale_grad`: then that replica contributes no gradient to it, and a
+        parameter without a gradient in every replica is left out of the step when it has
+        its own key (in a fused key it gets a zero gradient).
+        """
+        scale = self._scale_for(batch_size)
+        live = self._collect_grads(ignore_stale_grad)
+        self._set_scale(scale)
+        if self._update_on_kvstore:
+            keys = [b.key for b in live]
+            if keys:
+                self._kv.push(keys, [b.grads for b in live])
+                self._kv.pull(keys, out=[b.weights for b in live])
+        else:
+            self._allreduce(live)
+            self._local_update(live)
+
+    def allreduce_grads(self) -> None:
+        """Sum the gradients of every replica on the store and pull the sum into each
+        replica's `.grad` (with update_on_kvstore=False only, as in gluon)."""
+        self._need_local_update("allreduce_grads")
+        self._allreduce(self._collect_grads(False))
+
+    def update(self, batch_size, ignore_stale_grad: bool = False) -> None:
+        """Run the optimizer on every replica with its (already summed) gradients,
+        rescaled by 1/batch_size (with update_on_kvstore=False only, as in gluon)."""
+        self._need_local_update("update")
+        scale = self._scale_for(batch_size)
+        live = self._collect_grads(ignore_stale_grad)
+        self._set_scale(scale)
+        self._local_update(live)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_states(self, path) -> None:
+        """Write the optimizer's state (atomically) to `path`."""
+        store = self._kv if self._update_on_kvstore else self._local[0]
+        store.save_optimizer_states(path)
+
+    def load_states(self, path) -> None:
+        """Restore the optimizer's state `save_states` wrote (CheckpointError if it does
+        not fit; nothing changes then)."""
+        # The first load checks the file whole: if it fails, nothing has changed.
+        for store in [self._kv] if self._update_on_kvstore else self._local:
+            store.load_optimizer_states(path)
+
+    # ------------------------------------------------------------------ internals
+    def _init_store(self) -> None:
+        """The store starts from replica 0's weights, and every replica from the store."""
+        keys = [b.key for b in self._buckets]
+        if keys:
+            self._kv.init(keys, [b.weights[0] for b in self._buckets])
+            self._kv.pull(keys, out=[b.weights for b in self._buckets])
+        if self._update_on_kvstore:
+            self._kv.set_optimizer(self._optimizer)
+            return
+        # One store per replica, each with its own copy of the optimizer (the same
+        # arithmetic on the same summed gradients keeps the replicas equal).
+        kind = "local" if self._kv.type == "local" else "device"
+        for r in range(len(self._modules)):
+            store = create(kind)
+            if keys:
+                store.init(keys, [b.weights[r] for b in self._buckets])
+            opt = copy.deepcopy(self._optimizer)
+            store.set_optimizer(opt)
+            self._local.append(store)
+            self._local_opts.append(opt)
+
+    def _scale_for(self, batch_size) -> float:
+        """The optimizer's rescale_grad for `batch_size` (gluon's: given / batch_size)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real) \
+                or not float(batch_size) > 0:
+            raise ArgumentError(f"batch_size={batch_size!r}: expected a number > 0")
+        return self._scale / float(batch_size)
+
+    def _set_scale(self, scale: float) -> None:
+        self._optimizer.rescale_grad = scale
+        for opt in self._local_opts:
+            opt.rescale_grad = scale
+
+    def _collect_grads(self, ignore_stale_grad: bool) -> list:
+        """Put every replica's gradient into its bucket view; return the buckets to step.
+
+        Checks every parameter before anything changes.
+        """
+        stale = [(bucket, r, i) for bucket in self._buckets
+                 for r, params in enumerate(bucket.params)
+                 for i, p in enumerate(params) if p.grad is None]
+        if stale and not ignore_stale_grad:
+            bucket, r, i = stale[0]
+            raise ArgumentError(
+                f"parameter {bucket.names[i]!r} of replica {r} has no gradient (.grad is "
+                f"None): backward did not reach it since its gradient was set to None; "
+                f"call step(..., ignore_stale_grad=True) to leave it out")
+        missing: dict = {}
+        with torch.no_grad():
+            for bucket, r, i in stale:
+                bucket.views[r][i].zero_()
+                missing[id(bucket)] = missing.get(id(bucket), 0) + 1
+            for bucket in self._buckets:
+                for params, views in zip(bucket.params, bucket.views):
+                    for p, view in zip(params, views):
+                        grad = p.grad
+                        if grad is not None and grad is not view:
+                            view.copy_(grad)  # a new tensor since set_to_none: adopt it
+                            p.grad = view
+        replicas = len(self._modules)
+        return [b for b in self._buckets if b.fused or missing.get(id(b), 0) < replicas]
+
+    def _allreduce(self, live) -> None:
+        keys = [b.key for b in live]
+        if keys:
+            self._kv.push(keys, [b.grads for b in live])
+            self._kv.pull(keys, out=[b.grads for b in live])
+
+    def _need_local_update(self, op: str) -> None:
+        if self._update_on_kvstore:
+            raise ArgumentError(f"{op}() runs the optimizer on each replica; create the "
+                                f"Trainer with update_on_kvstore=False to use it")
+
+    def _local_update(self, live) -> None:
+        keys = [b.key for b in live]
+        if not keys:
+            return
+        for r, store in enumerate(self._local):
+            store.push(keys, [b.grads[r] for b in live])
+            store.pull(keys, out=[b.weights[r] for b in live])
+
+
+# ------------------------------------------------------------------------ helpers
+def _check_flag(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentKindError(f"{name}: expected True or False, got {type(value).__name__}")
+    return value
+
+
+def _module_list(modules) -> list:
+    if isinstance(modules, torch.nn.Module):
+        return [modules]
+    if not isinstance(modules, (list, tuple)) or not modules:
+        raise ArgumentKindError(f"modules: expected a torch.nn.Module or a non-empty list "
+                                f"of them, got {type(modules).__name__}")
+    for i, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise ArgumentKindError(f"modules[{i}]: expected a torch.nn.Module, got "
+                                    f"{type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ArgumentError("modules: the same module is given twice; give one replica "
+                            "per device")
+    return list(modules)
+
+
+def _make_optimizer(optimizer, optimizer_params) -> Optimizer:
+    if isinstance(optimizer, Optimizer):
+        if optimizer_params:
+            raise ArgumentError("optimizer_params must be None when optimizer is a "
+                                "gpukv.optim.Optimizer (set its options on it)")
+        return optimizer
+    if not isinstance(optimizer, str):
+        raise ArgumentKindError(f"optimizer: expected a name or a gpukv.optim.Optimizer, "
+                                f"got {type(optimizer).__name__}")
+    if optimizer_params is not None and not isinstance(optimizer_params, dict):
+        raise ArgumentKindError(f"optimizer_params: expected a dict, got "
+                                f"{type(optimizer_params).__name__}")
+    return create_optimizer(optimizer, **(optimizer_params or {}))
+
+
+def _make_store(kvstore) -> KVStore:
+    if isinstance(kvstore, KVStore):
+        return kvstore
+    if not isinstance(kvstore, str):
+        raise ArgumentKindError(f"kvstore: expected a store name or a gpukv.KVStore, got "
+                                f"{type(kvstore).__name__}")
+    return create(kvstore)
+
+
+def _trainable(modules) -> tuple[list, list]:
+    """Names and per-replica tensors of the trainable parameters, checked to agree."""
+    first = [(n, p) for n, p in modules[0].named_parameters() if p.requires_grad]
+    names = [n for n, _ in first]
+    params = [[p for _, p in first]]
+    for r, module in enumerate(modules[1:], start=1):
+        mine = dict(module.named_parameters())
+        row = []
+        for name, p0 in first:
+            p = mine.get(name)
+            if p is None or not p.requires_grad:
+                raise ArgumentError(f"parameter {name!r}: trainable in replica 0 but "
+                                    f"{'missing' if p is None else 'frozen'} in replica {r}")
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
+                                 f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
+            row.append(p)
+        if len({id(p) for p in row} & {id(p) for p in params[0]}):
+            raise ArgumentError(f"replica {r} shares parameters with replica 0; give "
+                                f"each device its own copy (copy.deepcopy)")
+        params.append(row)
+    return names, params
+
+
+def _make_buckets(names, params, capacity: int) -> list:
+    """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes."""
+    buckets: list[_Bucket] = []
+    open_: dict = {}  # signature -> (indices, bytes)
+
+    def close(sig):
+        idx, _ = open_.pop(sig)
+        buckets.append(_Bucket([names[i] for i in idx],
+                               [[row[i] for i in idx] for row in params]))
+    for i, p in enumerate(params[0]):
+        sig = (p.dtype, tuple(str(row[i].device) for row in params))
+        size = p.numel() * p.element_size()
+        if sig in open_ and open_[sig][1] + size > capacity:
+            close(sig)
+        idx, total = open_.get(sig, ([], 0))
+        open_[sig] = (idx + [i], total + size)
+    for sig in list(open_):
+        close(sig)
+    return buckets
+
+
+def _flatten(bucket: _Bucket, replicas: int) -> None:
+    """Make every replica's weights and gradients of `bucket` views of one buffer each.
+
+    A bucket of one parameter uses the parameter's own (contiguous) tensors.
+    """
+    with torch.no_grad():
+        for r in range(replicas):
+            params = bucket.params[r]
+            if not bucket.fused and params[0].is_contiguous():
+                p = params[0]
+                if p.grad is None or not p.grad.is_contiguous() or p.grad.shape != p.shape:
+                    grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if p.grad is not None:
+                        grad.copy_(p.grad)
+                    p.grad = grad
+                bucket.weights.append(p.data)
+                bucket.grads.append(p.grad)
+                bucket.views.append([p.grad])
+                continue
+            total = sum(p.numel() for p in params)
+            weight = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+            grad = torch.zeros_like(weight)
+            views, offset = [], 0
+            for p in params:
+                n = p.numel()
+                w_view = weight[offset:offset + n].view(p.shape)
+                g_view = grad[offset:offset + n].view(p.shape)
+                w_view.copy_(p.data)
+                p.data = w_view
+                if p.grad is not None:
+                    g_view.copy_(p.grad)
+                p.grad = g_view
+                views.append(g_view)
+                offset += n
+            bucket.weights.append(weight)
+            bucket.grads.append(grad)
+            bucket.views.append(views)

@@ -1,0 +1,358 @@
+"""gpukv.torch.Trainer: data-parallel PyTorch training on a store, checked against PyTorch."""
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.torch as gt  # noqa: E402
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def make_data(n=48, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def replicas_of(model, n):
+    return [copy.deepcopy(model) for _ in range(n)]
+
+
+def backward_shards(models, x, y):
+    """Each replica takes its shard of the batch; losses are per-sample sums (as gluon)."""
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    for model, xs, ys in zip(models, x.chunk(len(models)), y.chunk(len(models))):
+        loss_fn(model(xs), ys).backward()
+
+
+def train_trainer(models, optimizer, params, steps=5, **kw):
+    trainer = gt.Trainer(models, optimizer, params, kvstore="local", **kw)
+    x, y = make_data()
+    for _ in range(steps):
+        trainer.zero_grad()
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+    return trainer
+
+
+def train_torch(model, make_opt, steps=5):
+    opt = make_opt(model.parameters())
+    x, y = make_data()
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def assert_same_weights(models, reference, rtol=1e-5, atol=1e-6):
+    for model in models:
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=rtol,
+                                       atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_bytes", [gt.BUCKET_BYTES, 256, 0])
+def test_sgd_momentum_matches_torch(replicas, bucket_bytes):
+    """SGD with momentum and weight decay over N replicas gives torch.optim.SGD's weights on
+    the whole batch, whatever the bucketing."""
+    base = make_model()
+    models = replicas_of(base, replicas)
+    train_trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3},
+                  bucket_bytes=bucket_bytes)
+    ref = train_torch(copy.deepcopy(base),
+                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3))
+    assert_same_weights(models, ref)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_adam_matches_one_replica_and_torch(replicas):
+    """Adam over N replicas gives the weights of one replica on the whole batch, and
+    torch.optim.Adam's up to Adam's sign-like sensitivity to tiny gradients."""
+    base = make_model()
+    models = replicas_of(base, replicas)
+    one = replicas_of(base, 1)
+    train_trainer(models, "adam", {"learning_rate": 0.01, "epsilon": 1e-8})
+    train_trainer(one, "adam", {"learning_rate": 0.01, "epsilon": 1e-8})
+    assert_same_weights(models, one[0], rtol=1e-5, atol=1e-5)
+    ref = train_torch(copy.deepcopy(base), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-8))
+    assert_same_weights(models, ref, rtol=0, atol=5e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "lamb"])
+def test_update_on_kvstore_false_matches_true(optimizer):
+    """Updating on each replica (update_on_kvstore=False) gives the weights updating on
+    the store does."""
+    base = make_model()
+    params = {"learning_rate": 0.05, "wd": 1e-4}
+    if optimizer == "sgd":
+        params["momentum"] = 0.9
+    on_store = replicas_of(base, 3)
+    local = replicas_of(base, 3)
+    train_trainer(on_store, optimizer, dict(params))
+    train_trainer(local, optimizer, dict(params), update_on_kvstore=False)
+    for a, b in zip(local, on_store):
+        for p, q in zip(a.parameters(), b.parameters()):
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-6,
+                                       atol=1e-7)
+
+
+def test_allreduce_then_update_equals_step():
+    """allreduce_grads() then update(batch_size) is step(batch_size), and allreduce leaves
+    the summed gradient in every replica's .grad."""
+    base = make_model()
+    a, b = replicas_of(base, 2), replicas_of(base, 2)
+    x, y = make_data()
+    ta = gt.Trainer(a, "sgd", {"learning_rate": 0.1}, kvstore="local", update_on_kvstore=False)
+    tb = gt.Trainer(b, "sgd", {"learning_rate": 0.1}, kvstore="local", update_on_kvstore=False)
+    backward_shards(a, x, y)
+    backward_shards(b, x, y)
+    expected = [p.grad.clone() + q.grad for p, q in zip(a[0].parameters(), a[1].parameters())]
+    ta.allreduce_grads()
+    for model in a:
+        for p, g in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, g)
+    ta.update(len(x))
+    tb.step(len(x))
+    assert_same_weights(a, b[0], rtol=0, atol=0)
+
+
+def test_allreduce_needs_update_on_kvstore_false():
+    """allreduce_grads and update are refused when the store runs the optimizer."""
+    t = gt.Trainer(replicas_of(make_model(), 2), "sgd", kvstore="local")
+    with pytest.raises(gpukv.ArgumentError, match="update_on_kvstore=False"):
+        t.allreduce_grads()
+    with pytest.raises(gpukv.ArgumentError, match="update_on_kvstore=False"):
+        t.update(4)
+
+
+def test_replicas_start_from_replica_zero():
+    """At construction every replica takes replica 0's weights, in place."""
+    models = [make_model(seed=s) for s in range(3)]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    gt.Trainer(models, "sgd", kvstore="local")
+    for model in models:
+        for p, q in zip(model.parameters(), before[0]):
+            torch.testing.assert_close(p.detach(), q)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_weights_and_grads_stay_in_place(update_on_kvstore):
+    """Steps write the replicas' weights and gradients in place: their data_ptr never
+    changes, and fused ones are views of one buffer per replica."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=update_on_kvstore)
+    assert len(t.keys) == 1  # five small parameters, one key
+    ptrs = [[(p.data_ptr(), p.grad.data_ptr()) for p in m.parameters()] for m in models]
+    x, y = make_data()
+    old = [p.detach().clone() for p in models[0].parameters()]
+    for _ in range(3):
+        t.zero_grad()
+        backward_shards(models, x, y)
+        t.step(len(x))
+    assert ptrs == [[(p.data_ptr(), p.grad.data_ptr()) for p in m.parameters()]
+                    for m in models]
+    assert any(not torch.equal(p.detach(), q) for p, q in zip(models[0].parameters(), old))
+    for m in models:
+        ps = list(m.parameters())
+        step = ps[0].element_size()
+        assert all(b.data_ptr() == a.data_ptr() + a.numel() * step for a, b in zip(ps, ps[1:]))
+
+
+def test_many_small_parameters_make_few_keys():
+    """A model of 1000 small parameters is held in a handful of keys."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(500)])
+    t = gt.Trainer(replicas_of(model, 2), "sgd", kvstore="local")
+    assert sum(1 for _ in model.parameters()) == 1000
+    assert len(t.keys) <= 4
+
+
+def test_big_parameters_get_own_keys_named_after_them():
+    """A bucket of one parameter is keyed by the parameter's name; fused keys name their
+    first and last parameter."""
+    model = make_model()
+    t = gt.Trainer(model, "sgd", kvstore="local", bucket_bytes=0)
+    assert sorted(t.keys) == sorted(n for n, _ in model.named_parameters())
+    t = gt.Trainer(make_model(), "sgd", kvstore="local")
+    assert t.keys == ["0.weight..4.bias"]
+
+
+def test_stale_grad_is_an_error_naming_the_parameter():
+    """A parameter whose .grad is None at step raises an ArgumentError naming it, before
+    any weight or option changes."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    backward_shards(models, *make_data())
+    models[1][4].bias.grad = None
+    before = [p.detach().clone() for p in models[0].parameters()]
+    with pytest.raises(gpukv.ArgumentError, match=r"'4\.bias' of replica 1"):
+        t.step(8)
+    assert t.optimizer.rescale_grad == 1.0
+    for p, q in zip(models[0].parameters(), before):
+        assert torch.equal(p.detach(), q)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, gt.BUCKET_BYTES])
+def test_ignore_stale_grad(bucket_bytes):
+    """With ignore_stale_grad=True a replica without a gradient contributes none, and a
+    parameter without a gradient anywhere keeps its weight (plain SGD)."""
+    base = make_model()
+    models = replicas_of(base, 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   bucket_bytes=bucket_bytes)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    g1 = models[1][0].weight.grad.clone()
+    w0, b4 = models[0][0].weight.detach().clone(), models[0][4].bias.detach().clone()
+    models[0][0].weight.grad = None
+    for m in models:
+        m[4].bias.grad = None
+    t.step(1, ignore_stale_grad=True)
+    for m in models:
+        torch.testing.assert_close(m[0].weight.detach(), w0 - 0.1 * g1)
+        assert torch.equal(m[4].bias.detach(), b4)
+
+
+def test_new_grad_tensors_are_taken_into_the_buckets():
+    """After model.zero_grad() (grads set to None) a backward makes new .grad tensors; the
+    step uses them and gives the same weights as the in-place buffers."""
+    base = make_model()
+    a, b = replicas_of(base, 2), replicas_of(base, 2)
+    ta = gt.Trainer(a, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="local")
+    tb = gt.Trainer(b, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="local")
+    x, y = make_data()
+    for _ in range(3):
+        for m in a:
+            m.zero_grad(set_to_none=True)
+        tb.zero_grad()
+        backward_shards(a, x, y)
+        backward_shards(b, x, y)
+        ta.step(len(x))
+        tb.step(len(x))
+    assert_same_weights(a, b[0], rtol=0, atol=0)
+
+
+def test_frozen_parameters_are_left_out():
+    """Parameters with requires_grad=False are no keys and keep their values."""
+    models = replicas_of(make_model(), 2)
+    for m in models:
+        m[0].weight.requires_grad_(False)
+    frozen = models[0][0].weight.detach().clone()
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", bucket_bytes=0)
+    assert "0.weight" not in t.keys and "0.bias" in t.keys
+    backward_shards(models, *make_data())
+    t.step(8)
+    assert models[0][0].weight.grad is None
+    assert torch.equal(models[0][0].weight.detach(), frozen)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_save_and_load_states_round_trip(tmp_path, update_on_kvstore):
+    """Optimizer state saved after some steps and loaded back continues exactly where a
+    trainer that never stopped goes."""
+    base = make_model()
+    params = {"learning_rate": 0.01}
+    x, y = make_data()
+    a = replicas_of(base, 2)
+    ta = gt.Trainer(a, "adam", dict(params), kvstore="local",
+                    update_on_kvstore=update_on_kvstore)
+
+    def run(trainer, models, steps):
+        for _ in range(steps):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            trainer.step(len(x))
+
+    run(ta, a, 3)
+    path = tmp_path / "states.bin"
+    ta.save_states(path)
+    b = [copy.deepcopy(m) for m in a]
+    tb = gt.Trainer(b, "adam", dict(params), kvstore="local",
+                    update_on_kvstore=update_on_kvstore)
+    tb.load_states(path)
+    run(ta, a, 2)
+    run(tb, b, 2)
+    assert_same_weights(b, a[0], rtol=0, atol=0)
+
+
+def test_learning_rate():
+    """learning_rate reads the optimizer's rate and set_learning_rate changes the steps."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=False)
+    assert t.learning_rate == pytest.approx(0.1)
+    t.set_learning_rate(0.0)
+    assert t.learning_rate == 0.0
+    before = [p.detach().clone() for p in models[0].parameters()]
+    backward_shards(models, *make_data())
+    t.step(8)
+    for p, q in zip(models[1].parameters(), before):
+        assert torch.equal(p.detach(), q)
+
+
+@pytest.mark.parametrize("compression", [None, {"type": "fp16"}])
+def test_device_store_and_compression(compression):
+    """The default 'device' store (reducing on the host for CPU tensors) trains as the
+    'local' one, with gradient compression passed to it."""
+    base = make_model()
+    a, b = replicas_of(base, 2), replicas_of(base, 2)
+    x, y = make_data()
+    ta = gt.Trainer(a, "sgd", {"learning_rate": 0.1}, compression_params=compression)
+    tb = gt.Trainer(b, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    assert ta.kvstore.type == "device"
+    assert (ta.kvstore.gradient_compression is None) == (compression is None)
+    for t, models in ((ta, a), (tb, b)):
+        backward_shards(models, x, y)
+        t.step(len(x))
+    assert_same_weights(a, b[0], rtol=1e-3, atol=1e-4)
+
+
+def test_optimizer_instance_and_store_instance():
+    """An Optimizer instance and a KVStore instance are used as given."""
+    opt = gpukv.optim.SGD(learning_rate=0.2)
+    kv = gpukv.create("local")
+    t = gt.Trainer(make_model(), opt, kvstore=kv)
+    assert t.optimizer is opt and t.kvstore is kv
+    with pytest.raises(gpukv.ArgumentError, match="optimizer_params"):
+        gt.Trainer(make_model(), opt, {"momentum": 0.9}, kvstore="local")
+
+
+@pytest.mark.parametrize("modules, error", [
+    ([], gpukv.ArgumentKindError),
+    ("model", gpukv.ArgumentKindError),
+    ([nn.Linear(2, 2), nn.Linear(3, 2)], gpukv.ShapeError),
+])
+def test_bad_modules(modules, error):
+    """Modules that are not one architecture per device are typed errors."""
+    with pytest.raises(error):
+        gt.Trainer(modules, "sgd", kvstore="local")
+
+
+def test_bad_batch_size():
+    """A batch size that is not a positive number is an ArgumentError."""
+    t = gt.Trainer(make_model(), "sgd", kvstore="local")
+    with pytest.raises(gpukv.ArgumentError, match="batch_size"):
+        t.step(0)
+
+
+def test_import_gpukv_does_not_import_torch():
+    """`import gpukv` leaves PyTorch unimported; `import gpukv.torch` without PyTorch is a
+    BackendError that says how to install it."""
+    code = ("import sys, gpukv; assert 'torch' not in sys.modules\n"
+            "sys.modules['torch'] = None\n"
+            "try:\n    import gpukv.torch\nexcept gpukv.BackendError as e:\n"
+            "    assert 'pip install torch' in str(e), e\nelse:\n    raise SystemExit(1)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

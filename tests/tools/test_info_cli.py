@@ -1,0 +1,73 @@
+"""`gpukv info` options: --gpus only where it means something, within the planner's reach,
+and install hints that work from a source checkout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpukv.tools import info as _info
+
+from .. import gpu_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run `gpukv info argv`, expect an argparse error (exit 2) and return its message."""
+    with pytest.raises(SystemExit) as exc:
+        _info.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture
+def no_planning(monkeypatch):
+    """Makes any use of the planner fail the test (refusals must come before it)."""
+    def plan(matrix):
+        raise AssertionError("the planner ran")
+    monkeypatch.setattr(_info, "plan", plan)
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "4"], ["--simulate", "dgx1", "--gpus", "4"]])
+def test_info_gpus_without_a_resizable_simulation_is_refused(argv, no_planning, capsys):
+    """--gpus without --simulate, or with dgx1 (always 8 GPUs), is a usage error naming
+    the simulations it applies to."""
+    err = _usage_error(argv, capsys)
+    assert "--gpus" in err and "nvswitch" in err and "pcie" in err
+
+
+@pytest.mark.parametrize("gpus", ["0", "-2", f"{_info.MAX_SIMULATED_GPUS + 1}", "100"])
+def test_info_gpus_out_of_range_is_refused_with_the_limit(gpus, no_planning, capsys):
+    """--gpus below 1 or above the planner's limit is a usage error that says the range."""
+    err = _usage_error(["--simulate", "nvswitch", "--gpus", gpus], capsys)
+    assert "argument --gpus" in err and f"1..{_info.MAX_SIMULATED_GPUS}" in err
+
+
+def test_info_simulates_the_largest_allowed_machine(capsys):
+    """The largest --gpus allowed is planned: one tree per root and a ring over all."""
+    n = _info.MAX_SIMULATED_GPUS
+    assert _info.main(["--simulate", "pcie", "--gpus", str(n), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulated"]
+    assert len(sim["trees"]) == n and sorted(sim["ring"]) == list(range(n))
+
+
+def test_info_without_cupy_says_how_to_install_from_a_checkout():
+    """Without CuPy, `info` suggests installing the CUDA extra from the source tree
+    (gpukv is not on PyPI), never `pip install 'gpukv[cuda12]'`."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["cupy"] = None  # makes `import cupy` fail
+        from gpukv.__main__ import main
+        sys.exit(main(["info"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=gpu_env.subprocess_env(gpus=False),
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert "pip install '.[cuda12]'" in done.stdout
+    assert "gpukv[" not in done.stdout
