@@ -7,7 +7,9 @@ import itertools
 import logging
 import operator
 import threading
-from typing import Any, NamedTuple
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import numpy as np
 
@@ -23,7 +25,23 @@ from ..update.compression import GradientCompression, compressible, make_compres
 from ..update.sparse import RowSparse
 from ..update.sparse import merge as _merge_rows
 
+if TYPE_CHECKING:
+    from ..optim import Optimizer
+
 log = logging.getLogger("gpukv")
+
+# The argument forms of the store's calls (see `KVStore.push`).
+Key = Union[int, str]
+#: one key, or a list of keys (one int kind or one str kind per store)
+Keys = Union[Key, Sequence[Key]]
+#: any array: NumPy, CuPy, a PyTorch tensor, a JAX array, a RowSparse, or any object with
+#: DLPack, the CUDA array interface or the buffer protocol
+Array = Any
+#: for one key: an array, or a list with one array per device
+Value = Union[Array, Sequence[Array]]
+#: for a list of keys: a list with one `Value` per key
+Values = Union[Value, Sequence[Value]]
+Updater = Callable[[Key, Any, Any], None]
 
 # name -> whether the store reduces on GPUs (True) or on the host (False).
 _TYPES = {
@@ -138,7 +156,7 @@ class _FunctionUpdater:
         """Any key and value: what a function takes is its own business."""
 
 
-def create(name: str = "local", **options) -> "KVStore":
+def create(name: str = "local", **options: Any) -> "KVStore":
     """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases.
 
     Options: `strategy`, a name ('auto', 'home', 'tree', 'ring', 'cpu', 'nccl'; the
@@ -232,7 +250,7 @@ class KVStore:
         raise ArgumentError(
             f"capability {capability!r}: unknown; known are {', '.join(sorted(_CAPABILITIES))}")
 
-    def keys(self) -> list:
+    def keys(self) -> list[Key]:
         """The keys of the store, in the order they were initialised."""
         with self._lock:
             return list(self._entries)
@@ -294,8 +312,16 @@ class KVStore:
         return devices
 
     # ------------------------------------------------------------------ the API
-    def init(self, key, value) -> None:
-        """Create key(s) with a copy of `value` (per key: an array, or a list that agree)."""
+    def init(self, key: Keys, value: Values) -> None:
+        """Create key(s) with a copy of `value`.
+
+        `key`: an int or a str, or a list of them; `value`: per key, an array, or a list of
+        arrays (one per device) that agree in shape and dtype, the first one being copied.
+        The store keeps its own copy on the key's home device::
+
+            kv.init('w', np.zeros((2, 3)))
+            kv.init([1, 2], [np.zeros(4), np.ones(4)])
+        """
         groups = check.group(key, value, "value")
         with self._lock:
             self._init_groups(groups)
@@ -325,8 +351,20 @@ class KVStore:
         if groups.key_kind is not None:
             self._key_kind = groups.key_kind
 
-    def push(self, key, value, priority: int = 0) -> None:
-        """Sum the value(s) of each key and apply the updater (default: assign) at home."""
+    def push(self, key: Keys, value: Values, priority: int = 0) -> None:
+        """Sum the value(s) of each key and apply the updater (default: assign) at home.
+
+        `key`: one key, or a list of keys; `value`: for one key an array or a list of arrays
+        (one per device, summed), for a list of keys a list with one of those per key (a key
+        repeated in the list counts as more devices). Arrays of another dtype are converted
+        to the key's; RowSparse values are summed row-wise. The whole call is checked before
+        anything changes; updaters then run with int keys ascending, str keys in init
+        order. `priority` is accepted for MXNet's sake (calls run in order)::
+
+            kv.push('w', grad)                          # one device
+            kv.push('w', [grad_gpu0, grad_gpu1])        # summed
+            kv.push(['w', 'b'], [[gw0, gw1], [gb0, gb1]])
+        """
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
@@ -474,8 +512,18 @@ class KVStore:
             else:  # fn(key, RowSparse, stored), or an updater taking dense gradients only
                 updater.update(keys, [merged_rows[k] for k in keys], stored, homes)
 
-    def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
-        """Copy the value of each key into every array of `out` (written in place)."""
+    def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
+             ignore_sparse: bool = True) -> None:
+        """Copy the value of each key into every array of `out` (written in place).
+
+        `out` takes the forms of `push`'s `value`: for one key an array or a list of arrays
+        (one per device), for a list of keys one of those per key. Another dtype is
+        converted; RowSparse outs are skipped (`ignore_sparse`, as MXNet; use
+        `row_sparse_pull`)::
+
+            kv.pull('w', out=w_host)
+            kv.pull(['w', 'b'], out=[[w0, w1], [b0, b1]])
+        """
         if out is None:
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
         if type(priority) is not int:
@@ -510,8 +558,12 @@ class KVStore:
             return _SplitStrategy(self._strategy)
         return _HOST_STRATEGY
 
-    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
-        """Push `value` then pull into `out` (or back into `value` when out is None)."""
+    def pushpull(self, key: Keys, value: Values, out: Values | None = None,
+                 priority: int = 0) -> None:
+        """Push `value` then pull into `out` (or back into `value` when out is None).
+
+        The argument forms of `push` and `pull`; both halves are checked before either runs.
+        """
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
@@ -526,8 +578,9 @@ class KVStore:
             self._run_push(self._plan_push(groups, entries, cast=not exact))
             self._pull_groups(out_groups, out_entries)
 
-    def broadcast(self, key, value, out, priority: int = 0) -> None:
-        """Initialise key(s) with `value`, then pull into `out`."""
+    def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
+        """Initialise key(s) with `value`, then pull into `out` (`init`'s and `pull`'s
+        argument forms)."""
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
@@ -543,7 +596,7 @@ class KVStore:
             self._init_groups(groups)
             self._pull_groups(out_groups, self._lookup(out_groups, "broadcast"))
 
-    def set_updater(self, updater) -> None:
+    def set_updater(self, updater: Updater) -> None:
         """Use `updater(key, merged, stored)` on every push; it changes `stored` in place.
 
         Rebinding `stored` (``stored = merged * 2``) changes nothing, as in MXNet. An
@@ -561,7 +614,7 @@ class KVStore:
 
     _set_updater = set_updater
 
-    def set_optimizer(self, optimizer) -> None:
+    def set_optimizer(self, optimizer: "Optimizer") -> None:
         """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
 
         Its state (momentum, moments, float32 master copies of 16-bit weights) lives with
@@ -580,7 +633,8 @@ class KVStore:
             raise ArgumentError(f"{op}: this store has no optimizer; call set_optimizer first")
         return self._updater
 
-    def save_optimizer_states(self, fname, dump_optimizer: bool = False) -> None:
+    def save_optimizer_states(self, fname: str | os.PathLike,
+                              dump_optimizer: bool = False) -> None:
         """Write the optimizer's state (and its options if `dump_optimizer`) to `fname`.
 
         A versioned archive (JSON header, one array per state tensor, no pickle), written
@@ -595,7 +649,7 @@ class KVStore:
                 "save_optimizer_states").export_state(bool(dump_optimizer))
             write_archive(path, header, arrays)
 
-    def load_optimizer_states(self, fname) -> None:
+    def load_optimizer_states(self, fname: str | os.PathLike) -> None:
         """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit.
 
         The file, every key's state, and the options, multipliers and schedule it may
@@ -612,7 +666,7 @@ class KVStore:
     def _entry_map(self) -> dict:
         return {k: (e.value, e.home) for k, e in self._entries.items()}
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write every key's value (and the optimizer's state, if one is set) to `path`.
 
         The file is a versioned `.npz` archive with a JSON header (no pickle), written to a
@@ -625,7 +679,7 @@ class KVStore:
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
-    def load(self, path) -> None:
+    def load(self, path: str | os.PathLike) -> None:
         """Read a file written by `save` into this store.
 
         Keys missing from the store are created (each on a home device chosen as by
@@ -714,7 +768,7 @@ class KVStore:
         """MXNet's rule: gradient compression for 'device' and 'dist' stores only."""
         return "device" in self._type or "dist" in self._type
 
-    def set_gradient_compression(self, compression_params) -> None:
+    def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress every pushed source on its way home (see `gpukv.update.compression`).
 
         `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
@@ -761,7 +815,8 @@ class KVStore:
         rest = rows.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
         return rest, rest_entries
 
-    def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
+    def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,
+                        priority: int = 0) -> None:
         """Write the rows `row_ids` of each key into RowSparse `out`(s), as MXNet does.
 
         `row_ids`: an integer array (any shape) or list of ints, shared by every out of

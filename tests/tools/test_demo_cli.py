@@ -248,3 +248,72 @@ def test_tutorial_output_reads_as_an_aligned_table():
         ["3", "5", "7", "9", "5", "7", "9"]
     assert all(line.startswith("      ") for line in printed)
     assert body.index(printed[0]) == body.index(next(r for r in rows if "push(3, ones)" in r)) + 1
+
+
+HIDE_TORCH = textwrap.dedent("""
+    import sys
+    sys.modules["torch"] = None  # makes `import torch` fail, as in a venv without it
+    from gpukv.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _step_losses(out: str) -> list:
+    return [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
+            if line.startswith("step ")]
+
+
+def test_demo_trains_with_the_torch_trainer_when_torch_is_installed(capsys):
+    """With PyTorch importable the training runs CPU replicas through gpukv.torch.Trainer
+    and passes (loss fell, replicas agree)."""
+    import torch  # noqa: F401  (the test is about the path taken when it imports)
+    assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain"]) == 0
+    out = capsys.readouterr().out
+    assert "training with gpukv.torch.Trainer on 4 replicas" in out
+    assert "gpukv.create('local'), 4 keys" not in out
+    assert "training: loss fell from" in out and "demo: OK" in out and "FAILED" not in out
+    lines = out.splitlines()
+    final = next(line for line in lines if line.startswith("final"))
+    last_step = [line for line in lines if line.startswith("step ")][-1]
+    assert final.index("loss") == last_step.index("loss")  # one column for the losses
+
+
+def test_demo_without_torch_trains_on_arrays():
+    """With `import torch` failing the demo trains on NumPy arrays against the store
+    directly, says so as before, and passes."""
+    done = _run("--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain",
+                code=HIDE_TORCH)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "gpukv.torch.Trainer" not in out
+    assert "training: gpukv.create('local'), 4 keys ['w1', 'b1', 'w2', 'b2']" in out
+    assert "training: loss fell from" in out and "demo: OK" in out
+
+
+def test_demo_engines_train_the_same_model():
+    """The Trainer and the array path train the same MLP on the same data with the same
+    SGD, so their step losses agree (up to float32 rounding)."""
+    args = ("--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain")
+    with_torch = _run(*args)
+    without = _run(*args, code=HIDE_TORCH)
+    assert "gpukv.torch.Trainer" in with_torch.stdout
+    assert "gpukv.torch.Trainer" not in without.stdout
+    assert _step_losses(with_torch.stdout) == pytest.approx(_step_losses(without.stdout),
+                                                            abs=2e-3)
+
+
+def test_demo_trainer_replicas_that_drift_apart_fail(monkeypatch, capsys):
+    """If the Trainer's replicas end with different weights the demo says so and exits 1."""
+    import torch
+    import gpukv.torch as gt
+    real_step = gt.Trainer.step
+
+    def drifting_step(self, batch_size, ignore_stale_grad=False):
+        real_step(self, batch_size, ignore_stale_grad)
+        with torch.no_grad():
+            next(self._modules[-1].parameters()).add_(1e-3)
+
+    monkeypatch.setattr(gt.Trainer, "step", drifting_step)
+    assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "5", "--progress", "plain"]) == 1
+    out = capsys.readouterr().out
+    assert "the devices pulled different weights" in out and "demo: FAILED" in out
