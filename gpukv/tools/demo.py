@@ -7,11 +7,15 @@
 2. Data-parallel training of a small MLP (binary classification of synthetic data): one
    data shard per device, each device computes its gradient, the gradients are pushed to
    the store, an SGD optimizer updates the weights there, every device pulls them back.
-   On every GPU (CuPy) when there are some, else on host "devices" (NumPy).
+   With PyTorch installed, torch replicas (one per device) are trained by
+   `gpukv.torch.Trainer`: on the CPU for host devices, on CUDA when the demo's devices are
+   GPUs that PyTorch sees. Otherwise the weights are arrays pushed to the store directly:
+   on every GPU (CuPy) when there are some, else on host "devices" (NumPy).
 
 Exit status: 0 when every tutorial value matches and the trained weights have a lower
-loss than the initial ones (on every device alike), 1 otherwise. Only
-NumPy is needed; tqdm or rich draw a progress bar when installed and stderr is a terminal.
+loss than the initial ones (on every device alike), 1 otherwise. Only NumPy is needed
+(PyTorch is used when it imports); tqdm or rich draw a progress bar when installed and
+stderr is a terminal.
 """
 from __future__ import annotations
 
@@ -292,55 +296,27 @@ class _Progress:
 def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
                  out=None, seed: int = 0) -> bool:
     """Data-parallel training on `place`; True when the loss of the trained weights is
-    below the loss of the initial ones (and every device pulled the same weights)."""
+    below the loss of the initial ones (and every device pulled the same weights).
+
+    With PyTorch it trains torch replicas through `gpukv.torch.Trainer`; without it (or
+    on GPUs PyTorch cannot reach) it trains arrays pushed to the store directly.
+    """
     out = sys.stdout if out is None else out
-    xp = place.xp
     n, n_features, hidden, per_device = place.n, 8, 32, 512
     x, y = (a.astype(np.float32) for a in _make_data(n * per_device, n_features, seed))
     params = {k: v.astype(np.float32) for k, v in _init_params(n_features, hidden, seed).items()}
-    names = list(params)
-    store = "device" if place.on_gpu else "local"
-    kv = gpukv.create(store)
-    kv.init(names, [place.put(0, params[k]) for k in names])
-    opt = _set_sgd(kv, lr, 0.9, 1.0 / n)
+    data = [(x[i * per_device:(i + 1) * per_device], y[i * per_device:(i + 1) * per_device])
+            for i in range(n)]
+    devices = _torch_devices(place)
+    engine = _ArrayTraining(place, params, data, lr) if devices is None else \
+        _TrainerTraining(devices, params, data, lr, "device" if place.on_gpu else "local")
     print(f"training: a {n_features}-{hidden}-1 MLP on {n * per_device} samples, "
-          f"{per_device} per device, on {place.describe()}", file=out)
-    print(f"training: gpukv.create({store!r}), {len(names)} keys {names}, {opt}", file=out)
-    # Each device: its shard of the data and its own copy of the weights.
-    shards = [(place.put(i, x[i * per_device:(i + 1) * per_device]),
-               place.put(i, y[i * per_device:(i + 1) * per_device])) for i in range(n)]
-    local = [{k: place.put(i, params[k]) for k in names} for i in range(n)]
-    every = max(1, steps // 10)
-    bar = _Progress(steps, progress, out)
-    first = None
-    started = time.perf_counter()
-    try:
-        for step in range(1, steps + 1):
-            losses, corrects, grads = [], [], []
-            for i in range(n):
-                with place.context(i):
-                    loss, correct, g = _loss_and_grads(xp, local[i], *shards[i])
-                losses.append(loss)
-                corrects.append(correct)
-                grads.append(g)
-            kv.push(names, [[g[k] for g in grads] for k in names])  # summed, then SGD
-            kv.pull(names, out=[[p[k] for p in local] for k in names])
-            loss = sum(float(v) for v in losses) / n  # the loss before this step's update
-            if first is None:
-                first = loss
-            if not math.isfinite(loss):
-                bar.line(f"step {step:4d}/{steps}  loss {loss}  (not finite)")
-                break
-            bar.advance(loss)
-            if step == 1 or step % every == 0 or step == steps:
-                accuracy = sum(int(c) for c in corrects) / (n * per_device)
-                bar.line(f"step {step:4d}/{steps}  loss {loss:.4f}  accuracy {accuracy:.1%}")
-    finally:
-        bar.close()
-    elapsed = time.perf_counter() - started
-    consistent = _same_weights(local)
+          f"{per_device} per device, on {engine.where(place)}", file=out)
+    print(engine.header(), file=out)
+    first, elapsed = _train(engine, steps, progress, out, n * per_device)
+    consistent = engine.same_weights()
     # Step lines show the loss before each update: judge the weights the training ended with.
-    final, accuracy = _final_loss(place, local, shards)
+    final, accuracy = engine.final_loss()
     print(f"{'final':<14}loss {final:.4f}  accuracy {accuracy:.1%}", file=out)
     fell = math.isfinite(final) and final < first
     if fell:
@@ -354,21 +330,173 @@ def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
     return fell and consistent
 
 
-def _final_loss(place: _Place, local: list, shards: list) -> tuple:
-    """(loss, accuracy) of the weights each device pulled last, over all the shards."""
-    losses, correct, samples = [], 0, 0
-    for i, (x, y) in enumerate(shards):
-        with place.context(i):
-            loss, right, _ = _loss_and_grads(place.xp, local[i], x, y)
-        losses.append(float(loss))
-        correct += int(right)
-        samples += int(x.shape[0])
-    return sum(losses) / len(losses), correct / samples
+def _train(engine, steps: int, progress: str, out, samples: int) -> tuple:
+    """Run `steps` steps of `engine`, logging the loss; (first loss, seconds taken)."""
+    every = max(1, steps // 10)
+    bar = _Progress(steps, progress, out)
+    first = None
+    started = time.perf_counter()
+    try:
+        for step in range(1, steps + 1):
+            loss, correct = engine.step()  # the loss before this step's update
+            if first is None:
+                first = loss
+            if not math.isfinite(loss):
+                bar.line(f"step {step:4d}/{steps}  loss {loss}  (not finite)")
+                break
+            bar.advance(loss)
+            if step == 1 or step % every == 0 or step == steps:
+                bar.line(f"step {step:4d}/{steps}  loss {loss:.4f}  "
+                         f"accuracy {correct / samples:.1%}")
+    finally:
+        bar.close()
+    return first, time.perf_counter() - started
 
 
-def _same_weights(local: list) -> bool:
-    first = {k: _to_host(v) for k, v in local[0].items()}
-    return all(np.array_equal(first[k], _to_host(v)) for p in local[1:] for k, v in p.items())
+class _ArrayTraining:
+    """Training written against the store: each device computes its gradient (NumPy or
+    CuPy), pushes it, SGD runs on the store, every device pulls the new weights."""
+
+    def __init__(self, place: _Place, params: dict, data: list, lr: float):
+        self.place = place
+        self.names = list(params)
+        self.store = "device" if place.on_gpu else "local"
+        self.kv = gpukv.create(self.store)
+        self.kv.init(self.names, [place.put(0, params[k]) for k in self.names])
+        self.opt = _set_sgd(self.kv, lr, 0.9, 1.0 / place.n)
+        # Each device: its shard of the data and its own copy of the weights.
+        self.shards = [(place.put(i, x), place.put(i, y)) for i, (x, y) in enumerate(data)]
+        self.local = [{k: place.put(i, params[k]) for k in self.names} for i in range(place.n)]
+
+    def where(self, place: _Place) -> str:
+        return place.describe()
+
+    def header(self) -> str:
+        return (f"training: gpukv.create({self.store!r}), {len(self.names)} keys "
+                f"{self.names}, {self.opt}")
+
+    def step(self) -> tuple:
+        losses, corrects, grads = [], [], []
+        for i in range(self.place.n):
+            with self.place.context(i):
+                loss, correct, g = _loss_and_grads(self.place.xp, self.local[i], *self.shards[i])
+            losses.append(loss)
+            corrects.append(correct)
+            grads.append(g)
+        names = self.names
+        self.kv.push(names, [[g[k] for g in grads] for k in names])  # summed, then SGD
+        self.kv.pull(names, out=[[p[k] for p in self.local] for k in names])
+        return sum(float(v) for v in losses) / self.place.n, sum(int(c) for c in corrects)
+
+    def final_loss(self) -> tuple:
+        """(loss, accuracy) of the weights each device pulled last, over all the shards."""
+        losses, correct, samples = [], 0, 0
+        for i, (x, y) in enumerate(self.shards):
+            with self.place.context(i):
+                loss, right, _ = _loss_and_grads(self.place.xp, self.local[i], x, y)
+            losses.append(float(loss))
+            correct += int(right)
+            samples += int(x.shape[0])
+        return sum(losses) / len(losses), correct / samples
+
+    def same_weights(self) -> bool:
+        first = {k: _to_host(v) for k, v in self.local[0].items()}
+        return all(np.array_equal(first[k], _to_host(v))
+                   for p in self.local[1:] for k, v in p.items())
+
+
+def _torch_devices(place: _Place):
+    """The torch device of each replica, or None when the array path must train: PyTorch
+    is not installed, or the demo's devices are GPUs that PyTorch does not see."""
+    try:
+        import torch
+        import gpukv.torch  # noqa: F401  (fails when PyTorch is missing or broken)
+    except ImportError:
+        return None
+    if not place.on_gpu:
+        return [torch.device("cpu")] * place.n
+    ids = [place.gpus[i % len(place.gpus)].physical for i in range(place.n)]
+    if not torch.cuda.is_available() or max(ids) >= torch.cuda.device_count():
+        return None
+    return [torch.device("cuda", i) for i in ids]
+
+
+class _TrainerTraining:
+    """The same MLP as torch replicas (one per device) trained by gpukv.torch.Trainer:
+    backward on each shard, then `trainer.step(batch)` pushes, runs SGD and pulls."""
+
+    def __init__(self, devices: list, params: dict, data: list, lr: float, store: str):
+        import torch
+        import gpukv.torch
+        self.torch = torch
+        self.devices = devices
+        self.models = [_torch_mlp(params, d) for d in devices]
+        self.shards = [(torch.from_numpy(x).to(d), torch.from_numpy(y).to(d))
+                       for d, (x, y) in zip(devices, data)]
+        self.samples = sum(len(x) for x, _ in data)
+        self.store = store
+        self.lr = lr
+        from ..optim import SGD
+        self.trainer = gpukv.torch.Trainer(self.models, SGD(learning_rate=lr, momentum=0.9),
+                                           kvstore=gpukv.create(store))
+
+    def where(self, place: _Place) -> str:
+        kind = "CUDA" if self.devices[0].type == "cuda" else "CPU"
+        return f"{len(self.devices)} {kind} replica(s) (PyTorch {self.torch.__version__})"
+
+    def header(self) -> str:
+        return (f"training with gpukv.torch.Trainer on {len(self.models)} replicas: "
+                f"gpukv.create({self.store!r}), keys {self.trainer.keys}, "
+                f"gpukv.optim.SGD(learning_rate={self.lr}, momentum=0.9), "
+                f"step(batch_size={self.samples})")
+
+    def _loss(self, model, x, y):
+        """Summed binary cross-entropy over the shard and the right answers (tensors)."""
+        z = model(x)[:, 0]
+        loss = self.torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="sum")
+        return loss, ((z > 0) == (y > 0.5)).sum()
+
+    def step(self) -> tuple:
+        self.trainer.zero_grad()
+        losses, correct = [], 0
+        for model, (x, y) in zip(self.models, self.shards):
+            loss, right = self._loss(model, x, y)
+            loss.backward()  # a sum: step() divides by the whole batch
+            losses.append(loss.item() / len(x))
+            correct += int(right)
+        self.trainer.step(self.samples)
+        return sum(losses) / len(losses), correct
+
+    def final_loss(self) -> tuple:
+        losses, correct = [], 0
+        with self.torch.no_grad():
+            for model, (x, y) in zip(self.models, self.shards):
+                loss, right = self._loss(model, x, y)
+                losses.append(loss.item() / len(x))
+                correct += int(right)
+        return sum(losses) / len(losses), correct / self.samples
+
+    def same_weights(self) -> bool:
+        first = [p.detach().cpu() for p in self.models[0].parameters()]
+        return all(self.torch.equal(a, b.detach().cpu())
+                   for m in self.models[1:] for a, b in zip(first, m.parameters()))
+
+
+def _torch_mlp(params: dict, device):
+    """A torch module computing the demo's MLP from `params` (w1, b1, w2, b2), on device."""
+    import torch
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name, value in params.items():
+                self.register_parameter(name, torch.nn.Parameter(
+                    torch.from_numpy(np.array(value)).to(device)))
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w1 + self.b1) @ self.w2 + self.b2
+
+    return MLP()
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -281,7 +281,7 @@ def test_demo_trains_with_the_torch_trainer_when_torch_is_installed(capsys):
 def test_demo_without_torch_trains_on_arrays():
     """With `import torch` failing the demo trains on NumPy arrays against the store
     directly, says so as before, and passes."""
-    done = _run("--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain",
+    done = _run("demo", "--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain",
                 code=HIDE_TORCH)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
@@ -293,7 +293,7 @@ def test_demo_without_torch_trains_on_arrays():
 def test_demo_engines_train_the_same_model():
     """The Trainer and the array path train the same MLP on the same data with the same
     SGD, so their step losses agree (up to float32 rounding)."""
-    args = ("--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain")
+    args = ("demo", "--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain")
     with_torch = _run(*args)
     without = _run(*args, code=HIDE_TORCH)
     assert "gpukv.torch.Trainer" in with_torch.stdout
@@ -317,3 +317,19 @@ def test_demo_trainer_replicas_that_drift_apart_fail(monkeypatch, capsys):
     assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "5", "--progress", "plain"]) == 1
     out = capsys.readouterr().out
     assert "the devices pulled different weights" in out and "demo: FAILED" in out
+
+
+def test_demo_trainer_replicas_follow_the_demo_devices(monkeypatch):
+    """Host devices give CPU replicas; GPU devices give CUDA replicas on the same GPUs only
+    when PyTorch sees them, else None (the array path trains)."""
+    import torch
+    gpus = [types.SimpleNamespace(physical=0, xp=np), types.SimpleNamespace(physical=1, xp=np)]
+    assert _demo._torch_devices(_demo._Place(3, [])) == [torch.device("cpu")] * 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _demo._torch_devices(_demo._Place(3, gpus)) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _demo._torch_devices(_demo._Place(3, gpus)) is None  # GPU 1 unseen by PyTorch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _demo._torch_devices(_demo._Place(3, gpus)) == \
+        [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0)]
