@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-import torch  # noqa: E402
+torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import gpukv  # noqa: E402

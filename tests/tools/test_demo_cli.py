@@ -266,6 +266,7 @@ def _step_losses(out: str) -> list:
 def test_demo_trains_with_the_torch_trainer_when_torch_is_installed(capsys):
     """With PyTorch importable the training runs CPU replicas through gpukv.torch.Trainer
     and passes (loss fell, replicas agree)."""
+    pytest.importorskip("torch")
     import torch  # noqa: F401  (the test is about the path taken when it imports)
     assert _demo.main(["--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain"]) == 0
     out = capsys.readouterr().out
@@ -293,6 +294,7 @@ def test_demo_without_torch_trains_on_arrays():
 def test_demo_engines_train_the_same_model():
     """The Trainer and the array path train the same MLP on the same data with the same
     SGD, so their step losses agree (up to float32 rounding)."""
+    pytest.importorskip("torch")
     args = ("demo", "--cpu", "--skip-tutorial", "--steps", "20", "--progress", "plain")
     with_torch = _run(*args)
     without = _run(*args, code=HIDE_TORCH)
@@ -304,6 +306,7 @@ def test_demo_engines_train_the_same_model():
 
 def test_demo_trainer_replicas_that_drift_apart_fail(monkeypatch, capsys):
     """If the Trainer's replicas end with different weights the demo says so and exits 1."""
+    pytest.importorskip("torch")
     import torch
     import gpukv.torch as gt
     real_step = gt.Trainer.step
@@ -322,6 +325,7 @@ def test_demo_trainer_replicas_that_drift_apart_fail(monkeypatch, capsys):
 def test_demo_trainer_replicas_follow_the_demo_devices(monkeypatch):
     """Host devices give CPU replicas; GPU devices give CUDA replicas on the same GPUs only
     when PyTorch sees them, else None (the array path trains)."""
+    pytest.importorskip("torch")
     import torch
     gpus = [types.SimpleNamespace(physical=0, xp=np), types.SimpleNamespace(physical=1, xp=np)]
     assert _demo._torch_devices(_demo._Place(3, [])) == [torch.device("cpu")] * 3
