@@ -28,7 +28,6 @@ _NDARRAY = np.ndarray
 class Groups(NamedTuple):
     keys: list          # distinct keys, in order of first appearance
     arrays: list        # arrays[i]: the adopted arrays given for keys[i]
-    originals: list     # originals[i]: the objects as the caller passed them
     all_host: bool      # every array is a NumPy array
     key_kind: type | None  # int or str; None when no key was given
     sparse: bool = False   # some array is a RowSparse
@@ -86,7 +85,7 @@ def _adopt(key, obj, name):
     return array
 
 
-def _one_key(key, value, name, groups_by_key, keys, arrays, originals):
+def _one_key(key, value, name, groups_by_key, keys, arrays):
     """Add the arrays of one key (an array, or a list of arrays, one per device)."""
     if isinstance(value, _SEQ):
         if not value:
@@ -106,10 +105,8 @@ def _one_key(key, value, name, groups_by_key, keys, arrays, originals):
         groups_by_key[key] = len(keys)
         keys.append(key)
         arrays.append(adopted)
-        originals.append(list(objs))
     else:  # a repeated key: more devices for the same key
         arrays[index].extend(adopted)
-        originals[index].extend(objs)
 
 
 def _plain_arrays(value):
@@ -153,8 +150,7 @@ def _group_plain(keys, values):
         return None
     if len(set(out_keys)) != len(out_keys):  # a repeated key: more devices, merged by group
         return None
-    # Every array is adopted as it is, so the originals are the arrays themselves.
-    return Groups(out_keys, arrays, arrays, True, kind)
+    return Groups(out_keys, arrays, True, kind)
 
 
 def group(keys, values, name: str = "value") -> Groups:
@@ -163,7 +159,7 @@ def group(keys, values, name: str = "value") -> Groups:
     if (type(keys) is int and -_SHORT_KEY < keys < _SHORT_KEY) or type(keys) is str:
         plain = _plain_arrays(values)
         if plain is not None:
-            return Groups([keys], [plain], [plain], True, type(keys))
+            return Groups([keys], [plain], True, type(keys))
     elif (type(keys) is list or type(keys) is tuple) and keys and (
             type(values) is list or type(values) is tuple) and len(keys) == len(values):
         groups = _group_plain(keys, values)
@@ -172,7 +168,6 @@ def group(keys, values, name: str = "value") -> Groups:
     groups_by_key: dict = {}
     out_keys: list = []
     arrays: list = []
-    originals: list = []
     if isinstance(keys, _SEQ):
         if not isinstance(values, _SEQ):
             raise ArgumentKindError(
@@ -189,14 +184,14 @@ def group(keys, values, name: str = "value") -> Groups:
             elif this_kind is not kind:
                 raise KeyKindError(
                     f"key {key!r}: one call mixes int and str keys ({kind.__name__} first)")
-            _one_key(key, value, name, groups_by_key, out_keys, arrays, originals)
+            _one_key(key, value, name, groups_by_key, out_keys, arrays)
     else:
         key, kind = check_key(keys)
-        _one_key(key, values, name, groups_by_key, out_keys, arrays, originals)
+        _one_key(key, values, name, groups_by_key, out_keys, arrays)
     all_host = all(type(a) is np.ndarray or isinstance(a, np.ndarray)
                    for per_key in arrays for a in per_key)
     sparse = not all_host and any(type(a) is RowSparse for per_key in arrays for a in per_key)
-    return Groups(out_keys, arrays, originals, all_host, kind, sparse)
+    return Groups(out_keys, arrays, all_host, kind, sparse)
 
 
 def check_priority(key, priority) -> None:

@@ -12,10 +12,10 @@ from ..device import device_of
 from ..update.sparse import RowSparse
 
 
-def regroup(keys, arrays, originals, key_kind) -> check.Groups:
-    """The dense keys a push or pull left after taking out its row-sparse (or other) work."""
+def regroup(keys, arrays, key_kind) -> check.Groups:
+    """The dense keys a pull left after taking out its row-sparse outs."""
     all_host = all(isinstance(a, np.ndarray) for per_key in arrays for a in per_key)
-    return check.Groups(keys, arrays, originals, all_host, key_kind)
+    return check.Groups(keys, arrays, all_host, key_kind)
 
 
 def densified(groups: check.Groups) -> check.Groups:

@@ -792,11 +792,12 @@ class KVStore:
 
     def _pull_sparse_outs(self, groups: check.Groups, entries: list, ignore_sparse: bool):
         """Fill (or, with ignore_sparse, skip) the RowSparse outs; return the dense rest."""
-        rest_keys, rest_arrays, rest_originals, rest_entries = [], [], [], []
+        rest_keys: list = []
+        rest_arrays: list = []
+        rest_entries: list = []
         skipped = False
-        for key, entry, outs, originals in zip(groups.keys, entries, groups.arrays,
-                                               groups.originals):
-            dense = [(o, orig) for o, orig in zip(outs, originals) if type(o) is not RowSparse]
+        for key, entry, outs in zip(groups.keys, entries, groups.arrays):
+            dense = [o for o in outs if type(o) is not RowSparse]
             for o in outs:
                 if type(o) is RowSparse:
                     if ignore_sparse:
@@ -805,14 +806,13 @@ class KVStore:
                         rows.fill_rows(entry, o, None)
             if dense:
                 rest_keys.append(key)
-                rest_arrays.append([o for o, _ in dense])
-                rest_originals.append([orig for _, orig in dense])
+                rest_arrays.append(dense)
                 rest_entries.append(entry)
         if skipped and not self._said_sparse:
             self._said_sparse = True
             log.warning("gpukv: pull(ignore_sparse=True) left RowSparse outs unchanged; "
                         "use row_sparse_pull(key, out, row_ids) for them")
-        rest = rows.regroup(rest_keys, rest_arrays, rest_originals, groups.key_kind)
+        rest = rows.regroup(rest_keys, rest_arrays, groups.key_kind)
         return rest, rest_entries
 
     def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,

@@ -749,7 +749,7 @@ def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
     monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])
     kv = gpukv.create("device", strategy="home")
     source = _user_array(fake_gpus[0], np.arange(6, dtype=np.float32))
-    kv._init_groups(_args.Groups(["w"], [[source]], [[source]], False, str))
+    kv._init_groups(_args.Groups(["w"], [[source]], False, str))
     fake_gpus[0].tick()
     _write(fake_gpus[0], source)  # the caller reuses its array on its own stream
     home.tick()
