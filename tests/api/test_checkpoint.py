@@ -18,6 +18,8 @@ import pytest
 import gpukv
 from gpukv.api.checkpoint import read_archive, write_archive
 
+from .failing_file import FailingFile
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -353,28 +355,9 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
     kv.push([1, 2], [np.zeros(1000), np.zeros(1000)])
     real = os.fdopen
 
-    class HalfWritten:
-        """The temporary file, whose writes fail once half the previous size is written."""
-
-        def __init__(self, f):
-            self.f, self.written = f, 0
-
-        def write(self, data):
-            self.written += memoryview(data).nbytes
-            if self.written > len(before) // 2:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-    monkeypatch.setattr(os, "fdopen", lambda *a, **k: HalfWritten(real(*a, **k)))
+    # The temporary file: its writes fail once half the previous size is written.
+    monkeypatch.setattr(os, "fdopen",
+                        lambda *a, **k: FailingFile(real(*a, **k), len(before) // 2, errno.EIO))
     with pytest.raises(gpukv.CheckpointError, match="ck.npz") as caught:
         kv.save(path)
     assert isinstance(caught.value.__cause__, OSError)

@@ -12,6 +12,8 @@ import pytest
 import gpukv
 from gpukv import optim
 
+from .failing_file import FailingFile
+
 SAVES = {
     "save": lambda kv, path: kv.save(path),
     "save_optimizer_states": lambda kv, path: kv.save_optimizer_states(path),
@@ -117,29 +119,6 @@ def test_save_in_a_read_only_folder(read_only, door):
     assert _files(read_only) == []
 
 
-class _FullDisk:
-    """A file whose writes fail with ENOSPC once `budget` bytes have been written."""
-
-    def __init__(self, f, budget):
-        self.f, self.budget, self.written = f, budget, 0
-
-    def write(self, data):
-        size = memoryview(data).nbytes
-        if self.written + size > self.budget:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.written += size
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-
 def _fail(monkeypatch, where, size):
     """Make the next save fail with ENOSPC at `where`: after 0, half or all but one of
     `size` bytes, when the file is fsynced, or when it is renamed into place."""
@@ -159,7 +138,7 @@ def _fail(monkeypatch, where, size):
         return
     budget = {"start": 0, "middle": size // 2, "end": size - 1}[where]
     real = os.fdopen
-    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _FullDisk(real(*a, **k), budget))
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: FailingFile(real(*a, **k), budget))
 
 
 @pytest.mark.parametrize("door", SAVES)
