@@ -3,7 +3,8 @@ import logging
 
 from ._errors import (ArgumentError, ArgumentKindError, BackendError, CheckpointError,
                       DeviceError, DTypeError, DuplicateKeyError, GpukvError, KeyKindError,
-                      OutOfMemoryError, ReadOnlyError, ShapeError, UnknownKeyError)
+                      OutOfMemoryError, PeerError, PeerMismatchError, ReadOnlyError, ShapeError,
+                      UnknownKeyError)
 from .update.sparse import RowSparse
 from .api.store import KVStore, create
 from . import optim  # noqa: E402,F401  (gpukv.optim: optimizers for set_optimizer)
@@ -18,4 +19,5 @@ __all__ = [
     "create", "KVStore", "RowSparse", "GpukvError", "UnknownKeyError", "DuplicateKeyError",
     "KeyKindError", "ArgumentError", "ArgumentKindError", "ShapeError", "DTypeError",
     "ReadOnlyError", "OutOfMemoryError", "DeviceError", "BackendError", "CheckpointError",
+    "PeerError", "PeerMismatchError",
 ]

@@ -54,3 +54,12 @@ class BackendError(GpukvError, RuntimeError):
 
 class CheckpointError(GpukvError, ValueError):
     """A checkpoint file that is missing, damaged or does not match the store."""
+
+
+class PeerError(GpukvError, RuntimeError):
+    """Another process of a `dist_*` store that died, stalled or failed: the store is
+    broken from then on (every later call raises this again)."""
+
+
+class PeerMismatchError(PeerError, ValueError):
+    """Processes of a `dist_*` store that disagree on a call: another key, shape or dtype."""

@@ -52,7 +52,7 @@ _TYPES = {
     "local_allreduce_device": True,
     "nccl": True,
 }
-# MXNet's several-machine store names: known, but not implemented yet.
+# Several processes (gpukv.api.dist_store).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
@@ -168,26 +168,33 @@ def create(name: str = "local", **options: Any) -> "KVStore":
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
     if lowered in _DIST_TYPES:
-        raise BackendError(f"store name {name!r}: several machines (dist_sync, dist_async, "
-                           f"dist_device_sync) are not implemented yet; use 'local', "
-                           f"'device' or 'nccl' in one process")
+        from .dist_store import DistKVStore
+        accepted = _store_options() | _own_options(DistKVStore)
+        _check_options(options, accepted)
+        return DistKVStore(lowered, **options)  # type: ignore[return-value]
     if lowered not in _TYPES:
-        raise ArgumentError(
-            f"store name {name!r}: unknown; valid names are {', '.join(sorted(_TYPES))}")
-    accepted = _store_options()
+        valid = sorted(_TYPES) + sorted(_DIST_TYPES)
+        raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
+    _check_options(options, _store_options())
+    return KVStore(lowered, **options)
+
+
+def _check_options(options: dict, accepted: set) -> None:
     for option in options:
         if option not in accepted:
             raise ArgumentKindError(f"store option {option!r}: unknown; valid options are "
                                     f"{', '.join(sorted(accepted)) or 'none'}")
-    return KVStore(lowered, **options)
+
+
+def _own_options(cls) -> set:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind == p.KEYWORD_ONLY}
 
 
 def _store_options() -> set:
     """The keyword options KVStore takes: its own, and every strategy's (each checked
     against the strategy the store ends up with when it is made)."""
-    params = inspect.signature(KVStore.__init__).parameters.values()
-    own = {p.name for p in params if p.kind == p.KEYWORD_ONLY}
-    return own | all_strategy_options()
+    return _own_options(KVStore) | all_strategy_options()
 
 
 class KVStore:
@@ -328,6 +335,8 @@ class KVStore:
 
     def _init_groups(self, groups: check.Groups) -> None:
         check.init_values(groups, self._entries, self._key_kind)
+        if not groups.keys:  # an empty list of keys
+            return
         key = groups.keys[0]
         try:  # every allocation first: a key that cannot get its memory creates no key
             if groups.sparse:  # row-sparse values are stored dense-backed

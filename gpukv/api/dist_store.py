@@ -1,0 +1,468 @@
+"""The front end of `dist_sync`, `dist_async` and `dist_device_sync`: the same calls as
+`KVStore`, across the processes of an MPI job.
+
+Each process keeps two local stores: `_grads`, where the values its devices push are summed
+(on the host, or on its GPUs for `dist_device_sync`), and `_values`, its copy of every key,
+which pulls read. Between them sits the engine of `gpukv.dist`: a sharded sync round when
+every process serves (`num_servers=0`), or requests to dedicated server processes. Every
+call is checked here, whole, before any message leaves the process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import check
+from .._env import positive_int
+from .._errors import ArgumentError, ArgumentKindError, CheckpointError
+from .store import KVStore
+
+if TYPE_CHECKING:
+    from ..optim import Optimizer
+
+#: seconds a process waits for the others before it calls them stalled
+DEFAULT_TIMEOUT = 120.0
+
+
+class _Shard(KVStore):
+    """The keys (or pieces of keys) this process serves: a host store the engines of
+    `gpukv.dist` sum into and read back."""
+
+    def __init__(self):
+        super().__init__("local")
+
+    def stored(self, key) -> np.ndarray:
+        return self._entries[key].value
+
+    def assign(self, key, value) -> None:
+        """Set a key's value, without the updater (a checkpoint's value)."""
+        entry = self._entries[key]
+        entry.home.copy(entry.value, value.reshape(entry.value.shape))
+
+    def export_state(self, dump: bool):
+        """The optimizer's state, as `save_optimizer_states` writes it; None without one."""
+        return None if self._optimizer is None else self._updater.export_state(dump)
+
+    def check_state(self, state):
+        """Check (header, arrays) of an optimizer state against these keys (see
+        `OptimizerUpdater.check_state`); the plan `apply_state` installs."""
+        header, arrays = state
+        updater = self._optimizer_updater("load_optimizer_states")
+        return updater.check_state(header, arrays,
+                                   {k: e.value for k, e in self._entries.items()})
+
+    def apply_state(self, plan) -> None:
+        self._updater.apply_state(plan, {k: e.home for k, e in self._entries.items()})
+
+
+class _SavedState:
+    """The optimizer state a dist store gathered, for `checkpoint.save_store`."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def export_state(self, dump_optimizer: bool = False):
+        return self.state
+
+
+def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
+    """(servers, timeout, bound) from the options or their environment variables."""
+    from ..dist.sharding import DEFAULT_BIGARRAY_BOUND
+    if num_servers is None:
+        raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
+        try:
+            num_servers = int(raw) if raw else 0
+        except ValueError:
+            raise ArgumentError(f"GPUKV_NUM_SERVERS={raw!r}: expected an integer >= 0"
+                                ) from None
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int):
+        raise ArgumentKindError(f"num_servers: expected an int, got "
+                                f"{type(num_servers).__name__}")
+    if not 0 <= num_servers < size:
+        raise ArgumentError(f"num_servers={num_servers}: expected 0 (every process serves) "
+                            f"up to {size - 1}, so that a worker is left among the {size} "
+                            f"processes of this MPI job")
+    if name == "dist_async" and num_servers == 0:
+        raise ArgumentError("dist_async applies each push as it arrives, which needs "
+                            "dedicated servers: pass num_servers >= 1 (or set "
+                            "GPUKV_NUM_SERVERS)")
+    if timeout is None:
+        raw = os.environ.get("GPUKV_DIST_TIMEOUT", "").strip()
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected seconds > 0") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ArgumentError(f"timeout={timeout!r}: expected seconds > 0")
+    if bigarray_bound is None:
+        bigarray_bound = positive_int("GPUKV_BIGARRAY_BOUND") or DEFAULT_BIGARRAY_BOUND
+    if isinstance(bigarray_bound, bool) or not isinstance(bigarray_bound, int) \
+            or bigarray_bound < 1:
+        raise ArgumentError(f"bigarray_bound={bigarray_bound!r}: expected a positive int "
+                            f"(elements)")
+    return num_servers, float(timeout), bigarray_bound
+
+
+def _attempt(action, keep: bool = False):
+    """Run `action()`: its CheckpointError (to share with the other workers), else None
+    (or, with `keep`, what it returned)."""
+    try:
+        result = action()
+    except CheckpointError as exc:
+        return exc
+    return result if keep else None
+
+
+def _raise(outcome):
+    """Raise a shared CheckpointError again, here; otherwise return `outcome`."""
+    if isinstance(outcome, CheckpointError):
+        raise CheckpointError(str(outcome))
+    return outcome
+
+
+class DistKVStore:
+    """A store shared by the processes of an MPI job (see `gpukv.create`)."""
+
+    def __init__(self, name: str, *, num_servers: int | None = None,
+                 timeout: float | None = None, bigarray_bound: int | None = None,
+                 **local_options):
+        from ..dist.transport import Transport, mpi
+        comm = mpi().COMM_WORLD.Dup()  # its own tags: the program's MPI traffic is apart
+        servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
+                                           comm.Get_size())
+        local = "device" if name == "dist_device_sync" else "local"
+        self._type = name
+        self._num_servers = servers
+        self._lock = threading.RLock()
+        transport = Transport(comm, timeout)
+        if servers == 0:
+            from ..dist.sharded import ShardedRounds
+            self._engine: Any = ShardedRounds(transport, _Shard(), bound)
+        else:
+            from ..dist.server import ServerClient, serve
+            if transport.rank < servers:  # a server: serve the workers, then leave
+                serve(transport, servers, _Shard(), bound, asynchronous=name == "dist_async")
+                sys.exit(0)
+            self._engine = ServerClient(transport, servers, bound,
+                                        asynchronous=name == "dist_async")
+        self._values = KVStore(local, **local_options)
+        self._grads = KVStore(local, **local_options)
+        self._on_host = local == "local"
+        self._host: dict = {}  # key -> this process's host copy of its value
+        self._optimizer = False  # whether set_optimizer was called
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's index among the workers (servers excluded), as in MXNet."""
+        return self._engine.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._engine.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Dedicated server processes (0: every process serves a shard)."""
+        return self._num_servers
+
+    @property
+    def strategy(self) -> str:
+        return self._values.strategy
+
+    def is_capable(self, capability: str) -> bool:
+        return self._values.is_capable(capability) or (
+            isinstance(capability, str) and capability.lower() == "gradient_compression")
+
+    def keys(self) -> list:
+        return self._values.keys()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key) -> bool:
+        return key in self._values
+
+    def barrier(self) -> None:
+        """Wait for every worker; a PeerError names those that did not come in time."""
+        with self._lock:
+            self._engine.barrier()
+
+    _barrier = barrier
+
+    # ------------------------------------------------------------------ the API
+    def init(self, key, value) -> None:
+        """Create key(s) on every worker; every worker must init the same keys (in any
+        order) before its next call that talks to the others, and rank 0's value wins."""
+        groups = check.group(key, value, "value")
+        with self._lock:
+            self._engine.check()
+            check.init_values(groups, self._dict(), self._values._key_kind)
+            if groups.sparse:
+                raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
+                                        f"initialised with dense values")
+            firsts = [[a[0]] for a in groups.arrays]
+            self._values._init_groups(groups._replace(arrays=firsts))
+            self._grads._init_groups(groups._replace(arrays=firsts))
+            replicas = [self._host_copy(k, a[0]) for k, a in zip(groups.keys, groups.arrays)]
+            self._engine.init(groups.keys, replicas)
+
+    def _dict(self) -> dict:
+        return self._values._entries
+
+    def _host_copy(self, key, first) -> np.ndarray:
+        """The host array the engine writes `key`'s value into."""
+        if self._on_host:
+            return self._values._entries[key].value
+        entry = self._values._entries[key]
+        host = np.array(entry.home.to_host(entry.value), copy=True, order="C")
+        self._host[key] = host
+        return host
+
+    def _replica(self, key) -> np.ndarray:
+        return (self._values._entries[key].value if self._on_host else self._host[key])
+
+    def push(self, key, value, priority: int = 0) -> None:
+        """Push every worker's value(s) of each key; see `KVStore.push`. In dist_sync a
+        server (or the owner, with num_servers=0) applies the updater once per key per
+        round, to the sum over every worker; in dist_async on every push."""
+        if type(priority) is not int:
+            check.check_priority(key, priority)
+        groups = check.group(key, value, "value")
+        with self._lock:
+            entries = self._checked_push(groups, "push")
+            self._push(groups, entries)
+
+    def _checked_push(self, groups, op: str) -> list:
+        self._engine.check()
+        entries = self._values._lookup(groups, op)
+        check.all_sources(groups, entries, op)
+        if groups.sparse:
+            raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store takes dense "
+                                    f"pushes; push the rows as a dense gradient")
+        return entries
+
+    def _push(self, groups, entries) -> None:
+        grads = self._local_sums(groups, entries)
+        replicas = [self._replica(k) for k in groups.keys]
+        self._engine.push(groups.keys, grads, replicas)
+        if self._engine.round_updates_replicas:
+            self._to_devices(groups.keys, replicas)
+
+    def _local_sums(self, groups, entries) -> list:
+        """Each key's sum over this process's devices, as a host array of the key's dtype;
+        a lone NumPy array of the key's dtype is used as it is (read, never kept)."""
+        sums: list = [None] * len(groups.keys)
+        rest = []
+        for i, (arrays, entry) in enumerate(zip(groups.arrays, entries)):
+            a = arrays[0]
+            if (len(arrays) == 1 and type(a) is np.ndarray and a.dtype == entry.value.dtype
+                    and a.flags.c_contiguous):
+                sums[i] = a
+            else:
+                rest.append(i)
+        if rest:
+            sub = check.Groups([groups.keys[i] for i in rest], [groups.arrays[i] for i in rest],
+                               groups.all_host, groups.key_kind)
+            grads = self._grads
+            grads._run_push(grads._plan_push(sub, [grads._entries[k] for k in sub.keys]))
+            for i in rest:
+                entry = grads._entries[groups.keys[i]]
+                sums[i] = entry.home.to_host(entry.value)
+        return sums
+
+    def _to_devices(self, keys, replicas) -> None:
+        """After the engine wrote new values into host copies: onto the devices."""
+        if self._on_host:
+            return
+        for key, host in zip(keys, replicas):
+            entry = self._values._entries[key]
+            entry.home.copy(entry.value, host)
+
+    def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy each key's value into `out`; in dist_sync a pull returns the value after
+        every push of this worker that came before it, summed with the other workers'."""
+        if out is None:
+            raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
+        if type(priority) is not int:
+            check.check_priority(key, priority)
+        groups = check.group(key, out, "out")
+        with self._lock:
+            self._engine.check()
+            entries = self._values._lookup(groups, "pull")
+            check.all_outs(groups, entries)
+            self._fetch(groups.keys)
+            self._values._pull_groups(groups, entries, ignore_sparse)
+
+    def _fetch(self, keys) -> None:
+        replicas = [self._replica(k) for k in keys]
+        self._engine.pull(keys, replicas)
+        if not self._engine.round_updates_replicas:
+            self._to_devices(keys, replicas)
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
+        """Push then pull (into `value` itself when `out` is None); both checked first."""
+        if type(priority) is not int:
+            check.check_priority(key, priority)
+        groups = check.group(key, value, "value")
+        out_groups = groups if out is None else check.group(key, out, "out")
+        with self._lock:
+            entries = self._checked_push(groups, "pushpull")
+            out_entries = entries if out is None else self._values._lookup(out_groups,
+                                                                           "pushpull")
+            check.all_outs(out_groups, out_entries)
+            if out_groups.sparse:
+                check.refuse_sparse_outs(out_groups, out is None)
+            self._push(groups, entries)
+            self._fetch(out_groups.keys)
+            self._values._pull_groups(out_groups, out_entries)
+
+    def broadcast(self, key, value, out, priority: int = 0) -> None:
+        """init (rank 0's value wins) then pull into `out`."""
+        out_groups = check.group(key, out, "out")
+        self.init(key, value)
+        with self._lock:
+            entries = self._values._lookup(out_groups, "broadcast")
+            check.all_outs(out_groups, entries)
+            self._fetch(out_groups.keys)
+            self._values._pull_groups(out_groups, entries)
+
+    def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
+        """The rows `row_ids` of each key into RowSparse `out`(s) (see KVStore's)."""
+        if type(priority) is not int:
+            check.check_priority(key, priority)
+        pairs = check.row_sparse_pairs(key, out, row_ids)
+        with self._lock:
+            self._engine.check()
+            check.row_sparse_pulls(pairs, self._dict(), self._values._key_kind)
+            self._fetch(list(dict.fromkeys(k for k, _, _ in pairs)))
+            self._values.row_sparse_pull(key, out, row_ids)
+
+    # ---------------------------------------------------- updaters, compression
+    def set_updater(self, updater) -> None:
+        """Run `updater(key, merged, stored)` where the keys are served: on this process's
+        shard (num_servers=0), or on the servers (which receive it pickled: a function
+        defined at module level). Pieces of split keys are updated piece by piece, as
+        MXNet's servers do."""
+        if not callable(updater):
+            raise ArgumentKindError(
+                f"updater: expected a callable, got {type(updater).__name__}")
+        with self._lock:
+            self._engine.set_updater(updater)
+
+    _set_updater = set_updater
+
+    def set_optimizer(self, optimizer: "Optimizer") -> None:
+        """Run `optimizer` where the keys are served; rank 0's optimizer wins (as in
+        MXNet, where rank 0 sends it to the servers). Every worker calls it."""
+        from ..optim import Optimizer
+        if not isinstance(optimizer, Optimizer):
+            raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
+                                    f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+        with self._lock:
+            self._engine.set_optimizer(optimizer)
+            self._optimizer = True
+
+    def set_gradient_compression(self, compression_params: dict | None) -> None:
+        """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
+        from ..update.compression import make_compressor
+        compressor = make_compressor(compression_params)
+        with self._lock:
+            self._engine.set_compression(compressor)
+
+    @property
+    def gradient_compression(self) -> dict | None:
+        comp = self._engine.compressor
+        return None if comp is None else comp.params()
+
+    # ------------------------------------------------------------- checkpoints
+    # Every worker calls these (optimizer state is spread over the shards); worker 0 reads
+    # or writes the file, the same format a one-process store uses, and tells the others
+    # how it went: a failure raises the same CheckpointError on every worker.
+    def save(self, path: str | os.PathLike) -> None:
+        """Write every key's value and the optimizer's state (see `KVStore.save`)."""
+        from . import checkpoint
+        with self._lock:
+            self._engine.check()
+            keys = self._values.keys()
+            state = self._engine.optimizer_state(dump=True) if self._optimizer else None
+            error = None
+            if self.rank == 0:
+                self._fetch(keys)
+                entries = [(k, self._replica(k), self._values._entries[k].home.kind)
+                           for k in keys]
+                snapshot = checkpoint.StoreSnapshot(
+                    self._type, self._values._key_kind, entries,
+                    None if state is None else _SavedState(state))
+                error = _attempt(lambda: checkpoint.save_store(snapshot, path))
+            _raise(self._engine.share(error, "save"))
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a file `save` wrote (here or in any store, with any number of processes
+        or servers): keys missing from the store are created, the others take the saved
+        values, and the optimizer's state is restored when an optimizer is set. Checked
+        whole first; a failure changes nothing and raises CheckpointError everywhere."""
+        from . import checkpoint
+        with self._lock:
+            self._engine.check()
+            contents = None
+            if self.rank == 0:
+                contents = _attempt(lambda: checkpoint.read_store(path), keep=True)
+            contents = _raise(self._engine.share(contents, "load"))
+            snapshot = checkpoint.StoreSnapshot(self._type, self._values._key_kind,
+                                                [(k, e.value, e.home.kind) for k, e in
+                                                 self._values._entries.items()], None)
+            plan = checkpoint.plan_load(contents, snapshot)
+            if plan.creates:
+                self.init([k for k, _, _ in plan.creates], [v for _, v, _ in plan.creates])
+            state = contents.optimizer if self._optimizer else None
+            values = dict(plan.updates)
+            self._engine.restore(values, state)
+            if self._engine.round_updates_replicas:
+                keys = list(values)
+                for key in keys:
+                    self._replica(key)[...] = values[key]
+                self._to_devices(keys, [self._replica(k) for k in keys])
+
+    def save_optimizer_states(self, fname: str | os.PathLike,
+                              dump_optimizer: bool = False) -> None:
+        """Write the optimizer's state, gathered from every shard, to `fname`."""
+        from .checkpoint import checkpoint_path, write_archive
+        path = checkpoint_path(fname)
+        self._need_optimizer("save_optimizer_states")
+        with self._lock:
+            self._engine.check()
+            state = self._engine.optimizer_state(dump=bool(dump_optimizer))
+            error = None
+            if self.rank == 0:
+                error = _attempt(lambda: write_archive(path, *state))
+            _raise(self._engine.share(error, "save_optimizer_states"))
+
+    def load_optimizer_states(self, fname: str | os.PathLike) -> None:
+        """Restore what `save_optimizer_states` wrote (by any store) onto every shard."""
+        from .checkpoint import checkpoint_path, read_archive
+        path = checkpoint_path(fname)
+        self._need_optimizer("load_optimizer_states")
+        with self._lock:
+            self._engine.check()
+            state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
+                else None
+            state = _raise(self._engine.share(state, "load_optimizer_states"))
+            self._engine.restore({}, state)
+
+    def _need_optimizer(self, op: str) -> None:
+        if not self._optimizer:
+            raise ArgumentError(f"{op}: this store has no optimizer; call set_optimizer first")
+
+    def __repr__(self):
+        return (f"<gpukv.DistKVStore type={self._type!r} rank={self.rank} "
+                f"workers={self.num_workers} servers={self._num_servers} "
+                f"keys={len(self._values)}>")

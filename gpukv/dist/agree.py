@@ -1,0 +1,157 @@
+"""Agreement before a collective call: every process says what it is about to do, rank 0
+compares, and everyone learns the verdict, each wait bounded.
+
+The collectives that follow cannot hang on a process that is elsewhere in the program:
+the ranks that did not arrive, or that call something else (another key, shape or dtype),
+are named in the PeerError every rank raises. The check is two small messages per rank; the
+whole description of the call travels only when the digests differ.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .._errors import PeerError, PeerMismatchError
+from .transport import TAG_DIGEST, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
+
+_OK = ("ok", "")
+_MISMATCH = ("mismatch", "")
+
+
+def _digest(seq: int, signature) -> np.ndarray:
+    return np.array([seq, zlib.crc32(repr(signature).encode())], dtype=np.int64)
+
+
+class Agreement:
+    """Numbers the collective calls of one communicator and checks each one."""
+
+    def __init__(self, transport: Transport):
+        self.t = transport
+        self.seq = 0
+
+    def check(self, signature: tuple, what: str) -> None:
+        """Return once every rank called the same thing (`signature`, a tuple of plain
+        values naming the call); else raise PeerError/PeerMismatchError on every rank."""
+        t = self.t
+        t.check()
+        self.seq += 1
+        if t.size == 1:
+            return
+        digest = _digest(self.seq, signature)
+        if t.rank == 0:
+            self._coordinate(digest, signature, what)
+        else:
+            self._follow(digest, signature, what)
+
+    # ----------------------------------------------------------------- rank 0
+    def _coordinate(self, digest, signature, what) -> None:
+        t = self.t
+        others = range(1, t.size)
+        digests = {r: np.zeros(2, np.int64) for r in others}
+        requests = {r: t.recv_array(digests[r], r, TAG_DIGEST) for r in others}
+
+        def missing():
+            late = [r for r, req in requests.items() if not req.Test()]
+            arrived = [0] + [r for r in others if r not in late]
+            message = (f"{what}: rank(s) {_ranks(late)} did not arrive within "
+                       f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT); rank(s) {_ranks(arrived)} did")
+            self._tell(arrived[1:], ("peer", message))
+            return PeerError(message)
+        t.wait_all(list(requests.values()), what, on_timeout=missing)
+        if all(np.array_equal(d, digest) for d in digests.values()):
+            self._tell(others, _OK)
+            return
+        self._tell(others, _MISMATCH)
+        signatures = {0: (self.seq, signature)}
+        for r in others:
+            signatures[r], _ = t.recv_object(r, TAG_SIGNATURE, f"{what}: rank {r}'s call")
+        message = f"{what}: processes disagree: {_difference(signatures)}"
+        self._tell(others, ("mismatch", message))
+        raise t.fail(PeerMismatchError(message))
+
+    def _tell(self, ranks, verdict) -> None:
+        t = self.t
+        t.wait_all([t.send_object(verdict, r, TAG_VERDICT) for r in ranks],
+                   "sending the verdict of a collective call")
+
+    # ------------------------------------------------------------- other ranks
+    def _follow(self, digest, signature, what) -> None:
+        t = self.t
+        # rank 0 waits `timeout` for the others before it answers: wait longer than that
+        patience = t.timeout * 1.5 + 1
+        t.wait_all([t.send_array(digest, 0, TAG_DIGEST)], f"{what}: reaching rank 0",
+                   timeout=patience)
+        verdict, _ = t.recv_object(0, TAG_VERDICT, f"{what}: waiting for rank 0",
+                                   timeout=patience)
+        if verdict == _MISMATCH:
+            t.wait_all([t.send_object((self.seq, signature), 0, TAG_SIGNATURE)],
+                       f"{what}: reaching rank 0", timeout=patience)
+            verdict, _ = t.recv_object(0, TAG_VERDICT, f"{what}: waiting for rank 0",
+                                       timeout=patience)
+        kind, message = verdict
+        if kind == "ok":
+            return
+        error = PeerMismatchError if kind == "mismatch" else PeerError
+        raise t.fail(error(message))
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(map(str, ranks)) or "none"
+
+
+def _difference(signatures: dict) -> str:
+    """What the ranks call, at the first place where some rank's call differs from rank
+    0's, with the ranks grouped by what they call there."""
+    first = signatures[0]
+    other = next(r for r in sorted(signatures) if signatures[r] != first)
+    seq0, (op0, items0) = first
+    seq, (op, items) = signatures[other]
+    if seq != seq0:
+        return _grouped(signatures, lambda s: f"at collective call #{s[0]} ({_call(s[1])})")
+    if op != op0:
+        return _grouped(signatures, lambda s: f"calls {_call(s[1])}")
+    at = next((i for i, (a, b) in enumerate(zip(items0, items)) if a != b),
+              min(len(items0), len(items)))
+
+    def item(s):
+        found = s[1][1]
+        return f"has {_item(found[at])}" if at < len(found) else "has nothing more"
+    return f"{op0}: " + _grouped(signatures, item)
+
+
+def _grouped(signatures: dict, describe) -> str:
+    groups: dict = {}
+    for rank in sorted(signatures):
+        groups.setdefault(describe(signatures[rank]), []).append(rank)
+    return "; ".join(f"rank(s) {_ranks(ranks)} {what}" for what, ranks in groups.items())
+
+
+def _call(signature) -> str:
+    """A call's signature in words: (op, ((key, shape, dtype) or key, ...))."""
+    op, items = signature
+    if not items:
+        return op
+    shown = ", ".join(_item(i) for i in items[:4]) + (" ..." if len(items) > 4 else "")
+    return f"{op} of {shown}"
+
+
+def _item(item) -> str:
+    if isinstance(item, tuple):
+        key, shape, dtype = item
+        return f"key {key!r} {tuple(shape)} {np.dtype(dtype).name}"
+    return f"key {item!r}"
+
+
+def from_rank0(t: Transport, obj, what: str):
+    """Rank 0's `obj` on every rank (pickled; each wait bounded). Rank 0 may take long to
+    make it (a checkpoint read, calls to servers): the others wait twice the timeout."""
+    if t.size == 1:
+        return obj
+    if t.rank == 0:
+        t.wait_all([t.send_object(obj, r, TAG_SHARE) for r in range(1, t.size)],
+                   f"{what}: sending to the other ranks")
+        return obj
+    got, _ = t.recv_object(0, TAG_SHARE, f"{what}: waiting for rank 0",
+                           timeout=2 * t.timeout + 1)
+    return got

@@ -1,0 +1,554 @@
+"""`num_servers=S >= 1`: the first S processes serve, the others are workers (MXNet's layout).
+
+A worker sends each piece of a key (see `sharding`) to its server: a small pickled request,
+then the raw bytes. The server keeps, per key, a queue of pushed gradients per worker. In
+sync mode a round completes when every worker has one queued: their sum goes to the updater
+once, and the key's version goes up; a pull names the version it needs (the number of its
+worker's pushes of that key) and is answered when the key has reached it. In async mode each
+push is applied as it comes. Nothing waits without a bound: a key whose round misses some
+workers for the timeout fails on the server, which tells every worker which ones.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+import time
+
+import numpy as np
+
+from .._errors import (ArgumentError, CheckpointError, GpukvError, PeerError,
+                       PeerMismatchError)
+from ..update.compression import make_compressor
+from .agree import Agreement, from_rank0
+from .sharding import pieces
+from .state import cut, mark_starts, merge
+from .transport import (TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST,
+                        Transport)
+#: reply tags cycle through this many values (MPI guarantees at least 32767 tags)
+_REPLY_TAGS = 30000
+
+
+def worker_comm(transport: Transport, servers: int):
+    """The workers' own communicator (every process of the job must call this)."""
+    is_worker = transport.rank >= servers
+    return transport.comm.Split(0 if is_worker else 1, transport.rank)
+
+
+# ========================================================================= server side
+class _Key:
+    """What a server knows of one key (its piece of it)."""
+
+    def __init__(self, workers: int):
+        self.inits: dict = {}          # worker -> (start, stop, shape, dtype str)
+        self.initialised = False
+        self.version = 0
+        self.queues = [collections.deque() for _ in range(workers)]
+        self.since = None              # when the oldest incomplete round began
+        self.spec = None               # (start, stop, shape, dtype)
+
+
+class _Server:
+    def __init__(self, transport: Transport, servers: int, shard, asynchronous: bool):
+        self.t = transport
+        self.servers = servers
+        self.workers = transport.size - servers
+        self.shard = shard
+        self.asynchronous = asynchronous
+        self.keys: dict = {}
+        self.pulls: list = []          # (worker, tag, [(key, version)]) not answered yet
+        self.sending: list = []        # (request, buffer kept alive)
+        self.stopped: set = set()
+        self.failure: PeerError | None = None
+        self.compressors: dict = {}
+        self.checked = None            # the state plan op_check_state made
+
+    def worker_rank(self, w: int) -> int:
+        return self.servers + w
+
+    def run(self) -> None:
+        t = self.t
+        last_check = last_message = time.monotonic()
+        nap = 0.0
+        while len(self.stopped) < self.workers:
+            message = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_REQUEST)
+            if message is not None:
+                nap = 0.0
+                self.handle(*message)
+                last_message = time.monotonic()
+                continue
+            self.sending = [(r, b) for r, b in self.sending if not r.Test()]
+            now = time.monotonic()
+            if now - last_check > min(1.0, t.timeout / 4):
+                last_check = now
+                self.check_stalls(now)
+            # Busy, answer at once (yielding the CPU); idle a while, nap a little longer
+            # each time so a server costs nothing while the workers compute.
+            if now - last_message < 0.01:
+                time.sleep(0)
+            else:
+                nap = min(0.001, nap + 0.00002)
+                time.sleep(nap)
+        t.wait_all([r for r, _ in self.sending], "sending the last replies")
+
+    # ---------------------------------------------------------------- requests
+    def handle(self, request, source: int) -> None:
+        op, worker, body = request
+        if op == "stop":
+            self.stopped.add(worker)
+            return
+        if self.failure is not None:
+            self.receive_data(source, body if op in ("init", "push") else None)
+            self.tell(worker, self.failure)
+            return
+        try:
+            getattr(self, "op_" + op)(worker, source, body)
+        except PeerError as exc:
+            self.fail(exc)
+        except Exception as exc:  # the updater's own error, say: the job cannot go on
+            self.fail(PeerError(f"server rank {self.t.rank}: {op} from worker {worker} "
+                                f"failed: {type(exc).__name__}: {exc}"))
+
+    def receive_data(self, source: int, body) -> list:
+        """The raw arrays that follow a request from `source` (described in `body`)."""
+        if not body:
+            return []
+        arrays = [np.empty(n, np.dtype(dtype)) for _, dtype, n in body["data"]]
+        self.t.wait_all([self.t.recv_array(a, source, TAG_PUSH_DATA) for a in arrays],
+                        f"data of a request from worker {source - self.servers}")
+        return arrays
+
+    def op_init(self, worker, source, body) -> None:
+        arrays = self.receive_data(source, body)
+        for (key, start, stop, shape, dtype), value in zip(body["keys"], arrays or
+                                                           itertools.repeat(None)):
+            state = self.keys.setdefault(key, _Key(self.workers))
+            if state.initialised or worker in state.inits:
+                continue
+            state.inits[worker] = (start, stop, tuple(shape), dtype)
+            if value is not None:
+                state.value = value
+            if state.since is None:
+                state.since = time.monotonic()
+            if len(state.inits) == self.workers:
+                self.finish_init(key, state)
+
+    def finish_init(self, key, state) -> None:
+        specs = set(state.inits.values())
+        if len(specs) > 1:
+            by_spec: dict = {}
+            for w, spec in sorted(state.inits.items()):
+                by_spec.setdefault(spec, []).append(w)
+            told = "; ".join(f"worker(s) {', '.join(map(str, ws))}: shape {spec[2]} "
+                             f"{np.dtype(spec[3]).name}" for spec, ws in by_spec.items())
+            raise PeerMismatchError(f"init of key {key!r}: workers disagree: {told}")
+        start, stop, shape, dtype = specs.pop()
+        state.spec = (start, stop, shape, np.dtype(dtype))
+        value = state.value.view(np.dtype(dtype))
+        self.shard.init(key, value if stop - start != int(np.prod(shape)) else
+                        value.reshape(shape))
+        del state.value
+        state.initialised = True
+        state.since = None
+        self.complete_rounds(key, state)
+        self.answer_pulls()
+
+    def op_push(self, worker, source, body) -> None:
+        arrays = self.receive_data(source, body)
+        for entry, array in zip(body["keys"], arrays):
+            key, comp = entry[0], entry[1]
+            state = self.keys.setdefault(key, _Key(self.workers))
+            if comp is not None:
+                array = self.decode(comp, array)
+            if self.asynchronous and state.initialised:
+                self.apply(key, state, [array])
+                continue
+            state.queues[worker].append(array)
+            if state.since is None:
+                state.since = time.monotonic()
+            self.complete_rounds(key, state)
+        self.answer_pulls()
+
+    def decode(self, comp, payload) -> np.ndarray:
+        params, size = comp
+        compressor = self.compressors.get(params)
+        if compressor is None:
+            compressor = self.compressors[params] = make_compressor(dict(params))
+        from ..update.compression import Ctx
+        return compressor.decompress(payload, Ctx(size, (size,)))
+
+    def complete_rounds(self, key, state) -> None:
+        if not state.initialised:
+            return
+        queues = state.queues
+        if self.asynchronous:  # pushes that came before the key was made
+            for q in queues:
+                while q:
+                    self.apply(key, state, [q.popleft()])
+            return
+        while all(queues):
+            self.apply(key, state, [q.popleft() for q in queues])
+        state.since = time.monotonic() if any(queues) else None
+
+    def apply(self, key, state, grads) -> None:
+        shape = self.shard.stored(key).shape
+        self.shard.push(key, [g.reshape(shape) for g in grads])
+        state.version += 1
+
+    def op_pull(self, worker, source, body) -> None:
+        self.pulls.append((worker, body["tag"], body["keys"]))
+        self.answer_pulls()
+
+    def answer_pulls(self) -> None:
+        waiting = []
+        for worker, tag, wanted in self.pulls:
+            ready = all(key in self.keys and self.keys[key].initialised
+                        and (self.asynchronous or self.keys[key].version >= version)
+                        for key, version in wanted)
+            if not ready:
+                waiting.append((worker, tag, wanted))
+                continue
+            for key, _ in wanted:
+                value = self.shard.stored(key)
+                if self.asynchronous:  # the next push may change it before it is sent
+                    value = value.copy()
+                request = self.t.send_array(value, self.worker_rank(worker), tag)
+                self.sending.append((request, value))
+        self.pulls = waiting
+
+    def op_set_optimizer(self, worker, source, body) -> None:
+        self.shard.set_optimizer(pickle.loads(body["optimizer"]))
+        self.reply(worker, "ok")
+
+    def op_set_updater(self, worker, source, body) -> None:
+        self.shard.set_updater(pickle.loads(body["updater"]))
+        self.reply(worker, "ok")
+
+    def op_snapshot(self, worker, source, body) -> None:
+        """This server's optimizer state (None without one), each key's start marked."""
+        starts = {k: s.spec[0] for k, s in self.keys.items() if s.initialised}
+        self.reply(worker, mark_starts(self.shard.export_state(body["dump"]), starts))
+
+    def op_check_state(self, worker, source, body) -> None:
+        """Check this server's part of a loaded state; kept for `op_restore`."""
+        try:
+            self.checked = self.shard.check_state(body["state"]) if body["state"] else None
+        except GpukvError as exc:
+            self.reply(worker, f"{type(exc).__name__}: {exc}")
+            return
+        self.reply(worker, None)
+
+    def op_restore(self, worker, source, body) -> None:
+        """Assign loaded values to their pieces and install the checked state."""
+        for key, piece in body["values"].items():
+            self.shard.assign(key, piece)
+        if self.checked is not None:
+            self.shard.apply_state(self.checked)
+        self.checked = None
+        self.reply(worker, "ok")
+
+    def keys_specs(self) -> dict:
+        return {k: s.spec for k, s in self.keys.items() if s.initialised}
+
+    def reply(self, worker, obj) -> None:
+        request = self.t.send_object(obj, self.worker_rank(worker), TAG_REPLY)
+        self.sending.append((request, None))
+
+    # ------------------------------------------------------------------ failures
+    def check_stalls(self, now: float) -> None:
+        if self.failure is not None:
+            return
+        for key, state in self.keys.items():
+            if state.since is None or now - state.since <= self.t.timeout:
+                continue
+            if not state.initialised:
+                came = sorted(state.inits)
+                what = "init"
+            else:
+                came = [w for w, q in enumerate(state.queues) if q]
+                what = "push"
+            late = [w for w in range(self.workers) if w not in came]
+            self.fail(PeerError(
+                f"{what} of key {key!r}: worker(s) {', '.join(map(str, late))} did not "
+                f"{what} it within {self.t.timeout:g} s (GPUKV_DIST_TIMEOUT); "
+                f"worker(s) {', '.join(map(str, came)) or 'none'} did"))
+            return
+
+    def fail(self, error: PeerError) -> None:
+        """Tell every worker, and answer everything from now on with the same failure."""
+        self.failure = error
+        for w in range(self.workers):
+            self.tell(w, error)
+
+    def tell(self, worker: int, error: PeerError) -> None:
+        """Send `error` to `worker` (as its kind and message: `reported` rebuilds it)."""
+        report = ("mismatch" if isinstance(error, PeerMismatchError) else "peer", str(error))
+        request = self.t.send_object(report, self.worker_rank(worker), TAG_ERROR)
+        self.sending.append((request, None))
+
+
+def reported(report) -> PeerError:
+    """The error a server's `tell` sent."""
+    kind, message = report
+    return (PeerMismatchError if kind == "mismatch" else PeerError)(message)
+
+
+def serve(transport: Transport, servers: int, shard, bound: int,
+          asynchronous: bool) -> None:
+    """Run a server until every worker has stopped (its `create` then exits)."""
+    worker_comm(transport, servers)
+    _Server(transport, servers, shard, asynchronous).run()
+
+
+# ========================================================================= worker side
+class ServerClient:
+    """A worker's end of the dedicated servers: the engine of a dist store with S >= 1."""
+
+    #: pulls fetch the values; a push leaves this process's copies as they are
+    round_updates_replicas = False
+
+    def __init__(self, transport: Transport, servers: int, bound: int, asynchronous: bool):
+        self.t = transport
+        self.servers = servers
+        self.bound = bound
+        self.asynchronous = asynchronous
+        self.workers = Transport(worker_comm(transport, servers), transport.timeout)
+        self.agree = Agreement(self.workers)
+        self.layouts: dict = {}     # key -> (pieces, shape, dtype)
+        self.pushes: dict = {}      # key -> pushes this worker made
+        self.compressor = None
+        self.residuals: dict = {}
+        self._tags = itertools.count()
+        self._stopped = False
+        import atexit
+        atexit.register(self.stop)
+
+    @property
+    def rank(self) -> int:
+        return self.workers.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.size
+
+    def check(self) -> None:
+        """Raise a failure already met, or one a server reported since."""
+        self.t.check()
+        self.workers.check()
+        error = self.t.try_recv_object(self.t.MPI.ANY_SOURCE, TAG_ERROR)
+        if error is not None:
+            raise self.t.fail(reported(error[0]))
+
+    def _request(self, server: int, op: str, body=None, data=()) -> list:
+        """Start sending a request and its raw arrays to `server`; their MPI requests."""
+        t = self.t
+        requests = [t.send_object((op, self.rank, body), server, TAG_REQUEST)]
+        requests += [t.send_array(a, server, TAG_PUSH_DATA) for a in data]
+        return requests
+
+    def _wait(self, requests, what: str) -> None:
+        """Complete `requests`, failing at once if a server reports a failure."""
+        t = self.t
+        test_all = t.MPI.Request.Testall
+
+        def done():
+            if test_all(requests):
+                return True
+            error = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_ERROR)
+            if error is not None:
+                for r in requests:
+                    r.Cancel()
+                raise t.fail(reported(error[0]))
+            return None
+        t.poll(done, what, timeout=t.timeout * 1.5 + 1,
+               on_timeout=lambda: PeerError(f"worker {self.rank}: {what}: no answer from the "
+                                            f"server(s) within {t.timeout * 1.5 + 1:g} s"))
+
+    def _reply(self, server: int, what: str):
+        t = self.t
+
+        def arrived():
+            got = t.try_recv_object(server, TAG_REPLY)
+            if got is not None:
+                return got
+            error = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_ERROR)
+            if error is not None:
+                raise t.fail(reported(error[0]))
+            return None
+        reply, _ = t.poll(arrived, what, timeout=t.timeout * 1.5 + 1)
+        return reply
+
+    # ------------------------------------------------------------------- calls
+    def init(self, keys, replicas) -> None:
+        """Send the keys to their servers (worker 0 with its values); the servers agree
+        on them once every worker has sent them, in whatever order."""
+        self.check()
+        by_server: dict = collections.defaultdict(lambda: ([], []))
+        for key, value in zip(keys, replicas):
+            layout = pieces(key, value.size, self.servers, self.bound)
+            self.layouts[key] = (layout, value.shape, value.dtype)
+            self.pushes[key] = 0
+            flat = value.reshape(-1)
+            for p in layout:
+                specs, data = by_server[p.server]
+                specs.append((key, p.start, p.stop, value.shape, value.dtype.str))
+                if self.rank == 0:
+                    data.append(np.ascontiguousarray(flat[p.start:p.stop]))
+        requests = []
+        for server, (specs, data) in by_server.items():
+            body = {"keys": specs, "data": [(s[0], "u1", a.nbytes) for s, a in
+                                            zip(specs, data)]}
+            requests += self._request(server, "init", body,
+                                      [a.view(np.uint8) for a in data])
+        self._wait(requests, f"init of key {keys[0]!r}")
+
+    def push(self, keys, grads, replicas) -> None:
+        self.check()
+        by_server: dict = collections.defaultdict(lambda: ([], []))
+        for key, grad in zip(keys, grads):
+            layout, shape, dtype = self.layouts[key]
+            flat = grad.reshape(-1)
+            for p in layout:
+                entries, data = by_server[p.server]
+                piece = flat[p.start:p.stop]
+                comp = None
+                if self.compressor is not None and dtype.kind == "f":
+                    piece, comp = self._compress(key, p, piece)
+                entries.append((key, comp))
+                data.append(np.ascontiguousarray(piece))
+            self.pushes[key] += 1
+        requests = []
+        for server, (entries, data) in by_server.items():
+            body = {"keys": entries, "data": [(e[0], a.dtype.str, a.size)
+                                              for e, a in zip(entries, data)]}
+            requests += self._request(server, "push", body, data)
+        self._wait(requests, f"push of key {keys[0]!r}")
+
+    def _compress(self, key, piece, grad):
+        comp = self.compressor
+        residual = None
+        if comp.uses_residual:
+            slot = (key, piece.start)
+            residual = self.residuals.get(slot)
+            if residual is None:
+                residual = self.residuals[slot] = np.zeros(grad.size, np.float32)
+        payload, ctx = comp.compress(grad, residual)
+        return payload, (tuple(sorted(comp.params().items())), ctx.size)
+
+    def pull(self, keys, replicas) -> None:
+        self.check()
+        t = self.t
+        by_server: dict = collections.defaultdict(list)
+        requests = []
+        tags = {}
+        for key, replica in zip(keys, replicas):
+            layout, _, _ = self.layouts[key]
+            flat = replica.reshape(-1)
+            for p in layout:
+                tag = tags.get(p.server)
+                if tag is None:
+                    tag = tags[p.server] = TAG_DATA + next(self._tags) % _REPLY_TAGS
+                by_server[p.server].append((key, self.pushes[key]))
+                requests.append(t.recv_array(flat[p.start:p.stop], p.server, tag))
+        for server, wanted in by_server.items():
+            requests += self._request(server, "pull", {"tag": tags[server], "keys": wanted})
+        self._wait(requests, f"pull of key {keys[0]!r}")
+
+    def set_optimizer(self, optimizer) -> None:
+        self._to_servers("set_optimizer", {"optimizer": pickle.dumps(optimizer)},
+                         "set_optimizer", check_lamb=optimizer)
+
+    def set_updater(self, updater) -> None:
+        try:
+            blob = pickle.dumps(updater)
+        except Exception as exc:
+            raise ArgumentError(f"updater {updater!r}: the servers run it, so it must pickle "
+                                f"(a function defined at module level): {exc}") from exc
+        self._to_servers("set_updater", {"updater": blob}, "set_updater")
+
+    def _to_servers(self, op: str, body, what: str, check_lamb=None) -> None:
+        """Worker 0 sends `op` to every server; every worker returns once all have it."""
+        self.check()
+        self.agree.check((op, ()), what)
+        if check_lamb is not None and getattr(check_lamb, "per_key_norms", False):
+            for key, (layout, shape, _) in self.layouts.items():
+                if len(layout) > 1:
+                    raise ArgumentError(
+                        f"key {key!r}: {check_lamb.name} needs each key whole (its norms are "
+                        f"per key), but this key of {int(np.prod(shape))} elements is split "
+                        f"over servers; raise bigarray_bound above its size")
+        if self.rank == 0:
+            requests = []
+            for server in range(self.servers):
+                requests += self._request(server, op, body)
+            self._wait(requests, what)
+            for server in range(self.servers):
+                self._reply(server, what)
+        self.agree.check((op + " done", ()), what)
+
+    def set_compression(self, compressor) -> None:
+        self.compressor = compressor
+        self.residuals = {}
+
+    def barrier(self) -> None:
+        self.check()
+        self.agree.check(("barrier", ()), "barrier")
+
+    def call_servers(self, op: str, body_for) -> list:
+        """Send `op` to every server (body_for(server) -> body) and return their replies."""
+        self.check()
+        requests = []
+        for server in range(self.servers):
+            requests += self._request(server, op, body_for(server))
+        self._wait(requests, op)
+        return [self._reply(server, op) for server in range(self.servers)]
+
+    # ------------------------------------------------------------- checkpoints
+    def optimizer_state(self, dump: bool):
+        """Every server's optimizer state merged, on worker 0 (None elsewhere, and
+        without an optimizer)."""
+        self.check()
+        self.agree.check(("optimizer_state", ()), "saving the optimizer state")
+        if self.rank != 0:
+            return None
+        exports = self.call_servers("snapshot", lambda server: {"dump": dump})
+        return merge(exports, {k: shape for k, (_, shape, _) in self.layouts.items()})
+
+    def restore(self, values: dict, state) -> None:
+        """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
+        of the whole store, or None) onto the servers: every part is checked on its
+        server first; any failure changes nothing and raises CheckpointError everywhere."""
+        self.check()
+        self.agree.check(("restore", tuple(sorted(values))), "load")
+        outcome = None
+        if self.rank == 0:
+            sizes = {k: int(np.prod(shape)) for k, (_, shape, _) in self.layouts.items()}
+            errors = self.call_servers("check_state", lambda server: {
+                "state": None if state is None else cut(*state, server, self.servers,
+                                                        self.bound, sizes)})
+            outcome = next((e for e in errors if e is not None), None)
+            if outcome is None:
+                self.call_servers("restore", lambda server: {"values": {
+                    key: value.reshape(-1)[p.start:p.stop]
+                    for key, value in values.items()
+                    for p in self.layouts[key][0] if p.server == server}})
+        outcome = from_rank0(self.workers, outcome, "load")
+        if outcome is not None:
+            raise CheckpointError(outcome)
+
+    def share(self, obj, what: str):
+        """Worker 0's `obj` on every worker."""
+        return from_rank0(self.workers, obj, what)
+
+    def stop(self) -> None:
+        """Tell the servers this worker is done (at exit; once)."""
+        if self._stopped or self.t.failure is not None:
+            return
+        self._stopped = True
+        requests = []
+        for server in range(self.servers):
+            requests += self._request(server, "stop")
+        try:
+            self.t.wait_all(requests, "stopping the servers", timeout=10)
+        except PeerError:
+            pass  # the servers are gone already: nothing is waiting for this worker

@@ -1,0 +1,397 @@
+"""`num_servers=0`: every process is a worker and serves a shard of the keys.
+
+A sync round is a reduce-scatter of the round's gradients to their owners, the update there
+(on the owner's shard only: optimizer state is sharded, never replicated), and an all-gather
+of the new values into every process's copy, so a round costs what an allreduce costs. Big
+keys are split into one contiguous piece per process and move in their own collectives,
+without packing; small keys go whole to an owner picked by a hash of the key and travel
+packed, one collective per dtype. Every round is first agreed on (`agree.Agreement`), so
+processes that call different things fail with a PeerMismatchError instead of mixing data.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+
+from .._errors import ArgumentError, CheckpointError, GpukvError, PeerError
+from ..device.host_sum import accumulate_dtype
+from ..update.compression import Ctx, compressible
+from .agree import Agreement, from_rank0
+from .sharding import pieces
+from .state import cut, mark_starts, merge
+from .transport import Transport, as_bytes
+
+
+class KeyLayout(NamedTuple):
+    shape: tuple
+    dtype: np.dtype
+    pieces: tuple      # sharding.Piece, one per owner
+    wire: np.dtype     # the dtype it is summed in on the wire
+
+    @property
+    def split(self) -> bool:
+        return len(self.pieces) > 1
+
+
+class _Packed(NamedTuple):
+    """The small keys of one wire dtype in a round: where each sits in the packed buffers."""
+    wire: np.dtype
+    keys: list         # (key, offset in `send`), ordered by owner
+    counts: list       # elements per owner
+    send: np.ndarray
+    recv: np.ndarray   # this process's part: the keys it owns
+    mine: list         # (key, offset in `recv`) of the keys this process owns
+
+
+class _Round(NamedTuple):
+    compressed: list   # (key, layout) of keys compressed on the wire
+    big: list          # (key, layout, send buffer or None, recv buffer, counts) of the
+    #                    split keys summed by a reduce-scatter of their own
+    split: list        # (key, layout) of every split key (each all-gathered on its own)
+    packed: list       # _Packed per wire dtype
+    gather_keys: list  # small keys in owner order: (key, byte offset, nbytes)
+    gather_counts: list
+    gather_send: np.ndarray
+    gather_recv: np.ndarray
+    mine_small: list   # small keys this process owns, in gather order
+
+
+class ShardedRounds:
+    """The S = 0 engine of a dist store (see the module's docstring).
+
+    `shard` is this process's part of the store: an object with `init(keys, arrays)`,
+    `push(keys, arrays)` (sum, then the updater or an assignment), `stored(key)`,
+    `set_optimizer(opt)` and `set_updater(fn)`. Pieces of split keys are stored flat.
+    """
+
+    #: a round leaves every process's copy of its keys current
+    round_updates_replicas = True
+
+    def __init__(self, transport: Transport, shard, bound: int):
+        self.t = transport
+        self.compressor = None
+        self.shard = shard
+        self.bound = bound
+        self.agree = Agreement(transport)
+        self.layouts: dict = {}
+        self._pending: list = []    # (key, replica) made here, not agreed on yet
+        self._rounds: dict = {}     # (keys in canonical order, compression) -> _Round
+        self._residuals: dict = {}  # (key, piece start) -> error-feedback residual
+        self._formats: dict = {}    # elements -> compressed payload (dtype, bytes)
+
+    @property
+    def num_workers(self) -> int:
+        return self.t.size
+
+    def check(self) -> None:
+        """Raise the failure an earlier call met, if any."""
+        self.t.check()
+
+    @property
+    def rank(self) -> int:
+        return self.t.rank
+
+    # ------------------------------------------------------------------- init
+    def init(self, keys, replicas) -> None:
+        """Queue new keys (`replicas`: this process's copies, holding its init value):
+        they are agreed on, and take rank 0's value, before the next collective call,
+        so processes may create keys in any order between two calls."""
+        self.t.check()
+        self._pending.extend(zip(keys, replicas))
+
+    def flush(self) -> None:
+        """Agree on the queued keys: same shapes and dtypes everywhere, rank 0's values."""
+        if not self._pending:
+            return
+        pending = sorted(self._pending, key=lambda p: p[0])
+        self._pending = []
+        signature = ("init", tuple((k, r.shape, r.dtype.str) for k, r in pending))
+        self.agree.check(signature, f"init of key {pending[0][0]!r}")
+        comm = self.t.comm
+        self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending],
+                        f"init of key {pending[0][0]!r}: rank 0's values")
+        keys, chunks = [], []
+        for key, replica in pending:
+            layout = KeyLayout(replica.shape, replica.dtype,
+                               pieces(key, replica.size, self.t.size, self.bound),
+                               accumulate_dtype(replica.dtype))
+            self.layouts[key] = layout
+            for piece in layout.pieces:
+                if piece.server == self.t.rank:
+                    keys.append(key)
+                    chunks.append(replica.reshape(-1)[piece.start:piece.stop] if layout.split
+                                  else replica)
+        self.shard.init(keys, chunks)
+        self._rounds.clear()
+
+    # ------------------------------------------------------------------- push
+    def push(self, keys, grads, replicas) -> None:
+        """One sync round: the sum over processes of each key's `grads` updates the key at
+        its owner(s); every process's `replicas` then hold the new values."""
+        self.flush()
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        keys = tuple(keys[i] for i in order)
+        grads = [grads[i] for i in order]
+        replicas = [replicas[i] for i in order]
+        more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+        what = f"push of key {keys[0]!r}{more}"
+        comp = self.compressor
+        wire = None if comp is None else tuple(sorted(comp.params().items()))
+        op = "push" if wire is None else f"push compressed with {dict(wire)}"
+        self.agree.check((op, keys), what)
+        plan = self._rounds.get((keys, wire))
+        if plan is None:
+            plan = self._rounds[keys, wire] = self._plan(keys)
+        by_key = dict(zip(keys, zip(grads, replicas)))
+        merged = self._exchange_compressed(plan, by_key, what)
+        merged += self._reduce_scatter(plan, by_key, what)
+        if merged:
+            try:
+                self.shard.push([k for k, _ in merged], [m for _, m in merged])
+            except Exception as exc:  # the updater's: the others wait in the all-gather
+                self.t.fail(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
+                                      f"{type(exc).__name__}: {exc}"))
+                raise
+        self._all_gather(plan, by_key, what)
+
+    def _plan(self, keys) -> _Round:
+        rank, size = self.t.rank, self.t.size
+        big, small, compressed = [], [], []
+        comp = self.compressor
+        for key in keys:
+            layout = self.layouts[key]
+            if not layout.split:
+                small.append((layout.pieces[0].server, key, layout))
+            if comp is not None and compressible(layout.dtype):
+                compressed.append((key, layout))
+            elif layout.split:
+                counts = [p.stop - p.start for p in layout.pieces]
+                send = None if layout.wire == layout.dtype else np.empty(
+                    sum(counts), layout.wire)
+                big.append((key, layout, send, np.empty(counts[rank], layout.wire), counts))
+        small.sort(key=lambda s: s[0])  # stable: keys stay in order within an owner
+        packed = []
+        summed = {k for k, _ in compressed}
+        by_wire = sorted((s for s in small if s[1] not in summed), key=lambda s: s[2].wire.str)
+        for wire, group in itertools.groupby(by_wire, key=lambda s: s[2].wire):
+            group = sorted(group, key=lambda s: s[0])
+            counts = [0] * size
+            placed, mine, offset = [], [], 0
+            for owner, key, layout in group:
+                n = int(np.prod(layout.shape, dtype=np.int64))
+                if owner == rank:
+                    mine.append((key, counts[rank]))
+                placed.append((key, offset))
+                counts[owner] += n
+                offset += n
+            packed.append(_Packed(wire, placed, counts, np.empty(offset, wire),
+                                  np.empty(counts[rank], wire), mine))
+        gather_keys, gather_counts, offset = [], [0] * size, 0
+        for owner, key, layout in small:
+            nbytes = int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
+            gather_keys.append((key, offset, nbytes))
+            gather_counts[owner] += nbytes
+            offset += nbytes
+        mine_small = [key for owner, key, _ in small if owner == rank]
+        split = [(key, self.layouts[key]) for key in keys if self.layouts[key].split]
+        return _Round(compressed, big, split, packed, gather_keys, gather_counts,
+                      np.empty(gather_counts[rank], np.uint8), np.empty(offset, np.uint8),
+                      mine_small)
+
+    def _reduce_scatter(self, plan: _Round, by_key: dict, what: str) -> list:
+        """Sum the uncompressed keys over the processes; (key, sum) of the pieces owned
+        here."""
+        comm, SUM = self.t.comm, self.t.MPI.SUM
+        requests = []
+        for key, layout, send, recv, counts in plan.big:
+            grad = by_key[key][0]
+            if send is None and grad.flags.c_contiguous:
+                send = grad.reshape(-1)  # the gradient itself: no copy
+            elif send is None:
+                send = np.ascontiguousarray(grad).reshape(-1)
+            else:
+                send[...] = grad.reshape(-1)
+            requests.append(comm.Ireduce_scatter(send, recv, counts, op=SUM))
+        for group in plan.packed:
+            send = group.send
+            for key, offset in group.keys:
+                grad = by_key[key][0]
+                send[offset:offset + grad.size] = grad.reshape(-1)
+            requests.append(comm.Ireduce_scatter(send, group.recv, group.counts, op=SUM))
+        self.t.wait_all(requests, f"{what}: reduce-scatter")
+        merged = [(key, recv) for key, _, _, recv, _ in plan.big]
+        for group in plan.packed:
+            for key, offset in group.mine:
+                shape = self.layouts[key].shape
+                n = int(np.prod(shape, dtype=np.int64))
+                merged.append((key, group.recv[offset:offset + n].reshape(shape)))
+        return merged
+
+    def _exchange_compressed(self, plan: _Round, by_key: dict, what: str) -> list:
+        """The compressed keys: each process encodes every piece (with its own residual)
+        for the piece's owner, one all-to-all moves the payloads, and each owner decodes
+        and sums what it got; (key, float32 sum) of the pieces owned here."""
+        if not plan.compressed:
+            return []
+        comp, rank, size = self.compressor, self.t.rank, self.t.size
+        outgoing: list = [[] for _ in range(size)]
+        mine = []
+        for key, layout in plan.compressed:
+            flat = by_key[key][0].reshape(-1)
+            for p in layout.pieces:
+                payload, _ = comp.compress(flat[p.start:p.stop], self._residual(key, p))
+                outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
+                if p.server == rank:
+                    mine.append((key, layout, p))
+        send_counts = [sum(b.size for b in out) for out in outgoing]
+        send = np.concatenate([b for out in outgoing for b in out])
+        formats = [self._payload_format(p.stop - p.start) for _, _, p in mine]
+        per_source = sum(nbytes for _, nbytes in formats)
+        recv = np.empty(per_source * size, np.uint8)
+        BYTE = self.t.MPI.BYTE
+        request = self.t.comm.Ialltoallv(
+            [send, send_counts, _displacements(send_counts), BYTE],
+            [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
+        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        merged, offset = [], 0
+        for (key, layout, p), (dtype, nbytes) in zip(mine, formats):
+            n = p.stop - p.start
+            total = np.empty(n, np.float32)
+            for source in range(size):
+                start = source * per_source + offset
+                payload = recv[start:start + nbytes].view(dtype)
+                comp.decompress(payload, Ctx(n, (n,)), total, accumulate=source > 0)
+            merged.append((key, total if layout.split else total.reshape(layout.shape)))
+            offset += nbytes
+        return merged
+
+    def _residual(self, key, piece):
+        """The error-feedback residual of this process for one piece of a key."""
+        if not self.compressor.uses_residual:
+            return None
+        slot = (key, piece.start)
+        residual = self._residuals.get(slot)
+        if residual is None:
+            residual = self._residuals[slot] = np.zeros(piece.stop - piece.start, np.float32)
+        return residual
+
+    def _payload_format(self, n: int) -> tuple:
+        """(dtype, bytes) of the payload of `n` elements under the compressor."""
+        found = self._formats.get(n)
+        if found is None:
+            residual = np.zeros(n, np.float32) if self.compressor.uses_residual else None
+            payload, _ = self.compressor.compress(np.zeros(n, np.float32), residual)
+            found = self._formats[n] = (payload.dtype, payload.nbytes)
+        return found
+
+    def set_compression(self, compressor) -> None:
+        """Compress on the wire from now on (every process must set the same: a push
+        of processes that differ fails as a mismatch)."""
+        self.compressor = compressor
+        self._residuals = {}
+        self._formats = {}
+
+    def _all_gather(self, plan: _Round, by_key: dict, what: str) -> None:
+        comm, BYTE = self.t.comm, self.t.MPI.BYTE
+        requests = []
+        for key, layout in plan.split:
+            itemsize = layout.dtype.itemsize
+            sizes = [(p.stop - p.start) * itemsize for p in layout.pieces]
+            displs = [p.start * itemsize for p in layout.pieces]
+            replica = by_key[key][1]
+            requests.append(comm.Iallgatherv(as_bytes(self.shard.stored(key)),
+                                             [as_bytes(replica), sizes, displs, BYTE]))
+        if plan.gather_keys:
+            send = plan.gather_send
+            offset = 0
+            for key in plan.mine_small:  # after the update: the new values
+                stored = as_bytes(self.shard.stored(key))
+                send[offset:offset + stored.size] = stored
+                offset += stored.size
+            requests.append(comm.Iallgatherv(send, [plan.gather_recv, plan.gather_counts,
+                                                    _displacements(plan.gather_counts),
+                                                    BYTE]))
+        self.t.wait_all(requests, f"{what}: all-gather")
+        recv = plan.gather_recv
+        for key, offset, nbytes in plan.gather_keys:
+            as_bytes(by_key[key][1])[...] = recv[offset:offset + nbytes]
+
+    # ------------------------------------------------------- updaters, barrier
+    def set_optimizer(self, optimizer) -> None:
+        """Rank 0's optimizer runs on every shard (each process may pass its own)."""
+        self.flush()
+        self.agree.check(("set_optimizer", ()), "set_optimizer")
+        optimizer = self._from_rank0(optimizer, "set_optimizer")
+        if getattr(optimizer, "per_key_norms", False):
+            for key, layout in self.layouts.items():
+                if layout.split:
+                    raise ArgumentError(
+                        f"key {key!r}: {optimizer.name} needs each key whole (its norms are "
+                        f"per key), but this key of {np.prod(layout.shape)} elements is "
+                        f"split over processes; raise bigarray_bound above its size")
+        self.shard.set_optimizer(optimizer)
+
+    def _from_rank0(self, obj, what: str):
+        return from_rank0(self.t, obj, what)
+
+    def set_updater(self, updater) -> None:
+        """Each process runs its own `updater` on the pieces it owns."""
+        self.shard.set_updater(updater)
+
+    def barrier(self) -> None:
+        self.flush()
+        self.agree.check(("barrier", ()), "barrier")
+
+    def pull(self, keys, replicas) -> None:
+        """The replicas are current after every round: only queued inits need a round."""
+        self.flush()
+
+    # ------------------------------------------------------------- checkpoints
+    def optimizer_state(self, dump: bool):
+        """Every shard's optimizer state merged, on rank 0 (None elsewhere, and without
+        an optimizer)."""
+        self.flush()
+        self.agree.check(("optimizer_state", ()), "saving the optimizer state")
+        starts = {k: p.start for k, layout in self.layouts.items() for p in layout.pieces
+                  if p.server == self.t.rank}
+        export = mark_starts(self.shard.export_state(dump), starts)
+        exports = self.t.comm.gather(export, root=0)
+        if self.t.rank != 0:
+            return None
+        return merge(exports, {k: layout.shape for k, layout in self.layouts.items()})
+
+    def restore(self, values: dict, state) -> None:
+        """Load `values` ({key: full array}, on every rank) and the optimizer `state`
+        ((header, arrays) of the whole store, or None): each shard checks its part
+        first; any failure changes nothing and raises CheckpointError on every rank."""
+        self.flush()
+        self.agree.check(("restore", tuple(sorted(values))), "load")
+        t = self.t
+        checked, error = None, None
+        if state is not None:
+            sizes = {k: int(np.prod(layout.shape)) for k, layout in self.layouts.items()}
+            try:
+                checked = self.shard.check_state(cut(*state, t.rank, t.size, self.bound,
+                                                     sizes))
+            except GpukvError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        errors = t.comm.allgather(error)
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise CheckpointError(failed)
+        for key, value in values.items():
+            for p in self.layouts[key].pieces:
+                if p.server == t.rank:
+                    self.shard.assign(key, value.reshape(-1)[p.start:p.stop])
+        if checked is not None:
+            self.shard.apply_state(checked)
+
+    def share(self, obj, what: str):
+        """Rank 0's `obj` on every rank."""
+        return from_rank0(self.t, obj, what)
+
+
+def _displacements(counts: list) -> list:
+    return [0] + list(itertools.accumulate(counts))[:-1]

@@ -1,0 +1,35 @@
+"""Which process serves which part of a key: small keys whole, spread by a hash of the key,
+big keys split into one contiguous piece per server.
+
+The hash is of the key itself (never of the order keys were made in), so processes that
+create their keys in different orders still agree on every key's servers.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+#: MXNet's MXNET_KVSTORE_BIGARRAY_BOUND: keys of at least this many elements are split
+DEFAULT_BIGARRAY_BOUND = 1_000_000
+
+
+class Piece(NamedTuple):
+    """Elements [start, stop) of a key's flattened value, served by `server`."""
+    server: int
+    start: int
+    stop: int
+
+
+def key_hash(key) -> int:
+    """A hash of `key` that every process computes alike (Python's `hash` of a str
+    differs between processes)."""
+    text = key.encode("utf-8", "surrogatepass") if isinstance(key, str) else str(key).encode()
+    return zlib.crc32(text)
+
+
+def pieces(key, size: int, servers: int, bound: int) -> tuple:
+    """The pieces of a key of `size` elements over `servers` servers."""
+    if size >= bound and size >= servers > 1:
+        cuts = [size * s // servers for s in range(servers + 1)]
+        return tuple(Piece(s, cuts[s], cuts[s + 1]) for s in range(servers))
+    return (Piece(key_hash(key) % servers, 0, size),)

@@ -1,0 +1,164 @@
+"""MPI through mpi4py, with every wait bounded.
+
+Each wait polls nonblocking requests against a deadline instead of blocking in MPI, so a
+peer that died or stalls becomes a `PeerError` naming what was waited for and who did not
+answer. Once a transport has failed it stays failed: the messages still in flight make
+the communicator unusable, and at exit the process aborts the MPI job (a non-zero exit,
+the reason on stderr) rather than hang in `MPI_Finalize`.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+
+import numpy as np
+
+from .._errors import BackendError, PeerError
+
+#: message tags: requests to a server, its small replies, errors, agreement, the raw
+#: bytes of pushes, and what rank 0 shares
+TAG_REQUEST = 1
+TAG_REPLY = 2
+TAG_ERROR = 3
+TAG_DIGEST = 4
+TAG_VERDICT = 5
+TAG_SIGNATURE = 6
+TAG_PUSH_DATA = 7
+TAG_SHARE = 8
+#: data replies use their own tags from here on (one per outstanding request)
+TAG_DATA = 64
+
+_broken: list = []  # the transports that failed, for the exit handler
+_handler_installed = False
+
+
+def mpi():
+    """mpi4py's MPI module, or BackendError saying how to get it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendError("dist stores need mpi4py and an MPI library: pip install "
+                           "'gpukv[mpi]' (mpi4py and the mpich wheel, which brings "
+                           f"mpiexec), then launch with `mpiexec -n N python prog.py` ({exc})"
+                           ) from exc
+    return MPI
+
+
+def _abort_if_broken() -> None:
+    """At exit, a failed transport aborts the job instead of waiting in MPI_Finalize for
+    messages that will never match."""
+    if _broken:
+        transport = _broken[0]
+        sys.stderr.write(f"gpukv: rank {transport.rank}: aborting the MPI job: "
+                         f"{transport.failure}\n")
+        sys.stderr.flush()
+        transport.comm.Abort(1)
+
+
+class Transport:
+    """A communicator, its rank and size, and the timeout every wait is bounded by."""
+
+    def __init__(self, comm, timeout: float):
+        global _handler_installed
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = float(timeout)
+        self.failure: PeerError | None = None
+        self.MPI = mpi()
+        if not _handler_installed:
+            atexit.register(_abort_if_broken)
+            _handler_installed = True
+
+    # ------------------------------------------------------------------ failures
+    def check(self) -> None:
+        """Raise the failure this transport already had, if any."""
+        if self.failure is not None:
+            raise type(self.failure)(str(self.failure))
+
+    def fail(self, error: PeerError) -> PeerError:
+        """Record `error` as this transport's failure and return it (to raise)."""
+        if self.failure is None:
+            self.failure = error
+            _broken.append(self)
+        return error
+
+    # --------------------------------------------------------------------- waits
+    def poll(self, done, what: str, timeout: float | None = None, on_timeout=None):
+        """Call `done()` until it returns something other than None, and return that.
+
+        Spins (yielding the CPU) for the first milliseconds, then sleeps a little longer
+        each time, so an oversubscribed machine still runs the peers. After `timeout`
+        seconds (the transport's by default): `on_timeout()` if given (which may return a
+        PeerError to raise), else a PeerError naming `what`.
+        """
+        result = done()
+        if result is not None:
+            return result
+        start = time.monotonic()
+        limit = self.timeout if timeout is None else timeout
+        nap = 0.0
+        while True:
+            result = done()
+            if result is not None:
+                return result
+            waited = time.monotonic() - start
+            if waited > limit:
+                error = on_timeout() if on_timeout is not None else None
+                if error is None:
+                    error = PeerError(f"rank {self.rank}: {what}: no answer within "
+                                      f"{limit:g} s (GPUKV_DIST_TIMEOUT)")
+                raise self.fail(error)
+            if waited < 0.002:
+                time.sleep(0)
+            else:
+                nap = min(0.001, nap + 0.00005)
+                time.sleep(nap)
+
+    def wait_all(self, requests: list, what: str, timeout: float | None = None,
+                 on_timeout=None) -> None:
+        """Complete every MPI request of `requests` (see `poll`)."""
+        if not requests:
+            return
+        test_all = self.MPI.Request.Testall
+        self.poll(lambda: True if test_all(requests) else None, what, timeout, on_timeout)
+
+    def recv_object(self, source: int, tag: int, what: str, timeout: float | None = None,
+                    on_timeout=None):
+        """(object, its source) of the next pickled message from `source` with `tag`."""
+        status = self.MPI.Status()
+        improbe = self.comm.improbe
+
+        def arrived():
+            message = improbe(source=source, tag=tag, status=status)
+            return message
+        message = self.poll(arrived, what, timeout, on_timeout)
+        return message.recv(), status.Get_source()
+
+    def try_recv_object(self, source: int, tag: int):
+        """(object, source) of a waiting pickled message, or None when there is none."""
+        status = self.MPI.Status()
+        message = self.comm.improbe(source=source, tag=tag, status=status)
+        if message is None:
+            return None
+        return message.recv(), status.Get_source()
+
+    # ------------------------------------------------------------------ sending
+    def send_object(self, obj, dest: int, tag: int):
+        """Start sending pickled `obj`; the request (complete it with `wait_all`)."""
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def send_array(self, array: np.ndarray, dest: int, tag: int):
+        """Start sending the bytes of contiguous `array` (kept alive by the caller)."""
+        return self.comm.Isend(as_bytes(array), dest=dest, tag=tag)
+
+    def recv_array(self, array: np.ndarray, source: int, tag: int):
+        """Start receiving bytes into contiguous `array`."""
+        return self.comm.Irecv(as_bytes(array), source=source, tag=tag)
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of contiguous `array` (MPI has no 16-bit float type to move them as)."""
+    assert array.flags.c_contiguous, "MPI buffers are contiguous"  # a copy would be lost
+    return array.reshape(-1).view(np.uint8)

@@ -1,0 +1,81 @@
+"""Launching a program under `mpiexec -n N python -m mpi4py ...` from a test, with a timeout,
+so that a hang fails one test instead of the run.
+
+Without mpi4py or mpiexec the MPI tests skip, unless GPUKV_TEST_MPI=1 (as in CI), where
+they fail: a run that was meant to test several processes cannot pass without them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def mpiexec() -> str | None:
+    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def require_mpi() -> str:
+    """mpiexec's path; skips (fails with GPUKV_TEST_MPI=1) when MPI is missing."""
+    launcher = mpiexec()
+    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py")),
+                                     ("mpiexec", launcher)) if not ok]
+    if missing:
+        message = (f"needs {' and '.join(missing)} (pip install 'gpukv[mpi]')")
+        if os.environ.get("GPUKV_TEST_MPI") == "1":
+            pytest.fail(message + "; GPUKV_TEST_MPI=1 asks for the MPI tests to run")
+        pytest.skip(message)
+    assert launcher is not None
+    return launcher
+
+
+def run(program: str | Path, n: int, *args: str, env: dict | None = None,
+        timeout: float = 120, module: bool = False) -> subprocess.CompletedProcess:
+    """Run `program` (a file in tests/dist/programs, a path, or with `module` a module
+    name for `python -m`) on `n` processes; the finished process, stdout and stderr as text.
+
+    Fails the test (with both outputs) when the job does not end within `timeout` s.
+    """
+    launcher = require_mpi()
+    if module:
+        target = ["-m", str(program)]
+    else:
+        path = Path(program)
+        target = [str(path if path.is_absolute() else PROGRAMS / path)]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("GPUKV_DIST_TIMEOUT", "30")
+    command = [launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *target, *args]
+    # A session of its own: on timeout the whole job (mpiexec and every rank) is killed.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True, env=full_env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not end within {timeout} s\n"
+                    f"stdout:\n{_text(stdout)}\nstderr:\n{_text(stderr)}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _text(raw) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    """stdout of a job that must have succeeded (else fail with its outputs)."""
+    assert result.returncode == 0, (f"exit status {result.returncode}\nstdout:\n"
+                                    f"{result.stdout}\nstderr:\n{result.stderr}")
+    return result.stdout

@@ -1,0 +1,361 @@
+"""Programs the MPI tests launch: `mpiexec -n N python -m mpi4py scenarios.py NAME [ARGS]`.
+
+Each scenario runs on every rank, checks what it must with asserts (an AssertionError
+aborts the job under `python -m mpi4py`, so the test sees a non-zero exit and the
+traceback), and prints one `PASS worker R ...` line per worker on success. Failure
+scenarios print `CAUGHT <error type>: <message>` on every rank that got the error.
+Options: the environment variables GPUKV_NUM_SERVERS and GPUKV_DIST_TIMEOUT, and
+STORE (default dist_sync).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import gpukv
+
+STORE = os.environ.get("STORE", "dist_sync")
+
+
+def create(**options):
+    return gpukv.create(STORE, **options)
+
+
+def passed(kv, *details) -> None:
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", *details, flush=True)
+
+
+def caught(kv_rank, exc) -> None:
+    print(f"CAUGHT {type(exc).__name__} on worker {kv_rank}: {exc}", flush=True)
+
+
+# ------------------------------------------------------------------- MXNet's tests
+def sync_sgd(dtype: str = "float32", rounds: str = "3") -> None:
+    """MXNet's dist_sync test: keys initialised to ones, each worker pushes ones*(rank+1)
+    every round; with SGD(lr) the value after round i is 1 - lr*n(n+1)/2*(i+1). A small
+    int key, a small str-free key list and a big key split over every server."""
+    kv = create(bigarray_bound=1000)
+    lr, n, r = 0.05, kv.num_workers, kv.rank
+    shapes = {3: (2, 3), 5: (30, 40), 7: (1200,)}  # 1200 >= bigarray_bound: split
+    dt = np.dtype(dtype)
+    kv.init(list(shapes), [np.ones(s, dt) for s in shapes.values()])
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=lr))
+    for i in range(int(rounds)):
+        grads = [np.ones(s, dt) * (r + 1) for s in shapes.values()]
+        kept = [g.copy() for g in grads]
+        kv.push(list(shapes), grads)
+        for g, k in zip(grads, kept):  # the pushed arrays are never overwritten
+            assert np.array_equal(g, k), "push changed the caller's gradient"
+        outs = [np.zeros(s, dt) for s in shapes.values()]
+        kv.pull(list(shapes), out=outs)
+        expect = 1 - lr * n * (n + 1) / 2 * (i + 1)
+        tol = 1e-2 if dt == np.float16 else 1e-5
+        for key, out in zip(shapes, outs):
+            assert np.allclose(out, expect, atol=tol), (key, i, out.reshape(-1)[:4], expect)
+    kv.barrier()
+    passed(kv, f"value {float(outs[0].reshape(-1)[0]):.4f}")
+
+
+def sync_assign() -> None:
+    """Without an updater a round assigns the sum of every worker's push (MXNet)."""
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    kv.init(["w", "big"], [np.zeros((4, 5), np.float32), np.zeros(2000, np.float64)])
+    for i in range(2):
+        kv.push("w", [np.full((4, 5), r + 1.0, np.float32)] * 2)  # two devices
+        kv.push("big", np.full(2000, (r + 1.0) * (i + 1)))
+        out = np.zeros((4, 5), np.float32)
+        big = np.zeros(2000)
+        kv.pull(["w", "big"], out=[out, big])
+        assert np.all(out == n * (n + 1)), out
+        assert np.all(big == n * (n + 1) / 2 * (i + 1)), big[:3]
+    passed(kv)
+
+
+def async_sgd(rounds: str = "4") -> None:
+    """dist_async: every push is applied as it comes; after every worker pushed `rounds`
+    times (and a barrier), the SGD value is 1 - lr * rounds * n(n+1)/2, whatever the
+    order the server saw them in."""
+    kv = create(bigarray_bound=1000)
+    lr, n, r = 0.01, kv.num_workers, kv.rank
+    kv.init(["a", "b"], [np.ones(6, np.float32), np.ones(1500, np.float32)])
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=lr))
+    for _ in range(int(rounds)):
+        kv.push(["a", "b"], [np.full(6, r + 1.0, np.float32), np.full(1500, r + 1.0,
+                                                                      np.float32)])
+    kv.barrier()
+    outs = [np.zeros(6, np.float32), np.zeros(1500, np.float32)]
+    kv.pull(["a", "b"], out=outs)
+    expect = 1 - lr * int(rounds) * n * (n + 1) / 2
+    for out in outs:
+        assert np.allclose(out, expect, atol=1e-5), (out[:3], expect)
+    passed(kv)
+
+
+def async_needs_optimizer() -> None:
+    """dist_async without an optimizer assigns each push as it comes (MXNet's server
+    does); after a barrier every worker reads one worker's whole push."""
+    kv = create()
+    r, n = kv.rank, kv.num_workers
+    kv.init("w", np.zeros(8, np.float32))
+    kv.push("w", np.full(8, r + 1.0, np.float32))
+    kv.barrier()
+    out = np.zeros(8, np.float32)
+    kv.pull("w", out=out)
+    assert out[0] in [w + 1.0 for w in range(n)] and np.all(out == out[0]), out
+    passed(kv)
+
+
+# ------------------------------------------------------------------ the other calls
+def calls() -> None:
+    """pushpull (into the value and into outs), broadcast, string keys made in another
+    order on each worker, row_sparse_pull, keys(), len, in, rank and num_workers."""
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    names = ["emb", "w", "b"] if r % 2 else ["b", "w", "emb"]
+    shapes = {"emb": (50, 30), "w": (3, 4), "b": (4,)}
+    for name in names:
+        kv.init(name, np.full(shapes[name], float(r + 10), np.float32))  # rank 0's wins
+    assert sorted(kv.keys()) == ["b", "emb", "w"] and len(kv) == 3 and "w" in kv
+    out = np.zeros((3, 4), np.float32)
+    kv.pull("w", out=out)
+    assert np.all(out == 10), out
+    value = np.full((3, 4), r + 1.0, np.float32)
+    kv.pushpull("w", value)  # no updater: the sum over workers, written back into value
+    assert np.all(value == n * (n + 1) / 2), value
+    outs = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pushpull("b", np.ones(4, np.float32), out=outs)
+    assert all(np.all(o == n) for o in outs), outs
+    bc = np.zeros(5, np.float64)
+    kv.broadcast("c", np.full(5, float(r + 7)), out=bc)
+    assert np.all(bc == 7), bc  # rank 0's value
+    grad = np.zeros((50, 30), np.float32)
+    grad[r] = 1.0
+    kv.push("emb", grad)
+    rows = gpukv.RowSparse(np.array([0, 1]), np.zeros((2, 30), np.float32), shape=(50, 30))
+    kv.row_sparse_pull("emb", out=rows, row_ids=np.array([1, 0]))
+    dense = np.zeros((50, 30), np.float32)
+    kv.pull("emb", out=dense)
+    assert np.all(dense[:n] == 1) and np.all(dense[n:] == 0), dense[:, 0]
+    assert np.array_equal(rows.data, dense[:2]), rows.data[:, 0]
+    passed(kv)
+
+
+def device_sync() -> None:
+    """dist_device_sync with CuPy arrays on several GPUs of each process: summed on the
+    GPUs, then across processes; pulls land on every GPU."""
+    import cupy
+    kv = create(bigarray_bound=1000)
+    lr, n, r = 0.1, kv.num_workers, kv.rank
+    gpus = cupy.cuda.runtime.getDeviceCount()
+
+    def on(i, array):
+        with cupy.cuda.Device(i % gpus):
+            return cupy.asarray(array)
+    kv.init(["w", "h"], [on(0, np.ones((40, 30), np.float32)), on(1, np.ones(6, np.float16))])
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=lr))
+    for i in range(2):
+        kv.push(["w", "h"], [[on(d, np.full((40, 30), (r + 1) / 2, np.float32)) for d in (0, 1)],
+                             [on(d, np.full(6, (r + 1) / 2, np.float16)) for d in (2, 3)]])
+        outs = [[on(d, np.zeros((40, 30), np.float32)) for d in range(gpus)],
+                [on(d, np.zeros(6, np.float16)) for d in range(gpus)]]
+        kv.pull(["w", "h"], out=outs)
+        expect = 1 - lr * n * (n + 1) / 2 * (i + 1)
+        for o in outs[0] + outs[1]:
+            assert isinstance(o, cupy.ndarray)
+            assert np.allclose(cupy.asnumpy(o), expect, atol=1e-2), (cupy.asnumpy(o), expect)
+    passed(kv, f"on {gpus} GPUs")
+
+
+def compression(kind: str = "2bit") -> None:
+    """Compression on the wire gives what a one-process 'device' store with the same
+    compression gives for the same sources (each worker one source, with its residual)."""
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    params = {"type": kind, "threshold": 0.5} if kind in ("2bit", "1bit") else {"type": kind}
+    kv.set_gradient_compression(params)
+    reference = gpukv.create("device")
+    reference.set_gradient_compression(params)
+    shapes = {"a": (3, 4), "b": (1500,), "i": (5,)}  # 'b' split; 'i' int: not compressed
+    dtypes = {"a": np.float32, "b": np.float32, "i": np.int32}
+    for key, shape in shapes.items():
+        kv.init(key, np.zeros(shape, dtypes[key]))
+        reference.init(key, np.zeros(shape, dtypes[key]))
+    rng = np.random.default_rng(0)  # the same draws on every worker
+    for _ in range(3):
+        grads = {k: [(rng.standard_normal(s) * 2).astype(dtypes[k]) for _ in range(n)]
+                 for k, s in shapes.items()}
+        kv.push(list(shapes), [grads[k][r] for k in shapes])
+        reference.push(list(shapes), [grads[k] for k in shapes])
+        for key, shape in shapes.items():
+            got, want = np.zeros(shape, dtypes[key]), np.zeros(shape, dtypes[key])
+            kv.pull(key, out=got)
+            reference.pull(key, out=want)
+            assert np.allclose(got, want, atol=1e-5), (key, got.reshape(-1)[:4],
+                                                       want.reshape(-1)[:4])
+    assert kv.gradient_compression == reference.gradient_compression
+    passed(kv)
+
+
+# ------------------------------------------------------------------------ checkpoints
+def save(path: str, optimizer: str = "adam") -> None:
+    """Train two rounds, save the store and the optimizer state (every worker calls;
+    worker 0 writes), train one more round and print the value it gave."""
+    kv = create(bigarray_bound=1000)
+    r = kv.rank
+    _keys(kv)
+    kv.set_optimizer(gpukv.optim.create(optimizer, learning_rate=0.1))
+    for i in range(2):
+        kv.push(["a", "b"], _grads(r, i))
+    kv.save(path + ".store")
+    kv.save_optimizer_states(path + ".states", dump_optimizer=True)
+    kv.push(["a", "b"], _grads(r, 2))
+    print(f"VALUE worker {r} {_checksum(kv)!r}", flush=True)
+    passed(kv)
+
+
+def load(path: str, optimizer: str = "adam") -> None:
+    """Load what `save` wrote (maybe saved with other process and server counts), redo
+    its last round, and print the value: the same as `save` printed."""
+    kv = create(bigarray_bound=1000)
+    r = kv.rank
+    _keys(kv, fill=5.0)  # other values: the file's must replace them
+    kv.set_optimizer(gpukv.optim.create(optimizer, learning_rate=0.1))
+    kv.load(path + ".store")
+    kv.load_optimizer_states(path + ".states")
+    kv.push(["a", "b"], _grads(r, 2, workers=int(os.environ.get("SAVED_WORKERS", "0"))))
+    print(f"VALUE worker {r} {_checksum(kv)!r}", flush=True)
+    passed(kv)
+
+
+def load_bad(path: str) -> None:
+    """A file whose key has another shape: CheckpointError on every worker, and the
+    store is unchanged (and still usable)."""
+    kv = create(bigarray_bound=1000)
+    kv.init("a", np.ones((7, 7), np.float32))
+    try:
+        kv.load(path + ".store")
+    except gpukv.CheckpointError as exc:
+        caught(kv.rank, exc)
+    out = np.zeros((7, 7), np.float32)
+    kv.push("a", np.ones((7, 7), np.float32))
+    kv.pull("a", out=out)
+    assert np.all(out == kv.num_workers), out
+    passed(kv)
+
+
+def _keys(kv, fill: float = 1.0) -> None:
+    kv.init(["a", "b"], [np.full((2, 3), fill, np.float32), np.full((1100,), fill, np.float32)])
+
+
+def _grads(rank: int, step: int, workers: int = 0) -> list:
+    """Worker `rank`'s gradients at `step`; with `workers`, the sum a worker pushes alone
+    to stand for that many workers (a store saved by several, loaded by one)."""
+    ranks = range(workers) if workers else [rank]
+    a = sum(np.arange(6, dtype=np.float32).reshape(2, 3) * (w + 1 + step) for w in ranks)
+    b = sum(np.linspace(-1, 1, 1100, dtype=np.float32) * (w + 2 + step) for w in ranks)
+    return [a, b]
+
+
+def _checksum(kv) -> list:
+    a, b = np.zeros((2, 3), np.float32), np.zeros(1100, np.float32)
+    kv.pull(["a", "b"], out=[a, b])
+    return [round(float(x), 5) for x in (a.sum(), b.sum(), b[7])]
+
+
+# ----------------------------------------------------------------------------- failures
+def stall(victim: str = "1") -> None:
+    """Worker `victim` stops answering (sleeps past the timeout): every other worker gets
+    a PeerError naming it, in bounded time."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    if kv.rank == int(victim):
+        time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
+    try:
+        for _ in range(3):
+            kv.push("w", np.ones(4, np.float32))
+            kv.pull("w", out=np.zeros(4, np.float32))
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
+def kill(victim: str = "1") -> None:
+    """Worker `victim` dies (SIGKILL) in the middle of training."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    for step in range(3):
+        if step == 1 and kv.rank == int(victim):
+            os.kill(os.getpid(), signal.SIGKILL)
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w", out=np.zeros(4, np.float32))
+    passed(kv)
+
+
+def shape_mismatch() -> None:
+    """Workers that init one key with different shapes: every worker gets a
+    PeerMismatchError naming the key (at its next call that talks to the others)."""
+    kv = create()
+    try:
+        kv.init("w", np.ones(4 + kv.rank, np.float32))
+        kv.pull("w", out=np.zeros(4 + kv.rank, np.float32))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
+def key_mismatch() -> None:
+    """Workers that push different keys in one round (num_servers=0): a
+    PeerMismatchError naming both calls on every worker, instead of mixed data."""
+    kv = create()
+    kv.init(["a", "b"], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    try:
+        kv.push("a" if kv.rank == 0 else "b", np.ones(4, np.float32))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
+def lamb_split() -> None:
+    """LAMB needs whole keys: a key split over servers is refused at set_optimizer, on
+    every worker, naming the key; the store goes on with SGD."""
+    kv = create(bigarray_bound=100)
+    kv.init("w", np.ones(1000, np.float32))
+    try:
+        kv.set_optimizer(gpukv.optim.create("lamb"))
+    except gpukv.ArgumentError as exc:
+        caught(kv.rank, exc)
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.5))
+    kv.push("w", np.ones(1000, np.float32))
+    out = np.zeros(1000, np.float32)
+    kv.pull("w", out=out)
+    assert np.allclose(out, 1 - 0.5 * kv.num_workers), out[:3]
+    passed(kv)
+
+
+def updater_function() -> None:
+    """set_updater with a function defined at module level runs where the keys are
+    served (pickled to dedicated servers), once per round with the workers' sum."""
+    kv = create()
+    kv.init(9, np.zeros(3))
+    kv.set_updater(double_and_add)
+    kv.push(9, np.ones(3))
+    out = np.zeros(3)
+    kv.pull(9, out=out)
+    assert np.all(out == 2 * kv.num_workers), out
+    passed(kv)
+
+
+def double_and_add(key, merged, stored):
+    stored += 2 * merged
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])

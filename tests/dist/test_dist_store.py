@@ -1,0 +1,251 @@
+"""The dist stores across real MPI processes (tests/dist/programs/scenarios.py under
+`mpiexec`): MXNet's dist_sync expectations, async mode, every call, both server
+placements, dist_device_sync on (emulated) GPUs, compression on the wire, checkpoints,
+and failures that end in bounded time with typed errors on every rank."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .. import gpu_env
+from .mpirun import ok, require_mpi, run
+
+pytestmark = pytest.mark.mpi
+
+# (processes, dedicated servers): every rank serves, one server, two servers
+PLACEMENTS = [(2, 0), (3, 0), (3, 1), (4, 2)]
+
+
+def _scenario(n: int, servers: int, *args: str, store: str = "dist_sync", timeout: float = 30,
+              gpus: bool = False, limit: float = 120) -> subprocess.CompletedProcess:
+    env = gpu_env.subprocess_env(gpus=gpus)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT=str(timeout), STORE=store)
+    return run("scenarios.py", n, *args, env=env, timeout=limit)
+
+
+def _caught(out: str, error: str) -> list:
+    """The messages of the `CAUGHT` lines for `error` (ranks print at once: lines may run
+    into each other, so they are found by pattern, not by line)."""
+    return re.findall(rf"CAUGHT {error} on worker \d+: (.*?)(?=CAUGHT|$)", out, re.M | re.S)
+
+
+def _passes(result, workers: int) -> str:
+    out = ok(result)
+    for w in range(workers):
+        assert f"PASS worker {w} of {workers}" in out, out
+    return out
+
+
+@pytest.mark.parametrize("n,servers", PLACEMENTS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sync_sgd_follows_mxnet(n, servers, dtype):
+    """After round i every worker pulls 1 - lr*n(n+1)/2*(i+1) (MXNet's dist_sync test),
+    small and split keys, float32 and float16 (summed in float32)."""
+    _passes(_scenario(n, servers, "sync_sgd", dtype), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_sync_without_updater_assigns_the_sum(n, servers):
+    """No updater: a round assigns the sum over workers (and over each worker's devices)."""
+    _passes(_scenario(n, servers, "sync_assign"), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 1), (4, 2)])
+def test_async_applies_every_push(n, servers):
+    """dist_async: SGD applied once per push; after a barrier the value counts them all."""
+    _passes(_scenario(n, servers, "async_sgd", store="dist_async"), n - servers)
+
+
+def test_async_without_optimizer_assigns_each_push():
+    """dist_async with no optimizer assigns the last push that arrived (MXNet's server)."""
+    _passes(_scenario(3, 1, "async_needs_optimizer", store="dist_async"), 2)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (4, 1)])
+def test_calls(n, servers):
+    """pushpull, broadcast, str keys made in another order per worker, row_sparse_pull."""
+    _passes(_scenario(n, servers, "calls"), n - servers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_device_sync_on_gpus(n, servers):
+    """dist_device_sync: each process sums on its GPUs, then across processes."""
+    _passes(_scenario(n, servers, "device_sync", store="dist_device_sync", gpus=True),
+            n - servers)
+
+
+@pytest.mark.parametrize("kind", ["2bit", "1bit", "fp16"])
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_compression_on_the_wire(n, servers, kind):
+    """Compressed pushes equal a one-process store's with one source per worker."""
+    _passes(_scenario(n, servers, "compression", kind, store="dist_device_sync"),
+            n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_updater_function_runs_where_keys_are_served(n, servers):
+    _passes(_scenario(n, servers, "updater_function"), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (4, 2)])  # one server splits nothing
+def test_lamb_refuses_split_keys(n, servers):
+    out = _passes(_scenario(n, servers, "lamb_split"), n - servers)
+    lines = _caught(out, "ArgumentError")
+    assert len(lines) == n - servers, out
+    assert all("key 'w': lamb needs each key whole" in ln for ln in lines), lines
+
+
+# ------------------------------------------------------------------------ checkpoints
+def _values(out: str) -> dict:
+    return dict(re.findall(r"VALUE worker (\d+) (\[[^]]*\])", out))
+
+
+@pytest.mark.parametrize("saved,loaded", [((3, 0), (1, 0)), ((3, 1), (3, 2)),
+                                          ((4, 2), (1, 0))])
+def test_checkpoint_loads_onto_any_placement(tmp_path, saved, loaded):
+    """A dist checkpoint (values and Adam's state gathered from every shard) loads onto
+    another number of processes and servers, and training goes on exactly as it would
+    have (the same values after the next round)."""
+    path = str(tmp_path / "ckpt")
+    out = _passes(_scenario(*saved, "save", path), saved[0] - saved[1])
+    before = set(_values(out).values())
+    assert len(before) == 1, out
+    n, servers = loaded
+    workers = n - servers
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT="30",
+               SAVED_WORKERS=str(saved[0] - saved[1]))
+    assert workers == 1  # it pushes the saved workers' sum alone
+    result = run("scenarios.py", n, "load", path, env=env)
+    after = set(_values(_passes(result, workers)).values())
+    assert after == before, (before, after)
+
+
+def test_checkpoint_loads_into_a_local_store(tmp_path):
+    """A dist checkpoint is the file a one-process store writes: 'local' loads it."""
+    path = str(tmp_path / "ckpt")
+    _passes(_scenario(3, 0, "save", path), 3)
+    code = (
+        "import numpy as np, gpukv\n"
+        "kv = gpukv.create('local')\n"
+        "kv.set_optimizer(gpukv.optim.create('adam', learning_rate=0.1))\n"
+        f"kv.load({path + '.store'!r})\n"
+        "kv.load_optimizer_states(" + repr(path + ".states") + ")\n"
+        "print(sorted(kv.keys()))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=gpu_env.subprocess_env(gpus=False))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['a', 'b']"
+
+
+def test_bad_checkpoint_fails_on_every_worker_and_changes_nothing(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _passes(_scenario(2, 0, "save", path), 2)
+    out = _passes(_scenario(3, 1, "load_bad", path), 2)
+    lines = _caught(out, "CheckpointError")
+    assert len(lines) == 2 and all("key 'a'" in ln for ln in lines), out
+
+
+# ---------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_stalled_worker_is_named_on_every_rank(n, servers):
+    """A worker that stops answering: the others raise PeerError naming it within a few
+    timeouts, and the job ends (non-zero) instead of hanging."""
+    start = time.monotonic()
+    result = _scenario(n, servers, "stall", "1", timeout=3, limit=90)
+    took = time.monotonic() - start
+    assert result.returncode != 0
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == n - servers - 1, result.stdout + result.stderr
+    assert all(re.search(r"(rank|worker)\(s\) 1 did not", ln) for ln in lines), lines
+    assert took < 60, took
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_killed_worker_ends_the_job(n, servers):
+    """A worker killed mid-training ends the whole job with a non-zero status and
+    mpiexec's message naming the dead rank, in bounded time (mpiexec aborts the job)."""
+    result = _scenario(n, servers, "kill", "1", timeout=5, limit=90)
+    assert result.returncode != 0, result.stdout
+    assert "PASS" not in result.stdout
+    assert "BAD TERMINATION" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_shape_mismatch_names_key_and_workers(n, servers):
+    result = _scenario(n, servers, "shape_mismatch", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers, result.stdout + result.stderr
+    assert all("key 'w'" in ln and "(4,)" in ln and "(5,)" in ln for ln in lines), lines
+
+
+def test_different_keys_in_one_round_are_refused():
+    result = _scenario(2, 0, "key_mismatch", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert all("key 'a'" in ln and "key 'b'" in ln for ln in lines), lines
+
+
+# ------------------------------------------------------------------ one process, options
+def _single(code: str, **env) -> subprocess.CompletedProcess:
+    """`code` in a plain python process (MPI starts as a singleton, no mpiexec)."""
+    require_mpi()
+    full = gpu_env.subprocess_env(gpus=False)
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", "import numpy as np, gpukv\n" + code],
+                          capture_output=True, text=True, timeout=120, env=full)
+
+
+def test_one_process_is_a_whole_job():
+    """Without mpiexec a dist store is one worker serving every key."""
+    result = _single(
+        "kv = gpukv.create('dist_sync')\n"
+        "kv.init(1, np.ones(3)); kv.push(1, [np.ones(3), np.ones(3)])\n"
+        "out = np.zeros(3); kv.pull(1, out=out); kv.barrier()\n"
+        "print(kv.rank, kv.num_workers, kv.num_servers, out.tolist(), kv.type)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "0 1 0 [2.0, 2.0, 2.0] dist_sync"
+
+
+@pytest.mark.parametrize("code,error,words", [
+    ("gpukv.create('dist_async')", "ArgumentError", "needs dedicated servers"),
+    ("gpukv.create('dist_sync', num_servers=1)", "ArgumentError", "num_servers=1"),
+    ("gpukv.create('dist_sync', num_servers='1')", "ArgumentKindError", "num_servers"),
+    ("gpukv.create('dist_sync', timeout=0)", "ArgumentError", "timeout=0"),
+    ("gpukv.create('dist_sync', bigarray_bound=0)", "ArgumentError", "bigarray_bound=0"),
+    ("gpukv.create('dist_sync', servers=2)", "ArgumentKindError", "'servers': unknown"),
+])
+def test_bad_options_are_typed_errors(code, error, words):
+    result = _single(f"try:\n    {code}\nexcept gpukv.GpukvError as e:\n"
+                     f"    print(type(e).__name__, e)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(error) and words in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("var,value", [("GPUKV_NUM_SERVERS", "two"),
+                                       ("GPUKV_DIST_TIMEOUT", "soon"),
+                                       ("GPUKV_BIGARRAY_BOUND", "-1")])
+def test_malformed_environment_is_named(var, value):
+    result = _single("try:\n    gpukv.create('dist_sync')\nexcept gpukv.ArgumentError as e:\n"
+                     "    print(e)\n", **{var: value})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{var}={value!r}"), result.stdout
+
+
+def test_bad_push_is_refused_before_anything_moves():
+    """A wrong shape is the usual typed error, raised before any message is sent: the
+    store goes on working."""
+    result = _single(
+        "kv = gpukv.create('dist_sync')\n"
+        "kv.init('w', np.ones(3))\n"
+        "try:\n    kv.push('w', np.ones(4))\nexcept gpukv.ShapeError as e:\n    print(e)\n"
+        "kv.push('w', np.ones(3)); out = np.zeros(3); kv.pull('w', out=out)\n"
+        "print(out.tolist())\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["key 'w': push expects shape (3,), got (4,)",
+                                             "[1.0, 1.0, 1.0]"]
