@@ -19,7 +19,8 @@ import numpy as np
 from . import check
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, CheckpointError
-from .store import KVStore
+from ..device.host_sum import share_cpus
+from .store import KVStore, _PushPlan
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
@@ -37,6 +38,25 @@ class _Shard(KVStore):
 
     def stored(self, key) -> np.ndarray:
         return self._entries[key].value
+
+    def adopt(self, keys, arrays) -> None:
+        """Serve `arrays` themselves (views of a worker's copies of the keys) as the
+        values of new `keys`: updates land in the worker's copy, with no copy between."""
+        self.init(keys, arrays)
+        for key, array in zip(keys, arrays):
+            self._entries[key].value = array
+
+    def update(self, keys, merged) -> None:
+        """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
+        in the store's order; a `merged` that is the stored array itself is assigned."""
+        entries = [self._entries[k] for k in keys]
+        updater = self._updater
+        if updater is not None:
+            updater.check(keys, [e.value for e in entries])
+        updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
+                   if updater is not None or m is not e.value]
+        if updates:
+            self._run_push(_PushPlan([], [], [], updates, [], []))
 
     def assign(self, key, value) -> None:
         """Set a key's value, without the updater (a checkpoint's value)."""
@@ -57,6 +77,10 @@ class _Shard(KVStore):
 
     def apply_state(self, plan) -> None:
         self._updater.apply_state(plan, {k: e.home for k, e in self._entries.items()})
+
+    def apply_settings(self, settings: tuple) -> None:
+        """The optimizer takes over a worker's `Optimizer.settings()`."""
+        self._optimizer.apply_settings(settings)
 
 
 class _SavedState:
@@ -95,7 +119,9 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
         try:
             timeout = float(raw) if raw else DEFAULT_TIMEOUT
         except ValueError:
-            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected seconds > 0") from None
+            timeout = -1.0
+        if not timeout > 0:
+            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected seconds > 0")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ArgumentError(f"timeout={timeout!r}: expected seconds > 0")
     if bigarray_bound is None:
@@ -124,8 +150,12 @@ def _raise(outcome):
     return outcome
 
 
-class DistKVStore:
-    """A store shared by the processes of an MPI job (see `gpukv.create`)."""
+class DistKVStore(KVStore):
+    """A store shared by the processes of an MPI job (see `gpukv.create`).
+
+    A `KVStore` to its users (every public call is its own here); its local state is two
+    one-process stores and an engine, not KVStore's own, whose constructor it does not run.
+    """
 
     def __init__(self, name: str, *, num_servers: int | None = None,
                  timeout: float | None = None, bigarray_bound: int | None = None,
@@ -139,6 +169,8 @@ class DistKVStore:
         self._num_servers = servers
         self._lock = threading.RLock()
         transport = Transport(comm, timeout)
+        # The ranks on this machine share its CPUs: each sums and copies with its share.
+        share_cpus(comm.Split_type(mpi().COMM_TYPE_SHARED).Get_size())
         if servers == 0:
             from ..dist.sharded import ShardedRounds
             self._engine: Any = ShardedRounds(transport, _Shard(), bound)
@@ -153,7 +185,8 @@ class DistKVStore:
         self._grads = KVStore(local, **local_options)
         self._on_host = local == "local"
         self._host: dict = {}  # key -> this process's host copy of its value
-        self._optimizer = False  # whether set_optimizer was called
+        self._has_optimizer = False  # whether set_optimizer was called
+        self._optimizer_followed: Any = None  # the optimizer set_optimizer was given
 
     # ----------------------------------------------------------------- properties
     @property
@@ -251,6 +284,8 @@ class DistKVStore:
         return entries
 
     def _push(self, groups, entries) -> None:
+        if self._has_optimizer:
+            self._engine.follow(self._optimizer_followed)
         grads = self._local_sums(groups, entries)
         replicas = [self._replica(k) for k in groups.keys]
         self._engine.push(groups.keys, grads, replicas)
@@ -361,15 +396,19 @@ class DistKVStore:
     _set_updater = set_updater
 
     def set_optimizer(self, optimizer: "Optimizer") -> None:
-        """Run `optimizer` where the keys are served; rank 0's optimizer wins (as in
-        MXNet, where rank 0 sends it to the servers). Every worker calls it."""
+        """Run `optimizer` where the keys are served. Every worker calls it, with
+        optimizers of the same kind and options (else PeerMismatchError). Later changes
+        of its options (the learning rate, rescale_grad, multipliers) count, as in one
+        process: made on every worker with num_servers=0 (each runs its own on its
+        shard), on worker 0's optimizer with dedicated servers (it is sent to them)."""
         from ..optim import Optimizer
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
         with self._lock:
             self._engine.set_optimizer(optimizer)
-            self._optimizer = True
+            self._has_optimizer = True
+            self._optimizer_followed = optimizer
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
@@ -393,7 +432,7 @@ class DistKVStore:
         with self._lock:
             self._engine.check()
             keys = self._values.keys()
-            state = self._engine.optimizer_state(dump=True) if self._optimizer else None
+            state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
             error = None
             if self.rank == 0:
                 self._fetch(keys)
@@ -423,7 +462,7 @@ class DistKVStore:
             plan = checkpoint.plan_load(contents, snapshot)
             if plan.creates:
                 self.init([k for k, _, _ in plan.creates], [v for _, v, _ in plan.creates])
-            state = contents.optimizer if self._optimizer else None
+            state = contents.optimizer if self._has_optimizer else None
             values = dict(plan.updates)
             self._engine.restore(values, state)
             if self._engine.round_updates_replicas:
@@ -459,7 +498,7 @@ class DistKVStore:
             self._engine.restore({}, state)
 
     def _need_optimizer(self, op: str) -> None:
-        if not self._optimizer:
+        if not self._has_optimizer:
             raise ArgumentError(f"{op}: this store has no optimizer; call set_optimizer first")
 
     def __repr__(self):

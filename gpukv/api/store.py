@@ -15,7 +15,7 @@ import numpy as np
 
 from . import check
 from . import rows
-from .._errors import (ArgumentError, ArgumentKindError, BackendError, GpukvError,
+from .._errors import (ArgumentError, ArgumentKindError, GpukvError,
                        OutOfMemoryError)
 from ..comm import BroadcastJob, HostStrategy, ReduceJob, Strategy
 from ..comm.registry import all_strategy_options, make_strategy
@@ -239,6 +239,11 @@ class KVStore:
     @property
     def num_workers(self) -> int:
         return 1
+
+    @property
+    def num_servers(self) -> int:
+        """Dedicated server processes (dist stores; none in one process)."""
+        return 0
 
     @property
     def strategy(self) -> str:

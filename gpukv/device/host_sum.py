@@ -59,6 +59,14 @@ def _default_threads() -> int:
     return max(1, min(4, cpus or 1))
 
 
+def share_cpus(processes: int) -> None:
+    """This process shares the machine's CPUs with `processes` - 1 others (the ranks of an
+    MPI job on one machine): unless GPUKV_HOST_THREADS says otherwise, a large sum or copy
+    uses its share of them, not all of them."""
+    if positive_int("GPUKV_HOST_THREADS") is None:
+        globals()["THREADS"] = max(1, _default_threads() // max(1, processes))
+
+
 def thread_count() -> int:
     """The threads a large host sum or copy is cut over (`THREADS`), read from the
     environment on first use; a malformed `GPUKV_HOST_THREADS` is an ArgumentError."""

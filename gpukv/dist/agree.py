@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .._errors import PeerError, PeerMismatchError
+from .._errors import ArgumentError, PeerError, PeerMismatchError
 from .transport import TAG_DIGEST, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
 
 _OK = ("ok", "")
@@ -155,3 +155,16 @@ def from_rank0(t: Transport, obj, what: str):
     got, _ = t.recv_object(0, TAG_SHARE, f"{what}: waiting for rank 0",
                            timeout=2 * t.timeout + 1)
     return got
+
+
+def refuse_split(optimizer, layouts: dict, over: str) -> None:
+    """ArgumentError naming a split key when `optimizer` needs whole keys (LAMB: its norms
+    are per key); `layouts`: {key: (split, shape)}."""
+    if not getattr(optimizer, "per_key_norms", False):
+        return
+    for key, (split, shape) in layouts.items():
+        if split:
+            raise ArgumentError(
+                f"key {key!r}: {optimizer.name} needs each key whole (its norms are per "
+                f"key), but this key of {int(np.prod(shape))} elements is split over "
+                f"{over}; raise bigarray_bound above its size")

@@ -20,7 +20,7 @@ import numpy as np
 from .._errors import (ArgumentError, CheckpointError, GpukvError, PeerError,
                        PeerMismatchError)
 from ..update.compression import make_compressor
-from .agree import Agreement, from_rank0
+from .agree import Agreement, from_rank0, refuse_split
 from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import (TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST,
@@ -43,7 +43,7 @@ class _Key:
         self.inits: dict = {}          # worker -> (start, stop, shape, dtype str)
         self.initialised = False
         self.version = 0
-        self.queues = [collections.deque() for _ in range(workers)]
+        self.queues: list = [collections.deque() for _ in range(workers)]
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
 
@@ -62,6 +62,8 @@ class _Server:
         self.failure: PeerError | None = None
         self.compressors: dict = {}
         self.checked = None            # the state plan op_check_state made
+        self.init_waits: list = []     # (worker, reply tag, keys) of inits not answered
+        self.free: dict = {}           # (dtype, size) -> push buffers to reuse
 
     def worker_rank(self, w: int) -> int:
         return self.servers + w
@@ -69,26 +71,20 @@ class _Server:
     def run(self) -> None:
         t = self.t
         last_check = last_message = time.monotonic()
-        nap = 0.0
+        pause = t.pacer()
         while len(self.stopped) < self.workers:
             message = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_REQUEST)
             if message is not None:
-                nap = 0.0
                 self.handle(*message)
                 last_message = time.monotonic()
+                pause = t.pacer()
                 continue
             self.sending = [(r, b) for r, b in self.sending if not r.Test()]
             now = time.monotonic()
             if now - last_check > min(1.0, t.timeout / 4):
                 last_check = now
                 self.check_stalls(now)
-            # Busy, answer at once (yielding the CPU); idle a while, nap a little longer
-            # each time so a server costs nothing while the workers compute.
-            if now - last_message < 0.01:
-                time.sleep(0)
-            else:
-                nap = min(0.001, nap + 0.00002)
-                time.sleep(nap)
+            pause(now - last_message)  # idle a while: a server costs little
         t.wait_all([r for r, _ in self.sending], "sending the last replies")
 
     # ---------------------------------------------------------------- requests
@@ -113,13 +109,24 @@ class _Server:
         """The raw arrays that follow a request from `source` (described in `body`)."""
         if not body:
             return []
-        arrays = [np.empty(n, np.dtype(dtype)) for _, dtype, n in body["data"]]
+        arrays = [self.buffer(np.dtype(dtype), n) for _, dtype, n in body["data"]]
         self.t.wait_all([self.t.recv_array(a, source, TAG_PUSH_DATA) for a in arrays],
                         f"data of a request from worker {source - self.servers}")
         return arrays
 
+    def buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
+        """An array for a push, reused once its push is applied: a new one each time
+        would cost a page fault per page as it is first written."""
+        free = self.free.get((dtype, n))
+        return free.pop() if free else np.empty(n, dtype)
+
+    def release(self, arrays) -> None:
+        for a in arrays:
+            self.free.setdefault((a.dtype, a.size), []).append(a)
+
     def op_init(self, worker, source, body) -> None:
         arrays = self.receive_data(source, body)
+        self.init_waits.append((worker, body["tag"], [spec[0] for spec in body["keys"]]))
         for (key, start, stop, shape, dtype), value in zip(body["keys"], arrays or
                                                            itertools.repeat(None)):
             state = self.keys.setdefault(key, _Key(self.workers))
@@ -132,6 +139,17 @@ class _Server:
                 state.since = time.monotonic()
             if len(state.inits) == self.workers:
                 self.finish_init(key, state)
+        self.answer_inits()
+
+    def answer_inits(self) -> None:
+        """Tell each worker when every key of an init it sent exists everywhere."""
+        waiting = []
+        for worker, tag, keys in self.init_waits:
+            if all(self.keys[k].initialised for k in keys):
+                self.reply(worker, "ok", tag)
+            else:
+                waiting.append((worker, tag, keys))
+        self.init_waits = waiting
 
     def finish_init(self, key, state) -> None:
         specs = set(state.inits.values())
@@ -159,7 +177,8 @@ class _Server:
             key, comp = entry[0], entry[1]
             state = self.keys.setdefault(key, _Key(self.workers))
             if comp is not None:
-                array = self.decode(comp, array)
+                payload, array = array, self.decode(comp, array)
+                self.release([payload])
             if self.asynchronous and state.initialised:
                 self.apply(key, state, [array])
                 continue
@@ -174,8 +193,10 @@ class _Server:
         compressor = self.compressors.get(params)
         if compressor is None:
             compressor = self.compressors[params] = make_compressor(dict(params))
+        assert compressor is not None  # the params of a compressor at work
         from ..update.compression import Ctx
-        return compressor.decompress(payload, Ctx(size, (size,)))
+        return compressor.decompress(payload, Ctx(size, (size,)),
+                                     self.buffer(np.dtype(np.float32), size))
 
     def complete_rounds(self, key, state) -> None:
         if not state.initialised:
@@ -194,6 +215,7 @@ class _Server:
         shape = self.shard.stored(key).shape
         self.shard.push(key, [g.reshape(shape) for g in grads])
         state.version += 1
+        self.release(grads)
 
     def op_pull(self, worker, source, body) -> None:
         self.pulls.append((worker, body["tag"], body["keys"]))
@@ -215,6 +237,15 @@ class _Server:
                 request = self.t.send_array(value, self.worker_rank(worker), tag)
                 self.sending.append((request, value))
         self.pulls = waiting
+
+    def op_settings(self, worker, source, body) -> None:
+        """Worker 0 changed its optimizer's options: so does this server's."""
+        self.shard.apply_settings(body["settings"])
+
+    def op_flush(self, worker, source, body) -> None:
+        """Every earlier request of `worker` is done (requests of one worker are handled
+        in order): say so."""
+        self.reply(worker, "ok", body["tag"])
 
     def op_set_optimizer(self, worker, source, body) -> None:
         self.shard.set_optimizer(pickle.loads(body["optimizer"]))
@@ -250,8 +281,8 @@ class _Server:
     def keys_specs(self) -> dict:
         return {k: s.spec for k, s in self.keys.items() if s.initialised}
 
-    def reply(self, worker, obj) -> None:
-        request = self.t.send_object(obj, self.worker_rank(worker), TAG_REPLY)
+    def reply(self, worker, obj, tag: int = TAG_REPLY) -> None:
+        request = self.t.send_object(obj, self.worker_rank(worker), tag)
         self.sending.append((request, None))
 
     # ------------------------------------------------------------------ failures
@@ -319,6 +350,8 @@ class ServerClient:
         self.compressor = None
         self.residuals: dict = {}
         self._tags = itertools.count()
+        self._unsettled: list = []  # (server, reply tag, first key) of inits not answered
+        self._sent_settings = None  # the optimizer options the servers have
         self._stopped = False
         import atexit
         atexit.register(self.stop)
@@ -364,11 +397,12 @@ class ServerClient:
                on_timeout=lambda: PeerError(f"worker {self.rank}: {what}: no answer from the "
                                             f"server(s) within {t.timeout * 1.5 + 1:g} s"))
 
-    def _reply(self, server: int, what: str):
+    def _reply(self, server: int, what: str, tag: int = TAG_REPLY):
+        """The next reply of `server` (on `tag`), failing at once on a reported failure."""
         t = self.t
 
         def arrived():
-            got = t.try_recv_object(server, TAG_REPLY)
+            got = t.try_recv_object(server, tag)
             if got is not None:
                 return got
             error = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_ERROR)
@@ -396,14 +430,28 @@ class ServerClient:
                     data.append(np.ascontiguousarray(flat[p.start:p.stop]))
         requests = []
         for server, (specs, data) in by_server.items():
-            body = {"keys": specs, "data": [(s[0], "u1", a.nbytes) for s, a in
-                                            zip(specs, data)]}
+            tag = self._tag()
+            body = {"keys": specs, "tag": tag, "data": [(s[0], "u1", a.nbytes) for s, a in
+                                                        zip(specs, data)]}
             requests += self._request(server, "init", body,
                                       [a.view(np.uint8) for a in data])
+            self._unsettled.append((server, tag, keys[0]))
         self._wait(requests, f"init of key {keys[0]!r}")
 
-    def push(self, keys, grads, replicas) -> None:
+    def _tag(self) -> int:
+        return TAG_DATA + next(self._tags) % _REPLY_TAGS
+
+    def _settle(self) -> None:
+        """Wait until the servers made every key this worker created: they answer once
+        all workers have sent theirs (a mismatch between workers is raised here)."""
         self.check()
+        while self._unsettled:
+            server, tag, key = self._unsettled[0]
+            self._reply(server, f"init of key {key!r}: waiting for every worker's init", tag)
+            self._unsettled.pop(0)
+
+    def push(self, keys, grads, replicas) -> None:
+        self._settle()
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad in zip(keys, grads):
             layout, shape, dtype = self.layouts[key]
@@ -436,18 +484,18 @@ class ServerClient:
         return payload, (tuple(sorted(comp.params().items())), ctx.size)
 
     def pull(self, keys, replicas) -> None:
-        self.check()
+        self._settle()
         t = self.t
         by_server: dict = collections.defaultdict(list)
         requests = []
-        tags = {}
+        tags: dict = {}
         for key, replica in zip(keys, replicas):
             layout, _, _ = self.layouts[key]
             flat = replica.reshape(-1)
             for p in layout:
                 tag = tags.get(p.server)
                 if tag is None:
-                    tag = tags[p.server] = TAG_DATA + next(self._tags) % _REPLY_TAGS
+                    tag = tags[p.server] = self._tag()
                 by_server[p.server].append((key, self.pushes[key]))
                 requests.append(t.recv_array(flat[p.start:p.stop], p.server, tag))
         for server, wanted in by_server.items():
@@ -455,8 +503,28 @@ class ServerClient:
         self._wait(requests, f"pull of key {keys[0]!r}")
 
     def set_optimizer(self, optimizer) -> None:
+        """Worker 0's optimizer goes to the servers (every worker's must agree)."""
+        self._settle()
+        self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
+                         "set_optimizer")
+        refuse_split(optimizer, {k: (len(layout) > 1, shape)
+                                 for k, (layout, shape, _) in self.layouts.items()}, "servers")
         self._to_servers("set_optimizer", {"optimizer": pickle.dumps(optimizer)},
-                         "set_optimizer", check_lamb=optimizer)
+                         "set_optimizer")
+        self._sent_settings = optimizer.settings()
+
+    def follow(self, optimizer) -> None:
+        """Send worker 0's optimizer options to the servers when they changed (before
+        its next push, which they handle after them)."""
+        if self.rank != 0:
+            return
+        settings = optimizer.settings()
+        if settings != self._sent_settings:
+            requests = []
+            for server in range(self.servers):
+                requests += self._request(server, "settings", {"settings": settings})
+            self._wait(requests, "sending the optimizer's options")
+            self._sent_settings = settings
 
     def set_updater(self, updater) -> None:
         try:
@@ -466,17 +534,10 @@ class ServerClient:
                                 f"(a function defined at module level): {exc}") from exc
         self._to_servers("set_updater", {"updater": blob}, "set_updater")
 
-    def _to_servers(self, op: str, body, what: str, check_lamb=None) -> None:
+    def _to_servers(self, op: str, body, what: str) -> None:
         """Worker 0 sends `op` to every server; every worker returns once all have it."""
-        self.check()
+        self._settle()
         self.agree.check((op, ()), what)
-        if check_lamb is not None and getattr(check_lamb, "per_key_norms", False):
-            for key, (layout, shape, _) in self.layouts.items():
-                if len(layout) > 1:
-                    raise ArgumentError(
-                        f"key {key!r}: {check_lamb.name} needs each key whole (its norms are "
-                        f"per key), but this key of {int(np.prod(shape))} elements is split "
-                        f"over servers; raise bigarray_bound above its size")
         if self.rank == 0:
             requests = []
             for server in range(self.servers):
@@ -491,7 +552,16 @@ class ServerClient:
         self.residuals = {}
 
     def barrier(self) -> None:
-        self.check()
+        """Every worker's earlier calls are done on the servers (in dist_async too: each
+        server answers a flush after the pushes before it), then the workers meet."""
+        self._settle()
+        tags = {server: self._tag() for server in range(self.servers)}
+        requests = []
+        for server, tag in tags.items():
+            requests += self._request(server, "flush", {"tag": tag})
+        self._wait(requests, "barrier")
+        for server, tag in tags.items():
+            self._reply(server, "barrier: waiting for the servers", tag)
         self.agree.check(("barrier", ()), "barrier")
 
     def call_servers(self, op: str, body_for) -> list:
@@ -507,7 +577,7 @@ class ServerClient:
     def optimizer_state(self, dump: bool):
         """Every server's optimizer state merged, on worker 0 (None elsewhere, and
         without an optimizer)."""
-        self.check()
+        self._settle()
         self.agree.check(("optimizer_state", ()), "saving the optimizer state")
         if self.rank != 0:
             return None
@@ -518,13 +588,13 @@ class ServerClient:
         """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
         of the whole store, or None) onto the servers: every part is checked on its
         server first; any failure changes nothing and raises CheckpointError everywhere."""
-        self.check()
+        self._settle()
         self.agree.check(("restore", tuple(sorted(values))), "load")
         outcome = None
         if self.rank == 0:
             sizes = {k: int(np.prod(shape)) for k, (_, shape, _) in self.layouts.items()}
             errors = self.call_servers("check_state", lambda server: {
-                "state": None if state is None else cut(*state, server, self.servers,
+                "state": None if state is None else cut(state, server, self.servers,
                                                         self.bound, sizes)})
             outcome = next((e for e in errors if e is not None), None)
             if outcome is None:

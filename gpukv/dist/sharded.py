@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import ArgumentError, CheckpointError, GpukvError, PeerError
+from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
-from ..update.compression import Ctx, compressible
-from .agree import Agreement, from_rank0
+from ..update.compression import Compressor, Ctx, compressible
+from .agree import Agreement, from_rank0, refuse_split
 from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import Transport, as_bytes
@@ -58,6 +58,16 @@ class _Round(NamedTuple):
     mine_small: list   # small keys this process owns, in gather order
 
 
+class _SumPlan(NamedTuple):
+    """A round without an updater: allreduces."""
+    alone: list        # keys summed each by an allreduce of its own
+    packed: list       # ([(key, offset, elements)], send, recv) per wire dtype
+
+
+#: keys of at least this many bytes (and no narrow type) are summed on their own
+_ALONE_BYTES = 64 << 10
+
+
 class ShardedRounds:
     """The S = 0 engine of a dist store (see the module's docstring).
 
@@ -71,7 +81,7 @@ class ShardedRounds:
 
     def __init__(self, transport: Transport, shard, bound: int):
         self.t = transport
-        self.compressor = None
+        self.compressor: Compressor | None = None
         self.shard = shard
         self.bound = bound
         self.agree = Agreement(transport)
@@ -80,6 +90,8 @@ class ShardedRounds:
         self._rounds: dict = {}     # (keys in canonical order, compression) -> _Round
         self._residuals: dict = {}  # (key, piece start) -> error-feedback residual
         self._formats: dict = {}    # elements -> compressed payload (dtype, bytes)
+        self._assigns = True        # no updater yet: a round assigns the sum
+        self._buffers: dict = {}    # scratch buffers of compressed rounds
 
     @property
     def num_workers(self) -> int:
@@ -112,18 +124,18 @@ class ShardedRounds:
         comm = self.t.comm
         self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending],
                         f"init of key {pending[0][0]!r}: rank 0's values")
-        keys, chunks = [], []
+        keys, views = [], []
         for key, replica in pending:
             layout = KeyLayout(replica.shape, replica.dtype,
                                pieces(key, replica.size, self.t.size, self.bound),
                                accumulate_dtype(replica.dtype))
             self.layouts[key] = layout
             for piece in layout.pieces:
-                if piece.server == self.t.rank:
+                if piece.server == self.t.rank:  # served in place, inside this copy
                     keys.append(key)
-                    chunks.append(replica.reshape(-1)[piece.start:piece.stop] if layout.split
-                                  else replica)
-        self.shard.init(keys, chunks)
+                    views.append(replica.reshape(-1)[piece.start:piece.stop] if layout.split
+                                 else replica)
+        self.shard.adopt(keys, views)
         self._rounds.clear()
 
     # ------------------------------------------------------------------- push
@@ -141,15 +153,21 @@ class ShardedRounds:
         wire = None if comp is None else tuple(sorted(comp.params().items()))
         op = "push" if wire is None else f"push compressed with {dict(wire)}"
         self.agree.check((op, keys), what)
+        by_key = dict(zip(keys, zip(grads, replicas)))
+        if self._assigns and comp is None:  # the sum is the new value, everywhere
+            summed = self._rounds.get((keys, "sum"))
+            if summed is None:
+                summed = self._rounds[keys, "sum"] = self._sum_plan(keys)
+            self._allreduce(summed, by_key, what)
+            return
         plan = self._rounds.get((keys, wire))
         if plan is None:
             plan = self._rounds[keys, wire] = self._plan(keys)
-        by_key = dict(zip(keys, zip(grads, replicas)))
         merged = self._exchange_compressed(plan, by_key, what)
         merged += self._reduce_scatter(plan, by_key, what)
         if merged:
             try:
-                self.shard.push([k for k, _ in merged], [m for _, m in merged])
+                self.shard.update([k for k, _ in merged], [m for _, m in merged])
             except Exception as exc:  # the updater's: the others wait in the all-gather
                 self.t.fail(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
                                       f"{type(exc).__name__}: {exc}"))
@@ -158,7 +176,9 @@ class ShardedRounds:
 
     def _plan(self, keys) -> _Round:
         rank, size = self.t.rank, self.t.size
-        big, small, compressed = [], [], []
+        big: list = []
+        small: list = []
+        compressed: list = []
         comp = self.compressor
         for key in keys:
             layout = self.layouts[key]
@@ -170,16 +190,18 @@ class ShardedRounds:
                 counts = [p.stop - p.start for p in layout.pieces]
                 send = None if layout.wire == layout.dtype else np.empty(
                     sum(counts), layout.wire)
-                big.append((key, layout, send, np.empty(counts[rank], layout.wire), counts))
+                # Without an updater the sum is the new value: received where it is kept.
+                recv = (self.shard.stored(key) if self._assigns and send is None
+                        else np.empty(counts[rank], layout.wire))
+                big.append((key, layout, send, recv, counts))
         small.sort(key=lambda s: s[0])  # stable: keys stay in order within an owner
         packed = []
         summed = {k for k, _ in compressed}
         by_wire = sorted((s for s in small if s[1] not in summed), key=lambda s: s[2].wire.str)
-        for wire, group in itertools.groupby(by_wire, key=lambda s: s[2].wire):
-            group = sorted(group, key=lambda s: s[0])
+        for wire, run in itertools.groupby(by_wire, key=lambda s: s[2].wire):
             counts = [0] * size
             placed, mine, offset = [], [], 0
-            for owner, key, layout in group:
+            for owner, key, layout in sorted(run, key=lambda s: s[0]):
                 n = int(np.prod(layout.shape, dtype=np.int64))
                 if owner == rank:
                     mine.append((key, counts[rank]))
@@ -199,6 +221,48 @@ class ShardedRounds:
         return _Round(compressed, big, split, packed, gather_keys, gather_counts,
                       np.empty(gather_counts[rank], np.uint8), np.empty(offset, np.uint8),
                       mine_small)
+
+    def _sum_plan(self, keys) -> _SumPlan:
+        alone, packed = [], []
+        small = sorted((k for k in keys if not self._alone(k)),
+                       key=lambda k: self.layouts[k].wire.str)
+        for key in keys:
+            if self._alone(key):
+                alone.append(key)
+        for wire, run in itertools.groupby(small, key=lambda k: self.layouts[k].wire):
+            placed, offset = [], 0
+            for key in run:
+                n = int(np.prod(self.layouts[key].shape, dtype=np.int64))
+                placed.append((key, offset, n))
+                offset += n
+            packed.append((placed, np.empty(offset, wire), np.empty(offset, wire)))
+        return _SumPlan(alone, packed)
+
+    def _alone(self, key) -> bool:
+        """Whether a key is summed by an allreduce of its own, straight into its copy."""
+        layout = self.layouts[key]
+        return (layout.wire == layout.dtype
+                and int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
+                >= _ALONE_BYTES)
+
+    def _allreduce(self, plan: _SumPlan, by_key: dict, what: str) -> None:
+        """A round without an updater: one allreduce per big key, from the gradient into
+        this process's copy (which holds the pieces it serves), and one per dtype of the
+        small keys, packed."""
+        comm, SUM = self.t.comm, self.t.MPI.SUM
+        requests = []
+        for key in plan.alone:
+            grad, replica = by_key[key]
+            requests.append(comm.Iallreduce(np.ascontiguousarray(grad).reshape(-1),
+                                            replica.reshape(-1), op=SUM))
+        for placed, send, recv in plan.packed:
+            for key, offset, n in placed:
+                send[offset:offset + n] = by_key[key][0].reshape(-1)
+            requests.append(comm.Iallreduce(send, recv, op=SUM))
+        self.t.wait_all(requests, f"{what}: allreduce")
+        for placed, _, recv in plan.packed:
+            for key, offset, n in placed:
+                by_key[key][1].reshape(-1)[...] = recv[offset:offset + n]
 
     def _reduce_scatter(self, plan: _Round, by_key: dict, what: str) -> list:
         """Sum the uncompressed keys over the processes; (key, sum) of the pieces owned
@@ -236,6 +300,7 @@ class ShardedRounds:
         if not plan.compressed:
             return []
         comp, rank, size = self.compressor, self.t.rank, self.t.size
+        assert comp is not None  # the plan has compressed keys
         outgoing: list = [[] for _ in range(size)]
         mine = []
         for key, layout in plan.compressed:
@@ -249,7 +314,7 @@ class ShardedRounds:
         send = np.concatenate([b for out in outgoing for b in out])
         formats = [self._payload_format(p.stop - p.start) for _, _, p in mine]
         per_source = sum(nbytes for _, nbytes in formats)
-        recv = np.empty(per_source * size, np.uint8)
+        recv = self._scratch("payloads", np.uint8, per_source * size)
         BYTE = self.t.MPI.BYTE
         request = self.t.comm.Ialltoallv(
             [send, send_counts, _displacements(send_counts), BYTE],
@@ -258,7 +323,7 @@ class ShardedRounds:
         merged, offset = [], 0
         for (key, layout, p), (dtype, nbytes) in zip(mine, formats):
             n = p.stop - p.start
-            total = np.empty(n, np.float32)
+            total = self._scratch((key, p.start), np.float32, n)
             for source in range(size):
                 start = source * per_source + offset
                 payload = recv[start:start + nbytes].view(dtype)
@@ -267,8 +332,16 @@ class ShardedRounds:
             offset += nbytes
         return merged
 
+    def _scratch(self, name, dtype, n: int) -> np.ndarray:
+        """A buffer kept from round to round (a new one would fault in every page)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.size != n:
+            buf = self._buffers[name] = np.empty(n, dtype)
+        return buf
+
     def _residual(self, key, piece):
         """The error-feedback residual of this process for one piece of a key."""
+        assert self.compressor is not None
         if not self.compressor.uses_residual:
             return None
         slot = (key, piece.start)
@@ -281,6 +354,7 @@ class ShardedRounds:
         """(dtype, bytes) of the payload of `n` elements under the compressor."""
         found = self._formats.get(n)
         if found is None:
+            assert self.compressor is not None
             residual = np.zeros(n, np.float32) if self.compressor.uses_residual else None
             payload, _ = self.compressor.compress(np.zeros(n, np.float32), residual)
             found = self._formats[n] = (payload.dtype, payload.nbytes)
@@ -296,12 +370,12 @@ class ShardedRounds:
     def _all_gather(self, plan: _Round, by_key: dict, what: str) -> None:
         comm, BYTE = self.t.comm, self.t.MPI.BYTE
         requests = []
-        for key, layout in plan.split:
+        for key, layout in plan.split:  # this process's piece is already in place
             itemsize = layout.dtype.itemsize
             sizes = [(p.stop - p.start) * itemsize for p in layout.pieces]
             displs = [p.start * itemsize for p in layout.pieces]
             replica = by_key[key][1]
-            requests.append(comm.Iallgatherv(as_bytes(self.shard.stored(key)),
+            requests.append(comm.Iallgatherv(self.t.MPI.IN_PLACE,
                                              [as_bytes(replica), sizes, displs, BYTE]))
         if plan.gather_keys:
             send = plan.gather_send
@@ -320,25 +394,25 @@ class ShardedRounds:
 
     # ------------------------------------------------------- updaters, barrier
     def set_optimizer(self, optimizer) -> None:
-        """Rank 0's optimizer runs on every shard (each process may pass its own)."""
+        """Every process runs its own `optimizer` on its shard (they must agree), so that
+        changes made to it on every process (the learning rate, ...) count."""
         self.flush()
-        self.agree.check(("set_optimizer", ()), "set_optimizer")
-        optimizer = self._from_rank0(optimizer, "set_optimizer")
-        if getattr(optimizer, "per_key_norms", False):
-            for key, layout in self.layouts.items():
-                if layout.split:
-                    raise ArgumentError(
-                        f"key {key!r}: {optimizer.name} needs each key whole (its norms are "
-                        f"per key), but this key of {np.prod(layout.shape)} elements is "
-                        f"split over processes; raise bigarray_bound above its size")
+        self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
+                         "set_optimizer")
+        refuse_split(optimizer, {k: (layout.split, layout.shape)
+                                 for k, layout in self.layouts.items()}, "processes")
         self.shard.set_optimizer(optimizer)
+        self._assigns = False
+        self._rounds.clear()
 
-    def _from_rank0(self, obj, what: str):
-        return from_rank0(self.t, obj, what)
+    def follow(self, optimizer) -> None:
+        """Nothing to send: each process's own optimizer runs its shard."""
 
     def set_updater(self, updater) -> None:
         """Each process runs its own `updater` on the pieces it owns."""
         self.shard.set_updater(updater)
+        self._assigns = False
+        self._rounds.clear()
 
     def barrier(self) -> None:
         self.flush()
@@ -373,7 +447,7 @@ class ShardedRounds:
         if state is not None:
             sizes = {k: int(np.prod(layout.shape)) for k, layout in self.layouts.items()}
             try:
-                checked = self.shard.check_state(cut(*state, t.rank, t.size, self.bound,
+                checked = self.shard.check_state(cut(state, t.rank, t.size, self.bound,
                                                      sizes))
             except GpukvError as exc:
                 error = f"{type(exc).__name__}: {exc}"

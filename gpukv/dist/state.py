@@ -48,38 +48,36 @@ def merge(exports: list, shapes: dict) -> tuple[dict, dict] | None:
     return header, arrays_out
 
 
-def cut(header: dict, arrays: dict, server: int, servers: int, bound: int,
+def cut(state: tuple, server: int, servers: int, bound: int,
         sizes: dict) -> tuple[dict, dict]:
-    """The part of a full optimizer state (`merge`'s or a one-process file's) that
+    """The part of a full optimizer state ((header, arrays): `merge`'s or a one-process
+    file's) that
     `server` of `servers` keeps; `sizes`: {key: elements}. Keys the file has but the store
     has not stay in every part, so that the shard's own check names them."""
-    keys, out = [], {}
+    header, arrays = state
+    keys: list = []
+    out: dict = {}
     for i, info in enumerate(header.get("keys", [])):
         key = info.get("key") if isinstance(info, dict) else None
-        size = sizes.get(key)
-        names = (list(info.get("states", [])) + (["master"] if info.get("master") else [])
-                 if isinstance(info, dict) else [])
-        if size is None:
-            piece_list = None
-        else:
-            piece_list = [p for p in pieces(key, size, servers, bound) if p.server == server]
-            if not piece_list:
-                continue
+        size = sizes.get(key) if isinstance(key, (int, str)) else None
+        if size is None:  # damaged, or not a key of the store: its check will say so
+            keys.append(info)
+            continue
+        layout = pieces(key, size, servers, bound)
+        mine = [p for p in layout if p.server == server]
+        if not mine:
+            continue
         j = len(keys)
+        names = list(info.get("states") or []) + (["master"] if info.get("master") else [])
         info = dict(info)
-        if piece_list is not None and len(pieces(key, size, servers, bound)) > 1:
-            p = piece_list[0]
-            info["shape"] = [p.stop - p.start]
-            for name in names:
-                array = arrays.get(f"state/{i}/{name}")
-                if array is not None:
-                    out[f"state/{j}/{name}"] = np.ascontiguousarray(
-                        array.reshape(-1)[p.start:p.stop])
-        else:
-            for name in names:
-                array = arrays.get(f"state/{i}/{name}")
-                if array is not None:
-                    out[f"state/{j}/{name}"] = array
+        if len(layout) > 1:
+            info["shape"] = [mine[0].stop - mine[0].start]
+        for name in names:
+            array = arrays.get(f"state/{i}/{name}")
+            if array is None:
+                continue
+            out[f"state/{j}/{name}"] = (np.ascontiguousarray(
+                array.reshape(-1)[mine[0].start:mine[0].stop]) if len(layout) > 1 else array)
         keys.append(info)
     part = dict(header)
     part["keys"] = keys

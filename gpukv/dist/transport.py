@@ -9,6 +9,7 @@ the reason on stderr) rather than hang in `MPI_Finalize`.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 
@@ -67,6 +68,12 @@ class Transport:
         self.timeout = float(timeout)
         self.failure: PeerError | None = None
         self.MPI = mpi()
+        local = comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        #: the ranks on this machine (they share its cores)
+        self.local_size = local.Get_size()
+        local.Free()
+        self.oversubscribed = self.local_size > _usable_cpus()
+        _short_naps()
         if not _handler_installed:
             atexit.register(_abort_if_broken)
             _handler_installed = True
@@ -88,8 +95,9 @@ class Transport:
     def poll(self, done, what: str, timeout: float | None = None, on_timeout=None):
         """Call `done()` until it returns something other than None, and return that.
 
-        Spins (yielding the CPU) for the first milliseconds, then sleeps a little longer
-        each time, so an oversubscribed machine still runs the peers. After `timeout`
+        Spins (yielding the CPU to any other runnable process) for the first tens of
+        milliseconds, so an answer is seen at once, then sleeps a little longer each time,
+        so a long wait costs little. After `timeout`
         seconds (the transport's by default): `on_timeout()` if given (which may return a
         PeerError to raise), else a PeerError naming `what`.
         """
@@ -98,7 +106,7 @@ class Transport:
             return result
         start = time.monotonic()
         limit = self.timeout if timeout is None else timeout
-        nap = 0.0
+        pause = self.pacer()
         while True:
             result = done()
             if result is not None:
@@ -110,11 +118,28 @@ class Transport:
                     error = PeerError(f"rank {self.rank}: {what}: no answer within "
                                       f"{limit:g} s (GPUKV_DIST_TIMEOUT)")
                 raise self.fail(error)
-            if waited < 0.002:
-                time.sleep(0)
+            pause(waited)
+
+    def pacer(self):
+        """`pause(waited)`: how a wait spends the time between two tests.
+
+        MPI moves a nonblocking call on only while it is tested, so a process with a
+        core of its own tests again at once (yielding the CPU; `time.sleep(0)` would sleep
+        the timer slack each time) for the first tens of milliseconds. When this machine
+        runs more ranks than it has cores, the ranks being waited for need the CPU: past
+        a short spin, the wait sleeps, a little longer each time, up to a millisecond.
+        """
+        spin = 0.0002 if self.oversubscribed else 0.05
+        naps = [0.0]
+        yield_cpu, sleep = os.sched_yield, time.sleep
+
+        def pause(waited: float) -> None:
+            if waited < spin:
+                yield_cpu()
             else:
-                nap = min(0.001, nap + 0.00005)
-                time.sleep(nap)
+                naps[0] = min(0.001, naps[0] + 0.00002)
+                sleep(naps[0])
+        return pause
 
     def wait_all(self, requests: list, what: str, timeout: float | None = None,
                  on_timeout=None) -> None:
@@ -156,6 +181,23 @@ class Transport:
     def recv_array(self, array: np.ndarray, source: int, tag: int):
         """Start receiving bytes into contiguous `array`."""
         return self.comm.Irecv(as_bytes(array), source=source, tag=tag)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _short_naps() -> None:
+    """Let a sleep of tens of microseconds last about that (Linux's default timer slack
+    of 50 us would stretch each one): the waits above nap that short."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK: 1 us
+    except (OSError, AttributeError):
+        pass  # not Linux: naps are what the system makes them
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:

@@ -254,6 +254,22 @@ class Optimizer:
             out[name] = self.lr if name == "learning_rate" else getattr(self, name)
         return out
 
+    def settings(self) -> tuple:
+        """What may change while training (the options, such as the learning rate and
+        rescale_grad, and the per-key multipliers), as a comparable, picklable value:
+        a dist store sends it to its servers when it changes."""
+        return (tuple(sorted(self.options().items())), tuple(self.lr_mult.items()),
+                tuple(self.wd_mult.items()))
+
+    def apply_settings(self, settings: tuple) -> None:
+        """Take over what `settings()` of an optimizer of the same kind returned."""
+        options, lr_mult, wd_mult = settings
+        for name, value in options:
+            if name != "begin_num_update":  # the update counts have started
+                setattr(self, "lr" if name == "learning_rate" else name, value)
+        self.lr_mult = dict(lr_mult)
+        self.wd_mult = dict(wd_mult)
+
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({args})"

@@ -11,16 +11,22 @@
    `gpukv.torch.Trainer`: on the CPU for host devices, on CUDA when the demo's devices are
    GPUs that PyTorch sees. Otherwise the weights are arrays pushed to the store directly:
    on every GPU (CuPy) when there are some, else on host "devices" (NumPy).
+3. With `--dist`, inside an MPI job (`mpiexec -n 3 python -m gpukv demo --dist`): the
+   same training across processes on a `dist_sync` store, each process one worker with
+   its own data shard (NumPy arrays on the host); the workers serve the keys, or with
+   `--num-servers S` the first S processes do. Only worker 0 prints; the tutorial is not
+   run. Without mpiexec it trains one worker.
 
 Exit status: 0 when every tutorial value matches and the trained weights have a lower
-loss than the initial ones (on every device alike), 1 otherwise. Only NumPy is needed
-(PyTorch is used when it imports); tqdm or rich draw a progress bar when installed and
-stderr is a terminal.
+loss than the initial ones (on every device, or every worker, alike), 1 otherwise. Only
+NumPy is needed (PyTorch is used when it imports; --dist needs mpi4py); tqdm or rich draw
+a progress bar when installed and stderr is a terminal.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import math
 import sys
@@ -293,6 +299,23 @@ class _Progress:
             self._rich.stop()
 
 
+FEATURES, HIDDEN, PER_DEVICE = 8, 32, 512  # the MLP and the samples of each data shard
+
+
+def _problem(n: int, seed: int) -> tuple:
+    """(initial weights, one (x, y) shard per device or worker), in float32."""
+    x, y = (a.astype(np.float32) for a in _make_data(n * PER_DEVICE, FEATURES, seed))
+    params = {k: v.astype(np.float32) for k, v in _init_params(FEATURES, HIDDEN, seed).items()}
+    data = [(x[i * PER_DEVICE:(i + 1) * PER_DEVICE], y[i * PER_DEVICE:(i + 1) * PER_DEVICE])
+            for i in range(n)]
+    return params, data
+
+
+def _describe_training(n: int, per: str, where: str) -> str:
+    return (f"training: a {FEATURES}-{HIDDEN}-1 MLP on {n * PER_DEVICE} samples, "
+            f"{PER_DEVICE} per {per}, on {where}")
+
+
 def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
                  out=None, seed: int = 0) -> bool:
     """Data-parallel training on `place`; True when the loss of the trained weights is
@@ -302,18 +325,20 @@ def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
     on GPUs PyTorch cannot reach) it trains arrays pushed to the store directly.
     """
     out = sys.stdout if out is None else out
-    n, n_features, hidden, per_device = place.n, 8, 32, 512
-    x, y = (a.astype(np.float32) for a in _make_data(n * per_device, n_features, seed))
-    params = {k: v.astype(np.float32) for k, v in _init_params(n_features, hidden, seed).items()}
-    data = [(x[i * per_device:(i + 1) * per_device], y[i * per_device:(i + 1) * per_device])
-            for i in range(n)]
+    params, data = _problem(place.n, seed)
     devices = _torch_devices(place)
     engine = _ArrayTraining(place, params, data, lr) if devices is None else \
         _TrainerTraining(devices, params, data, lr, "device" if place.on_gpu else "local")
-    print(f"training: a {n_features}-{hidden}-1 MLP on {n * per_device} samples, "
-          f"{per_device} per device, on {engine.where(place)}", file=out)
+    print(_describe_training(place.n, "device", engine.where(place)), file=out)
+    return _train_and_judge(engine, steps, progress, out, place.n * PER_DEVICE,
+                            "the devices pulled different weights")
+
+
+def _train_and_judge(engine, steps: int, progress: str, out, samples: int,
+                     different: str) -> bool:
+    """Train, then print and return the verdict: the loss fell, the weights agree."""
     print(engine.header(), file=out)
-    first, elapsed = _train(engine, steps, progress, out, n * per_device)
+    first, elapsed = _train(engine, steps, progress, out, samples)
     consistent = engine.same_weights()
     # Step lines show the loss before each update: judge the weights the training ended with.
     final, accuracy = engine.final_loss()
@@ -326,7 +351,7 @@ def run_training(place: _Place, steps: int, lr: float, progress: str = "auto",
         print(f"training: loss went from {first:.4f} to {final:.4f} in {steps} steps   "
               "FAILED: the loss did not fall", file=out)
     if not consistent:
-        print("training: FAILED: the devices pulled different weights", file=out)
+        print(f"training: FAILED: {different}", file=out)
     return fell and consistent
 
 
@@ -499,6 +524,104 @@ def _torch_mlp(params: dict, device):
     return MLP()
 
 
+# ------------------------------------------------------------------ across processes
+
+
+class _DistTraining:
+    """One worker of an MPI job: the array training against a dist_sync store, on this
+    worker's data shard. Losses, accuracies and the check that the workers hold the same
+    weights are summed or gathered over the workers with mpi4py.
+
+    (gpukv.torch.Trainer is not used: it sets `rescale_grad` on its optimizer at every
+    step, and a dist store runs a copy of the optimizer taken at set_optimizer.)
+    """
+
+    def __init__(self, kv, comm, params: dict, shard: tuple, lr: float):
+        self.kv = kv
+        self.comm = comm
+        self.names = list(params)
+        self.local = {k: np.array(v) for k, v in params.items()}
+        self.shard = shard
+        kv.init(self.names, [self.local[k] for k in self.names])  # rank 0's values win
+        self.opt = _set_sgd(kv, lr, 0.9, 1.0 / kv.num_workers)
+        kv.pull(self.names, out=[self.local[k] for k in self.names])
+
+    def where(self, place=None) -> str:
+        servers = self.kv.num_servers
+        serving = f"{servers} dedicated server(s)" if servers else "each serving a shard"
+        return f"{self.kv.num_workers} worker process(es), {serving} (NumPy)"
+
+    def header(self) -> str:
+        return (f"training: gpukv.create('dist_sync', num_servers={self.kv.num_servers}), "
+                f"{len(self.names)} keys {self.names}, {self.opt}")
+
+    def _summed(self, loss, correct) -> tuple:
+        """(mean loss over the workers, right answers over every shard)."""
+        total = self.comm.allreduce(np.array([float(loss), float(correct)]))
+        return float(total[0]) / self.kv.num_workers, int(total[1])
+
+    def step(self) -> tuple:
+        loss, correct, grads = _loss_and_grads(np, self.local, *self.shard)
+        self.kv.push(self.names, [grads[k] for k in self.names])  # summed, then SGD
+        self.kv.pull(self.names, out=[self.local[k] for k in self.names])
+        return self._summed(loss, correct)
+
+    def final_loss(self) -> tuple:
+        loss, correct, _ = _loss_and_grads(np, self.local, *self.shard)
+        loss, correct = self._summed(loss, correct)
+        return loss, correct / (self.kv.num_workers * len(self.shard[0]))
+
+    def same_weights(self) -> bool:
+        digest = hashlib.sha256()
+        for k in self.names:
+            digest.update(self.local[k].tobytes())
+        return len(set(self.comm.allgather(digest.hexdigest()))) == 1
+
+
+def _workers_comm(kv):
+    """An MPI communicator of the workers: the first kv.num_servers ranks are servers,
+    whose `gpukv.create` never returned."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if kv.num_servers == 0:
+        return world
+    workers = world.Get_group().Range_incl([(kv.num_servers, world.Get_size() - 1, 1)])
+    return world.Create_group(workers)
+
+
+def _world_rank() -> int:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def run_dist(args) -> int:
+    """`gpukv demo --dist`: this process's part of the training across an MPI job; the
+    exit status, the same on every worker (servers end inside gpukv.create)."""
+    try:
+        kv = gpukv.create("dist_sync", num_servers=args.num_servers)
+    except gpukv.BackendError as exc:  # no mpi4py
+        print(f"gpukv demo --dist: {exc}", file=sys.stderr)
+        return 1
+    except gpukv.ArgumentError as exc:  # e.g. more servers than processes
+        if _world_rank() == 0:
+            print(f"gpukv demo --dist: {exc}", file=sys.stderr)
+        return 2
+    out = sys.stdout if kv.rank == 0 else io.StringIO()  # only worker 0 speaks
+    progress = args.progress if kv.rank == 0 else "plain"
+    params, data = _problem(kv.num_workers, args.seed)
+    engine = _DistTraining(kv, _workers_comm(kv), params, data[kv.rank], args.lr)
+    processes = kv.num_workers + kv.num_servers
+    print(f"gpukv {gpukv.__version__} demo across {processes} MPI process(es)", file=out)
+    print(_describe_training(kv.num_workers, "worker", engine.where()), file=out)
+    ok = _train_and_judge(engine, args.steps, progress, out, kv.num_workers * PER_DEVICE,
+                          "the workers hold different weights")
+    print("demo: OK" if ok else "demo: FAILED", file=out)
+    return 0 if ok else 1
+
+
 # ---------------------------------------------------------------------------------- CLI
 
 
@@ -510,6 +633,17 @@ def _at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _at_least_zero(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -530,12 +664,28 @@ def _parser() -> argparse.ArgumentParser:
                              "rich is installed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     parser.add_argument("--skip-tutorial", action="store_true", help="only train")
+    parser.add_argument("--dist", action="store_true",
+                        help="train across the processes of an MPI job on a dist_sync store "
+                             "(mpiexec -n 3 python -m gpukv demo --dist): one worker per "
+                             "process, worker 0 prints; no tutorial")
+    parser.add_argument("--num-servers", type=_at_least_zero, default=None, metavar="S",
+                        help="with --dist: the first S processes are dedicated servers "
+                             "(default: GPUKV_NUM_SERVERS, else 0: every process serves a "
+                             "shard of the keys)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 when everything checked out, 1 otherwise."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.dist:
+        if args.devices is not None:
+            parser.error("--devices: with --dist each process is one worker; choose the "
+                         "workers with mpiexec -n")
+        return run_dist(args)
+    if args.num_servers is not None:
+        parser.error("--num-servers needs --dist")
     place = _pick_devices(args)
     print(f"gpukv {gpukv.__version__} demo on {place.describe()}")
     ok = True

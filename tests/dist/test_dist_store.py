@@ -184,6 +184,20 @@ def test_shape_mismatch_names_key_and_workers(n, servers):
     assert all("key 'w'" in ln and "(4,)" in ln and "(5,)" in ln for ln in lines), lines
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_optimizers_that_differ_are_refused(n, servers):
+    result = _scenario(n, servers, "optimizer_mismatch", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers, result.stdout + result.stderr
+    assert all("set_optimizer(sgd" in ln and "0.1" in ln and "0.2" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
+def test_optimizer_changes_reach_the_shards(n, servers):
+    """set_learning_rate, rescale_grad and lr_mult changed between pushes count."""
+    _passes(_scenario(n, servers, "changing_options"), n - servers)
+
+
 def test_different_keys_in_one_round_are_refused():
     result = _scenario(2, 0, "key_mismatch", timeout=10)
     lines = _caught(result.stdout, "PeerMismatchError")

@@ -299,11 +299,12 @@ def kill(victim: str = "1") -> None:
 
 def shape_mismatch() -> None:
     """Workers that init one key with different shapes: every worker gets a
-    PeerMismatchError naming the key (at its next call that talks to the others)."""
+    PeerMismatchError naming the key (at its next call that talks to the others, here
+    a barrier)."""
     kv = create()
     try:
         kv.init("w", np.ones(4 + kv.rank, np.float32))
-        kv.pull("w", out=np.zeros(4 + kv.rank, np.float32))
+        kv.barrier()
     except gpukv.PeerMismatchError as exc:
         caught(kv.rank, exc)
         return
@@ -320,6 +321,43 @@ def key_mismatch() -> None:
     except gpukv.PeerMismatchError as exc:
         caught(kv.rank, exc)
         return
+    passed(kv)
+
+
+def optimizer_mismatch() -> None:
+    """Workers that set optimizers with other options: PeerMismatchError everywhere."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    try:
+        kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1 * (kv.rank + 1)))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
+def changing_options() -> None:
+    """Options changed on the optimizer while training count, as in one process: a new
+    learning rate, rescale_grad and a per-key multiplier (changed on every worker)."""
+    kv = create()
+    n, r = kv.num_workers, kv.rank
+    s = n * (n + 1) / 2  # the sum of the workers' pushes
+    kv.init(["a", "b"], [np.ones(3), np.ones(3)])
+    sgd = gpukv.optim.create("sgd", learning_rate=0.1)
+    kv.set_optimizer(sgd)
+    expect = {"a": 1.0, "b": 1.0}
+    for lr, rescale, mult_b in [(0.1, 1.0, 1.0), (0.01, 1.0, 1.0), (0.01, 0.5, 1.0),
+                                (0.01, 0.5, 3.0)]:
+        sgd.set_learning_rate(lr)
+        sgd.rescale_grad = rescale
+        sgd.set_lr_mult({"b": mult_b})
+        kv.push(["a", "b"], [np.full(3, r + 1.0), np.full(3, r + 1.0)])
+        expect["a"] -= lr * rescale * s
+        expect["b"] -= lr * mult_b * rescale * s
+        for key in "ab":
+            out = np.zeros(3)
+            kv.pull(key, out=out)
+            assert np.allclose(out, expect[key]), (key, lr, rescale, out, expect[key])
     passed(kv)
 
 
