@@ -12,10 +12,10 @@
    GPUs that PyTorch sees. Otherwise the weights are arrays pushed to the store directly:
    on every GPU (CuPy) when there are some, else on host "devices" (NumPy).
 3. With `--dist`, inside an MPI job (`mpiexec -n 3 python -m gpukv demo --dist`): the
-   same training across processes on a `dist_sync` store, each process one worker with
-   its own data shard (NumPy arrays on the host); the workers serve the keys, or with
-   `--num-servers S` the first S processes do. Only worker 0 prints; the tutorial is not
-   run. Without mpiexec it trains one worker.
+   same training across processes on a `dist_sync` store, each process one worker (one
+   CPU replica, or NumPy arrays without PyTorch) with its own data shard; the workers
+   serve the keys, or with `--num-servers S` the first S processes do. Only worker 0
+   prints; the tutorial is not run. Without mpiexec it trains one worker.
 
 Exit status: 0 when every tutorial value matches and the trained weights have a lower
 loss than the initial ones (on every device, or every worker, alike), 1 otherwise. Only
@@ -450,7 +450,8 @@ class _TrainerTraining:
     """The same MLP as torch replicas (one per device) trained by gpukv.torch.Trainer:
     backward on each shard, then `trainer.step(batch)` pushes, runs SGD and pulls."""
 
-    def __init__(self, devices: list, params: dict, data: list, lr: float, store: str):
+    def __init__(self, devices: list, params: dict, data: list, lr: float, store,
+                 batch: int | None = None):
         import torch
         import gpukv.torch
         self.torch = torch
@@ -458,12 +459,14 @@ class _TrainerTraining:
         self.models = [_torch_mlp(params, d) for d in devices]
         self.shards = [(torch.from_numpy(x).to(d), torch.from_numpy(y).to(d))
                        for d, (x, y) in zip(devices, data)]
-        self.samples = sum(len(x) for x, _ in data)
-        self.store = store
+        # The batch step() divides by: every sample of the step (those of every worker).
+        self.samples = batch or sum(len(x) for x, _ in data)
+        kv = store if isinstance(store, gpukv.KVStore) else gpukv.create(store)
+        self.store = kv.type
         self.lr = lr
         from ..optim import SGD
         self.trainer = gpukv.torch.Trainer(self.models, SGD(learning_rate=lr, momentum=0.9),
-                                           kvstore=gpukv.create(store))
+                                           kvstore=kv)
 
     def where(self, place: _Place) -> str:
         kind = "CUDA" if self.devices[0].type == "cuda" else "CPU"
@@ -506,6 +509,10 @@ class _TrainerTraining:
         return all(self.torch.equal(a, b.detach().cpu())
                    for m in self.models[1:] for a, b in zip(first, m.parameters()))
 
+    def weights(self) -> list:
+        """The first replica's weights, as NumPy arrays."""
+        return [p.detach().cpu().numpy() for p in self.models[0].parameters()]
+
 
 def _torch_mlp(params: dict, device):
     """A torch module computing the demo's MLP from `params` (w1, b1, w2, b2), on device."""
@@ -528,32 +535,27 @@ def _torch_mlp(params: dict, device):
 
 
 class _DistTraining:
-    """One worker of an MPI job: the array training against a dist_sync store, on this
-    worker's data shard. Losses, accuracies and the check that the workers hold the same
-    weights are summed or gathered over the workers with mpi4py.
-
-    (gpukv.torch.Trainer is not used: it sets `rescale_grad` on its optimizer at every
-    step, and a dist store runs a copy of the optimizer taken at set_optimizer.)
-    """
+    """One worker of an MPI job: an engine of the one-process demo (gpukv.torch.Trainer
+    with PyTorch, else arrays pushed to the store) on this worker's data shard and a
+    dist_sync store; losses and right answers are summed over the workers, and the check
+    that they hold the same weights compares digests, with mpi4py."""
 
     def __init__(self, kv, comm, params: dict, shard: tuple, lr: float):
         self.kv = kv
         self.comm = comm
-        self.names = list(params)
-        self.local = {k: np.array(v) for k, v in params.items()}
-        self.shard = shard
-        kv.init(self.names, [self.local[k] for k in self.names])  # rank 0's values win
-        self.opt = _set_sgd(kv, lr, 0.9, 1.0 / kv.num_workers)
-        kv.pull(self.names, out=[self.local[k] for k in self.names])
+        devices = _torch_devices(_Place(1, []))
+        self.inner = (_ArrayWorker(kv, params, shard, lr) if devices is None else
+                      _TrainerTraining(devices, params, [shard], lr, kv,
+                                       batch=len(shard[0]) * kv.num_workers))
 
     def where(self, place=None) -> str:
         servers = self.kv.num_servers
         serving = f"{servers} dedicated server(s)" if servers else "each serving a shard"
-        return f"{self.kv.num_workers} worker process(es), {serving} (NumPy)"
+        kind = "NumPy" if isinstance(self.inner, _ArrayWorker) else "PyTorch"
+        return f"{self.kv.num_workers} worker process(es), {serving} ({kind})"
 
     def header(self) -> str:
-        return (f"training: gpukv.create('dist_sync', num_servers={self.kv.num_servers}), "
-                f"{len(self.names)} keys {self.names}, {self.opt}")
+        return self.inner.header()
 
     def _summed(self, loss, correct) -> tuple:
         """(mean loss over the workers, right answers over every shard)."""
@@ -561,21 +563,49 @@ class _DistTraining:
         return float(total[0]) / self.kv.num_workers, int(total[1])
 
     def step(self) -> tuple:
-        loss, correct, grads = _loss_and_grads(np, self.local, *self.shard)
-        self.kv.push(self.names, [grads[k] for k in self.names])  # summed, then SGD
-        self.kv.pull(self.names, out=[self.local[k] for k in self.names])
-        return self._summed(loss, correct)
+        return self._summed(*self.inner.step())
 
     def final_loss(self) -> tuple:
-        loss, correct, _ = _loss_and_grads(np, self.local, *self.shard)
-        loss, correct = self._summed(loss, correct)
-        return loss, correct / (self.kv.num_workers * len(self.shard[0]))
+        loss, accuracy = self.inner.final_loss()  # its right answers / every worker's samples
+        loss, _ = self._summed(loss, 0)
+        return loss, float(self.comm.allreduce(accuracy))
 
     def same_weights(self) -> bool:
         digest = hashlib.sha256()
-        for k in self.names:
-            digest.update(self.local[k].tobytes())
+        for w in self.inner.weights():
+            digest.update(np.ascontiguousarray(w).tobytes())
         return len(set(self.comm.allgather(digest.hexdigest()))) == 1
+
+
+class _ArrayWorker:
+    """The array training of one worker on a dist store: its gradient is pushed, SGD
+    runs where the keys are served, the new weights are pulled."""
+
+    def __init__(self, kv, params: dict, shard: tuple, lr: float):
+        self.kv = kv
+        self.names = list(params)
+        self.local = {k: np.array(v) for k, v in params.items()}
+        self.shard = shard
+        kv.init(self.names, [self.local[k] for k in self.names])  # rank 0's values win
+        self.opt = _set_sgd(kv, lr, 0.9, 1.0 / kv.num_workers)
+        kv.pull(self.names, out=[self.local[k] for k in self.names])
+
+    def header(self) -> str:
+        return (f"training: gpukv.create({self.kv.type!r}, num_servers="
+                f"{self.kv.num_servers}), {len(self.names)} keys {self.names}, {self.opt}")
+
+    def step(self) -> tuple:
+        loss, correct, grads = _loss_and_grads(np, self.local, *self.shard)
+        self.kv.push(self.names, [grads[k] for k in self.names])  # summed, then SGD
+        self.kv.pull(self.names, out=[self.local[k] for k in self.names])
+        return loss, correct
+
+    def final_loss(self) -> tuple:
+        loss, correct, _ = _loss_and_grads(np, self.local, *self.shard)
+        return float(loss), int(correct) / (len(self.shard[0]) * self.kv.num_workers)
+
+    def weights(self) -> list:
+        return [self.local[k] for k in self.names]
 
 
 def _workers_comm(kv):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +99,23 @@ def test_lamb_refuses_split_keys(n, servers):
     lines = _caught(out, "ArgumentError")
     assert len(lines) == n - servers, out
     assert all("key 'w': lamb needs each key whole" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("optimizer,on_store", [("sgd", "1"), ("adam", "1"), ("sgd", "0")])
+@pytest.mark.parametrize("n,servers", [(2, 0), (4, 2)])
+def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
+    """gpukv.torch.Trainer over workers trains exactly as one process over all replicas."""
+    pytest.importorskip("torch")
+    _passes(_scenario(n, servers, "trainer", optimizer, on_store), n - servers)
+
+
+@pytest.mark.parametrize("args", [(), ("--num-servers", "1"),
+                                  ("--store", "dist_async", "--num-servers", "1")])
+def test_example_trains_across_processes(args):
+    """examples/dist_train.py, as the README launches it (4 processes)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "dist_train.py"
+    env = gpu_env.subprocess_env(gpus=False)
+    ok(run(example, 4, "--steps", "30", *args, env=env))
 
 
 # ------------------------------------------------------------------------ checkpoints

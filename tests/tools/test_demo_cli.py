@@ -337,3 +337,119 @@ def test_demo_trainer_replicas_follow_the_demo_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert _demo._torch_devices(_demo._Place(3, gpus)) == \
         [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
+# ------------------------------------------------------------- --dist: across MPI processes
+
+
+def _dist_demo(*args, torch: bool = True, **options):
+    """`mpiexec -n N python -m mpi4py -m gpukv demo --dist *args` (skips without MPI);
+    with `torch=False` as where PyTorch is not installed."""
+    from ..dist.mpirun import run
+    if torch:
+        pytest.importorskip("torch")
+        program, module = "gpukv", True
+    else:
+        program, module = "demo_without_torch.py", False
+    return run(program, options.pop("n", 3), "demo", "--dist", "--progress", "plain", *args,
+               module=module, **options)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("torch", [True, False])
+def test_demo_dist_trains_across_three_processes(torch):
+    """`mpiexec -n 3 ... gpukv demo --dist`: three workers, each serving a shard, train
+    with a falling loss and the same weights (gpukv.torch.Trainer with PyTorch, arrays
+    pushed to the store without); only worker 0 prints."""
+    from ..dist.mpirun import ok
+    out = ok(_dist_demo("--steps", "20", torch=torch))
+    assert "demo across 3 MPI process(es)" in out
+    kind = "PyTorch" if torch else "NumPy"
+    assert f"3 worker process(es), each serving a shard ({kind})" in out
+    if torch:
+        assert "gpukv.torch.Trainer on 1 replicas: gpukv.create('dist_sync')" in out
+        assert "step(batch_size=1536)" in out  # every worker's samples
+    else:
+        assert ("gpukv.create('dist_sync', num_servers=0), 4 keys ['w1', 'b1', 'w2', 'b2']"
+                in out)
+    assert "training: loss fell from" in out and "FAILED" not in out
+    assert out.count("demo: OK") == 1 and out.count("step    1/20") == 1  # the others are silent
+
+
+@pytest.mark.mpi
+def test_demo_dist_with_a_dedicated_server():
+    """`--num-servers 1` on 3 processes: rank 0 serves, the 2 others train."""
+    from ..dist.mpirun import ok
+    out = ok(_dist_demo("--num-servers", "1", "--steps", "20", torch=False))
+    assert "2 worker process(es), 1 dedicated server(s)" in out
+    assert "num_servers=1" in out
+    assert "training: loss fell from" in out and out.count("demo: OK") == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("torch", [True, False])
+def test_demo_dist_losses_match_the_one_process_demo(torch):
+    """Three workers on dist_sync train exactly what one process does on 3 host devices:
+    the same data shards, weights and SGD, so the same step losses (up to rounding)."""
+    from ..dist.mpirun import ok
+    dist = ok(_dist_demo("--steps", "20", torch=torch))
+    local = _run("demo", "--cpu", "--devices", "3", "--skip-tutorial", "--steps", "20",
+                 "--progress", "plain", code=None if torch else HIDE_TORCH)
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert len(_step_losses(dist)) == 11  # step 1 and every 2nd
+    assert _step_losses(dist) == pytest.approx(_step_losses(local.stdout), abs=2e-4)
+
+
+@pytest.mark.mpi
+def test_demo_dist_fails_when_loss_does_not_fall():
+    """With a zero learning rate every worker reports failure: a non-zero exit status."""
+    done = _dist_demo("--steps", "3", "--lr", "0")
+    assert done.returncode != 0
+    assert "the loss did not fall" in done.stdout and "demo: FAILED" in done.stdout
+
+
+@pytest.mark.mpi
+def test_demo_dist_fails_when_workers_drift_apart(tmp_path):
+    """A worker whose weights differ from the others' at the end fails the demo."""
+    from ..dist.mpirun import run
+    program = tmp_path / "drift.py"
+    program.write_text(textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # the array training, whose copies are plain arrays
+        from gpukv.tools import demo
+        real_step = demo._ArrayWorker.step
+
+        def drifting_step(self):
+            result = real_step(self)
+            if self.kv.rank == 1:
+                self.local["b2"] += 1e-3  # after the pull: this worker's copy only
+            return result
+
+        demo._ArrayWorker.step = drifting_step
+        sys.exit(demo.main(["--dist", "--steps", "5", "--progress", "plain"]))
+    """))
+    done = run(program, 3)
+    assert done.returncode != 0
+    assert "FAILED: the workers hold different weights" in done.stdout
+
+
+@pytest.mark.mpi
+def test_demo_dist_without_mpiexec_trains_one_worker():
+    """`python -m gpukv demo --dist` outside an MPI job trains a single worker."""
+    from ..dist.mpirun import require_mpi
+    require_mpi()
+    done = _run("demo", "--dist", "--steps", "10", "--progress", "plain")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 worker process(es)" in done.stdout and "demo: OK" in done.stdout
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--dist", "--devices", "2"], "--devices: with --dist each process is one worker"),
+    (["--num-servers", "1"], "--num-servers needs --dist"),
+    (["--dist", "--num-servers", "-1"], "argument --num-servers: must be at least 0")])
+def test_demo_dist_usage_errors(bad, says, capsys):
+    """--devices with --dist, --num-servers without it, or below 0: usage errors (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        _demo.main(bad)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err

@@ -391,6 +391,43 @@ def updater_function() -> None:
     passed(kv)
 
 
+def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
+    """gpukv.torch.Trainer on a dist store, two replicas per worker: the same weights as
+    one process training every worker's replicas on a 'local' store (rescale_grad set by
+    step(batch_size) reaches the shards), and every worker ends with them."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import gpukv.torch as gt
+    kv = create(bigarray_bound=100)  # the fused key is split
+    n, r = kv.num_workers, kv.rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    params = {"learning_rate": 0.1} if optimizer == "adam" else {"learning_rate": 0.5,
+                                                                  "momentum": 0.9}
+    on_store = update_on_kvstore == "1"
+    mine = [copy.deepcopy(model) for _ in range(2)]
+    everyone = [copy.deepcopy(model) for _ in range(2 * n)]
+    dist = gt.Trainer(mine, optimizer, dict(params), kvstore=kv, update_on_kvstore=on_store)
+    local = gt.Trainer(everyone, optimizer, dict(params), kvstore="local",
+                       update_on_kvstore=on_store)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    for step in range(4):
+        x, y = torch.randn(8 * n, 6, generator=g), torch.randint(0, 3, (8 * n,), generator=g)
+        for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
+            trainer.zero_grad()
+            shards = list(zip(x.chunk(2 * n), y.chunk(2 * n)))[first:first + len(models)]
+            for m, (xs, ys) in zip(models, shards):
+                loss_fn(m(xs), ys).backward()
+            trainer.step(8 * n * (step + 1))  # another batch size every step
+    for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 
