@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -319,7 +321,9 @@ def test_mxnet_raises_on_the_same_misuses():
     (gpukv.ArgumentKindError, TypeError), (gpukv.ShapeError, ValueError),
     (gpukv.DTypeError, ValueError), (gpukv.ReadOnlyError, ValueError),
     (gpukv.DeviceError, ValueError), (gpukv.BackendError, RuntimeError),
-    (gpukv.OutOfMemoryError, MemoryError), (gpukv.CheckpointError, ValueError)])
+    (gpukv.OutOfMemoryError, MemoryError), (gpukv.CheckpointError, ValueError),
+    (gpukv.PeerError, RuntimeError), (gpukv.PeerMismatchError, ValueError),
+    (gpukv.PeerMismatchError, gpukv.PeerError)])
 def test_error_classes_subclass_base_and_builtin(cls, builtin):
     """Every gpukv error class is both a GpukvError and the built-in a user would catch."""
     assert issubclass(cls, gpukv.GpukvError) and issubclass(cls, builtin)
@@ -336,11 +340,17 @@ def test_failed_first_init_does_not_fix_the_key_kind():
 
 
 @pytest.mark.parametrize("name", ["dist_sync", "dist_async", "dist_device_sync", "DIST_SYNC"])
-def test_dist_store_names_are_a_missing_backend(name):
-    """MXNet's several-machine store names are a BackendError (RuntimeError), not 'unknown'."""
-    with pytest.raises(gpukv.BackendError, match="not implemented") as info:
-        gpukv.create(name)
-    assert isinstance(info.value, RuntimeError) and repr(name) in str(info.value)
+def test_dist_store_without_mpi_is_a_missing_backend(name):
+    """Without mpi4py the several-process store names are a BackendError (RuntimeError)
+    that says how to install MPI, not 'unknown'."""
+    code = ("import sys\nsys.modules['mpi4py'] = None\nimport gpukv\n"
+            f"try:\n    gpukv.create({name!r})\n"
+            "except gpukv.BackendError as e:\n    print(isinstance(e, RuntimeError), e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True dist stores need mpi4py"), done.stdout
+    assert "pip install 'gpukv[mpi]'" in done.stdout
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "two"])

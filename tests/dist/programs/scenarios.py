@@ -405,8 +405,8 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
     n, r = kv.num_workers, kv.rank
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-    params = {"learning_rate": 0.1} if optimizer == "adam" else {"learning_rate": 0.5,
-                                                                  "momentum": 0.9}
+    params = ({"learning_rate": 0.1} if optimizer == "adam"
+              else {"learning_rate": 0.5, "momentum": 0.9})
     on_store = update_on_kvstore == "1"
     mine = [copy.deepcopy(model) for _ in range(2)]
     everyone = [copy.deepcopy(model) for _ in range(2 * n)]
