@@ -14,15 +14,19 @@ bias corrections) are computed in Python floats and rounded to float32 once.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError
 
 _REGISTRY: dict = {}
+#: a learning-rate schedule: any callable `schedule(num_update) -> lr`, such as those of
+#: `gpukv.optim.lr_scheduler` (whose `base_lr` the optimizer sets, and whose state it saves)
+Schedule = Any
 
 
 def register(cls):
@@ -33,8 +37,13 @@ def register(cls):
     return cls
 
 
-def create(name, **kwargs) -> "Optimizer":
-    """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop', 'lamb')."""
+def create(name, **options: Any) -> "Optimizer":
+    """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop',
+    'lamb') made with `options`, its keyword parameters (see its class); an option it
+    does not have is an ArgumentKindError naming the ones it has::
+
+        gpukv.optim.create('sgd', learning_rate=0.1, momentum=0.9, wd=1e-4)
+    """
     if isinstance(name, Optimizer):
         return name
     if not isinstance(name, str):
@@ -43,7 +52,17 @@ def create(name, **kwargs) -> "Optimizer":
     if cls is None:
         raise ArgumentError(f"optimizer {name!r}: unknown; known are "
                             f"{', '.join(sorted(_REGISTRY))}")
-    return cls(**kwargs)
+    return cls(**options)
+
+
+#: the options every optimizer takes (each subclass lists them as keyword parameters)
+BASE_OPTIONS = ("learning_rate", "wd", "rescale_grad", "clip_gradient", "lr_scheduler",
+                "begin_num_update", "multi_precision", "param_idx2name")
+
+
+def base_options(given: dict) -> dict:
+    """The base options among a subclass constructor's `locals()`, for the base class."""
+    return {name: given[name] for name in BASE_OPTIONS}
 
 
 def f32(x) -> float:
@@ -97,16 +116,25 @@ class Optimizer:
     #: the rule's name in files and messages
     name = "optimizer"
 
-    def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, begin_num_update=0, multi_precision=False,
-                 param_idx2name=None, **unknown):
+    def __new__(cls, *args, **options):
+        # An option the class does not have: a gpukv error naming those it has (Python's
+        # own would be a bare TypeError from __init__).
+        accepted = inspect.signature(cls).parameters
+        unknown = sorted(set(options) - set(accepted))
         if unknown:
-            raise ArgumentKindError(f"{type(self).__name__}: unknown option(s) "
-                                    f"{', '.join(sorted(unknown))}")
+            raise ArgumentKindError(f"{cls.__name__}: unknown option(s) "
+                                    f"{', '.join(unknown)}; its options are "
+                                    f"{', '.join(accepted)}")
+        return super().__new__(cls)
+
+    def __init__(self, *, learning_rate: float | None = None, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
+                 multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise ArgumentKindError(f"optimizer option lr_scheduler: expected a callable "
                                     f"schedule, got {type(lr_scheduler).__name__}")
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler: Any = lr_scheduler
         learning_rate = check_number("learning_rate", learning_rate, low=0, none_ok=True)
         if lr_scheduler is None and learning_rate is None:
             learning_rate = 0.01
@@ -126,10 +154,10 @@ class Optimizer:
         if begin_num_update < 0:
             raise ArgumentError(f"optimizer option begin_num_update={begin_num_update!r} "
                                 f"must be >= 0")
-        self.begin_num_update = int(begin_num_update)
-        self.num_update = self.begin_num_update
+        self.begin_num_update: int = int(begin_num_update)
+        self.num_update: int = self.begin_num_update
         self.multi_precision = check_bool("multi_precision", multi_precision)
-        self.idx2name = dict(param_idx2name or {})
+        self.idx2name: dict = dict(param_idx2name or {})
         self.lr_mult: dict = {}
         self.wd_mult: dict = {}
         self._index_update_count: dict = {}

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from .._errors import ArgumentError
-from ._base import Optimizer, check_bool, check_number, f32, register
+from ._base import Optimizer, Schedule, base_options, check_bool, check_number, f32, register
 
 
 def _clip(x, c):
@@ -93,8 +93,12 @@ class SGD(Optimizer):
     hyper_names = ("momentum",)
     name = "sgd"
 
-    def __init__(self, momentum=0.0, lazy_update=True, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, momentum: float = 0.0, lazy_update: bool = True, *,
+                 learning_rate: float | None = None, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
+                 multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
         self.lazy_update = check_bool("lazy_update", lazy_update)
 
@@ -181,8 +185,12 @@ class NAG(Optimizer):
     name = "nag"
     aliases = ("nesterov",)
 
-    def __init__(self, momentum=0.0, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, momentum: float = 0.0, *,
+                 learning_rate: float | None = None, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
+                 multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
 
     _options = Optimizer._options + ("momentum",)
@@ -256,9 +264,13 @@ class Adam(Optimizer):
     hyper_names = ("beta1", "beta2", "epsilon")
     name = "adam"
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
-                 lazy_update=True, **kwargs):
-        super().__init__(learning_rate=learning_rate, **kwargs)
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-8, lazy_update: bool = True, *,
+                 wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
+                 begin_num_update: int = 0, multi_precision: bool = False,
+                 param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
         self.lazy_update = check_bool("lazy_update", lazy_update)
 
@@ -332,9 +344,13 @@ class AdamW(Optimizer):
     hyper_names = ("beta1", "beta2", "epsilon")
     name = "adamw"
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
-                 correct_bias=True, **kwargs):
-        super().__init__(learning_rate=learning_rate, **kwargs)
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-6, correct_bias: bool = True, *,
+                 wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
+                 begin_num_update: int = 0, multi_precision: bool = False,
+                 param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
         self.correct_bias = check_bool("correct_bias", correct_bias)
 
@@ -389,8 +405,12 @@ class AdaGrad(Optimizer):
     hyper_names = ("eps",)
     name = "adagrad"
 
-    def __init__(self, eps=1e-7, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, eps: float = 1e-7, *,
+                 learning_rate: float | None = None, wd: float = 0.0,
+                 rescale_grad: float = 1.0, clip_gradient: float | None = None,
+                 lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
+                 multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         self.eps = check_number("eps", eps, low=0, low_open=True)
 
     _options = Optimizer._options + ("eps",)
@@ -440,9 +460,14 @@ class RMSProp(Optimizer):
     hyper_names = ("gamma1", "gamma2", "epsilon", "clip_weights")
     name = "rmsprop"
 
-    def __init__(self, learning_rate=0.001, gamma1=0.9, gamma2=0.9, epsilon=1e-8,
-                 centered=False, clip_weights=None, **kwargs):
-        super().__init__(learning_rate=learning_rate, **kwargs)
+    def __init__(self, learning_rate: float | None = 0.001, gamma1: float = 0.9,
+                 gamma2: float = 0.9, epsilon: float = 1e-8, centered: bool = False,
+                 clip_weights: float | None = None, *,
+                 wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
+                 begin_num_update: int = 0, multi_precision: bool = False,
+                 param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         self.gamma1 = check_number("gamma1", gamma1, low=0, high=1, high_open=True)
         self.gamma2 = check_number("gamma2", gamma2, low=0, high=1, high_open=True)
         self.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
@@ -529,9 +554,14 @@ class LAMB(Optimizer):
     #: the step needs whole-key norms: the updater runs it key by key
     per_key_norms = True
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
-                 lower_bound=None, upper_bound=None, bias_correction=True, **kwargs):
-        super().__init__(learning_rate=learning_rate, **kwargs)
+    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-6, lower_bound: float | None = None,
+                 upper_bound: float | None = None, bias_correction: bool = True, *,
+                 wd: float = 0.0, rescale_grad: float = 1.0,
+                 clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
+                 begin_num_update: int = 0, multi_precision: bool = False,
+                 param_idx2name: dict | None = None) -> None:
+        super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
         self.lower_bound = check_number("lower_bound", lower_bound, low=0, low_open=True,
                                         none_ok=True)

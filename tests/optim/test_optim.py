@@ -864,3 +864,17 @@ def test_set_learning_rate_changes_the_next_updates():
                                 lr_scheduler=gpukv.optim.lr_scheduler.FactorScheduler(step=2))
     with pytest.raises(gpukv.ArgumentError, match="lr_scheduler"):
         scheduled.set_learning_rate(0.5)
+
+
+@pytest.mark.parametrize("name", ["sgd", "nag", "adam", "adamw", "adagrad", "rmsprop", "lamb"])
+def test_every_option_is_a_keyword_parameter(name):
+    """help() and type checkers see every option of every optimizer: its own and the
+    base ones, as named keyword parameters (no **kwargs)."""
+    import inspect
+
+    from gpukv.optim._base import BASE_OPTIONS
+    cls = type(optim.create(name))
+    params = inspect.signature(cls).parameters
+    assert set(BASE_OPTIONS) <= set(params)
+    assert all(p.kind is not p.VAR_KEYWORD for p in params.values())
+    assert set(cls._options) <= set(params)  # what a checkpoint's options rebuild
