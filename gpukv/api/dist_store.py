@@ -18,7 +18,8 @@ import numpy as np
 
 from . import check
 from .._env import positive_int
-from .._errors import ArgumentError, ArgumentKindError, CheckpointError
+from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
+from ..device import device_of, host_device
 from ..device.host_sum import share_cpus
 from .store import KVStore, _PushPlan
 
@@ -40,11 +41,13 @@ class _Shard(KVStore):
         return self._entries[key].value
 
     def adopt(self, keys, arrays) -> None:
-        """Serve `arrays` themselves (views of a worker's copies of the keys) as the
-        values of new `keys`: updates land in the worker's copy, with no copy between."""
-        self.init(keys, arrays)
+        """Serve `arrays` themselves (views of a worker's copies of the keys, on the host
+        or a GPU) as the values of new `keys`: updates land in the worker's copy, with no
+        copy between."""
+        self.init(keys, [device_of(a).to_host(a) for a in arrays])
         for key, array in zip(keys, arrays):
-            self._entries[key].value = array
+            entry = self._entries[key]
+            entry.value, entry.home = array, device_of(array)
 
     def update(self, keys, merged) -> None:
         """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
@@ -81,6 +84,38 @@ class _Shard(KVStore):
     def apply_settings(self, settings: tuple) -> None:
         """The optimizer takes over a worker's `Optimizer.settings()`."""
         self._optimizer.apply_settings(settings)
+
+
+class _PinnedStore(KVStore):
+    """A one-process store whose keys all live on `pinned` (the NCCL GPU), or one that
+    places them as KVStore does (`pinned` None)."""
+
+    def __init__(self, name: str, pinned, **options):
+        super().__init__(name, **options)
+        self._pinned = pinned
+
+    def _candidates(self, arrays) -> list:
+        return [self._pinned] if self._pinned is not None else super()._candidates(arrays)
+
+
+def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
+    """The GPU a dist_device_sync store with num_servers=0 joins NCCL with: None for the
+    host path (another store, nccl=False, or no GPU or NCCL when nccl is None)."""
+    if nccl is not None and not isinstance(nccl, bool):
+        raise ArgumentKindError(f"nccl: expected True, False or None, got "
+                                f"{type(nccl).__name__}")
+    if nccl is False or name != "dist_device_sync" or servers:
+        if nccl:
+            raise ArgumentError(f"nccl=True: NCCL carries a dist_device_sync store's data "
+                                f"between processes with num_servers=0; this is {name!r} "
+                                f"with num_servers={servers}")
+        return None
+    from ..dist.nccl_rounds import nccl_device
+    gpu = nccl_device(local_rank)
+    if gpu is None and nccl:
+        raise BackendError("nccl=True: this process sees no GPU, or CuPy finds no NCCL "
+                           "(pip install 'nvidia-nccl-cu12>=2.18')")
+    return gpu
 
 
 class _SavedState:
@@ -159,7 +194,7 @@ class DistKVStore(KVStore):
 
     def __init__(self, name: str, *, num_servers: int | None = None,
                  timeout: float | None = None, bigarray_bound: int | None = None,
-                 **local_options):
+                 nccl: bool | None = None, **local_options):
         from ..dist.transport import Transport, mpi
         comm = mpi().COMM_WORLD.Dup()  # its own tags: the program's MPI traffic is apart
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
@@ -170,10 +205,19 @@ class DistKVStore(KVStore):
         self._lock = threading.RLock()
         transport = Transport(comm, timeout)
         # The ranks on this machine share its CPUs: each sums and copies with its share.
-        share_cpus(comm.Split_type(mpi().COMM_TYPE_SHARED).Get_size())
-        if servers == 0:
+        local_comm = comm.Split_type(mpi().COMM_TYPE_SHARED)
+        share_cpus(local_comm.Get_size())
+        gpu = _nccl_gpu(name, servers, nccl, local_comm.Get_rank())
+        local_comm.Free()
+        #: where the engine reads the sums and writes the values: the host, or this
+        #: process's GPU with NCCL (every key then lives there)
+        self._engine_device = gpu if gpu is not None else host_device(0)
+        if gpu is not None:
+            from ..dist.nccl_rounds import NcclRounds
+            self._engine: Any = NcclRounds(transport, _Shard(), bound, gpu)
+        elif servers == 0:
             from ..dist.sharded import ShardedRounds
-            self._engine: Any = ShardedRounds(transport, _Shard(), bound)
+            self._engine = ShardedRounds(transport, _Shard(), bound)
         else:
             from ..dist.server import ServerClient, serve
             if transport.rank < servers:  # a server: serve the workers, then leave
@@ -181,9 +225,10 @@ class DistKVStore(KVStore):
                 sys.exit(0)
             self._engine = ServerClient(transport, servers, bound,
                                         asynchronous=name == "dist_async")
-        self._values = KVStore(local, **local_options)
-        self._grads = KVStore(local, **local_options)
-        self._on_host = local == "local"
+        self._values = _PinnedStore(local, gpu, **local_options)
+        self._grads = _PinnedStore(local, gpu, **local_options)
+        #: whether the engine works in `_values`' own arrays (else in host copies)
+        self._in_place = local == "local" or gpu is not None
         self._host: dict = {}  # key -> this process's host copy of its value
         self._has_optimizer = False  # whether set_optimizer was called
         self._optimizer_followed: Any = None  # the optimizer set_optimizer was given
@@ -210,6 +255,12 @@ class DistKVStore(KVStore):
     @property
     def strategy(self) -> str:
         return self._values.strategy
+
+    @property
+    def nccl(self) -> bool:
+        """Whether GPU data crosses processes through NCCL (dist_device_sync with
+        num_servers=0 on GPUs); else it goes through host buffers and MPI."""
+        return self._engine_device is not host_device(0)
 
     def is_capable(self, capability: str) -> bool:
         return self._values.is_capable(capability) or (
@@ -252,8 +303,8 @@ class DistKVStore(KVStore):
         return self._values._entries
 
     def _host_copy(self, key, first) -> np.ndarray:
-        """The host array the engine writes `key`'s value into."""
-        if self._on_host:
+        """The array the engine writes `key`'s value into."""
+        if self._in_place:
             return self._values._entries[key].value
         entry = self._values._entries[key]
         host = np.array(entry.home.to_host(entry.value), copy=True, order="C")
@@ -261,7 +312,7 @@ class DistKVStore(KVStore):
         return host
 
     def _replica(self, key) -> np.ndarray:
-        return (self._values._entries[key].value if self._on_host else self._host[key])
+        return (self._values._entries[key].value if self._in_place else self._host[key])
 
     def push(self, key, value, priority: int = 0) -> None:
         """Push every worker's value(s) of each key; see `KVStore.push`. In dist_sync a
@@ -293,13 +344,15 @@ class DistKVStore(KVStore):
             self._to_devices(groups.keys, replicas)
 
     def _local_sums(self, groups, entries) -> list:
-        """Each key's sum over this process's devices, as a host array of the key's dtype;
-        a lone NumPy array of the key's dtype is used as it is (read, never kept)."""
+        """Each key's sum over this process's devices, of the key's dtype, where the
+        engine reads it (the host, or the NCCL GPU); a lone array of the key's dtype
+        already there is used as it is (read, never kept)."""
         sums: list = [None] * len(groups.keys)
         rest = []
+        engine_device = self._engine_device
         for i, (arrays, entry) in enumerate(zip(groups.arrays, entries)):
             a = arrays[0]
-            if (len(arrays) == 1 and type(a) is np.ndarray and a.dtype == entry.value.dtype
+            if (len(arrays) == 1 and engine_device.owns(a) and a.dtype == entry.value.dtype
                     and a.flags.c_contiguous):
                 sums[i] = a
             else:
@@ -311,12 +364,13 @@ class DistKVStore(KVStore):
             grads._run_push(grads._plan_push(sub, [grads._entries[k] for k in sub.keys]))
             for i in rest:
                 entry = grads._entries[groups.keys[i]]
-                sums[i] = entry.home.to_host(entry.value)
+                sums[i] = (entry.value if self._in_place
+                           else entry.home.to_host(entry.value))
         return sums
 
     def _to_devices(self, keys, replicas) -> None:
         """After the engine wrote new values into host copies: onto the devices."""
-        if self._on_host:
+        if self._in_place:
             return
         for key, host in zip(keys, replicas):
             entry = self._values._entries[key]
@@ -436,8 +490,8 @@ class DistKVStore(KVStore):
             error = None
             if self.rank == 0:
                 self._fetch(keys)
-                entries = [(k, self._replica(k), self._values._entries[k].home.kind)
-                           for k in keys]
+                entries = [(k, self._engine_device.to_host(self._replica(k)),
+                            self._values._entries[k].home.kind) for k in keys]
                 snapshot = checkpoint.StoreSnapshot(
                     self._type, self._values._key_kind, entries,
                     None if state is None else _SavedState(state))
@@ -468,7 +522,7 @@ class DistKVStore(KVStore):
             if self._engine.round_updates_replicas:
                 keys = list(values)
                 for key in keys:
-                    self._replica(key)[...] = values[key]
+                    self._engine_device.copy(self._replica(key), values[key])
                 self._to_devices(keys, [self._replica(k) for k in keys])
 
     def save_optimizer_states(self, fname: str | os.PathLike,

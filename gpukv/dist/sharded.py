@@ -121,9 +121,7 @@ class ShardedRounds:
         self._pending = []
         signature = ("init", tuple((k, r.shape, r.dtype.str) for k, r in pending))
         self.agree.check(signature, f"init of key {pending[0][0]!r}")
-        comm = self.t.comm
-        self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending],
-                        f"init of key {pending[0][0]!r}: rank 0's values")
+        self._share_values(pending, f"init of key {pending[0][0]!r}: rank 0's values")
         keys, views = [], []
         for key, replica in pending:
             layout = KeyLayout(replica.shape, replica.dtype,
@@ -137,6 +135,11 @@ class ShardedRounds:
                                  else replica)
         self.shard.adopt(keys, views)
         self._rounds.clear()
+
+    def _share_values(self, pending, what: str) -> None:
+        """Rank 0's value of each new key into every process's copy."""
+        comm = self.t.comm
+        self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending], what)
 
     # ------------------------------------------------------------------- push
     def push(self, keys, grads, replicas) -> None:
@@ -153,26 +156,37 @@ class ShardedRounds:
         wire = None if comp is None else tuple(sorted(comp.params().items()))
         op = "push" if wire is None else f"push compressed with {dict(wire)}"
         self.agree.check((op, keys), what)
-        by_key = dict(zip(keys, zip(grads, replicas)))
+        self.round(keys, dict(zip(keys, zip(grads, replicas))), what)
+
+    def round(self, keys, by_key: dict, what: str) -> None:
+        """A push round once agreed on: `by_key` maps each key (in canonical order) to
+        (this process's sum, its copy of the value)."""
+        comp = self.compressor
         if self._assigns and comp is None:  # the sum is the new value, everywhere
             summed = self._rounds.get((keys, "sum"))
             if summed is None:
                 summed = self._rounds[keys, "sum"] = self._sum_plan(keys)
             self._allreduce(summed, by_key, what)
             return
+        wire = None if comp is None else tuple(sorted(comp.params().items()))
         plan = self._rounds.get((keys, wire))
         if plan is None:
             plan = self._rounds[keys, wire] = self._plan(keys)
         merged = self._exchange_compressed(plan, by_key, what)
         merged += self._reduce_scatter(plan, by_key, what)
-        if merged:
-            try:
-                self.shard.update([k for k, _ in merged], [m for _, m in merged])
-            except Exception as exc:  # the updater's: the others wait in the all-gather
-                self.t.fail(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
-                                      f"{type(exc).__name__}: {exc}"))
-                raise
+        self.update(merged, what)
         self._all_gather(plan, by_key, what)
+
+    def update(self, merged: list, what: str) -> None:
+        """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
+        if not merged:
+            return
+        try:
+            self.shard.update([k for k, _ in merged], [m for _, m in merged])
+        except Exception as exc:  # the updater's: the others wait for this process
+            self.t.fail(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
+                                  f"{type(exc).__name__}: {exc}"))
+            raise
 
     def _plan(self, keys) -> _Round:
         rank, size = self.t.rank, self.t.size
@@ -187,12 +201,12 @@ class ShardedRounds:
             if comp is not None and compressible(layout.dtype):
                 compressed.append((key, layout))
             elif layout.split:
-                counts = [p.stop - p.start for p in layout.pieces]
+                counts, _ = _per_rank(layout, size)
                 send = None if layout.wire == layout.dtype else np.empty(
                     sum(counts), layout.wire)
                 # Without an updater the sum is the new value: received where it is kept.
                 recv = (self.shard.stored(key) if self._assigns and send is None
-                        else np.empty(counts[rank], layout.wire))
+                        and counts[rank] else np.empty(counts[rank], layout.wire))
                 big.append((key, layout, send, recv, counts))
         small.sort(key=lambda s: s[0])  # stable: keys stay in order within an owner
         packed = []
@@ -285,7 +299,7 @@ class ShardedRounds:
                 send[offset:offset + grad.size] = grad.reshape(-1)
             requests.append(comm.Ireduce_scatter(send, group.recv, group.counts, op=SUM))
         self.t.wait_all(requests, f"{what}: reduce-scatter")
-        merged = [(key, recv) for key, _, _, recv, _ in plan.big]
+        merged = [(key, recv) for key, _, _, recv, _ in plan.big if recv.size]
         for group in plan.packed:
             for key, offset in group.mine:
                 shape = self.layouts[key].shape
@@ -372,8 +386,9 @@ class ShardedRounds:
         requests = []
         for key, layout in plan.split:  # this process's piece is already in place
             itemsize = layout.dtype.itemsize
-            sizes = [(p.stop - p.start) * itemsize for p in layout.pieces]
-            displs = [p.start * itemsize for p in layout.pieces]
+            counts, starts = _per_rank(layout, self.t.size)
+            sizes = [c * itemsize for c in counts]
+            displs = [s * itemsize for s in starts]
             replica = by_key[key][1]
             requests.append(comm.Iallgatherv(self.t.MPI.IN_PLACE,
                                              [as_bytes(replica), sizes, displs, BYTE]))
@@ -469,3 +484,16 @@ class ShardedRounds:
 
 def _displacements(counts: list) -> list:
     return [0] + list(itertools.accumulate(counts))[:-1]
+
+
+def _per_rank(layout: KeyLayout, size: int) -> tuple[list, list]:
+    """(elements, first element) of a split key's piece on each of `size` ranks (0 and
+    the key's end for a rank without a piece)."""
+    counts, starts = [0] * size, [layout_size(layout)] * size
+    for p in layout.pieces:
+        counts[p.server], starts[p.server] = p.stop - p.start, p.start
+    return counts, starts
+
+
+def layout_size(layout: KeyLayout) -> int:
+    return int(np.prod(layout.shape, dtype=np.int64))

@@ -28,8 +28,19 @@ def key_hash(key) -> int:
 
 
 def pieces(key, size: int, servers: int, bound: int) -> tuple:
-    """The pieces of a key of `size` elements over `servers` servers."""
+    """The pieces of a key of `size` elements over `servers` servers.
+
+    A split key is cut every `piece_length` elements (the last pieces may be shorter, or
+    empty and left out), so that a collective with equal counts per rank (NCCL's
+    reduce-scatter and all-gather, over a buffer padded to `servers * piece_length`) hands
+    each rank exactly its piece."""
     if size >= bound and size >= servers > 1:
-        cuts = [size * s // servers for s in range(servers + 1)]
-        return tuple(Piece(s, cuts[s], cuts[s + 1]) for s in range(servers))
+        step = piece_length(size, servers)
+        return tuple(Piece(s, s * step, min((s + 1) * step, size)) for s in range(servers)
+                     if s * step < size)
     return (Piece(key_hash(key) % servers, 0, size),)
+
+
+def piece_length(size: int, servers: int) -> int:
+    """The length of every full piece of a split key."""
+    return -(-size // servers)

@@ -25,6 +25,11 @@ Definitions (reported in the JSON too):
   measured in the same run (GPU: device-to-device memcpy on GPU 0; host: np.copyto), with
   bytes read + written counted, so 1.0 means "as fast as a plain memory copy".
 
+Output: a table per case; with `--out DIR` also strategies_<device>.json and a chart,
+strategies_<device>.png, in DIR (without `--out`, nothing is written: the results are only
+printed; benchmarks/bench_strategies.py writes into benchmarks/results/ by default).
+The exit status is 1 when a case failed or computed a wrong sum, 2 for bad options.
+
 `--calibrate` runs none of this: it measures the constants of the 'auto' strategy's cost
 model on this machine and writes them to a calibration file (see `gpukv.tools.calibrate`).
 
@@ -38,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import logging
 import os
 import statistics
@@ -65,23 +69,6 @@ _SUFFIX = benchutil.SUFFIX
 format_size = benchutil.format_size
 format_seconds = benchutil.format_seconds
 slug = benchutil.slug
-
-
-def _load_common():
-    """benchmarks/_common.py when this package runs from a source checkout, else None."""
-    mod = sys.modules.get("_common")
-    if mod is not None and hasattr(mod, "write_json"):
-        return mod
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "_common.py"
-    if not path.is_file():
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location("_gpukv_bench_common", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except Exception:  # a broken helper must not stop the benchmark
-        return None
-    return mod
 
 
 parse_size = benchutil.parse_size
@@ -711,64 +698,58 @@ def plot(result: dict, path: Path) -> Path | None:
     return path
 
 
-def _results_dir(common) -> Path:
-    if common is not None and hasattr(common, "RESULTS_DIR"):
-        return Path(common.RESULTS_DIR)
-    return Path.cwd() / "benchmarks" / "results"
-
-
-def write_json(result: dict, path: Path, common) -> Path:
-    if common is not None and hasattr(common, "write_json"):
-        return common.write_json(result, path)
-    return benchutil.write_record(path, result,
-                                  time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+def write_json(result: dict, path: Path) -> Path:
+    created = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    return benchutil.write_record(path, result, created)
 
 
 # ------------------------------------------------------------------------------ main
-def build_parser(prog: str = "gpukv bench") -> argparse.ArgumentParser:
+def build_parser(prog: str = "gpukv bench",
+                 out_default: str | None = None) -> argparse.ArgumentParser:
+    """The options of `gpukv bench`; `out_default` names the folder written without --out
+    (None: none)."""
     p = argparse.ArgumentParser(
         prog=prog,
         description="Time push+pull (an allreduce through the store) for every strategy, "
                     "against a per-key array loop and PyTorch, on GPUs or host devices.")
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help=f"bytes per device and key: '4K,1M' or '4K..1G' (x4 steps); "
-                        f"default GPU {GPU_SIZES}, host {HOST_SIZES}")
-    p.add_argument("--devices", type=parse_ints, default=parse_ints(DEFAULT_DEVICES),
-                   help=f"device counts (default {DEFAULT_DEVICES}); more than the GPUs "
-                        "present become virtual GPUs (GPUKV_VIRTUAL_GPUS)")
-    p.add_argument("--strategies", type=parse_strategies, default=None,
+    benchutil.add_sizes_option(p, None, "size of a key on every device",
+                               minimum=np.dtype(DTYPE).itemsize,
+                               default_text=f"GPU {GPU_SIZES}, host {HOST_SIZES}")
+    benchutil.add_devices_option(p, DEFAULT_DEVICES,
+                                 "devices of the sweep; more than the GPUs present "
+                                 "become virtual GPUs (GPUKV_VIRTUAL_GPUS)")
+    p.add_argument("--strategies", type=parse_strategies, default=None, metavar="NAMES",
                    help="comma-separated strategies among local and the registry's "
                         "(default: all of the registry; host runs add 'local')")
     p.add_argument("--baselines", type=parse_baselines, default=",".join(BASELINES),
+                   metavar="NAMES",
                    help=f"comma-separated baselines among {', '.join(BASELINES)} ('' for none)")
-    p.add_argument("--cases", type=parse_cases, default=",".join(CASES),
+    p.add_argument("--cases", type=parse_cases, default=",".join(CASES), metavar="NAMES",
                    help="which cases to run: sweep, small (many small keys), goal (large key)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
-    p.add_argument("--small-keys", type=int, default=1000, help="keys of the small case")
-    p.add_argument("--small-size", type=parse_size, default=parse_size("4K"),
+    benchutil.add_timing_options(p, 3, 10, unit="step",
+                                 note="one step is a push+pull of every key")
+    p.add_argument("--small-keys", type=benchutil.positive_int, default=1000, metavar="N",
+                   help="keys of the small case (default 1000)")
+    p.add_argument("--small-size", type=parse_size, default=parse_size("4K"), metavar="BYTES",
                    help="bytes per key of the small case (default 4K)")
-    p.add_argument("--small-devices", type=int, default=4, help="devices of the small case")
-    p.add_argument("--goal-size", type=parse_size, default=None,
+    p.add_argument("--small-devices", type=benchutil.positive_int, default=4, metavar="N",
+                   help="devices of the small case (default 4)")
+    p.add_argument("--goal-size", type=parse_size, default=None, metavar="BYTES",
                    help="bytes per device of the large-key case (default GPU 256M, host 16M)")
     p.add_argument("--goal-devices", type=parse_ints, default=parse_ints("4,8"),
+                   metavar="COUNTS",
                    help="device counts of the large-key case (default 4,8)")
-    p.add_argument("--goal-strategy", type=parse_strategy, default="auto",
+    p.add_argument("--goal-strategy", type=parse_strategy, default="auto", metavar="NAME",
                    help="strategy of the small and large-key cases (default auto; host: local)")
-    p.add_argument("--copy-size", type=parse_size, default=None,
+    p.add_argument("--copy-size", type=parse_size, default=None, metavar="BYTES",
                    help="bytes of the copy-bandwidth measurement (default GPU 256M, host 64M)")
-    p.add_argument("--torch-threads", type=int, default=None,
+    p.add_argument("--torch-threads", type=benchutil.positive_int, default=None, metavar="N",
                    help="torch.set_num_threads for the CPU baselines (default: 1 on host "
                         "runs, as the NumPy code is single-threaded; unchanged on GPUs)")
-    p.add_argument("--host", action="store_true",
-                   help="run on host devices (NumPy) even when a GPU is present")
-    p.add_argument("--json", nargs="?", const="", default="", metavar="PATH",
-                   help="where to write the JSON (default benchmarks/results/"
-                        "strategies_<device>.json)")
-    p.add_argument("--no-json", action="store_true", help="write no JSON")
-    p.add_argument("--plot", nargs="?", const="", default="", metavar="PATH",
-                   help="where to write the PNG chart (default next to the JSON)")
-    p.add_argument("--no-plot", action="store_true", help="draw no chart")
+    benchutil.add_place_options(p, "GPUs when one is present, else the host")
+    benchutil.add_out_option(p, out_default,
+                             "strategies_<device>.json and its chart, "
+                             "strategies_<device>.png")
     progress = p.add_mutually_exclusive_group()
     progress.add_argument("--progress", action="store_true",
                           help="draw the progress bar even when stderr is not a terminal")
@@ -789,11 +770,14 @@ def build_parser(prog: str = "gpukv bench") -> argparse.ArgumentParser:
     return p
 
 
+def _gpu_count() -> int:
+    from ..device.cuda.device import gpu_count
+    return gpu_count()
+
+
 def _choose_env(args):
-    if not args.host:
-        from ..device.cuda.device import gpu_count
-        if gpu_count() > 0:
-            return CudaEnv()
+    if getattr(args, "gpu", False) or (not args.host and _gpu_count() > 0):
+        return CudaEnv()
     return HostEnv()
 
 
@@ -1003,41 +987,50 @@ def _x(v):
     return f"{v:.2f}x" if v else "-"
 
 
-def main(argv=None, prog: str = "gpukv bench") -> int:
+def main(argv=None, prog: str = "gpukv bench", out_default: str | os.PathLike | None = None
+         ) -> int:
     """`gpukv bench [options]`: returns the exit status (1 when a strategy computed wrong
-    sums or a case failed; 2 for bad options). `prog` names the command in its usage."""
-    parser = build_parser(prog)
+    sums or a case failed, or --gpu found no GPU; 2 for bad options). `prog` names the
+    command in its usage; `out_default` is the folder written without --out (None: the
+    results are only printed)."""
+    shown = None if out_default is None else _shown(Path(out_default))
+    parser = build_parser(prog, shown)
     args = parser.parse_args(argv)
-    if args.warmup < 0 or args.iters < 1 or args.small_keys < 1 or args.small_devices < 1:
-        parser.error("need --warmup >= 0, and --iters, --small-keys, --small-devices >= 1")
+    if args.gpu and _gpu_count() == 0:
+        print(f"{prog}: --gpu: no GPU visible", file=sys.stderr)
+        return 1
     if args.calibrate:
         from . import calibrate
         return calibrate.main(args)
     logging.getLogger("gpukv").setLevel(logging.ERROR)  # "host arrays only" notes etc.
-    common = _load_common()
     result = run(args)
     if not args.quiet:
         report(result)
-    tag = result["device"]["name"]
-    tag = f"host_{slug(cpu_model())}" if result["device"]["kind"] == "host" else slug(tag)
-    json_path = None
-    if not args.no_json:
-        json_path = (Path(args.json) if args.json
-                     else _results_dir(common) / f"strategies_{tag}.json")
-        json_path = write_json(result, json_path, common)
-        print(f"wrote {json_path}")
-    if not args.no_plot:
-        if args.plot:
-            png = Path(args.plot)
-        elif json_path is not None:
-            png = json_path.with_suffix(".png")
-        else:
-            png = _results_dir(common) / f"strategies_{tag}.png"
-        written = plot(result, png)
-        if written is not None:
-            print(f"wrote {written}")
+    folder = benchutil.out_folder(args.out, out_default)
+    if folder is not None:
+        save(result, folder, args.quiet)
+    elif args.out is None and not args.quiet:
+        print("\nresults not saved: --out DIR writes the JSON and the chart into DIR")
     wrong = any(r.get("check") == "WRONG" for r in result["results"])
     return 1 if wrong or failed_rows(result) else 0
+
+
+def _shown(folder: Path) -> str:
+    """A folder as help shows it: its last two parts, e.g. 'benchmarks/results/'."""
+    return "/".join(folder.parts[-2:]) + "/"
+
+
+def save(result: dict, folder: Path, quiet: bool = False) -> None:
+    """Write the JSON and the chart into `folder`."""
+    tag = result["device"]["name"]
+    tag = f"host_{slug(cpu_model())}" if result["device"]["kind"] == "host" else slug(tag)
+    json_path = write_json(result, folder / f"strategies_{tag}.json")
+    print(f"wrote {json_path}")
+    written = plot(result, json_path.with_suffix(".png"))
+    if written is not None:
+        print(f"wrote {written}")
+    elif not quiet:
+        print("no chart: matplotlib is not installed, or no sweep case was timed")
 
 
 if __name__ == "__main__":

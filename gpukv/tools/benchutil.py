@@ -1,5 +1,5 @@
-"""Formatting, file and version helpers shared by `python -m gpukv bench`, its
-`--calibrate` mode and benchmarks/*.py.
+"""Formatting, file and version helpers, and the command-line options, shared by
+`python -m gpukv bench`, its `--calibrate` mode and benchmarks/*.py.
 
 Standard library only and no package-relative imports: benchmarks/_common.py loads this
 file by its path, also under interpreters where gpukv is not installed (the MXNet one).
@@ -206,3 +206,87 @@ def write_record(path: Path, payload: dict, created_utc: str) -> Path:
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+# ----------------------------------------------------------------- the command line
+# The options every benchmark script and `gpukv bench` share, built here so that they
+# are spelled, parsed and explained the same way everywhere.
+OUT_NONE = "-"
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise BadArgument(f"{text.strip()!r}: expected an integer >= {minimum}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int = _at_least(1)
+nonnegative_int = _at_least(0)
+
+
+def add_sizes_option(p: argparse.ArgumentParser, default: str | None, what: str,
+                     minimum: int = 1, default_text: str | None = None) -> None:
+    """--sizes: byte counts with binary units, parsed by `parse_sizes`."""
+    p.add_argument("--sizes", type=lambda text: parse_sizes(text, minimum), default=default,
+                   metavar="BYTES",
+                   help=f"{what}: bytes with K/M/G units (binary), '4KB,1MB', or 'A..B' "
+                        f"in x4 steps, e.g. 4K..16M (default {default_text or default})")
+
+
+def add_devices_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    """--devices: a list of device counts; every count is a case of its own."""
+    p.add_argument("--devices", type=parse_ints, default=default, metavar="COUNTS",
+                   help=f"comma-separated device counts, e.g. 1,2,4, each a case of its "
+                        f"own: {what} (default {default})")
+
+
+def add_timing_options(p: argparse.ArgumentParser, warmup: int, iters: int,
+                       unit: str = "call", note: str = "") -> None:
+    """--warmup and --iters: untimed runs first, then timed runs whose median is reported,
+    for every case. `unit` names what is repeated, `note` is added to both help texts."""
+    note = f"; {note}" if note else ""
+    p.add_argument("--warmup", type=nonnegative_int, default=warmup, metavar="N",
+                   help=f"untimed {unit}s before timing each case (default {warmup}){note}")
+    p.add_argument("--iters", type=positive_int, default=iters, metavar="N",
+                   help=f"timed {unit}s per case, reported as their median "
+                        f"(default {iters}){note}")
+
+
+def add_place_options(p: argparse.ArgumentParser, default: str) -> None:
+    """--host / --gpu: where to run; `default` says what neither flag means."""
+    place = p.add_mutually_exclusive_group()
+    place.add_argument("--host", action="store_true",
+                       help=f"run on the host (NumPy arrays) only; without --host or "
+                            f"--gpu: {default}")
+    place.add_argument("--gpu", action="store_true",
+                       help="run on GPUs only (needs CuPy and a GPU; exits 1 without one)")
+
+
+def add_out_option(p: argparse.ArgumentParser, default: str | None, files: str) -> None:
+    """--out DIR: the folder for the result files (`files` names them); '-' for none.
+    `default` is the folder used without --out, None for none."""
+    where = (f"default {default}" if default is not None
+             else "default: none, the results are only printed")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"folder for {files} ({where}); '{OUT_NONE}' writes nothing")
+
+
+def out_folder(value: str | None, default: str | os.PathLike | None) -> Path | None:
+    """The folder --out names: `default` without --out, None for '-' (write nothing)."""
+    if value == OUT_NONE:
+        return None
+    if value is None:
+        return None if default is None else Path(default)
+    return Path(value)
+
+
+def elements(nbytes: int, itemsize: int) -> int:
+    """How many items of `itemsize` bytes fit in `nbytes` (at least one)."""
+    return max(1, nbytes // itemsize)

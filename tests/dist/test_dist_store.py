@@ -80,6 +80,38 @@ def test_device_sync_on_gpus(n, servers):
             n - servers)
 
 
+NCCL_SCENARIOS = [("sync_sgd", "float32"), ("sync_sgd", "float16"), ("sync_assign",),
+                  ("calls",), ("changing_options",), ("updater_function",), ("lamb_split",)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("scenario", NCCL_SCENARIOS, ids="-".join)
+def test_nccl_rounds(n, scenario):
+    """dist_device_sync with num_servers=0 on GPUs: every key on each process's GPU and
+    the rounds through NCCL (bootstrapped over MPI), with the host path's results."""
+    out = _passes(_scenario(n, 0, *scenario, store="dist_device_sync", gpus=True), n)
+    assert out.count("(NCCL)") == n, out
+
+
+@pytest.mark.gpu
+def test_nccl_checkpoint_loads_on_the_host_path(tmp_path):
+    """A checkpoint a store on NCCL wrote loads into a host dist_sync store, exactly."""
+    path = str(tmp_path / "ckpt")
+    out = _passes(_scenario(3, 0, "save", path, store="dist_device_sync", gpus=True), 3)
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="30", SAVED_WORKERS="3")
+    again = _passes(run("scenarios.py", 1, "load", path, env=env), 1)
+    assert set(_values(out).values()) == set(_values(again).values()), (out, again)
+
+
+@pytest.mark.gpu
+def test_nccl_refuses_compression_and_says_what_to_do():
+    result = _scenario(2, 0, "compression", "2bit", store="dist_device_sync", gpus=True)
+    assert result.returncode != 0
+    assert "create the dist_device_sync store with nccl=False" in result.stderr
+
+
 @pytest.mark.parametrize("kind", ["2bit", "1bit", "fp16"])
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_compression_on_the_wire(n, servers, kind):
@@ -251,6 +283,9 @@ def test_one_process_is_a_whole_job():
     ("gpukv.create('dist_sync', timeout=0)", "ArgumentError", "timeout=0"),
     ("gpukv.create('dist_sync', bigarray_bound=0)", "ArgumentError", "bigarray_bound=0"),
     ("gpukv.create('dist_sync', servers=2)", "ArgumentKindError", "'servers': unknown"),
+    ("gpukv.create('dist_sync', nccl=True)", "ArgumentError", "nccl=True"),
+    ("gpukv.create('dist_device_sync', nccl='yes')", "ArgumentKindError", "nccl"),
+    ("gpukv.create('dist_device_sync', nccl=True)", "BackendError", "sees no GPU"),
 ])
 def test_bad_options_are_typed_errors(code, error, words):
     result = _single(f"try:\n    {code}\nexcept gpukv.GpukvError as e:\n"

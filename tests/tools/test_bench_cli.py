@@ -2,7 +2,9 @@
 skips and failures are told apart, the progress bar and the usage line fit the caller."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import subprocess
@@ -20,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 # One case of one strategy, as small and short as a run gets.
 TINY = ["--host", "--sizes", "4K", "--devices", "2", "--strategies", "local",
-        "--cases", "sweep", "--warmup", "0", "--iters", "1", "--copy-size", "64K",
-        "--no-plot"]
+        "--cases", "sweep", "--warmup", "0", "--iters", "1", "--copy-size", "64K"]
 
 
 def _bench_main(argv):
@@ -33,6 +34,12 @@ def _bench_main(argv):
         except SystemExit as exc:
             status = exc.code
     return status, out.getvalue(), err.getvalue()
+
+
+def _record(folder):
+    """The one strategies_*.json `gpukv bench --out folder` wrote."""
+    (path,) = Path(folder).glob("strategies_*.json")
+    return json.loads(path.read_text())
 
 
 def _script(name, *args):
@@ -51,7 +58,7 @@ def test_bench_unknown_name_is_an_argument_error(option, value, valid):
     """An unknown strategy, baseline or case stops `gpukv bench` at parsing (exit 2),
     naming the bad value and the valid ones."""
     bad = value.split(",")[-1]
-    status, out, err = _bench_main(["--host", option, value, "--no-json", "--no-plot"])
+    status, out, err = _bench_main(["--host", option, value, "--out", "-"])
     assert status == 2
     assert f"argument {option}" in err and repr(bad) in err and valid in err
     assert out == ""  # nothing ran
@@ -70,7 +77,7 @@ def test_python_m_gpukv_bench_unknown_strategy_exits_2():
 @pytest.mark.parametrize("argv", [["--warmup", "-1"], ["--iters", "0"]])
 def test_bench_bad_counts_are_argument_errors(argv):
     """Negative warm-up or zero iterations are usage errors (exit 2)."""
-    status, _, err = _bench_main(["--host"] + argv + ["--no-json"])
+    status, _, err = _bench_main(["--host"] + argv + ["--out", "-"])
     assert status == 2 and "usage: gpukv bench" in err
 
 
@@ -78,11 +85,10 @@ def test_bench_bad_counts_are_argument_errors(argv):
 def test_missing_torch_baseline_is_skipped_not_failed(monkeypatch, tmp_path):
     """Without PyTorch its baselines are skipped with the reason, and the run exits 0."""
     monkeypatch.setattr(_bench, "_torch", lambda: None)
-    path = tmp_path / "r.json"
-    status, out, _ = _bench_main(TINY + ["--baselines", "loop,torch_stack", "--json",
-                                         str(path), "--no-progress"])
+    status, out, _ = _bench_main(TINY + ["--baselines", "loop,torch_stack", "--out",
+                                         str(tmp_path), "--no-progress"])
     assert status == 0
-    row = next(r for r in json.loads(path.read_text())["results"]
+    row = next(r for r in _record(tmp_path)["results"]
                if r["name"] == "torch_stack")
     assert row["path"] == "skipped" and "torch" in row["error"]
     assert "failed" not in out and "skipped" in out
@@ -93,11 +99,10 @@ def test_failing_case_makes_the_exit_status_nonzero(monkeypatch, tmp_path):
     def broken(name, w):
         raise RuntimeError("broken strategy")
     monkeypatch.setattr(_bench, "_store_step", broken)
-    path = tmp_path / "r.json"
-    status, out, _ = _bench_main(TINY + ["--baselines", "loop", "--json", str(path),
+    status, out, _ = _bench_main(TINY + ["--baselines", "loop", "--out", str(tmp_path),
                                          "--no-progress"])
     assert status == 1
-    row = next(r for r in json.loads(path.read_text())["results"] if r["name"] == "local")
+    row = next(r for r in _record(tmp_path)["results"] if r["name"] == "local")
     assert row["path"] == "error" and "broken strategy" in row["error"]
     assert "failed" in out
 
@@ -106,7 +111,7 @@ def test_failing_case_makes_the_exit_status_nonzero(monkeypatch, tmp_path):
 def test_no_progress_bar_when_stderr_is_not_a_terminal():
     """The tqdm bar is not drawn into a stderr that is not a terminal."""
     pytest.importorskip("tqdm")
-    status, _, err = _bench_main(TINY + ["--baselines", "", "--no-json"])
+    status, _, err = _bench_main(TINY + ["--baselines", "", "--out", "-"])
     assert status == 0
     assert "\r" not in err and "case" not in err
 
@@ -114,7 +119,7 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal():
 def test_progress_bar_on_request():
     """--progress draws the bar even when stderr is not a terminal."""
     pytest.importorskip("tqdm")
-    status, _, err = _bench_main(TINY + ["--baselines", "", "--no-json", "--progress"])
+    status, _, err = _bench_main(TINY + ["--baselines", "", "--out", "-", "--progress"])
     assert status == 0 and "case" in err
 
 
@@ -145,6 +150,12 @@ def test_bench_strategies_script_help_names_the_script():
     ("simulate_topologies.py", "--machines", "foo"),
     ("simulate_topologies.py", "--sizes", "4X"),
     ("simulate_topologies.py", "--devices", "2,x"),
+    ("bench_host.py", "--devices", "0"),
+    ("bench_optimizers.py", "--devices", "2,x"),
+    ("bench_compression.py", "--iters", "0"),
+    ("bench_checkpoint.py", "--warmup", "-1"),
+    ("bench_dist.py", "--sizes", "4X"),
+    ("bench_trainer.py", "--models", "resnet"),
 ])
 def test_benchmark_script_bad_value_is_an_argument_error(script, option, value):
     """A malformed size, count or name given to a benchmark script is an argparse error
@@ -168,7 +179,234 @@ def test_shared_size_parser(text, sizes):
 
 def test_shared_size_parser_errors_are_value_errors():
     """A bad size is both a ValueError and an argparse type error, naming the text."""
-    import argparse
     with pytest.raises(ValueError, match="4X") as info:
         benchutil.parse_sizes("1K,4X")
     assert isinstance(info.value, argparse.ArgumentTypeError)
+
+
+# ------------------------------------------------------------ the shared convention
+SCRIPTS = ("bench_host.py", "bench_compression.py", "bench_optimizers.py",
+           "bench_checkpoint.py", "bench_trainer.py", "bench_dist.py",
+           "simulate_topologies.py")
+OLD_FLAGS = ("--json", "--no-json", "--plot", "--no-plot", "--png", "--replicas")
+
+
+def _load(name):
+    """benchmarks/<name> imported as a module (benchmarks/ on sys.path while it loads)."""
+    if name == "bench_trainer.py":
+        pytest.importorskip("torch")
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_script_{Path(name).stem}",
+                                                      BENCHMARKS / name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def _parser(name):
+    return _bench.build_parser() if name == "gpukv bench" else _load(name).build_parser()
+
+
+def _options(parser) -> dict:
+    return {o: a for a in parser._actions for o in a.option_strings}
+
+
+def _parse_error(parser, argv) -> int:
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(argv)
+    return info.value.code
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ("gpukv bench",))
+def test_every_option_has_a_help_text(name):
+    """Every option of every benchmark script and of `gpukv bench` is explained."""
+    parser = _parser(name)
+    missing = [a.option_strings for a in parser._actions
+               if a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ("gpukv bench",))
+def test_shared_options_mean_the_same_everywhere(name):
+    """--warmup, --iters and --out everywhere; --sizes in bytes with units and --devices a
+    list of counts where a script has them; none of the old output flags."""
+    parser = _parser(name)
+    options = _options(parser)
+    assert {"--warmup", "--iters", "--out"} <= set(options)
+    assert not set(OLD_FLAGS) & set(options)
+    for option in ("--warmup", "--iters", "--out"):
+        assert options[option].help
+    assert _parse_error(parser, ["--iters", "0"]) == 2
+    assert _parse_error(parser, ["--warmup", "-1"]) == 2
+    assert parser.parse_args(["--out", "-"]).out == "-"
+    if "--sizes" in options:
+        assert parser.parse_args(["--sizes", "4KB,1MB"]).sizes == [4096, 1 << 20]
+        assert parser.parse_args(["--sizes", "4K..64K"]).sizes == [4096, 16384, 65536]
+        assert _parse_error(parser, ["--sizes", "4X"]) == 2
+        assert "bytes" in options["--sizes"].help
+    if "--devices" in options:
+        assert parser.parse_args(["--devices", "1,2,4"]).devices == [1, 2, 4]
+        assert _parse_error(parser, ["--devices", "auto"]) == 2
+    if "--host" in options or "--gpu" in options:  # one style of choosing where to run
+        assert {"--host", "--gpu"} <= set(options) and "--on" not in options
+        assert _parse_error(parser, ["--host", "--gpu"]) == 2
+
+
+def test_simulation_says_it_ignores_warmup_and_iters():
+    """simulate_topologies.py accepts --warmup/--iters and says it ignores them."""
+    options = _options(_parser("simulate_topologies.py"))
+    assert "ignored" in options["--warmup"].help and "ignored" in options["--iters"].help
+
+
+# ------------------------------------------------- gpukv bench: where results go
+def test_gpukv_bench_without_out_writes_nothing_and_says_so(tmp_path, monkeypatch):
+    """Without --out `gpukv bench` writes no file (not into the current folder either)
+    and says how to keep the results; `--out -` writes nothing, quietly."""
+    monkeypatch.chdir(tmp_path)
+    status, out, _ = _bench_main(TINY + ["--baselines", "", "--no-progress"])
+    assert status == 0 and "--out DIR" in out and "wrote" not in out
+    status, out, _ = _bench_main(TINY + ["--baselines", "", "--no-progress", "--out", "-"])
+    assert status == 0 and "--out DIR" not in out and "wrote" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpukv_bench_out_dir_gets_the_json_and_the_chart(tmp_path):
+    """--out DIR receives strategies_<device>.json and, with matplotlib, its .png."""
+    status, out, _ = _bench_main(TINY + ["--baselines", "", "--no-progress",
+                                         "--out", str(tmp_path / "r")])
+    assert status == 0
+    record = _record(tmp_path / "r")
+    assert record["settings"]["sizes"] == [4096]
+    pngs = list((tmp_path / "r").glob("strategies_*.png"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(pngs) == 1 and f"wrote {pngs[0]}" in out
+
+
+def test_bench_strategies_default_folder_is_the_callers(tmp_path):
+    """benchmarks/bench_strategies.py hands main a default folder (benchmarks/results/):
+    without --out the files go there."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = _bench.main(TINY + ["--baselines", "", "--no-progress"],
+                             prog="bench_strategies.py", out_default=tmp_path)
+    assert status == 0
+    assert _record(tmp_path)["benchmark"] == "strategies"
+
+
+@pytest.mark.skipif(not gpu_env.EMULATED, reason="a GPU may be present")
+@pytest.mark.parametrize("script", ["bench_strategies.py", "bench_compression.py",
+                                    "bench_optimizers.py"])
+def test_gpu_flag_without_a_gpu_exits_1(script):
+    """--gpu where no GPU is visible is an error with exit status 1, naming --gpu."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--gpu",
+                           "--out", "-"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=gpu_env.subprocess_env(gpus=False))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--gpu" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------- benchmarks/*.py: bytes, files, exit status
+def _run(module, argv, capsys) -> tuple[int, str]:
+    status = module.main(argv)
+    return status, capsys.readouterr().out
+
+
+def _written(folder, prefix):
+    (path,) = Path(folder).glob(f"{prefix}_*.json")
+    return json.loads(path.read_text())
+
+
+def test_compression_sizes_are_bytes_and_a_failed_case_exits_1(tmp_path, monkeypatch,
+                                                               capsys):
+    """bench_compression.py --sizes 4KB runs 1024 float32 elements and records both; a
+    compressor that raises is a failed row and the exit status is 1."""
+    mod = _load("bench_compression.py")
+    argv = ["--host", "--sizes", "4KB", "--kinds", "fp16", "--warmup", "0", "--iters", "1",
+            "--out", str(tmp_path)]
+    status, out = _run(mod, argv, capsys)
+    assert status == 0 and "1024" in out
+    (rec,) = _written(tmp_path, "compression")["results"]
+    assert (rec["size"], rec["bytes"]) == (1024, 4096)
+
+    def broken():
+        raise RuntimeError("broken compressor")
+    monkeypatch.setitem(mod.KINDS, "fp16", broken)
+    status, out = _run(mod, argv, capsys)
+    assert status == 1 and "failed" in out
+    assert "broken compressor" in _written(tmp_path, "compression")["results"][0]["error"]
+
+
+def test_optimizers_sizes_are_bytes_and_a_failed_case_exits_1(tmp_path, monkeypatch,
+                                                              capsys):
+    """bench_optimizers.py --sizes 4KB updates keys of 1024 float32 elements, runs every
+    device count of --devices, and exits 1 when an update raises."""
+    mod = _load("bench_optimizers.py")
+    argv = ["--host", "--sizes", "4KB", "--keys", "2", "--rules", "sgd_mom",
+            "--devices", "1,2", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+    status, _ = _run(mod, argv, capsys)
+    assert status == 0
+    records = _written(tmp_path, "optimizers_host")["results"]
+    assert [(r["size"], r["bytes"], r["devices"]) for r in records] == [
+        (1024, 4096, 1), (1024, 4096, 2)]
+
+    def broken():
+        raise RuntimeError("broken rule")
+    monkeypatch.setitem(mod.RULES, "sgd_mom", broken)
+    status, out = _run(mod, argv, capsys)
+    assert status == 1 and "failed" in out
+
+
+def test_host_sizes_are_bytes_and_a_failed_case_exits_1(tmp_path, monkeypatch, capsys):
+    """bench_host.py names and records its cases by bytes (and float32 elements), runs
+    every device count, and exits 1 when a case's store fails."""
+    mod = _load("bench_host.py")
+    monkeypatch.delenv("MXNET_PYTHON", raising=False)
+    monkeypatch.setattr(mod, "copy_limit", lambda threads: {
+        "limit_Bps": 1e10, "limit_threads": 1, "runs": []})
+    argv = ["--sizes", "4KB", "--keys", "3x1KB", "--devices", "2,4", "--rounds", "1",
+            "--warmup", "0", "--iters", "1", "--min-time", "0", "--out", str(tmp_path)]
+    status, _ = _run(mod, argv, capsys)
+    assert status == 0
+    results = _written(tmp_path, "host")["results"]
+    assert set(results) == {"4K/2dev", "3x1K/2dev", "4K/4dev", "3x1K/4dev"}
+    assert (results["4K/4dev"]["bytes_per_key"], results["4K/4dev"]["floats_per_key"]) \
+        == (4096, 1024)
+    assert results["3x1K/2dev"]["floats_per_key"] == 256
+
+    def broken(case):
+        raise RuntimeError("wrong result pulled")
+    monkeypatch.setattr(mod, "gpukv_step", broken)
+    status, out = _run(mod, argv[:-2] + ["--out", "-"], capsys)
+    assert status == 1 and "failed" in out
+
+
+def test_checkpoint_failed_case_exits_1(tmp_path, monkeypatch, capsys):
+    """bench_checkpoint.py runs with --warmup/--iters/--out, and exits 1 on a failure."""
+    mod = _load("bench_checkpoint.py")
+    argv = ["--keys", "10", "--optimizer", "none", "--warmup", "1", "--iters", "1",
+            "--out", str(tmp_path)]
+    status, _ = _run(mod, argv, capsys)
+    assert status == 0 and _written(tmp_path, "checkpoint")["results"][0]["ok"]
+
+    def broken(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(mod, "run_case", broken)
+    status, out = _run(mod, argv, capsys)
+    assert status == 1 and "FAILED" in out
+
+
+def test_simulation_writes_json_and_png_into_out(tmp_path, capsys):
+    """simulate_topologies.py --out DIR writes simulated_topologies.json (and .png)."""
+    mod = _load("simulate_topologies.py")
+    status, _ = _run(mod, ["--sizes", "4KB", "--devices", "2", "--machines", "dgx1-v100",
+                           "--out", str(tmp_path)], capsys)
+    assert status == 0
+    record = json.loads((tmp_path / "simulated_topologies.json").read_text())
+    assert {r["bytes"] for r in record["results"]} == {4096}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "simulated_topologies.png").exists()

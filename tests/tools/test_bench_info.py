@@ -30,13 +30,14 @@ def _env(gpus: bool = False):
 def tiny_run(tmp_path_factory):
     """One tiny host benchmark run: (exit status, JSON record, PNG path, stdout)."""
     out = tmp_path_factory.mktemp("bench")
-    json_path, png_path = out / "strategies.json", out / "strategies.png"
     import contextlib
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        status = _bench.main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
-    return status, json.loads(json_path.read_text()), png_path, buf.getvalue()
+        status = _bench.main(TINY + ["--out", str(out)])
+    (json_path,) = out.glob("strategies_*.json")
+    return status, json.loads(json_path.read_text()), json_path.with_suffix(".png"), \
+        buf.getvalue()
 
 
 def test_bench_exits_zero_and_prints_a_table(tiny_run):
@@ -130,14 +131,14 @@ def test_parse_sizes_rejects_bad_input(text):
 
 def test_python_m_gpukv_bench_runs(tmp_path):
     """`python -m gpukv bench` runs the benchmark from the command line."""
-    path = tmp_path / "cli.json"
+    out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "gpukv", "bench", "--host", "--sizes", "4K", "--devices", "2",
          "--strategies", "local", "--baselines", "loop", "--cases", "sweep", "--iters", "1",
-         "--warmup", "0", "--copy-size", "1M", "--no-progress", "--json", str(path),
-         "--no-plot"],
+         "--warmup", "0", "--copy-size", "1M", "--no-progress", "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    (path,) = out.glob("strategies_*.json")
     assert json.loads(path.read_text())["results"][0]["check"] == "ok"
 
 
@@ -146,15 +147,16 @@ def test_gpu_benchmark_runs_and_records_its_device(tmp_path):
     """The GPU benchmark (CUDA-event timing) runs unchanged on this run's GPUs: every row
     checks out and the JSON names the GPUs it measured."""
     from gpukv.device.cuda.device import gpu_devices
-    path = tmp_path / "gpu.json"
+    out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "gpukv", "bench", "--sizes", "4K", "--devices", "2",
+        [sys.executable, "-m", "gpukv", "bench", "--gpu", "--sizes", "4K", "--devices", "2",
          "--strategies", "home,tree,ring,nccl", "--baselines", "loop", "--small-keys", "8",
          "--small-devices", "2", "--goal-size", "64K", "--goal-devices", "2",
          "--copy-size", "1M", "--warmup", "0", "--iters", "1", "--no-progress",
-         "--json", str(path), "--no-plot"],
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=_env(gpus=True), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob("strategies_*.json")
     record = json.loads(path.read_text())
     assert record["device"]["kind"] == "gpu" and record["device"]["gpus"]
     assert len(record["device"]["gpus"]) == len({d.physical for d in gpu_devices()})

@@ -1,4 +1,5 @@
-"""`cupy.cuda.nccl` for the GPUs of one process, checking every call as NCCL would need it.
+"""`cupy.cuda.nccl` for the GPUs of one process, or one GPU in each process of an MPI job,
+checking every call as NCCL would need it.
 
 A collective runs once every rank of its communicator has issued it. Calls made between
 `groupStart()` and `groupEnd()` are matched at `groupEnd`: the k-th call of every rank
@@ -8,11 +9,19 @@ root; every buffer lies inside one allocation on the rank's own GPU, large enoug
 `count` elements of the data type (so a wrong dtype code or count fails here); and the
 stream belongs to the rank's GPU. A call outside a group on a communicator whose ranks
 all live in this process could never complete (NCCL deadlocks): it is refused.
+
+A communicator made with `NcclCommunicator(nranks, unique_id, rank)`, one rank in each
+process (the id made by `get_unique_id` in one process and passed to the others, as
+NCCL is bootstrapped), runs its collectives across the processes with mpi4py: every
+process of the MPI job must create it (they are found by splitting COMM_WORLD by the id).
+Before each collective the ranks compare what they called; a difference is an error
+(real NCCL would hang or mix data).
 """
 from __future__ import annotations
 
 import itertools
 import threading
+import zlib
 
 import numpy as np
 
@@ -85,10 +94,49 @@ def get_unique_id() -> bytes:
 class _Clique:
     """The ranks of one communicator, and the calls each has issued but not yet run."""
 
+    remote = False
+
     def __init__(self, devices):
         self.devices = list(devices)
+        self.size = len(self.devices)
         self.pending = [[] for _ in self.devices]
         self.lock = threading.Lock()
+
+    def device_of(self, rank: int) -> int:
+        return self.devices[rank]
+
+    def run_ready(self) -> None:
+        _run_ready(self)
+
+
+class _Remote:
+    """A communicator with one rank in each of several processes (see the module's
+    docstring): this process's rank, its GPU, and the calls it issued but not yet run."""
+
+    remote = True
+
+    def __init__(self, ndev: int, unique_id, rank: int, device: int):
+        from mpi4py import MPI
+        color = zlib.crc32(bytes(unique_id) if isinstance(unique_id, (bytes, bytearray))
+                           else repr(tuple(unique_id)).encode()) & 0x7FFFFFFF
+        self.comm = MPI.COMM_WORLD.Split(color, rank)
+        if self.comm.Get_size() != ndev or self.comm.Get_rank() != rank:
+            raise _argument(f"communicator of {ndev} ranks: {self.comm.Get_size()} processes "
+                            f"joined it, this one as rank {self.comm.Get_rank()} (asked {rank})")
+        self.size, self.rank, self.device = ndev, rank, device
+        self.pending: list = [[] for _ in range(ndev)]
+        self.lock = threading.Lock()
+
+    def device_of(self, rank: int) -> int:
+        if rank != self.rank:
+            raise _usage(f"rank {rank} of this communicator lives in another process")
+        return self.device
+
+    def run_ready(self) -> None:
+        with self.lock:
+            calls, self.pending[self.rank] = self.pending[self.rank], []
+        for k, call in enumerate(calls):
+            _run_remote(self.comm, call, k)
 
 
 class NcclCommunicator:
@@ -96,8 +144,11 @@ class NcclCommunicator:
 
     def __init__(self, ndev: int, commId=None, rank: int = 0, *, _clique=None):
         if _clique is None:
-            raise _usage("a communicator of several ranks in one process needs initAll "
-                         "(creating ranks one by one from one thread would hang)")
+            if commId is None:
+                raise _usage("a communicator of several ranks in one process needs initAll "
+                             "(creating ranks one by one from one thread would hang)")
+            _clique = (_Clique([runtime.current_device()]) if ndev == 1 and rank == 0
+                       else _Remote(ndev, commId, rank, runtime.current_device()))
         self._clique, self._rank = _clique, rank
         self._alive = True
 
@@ -120,13 +171,13 @@ class NcclCommunicator:
                 for r in range(len(devices))]
 
     def device_id(self) -> int:
-        return self._clique.devices[self._rank]
+        return self._clique.device_of(self._rank)
 
     def rank_id(self) -> int:
         return self._rank
 
     def size(self) -> int:
-        return len(self._clique.devices)
+        return self._clique.size
 
     def destroy(self) -> None:
         self._alive = False
@@ -175,10 +226,10 @@ class NcclCommunicator:
         with clique.lock:
             clique.pending[self._rank].append(call)
         if _group_depth() == 0:
-            if self.size() > 1:
+            if self.size() > 1 and not clique.remote:
                 raise _usage(f"{kind} outside groupStart()/groupEnd() on a communicator of "
                              f"{self.size()} ranks in one process would hang")
-            _run_ready(clique)
+            clique.run_ready()
         else:
             _group_cliques().add(clique)
 
@@ -292,6 +343,43 @@ def _run(ranks: list, k: int) -> None:
             c.view(c.recv, count * n)[...] = parts
 
 
+def _run_remote(comm, call: "_Call", k: int) -> None:
+    """One collective across the processes, once every rank says it calls the same."""
+    said = (call.kind, call.count, call.datatype, call.op, call.root)
+    everyone = comm.allgather(said)
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            raise _argument(f"collective #{k} across processes: rank {rank} called "
+                            f"{other} where rank 0 called {everyone[0]} (kind, count, "
+                            f"datatype, op, root): NCCL would hang or mix data")
+    n, count = comm.Get_size(), call.count
+    if call.root is not None and not 0 <= call.root < n:
+        raise _argument(f"{call.kind}: root {call.root} of {n} ranks")
+    call.check_buffers(n)
+    if call.kind in ("allReduce", "reduce", "reduceScatter"):
+        op = _OPS.get(call.op)
+        if op is None and call.op != NCCL_AVG:
+            raise _argument(f"{call.kind}: unknown reduction {call.op}")
+        n_in = count * n if call.kind == "reduceScatter" else count
+        inputs = comm.allgather(call.view(call.send, n_in).copy())
+        total = inputs[0].copy()
+        for x in inputs[1:]:
+            np.add(total, x, out=total) if op is None else op(total, x, out=total)
+        if op is None:
+            total = (total / n).astype(call.dtype)
+        if call.kind == "allReduce" or (call.kind == "reduce" and call.rank == call.root):
+            call.view(call.recv, count)[...] = total
+        elif call.kind == "reduceScatter":
+            call.view(call.recv, count)[...] = total[call.rank * count:(call.rank + 1) * count]
+    elif call.kind == "broadcast":
+        data = comm.bcast(call.view(call.send, count).copy() if call.rank == call.root
+                          else None, root=call.root)
+        call.view(call.recv, count)[...] = data
+    elif call.kind == "allGather":
+        parts = comm.allgather(call.view(call.send, count).copy())
+        call.view(call.recv, count * n)[...] = np.concatenate(parts)
+
+
 # --------------------------------------------------------------------------- groups
 _thread = threading.local()
 
@@ -319,4 +407,4 @@ def groupEnd() -> None:  # noqa: N802 - NCCL's name
         return
     cliques, _thread.cliques = _group_cliques(), set()
     for clique in cliques:
-        _run_ready(clique)
+        clique.run_ready()

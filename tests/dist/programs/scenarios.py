@@ -26,7 +26,8 @@ def create(**options):
 
 
 def passed(kv, *details) -> None:
-    print(f"PASS worker {kv.rank} of {kv.num_workers}", *details, flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", *details,
+          "(NCCL)" if getattr(kv, "nccl", False) else "", flush=True)
 
 
 def caught(kv_rank, exc) -> None:
@@ -40,7 +41,9 @@ def sync_sgd(dtype: str = "float32", rounds: str = "3") -> None:
     int key, a small str-free key list and a big key split over every server."""
     kv = create(bigarray_bound=1000)
     lr, n, r = 0.05, kv.num_workers, kv.rank
-    shapes = {3: (2, 3), 5: (30, 40), 7: (1200,)}  # 1200 >= bigarray_bound: split
+    # 5, 7 and 9 have >= bigarray_bound elements: split over every server (9 in pieces
+    # of unequal length with 2, 3 or 4 servers)
+    shapes = {3: (2, 3), 5: (30, 40), 7: (1200,), 9: (1001,)}
     dt = np.dtype(dtype)
     kv.init(list(shapes), [np.ones(s, dt) for s in shapes.values()])
     kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=lr))
