@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,6 +85,31 @@ class _Shard(KVStore):
     def apply_settings(self, settings: tuple) -> None:
         """The optimizer takes over a worker's `Optimizer.settings()`."""
         self._optimizer.apply_settings(settings)
+
+
+#: message tags of the agreements of `create` (away from those of the stores' own calls)
+_CREATE_TAGS = 1000
+#: dist stores this process made (each must be made by every process, in the same order)
+_made = [0]
+#: the store whose dedicated servers this job runs, once made
+_SERVED: list = []
+
+
+def _serve_or_client(transport, servers: int, bound: int, name: str):
+    """On a server rank: serve the workers, then end the process (as MXNet's servers do;
+    a failure of the server itself aborts the job rather than run the program on). On a
+    worker: its end of the servers."""
+    from ..dist.server import ServerClient, serve
+    asynchronous = name == "dist_async"
+    if transport.rank < servers:
+        try:
+            serve(transport, servers, _Shard(), bound, asynchronous=asynchronous)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            transport.comm.Abort(1)
+        sys.exit(0)
+    return ServerClient(transport, servers, bound, asynchronous=asynchronous)
 
 
 class _PinnedStore(KVStore):
@@ -195,20 +221,36 @@ class DistKVStore(KVStore):
     def __init__(self, name: str, *, num_servers: int | None = None,
                  timeout: float | None = None, bigarray_bound: int | None = None,
                  nccl: bool | None = None, **local_options):
+        from ..dist.agree import Agreement
         from ..dist.transport import Transport, mpi
-        comm = mpi().COMM_WORLD.Dup()  # its own tags: the program's MPI traffic is apart
+        MPI = mpi()
+        world = MPI.COMM_WORLD
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
-                                           comm.Get_size())
+                                           world.Get_size())
+        if servers and _SERVED:
+            raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of this "
+                                f"job serve one store, made already; make one store with "
+                                f"dedicated servers per job (num_servers=0 allows several)")
+        # Every process makes the same store, or each hears who did not, before any
+        # collective call that would wait for them without a bound.
+        Agreement(Transport(world, timeout), tags=_CREATE_TAGS).check(
+            ("create", (name, servers, bound, _made[0])), f"gpukv.create({name!r})")
+        _made[0] += 1
+        comm = world.Dup()  # its own messages: the program's MPI traffic stays apart
+        local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()
+        local_comm.Free()
+        # The ranks on this machine share its CPUs: each sums and copies with its share.
+        share_cpus(local_size)
+        transport = Transport(comm, timeout, local_size)
+        gpu = _nccl_gpu(name, servers, nccl, local_rank)
+        Agreement(transport, tags=_CREATE_TAGS).check(
+            ("engine", ("nccl" if gpu is not None else "host",)),
+            f"gpukv.create({name!r}): the path across processes")
         local = "device" if name == "dist_device_sync" else "local"
         self._type = name
         self._num_servers = servers
         self._lock = threading.RLock()
-        transport = Transport(comm, timeout)
-        # The ranks on this machine share its CPUs: each sums and copies with its share.
-        local_comm = comm.Split_type(mpi().COMM_TYPE_SHARED)
-        share_cpus(local_comm.Get_size())
-        gpu = _nccl_gpu(name, servers, nccl, local_comm.Get_rank())
-        local_comm.Free()
         #: where the engine reads the sums and writes the values: the host, or this
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
@@ -219,19 +261,18 @@ class DistKVStore(KVStore):
             from ..dist.sharded import ShardedRounds
             self._engine = ShardedRounds(transport, _Shard(), bound)
         else:
-            from ..dist.server import ServerClient, serve
-            if transport.rank < servers:  # a server: serve the workers, then leave
-                serve(transport, servers, _Shard(), bound, asynchronous=name == "dist_async")
-                sys.exit(0)
-            self._engine = ServerClient(transport, servers, bound,
-                                        asynchronous=name == "dist_async")
+            _SERVED.append(name)
+            self._engine = _serve_or_client(transport, servers, bound, name)
         self._values = _PinnedStore(local, gpu, **local_options)
         self._grads = _PinnedStore(local, gpu, **local_options)
         #: whether the engine works in `_values`' own arrays (else in host copies)
         self._in_place = local == "local" or gpu is not None
         self._host: dict = {}  # key -> this process's host copy of its value
         self._has_optimizer = False  # whether set_optimizer was called
+        self._has_updater = False  # whether set_updater was called
         self._optimizer_followed: Any = None  # the optimizer set_optimizer was given
+        self._checker: Any = None  # an OptimizerUpdater of it, to check pushes with
+        self._stale: list = []  # keys whose device copies wait for rank 0's value
 
     # ----------------------------------------------------------------- properties
     @property
@@ -279,6 +320,7 @@ class DistKVStore(KVStore):
         """Wait for every worker; a PeerError names those that did not come in time."""
         with self._lock:
             self._engine.barrier()
+            self._refresh()
 
     _barrier = barrier
 
@@ -290,14 +332,16 @@ class DistKVStore(KVStore):
         with self._lock:
             self._engine.check()
             check.init_values(groups, self._dict(), self._values._key_kind)
+            if not groups.keys:
+                return
             if groups.sparse:
                 raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
                                         f"initialised with dense values")
-            firsts = [[a[0]] for a in groups.arrays]
-            self._values._init_groups(groups._replace(arrays=firsts))
-            self._grads._init_groups(groups._replace(arrays=firsts))
+            self._values._init_groups(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
             replicas = [self._host_copy(k, a[0]) for k, a in zip(groups.keys, groups.arrays)]
             self._engine.init(groups.keys, replicas)
+            if not self._in_place:  # the device copies follow once rank 0's values came
+                self._stale.extend(groups.keys)
 
     def _dict(self) -> dict:
         return self._values._entries
@@ -329,12 +373,22 @@ class DistKVStore(KVStore):
         self._engine.check()
         entries = self._values._lookup(groups, op)
         check.all_sources(groups, entries, op)
+        if not groups.keys:
+            return entries
         if groups.sparse:
             raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store takes dense "
                                     f"pushes; push the rows as a dense gradient")
+        if self._type == "dist_async" and not (self._has_optimizer or self._has_updater):
+            raise ArgumentError(f"key {groups.keys[0]!r}: dist_async applies every push as "
+                                f"it comes with the store's optimizer; call set_optimizer "
+                                f"(or set_updater) first")
+        if self._checker is not None:  # what the optimizer refuses, refused here first
+            self._checker.check(groups.keys, [e.value for e in entries])
         return entries
 
     def _push(self, groups, entries) -> None:
+        if not groups.keys:
+            return
         if self._has_optimizer:
             self._engine.follow(self._optimizer_followed)
         grads = self._local_sums(groups, entries)
@@ -342,6 +396,14 @@ class DistKVStore(KVStore):
         self._engine.push(groups.keys, grads, replicas)
         if self._engine.round_updates_replicas:
             self._to_devices(groups.keys, replicas)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Host path of dist_device_sync: the device copies of new keys take rank 0's
+        value once the engine has agreed on them (any call of the engine may do that)."""
+        if self._stale and not self._engine.pending:
+            keys, self._stale = self._stale, []
+            self._to_devices(keys, [self._host[k] for k in keys])
 
     def _local_sums(self, groups, entries) -> list:
         """Each key's sum over this process's devices, of the key's dtype, where the
@@ -361,6 +423,9 @@ class DistKVStore(KVStore):
             sub = check.Groups([groups.keys[i] for i in rest], [groups.arrays[i] for i in rest],
                                groups.all_host, groups.key_kind)
             grads = self._grads
+            new = [k for k in sub.keys if k not in grads._entries]
+            if new:  # a key's first push that needs a sum here: its buffer, made now
+                grads.init(new, [self._values._entries[k].value for k in new])
             grads._run_push(grads._plan_push(sub, [grads._entries[k] for k in sub.keys]))
             for i in rest:
                 entry = grads._entries[groups.keys[i]]
@@ -396,6 +461,7 @@ class DistKVStore(KVStore):
         self._engine.pull(keys, replicas)
         if not self._engine.round_updates_replicas:
             self._to_devices(keys, replicas)
+        self._refresh()
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push then pull (into `value` itself when `out` is None); both checked first."""
@@ -446,6 +512,8 @@ class DistKVStore(KVStore):
                 f"updater: expected a callable, got {type(updater).__name__}")
         with self._lock:
             self._engine.set_updater(updater)
+            self._has_updater = True
+            self._refresh()
 
     _set_updater = set_updater
 
@@ -459,10 +527,13 @@ class DistKVStore(KVStore):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+        from ..optim import OptimizerUpdater
         with self._lock:
             self._engine.set_optimizer(optimizer)
             self._has_optimizer = True
             self._optimizer_followed = optimizer
+            self._checker = OptimizerUpdater(optimizer)  # checks here what the shards take
+            self._refresh()
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
@@ -486,10 +557,10 @@ class DistKVStore(KVStore):
         with self._lock:
             self._engine.check()
             keys = self._values.keys()
+            self._fetch(keys)  # every worker: with num_servers=0, queued keys are agreed on
             state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
             error = None
             if self.rank == 0:
-                self._fetch(keys)
                 entries = [(k, self._engine_device.to_host(self._replica(k)),
                             self._values._entries[k].home.kind) for k in keys]
                 snapshot = checkpoint.StoreSnapshot(
@@ -510,9 +581,12 @@ class DistKVStore(KVStore):
             if self.rank == 0:
                 contents = _attempt(lambda: checkpoint.read_store(path), keep=True)
             contents = _raise(self._engine.share(contents, "load"))
+            # The optimizer's state is checked whole, against the keys as they will be,
+            # before any key is made (the shards check their parts again).
             snapshot = checkpoint.StoreSnapshot(self._type, self._values._key_kind,
                                                 [(k, e.value, e.home.kind) for k, e in
-                                                 self._values._entries.items()], None)
+                                                 self._values._entries.items()],
+                                                self._checker)
             plan = checkpoint.plan_load(contents, snapshot)
             if plan.creates:
                 self.init([k for k, _, _ in plan.creates], [v for _, v, _ in plan.creates])
@@ -524,6 +598,7 @@ class DistKVStore(KVStore):
                 for key in keys:
                     self._engine_device.copy(self._replica(key), values[key])
                 self._to_devices(keys, [self._replica(k) for k in keys])
+            self._refresh()
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:

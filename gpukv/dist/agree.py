@@ -26,9 +26,12 @@ def _digest(seq: int, signature) -> np.ndarray:
 class Agreement:
     """Numbers the collective calls of one communicator and checks each one."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, tags: int = 0):
         self.t = transport
         self.seq = 0
+        # its message tags: TAG_DIGEST, TAG_VERDICT and TAG_SIGNATURE, moved by `tags`
+        self.digest_tag, self.verdict_tag, self.signature_tag = (
+            TAG_DIGEST + tags, TAG_VERDICT + tags, TAG_SIGNATURE + tags)
 
     def check(self, signature: tuple, what: str) -> None:
         """Return once every rank called the same thing (`signature`, a tuple of plain
@@ -49,7 +52,7 @@ class Agreement:
         t = self.t
         others = range(1, t.size)
         digests = {r: np.zeros(2, np.int64) for r in others}
-        requests = {r: t.recv_array(digests[r], r, TAG_DIGEST) for r in others}
+        requests = {r: t.recv_array(digests[r], r, self.digest_tag) for r in others}
 
         def missing():
             late = [r for r, req in requests.items() if not req.Test()]
@@ -65,14 +68,14 @@ class Agreement:
         self._tell(others, _MISMATCH)
         signatures = {0: (self.seq, signature)}
         for r in others:
-            signatures[r], _ = t.recv_object(r, TAG_SIGNATURE, f"{what}: rank {r}'s call")
+            signatures[r], _ = t.recv_object(r, self.signature_tag, f"{what}: rank {r}'s call")
         message = f"{what}: processes disagree: {_difference(signatures)}"
         self._tell(others, ("mismatch", message))
         raise t.fail(PeerMismatchError(message))
 
     def _tell(self, ranks, verdict) -> None:
         t = self.t
-        t.wait_all([t.send_object(verdict, r, TAG_VERDICT) for r in ranks],
+        t.wait_all([t.send_object(verdict, r, self.verdict_tag) for r in ranks],
                    "sending the verdict of a collective call")
 
     # ------------------------------------------------------------- other ranks
@@ -80,14 +83,14 @@ class Agreement:
         t = self.t
         # rank 0 waits `timeout` for the others before it answers: wait longer than that
         patience = t.timeout * 1.5 + 1
-        t.wait_all([t.send_array(digest, 0, TAG_DIGEST)], f"{what}: reaching rank 0",
+        t.wait_all([t.send_array(digest, 0, self.digest_tag)], f"{what}: reaching rank 0",
                    timeout=patience)
-        verdict, _ = t.recv_object(0, TAG_VERDICT, f"{what}: waiting for rank 0",
+        verdict, _ = t.recv_object(0, self.verdict_tag, f"{what}: waiting for rank 0",
                                    timeout=patience)
         if verdict == _MISMATCH:
-            t.wait_all([t.send_object((self.seq, signature), 0, TAG_SIGNATURE)],
+            t.wait_all([t.send_object((self.seq, signature), 0, self.signature_tag)],
                        f"{what}: reaching rank 0", timeout=patience)
-            verdict, _ = t.recv_object(0, TAG_VERDICT, f"{what}: waiting for rank 0",
+            verdict, _ = t.recv_object(0, self.verdict_tag, f"{what}: waiting for rank 0",
                                        timeout=patience)
         kind, message = verdict
         if kind == "ok":
@@ -139,7 +142,7 @@ def _call(signature) -> str:
 def _item(item) -> str:
     if isinstance(item, tuple):
         key, shape, dtype = item
-        return f"key {key!r} {tuple(shape)} {np.dtype(dtype).name}"
+        return f"key {key!r} {tuple(shape)} {dtype}"
     return f"key {item!r}"
 
 
@@ -168,3 +171,18 @@ def refuse_split(optimizer, layouts: dict, over: str) -> None:
                 f"key {key!r}: {optimizer.name} needs each key whole (its norms are per "
                 f"key), but this key of {int(np.prod(shape))} elements is split over "
                 f"{over}; raise bigarray_bound above its size")
+
+
+def to_rank0(t: Transport, obj, what: str):
+    """Every rank's `obj`, as a list on rank 0 (None elsewhere), each wait bounded."""
+    if t.size == 1:
+        return [obj]
+    if t.rank != 0:
+        t.wait_all([t.send_object(obj, 0, TAG_SHARE)], f"{what}: sending to rank 0",
+                   timeout=2 * t.timeout + 1)
+        return None
+    got = [obj]
+    for r in range(1, t.size):
+        got.append(t.recv_object(r, TAG_SHARE, f"{what}: waiting for rank {r}",
+                                 timeout=2 * t.timeout + 1)[0])
+    return got

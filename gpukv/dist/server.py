@@ -40,7 +40,7 @@ class _Key:
     """What a server knows of one key (its piece of it)."""
 
     def __init__(self, workers: int):
-        self.inits: dict = {}          # worker -> (start, stop, shape, dtype str)
+        self.inits: dict = {}          # worker -> (start, stop, shape, dtype)
         self.initialised = False
         self.version = 0
         self.queues: list = [collections.deque() for _ in range(workers)]
@@ -265,7 +265,8 @@ class _Server:
         try:
             self.checked = self.shard.check_state(body["state"]) if body["state"] else None
         except GpukvError as exc:
-            self.reply(worker, f"{type(exc).__name__}: {exc}")
+            self.reply(worker, str(exc) if isinstance(exc, CheckpointError)
+                       else f"{type(exc).__name__}: {exc}")
             return
         self.reply(worker, None)
 
@@ -343,7 +344,8 @@ class ServerClient:
         self.servers = servers
         self.bound = bound
         self.asynchronous = asynchronous
-        self.workers = Transport(worker_comm(transport, servers), transport.timeout)
+        self.workers = Transport(worker_comm(transport, servers), transport.timeout,
+                                 transport.local_size)
         self.agree = Agreement(self.workers)
         self.layouts: dict = {}     # key -> (pieces, shape, dtype)
         self.pushes: dict = {}      # key -> pushes this worker made
@@ -417,6 +419,8 @@ class ServerClient:
         """Send the keys to their servers (worker 0 with its values); the servers agree
         on them once every worker has sent them, in whatever order."""
         self.check()
+        if not keys:
+            return
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, value in zip(keys, replicas):
             layout = pieces(key, value.size, self.servers, self.bound)
@@ -425,7 +429,7 @@ class ServerClient:
             flat = value.reshape(-1)
             for p in layout:
                 specs, data = by_server[p.server]
-                specs.append((key, p.start, p.stop, value.shape, value.dtype.str))
+                specs.append((key, p.start, p.stop, value.shape, value.dtype))
                 if self.rank == 0:
                     data.append(np.ascontiguousarray(flat[p.start:p.stop]))
         requests = []
@@ -452,6 +456,8 @@ class ServerClient:
 
     def push(self, keys, grads, replicas) -> None:
         self._settle()
+        if not keys:
+            return
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad in zip(keys, grads):
             layout, shape, dtype = self.layouts[key]
@@ -467,7 +473,7 @@ class ServerClient:
             self.pushes[key] += 1
         requests = []
         for server, (entries, data) in by_server.items():
-            body = {"keys": entries, "data": [(e[0], a.dtype.str, a.size)
+            body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
                                               for e, a in zip(entries, data)]}
             requests += self._request(server, "push", body, data)
         self._wait(requests, f"push of key {keys[0]!r}")
@@ -485,6 +491,8 @@ class ServerClient:
 
     def pull(self, keys, replicas) -> None:
         self._settle()
+        if not keys:
+            return
         t = self.t
         by_server: dict = collections.defaultdict(list)
         requests = []
@@ -535,9 +543,9 @@ class ServerClient:
         self._to_servers("set_updater", {"updater": blob}, "set_updater")
 
     def _to_servers(self, op: str, body, what: str) -> None:
-        """Worker 0 sends `op` to every server; every worker returns once all have it."""
-        self._settle()
-        self.agree.check((op, ()), what)
+        """Worker 0 sends `op` to every server, after every worker's earlier pushes;
+        every worker returns once all servers have it."""
+        self._flush_servers(what)
         if self.rank == 0:
             requests = []
             for server in range(self.servers):
@@ -551,18 +559,28 @@ class ServerClient:
         self.compressor = compressor
         self.residuals = {}
 
+    @property
+    def pending(self) -> bool:
+        """Keys are sent to the servers as they are made: none waits here."""
+        return False
+
     def barrier(self) -> None:
         """Every worker's earlier calls are done on the servers (in dist_async too: each
         server answers a flush after the pushes before it), then the workers meet."""
+        self._flush_servers("barrier")
+
+    def _flush_servers(self, what: str) -> None:
+        """Return once every worker's earlier requests are handled by every server
+        (requests of one worker are handled in order; those of several are not)."""
         self._settle()
         tags = {server: self._tag() for server in range(self.servers)}
         requests = []
         for server, tag in tags.items():
             requests += self._request(server, "flush", {"tag": tag})
-        self._wait(requests, "barrier")
+        self._wait(requests, what)
         for server, tag in tags.items():
-            self._reply(server, "barrier: waiting for the servers", tag)
-        self.agree.check(("barrier", ()), "barrier")
+            self._reply(server, f"{what}: waiting for the servers", tag)
+        self.agree.check(("flush", ()), what)
 
     def call_servers(self, op: str, body_for) -> list:
         """Send `op` to every server (body_for(server) -> body) and return their replies."""
@@ -577,8 +595,7 @@ class ServerClient:
     def optimizer_state(self, dump: bool):
         """Every server's optimizer state merged, on worker 0 (None elsewhere, and
         without an optimizer)."""
-        self._settle()
-        self.agree.check(("optimizer_state", ()), "saving the optimizer state")
+        self._flush_servers("saving the optimizer state")
         if self.rank != 0:
             return None
         exports = self.call_servers("snapshot", lambda server: {"dump": dump})
@@ -588,7 +605,7 @@ class ServerClient:
         """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
         of the whole store, or None) onto the servers: every part is checked on its
         server first; any failure changes nothing and raises CheckpointError everywhere."""
-        self._settle()
+        self._flush_servers("load")
         self.agree.check(("restore", tuple(sorted(values))), "load")
         outcome = None
         if self.rank == 0:

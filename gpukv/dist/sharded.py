@@ -11,6 +11,7 @@ processes that call different things fail with a PeerMismatchError instead of mi
 from __future__ import annotations
 
 import itertools
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
 from ..update.compression import Compressor, Ctx, compressible
-from .agree import Agreement, from_rank0, refuse_split
+from .agree import Agreement, from_rank0, refuse_split, to_rank0
 from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import Transport, as_bytes
@@ -91,6 +92,8 @@ class ShardedRounds:
         self._residuals: dict = {}  # (key, piece start) -> error-feedback residual
         self._formats: dict = {}    # elements -> compressed payload (dtype, bytes)
         self._assigns = True        # no updater yet: a round assigns the sum
+        self._rule = ""             # the updater, as the agreement of a round names it
+        self._settings = None       # the options of the optimizer that `_rule` names
         self._buffers: dict = {}    # scratch buffers of compressed rounds
 
     @property
@@ -100,6 +103,11 @@ class ShardedRounds:
     def check(self) -> None:
         """Raise the failure an earlier call met, if any."""
         self.t.check()
+
+    @property
+    def pending(self) -> bool:
+        """Whether keys made here wait for the next collective call to be agreed on."""
+        return bool(self._pending)
 
     @property
     def rank(self) -> int:
@@ -119,7 +127,7 @@ class ShardedRounds:
             return
         pending = sorted(self._pending, key=lambda p: p[0])
         self._pending = []
-        signature = ("init", tuple((k, r.shape, r.dtype.str) for k, r in pending))
+        signature = ("init", tuple((k, r.shape, r.dtype.name) for k, r in pending))
         self.agree.check(signature, f"init of key {pending[0][0]!r}")
         self._share_values(pending, f"init of key {pending[0][0]!r}: rank 0's values")
         keys, views = [], []
@@ -146,6 +154,8 @@ class ShardedRounds:
         """One sync round: the sum over processes of each key's `grads` updates the key at
         its owner(s); every process's `replicas` then hold the new values."""
         self.flush()
+        if not keys:
+            return
         order = sorted(range(len(keys)), key=keys.__getitem__)
         keys = tuple(keys[i] for i in order)
         grads = [grads[i] for i in order]
@@ -154,7 +164,10 @@ class ShardedRounds:
         what = f"push of key {keys[0]!r}{more}"
         comp = self.compressor
         wire = None if comp is None else tuple(sorted(comp.params().items()))
-        op = "push" if wire is None else f"push compressed with {dict(wire)}"
+        # Every process must round alike: the same compression, updater or not, and the
+        # same optimizer options (each process runs its own on its shard).
+        op = ("push" + ("" if wire is None else f" compressed with {dict(wire)}")
+              + (" assigning the sum" if self._assigns else f" updating with {self._rule}"))
         self.agree.check((op, keys), what)
         self.round(keys, dict(zip(keys, zip(grads, replicas))), what)
 
@@ -419,14 +432,26 @@ class ShardedRounds:
         self.shard.set_optimizer(optimizer)
         self._assigns = False
         self._rounds.clear()
+        self.follow(optimizer)
 
     def follow(self, optimizer) -> None:
-        """Nothing to send: each process's own optimizer runs its shard."""
+        """Nothing to send: each process's own optimizer runs its shard; what it is now
+        goes into the next round's agreement, so processes whose options differ (a
+        learning rate, a batch size) fail instead of updating their shards unlike."""
+        settings = optimizer.settings()
+        if settings != self._settings:
+            self._settings = settings
+            self._rule = (f"{optimizer.name} "
+                          f"#{zlib.crc32(repr(settings).encode()):08x}")
 
     def set_updater(self, updater) -> None:
-        """Each process runs its own `updater` on the pieces it owns."""
+        """Each process runs its own `updater` on the pieces it owns (every process sets
+        one: the rounds differ with and without)."""
+        self.flush()
+        self.agree.check(("set_updater", ()), "set_updater")
         self.shard.set_updater(updater)
         self._assigns = False
+        self._rule = "a function"
         self._rounds.clear()
 
     def barrier(self) -> None:
@@ -446,8 +471,8 @@ class ShardedRounds:
         starts = {k: p.start for k, layout in self.layouts.items() for p in layout.pieces
                   if p.server == self.t.rank}
         export = mark_starts(self.shard.export_state(dump), starts)
-        exports = self.t.comm.gather(export, root=0)
-        if self.t.rank != 0:
+        exports = to_rank0(self.t, export, "saving the optimizer state")
+        if exports is None:
             return None
         return merge(exports, {k: layout.shape for k, layout in self.layouts.items()})
 
@@ -465,9 +490,11 @@ class ShardedRounds:
                 checked = self.shard.check_state(cut(state, t.rank, t.size, self.bound,
                                                      sizes))
             except GpukvError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        errors = t.comm.allgather(error)
-        failed = next((e for e in errors if e is not None), None)
+                error = str(exc) if isinstance(exc, CheckpointError) else (
+                    f"{type(exc).__name__}: {exc}")
+        errors = to_rank0(t, error, "load")
+        failed = from_rank0(t, None if errors is None else next(
+            (e for e in errors if e is not None), None), "load")
         if failed is not None:
             raise CheckpointError(failed)
         for key, value in values.items():

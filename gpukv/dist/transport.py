@@ -60,7 +60,7 @@ def _abort_if_broken() -> None:
 class Transport:
     """A communicator, its rank and size, and the timeout every wait is bounded by."""
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm, timeout: float, local_size: int = 1):
         global _handler_installed
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -68,11 +68,9 @@ class Transport:
         self.timeout = float(timeout)
         self.failure: PeerError | None = None
         self.MPI = mpi()
-        local = comm.Split_type(self.MPI.COMM_TYPE_SHARED)
         #: the ranks on this machine (they share its cores)
-        self.local_size = local.Get_size()
-        local.Free()
-        self.oversubscribed = self.local_size > _usable_cpus()
+        self.local_size = local_size
+        self.oversubscribed = local_size > _usable_cpus()
         _short_naps()
         if not _handler_installed:
             atexit.register(_abort_if_broken)

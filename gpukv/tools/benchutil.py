@@ -248,15 +248,18 @@ def add_devices_option(p: argparse.ArgumentParser, default: str, what: str) -> N
 
 
 def add_timing_options(p: argparse.ArgumentParser, warmup: int, iters: int,
-                       unit: str = "call", note: str = "") -> None:
+                       unit: str = "call", note: str = "", iters_note: str = "") -> None:
     """--warmup and --iters: untimed runs first, then timed runs whose median is reported,
-    for every case. `unit` names what is repeated, `note` is added to both help texts."""
-    note = f"; {note}" if note else ""
+    for every case. `unit` names what is repeated; `note` is added to both help texts,
+    `iters_note` to --iters' only."""
+    warmup_notes = "".join(f"; {n}" for n in (note,) if n)
+    iters_notes = "".join(f"; {n}" for n in (note, iters_note) if n)
     p.add_argument("--warmup", type=nonnegative_int, default=warmup, metavar="N",
-                   help=f"untimed {unit}s before timing each case (default {warmup}){note}")
+                   help=f"untimed {unit}s before timing each case (default {warmup})"
+                        f"{warmup_notes}")
     p.add_argument("--iters", type=positive_int, default=iters, metavar="N",
                    help=f"timed {unit}s per case, reported as their median "
-                        f"(default {iters}){note}")
+                        f"(default {iters}){iters_notes}")
 
 
 def add_place_options(p: argparse.ArgumentParser, default: str) -> None:

@@ -61,9 +61,12 @@ def test_async_applies_every_push(n, servers):
     _passes(_scenario(n, servers, "async_sgd", store="dist_async"), n - servers)
 
 
-def test_async_without_optimizer_assigns_each_push():
-    """dist_async with no optimizer assigns the last push that arrived (MXNet's server)."""
-    _passes(_scenario(3, 1, "async_needs_optimizer", store="dist_async"), 2)
+def test_async_needs_an_optimizer():
+    """dist_async refuses a push before set_optimizer, on every worker, naming the key."""
+    out = _passes(_scenario(3, 1, "async_needs_optimizer", store="dist_async"), 2)
+    lines = _caught(out, "ArgumentError")
+    assert len(lines) == 2 and all("key 'w'" in ln and "set_optimizer" in ln
+                                   for ln in lines), out
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (4, 1)])
@@ -253,6 +256,70 @@ def test_different_keys_in_one_round_are_refused():
     lines = _caught(result.stdout, "PeerMismatchError")
     assert len(lines) == 2, result.stdout + result.stderr
     assert all("key 'a'" in ln and "key 'b'" in ln for ln in lines), lines
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nccl", ["0", "1"])
+def test_device_store_pull_after_init_gives_rank0s_value(nccl):
+    _passes(_scenario(3, 0, "device_init", nccl, store="dist_device_sync", gpus=True), 3)
+
+
+def test_create_with_other_settings_is_refused():
+    result = _scenario(2, 0, "settings_differ", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == 2 and all("create" in ln and "8" in ln and "1000" in ln
+                                   for ln in lines), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_a_process_that_never_creates_is_named(n, servers):
+    result = _scenario(n, servers, "absent", "1", timeout=3, limit=60)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == n - 1, result.stdout + result.stderr
+    assert all("rank(s) 1 did not arrive" in ln for ln in lines), lines
+
+
+def test_one_store_with_dedicated_servers_per_job():
+    out = _passes(_scenario(3, 1, "second_served_store"), 2)
+    assert len(_caught(out, "ArgumentError")) == 2, out
+
+
+@pytest.mark.parametrize("scenario,error", [("updater_on_one", "PeerMismatchError"),
+                                            ("options_differ", "PeerMismatchError")])
+def test_processes_that_update_unlike_are_refused(scenario, error):
+    result = _scenario(2, 0, scenario, timeout=10)
+    assert len(_caught(result.stdout, error)) == 2, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_save_right_after_init(tmp_path, n, servers):
+    _passes(_scenario(n, servers, "save_right_after_init", str(tmp_path / "s")), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_failed_load_makes_no_key(tmp_path, n, servers):
+    path = str(tmp_path / "ckpt")
+    _passes(_scenario(2, 0, "save", path), 2)  # keys 'a', 'b' and Adam's state
+    out = _passes(_scenario(n, servers, "load_wrong_optimizer", path), n - servers)
+    lines = _caught(out, "CheckpointError")
+    assert len(lines) == n - servers and all("CheckpointError" not in ln for ln in lines), out
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
+def test_bfloat16_keys(n, servers):
+    pytest.importorskip("ml_dtypes")
+    _passes(_scenario(n, servers, "bfloat16"), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_push_the_optimizer_refuses_changes_nothing(n, servers):
+    out = _passes(_scenario(n, servers, "refused_by_the_optimizer"), n - servers)
+    assert len(_caught(out, "DTypeError")) == n - servers, out
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_empty_calls(n, servers):
+    _passes(_scenario(n, servers, "empty_calls"), n - servers)
 
 
 # ------------------------------------------------------------------ one process, options

@@ -100,16 +100,22 @@ def async_sgd(rounds: str = "4") -> None:
 
 
 def async_needs_optimizer() -> None:
-    """dist_async without an optimizer assigns each push as it comes (MXNet's server
-    does); after a barrier every worker reads one worker's whole push."""
+    """dist_async applies each push with the store's optimizer: a push before
+    set_optimizer is an ArgumentError naming the key (nothing is sent); after it, the
+    pushes are applied."""
     kv = create()
     r, n = kv.rank, kv.num_workers
     kv.init("w", np.zeros(8, np.float32))
+    try:
+        kv.push("w", np.full(8, r + 1.0, np.float32))
+    except gpukv.ArgumentError as exc:
+        caught(r, exc)
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=1.0))
     kv.push("w", np.full(8, r + 1.0, np.float32))
     kv.barrier()
     out = np.zeros(8, np.float32)
     kv.pull("w", out=out)
-    assert out[0] in [w + 1.0 for w in range(n)] and np.all(out == out[0]), out
+    assert np.all(out == -n * (n + 1) / 2), out
     passed(kv)
 
 
@@ -428,6 +434,159 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
             trainer.step(8 * n * (step + 1))  # another batch size every step
     for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    passed(kv)
+
+
+def device_init(nccl: str) -> None:
+    """dist_device_sync: a pull right after init gives rank 0's value on every GPU (on
+    the host path the GPU copies follow the host ones), with NCCL or without."""
+    import cupy
+    kv = create(nccl=nccl == "1")
+    r = kv.rank
+    with cupy.cuda.Device(0):
+        kv.init("w", cupy.full(5, 10.0 * (r + 1), cupy.float32))
+    outs = []
+    for d in range(2):
+        with cupy.cuda.Device(d):
+            outs.append(cupy.zeros(5, cupy.float32))
+    kv.pull("w", out=outs)
+    for o in outs:
+        assert np.all(cupy.asnumpy(o) == 10), cupy.asnumpy(o)
+    passed(kv)
+
+
+def settings_differ() -> None:
+    """Processes that make a store with other settings (here bigarray_bound) get a
+    PeerMismatchError from create, naming what differs."""
+    try:
+        create(bigarray_bound=8 if int(os.environ.get("PMI_RANK", "0")) == 0 else 1000)
+    except gpukv.PeerMismatchError as exc:
+        caught(os.environ.get("PMI_RANK"), exc)
+
+
+def absent(victim: str = "1") -> None:
+    """A process that never makes the store: the others' create raises PeerError
+    naming it, in bounded time. (Every process starts MPI: MPI_Init itself waits for
+    all of them, whatever gpukv does.)"""
+    from mpi4py import MPI  # noqa: F401  (starts MPI on every rank)
+    if os.environ.get("PMI_RANK") == victim:
+        time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
+        return
+    try:
+        create()
+    except gpukv.PeerError as exc:
+        caught(os.environ.get("PMI_RANK"), exc)
+        time.sleep(1)  # at exit this rank aborts the job: let the others say theirs first
+
+
+def second_served_store() -> None:
+    """One store with dedicated servers per job: a second is an ArgumentError."""
+    kv = create()
+    try:
+        create()
+    except gpukv.ArgumentError as exc:
+        caught(kv.rank, exc)
+    passed(kv)
+
+
+def updater_on_one() -> None:
+    """With num_servers=0 every process sets the updater: one alone is refused."""
+    kv = create()
+    kv.init(1, np.zeros(4))
+    try:
+        if kv.rank == 0:
+            kv.set_updater(double_and_add)
+        kv.push(1, np.ones(4))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+
+
+def options_differ() -> None:
+    """Optimizer options changed on one process only (a learning rate, a batch size
+    through the Trainer's rescale_grad) are refused at the next push, not applied to
+    some shards."""
+    kv = create()
+    kv.init(1, np.zeros(4))
+    sgd = gpukv.optim.create("sgd", learning_rate=0.1)
+    kv.set_optimizer(sgd)
+    if kv.rank == 1:
+        sgd.rescale_grad = 0.5
+    try:
+        kv.push(1, np.ones(4))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+
+
+def save_right_after_init(path: str) -> None:
+    """save as the first call after init (the keys still queued with num_servers=0)."""
+    kv = create()
+    kv.init("w", np.full(3, 1.0 + kv.rank))
+    kv.save(path)
+    local = gpukv.create("local")
+    local.load(path)
+    out = np.zeros(3)
+    local.pull("w", out=out)
+    assert np.all(out == 1.0), out
+    passed(kv)
+
+
+def load_wrong_optimizer(path: str) -> None:
+    """A checkpoint whose optimizer state does not fit (Adam's into SGD with momentum)
+    fails on every worker and changes nothing: the file's other keys are not made."""
+    kv = create(bigarray_bound=1000)
+    kv.init("a", np.ones((2, 3), np.float32))
+    kv.set_optimizer(gpukv.optim.create("sgd", momentum=0.9))
+    try:
+        kv.load(path + ".store")
+    except gpukv.CheckpointError as exc:
+        caught(kv.rank, exc)
+    assert "b" not in kv and kv.keys() == ["a"], kv.keys()
+    passed(kv)
+
+
+def bfloat16() -> None:
+    """bfloat16 keys (ml_dtypes): summed in float32 on every path."""
+    import ml_dtypes
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    kv.init(["s", "big"], [np.zeros(4, bf16), np.zeros(1500, bf16)])
+    kv.push(["s", "big"], [np.full(4, r + 1, bf16), np.full(1500, r + 1, bf16)])
+    outs = [np.zeros(4, bf16), np.zeros(1500, bf16)]
+    kv.pull(["s", "big"], out=outs)
+    for o in outs:
+        assert np.all(o.astype(np.float32) == n * (n + 1) / 2), o[:4]
+    passed(kv)
+
+
+def refused_by_the_optimizer() -> None:
+    """A push the optimizer refuses (an int key) is a DTypeError on every worker before
+    anything is sent; the store goes on."""
+    kv = create()
+    kv.init(["i", "f"], [np.zeros(3, np.int32), np.zeros(3, np.float32)])
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=1.0))
+    try:
+        kv.push("i", np.ones(3, np.int32))
+    except gpukv.DTypeError as exc:
+        caught(kv.rank, exc)
+    kv.push("f", np.ones(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull("f", out=out)
+    assert np.all(out == -kv.num_workers), out
+    passed(kv)
+
+
+def empty_calls() -> None:
+    """Calls with empty key lists do nothing, as in one process."""
+    kv = create()
+    kv.init([], [])
+    kv.push([], [])
+    kv.pull([], out=[])
+    kv.pushpull([], [], out=[])
+    kv.init(1, np.ones(2))
+    out = np.zeros(2)
+    kv.pull(1, out=out)
+    assert np.all(out == 1), out
     passed(kv)
 
 
