@@ -36,13 +36,32 @@ format_seconds = _util.format_seconds
 
 
 # ------------------------------------------------------------------------- arguments
-# One parser for every script (and `gpukv bench`): sizes '300', '4K', '16MiB', 'A..B'
-# (x4 steps); the errors are ValueErrors that argparse shows as usage errors (exit 2).
+# One parser for every script (and `gpukv bench`): sizes in bytes '300', '4K', '16MiB',
+# 'A..B' (x4 steps); the errors are ValueErrors that argparse shows as usage errors
+# (exit 2). The options every script shares are built by the add_* helpers.
 BadArgument = _util.BadArgument
 parse_size = _util.parse_size
 parse_sizes = _util.parse_sizes
 parse_ints = _util.parse_ints
+positive_int = _util.positive_int
+nonnegative_int = _util.nonnegative_int
 name_list = _util.name_list
+add_sizes_option = _util.add_sizes_option
+add_devices_option = _util.add_devices_option
+add_timing_options = _util.add_timing_options
+add_place_options = _util.add_place_options
+elements = _util.elements
+RESULTS_TEXT = "benchmarks/results/"
+
+
+def add_out_option(p, files: str = "the JSON") -> None:
+    """--out DIR, default benchmarks/results/ ('-' writes nothing)."""
+    _util.add_out_option(p, RESULTS_TEXT, files)
+
+
+def out_folder(value: str | None) -> Path | None:
+    """The folder --out names (benchmarks/results/ without it); None for '-'."""
+    return _util.out_folder(value, RESULTS_DIR)
 
 
 # -------------------------------------------------------------------------- timing
@@ -131,6 +150,15 @@ def _threaded(work, chunks):
 
 
 # ------------------------------------------------------------------- machine facts
+def has_gpu() -> bool:
+    """Whether gpukv sees a GPU (False where CuPy, a driver or gpukv itself is missing)."""
+    try:
+        from gpukv.device.cuda.device import gpu_count
+        return gpu_count() > 0
+    except Exception:
+        return False
+
+
 def cpu_model() -> str:
     """The CPU's marketing name (from /proc/cpuinfo on Linux), else platform's guess."""
     return _util.cpu_model()
@@ -224,6 +252,26 @@ def write_json(payload: dict, path: str | os.PathLike | None = None, *,
     target = Path(path) if path else RESULTS_DIR / f"{result_name(prefix)}.json"
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _util.write_record(target, payload, created)
+
+
+def save_results(payload: dict, out: str | None, name: str, plot=None) -> Path | None:
+    """Write `payload` as <name>.json into the folder --out names, and with `plot` (a
+    callable taking the PNG's path) the chart next to it; print what was written.
+    Returns the JSON's path, None when --out is '-'."""
+    folder = out_folder(out)
+    if folder is None:
+        return None
+    path = write_json(payload, folder / f"{name}.json")
+    print(f"wrote {path}")
+    if plot is not None:
+        png = path.with_suffix(".png")
+        try:
+            plot(png)
+        except ImportError:
+            print("no PNG: matplotlib is not installed")
+        else:
+            print(f"wrote {png}")
+    return path
 
 
 def print_table(headers: list[str], rows: list[list], *, file=None) -> None:

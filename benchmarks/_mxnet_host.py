@@ -5,11 +5,12 @@ Run under the MXNet interpreter (mxnet 1.9.1 with numpy 1.23), not under gpukv's
     mxenv/bin/python benchmarks/_mxnet_host.py
 
 It prints one JSON line (versions, engine settings), then serves requests, one JSON line
-each on stdin: {"case": {"name", "keys", "size", "devices"}, "warmup", "iters",
-"min_time"}; it answers each with one JSON line of timings (see _common.summarize). A
-case's store and arrays are built on its first request and reused, so bench_host.py can
-alternate the two libraries case by case. Every timed step is push + pull followed by
-`mx.nd.waitall()`, so all the work MXNet's asynchronous engine queued is counted.
+each on stdin: {"case": {"name", "keys", "elems", "devices"}, "warmup", "iters",
+"min_time"}, elems being float32 elements per key; it answers each with one JSON line of
+timings (see _common.summarize). A case's store and arrays are built on its first request
+and reused, so bench_host.py can alternate the two libraries case by case. Every timed
+step is push + pull followed by `mx.nd.waitall()`, so all the work MXNet's asynchronous
+engine queued is counted.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def make_step(mx, case: dict):
     """The push+pull step of one case and the arrays it uses (kept alive by the closure)."""
     kv = mx.kv.create("local")
     ctxs = [mx.cpu(i) for i in range(case["devices"])]
-    shape = (case["size"],)
+    shape = (case["elems"],)
     keys = list(range(case["keys"]))
     for k in keys:
         kv.init(k, mx.nd.zeros(shape, ctx=mx.cpu(0)))

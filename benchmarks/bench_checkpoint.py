@@ -10,7 +10,8 @@ back into the store that saved (every key overwritten). The baseline, measured i
 run, is writing and reading the same bytes as one flat .npy file: the ratio says what the
 per-key bookkeeping costs on top of moving the data. Each loaded store is checked against
 the saved one (values and a following push); a mismatch or a failure exits non-zero.
-A table is printed; JSON goes to --out DIR (default benchmarks/results/).
+A table is printed; JSON goes to --out DIR (default benchmarks/results/). `--keys` and
+`--shape` are counts, not byte sizes: this benchmark has no --sizes or --devices.
 """
 from __future__ import annotations
 
@@ -84,22 +85,35 @@ def _baseline(nbytes: int, folder: Path) -> tuple[float, float]:
     return write, read
 
 
-def run_case(n_keys, shape, rule, iters, folder: Path) -> dict:
+ROUND_TIMES = ("save", "fresh", "same", "save_cpu", "load_cpu")
+
+
+def _round(kv, keys, shape, path, make_opt, times: dict) -> bool:
+    """One save, load into a fresh store and load back, their seconds appended to the
+    lists in `times`. Returns whether the loaded store matches the saved one."""
+    times["save"].append(_timed(lambda: kv.save(path), times["save_cpu"]))
+    fresh = gpukv.create("local")
+    opt = make_opt()
+    if opt is not None:
+        fresh.set_optimizer(opt)
+    times["fresh"].append(_timed(lambda: fresh.load(path), times["load_cpu"]))
+    times["same"].append(_timed(lambda: kv.load(path)))
+    return _same_after_push(kv, fresh, keys, shape)  # pulls every key
+
+
+def run_case(n_keys, shape, rule, warmup, iters, folder: Path) -> dict:
     make_opt = OPTIMIZERS[rule]
     kv, keys = _store(n_keys, shape, make_opt)
     path = folder / f"ck_{n_keys}.npz"
-    saves, fresh_loads, same_loads = [], [], []
-    save_cpu, load_cpu = [], []
     ok = True
+    scratch = {k: [] for k in ROUND_TIMES}  # the warm-up rounds' times are dropped
+    for _ in range(warmup):
+        ok = _round(kv, keys, shape, path, make_opt, scratch) and ok
+    t = {k: [] for k in ROUND_TIMES}
     for _ in range(iters):
-        saves.append(_timed(lambda: kv.save(path), save_cpu))
-        fresh = gpukv.create("local")
-        opt = make_opt()
-        if opt is not None:
-            fresh.set_optimizer(opt)
-        fresh_loads.append(_timed(lambda: fresh.load(path), load_cpu))
-        same_loads.append(_timed(lambda: kv.load(path)))
-        ok = ok and _same_after_push(kv, fresh, keys, shape)  # pulls every key
+        ok = _round(kv, keys, shape, path, make_opt, t) and ok
+    saves, fresh_loads, same_loads = t["save"], t["fresh"], t["same"]
+    save_cpu, load_cpu = t["save_cpu"], t["load_cpu"]
     size = path.stat().st_size
     base_write, base_read = _baseline(size, folder)
     save_s, fresh_s, same_s = (statistics.median(s) for s in (saves, fresh_loads, same_loads))
@@ -121,36 +135,55 @@ def parse_shape(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=Path(__file__).name,
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--keys", type=C.parse_ints, default="100000",
-                   help="key counts, e.g. 10000,100000")
+    p.add_argument("--keys", type=C.parse_ints, default="100000", metavar="COUNTS",
+                   help="key counts, one case each, e.g. 10000,100000 (default 100000)")
     p.add_argument("--shape", type=parse_shape, default="4",
-                   help="shape of every key, e.g. 4 or 2x3")
-    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
-    p.add_argument("--iters", type=int, default=1, help="timed save/load rounds per case")
-    p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results/)")
-    args = p.parse_args(argv)
-    shape = args.shape
-    rows, records = [], []
+                   help="shape of every key in float32 elements, e.g. 4 or 2x3 (default 4)")
+    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS),
+                   help="the store's optimizer, whose state is saved too (default adam)")
+    C.add_timing_options(p, 0, 1, unit="round",
+                         note="a round is a save, a load into a fresh store and a load "
+                              "back; 100k keys take seconds")
+    C.add_out_option(p, "checkpoint_<machine>.json")
+    return p
+
+
+def table_row(rec: dict) -> list:
+    head = [rec["keys"], rec["optimizer"]]
+    if "error" in rec:
+        return head + ["-", "failed", "-", "-", "-", "-", "FAILED"]
+    return head + [C.format_size(rec["file_bytes"]), C.format_seconds(rec["save_s"]),
+                   C.format_seconds(rec["load_new_keys_s"]),
+                   C.format_seconds(rec["load_existing_keys_s"]),
+                   round(rec["save_s"] / rec["baseline_write_s"], 1),
+                   round(rec["load_new_keys_s"] / rec["baseline_read_s"], 1),
+                   "ok" if rec["ok"] else "MISMATCH"]
+
+
+def main(argv=None) -> int:
+    """Returns 1 when a case failed or a loaded store did not match the saved one."""
+    args = build_parser().parse_args(argv)
+    records = []
     with tempfile.TemporaryDirectory(prefix="gpukv-bench-ck-") as tmp:
         for n_keys in args.keys:
-            rec = run_case(n_keys, shape, args.optimizer, max(args.iters, 1), Path(tmp))
+            try:
+                rec = run_case(n_keys, args.shape, args.optimizer, args.warmup, args.iters,
+                               Path(tmp))
+            except Exception as exc:  # one broken case must not end the run
+                rec = {"keys": n_keys, "shape": list(args.shape),
+                       "optimizer": args.optimizer, "ok": False,
+                       "error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(f"FAILED {n_keys} keys: {rec['error']}", file=sys.stderr)
             records.append(rec)
-            rows.append([n_keys, args.optimizer, C.format_size(rec["file_bytes"]),
-                         C.format_seconds(rec["save_s"]),
-                         C.format_seconds(rec["load_new_keys_s"]),
-                         C.format_seconds(rec["load_existing_keys_s"]),
-                         round(rec["save_s"] / rec["baseline_write_s"], 1),
-                         round(rec["load_new_keys_s"] / rec["baseline_read_s"], 1),
-                         "ok" if rec["ok"] else "MISMATCH"])
     C.print_table(["keys", "optimizer", "file", "save", "load (new)", "load (existing)",
-                   "save/flat write", "load/flat read", "check"], rows)
+                   "save/flat write", "load/flat read", "check"],
+                  [table_row(r) for r in records])
     payload = {"benchmark": "checkpoint", "machine": C.machine_info(),
                "libraries": C.library_versions("numpy"), "results": records}
-    out = Path(args.out) / f"{C.result_name('checkpoint')}.json" if args.out else None
-    print(f"wrote {C.write_json(payload, out, prefix='checkpoint')}")
+    C.save_results(payload, args.out, C.result_name("checkpoint"))
     return 0 if all(r["ok"] for r in records) else 1
 
 

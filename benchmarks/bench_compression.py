@@ -5,14 +5,17 @@ error feedback, or cast) and `decompress` (into a float32 buffer), and reports G
 float32 values handled (4 bytes per element), next to `np.copyto` of the same float32
 array measured in the same run, the memory-bandwidth limit an encoder that reads its
 input once is held to. On a machine with a GPU the same is done with CuPy arrays and
-CUDA events (copy: `cupy.copyto`).
+CUDA events (copy: `cupy.copyto`); `--host` or `--gpu` keeps to one of the two.
 
-    python benchmarks/bench_compression.py --sizes 64K,1M,16M --warmup 2 --iters 10
+    python benchmarks/bench_compression.py --sizes 256KB,4MB,64MB --warmup 2 --iters 10
+
+Sizes are bytes of float32 input (bytes / 4 elements); the table and the JSON give both.
+A table is printed and JSON goes to --out DIR (default benchmarks/results/); the exit
+status is 1 when a case failed.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -77,67 +80,84 @@ def gpu_case(n, kind, warmup, iters):
 def _record(n, kind, where, enc, dec, cp, payload_bytes):
     enc_s, dec_s, cp_s = (_common.summarize(s)["median_s"] for s in (enc, dec, cp))
     gb = 4 * n / 1e9
-    return {"where": where, "kind": kind, "size": n, "payload_bytes": payload_bytes,
-            "ratio": 4 * n / payload_bytes,
+    return {"where": where, "kind": kind, "size": n, "bytes": 4 * n,
+            "payload_bytes": payload_bytes, "ratio": 4 * n / payload_bytes,
             "encode_GBps": gb / enc_s, "decode_GBps": gb / dec_s, "copy_GBps": gb / cp_s,
             "encode_of_copy": cp_s / enc_s, "decode_of_copy": cp_s / dec_s,
             "encode": _common.summarize(enc), "decode": _common.summarize(dec),
             "copy": _common.summarize(cp)}
 
 
-def _has_gpu() -> bool:
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.splitlines()[0])
+    _common.add_sizes_option(p, "256K,4M,64M", "the float32 input of a case (bytes / 4 "
+                             "elements)", minimum=4)
+    p.add_argument("--kinds", type=_common.name_list(KINDS, "compressor"),
+                   default=",".join(KINDS), metavar="NAMES",
+                   help=f"compressors among {', '.join(KINDS)}, comma-separated "
+                        "(default: all)")
+    _common.add_place_options(p, "the host, and GPUs too when one is present")
+    _common.add_timing_options(p, 2, 10, unit="call",
+                               note="encode, decode and the copy are timed alike")
+    _common.add_out_option(p, "compression_<machine>.json")
+    return p
+
+
+def places(args) -> list[str]:
+    """Where to run: --host, --gpu, or the host and a GPU when there is one."""
+    if args.host:
+        return ["host"]
+    if args.gpu:
+        return ["gpu"]
+    return ["host"] + (["gpu"] if _common.has_gpu() else [])
+
+
+def run_case(where, n, kind, args) -> dict:
+    """One case's record; a case that raises is recorded with its error."""
+    case = host_case if where == "host" else gpu_case
     try:
-        from gpukv.device.cuda.device import gpu_count
-        return gpu_count() > 0
-    except Exception:
-        return False
+        return case(n, kind, args.warmup, args.iters)
+    except Exception as exc:  # one broken compressor must not end the run
+        return {"where": where, "kind": kind, "size": n, "bytes": 4 * n,
+                "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog=Path(__file__).name,
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=_common.parse_sizes, default="64K,1M,16M",
-                        help="float32 elements, e.g. 1M,16M")
-    parser.add_argument("--kinds", type=_common.name_list(KINDS, "compressor"),
-                        default=",".join(KINDS),
-                        help=f"compressors among {', '.join(KINDS)} (default: all)")
-    parser.add_argument("--devices", default="auto", choices=["auto", "host", "gpu"],
-                        help="where to run: host, gpu, or both when a GPU is present")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--json", nargs="?", const="", default=None,
-                        help="write JSON (default path: benchmarks/results/)")
-    args = parser.parse_args(argv)
-    if args.warmup < 0 or args.iters < 1:
-        parser.error("need --warmup >= 0 and --iters >= 1")
-    sizes, kinds = args.sizes, args.kinds
-    places = ["host"] if args.devices == "host" else (
-        ["gpu"] if args.devices == "gpu" else ["host"] + (["gpu"] if _has_gpu() else []))
-    rows, records = [], []
-    for where in places:
-        for n in sizes:
-            for kind in kinds:
-                case = host_case if where == "host" else gpu_case
-                rec = case(n, kind, args.warmup, args.iters)
-                records.append(rec)
-                rows.append([where, _common.format_size(n), kind, f"{rec['ratio']:.0f}x",
-                             round(rec["encode_GBps"], 2), round(rec["decode_GBps"], 2),
-                             round(rec["copy_GBps"], 2), f"{rec['encode_of_copy']:.0%}",
-                             f"{rec['decode_of_copy']:.0%}"])
-    _common.print_table(["where", "floats", "kind", "shrink", "encode GB/s", "decode GB/s",
-                         "copy GB/s", "enc/copy", "dec/copy"], rows)
+def table_row(rec: dict) -> list:
+    head = [rec["where"], _common.format_size(rec["bytes"]), rec["size"], rec["kind"]]
+    if "error" in rec:
+        return head + ["failed", "-", "-", "-", "-", "-"]
+    return head + [f"{rec['ratio']:.0f}x", round(rec["encode_GBps"], 2),
+                   round(rec["decode_GBps"], 2), round(rec["copy_GBps"], 2),
+                   f"{rec['encode_of_copy']:.0%}", f"{rec['decode_of_copy']:.0%}"]
+
+
+def main(argv=None) -> int:
+    """Returns 1 when a case failed, or --gpu found no GPU."""
+    args = build_parser().parse_args(argv)
+    if args.gpu and not _common.has_gpu():
+        print(f"{Path(__file__).name}: --gpu: no GPU visible", file=sys.stderr)
+        return 1
+    records = [run_case(where, _common.elements(nbytes, 4), kind, args)
+               for where in places(args) for nbytes in args.sizes for kind in args.kinds]
+    _common.print_table(["where", "bytes", "floats", "kind", "shrink", "encode GB/s",
+                         "decode GB/s", "copy GB/s", "enc/copy", "dec/copy"],
+                        [table_row(r) for r in records])
+    failed = [r for r in records if "error" in r]
+    for r in failed:
+        print(f"FAILED {r['where']} {r['kind']} {_common.format_size(r['bytes'])}: "
+              f"{r['error']}", file=sys.stderr)
     limit = _common.copy_bandwidth(64 << 20)
     print(f"host copy bandwidth (64 MiB, read+write counted): "
           f"{limit['median_Bps'] / 1e9:.2f} GB/s")
-    if args.json is not None:
-        payload = {"benchmark": "compression", "machine": _common.machine_info(),
-                   "versions": {"python": sys.version.split()[0],
-                                **_common.library_versions("numpy", "cupy-cuda12x")},
-                   "host_copy_bandwidth": limit, "units": "GB/s of float32 values",
-                   "results": records}
-        path = _common.write_json(payload, args.json or None, prefix="compression")
-        print(f"wrote {os.path.relpath(path)}")
+    payload = {"benchmark": "compression", "machine": _common.machine_info(),
+               "versions": {"python": sys.version.split()[0],
+                            **_common.library_versions("numpy", "cupy-cuda12x")},
+               "host_copy_bandwidth": limit, "units": "GB/s of float32 values",
+               "results": records}
+    _common.save_results(payload, args.out, _common.result_name("compression"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,8 +25,9 @@ Every job is a subprocess with a time limit; worker 0 writes its timings to a fi
 driver reads. Sizes below 1 MB run more iterations (up to 5x `--iters`). When a job has
 more busy processes than the machine has cores it is marked 'oversubscribed': MPI ranks
 busy-poll while they wait, so those figures say more about the scheduler than the
-transport. Results go to benchmarks/results/dist_<machine>.json (and a PNG when
-matplotlib is installed); the exit status is 1 when any case failed.
+transport. Results go to dist_<machine>.json (and a PNG when matplotlib is installed) in
+--out DIR (default benchmarks/results/; '-' writes nothing); the exit status is 1 when
+any case failed.
 """
 from __future__ import annotations
 
@@ -486,40 +487,43 @@ def plot(cases: list[dict], path: Path) -> None:
 
 
 # -------------------------------------------------------------------------- driver
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=Path(__file__).name,
                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--sizes", type=lambda t: C.parse_sizes(t, minimum=4),
-                   default=DEFAULT_SIZES, help="bytes per key, e.g. 4KB,4MB or 4K..16M")
-    p.add_argument("--layouts", type=parse_layouts, default=DEFAULT_LAYOUTS,
-                   help="WwSs list: W workers, S servers (0s: every worker serves a shard)")
+    C.add_sizes_option(p, DEFAULT_SIZES, "the key's size on every worker (float32, "
+                       "bytes / 4 elements)", minimum=4)
+    p.add_argument("--layouts", type=parse_layouts, default=DEFAULT_LAYOUTS, metavar="WwSs",
+                   help="comma-separated WwSs: W workers, S servers (0s: every worker "
+                        "serves a shard); they take the place of --devices "
+                        f"(default {DEFAULT_LAYOUTS})")
     p.add_argument("--libs", type=C.name_list(LIBS, "library"), default=",".join(LIBS),
-                   help="what to run (mxnet only with --mxnet-python)")
+                   metavar="NAMES",
+                   help=f"what to run among {', '.join(LIBS)} (mxnet only with "
+                        "--mxnet-python; default: all)")
     p.add_argument("--op", default="push+pull", choices=["push+pull", "pushpull"],
                    help="one iteration: push then pull, or one pushpull call")
     p.add_argument("--optimizer", default="none", choices=["none", "sgd"],
                    help="none: a round assigns the sum; sgd: SGD runs where the keys are "
                         "served (gpukv and MXNet)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
-    p.add_argument("--iters", type=int, default=15,
-                   help="timed iterations per size and round (up to 5x below 1 MB)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="times every job runs; figures are medians over rounds")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
-    p.add_argument("--mxnet-python", default=os.environ.get("MXNET_PYTHON"),
+    C.add_timing_options(p, 3, 15, unit="iteration", note="in every round",
+                         iters_note="sizes below 1 MB run up to 5x as many")
+    p.add_argument("--rounds", type=C.positive_int, default=3, metavar="N",
+                   help="times every job runs; figures are medians over rounds (default 3)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="seconds per job (default 120)")
+    p.add_argument("--mxnet-python", default=os.environ.get("MXNET_PYTHON"), metavar="PATH",
                    help="interpreter with mxnet 1.9.1 (default $MXNET_PYTHON; none: skip)")
-    p.add_argument("--out", default=None,
-                   help="folder for dist_<machine>.json/.png (default benchmarks/results/; "
-                        "'-' for none)")
+    C.add_out_option(p, "dist_<machine>.json and .png")
     # One rank of an MPI job this script started.
     p.add_argument("--child", choices=["gpukv", "mpi"], help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.warmup < 0 or args.iters < 1 or args.rounds < 1:
-        p.error("need --warmup >= 0, --iters >= 1 and --rounds >= 1")
-    return args
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def run_all(args, layouts, sizes, tmp: Path) -> dict:
@@ -575,8 +579,7 @@ def main(argv=None) -> int:
     goals = build_goals(cases)
     print_report(cases, goals, jobs, args)
 
-    if args.out != "-":
-        folder = Path(args.out) if args.out else C.RESULTS_DIR
+    if C.out_folder(args.out) is not None:
         every = [j for runs in jobs.values() for j in runs]
         mxnet_meta = next((j["meta"] for j in every
                            if j["what"].startswith("mxnet") and j.get("meta")), None)
@@ -613,13 +616,9 @@ def main(argv=None) -> int:
                                              for j in runs]
                      for k, runs in jobs.items()},
         }
-        path = C.write_json(payload, folder / f"{C.result_name('dist')}.json")
-        print(f"\nwrote {path}")
-        try:
-            plot(cases, path.with_suffix(".png"))
-            print(f"wrote {path.with_suffix('.png')}")
-        except ImportError:
-            pass
+        print()
+        C.save_results(payload, args.out, C.result_name("dist"),
+                       plot=lambda png: plot(cases, png))
     return 0 if all(j["ok"] for runs in jobs.values() for j in runs) else 1
 
 

@@ -1,7 +1,7 @@
 """PyTorch data-parallel step: gpukv.torch.Trainer vs per-parameter keys vs plain PyTorch.
 
     python benchmarks/bench_trainer.py                      # 4 CPU replicas, both models
-    python benchmarks/bench_trainer.py --replicas 2 --iters 50 --json /tmp/trainer.json
+    python benchmarks/bench_trainer.py --devices 2,4 --iters 50 --out /tmp/trainer
 
 Two models: an MLP (a few large parameters) and a stack of 500 Linear(8, 8) layers (1000
 small parameters). For each, on N CPU replicas sharing a 'local' store, three ways to
@@ -14,8 +14,10 @@ train with plain SGD:
 - torch: one process, one model on the whole batch, torch.optim.SGD.
 'sync' times the part after backward (the step, or push+pull, or optimizer.step);
 'iteration' adds zero_grad, forward and backward on every replica. The ways are timed in
-turns (medians of `--iters` rounds); ratios are against the trainer in the same run. A
-table is printed; JSON goes to benchmarks/results/.
+turns (medians of `--iters` rounds); ratios are against the trainer in the same run.
+`--devices` are replica counts (CPU replicas, one case each); the models are fixed, so
+there is no --sizes. A table is printed and JSON goes to --out DIR (default
+benchmarks/results/); the exit status is 1 when a case failed.
 """
 from __future__ import annotations
 
@@ -137,40 +139,66 @@ def measure(case, warmup, iters):
                   "keys": setups[way][2]} for way in WAYS}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--batch", type=int, default=256, help="global batch size")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=C.name_list(MODELS, "model"), default=",".join(MODELS),
+                   metavar="NAMES",
+                   help=f"models among {', '.join(MODELS)}, comma-separated (default: all)")
+    C.add_devices_option(p, "4", "CPU replicas sharing a 'local' store")
+    p.add_argument("--batch", type=C.positive_int, default=256, metavar="N",
+                   help="global batch size, split over the replicas (default 256)")
+    p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
+                   help="torch.set_num_threads (default 1)")
+    C.add_timing_options(p, 3, 20, unit="step",
+                         note="every way takes one step per round, in turns")
+    C.add_out_option(p, "trainer_<machine>.json")
+    return p
 
-    rows, records = [], []
-    for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if model_name not in MODELS:
-            p.error(f"--models: unknown {model_name!r}; valid: {', '.join(MODELS)}")
-        case = Case(model_name, args.replicas, args.batch)
-        n_params = sum(1 for _ in case.base.parameters())
-        results = measure(case, args.warmup, args.iters)
-        base = results["trainer"]
-        for way, r in results.items():
-            rows.append([model_name, way, r["keys"] if way != "torch" else None,
-                         C.format_seconds(r["sync_s"]), round(r["sync_s"] / base["sync_s"], 2),
-                         C.format_seconds(r["iteration_s"]),
-                         round(r["iteration_s"] / base["iteration_s"], 2)])
-            records.append({"model": model_name, "parameters": n_params, "way": way, **r})
-    C.print_table(["model", "way", "keys", "sync", "sync/trainer", "iteration",
-                   "iter/trainer"], rows)
-    payload = {"replicas": args.replicas, "batch": args.batch, "threads": args.threads,
+
+def run_model(model_name, replicas, args) -> list[dict]:
+    """The records of every way on one model and replica count."""
+    case = Case(model_name, replicas, args.batch)
+    n_params = sum(1 for _ in case.base.parameters())
+    results = measure(case, args.warmup, args.iters)
+    base = results["trainer"]
+    return [{"model": model_name, "parameters": n_params, "replicas": replicas, "way": way,
+             **r, "sync_over_trainer": r["sync_s"] / base["sync_s"],
+             "iteration_over_trainer": r["iteration_s"] / base["iteration_s"]}
+            for way, r in results.items()]
+
+
+def table_row(rec: dict) -> list:
+    head = [rec["model"], rec["replicas"], rec["way"]]
+    if "error" in rec:
+        return head + [None, "failed", "-", "-", "-"]
+    return head + [rec["keys"] if rec["way"] != "torch" else None,
+                   C.format_seconds(rec["sync_s"]), round(rec["sync_over_trainer"], 2),
+                   C.format_seconds(rec["iteration_s"]),
+                   round(rec["iteration_over_trainer"], 2)]
+
+
+def main(argv=None) -> int:
+    """Returns 1 when a case failed."""
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    records = []
+    for replicas in args.devices:
+        for model_name in args.models:
+            try:
+                records += run_model(model_name, replicas, args)
+            except Exception as exc:  # one broken case must not end the run
+                error = f"{type(exc).__name__}: {exc}"[:300]
+                records.append({"model": model_name, "replicas": replicas, "way": "-",
+                                "error": error})
+                print(f"FAILED {model_name} on {replicas} replicas: {error}",
+                      file=sys.stderr)
+    C.print_table(["model", "replicas", "way", "keys", "sync", "sync/trainer", "iteration",
+                   "iter/trainer"], [table_row(r) for r in records])
+    payload = {"replicas": args.devices, "batch": args.batch, "threads": args.threads,
                "results": records, "machine": C.machine_info(),
                "libraries": C.library_versions("numpy", "torch")}
-    path = C.write_json(payload, args.json, prefix="trainer")
-    print(f"wrote {path}")
-    return 0
+    C.save_results(payload, args.out, C.result_name("trainer"))
+    return 1 if any("error" in r for r in records) else 0
 
 
 if __name__ == "__main__":

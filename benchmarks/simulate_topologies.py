@@ -2,7 +2,9 @@
 
 Runs the alpha-beta model of `gpukv.comm.plan.simulate` (no GPU needed) for each machine
 profile x strategy x key size x device count, prints a table with the tree/home ratio,
-and writes JSON plus a PNG plot under benchmarks/results/:
+and writes simulated_topologies.json and .png into --out DIR (default benchmarks/results/;
+'-' writes nothing). `--warmup` and `--iters` are accepted, as by every benchmark, and
+ignored: the model is deterministic.
 
     python benchmarks/simulate_topologies.py
     python benchmarks/simulate_topologies.py --sizes 4K,1M,64M --devices 2,8 --machines dgx1-v100
@@ -24,26 +26,27 @@ from gpukv.comm.plan import simulate, topology  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M,1G"
 DEFAULT_DEVICES = "2,4,8"
-DEFAULT_JSON = _common.RESULTS_DIR / "simulated_topologies.json"
+RESULT_NAME = "simulated_topologies"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=Path(__file__).name,
+                                description=__doc__.splitlines()[0])
+    _common.add_sizes_option(p, DEFAULT_SIZES, "key sizes per device")
+    _common.add_devices_option(p, DEFAULT_DEVICES, "devices of the simulated machine "
+                               "(counts above a profile's GPUs are left out)")
+    p.add_argument("--machines", type=_common.name_list(simulate.MACHINES, "machine"),
+                   default=",".join(simulate.MACHINES), metavar="NAMES",
+                   help=f"machine profiles among {', '.join(simulate.MACHINES)}, "
+                        "comma-separated (default: all)")
+    _common.add_timing_options(p, 0, 1, unit="run",
+                               note="accepted and ignored: the model is deterministic")
+    _common.add_out_option(p, f"{RESULT_NAME}.json and .png")
+    return p
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=_common.parse_sizes, default=DEFAULT_SIZES,
-                   help=f"key sizes in bytes per device, K/M/G suffixes (default {DEFAULT_SIZES})")
-    p.add_argument("--devices", type=_common.parse_ints, default=DEFAULT_DEVICES,
-                   help=f"device counts (default {DEFAULT_DEVICES})")
-    p.add_argument("--machines", type=_common.name_list(simulate.MACHINES, "machine"),
-                   default=",".join(simulate.MACHINES),
-                   help=f"machine profiles among {', '.join(simulate.MACHINES)} "
-                        "(default: all)")
-    p.add_argument("--warmup", type=int, default=0, help="unused: the model is deterministic")
-    p.add_argument("--iters", type=int, default=1, help="unused: the model is deterministic")
-    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON")
-    p.add_argument("--png", default=None, help="where to write the plot (default: JSON's "
-                   "path with .png; 'none' to skip)")
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def run(sizes, devices, machines) -> list:
@@ -138,12 +141,8 @@ def main(argv=None) -> int:
         "profiles": profiles,
         "results": rows,
     }
-    path = _common.write_json(payload, args.json)
-    print(f"\nwrote {path}")
-    if (args.png or "").lower() != "none":
-        png = Path(args.png) if args.png else Path(args.json).with_suffix(".png")
-        plot(rows, png)
-        print(f"wrote {png}")
+    print()
+    _common.save_results(payload, args.out, RESULT_NAME, plot=lambda png: plot(rows, png))
     return 0
 
 
