@@ -6,7 +6,8 @@ from ._errors import (ArgumentError, ArgumentKindError, BackendError, Checkpoint
                       OutOfMemoryError, PeerError, PeerMismatchError, ReadOnlyError, ShapeError,
                       UnknownKeyError)
 from .update.sparse import RowSparse
-from .api.store import KVStore, create
+from .api.factory import create
+from .api.store import KVStore
 from . import optim  # noqa: E402,F401  (gpukv.optim: optimizers for set_optimizer)
 
 __version__ = "0.1.0"

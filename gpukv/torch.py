@@ -34,7 +34,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise BackendError("gpukv.torch needs PyTorch: pip install torch") from exc
 
-from .api.store import KVStore, create
+from .api.factory import create
+from .api.store import KVStore
 from .optim import LAMB, Optimizer, create as create_optimizer
 
 __all__ = ["Trainer"]

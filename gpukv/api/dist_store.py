@@ -20,71 +20,16 @@ import numpy as np
 from . import check
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
-from ..device import device_of, host_device
+from ..device import host_device
 from ..device.host_sum import share_cpus
-from .store import KVStore, _PushPlan
+from .dist_parts import PinnedStore, SavedState, Shard
+from .store import KVStore
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
 
 #: seconds a process waits for the others before it calls them stalled
 DEFAULT_TIMEOUT = 120.0
-
-
-class _Shard(KVStore):
-    """The keys (or pieces of keys) this process serves: a host store the engines of
-    `gpukv.dist` sum into and read back."""
-
-    def __init__(self):
-        super().__init__("local")
-
-    def stored(self, key) -> np.ndarray:
-        return self._entries[key].value
-
-    def adopt(self, keys, arrays) -> None:
-        """Serve `arrays` themselves (views of a worker's copies of the keys, on the host
-        or a GPU) as the values of new `keys`: updates land in the worker's copy, with no
-        copy between."""
-        self.init(keys, [device_of(a).to_host(a) for a in arrays])
-        for key, array in zip(keys, arrays):
-            entry = self._entries[key]
-            entry.value, entry.home = array, device_of(array)
-
-    def update(self, keys, merged) -> None:
-        """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
-        in the store's order; a `merged` that is the stored array itself is assigned."""
-        entries = [self._entries[k] for k in keys]
-        updater = self._updater
-        if updater is not None:
-            updater.check(keys, [e.value for e in entries])
-        updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
-                   if updater is not None or m is not e.value]
-        if updates:
-            self._run_push(_PushPlan([], [], [], updates, [], []))
-
-    def assign(self, key, value) -> None:
-        """Set a key's value, without the updater (a checkpoint's value)."""
-        entry = self._entries[key]
-        entry.home.copy(entry.value, value.reshape(entry.value.shape))
-
-    def export_state(self, dump: bool):
-        """The optimizer's state, as `save_optimizer_states` writes it; None without one."""
-        return None if self._optimizer is None else self._updater.export_state(dump)
-
-    def check_state(self, state):
-        """Check (header, arrays) of an optimizer state against these keys (see
-        `OptimizerUpdater.check_state`); the plan `apply_state` installs."""
-        header, arrays = state
-        updater = self._optimizer_updater("load_optimizer_states")
-        return updater.check_state(header, arrays,
-                                   {k: e.value for k, e in self._entries.items()})
-
-    def apply_state(self, plan) -> None:
-        self._updater.apply_state(plan, {k: e.home for k, e in self._entries.items()})
-
-    def apply_settings(self, settings: tuple) -> None:
-        """The optimizer takes over a worker's `Optimizer.settings()`."""
-        self._optimizer.apply_settings(settings)
 
 
 #: message tags of the agreements of `create` (away from those of the stores' own calls)
@@ -103,7 +48,7 @@ def _serve_or_client(transport, servers: int, bound: int, name: str):
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
-            serve(transport, servers, _Shard(), bound, asynchronous=asynchronous)
+            serve(transport, servers, Shard(), bound, asynchronous=asynchronous)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
@@ -112,24 +57,9 @@ def _serve_or_client(transport, servers: int, bound: int, name: str):
     return ServerClient(transport, servers, bound, asynchronous=asynchronous)
 
 
-class _PinnedStore(KVStore):
-    """A one-process store whose keys all live on `pinned` (the NCCL GPU), or one that
-    places them as KVStore does (`pinned` None)."""
-
-    def __init__(self, name: str, pinned, **options):
-        super().__init__(name, **options)
-        self._pinned = pinned
-
-    def _candidates(self, arrays) -> list:
-        return [self._pinned] if self._pinned is not None else super()._candidates(arrays)
-
-
 def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
     """The GPU a dist_device_sync store with num_servers=0 joins NCCL with: None for the
     host path (another store, nccl=False, or no GPU or NCCL when nccl is None)."""
-    if nccl is not None and not isinstance(nccl, bool):
-        raise ArgumentKindError(f"nccl: expected True, False or None, got "
-                                f"{type(nccl).__name__}")
     if nccl is False or name != "dist_device_sync" or servers:
         if nccl:
             raise ArgumentError(f"nccl=True: NCCL carries a dist_device_sync store's data "
@@ -144,18 +74,9 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
     return gpu
 
 
-class _SavedState:
-    """The optimizer state a dist store gathered, for `checkpoint.save_store`."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def export_state(self, dump_optimizer: bool = False):
-        return self.state
-
-
 def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
-    """(servers, timeout, bound) from the options or their environment variables."""
+    """(servers, timeout, bound) from the options or their environment variables, each
+    checked (as is everything `create` is given) before any message is sent."""
     from ..dist.sharding import DEFAULT_BIGARRAY_BOUND
     if num_servers is None:
         raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
@@ -227,6 +148,9 @@ class DistKVStore(KVStore):
         world = MPI.COMM_WORLD
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
                                            world.Get_size())
+        if nccl is not None and not isinstance(nccl, bool):
+            raise ArgumentKindError(f"nccl: expected True, False or None, got "
+                                    f"{type(nccl).__name__}")
         if servers and _SERVED:
             raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of this "
                                 f"job serve one store, made already; make one store with "
@@ -256,15 +180,15 @@ class DistKVStore(KVStore):
         self._engine_device = gpu if gpu is not None else host_device(0)
         if gpu is not None:
             from ..dist.nccl_rounds import NcclRounds
-            self._engine: Any = NcclRounds(transport, _Shard(), bound, gpu)
+            self._engine: Any = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
             from ..dist.sharded import ShardedRounds
-            self._engine = ShardedRounds(transport, _Shard(), bound)
+            self._engine = ShardedRounds(transport, Shard(), bound)
         else:
             _SERVED.append(name)
             self._engine = _serve_or_client(transport, servers, bound, name)
-        self._values = _PinnedStore(local, gpu, **local_options)
-        self._grads = _PinnedStore(local, gpu, **local_options)
+        self._values = PinnedStore(local, gpu, **local_options)
+        self._grads = PinnedStore(local, gpu, **local_options)
         #: whether the engine works in `_values`' own arrays (else in host copies)
         self._in_place = local == "local" or gpu is not None
         self._host: dict = {}  # key -> this process's host copy of its value
@@ -565,7 +489,7 @@ class DistKVStore(KVStore):
                             self._values._entries[k].home.kind) for k in keys]
                 snapshot = checkpoint.StoreSnapshot(
                     self._type, self._values._key_kind, entries,
-                    None if state is None else _SavedState(state))
+                    None if state is None else SavedState(state))
                 error = _attempt(lambda: checkpoint.save_store(snapshot, path))
             _raise(self._engine.share(error, "save"))
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import logging
 import operator
@@ -18,7 +17,7 @@ from . import rows
 from .._errors import (ArgumentError, ArgumentKindError, GpukvError,
                        OutOfMemoryError)
 from ..comm import BroadcastJob, HostStrategy, ReduceJob, Strategy
-from ..comm.registry import all_strategy_options, make_strategy
+from ..comm.registry import make_strategy
 from ..device import Device, device_of, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
 from ..update.compression import GradientCompression, compressible, make_compressor
@@ -52,8 +51,6 @@ _TYPES = {
     "local_allreduce_device": True,
     "nccl": True,
 }
-# Several processes (gpukv.api.dist_store).
-_DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
 _HOST_STRATEGY = HostStrategy()
@@ -154,47 +151,6 @@ class _FunctionUpdater:
 
     def check(self, keys, stored) -> None:
         """Any key and value: what a function takes is its own business."""
-
-
-def create(name: str = "local", **options: Any) -> "KVStore":
-    """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases.
-
-    Options: `strategy`, a name ('auto', 'home', 'tree', 'ring', 'cpu', 'nccl'; the
-    environment variable GPUKV_STRATEGY gives the default of GPU stores) or a
-    `gpukv.comm.Strategy` instance; and the keyword options of the strategy the name picks
-    (e.g. `array_bound=` for 'tree'), passed to its constructor.
-    """
-    if not isinstance(name, str):
-        raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
-    lowered = name.lower()
-    if lowered in _DIST_TYPES:
-        from .dist_store import DistKVStore
-        accepted = _store_options() | _own_options(DistKVStore)
-        _check_options(options, accepted)
-        return DistKVStore(lowered, **options)  # type: ignore[return-value]
-    if lowered not in _TYPES:
-        valid = sorted(_TYPES) + sorted(_DIST_TYPES)
-        raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
-    _check_options(options, _store_options())
-    return KVStore(lowered, **options)
-
-
-def _check_options(options: dict, accepted: set) -> None:
-    for option in options:
-        if option not in accepted:
-            raise ArgumentKindError(f"store option {option!r}: unknown; valid options are "
-                                    f"{', '.join(sorted(accepted)) or 'none'}")
-
-
-def _own_options(cls) -> set:
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind == p.KEYWORD_ONLY}
-
-
-def _store_options() -> set:
-    """The keyword options KVStore takes: its own, and every strategy's (each checked
-    against the strategy the store ends up with when it is made)."""
-    return _own_options(KVStore) | all_strategy_options()
 
 
 class KVStore:

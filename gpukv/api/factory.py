@@ -1,0 +1,59 @@
+"""`create`: the store a name asks for, one process's or one shared by an MPI job."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .._errors import ArgumentError, ArgumentKindError
+from ..comm.registry import all_strategy_options
+from .store import _TYPES, KVStore
+
+# Several processes (gpukv.api.dist_store, imported when asked for: it needs MPI).
+_DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
+
+
+def create(name: str = "local", **options: Any) -> "KVStore":
+    """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases in one
+    process; 'dist_sync', 'dist_async' or 'dist_device_sync' across the processes of an
+    MPI job (every process calls `create` alike)::
+
+        kv = gpukv.create('device', strategy='tree')
+        kv = gpukv.create('dist_sync', num_servers=1)   # under mpiexec -n N
+
+    Options: `strategy`, a name ('auto', 'home', 'tree', 'ring', 'cpu', 'nccl'; the
+    environment variable GPUKV_STRATEGY gives the default of GPU stores) or a
+    `gpukv.comm.Strategy` instance; and the keyword options of the strategy the name picks
+    (e.g. `array_bound=` for 'tree'), passed to its constructor. Dist stores also take
+    `num_servers`, `timeout`, `bigarray_bound` and `nccl` (see `DistKVStore`).
+    """
+    if not isinstance(name, str):
+        raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
+    lowered = name.lower()
+    if lowered in _DIST_TYPES:
+        from .dist_store import DistKVStore
+        accepted = _store_options() | _own_options(DistKVStore)
+        _check_options(options, accepted)
+        return DistKVStore(lowered, **options)  # type: ignore[return-value]
+    if lowered not in _TYPES:
+        valid = sorted(_TYPES) + sorted(_DIST_TYPES)
+        raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
+    _check_options(options, _store_options())
+    return KVStore(lowered, **options)
+
+
+def _check_options(options: dict, accepted: set) -> None:
+    for option in options:
+        if option not in accepted:
+            raise ArgumentKindError(f"store option {option!r}: unknown; valid options are "
+                                    f"{', '.join(sorted(accepted)) or 'none'}")
+
+
+def _own_options(cls) -> set:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind == p.KEYWORD_ONLY}
+
+
+def _store_options() -> set:
+    """The keyword options KVStore takes: its own, and every strategy's (each checked
+    against the strategy the store ends up with when it is made)."""
+    return _own_options(KVStore) | all_strategy_options()
