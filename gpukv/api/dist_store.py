@@ -437,6 +437,7 @@ class DistKVStore(KVStore):
         with self._lock:
             self._engine.set_updater(updater)
             self._has_updater = True
+            self._has_optimizer, self._checker = False, None  # the function replaces it
             self._refresh()
 
     _set_updater = set_updater

@@ -25,7 +25,8 @@ from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import (TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST,
                         Transport)
-#: reply tags cycle through this many values (MPI guarantees at least 32767 tags)
+#: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
+#: 32767 at least)
 _REPLY_TAGS = 30000
 
 

@@ -27,8 +27,9 @@ TAG_VERDICT = 5
 TAG_SIGNATURE = 6
 TAG_PUSH_DATA = 7
 TAG_SHARE = 8
-#: data replies use their own tags from here on (one per outstanding request)
-TAG_DATA = 64
+#: data replies use their own tags from here on (one per outstanding request; below this,
+#: the agreements of `create` use theirs)
+TAG_DATA = 2048
 
 _broken: list = []  # the transports that failed, for the exit handler
 _handler_installed = False
