@@ -180,13 +180,38 @@ def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str) -> dict | N
         return step, lambda: bool((out == expected).all())
 
     timings = time_plan(plan, make, kv.barrier)
+    halves = time_halves(kv, plan) if op == "push+pull" else {}
     kv.barrier()
     if kv.rank != 0:
         return None
     return {"timings": timings,
+            "halves": halves,
             "meta": {"versions": C.library_versions("gpukv", "numpy", "mpi4py"),
                      "mpi_library": _mpi_library(), "workers": kv.num_workers, "op": op,
                      "optimizer": optimizer}}
+
+
+def time_halves(kv, plan: list) -> dict:
+    """Median seconds of the push and of the pull of an iteration, apart: where the time
+    of push+pull goes (the pull is a copy of the store's value into `out`)."""
+    import numpy as np
+
+    halves = {}
+    for key, (nbytes, warmup, iters) in enumerate(plan):
+        value = np.full(max(1, nbytes // 4), kv.rank + 1, np.float32)
+        out = np.empty_like(value)
+        push, pull = [], []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            kv.push(key, value)
+            t1 = time.perf_counter()
+            kv.pull(key, out=out)
+            if i >= warmup:
+                push.append(t1 - t0)
+                pull.append(time.perf_counter() - t1)
+        halves[str(value.nbytes)] = {"push_s": statistics.median(push),
+                                     "pull_s": statistics.median(pull)}
+    return halves
 
 
 def allreduce_child(layout: Layout, plan: list) -> dict | None:
@@ -286,7 +311,8 @@ def finish_job(job: dict, result_path: Path, what: str) -> dict:
         error = "wrong result pulled at " + ", ".join(C.format_size(int(n)) for n in bad)
     out = {"what": what, "ok": error is None, "error": error,
            "seconds": round(job["seconds"], 2), "returncodes": job["returncodes"],
-           "timings": result.get("timings", {}), "meta": result.get("meta")}
+           "timings": result.get("timings", {}), "halves": result.get("halves", {}),
+           "meta": result.get("meta")}
     if error is not None:
         out["output_tail"] = "\n".join(o.strip() for o in job["output"] if o.strip())[-LOG_TAIL:]
     return out
@@ -368,8 +394,18 @@ def build_cases(layouts, sizes, jobs) -> list[dict]:
                     "mxnet_layout": mx_layout.name if runs["mxnet"] else None}
             for lib in ("allreduce", "mxnet"):
                 case[f"gpukv_over_{lib}"] = _ratio(runs[lib], runs["gpukv"], nbytes)
+            case["gpukv_halves"] = _halves(runs["gpukv"], nbytes)
             cases.append(case)
     return cases
+
+
+def _halves(runs: list[dict] | None, nbytes: int) -> dict | None:
+    """The median over rounds of gpukv's push and pull seconds, timed apart."""
+    found = [j["halves"][str(nbytes)] for j in runs or []
+             if j["ok"] and str(nbytes) in j.get("halves", {})]
+    if not found:
+        return None
+    return {half: statistics.median(h[half] for h in found) for half in ("push_s", "pull_s")}
 
 
 def _ratio(base: list[dict] | None, gpukv: list[dict] | None, nbytes: int) -> float | None:
@@ -434,6 +470,15 @@ def print_report(cases, goals, jobs, args) -> None:
     if latency:
         print("\nAllreduce 4K latency: " + ", ".join(
             f"{w} ranks {C.format_seconds(s['median_s'])}" for w, s in latency))
+    halves = [c for c in cases if c.get("gpukv_halves")]
+    if halves:
+        print("\ngpukv's push and pull timed apart (the pull copies the store's value into "
+              "`out`)")
+        C.print_table(["layout", "size", "push", "pull", "Allreduce"],
+                      [[c["layout"], C.format_size(c["bytes"]),
+                        C.format_seconds(c["gpukv_halves"]["push_s"]),
+                        C.format_seconds(c["gpukv_halves"]["pull_s"]),
+                        _side_cells(c["allreduce"])[0]] for c in halves])
     if goals:
         print()
         C.print_table(["goal", "value", "target", "met"],
