@@ -19,7 +19,7 @@ import numpy as np
 
 from .._errors import (ArgumentError, CheckpointError, GpukvError, PeerError,
                        PeerMismatchError)
-from ..update.compression import make_compressor
+from ..update.compression import compressible, make_compressor
 from .agree import Agreement, from_rank0, refuse_split
 from .sharding import pieces
 from .state import cut, mark_starts, merge
@@ -467,7 +467,7 @@ class ServerClient:
                 entries, data = by_server[p.server]
                 piece = flat[p.start:p.stop]
                 comp = None
-                if self.compressor is not None and dtype.kind == "f":
+                if self.compressor is not None and compressible(dtype):
                     piece, comp = self._compress(key, p, piece)
                 entries.append((key, comp))
                 data.append(np.ascontiguousarray(piece))
