@@ -8,6 +8,7 @@ whole description of the call travels only when the digests differ.
 """
 from __future__ import annotations
 
+import pickle
 import zlib
 
 import numpy as np
@@ -147,17 +148,27 @@ def _item(item) -> str:
 
 
 def from_rank0(t: Transport, obj, what: str):
-    """Rank 0's `obj` on every rank (pickled; each wait bounded). Rank 0 may take long to
-    make it (a checkpoint read, calls to servers): the others wait twice the timeout."""
+    """Rank 0's `obj` on every rank (each wait bounded). Rank 0 may take long to make it
+    (a checkpoint read, calls to servers): the others wait twice the timeout.
+
+    It is pickled once and the same bytes go to every rank (a whole checkpoint can be
+    shared this way without a copy per rank): first their length, then the bytes."""
     if t.size == 1:
         return obj
+    patience = 2 * t.timeout + 1
     if t.rank == 0:
-        t.wait_all([t.send_object(obj, r, TAG_SHARE) for r in range(1, t.size)],
-                   f"{what}: sending to the other ranks")
+        blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        requests = []
+        for r in range(1, t.size):
+            requests += [t.send_object(blob.size, r, TAG_SHARE),
+                         t.send_array(blob, r, TAG_SHARE)]
+        t.wait_all(requests, f"{what}: sending to the other ranks", timeout=patience)
         return obj
-    got, _ = t.recv_object(0, TAG_SHARE, f"{what}: waiting for rank 0",
-                           timeout=2 * t.timeout + 1)
-    return got
+    size, _ = t.recv_object(0, TAG_SHARE, f"{what}: waiting for rank 0", timeout=patience)
+    blob = np.empty(size, np.uint8)
+    t.wait_all([t.recv_array(blob, 0, TAG_SHARE)], f"{what}: receiving from rank 0",
+               timeout=patience)
+    return pickle.loads(blob)
 
 
 def refuse_split(optimizer, layouts: dict, over: str) -> None:
