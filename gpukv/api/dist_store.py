@@ -157,7 +157,7 @@ class DistKVStore(KVStore):
                                 f"dedicated servers per job (num_servers=0 allows several)")
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
-        Agreement(Transport(world, timeout), tags=_CREATE_TAGS).check(
+        Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
             ("create", (name, servers, bound, _made[0])), f"gpukv.create({name!r})")
         _made[0] += 1
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart

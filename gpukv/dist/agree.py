@@ -1,10 +1,15 @@
-"""Agreement before a collective call: every process says what it is about to do, rank 0
-compares, and everyone learns the verdict, each wait bounded.
+"""Agreement before a collective call: every process says what it is about to do, and
+everyone learns whether all said the same, each wait bounded.
 
 The collectives that follow cannot hang on a process that is elsewhere in the program:
 the ranks that did not arrive, or that call something else (another key, shape or dtype),
-are named in the PeerError every rank raises. The check is two small messages per rank; the
-whole description of the call travels only when the digests differ.
+are named in the PeerError every rank raises. On a store's own communicator the check is
+one nonblocking allreduce (MAX) of each rank's digest and its negation: all agree when the
+maximum is also the minimum. Only when it does not finish in time does rank 0 call the
+roll (the ranks waiting answer; the others are named), and only when digests differ do
+the whole descriptions travel to rank 0. On a communicator the program shares (the
+agreement of `create`, on COMM_WORLD) no collective is issued: each rank sends rank 0 its
+digest and waits for the verdict.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import zlib
 import numpy as np
 
 from .._errors import ArgumentError, PeerError, PeerMismatchError
-from .transport import TAG_DIGEST, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
+from .transport import (TAG_DIGEST, TAG_ROLL, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT,
+                        Transport)
 
 _OK = ("ok", "")
 _MISMATCH = ("mismatch", "")
@@ -27,12 +33,14 @@ def _digest(seq: int, signature) -> np.ndarray:
 class Agreement:
     """Numbers the collective calls of one communicator and checks each one."""
 
-    def __init__(self, transport: Transport, tags: int = 0):
+    def __init__(self, transport: Transport, tags: int = 0, collective: bool = True):
         self.t = transport
         self.seq = 0
-        # its message tags: TAG_DIGEST, TAG_VERDICT and TAG_SIGNATURE, moved by `tags`
-        self.digest_tag, self.verdict_tag, self.signature_tag = (
-            TAG_DIGEST + tags, TAG_VERDICT + tags, TAG_SIGNATURE + tags)
+        self.collective = collective
+        # its message tags: TAG_DIGEST, TAG_VERDICT, TAG_SIGNATURE and TAG_ROLL, moved by
+        # `tags`
+        self.digest_tag, self.verdict_tag, self.signature_tag, self.roll_tag = (
+            TAG_DIGEST + tags, TAG_VERDICT + tags, TAG_SIGNATURE + tags, TAG_ROLL + tags)
 
     def check(self, signature: tuple, what: str) -> None:
         """Return once every rank called the same thing (`signature`, a tuple of plain
@@ -43,10 +51,74 @@ class Agreement:
         if t.size == 1:
             return
         digest = _digest(self.seq, signature)
-        if t.rank == 0:
+        if self.collective:
+            self._together(digest, signature, what)
+        elif t.rank == 0:
             self._coordinate(digest, signature, what)
         else:
             self._follow(digest, signature, what)
+
+    # ------------------------------------------------ on the store's communicator
+    def _together(self, digest, signature, what) -> None:
+        t = self.t
+        extremes = np.empty(4, np.int64)
+        request = t.comm.Iallreduce(np.concatenate([digest, -digest]), extremes,
+                                    op=t.MPI.MAX)
+        if t.rank == 0:
+            t.wait_all([request], what, on_timeout=lambda: self._roll_call(what))
+        else:
+            self._wait_or_hear(request, what)
+        if np.array_equal(extremes[:2], -extremes[2:]):  # the largest is the smallest
+            return
+        signatures = to_rank0(t, (self.seq, signature), what)  # every rank is here
+        message = None
+        if signatures is not None:
+            message = f"{what}: processes disagree: {_difference(dict(enumerate(signatures)))}"
+        raise t.fail(PeerMismatchError(from_rank0(t, message, what)))
+
+    def _roll_call(self, what: str) -> PeerError:
+        """Rank 0, when the agreement did not finish in time: ask who is waiting in it;
+        the ranks that do not answer are the missing ones. The others hear the verdict."""
+        t = self.t
+        others = range(1, t.size)
+        t.wait_all([t.send_object(self.seq, r, self.roll_tag) for r in others],
+                   f"{what}: calling the roll", timeout=t.timeout)
+        here = np.zeros(t.size, np.int64)
+        answers = [t.recv_array(here[r:r + 1], r, self.roll_tag) for r in others]
+        # A rank waiting in the agreement answers at once; the others wait a while longer
+        # for the verdict than rank 0 waited for them (see `_wait_or_hear`).
+        t.settle(answers, min(2.0, t.timeout / 4))
+        late = [r for r in others if here[r] != self.seq]
+        arrived = [0] + [r for r in others if here[r] == self.seq]
+        message = (f"{what}: rank(s) {_ranks(late)} did not arrive within {t.timeout:g} s "
+                   f"(GPUKV_DIST_TIMEOUT); rank(s) {_ranks(arrived)} did")
+        self._tell(arrived[1:], ("peer", message))
+        return PeerError(message)
+
+    def _wait_or_hear(self, request, what: str) -> None:
+        """A rank but 0: wait for the agreement, answering rank 0's roll call, until done
+        or rank 0's verdict (longer than rank 0 waits, so that its verdict comes first)."""
+        t = self.t
+        test = request.Test
+
+        def done():
+            if test():
+                return True
+            roll = t.try_recv_object(0, self.roll_tag)
+            if roll is not None:
+                t.wait_all([t.send_array(np.array([roll[0]], np.int64), 0, self.roll_tag)],
+                           f"{what}: answering the roll", timeout=t.timeout)
+            verdict = t.try_recv_object(0, self.verdict_tag)
+            if verdict is not None:
+                kind, message = verdict[0]
+                raise t.fail((PeerMismatchError if kind == "mismatch" else PeerError)(
+                    message))
+            return None
+        patience = t.timeout * 1.5 + 2
+        t.poll(done, what, timeout=patience,
+               on_timeout=lambda: PeerError(f"{what}: rank {t.rank} waited {patience:g} s "
+                                            f"for the others and for rank 0's verdict "
+                                            f"(GPUKV_DIST_TIMEOUT)"))
 
     # ----------------------------------------------------------------- rank 0
     def _coordinate(self, digest, signature, what) -> None:
@@ -168,7 +240,7 @@ def from_rank0(t: Transport, obj, what: str):
     blob = np.empty(size, np.uint8)
     t.wait_all([t.recv_array(blob, 0, TAG_SHARE)], f"{what}: receiving from rank 0",
                timeout=patience)
-    return pickle.loads(blob)
+    return pickle.loads(blob.data)
 
 
 def refuse_split(optimizer, layouts: dict, over: str) -> None:

@@ -27,6 +27,7 @@ TAG_VERDICT = 5
 TAG_SIGNATURE = 6
 TAG_PUSH_DATA = 7
 TAG_SHARE = 8
+TAG_ROLL = 9
 #: data replies use their own tags from here on (one per outstanding request; below this,
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048
@@ -49,13 +50,19 @@ def mpi():
 
 def _abort_if_broken() -> None:
     """At exit, a failed transport aborts the job instead of waiting in MPI_Finalize for
-    messages that will never match."""
+    messages that will never match; after a moment's grace, in which the other ranks
+    (told of the same failure) report it too."""
     if _broken:
         transport = _broken[0]
         sys.stderr.write(f"gpukv: rank {transport.rank}: aborting the MPI job: "
                          f"{transport.failure}\n")
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE)
         transport.comm.Abort(1)
+
+
+#: seconds a failed rank waits at exit before it aborts the job
+ABORT_GRACE = 1.0
 
 
 class Transport:
@@ -147,6 +154,19 @@ class Transport:
             return
         test_all = self.MPI.Request.Testall
         self.poll(lambda: True if test_all(requests) else None, what, timeout, on_timeout)
+
+    def settle(self, requests: list, seconds: float) -> bool:
+        """Wait up to `seconds` for `requests`; whether they all completed (a wait that
+        may end short, and is no failure when it does)."""
+        test_all = self.MPI.Request.Testall
+        start = time.monotonic()
+        pause = self.pacer()
+        while not test_all(requests):
+            waited = time.monotonic() - start
+            if waited > seconds:
+                return False
+            pause(waited)
+        return True
 
     def recv_object(self, source: int, tag: int, what: str, timeout: float | None = None,
                     on_timeout=None):

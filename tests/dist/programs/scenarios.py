@@ -476,7 +476,6 @@ def absent(victim: str = "1") -> None:
         create()
     except gpukv.PeerError as exc:
         caught(os.environ.get("PMI_RANK"), exc)
-        time.sleep(1)  # at exit this rank aborts the job: let the others say theirs first
 
 
 def second_served_store() -> None:
