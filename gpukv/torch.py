@@ -67,7 +67,9 @@ class _Bucket:
 class Trainer:
     """Apply an optimizer to the parameters of several replicas through a gpukv store.
 
-    modules: a `torch.nn.Module`, or a list of them (one per device, same architecture).
+    modules: a `torch.nn.Module`, or a list of them (one per device, same architecture;
+    with a dist store, this process's replicas: every process passes its own, and
+    `step(batch_size)` takes the batch of every worker together).
     optimizer: a name for `gpukv.optim.create` (with `optimizer_params`) or a
     `gpukv.optim.Optimizer`. kvstore: a store name for `gpukv.create` or a `KVStore`.
     compression_params: gradient compression for the store (see
