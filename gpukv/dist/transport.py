@@ -17,8 +17,8 @@ import numpy as np
 
 from .._errors import BackendError, PeerError
 
-#: message tags: requests to a server, its small replies, errors, agreement, the raw
-#: bytes of pushes, and what rank 0 shares
+#: message tags: requests to a server, its small replies, errors, agreement (and its roll
+#: call), the raw bytes of pushes, and what rank 0 shares
 TAG_REQUEST = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
