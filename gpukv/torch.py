@@ -77,8 +77,10 @@ class Trainer:
     store; False sums the gradients on the store, pulls them into every replica's `.grad`
     and runs the optimizer on each replica (on a local store per replica).
     bucket_bytes: capacity of a fused key; 0 gives every parameter its own key. LAMB,
-    whose trust ratio is per key, always gets one key per parameter; so should per-key
-    multipliers (`optimizer.set_lr_mult`), which name keys, not parameters.
+    whose trust ratio is per key, always gets one key per parameter; so does every
+    parameter named in the optimizer's multipliers (`set_lr_mult`, `set_wd_mult`) when
+    the Trainer is made. A multiplier set later on a parameter that shares a key is an
+    ArgumentError at the next step (set multipliers first, or use bucket_bytes=0).
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
@@ -95,7 +97,11 @@ class Trainer:
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
         names, params = _trainable(self._modules)
-        self._buckets: list[_Bucket] = _make_buckets(names, params, int(bucket_bytes))
+        alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult)
+        self._buckets: list[_Bucket] = _make_buckets(names, params, int(bucket_bytes),
+                                                     alone)
+        #: parameter name -> the key it shares with others
+        self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
         for bucket in self._buckets:
             _flatten(bucket, len(self._modules))
         if compression_params is not None:
@@ -153,6 +159,7 @@ class Trainer:
         its own key (in a fused key it gets a zero gradient).
         """
         scale = self._scale_for(batch_size)
+        self._check_multipliers()
         live = self._collect_grads(ignore_stale_grad)
         self._set_scale(scale)
         if self._update_on_kvstore:
@@ -175,6 +182,7 @@ class Trainer:
         rescaled by 1/batch_size (with update_on_kvstore=False only, as in gluon)."""
         self._need_local_update("update")
         scale = self._scale_for(batch_size)
+        self._check_multipliers()
         live = self._collect_grads(ignore_stale_grad)
         self._set_scale(scale)
         self._local_update(live)
@@ -213,6 +221,22 @@ class Trainer:
             store.set_optimizer(opt)
             self._local.append(store)
             self._local_opts.append(opt)
+
+    def _check_multipliers(self) -> None:
+        """ArgumentError if a multiplier names a parameter that shares its key (it would
+        apply to no key, silently); else the replicas' optimizers take them too."""
+        opt = self._optimizer
+        for table, setter in ((opt.lr_mult, "set_lr_mult"), (opt.wd_mult, "set_wd_mult")):
+            for name in table:
+                key = self._fused.get(name)
+                if key is not None:
+                    raise ArgumentError(
+                        f"{setter}: parameter {name!r} shares the store key {key!r} with "
+                        f"others, and a multiplier applies to whole keys: set multipliers "
+                        f"before making the Trainer (their parameters then get keys of "
+                        f"their own), or make it with bucket_bytes=0")
+        for local in self._local_opts:
+            local.lr_mult, local.wd_mult = dict(opt.lr_mult), dict(opt.wd_mult)
 
     def _scale_for(self, batch_size) -> float:
         """The optimizer's rescale_grad for `batch_size` (gluon's: given / batch_size)."""
@@ -346,8 +370,9 @@ def _trainable(modules) -> tuple[list, list]:
     return names, params
 
 
-def _make_buckets(names, params, capacity: int) -> list:
-    """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes."""
+def _make_buckets(names, params, capacity: int, alone=frozenset()) -> list:
+    """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes;
+    the parameters named in `alone` each in a bucket of its own."""
     buckets: list[_Bucket] = []
     open_: dict = {}  # signature -> (indices, bytes)
 
@@ -356,6 +381,9 @@ def _make_buckets(names, params, capacity: int) -> list:
         buckets.append(_Bucket([names[i] for i in idx],
                                [[row[i] for i in idx] for row in params]))
     for i, p in enumerate(params[0]):
+        if names[i] in alone:
+            buckets.append(_Bucket([names[i]], [[row[i]] for row in params]))
+            continue
         sig = (p.dtype, tuple(str(row[i].device) for row in params))
         size = p.numel() * p.element_size()
         if sig in open_ and open_[sig][1] + size > capacity:

@@ -356,3 +356,48 @@ def test_import_gpukv_does_not_import_torch():
             "try:\n    import gpukv.torch\nexcept gpukv.BackendError as e:\n"
             "    assert 'pip install torch' in str(e), e\nelse:\n    raise SystemExit(1)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_multipliers_set_first_give_their_parameters_own_keys(update_on_kvstore):
+    """lr_mult and wd_mult set before the Trainer is made: their parameters get keys of
+    their own, and training matches torch.optim.SGD with those per-parameter rates."""
+    base = make_model()
+    models = replicas_of(base, 2)
+    names = [n for n, _ in base.named_parameters()]
+    sgd = gpukv.optim.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3)
+    sgd.set_lr_mult({names[2]: 0.25})
+    sgd.set_wd_mult({names[3]: 0.0})
+    trainer = gt.Trainer(models, sgd, kvstore="local", update_on_kvstore=update_on_kvstore)
+    assert names[2] in trainer.keys and names[3] in trainer.keys
+    x, y = make_data()
+    for _ in range(5):
+        trainer.zero_grad()
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD([{"params": [p], "lr": 0.1 * (0.25 if i == 2 else 1.0),
+                            "weight_decay": 0.0 if i == 3 else 1e-3}
+                           for i, p in enumerate(model.parameters())], momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(5):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    assert_same_weights(models, model)
+
+
+def test_a_multiplier_on_a_shared_key_is_refused():
+    """A multiplier set after the Trainer on a parameter fused with others would apply to
+    no key: the step is an ArgumentError naming the parameter, and changes nothing."""
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    name = next(n for n in trainer.buckets[trainer.keys[0]])
+    assert len(trainer.buckets[trainer.keys[0]]) > 1  # the model's parameters share a key
+    trainer.optimizer.set_lr_mult({name: 0.5})
+    before = [p.detach().clone() for p in models[0].parameters()]
+    x, y = make_data()
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError, match=repr(name)):
+        trainer.step(len(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
