@@ -215,13 +215,14 @@ OUT_NONE = "-"
 
 
 def _at_least(minimum: int):
+    """An argparse type: an integer >= `minimum` (argparse names the option in its error)."""
     def parse(text: str) -> int:
         try:
             value = int(text.strip())
         except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise BadArgument(f"{text.strip()!r}: expected an integer >= {minimum}")
+            raise BadArgument(f"expected an integer, got {text.strip()!r}") from None
+        if value < minimum:
+            raise BadArgument(f"must be at least {minimum}, got {value}")
         return value
     parse.__name__ = f"integer >= {minimum}"
     return parse

@@ -36,6 +36,8 @@ import numpy as np
 
 import gpukv
 
+from .benchutil import nonnegative_int, positive_int
+
 # ------------------------------------------------------------------------------ devices
 
 
@@ -655,37 +657,15 @@ def run_dist(args) -> int:
 # ---------------------------------------------------------------------------------- CLI
 
 
-def _at_least_one(text: str) -> int:
-    """An argparse type: an integer >= 1 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _at_least_zero(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpukv demo",
         description="Run the gpukv tutorial and a short data-parallel training, checking "
                     "every result (exit status 1 on any mismatch, or if the training does not end "
                     "with a lower loss than it started with).")
-    parser.add_argument("--devices", type=_at_least_one, default=None, metavar="N",
+    parser.add_argument("--devices", type=positive_int, default=None, metavar="N",
                         help="devices to train on (default: every GPU, or 4 host devices)")
-    parser.add_argument("--steps", type=_at_least_one, default=60,
+    parser.add_argument("--steps", type=positive_int, default=60,
                         help="training steps (default: 60)")
     parser.add_argument("--lr", type=float, default=0.5, help="learning rate (default: 0.5)")
     parser.add_argument("--cpu", action="store_true", help="use host devices even with GPUs")
@@ -698,7 +678,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="train across the processes of an MPI job on a dist_sync store "
                              "(mpiexec -n 3 python -m gpukv demo --dist): one worker per "
                              "process, worker 0 prints; no tutorial")
-    parser.add_argument("--num-servers", type=_at_least_zero, default=None, metavar="S",
+    parser.add_argument("--num-servers", type=nonnegative_int, default=None, metavar="S",
                         help="with --dist: the first S processes are dedicated servers "
                              "(default: GPUKV_NUM_SERVERS, else 0: every process serves a "
                              "shard of the keys)")
