@@ -33,6 +33,8 @@ def _load_benchutil():
 _util = _load_benchutil()
 format_size = _util.format_size
 format_seconds = _util.format_seconds
+pyplot = _util.pyplot
+save_figure = _util.save_figure
 
 
 # ------------------------------------------------------------------------- arguments

@@ -506,9 +506,7 @@ def _x(v: float | None) -> str:
 
 
 def plot(cases: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = C.pyplot()
 
     layouts = list(dict.fromkeys(c["layout"] for c in cases))
     fig, axes = plt.subplots(1, len(layouts), figsize=(4.5 * len(layouts), 4), squeeze=False)
@@ -525,10 +523,7 @@ def plot(cases: list[dict], path: Path) -> None:
         ax.set_ylabel("GB/s per worker")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
 
 
 # -------------------------------------------------------------------------- driver

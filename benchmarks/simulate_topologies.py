@@ -78,9 +78,7 @@ def print_rows(rows) -> None:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot()
 
     machines = list(dict.fromkeys(r["machine"] for r in rows))
     fig, axes = plt.subplots(2, len(machines), figsize=(5 * len(machines), 8), squeeze=False)
@@ -108,10 +106,7 @@ def plot(rows, path: Path) -> None:
         ax.set_ylabel("home time / tree time")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -658,9 +658,7 @@ HEADERS = ["size", "devs", "keys", "strategy", "time", "algbw GB/s", "busbw GB/s
 def plot(result: dict, path: Path) -> Path | None:
     """busbw-style chart: minimal-bytes bandwidth against size, one panel per device count."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = benchutil.pyplot()
     except ImportError:
         return None
     rows = [r for r in result["results"] if r["case"] == "sweep" and r.get("time_s")]
@@ -691,11 +689,7 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"gpukv push+pull: {result['device']['name']}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return benchutil.save_figure(fig, path)
 
 
 def write_json(result: dict, path: Path) -> Path:

@@ -294,3 +294,21 @@ def out_folder(value: str | None, default: str | os.PathLike | None) -> Path | N
 def elements(nbytes: int, itemsize: int) -> int:
     """How many items of `itemsize` bytes fit in `nbytes` (at least one)."""
     return max(1, nbytes // itemsize)
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files only (ImportError without matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out `fig`, write it as `path` (its folder made if need be) and free it."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
