@@ -30,11 +30,10 @@ class Shard(KVStore):
 
     def update(self, keys, merged) -> None:
         """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
-        in the store's order; a `merged` that is the stored array itself is assigned."""
+        in the store's order; a `merged` that is the stored array itself is assigned.
+        (What the optimizer takes was checked by every worker before it pushed.)"""
         entries = [self._entries[k] for k in keys]
         updater = self._updater
-        if updater is not None:
-            updater.check(keys, [e.value for e in entries])
         updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
                    if updater is not None or m is not e.value]
         if updates:

@@ -200,10 +200,6 @@ class DistKVStore(KVStore):
 
     # ----------------------------------------------------------------- properties
     @property
-    def type(self) -> str:
-        return self._type
-
-    @property
     def rank(self) -> int:
         """This worker's index among the workers (servers excluded), as in MXNet."""
         return self._engine.rank

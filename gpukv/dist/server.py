@@ -371,8 +371,14 @@ class ServerClient:
         """Raise a failure already met, or one a server reported since."""
         self.t.check()
         self.workers.check()
+        self._raise_reported()
+
+    def _raise_reported(self, requests=()) -> None:
+        """Raise the failure a server reported, if one did (cancelling `requests`)."""
         error = self.t.try_recv_object(self.t.MPI.ANY_SOURCE, TAG_ERROR)
         if error is not None:
+            for r in requests:
+                r.Cancel()
             raise self.t.fail(reported(error[0]))
 
     def _request(self, server: int, op: str, body=None, data=()) -> list:
@@ -390,11 +396,7 @@ class ServerClient:
         def done():
             if test_all(requests):
                 return True
-            error = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_ERROR)
-            if error is not None:
-                for r in requests:
-                    r.Cancel()
-                raise t.fail(reported(error[0]))
+            self._raise_reported(requests)
             return None
         t.poll(done, what, timeout=t.timeout * 1.5 + 1,
                on_timeout=lambda: PeerError(f"worker {self.rank}: {what}: no answer from the "
@@ -406,12 +408,9 @@ class ServerClient:
 
         def arrived():
             got = t.try_recv_object(server, tag)
-            if got is not None:
-                return got
-            error = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_ERROR)
-            if error is not None:
-                raise t.fail(reported(error[0]))
-            return None
+            if got is None:
+                self._raise_reported()
+            return got
         reply, _ = t.poll(arrived, what, timeout=t.timeout * 1.5 + 1)
         return reply
 
