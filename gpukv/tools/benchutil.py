@@ -142,7 +142,8 @@ def slug(text: str) -> str:
 
 def cpu_model(default: str = "") -> str:
     """The CPU's marketing name (from /proc/cpuinfo on Linux), else platform's guess,
-    else `default`."""
+    else `default`. The twin of `gpukv.device.cuda.probe.cpu_model`: this file imports
+    nothing of the package, and the layers below `tools` cannot import it."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

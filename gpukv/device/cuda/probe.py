@@ -22,7 +22,7 @@ from .driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
 log = logging.getLogger("gpukv")
 
 __all__ = ["p2p_ranks", "peer_access", "gpu_properties", "gpu_names", "no_gpu_reason",
-           "cupy_versions", "gpu_versions", "nccl_versions", "cpu_model", "machine_facts",
+           "cupy_versions", "gpu_versions", "nccl_versions", "cpu_model",
            "free_memory", "release_cached_memory", "synchronize"]
 
 
@@ -276,9 +276,3 @@ def cpu_model(default: str = "") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or default
-
-
-def machine_facts() -> dict:
-    """{'cpu_model', 'gpus'}: what tells this machine from another one (a calibration
-    measured elsewhere does not apply here)."""
-    return {"cpu_model": cpu_model(), "gpus": gpu_names()}
