@@ -172,12 +172,8 @@ class Transport:
                     on_timeout=None):
         """(object, its source) of the next pickled message from `source` with `tag`."""
         status = self.MPI.Status()
-        improbe = self.comm.improbe
-
-        def arrived():
-            message = improbe(source=source, tag=tag, status=status)
-            return message
-        message = self.poll(arrived, what, timeout, on_timeout)
+        message = self.poll(lambda: self.comm.improbe(source=source, tag=tag, status=status),
+                            what, timeout, on_timeout)
         return message.recv(), status.Get_source()
 
     def try_recv_object(self, source: int, tag: int):
