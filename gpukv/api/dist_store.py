@@ -258,7 +258,7 @@ class DistKVStore(KVStore):
                 raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
                                         f"initialised with dense values")
             self._values._init_groups(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
-            replicas = [self._host_copy(k, a[0]) for k, a in zip(groups.keys, groups.arrays)]
+            replicas = [self._new_replica(k) for k in groups.keys]
             self._engine.init(groups.keys, replicas)
             if not self._in_place:  # the device copies follow once rank 0's values came
                 self._stale.extend(groups.keys)
@@ -266,14 +266,15 @@ class DistKVStore(KVStore):
     def _dict(self) -> dict:
         return self._values._entries
 
-    def _host_copy(self, key, first) -> np.ndarray:
-        """The array the engine writes `key`'s value into."""
-        if self._in_place:
-            return self._values._entries[key].value
+    def _new_replica(self, key) -> np.ndarray:
+        """The array the engine writes a new `key`'s value into: the store's own, or a
+        host copy of it kept for the engine."""
         entry = self._values._entries[key]
-        host = np.array(entry.home.to_host(entry.value), copy=True, order="C")
-        self._host[key] = host
-        return host
+        if self._in_place:
+            return entry.value
+        host = entry.home.to_host(entry.value)  # a GPU value's is a new array already
+        self._host[key] = host if host is not entry.value else host.copy()
+        return self._host[key]
 
     def _replica(self, key) -> np.ndarray:
         return (self._values._entries[key].value if self._in_place else self._host[key])
