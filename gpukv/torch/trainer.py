@@ -1,67 +1,16 @@
-"""`Trainer`: data-parallel PyTorch training on a gpukv store, as gluon's Trainer did on MXNet.
-
-    import gpukv.torch
-    trainer = gpukv.torch.Trainer(replicas, 'sgd', {'learning_rate': 0.1, 'momentum': 0.9})
-    for x, y in batches:
-        trainer.zero_grad()
-        for model, xs, ys in zip(replicas, x.chunk(n), y.chunk(n)):
-            loss_fn(model(xs), ys).backward()      # a per-sample sum, as in gluon
-        trainer.step(batch_size=len(x))            # push, update on the store, pull
-
-One `torch.nn.Module` per device (same architecture), or a single module. Every trainable
-parameter takes part; parameters with `requires_grad=False` are left out. Parameters are
-grouped in buckets (consecutive parameters of one dtype, up to `bucket_bytes`), one store
-key per bucket: a key holding one parameter is named after it, a fused one
-``'<first>..<last>'``. In every replica the weights and the gradients of a bucket are
-views of one flat buffer each (as PyTorch DDP's ``gradient_as_bucket_view``), so a step
-pushes and pulls a handful of keys, and the store reads and writes the replicas' memory
-without copies. Keep those tensors: `module.to(...)`, assigning `p.data`, or creating
-a new optimizer state in PyTorch is not seen by the trainer. `zero_grad()` zeroes the
-buffers in place; `model.zero_grad()` (which sets `.grad` to None) works too, at the cost
-of one copy per parameter into its view at the next step.
-
-Only this module imports PyTorch (`import gpukv` never does).
-"""
+"""`Trainer`: apply an optimizer to the parameters of several replicas through a store."""
 from __future__ import annotations
 
 import copy
 import numbers
 
-from ._errors import ArgumentError, ArgumentKindError, BackendError, ShapeError
+import torch
 
-try:
-    import torch
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise BackendError("gpukv.torch needs PyTorch: pip install torch") from exc
-
-from .api.factory import create
-from .api.store import KVStore
-from .optim import LAMB, Optimizer, create as create_optimizer
-
-__all__ = ["Trainer"]
-
-#: bucket capacity in bytes (PyTorch DDP's default)
-BUCKET_BYTES = 25 << 20
-
-
-class _Bucket:
-    """Consecutive trainable parameters of one dtype that share one store key.
-
-    `weights[r]` / `grads[r]` are replica r's flat buffers (or, for a bucket of one
-    parameter, the parameter's own tensors); `params[r][i]` is replica r's i-th parameter.
-    """
-
-    def __init__(self, names: list, params: list) -> None:
-        self.names = names
-        self.params = params  # [replica][i]
-        self.key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-        self.weights: list = []
-        self.grads: list = []
-        self.views: list = []  # [replica][i]: the grad view param i must hold
-
-    @property
-    def fused(self) -> bool:
-        return len(self.names) > 1
+from .._errors import ArgumentError, ArgumentKindError
+from ..api.factory import create
+from ..api.store import KVStore
+from ..optim import LAMB, Optimizer, create as create_optimizer
+from .buckets import BUCKET_BYTES, Bucket, flatten, make_buckets, trainable
 
 
 class Trainer:
@@ -96,14 +45,13 @@ class Trainer:
             raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
-        names, params = _trainable(self._modules)
+        names, params = trainable(self._modules)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult)
-        self._buckets: list[_Bucket] = _make_buckets(names, params, int(bucket_bytes),
-                                                     alone)
+        self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
         for bucket in self._buckets:
-            _flatten(bucket, len(self._modules))
+            flatten(bucket, len(self._modules))
         if compression_params is not None:
             self._kv.set_gradient_compression(compression_params)
         self._local: list = []  # with update_on_kvstore=False: one store per replica
@@ -344,91 +292,3 @@ def _make_store(kvstore) -> KVStore:
         raise ArgumentKindError(f"kvstore: expected a store name or a gpukv.KVStore, got "
                                 f"{type(kvstore).__name__}")
     return create(kvstore)
-
-
-def _trainable(modules) -> tuple[list, list]:
-    """Names and per-replica tensors of the trainable parameters, checked to agree."""
-    first = [(n, p) for n, p in modules[0].named_parameters() if p.requires_grad]
-    names = [n for n, _ in first]
-    params = [[p for _, p in first]]
-    for r, module in enumerate(modules[1:], start=1):
-        mine = dict(module.named_parameters())
-        row = []
-        for name, p0 in first:
-            p = mine.get(name)
-            if p is None or not p.requires_grad:
-                raise ArgumentError(f"parameter {name!r}: trainable in replica 0 but "
-                                    f"{'missing' if p is None else 'frozen'} in replica {r}")
-            if p.shape != p0.shape or p.dtype != p0.dtype:
-                raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
-                                 f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
-            row.append(p)
-        if len({id(p) for p in row} & {id(p) for p in params[0]}):
-            raise ArgumentError(f"replica {r} shares parameters with replica 0; give "
-                                f"each device its own copy (copy.deepcopy)")
-        params.append(row)
-    return names, params
-
-
-def _make_buckets(names, params, capacity: int, alone=frozenset()) -> list:
-    """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes;
-    the parameters named in `alone` each in a bucket of its own."""
-    buckets: list[_Bucket] = []
-    open_: dict = {}  # signature -> (indices, bytes)
-
-    def close(sig):
-        idx, _ = open_.pop(sig)
-        buckets.append(_Bucket([names[i] for i in idx],
-                               [[row[i] for i in idx] for row in params]))
-    for i, p in enumerate(params[0]):
-        if names[i] in alone:
-            buckets.append(_Bucket([names[i]], [[row[i]] for row in params]))
-            continue
-        sig = (p.dtype, tuple(str(row[i].device) for row in params))
-        size = p.numel() * p.element_size()
-        if sig in open_ and open_[sig][1] + size > capacity:
-            close(sig)
-        idx, total = open_.get(sig, ([], 0))
-        open_[sig] = (idx + [i], total + size)
-    for sig in list(open_):
-        close(sig)
-    return buckets
-
-
-def _flatten(bucket: _Bucket, replicas: int) -> None:
-    """Make every replica's weights and gradients of `bucket` views of one buffer each.
-
-    A bucket of one parameter uses the parameter's own (contiguous) tensors.
-    """
-    with torch.no_grad():
-        for r in range(replicas):
-            params = bucket.params[r]
-            if not bucket.fused and params[0].is_contiguous():
-                p = params[0]
-                if p.grad is None or not p.grad.is_contiguous() or p.grad.shape != p.shape:
-                    grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    if p.grad is not None:
-                        grad.copy_(p.grad)
-                    p.grad = grad
-                bucket.weights.append(p.data)
-                bucket.grads.append(p.grad)
-                bucket.views.append([p.grad])
-                continue
-            total = sum(p.numel() for p in params)
-            weight = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
-            grad = torch.zeros_like(weight)
-            views, offset = [], 0
-            for p in params:
-                n = p.numel()
-                w_view = weight[offset:offset + n].view(p.shape)
-                g_view = grad[offset:offset + n].view(p.shape)
-                w_view.copy_(p.data)
-                p.data = w_view
-                if p.grad is not None:
-                    g_view.copy_(p.grad)
-                p.grad = g_view
-                views.append(g_view)
-                offset += n
-            bucket.weights.append(weight)
-            bucket.grads.append(grad)
-            bucket.views.append(views)

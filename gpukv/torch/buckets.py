@@ -1,0 +1,118 @@
+"""Gradient buckets: the trainable parameters of every replica, grouped into store keys
+whose weights and gradients are views of one flat buffer per replica."""
+from __future__ import annotations
+
+import torch
+
+from .._errors import ArgumentError, ShapeError
+
+#: bucket capacity in bytes (PyTorch DDP's default)
+BUCKET_BYTES = 25 << 20
+
+
+class Bucket:
+    """Consecutive trainable parameters of one dtype that share one store key.
+
+    `weights[r]` / `grads[r]` are replica r's flat buffers (or, for a bucket of one
+    parameter, the parameter's own tensors); `params[r][i]` is replica r's i-th parameter.
+    """
+
+    def __init__(self, names: list, params: list) -> None:
+        self.names = names
+        self.params = params  # [replica][i]
+        self.key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        self.weights: list = []
+        self.grads: list = []
+        self.views: list = []  # [replica][i]: the grad view param i must hold
+
+    @property
+    def fused(self) -> bool:
+        return len(self.names) > 1
+
+
+def trainable(modules) -> tuple[list, list]:
+    """Names and per-replica tensors of the trainable parameters, checked to agree."""
+    first = [(n, p) for n, p in modules[0].named_parameters() if p.requires_grad]
+    names = [n for n, _ in first]
+    params = [[p for _, p in first]]
+    for r, module in enumerate(modules[1:], start=1):
+        mine = dict(module.named_parameters())
+        row = []
+        for name, p0 in first:
+            p = mine.get(name)
+            if p is None or not p.requires_grad:
+                raise ArgumentError(f"parameter {name!r}: trainable in replica 0 but "
+                                    f"{'missing' if p is None else 'frozen'} in replica {r}")
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
+                                 f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
+            row.append(p)
+        if len({id(p) for p in row} & {id(p) for p in params[0]}):
+            raise ArgumentError(f"replica {r} shares parameters with replica 0; give "
+                                f"each device its own copy (copy.deepcopy)")
+        params.append(row)
+    return names, params
+
+
+def make_buckets(names, params, capacity: int, alone=frozenset()) -> list:
+    """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes;
+    the parameters named in `alone` each in a bucket of its own."""
+    buckets: list[Bucket] = []
+    open_: dict = {}  # signature -> (indices, bytes)
+
+    def close(sig):
+        idx, _ = open_.pop(sig)
+        buckets.append(Bucket([names[i] for i in idx],
+                              [[row[i] for i in idx] for row in params]))
+    for i, p in enumerate(params[0]):
+        if names[i] in alone:
+            buckets.append(Bucket([names[i]], [[row[i]] for row in params]))
+            continue
+        sig = (p.dtype, tuple(str(row[i].device) for row in params))
+        size = p.numel() * p.element_size()
+        if sig in open_ and open_[sig][1] + size > capacity:
+            close(sig)
+        idx, total = open_.get(sig, ([], 0))
+        open_[sig] = (idx + [i], total + size)
+    for sig in list(open_):
+        close(sig)
+    return buckets
+
+
+def flatten(bucket: Bucket, replicas: int) -> None:
+    """Make every replica's weights and gradients of `bucket` views of one buffer each.
+
+    A bucket of one parameter uses the parameter's own (contiguous) tensors.
+    """
+    with torch.no_grad():
+        for r in range(replicas):
+            params = bucket.params[r]
+            if not bucket.fused and params[0].is_contiguous():
+                p = params[0]
+                if p.grad is None or not p.grad.is_contiguous() or p.grad.shape != p.shape:
+                    grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if p.grad is not None:
+                        grad.copy_(p.grad)
+                    p.grad = grad
+                bucket.weights.append(p.data)
+                bucket.grads.append(p.grad)
+                bucket.views.append([p.grad])
+                continue
+            total = sum(p.numel() for p in params)
+            weight = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+            grad = torch.zeros_like(weight)
+            views, offset = [], 0
+            for p in params:
+                n = p.numel()
+                w_view = weight[offset:offset + n].view(p.shape)
+                g_view = grad[offset:offset + n].view(p.shape)
+                w_view.copy_(p.data)
+                p.data = w_view
+                if p.grad is not None:
+                    g_view.copy_(p.grad)
+                p.grad = g_view
+                views.append(g_view)
+                offset += n
+            bucket.weights.append(weight)
+            bucket.grads.append(grad)
+            bucket.views.append(views)
