@@ -24,6 +24,8 @@ class Bucket:
         self.weights: list = []
         self.grads: list = []
         self.views: list = []  # [replica][i]: the grad view param i must hold
+        #: with overlap and update_on_kvstore: the summed gradient, on replica 0's device
+        self.summed: torch.Tensor | None = None
 
     @property
     def fused(self) -> bool:

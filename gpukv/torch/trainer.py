@@ -1,8 +1,10 @@
 """`Trainer`: apply an optimizer to the parameters of several replicas through a store."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
+from typing import Iterator
 
 import torch
 
@@ -11,6 +13,7 @@ from ..api.factory import create
 from ..api.store import KVStore
 from ..optim import LAMB, Optimizer, create as create_optimizer
 from .buckets import BUCKET_BYTES, Bucket, flatten, make_buckets, trainable
+from .overlap import OWNER, EarlyReduction
 
 
 class Trainer:
@@ -30,16 +33,32 @@ class Trainer:
     parameter named in the optimizer's multipliers (`set_lr_mult`, `set_wd_mult`) when
     the Trainer is made. A multiplier set later on a parameter that shares a key is an
     ArgumentError at the next step (set multipliers first, or use bucket_bytes=0).
+
+    overlap: start each bucket's gradient reduction from backward, as soon as every
+    replica has produced the bucket's gradients (post-accumulate-grad hooks and one
+    background thread), so that it overlaps the rest of backward; the update and the pull
+    of the weights stay in `step`, which waits for those reductions and does the rest.
+    None (the default) turns it on where the reduction can run beside backward: replicas
+    on GPUs, or a dist store with update_on_kvstore=False (the optimizer then runs in
+    every process, as with DDP). On CPU replicas of one process backward and the
+    reduction share the same cores; pass True to have it anyway. With
+    update_on_kvstore=True the early reduction goes to a second, optimizer-less store of
+    this process (one more gradient-sized buffer per bucket), and the update runs on the
+    store at the step. Gradients accumulated over several backward passes before a step
+    are right either way, but each pass after the first reduces again: wrap all but the
+    last in `no_sync()`.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=True, *,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None):
         self._modules = _module_list(modules)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
         self._kv = _make_store(kvstore)
         self._update_on_kvstore = _check_flag("update_on_kvstore", update_on_kvstore)
+        if overlap is not None:
+            _check_flag("overlap", overlap)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
                 or bucket_bytes < 0:
             raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
@@ -57,6 +76,17 @@ class Trainer:
         self._local: list = []  # with update_on_kvstore=False: one store per replica
         self._local_opts: list = []  # and its optimizer
         self._init_store()
+        self._early: EarlyReduction | None = None
+        self._sums: KVStore | None = None  # the early reductions' store, when not _kv
+        #: a dist store's processes must issue the same pushes: one bucket per push
+        self._push_one_by_one: bool = self._kv.type.startswith("dist")
+        if self._wants_overlap(overlap):
+            self._start_overlap()
+        else:
+            for bucket in self._buckets:
+                for params in bucket.params:
+                    for p in params:
+                        setattr(p, OWNER, None)  # an earlier Trainer's hooks stop here
 
     # ------------------------------------------------------------------ properties
     @property
@@ -78,6 +108,11 @@ class Trainer:
         return {b.key: list(b.names) for b in self._buckets}
 
     @property
+    def overlap(self) -> bool:
+        """Whether gradient reductions start from backward (see the class's help)."""
+        return self._early is not None
+
+    @property
     def learning_rate(self) -> float:
         return self._optimizer.learning_rate
 
@@ -88,8 +123,28 @@ class Trainer:
             opt.set_learning_rate(lr)
 
     # ------------------------------------------------------------------- training
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no reduction (with overlap; else nothing to do).
+
+        For gradient accumulation, as DDP's: run every backward pass but the last of a
+        step inside, so that only the last one starts the reductions.
+        """
+        if self._early is None:
+            yield
+            return
+        with self._early.paused():
+            yield
+
     def zero_grad(self) -> None:
         """Zero every replica's gradients in place (the views stay the `.grad` tensors)."""
+        try:
+            if self._early is not None:
+                self._early.finish()  # they read the gradients: wait for them
+        finally:
+            self._zero_grads()
+
+    def _zero_grads(self) -> None:
         with torch.no_grad():
             for bucket in self._buckets:
                 for r, grad in enumerate(bucket.grads):
@@ -109,21 +164,29 @@ class Trainer:
         scale = self._scale_for(batch_size)
         self._check_multipliers()
         live = self._collect_grads(ignore_stale_grad)
+        done = self._finish_early()
         self._set_scale(scale)
-        if self._update_on_kvstore:
-            keys = [b.key for b in live]
+        keys = [b.key for b in live]
+        if not self._update_on_kvstore:
+            self._allreduce(live, done)
+            self._local_update(live)
+        elif self._sums is None:
             if keys:
                 self._kv.push(keys, [b.grads for b in live])
                 self._kv.pull(keys, out=[b.weights for b in live])
-        else:
-            self._allreduce(live)
-            self._local_update(live)
+        elif keys:
+            self._reduce(self._sums, live, done)
+            summed = [b.summed for b in live]
+            self._sums.pull(keys, out=summed)
+            self._kv.push(keys, summed)
+            self._kv.pull(keys, out=[b.weights for b in live])
 
     def allreduce_grads(self) -> None:
         """Sum the gradients of every replica on the store and pull the sum into each
         replica's `.grad` (with update_on_kvstore=False only, as in gluon)."""
         self._need_local_update("allreduce_grads")
-        self._allreduce(self._collect_grads(False))
+        live = self._collect_grads(False)
+        self._allreduce(live, self._finish_early())
 
     def update(self, batch_size, ignore_stale_grad: bool = False) -> None:
         """Run the optimizer on every replica with its (already summed) gradients,
@@ -227,11 +290,57 @@ class Trainer:
         replicas = len(self._modules)
         return [b for b in self._buckets if b.fused or missing.get(id(b), 0) < replicas]
 
-    def _allreduce(self, live) -> None:
+    def _allreduce(self, live, done: set) -> None:
+        """Sum every live bucket's gradients on the store, into every replica's."""
+        self._reduce(self._kv, live, done)
         keys = [b.key for b in live]
         if keys:
-            self._kv.push(keys, [b.grads for b in live])
             self._kv.pull(keys, out=[b.grads for b in live])
+
+    def _reduce(self, store: KVStore, live: list, done: set) -> None:
+        """Push to `store` the gradients of the live buckets not in `done` (ids of the
+        buckets whose early reduction holds their final gradients)."""
+        if self._early is None:
+            rest = live
+        else:  # in the order the early reductions start in, as every process does
+            wanted = {id(b) for b in live} - done
+            rest = [self._buckets[i] for i in self._early.order
+                    if id(self._buckets[i]) in wanted]
+        if not rest:
+            return
+        if self._push_one_by_one and self._early is not None:
+            for bucket in rest:
+                store.push(bucket.key, bucket.grads)
+        else:
+            store.push([b.key for b in rest], [b.grads for b in rest])
+
+    # ---------------------------------------------------------------- overlap
+    def _wants_overlap(self, overlap: bool | None) -> bool:
+        if overlap is not None:
+            return overlap
+        on_gpu = any(p.is_cuda for b in self._buckets for p in b.params[0])
+        spans_processes = self._kv.type.startswith("dist")
+        return bool(self._buckets) and (
+            on_gpu or (spans_processes and not self._update_on_kvstore))
+
+    def _start_overlap(self) -> None:
+        """Hooks that start the reductions early, into the store that runs no optimizer:
+        the store itself with update_on_kvstore=False, else one more of this process."""
+        if self._update_on_kvstore:
+            self._sums = create("local" if self._kv.type == "local" else "device")
+            for bucket in self._buckets:
+                bucket.summed = torch.zeros_like(bucket.grads[0])
+            self._sums.init([b.key for b in self._buckets],
+                            [b.summed for b in self._buckets])
+        target = self._kv if self._sums is None else self._sums
+        self._early = EarlyReduction(
+            self._buckets, lambda bucket: target.push(bucket.key, bucket.grads))
+
+    def _finish_early(self) -> set:
+        """Wait for the early reductions; the ids of the buckets they fully reduced."""
+        if self._early is None:
+            return set()
+        return {id(self._buckets[i]) for i in self._early.finish()}
 
     def _need_local_update(self, op: str) -> None:
         if self._update_on_kvstore:

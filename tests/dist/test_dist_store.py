@@ -144,6 +144,17 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
     _passes(_scenario(n, servers, "trainer", optimizer, on_store), n - servers)
 
 
+@pytest.mark.parametrize("on_store", ["0", "1"])
+@pytest.mark.parametrize("passes", ["1", "2", "2nosync"])
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):
+    """Reductions started from backward (several buckets, every process in the same
+    order), with gradient accumulation in and out of no_sync: the same weights as one
+    process over all replicas."""
+    pytest.importorskip("torch")
+    _passes(_scenario(n, servers, "trainer", "sgd", on_store, "on", passes), n - servers)
+
+
 @pytest.mark.parametrize("args", [(), ("--num-servers", "1"),
                                   ("--store", "dist_async", "--num-servers", "1")])
 def test_example_trains_across_processes(args):

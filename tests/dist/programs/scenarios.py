@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -400,17 +401,26 @@ def updater_function() -> None:
     passed(kv)
 
 
-def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
+def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str = "auto",
+            passes: str = "1") -> None:
     """gpukv.torch.Trainer on a dist store, two replicas per worker: the same weights as
     one process training every worker's replicas on a 'local' store (rescale_grad set by
-    step(batch_size) reaches the shards), and every worker ends with them."""
+    step(batch_size) reaches the shards), and every worker ends with them.
+
+    overlap: 'auto', 'on' or 'off' (on: small buckets, so that several reductions start
+    from backward); passes: backward passes per step, the earlier ones outside
+    no_sync ('2') or inside ('2nosync')."""
+    import contextlib
     import copy
 
     import torch
     from torch import nn
 
     import gpukv.torch as gt
-    kv = create(bigarray_bound=100)  # the fused key is split
+    buckets = {"auto": {}, "on": {"overlap": True, "bucket_bytes": 300},
+               "off": {"overlap": False}}[overlap]
+    # the fused key is split (with small buckets, the first layer's weight too)
+    kv = create(bigarray_bound=60 if buckets.get("overlap") else 100)
     n, r = kv.num_workers, kv.rank
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -419,9 +429,14 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
     on_store = update_on_kvstore == "1"
     mine = [copy.deepcopy(model) for _ in range(2)]
     everyone = [copy.deepcopy(model) for _ in range(2 * n)]
-    dist = gt.Trainer(mine, optimizer, dict(params), kvstore=kv, update_on_kvstore=on_store)
+    dist = gt.Trainer(mine, optimizer, dict(params), kvstore=kv, update_on_kvstore=on_store,
+                      **buckets)
+    assert dist.overlap == (overlap == "on" or (overlap == "auto" and not on_store))
     local = gt.Trainer(everyone, optimizer, dict(params), kvstore="local",
-                       update_on_kvstore=on_store)
+                       update_on_kvstore=on_store, overlap=False)
+    pushers = []  # the thread of every push to the dist store
+    push = kv.push
+    kv.push = lambda *a, **k: pushers.append(threading.current_thread().name) or push(*a, **k)
     g = torch.Generator().manual_seed(1)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     for step in range(4):
@@ -429,11 +444,18 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1") -> None:
         for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
             trainer.zero_grad()
             shards = list(zip(x.chunk(2 * n), y.chunk(2 * n)))[first:first + len(models)]
-            for m, (xs, ys) in zip(models, shards):
-                loss_fn(m(xs), ys).backward()
+            for k in range(int(passes[0])):
+                last = k == int(passes[0]) - 1
+                with trainer.no_sync() if "nosync" in passes and not last \
+                        else contextlib.nullcontext():
+                    for m, (xs, ys) in zip(models, shards):
+                        loss_fn(m(xs), ys).backward()
             trainer.step(8 * n * (step + 1))  # another batch size every step
     for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    early = sum(name.startswith("gpukv-reduce") for name in pushers)
+    # with update_on_kvstore the early reductions go to a store of this process
+    assert (early > 0) == (dist.overlap and not on_store), (early, pushers)
     passed(kv)
 
 

@@ -1,0 +1,140 @@
+"""Start each bucket's gradient reduction while backward is still running.
+
+A post-accumulate-grad hook on every parameter of every replica records the gradients
+backward has produced since the last step. When a bucket has all of them, its reduction
+(`reduce(bucket)`: a push of its gradients to a store that runs no optimizer) goes to one
+background thread. Buckets start in a fixed order, the reverse of the parameters' (about
+the order backward produces them): a ready bucket waits for the ones before it, so every
+process of a dist store issues the same pushes in the same order. The step waits for the
+started reductions and does the rest itself.
+
+A gradient that backward writes into a bucket after its reduction started (a second
+backward before the step, as in gradient accumulation) makes that reduction stale: the
+step reduces the bucket again. `paused()` (the Trainer's `no_sync()`) keeps the
+reductions from starting on backward passes whose gradients are not final.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import torch
+
+from .buckets import Bucket
+
+
+class EarlyReduction:
+    """The hooks and the background thread of one Trainer."""
+
+    def __init__(self, buckets: list[Bucket], reduce: Callable[[Bucket], None]) -> None:
+        self._buckets = buckets
+        self._reduce = reduce
+        #: the order reductions start in (and the step reduces the rest in)
+        self.order = list(reversed(range(len(buckets))))
+        self._sizes = [len(b.names) * len(b.params) for b in buckets]
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpukv-reduce")
+        self._paused = 0
+        self._clear()
+        # The hooks hold this object weakly, and a parameter answers to the last
+        # EarlyReduction made on it: a Trainer dropped or replaced starts nothing more.
+        me = weakref.ref(self)
+        handles = []
+        for b, bucket in enumerate(buckets):
+            for r, params in enumerate(bucket.params):
+                for i, p in enumerate(params):
+                    setattr(p, OWNER, me)
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        _hook(me, b, r, i, bucket.views[r][i])))
+        weakref.finalize(self, _unhook, handles, self._worker)
+
+    def _clear(self) -> None:
+        """Forget every gradient seen and every reduction started (under the lock or alone)."""
+        self._seen: list[set] = [set() for _ in self._buckets]
+        self._events: list[list] = [[] for _ in self._buckets]
+        self._next = 0  # position in `order` of the next bucket to start
+        self._started: dict[int, Future] = {}
+        self._stale: set[int] = set()
+
+    # ------------------------------------------------------------------ the hooks
+    def on_gradient(self, b: int, r: int, i: int, param: torch.Tensor,
+                    view: torch.Tensor) -> None:
+        """Backward has accumulated replica r's gradient of parameter i of bucket b."""
+        with self._lock:
+            grad = param.grad
+            if grad is not None and grad is not view:  # new since set_to_none: adopt it
+                with torch.no_grad():
+                    view.copy_(grad)
+                param.grad = view
+            if b in self._started:
+                self._stale.add(b)
+                return
+            if self._paused:
+                return
+            self._seen[b].add((r, i))
+            if view.is_cuda:  # backward's kernels may still be running
+                self._events[b].append(torch.cuda.current_stream(view.device).record_event())
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Hand every complete bucket whose predecessors have started to the worker."""
+        while self._next < len(self.order):
+            b = self.order[self._next]
+            if len(self._seen[b]) < self._sizes[b]:
+                return
+            self._started[b] = self._worker.submit(self._run, b, self._events[b])
+            self._next += 1
+
+    def _run(self, b: int, events: list) -> None:
+        for event in events:
+            event.synchronize()
+        self._reduce(self._buckets[b])
+
+    # ------------------------------------------------------------------ the step
+    def finish(self) -> set[int]:
+        """Wait for the started reductions and start afresh; the buckets whose reduction
+        holds their final gradients. The first error a reduction raised is raised here."""
+        with self._lock:
+            started, stale = self._started, self._stale
+            self._clear()
+        error = None
+        for future in started.values():
+            exc = future.exception()
+            if exc is not None and error is None:
+                error = exc
+        if error is not None:
+            raise error
+        return set(started) - stale
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No reduction starts inside, and the gradients backward produces inside do not
+        count towards starting one (as DDP's `no_sync`)."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+
+
+#: the attribute naming, on a parameter, the EarlyReduction its hooks serve
+OWNER = "_gpukv_early_reduction"
+
+
+def _hook(me: weakref.ref, b: int, r: int, i: int, view: torch.Tensor):
+    def hook(param: torch.Tensor) -> None:
+        early = me()
+        if early is not None and getattr(param, OWNER, None) is me:
+            early.on_gradient(b, r, i, param, view)
+    return hook
+
+
+def _unhook(handles: list, worker: ThreadPoolExecutor) -> None:
+    for handle in handles:
+        handle.remove()
+    worker.shutdown(wait=False)

@@ -1,0 +1,221 @@
+"""gpukv.torch.Trainer(overlap=True): gradient reductions started from backward's hooks."""
+import contextlib
+import copy
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.torch as gt  # noqa: E402
+
+from .test_torch_trainer import backward_shards, make_data, make_model  # noqa: E402
+
+WORKER = "gpukv-reduce"
+SGD = ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3})
+ADAM = ("adam", {"learning_rate": 0.01})
+
+
+def record_pushes(store):
+    """The names of the threads that push to `store`, in order."""
+    names = []
+    push = store.push
+    store.push = lambda *a, **k: names.append(threading.current_thread().name) or push(*a, **k)
+    return names
+
+
+def train(overlap, update_on_kvstore=True, optimizer=SGD, replicas=3, steps=4, passes=1,
+          no_sync=False, set_to_none=False, bucket_bytes=256, model=None, **step_kw):
+    """Weights of replica 0 after `steps` steps, the trainer, and its models."""
+    models = [copy.deepcopy(model or make_model()) for _ in range(replicas)]
+    trainer = gt.Trainer(models, optimizer[0], dict(optimizer[1]), kvstore="local",
+                         update_on_kvstore=update_on_kvstore, bucket_bytes=bucket_bytes,
+                         overlap=overlap)
+    x, y = make_data()
+    for _ in range(steps):
+        if set_to_none:
+            for m in models:
+                m.zero_grad(set_to_none=True)
+        else:
+            trainer.zero_grad()
+        for k in range(passes):
+            last = k == passes - 1
+            with trainer.no_sync() if no_sync and not last else contextlib.nullcontext():
+                backward_shards(models, x, y)
+        trainer.step(len(x) * passes, **step_kw)
+    return [p.detach().clone() for p in models[0].parameters()], trainer, models
+
+
+def assert_equal(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
+@pytest.mark.parametrize("bucket_bytes", [gt.BUCKET_BYTES, 256, 0])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_overlap_gives_the_same_weights(update_on_kvstore, optimizer, bucket_bytes, replicas):
+    kw = dict(update_on_kvstore=update_on_kvstore, optimizer=optimizer,
+              bucket_bytes=bucket_bytes, replicas=replicas)
+    want, _, _ = train(False, **kw)
+    got, trainer, _ = train(True, **kw)
+    assert trainer.overlap
+    assert_equal(got, want)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_every_bucket_is_reduced_during_backward(update_on_kvstore):
+    """The reducing store sees one push per bucket per step, each from the background
+    thread; with update_on_kvstore the store itself sees one push per step, at the step."""
+    models = [copy.deepcopy(make_model()) for _ in range(3)]
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=update_on_kvstore, bucket_bytes=256, overlap=True)
+    assert len(trainer.keys) > 2
+    reducing = trainer.kvstore if not update_on_kvstore else trainer._sums
+    early = record_pushes(reducing)
+    on_store = record_pushes(trainer.kvstore) if update_on_kvstore else []
+    x, y = make_data()
+    for step in range(3):
+        trainer.zero_grad()
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+        assert early == [WORKER + "_0"] * (len(trainer.keys) * (step + 1)), early
+    if update_on_kvstore:
+        assert on_store == [threading.current_thread().name] * 3
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_gradient_accumulation(update_on_kvstore, no_sync):
+    """Two backward passes per step: the same weights as without overlap; outside no_sync
+    the second pass makes the first's reductions stale (reduced again at the step),
+    inside it every bucket is reduced once."""
+    kw = dict(update_on_kvstore=update_on_kvstore, passes=2, no_sync=no_sync)
+    want, _, _ = train(False, **kw)
+    got, trainer, models = train(True, **kw)
+    assert_equal(got, want)
+    reducing = trainer.kvstore if not update_on_kvstore else trainer._sums
+    pushes = record_pushes(reducing)
+    x, y = make_data()
+    trainer.zero_grad()
+    with trainer.no_sync() if no_sync else contextlib.nullcontext():
+        backward_shards(models, x, y)
+    backward_shards(models, x, y)
+    trainer.step(2 * len(x))
+    early = [WORKER + "_0"] * len(trainer.keys)
+    if no_sync:
+        assert pushes == early
+    else:  # started by the first pass, all of them again (in one call) at the step
+        assert pushes == early + [threading.current_thread().name], pushes
+
+
+def test_gradients_set_to_none_between_steps():
+    """model.zero_grad() (set_to_none) instead of trainer.zero_grad(): the hooks adopt
+    the new gradient tensors into the buckets."""
+    want, _, _ = train(False, set_to_none=True)
+    got, trainer, models = train(True, set_to_none=True)
+    assert_equal(got, want)
+    for p, view in zip(models[1].parameters(),
+                       [v for b in trainer._buckets for v in b.views[1]]):
+        assert p.grad is view
+
+
+def test_a_parameter_backward_does_not_reach():
+    """A layer left out of the forward pass: its bucket never completes, and neither do
+    the ones after it in order; the step reduces those itself (ignore_stale_grad)."""
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = make_model()
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model = Skips()
+    for bucket_bytes in (256, 0):
+        kw = dict(model=model, bucket_bytes=bucket_bytes, ignore_stale_grad=True)
+        want, _, _ = train(False, **kw)
+        got, trainer, _ = train(True, **kw)
+        assert_equal(got, want)
+
+
+def test_an_early_reduction_that_fails_is_raised_by_the_step():
+    """The error of a reduction on the background thread comes out of step(), which
+    then changes nothing; the next step trains as if it never happened."""
+    models = [copy.deepcopy(make_model()) for _ in range(2)]
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False, bucket_bytes=256, overlap=True)
+    push = trainer.kvstore.push
+    failures = [gpukv.PeerError("a peer is gone")]
+
+    def failing_push(*a, **k):
+        if failures and threading.current_thread().name.startswith(WORKER):
+            raise failures.pop()
+        return push(*a, **k)
+    trainer.kvstore.push = failing_push
+    before = [p.detach().clone() for p in models[0].parameters()]
+    x, y = make_data()
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.PeerError, match="a peer is gone"):
+        trainer.step(len(x))
+    assert_equal([p.detach() for p in models[0].parameters()], before)
+    trainer.step(len(x))  # every bucket reduced at the step this time
+    reference = [copy.deepcopy(make_model()) for _ in range(2)]
+    ref = gt.Trainer(reference, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                     update_on_kvstore=False, overlap=False)
+    ref.zero_grad()
+    backward_shards(reference, x, y)
+    ref.step(len(x))
+    assert_equal([p.detach() for p in models[0].parameters()],
+                 [p.detach() for p in reference[0].parameters()])
+
+
+def test_zero_grad_drops_the_reductions_started():
+    """backward, zero_grad, backward, step: the first pass's reductions are waited for
+    and forgotten; the weights are those of one pass."""
+    want, _, _ = train(False, steps=1)
+    models = [copy.deepcopy(make_model()) for _ in range(3)]
+    trainer = gt.Trainer(models, SGD[0], dict(SGD[1]), kvstore="local",
+                         bucket_bytes=256, overlap=True)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    trainer.step(len(x))
+    assert_equal([p.detach().clone() for p in models[0].parameters()], want)
+
+
+def test_a_new_trainer_takes_the_hooks_over():
+    """A second Trainer on the same modules: the first one's hooks start nothing more."""
+    models = [copy.deepcopy(make_model()) for _ in range(2)]
+    first = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       update_on_kvstore=False, overlap=True)
+    old = record_pushes(first.kvstore)
+    for overlap in (False, True):
+        second = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                            update_on_kvstore=False, overlap=overlap)
+        new = record_pushes(second.kvstore)
+        x, y = make_data()
+        second.zero_grad()
+        backward_shards(models, x, y)
+        second.step(len(x))
+        assert old == [] and len(new) == 1, (old, new)
+        assert new[0].startswith(WORKER) == overlap
+
+
+def test_overlap_option():
+    models = [copy.deepcopy(make_model()) for _ in range(2)]
+    for update_on_kvstore in (True, False):  # CPU replicas of one process: off
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                             update_on_kvstore=update_on_kvstore)
+        assert not trainer.overlap
+        with trainer.no_sync():  # nothing to do, but allowed
+            pass
+    with pytest.raises(gpukv.ArgumentKindError, match="overlap: expected True or False"):
+        gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", overlap="yes")
