@@ -7,7 +7,9 @@ Two models: an MLP (a few large parameters) and a stack of 500 Linear(8, 8) laye
 small parameters). For each, on N CPU replicas sharing a 'local' store, three ways to
 train with plain SGD:
 - trainer: `gpukv.torch.Trainer.step` (small parameters fused into a few keys, weights
-  and gradients views of one flat buffer per replica);
+  and gradients views of one flat buffer per replica); 'overlap' starts each bucket's
+  reduction from backward (`overlap=True`), 'local-update' is update_on_kvstore=False
+  (the store sums, every replica runs SGD);
 - per-key: the hand-written loop of examples/torch_training.py (one int key per
   parameter, `kv.push(keys, grads)` then `kv.pull(keys, out=weights)`), with the
   example's Python updater ('per-key fn') and with gpukv.optim.SGD ('per-key sgd');
@@ -66,9 +68,10 @@ class Case:
             self.loss_fn(m(xs), ys).backward()
 
 
-def trainer_way(case):
+def trainer_way(case, overlap=False, update_on_kvstore=True):
     models = case.models()
-    trainer = gpukv.torch.Trainer(models, "sgd", {"learning_rate": LR}, kvstore="local")
+    trainer = gpukv.torch.Trainer(models, "sgd", {"learning_rate": LR}, kvstore="local",
+                                  overlap=overlap, update_on_kvstore=update_on_kvstore)
     sync = lambda: trainer.step(case.batch)  # noqa: E731
     return models, trainer.zero_grad, sync, len(trainer.keys)
 
@@ -108,6 +111,9 @@ def torch_way(case):
 
 WAYS = {
     "trainer": trainer_way,
+    "trainer overlap": lambda c: trainer_way(c, overlap=True),
+    "trainer local-update": lambda c: trainer_way(c, update_on_kvstore=False),
+    "trainer local-update overlap": lambda c: trainer_way(c, True, False),
     "per-key sgd": lambda c: per_key_way(c, "sgd"),
     "per-key fn": lambda c: per_key_way(c, "fn"),
     "torch": torch_way,

@@ -190,6 +190,19 @@ def test_big_parameters_get_own_keys_named_after_them():
     assert t.keys == ["0.weight..4.bias"]
 
 
+def test_buckets_fill_in_backward_order_the_first_up_to_1mb():
+    """As DDP's: the parameters backward reaches first (the last layers) make a bucket of
+    at most 1 MB, the rest buckets of up to bucket_bytes, every one in parameter order."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))  # 1.6 MB of float32 parameters
+    t = gt.Trainer(model, "sgd", kvstore="local")
+    assert t.buckets == {"0.weight..2.weight": ["0.weight", "0.bias", "2.weight"],
+                         "2.bias..4.bias": ["2.bias", "4.weight", "4.bias"]}
+    t = gt.Trainer(model, "sgd", kvstore="local", bucket_bytes=600_000)
+    assert list(t.buckets.values()) == [["0.weight", "0.bias"], ["2.weight"],
+                                        ["2.bias", "4.weight", "4.bias"]]
+
+
 def test_stale_grad_is_an_error_naming_the_parameter():
     """A parameter whose .grad is None at step raises an ArgumentError naming it, before
     any weight or option changes."""

@@ -8,6 +8,8 @@ from .._errors import ArgumentError, ShapeError
 
 #: bucket capacity in bytes (PyTorch DDP's default)
 BUCKET_BYTES = 25 << 20
+#: capacity of the first bucket backward fills (DDP's too)
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 class Bucket:
@@ -56,29 +58,41 @@ def trainable(modules) -> tuple[list, list]:
     return names, params
 
 
-def make_buckets(names, params, capacity: int, alone=frozenset()) -> list:
+def make_buckets(names, params, capacity: int, alone=frozenset(),
+                 first_capacity: int = FIRST_BUCKET_BYTES) -> list:
     """Consecutive parameters of one dtype and the same devices, up to `capacity` bytes;
-    the parameters named in `alone` each in a bucket of its own."""
-    buckets: list[Bucket] = []
+    the parameters named in `alone` each in a bucket of its own. Returned in parameter
+    order.
+
+    As DDP, buckets are filled in the order backward produces gradients (the reverse of
+    the parameters'), and the first one of each kind holds at most `first_capacity`
+    bytes, so that a reduction started from backward can start early in it.
+    """
+    buckets: list[tuple[int, Bucket]] = []  # (first parameter index, bucket)
     open_: dict = {}  # signature -> (indices, bytes)
+    closed: set = set()  # signatures whose first bucket is closed
 
     def close(sig):
         idx, _ = open_.pop(sig)
-        buckets.append(Bucket([names[i] for i in idx],
-                              [[row[i] for i in idx] for row in params]))
-    for i, p in enumerate(params[0]):
+        idx.reverse()
+        closed.add(sig)
+        buckets.append((idx[0], Bucket([names[i] for i in idx],
+                                       [[row[i] for i in idx] for row in params])))
+    for i in reversed(range(len(params[0]))):
+        p = params[0][i]
         if names[i] in alone:
-            buckets.append(Bucket([names[i]], [[row[i]] for row in params]))
+            buckets.append((i, Bucket([names[i]], [[row[i]] for row in params])))
             continue
         sig = (p.dtype, tuple(str(row[i].device) for row in params))
         size = p.numel() * p.element_size()
-        if sig in open_ and open_[sig][1] + size > capacity:
+        limit = capacity if sig in closed else min(capacity, first_capacity)
+        if sig in open_ and open_[sig][1] + size > limit:
             close(sig)
         idx, total = open_.get(sig, ([], 0))
         open_[sig] = (idx + [i], total + size)
     for sig in list(open_):
         close(sig)
-    return buckets
+    return [bucket for _, bucket in sorted(buckets, key=lambda pair: pair[0])]
 
 
 def flatten(bucket: Bucket, replicas: int) -> None:

@@ -1,0 +1,234 @@
+"""Data-parallel PyTorch training over several processes of one machine: gpukv.torch.Trainer
+on a dist_sync store against PyTorch DistributedDataParallel (gloo).
+
+    python benchmarks/bench_trainer_dist.py                     # 2 processes, every model
+    python benchmarks/bench_trainer_dist.py --devices 2,4 --iters 30 --out /tmp/trainer
+
+Each case is one MPI job of P processes (`mpiexec -n P ... --child`), one replica each, the
+global batch (`--batch`) split over them. One iteration is zero_grad, forward, backward and
+the step; the ways take turns, one iteration each per round after a barrier, and a round's
+time is the slowest process's. The ways:
+- compute: forward, backward and torch.optim.SGD on the process's shard, no communication:
+  the floor of an iteration;
+- ddp: DistributedDataParallel over gloo (buckets of 25 MB, the first 1 MB, whose
+  allreduces overlap backward) with torch.optim.SGD;
+- trainer: `Trainer(update_on_kvstore=False, overlap=False)`: the store sums the gradients
+  at the step (one allreduce per bucket), every process runs SGD;
+- trainer overlap: the same with `overlap=True`: each bucket's allreduce starts from
+  backward, on a background thread;
+- trainer on store: `update_on_kvstore=True`: the step reduce-scatters, each process
+  updates its shard, and the weights are all-gathered.
+'sync' is an iteration less the compute way's (the time communication adds). After the
+timing every way's weights are compared with DDP's (same start, same batches; the Trainer
+sums where DDP averages, so its learning rate is scaled to match) and a way that differs
+by more than float32 rounding fails the case. Results: trainer_dist_<machine>.json in
+--out DIR (default benchmarks/results/; '-' writes nothing); exit status 1 when a case
+failed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import _common as C  # noqa: E402
+from bench_dist import find_mpiexec, free_port  # noqa: E402
+
+MODELS = ("mlp", "wide-mlp", "1000-params")
+LR = 0.01
+WAYS = ("compute", "ddp", "trainer", "trainer overlap", "trainer on store")
+
+
+def make_model(name: str):
+    """The model and its input width (the MLP and the 1000-parameter stack are
+    bench_trainer.py's; the wide MLP has 6M parameters, 24 MB of gradients)."""
+    from torch import nn
+    if name == "wide-mlp":
+        return nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048),
+                             nn.ReLU(), nn.Linear(2048, 512)), 512
+    from bench_trainer import MODELS as SMALL
+    make, dim = SMALL[name]
+    return make(), dim
+
+
+# ---------------------------------------------------------------------- one process
+def child(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+
+    import gpukv
+    import gpukv.torch as gt
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=size)
+    records = []
+    for model_name in args.models:
+        torch.manual_seed(0)
+        base, dim = make_model(model_name)
+        shard = args.batch // size
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(shard * size, dim, generator=g)
+        classes = 10 if model_name == "mlp" else dim
+        y = torch.randint(0, classes, (shard * size,), generator=g)
+        xs, ys = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
+        batch = shard * size
+
+        def torch_sgd(model, lr):
+            return torch.optim.SGD(model.parameters(), lr=lr)
+
+        models, steps = {}, {}
+        compute_model = copy.deepcopy(base)
+        compute_opt = torch_sgd(compute_model, LR / batch)
+        models["compute"] = compute_model
+        steps["compute"] = (compute_opt.zero_grad, compute_model, compute_opt.step)
+        ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        ddp_opt = torch_sgd(ddp_model, LR * size / batch)  # DDP averages the gradients
+        models["ddp"] = ddp_model.module
+        steps["ddp"] = (ddp_opt.zero_grad, ddp_model, ddp_opt.step)
+        for way, kw in (("trainer", {"update_on_kvstore": False, "overlap": False}),
+                        ("trainer overlap", {"update_on_kvstore": False, "overlap": True}),
+                        ("trainer on store", {"update_on_kvstore": True, "overlap": False})):
+            model = copy.deepcopy(base)
+            trainer = gt.Trainer(model, "sgd", {"learning_rate": LR},
+                                 kvstore=gpukv.create("dist_sync"), **kw)
+            models[way] = model
+            steps[way] = (trainer.zero_grad, model,
+                          lambda trainer=trainer: trainer.step(batch))
+
+        def iteration(way):
+            zero, model, step = steps[way]
+            zero()
+            loss_fn(model(xs), ys).backward()
+            step()
+
+        samples: dict = {way: [] for way in WAYS}
+        for i in range(args.warmup + args.iters):
+            for way in WAYS:
+                comm.Barrier()
+                start = time.perf_counter()
+                iteration(way)
+                seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+                if i >= args.warmup:
+                    samples[way].append(seconds)
+        reference = [p.detach() for p in models["ddp"].parameters()]
+        record = {"model": model_name, "processes": size, "batch": batch,
+                  "parameters": sum(p.numel() for p in base.parameters()), "ways": {}}
+        compute = statistics.median(samples["compute"])
+        for way in WAYS:
+            median = statistics.median(samples[way])
+            diff = max(float(((p.detach() - q).abs() / (q.abs() + 1e-3)).max())
+                       for p, q in zip(models[way].parameters(), reference))
+            record["ways"][way] = {"iteration_s": median, "sync_s": median - compute,
+                                   "min_s": min(samples[way]),
+                                   "relative_difference_from_ddp": diff}
+        records.append(record)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(records))
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------- the driver
+def run_case(processes: int, args) -> list[dict]:
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise RuntimeError("no mpiexec found (pip install mpi4py mpich)")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [mpiexec, "-n", str(processes), sys.executable, str(Path(__file__).resolve()),
+               "--child", "--result", str(result), "--port", str(free_port()),
+               "--models", ",".join(args.models), "--batch", str(args.batch),
+               "--threads", str(args.threads), "--warmup", str(args.warmup),
+               "--iters", str(args.iters)]
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                             cwd=HERE.parent)
+        if job.returncode != 0 or not result.exists():
+            raise RuntimeError(f"exit {job.returncode}: {job.stdout[-1500:]}"
+                               f"{job.stderr[-1500:]}")
+        return json.loads(result.read_text())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=C.name_list(MODELS, "model"), default=",".join(MODELS),
+                   metavar="NAMES",
+                   help=f"models among {', '.join(MODELS)}, comma-separated (default: all)")
+    C.add_devices_option(p, "2", "processes, one replica each")
+    p.add_argument("--batch", type=C.positive_int, default=256, metavar="N",
+                   help="global batch size, split over the processes (default 256)")
+    p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
+                   help="torch.set_num_threads in every process (default 1)")
+    p.add_argument("--timeout", type=C.positive_int, default=900, metavar="SECONDS",
+                   help="time limit of one MPI job (default 900)")
+    C.add_timing_options(p, 3, 20, unit="iteration",
+                         note="every way takes one iteration per round, in turns")
+    C.add_out_option(p, "trainer_dist_<machine>.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def table_rows(record: dict) -> list[list]:
+    ddp = record["ways"]["ddp"]["iteration_s"]
+    rows = []
+    for way, r in record["ways"].items():
+        rows.append([record["model"], record["processes"], way,
+                     C.format_seconds(r["iteration_s"]),
+                     C.format_seconds(r["sync_s"]) if way != "compute" else "-",
+                     round(r["iteration_s"] / ddp, 2),
+                     f"{r['relative_difference_from_ddp']:.1e}"])
+    return rows
+
+
+def main(argv=None) -> int:
+    """Returns 1 when a case failed."""
+    args = build_parser().parse_args(argv)
+    if args.child:
+        return child(args)
+    records, rows, failed = [], [], False
+    for processes in args.devices:
+        try:
+            case = run_case(processes, args)
+        except Exception as exc:  # one broken case must not end the run
+            failed = True
+            error = f"{type(exc).__name__}: {exc}"[-600:]
+            records.append({"processes": processes, "error": error})
+            print(f"FAILED on {processes} processes: {error}", file=sys.stderr)
+            continue
+        for record in case:
+            off = [way for way, r in record["ways"].items()
+                   if way != "compute" and r["relative_difference_from_ddp"] > 1e-3]
+            if off:
+                failed = True
+                record["error"] = f"weights differ from DDP's: {', '.join(off)}"
+                print(f"FAILED {record['model']}: {record['error']}", file=sys.stderr)
+            records.append(record)
+            rows += table_rows(record)
+    C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp",
+                   "diff vs ddp"], rows)
+    payload = {"processes": args.devices, "batch": args.batch, "threads": args.threads,
+               "results": records, "machine": C.machine_info(),
+               "libraries": C.library_versions("numpy", "torch", "mpi4py")}
+    C.save_results(payload, args.out, C.result_name("trainer_dist"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
