@@ -38,10 +38,12 @@ class Trainer:
     replica has produced the bucket's gradients (post-accumulate-grad hooks and one
     background thread), so that it overlaps the rest of backward; the update and the pull
     of the weights stay in `step`, which waits for those reductions and does the rest.
-    None (the default) turns it on where the reduction can run beside backward: replicas
-    on GPUs, or a dist store with update_on_kvstore=False (the optimizer then runs in
-    every process, as with DDP). On CPU replicas of one process backward and the
-    reduction share the same cores; pass True to have it anyway. With
+    None (the default) turns it on for replicas on GPUs, where the reduction runs on the
+    devices beside backward's kernels. With CPU replicas backward and the reduction (sums,
+    or MPI's copies and polling) share the same cores, and on a machine with none to spare
+    it costs more than it saves (benchmarks/bench_trainer_dist.py); pass True to have it
+    anyway. On a dist store it pays most with update_on_kvstore=False (the optimizer then
+    runs in every process, as with DDP). With
     update_on_kvstore=True the early reduction goes to a second, optimizer-less store of
     this process (one more gradient-sized buffer per bucket), and the update runs on the
     store at the step. Gradients accumulated over several backward passes before a step
@@ -318,10 +320,7 @@ class Trainer:
     def _wants_overlap(self, overlap: bool | None) -> bool:
         if overlap is not None:
             return overlap
-        on_gpu = any(p.is_cuda for b in self._buckets for p in b.params[0])
-        spans_processes = self._kv.type.startswith("dist")
-        return bool(self._buckets) and (
-            on_gpu or (spans_processes and not self._update_on_kvstore))
+        return any(p.is_cuda for b in self._buckets for p in b.params[0])
 
     def _start_overlap(self) -> None:
         """Hooks that start the reductions early, into the store that runs no optimizer:

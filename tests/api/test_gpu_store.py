@@ -326,3 +326,33 @@ def test_torch_cuda_bfloat16_adopted_through_dlpack(cp, name):
     out = torch_cuda_tensor(cp.zeros(SHAPE, bf16))
     kv.pull("w", out=out)
     np.testing.assert_array_equal(cuda_tensor_values(out), np.full(SHAPE, 3.0, bf16))
+
+
+def test_calls_from_another_thread(cp, devices, name):
+    """A push and pull issued from a thread other than the main one (as a Trainer's
+    early reductions are), whose current device is 0 whatever the main thread's: the
+    same values as from the main thread."""
+    import threading
+    results = {}
+
+    def train(where):
+        kv = gpukv.create(name)
+        kv.init(["w", "v"], [cp.zeros((4, 5), cp.float32), cp.zeros(3, cp.float32)])
+        kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.5, momentum=0.9))
+        outs = spread(cp, devices, 3, 0.0, (4, 5))
+        for step in range(3):
+            grads = [spread(cp, devices, 3, step + 1.0, (4, 5)),
+                     spread(cp, devices, 3, -step, (3,))]
+            kv.push(["w", "v"], grads)
+        kv.pull("w", out=outs)
+        results[where] = [host(cp, o) for o in outs]
+
+    with cp.cuda.Device(devices[-1][0]):
+        worker = threading.Thread(target=train, args=("thread",))
+        worker.start()
+        worker.join(timeout=120)
+    train("main")
+    assert set(results) == {"thread", "main"}
+    for a, b in zip(results["thread"], results["main"]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.all(results["main"][0] == 0)

@@ -431,7 +431,7 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     everyone = [copy.deepcopy(model) for _ in range(2 * n)]
     dist = gt.Trainer(mine, optimizer, dict(params), kvstore=kv, update_on_kvstore=on_store,
                       **buckets)
-    assert dist.overlap == (overlap == "on" or (overlap == "auto" and not on_store))
+    assert dist.overlap == (overlap == "on")  # CPU replicas: off unless asked for
     local = gt.Trainer(everyone, optimizer, dict(params), kvstore="local",
                        update_on_kvstore=on_store, overlap=False)
     pushers = []  # the thread of every push to the dist store
