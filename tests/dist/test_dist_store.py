@@ -4,6 +4,7 @@ placements, dist_device_sync on (emulated) GPUs, compression on the wire, checkp
 and failures that end in bounded time with typed errors on every rank."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -394,3 +395,24 @@ def test_bad_push_is_refused_before_anything_moves():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["key 'w': push expects shape (3,), got (4,)",
                                              "[1.0, 1.0, 1.0]"]
+
+
+def test_trainer_benchmark_against_ddp(tmp_path):
+    """benchmarks/bench_trainer_dist.py runs its ways on 2 processes, and every Trainer
+    way ends with DDP's weights (the benchmark's own check; it exits 1 otherwise)."""
+    pytest.importorskip("torch")
+    require_mpi()
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_trainer_dist.py"
+    proc = subprocess.run([sys.executable, str(script), "--models", "mlp,1000-params",
+                           "--warmup", "0", "--iters", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = tmp_path.glob("trainer_dist_*.json")
+    records = json.loads(result.read_text())["results"]
+    assert [r["model"] for r in records] == ["mlp", "1000-params"]
+    for record in records:
+        ways = record["ways"]
+        assert set(ways) == {"compute", "ddp", "trainer", "trainer overlap",
+                             "trainer on store"}
+        for way in ("trainer", "trainer overlap", "trainer on store"):
+            assert ways[way]["relative_difference_from_ddp"] < 1e-5, (way, ways[way])

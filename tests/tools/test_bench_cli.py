@@ -156,6 +156,8 @@ def test_bench_strategies_script_help_names_the_script():
     ("bench_checkpoint.py", "--warmup", "-1"),
     ("bench_dist.py", "--sizes", "4X"),
     ("bench_trainer.py", "--models", "resnet"),
+    ("bench_trainer_dist.py", "--models", "resnet"),
+    ("bench_trainer_dist.py", "--devices", "2,x"),
 ])
 def test_benchmark_script_bad_value_is_an_argument_error(script, option, value):
     """A malformed size, count or name given to a benchmark script is an argparse error
@@ -188,7 +190,7 @@ def test_shared_size_parser_errors_are_value_errors():
 
 # ------------------------------------------------------------ the shared convention
 SCRIPTS = ("bench_host.py", "bench_compression.py", "bench_optimizers.py",
-           "bench_checkpoint.py", "bench_trainer.py", "bench_dist.py",
+           "bench_checkpoint.py", "bench_trainer.py", "bench_trainer_dist.py", "bench_dist.py",
            "simulate_topologies.py")
 OLD_FLAGS = ("--json", "--no-json", "--plot", "--no-plot", "--png", "--replicas")
 
