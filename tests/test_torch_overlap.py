@@ -219,3 +219,30 @@ def test_overlap_option():
             pass
     with pytest.raises(gpukv.ArgumentKindError, match="overlap: expected True or False"):
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", overlap="yes")
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("change", ["clip", "replace"])
+def test_gradients_changed_between_backward_and_step(update_on_kvstore, change):
+    """Clipping each replica's gradients in place, or assigning new .grad tensors, after
+    backward: the reductions started from backward are stale, and the step reduces the
+    changed gradients (the same weights as without overlap)."""
+    weights = {}
+    for overlap in (False, True):
+        models = [copy.deepcopy(make_model()) for _ in range(3)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                             update_on_kvstore=update_on_kvstore, bucket_bytes=256,
+                             overlap=overlap)
+        x, y = make_data()
+        for _ in range(3):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            for m in models:
+                if change == "clip":
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                else:
+                    for p in m.parameters():
+                        p.grad = p.grad * 0.5
+            trainer.step(len(x))
+        weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
+    assert_equal(weights[True], weights[False])

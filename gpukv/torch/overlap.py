@@ -8,9 +8,10 @@ the order backward produces them): a ready bucket waits for the ones before it, 
 process of a dist store issues the same pushes in the same order. The step waits for the
 started reductions and does the rest itself.
 
-A gradient that backward writes into a bucket after its reduction started (a second
-backward before the step, as in gradient accumulation) makes that reduction stale: the
-step reduces the bucket again. `paused()` (the Trainer's `no_sync()`) keeps the
+A gradient changed after its bucket's reduction started makes that reduction stale, and
+the step reduces the bucket again: a second backward before the step (gradient
+accumulation), clipping, or any other in-place change, all seen by the version counters
+PyTorch keeps for in-place writes. `paused()` (the Trainer's `no_sync()`) keeps the
 reductions from starting on backward passes whose gradients are not final.
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ class EarlyReduction:
         self._events: list[list] = [[] for _ in self._buckets]
         self._next = 0  # position in `order` of the next bucket to start
         self._started: dict[int, Future] = {}
-        self._stale: set[int] = set()
+        #: the gradients' version counters when each started reduction began
+        self._versions: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ the hooks
     def on_gradient(self, b: int, r: int, i: int, param: torch.Tensor,
@@ -69,10 +71,7 @@ class EarlyReduction:
                 with torch.no_grad():
                     view.copy_(grad)
                 param.grad = view
-            if b in self._started:
-                self._stale.add(b)
-                return
-            if self._paused:
+            if b in self._started or self._paused:  # stale (finish sees it), or not yet
                 return
             self._seen[b].add((r, i))
             if view.is_cuda:  # backward's kernels may still be running
@@ -85,6 +84,7 @@ class EarlyReduction:
             b = self.order[self._next]
             if len(self._seen[b]) < self._sizes[b]:
                 return
+            self._versions[b] = [grad._version for grad in self._buckets[b].grads]
             self._started[b] = self._worker.submit(self._run, b, self._events[b])
             self._next += 1
 
@@ -96,9 +96,10 @@ class EarlyReduction:
     # ------------------------------------------------------------------ the step
     def finish(self) -> set[int]:
         """Wait for the started reductions and start afresh; the buckets whose reduction
-        holds their final gradients. The first error a reduction raised is raised here."""
+        holds their gradients as they are now. The first error a reduction raised is
+        raised here."""
         with self._lock:
-            started, stale = self._started, self._stale
+            started, versions = self._started, self._versions
             self._clear()
         error = None
         for future in started.values():
@@ -107,7 +108,8 @@ class EarlyReduction:
                 error = exc
         if error is not None:
             raise error
-        return set(started) - stale
+        return {b for b in started
+                if versions[b] == [grad._version for grad in self._buckets[b].grads]}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

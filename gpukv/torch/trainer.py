@@ -46,9 +46,11 @@ class Trainer:
     runs in every process, as with DDP). With
     update_on_kvstore=True the early reduction goes to a second, optimizer-less store of
     this process (one more gradient-sized buffer per bucket), and the update runs on the
-    store at the step. Gradients accumulated over several backward passes before a step
-    are right either way, but each pass after the first reduces again: wrap all but the
-    last in `no_sync()`.
+    store at the step. A gradient changed after its bucket's reduction started (by a
+    second backward pass, clipping, or a new `.grad` tensor) is seen, and the step
+    reduces that bucket again: the result is right, but the early work is lost. For
+    gradient accumulation, wrap every backward pass of a step but the last in
+    `no_sync()`.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
