@@ -13,10 +13,9 @@ parameter takes part; parameters with `requires_grad=False` are left out. Parame
 grouped in buckets (consecutive parameters of one dtype, up to `bucket_bytes`; filled in
 backward's order, the first one up to 1 MB, as DDP's), one store key per bucket: a key
 holding one parameter is named after it, a fused one ``'<first>..<last>'``. In every
-replica the weights and the gradients of a bucket are
-views of one flat buffer each (as PyTorch DDP's ``gradient_as_bucket_view``), so a step
-pushes and pulls a handful of keys, and the store reads and writes the replicas' memory
-without copies. Keep those tensors: `module.to(...)`, assigning `p.data`, or creating
+replica the weights and the gradients of a bucket are views of one flat buffer each (as
+PyTorch DDP's ``gradient_as_bucket_view``), so a step pushes and pulls a handful of keys,
+and the store reads and writes the replicas' memory without copies. Keep those tensors: `module.to(...)`, assigning `p.data`, or creating
 a new optimizer state in PyTorch is not seen by the trainer. `zero_grad()` zeroes the
 buffers in place; `model.zero_grad()` (which sets `.grad` to None) works too, at the cost
 of one copy per parameter into its view at the next step. Buffers (BatchNorm's running
