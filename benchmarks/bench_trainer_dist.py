@@ -18,7 +18,9 @@ time is the slowest process's. The ways:
   backward, on a background thread;
 - trainer on store: `update_on_kvstore=True`: the step reduce-scatters, each process
   updates its shard, and the weights are all-gathered.
-'sync' is an iteration less the compute way's (the time communication adds). After the
+'sync' is an iteration less the compute way's (the time communication adds); beside it,
+'mpi allreduce' is the floor of that: one MPI Allreduce of all the gradients (float32, in
+place) with mpi4py, timed in the same job. After the
 timing every way's weights are compared with DDP's (same start, same batches; the Trainer
 sums where DDP averages, so its learning rate is scaled to match) and a way that differs
 by more than float32 rounding fails the case. Results: trainer_dist_<machine>.json in
@@ -63,6 +65,7 @@ def make_model(name: str):
 
 # ---------------------------------------------------------------------- one process
 def child(args) -> int:
+    import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -126,9 +129,20 @@ def child(args) -> int:
                 seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 if i >= args.warmup:
                     samples[way].append(seconds)
+        parameters = sum(p.numel() for p in base.parameters())
+        flat = np.ones(parameters, np.float32)  # the raw transport's time for the gradients
+        raw = []
+        for i in range(args.warmup + args.iters):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            if i >= args.warmup:
+                raw.append(seconds)
         reference = [p.detach() for p in models["ddp"].parameters()]
         record = {"model": model_name, "processes": size, "batch": batch,
-                  "parameters": sum(p.numel() for p in base.parameters()), "ways": {}}
+                  "parameters": parameters, "mpi_allreduce_s": statistics.median(raw),
+                  "ways": {}}
         compute = statistics.median(samples["compute"])
         for way in WAYS:
             median = statistics.median(samples[way])
@@ -194,6 +208,8 @@ def table_rows(record: dict) -> list[list]:
                      C.format_seconds(r["sync_s"]) if way != "compute" else "-",
                      round(r["iteration_s"] / ddp, 2),
                      f"{r['relative_difference_from_ddp']:.1e}"])
+    rows.append([record["model"], record["processes"], "mpi allreduce", "-",
+                 C.format_seconds(record["mpi_allreduce_s"]), "-", "-"])
     return rows
 
 

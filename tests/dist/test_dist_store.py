@@ -411,6 +411,7 @@ def test_trainer_benchmark_against_ddp(tmp_path):
     records = json.loads(result.read_text())["results"]
     assert [r["model"] for r in records] == ["mlp", "1000-params"]
     for record in records:
+        assert record["mpi_allreduce_s"] > 0
         ways = record["ways"]
         assert set(ways) == {"compute", "ddp", "trainer", "trainer overlap",
                              "trainer on store"}
