@@ -10,7 +10,7 @@ train with plain SGD:
   and gradients views of one flat buffer per replica); 'overlap' starts each bucket's
   reduction from backward (`overlap=True`), 'local-update' is update_on_kvstore=False
   (the store sums, every replica runs SGD);
-- per-key: the hand-written loop of examples/torch_training.py (one int key per
+- per-key: the hand-written loop of examples/torch_training_by_hand.py (one int key per
   parameter, `kv.push(keys, grads)` then `kv.pull(keys, out=weights)`), with the
   example's Python updater ('per-key fn') and with gpukv.optim.SGD ('per-key sgd');
 - torch: one process, one model on the whole batch, torch.optim.SGD.
@@ -83,7 +83,7 @@ def per_key_way(case, updater):
     kv = gpukv.create("local")
     kv.init(keys, [p.data for p in params[0]])
     if updater == "fn":
-        def sgd(key, grad, weight):  # as examples/torch_training.py
+        def sgd(key, grad, weight):  # as examples/torch_training_by_hand.py
             weight -= (LR / case.batch) * grad
         kv.set_updater(sgd)
     else:

@@ -1,11 +1,9 @@
-"""Data-parallel PyTorch training with gradients summed by gpukv, without copies.
+"""Data-parallel PyTorch training with `gpukv.torch.Trainer` (gluon's Trainer, for PyTorch).
 
-Every replica (one per CUDA device, or several CPU replicas when there is no GPU) keeps
-its own copy of a small MLP and computes gradients on its shard of each batch. The
-gradients go to the store as the `p.grad` tensors themselves (PyTorch tensors are used
-through `__cuda_array_interface__` on GPUs and `Tensor.numpy()` on the CPU, so nothing is
-copied), the store sums them and applies SGD on the key's home device, and every replica pulls the
-new weights straight into `p.data`, in place.
+The same job as examples/torch_training_by_hand.py, written with the Trainer: it keys every
+parameter (small ones fused into one flat buffer per replica), starts every replica from
+replica 0's weights, and `trainer.step(batch_size)` pushes the gradients, runs SGD on the
+store and pulls the new weights into every replica in place.
 
     python examples/torch_training.py                 # every GPU, or 4 CPU replicas
     python examples/torch_training.py --replicas 2 --steps 200
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 
 import gpukv
+import gpukv.torch
 
 
 def make_data(n: int, dim: int, classes: int, seed: int):
@@ -31,11 +30,6 @@ def make_data(n: int, dim: int, classes: int, seed: int):
     teacher = torch.randn(dim, classes, generator=g)
     y = (torch.tanh(x) @ teacher).argmax(dim=1)
     return x, y
-
-
-def make_model(dim: int, hidden: int, classes: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                         nn.ReLU(), nn.Linear(hidden, classes))
 
 
 def main(argv=None) -> int:
@@ -49,76 +43,50 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    if torch.cuda.is_available():
-        n = args.replicas or torch.cuda.device_count()
-        devices = [torch.device("cuda", i % torch.cuda.device_count()) for i in range(n)]
-        kv = gpukv.create("device")  # reduce and update on the GPUs
-        where = f"{n} replica(s) on {torch.cuda.device_count()} CUDA device(s)"
-    else:
-        n = args.replicas or 4
-        devices = [torch.device("cpu")] * n
-        kv = gpukv.create("local")  # reduce and update on the host
-        where = f"no GPU: {n} CPU replicas"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = args.replicas or gpus or 4
     if n < 1:
         p.error("--replicas must be >= 1")
-    print(f"torch {torch.__version__}, gpukv {gpukv.__version__}: {where}")
+    devices = [torch.device("cuda", i % gpus) if gpus else torch.device("cpu")
+               for i in range(n)]
+    print(f"torch {torch.__version__}, gpukv {gpukv.__version__}: {n} replica(s) on "
+          f"{f'{gpus} CUDA device(s)' if gpus else 'the CPU'}")
 
     dim, hidden, classes = 32, 64, 4
     x, y = make_data(8192, dim, classes, args.seed)
-    base = make_model(dim, hidden, classes)
+    base = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, classes))
     models = [copy.deepcopy(base).to(d) for d in devices]
-    params = [list(m.parameters()) for m in models]
-    keys = list(range(len(params[0])))
+    trainer = gpukv.torch.Trainer(models, "sgd", {"learning_rate": args.lr},
+                                  kvstore="device" if gpus else "local")
 
-    # The store owns the weights: initialised from replica 0, then SGD on every push.
-    kv.init(keys, [q.data for q in params[0]])
-    lr, replicas = args.lr, n
-
-    def sgd(key, grad, weight):
-        # `grad` is the sum over replicas of per-shard mean gradients.
-        weight -= (lr / replicas) * grad
-
-    kv.set_updater(sgd)
-    # Every replica starts from the store's weights (pulled in place into p.data).
-    kv.pull(keys, out=[[params[r][k].data for r in range(n)] for k in keys])
-
-    loss_fn = nn.CrossEntropyLoss()
-    grads = None
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")  # step() divides by the batch size
     shard = max(1, args.batch // n)
     losses = []
     g = torch.Generator().manual_seed(args.seed + 1)
     for step in range(args.steps):
         idx = torch.randint(0, len(x), (shard * n,), generator=g)
+        trainer.zero_grad()
         step_loss = 0.0
         for r, (model, dev) in enumerate(zip(models, devices)):
-            xb = x[idx[r * shard:(r + 1) * shard]].to(dev, non_blocking=True)
-            yb = y[idx[r * shard:(r + 1) * shard]].to(dev, non_blocking=True)
-            model.zero_grad(set_to_none=False)  # keep the same grad tensors every step
-            loss = loss_fn(model(xb), yb)
+            part = idx[r * shard:(r + 1) * shard]
+            loss = loss_fn(model(x[part].to(dev)), y[part].to(dev))
             loss.backward()
-            step_loss += loss.item() / n
-        if grads is None:  # the grad tensors exist now and keep their memory from here on
-            grads = [[params[r][k].grad for r in range(n)] for k in keys]
-            weights = [[params[r][k].data for r in range(n)] for k in keys]
-        # On GPUs the store orders its work after CuPy's current stream, and that stream
-        # after its work; by default it is the legacy default stream PyTorch uses too, so
-        # no synchronisation is needed.
-        kv.push(keys, grads)
-        kv.pull(keys, out=weights)
+            step_loss += loss.item() / (shard * n)
+        trainer.step(shard * n)
         losses.append(step_loss)
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {step_loss:.4f}")
 
     with torch.no_grad():
-        drift = max(float((params[r][k].detach().cpu() - params[0][k].detach().cpu())
-                          .abs().max())
-                    for r in range(n) for k in keys)
-        full = loss_fn(models[0](x.to(devices[0])), y.to(devices[0])).item()
+        drift = max(float((a.detach().cpu() - b.detach().cpu()).abs().max())
+                    for m in models[1:]
+                    for a, b in zip(m.parameters(), models[0].parameters()))
     window = max(1, len(losses) // 10)
-    first = sum(losses[:window]) / window
-    last = sum(losses[-window:]) / window
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
     print(f"loss {first:.4f} -> {last:.4f} (mean of the first/last {window} steps); "
-          f"full-data loss {full:.4f}; replica drift {drift:.2e}")
+          f"replica drift {drift:.2e}; {len(trainer.keys)} key(s) for "
+          f"{sum(1 for _ in base.parameters())} parameters")
     if not last < 0.7 * first:
         print("FAILED: the loss did not fall", file=sys.stderr)
         return 1

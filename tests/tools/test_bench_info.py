@@ -242,8 +242,9 @@ def test_info_renders_gpus_without_a_gpu(monkeypatch):
 
 
 # -------------------------------------------------------------------------- examples
-@pytest.mark.parametrize("script", ["cupy_mlp.py", "torch_training.py", "torch_trainer.py",
-                                    "train_set_optimizer.py", "train_embedding_sparse.py"])
+@pytest.mark.parametrize("script", ["cupy_mlp.py", "torch_training.py",
+                                    "torch_training_by_hand.py", "train_set_optimizer.py",
+                                    "train_embedding_sparse.py"])
 def test_examples_train(script):
     """The examples train to a lower loss on host devices (they exit non-zero otherwise)."""
     if script.startswith("torch"):
