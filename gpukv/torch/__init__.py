@@ -15,11 +15,12 @@ backward's order, the first one up to 1 MB, as DDP's), one store key per bucket:
 holding one parameter is named after it, a fused one ``'<first>..<last>'``. In every
 replica the weights and the gradients of a bucket are views of one flat buffer each (as
 PyTorch DDP's ``gradient_as_bucket_view``), so a step pushes and pulls a handful of keys,
-and the store reads and writes the replicas' memory without copies. Keep those tensors: `module.to(...)`, assigning `p.data`, or creating
-a new optimizer state in PyTorch is not seen by the trainer. `zero_grad()` zeroes the
-buffers in place; `model.zero_grad()` (which sets `.grad` to None) works too, at the cost
-of one copy per parameter into its view at the next step. Buffers (BatchNorm's running
-statistics) are not synchronised: each replica keeps its own, as in gluon.
+and the store reads and writes the replicas' memory without copies. Keep those tensors:
+`module.to(...)`, assigning `p.data`, or creating a new optimizer state in PyTorch is not
+seen by the trainer. `zero_grad()` zeroes the buffers in place; `model.zero_grad()` (which
+sets `.grad` to None) works too, at the cost of one copy per parameter into its view at the
+next step. Buffers (BatchNorm's running statistics) are not synchronised: each replica
+keeps its own, as in gluon.
 
 Only this module imports PyTorch (`import gpukv` never does).
 """
