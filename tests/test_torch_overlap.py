@@ -222,9 +222,10 @@ def test_overlap_option():
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
-@pytest.mark.parametrize("change", ["clip", "replace"])
+@pytest.mark.parametrize("change", ["clip", "replace", "data", "numpy"])
 def test_gradients_changed_between_backward_and_step(update_on_kvstore, change):
-    """Clipping each replica's gradients in place, or assigning new .grad tensors, after
+    """Clipping each replica's gradients in place, assigning new .grad tensors, or
+    writing through `.data` or NumPy (which PyTorch's version counters do not see), after
     backward: the reductions started from backward are stale, and the step reduces the
     changed gradients (the same weights as without overlap)."""
     weights = {}
@@ -240,9 +241,13 @@ def test_gradients_changed_between_backward_and_step(update_on_kvstore, change):
             for m in models:
                 if change == "clip":
                     torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-                else:
-                    for p in m.parameters():
+                for p in m.parameters():
+                    if change == "replace":
                         p.grad = p.grad * 0.5
+                    elif change == "data":
+                        p.grad.data.mul_(0.5)
+                    elif change == "numpy":
+                        p.grad.numpy()[...] *= 0.5
             trainer.step(len(x))
         weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
     assert_equal(weights[True], weights[False])

@@ -244,6 +244,12 @@ class DistKVStore(KVStore):
 
     _barrier = barrier
 
+    def _workers_max(self, values, what: str) -> np.ndarray:
+        """The elementwise maximum of `values` (small ints, one shape) over every worker;
+        each calls it at the same point, or every one gets a PeerError naming `what`."""
+        with self._lock:
+            return self._engine.workers_max(np.array(values, dtype=np.int64), what)
+
     # ------------------------------------------------------------------ the API
     def init(self, key, value) -> None:
         """Create key(s) on every worker; every worker must init the same keys (in any

@@ -58,6 +58,17 @@ class Agreement:
         else:
             self._follow(digest, signature, what)
 
+    def maximum(self, values: np.ndarray, what: str) -> np.ndarray:
+        """The elementwise maximum of `values` (int64, one shape) over every rank, each
+        of which calls it at the same point (checked first, as every call is)."""
+        self.check(("maximum", values.shape), what)
+        if self.t.size == 1:
+            return values.copy()
+        out = np.empty_like(values)
+        request = self.t.comm.Iallreduce(values, out, op=self.t.MPI.MAX)
+        self.t.wait_all([request], what)
+        return out
+
     # ------------------------------------------------ on the store's communicator
     def _together(self, digest, signature, what) -> None:
         t = self.t

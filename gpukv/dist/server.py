@@ -564,6 +564,9 @@ class ServerClient:
         """Keys are sent to the servers as they are made: none waits here."""
         return False
 
+    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
+        return self.agree.maximum(values, what)
+
     def barrier(self) -> None:
         """Every worker's earlier calls are done on the servers (in dist_async too: each
         server answers a flush after the pushes before it), then the workers meet."""

@@ -458,6 +458,10 @@ class ShardedRounds:
         self.flush()
         self.agree.check(("barrier", ()), "barrier")
 
+    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
+        self.flush()
+        return self.agree.maximum(values, what)
+
     def pull(self, keys, replicas) -> None:
         """The replicas are current after every round: only queued inits need a round."""
         self.flush()

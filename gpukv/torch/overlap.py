@@ -8,11 +8,12 @@ the order backward produces them): a ready bucket waits for the ones before it, 
 process of a dist store issues the same pushes in the same order. The step waits for the
 started reductions and does the rest itself.
 
-A gradient changed after its bucket's reduction started makes that reduction stale, and
-the step reduces the bucket again: a second backward before the step (gradient
-accumulation), clipping, or any other in-place change, all seen by the version counters
-PyTorch keeps for in-place writes. `paused()` (the Trainer's `no_sync()`) keeps the
-reductions from starting on backward passes whose gradients are not final.
+A reduction pushes a snapshot of the bucket's gradients (one more gradient-sized buffer
+per replica). A gradient that differs from its snapshot at the step makes that reduction
+stale, and the step reduces the bucket again: a second backward before the step (gradient
+accumulation), clipping, or any other write, through `.data` or NumPy included.
+`paused()` (the Trainer's `no_sync()`) keeps the reductions from starting on backward
+passes whose gradients are not final.
 """
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ from .buckets import Bucket
 class EarlyReduction:
     """The hooks and the background thread of one Trainer."""
 
-    def __init__(self, buckets: list[Bucket], reduce: Callable[[Bucket], None]) -> None:
+    def __init__(self, buckets: list[Bucket],
+                 reduce: Callable[[Bucket, list[torch.Tensor]], None]) -> None:
         self._buckets = buckets
-        self._reduce = reduce
+        self._reduce = reduce  # reduce(bucket, grads): push those as the bucket's
+        #: what each bucket's reduction pushes: a copy of every replica's gradients
+        self._snapshots = [[torch.empty_like(grad) for grad in bucket.grads]
+                           for bucket in buckets]
         #: the order reductions start in (and the step reduces the rest in)
         self.order = list(reversed(range(len(buckets))))
         self._sizes = [len(b.names) * len(b.params) for b in buckets]
@@ -58,8 +63,6 @@ class EarlyReduction:
         self._events: list[list] = [[] for _ in self._buckets]
         self._next = 0  # position in `order` of the next bucket to start
         self._started: dict[int, Future] = {}
-        #: the gradients' version counters when each started reduction began
-        self._versions: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ the hooks
     def on_gradient(self, b: int, r: int, i: int, param: torch.Tensor,
@@ -84,22 +87,27 @@ class EarlyReduction:
             b = self.order[self._next]
             if len(self._seen[b]) < self._sizes[b]:
                 return
-            self._versions[b] = [grad._version for grad in self._buckets[b].grads]
             self._started[b] = self._worker.submit(self._run, b, self._events[b])
             self._next += 1
 
     def _run(self, b: int, events: list) -> None:
         for event in events:
             event.synchronize()
-        self._reduce(self._buckets[b])
+        bucket, snapshots = self._buckets[b], self._snapshots[b]
+        with torch.no_grad():
+            for snapshot, grad in zip(snapshots, bucket.grads):
+                snapshot.copy_(grad)
+        for device in {s.device for s in snapshots if s.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the copies, for the store
+        self._reduce(bucket, snapshots)
 
     # ------------------------------------------------------------------ the step
-    def finish(self) -> set[int]:
-        """Wait for the started reductions and start afresh; the buckets whose reduction
-        holds their gradients as they are now. The first error a reduction raised is
-        raised here."""
+    def finish(self) -> tuple[set[int], set[int]]:
+        """Wait for the started reductions and start afresh. Returns the buckets whose
+        reduction started, and those of them that reduced their gradients as they are now.
+        The first error a reduction raised is raised here."""
         with self._lock:
-            started, versions = self._started, self._versions
+            started = self._started
             self._clear()
         error = None
         for future in started.values():
@@ -108,8 +116,8 @@ class EarlyReduction:
                 error = exc
         if error is not None:
             raise error
-        return {b for b in started
-                if versions[b] == [grad._version for grad in self._buckets[b].grads]}
+        return set(started), {b for b in started if all(
+            _same_bits(s, g) for s, g in zip(self._snapshots[b], self._buckets[b].grads))}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -134,6 +142,13 @@ def _hook(me: weakref.ref, b: int, r: int, i: int, view: torch.Tensor):
         if early is not None and getattr(param, OWNER, None) is me:
             early.on_gradient(b, r, i, param, view)
     return hook
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN equal to itself, 0.0 not to -0.0)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+        a.element_size())
+    return torch.equal(a, b) if bits is None else torch.equal(a.view(bits), b.view(bits))
 
 
 def _unhook(handles: list, worker: ThreadPoolExecutor) -> None:

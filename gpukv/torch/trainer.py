@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from .._errors import ArgumentError, ArgumentKindError
+from ..api.dist_store import DistKVStore
 from ..api.factory import create
 from ..api.store import KVStore
 from ..optim import LAMB, Optimizer, create as create_optimizer
@@ -49,11 +50,12 @@ class Trainer:
     with DDP). With
     update_on_kvstore=True the early reduction goes to a second, optimizer-less store of
     this process (one more gradient-sized buffer per bucket), and the update runs on the
-    store at the step. A gradient changed after its bucket's reduction started (by a
-    second backward pass, clipping, or a new `.grad` tensor) is seen, and the step
-    reduces that bucket again: the result is right, but the early work is lost. For
-    gradient accumulation, wrap every backward pass of a step but the last in
-    `no_sync()`.
+    store at the step. A reduction pushes a snapshot of the bucket's gradients (one more
+    gradient-sized buffer per replica); a gradient changed after its bucket's reduction
+    started (by a second backward pass, clipping, a new `.grad` tensor, any write) differs
+    from it at the step, which then reduces that bucket again (on a dist store, on every
+    process): the result is right, but the early work is lost. For gradient accumulation,
+    wrap every backward pass of a step but the last in `no_sync()`.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
@@ -85,8 +87,6 @@ class Trainer:
         self._init_store()
         self._early: EarlyReduction | None = None
         self._sums: KVStore | None = None  # the early reductions' store, when not _kv
-        #: a dist store's processes must issue the same pushes: one bucket per push
-        self._push_one_by_one: bool = self._kv.type.startswith("dist")
         if self._wants_overlap(overlap):
             self._start_overlap()
         else:
@@ -171,18 +171,18 @@ class Trainer:
         scale = self._scale_for(batch_size)
         self._check_multipliers()
         live = self._collect_grads(ignore_stale_grad)
-        done = self._finish_early()
+        early = self._finish_early()
         self._set_scale(scale)
         keys = [b.key for b in live]
         if not self._update_on_kvstore:
-            self._allreduce(live, done)
+            self._allreduce(live, early)
             self._local_update(live)
         elif self._sums is None:
             if keys:
                 self._kv.push(keys, [b.grads for b in live])
                 self._kv.pull(keys, out=[b.weights for b in live])
         elif keys:
-            self._reduce(self._sums, live, done)
+            self._reduce(self._sums, live, early)
             summed = [b.summed for b in live]
             self._sums.pull(keys, out=summed)
             self._kv.push(keys, summed)
@@ -297,29 +297,40 @@ class Trainer:
         replicas = len(self._modules)
         return [b for b in self._buckets if b.fused or missing.get(id(b), 0) < replicas]
 
-    def _allreduce(self, live, done: set) -> None:
+    def _allreduce(self, live, early: tuple) -> None:
         """Sum every live bucket's gradients on the store, into every replica's."""
-        self._reduce(self._kv, live, done)
+        self._reduce(self._kv, live, early)
         keys = [b.key for b in live]
         if keys:
             self._kv.pull(keys, out=[b.grads for b in live])
 
-    def _reduce(self, store: KVStore, live: list, done: set) -> None:
-        """Push to `store` the gradients of the live buckets not in `done` (ids of the
-        buckets whose early reduction holds their final gradients)."""
+    def _reduce(self, store: KVStore, live: list, early: tuple) -> None:
+        """Push to `store` the gradients of the live buckets that `early` (the bucket
+        indices whose early reduction started, and those of them still current) leaves
+        to do."""
         if self._early is None:
-            rest = live
-        else:  # in the order the early reductions start in, as every process does
-            wanted = {id(b) for b in live} - done
-            rest = [self._buckets[i] for i in self._early.order
-                    if id(self._buckets[i]) in wanted]
-        if not rest:
+            if live:
+                store.push([b.key for b in live], [b.grads for b in live])
             return
-        if self._push_one_by_one and self._early is not None:
-            for bucket in rest:
-                store.push(bucket.key, bucket.grads)
-        else:
-            store.push([b.key for b in rest], [b.grads for b in rest])
+        started, current = early
+        alive = {id(b) for b in live}
+        order = [i for i in self._early.order if id(self._buckets[i]) in alive]
+        if not isinstance(store, DistKVStore):
+            rest = [self._buckets[i] for i in order if i not in current]
+            if rest:
+                store.push([b.key for b in rest], [b.grads for b in rest])
+            return
+        # Every process pushes every bucket once, in one order: the early reductions
+        # did the start of it, this process's own share of which varies.
+        for i in order:
+            if i not in started:
+                store.push(self._buckets[i].key, self._buckets[i].grads)
+        # A bucket stale on any process is pushed again by all (sums of current ones).
+        stale = [int(i in started and i not in current) for i in range(len(self._buckets))]
+        again = store._workers_max(stale, "Trainer.step: the gradients to reduce again")
+        for i in order:
+            if again[i]:
+                store.push(self._buckets[i].key, self._buckets[i].grads)
 
     # ---------------------------------------------------------------- overlap
     def _wants_overlap(self, overlap: bool | None) -> bool:
@@ -338,13 +349,14 @@ class Trainer:
                             [b.summed for b in self._buckets])
         target = self._kv if self._sums is None else self._sums
         self._early = EarlyReduction(
-            self._buckets, lambda bucket: target.push(bucket.key, bucket.grads))
+            self._buckets, lambda bucket, grads: target.push(bucket.key, grads))
 
-    def _finish_early(self) -> set:
-        """Wait for the early reductions; the ids of the buckets they fully reduced."""
+    def _finish_early(self) -> tuple[set, set]:
+        """Wait for the early reductions: the indices of the buckets whose reduction
+        started, and of those whose reduction holds their gradients as they are now."""
         if self._early is None:
-            return set()
-        return {id(self._buckets[i]) for i in self._early.finish()}
+            return set(), set()
+        return self._early.finish()
 
     def _need_local_update(self, op: str) -> None:
         if self._update_on_kvstore:

@@ -146,12 +146,12 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
 
 
 @pytest.mark.parametrize("on_store", ["0", "1"])
-@pytest.mark.parametrize("passes", ["1", "2", "2nosync"])
+@pytest.mark.parametrize("passes", ["1", "2", "2nosync", "1halve0"])
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):
     """Reductions started from backward (several buckets, every process in the same
-    order), with gradient accumulation in and out of no_sync: the same weights as one
-    process over all replicas."""
+    order), with gradient accumulation in and out of no_sync, and gradients changed after
+    backward on one process only: the same weights as one process over all replicas."""
     pytest.importorskip("torch")
     _passes(_scenario(n, servers, "trainer", "sgd", on_store, "on", passes), n - servers)
 

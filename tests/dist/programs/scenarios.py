@@ -409,7 +409,8 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
 
     overlap: 'auto', 'on' or 'off' (on: small buckets, so that several reductions start
     from backward); passes: backward passes per step, the earlier ones outside
-    no_sync ('2') or inside ('2nosync')."""
+    no_sync ('2') or inside ('2nosync'); '1halve0': after backward, worker 0 alone halves
+    its gradients through `.data` (stale on one process only)."""
     import contextlib
     import copy
 
@@ -450,6 +451,10 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
                         else contextlib.nullcontext():
                     for m, (xs, ys) in zip(models, shards):
                         loss_fn(m(xs), ys).backward()
+            if "halve0" in passes and first == 0:  # worker 0's replicas
+                for m in models[:2]:
+                    for p in m.parameters():
+                        p.grad.data.mul_(0.5)
             trainer.step(8 * n * (step + 1))  # another batch size every step
     for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
