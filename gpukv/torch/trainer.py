@@ -47,15 +47,15 @@ class Trainer:
     replica (measured: about 5, so 20 ms a step for 1000 small parameters on 4 replicas):
     for a model of very many tiny parameters, time it with and without. On a dist store it
     pays most with update_on_kvstore=False (the optimizer then runs in every process, as
-    with DDP). With
-    update_on_kvstore=True the early reduction goes to a second, optimizer-less store of
-    this process (one more gradient-sized buffer per bucket), and the update runs on the
-    store at the step. A reduction pushes a snapshot of the bucket's gradients (one more
-    gradient-sized buffer per replica); a gradient changed after its bucket's reduction
-    started (by a second backward pass, clipping, a new `.grad` tensor, any write) differs
-    from it at the step, which then reduces that bucket again (on a dist store, on every
-    process): the result is right, but the early work is lost. For gradient accumulation,
-    wrap every backward pass of a step but the last in `no_sync()`.
+    with DDP). With update_on_kvstore=True the early reduction goes to a second,
+    optimizer-less store of this process (one more gradient-sized buffer per bucket), and
+    the update runs on the store at the step. A reduction pushes a snapshot of the
+    bucket's gradients (one more gradient-sized buffer per replica); a gradient changed
+    after its bucket's reduction started (by a second backward pass, clipping, a new
+    `.grad` tensor, any write) differs from it at the step, which then reduces that bucket
+    again (on a dist store, on every process): the result is right, but the early work is
+    lost. For gradient accumulation, wrap every backward pass of a step but the last in
+    `no_sync()`.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
