@@ -79,6 +79,14 @@ def child(args) -> int:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=size)
+
+    def slowest(call) -> float:
+        """Seconds of `call()` on the slowest process, all starting together."""
+        comm.Barrier()
+        start = time.perf_counter()
+        call()
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
     records = []
     for model_name in args.models:
         torch.manual_seed(0)
@@ -123,22 +131,13 @@ def child(args) -> int:
         samples: dict = {way: [] for way in WAYS}
         for i in range(args.warmup + args.iters):
             for way in WAYS:
-                comm.Barrier()
-                start = time.perf_counter()
-                iteration(way)
-                seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+                seconds = slowest(lambda: iteration(way))
                 if i >= args.warmup:
                     samples[way].append(seconds)
         parameters = sum(p.numel() for p in base.parameters())
         flat = np.ones(parameters, np.float32)  # the raw transport's time for the gradients
-        raw = []
-        for i in range(args.warmup + args.iters):
-            comm.Barrier()
-            start = time.perf_counter()
-            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-            seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-            if i >= args.warmup:
-                raw.append(seconds)
+        raw = [slowest(lambda: comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM))
+               for _ in range(args.warmup + args.iters)][args.warmup:]
         reference = [p.detach() for p in models["ddp"].parameters()]
         record = {"model": model_name, "processes": size, "batch": batch,
                   "parameters": parameters, "mpi_allreduce_s": statistics.median(raw),
