@@ -321,16 +321,12 @@ class Trainer:
                 store.push([b.key for b in rest], [b.grads for b in rest])
             return
         # Every process pushes every bucket once, in one order: the early reductions
-        # did the start of it, this process's own share of which varies.
-        for i in order:
-            if i not in started:
-                store.push(self._buckets[i].key, self._buckets[i].grads)
-        # A bucket stale on any process is pushed again by all (sums of current ones).
+        # did the start of it, this process's own share of which varies. Then a bucket
+        # stale on any process is pushed again by all (sums of current gradients).
         stale = [int(i in started and i not in current) for i in range(len(self._buckets))]
         again = store._workers_max(stale, "Trainer.step: the gradients to reduce again")
-        for i in order:
-            if again[i]:
-                store.push(self._buckets[i].key, self._buckets[i].grads)
+        for i in [i for i in order if i not in started] + [i for i in order if again[i]]:
+            store.push(self._buckets[i].key, self._buckets[i].grads)
 
     # ---------------------------------------------------------------- overlap
     def _wants_overlap(self, overlap: bool | None) -> bool:
