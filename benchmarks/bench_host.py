@@ -35,9 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import _common
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,14 +1,27 @@
 """gpukv: a key-value store for tensors shared by several devices and machines."""
 import logging
 
-from ._errors import (ArgumentError, ArgumentKindError, BackendError, CheckpointError,
-                      DeviceError, DTypeError, DuplicateKeyError, GpukvError, KeyKindError,
-                      OutOfMemoryError, PeerError, PeerMismatchError, ReadOnlyError, ShapeError,
-                      UnknownKeyError)
-from .update.sparse import RowSparse
+from . import optim  # noqa: E402,F401  (gpukv.optim: optimizers for set_optimizer)
+from ._errors import (
+                      ArgumentError,
+                      ArgumentKindError,
+                      BackendError,
+                      CheckpointError,
+                      DeviceError,
+                      DTypeError,
+                      DuplicateKeyError,
+                      GpukvError,
+                      KeyKindError,
+                      OutOfMemoryError,
+                      PeerError,
+                      PeerMismatchError,
+                      ReadOnlyError,
+                      ShapeError,
+                      UnknownKeyError,
+)
 from .api.factory import create
 from .api.store import KVStore
-from . import optim  # noqa: E402,F401  (gpukv.optim: optimizers for set_optimizer)
+from .update.sparse import RowSparse
 
 __version__ = "0.1.0"
 

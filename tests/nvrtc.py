@@ -7,7 +7,7 @@ import ctypes
 import glob
 import importlib.util
 import os
-from functools import lru_cache
+from functools import cache
 
 
 class NvrtcError(RuntimeError):
@@ -95,7 +95,7 @@ class Nvrtc:
         return self._bytes(prog, size_fn, get_fn).rstrip(b"\0").decode(errors="replace")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load() -> tuple:
     """(Nvrtc, None), or (None, why it is not usable here)."""
     try:

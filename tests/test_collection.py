@@ -17,5 +17,5 @@ def test_every_test_file_is_collected():
                              text=True, timeout=300)
     # a test's id, or (a file skipped whole: a missing optional library) its skip line
     missed = sorted(f for f in files if f not in listing.stdout)
-    assert "tests/dist/test_dist_store.py" in files
+    assert "tests/distributed/test_dist_store.py" in files
     assert not missed, missed

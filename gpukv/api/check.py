@@ -16,8 +16,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import (ArgumentError, ArgumentKindError, DTypeError, DuplicateKeyError,
-                       GpukvError, KeyKindError, ReadOnlyError, ShapeError, UnknownKeyError)
+from .._errors import (
+    ArgumentError,
+    ArgumentKindError,
+    DTypeError,
+    DuplicateKeyError,
+    GpukvError,
+    KeyKindError,
+    ReadOnlyError,
+    ShapeError,
+    UnknownKeyError,
+)
 from ..device import SUPPORTED_DTYPES, adopt, has_overlapping_elements
 from ..update.sparse import RowSparse, check_row_ids
 

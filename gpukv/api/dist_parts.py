@@ -11,7 +11,7 @@ from .store import KVStore, _PushPlan
 
 class Shard(KVStore):
     """The keys (or pieces of keys) this process serves: a host store the engines of
-    `gpukv.dist` sum into and read back."""
+    `gpukv.distributed` sum into and read back."""
 
     def __init__(self):
         super().__init__("local")

@@ -3,7 +3,7 @@
 
 Each process keeps two local stores: `_grads`, where the values its devices push are summed
 (on the host, or on its GPUs for `dist_device_sync`), and `_values`, its copy of every key,
-which pulls read. Between them sits the engine of `gpukv.dist`: a sharded sync round when
+which pulls read. Between them sits the engine of `gpukv.distributed`: a sharded sync round when
 every process serves (`num_servers=0`), or requests to dedicated server processes. Every
 call is checked here, whole, before any message leaves the process.
 """
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import check
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..device import host_device
 from ..device.host_sum import share_cpus
+from . import check
 from .dist_parts import PinnedStore, SavedState, Shard
 from .store import KVStore
 
@@ -44,7 +44,7 @@ def _serve_or_client(transport, servers: int, bound: int, name: str):
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
-    from ..dist.server import ServerClient, serve
+    from ..distributed.server import ServerClient, serve
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
@@ -66,7 +66,7 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
                                 f"between processes with num_servers=0; this is {name!r} "
                                 f"with num_servers={servers}")
         return None
-    from ..dist.nccl_rounds import nccl_device
+    from ..distributed.nccl_rounds import nccl_device
     gpu = nccl_device(local_rank)
     if gpu is None and nccl:
         raise BackendError("nccl=True: this process sees no GPU, or CuPy finds no NCCL "
@@ -77,7 +77,7 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
 def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
     """(servers, timeout, bound) from the options or their environment variables, each
     checked (as is everything `create` is given) before any message is sent."""
-    from ..dist.sharding import DEFAULT_BIGARRAY_BOUND
+    from ..distributed.sharding import DEFAULT_BIGARRAY_BOUND
     if num_servers is None:
         raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
         try:
@@ -142,8 +142,8 @@ class DistKVStore(KVStore):
     def __init__(self, name: str, *, num_servers: int | None = None,
                  timeout: float | None = None, bigarray_bound: int | None = None,
                  nccl: bool | None = None, **local_options):
-        from ..dist.agree import Agreement
-        from ..dist.transport import Transport, mpi
+        from ..distributed.agree import Agreement
+        from ..distributed.transport import Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
@@ -179,10 +179,10 @@ class DistKVStore(KVStore):
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
         if gpu is not None:
-            from ..dist.nccl_rounds import NcclRounds
+            from ..distributed.nccl_rounds import NcclRounds
             self._engine: Any = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
-            from ..dist.sharded import ShardedRounds
+            from ..distributed.sharded import ShardedRounds
             self._engine = ShardedRounds(transport, Shard(), bound)
         else:
             _SERVED.append(name)
@@ -445,7 +445,7 @@ class DistKVStore(KVStore):
 
     _set_updater = set_updater
 
-    def set_optimizer(self, optimizer: "Optimizer") -> None:
+    def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run `optimizer` where the keys are served. Every worker calls it, with
         optimizers of the same kind and options (else PeerMismatchError). Later changes
         of its options (the learning rate, rescale_grad, multipliers) count, as in one

@@ -12,7 +12,7 @@ from .store import _TYPES, KVStore
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 
 
-def create(name: str = "local", **options: Any) -> "KVStore":
+def create(name: str = "local", **options: Any) -> KVStore:
     """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases in one
     process; 'dist_sync', 'dist_async' or 'dist_device_sync' across the processes of an
     MPI job (every process calls `create` alike)::

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import check
 from ..device import device_of
 from ..update.sparse import RowSparse
+from . import check
 
 
 def regroup(keys, arrays, key_kind) -> check.Groups:

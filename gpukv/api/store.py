@@ -5,17 +5,14 @@ import functools
 import itertools
 import logging
 import operator
-import threading
 import os
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import check
-from . import rows
-from .._errors import (ArgumentError, ArgumentKindError, GpukvError,
-                       OutOfMemoryError)
+from .._errors import ArgumentError, ArgumentKindError, GpukvError, OutOfMemoryError
 from ..comm import BroadcastJob, HostStrategy, ReduceJob, Strategy
 from ..comm.registry import make_strategy
 from ..device import Device, device_of, gpu_devices, host_device, virtual_gpus
@@ -23,6 +20,7 @@ from ..device.host_sum import accumulate_dtype
 from ..update.compression import GradientCompression, compressible, make_compressor
 from ..update.sparse import RowSparse
 from ..update.sparse import merge as _merge_rows
+from . import check, rows
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
@@ -30,16 +28,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpukv")
 
 # The argument forms of the store's calls (see `KVStore.push`).
-Key = Union[int, str]
+Key = int | str
 #: one key, or a list of keys (one int kind or one str kind per store)
-Keys = Union[Key, Sequence[Key]]
+Keys = Key | Sequence[Key]
 #: any array: NumPy, CuPy, a PyTorch tensor, a JAX array, a RowSparse, or any object with
 #: DLPack, the CUDA array interface or the buffer protocol
 Array = Any
 #: for one key: an array, or a list with one array per device
-Value = Union[Array, Sequence[Array]]
+Value = Array | Sequence[Array]
 #: for a list of keys: a list with one `Value` per key
-Values = Union[Value, Sequence[Value]]
+Values = Value | Sequence[Value]
 Updater = Callable[[Key, Any, Any], None]
 
 # name -> whether the store reduces on GPUs (True) or on the host (False).
@@ -584,7 +582,7 @@ class KVStore:
 
     _set_updater = set_updater
 
-    def set_optimizer(self, optimizer: "Optimizer") -> None:
+    def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
 
         Its state (momentum, moments, float32 master copies of 16-bit weights) lives with

@@ -139,7 +139,7 @@ class Device(ABC):
         return self.physical
 
     @property
-    def primary(self) -> "Device":
+    def primary(self) -> Device:
         """The logical device of slot 0 on this device's memory."""
         return self
 
@@ -169,10 +169,10 @@ class Device(ABC):
         queued inside it (a device without streams: nothing to make current)."""
         return contextlib.nullcontext()
 
-    def enter(self) -> None:
+    def enter(self) -> None:  # noqa: B027 (a device without streams orders nothing)
         """Order this device's later work after the caller's work on its current stream."""
 
-    def leave(self) -> None:
+    def leave(self) -> None:  # noqa: B027
         """Order the caller's later work on its current stream after the work queued here."""
 
     def record(self):
@@ -184,7 +184,7 @@ class Device(ABC):
         if event is not None:
             event.synchronize()
 
-    def wait_for(self, other: "Device") -> None:
+    def wait_for(self, other: Device) -> None:
         """Order later work here after the work queued so far on `other`.
 
         A device without streams has nothing to order: it waits (host synchronisation)
@@ -192,7 +192,7 @@ class Device(ABC):
         if other is not self:
             other.synchronize()
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027
         """Wait until all work queued on this device is done (host: nothing to wait for)."""
 
     # --------------------------------------------------- staging in main memory

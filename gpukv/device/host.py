@@ -57,7 +57,7 @@ class HostDevice(Device):
         return self.slot
 
     @property
-    def primary(self) -> "HostDevice":
+    def primary(self) -> HostDevice:
         return host_device(0)
 
     def sum_into(self, jobs) -> None:

@@ -13,8 +13,13 @@ from . import lr_scheduler
 from ._base import Optimizer, create, register
 from ._rules import LAMB, NAG, SGD, AdaGrad, Adam, AdamW, RMSProp
 from ._updater import OptimizerUpdater
-from .lr_scheduler import (CosineScheduler, FactorScheduler, LRScheduler,
-                           MultiFactorScheduler, PolyScheduler)
+from .lr_scheduler import (
+                           CosineScheduler,
+                           FactorScheduler,
+                           LRScheduler,
+                           MultiFactorScheduler,
+                           PolyScheduler,
+)
 
 __all__ = ["Optimizer", "create", "register", "SGD", "NAG", "Adam", "AdamW", "AdaGrad",
            "RMSProp", "LAMB", "OptimizerUpdater", "lr_scheduler", "LRScheduler",

@@ -37,7 +37,7 @@ def register(cls):
     return cls
 
 
-def create(name, **options: Any) -> "Optimizer":
+def create(name, **options: Any) -> Optimizer:
     """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop',
     'lamb') made with `options`, its keyword parameters (see its class); an option it
     does not have is an ArgumentKindError naming the ones it has::

@@ -36,8 +36,8 @@ import numpy as np
 
 from .._dtypes import NARROW_FLOATS
 from .._errors import CheckpointError, DTypeError, GpukvError
-from ._base import Optimizer, check_number
 from . import lr_scheduler as _sched
+from ._base import Optimizer, check_number
 
 if TYPE_CHECKING:
     from ._rules import LAMB
@@ -580,7 +580,7 @@ class OptimizerUpdater:
         if not check_only:
             self.apply_state(plan, {k: home for k, (_, home) in entries.items()})
 
-    def check_state(self, header, arrays, weights, *, path="") -> "StatePlan":
+    def check_state(self, header, arrays, weights, *, path="") -> StatePlan:
         """Check saved state (`export_state`'s header and arrays) against this optimizer.
 
         `weights`: {key: the key's value as it will be when the plan is applied}; only
@@ -611,7 +611,7 @@ class OptimizerUpdater:
             raise CheckpointError(f"{where}damaged optimizer-state header: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
-    def apply_state(self, plan: "StatePlan", homes: dict) -> None:
+    def apply_state(self, plan: StatePlan, homes: dict) -> None:
         """Install a plan `check_state` made; `homes`: {key: its home device}.
 
         Every state array is made first (running out of memory changes nothing), then the
@@ -630,7 +630,7 @@ class OptimizerUpdater:
         opt._index_update_count = dict(plan.counts)
         opt.num_update = plan.num_update
 
-    def _checked_plan(self, header, arrays, weights, where) -> "StatePlan":
+    def _checked_plan(self, header, arrays, weights, where) -> StatePlan:
         options, rule = self._checked_options(header.get("options"), where)
         num_update = _checked_count(header.get("num_update"), "num_update", where)
         lr_mult = self._checked_mults(header.get("lr_mult"), "lr_mult", where)

@@ -1,1 +1,1 @@
-"""."""
+"""Commands for people: `gpukv demo`, `bench`, `calibrate` and `info`."""

@@ -437,6 +437,7 @@ def _torch_devices(place: _Place):
     is not installed, or the demo's devices are GPUs that PyTorch does not see."""
     try:
         import torch
+
         import gpukv.torch  # noqa: F401  (fails when PyTorch is missing or broken)
     except ImportError:
         return None
@@ -455,6 +456,7 @@ class _TrainerTraining:
     def __init__(self, devices: list, params: dict, data: list, lr: float, store,
                  batch: int | None = None):
         import torch
+
         import gpukv.torch
         self.torch = torch
         self.devices = devices

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import numbers
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -12,7 +12,8 @@ from .._errors import ArgumentError, ArgumentKindError
 from ..api.dist_store import DistKVStore
 from ..api.factory import create
 from ..api.store import KVStore
-from ..optim import LAMB, Optimizer, create as create_optimizer
+from ..optim import LAMB, Optimizer
+from ..optim import create as create_optimizer
 from .buckets import BUCKET_BYTES, Bucket, flatten, make_buckets, trainable
 from .overlap import OWNER, EarlyReduction
 

@@ -46,8 +46,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..device.cuda import compression_kernels as _k
 from .._errors import ArgumentError, ArgumentKindError
+from ..device.cuda import compression_kernels as _k
 
 __all__ = ["Compressor", "TwoBit", "OneBit", "Cast", "GradientCompression", "make_compressor"]
 

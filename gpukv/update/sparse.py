@@ -129,7 +129,7 @@ class RowSparse:
         self.data = data
         self.shape = shape
 
-    def checked(self, what: str) -> "RowSparse":
+    def checked(self, what: str) -> RowSparse:
         """This value with its ids checked again and copied: `indices` may have been
         edited since it was built. ArgumentError (prefixed with `what`) if they no longer
         fit the data and the shape."""
@@ -196,12 +196,12 @@ class RowSparse:
             return cls._trusted(ids, dense[ids].copy(), dense.shape)
 
     # ------------------------------------------------------------------- helpers
-    def coalesce(self, dtype=None) -> "RowSparse":
+    def coalesce(self, dtype=None) -> RowSparse:
         """The same value with sorted, unique indices (repeated rows summed, in `dtype`)."""
         with _on_device_of(self.data):
             return self._coalesce(dtype)
 
-    def _coalesce(self, dtype) -> "RowSparse":
+    def _coalesce(self, dtype) -> RowSparse:
         xp = self.xp
         dtype = self.data.dtype if dtype is None else np.dtype(dtype)
         idx = self.indices
@@ -234,14 +234,14 @@ class RowSparse:
         out[merged.indices] = merged.data
         return out
 
-    def retain(self, row_ids) -> "RowSparse":
+    def retain(self, row_ids) -> RowSparse:
         """Rows `row_ids` (any shape; deduplicated and sorted) of this value, zero if absent."""
         xp = self.xp
         row_ids = _ids_like(_as_array(row_ids, like=self.data), self.data, "RowSparse.retain")
         with _on_device_of(self.data):
             return self._retain(xp, check_row_ids(row_ids, self.shape[0], "RowSparse.retain"))
 
-    def _retain(self, xp, ids) -> "RowSparse":
+    def _retain(self, xp, ids) -> RowSparse:
         ids = xp.unique(ids)
         merged = self.coalesce()
         data = xp.zeros((ids.size,) + self.shape[1:], self.data.dtype)
@@ -252,7 +252,7 @@ class RowSparse:
             data[hit] = merged.data[pos[hit]]
         return RowSparse._trusted(ids, data, self.shape)
 
-    def copy(self) -> "RowSparse":
+    def copy(self) -> RowSparse:
         with _on_device_of(self.data):  # CuPy copies to the current device
             return RowSparse._trusted(self.indices.copy(), self.data.copy(), self.shape)
 

@@ -315,6 +315,7 @@ def test_torch_cuda_bfloat16_adopted_through_dlpack(cp, name):
     not through the CUDA array interface, where bfloat16 is a raw 2-byte void."""
     pytest.importorskip("torch")
     import ml_dtypes
+
     from gpukv.device import adopt
     bf16 = np.dtype(ml_dtypes.bfloat16)
     backing = cp.full(SHAPE, 1.5, bf16)

@@ -228,8 +228,8 @@ def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
     """A push of KEYS really cuts the large keys: over every tree ('tree'), into one
     chunk per logical GPU ('ring'), and into several staged pieces when two GPUs have
     no peer access ('home'), so the bit-for-bit tests above cover those paths."""
-    from gpukv.device.cuda.device import can_access_peer
     from gpukv.comm import ring, tree
+    from gpukv.device.cuda.device import can_access_peer
     seen = {"slices": [], "chunks": [], "staged": []}
     segments, bounds, staged = tree.TreeStrategy._segments, ring.chunk_bounds, _sums._staged_sum
 

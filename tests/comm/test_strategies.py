@@ -11,15 +11,14 @@ from hypothesis import strategies as st
 
 import gpukv
 from gpukv import ArgumentError, BackendError
-from gpukv.device import host_device
 from gpukv.comm import BroadcastJob, ReduceJob
 from gpukv.comm import nccl as nccl_mod
-from gpukv.comm.plan import simulate
-from gpukv.comm.plan import topology
 from gpukv.comm.auto import AutoStrategy
+from gpukv.comm.plan import simulate, topology
 from gpukv.comm.registry import STRATEGIES, describe, make_strategy, strategy_class
 from gpukv.comm.ring import chunk_bounds, gather_schedule, reduce_schedule
 from gpukv.comm.tree import TreeStrategy
+from gpukv.device import host_device
 
 # 'tree-model': the tree strategy slicing by its cost model, on a latency-free machine
 # where slicing pays at every size, so tiny keys are cut into uneven slices.
@@ -431,6 +430,7 @@ def test_auto_host_jobs_take_host_sum():
 # ----------------------------------------------------------------------- GPU
 def _gpu_store_case(name, n_dev, dtype, shape, seed):
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:n_dev]
     rng = np.random.default_rng(seed)
@@ -518,6 +518,7 @@ def test_gpu_nccl_or_backend_error():
 def test_gpu_many_keys_one_call(name):
     """A push and pull of 300 small keys on four GPUs gives NumPy's sums."""
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     kv = gpukv.create("device", strategy=name)

@@ -17,7 +17,6 @@ import os
 
 import mxnet as mx
 import numpy as np
-
 from _mxnet_common import values, write_cases  # this script's folder
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxnet_optimizer_reference.json")

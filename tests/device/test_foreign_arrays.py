@@ -307,6 +307,7 @@ def test_writable_host_out_with_shared_elements_is_refused(kv):
 def test_has_overlapping_elements_from_strides(shape, strides, expected):
     """Element overlap is read from shape and strides alone, for any array-like header."""
     import types
+
     from gpukv.device import has_overlapping_elements
     header = types.SimpleNamespace(shape=shape, strides=strides, itemsize=4,
                                    flags=types.SimpleNamespace(c_contiguous=False,

@@ -64,9 +64,7 @@ def bench_launches(kernels, device, iters: int) -> None:
     import numpy as np
 
     from gpukv import optim
-
     from gpukv.device.cuda import kernels as _kernels
-
     from gpukv.device.cuda import optim_kernels as _optim_kernels
 
     n = 1 << 20

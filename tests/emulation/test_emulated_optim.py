@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from gpukv import optim
-
 from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim._updater import compute_dtype
 

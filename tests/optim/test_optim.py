@@ -15,8 +15,7 @@ import pytest
 
 import gpukv
 from gpukv import optim
-from gpukv._errors import (ArgumentError, ArgumentKindError, CheckpointError, DTypeError,
-                           GpukvError)
+from gpukv._errors import ArgumentError, ArgumentKindError, CheckpointError, DTypeError, GpukvError
 
 DATA = Path(__file__).parents[1] / "data" / "mxnet_optimizer_reference.json"
 REFERENCE = json.loads(DATA.read_text())
@@ -374,6 +373,7 @@ def test_load_of_fortran_ordered_states_gives_c_order(tmp_path, home):
     """States read from a file with Fortran-ordered members are C-contiguous (the GPU
     multi-tensor kernels index flat pointers) and resume exactly as from a C-ordered file."""
     from gpukv.api.checkpoint import read_archive
+
     from ..fake_gpu import FakeGpu
     kv, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
     header, arrays = read_archive(_fortran_ordered(path, tmp_path / "f"))

@@ -190,6 +190,7 @@ def test_gpu_keys_of_every_dtype_over_four_gpus(name, launches):
     launch per (home, dtype) group, with the host's bits (LAMB's weights: up to their
     last bits)."""
     import cupy as cp
+
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     rng = np.random.default_rng(4)

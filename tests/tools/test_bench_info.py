@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from gpukv.tools import bench as _bench
-
 from gpukv.tools import info as _info
 
 from .. import gpu_env

@@ -7,12 +7,11 @@ import logging
 import numpy as np
 import pytest
 
-from gpukv.tools import bench as _bench
-
-from gpukv.tools import calibrate as _calibrate
-from gpukv.device.cuda.probe import cpu_model
 from gpukv.comm.plan import simulate as S
 from gpukv.comm.plan import topology as T
+from gpukv.device.cuda.probe import cpu_model
+from gpukv.tools import bench as _bench
+from gpukv.tools import calibrate as _calibrate
 from tests.fake_cupy import Costs, FakeCupy
 from tests.fake_gpu import FakeGpu
 
@@ -256,8 +255,8 @@ def _gpus(n):
 def test_auto_models_its_gpus_with_the_calibration(tmp_path, monkeypatch):
     """'auto' ranks strategies for its GPUs with the calibrated model: a machine whose host
     path is measured to be very fast sends a large key through the host."""
-    from gpukv.comm import nccl
     from gpukv.comm import execute as _ops
+    from gpukv.comm import nccl
     from gpukv.comm.auto import AutoStrategy
     monkeypatch.setattr(_ops, "link_matrix", lambda nodes: T.pcie_two_socket(len(nodes)))
     monkeypatch.setattr(nccl, "nccl_available", lambda: False)

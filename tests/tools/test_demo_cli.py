@@ -308,6 +308,7 @@ def test_demo_trainer_replicas_that_drift_apart_fail(monkeypatch, capsys):
     """If the Trainer's replicas end with different weights the demo says so and exits 1."""
     pytest.importorskip("torch")
     import torch
+
     import gpukv.torch as gt
     real_step = gt.Trainer.step
 
@@ -345,7 +346,7 @@ def test_demo_trainer_replicas_follow_the_demo_devices(monkeypatch):
 def _dist_demo(*args, torch: bool = True, **options):
     """`mpiexec -n N python -m mpi4py -m gpukv demo --dist *args` (skips without MPI);
     with `torch=False` as where PyTorch is not installed."""
-    from ..dist.mpirun import run
+    from ..distributed.mpirun import run
     if torch:
         pytest.importorskip("torch")
         program, module = "gpukv", True
@@ -361,7 +362,7 @@ def test_demo_dist_trains_across_three_processes(torch):
     """`mpiexec -n 3 ... gpukv demo --dist`: three workers, each serving a shard, train
     with a falling loss and the same weights (gpukv.torch.Trainer with PyTorch, arrays
     pushed to the store without); only worker 0 prints."""
-    from ..dist.mpirun import ok
+    from ..distributed.mpirun import ok
     out = ok(_dist_demo("--steps", "20", torch=torch))
     assert "demo across 3 MPI process(es)" in out
     kind = "PyTorch" if torch else "NumPy"
@@ -379,7 +380,7 @@ def test_demo_dist_trains_across_three_processes(torch):
 @pytest.mark.mpi
 def test_demo_dist_with_a_dedicated_server():
     """`--num-servers 1` on 3 processes: rank 0 serves, the 2 others train."""
-    from ..dist.mpirun import ok
+    from ..distributed.mpirun import ok
     out = ok(_dist_demo("--num-servers", "1", "--steps", "20", torch=False))
     assert "2 worker process(es), 1 dedicated server(s)" in out
     assert "num_servers=1" in out
@@ -391,7 +392,7 @@ def test_demo_dist_with_a_dedicated_server():
 def test_demo_dist_losses_match_the_one_process_demo(torch):
     """Three workers on dist_sync train exactly what one process does on 3 host devices:
     the same data shards, weights and SGD, so the same step losses (up to rounding)."""
-    from ..dist.mpirun import ok
+    from ..distributed.mpirun import ok
     dist = ok(_dist_demo("--steps", "20", torch=torch))
     local = _run("demo", "--cpu", "--devices", "3", "--skip-tutorial", "--steps", "20",
                  "--progress", "plain", code=None if torch else HIDE_TORCH)
@@ -411,7 +412,7 @@ def test_demo_dist_fails_when_loss_does_not_fall():
 @pytest.mark.mpi
 def test_demo_dist_fails_when_workers_drift_apart(tmp_path):
     """A worker whose weights differ from the others' at the end fails the demo."""
-    from ..dist.mpirun import run
+    from ..distributed.mpirun import run
     program = tmp_path / "drift.py"
     program.write_text(textwrap.dedent("""
         import sys
@@ -436,7 +437,7 @@ def test_demo_dist_fails_when_workers_drift_apart(tmp_path):
 @pytest.mark.mpi
 def test_demo_dist_without_mpiexec_trains_one_worker():
     """`python -m gpukv demo --dist` outside an MPI job trains a single worker."""
-    from ..dist.mpirun import require_mpi
+    from ..distributed.mpirun import require_mpi
     require_mpi()
     done = _run("demo", "--dist", "--steps", "10", "--progress", "plain")
     assert done.returncode == 0, done.stdout + done.stderr

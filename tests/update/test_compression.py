@@ -16,8 +16,7 @@ from gpukv.comm import ReduceJob
 from gpukv.comm.registry import make_strategy
 from gpukv.device import host_device
 from gpukv.device.cuda import compression_kernels as K
-from gpukv.update.compression import (Cast, GradientCompression, OneBit, TwoBit,
-                                      make_compressor)
+from gpukv.update.compression import Cast, GradientCompression, OneBit, TwoBit, make_compressor
 
 from ..strategies import float32_bits, gradient_steps
 
@@ -567,6 +566,7 @@ def test_gpu_kernels_bit_identical(comp, n):
 def test_gpu_store_nightly_sequence():
     """The nightly sequence on GPUs pulls MXNet's values."""
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
     ref = REF["kvstore_sequence"]
     shape = tuple(ref["shape"])

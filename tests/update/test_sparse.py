@@ -404,6 +404,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     and those devices reuse them only after the home device has read them."""
     import gpukv.device
     from gpukv.update.sparse import merge
+
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     home, other = FakeGpu(0, log, current), FakeGpu(1, log, current)
@@ -423,6 +424,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
 
 def _gpu_entry(log, current):
     from types import SimpleNamespace
+
     from ..fake_gpu import FakeGpu
     home = FakeGpu(0, log, current)
     value = np.arange(8, dtype=np.float32).reshape(4, 2)
@@ -445,6 +447,7 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     """Into a RowSparse on another GPU: the key's device waits for the copies before its
     gathered rows go back to its memory pool."""
     from gpukv.api import rows
+
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)
@@ -465,6 +468,7 @@ def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     """row_ids on another GPU are copied to the key's GPU only after the work queued on
     theirs, and their GPU may reuse them only once the copy has read them."""
     from gpukv.api import rows
+
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     entry = _gpu_entry(log, current)

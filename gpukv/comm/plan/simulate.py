@@ -124,7 +124,7 @@ class Machine:
             return self.links[w]
         return _generic_link(w)  # a weight the profile does not list
 
-    def subset(self, n: int) -> "Machine":
+    def subset(self, n: int) -> Machine:
         """The same machine restricted to its first n devices."""
         if not 1 <= n <= self.n:
             raise ArgumentError(f"machine {self.name!r} has {self.n} devices, asked for {n}")

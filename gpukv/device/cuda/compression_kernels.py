@@ -442,7 +442,7 @@ extern "C" __global__ void gpukv_dequantize_1bit(
 COMPILE_OPTIONS = ()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(device_id: int):
     import cupy
     with cupy.cuda.Device(device_id):

@@ -85,7 +85,7 @@ class CudaDevice(Device):
         self._last = (event, stream)
         return event
 
-    def wait_for(self, other: "Device") -> None:
+    def wait_for(self, other: Device) -> None:
         """Order this device's stream after the work queued so far on `other`'s stream."""
         if not isinstance(other, CudaDevice):
             return
@@ -160,7 +160,7 @@ class CudaDevice(Device):
         return to_numpy(array, self)
 
     @property
-    def primary(self) -> "CudaDevice":
+    def primary(self) -> CudaDevice:
         return cuda_device(self.physical, 0)
 
     # ------------------------------------------------------------------ work

@@ -47,7 +47,7 @@ def _positive(x: float, floor: float) -> float:
     return max(float(x), floor)
 
 
-def open_probe(cp=None, **options) -> "GpuProbe | None":
+def open_probe(cp=None, **options) -> GpuProbe | None:
     """A GpuProbe over the GPUs of `cp` (default: the CuPy gpukv uses), or None when no
     GPU is visible. `options` go to GpuProbe."""
     if cp is None:

@@ -159,7 +159,7 @@ def kernel_source(optimizer, wdtype, phase: int = 0, body: str | None = None) ->
     return head + _PRELUDE.replace("HYPER_DECLS", decls).replace("BODY", body)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(source: str):
     from .runtime import cupy_module
     return cupy_module().RawKernel(source, "gpukv_optim_step", options=("--fmad=false",))

@@ -16,8 +16,11 @@ import warnings
 
 from . import device as _device
 from . import nccl as _nccl
-from .driver import (CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
-                     CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, cuda_driver)
+from .driver import (
+    CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+    CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+    cuda_driver,
+)
 
 log = logging.getLogger("gpukv")
 

@@ -196,9 +196,9 @@ def test_tree_decision_is_the_fastest_candidate(no_bound, machine):
 
 def test_strategy_and_prediction_share_the_decision(no_bound, monkeypatch):
     """The tree strategy cuts keys exactly as the simulator's 'tree' prediction assumes."""
-    from gpukv.device import host_device
     from gpukv.comm import ReduceJob
     from gpukv.comm.tree import TreeStrategy
+    from gpukv.device import host_device
 
     calls = []
     original = S.tree_slice_plan

@@ -392,6 +392,7 @@ def test_probe_falls_back_to_the_runtime(monkeypatch):
     """Without a usable driver (not loadable, or cuInit failing) peer access from the
     runtime is used, every accessible pair at weight 1."""
     import types
+
     from gpukv.device.cuda import device as cuda
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=AccessOnlyRuntime()))
     monkeypatch.setattr(cuda, "cupy_module", lambda: fake)

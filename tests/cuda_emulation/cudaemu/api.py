@@ -6,8 +6,20 @@ import warnings
 import numpy as np
 
 from . import dlpack, memory, runtime
-from .array import PerformanceWarning, _UFUNCS, _allocate, _call, _check_device, _dtype, \
-    _to_device, _unsupported, check_add_at_dtype, function, ndarray, ufunc
+from .array import (
+    _UFUNCS,
+    PerformanceWarning,
+    _allocate,
+    _call,
+    _check_device,
+    _dtype,
+    _to_device,
+    _unsupported,
+    check_add_at_dtype,
+    function,
+    ndarray,
+    ufunc,
+)
 from .names import FUNCTIONS, TYPES, UFUNCS
 
 __all__ = ["ndarray", "ufunc", "PerformanceWarning"]

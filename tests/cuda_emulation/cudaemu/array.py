@@ -29,7 +29,7 @@ class PerformanceWarning(RuntimeWarning):
 
 
 # --------------------------------------------------------------------- device rules
-def _check_device(array: "ndarray", device: int) -> None:
+def _check_device(array: ndarray, device: int) -> None:
     """CuPy's peer-access check for a kernel on `device` reading `array`."""
     owner = array._data.device_id
     if owner == device:
@@ -108,7 +108,7 @@ def _c_strides(shape, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
-def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> "ndarray":
+def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> ndarray:
     """A new array on `device` (the current one by default), poisoned in guard mode."""
     dtype = _dtype(dtype)
     shape = _shape(shape)
@@ -121,7 +121,7 @@ def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> "nda
     return ndarray._wrap(_view_of(memptr, shape, dtype, strides), memptr.mem)
 
 
-def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") -> "ndarray":
+def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") -> ndarray:
     """A device copy of the host array `host`."""
     native = _dtype(host.dtype)
     if native != host.dtype:  # big-endian data is stored in the native order
@@ -209,7 +209,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         self._base = None
 
     @classmethod
-    def _wrap(cls, view: np.ndarray, mem, base=None) -> "ndarray":
+    def _wrap(cls, view: np.ndarray, mem, base=None) -> ndarray:
         self = cls.__new__(cls)
         self._view = view
         ptr = _address(view) if view.size else mem.ptr
@@ -217,7 +217,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         self._base = base
         return self
 
-    def _derived(self, view: np.ndarray) -> "ndarray":
+    def _derived(self, view: np.ndarray) -> ndarray:
         """A view of this array's memory (NumPy made `view` from `self._view`)."""
         return ndarray._wrap(view, self._data.mem, self if self._base is None else self._base)
 
@@ -294,7 +294,8 @@ class ndarray:  # noqa: N801 - CuPy's name
         if self.size == 0:
             warnings.warn("The truth value of an empty array is ambiguous. Returning False, "
                           "but in future this will result in an error. Use `array.size > 0` "
-                          "to check that an array is not empty.", DeprecationWarning)
+                          "to check that an array is not empty.", DeprecationWarning,
+                          stacklevel=2)
             return False
         if self.size != 1:
             raise ValueError("The truth value of an array with more than one element is "
@@ -546,7 +547,7 @@ def _arrays(x):
             yield from _arrays(v)
 
 
-def _view_result(value, source: "ndarray", device: int):
+def _view_result(value, source: ndarray, device: int):
     """A view operation's result: views of `source`'s memory (an empty one included);
     anything NumPy had to copy goes to `device`."""
     if isinstance(value, np.ndarray):

@@ -478,7 +478,8 @@ def _compiler() -> str:
             out = subprocess.run([CXX, "--version"], capture_output=True, text=True,
                                  check=True).stdout
         except (OSError, subprocess.CalledProcessError) as exc:
-            raise CompileException(f"the CUDA emulation needs {CXX}, which failed: {exc}")
+            raise CompileException(f"the CUDA emulation needs {CXX}, which failed: {exc}"
+                                   ) from exc
         _compiler_id = f"{shutil.which(CXX)}\n{out.splitlines()[0] if out else ''}"
     return _compiler_id
 

@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 
 from . import machine
-from .errors import CUDARuntimeError, INVALID_VALUE
+from .errors import INVALID_VALUE, CUDARuntimeError
 
 PAGE = mmap.PAGESIZE
 POISON = 0xFF

@@ -343,7 +343,7 @@ def _run(ranks: list, k: int) -> None:
             c.view(c.recv, count * n)[...] = parts
 
 
-def _run_remote(comm, call: "_Call", k: int) -> None:
+def _run_remote(comm, call: _Call, k: int) -> None:
     """One collective across the processes, once every rank says it calls the same."""
     said = (call.kind, call.count, call.datatype, call.op, call.root)
     everyone = comm.allgather(said)

@@ -19,8 +19,13 @@ import types
 from numpy import integer as np_integer
 
 from . import machine, memory
-from .errors import CUDARuntimeError, INVALID_DEVICE, INVALID_VALUE, PEER_ALREADY_ENABLED, \
-    PEER_UNSUPPORTED
+from .errors import (
+    INVALID_DEVICE,
+    INVALID_VALUE,
+    PEER_ALREADY_ENABLED,
+    PEER_UNSUPPORTED,
+    CUDARuntimeError,
+)
 
 _thread = threading.local()
 _handles = itertools.count(0x7000)
@@ -175,8 +180,8 @@ class _BaseStream:
 class Stream(_BaseStream):
     """A stream of the current device (`null=True`: the legacy default stream)."""
 
-    null: "Stream"
-    ptds: "Stream"
+    null: Stream
+    ptds: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
         if null or ptds:

@@ -5,13 +5,29 @@ around every allocation), and `RawKernel`/`RawModule` run the given CUDA source 
 for the CPU. Only what CuPy 14 offers is offered, with CuPy's rules.
 """
 import numpy as _np
-
 from cudaemu import api as _api
 from cudaemu.api import (  # noqa: F401 - the namespace
-    array, asanyarray, asarray, ascontiguousarray, asnumpy, copyto, empty,
-    empty_like, from_dlpack, fromDlpack, full, full_like, get_array_module,
-    get_default_memory_pool, get_default_pinned_memory_pool, ndarray, ones, ones_like,
-    ufunc, zeros, zeros_like,
+    array,
+    asanyarray,
+    asarray,
+    ascontiguousarray,
+    asnumpy,
+    copyto,
+    empty,
+    empty_like,
+    from_dlpack,
+    fromDlpack,
+    full,
+    full_like,
+    get_array_module,
+    get_default_memory_pool,
+    get_default_pinned_memory_pool,
+    ndarray,
+    ones,
+    ones_like,
+    ufunc,
+    zeros,
+    zeros_like,
 )
 from cudaemu.kernels import RawKernel, RawModule  # noqa: F401
 

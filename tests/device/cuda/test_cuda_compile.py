@@ -20,20 +20,17 @@ import itertools
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 from gpukv import optim
-
-from gpukv.device.cuda import compression_kernels as _compression_kernels
-
-from gpukv.device.cuda import kernels as _kernels
-
-from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv._errors import GpukvError
+from gpukv.device.cuda import compression_kernels as _compression_kernels
+from gpukv.device.cuda import kernels as _kernels
+from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim import _base as optim_base
 
 from ... import nvrtc
@@ -165,7 +162,7 @@ def _nvrtc():
     return compiler
 
 
-@lru_cache(maxsize=None)
+@cache
 def _targets() -> tuple:
     """A cubin for the oldest GPU generation, as CuPy builds one at run time (ptxas runs
     on the inline PTX too, and code needing a newer GPU fails), and PTX for a recent one."""
@@ -173,7 +170,7 @@ def _targets() -> tuple:
     return f"sm_{oldest}", RECENT_PTX
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compile(source: str, options: tuple, arch: str) -> tuple:
     """(ok, NVRTC log, cubin or PTX) of `source` for `arch`."""
     try:

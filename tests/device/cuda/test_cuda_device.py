@@ -242,6 +242,7 @@ def test_wait_for_orders_streams_without_host_sync():
 def test_push_pull_ordered_on_current_stream(strategy):
     """Pull after push, then reads on CuPy's current stream, see every push (no syncs)."""
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     kv = gpukv.create("device", strategy=strategy)
@@ -466,9 +467,9 @@ class _FakeGpu(cuda_mod.CudaDevice):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Eight fake GPUs on four physical ids; peer access only within pairs (0,1), (2,3)."""
+    from gpukv.comm import execute as _ops
     from gpukv.device.cuda import kernels as _kernels
     from gpukv.device.host_kernels import multi_sum_host
-    from gpukv.comm import execute as _ops
 
     def kernel_sum(items):
         """The CUDA kernel on the emulation; the NumPy twin on a real GPU, whose kernels
@@ -882,6 +883,7 @@ def test_ordering_events_are_made_without_timing(strategy, monkeypatch):
     """Every event gpukv records to order work is made with disable_timing=True (cheaper
     to record and wait on): a push and pull make no timing event at all."""
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
 
     if gpu_env.EMULATED:  # the emulation counts every event made, CuPy's own included
@@ -910,6 +912,7 @@ def test_virtual_gpu_stream_made_once_under_threads(monkeypatch):
     """Two threads asking a virtual GPU for its stream at the same moment get the same
     stream: it is made once, so no work is queued on a stream nobody waits for."""
     import threading
+
     import cupy
     device = cuda_mod.CudaDevice(0, 3)  # a fresh logical device, not the shared one
     both_inside = threading.Barrier(2, timeout=0.5)
@@ -999,6 +1002,7 @@ def test_cpu_strategy_keeps_no_pinned_buffer_after_its_copies(monkeypatch):
     """Pinned buffers of a call whose copies have completed are gone by the next call
     (a few large keys must not keep their size pinned in host memory)."""
     import cupy
+
     from gpukv.device.cuda.device import gpu_devices
     monkeypatch.setattr(cuda_mod, "_alive", collections.deque())
     kv = gpukv.create("device", strategy="cpu")
@@ -1036,6 +1040,7 @@ def test_stream_ordered_pool_memory_of_a_peer_is_staged(strategy):
     """Memory from a stream-ordered pool (cudaMallocAsync) on GPU 1 is not readable from
     GPU 0 through peer access alone: it is copied over, not read by the sum kernel."""
     import cupy
+
     from gpukv.device.cuda.device import can_access_peer, gpu_count, peer_readable
     if gpu_count() < 2 or not can_access_peer(0, 1):
         hardware_missing("needs two physical GPUs with peer access")
@@ -1055,6 +1060,7 @@ def test_virtual_memory_mapping_of_a_peer_is_read_only_once_granted(granted):
     directly from GPU 0 only when the mapping grants GPU 0 access; else it is staged."""
     import cupy
     from cudaemu import memory
+
     from gpukv.device.cuda.device import peer_readable
     with cupy.cuda.Device(1):
         memptr = memory.mapped_alloc(1000 * 4, 1)

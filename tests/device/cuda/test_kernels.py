@@ -193,6 +193,7 @@ def test_fp16_rounding_on_gpu():
 def test_multi_sum_reads_peer_memory():
     """One launch on GPU 0 sums sources living on another GPU when peer access allows."""
     import cupy
+
     from gpukv.device.cuda.device import can_access_peer, gpu_count
     if gpu_count() < 2 or not can_access_peer(0, 1):
         hardware_missing("needs two physical GPUs with peer access")

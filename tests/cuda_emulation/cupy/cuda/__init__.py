@@ -1,12 +1,26 @@
 """`cupy.cuda` of the emulation: devices, streams, events, memory, runtime, NCCL."""
 from cudaemu.errors import CUDARuntimeError  # noqa: F401
 from cudaemu.memory import (  # noqa: F401
-    BaseMemory, Memory, MemoryAsyncPool, MemoryPointer, MemoryPool, PinnedMemory,
-    UnownedMemory, alloc, alloc_pinned_memory, get_allocator, set_allocator,
+    BaseMemory,
+    Memory,
+    MemoryAsyncPool,
+    MemoryPointer,
+    MemoryPool,
+    PinnedMemory,
+    UnownedMemory,
+    alloc,
+    alloc_pinned_memory,
+    get_allocator,
+    set_allocator,
     using_allocator,
 )
 from cudaemu.runtime import (  # noqa: F401
-    Device, Event, ExternalStream, Stream, get_current_stream, get_device_id,
+    Device,
+    Event,
+    ExternalStream,
+    Stream,
+    get_current_stream,
+    get_device_id,
     get_elapsed_time,
 )
 

@@ -1,4 +1,4 @@
-"""The dist stores across real MPI processes (tests/dist/programs/scenarios.py under
+"""The dist stores across real MPI processes (tests/distributed/programs/scenarios.py under
 `mpiexec`): MXNet's dist_sync expectations, async mode, every call, both server
 placements, dist_device_sync on (emulated) GPUs, compression on the wire, checkpoints,
 and failures that end in bounded time with typed errors on every rank."""

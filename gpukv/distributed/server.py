@@ -17,14 +17,13 @@ import time
 
 import numpy as np
 
-from .._errors import (ArgumentError, CheckpointError, GpukvError, PeerError,
-                       PeerMismatchError)
+from .._errors import ArgumentError, CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ..update.compression import compressible, make_compressor
 from .agree import Agreement, from_rank0, refuse_split
 from .sharding import pieces
 from .state import cut, mark_starts, merge
-from .transport import (TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST,
-                        Transport)
+from .transport import TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport
+
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)
 _REPLY_TAGS = 30000

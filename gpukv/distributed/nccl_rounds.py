@@ -204,8 +204,8 @@ def nccl_device(local_rank: int):
     """The GPU this process joins the NCCL communicator with (its local rank's, among the
     GPUs it sees), or None without GPUs or NCCL."""
     from ..device import gpu_devices
-    from ..device.cuda.nccl import nccl_available
     from ..device.cuda.device import gpu_count
+    from ..device.cuda.nccl import nccl_available
     if not gpu_count() or not nccl_available():
         return None
     gpus = [g for g in gpu_devices() if g.slot == 0]

@@ -41,7 +41,7 @@ def require_mpi() -> str:
 
 def run(program: str | Path, n: int, *args: str, env: dict | None = None,
         timeout: float = 120, module: bool = False) -> subprocess.CompletedProcess:
-    """Run `program` (a file in tests/dist/programs, a path, or with `module` a module
+    """Run `program` (a file in tests/distributed/programs, a path, or with `module` a module
     name for `python -m`) on `n` processes; the finished process, stdout and stderr as text.
 
     Fails the test (with both outputs) when the job does not end within `timeout` s.
