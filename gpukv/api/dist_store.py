@@ -26,6 +26,7 @@ from .dist_parts import PinnedStore, SavedState, Shard
 from .store import KVStore
 
 if TYPE_CHECKING:
+    from ..distributed import Engine
     from ..optim import Optimizer
 
 #: seconds a process waits for the others before it calls them stalled
@@ -40,7 +41,7 @@ _made = [0]
 _SERVED: list = []
 
 
-def _serve_or_client(transport, servers: int, bound: int, name: str):
+def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
@@ -178,9 +179,10 @@ class DistKVStore(KVStore):
         #: where the engine reads the sums and writes the values: the host, or this
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
+        self._engine: Engine
         if gpu is not None:
             from ..distributed.nccl_rounds import NcclRounds
-            self._engine: Any = NcclRounds(transport, Shard(), bound, gpu)
+            self._engine = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
             from ..distributed.sharded import ShardedRounds
             self._engine = ShardedRounds(transport, Shard(), bound)
