@@ -1,4 +1,9 @@
-"""The front end: `create()` and `KVStore`. Orchestration only, never imports CuPy."""
+"""`KVStore`, the one-process store: orchestration only, never imports CuPy.
+
+Each call runs the phases in turn, each in its own place: `check.py` checks the arguments
+whole, `pipeline.py` plans a push as jobs and runs them (the strategies of `gpukv.comm`
+execute them), then the updater or optimizer (`gpukv.optim`) updates the keys.
+"""
 from __future__ import annotations
 
 import itertools
