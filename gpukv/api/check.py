@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -314,7 +315,7 @@ def all_outs(groups: Groups, entries: list) -> None:
             break
 
 
-def init_values(groups: Groups, entries: dict, held) -> None:
+def init_values(groups: Groups, entries: Mapping, held) -> None:
     """DuplicateKeyError, DTypeError or ShapeError naming the key unless every key of an
     init is new and its values agree."""
     key_kind(groups.key_kind, held, groups.keys)
@@ -347,7 +348,7 @@ def refuse_sparse_outs(groups: Groups, in_place: bool) -> None:
 
 
 # ---------------------------------------------------------------- row_sparse_pull
-def row_sparse_pulls(pairs, entries: dict, held) -> list:
+def row_sparse_pulls(pairs, entries: Mapping, held) -> list:
     """(entry, RowSparse out, checked int64 row ids) for every (key, out, row_ids) of a
     row_sparse_pull, every part checked before any is returned."""
     work = []

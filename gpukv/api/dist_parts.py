@@ -3,10 +3,19 @@ stores that keep its copies and sums, and the gathered optimizer state a checkpo
 writes. KVStore's own machinery (checks, updaters, the push pipeline) does the work."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import numpy as np
 
 from ..device import device_of
-from .store import KVStore, _PushPlan
+from . import check
+from .pipeline import PushPlan
+from .store import Key, KVStore
+
+#: the kind of a store's keys: int or str
+KeyKind = type
 
 
 class Shard(KVStore):
@@ -37,7 +46,7 @@ class Shard(KVStore):
         updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
                    if updater is not None or m is not e.value]
         if updates:
-            self._run_push(_PushPlan([], [], [], updates, [], []))
+            self._run_push(PushPlan([], [], [], updates, [], []))
 
     def assign(self, key, value) -> None:
         """Set a key's value, without the updater (a checkpoint's value)."""
@@ -65,8 +74,13 @@ class Shard(KVStore):
 
 
 class PinnedStore(KVStore):
-    """A one-process store whose keys all live on `pinned` (the NCCL GPU), or one that
-    places them as KVStore does (`pinned` None)."""
+    """A one-process store a dist store keeps keys in (its values, its local sums): its
+    keys all live on `pinned` (the NCCL GPU), or where KVStore places them (`pinned` None).
+
+    The dist store checks each call itself (with `check`, against `entries()`), then has
+    the methods below run it on the checked `check.Groups`: nothing is checked twice, and
+    the dist store reads nothing private of this store.
+    """
 
     def __init__(self, name: str, pinned, **options):
         super().__init__(name, **options)
@@ -74,6 +88,39 @@ class PinnedStore(KVStore):
 
     def _candidates(self, arrays) -> list:
         return [self._pinned] if self._pinned is not None else super()._candidates(arrays)
+
+    @property
+    def key_kind(self) -> KeyKind | None:
+        """The kind of key the store holds: int or str (None before its first key)."""
+        return self._key_kind
+
+    def entries(self) -> Mapping[Key, Any]:
+        """The store's keys, in init order, read-only: key -> entry, whose `value` is the
+        stored array and `home` the Device it lives on."""
+        return MappingProxyType(self._entries)
+
+    def lookup(self, groups: check.Groups, op: str) -> list:
+        """The entries of a call's keys, in order; KeyKindError or UnknownKeyError naming
+        the key, for the call `op`."""
+        return self._lookup(groups, op)
+
+    def init_checked(self, groups: check.Groups) -> None:
+        """`init` of `check.group`'s groups (each key's first array is copied)."""
+        with self._lock:
+            self._init_groups(groups)
+
+    def push_checked(self, groups: check.Groups, entries: list) -> None:
+        """`push` of `check.group`'s groups into their `entries` (from `lookup`), whose
+        sources passed `check.all_sources`."""
+        with self._lock:
+            self._run_push(self._plan_push(groups, entries))
+
+    def pull_checked(self, groups: check.Groups, entries: list,
+                     ignore_sparse: bool = True) -> None:
+        """`pull` of `entries` (from `lookup`) into `check.group`'s groups of outs, which
+        passed `check.all_outs`."""
+        with self._lock:
+            self._pull_groups(groups, entries, ignore_sparse)
 
 
 class SavedState:

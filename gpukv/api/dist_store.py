@@ -26,6 +26,7 @@ from .dist_parts import PinnedStore, SavedState, Shard
 from .store import KVStore
 
 if TYPE_CHECKING:
+    from ..distributed import Engine
     from ..optim import Optimizer
 
 #: seconds a process waits for the others before it calls them stalled
@@ -40,7 +41,7 @@ _made = [0]
 _SERVED: list = []
 
 
-def _serve_or_client(transport, servers: int, bound: int, name: str):
+def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
@@ -135,8 +136,13 @@ def _raise(outcome):
 class DistKVStore(KVStore):
     """A store shared by the processes of an MPI job (see `gpukv.create`).
 
-    A `KVStore` to its users (every public call is its own here); its local state is two
-    one-process stores and an engine, not KVStore's own, whose constructor it does not run.
+    A `KVStore` to its users, as `create` promises (`isinstance(kv, gpukv.KVStore)`, which
+    the Trainer and the tools check), but none of KVStore's machinery: its keys live in
+    two `PinnedStore`s, reached through their public surface only, and in its `Engine`.
+    So it does not run KVStore's constructor, and every public member is its own here but
+    `type` (a test checks it). A base class both would derive from was weighed and left:
+    it would hold `type` and the docstrings alone, and the dist store would no longer be
+    the `KVStore` that `create` returns.
     """
 
     def __init__(self, name: str, *, num_servers: int | None = None,
@@ -178,9 +184,10 @@ class DistKVStore(KVStore):
         #: where the engine reads the sums and writes the values: the host, or this
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
+        self._engine: Engine
         if gpu is not None:
             from ..distributed.nccl_rounds import NcclRounds
-            self._engine: Any = NcclRounds(transport, Shard(), bound, gpu)
+            self._engine = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
             from ..distributed.sharded import ShardedRounds
             self._engine = ShardedRounds(transport, Shard(), bound)
@@ -257,25 +264,22 @@ class DistKVStore(KVStore):
         groups = check.group(key, value, "value")
         with self._lock:
             self._engine.check()
-            check.init_values(groups, self._dict(), self._values._key_kind)
+            check.init_values(groups, self._values.entries(), self._values.key_kind)
             if not groups.keys:
                 return
             if groups.sparse:
                 raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
                                         f"initialised with dense values")
-            self._values._init_groups(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
+            self._values.init_checked(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
             replicas = [self._new_replica(k) for k in groups.keys]
             self._engine.init(groups.keys, replicas)
             if not self._in_place:  # the device copies follow once rank 0's values came
                 self._stale.extend(groups.keys)
 
-    def _dict(self) -> dict:
-        return self._values._entries
-
     def _new_replica(self, key) -> np.ndarray:
         """The array the engine writes a new `key`'s value into: the store's own, or a
         host copy of it kept for the engine."""
-        entry = self._values._entries[key]
+        entry = self._values.entries()[key]
         if self._in_place:
             return entry.value
         host = entry.home.to_host(entry.value)  # a GPU value's is a new array already
@@ -283,7 +287,7 @@ class DistKVStore(KVStore):
         return self._host[key]
 
     def _replica(self, key) -> np.ndarray:
-        return (self._values._entries[key].value if self._in_place else self._host[key])
+        return (self._values.entries()[key].value if self._in_place else self._host[key])
 
     def push(self, key, value, priority: int = 0) -> None:
         """Push every worker's value(s) of each key; see `KVStore.push`. In dist_sync a
@@ -298,7 +302,7 @@ class DistKVStore(KVStore):
 
     def _checked_push(self, groups, op: str) -> list:
         self._engine.check()
-        entries = self._values._lookup(groups, op)
+        entries = self._values.lookup(groups, op)
         check.all_sources(groups, entries, op)
         if not groups.keys:
             return entries
@@ -350,12 +354,14 @@ class DistKVStore(KVStore):
             sub = check.Groups([groups.keys[i] for i in rest], [groups.arrays[i] for i in rest],
                                groups.all_host, groups.key_kind)
             grads = self._grads
-            new = [k for k in sub.keys if k not in grads._entries]
+            summed = grads.entries()
+            new = [k for k in sub.keys if k not in summed]
             if new:  # a key's first push that needs a sum here: its buffer, made now
-                grads.init(new, [self._values._entries[k].value for k in new])
-            grads._run_push(grads._plan_push(sub, [grads._entries[k] for k in sub.keys]))
+                values = self._values.entries()
+                grads.init(new, [values[k].value for k in new])
+            grads.push_checked(sub, [summed[k] for k in sub.keys])
             for i in rest:
-                entry = grads._entries[groups.keys[i]]
+                entry = summed[groups.keys[i]]
                 sums[i] = (entry.value if self._in_place
                            else entry.home.to_host(entry.value))
         return sums
@@ -365,7 +371,7 @@ class DistKVStore(KVStore):
         if self._in_place:
             return
         for key, host in zip(keys, replicas):
-            entry = self._values._entries[key]
+            entry = self._values.entries()[key]
             entry.home.copy(entry.value, host)
 
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
@@ -378,10 +384,10 @@ class DistKVStore(KVStore):
         groups = check.group(key, out, "out")
         with self._lock:
             self._engine.check()
-            entries = self._values._lookup(groups, "pull")
+            entries = self._values.lookup(groups, "pull")
             check.all_outs(groups, entries)
             self._fetch(groups.keys)
-            self._values._pull_groups(groups, entries, ignore_sparse)
+            self._values.pull_checked(groups, entries, ignore_sparse)
 
     def _fetch(self, keys) -> None:
         replicas = [self._replica(k) for k in keys]
@@ -398,24 +404,24 @@ class DistKVStore(KVStore):
         out_groups = groups if out is None else check.group(key, out, "out")
         with self._lock:
             entries = self._checked_push(groups, "pushpull")
-            out_entries = entries if out is None else self._values._lookup(out_groups,
-                                                                           "pushpull")
+            out_entries = (entries if out is None
+                           else self._values.lookup(out_groups, "pushpull"))
             check.all_outs(out_groups, out_entries)
             if out_groups.sparse:
                 check.refuse_sparse_outs(out_groups, out is None)
             self._push(groups, entries)
             self._fetch(out_groups.keys)
-            self._values._pull_groups(out_groups, out_entries)
+            self._values.pull_checked(out_groups, out_entries)
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """init (rank 0's value wins) then pull into `out`."""
         out_groups = check.group(key, out, "out")
         self.init(key, value)
         with self._lock:
-            entries = self._values._lookup(out_groups, "broadcast")
+            entries = self._values.lookup(out_groups, "broadcast")
             check.all_outs(out_groups, entries)
             self._fetch(out_groups.keys)
-            self._values._pull_groups(out_groups, entries)
+            self._values.pull_checked(out_groups, entries)
 
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
         """The rows `row_ids` of each key into RowSparse `out`(s) (see KVStore's)."""
@@ -424,7 +430,7 @@ class DistKVStore(KVStore):
         pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             self._engine.check()
-            check.row_sparse_pulls(pairs, self._dict(), self._values._key_kind)
+            check.row_sparse_pulls(pairs, self._values.entries(), self._values.key_kind)
             self._fetch(list(dict.fromkeys(k for k, _, _ in pairs)))
             self._values.row_sparse_pull(key, out, row_ids)
 
@@ -490,9 +496,9 @@ class DistKVStore(KVStore):
             error = None
             if self.rank == 0:
                 entries = [(k, self._engine_device.to_host(self._replica(k)),
-                            self._values._entries[k].home.kind) for k in keys]
+                            self._values.entries()[k].home.kind) for k in keys]
                 snapshot = checkpoint.StoreSnapshot(
-                    self._type, self._values._key_kind, entries,
+                    self._type, self._values.key_kind, entries,
                     None if state is None else SavedState(state))
                 error = _attempt(lambda: checkpoint.save_store(snapshot, path))
             _raise(self._engine.share(error, "save"))
@@ -511,9 +517,9 @@ class DistKVStore(KVStore):
             contents = _raise(self._engine.share(contents, "load"))
             # The optimizer's state is checked whole, against the keys as they will be,
             # before any key is made (the shards check their parts again).
-            snapshot = checkpoint.StoreSnapshot(self._type, self._values._key_kind,
+            snapshot = checkpoint.StoreSnapshot(self._type, self._values.key_kind,
                                                 [(k, e.value, e.home.kind) for k, e in
-                                                 self._values._entries.items()],
+                                                 self._values.entries().items()],
                                                 self._checker)
             plan = checkpoint.plan_load(contents, snapshot)
             if plan.creates:

@@ -1,26 +1,29 @@
-"""The front end: `create()` and `KVStore`. Orchestration only, never imports CuPy."""
+"""`KVStore`, the one-process store: orchestration only, never imports CuPy.
+
+Each call runs the phases in turn, each in its own place: `check.py` checks the arguments
+whole, `pipeline.py` plans a push as jobs and runs them (the strategies of `gpukv.comm`
+execute them), then the updater or optimizer (`gpukv.optim`) updates the keys.
+"""
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import operator
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError, GpukvError, OutOfMemoryError
-from ..comm import BroadcastJob, HostStrategy, ReduceJob, Strategy
+from ..comm import BroadcastJob, Strategy
 from ..comm.registry import make_strategy
-from ..device import Device, device_of, gpu_devices, host_device, virtual_gpus
+from ..device import Device, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
-from ..update.compression import GradientCompression, compressible, make_compressor
+from ..update.compression import GradientCompression, make_compressor
 from ..update.sparse import RowSparse
-from ..update.sparse import merge as _merge_rows
-from . import check, rows
+from . import check, pipeline, rows
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
@@ -51,62 +54,6 @@ _TYPES = {
 }
 _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
-_HOST_STRATEGY = HostStrategy()
-
-
-class _SplitStrategy:
-    """Sends GPU-homed jobs to the GPU strategy and host-homed ones to the host strategy."""
-
-    def __init__(self, gpu_strategy):
-        self._gpu = gpu_strategy
-
-    def _split(self, jobs):
-        return ([j for j in jobs if not j.home.host_memory],
-                [j for j in jobs if j.home.host_memory])
-
-    def reduce_many(self, jobs):
-        on_gpu, on_host = self._split(jobs)
-        self._gpu.reduce_many(on_gpu)
-        _HOST_STRATEGY.reduce_many(on_host)
-
-    def broadcast_many(self, jobs):
-        on_gpu, on_host = self._split(jobs)
-        self._gpu.broadcast_many(on_gpu)
-        _HOST_STRATEGY.broadcast_many(on_host)
-
-
-def _out_of_memory(key, op: str, exc: MemoryError) -> OutOfMemoryError:
-    return OutOfMemoryError(f"key {key!r}: {op} needs more memory than its device has "
-                            f"free; nothing was changed ({exc})")
-
-
-class _PushKind:
-    """How one key of a push is reduced."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self):
-        return self.name
-
-
-_DENSE, _COMPRESSED, _ROWS = _PushKind("dense"), _PushKind("compressed"), _PushKind("rows")
-
-
-class _PushPlan(NamedTuple):
-    """A checked push, as jobs: nothing of the store has changed yet."""
-    jobs: list        # ReduceJobs of the dense keys
-    compressed: list  # (key, sources, devices, home, out) of the compressed keys
-    rows: list        # (key, entry, merged rows at home) of the row-sparse keys
-    updates: list     # (key, entry, merged out, or _ROWS) for the updater, in call order
-    host_outs: list   # a host store's NumPy call as columns: out i = sum of host_sources[i]
-    host_sources: list
-
-
-@functools.cache
-def _host_slots(n: int) -> tuple:
-    """The devices of `n` host arrays given for one key: host slots 0..n-1."""
-    return tuple(host_device(i) for i in range(n))
 
 
 _ENTRY_SEQ = itertools.count()
@@ -136,21 +83,6 @@ class _Entry:
         return self._merge
 
 
-class _FunctionUpdater:
-    """Adapts `fn(key, merged, stored)` to the batch protocol optimizers implement."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def update(self, keys, merged, stored, homes):
-        for key, m, s, home in zip(keys, merged, stored, homes):
-            with home.activate():
-                self.fn(key, m, s)
-
-    def check(self, keys, stored) -> None:
-        """Any key and value: what a function takes is its own business."""
-
-
 class KVStore:
     """A key-value store of tensors shared by several devices (see `create`)."""
 
@@ -170,10 +102,11 @@ class KVStore:
                             and (asked or name != "nccl")
                             and self._strategy.name not in ("auto", "cpu"))
         # Every key lives on the host and takes the host strategy.
-        self._host_only = not self._on_gpu and not self._route_host
+        self._route = pipeline.Route(self._strategy, self._route_host,
+                                     host_only=not self._on_gpu and not self._route_host)
         self._entries: dict = {}
         self._key_kind: type | None = None
-        self._updater: Any = None  # a _FunctionUpdater or an OptimizerUpdater, once set
+        self._updater: Any = None  # a pipeline.FunctionUpdater or an OptimizerUpdater, once set
         self._optimizer: Any = None  # the Optimizer set_optimizer installed (None otherwise)
         self._load: dict = {}  # home device -> bytes of the keys it holds
         self._lock = threading.RLock()
@@ -265,18 +198,6 @@ class KVStore:
             homes[i] = home
         return homes, load
 
-    @staticmethod
-    def _devices(arrays) -> list:
-        """The logical device of each array: the n-th array on one memory is its n-th slot."""
-        seen: dict = {}
-        devices = []
-        for a in arrays:
-            where = None if isinstance(a, np.ndarray) else a.device.id
-            slot = seen.get(where, 0)
-            seen[where] = slot + 1
-            devices.append(device_of(a, slot))
-        return devices
-
     # ------------------------------------------------------------------ the API
     def init(self, key: Keys, value: Values) -> None:
         """Create key(s) with a copy of `value`.
@@ -307,10 +228,10 @@ class KVStore:
                 stored.append(home.empty(arrays[0].shape, dtype if dtype.isnative
                                          else dtype.newbyteorder("=")))
         except MemoryError as exc:
-            raise _out_of_memory(key, "init", exc) from exc
+            raise pipeline.out_of_memory(key, "init", exc) from exc
         for key, arrays, home, value in zip(groups.keys, groups.arrays, homes, stored):
             source = arrays[0]
-            where = self._devices([source])[0]
+            where = pipeline.devices_of([source])[0]
             home.wait_for(where)
             home.copy(value, source)
             where.wait_for(home)  # the caller may overwrite `source` once init returns
@@ -341,144 +262,17 @@ class KVStore:
             exact = check.all_sources(groups, entries, "push")
             self._run_push(self._plan_push(groups, entries, cast=not exact))
 
-    # The push pipeline: `_plan_push` checks what `_check_all_sources` could not (row ids,
-    # mixed kinds, what the updater takes), makes the allocations (casts, merge buffers,
-    # row merges) and turns the call into jobs; `_run_push` reduces, then updates in the
-    # documented order. Nothing after the plan fails on the caller's input, except the
-    # caller's own updater.
-    def _plan_push(self, groups: check.Groups, entries: list, cast: bool = True) -> _PushPlan:
+    # The push pipeline (`pipeline.py`): the plan checks what `check.all_sources` could not
+    # and makes every allocation; the run reduces, then updates.
+    def _plan_push(self, groups: check.Groups, entries: list,
+                   cast: bool = True) -> pipeline.PushPlan:
         """The checked jobs of a push; raises (changing nothing) on any bad part of it."""
-        if cast:
-            try:
-                groups = _cast_to_keys(groups, entries)
-            except MemoryError as exc:
-                raise _out_of_memory(groups.keys[0], "push (a dtype conversion)", exc) from exc
-        updater = self._updater
-        if (groups.all_host and self._host_only and not groups.sparse
-                and self._compression is None):
-            # NumPy arrays of dense keys in a host store (the hot loop of many small keys):
-            # the outs as a column beside `groups.arrays`, no job per key. (tuple.__new__:
-            # without NamedTuple's Python-level __new__, a hot spot with one small key.)
-            outs: list = []
-            updates: list = []
-            plan = tuple.__new__(_PushPlan, ((), (), (), updates, outs, groups.arrays))
-            try:
-                for key, entry in zip(groups.keys, entries):
-                    if updater is None and not entry.narrow:  # summed straight into it
-                        outs.append(entry.value)
-                    else:
-                        out = entry.merge_buffer()
-                        outs.append(out)
-                        updates.append((key, entry, out))
-            except MemoryError as exc:
-                raise _out_of_memory(key, "push", exc) from exc
-        else:
-            plan = _PushPlan([], [], [], [], [], [])
-            self._plan_keys(plan, groups, entries)
-        if updater is not None and plan.updates:
-            updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
-        return plan
+        return pipeline.plan_push(groups, entries, self._updater, self._compression,
+                                  self._route, cast)
 
-    def _plan_keys(self, plan: _PushPlan, groups: check.Groups, entries: list) -> None:
-        """`_plan_push` for keys of every kind: dense, compressed, row-sparse."""
-        comp = self._compression
-        special = groups.sparse or comp is not None
-        assign = self._updater is None
-        try:
-            for key, entry, sources in zip(groups.keys, entries, groups.arrays):
-                kind = self._push_kind(key, entry, sources, comp) if special else _DENSE
-                if kind is _ROWS:
-                    plan.rows.append((key, entry, self._merged_rows(key, entry, sources)))
-                    plan.updates.append((key, entry, _ROWS))
-                    continue
-                devices = (_host_slots(len(sources)) if groups.all_host
-                           else self._devices(sources))
-                if kind is _COMPRESSED:
-                    assert comp is not None  # `_push_kind` said so
-                    out = (entry.merge_buffer() if entry.value.dtype == np.float32
-                           or entry.narrow else comp.buffer(key, entry.home, entry.value.shape))
-                    comp.reserve(key, sources, devices)
-                    plan.compressed.append((key, sources, devices, entry.home, out))
-                elif assign and not entry.narrow:
-                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
-                    continue
-                else:
-                    out = entry.merge_buffer()
-                    plan.jobs.append(ReduceJob(key, sources, devices, entry.home, out))
-                plan.updates.append((key, entry, out))
-        except MemoryError as exc:
-            raise _out_of_memory(key, "push", exc) from exc
-
-    def _merged_rows(self, key, entry, sources) -> RowSparse:
-        """The row-wise sum of checked RowSparse `sources` at home: what the updater gets
-        (made dense for an updater that takes dense gradients only)."""
-        sources = [s.checked(f"key {key!r}: push") for s in sources]
-        merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
-        updater = self._updater
-        takes_rows = (updater is None or type(updater) is _FunctionUpdater
-                      or hasattr(updater, "update_rows"))
-        # An updater without `update_rows` gets the standard (non-lazy) dense gradient.
-        return merged if takes_rows else rows.dense_gradient(merged, entry.home)
-
-    @staticmethod
-    def _push_kind(key, entry, sources, comp):
-        """How one key of a push is reduced: dense, compressed or row-sparse."""
-        n_rows = sum(type(s) is RowSparse for s in sources)
-        if n_rows:
-            if n_rows != len(sources):
-                raise ArgumentKindError(f"key {key!r}: push mixes RowSparse and dense values; "
-                                        f"give every device the same kind")
-            return _ROWS
-        if comp is not None and compressible(entry.value.dtype):
-            return _COMPRESSED
-        return _DENSE
-
-    def _run_push(self, plan: _PushPlan) -> None:
+    def _run_push(self, plan: pipeline.PushPlan) -> None:
         """Reduce every job of a checked push, then run the updater (or assign)."""
-        if plan.host_outs:
-            _HOST_STRATEGY.reduce_columns(plan.host_outs, plan.host_sources)
-            if not plan.updates:  # summed straight into the values: done
-                return
-        jobs = plan.jobs
-        comp = self._compression
-        if plan.compressed:  # compressed keys: the strategy sums the encoded terms
-            assert comp is not None  # they were planned with it
-            jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home, out)
-                           for key, sources, devices, home, out in plan.compressed]
-        if jobs:
-            self._strategy_for(jobs).reduce_many(jobs)
-        for key, _, _, home, out in plan.compressed:
-            assert comp is not None
-            comp.finish(key, out, home)
-        updater = self._updater
-        merged_rows: dict = {}
-        for key, entry, merged in plan.rows:
-            if updater is None:
-                rows.assign_rows(entry, merged)
-            else:
-                merged_rows[key] = merged
-        if updater is None:  # narrow floats and compressed sums: assigned with one cast
-            for key, entry, out in plan.updates:
-                if out is not _ROWS:
-                    entry.home.copy(entry.value, out)
-            return
-        updates = plan.updates
-        if len(updates) > 1:  # MXNet's order: int keys ascending, str keys as initialised
-            rank = ((lambda u: u[0]) if type(updates[0][0]) is int else (lambda u: u[1].seq))
-            updates = sorted(updates, key=rank)
-        # Runs of one kind go to the updater together (optimizers batch them).
-        lazy_rows = type(updater) is not _FunctionUpdater and hasattr(updater, "update_rows")
-        for is_rows, group in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
-            run = list(group)
-            keys = [u[0] for u in run]
-            stored = [u[1].value for u in run]
-            homes = [u[1].home for u in run]
-            if not is_rows:
-                updater.update(keys, [u[2] for u in run], stored, homes)
-            elif lazy_rows:
-                updater.update_rows(keys, [merged_rows[k] for k in keys], stored, homes)
-            else:  # fn(key, RowSparse, stored), or an updater taking dense gradients only
-                updater.update(keys, [merged_rows[k] for k in keys], stored, homes)
+        pipeline.run_push(plan, self._updater, self._compression, self._route)
 
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
@@ -505,26 +299,14 @@ class KVStore:
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
-        if groups.all_host and self._host_only:  # as columns: no job per key
-            _HOST_STRATEGY.broadcast_columns(map(_value_of, entries), groups.arrays)
+        if groups.all_host and self._route.host_only:  # as columns: no job per key
+            pipeline.HOST_STRATEGY.broadcast_columns(map(_value_of, entries), groups.arrays)
             return
-        jobs = [BroadcastJob(key, entry.value, entry.home, outs,
-                             _host_slots(len(outs)) if groups.all_host else self._devices(outs))
+        jobs = [BroadcastJob(key, entry.value, entry.home, outs, pipeline.host_slots(len(outs))
+                             if groups.all_host else pipeline.devices_of(outs))
                 for key, entry, outs in zip(groups.keys, entries, groups.arrays)]
         if jobs:
-            self._strategy_for(jobs).broadcast_many(jobs)
-
-    def _strategy_for(self, jobs):
-        """The store's strategy, or the host one for keys whose home is the host."""
-        if self._route_host:
-            return self._strategy
-        if self._host_only:
-            return _HOST_STRATEGY
-        if not any(job.home.host_memory for job in jobs):
-            return self._strategy
-        if not all(job.home.host_memory for job in jobs):
-            return _SplitStrategy(self._strategy)
-        return _HOST_STRATEGY
+            self._route.strategy_for(jobs).broadcast_many(jobs)
 
     def pushpull(self, key: Keys, value: Values, out: Values | None = None,
                  priority: int = 0) -> None:
@@ -577,7 +359,7 @@ class KVStore:
             raise ArgumentKindError(
                 f"updater: expected a callable, got {type(updater).__name__}")
         with self._lock:
-            self._updater = _FunctionUpdater(updater)
+            self._updater = pipeline.FunctionUpdater(updater)
             self._optimizer = None
 
     _set_updater = set_updater
@@ -802,31 +584,3 @@ class KVStore:
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
                 f"keys={len(self._entries)}>")
-
-
-def _cast_to_keys(groups: check.Groups, entries: list) -> check.Groups:
-    """`groups` with every dense source of another dtype converted to its key's dtype.
-
-    MXNet converts a pushed array to the key's dtype before summing; so does gpukv (on
-    the source's own device). The common case, every dtype right, returns `groups` itself.
-    """
-    for entry, sources in zip(entries, groups.arrays):  # quick pass: every dtype the key's
-        dtype = entry.value.dtype
-        for s in sources:
-            if s.dtype is not dtype:
-                break
-        else:
-            continue
-        break
-    else:
-        return groups
-    arrays = None
-    for i, (entry, sources) in enumerate(zip(entries, groups.arrays)):
-        dtype = entry.value.dtype
-        if all(isinstance(s, RowSparse) or s.dtype == dtype for s in sources):
-            continue
-        if arrays is None:
-            arrays = list(groups.arrays)
-        arrays[i] = [s if isinstance(s, RowSparse) or s.dtype == dtype
-                     else device_of(s).cast(s, dtype) for s in sources]
-    return groups if arrays is None else groups._replace(arrays=arrays)

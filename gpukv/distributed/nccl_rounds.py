@@ -17,6 +17,7 @@ from __future__ import annotations
 from .._errors import ArgumentError, PeerError
 from ..device.cuda.nccl import nccl_dtype, nccl_module
 from .agree import from_rank0
+from .engine import Shard
 from .sharded import ShardedRounds, layout_size
 from .sharding import piece_length
 from .transport import Transport
@@ -94,9 +95,10 @@ def broadcast(buffer, root: int):
 
 
 class NcclRounds(ShardedRounds):
-    """The S = 0 engine for a store whose keys live on `device`, this process's GPU."""
+    """The S = 0 engine for a store whose keys live on `device`, this process's GPU
+    (an `engine.Engine`)."""
 
-    def __init__(self, transport: Transport, shard, bound: int, device):
+    def __init__(self, transport: Transport, shard: Shard, bound: int, device):
         super().__init__(transport, shard, bound)
         self.device = device
         self.link = NcclLink(transport, device)

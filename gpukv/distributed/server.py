@@ -18,8 +18,9 @@ import time
 import numpy as np
 
 from .._errors import ArgumentError, CheckpointError, GpukvError, PeerError, PeerMismatchError
-from ..update.compression import compressible, make_compressor
+from ..update.compression import Compressor, compressible, make_compressor
 from .agree import Agreement, from_rank0, refuse_split
+from .engine import Shard
 from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import TAG_DATA, TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport
@@ -49,7 +50,7 @@ class _Key:
 
 
 class _Server:
-    def __init__(self, transport: Transport, servers: int, shard, asynchronous: bool):
+    def __init__(self, transport: Transport, servers: int, shard: Shard, asynchronous: bool):
         self.t = transport
         self.servers = servers
         self.workers = transport.size - servers
@@ -325,7 +326,7 @@ def reported(report) -> PeerError:
     return (PeerMismatchError if kind == "mismatch" else PeerError)(message)
 
 
-def serve(transport: Transport, servers: int, shard, bound: int,
+def serve(transport: Transport, servers: int, shard: Shard, bound: int,
           asynchronous: bool) -> None:
     """Run a server until every worker has stopped (its `create` then exits)."""
     worker_comm(transport, servers)
@@ -334,10 +335,12 @@ def serve(transport: Transport, servers: int, shard, bound: int,
 
 # ========================================================================= worker side
 class ServerClient:
-    """A worker's end of the dedicated servers: the engine of a dist store with S >= 1."""
+    """A worker's end of the dedicated servers: the engine of a dist store with S >= 1
+    (an `engine.Engine`)."""
 
     #: pulls fetch the values; a push leaves this process's copies as they are
     round_updates_replicas = False
+    compressor: Compressor | None
 
     def __init__(self, transport: Transport, servers: int, bound: int, asynchronous: bool):
         self.t = transport

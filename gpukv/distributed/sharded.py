@@ -20,6 +20,7 @@ from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
 from ..update.compression import Compressor, Ctx, compressible
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
+from .engine import Shard
 from .sharding import pieces
 from .state import cut, mark_starts, merge
 from .transport import Transport, as_bytes
@@ -72,17 +73,18 @@ _ALONE_BYTES = 64 << 10
 class ShardedRounds:
     """The S = 0 engine of a dist store (see the module's docstring).
 
-    `shard` is this process's part of the store: an object with `init(keys, arrays)`,
-    `push(keys, arrays)` (sum, then the updater or an assignment), `stored(key)`,
-    `set_optimizer(opt)` and `set_updater(fn)`. Pieces of split keys are stored flat.
+    `shard` is this process's part of the store (see `engine.Shard`): it adopts the pieces
+    this process serves, inside its copies, and updates them. Pieces of split keys are
+    stored flat. Implements `engine.Engine`.
     """
 
     #: a round leaves every process's copy of its keys current
     round_updates_replicas = True
+    compressor: Compressor | None
 
-    def __init__(self, transport: Transport, shard, bound: int):
+    def __init__(self, transport: Transport, shard: Shard, bound: int):
         self.t = transport
-        self.compressor: Compressor | None = None
+        self.compressor = None
         self.shard = shard
         self.bound = bound
         self.agree = Agreement(transport)

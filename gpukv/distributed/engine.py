@@ -1,0 +1,158 @@
+"""The two surfaces between a dist store and the engine that carries its keys across
+processes: `Engine`, what the store calls (`ShardedRounds`, `NcclRounds`, `ServerClient`
+implement it), and `Shard`, what an engine calls back on the one-process store that holds
+the keys (or pieces of keys) its process serves. The store makes the shard and hands it to
+the engine's constructor, so nothing here imports the store's layer.
+
+Both are `typing.Protocol`s rather than base classes: the engines share no code through
+them (each round is its own), and the shard is a `KVStore` of `gpukv.api`, which this
+layer must not import. mypy checks each engine against `Engine` where the store keeps it,
+and the store's shard against `Shard` where an engine is made; a test checks every member
+of both by name and signature.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..optim import Optimizer
+    from ..update.compression import Compressor
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a dist store calls on its engine. `keys` are in the store's order; `replicas`
+    are this process's copies of the keys' values, which the engine reads and writes."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's index among the workers (servers excluded)."""
+        ...
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers the job has (servers excluded)."""
+        ...
+
+    @property
+    def pending(self) -> bool:
+        """Whether keys made here wait for the next collective call to be agreed on."""
+        ...
+
+    @property
+    def round_updates_replicas(self) -> bool:
+        """Whether a push leaves every worker's replicas current (else a pull fetches)."""
+        ...
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The compression on the wire, or None."""
+        ...
+
+    def check(self) -> None:
+        """Raise the failure an earlier call met (or a peer reported), if any."""
+        ...
+
+    def init(self, keys: list, replicas: list) -> None:
+        """Make new keys, whose `replicas` hold this worker's init value (rank 0's wins)."""
+        ...
+
+    def push(self, keys: list, grads: list, replicas: list) -> None:
+        """Send this worker's summed `grads` of `keys`; their sum over workers updates them."""
+        ...
+
+    def pull(self, keys: list, replicas: list) -> None:
+        """Bring the current values of `keys` into `replicas`."""
+        ...
+
+    def set_compression(self, compressor: Compressor | None) -> None:
+        """Compress what crosses processes with `compressor` from now on (None: not)."""
+        ...
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Run `optimizer` where the keys are served (every worker gives an alike one)."""
+        ...
+
+    def follow(self, optimizer: Optimizer) -> None:
+        """Carry changes of `optimizer`'s options to where it runs, before the next push."""
+        ...
+
+    def set_updater(self, updater: Any) -> None:
+        """Run `updater(key, merged, stored)` where the keys are served."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every worker's earlier calls are done and every worker came."""
+        ...
+
+    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
+        """The elementwise maximum of `values` over every worker (a PeerError names `what`)."""
+        ...
+
+    def optimizer_state(self, dump: bool) -> Any:
+        """Every shard's optimizer state merged, on rank 0 (None elsewhere, or without)."""
+        ...
+
+    def restore(self, values: dict, state: Any) -> None:
+        """Load `values` ({key: array}) and optimizer `state`, checked whole everywhere first."""
+        ...
+
+    def share(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every worker."""
+        ...
+
+
+@runtime_checkable
+class Shard(Protocol):
+    """What an engine calls on the one-process store of the keys its process serves (whole
+    keys, or pieces of split keys stored flat)."""
+
+    def init(self, key: Any, value: Any) -> None:
+        """Make key(s) with a copy of `value` (a server's keys, once every worker sent them)."""
+        ...
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Sum `value` (a list of gradients) into `key` with the updater, or assign it."""
+        ...
+
+    def stored(self, key: Any) -> Any:
+        """The array that holds `key`'s value (read it; the shard writes it)."""
+        ...
+
+    def adopt(self, keys: list, arrays: list) -> None:
+        """Serve `arrays` themselves (views of a worker's copies) as new `keys`' values."""
+        ...
+
+    def update(self, keys: list, merged: list) -> None:
+        """Apply the updater (or assign) to `keys` with their summed gradients `merged`."""
+        ...
+
+    def assign(self, key: Any, value: Any) -> None:
+        """Set `key`'s value to `value`, without the updater (a checkpoint's value)."""
+        ...
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Update the served keys with `optimizer` from now on."""
+        ...
+
+    def set_updater(self, updater: Any) -> None:
+        """Update the served keys with `updater(key, merged, stored)` from now on."""
+        ...
+
+    def apply_settings(self, settings: tuple) -> None:
+        """Give the optimizer a worker's `Optimizer.settings()`."""
+        ...
+
+    def export_state(self, dump: bool) -> Any:
+        """The optimizer's state of the served keys, as `save_optimizer_states` writes it."""
+        ...
+
+    def check_state(self, state: Any) -> Any:
+        """Check an optimizer state (header, arrays) against the served keys: its plan."""
+        ...
+
+    def apply_state(self, plan: Any) -> None:
+        """Install the optimizer state `check_state` planned."""
+        ...

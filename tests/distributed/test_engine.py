@@ -1,0 +1,74 @@
+"""The declared surfaces between a dist store and its engines: every engine has every
+member of `Engine`, and the store's shard every member of `Shard`, with the protocol's
+parameters."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from gpukv.api.dist_parts import Shard as StoreShard
+from gpukv.distributed import Engine, Shard
+from gpukv.distributed.nccl_rounds import NcclRounds
+from gpukv.distributed.server import ServerClient
+from gpukv.distributed.sharded import ShardedRounds
+
+ENGINES = [ShardedRounds, NcclRounds, ServerClient]
+
+
+def _members(protocol) -> list[str]:
+    """The public names a protocol declares: its methods, properties and annotations."""
+    names = set(protocol.__annotations__) | {n for n in vars(protocol)
+                                             if not n.startswith("_")}
+    return sorted(names)
+
+
+def _has(cls, name: str) -> bool:
+    """Whether `cls` defines `name`, as a class attribute or an annotated instance one."""
+    return hasattr(cls, name) or any(name in vars(c).get("__annotations__", {})
+                                     for c in cls.__mro__)
+
+
+def _parameters(function) -> list[str]:
+    return [p.name for p in inspect.signature(function).parameters.values()][1:]
+
+
+def _methods(protocol) -> list[str]:
+    return [n for n in _members(protocol) if inspect.isfunction(vars(protocol).get(n))]
+
+
+def test_the_protocols_declare_what_the_store_and_the_engines_use():
+    """Engine declares the calls a dist store makes, Shard the ones an engine makes back."""
+    assert {"rank", "num_workers", "pending", "round_updates_replicas", "compressor",
+            "check", "init", "push", "pull", "set_compression", "set_optimizer", "follow",
+            "set_updater", "barrier", "workers_max", "optimizer_state", "restore",
+            "share"} == set(_members(Engine))
+    assert {"init", "push", "stored", "adopt", "update", "assign", "set_optimizer",
+            "set_updater", "apply_settings", "export_state", "check_state",
+            "apply_state"} == set(_members(Shard))
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("member", _members(Engine))
+def test_every_engine_has_every_engine_member(engine, member):
+    """Each engine class defines each member of Engine (an instance attribute annotated)."""
+    assert _has(engine, member), f"{engine.__name__} lacks Engine.{member}"
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", _methods(Engine))
+def test_every_engine_method_takes_the_protocols_parameters(engine, method):
+    """Each engine's method takes the parameters Engine declares, by the same names."""
+    assert _parameters(getattr(engine, method)) == _parameters(vars(Engine)[method])
+
+
+@pytest.mark.parametrize("method", _methods(Shard))
+def test_the_stores_shard_takes_the_protocols_parameters(method):
+    """The store's shard has each method of Shard, with the parameters Shard declares."""
+    assert _parameters(getattr(StoreShard, method)) == _parameters(vars(Shard)[method])
+
+
+def test_the_stores_shard_is_a_shard_and_no_engine():
+    """An instance of the store's shard passes the runtime check of Shard (not of Engine)."""
+    shard = StoreShard()
+    assert isinstance(shard, Shard) and not isinstance(shard, Engine)
