@@ -38,6 +38,16 @@ class Trainer:
     the Trainer is made. A multiplier set later on a parameter that shares a key is an
     ArgumentError at the next step (set multipliers first, or use bucket_bytes=0).
 
+    The parameters with requires_grad=False when the Trainer is made are left out for
+    good: one made trainable later is an ArgumentError at the next step (make a new
+    Trainer after unfreezing). Every replica must have the same parameters, each
+    trainable in all of them or in none. A gradient backward has not written since the
+    last step is stale: an error at the step unless `ignore_stale_grad` (see `step`).
+    To change the optimizer: `set_learning_rate`, or `optimizer.set_lr_mult` /
+    `set_wd_mult` as above; for anything else (another kind, momentum, wd), make a new
+    Trainer on the same modules and a new store: it starts from their weights as they
+    are, with a fresh optimizer state.
+
     overlap: start each bucket's gradient reduction from backward, as soon as every
     replica has produced the bucket's gradients (post-accumulate-grad hooks and one
     background thread), so that it overlaps the rest of backward; the update and the pull
