@@ -471,8 +471,8 @@ def test_a_parameter_unfrozen_after_the_trainer_is_refused(update_on_kvstore, re
     models[replica][0].weight.requires_grad_(True)
     backward_shards(models, *make_data())
     before = [p.detach().clone() for p in models[1].parameters()]
-    with pytest.raises(gpukv.ArgumentError, match=rf"'0\.weight' of replica {replica}.*"
-                                                   r"requires_grad=False"):
+    message = rf"'0\.weight' of replica {replica}.*requires_grad=False"
+    with pytest.raises(gpukv.ArgumentError, match=message):
         t.step(8)
     assert all(torch.equal(p.detach(), q) for p, q in zip(models[1].parameters(), before))
 
