@@ -414,3 +414,235 @@ def test_a_multiplier_on_a_shared_key_is_refused():
     with pytest.raises(gpukv.ArgumentError, match=repr(name)):
         trainer.step(len(x))
     assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+
+
+class WithExtra(nn.Module):
+    """make_model()'s layers, and one more parameter that replica 0 lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.extra = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.body(x) + self.extra
+
+
+def body_only():
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.body = make_model()
+    return module
+
+
+def frozen_weight(trainable_in_zero: bool):
+    models = [body_only(), body_only()]
+    models[0 if not trainable_in_zero else 1].body[0].weight.requires_grad_(False)
+    return models
+
+
+@pytest.mark.parametrize("models, message", [
+    (lambda: [body_only(), WithExtra()],
+     r"parameter 'extra': trainable in replica 1 but missing in replica 0"),
+    (lambda: [WithExtra(), body_only()],
+     r"parameter 'extra': trainable in replica 0 but missing in replica 1"),
+    (lambda: frozen_weight(False),
+     r"parameter 'body.0.weight': trainable in replica 1 but frozen in replica 0"),
+    (lambda: frozen_weight(True),
+     r"parameter 'body.0.weight': frozen in replica 1 but trainable in replica 0"),
+], ids=["extra-in-1", "extra-in-0", "frozen-in-0", "frozen-in-1"])
+def test_replicas_are_checked_both_ways(models, message):
+    """A parameter one replica has (or trains) and another lacks (or freezes) is an
+    ArgumentError naming it and the replica, whichever replica is replica 0."""
+    with pytest.raises(gpukv.ArgumentError, match=message):
+        gt.Trainer(models(), "sgd", kvstore="local")
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_parameter_unfrozen_after_the_trainer_is_refused(update_on_kvstore, replica):
+    """A parameter frozen when the Trainer is made and trainable at the step is an
+    ArgumentError naming it and its replica; nothing changes."""
+    models = replicas_of(make_model(), 2)
+    for m in models:
+        m[0].weight.requires_grad_(False)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=update_on_kvstore)
+    models[replica][0].weight.requires_grad_(True)
+    backward_shards(models, *make_data())
+    before = [p.detach().clone() for p in models[1].parameters()]
+    message = rf"'0\.weight' of replica {replica}.*requires_grad=False"
+    with pytest.raises(gpukv.ArgumentError, match=message):
+        t.step(8)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(models[1].parameters(), before))
+
+
+def step_once(trainer, models, x=None, y=None):
+    """One zero_grad, backward and step on every replica."""
+    if x is None:
+        x, y = make_data()
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    trainer.step(len(x))
+
+
+def weights(models):
+    return [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def assert_unchanged(models, before):
+    assert all(torch.equal(p.detach(), q) for m, ws in zip(models, before)
+               for p, q in zip(m.parameters(), ws))
+
+
+TRAINER_WAYS = [dict(update_on_kvstore=u, overlap=o) for u in (True, False)
+                for o in (False, True)]
+WAY_IDS = ["store", "store-overlap", "local", "local-overlap"]
+
+
+@pytest.mark.parametrize("way", TRAINER_WAYS, ids=WAY_IDS)
+@pytest.mark.parametrize("zero_grad", [True, False])
+@pytest.mark.parametrize("bucket_bytes", [0, gt.BUCKET_BYTES])
+def test_a_step_without_backward_is_refused(way, zero_grad, bucket_bytes):
+    """A second step with no backward since the first (after zero_grad or not) is an
+    ArgumentError naming replica 0's parameters, and changes no weight or option."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="local",
+                   bucket_bytes=bucket_bytes, **way)
+    step_once(t, models)
+    if zero_grad:
+        t.zero_grad()
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError,
+                       match=r"parameters '0\.weight', .* of replica 0: stale gradient"):
+        t.step(48)
+    assert t.optimizer.rescale_grad == 1 / 48
+    assert_unchanged(models, before)
+
+
+@pytest.mark.parametrize("way", TRAINER_WAYS, ids=WAY_IDS)
+def test_backward_on_some_replicas_only_is_refused(way):
+    """After a step, backward on replica 0 alone: the step is an ArgumentError naming
+    replica 1, and changes nothing."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", **way)
+    x, y = make_data()
+    step_once(t, models, x, y)
+    t.zero_grad()
+    backward_shards(models[:1], x[:24], y[:24])
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match=r"'4\.bias' of replica 1: stale"):
+        t.step(len(x))
+    assert_unchanged(models, before)
+
+
+@pytest.mark.parametrize("way", TRAINER_WAYS, ids=WAY_IDS)
+def test_ignore_stale_grad_leaves_a_stale_replica_out(way):
+    """With ignore_stale_grad=True a replica whose gradients are stale contributes none:
+    plain SGD moves every replica by replica 0's gradient alone."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", **way)
+    x, y = make_data()
+    step_once(t, models, x, y)
+    t.zero_grad()
+    backward_shards(models[:1], x[:24], y[:24])
+    grads = [p.grad.clone() for p in models[0].parameters()]
+    before = weights(models)
+    t.step(2, ignore_stale_grad=True)
+    for m in models:
+        for p, w, g in zip(m.parameters(), before[0], grads):
+            torch.testing.assert_close(p.detach(), w - 0.1 * g / 2)
+
+
+class Skips(nn.Module):
+    """make_model() and a layer its forward pass does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("way", TRAINER_WAYS, ids=WAY_IDS)
+def test_a_parameter_the_forward_pass_skips_is_stale_in_a_fused_key(way):
+    """A layer left out of the forward pass, sharing a key with used ones: the step is an
+    ArgumentError naming its parameters; with ignore_stale_grad it keeps its weights."""
+    torch.manual_seed(0)
+    models = replicas_of(Skips(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", **way)
+    assert len(t.keys) == 1
+    x, y = make_data()
+    unused = weights([m.unused for m in models])
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError,
+                       match=r"parameters 'unused\.weight', 'unused\.bias' of replica 0"):
+        t.step(len(x))
+    t.step(len(x), ignore_stale_grad=True)
+    assert_unchanged([m.unused for m in models], unused)
+
+
+def test_allreduce_grads_and_update_refuse_stale_gradients():
+    """allreduce_grads() and update() without backward since the last update are
+    ArgumentErrors; allreduce_grads(ignore_stale_grad=True) then update() leaves the
+    stale replica out as step does."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=False)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    t.allreduce_grads()
+    t.update(len(x))
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
+        t.allreduce_grads()
+    with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
+        t.update(len(x))
+    assert_unchanged(models, before)
+    t.zero_grad()
+    backward_shards(models[:1], x[:24], y[:24])
+    grads = [p.grad.clone() for p in models[0].parameters()]
+    t.allreduce_grads(ignore_stale_grad=True)
+    t.update(2)
+    for m in models:
+        for p, w, g in zip(m.parameters(), before[0], grads):
+            torch.testing.assert_close(p.detach(), w - 0.1 * g / 2)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("batch_size", [1e-320, 5e-324, float("inf"), 10 ** 400, 1e308],
+                         ids=["1e-320", "5e-324", "inf", "10**400", "rescale-1e-318"])
+def test_a_batch_size_without_a_normal_reciprocal_is_refused(update_on_kvstore, batch_size):
+    """A batch size whose reciprocal (or the rescale it gives) is not a finite normal
+    number is an ArgumentError before anything is pushed; no weight becomes NaN."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "rescale_grad": 1e-10},
+                   kvstore="local", update_on_kvstore=update_on_kvstore)
+    pushed = []
+    push = t.kvstore.push
+    t.kvstore.push = lambda *a, **k: pushed.append(a) or push(*a, **k)
+    backward_shards(models, *make_data())
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match="batch_size=.*not a finite normal"):
+        t.step(batch_size)
+    assert pushed == []
+    assert_unchanged(models, before)
+
+
+def test_a_new_trainer_changes_the_optimizer():
+    """To change optimizers, a new Trainer on the same modules: it starts from their
+    weights as they are, with a fresh optimizer state, as a Trainer on copies would."""
+    models = replicas_of(make_model(), 2)
+    first = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                       kvstore="local")
+    for _ in range(2):
+        step_once(first, models)
+    copies = [copy.deepcopy(m) for m in models]
+    adam = gt.Trainer(models, "adam", {"learning_rate": 0.01}, kvstore="local")
+    reference = gt.Trainer(copies, "adam", {"learning_rate": 0.01}, kvstore="local")
+    for _ in range(2):
+        step_once(adam, models)
+        step_once(reference, copies)
+    assert_same_weights(models, copies[0], rtol=0, atol=0)

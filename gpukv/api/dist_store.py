@@ -251,11 +251,13 @@ class DistKVStore(KVStore):
 
     _barrier = barrier
 
-    def _workers_max(self, values, what: str) -> np.ndarray:
-        """The elementwise maximum of `values` (small ints, one shape) over every worker;
-        each calls it at the same point, or every one gets a PeerError naming `what`."""
+    def workers_max(self, values, what: str) -> np.ndarray:
+        """The elementwise maximum of `values` (ints or bools, one shape on every worker)
+        over every worker, as an int64 array; each calls it at the same point, or every
+        one gets a PeerError naming `what`."""
+        mine = super().workers_max(values, what)
         with self._lock:
-            return self._engine.workers_max(np.array(values, dtype=np.int64), what)
+            return self._engine.workers_max(mine, what)
 
     # ------------------------------------------------------------------ the API
     def init(self, key, value) -> None:

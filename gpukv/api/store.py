@@ -170,6 +170,20 @@ class KVStore:
 
     _barrier = barrier
 
+    def workers_max(self, values, what: str) -> np.ndarray:
+        """The elementwise maximum over every worker of `values` (ints or bools, any one
+        shape), as an int64 array. Every worker calls it at the same point: `what` names
+        that point in the PeerError of a dist store whose workers do not. One process:
+        the values themselves (ArgumentKindError if they are not integers)."""
+        try:
+            array = np.asarray(values)
+        except ValueError:  # ragged
+            array = np.asarray(values, dtype=object)
+        if array.size and not np.can_cast(array.dtype, np.int64):
+            raise ArgumentKindError(f"workers_max ({what}): expected integers of one "
+                                    f"shape, got {array.dtype}")
+        return array.astype(np.int64)
+
     def _lookup(self, groups: check.Groups, op: str) -> list:
         """The entries of a call's keys (every key known, of the store's kind)."""
         return check.lookup(self._entries, self._key_kind, groups, op)

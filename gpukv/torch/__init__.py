@@ -9,7 +9,8 @@
         trainer.step(batch_size=len(x))            # push, update on the store, pull
 
 One `torch.nn.Module` per device (same architecture), or a single module. Every trainable
-parameter takes part; parameters with `requires_grad=False` are left out. Parameters are
+parameter takes part; parameters with `requires_grad=False` when the Trainer is made are
+left out (one unfrozen later is refused at the step: make a new Trainer). Parameters are
 grouped in buckets (consecutive parameters of one dtype, up to `bucket_bytes`; filled in
 backward's order, the first one up to 1 MB, as DDP's), one store key per bucket: a key
 holding one parameter is named after it, a fused one ``'<first>..<last>'``. In every

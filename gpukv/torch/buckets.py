@@ -35,18 +35,26 @@ class Bucket:
 
 
 def trainable(modules) -> tuple[list, list]:
-    """Names and per-replica tensors of the trainable parameters, checked to agree."""
+    """Names and per-replica tensors of the trainable parameters, checked to agree: every
+    replica has the parameters of replica 0, no others, each trainable in all or none."""
     first = [(n, p) for n, p in modules[0].named_parameters() if p.requires_grad]
     names = [n for n, _ in first]
     params = [[p for _, p in first]]
+    zero = dict(modules[0].named_parameters())
     for r, module in enumerate(modules[1:], start=1):
         mine = dict(module.named_parameters())
+        for name, p in mine.items():
+            p0 = zero.get(name)
+            if p0 is None or p.requires_grad != p0.requires_grad:
+                raise ArgumentError(f"parameter {name!r}: {_state(p)} in replica {r} but "
+                                    f"{'missing' if p0 is None else _state(p0)} in "
+                                    f"replica 0")
         row = []
         for name, p0 in first:
             p = mine.get(name)
-            if p is None or not p.requires_grad:
+            if p is None:
                 raise ArgumentError(f"parameter {name!r}: trainable in replica 0 but "
-                                    f"{'missing' if p is None else 'frozen'} in replica {r}")
+                                    f"missing in replica {r}")
             if p.shape != p0.shape or p.dtype != p0.dtype:
                 raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
                                  f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
@@ -56,6 +64,16 @@ def trainable(modules) -> tuple[list, list]:
                                 f"each device its own copy (copy.deepcopy)")
         params.append(row)
     return names, params
+
+
+def frozen(modules) -> list:
+    """(name, replica, tensor) of every parameter with requires_grad=False."""
+    return [(name, r, p) for r, module in enumerate(modules)
+            for name, p in module.named_parameters() if not p.requires_grad]
+
+
+def _state(p) -> str:
+    return "trainable" if p.requires_grad else "frozen"
 
 
 def make_buckets(names, params, capacity: int, alone=frozenset(),

@@ -100,6 +100,22 @@ def test_rank_and_num_workers(kv):
     assert (kv.rank, kv.num_workers) == (MX["rank"], MX["num_workers"]) == (0, 1)
 
 
+@pytest.mark.parametrize("values", [[0, 3, 1], [[True, False]], np.arange(4, dtype=np.uint8),
+                                    []])
+def test_workers_max_in_one_process_is_the_values(kv, values):
+    """workers_max in one process returns the values themselves as an int64 array."""
+    got = kv.workers_max(values, "a test")
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.asarray(values, dtype=np.int64))
+
+
+@pytest.mark.parametrize("values", [[0.5], [[1, 2], [3]], np.array([1], np.uint64), ["a"]])
+def test_workers_max_refuses_what_is_not_integers(kv, values):
+    """workers_max refuses floats, ragged lists and integers past int64, naming the call."""
+    with pytest.raises(gpukv.ArgumentKindError, match="workers_max .a test."):
+        kv.workers_max(values, "a test")
+
+
 @pytest.mark.parametrize("method", ["barrier", "_barrier"])
 def test_barrier_returns_at_once(kv, method):
     """barrier() and its alias _barrier() return None at once in one process."""

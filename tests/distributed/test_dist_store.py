@@ -156,6 +156,16 @@ def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):
     _passes(_scenario(n, servers, "trainer", "sgd", on_store, "on", passes), n - servers)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("on_store", ["0", "1"])
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_torch_trainer_ignore_stale_grad_on_a_dist_store(n, servers, on_store, overlap):
+    """A parameter without a gradient on one worker only, with ignore_stale_grad: every
+    worker pushes the same keys, and trains as one process over all replicas."""
+    pytest.importorskip("torch")
+    _passes(_scenario(n, servers, "trainer_stale", on_store, overlap), n - servers)
+
+
 @pytest.mark.parametrize("args", [(), ("--num-servers", "1"),
                                   ("--store", "dist_async", "--num-servers", "1")])
 def test_example_trains_across_processes(args):

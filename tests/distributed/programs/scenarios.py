@@ -464,6 +464,43 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     passed(kv)
 
 
+def trainer_stale(update_on_kvstore: str = "1", overlap: str = "off") -> None:
+    """gpukv.torch.Trainer on a dist store with ignore_stale_grad, one key per parameter,
+    and one parameter without a gradient on worker 1 only: every worker still pushes the
+    same keys, and the weights are those of one process over every replica."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import gpukv.torch as gt
+    kv = create()
+    n, r = kv.num_workers, kv.rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    options = dict(update_on_kvstore=update_on_kvstore == "1", bucket_bytes=0,
+                   overlap=overlap == "on")
+    mine = [copy.deepcopy(model) for _ in range(2)]
+    everyone = [copy.deepcopy(model) for _ in range(2 * n)]
+    dist = gt.Trainer(mine, "sgd", {"learning_rate": 0.5}, kvstore=kv, **options)
+    local = gt.Trainer(everyone, "sgd", {"learning_rate": 0.5}, kvstore="local", **options)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    for _ in range(3):
+        x, y = torch.randn(8 * n, 6, generator=g), torch.randint(0, 3, (8 * n,), generator=g)
+        for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
+            trainer.zero_grad()
+            shards = list(zip(x.chunk(2 * n), y.chunk(2 * n)))[first:first + len(models)]
+            for k, (m, (xs, ys)) in enumerate(zip(models, shards), start=first):
+                loss_fn(m(xs), ys).backward()
+                if k // 2 == 1:  # worker 1's replicas
+                    m[2].bias.grad = None
+            trainer.step(8 * n, ignore_stale_grad=True)
+    for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    passed(kv)
+
+
 def device_init(nccl: str) -> None:
     """dist_device_sync: a pull right after init gives rank 0's value on every GPU (on
     the host path the GPU copies follow the host ones), with NCCL or without."""
