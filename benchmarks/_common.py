@@ -42,6 +42,7 @@ save_figure = _util.save_figure
 # 'A..B' (x4 steps); the errors are ValueErrors that argparse shows as usage errors
 # (exit 2). The options every script shares are built by the add_* helpers.
 BadArgument = _util.BadArgument
+ArgumentParser = _util.ArgumentParser  # "--sizes -4K" is a value, never an option
 parse_size = _util.parse_size
 parse_sizes = _util.parse_sizes
 parse_ints = _util.parse_ints

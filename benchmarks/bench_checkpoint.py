@@ -136,8 +136,8 @@ def parse_shape(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.split("\n")[0])
+    p = C.ArgumentParser(prog=Path(__file__).name,
+                         description=__doc__.split("\n")[0])
     p.add_argument("--keys", type=C.parse_ints, default="100000", metavar="COUNTS",
                    help="key counts, one case each, e.g. 10000,100000 (default 100000)")
     p.add_argument("--shape", type=parse_shape, default="4",

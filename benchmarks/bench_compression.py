@@ -89,8 +89,8 @@ def _record(n, kind, where, enc, dec, cp, payload_bytes):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.splitlines()[0])
+    p = _common.ArgumentParser(prog=Path(__file__).name,
+                               description=__doc__.splitlines()[0])
     _common.add_sizes_option(p, "256K,4M,64M", "the float32 input of a case (bytes / 4 "
                              "elements)", minimum=4)
     p.add_argument("--kinds", type=_common.name_list(KINDS, "compressor"),

@@ -528,8 +528,8 @@ def plot(cases: list[dict], path: Path) -> None:
 
 # -------------------------------------------------------------------------- driver
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = C.ArgumentParser(prog=Path(__file__).name,
+                         description=__doc__.split("\n\n")[0].replace("\n", " "))
     C.add_sizes_option(p, DEFAULT_SIZES, "the key's size on every worker (float32, "
                        "bytes / 4 elements)", minimum=4)
     p.add_argument("--layouts", type=parse_layouts, default=DEFAULT_LAYOUTS, metavar="WwSs",

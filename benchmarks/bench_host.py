@@ -66,8 +66,8 @@ def parse_key_cases(text: str) -> list[tuple[int, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.split("\n\n")[0])
+    p = _common.ArgumentParser(prog=Path(__file__).name,
+                               description=__doc__.split("\n\n")[0])
     _common.add_sizes_option(p, "4K,4M,64M", "one-key cases: the key's size on every "
                              "device (float32, bytes / 4 elements)", minimum=4)
     p.add_argument("--keys", type=parse_key_cases, default="1000x1K", metavar="KEYSxBYTES",

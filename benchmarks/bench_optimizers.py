@@ -82,8 +82,8 @@ def _time(fn, homes, gpu, warmup, iters):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.split("\n")[0])
+    p = C.ArgumentParser(prog=Path(__file__).name,
+                         description=__doc__.split("\n")[0])
     C.add_sizes_option(p, "1K,16K,256K,4M", "the size of every key (float32, bytes / 4 "
                        "elements)", minimum=4)
     p.add_argument("--keys", type=C.positive_int, default=64, metavar="N",

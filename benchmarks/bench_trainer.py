@@ -145,7 +145,7 @@ def measure(case, warmup, iters):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
+    p = C.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
     p.add_argument("--models", type=C.name_list(MODELS, "model"), default=",".join(MODELS),
                    metavar="NAMES",
                    help=f"models among {', '.join(MODELS)}, comma-separated (default: all)")

@@ -30,8 +30,8 @@ RESULT_NAME = "simulated_topologies"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=Path(__file__).name,
-                                description=__doc__.splitlines()[0])
+    p = _common.ArgumentParser(prog=Path(__file__).name,
+                               description=__doc__.splitlines()[0])
     _common.add_sizes_option(p, DEFAULT_SIZES, "key sizes per device")
     _common.add_devices_option(p, DEFAULT_DEVICES, "devices of the simulated machine "
                                "(counts above a profile's GPUs are left out)")

@@ -37,7 +37,8 @@ class DTypeError(GpukvError, ValueError):
 
 
 class ReadOnlyError(GpukvError, ValueError):
-    """An `out` array that cannot be written."""
+    """An `out` array that cannot be written in place: read-only, a copy of the caller's
+    object, or a tensor its library would not let be written there."""
 
 
 class DeviceError(GpukvError, ValueError):

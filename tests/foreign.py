@@ -92,3 +92,23 @@ def cuda_tensor_values(tensor):
     """The values of a tensor made by `torch_cuda_tensor`, as a NumPy array."""
     backing = getattr(tensor, "backing", None)
     return backing.get() if backing is not None else tensor.cpu().numpy()
+
+
+class ArrayMethodCopy:
+    """Exposes a NumPy array through `__array__` only, handing out a new copy each time."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a.copy()
+
+
+class ArrayMethodOnly:
+    """Exposes a NumPy array through `__array__` only, handing out the array itself."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a

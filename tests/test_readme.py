@@ -1,15 +1,27 @@
-"""The README's Python examples run as written."""
+"""The README's examples run as written: every Python block on its own, and every shell
+command through the project's virtual environment."""
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 import re
+import shlex
 
 import pytest
 
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-_OPTIONAL = ("torch", "jax")  # libraries a README example may need
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+SHELL_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+#: libraries a README example may need; a block that imports one is run where it is installed
+_OPTIONAL = ("torch", "jax")
+#: the commands a shell block may run, each from the virtual environment's bin/
+_VENV_COMMANDS = ("python", "python3", "pip", "pip3", "mpiexec", "mpirun", "pytest", "gpukv")
+
+
+def _needs(block: str) -> list[str]:
+    """The optional libraries `block` imports."""
+    return [lib for lib in _OPTIONAL
+            if re.search(rf"^\s*(import|from)\s+(\w+\s*,\s*)*{lib}\b", block, flags=re.M)]
 
 
 def test_readme_has_python_examples():
@@ -18,16 +30,27 @@ def test_readme_has_python_examples():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, tmp_path, monkeypatch):
-    """Each README example runs in order after the ones before it, without error (the
-    PyTorch and JAX ones where those are installed)."""
-    monkeypatch.chdir(tmp_path)
-    for lib in _OPTIONAL:
-        if f"import {lib}" in BLOCKS[index]:
-            pytest.importorskip(lib)
-    missing = [lib for lib in _OPTIONAL if importlib.util.find_spec(lib) is None]
-    namespace: dict = {}
-    for block in BLOCKS[: index + 1]:
-        if any(f"import {lib}" in block for lib in missing):
-            continue
-        exec(compile(block, f"README block {index}", "exec"), namespace)
+def test_readme_example_runs_on_its_own(index, tmp_path, monkeypatch):
+    """Each README example runs by itself, copied alone into a fresh interpreter namespace
+    (its imports included), without error; one that imports PyTorch or JAX where that
+    library is installed."""
+    monkeypatch.chdir(tmp_path)  # files an example writes land in a scratch folder
+    missing = [lib for lib in _needs(BLOCKS[index]) if importlib.util.find_spec(lib) is None]
+    if missing:
+        pytest.skip(f"README block {index} needs {', '.join(missing)}")
+    exec(compile(BLOCKS[index], f"README block {index}", "exec"), {})
+
+
+@pytest.mark.parametrize("index", range(len(SHELL_BLOCKS)))
+def test_readme_commands_run_from_the_virtual_environment(index):
+    """Every Python, pip or mpiexec a shell block of the README runs is the one in .venv/bin
+    (the venv its first commands make), as the other blocks' are; only `python3 -m venv`,
+    which makes it, runs outside."""
+    for line in SHELL_BLOCKS[index].splitlines():
+        words = shlex.split(line, comments=True)
+        for i, word in enumerate(words):
+            if (word.rsplit("/", 1)[-1] not in _VENV_COMMANDS or word.startswith(".venv/bin/")
+                    or words[i - 1:i] == ["-m"]):  # `python -m gpukv`: a module, no command
+                continue
+            assert words[i:i + 3] == ["python3", "-m", "venv"], \
+                f"README: {line.strip()!r} runs {word!r}, not .venv/bin/{word}"

@@ -28,7 +28,7 @@ from .._errors import (
     ShapeError,
     UnknownKeyError,
 )
-from ..device import SUPPORTED_DTYPES, adopt, has_overlapping_elements
+from ..device import SUPPORTED_DTYPES, adopt, has_overlapping_elements, write_refusal
 from ..update.sparse import RowSparse, check_row_ids
 
 _SEQ = (list, tuple)
@@ -41,6 +41,9 @@ class Groups(NamedTuple):
     all_host: bool      # every array is a NumPy array
     key_kind: type | None  # int or str; None when no key was given
     sparse: bool = False   # some array is a RowSparse
+    #: the caller's objects behind adopted arrays that the call writes into (not NumPy
+    #: or CuPy arrays): their libraries are told of the write (`device.announce_writes`)
+    foreign: tuple = ()
 
 
 #: int keys of at least this many bits are looked at closely: Python refuses to write
@@ -81,7 +84,10 @@ def _short_keys(keys) -> bool:
     return (-_SHORT_KEY < lo and hi < _SHORT_KEY) or (-_LONG_KEY < lo and hi < _LONG_KEY)
 
 
-def _adopt(key, obj, name):
+def _adopt(key, obj, name, foreign):
+    """`obj` adopted; when `foreign` is a list (the call writes into `obj`), a
+    ReadOnlyError unless `obj` can be written in place, and `obj` appended to it when it
+    is another library's array."""
     if type(obj) is RowSparse:  # passes as it is; the store routes it
         return obj
     try:
@@ -92,10 +98,15 @@ def _adopt(key, obj, name):
         raise ArgumentKindError(
             f"key {key!r}: {name} must be an array (NumPy, CuPy or any array protocol), "
             f"got {type(obj).__name__}")
+    if foreign is not None and array is not obj:
+        reason = write_refusal(obj, array)
+        if reason is not None:
+            raise ReadOnlyError(f"key {key!r}: {name} cannot be written in place: {reason}")
+        foreign.append(obj)
     return array
 
 
-def _one_key(key, value, name, groups_by_key, keys, arrays):
+def _one_key(key, value, name, groups_by_key, keys, arrays, foreign):
     """Add the arrays of one key (an array, or a list of arrays, one per device)."""
     if isinstance(value, _SEQ):
         if not value:
@@ -109,7 +120,7 @@ def _one_key(key, value, name, groups_by_key, keys, arrays):
             raise ArgumentKindError(
                 f"key {key!r}: {name} is nested too deeply: expected an array or a list of "
                 f"arrays, got a list containing a {type(obj).__name__}")
-        adopted.append(_adopt(key, obj, name))
+        adopted.append(_adopt(key, obj, name, foreign))
     index = groups_by_key.get(key)
     if index is None:
         groups_by_key[key] = len(keys)
@@ -163,8 +174,12 @@ def _group_plain(keys, values):
     return Groups(out_keys, arrays, True, kind)
 
 
-def group(keys, values, name: str = "value") -> Groups:
-    """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part."""
+def group(keys, values, name: str = "value", written: bool = False) -> Groups:
+    """Normalise `keys` and `values` (or `out`) into Groups; raise on any malformed part.
+
+    `written`: the call writes into these arrays (a pull's outs, pushpull's values when
+    it has no out): each must be writable in place as its own library would allow.
+    """
     # Fast paths: NumPy arrays under int or str keys, taken as they are.
     if (type(keys) is int and -_SHORT_KEY < keys < _SHORT_KEY) or type(keys) is str:
         plain = _plain_arrays(values)
@@ -178,6 +193,7 @@ def group(keys, values, name: str = "value") -> Groups:
     groups_by_key: dict = {}
     out_keys: list = []
     arrays: list = []
+    foreign: list | None = [] if written else None
     if isinstance(keys, _SEQ):
         if not isinstance(values, _SEQ):
             raise ArgumentKindError(
@@ -194,14 +210,14 @@ def group(keys, values, name: str = "value") -> Groups:
             elif this_kind is not kind:
                 raise KeyKindError(
                     f"key {key!r}: one call mixes int and str keys ({kind.__name__} first)")
-            _one_key(key, value, name, groups_by_key, out_keys, arrays)
+            _one_key(key, value, name, groups_by_key, out_keys, arrays, foreign)
     else:
         key, kind = check_key(keys)
-        _one_key(key, values, name, groups_by_key, out_keys, arrays)
+        _one_key(key, values, name, groups_by_key, out_keys, arrays, foreign)
     all_host = all(type(a) is np.ndarray or isinstance(a, np.ndarray)
                    for per_key in arrays for a in per_key)
     sparse = not all_host and any(type(a) is RowSparse for per_key in arrays for a in per_key)
-    return Groups(out_keys, arrays, all_host, kind, sparse)
+    return Groups(out_keys, arrays, all_host, kind, sparse, tuple(foreign or ()))
 
 
 def check_priority(key, priority) -> None:

@@ -383,7 +383,7 @@ class DistKVStore(KVStore):
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, out, "out")
+        groups = check.group(key, out, "out", written=True)
         with self._lock:
             self._engine.check()
             entries = self._values.lookup(groups, "pull")
@@ -402,8 +402,8 @@ class DistKVStore(KVStore):
         """Push then pull (into `value` itself when `out` is None); both checked first."""
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, value, "value")
-        out_groups = groups if out is None else check.group(key, out, "out")
+        groups = check.group(key, value, "value", written=out is None)
+        out_groups = groups if out is None else check.group(key, out, "out", written=True)
         with self._lock:
             entries = self._checked_push(groups, "pushpull")
             out_entries = (entries if out is None
@@ -417,7 +417,7 @@ class DistKVStore(KVStore):
 
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """init (rank 0's value wins) then pull into `out`."""
-        out_groups = check.group(key, out, "out")
+        out_groups = check.group(key, out, "out", written=True)
         self.init(key, value)
         with self._lock:
             entries = self._values.lookup(out_groups, "broadcast")

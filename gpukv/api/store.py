@@ -19,7 +19,7 @@ import numpy as np
 from .._errors import ArgumentError, ArgumentKindError, GpukvError, OutOfMemoryError
 from ..comm import BroadcastJob, Strategy
 from ..comm.registry import make_strategy
-from ..device import Device, gpu_devices, host_device, virtual_gpus
+from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
 from ..update.compression import GradientCompression, make_compressor
 from ..update.sparse import RowSparse
@@ -295,7 +295,10 @@ class KVStore:
         `out` takes the forms of `push`'s `value`: for one key an array or a list of arrays
         (one per device), for a list of keys one of those per key. Another dtype is
         converted; RowSparse outs are skipped (`ignore_sparse`, as MXNet; use
-        `row_sparse_pull`)::
+        `row_sparse_pull`). An out is written as `out.copy_(value)` would write it: a
+        PyTorch tensor that requires grad only under `torch.no_grad()`, its version
+        counter moved; an out that cannot be written in place (read-only, or an object
+        whose `__array__` returns a copy) is a ReadOnlyError::
 
             kv.pull('w', out=w_host)
             kv.pull(['w', 'b'], out=[[w0, w1], [b0, b1]])
@@ -304,13 +307,21 @@ class KVStore:
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, out, "out")
+        groups = check.group(key, out, "out", written=True)
         with self._lock:
             entries = self._lookup(groups, "pull")
             check.all_outs(groups, entries)
             self._pull_groups(groups, entries, ignore_sparse)
 
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
+        """Write each key's value into its outs; then tell the outs' libraries of it."""
+        try:
+            self._write_outs(groups, entries, ignore_sparse)
+        finally:  # a write that stopped halfway still changed some outs
+            if groups.foreign:
+                announce_writes(groups.foreign)
+
+    def _write_outs(self, groups: check.Groups, entries: list, ignore_sparse) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
         if groups.all_host and self._route.host_only:  # as columns: no job per key
@@ -330,8 +341,8 @@ class KVStore:
         """
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, value, "value")
-        out_groups = groups if out is None else check.group(key, out, "out")
+        groups = check.group(key, value, "value", written=out is None)
+        out_groups = groups if out is None else check.group(key, out, "out", written=True)
         with self._lock:
             entries = self._lookup(groups, "pushpull")
             out_entries = entries if out is None else self._lookup(out_groups, "pushpull")
@@ -348,7 +359,7 @@ class KVStore:
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
-        out_groups = check.group(key, out, "out")
+        out_groups = check.group(key, out, "out", written=True)
         with self._lock:
             check.init_values(groups, self._entries, self._key_kind)
             check.key_kind(out_groups.key_kind, self._key_kind, out_groups.keys)

@@ -14,9 +14,11 @@ from .._env import positive_int
 from .._errors import ArgumentKindError, DeviceError, DTypeError
 from .base import Device
 from .host import HostDevice, host_device
+from .outs import announce_writes, write_refusal
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
-           "virtual_gpus", "has_overlapping_elements", "gpu_devices"]
+           "virtual_gpus", "has_overlapping_elements", "gpu_devices", "write_refusal",
+           "announce_writes"]
 
 
 def _cupy_ndarray():

@@ -702,7 +702,7 @@ def build_parser(prog: str = "gpukv bench",
                  out_default: str | None = None) -> argparse.ArgumentParser:
     """The options of `gpukv bench`; `out_default` names the folder written without --out
     (None: none)."""
-    p = argparse.ArgumentParser(
+    p = benchutil.ArgumentParser(
         prog=prog,
         description="Time push+pull (an allreduce through the store) for every strategy, "
                     "against a per-key array loop and PyTorch, on GPUs or host devices.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -28,6 +29,9 @@ _SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:I?B)?")
 def parse_size(text: str) -> int:
     """'4K' / '4KB' / '4KiB' -> 4096, '1G' -> 2**30, '300' / '300B' -> 300 (binary units)."""
     match = _SIZE.fullmatch(text.strip().upper())
+    if match is None and text.strip().startswith("-"):
+        raise BadArgument(f"size {text.strip()!r} is negative: a size is a count of bytes, "
+                          "e.g. 300, 4K, 16M, 1GiB")
     if match is None:
         raise BadArgument(f"size {text.strip()!r}: expected a number with an optional "
                           "K, M or G suffix (binary), e.g. 300, 4K, 16M, 1GiB")
@@ -213,6 +217,27 @@ def write_record(path: Path, payload: dict, created_utc: str) -> Path:
 # The options every benchmark script and `gpukv bench` share, built here so that they
 # are spelled, parsed and explained the same way everywhere.
 OUT_NONE = "-"
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser that takes a value starting with '-' and a digit ('--sizes -4K',
+    '--lr -1e-3') as the value of the option before it, as it takes '-1'. Plain argparse
+    takes '-4K' for an unknown option and says only "expected one argument"; here the
+    option's own parser says what is wrong with the value. No option of these commands
+    starts with '-' and a digit."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        joined: list[str] = []
+        for arg in args:
+            last = joined[-1] if joined else ""
+            if (_NEGATIVE.match(arg) and last.startswith("--") and last != "--"
+                    and "=" not in last):
+                joined[-1] = f"{last}={arg}"
+            else:
+                joined.append(arg)
+        return super().parse_known_args(joined, namespace)
 
 
 def _at_least(minimum: int):
@@ -231,6 +256,34 @@ def _at_least(minimum: int):
 
 positive_int = _at_least(1)
 nonnegative_int = _at_least(0)
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (argparse names the option in its error)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise BadArgument(f"expected a number, got {text.strip()!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise BadArgument(f"must be a finite number >= 0, got {text.strip()!r}")
+    return value
+
+
+def out_dir(text: str) -> str:
+    """An argparse type for --out: '-', or a path that is a folder or can become one
+    (nothing on the way to it is a file); the text as given."""
+    if text == OUT_NONE:
+        return text
+    path = Path(text)
+    for place in (path, *path.parents):
+        if place.exists() or place.is_symlink():
+            if not place.is_dir():
+                why = ("is a file, not a folder" if place == path
+                       else f"cannot be a folder: {str(place)!r} is a file")
+                raise BadArgument(f"{text!r} {why}; give a folder for the results (made "
+                                  f"if need be), or '{OUT_NONE}' for none")
+            break
+    return text
 
 
 def add_sizes_option(p: argparse.ArgumentParser, default: str | None, what: str,
@@ -279,7 +332,7 @@ def add_out_option(p: argparse.ArgumentParser, default: str | None, files: str) 
     `default` is the folder used without --out, None for none."""
     where = (f"default {default}" if default is not None
              else "default: none, the results are only printed")
-    p.add_argument("--out", default=None, metavar="DIR",
+    p.add_argument("--out", type=out_dir, default=None, metavar="DIR",
                    help=f"folder for {files} ({where}); '{OUT_NONE}' writes nothing")
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 import gpukv
 
-from .benchutil import nonnegative_int, positive_int
+from .benchutil import ArgumentParser, nonnegative_float, nonnegative_int, positive_int
 
 # ------------------------------------------------------------------------------ devices
 
@@ -660,7 +660,7 @@ def run_dist(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gpukv demo",
         description="Run the gpukv tutorial and a short data-parallel training, checking "
                     "every result (exit status 1 on any mismatch, or if the training does not end "
@@ -669,7 +669,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="devices to train on (default: every GPU, or 4 host devices)")
     parser.add_argument("--steps", type=positive_int, default=60,
                         help="training steps (default: 60)")
-    parser.add_argument("--lr", type=float, default=0.5, help="learning rate (default: 0.5)")
+    parser.add_argument("--lr", type=nonnegative_float, default=0.5,
+                        help="learning rate, a finite number >= 0 (default: 0.5)")
     parser.add_argument("--cpu", action="store_true", help="use host devices even with GPUs")
     parser.add_argument("--progress", choices=["auto", "tqdm", "rich", "plain"], default="auto",
                         help="progress display (default: a bar on a terminal when tqdm or "

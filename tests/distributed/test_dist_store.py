@@ -76,6 +76,14 @@ def test_calls(n, servers):
     _passes(_scenario(n, servers, "calls"), n - servers)
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_pulls_into_tensors_keep_autograd_rules(n, servers):
+    """A leaf tensor that requires grad is refused as an out outside torch.no_grad() on
+    every worker, and a write into a tensor moves its version counter, as in one process."""
+    pytest.importorskip("torch")
+    _passes(_scenario(n, servers, "torch_outs"), n - servers)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_device_sync_on_gpus(n, servers):

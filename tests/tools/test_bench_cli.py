@@ -82,6 +82,41 @@ def test_bench_bad_counts_are_argument_errors(argv):
 
 
 # ----------------------------------------------------- gpukv bench: skips and failures
+@pytest.mark.parametrize("argv", [["--sizes", "-4K"], ["--sizes=-4K"], ["--sizes", "4K,-1K"],
+                                  ["--small-size", "-4K"]])
+def test_bench_negative_size_says_what_is_wrong_with_it(argv):
+    """A negative size, even written as a separate word that looks like an option, is an
+    argparse error naming the option and saying the size is negative (exit 2)."""
+    status, out, err = _bench_main(["--host"] + argv + ["--out", "-"])
+    assert status == 2 and out == ""
+    assert f"argument {argv[0].split('=')[0]}" in err and "is negative" in err
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["file", "below-a-file"])
+def test_bench_out_that_cannot_be_a_folder_is_a_usage_error(tmp_path, below):
+    """--out naming a file (or a path below one) is an argparse error at once (exit 2),
+    before anything runs, not a FileExistsError once the benchmark is done."""
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    out_arg = str(file / "r" if below else file)
+    status, out, err = _bench_main(TINY + ["--baselines", "", "--out", out_arg])
+    assert status == 2 and out == "" and "Traceback" not in err
+    assert "argument --out" in err and "file" in err and repr(out_arg) in err
+    assert file.read_text() == "{}"
+
+
+@pytest.mark.parametrize("argv, value", [(["--lr", "-1e-3"], "-1e-3"), (["--n", "-4K"], "-4K"),
+                                         (["--n", "-.5"], "-.5"), (["--n=-4K"], "-4K")])
+def test_parser_takes_a_negative_looking_word_as_the_value(argv, value):
+    """benchutil.ArgumentParser gives a word starting with '-' and a digit to the option
+    before it, where plain argparse takes it for an option."""
+    parser = benchutil.ArgumentParser()
+    parser.add_argument("--lr")
+    parser.add_argument("--n")
+    args = parser.parse_args(argv)
+    assert value in (args.lr, args.n)
+
+
 def test_missing_torch_baseline_is_skipped_not_failed(monkeypatch, tmp_path):
     """Without PyTorch its baselines are skipped with the reason, and the run exits 0."""
     monkeypatch.setattr(_bench, "_torch", lambda: None)
@@ -155,6 +190,9 @@ def test_bench_strategies_script_help_names_the_script():
     ("bench_compression.py", "--iters", "0"),
     ("bench_checkpoint.py", "--warmup", "-1"),
     ("bench_dist.py", "--sizes", "4X"),
+    ("bench_dist.py", "--sizes", "-4K"),
+    ("simulate_topologies.py", "--sizes", "4K,-1K"),
+    ("bench_compression.py", "--out", "README.md"),
     ("bench_trainer.py", "--models", "resnet"),
     ("bench_trainer_dist.py", "--models", "resnet"),
     ("bench_trainer_dist.py", "--devices", "2,x"),

@@ -114,6 +114,18 @@ def test_demo_bad_options(bad, capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("lr", ["-1", "nan", "inf", "-1e-3", "fast"])
+def test_demo_bad_learning_rate_is_a_usage_error(lr, capsys):
+    """A learning rate that is negative, not finite or no number is one argparse
+    `error:` line naming --lr and the value (exit 2), not a traceback from the optimizer."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--lr", lr, "--cpu", "--skip-tutorial", "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert "argument --lr" in line and repr(lr) in line
+
+
 def test_help():
     """`python -m gpukv --help` lists the commands and exits 0."""
     done = _run("--help")

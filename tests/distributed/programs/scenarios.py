@@ -653,6 +653,37 @@ def empty_calls() -> None:
     passed(kv)
 
 
+def torch_outs() -> None:
+    """Tensors written as PyTorch writes them: a leaf that requires grad is refused outside
+    torch.no_grad() (by pull, pushpull and broadcast, before any message), a write moves
+    the version counter; the store stays in step on every worker."""
+    import torch
+    kv = create()
+    kv.init("w", np.full(4, 5, np.float32))
+    leaf = torch.zeros(4, requires_grad=True)
+    for call in (lambda: kv.pull("w", out=leaf), lambda: kv.pushpull("w", leaf),
+                 lambda: kv.broadcast("b", np.ones(4, np.float32), out=leaf)):
+        try:
+            call()
+            raise AssertionError("a write into a leaf that requires grad was accepted")
+        except gpukv.ReadOnlyError as exc:
+            assert "key " in str(exc) and "torch.no_grad" in str(exc), exc
+    assert not leaf.detach().any() and "b" not in kv
+    with torch.no_grad():
+        kv.pull("w", out=leaf)
+    assert leaf._version == 1 and torch.equal(leaf.detach(), torch.full((4,), 5.0)), leaf
+    saved = torch.ones(4)
+    loss = (leaf * saved).sum()
+    kv.pushpull("w", saved)  # no updater: the sum over workers, written back
+    assert torch.equal(saved, torch.full((4,), float(kv.num_workers))), saved
+    try:
+        loss.backward()
+        raise AssertionError("backward through a tensor written since it was saved passed")
+    except RuntimeError as exc:
+        assert "modified by an inplace operation" in str(exc), exc
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 
