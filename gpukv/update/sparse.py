@@ -283,7 +283,7 @@ class RowSparse:
 
 def merge(sources, home, dtype):
     """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
-    from ..comm.execute import begin, finish
+    from ..comm.ordering import begin, finish
     devices = [_device.device_of(s.data) for s in sources]
     # Read the sources after the work their devices queued (on other GPUs too),
     # and let those devices overwrite them only once they have been read.
