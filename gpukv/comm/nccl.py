@@ -9,9 +9,9 @@ host, or on a single physical GPU, need no NCCL and run the 'home' algorithm.
 """
 from __future__ import annotations
 
+from ..device import nccl as _nccl
 from ..device.base import Term
-from ..device.cuda import nccl as _nccl
-from ..device.cuda.nccl import INSTALL_HINT, nccl_available, nccl_dtype, nccl_module
+from ..device.nccl import INSTALL_HINT, nccl_available, nccl_dtype, nccl_module
 from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
 from .flat import FlatOut, flat_in

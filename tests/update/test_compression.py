@@ -616,11 +616,13 @@ def test_gpu_encode_enters_every_device_first():
 def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
     """fp16 with a pre_divide scales the summed payloads on the home device's stream and
     then orders the caller's stream after it; without a scale, finish does nothing."""
+    from gpukv.device import compression_kernels as kernels
+
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     home = FakeGpu(0, log, current, slot=2)
-    scale = K.scale_in_place
-    monkeypatch.setattr(K, "scale_in_place", lambda out, factor: (
+    scale = kernels.scale_in_place
+    monkeypatch.setattr(kernels, "scale_in_place", lambda out, factor: (
         log.append(("scale", current.get("stream"), factor)), scale(out, factor))[1])
     out = f32([1, -2.5])
     GradientCompression(Cast("fp16", 4)).finish("k", out, home)

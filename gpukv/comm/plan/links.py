@@ -15,7 +15,7 @@ def measured_links(nodes) -> bool:
 def link_matrix(nodes) -> np.ndarray:
     """The link matrix of logical devices `nodes` (host slots: all equal links)."""
     if measured_links(nodes):  # GPUs: the ranks the CUDA device layer reads from the driver
-        from ...device.cuda.probe import p2p_ranks
+        from ...device import p2p_ranks
         ids = [d.link_index for d in nodes]
         return topology.link_matrix_from_ranks(ids, p2p_ranks(ids))
     n = len(nodes)

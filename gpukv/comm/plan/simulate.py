@@ -669,13 +669,13 @@ def _other_machine(system: dict) -> str | None:
 
 def _local_cpu_model() -> str:
     """This machine's CPU model, as the device layer reports it (and calibrations record)."""
-    from ...device.cuda.probe import cpu_model
+    from ...device import cpu_model
     return cpu_model()
 
 
 def _local_gpu_names() -> list:
     """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
-    from ...device.cuda.probe import gpu_names
+    from ...device import gpu_names
     return gpu_names()
 
 
