@@ -154,7 +154,7 @@ def _begin(jobs):
     """(rank devices, every device of `jobs`), the latter ordered after the caller's work."""
     ranks = _rank_devices(jobs)
     everyone = ordering.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
-                              + list(ranks.values()))
+                               + list(ranks.values()))
     ordering.begin(everyone)
     return ranks, everyone
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..optim import Optimizer
-    from ..update.compression import Compressor
+    from ..encoding.compression import Compressor
 
 
 @runtime_checkable

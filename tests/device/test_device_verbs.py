@@ -126,7 +126,7 @@ def test_link_rows_of_a_full_matrix_follow_link_index():
 _DEVICE_ONLY = re.compile(r"import cupy|from cupy|kind [!=]= \"gpu\"|is_gpu\(|\.cuda_device\b"
                           r"|isinstance\([^)]*cupy")
 #: packages written against device verbs only
-_VERB_USERS = ["comm", "update", "optim"]
+_VERB_USERS = ["comm", "encoding", "optim"]
 
 
 @pytest.mark.parametrize("package", _VERB_USERS)

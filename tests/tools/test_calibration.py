@@ -274,8 +274,8 @@ def test_tree_plans_its_gpus_on_the_calibrated_model(tmp_path, monkeypatch):
     """The tree's slicing model of its GPUs is the calibrated one; a given matrix is not."""
     from gpukv.comm.plan import links as _links
     from gpukv.comm.tree import TreeStrategy
-    monkeypatch.setattr(_links, "link_matrix", lambda nodes: T.dgx1_v100()[:len(nodes),
-                                                                         :len(nodes)])
+    monkeypatch.setattr(_links, "link_matrix",
+                        lambda nodes: T.dgx1_v100()[:len(nodes), :len(nodes)])
     use(tmp_path, monkeypatch, record({"launch_us": 1.0}, [(3.0, 99.0, 1.0)]))
     gpus = _gpus(4)
     plan = TreeStrategy()._plan(gpus)

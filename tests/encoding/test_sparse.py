@@ -403,7 +403,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     """Row-sparse sources on other GPUs are read only after their devices' queued work,
     and those devices reuse them only after the home device has read them."""
     import gpukv.device
-    from gpukv.update.sparse import merge
+    from gpukv.encoding.sparse import merge
 
     from ..fake_gpu import FakeGpu
     log, current = [], {}

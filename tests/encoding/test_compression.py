@@ -16,7 +16,14 @@ from gpukv.comm import ReduceJob
 from gpukv.comm.registry import make_strategy
 from gpukv.device import host_device
 from gpukv.device.cuda import compression_kernels as K
-from gpukv.update.compression import Cast, GradientCompression, OneBit, TwoBit, make_compressor
+from gpukv.encoding.compression import (
+    Cast,
+    Ctx,
+    GradientCompression,
+    OneBit,
+    TwoBit,
+    make_compressor,
+)
 
 from ..strategies import float32_bits, gradient_steps
 
@@ -87,7 +94,7 @@ def test_2bit_decodes_every_byte_as_mxnet():
     """Every byte value (0b01 codes included) decodes to MXNet's values."""
     ref = REF["decode_every_byte"]
     payload = np.frombuffer(bytes.fromhex(ref["packed_hex"]), np.uint8)
-    out = TwoBit(ref["threshold"]).decompress(payload, gpukv.update.compression.Ctx(1024, (1024,)))
+    out = TwoBit(ref["threshold"]).decompress(payload, Ctx(1024, (1024,)))
     assert same_bits(out, ref["decoded"])
 
 
