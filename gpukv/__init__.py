@@ -21,7 +21,7 @@ from ._errors import (
 )
 from .api.factory import create
 from .api.store import KVStore
-from .update.sparse import RowSparse
+from .encoding.sparse import RowSparse
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ from .._errors import (
     UnknownKeyError,
 )
 from ..device import SUPPORTED_DTYPES, adopt, has_overlapping_elements, write_refusal
-from ..update.sparse import RowSparse, check_row_ids
+from ..encoding.sparse import RowSparse, check_row_ids
 
 _SEQ = (list, tuple)
 _NDARRAY = np.ndarray

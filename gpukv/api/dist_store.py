@@ -473,7 +473,7 @@ class DistKVStore(KVStore):
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
-        from ..update.compression import make_compressor
+        from ..encoding.compression import make_compressor
         compressor = make_compressor(compression_params)
         with self._lock:
             self._engine.set_compression(compressor)

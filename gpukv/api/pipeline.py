@@ -19,9 +19,9 @@ from .._errors import ArgumentKindError, OutOfMemoryError
 from ..comm import HostStrategy, ReduceJob
 from ..device import device_of, host_device
 from ..device.host_sum import accumulate_dtype
-from ..update.compression import GradientCompression, compressible
-from ..update.sparse import RowSparse
-from ..update.sparse import merge as _merge_rows
+from ..encoding.compression import GradientCompression, compressible
+from ..encoding.sparse import RowSparse
+from ..encoding.sparse import merge as _merge_rows
 from . import check, rows
 
 #: the plain host sum: host-homed keys of a store without a strategy of the user's

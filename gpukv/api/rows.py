@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import device_of
-from ..update.sparse import RowSparse
+from ..encoding.sparse import RowSparse
 from . import check
 
 

@@ -21,8 +21,8 @@ from ..comm import BroadcastJob, Strategy
 from ..comm.registry import make_strategy
 from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
-from ..update.compression import GradientCompression, make_compressor
-from ..update.sparse import RowSparse
+from ..encoding.compression import GradientCompression, make_compressor
+from ..encoding.sparse import RowSparse
 from . import check, pipeline, rows
 
 if TYPE_CHECKING:

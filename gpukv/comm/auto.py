@@ -1,11 +1,11 @@
 """The 'auto' strategy: per key, the strategy the cost model predicts to be fastest.
 
 For each key the choice depends on its size in bytes, the number of devices that hold
-it and their link matrix (`execute.link_matrix`); `simulate.best_strategy` (an
+it and their link matrix (`links.link_matrix`); `simulate.best_strategy` (an
 alpha-beta model) ranks 'home', 'tree', 'ring', 'cpu' and, where NCCL loads, the
 devices support it (`Device.supports_nccl`) and the key spans several of their
 memories, 'nccl'. For devices whose links are read from the hardware
-(`execute.measured_links`: GPUs) the model is `simulate.calibrated_machine` of their
+(`links.measured_links`: GPUs) the model is `simulate.calibrated_machine` of their
 link matrix with `simulate.calibrated_costs`: the constants `python -m gpukv bench
 --calibrate` measured on this machine when its calibration file is there and usable,
 the defaults otherwise. Nothing here asks which kind a device is.
@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 
-from . import execute
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
+from .jobs import is_host_job, is_uniform_job, node_order
+from .plan import links
 
 log = logging.getLogger("gpukv")
 
@@ -81,11 +83,11 @@ class AutoStrategy(Strategy):
 
     def choose(self, key, nbytes: int, devices, home) -> str:
         """The strategy name for one key of `nbytes` on `devices` homed on `home`."""
-        host = execute.is_host_job(devices, home)
+        host = is_host_job(devices, home)
         if host and not self._model_host:
             return "cpu"
-        nodes = sorted(execute.unique(list(devices) + [home]), key=execute.node_order)
-        if len(nodes) == 1 or not execute.is_uniform_job(devices, home) \
+        nodes = sorted(ordering.unique(list(devices) + [home]), key=node_order)
+        if len(nodes) == 1 or not is_uniform_job(devices, home) \
                 or len(set(devices)) != len(devices):
             return "home"
         cache_key = (nbytes, tuple(nodes), home)
@@ -108,13 +110,13 @@ class AutoStrategy(Strategy):
         machine = self._machine
         measured = machine is None
         if measured:
-            machine = execute.link_matrix(nodes)
+            machine = links.link_matrix(nodes)
         h = nodes.index(home)
         if self._choose is not None:
             return self._choose(nbytes, len(nodes), machine, h, tuple(candidates))
         from .plan import simulate
         costs = simulate.COSTS if self._costs is None else self._costs
-        if measured and execute.measured_links(nodes):  # this machine: measured constants
+        if measured and links.measured_links(nodes):  # this machine: measured constants
             machine = simulate.calibrated_machine(machine)
             if self._costs is None:
                 costs = simulate.calibrated_costs()

@@ -11,9 +11,9 @@ waits.
 from __future__ import annotations
 
 from ..device.base import Term
-from . import execute
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut
+from .flat import FlatOut, flat_in
 
 
 class HomeStrategy(Strategy):
@@ -34,7 +34,7 @@ class HomeStrategy(Strategy):
         for job in jobs:
             by_home.setdefault(job.home, []).append(job)
         everyone = [d for job in jobs for d in job.devices] + list(by_home)
-        execute.begin(everyone)
+        ordering.begin(everyone)
         # Flat copies of strided sources are made on their own devices first (the home
         # then waits for them) and kept until `finish`: CuPy's pool would hand a freed
         # copy to the next allocation on its stream while another home still reads it.
@@ -43,17 +43,17 @@ class HomeStrategy(Strategy):
             outs, work = [], []
             for job in group:
                 out = FlatOut(job.out, home)
-                terms = [Term(execute.flat_in(s, d), False)
+                terms = [Term(flat_in(s, d), False)
                          for s, d in zip(job.sources, job.devices)]
                 work.append((out.flat, terms))
                 outs.append(out)
-            execute.wait_all(home, [d for job in group for d in job.devices])
+            ordering.wait_all(home, [d for job in group for d in job.devices])
             home.sum_into(work)
             for out in outs:
                 out.done()
             alive.append(work)
         for home in by_home:
-            execute.finish([d for job in jobs if job.home == home for d in job.devices], home)
+            ordering.finish([d for job in jobs if job.home == home for d in job.devices], home)
 
     def broadcast_many(self, jobs: list) -> None:
         if not jobs:
@@ -62,19 +62,19 @@ class HomeStrategy(Strategy):
         for job in jobs:
             for out, device in zip(job.outs, job.devices):
                 by_device.setdefault(device, []).append((out, job))
-        homes = execute.unique([job.home for job in jobs])
-        execute.begin(list(by_device) + homes)
+        homes = ordering.unique([job.home for job in jobs])
+        ordering.begin(list(by_device) + homes)
         alive = []  # flat copies of strided values, kept until `finish` (see reduce_many)
         for device, pairs in by_device.items():
             flat_pairs, outs = [], []
             for out, job in pairs:
                 target = FlatOut(out, device)
-                flat_pairs.append((target.flat, execute.flat_in(job.src, job.home)))
+                flat_pairs.append((target.flat, flat_in(job.src, job.home)))
                 outs.append(target)
             alive.append(flat_pairs)
-            execute.wait_all(device, [job.home for _, job in pairs])
+            ordering.wait_all(device, [job.home for _, job in pairs])
             device.copy_many(flat_pairs)
             for target in outs:
                 target.done()
         for home in homes:  # the stored value may change only after every read of it
-            execute.finish([d for job in jobs if job.home == home for d in job.devices], home)
+            ordering.finish([d for job in jobs if job.home == home for d in job.devices], home)

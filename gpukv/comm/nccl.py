@@ -9,12 +9,12 @@ host, or on a single physical GPU, need no NCCL and run the 'home' algorithm.
 """
 from __future__ import annotations
 
+from ..device import nccl as _nccl
 from ..device.base import Term
-from ..device.cuda import nccl as _nccl
-from ..device.cuda.nccl import INSTALL_HINT, nccl_available, nccl_dtype, nccl_module
-from . import execute
+from ..device.nccl import INSTALL_HINT, nccl_available, nccl_dtype, nccl_module
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut
+from .flat import FlatOut, flat_in
 from .home import HomeStrategy
 
 __all__ = ["NcclStrategy", "INSTALL_HINT", "nccl_available", "nccl_dtype", "nccl_module"]
@@ -70,25 +70,25 @@ class NcclStrategy(Strategy):
             out = FlatOut(job.out, home)
             outs.append(out)
             by_gpu, physical, root = _by_gpu(
-                ((execute.flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
+                ((flat_in(s, d), d) for s, d in zip(job.sources, job.devices)), home)
             alive.append(by_gpu)
             for rank, p in enumerate(physical):
                 local = by_gpu[p]
                 if p == home.physical:  # the root reduces in place into the out
                     leader, buf = home, out.flat
-                    execute.wait_all(home, [d for _, d in local])
+                    ordering.wait_all(home, [d for _, d in local])
                     home.sum_into([(buf, [Term(a, False) for a, _ in local])])
                 elif len(local) == 1 and local[0][0].dtype == out.flat.dtype:
                     leader, buf = local[0][1], local[0][0]
                 else:  # virtual GPUs on one GPU, or 16-bit floats: a local fp32 sum first
                     leader = local[0][1]
                     buf = leader.empty(out.flat.size, out.flat.dtype)
-                    execute.wait_all(leader, [d for _, d in local])
+                    ordering.wait_all(leader, [d for _, d in local])
                     leader.sum_into([(buf, [Term(a, False) for a, _ in local])])
                 calls.append((physical, rank, leader, buf, out.flat, root))
         # One stream per GPU for the grouped call: its slot-0 device's (CuPy's current).
         for physical, rank, leader, buf, out, root in calls:
-            execute.wait_all(ranks[physical[rank]], [leader])
+            ordering.wait_all(ranks[physical[rank]], [leader])
         # Communicators are made before the group: one created inside it is initialised
         # only at groupEnd, too late for the collectives queued on it in the same group.
         comms = [self._communicators(nccl, c[0])[c[1]] for c in calls]
@@ -97,11 +97,11 @@ class NcclStrategy(Strategy):
                 recv = out if rank == root else buf
                 _nccl.reduce(nccl, comm, ranks[physical[rank]], buf, recv, root)
         for job in mine:
-            execute.wait_all(job.home, [ranks[job.home.physical]])
+            ordering.wait_all(job.home, [ranks[job.home.physical]])
         for out in outs:
             out.done()
-        for home in execute.unique([j.home for j in mine]):
-            execute.finish(everyone, home)
+        for home in ordering.unique([j.home for j in mine]):
+            ordering.finish(everyone, home)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, job: BroadcastJob) -> None:
@@ -126,12 +126,12 @@ class NcclStrategy(Strategy):
                 device = ranks[p]
                 if p == home.physical:
                     buf = src
-                    execute.wait_all(device, [home])
+                    ordering.wait_all(device, [home])
                 else:
                     first = next((o for o, _ in local if o.flags.c_contiguous), None)
                     buf = (device.empty(src.size, src.dtype) if first is None
                            else first.reshape(-1))
-                    execute.wait_all(device, [d for _, d in local])  # outs free to overwrite
+                    ordering.wait_all(device, [d for _, d in local])  # outs free to overwrite
                 calls.append((physical, rank, device, buf, root))
                 for o, d in local:
                     if o.reshape(-1) is not buf and not (
@@ -142,20 +142,20 @@ class NcclStrategy(Strategy):
             for comm, (physical, rank, device, buf, root) in zip(comms, calls):
                 _nccl.bcast(nccl, comm, device, buf, root)
         for device, rank_device, o, buf in after:  # more outs on a GPU: local copies
-            execute.wait_all(device, [rank_device])
+            ordering.wait_all(device, [rank_device])
             target = FlatOut(o, device)
             device.copy_many([(target.flat, buf)])
             target.done()
-        for home in execute.unique([j.home for j in mine]):
-            execute.finish(everyone, home)
+        for home in ordering.unique([j.home for j in mine]):
+            ordering.finish(everyone, home)
 
 
 def _begin(jobs):
     """(rank devices, every device of `jobs`), the latter ordered after the caller's work."""
     ranks = _rank_devices(jobs)
-    everyone = execute.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
-                              + list(ranks.values()))
-    execute.begin(everyone)
+    everyone = ordering.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs]
+                               + list(ranks.values()))
+    ordering.begin(everyone)
     return ranks, everyone
 
 

@@ -12,10 +12,12 @@ into the `out` arrays. Each step is one fused kernel per device for all keys.
 from __future__ import annotations
 
 from ..device.base import Term
-from . import execute
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut
+from .flat import FlatOut, flat_in
 from .home import HomeStrategy
+from .jobs import group_jobs, is_uniform_job, node_order, split_plain_broadcasts
+from .plan import links
 
 
 def chunk_bounds(n: int, k: int) -> list:
@@ -43,9 +45,9 @@ def _ring_nodes(job):
     """The sorted devices of `job` when the ring can take it (one source per device,
     at least two, all host or all GPU), else None."""
     devices = list(job.devices)
-    nodes = sorted(execute.unique(devices), key=execute.node_order)
+    nodes = sorted(ordering.unique(devices), key=node_order)
     ok = (len(nodes) >= 2 and len(nodes) == len(devices)
-          and execute.is_uniform_job(devices, job.home))
+          and is_uniform_job(devices, job.home))
     return tuple(nodes) if ok else None
 
 
@@ -69,13 +71,13 @@ class RingStrategy(Strategy):
         ring = self._rings.get(key)
         if ring is None:
             from .plan import topology
-            matrix = execute.link_matrix_for(nodes, self._matrix)
+            matrix = links.link_matrix_for(nodes, self._matrix)
             order = topology.plan_ring(matrix) if len(nodes) > 1 else [0]
             ring = self._rings[key] = [nodes[i] for i in order]
         return ring
 
     def _groups(self, jobs):
-        return execute.group_jobs(jobs, _ring_nodes)
+        return group_jobs(jobs, _ring_nodes)
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, job: ReduceJob) -> None:
@@ -90,14 +92,14 @@ class RingStrategy(Strategy):
     def _reduce_group(self, ring: list, jobs) -> None:
         k = len(ring)
         position = {d: j for j, d in enumerate(ring)}
-        homes = execute.unique([job.home for job in jobs])
-        execute.begin(ring + homes)
+        homes = ordering.unique([job.home for job in jobs])
+        ordering.begin(ring + homes)
         work = []  # (out FlatOut, sources by position, chunk bounds, partial buffers)
         for job in jobs:
             out = FlatOut(job.out, job.home)
             src = [None] * k
             for s, d in zip(job.sources, job.devices):
-                src[position[d]] = execute.flat_in(s, d)
+                src[position[d]] = flat_in(s, d)
             bounds = chunk_bounds(out.flat.size, k)
             acc: list = [None] * k  # acc[j]: device j's running sums (a buffer of the out's size)
             work.append((job, out, src, bounds, acc))
@@ -124,7 +126,7 @@ class RingStrategy(Strategy):
                 device.sum_into(items)
         # Device j now holds the complete chunk (j+1) % k; the home gathers them.
         for home in homes:
-            execute.wait_all(home, ring)
+            ordering.wait_all(home, ring)
             pairs = []
             for job, out, src, bounds, acc in work:
                 if job.home != home:
@@ -138,14 +140,14 @@ class RingStrategy(Strategy):
         for job, out, src, bounds, acc in work:
             out.done()
         for home in homes:
-            execute.finish(ring, home)
+            ordering.finish(ring, home)
 
     # -------------------------------------------------------------- broadcast
     def broadcast(self, job: BroadcastJob) -> None:
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = execute.split_plain_broadcasts(jobs)
+        simple, other = split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():
@@ -154,8 +156,8 @@ class RingStrategy(Strategy):
     def _broadcast_group(self, ring: list, jobs) -> None:
         k = len(ring)
         position = {d: j for j, d in enumerate(ring)}
-        homes = execute.unique([job.home for job in jobs])
-        execute.begin(ring + homes)
+        homes = ordering.unique([job.home for job in jobs])
+        ordering.begin(ring + homes)
         work = []
         for job in jobs:
             outs: list = [None] * k
@@ -163,7 +165,7 @@ class RingStrategy(Strategy):
                 outs[position[d]] = o.reshape(-1)
             work.append((job, job.src.reshape(-1), outs, chunk_bounds(job.src.size, k)))
         for j, device in enumerate(ring):  # scatter: chunk j to ring position j
-            execute.wait_all(device, homes)
+            ordering.wait_all(device, homes)
             device.copy_many([(outs[j][a:b], src[a:b])
                               for job, src, outs, bounds in work
                               for a, b in [bounds[j]] if b > a])
@@ -176,4 +178,4 @@ class RingStrategy(Strategy):
                                   for job, src, outs, bounds in work
                                   for a, b in [bounds[c]] if b > a])
         for home in homes:
-            execute.finish(ring, home)
+            ordering.finish(ring, home)

@@ -9,9 +9,10 @@ that wait is this strategy's nature and the reason 'auto' rarely picks it.
 from __future__ import annotations
 
 from ..device.host_sum import host_sum
-from . import execute
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
 from .host import HostStrategy
+from .jobs import split_host_jobs
 
 
 class StagedStrategy(Strategy):
@@ -29,16 +30,16 @@ class StagedStrategy(Strategy):
         self.broadcast_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        host_jobs, jobs = execute.split_host_jobs(jobs)
+        host_jobs, jobs = split_host_jobs(jobs)
         self._host.reduce_many(host_jobs)
         if not jobs:
             return
-        everyone = execute.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs])
-        execute.begin(everyone)
+        everyone = ordering.unique([d for j in jobs for d in j.devices] + [j.home for j in jobs])
+        ordering.begin(everyone)
         # Every device-to-host copy is queued before the host waits for any.
         staged = [[d.to_host_async(s) for s, d in zip(job.sources, job.devices)]
                   for job in jobs]
-        for d in execute.unique([d for j in jobs for d in j.devices]):
+        for d in ordering.unique([d for j in jobs for d in j.devices]):
             d.synchronize()
         for job, sources in zip(jobs, staged):
             home = job.home
@@ -48,16 +49,16 @@ class StagedStrategy(Strategy):
                 result = home.host_buffer(job.out.shape, job.out.dtype)
                 host_sum(result, sources)
                 home.from_host_async(job.out, result)
-        for home in execute.unique([j.home for j in jobs]):
-            execute.finish([d for j in jobs if j.home == home for d in j.devices], home)
+        for home in ordering.unique([j.home for j in jobs]):
+            ordering.finish([d for j in jobs if j.home == home for d in j.devices], home)
 
     def broadcast_many(self, jobs: list) -> None:
-        host_jobs, jobs = execute.split_host_jobs(jobs)
+        host_jobs, jobs = split_host_jobs(jobs)
         self._host.broadcast_many(host_jobs)
         if not jobs:
             return
-        homes = execute.unique([j.home for j in jobs])
-        execute.begin([d for j in jobs for d in j.devices] + homes)
+        homes = ordering.unique([j.home for j in jobs])
+        ordering.begin([d for j in jobs for d in j.devices] + homes)
         staged = [j.home.to_host_async(j.src) for j in jobs]
         for home in homes:
             home.synchronize()
@@ -65,4 +66,4 @@ class StagedStrategy(Strategy):
             for out, device in zip(job.outs, job.devices):
                 device.from_host_async(out, host)
         for home in homes:
-            execute.finish([d for j in jobs if j.home == home for d in j.devices], home)
+            ordering.finish([d for j in jobs if j.home == home for d in j.devices], home)

@@ -24,10 +24,12 @@ import numbers
 
 from .._errors import ArgumentError, ArgumentKindError
 from ..device.base import Term
-from . import execute
+from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .execute import FlatOut
+from .flat import FlatOut, flat_in
 from .home import HomeStrategy
+from .jobs import group_jobs, is_uniform_job, node_order, split_plain_broadcasts
+from .plan import links
 
 
 class _Plan:
@@ -116,9 +118,9 @@ class TreeStrategy(Strategy):
             if self._matrix is None and model is not None:
                 matrix = model.matrix
             else:
-                matrix = execute.link_matrix_for(nodes, self._matrix)
+                matrix = links.link_matrix_for(nodes, self._matrix)
             measured = (model is None and self._matrix is None
-                        and execute.measured_links(nodes))
+                        and links.measured_links(nodes))
             plan = self._plans[key] = _Plan(list(nodes), matrix, model, calibrated=measured)
         return plan
 
@@ -130,12 +132,12 @@ class TreeStrategy(Strategy):
         """Jobs by their node set; jobs the tree cannot take go to the fallback list."""
         def nodes_of(job):
             devices = job.devices
-            nodes = sorted(execute.unique(list(devices) + [job.home]), key=execute.node_order)
+            nodes = sorted(ordering.unique(list(devices) + [job.home]), key=node_order)
             ok = (len(nodes) >= 2 and len(set(devices)) == len(devices)
-                  and execute.is_uniform_job(devices, job.home))
+                  and is_uniform_job(devices, job.home))
             return tuple(nodes) if ok else None
 
-        return execute.group_jobs(jobs, nodes_of)
+        return group_jobs(jobs, nodes_of)
 
     def _segments(self, plan, job, size, itemsize):
         """[(root index, start, stop)]: how this key is cut over the plan's trees."""
@@ -166,14 +168,14 @@ class TreeStrategy(Strategy):
 
     def _reduce_group(self, plan: _Plan, jobs) -> None:
         nodes = plan.nodes
-        execute.begin(nodes)
+        ordering.begin(nodes)
         outs: list = []
         by_root: dict = {}
         for job in jobs:
             home = job.home
             out = FlatOut(job.out, home)
             outs.append(out)
-            sources = {plan.index[d]: execute.flat_in(s, d)
+            sources = {plan.index[d]: flat_in(s, d)
                        for s, d in zip(job.sources, job.devices)}
             h = plan.index[home]
             for root, start, stop in self._segments(plan, job, out.flat.size,
@@ -192,13 +194,13 @@ class TreeStrategy(Strategy):
                     gathers[h][1].add(root)
         for h, (pairs, roots) in gathers.items():
             home = nodes[h]
-            execute.wait_all(home, [nodes[r] for r in roots])
+            ordering.wait_all(home, [nodes[r] for r in roots])
             home.copy_many(pairs)
         for out in outs:
             out.done()
-        homes = execute.unique([job.home for job in jobs])
+        homes = ordering.unique([job.home for job in jobs])
         for home in homes:
-            execute.finish(nodes, home)
+            ordering.finish(nodes, home)
 
     def _reduce_tree(self, plan: _Plan, tree, segs, keep: list) -> list:
         """Reduce every segment up `tree`; the final partial of each (on the root).
@@ -219,7 +221,7 @@ class TreeStrategy(Strategy):
                     children_of.setdefault(parent, []).append(child)
             for parent, children in children_of.items():
                 device = nodes[parent]
-                execute.wait_all(device, [nodes[c] for c in children])
+                ordering.wait_all(device, [nodes[c] for c in children])
                 work = []
                 for s, (h, out, sources, start, stop) in enumerate(segs):
                     terms = [partial[s].get(i) for i in [parent] + children]
@@ -253,7 +255,7 @@ class TreeStrategy(Strategy):
         self.broadcast_many([job])
 
     def broadcast_many(self, jobs: list) -> None:
-        simple, other = execute.split_plain_broadcasts(jobs)
+        simple, other = split_plain_broadcasts(jobs)
         groups, fallback = self._groups(simple)
         self._fallback.broadcast_many(fallback + other)
         for nodes, group in groups.items():
@@ -261,7 +263,7 @@ class TreeStrategy(Strategy):
 
     def _broadcast_group(self, plan: _Plan, jobs) -> None:
         nodes = plan.nodes
-        execute.begin(nodes)
+        ordering.begin(nodes)
         by_root: dict = {}
         home_copies: dict = {}
         for job in jobs:
@@ -277,7 +279,7 @@ class TreeStrategy(Strategy):
             scatter = [(v[root][a:b], v[h][a:b]) for h, v, a, b in segs if root != h]
             if scatter:
                 device = nodes[root]
-                execute.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
+                ordering.wait_all(device, [nodes[h] for h, _, _, _ in segs if h != root])
                 device.copy_many(scatter)
             for level in plan.trees[root].broadcast_levels():
                 by_dst: dict = {}
@@ -285,7 +287,7 @@ class TreeStrategy(Strategy):
                     by_dst.setdefault(dst_node, set()).add(src_node)
                 for dst, srcs in by_dst.items():
                     device = nodes[dst]
-                    execute.wait_all(device, [nodes[i] for i in srcs])
+                    ordering.wait_all(device, [nodes[i] for i in srcs])
                     pairs = []
                     for h, v, a, b in segs:
                         for src_node, dst_node in level:
@@ -294,5 +296,5 @@ class TreeStrategy(Strategy):
                     device.copy_many(pairs)
         for h, pairs in home_copies.items():
             nodes[h].copy_many(pairs)
-        for home in execute.unique([job.home for job in jobs]):
-            execute.finish(nodes, home)
+        for home in ordering.unique([job.home for job in jobs]):
+            ordering.finish(nodes, home)

@@ -18,7 +18,7 @@ from .outs import announce_writes, write_refusal
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
            "virtual_gpus", "has_overlapping_elements", "gpu_devices", "write_refusal",
-           "announce_writes"]
+           "announce_writes", "gpu_count", "p2p_ranks", "cpu_model", "gpu_names"]
 
 
 def _cupy_ndarray():
@@ -162,7 +162,6 @@ def _from_gpu(obj, device_id, convert):
     """`convert(cupy)` for a CUDA array; DeviceError when its GPU is not visible here."""
     cupy = _cupy()  # BackendError (how to install CuPy) when it is missing
     if not _GPU_COUNT:
-        from .cuda.device import gpu_count
         _GPU_COUNT.append(gpu_count())
     count = _GPU_COUNT[0]
     if count == 0:
@@ -216,3 +215,28 @@ def gpu_devices() -> list:
     them); none without CuPy or a GPU."""
     from .cuda.device import gpu_devices as cuda_gpu_devices
     return cuda_gpu_devices()
+
+
+def gpu_count() -> int:
+    """How many GPUs this process sees (0 without CuPy or a GPU)."""
+    from .cuda.device import gpu_count as cuda_gpu_count
+    return cuda_gpu_count()
+
+
+def p2p_ranks(ids) -> dict:
+    """{(a, b): the driver's P2P performance rank} of the GPU pairs among `ids` (CUDA
+    ordinals) with peer access; pairs without it are absent."""
+    from .cuda.probe import p2p_ranks as cuda_p2p_ranks
+    return cuda_p2p_ranks(ids)
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name, as calibration files record it."""
+    from .cuda.probe import cpu_model as probe_cpu_model
+    return probe_cpu_model()
+
+
+def gpu_names() -> list:
+    """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
+    from .cuda.probe import gpu_names as probe_gpu_names
+    return probe_gpu_names()

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..encoding.compression import Compressor
     from ..optim import Optimizer
-    from ..update.compression import Compressor
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from .._errors import ArgumentError, CheckpointError, GpukvError, PeerError, PeerMismatchError
-from ..update.compression import Compressor, compressible, make_compressor
+from ..encoding.compression import Compressor, compressible, make_compressor
 from .agree import Agreement, from_rank0, refuse_split
 from .engine import Shard
 from .sharding import pieces
@@ -195,7 +195,7 @@ class _Server:
         if compressor is None:
             compressor = self.compressors[params] = make_compressor(dict(params))
         assert compressor is not None  # the params of a compressor at work
-        from ..update.compression import Ctx
+        from ..encoding.compression import Ctx
         return compressor.decompress(payload, Ctx(size, (size,)),
                                      self.buffer(np.dtype(np.float32), size))
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
-from ..update.compression import Compressor, Ctx, compressible
+from ..encoding.compression import Compressor, Ctx, compressible
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
 from .engine import Shard
 from .sharding import pieces

@@ -17,6 +17,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -271,16 +273,27 @@ class Optimizer:
         return self.cuda_body
 
     # ----------------------------------------------------------- saving and loading
-    _options: ClassVar[tuple[str, ...]] = (
+    #: the constructor arguments `options()` saves (each subclass adds its own)
+    option_names: ClassVar[tuple[str, ...]] = (
         "learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",
         "multi_precision")
 
     def options(self) -> dict:
         """The constructor arguments that rebuild this optimizer (plain JSON values)."""
         out = {}
-        for name in self._options:
+        for name in self.option_names:
             out[name] = self.lr if name == "learning_rate" else getattr(self, name)
         return out
+
+    @property
+    def update_counts(self) -> Mapping:
+        """{key: how many updates it has had, `begin_num_update` included}, read-only."""
+        return MappingProxyType(self._index_update_count)
+
+    def restore_update_counts(self, counts: dict, num_update: int) -> None:
+        """Take over saved update counts ({key: count}) and `num_update`."""
+        self._index_update_count = dict(counts)
+        self.num_update = num_update
 
     def settings(self) -> tuple:
         """What may change while training (the options, such as the learning rate and

@@ -102,7 +102,7 @@ class SGD(Optimizer):
         self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
         self.lazy_update = check_bool("lazy_update", lazy_update)
 
-    _options = Optimizer._options + ("momentum", "lazy_update")
+    option_names = Optimizer.option_names + ("momentum", "lazy_update")
 
     def state_names(self):
         return ("mom",) if self.momentum > 0 else ()
@@ -193,7 +193,7 @@ class NAG(Optimizer):
         super().__init__(**base_options(locals()))
         self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
 
-    _options = Optimizer._options + ("momentum",)
+    option_names = Optimizer.option_names + ("momentum",)
 
     def state_names(self):
         return ("mom",) if self.momentum > 0 else ()
@@ -274,7 +274,7 @@ class Adam(Optimizer):
         _set_moment_options(self, beta1, beta2, epsilon)
         self.lazy_update = check_bool("lazy_update", lazy_update)
 
-    _options = Optimizer._options + ("beta1", "beta2", "epsilon", "lazy_update")
+    option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "lazy_update")
 
     def state_names(self):
         return ("mean", "var")
@@ -354,7 +354,7 @@ class AdamW(Optimizer):
         _set_moment_options(self, beta1, beta2, epsilon)
         self.correct_bias = check_bool("correct_bias", correct_bias)
 
-    _options = Optimizer._options + ("beta1", "beta2", "epsilon", "correct_bias")
+    option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "correct_bias")
 
     def state_names(self):
         return ("mean", "var")
@@ -413,7 +413,7 @@ class AdaGrad(Optimizer):
         super().__init__(**base_options(locals()))
         self.eps = check_number("eps", eps, low=0, low_open=True)
 
-    _options = Optimizer._options + ("eps",)
+    option_names = Optimizer.option_names + ("eps",)
 
     def state_names(self):
         return ("history",)
@@ -475,7 +475,8 @@ class RMSProp(Optimizer):
         self.clip_weights = check_number("clip_weights", clip_weights, low=0, low_open=True,
                                          none_ok=True)
 
-    _options = Optimizer._options + ("gamma1", "gamma2", "epsilon", "centered", "clip_weights")
+    option_names = Optimizer.option_names + ("gamma1", "gamma2", "epsilon", "centered",
+                                             "clip_weights")
 
     def state_names(self):
         return ("n", "g", "delta") if self.centered else ("n",)
@@ -573,8 +574,8 @@ class LAMB(Optimizer):
                                 f"upper_bound={upper_bound!r}")
         self.bias_correction = check_bool("bias_correction", bias_correction)
 
-    _options = Optimizer._options + ("beta1", "beta2", "epsilon", "lower_bound",
-                                     "upper_bound", "bias_correction")
+    option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "lower_bound",
+                                             "upper_bound", "bias_correction")
 
     def state_names(self):
         return ("mean", "var")

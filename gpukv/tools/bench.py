@@ -560,9 +560,11 @@ def bench_point(env, case, n, keys, size, strategies, baselines, args, bar, copy
             else:
                 step, effective, obj = _store_step(label, w)
                 path = "store"
+                # A store given a strategy sends host arrays through it, but for 'auto' and
+                # 'cpu': those take the plain host sum
                 if (env.kind == "host" and label not in ("local", "cpu")
-                        and not obj._route_host):
-                    effective = "host-sum"  # host arrays take the plain host sum
+                        and obj.strategy in ("auto", "cpu")):
+                    effective = "host-sum"
             w.fill(lambda d: d + 1)
             step()
             env.sync()

@@ -207,7 +207,7 @@ def report(record: dict, file=None) -> None:
             for name, e in record["constants"].items()]
     for link in record["links"]:
         cls = (simulate.generic_machine(np.zeros((2, 2))).staged if link["weight"] <= 0
-               else simulate._generic_link(link["weight"]))
+               else simulate.generic_link(link["weight"]))
         for key, default in (("gbps", cls.gbps), ("latency_us", cls.latency_us)):
             e = link[key]
             rows.append([f"link {link['weight']:g} {key}", e["value"], e["unit"], default,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.comm import execute
+from gpukv.comm import ordering
+from gpukv.comm.plan import links
 from gpukv.device import host_device
 from gpukv.device.base import Term
 
@@ -91,7 +92,7 @@ def test_a_host_device_waits_for_a_gpu_by_synchronising_it():
     log = []
     gpu = FakeGpu(0, log, {})
     host_device(0).wait_for(gpu)
-    execute.wait_all(gpu, [host_device(0)])
+    ordering.wait_all(gpu, [host_device(0)])
     assert log == [("synchronize", gpu.name)]
 
 
@@ -100,7 +101,7 @@ def test_finish_joins_on_a_gpu_when_the_home_is_the_host():
     synchronisation) and makes every GPU's caller wait for the call."""
     log, current = [], {}
     a, b = FakeGpu(0, log, current), FakeGpu(1, log, current)
-    execute.finish([host_device(0), a, b], host_device(0))
+    ordering.finish([host_device(0), a, b], host_device(0))
     assert ("synchronize", a.name) not in log and ("synchronize", b.name) not in log
     assert log == [("wait_for", a.name, b.name), ("wait_for", b.name, a.name),
                    ("leave", a.name), ("leave", b.name)]
@@ -108,16 +109,16 @@ def test_finish_joins_on_a_gpu_when_the_home_is_the_host():
 
 def test_finish_of_host_devices_does_nothing():
     """A call on host devices only has nothing to join."""
-    execute.finish([host_device(1), host_device(2)], host_device(0))
+    ordering.finish([host_device(1), host_device(2)], host_device(0))
 
 
 def test_link_rows_of_a_full_matrix_follow_link_index():
     """A full link matrix is cut by each device's link index (a host slot, a GPU ordinal)."""
     full = np.arange(16.0).reshape(4, 4)
     hosts = [host_device(3), host_device(1)]
-    np.testing.assert_array_equal(execute.link_matrix_for(hosts, full), [[15, 13], [7, 5]])
+    np.testing.assert_array_equal(links.link_matrix_for(hosts, full), [[15, 13], [7, 5]])
     gpus = [FakeGpu(2, [], {}, slot=1), FakeGpu(0, [], {})]
-    np.testing.assert_array_equal(execute.link_matrix_for(gpus, full), [[10, 8], [2, 0]])
+    np.testing.assert_array_equal(links.link_matrix_for(gpus, full), [[10, 8], [2, 0]])
 
 
 # ------------------------------------------------------------------ the layering rule
@@ -125,7 +126,7 @@ def test_link_rows_of_a_full_matrix_follow_link_index():
 _DEVICE_ONLY = re.compile(r"import cupy|from cupy|kind [!=]= \"gpu\"|is_gpu\(|\.cuda_device\b"
                           r"|isinstance\([^)]*cupy")
 #: packages written against device verbs only
-_VERB_USERS = ["comm", "update", "optim"]
+_VERB_USERS = ["comm", "encoding", "optim"]
 
 
 @pytest.mark.parametrize("package", _VERB_USERS)

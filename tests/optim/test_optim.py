@@ -877,4 +877,4 @@ def test_every_option_is_a_keyword_parameter(name):
     params = inspect.signature(cls).parameters
     assert set(BASE_OPTIONS) <= set(params)
     assert all(p.kind is not p.VAR_KEYWORD for p in params.values())
-    assert set(cls._options) <= set(params)  # what a checkpoint's options rebuild
+    assert set(cls.option_names) <= set(params)  # what a checkpoint's options rebuild

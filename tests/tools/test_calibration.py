@@ -255,10 +255,10 @@ def _gpus(n):
 def test_auto_models_its_gpus_with_the_calibration(tmp_path, monkeypatch):
     """'auto' ranks strategies for its GPUs with the calibrated model: a machine whose host
     path is measured to be very fast sends a large key through the host."""
-    from gpukv.comm import execute as _ops
     from gpukv.comm import nccl
     from gpukv.comm.auto import AutoStrategy
-    monkeypatch.setattr(_ops, "link_matrix", lambda nodes: T.pcie_two_socket(len(nodes)))
+    from gpukv.comm.plan import links as _links
+    monkeypatch.setattr(_links, "link_matrix", lambda nodes: T.pcie_two_socket(len(nodes)))
     monkeypatch.setattr(nccl, "nccl_available", lambda: False)
     gpus = _gpus(4)
     assert AutoStrategy().choose("k", 64 * MB, gpus, gpus[0]) != "cpu"
@@ -272,10 +272,10 @@ def test_auto_models_its_gpus_with_the_calibration(tmp_path, monkeypatch):
 
 def test_tree_plans_its_gpus_on_the_calibrated_model(tmp_path, monkeypatch):
     """The tree's slicing model of its GPUs is the calibrated one; a given matrix is not."""
-    from gpukv.comm import execute as _ops
+    from gpukv.comm.plan import links as _links
     from gpukv.comm.tree import TreeStrategy
-    monkeypatch.setattr(_ops, "link_matrix", lambda nodes: T.dgx1_v100()[:len(nodes),
-                                                                         :len(nodes)])
+    monkeypatch.setattr(_links, "link_matrix",
+                        lambda nodes: T.dgx1_v100()[:len(nodes), :len(nodes)])
     use(tmp_path, monkeypatch, record({"launch_us": 1.0}, [(3.0, 99.0, 1.0)]))
     gpus = _gpus(4)
     plan = TreeStrategy()._plan(gpus)

@@ -122,7 +122,7 @@ class Machine:
             return self.staged
         if w in self.links:
             return self.links[w]
-        return _generic_link(w)  # a weight the profile does not list
+        return generic_link(w)  # a weight the profile does not list
 
     def subset(self, n: int) -> Machine:
         """The same machine restricted to its first n devices."""
@@ -131,7 +131,7 @@ class Machine:
         return replace(self, matrix=self.matrix[:n, :n].copy())
 
 
-def _generic_link(w: float) -> LinkClass:
+def generic_link(w: float) -> LinkClass:
     """MXNet's weight convention: 1 PCIe, k+1 k NVLink2 lanes, SAME_DEVICE_WEIGHT local."""
     if w >= topology.SAME_DEVICE_WEIGHT:
         return LinkClass("same device", 400.0, 3.0)
@@ -141,7 +141,7 @@ def _generic_link(w: float) -> LinkClass:
 
 
 def generic_machine(matrix, name: str = "generic") -> Machine:
-    """A profile for a bare link matrix in MXNet's convention (see `_generic_link`)."""
+    """A profile for a bare link matrix in MXNet's convention (see `generic_link`)."""
     w = topology.as_link_matrix(matrix)
     return Machine(name=name, matrix=w, links={},
                    staged=LinkClass("staged via host", 8.0, 15.0, port="pcie"),
@@ -499,7 +499,7 @@ class Calibration:
         links, staged = dict(m.links), m.staged
         ported: dict = {}
         for w, (gbps, latency) in sorted(self.links.items()):
-            base = staged if w <= 0 else links.get(w) or _generic_link(w)
+            base = staged if w <= 0 else links.get(w) or generic_link(w)
             cls = replace(base, name=f"{base.name} (measured)", gbps=gbps, latency_us=latency)
             if w <= 0:
                 staged = cls
@@ -669,13 +669,13 @@ def _other_machine(system: dict) -> str | None:
 
 def _local_cpu_model() -> str:
     """This machine's CPU model, as the device layer reports it (and calibrations record)."""
-    from ...device.cuda.probe import cpu_model
+    from ...device import cpu_model
     return cpu_model()
 
 
 def _local_gpu_names() -> list:
     """Names of the GPUs this process sees ([] without CuPy or a GPU)."""
-    from ...device.cuda.probe import gpu_names
+    from ...device import gpu_names
     return gpu_names()
 
 

@@ -4,7 +4,7 @@ A *link matrix* is an n x n symmetric array of link weights between devices: 0 m
 no direct peer-to-peer link (a copy is staged through the host), and a higher weight
 means a faster link. The built-in machines follow MXNet's convention (1: PCIe,
 2: one NVLink, 3: two NVLinks); `link_matrix_from_ranks` derives weights from the CUDA
-P2P performance ranks the device layer probes (`gpukv.device.cuda.probe.p2p_ranks`).
+P2P performance ranks the device layer probes (`gpukv.device.p2p_ranks`).
 Nothing here needs a GPU, and nothing here asks one: the planners are functions of a
 matrix, so machines we do not have (DGX-1, NVSwitch boxes, PCIe-only boxes) are
 planned and simulated (see `simulate.py`) in CI.

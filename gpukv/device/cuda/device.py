@@ -56,6 +56,12 @@ class CudaDevice(Device):
         return self._cuda_device
 
     @property
+    def last_work(self):
+        """(event, stream) that `record` made after the work last queued here, or None:
+        what another device's `wait_for` may wait on without recording anew."""
+        return self._last
+
+    @property
     def stream(self):
         """The stream this device's work is queued on.
 
@@ -91,7 +97,7 @@ class CudaDevice(Device):
             return
         mine = self.stream
         theirs = other.stream
-        last = other._last
+        last = other.last_work
         # One stream object may stand for a stream of every GPU: CuPy's default
         # `Stream.null` (and `Stream.ptds`) is a single object for all devices, so the
         # same object on two GPUs is two streams.

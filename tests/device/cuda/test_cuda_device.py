@@ -467,7 +467,7 @@ class _FakeGpu(cuda_mod.CudaDevice):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Eight fake GPUs on four physical ids; peer access only within pairs (0,1), (2,3)."""
-    from gpukv.comm import execute as _ops
+    from gpukv.comm.plan import links as _links
     from gpukv.device.cuda import kernels as _kernels
     from gpukv.device.host_kernels import multi_sum_host
 
@@ -495,7 +495,7 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(_kernels, "multi_sum_gpu", multi_sum_gpu)
     monkeypatch.setattr(cuda_mod, "can_access_peer", lambda r, o: r // 2 == o // 2)
     monkeypatch.setattr(cuda_mod, "peer_readable", lambda r, a: r // 2 == a.device.id // 2)
-    monkeypatch.setattr(_ops, "link_matrix", lambda nodes: _matrix(nodes))
+    monkeypatch.setattr(_links, "link_matrix", lambda nodes: _matrix(nodes))
     devs = [_FakeGpu(i % 4, i // 4, i, 8) for i in range(8)]
     _DEVS[:] = devs
     return devs

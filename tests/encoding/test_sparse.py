@@ -336,8 +336,8 @@ def test_gpu_coalesce_sums_every_dtype(dtype):
     if big is not None:  # sums that wrap in the dtype
         values[[0, 2, 4]] = big
     data = values.astype(dtype)
-    got = RowSparse._trusted(_on_gpu(0, idx), _on_gpu(0, data), (5, 2)).coalesce()
-    want = RowSparse._trusted(idx, data, (5, 2)).coalesce()
+    got = RowSparse.trusted(_on_gpu(0, idx), _on_gpu(0, data), (5, 2)).coalesce()
+    want = RowSparse.trusted(idx, data, (5, 2)).coalesce()
     assert got.indices.get().tolist() == want.indices.tolist() == [0, 1, 3]
     assert got.data.dtype == want.data.dtype == np.dtype(dtype)
     assert got.data.get().tobytes() == want.data.tobytes()
@@ -371,13 +371,13 @@ def test_gpu_rowsparse_work_runs_on_its_own_device(name, gpu):
     import cupy
     _physical_gpus(gpu + 1)
     idx, data = np.array([3, 0, 3], np.int64), np.array([[1, 1], [2, 2], [3, 3]], np.float32)
-    value = RowSparse._trusted(_on_gpu(gpu, idx), _on_gpu(gpu, data), (4, 2))
+    value = RowSparse.trusted(_on_gpu(gpu, idx), _on_gpu(gpu, data), (4, 2))
     with cupy.cuda.Device(0), _reads_of_other_gpus_raise():
         got = _ON_GPU1[name](value, _on_gpu(gpu, _DENSE), _on_gpu(gpu, idx.astype(np.int32)))
         assert cupy.cuda.Device().id == 0
     arrays = [got.indices, got.data] if isinstance(got, RowSparse) else [got]
     assert [a.device.id for a in arrays] == [gpu] * len(arrays)
-    want = _ON_GPU1[name](RowSparse._trusted(idx, data, (4, 2)), _DENSE, idx.astype(np.int32))
+    want = _ON_GPU1[name](RowSparse.trusted(idx, data, (4, 2)), _DENSE, idx.astype(np.int32))
     if isinstance(want, RowSparse):
         assert got.indices.get().tolist() == want.indices.tolist()
         assert got.data.dtype == want.data.dtype
@@ -390,8 +390,8 @@ def test_gpu_rowsparse_work_runs_on_its_own_device(name, gpu):
 def test_gpu_rowsparse_refuses_row_ids_of_another_gpu():
     """from_dense and retain take row ids on the data's GPU or the host, not another GPU."""
     _physical_gpus(2)
-    value = RowSparse._trusted(_on_gpu(1, np.array([1])),
-                               _on_gpu(1, np.ones((1, 2), np.float32)), (4, 2))
+    value = RowSparse.trusted(_on_gpu(1, np.array([1])),
+                              _on_gpu(1, np.ones((1, 2), np.float32)), (4, 2))
     ids = _on_gpu(0, np.array([1]))
     with pytest.raises(gpukv.ArgumentError, match="GPU 0 .* GPU 1"):
         value.retain(ids)
@@ -403,7 +403,7 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     """Row-sparse sources on other GPUs are read only after their devices' queued work,
     and those devices reuse them only after the home device has read them."""
     import gpukv.device
-    from gpukv.update.sparse import merge
+    from gpukv.encoding.sparse import merge
 
     from ..fake_gpu import FakeGpu
     log, current = [], {}

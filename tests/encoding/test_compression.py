@@ -16,7 +16,14 @@ from gpukv.comm import ReduceJob
 from gpukv.comm.registry import make_strategy
 from gpukv.device import host_device
 from gpukv.device.cuda import compression_kernels as K
-from gpukv.update.compression import Cast, GradientCompression, OneBit, TwoBit, make_compressor
+from gpukv.encoding.compression import (
+    Cast,
+    Ctx,
+    GradientCompression,
+    OneBit,
+    TwoBit,
+    make_compressor,
+)
 
 from ..strategies import float32_bits, gradient_steps
 
@@ -87,7 +94,7 @@ def test_2bit_decodes_every_byte_as_mxnet():
     """Every byte value (0b01 codes included) decodes to MXNet's values."""
     ref = REF["decode_every_byte"]
     payload = np.frombuffer(bytes.fromhex(ref["packed_hex"]), np.uint8)
-    out = TwoBit(ref["threshold"]).decompress(payload, gpukv.update.compression.Ctx(1024, (1024,)))
+    out = TwoBit(ref["threshold"]).decompress(payload, Ctx(1024, (1024,)))
     assert same_bits(out, ref["decoded"])
 
 
@@ -616,11 +623,13 @@ def test_gpu_encode_enters_every_device_first():
 def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
     """fp16 with a pre_divide scales the summed payloads on the home device's stream and
     then orders the caller's stream after it; without a scale, finish does nothing."""
+    from gpukv.device import compression_kernels as kernels
+
     from ..fake_gpu import FakeGpu
     log, current = [], {}
     home = FakeGpu(0, log, current, slot=2)
-    scale = K.scale_in_place
-    monkeypatch.setattr(K, "scale_in_place", lambda out, factor: (
+    scale = kernels.scale_in_place
+    monkeypatch.setattr(kernels, "scale_in_place", lambda out, factor: (
         log.append(("scale", current.get("stream"), factor)), scale(out, factor))[1])
     out = f32([1, -2.5])
     GradientCompression(Cast("fp16", 4)).finish("k", out, home)

@@ -140,11 +140,13 @@ class RowSparse:
             raise ShapeError(f"{what}: RowSparse indices of shape {ids.shape} for "
                              f"{data.shape[0]} rows of data")
         ids = _own(check_row_ids(ids, self.shape[0], what))
-        return RowSparse._trusted(ids, data, self.shape)
+        return RowSparse.trusted(ids, data, self.shape)
 
     @classmethod
-    def _trusted(cls, indices, data, shape):
-        """A RowSparse from arrays already known to be valid (no checks, no sync)."""
+    def trusted(cls, indices, data, shape):
+        """A RowSparse from arrays already known to be valid: indices and data checked as
+        the constructor checks them (no checks, no sync here; the store's row merge and
+        this class's own operations make them)."""
         obj = cls.__new__(cls)
         obj.indices, obj.data, obj.shape = indices, data, tuple(shape)
         return obj
@@ -193,7 +195,7 @@ class RowSparse:
                 ids = xp.nonzero(nonzero.any(axis=1))[0].astype(xp.int64)
             else:
                 ids = xp.unique(check_row_ids(row_ids, dense.shape[0], "RowSparse.from_dense"))
-            return cls._trusted(ids, dense[ids].copy(), dense.shape)
+            return cls.trusted(ids, dense[ids].copy(), dense.shape)
 
     # ------------------------------------------------------------------- helpers
     def coalesce(self, dtype=None) -> RowSparse:
@@ -206,7 +208,7 @@ class RowSparse:
         dtype = self.data.dtype if dtype is None else np.dtype(dtype)
         idx = self.indices
         if idx.size == 0:
-            return RowSparse._trusted(idx, self.data.astype(dtype), self.shape)
+            return RowSparse.trusted(idx, self.data.astype(dtype), self.shape)
         order = xp.argsort(idx, kind="stable")
         idx = idx[order]
         data = self.data[order].astype(dtype, copy=False)
@@ -215,12 +217,12 @@ class RowSparse:
         xp.not_equal(idx[1:], idx[:-1], out=starts_mask[1:])
         starts = xp.nonzero(starts_mask)[0]
         if starts.size == idx.size:  # no repeated row
-            return RowSparse._trusted(idx, xp.ascontiguousarray(data), self.shape)
+            return RowSparse.trusted(idx, xp.ascontiguousarray(data), self.shape)
         # Repeated rows are summed in the order they came (no atomics: the same result on
         # every run), in float32 for 16-bit floats as dense pushes are.
         bounds = xp.concatenate([starts, xp.asarray([idx.size], dtype=starts.dtype)])
         summed = _device.device_of(data).segment_sum(data, bounds.astype(np.int64, copy=False))
-        return RowSparse._trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
+        return RowSparse.trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
 
     def todense(self, dtype=None):
         """The dense array (repeated rows summed) on the same device."""
@@ -250,11 +252,11 @@ class RowSparse:
             pos = xp.minimum(pos, merged.indices.size - 1)
             hit = merged.indices[pos] == ids
             data[hit] = merged.data[pos[hit]]
-        return RowSparse._trusted(ids, data, self.shape)
+        return RowSparse.trusted(ids, data, self.shape)
 
     def copy(self) -> RowSparse:
         with _on_device_of(self.data):  # CuPy copies to the current device
-            return RowSparse._trusted(self.indices.copy(), self.data.copy(), self.shape)
+            return RowSparse.trusted(self.indices.copy(), self.data.copy(), self.shape)
 
     def __array__(self, dtype=None, copy=None):
         if not self.on_host:
@@ -267,13 +269,13 @@ class RowSparse:
         if not isinstance(other, numbers.Number):
             return NotImplemented
         with _on_device_of(self.data):
-            return RowSparse._trusted(self.indices, self.data * other, self.shape)
+            return RowSparse.trusted(self.indices, self.data * other, self.shape)
 
     __rmul__ = __mul__
 
     def __neg__(self):
         with _on_device_of(self.data):
-            return RowSparse._trusted(self.indices, -self.data, self.shape)
+            return RowSparse.trusted(self.indices, -self.data, self.shape)
 
     def __repr__(self):
         where = "host" if self.on_host else f"gpu{self.data.device.id}"
@@ -283,7 +285,7 @@ class RowSparse:
 
 def merge(sources, home, dtype):
     """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
-    from ..comm.execute import begin, finish
+    from ..comm.ordering import begin, finish
     devices = [_device.device_of(s.data) for s in sources]
     # Read the sources after the work their devices queued (on other GPUs too),
     # and let those devices overwrite them only once they have been read.
@@ -305,4 +307,4 @@ def _merge(sources, home, xp, dtype):
         idx = xp.concatenate([home.to_local(s.indices) for s in sources])
         data = xp.concatenate([home.to_local(s.data).astype(dtype, copy=False)
                                for s in sources])
-    return RowSparse._trusted(idx, data, shape).coalesce(dtype)
+    return RowSparse.trusted(idx, data, shape).coalesce(dtype)
