@@ -544,7 +544,7 @@ class KVStore:
         return "device" in self._type or "dist" in self._type
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
-        """Compress every pushed source on its way home (see `gpukv.update.compression`).
+        """Compress every pushed source on its way home (see `gpukv.encoding.compression`).
 
         `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
         'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /
