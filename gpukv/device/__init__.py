@@ -10,9 +10,8 @@ import sys
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES
-from .._env import positive_int
 from .._errors import ArgumentKindError, DeviceError, DTypeError
-from .base import Device
+from .base import Device, virtual_gpus
 from .host import HostDevice, host_device
 from .outs import announce_writes, write_refusal
 
@@ -170,11 +169,6 @@ def _from_gpu(obj, device_id, convert):
         raise DeviceError(f"a CUDA array on GPU {device_id}, which does not exist: "
                           f"{count} GPU(s) are visible")
     return convert(cupy)
-
-
-def virtual_gpus() -> int | None:
-    """`GPUKV_VIRTUAL_GPUS` as a positive int (None when unset); DeviceError when malformed."""
-    return positive_int("GPUKV_VIRTUAL_GPUS", DeviceError)
 
 
 def _torch_cpu(torch, tensor):

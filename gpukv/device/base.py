@@ -19,6 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._env import positive_int
+from .._errors import DeviceError
+
 
 class Term:
     """One addend of a fused sum: a 1-D array and whether it has the out's dtype."""
@@ -221,3 +224,8 @@ class Device(ABC):
     def __repr__(self):
         slot = f".{self.slot}" if self.slot else ""
         return f"{self.kind}({self.physical}{slot})"
+
+
+def virtual_gpus() -> int | None:
+    """`GPUKV_VIRTUAL_GPUS` as a positive int (None when unset); DeviceError when malformed."""
+    return positive_int("GPUKV_VIRTUAL_GPUS", DeviceError)

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from ..._errors import DeviceError
-from ..base import Device
+from ..base import Device, virtual_gpus
 from . import kernels as _kernels
 from . import optim_kernels as _optim_kernels
 from . import sums as _sums
@@ -281,7 +281,6 @@ def gpu_devices() -> list[CudaDevice]:
     With `GPUKV_VIRTUAL_GPUS=N`, N logical devices are dealt round-robin onto the
     physical GPUs, each with its own stream, so multi-device code runs on one GPU.
     """
-    from .. import virtual_gpus  # DeviceError when malformed
     count = gpu_count()
     if count == 0:
         return []
