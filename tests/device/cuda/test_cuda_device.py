@@ -760,17 +760,16 @@ def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
 
 # ------------------------------------------- which GPU and stream do the work (no GPU)
 def test_gpu_devices_count_comes_from_virtual_gpus(monkeypatch):
-    """gpu_devices() takes the logical device count from backends.virtual_gpus(), the one
-    reader of GPUKV_VIRTUAL_GPUS."""
-    import gpukv.device as backends
+    """gpu_devices() takes the logical device count from virtual_gpus(), the one reader of
+    GPUKV_VIRTUAL_GPUS."""
     asked = []
     monkeypatch.setattr(cuda_mod, "gpu_count", lambda: 2)
     monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: (p, s))
-    monkeypatch.setattr(backends, "virtual_gpus", lambda: asked.append(1) or 3)
+    monkeypatch.setattr(cuda_mod, "virtual_gpus", lambda: asked.append(1) or 3)
     monkeypatch.delenv("GPUKV_VIRTUAL_GPUS", raising=False)
     assert cuda_mod.gpu_devices() == [(0, 0), (1, 0), (0, 1)]
     assert asked
-    monkeypatch.setattr(backends, "virtual_gpus", lambda: None)
+    monkeypatch.setattr(cuda_mod, "virtual_gpus", lambda: None)
     assert cuda_mod.gpu_devices() == [(0, 0), (1, 0)]
 
 
