@@ -484,6 +484,7 @@ class DistKVStore(KVStore):
         from . import checkpoint
         with self._lock:
             self._engine.check()
+            self._engine.collective("save")  # agreed before anything moves
             keys = self._values.keys()
             self._fetch(keys)  # every worker: with num_servers=0, queued keys are agreed on
             state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
@@ -505,6 +506,7 @@ class DistKVStore(KVStore):
         from . import checkpoint
         with self._lock:
             self._engine.check()
+            self._engine.collective("load")  # agreed before anything moves
             contents = None
             if self.rank == 0:
                 contents = _attempt(lambda: checkpoint.read_store(path), keep=True)
@@ -536,6 +538,7 @@ class DistKVStore(KVStore):
         self._need_optimizer("save_optimizer_states")
         with self._lock:
             self._engine.check()
+            self._engine.collective("save_optimizer_states")  # agreed before anything moves
             state = self._engine.optimizer_state(dump=bool(dump_optimizer))
             error = None
             if self.rank == 0:
@@ -549,6 +552,7 @@ class DistKVStore(KVStore):
         self._need_optimizer("load_optimizer_states")
         with self._lock:
             self._engine.check()
+            self._engine.collective("load_optimizer_states")  # agreed before anything moves
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
             state = _raise(self._engine.share(state, "load_optimizer_states"))

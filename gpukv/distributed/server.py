@@ -569,9 +569,15 @@ class ServerClient:
     def barrier(self) -> None:
         """Every worker's earlier calls are done on the servers (in dist_async too: each
         server answers a flush after the pushes before it), then the workers meet."""
-        self._flush_servers("barrier")
+        self._flush_servers("barrier", op="barrier")
 
-    def _flush_servers(self, what: str) -> None:
+    def collective(self, op: str) -> None:
+        """Every worker makes call `op` (a checkpoint call) now: agreed on before any
+        request of it leaves, so a worker on another call fails, naming both."""
+        self._settle()
+        self.agree.check((op, ()), op)
+
+    def _flush_servers(self, what: str, op: str = "flush") -> None:
         """Return once every worker's earlier requests are handled by every server
         (requests of one worker are handled in order; those of several are not)."""
         self._settle()
@@ -582,7 +588,7 @@ class ServerClient:
         self._wait(requests, what)
         for server, tag in tags.items():
             self._reply(server, f"{what}: waiting for the servers", tag)
-        self.agree.check(("flush", ()), what)
+        self.agree.check((op, ()), what)
 
     def call_servers(self, op: str, body_for) -> list:
         """Send `op` to every server (body_for(server) -> body) and return their replies."""

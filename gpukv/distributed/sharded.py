@@ -455,8 +455,13 @@ class ShardedRounds:
         self._rounds.clear()
 
     def barrier(self) -> None:
+        self.collective("barrier")
+
+    def collective(self, op: str) -> None:
+        """Every process makes call `op` (a barrier, a checkpoint call) now: agreed on
+        before anything of it moves, so a process on another call fails, naming both."""
         self.flush()
-        self.agree.check(("barrier", ()), "barrier")
+        self.agree.check((op, ()), op)
 
     def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
         self.flush()

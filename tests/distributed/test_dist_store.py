@@ -303,6 +303,33 @@ def test_processes_that_update_unlike_are_refused(scenario, error):
     assert len(_caught(result.stdout, error)) == 2, result.stdout + result.stderr
 
 
+MISMATCHED_CALLS = [("save", "push"), ("push", "save"), ("save", "load"),
+                    ("load", "save_optimizer_states"), ("load_optimizer_states", "barrier"),
+                    ("save_optimizer_states", "load_optimizer_states")]
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+@pytest.mark.parametrize("first,other", MISMATCHED_CALLS,
+                         ids=[f"{a}-{b}" for a, b in MISMATCHED_CALLS])
+def test_mismatched_collective_calls_are_named(tmp_path, servers, first, other):
+    """Worker 0 on one collective call (a checkpoint call among them) while the others
+    make another: a PeerMismatchError naming both on every worker, before any message of
+    either call moves, and the store failed on every worker from then on."""
+    workers = 3 - servers
+    result = _scenario(3, servers, "mismatched_calls", first, other, str(tmp_path / "c"),
+                       timeout=5, limit=90)
+    out = result.stdout + result.stderr
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == workers, out
+
+    def named(call):  # with servers a push is no collective call: the barrier after it is
+        return "barrier" if call == "push" and servers else call
+    assert all(re.search(rf"calls {named(first)}\b", ln)
+               and re.search(rf"calls {named(other)}\b", ln) for ln in lines), lines
+    assert len(re.findall(r"AGAIN Peer\w*Error on worker \d+ after 0\.0 s", result.stdout)
+               ) == workers, out
+
+
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_save_right_after_init(tmp_path, n, servers):
     _passes(_scenario(n, servers, "save_right_after_init", str(tmp_path / "s")), n - servers)

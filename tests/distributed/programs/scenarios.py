@@ -543,6 +543,42 @@ def options_differ() -> None:
         caught(kv.rank, exc)
 
 
+def _collective_call(kv, call: str, path: str) -> None:
+    """`call`, one of the calls every worker makes together, on `kv`."""
+    if call == "push":
+        kv.push(["a", "b"], _grads(kv.rank, 1))
+    elif call == "barrier":
+        kv.barrier()
+    elif call in ("save", "load"):
+        getattr(kv, call)(path + ".store")
+    else:
+        getattr(kv, call)(path + ".states")
+
+
+def mismatched_calls(first: str, other: str, path: str) -> None:
+    """Worker 0 makes call `first` while the others make `other` (after a save and a
+    save_optimizer_states that all make): every worker gets a PeerMismatchError naming
+    both calls (with dedicated servers a push is no collective call: the barrier after
+    it meets worker 0's call), and its next call a PeerError at once."""
+    kv = create(bigarray_bound=1000)
+    _keys(kv)
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1))
+    kv.push(["a", "b"], _grads(kv.rank, 0))
+    kv.save(path + ".store")
+    kv.save_optimizer_states(path + ".states")
+    try:
+        _collective_call(kv, first if kv.rank == 0 else other, path)
+        kv.barrier()
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+    start = time.monotonic()
+    try:
+        kv.pull("a", out=np.zeros((2, 3), np.float32))
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
 def save_right_after_init(path: str) -> None:
     """save as the first call after init (the keys still queued with num_servers=0)."""
     kv = create()
