@@ -79,7 +79,8 @@ class _Server:
                 last_message = time.monotonic()
                 pause = t.pacer()
                 continue
-            self.sending = [(r, b) for r, b in self.sending if not r.Test()]
+            self.sending = [(r, b) for r, b in self.sending
+                            if not t.done([r], "sending replies")]
             now = time.monotonic()
             if now - last_check > min(1.0, t.timeout / 4):
                 last_check = now
@@ -377,7 +378,7 @@ class ServerClient:
         error = self.t.try_recv_object(self.t.MPI.ANY_SOURCE, TAG_ERROR)
         if error is not None:
             for r in requests:
-                r.Cancel()
+                self.t.cancel(r)
             raise self.t.fail(reported(error[0]))
 
     def _request(self, server: int, op: str, body=None, data=()) -> list:
@@ -390,10 +391,9 @@ class ServerClient:
     def _wait(self, requests, what: str) -> None:
         """Complete `requests`, failing at once if a server reports a failure."""
         t = self.t
-        test_all = t.MPI.Request.Testall
 
         def done():
-            if test_all(requests):
+            if t.done(requests, what):
                 return True
             self._raise_reported(requests)
             return None

@@ -330,6 +330,38 @@ def test_mismatched_collective_calls_are_named(tmp_path, servers, first, other):
                ) == workers, out
 
 
+@pytest.mark.parametrize("code", ["0", "1"])
+@pytest.mark.parametrize("point", ["push1", "push3", "later"])
+def test_a_server_that_dies_is_a_peer_error(point, code):
+    """A dedicated server that exits mid-training (the launcher leaving the workers to
+    find out): each worker gets a PeerError, never MPI's own exception; its next call
+    raises one at once, and the job ends, non-zero, in bounded time."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="1", GPUKV_DIST_TIMEOUT="2")
+    start = time.monotonic()
+    result = run("scenarios.py", 3, "server_dies", point, code, env=env, timeout=60,
+                 options=("-disable-auto-cleanup",))
+    took = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert "MPI.Exception" not in out, out
+    assert len(_caught(result.stdout, "PeerError")) == 2, out
+    assert len(re.findall(r"AGAIN PeerError on worker \d after 0\.0 s", result.stdout)) == 2, out
+    assert result.returncode != 0 and took < 30, (took, out)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "no_such_rank"])
+def test_mpi_errors_become_peer_errors(kind):
+    """An error MPI raises under a transport (a receive cut short, a send to a rank that
+    is not there) is a PeerError that fails the transport, and the job then ends."""
+    result = _scenario(2, 0, "mpi_error", kind, timeout=5, limit=60)
+    out = result.stdout + result.stderr
+    assert "mpi4py.MPI.Exception" not in out and "MPI.Exception" not in out, out
+    (line,) = _caught(result.stdout, "PeerError")
+    assert "rank 0" in line and "MPI failed" in line, line
+    assert "AGAIN PeerError on worker 0" in result.stdout, out
+    assert result.returncode != 0, out
+
+
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_save_right_after_init(tmp_path, n, servers):
     _passes(_scenario(n, servers, "save_right_after_init", str(tmp_path / "s")), n - servers)

@@ -579,6 +579,70 @@ def mismatched_calls(first: str, other: str, path: str) -> None:
               f"{time.monotonic() - start:.1f} s", flush=True)
 
 
+def server_dies(point: str, code: str = "1") -> None:
+    """The dedicated server (rank 0) exits with status `code` at `point`: in its first or
+    third update ("push1", "push3"), or a moment after its first ("later"). Every worker
+    gets a PeerError (never MPI's own exception), then a PeerError at once from its next
+    call, and the job ends."""
+    kv = create()
+    kv.init("w", np.ones(1000, np.float32))
+    kv.set_updater(dying_updater)
+    try:
+        for _ in range(50):
+            kv.push("w", np.ones(1000, np.float32))
+            kv.pull("w", out=np.zeros(1000, np.float32))
+            time.sleep(0.02)
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+    start = time.monotonic()
+    try:
+        kv.pull("w", out=np.zeros(1000, np.float32))
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
+_updates = [0]
+
+
+def dying_updater(key, merged, stored):
+    """The updater of `server_dies`: ends the server process at the point its arguments
+    name."""
+    point, code = sys.argv[2], int(sys.argv[3])
+    _updates[0] += 1
+    if point == f"push{_updates[0]}":
+        os._exit(code)
+    if point == "later" and _updates[0] == 1:
+        threading.Timer(0.2, os._exit, (code,)).start()
+    stored += merged
+
+
+def mpi_error(kind: str) -> None:
+    """An MPI call that fails under a transport (as one does when a peer died): rank 0
+    receives into a buffer too small for what rank 1 sends ("truncated"), or sends to a
+    rank that is not there ("no_such_rank"). Rank 0 gets a PeerError, not MPI's own
+    exception, and its transport is failed from then on; at exit it aborts the job."""
+    from mpi4py import MPI
+
+    from gpukv.distributed import Transport
+    t = Transport(MPI.COMM_WORLD.Dup(), float(os.environ["GPUKV_DIST_TIMEOUT"]))
+    if t.rank == 1:
+        if kind == "truncated":
+            t.wait_all([t.send_array(np.ones(64, np.float32), 0, 77)], "sending")
+        return
+    try:
+        if kind == "truncated":
+            t.wait_all([t.recv_array(np.zeros(4, np.float32), 1, 77)], "receiving")
+        else:
+            t.wait_all([t.send_object("hello", t.size + 5, 77)], "sending")
+    except gpukv.PeerError as exc:
+        caught(t.rank, exc)
+    try:
+        t.check()
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {t.rank}", flush=True)
+
+
 def save_right_after_init(path: str) -> None:
     """save as the first call after init (the keys still queued with num_servers=0)."""
     kv = create()
