@@ -444,17 +444,19 @@ class ServerClient:
     def _tag(self) -> int:
         return TAG_DATA + next(self._tags) % _REPLY_TAGS
 
-    def _settle(self) -> None:
+    def _settle(self, during: str) -> None:
         """Wait until the servers made every key this worker created: they answer once
-        all workers have sent theirs (a mismatch between workers is raised here)."""
+        all workers have sent theirs (a mismatch between workers is raised here); the
+        first step of the call `during` names (and its errors name it)."""
         self.check()
         while self._unsettled:
             server, tag, key = self._unsettled[0]
-            self._reply(server, f"init of key {key!r}: waiting for every worker's init", tag)
+            self._reply(server, f"{during}: first the keys made before it (init of key "
+                                f"{key!r}): waiting for every worker's init", tag)
             self._unsettled.pop(0)
 
     def push(self, keys, grads, replicas) -> None:
-        self._settle()
+        self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
@@ -489,7 +491,7 @@ class ServerClient:
         return payload, (tuple(sorted(comp.params().items())), ctx.size)
 
     def pull(self, keys, replicas) -> None:
-        self._settle()
+        self._settle(f"pull of key {keys[0]!r}" if keys else "pull")
         if not keys:
             return
         t = self.t
@@ -511,7 +513,7 @@ class ServerClient:
 
     def set_optimizer(self, optimizer) -> None:
         """Worker 0's optimizer goes to the servers (every worker's must agree)."""
-        self._settle()
+        self._settle("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
         refuse_split(optimizer, {k: (len(layout) > 1, shape)
@@ -574,13 +576,13 @@ class ServerClient:
     def collective(self, op: str) -> None:
         """Every worker makes call `op` (a checkpoint call) now: agreed on before any
         request of it leaves, so a worker on another call fails, naming both."""
-        self._settle()
+        self._settle(op)
         self.agree.check((op, ()), op)
 
     def _flush_servers(self, what: str, op: str = "flush") -> None:
         """Return once every worker's earlier requests are handled by every server
         (requests of one worker are handled in order; those of several are not)."""
-        self._settle()
+        self._settle(what)
         tags = {server: self._tag() for server in range(self.servers)}
         requests = []
         for server, tag in tags.items():

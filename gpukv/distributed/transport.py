@@ -6,19 +6,18 @@ answer. An error MPI raises (a peer that died, a link that broke) becomes a `Pee
 too, wherever it comes from: every call on a transport's communicator, every test of a
 request and every receive go through here. Once a transport has failed it stays failed:
 the messages still in flight make the communicator unusable, and at exit the process
-aborts the MPI job (a non-zero exit, the reason on stderr) rather than hang in
-`MPI_Finalize`.
+aborts the MPI job (a non-zero exit, the reason on stderr; see `job_exit`) rather than
+hang in `MPI_Finalize`.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 
 import numpy as np
 
 from .._errors import BackendError, PeerError
+from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
 #: call), the raw bytes of pushes, and what rank 0 shares
@@ -35,9 +34,6 @@ TAG_ROLL = 9
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048
 
-_broken: list = []  # the transports that failed, for the exit handler
-_handler_installed = False
-
 
 def mpi():
     """mpi4py's MPI module, or BackendError saying how to get it."""
@@ -49,23 +45,6 @@ def mpi():
                            f"mpiexec), then launch with `mpiexec -n N python prog.py` ({exc})"
                            ) from exc
     return MPI
-
-
-def _abort_if_broken() -> None:
-    """At exit, a failed transport aborts the job instead of waiting in MPI_Finalize for
-    messages that will never match; after a moment's grace, in which the other ranks
-    (told of the same failure) report it too."""
-    if _broken:
-        transport = _broken[0]
-        sys.stderr.write(f"gpukv: rank {transport.rank}: aborting the MPI job: "
-                         f"{transport.failure}\n")
-        sys.stderr.flush()
-        time.sleep(ABORT_GRACE)
-        transport.comm.Abort(1)
-
-
-#: seconds a failed rank waits at exit before it aborts the job
-ABORT_GRACE = 1.0
 
 
 class _Checked:
@@ -96,7 +75,6 @@ class Transport:
     and marks the transport failed."""
 
     def __init__(self, comm, timeout: float, local_size: int = 1):
-        global _handler_installed
         self.MPI = mpi()
         self.comm = _Checked(comm, self)
         self.rank = comm.Get_rank()
@@ -107,9 +85,7 @@ class Transport:
         self.local_size = local_size
         self.oversubscribed = local_size > _usable_cpus()
         _short_naps()
-        if not _handler_installed:
-            atexit.register(_abort_if_broken)
-            _handler_installed = True
+        job_exit.install(self.MPI)
 
     # ------------------------------------------------------------------ failures
     def check(self) -> None:
@@ -121,7 +97,7 @@ class Transport:
         """Record `error` as this transport's failure and return it (to raise)."""
         if self.failure is None:
             self.failure = error
-            _broken.append(self)
+            job_exit.failed(self.rank, error, self.comm)
         return error
 
     def broken(self, what: str, exc: Exception) -> PeerError:

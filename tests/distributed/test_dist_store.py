@@ -232,6 +232,34 @@ def test_stalled_worker_is_named_on_every_rank(n, servers):
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_stalled_worker_is_named_with_the_call_the_others_are_in(n, servers):
+    """Keys made before the call the others wait in are agreed on first: the PeerError
+    names that call (a push), not the init that came before it."""
+    result = _scenario(n, servers, "stall", "1", "v", timeout=3, limit=90)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == n - servers - 1, result.stdout + result.stderr
+    assert all(ln.startswith("push of key 'w'") and "did not" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_an_uncaught_error_ends_the_job_at_once(servers):
+    """Under a bare `mpiexec -n N python prog.py` (no `-m mpi4py`), a worker that dies of
+    an uncaught ShapeError prints it and aborts the job: the others do not wait out their
+    timeout for it."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT="20")
+    start = time.monotonic()
+    result = run("scenarios.py", 2 + servers, "uncaught_error", "1", env=env, timeout=90,
+                 bare=True)
+    took = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "PASS" not in result.stdout, out
+    assert "ShapeError: key 'w': push expects shape (4,), got (5,)" in result.stderr, out
+    assert "aborting the MPI job: an uncaught ShapeError ended this process" in out, out
+    assert took < 10, (took, out)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_killed_worker_ends_the_job(n, servers):
     """A worker killed mid-training ends the whole job with a non-zero status and
     mpiexec's message naming the dead rank, in bounded time (mpiexec aborts the job)."""

@@ -278,11 +278,14 @@ def _checksum(kv) -> list:
 
 
 # ----------------------------------------------------------------------------- failures
-def stall(victim: str = "1") -> None:
+def stall(victim: str = "1", made_before: str = "") -> None:
     """Worker `victim` stops answering (sleeps past the timeout): every other worker gets
-    a PeerError naming it, in bounded time."""
+    a PeerError naming it, in bounded time. With `made_before`, every worker first makes
+    a key of that name (agreed on at the next collective call, a push)."""
     kv = create()
     kv.init("w", np.ones(4, np.float32))
+    if made_before:
+        kv.init(made_before, np.ones(3, np.float32))
     if kv.rank == int(victim):
         time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
     try:
@@ -577,6 +580,28 @@ def mismatched_calls(first: str, other: str, path: str) -> None:
     except gpukv.PeerError as exc:
         print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
               f"{time.monotonic() - start:.1f} s", flush=True)
+
+
+def uncaught_error(victim: str = "1") -> None:
+    """Worker `victim` pushes a wrong shape and does not catch the ShapeError, while the
+    others go on to their next calls: the uncaught error ends the whole job at once
+    (also under a bare `mpiexec python prog.py`)."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    kv.push("w", np.ones(4, np.float32))
+    kv.pull("w", out=np.zeros(4, np.float32))
+    kv.init("v", np.ones(3, np.float32))  # agreed on at the next collective call
+    if kv.rank == int(victim):
+        kv.push("w", np.ones(5, np.float32))
+    print(f"GOING ON worker {kv.rank}", flush=True)
+    try:
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w", out=np.zeros(4, np.float32))
+        kv.barrier()
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+        raise
+    passed(kv)
 
 
 def server_dies(point: str, code: str = "1") -> None:
