@@ -44,7 +44,8 @@ def _serve_or_client(transport, servers: int, bound: int, name: str):
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
-    from ..distributed.server import ServerClient, serve
+    from ..distributed.client import ServerClient
+    from ..distributed.server import serve
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:

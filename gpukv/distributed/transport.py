@@ -231,6 +231,12 @@ class Transport:
         return self.comm.Irecv(as_bytes(array), source=source, tag=tag)
 
 
+def worker_comm(transport: Transport, servers: int):
+    """The workers' own communicator (every process of the job must call this)."""
+    is_worker = transport.rank >= servers
+    return transport.comm.Split(0 if is_worker else 1, transport.rank)
+
+
 def _usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
