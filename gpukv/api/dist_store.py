@@ -45,7 +45,8 @@ def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
-    from ..distributed.server import ServerClient, serve
+    from ..distributed.client import ServerClient
+    from ..distributed.server import serve
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
@@ -492,6 +493,7 @@ class DistKVStore(KVStore):
         from . import checkpoint
         with self._lock:
             self._engine.check()
+            self._engine.collective("save")  # agreed before anything moves
             keys = self._values.keys()
             self._fetch(keys)  # every worker: with num_servers=0, queued keys are agreed on
             state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
@@ -513,6 +515,7 @@ class DistKVStore(KVStore):
         from . import checkpoint
         with self._lock:
             self._engine.check()
+            self._engine.collective("load")  # agreed before anything moves
             contents = None
             if self.rank == 0:
                 contents = _attempt(lambda: checkpoint.read_store(path), keep=True)
@@ -544,6 +547,7 @@ class DistKVStore(KVStore):
         self._need_optimizer("save_optimizer_states")
         with self._lock:
             self._engine.check()
+            self._engine.collective("save_optimizer_states")  # agreed before anything moves
             state = self._engine.optimizer_state(dump=bool(dump_optimizer))
             error = None
             if self.rank == 0:
@@ -557,6 +561,7 @@ class DistKVStore(KVStore):
         self._need_optimizer("load_optimizer_states")
         with self._lock:
             self._engine.check()
+            self._engine.collective("load_optimizer_states")  # agreed before anything moves
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
             state = _raise(self._engine.share(state, "load_optimizer_states"))

@@ -138,7 +138,7 @@ class Agreement:
         requests = {r: t.recv_array(digests[r], r, self.digest_tag) for r in others}
 
         def missing():
-            late = [r for r, req in requests.items() if not req.Test()]
+            late = [r for r, req in requests.items() if not t.done([req], what)]
             arrived = [0] + [r for r in others if r not in late]
             message = (f"{what}: rank(s) {_ranks(late)} did not arrive within "
                        f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT); rank(s) {_ranks(arrived)} did")

@@ -87,6 +87,11 @@ class Engine(Protocol):
         """Return once every worker's earlier calls are done and every worker came."""
         ...
 
+    def collective(self, op: str) -> None:
+        """Agree that every worker makes call `op` now (a checkpoint call), before any of
+        it moves; a worker on another call makes every one raise PeerMismatchError."""
+        ...
+
     def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
         """The elementwise maximum of `values` over every worker (a PeerError names `what`)."""
         ...

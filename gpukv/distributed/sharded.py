@@ -123,15 +123,17 @@ class ShardedRounds:
         self.t.check()
         self._pending.extend(zip(keys, replicas))
 
-    def flush(self) -> None:
-        """Agree on the queued keys: same shapes and dtypes everywhere, rank 0's values."""
+    def flush(self, during: str) -> None:
+        """Agree on the queued keys: same shapes and dtypes everywhere, rank 0's values;
+        the first step of the collective call `during` names (and its errors name it)."""
         if not self._pending:
             return
         pending = sorted(self._pending, key=lambda p: p[0])
         self._pending = []
         signature = ("init", tuple((k, r.shape, r.dtype.name) for k, r in pending))
-        self.agree.check(signature, f"init of key {pending[0][0]!r}")
-        self._share_values(pending, f"init of key {pending[0][0]!r}: rank 0's values")
+        what = f"{during}: first the keys made before it (init of key {pending[0][0]!r})"
+        self.agree.check(signature, what)
+        self._share_values(pending, f"{what}: rank 0's values")
         keys, views = [], []
         for key, replica in pending:
             layout = KeyLayout(replica.shape, replica.dtype,
@@ -155,8 +157,8 @@ class ShardedRounds:
     def push(self, keys, grads, replicas) -> None:
         """One sync round: the sum over processes of each key's `grads` updates the key at
         its owner(s); every process's `replicas` then hold the new values."""
-        self.flush()
         if not keys:
+            self.flush("push")
             return
         order = sorted(range(len(keys)), key=keys.__getitem__)
         keys = tuple(keys[i] for i in order)
@@ -164,6 +166,7 @@ class ShardedRounds:
         replicas = [replicas[i] for i in order]
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
         what = f"push of key {keys[0]!r}{more}"
+        self.flush(what)
         comp = self.compressor
         wire = None if comp is None else tuple(sorted(comp.params().items()))
         # Every process must round alike: the same compression, updater or not, and the
@@ -426,7 +429,7 @@ class ShardedRounds:
     def set_optimizer(self, optimizer) -> None:
         """Every process runs its own `optimizer` on its shard (they must agree), so that
         changes made to it on every process (the learning rate, ...) count."""
-        self.flush()
+        self.flush("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
         refuse_split(optimizer, {k: (layout.split, layout.shape)
@@ -449,7 +452,7 @@ class ShardedRounds:
     def set_updater(self, updater) -> None:
         """Each process runs its own `updater` on the pieces it owns (every process sets
         one: the rounds differ with and without)."""
-        self.flush()
+        self.flush("set_updater")
         self.agree.check(("set_updater", ()), "set_updater")
         self.shard.set_updater(updater)
         self._assigns = False
@@ -457,22 +460,27 @@ class ShardedRounds:
         self._rounds.clear()
 
     def barrier(self) -> None:
-        self.flush()
-        self.agree.check(("barrier", ()), "barrier")
+        self.collective("barrier")
+
+    def collective(self, op: str) -> None:
+        """Every process makes call `op` (a barrier, a checkpoint call) now: agreed on
+        before anything of it moves, so a process on another call fails, naming both."""
+        self.flush(op)
+        self.agree.check((op, ()), op)
 
     def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
-        self.flush()
+        self.flush(what)
         return self.agree.maximum(values, what)
 
     def pull(self, keys, replicas) -> None:
         """The replicas are current after every round: only queued inits need a round."""
-        self.flush()
+        self.flush(f"pull of key {keys[0]!r}" if keys else "pull")
 
     # ------------------------------------------------------------- checkpoints
     def optimizer_state(self, dump: bool):
         """Every shard's optimizer state merged, on rank 0 (None elsewhere, and without
         an optimizer)."""
-        self.flush()
+        self.flush("saving the optimizer state")
         self.agree.check(("optimizer_state", ()), "saving the optimizer state")
         starts = {k: p.start for k, layout in self.layouts.items() for p in layout.pieces
                   if p.server == self.t.rank}
@@ -486,7 +494,7 @@ class ShardedRounds:
         """Load `values` ({key: full array}, on every rank) and the optimizer `state`
         ((header, arrays) of the whole store, or None): each shard checks its part
         first; any failure changes nothing and raises CheckpointError on every rank."""
-        self.flush()
+        self.flush("load")
         self.agree.check(("restore", tuple(sorted(values))), "load")
         t = self.t
         checked, error = None, None

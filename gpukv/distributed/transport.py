@@ -2,20 +2,22 @@
 
 Each wait polls nonblocking requests against a deadline instead of blocking in MPI, so a
 peer that died or stalls becomes a `PeerError` naming what was waited for and who did not
-answer. Once a transport has failed it stays failed: the messages still in flight make
-the communicator unusable, and at exit the process aborts the MPI job (a non-zero exit,
-the reason on stderr) rather than hang in `MPI_Finalize`.
+answer. An error MPI raises (a peer that died, a link that broke) becomes a `PeerError`
+too, wherever it comes from: every call on a transport's communicator, every test of a
+request and every receive go through here. Once a transport has failed it stays failed:
+the messages still in flight make the communicator unusable, and at exit the process
+aborts the MPI job (a non-zero exit, the reason on stderr; see `job_exit`) rather than
+hang in `MPI_Finalize`.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 
 import numpy as np
 
 from .._errors import BackendError, PeerError
+from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
 #: call), the raw bytes of pushes, and what rank 0 shares
@@ -32,9 +34,6 @@ TAG_ROLL = 9
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048
 
-_broken: list = []  # the transports that failed, for the exit handler
-_handler_installed = False
-
 
 def mpi():
     """mpi4py's MPI module, or BackendError saying how to get it."""
@@ -48,41 +47,45 @@ def mpi():
     return MPI
 
 
-def _abort_if_broken() -> None:
-    """At exit, a failed transport aborts the job instead of waiting in MPI_Finalize for
-    messages that will never match; after a moment's grace, in which the other ranks
-    (told of the same failure) report it too."""
-    if _broken:
-        transport = _broken[0]
-        sys.stderr.write(f"gpukv: rank {transport.rank}: aborting the MPI job: "
-                         f"{transport.failure}\n")
-        sys.stderr.flush()
-        time.sleep(ABORT_GRACE)
-        transport.comm.Abort(1)
+class _Checked:
+    """A communicator whose every call turns an MPI error into its transport's failure."""
 
+    def __init__(self, comm, transport: Transport):
+        self._comm = comm
+        self._transport = transport
 
-#: seconds a failed rank waits at exit before it aborts the job
-ABORT_GRACE = 1.0
+    def __getattr__(self, name: str):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+        transport = self._transport
+
+        def checked(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except transport.MPI.Exception as exc:
+                raise transport.broken(f"MPI {name}", exc) from exc
+        return checked
 
 
 class Transport:
-    """A communicator, its rank and size, and the timeout every wait is bounded by."""
+    """A communicator, its rank and size, and the timeout every wait is bounded by.
+
+    `comm` is the communicator with every call checked: an MPI error raises PeerError
+    and marks the transport failed."""
 
     def __init__(self, comm, timeout: float, local_size: int = 1):
-        global _handler_installed
-        self.comm = comm
+        self.MPI = mpi()
+        self.comm = _Checked(comm, self)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timeout = float(timeout)
         self.failure: PeerError | None = None
-        self.MPI = mpi()
         #: the ranks on this machine (they share its cores)
         self.local_size = local_size
         self.oversubscribed = local_size > _usable_cpus()
         _short_naps()
-        if not _handler_installed:
-            atexit.register(_abort_if_broken)
-            _handler_installed = True
+        job_exit.install(self.MPI)
 
     # ------------------------------------------------------------------ failures
     def check(self) -> None:
@@ -94,8 +97,25 @@ class Transport:
         """Record `error` as this transport's failure and return it (to raise)."""
         if self.failure is None:
             self.failure = error
-            _broken.append(self)
+            job_exit.failed(self.rank, error, self.comm)
         return error
+
+    def broken(self, what: str, exc: Exception) -> PeerError:
+        """Record MPI's error `exc` (met in `what`) as this transport's failure."""
+        try:
+            detail = exc.Get_error_string()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the words are a courtesy; the failure is not
+            detail = str(exc)
+        return self.fail(PeerError(
+            f"rank {self.rank}: {what}: MPI failed, as it does when another process of the "
+            f"job died or a connection broke: {detail.strip()}"))
+
+    def _checked(self, call, what: str):
+        """`call()`, an MPI error in it raised as this transport's PeerError."""
+        try:
+            return call()
+        except self.MPI.Exception as exc:
+            raise self.broken(what, exc) from exc
 
     # --------------------------------------------------------------------- waits
     def poll(self, done, what: str, timeout: float | None = None, on_timeout=None):
@@ -107,6 +127,12 @@ class Transport:
         seconds (the transport's by default): `on_timeout()` if given (which may return a
         PeerError to raise), else a PeerError naming `what`.
         """
+        try:
+            return self._poll(done, what, timeout, on_timeout)
+        except self.MPI.Exception as exc:  # a test of a request, a receive, a roll call
+            raise self.broken(what, exc) from exc
+
+    def _poll(self, done, what: str, timeout: float | None, on_timeout):
         result = done()
         if result is not None:
             return result
@@ -152,21 +178,28 @@ class Transport:
         """Complete every MPI request of `requests` (see `poll`)."""
         if not requests:
             return
-        test_all = self.MPI.Request.Testall
+        test_all = self.MPI.Request.Testall  # (poll turns its MPI errors into PeerError)
         self.poll(lambda: True if test_all(requests) else None, what, timeout, on_timeout)
 
     def settle(self, requests: list, seconds: float) -> bool:
         """Wait up to `seconds` for `requests`; whether they all completed (a wait that
         may end short, and is no failure when it does)."""
-        test_all = self.MPI.Request.Testall
         start = time.monotonic()
         pause = self.pacer()
-        while not test_all(requests):
+        while not self.done(requests, "settling requests"):
             waited = time.monotonic() - start
             if waited > seconds:
                 return False
             pause(waited)
         return True
+
+    def done(self, requests: list, what: str) -> bool:
+        """Whether every request of `requests` completed (a test that does not wait)."""
+        return self._checked(lambda: self.MPI.Request.Testall(requests), what)
+
+    def cancel(self, request) -> None:
+        """Cancel a request that will not be completed (its peer failed)."""
+        self._checked(request.Cancel, "cancelling a request")
 
     def recv_object(self, source: int, tag: int, what: str, timeout: float | None = None,
                     on_timeout=None):
@@ -174,7 +207,7 @@ class Transport:
         status = self.MPI.Status()
         message = self.poll(lambda: self.comm.improbe(source=source, tag=tag, status=status),
                             what, timeout, on_timeout)
-        return message.recv(), status.Get_source()
+        return self._checked(message.recv, what), status.Get_source()
 
     def try_recv_object(self, source: int, tag: int):
         """(object, source) of a waiting pickled message, or None when there is none."""
@@ -182,7 +215,7 @@ class Transport:
         message = self.comm.improbe(source=source, tag=tag, status=status)
         if message is None:
             return None
-        return message.recv(), status.Get_source()
+        return self._checked(message.recv, "receiving a message"), status.Get_source()
 
     # ------------------------------------------------------------------ sending
     def send_object(self, obj, dest: int, tag: int):
@@ -196,6 +229,12 @@ class Transport:
     def recv_array(self, array: np.ndarray, source: int, tag: int):
         """Start receiving bytes into contiguous `array`."""
         return self.comm.Irecv(as_bytes(array), source=source, tag=tag)
+
+
+def worker_comm(transport: Transport, servers: int):
+    """The workers' own communicator (every process of the job must call this)."""
+    is_worker = transport.rank >= servers
+    return transport.comm.Split(0 if is_worker else 1, transport.rank)
 
 
 def _usable_cpus() -> int:

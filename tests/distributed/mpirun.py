@@ -1,5 +1,5 @@
-"""Launching a program under `mpiexec -n N python -m mpi4py ...` from a test, with a timeout,
-so that a hang fails one test instead of the run.
+"""Launching a program under `mpiexec -n N python -m mpi4py ...` (or bare `python`) from a
+test, with a timeout, so that a hang fails one test instead of the run.
 
 Without mpi4py or mpiexec the MPI tests skip, unless GPUKV_TEST_MPI=1 (as in CI), where
 they fail: a run that was meant to test several processes cannot pass without them.
@@ -40,9 +40,12 @@ def require_mpi() -> str:
 
 
 def run(program: str | Path, n: int, *args: str, env: dict | None = None,
-        timeout: float = 120, module: bool = False) -> subprocess.CompletedProcess:
+        timeout: float = 120, module: bool = False, bare: bool = False,
+        options: tuple = ()) -> subprocess.CompletedProcess:
     """Run `program` (a file in tests/distributed/programs, a path, or with `module` a module
     name for `python -m`) on `n` processes; the finished process, stdout and stderr as text.
+    `bare` runs `python prog.py` as a user may (without `-m mpi4py`, which aborts the job on
+    an uncaught exception); `options` go to mpiexec.
 
     Fails the test (with both outputs) when the job does not end within `timeout` s.
     """
@@ -55,7 +58,8 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("GPUKV_DIST_TIMEOUT", "30")
-    command = [launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *target, *args]
+    python = [sys.executable] + ([] if bare else ["-m", "mpi4py"])
+    command = [launcher, *options, "-n", str(n), *python, *target, *args]
     # A session of its own: on timeout the whole job (mpiexec and every rank) is killed.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True, env=full_env,

@@ -250,6 +250,34 @@ def test_stalled_worker_is_named_on_every_rank(n, servers):
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_stalled_worker_is_named_with_the_call_the_others_are_in(n, servers):
+    """Keys made before the call the others wait in are agreed on first: the PeerError
+    names that call (a push), not the init that came before it."""
+    result = _scenario(n, servers, "stall", "1", "v", timeout=3, limit=90)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == n - servers - 1, result.stdout + result.stderr
+    assert all(ln.startswith("push of key 'w'") and "did not" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_an_uncaught_error_ends_the_job_at_once(servers):
+    """Under a bare `mpiexec -n N python prog.py` (no `-m mpi4py`), a worker that dies of
+    an uncaught ShapeError prints it and aborts the job: the others do not wait out their
+    timeout for it."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT="20")
+    start = time.monotonic()
+    result = run("scenarios.py", 2 + servers, "uncaught_error", "1", env=env, timeout=90,
+                 bare=True)
+    took = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "PASS" not in result.stdout, out
+    assert "ShapeError: key 'w': push expects shape (4,), got (5,)" in result.stderr, out
+    assert "aborting the MPI job: an uncaught ShapeError ended this process" in out, out
+    assert took < 10, (took, out)
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_killed_worker_ends_the_job(n, servers):
     """A worker killed mid-training ends the whole job with a non-zero status and
     mpiexec's message naming the dead rank, in bounded time (mpiexec aborts the job)."""
@@ -319,6 +347,65 @@ def test_one_store_with_dedicated_servers_per_job():
 def test_processes_that_update_unlike_are_refused(scenario, error):
     result = _scenario(2, 0, scenario, timeout=10)
     assert len(_caught(result.stdout, error)) == 2, result.stdout + result.stderr
+
+
+MISMATCHED_CALLS = [("save", "push"), ("push", "save"), ("save", "load"),
+                    ("load", "save_optimizer_states"), ("load_optimizer_states", "barrier"),
+                    ("save_optimizer_states", "load_optimizer_states")]
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+@pytest.mark.parametrize("first,other", MISMATCHED_CALLS,
+                         ids=[f"{a}-{b}" for a, b in MISMATCHED_CALLS])
+def test_mismatched_collective_calls_are_named(tmp_path, servers, first, other):
+    """Worker 0 on one collective call (a checkpoint call among them) while the others
+    make another: a PeerMismatchError naming both on every worker, before any message of
+    either call moves, and the store failed on every worker from then on."""
+    workers = 3 - servers
+    result = _scenario(3, servers, "mismatched_calls", first, other, str(tmp_path / "c"),
+                       timeout=5, limit=90)
+    out = result.stdout + result.stderr
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == workers, out
+
+    def named(call):  # with servers a push is no collective call: the barrier after it is
+        return "barrier" if call == "push" and servers else call
+    assert all(re.search(rf"calls {named(first)}(?![a-z_])", ln)  # lines may run on
+               and re.search(rf"calls {named(other)}(?![a-z_])", ln) for ln in lines), lines
+    assert len(re.findall(r"AGAIN Peer\w*Error on worker \d+ after 0\.0 s", result.stdout)
+               ) == workers, out
+
+
+@pytest.mark.parametrize("code", ["0", "1"])
+@pytest.mark.parametrize("point", ["push1", "push3", "later"])
+def test_a_server_that_dies_is_a_peer_error(point, code):
+    """A dedicated server that exits mid-training (the launcher leaving the workers to
+    find out): each worker gets a PeerError, never MPI's own exception; its next call
+    raises one at once, and the job ends, non-zero, in bounded time."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="1", GPUKV_DIST_TIMEOUT="2")
+    start = time.monotonic()
+    result = run("scenarios.py", 3, "server_dies", point, code, env=env, timeout=60,
+                 options=("-disable-auto-cleanup",))
+    took = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert "MPI.Exception" not in out, out
+    assert len(_caught(result.stdout, "PeerError")) == 2, out
+    assert len(re.findall(r"AGAIN PeerError on worker \d after 0\.0 s", result.stdout)) == 2, out
+    assert result.returncode != 0 and took < 30, (took, out)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "no_such_rank"])
+def test_mpi_errors_become_peer_errors(kind):
+    """An error MPI raises under a transport (a receive cut short, a send to a rank that
+    is not there) is a PeerError that fails the transport, and the job then ends."""
+    result = _scenario(2, 0, "mpi_error", kind, timeout=5, limit=60)
+    out = result.stdout + result.stderr
+    assert "mpi4py.MPI.Exception" not in out and "MPI.Exception" not in out, out
+    (line,) = _caught(result.stdout, "PeerError")
+    assert "rank 0" in line and "MPI failed" in line, line
+    assert "AGAIN PeerError on worker 0" in result.stdout, out
+    assert result.returncode != 0, out
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])

@@ -278,11 +278,14 @@ def _checksum(kv) -> list:
 
 
 # ----------------------------------------------------------------------------- failures
-def stall(victim: str = "1") -> None:
+def stall(victim: str = "1", made_before: str = "") -> None:
     """Worker `victim` stops answering (sleeps past the timeout): every other worker gets
-    a PeerError naming it, in bounded time."""
+    a PeerError naming it, in bounded time. With `made_before`, every worker first makes
+    a key of that name (agreed on at the next collective call, a push)."""
     kv = create()
     kv.init("w", np.ones(4, np.float32))
+    if made_before:
+        kv.init(made_before, np.ones(3, np.float32))
     if kv.rank == int(victim):
         time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
     try:
@@ -578,6 +581,128 @@ def options_differ() -> None:
         kv.push(1, np.ones(4))
     except gpukv.PeerMismatchError as exc:
         caught(kv.rank, exc)
+
+
+def _collective_call(kv, call: str, path: str) -> None:
+    """`call`, one of the calls every worker makes together, on `kv`."""
+    if call == "push":
+        kv.push(["a", "b"], _grads(kv.rank, 1))
+    elif call == "barrier":
+        kv.barrier()
+    elif call in ("save", "load"):
+        getattr(kv, call)(path + ".store")
+    else:
+        getattr(kv, call)(path + ".states")
+
+
+def mismatched_calls(first: str, other: str, path: str) -> None:
+    """Worker 0 makes call `first` while the others make `other` (after a save and a
+    save_optimizer_states that all make): every worker gets a PeerMismatchError naming
+    both calls (with dedicated servers a push is no collective call: the barrier after
+    it meets worker 0's call), and its next call a PeerError at once."""
+    kv = create(bigarray_bound=1000)
+    _keys(kv)
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1))
+    kv.push(["a", "b"], _grads(kv.rank, 0))
+    kv.save(path + ".store")
+    kv.save_optimizer_states(path + ".states")
+    try:
+        _collective_call(kv, first if kv.rank == 0 else other, path)
+        kv.barrier()
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+    start = time.monotonic()
+    try:
+        kv.pull("a", out=np.zeros((2, 3), np.float32))
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
+def uncaught_error(victim: str = "1") -> None:
+    """Worker `victim` pushes a wrong shape and does not catch the ShapeError, while the
+    others go on to their next calls: the uncaught error ends the whole job at once
+    (also under a bare `mpiexec python prog.py`)."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    kv.push("w", np.ones(4, np.float32))
+    kv.pull("w", out=np.zeros(4, np.float32))
+    kv.init("v", np.ones(3, np.float32))  # agreed on at the next collective call
+    if kv.rank == int(victim):
+        kv.push("w", np.ones(5, np.float32))
+    print(f"GOING ON worker {kv.rank}", flush=True)
+    try:
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w", out=np.zeros(4, np.float32))
+        kv.barrier()
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+        raise
+    passed(kv)
+
+
+def server_dies(point: str, code: str = "1") -> None:
+    """The dedicated server (rank 0) exits with status `code` at `point`: in its first or
+    third update ("push1", "push3"), or a moment after its first ("later"). Every worker
+    gets a PeerError (never MPI's own exception), then a PeerError at once from its next
+    call, and the job ends."""
+    kv = create()
+    kv.init("w", np.ones(1000, np.float32))
+    kv.set_updater(dying_updater)
+    try:
+        for _ in range(50):
+            kv.push("w", np.ones(1000, np.float32))
+            kv.pull("w", out=np.zeros(1000, np.float32))
+            time.sleep(0.02)
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+    start = time.monotonic()
+    try:
+        kv.pull("w", out=np.zeros(1000, np.float32))
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
+_updates = [0]
+
+
+def dying_updater(key, merged, stored):
+    """The updater of `server_dies`: ends the server process at the point its arguments
+    name."""
+    point, code = sys.argv[2], int(sys.argv[3])
+    _updates[0] += 1
+    if point == f"push{_updates[0]}":
+        os._exit(code)
+    if point == "later" and _updates[0] == 1:
+        threading.Timer(0.2, os._exit, (code,)).start()
+    stored += merged
+
+
+def mpi_error(kind: str) -> None:
+    """An MPI call that fails under a transport (as one does when a peer died): rank 0
+    receives into a buffer too small for what rank 1 sends ("truncated"), or sends to a
+    rank that is not there ("no_such_rank"). Rank 0 gets a PeerError, not MPI's own
+    exception, and its transport is failed from then on; at exit it aborts the job."""
+    from mpi4py import MPI
+
+    from gpukv.distributed import Transport
+    t = Transport(MPI.COMM_WORLD.Dup(), float(os.environ["GPUKV_DIST_TIMEOUT"]))
+    if t.rank == 1:
+        if kind == "truncated":
+            t.wait_all([t.send_array(np.ones(64, np.float32), 0, 77)], "sending")
+        return
+    try:
+        if kind == "truncated":
+            t.wait_all([t.recv_array(np.zeros(4, np.float32), 1, 77)], "receiving")
+        else:
+            t.wait_all([t.send_object("hello", t.size + 5, 77)], "sending")
+    except gpukv.PeerError as exc:
+        caught(t.rank, exc)
+    try:
+        t.check()
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {t.rank}", flush=True)
 
 
 def save_right_after_init(path: str) -> None:

@@ -1,0 +1,356 @@
+"""A worker's end of the dedicated servers (`num_servers=S >= 1`): the engine of a dist store
+on the worker ranks. It sends each piece of a key to its server (see `server` for what the
+servers do with them) and waits, each wait bounded, for their replies; a failure a server
+reports ends the wait at once.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+
+import numpy as np
+
+from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
+from ..encoding.compression import Compressor, compressible
+from .agree import Agreement, from_rank0, refuse_split
+from .sharding import pieces
+from .state import cut, merge
+from .transport import (
+    TAG_DATA,
+    TAG_ERROR,
+    TAG_PUSH_DATA,
+    TAG_REPLY,
+    TAG_REQUEST,
+    Transport,
+    worker_comm,
+)
+
+#: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
+#: 32767 at least)
+_REPLY_TAGS = 30000
+
+
+def reported(report) -> PeerError:
+    """The error a server's `tell` sent (as its kind and message)."""
+    kind, message = report
+    return (PeerMismatchError if kind == "mismatch" else PeerError)(message)
+
+
+class ServerClient:
+    """A worker's end of the dedicated servers: the engine of a dist store with S >= 1
+    (an `engine.Engine`)."""
+
+    #: pulls fetch the values; a push leaves this process's copies as they are
+    round_updates_replicas = False
+    compressor: Compressor | None
+
+    def __init__(self, transport: Transport, servers: int, bound: int, asynchronous: bool):
+        self.t = transport
+        self.servers = servers
+        self.bound = bound
+        self.asynchronous = asynchronous
+        self.workers = Transport(worker_comm(transport, servers), transport.timeout,
+                                 transport.local_size)
+        self.agree = Agreement(self.workers)
+        self.layouts: dict = {}     # key -> (pieces, shape, dtype)
+        self.pushes: dict = {}      # key -> pushes this worker made
+        self.compressor = None
+        self.residuals: dict = {}
+        self._tags = itertools.count()
+        self._unsettled: list = []  # (server, reply tag, first key) of inits not answered
+        self._sent_settings = None  # the optimizer options the servers have
+        self._stopped = False
+        import atexit
+        atexit.register(self.stop)
+
+    @property
+    def rank(self) -> int:
+        return self.workers.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.size
+
+    def check(self) -> None:
+        """Raise a failure already met, or one a server reported since."""
+        self.t.check()
+        self.workers.check()
+        self._raise_reported()
+
+    def _raise_reported(self, requests=()) -> None:
+        """Raise the failure a server reported, if one did (cancelling `requests`)."""
+        error = self.t.try_recv_object(self.t.MPI.ANY_SOURCE, TAG_ERROR)
+        if error is not None:
+            for r in requests:
+                self.t.cancel(r)
+            raise self.t.fail(reported(error[0]))
+
+    def _request(self, server: int, op: str, body=None, data=()) -> list:
+        """Start sending a request and its raw arrays to `server`; their MPI requests."""
+        t = self.t
+        requests = [t.send_object((op, self.rank, body), server, TAG_REQUEST)]
+        requests += [t.send_array(a, server, TAG_PUSH_DATA) for a in data]
+        return requests
+
+    def _wait(self, requests, what: str) -> None:
+        """Complete `requests`, failing at once if a server reports a failure."""
+        t = self.t
+
+        def done():
+            if t.done(requests, what):
+                return True
+            self._raise_reported(requests)
+            return None
+        t.poll(done, what, timeout=t.timeout * 1.5 + 1,
+               on_timeout=lambda: PeerError(f"worker {self.rank}: {what}: no answer from the "
+                                            f"server(s) within {t.timeout * 1.5 + 1:g} s"))
+
+    def _reply(self, server: int, what: str, tag: int = TAG_REPLY):
+        """The next reply of `server` (on `tag`), failing at once on a reported failure."""
+        t = self.t
+
+        def arrived():
+            got = t.try_recv_object(server, tag)
+            if got is None:
+                self._raise_reported()
+            return got
+        reply, _ = t.poll(arrived, what, timeout=t.timeout * 1.5 + 1)
+        return reply
+
+    # ------------------------------------------------------------------- calls
+    def init(self, keys, replicas) -> None:
+        """Send the keys to their servers (worker 0 with its values); the servers agree
+        on them once every worker has sent them, in whatever order."""
+        self.check()
+        if not keys:
+            return
+        by_server: dict = collections.defaultdict(lambda: ([], []))
+        for key, value in zip(keys, replicas):
+            layout = pieces(key, value.size, self.servers, self.bound)
+            self.layouts[key] = (layout, value.shape, value.dtype)
+            self.pushes[key] = 0
+            flat = value.reshape(-1)
+            for p in layout:
+                specs, data = by_server[p.server]
+                specs.append((key, p.start, p.stop, value.shape, value.dtype))
+                if self.rank == 0:
+                    data.append(np.ascontiguousarray(flat[p.start:p.stop]))
+        requests = []
+        for server, (specs, data) in by_server.items():
+            tag = self._tag()
+            body = {"keys": specs, "tag": tag, "data": [(s[0], "u1", a.nbytes) for s, a in
+                                                        zip(specs, data)]}
+            requests += self._request(server, "init", body,
+                                      [a.view(np.uint8) for a in data])
+            self._unsettled.append((server, tag, keys[0]))
+        self._wait(requests, f"init of key {keys[0]!r}")
+
+    def _tag(self) -> int:
+        return TAG_DATA + next(self._tags) % _REPLY_TAGS
+
+    def _settle(self, during: str) -> None:
+        """Wait until the servers made every key this worker created: they answer once
+        all workers have sent theirs (a mismatch between workers is raised here); the
+        first step of the call `during` names (and its errors name it)."""
+        self.check()
+        while self._unsettled:
+            server, tag, key = self._unsettled[0]
+            self._reply(server, f"{during}: first the keys made before it (init of key "
+                                f"{key!r}): waiting for every worker's init", tag)
+            self._unsettled.pop(0)
+
+    def push(self, keys, grads, replicas) -> None:
+        self._settle(f"push of key {keys[0]!r}" if keys else "push")
+        if not keys:
+            return
+        by_server: dict = collections.defaultdict(lambda: ([], []))
+        for key, grad in zip(keys, grads):
+            layout, shape, dtype = self.layouts[key]
+            flat = grad.reshape(-1)
+            for p in layout:
+                entries, data = by_server[p.server]
+                piece = flat[p.start:p.stop]
+                comp = None
+                if self.compressor is not None and compressible(dtype):
+                    piece, comp = self._compress(key, p, piece)
+                entries.append((key, comp))
+                data.append(np.ascontiguousarray(piece))
+            self.pushes[key] += 1
+        requests = []
+        for server, (entries, data) in by_server.items():
+            body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
+                                              for e, a in zip(entries, data)]}
+            requests += self._request(server, "push", body, data)
+        self._wait(requests, f"push of key {keys[0]!r}")
+
+    def _compress(self, key, piece, grad):
+        comp = self.compressor
+        residual = None
+        if comp.uses_residual:
+            slot = (key, piece.start)
+            residual = self.residuals.get(slot)
+            if residual is None:
+                residual = self.residuals[slot] = np.zeros(grad.size, np.float32)
+        payload, ctx = comp.compress(grad, residual)
+        return payload, (tuple(sorted(comp.params().items())), ctx.size)
+
+    def pull(self, keys, replicas) -> None:
+        self._settle(f"pull of key {keys[0]!r}" if keys else "pull")
+        if not keys:
+            return
+        t = self.t
+        by_server: dict = collections.defaultdict(list)
+        requests = []
+        tags: dict = {}
+        for key, replica in zip(keys, replicas):
+            layout, _, _ = self.layouts[key]
+            flat = replica.reshape(-1)
+            for p in layout:
+                tag = tags.get(p.server)
+                if tag is None:
+                    tag = tags[p.server] = self._tag()
+                by_server[p.server].append((key, self.pushes[key]))
+                requests.append(t.recv_array(flat[p.start:p.stop], p.server, tag))
+        for server, wanted in by_server.items():
+            requests += self._request(server, "pull", {"tag": tags[server], "keys": wanted})
+        self._wait(requests, f"pull of key {keys[0]!r}")
+
+    def set_optimizer(self, optimizer) -> None:
+        """Worker 0's optimizer goes to the servers (every worker's must agree)."""
+        self._settle("set_optimizer")
+        self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
+                         "set_optimizer")
+        refuse_split(optimizer, {k: (len(layout) > 1, shape)
+                                 for k, (layout, shape, _) in self.layouts.items()}, "servers")
+        self._to_servers("set_optimizer", {"optimizer": pickle.dumps(optimizer)},
+                         "set_optimizer")
+        self._sent_settings = optimizer.settings()
+
+    def follow(self, optimizer) -> None:
+        """Send worker 0's optimizer options to the servers when they changed (before
+        its next push, which they handle after them)."""
+        if self.rank != 0:
+            return
+        settings = optimizer.settings()
+        if settings != self._sent_settings:
+            requests = []
+            for server in range(self.servers):
+                requests += self._request(server, "settings", {"settings": settings})
+            self._wait(requests, "sending the optimizer's options")
+            self._sent_settings = settings
+
+    def set_updater(self, updater) -> None:
+        try:
+            blob = pickle.dumps(updater)
+        except Exception as exc:
+            raise ArgumentError(f"updater {updater!r}: the servers run it, so it must pickle "
+                                f"(a function defined at module level): {exc}") from exc
+        self._to_servers("set_updater", {"updater": blob}, "set_updater")
+
+    def _to_servers(self, op: str, body, what: str) -> None:
+        """Worker 0 sends `op` to every server, after every worker's earlier pushes;
+        every worker returns once all servers have it."""
+        self._flush_servers(what)
+        if self.rank == 0:
+            requests = []
+            for server in range(self.servers):
+                requests += self._request(server, op, body)
+            self._wait(requests, what)
+            for server in range(self.servers):
+                self._reply(server, what)
+        self.agree.check((op + " done", ()), what)
+
+    def set_compression(self, compressor) -> None:
+        self.compressor = compressor
+        self.residuals = {}
+
+    @property
+    def pending(self) -> bool:
+        """Keys are sent to the servers as they are made: none waits here."""
+        return False
+
+    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
+        return self.agree.maximum(values, what)
+
+    def barrier(self) -> None:
+        """Every worker's earlier calls are done on the servers (in dist_async too: each
+        server answers a flush after the pushes before it), then the workers meet."""
+        self._flush_servers("barrier", op="barrier")
+
+    def collective(self, op: str) -> None:
+        """Every worker makes call `op` (a checkpoint call) now: agreed on before any
+        request of it leaves, so a worker on another call fails, naming both."""
+        self._settle(op)
+        self.agree.check((op, ()), op)
+
+    def _flush_servers(self, what: str, op: str = "flush") -> None:
+        """Return once every worker's earlier requests are handled by every server
+        (requests of one worker are handled in order; those of several are not)."""
+        self._settle(what)
+        tags = {server: self._tag() for server in range(self.servers)}
+        requests = []
+        for server, tag in tags.items():
+            requests += self._request(server, "flush", {"tag": tag})
+        self._wait(requests, what)
+        for server, tag in tags.items():
+            self._reply(server, f"{what}: waiting for the servers", tag)
+        self.agree.check((op, ()), what)
+
+    def call_servers(self, op: str, body_for) -> list:
+        """Send `op` to every server (body_for(server) -> body) and return their replies."""
+        self.check()
+        requests = []
+        for server in range(self.servers):
+            requests += self._request(server, op, body_for(server))
+        self._wait(requests, op)
+        return [self._reply(server, op) for server in range(self.servers)]
+
+    # ------------------------------------------------------------- checkpoints
+    def optimizer_state(self, dump: bool):
+        """Every server's optimizer state merged, on worker 0 (None elsewhere, and
+        without an optimizer)."""
+        self._flush_servers("saving the optimizer state")
+        if self.rank != 0:
+            return None
+        exports = self.call_servers("snapshot", lambda server: {"dump": dump})
+        return merge(exports, {k: shape for k, (_, shape, _) in self.layouts.items()})
+
+    def restore(self, values: dict, state) -> None:
+        """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
+        of the whole store, or None) onto the servers: every part is checked on its
+        server first; any failure changes nothing and raises CheckpointError everywhere."""
+        self._flush_servers("load")
+        self.agree.check(("restore", tuple(sorted(values))), "load")
+        outcome = None
+        if self.rank == 0:
+            sizes = {k: int(np.prod(shape)) for k, (_, shape, _) in self.layouts.items()}
+            errors = self.call_servers("check_state", lambda server: {
+                "state": None if state is None else cut(state, server, self.servers,
+                                                        self.bound, sizes)})
+            outcome = next((e for e in errors if e is not None), None)
+            if outcome is None:
+                self.call_servers("restore", lambda server: {"values": {
+                    key: value.reshape(-1)[p.start:p.stop]
+                    for key, value in values.items()
+                    for p in self.layouts[key][0] if p.server == server}})
+        outcome = from_rank0(self.workers, outcome, "load")
+        if outcome is not None:
+            raise CheckpointError(outcome)
+
+    def share(self, obj, what: str):
+        """Worker 0's `obj` on every worker."""
+        return from_rank0(self.workers, obj, what)
+
+    def stop(self) -> None:
+        """Tell the servers this worker is done (at exit; once)."""
+        if self._stopped or self.t.failure is not None:
+            return
+        self._stopped = True
+        requests = []
+        for server in range(self.servers):
+            requests += self._request(server, "stop")
+        try:
+            self.t.wait_all(requests, "stopping the servers", timeout=10)
+        except PeerError:
+            pass  # the servers are gone already: nothing is waiting for this worker

@@ -1,0 +1,68 @@
+"""How a process of an MPI job ends once it has a dist store: never by hanging.
+
+A process whose transport failed aborts the job at exit instead of waiting in
+`MPI_Finalize` for messages that will never match. A process that ends with an uncaught
+exception (a gpukv error or any other) aborts the job as soon as its traceback is printed,
+as `python -m mpi4py` does, so that under a bare `mpiexec -n N python prog.py` the other
+processes end at once instead of waiting out their timeout for it.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+
+#: seconds a failed rank waits at exit before it aborts the job
+ABORT_GRACE = 1.0
+
+_failed: list = []  # (rank, failure, communicator) of each transport that failed
+_installed = [False]
+
+
+def install(MPI) -> None:
+    """Set both up, once per process (the hook only in a job of several processes)."""
+    if _installed[0]:
+        return
+    _installed[0] = True
+    atexit.register(_abort_if_failed)
+    if MPI.COMM_WORLD.Get_size() > 1:
+        sys.excepthook = _aborting(sys.excepthook, MPI)
+
+
+def failed(rank: int, failure, comm) -> None:
+    """Record a transport's failure: the process aborts the job at exit."""
+    _failed.append((rank, failure, comm))
+
+
+def _abort_if_failed() -> None:
+    """At exit, after a moment's grace in which the other ranks (told of the same
+    failure) report it too."""
+    if _failed:
+        rank, failure, comm = _failed[0]
+        sys.stderr.write(f"gpukv: rank {rank}: aborting the MPI job: {failure}\n")
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE)
+        comm.Abort(1)
+
+
+def _aborting(previous, MPI):
+    """`previous` (which prints the traceback), then an abort of the whole job."""
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        # A thread's uncaught exception (should a program send it here) does not end the
+        # process; and once MPI is finalized, or the interpreter torn down past it, there
+        # is no job left to abort.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if not MPI.Is_initialized() or MPI.Is_finalized():
+                return
+            world = MPI.COMM_WORLD
+            sys.stderr.write(f"gpukv: rank {world.Get_rank()}: aborting the MPI job: an "
+                             f"uncaught {kind.__name__} ended this process\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - shutting down: abort without the words
+            world = MPI.COMM_WORLD
+        world.Abort(1)
+    return hook
