@@ -193,16 +193,18 @@ def find_nvrtc() -> nvrtc.Nvrtc:
 
 
 def compile_resources(compiler: nvrtc.Nvrtc, ptxas: str, source: str, options: Iterable,
-                      arch: str) -> list:
+                      arch: str, ptxas_options: Iterable = ()) -> list:
     """[Resources] of every kernel of `source` on `arch` ('sm_90'): NVRTC to PTX for
-    compute_XX with CuPy's options, then ptxas -v. NvrtcError or RuntimeError on failure."""
+    compute_XX with CuPy's options, then ptxas -v (with `ptxas_options` too).
+    NvrtcError or RuntimeError on failure."""
     _, ptx = compiler.compile(source, [*options, *CUPY_OPTIONS],
                               arch.replace("sm_", "compute_"))
     with tempfile.TemporaryDirectory(prefix="gpukv-ptxas-") as work:
         path = os.path.join(work, "kernel.ptx")
         with open(path, "wb") as f:
             f.write(ptx.rstrip(b"\0"))
-        proc = subprocess.run([ptxas, "-v", f"-arch={arch}", "-o", os.devnull, path],
+        proc = subprocess.run([ptxas, "-v", *ptxas_options, f"-arch={arch}", "-o",
+                               os.devnull, path],
                               capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas -arch={arch} failed:\n{proc.stderr}{proc.stdout}")
