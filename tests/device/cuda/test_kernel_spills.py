@@ -15,7 +15,7 @@ import pytest
 
 from gpukv.tools import kernel_resources as kr
 
-from .test_cuda_compile import REQUIRED, VARIANTS, _ENTRY
+from .test_cuda_compile import _ENTRY, REQUIRED, VARIANTS
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 
