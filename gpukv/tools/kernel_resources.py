@@ -260,7 +260,8 @@ def _compression_cases() -> list:
             ("dequantize 2bit", "gpukv_dequantize_2bit", 0.25, 4, "without accumulate"),
             ("quantize 1bit", "gpukv_quantize_1bit", 8, 4.125, "grad+residual in, out"),
             ("dequantize 1bit", "gpukv_dequantize_1bit", 0.125, 4, "without accumulate"))
-    return [KernelCase(label, name, c._CUDA_SOURCE, c.COMPILE_OPTIONS, 256, r, w, why)
+    threads = 256  # what compression_kernels._launch launches with
+    return [KernelCase(label, name, c._CUDA_SOURCE, c.COMPILE_OPTIONS, threads, r, w, why)
             for label, name, r, w, why in rows]
 
 
