@@ -7,7 +7,9 @@ availability, the default strategy, and whether its cost model uses a calibratio
 driver or a GPU.
 `--simulate dgx1|nvswitch|pcie` prints the planner's choices for a machine we do not
 have (`--gpus N` sizes the nvswitch and pcie ones); `--json` prints everything as one
-JSON object instead.
+JSON object instead. `--kernels` prints, instead, each CUDA kernel's registers, shared
+memory, spills and occupancy on sm_80, sm_90 and sm_100, with the bytes it moves per
+element (kernel_resources.py): no GPU needed, only the NVRTC and nvcc (ptxas) wheels.
 """
 from __future__ import annotations
 
@@ -361,13 +363,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs of the simulated nvswitch or pcie machine, 1.."
                         f"{MAX_SIMULATED_GPUS} (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead, compile every CUDA kernel for sm_80/sm_90/sm_100 and print "
+                        "registers, shared memory, spills, occupancy and bytes per element "
+                        "(needs the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels, "
+                        "no GPU)")
     return p
 
 
+def kernels_main(as_json: bool) -> int:
+    """`gpukv info --kernels`: 0, or 2 with one line when NVRTC or ptxas is missing, 1 when
+    a kernel does not compile."""
+    from . import kernel_resources as kr
+    from .nvrtc import NvrtcError
+    try:
+        rows = kr.report_rows(kr.measure(kr.kernel_cases()))
+    except kr.KernelToolMissing as exc:
+        print(f"gpukv info: error: --kernels needs NVRTC and ptxas: {exc}", file=sys.stderr)
+        return 2
+    except (NvrtcError, RuntimeError) as exc:
+        print(f"gpukv info: error: a kernel did not compile: {_err(exc)}", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2) if as_json else kr.render(rows))
+    return 0
+
+
 def main(argv=None) -> int:
-    """`gpukv info [--simulate dgx1|nvswitch|pcie [--gpus N]] [--json]`; returns 0."""
+    """`gpukv info [--simulate dgx1|nvswitch|pcie [--gpus N]] [--json]`, or
+    `gpukv info --kernels [--json]`; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.kernels:
+        if args.simulate or args.gpus is not None:
+            parser.error("argument --kernels: reports the kernels alone (no --simulate or "
+                         "--gpus)")
+        return kernels_main(args.json)
     if args.gpus is not None and args.simulate not in RESIZABLE:
         given = f"--simulate {args.simulate} always has 8 GPUs" if args.simulate else \
             "without --simulate, info shows this machine's"

@@ -8,8 +8,10 @@ reductions return 0-d arrays, new arrays land on the current device, and an oper
 reading an array of another GPU needs peer access between the two (as CuPy checks).
 
 Arithmetic is NumPy's, run on the host over the device memory: results are therefore
-NumPy's bit for bit (a real GPU may differ in the last bit of transcendental functions
-and flushes float32 subnormals in CuPy's own kernels).
+NumPy's bit for bit (a real GPU may differ in the last bit of transcendental functions),
+but for float32 subnormals, which ufuncs and float32 <-> float64 casts flush to zero as
+CuPy's -ftz=true kernels do (ftz.py). Reductions (sum, max, ...) keep them: CuPy may run
+them through CUB, whose flags the emulation does not model.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import warnings
 
 import numpy as np
 
+from . import ftz as _ftz
 from . import machine, memory, runtime
 from .errors import CUDARuntimeError
 from .memory import MemoryPointer
@@ -438,7 +441,11 @@ class ndarray:  # noqa: N801 - CuPy's name
         keep_f = order == "F" or (order in ("A", "K") and self._view.flags.f_contiguous
                                   and not self._view.flags.c_contiguous)
         out = _allocate(self.shape, dtype, "F" if keep_f else "C", device)
-        np.copyto(out._view, self._view, casting="unsafe")
+        flush = _ftz.cast_flushes(self.dtype, dtype)
+        np.copyto(out._view, _ftz.inputs(self._view) if flush else self._view,
+                  casting="unsafe")
+        if flush:
+            _ftz.outputs(out._view)
         return out
 
     def fill(self, value):
@@ -515,8 +522,9 @@ _VIEW_FUNCTIONS = frozenset("""
 """.split())
 
 
-def _call(func, args, kwargs, *, views: bool = False):
-    """`func` (a NumPy function) over emulated arrays, as the CuPy function would run."""
+def _call(func, args, kwargs, *, views: bool = False, ftz: bool = False):
+    """`func` (a NumPy function) over emulated arrays, as the CuPy function would run
+    (an elementwise kernel if `ftz`: float32 subnormals read and written are zeros)."""
     device = runtime.current_device()
     out = kwargs.get("out")
     if views:
@@ -527,8 +535,12 @@ def _call(func, args, kwargs, *, views: bool = False):
         np_kwargs = {k: _operand(v, device) for k, v in kwargs.items()}
         if out is not None and not isinstance(out, (ndarray, tuple)):
             raise TypeError(f"Output must be cupy.ndarray, not {type(out).__name__}")
+    if ftz:
+        np_args = _ftz.inputs(np_args)
     with np.errstate(all="ignore"):  # GPU arithmetic raises no floating-point warnings
         result = func(*np_args, **np_kwargs)
+    if ftz:
+        result = _ftz.outputs(result)
     if out is not None:  # NumPy wrote into the outs' device memory
         return out[0] if isinstance(out, tuple) and len(out) == 1 else out
     if views:
@@ -578,12 +590,13 @@ class ufunc:  # noqa: N801 - CuPy's name
         self.nin = getattr(np_ufunc, "nin", 1)
         self.nout = getattr(np_ufunc, "nout", 1)
         self.__doc__ = np_ufunc.__doc__
+        self._ftz = self.name not in _ftz.UNFLUSHED_UFUNCS
 
     def __call__(self, *args, **kwargs):
         for x in args:
             if isinstance(x, (list, tuple)):
                 raise TypeError(f"Unsupported type {type(x)}")
-        return _call(self._np, args, kwargs)
+        return _call(self._np, args, kwargs, ftz=self._ftz)
 
     def reduce(self, *args, **kwargs):
         return _call(self._np.reduce, args, kwargs)
@@ -592,7 +605,7 @@ class ufunc:  # noqa: N801 - CuPy's name
         return _call(self._np.accumulate, args, kwargs)
 
     def outer(self, *args, **kwargs):
-        return _call(self._np.outer, args, kwargs)
+        return _call(self._np.outer, args, kwargs, ftz=self._ftz)
 
     def at(self, a, indices, b=None):
         if self.name == "add":
@@ -672,9 +685,9 @@ def _binary(np_ufunc, reflected: bool = False, inplace: bool = False,
                             f"__array_ufunc__({np_ufunc!r}): 'ndarray', "
                             f"'{type(other).__name__}'")
         if inplace:
-            return _call(np_ufunc, (self, other), {"out": (self,)})
+            return _call(np_ufunc, (self, other), {"out": (self,)}, ftz=True)
         args = (other, self) if reflected else (self, other)
-        return _call(np_ufunc, args, {})
+        return _call(np_ufunc, args, {}, ftz=True)
     return op
 
 
@@ -701,7 +714,7 @@ for _name, _uf in (("eq", np.equal), ("ne", np.not_equal), ("lt", np.less),
 
 for _name, _uf in (("neg", np.negative), ("pos", np.positive), ("abs", np.absolute),
                    ("invert", np.invert)):
-    setattr(ndarray, f"__{_name}__", lambda self, _uf=_uf: _call(_uf, (self,), {}))
+    setattr(ndarray, f"__{_name}__", lambda self, _uf=_uf: _call(_uf, (self,), {}, ftz=True))
 
 ndarray.__hash__ = None  # arrays compare elementwise, so they are not hashable
 ndarray.__module__ = "cupy"  # the name code under test sees, as with CuPy's own
@@ -721,7 +734,8 @@ def _array_ufunc(self, np_ufunc, method, *inputs, **kwargs):
     target = getattr(np_ufunc, method)
     if out is not None:
         kwargs = dict(kwargs, out=tuple(out))
-    return _call(target, inputs, kwargs)
+    elementwise = method in ("__call__", "outer") and name not in _ftz.UNFLUSHED_UFUNCS
+    return _call(target, inputs, kwargs, ftz=elementwise)
 
 
 def _array_function(self, func, types, args, kwargs):

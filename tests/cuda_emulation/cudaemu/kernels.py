@@ -16,9 +16,14 @@ become `IllegalAddressError` naming the kernel, block, thread and address.
 Two hooks connect the memory side: `register_array_type(cls)` (instances pass as
 `.data.ptr`) and `set_address_describer(fn)` (words for a faulting address).
 
+Kernels run with float32 subnormals flushed to zero, inputs and results (the CPU's DAZ and
+FTZ switches, set for the launch): CuPy adds -ftz=true to every module it compiles
+(`_compile_with_cache_cuda` in cupy/cuda/compiler.py), whatever its options. The CPU's
+switches flush float64 subnormals too, which a GPU does not.
+
 Not emulated: fused multiply-add (sources are compiled with -ffp-contract=off, which is
-what --fmad=false asks for), flushing float32 subnormals to zero (-ftz=true), warp-level
-primitives, grid-wide synchronisation, and C++ (mangled) kernel names.
+what --fmad=false asks for), warp-level primitives, grid-wide synchronisation, and C++
+(mangled) kernel names.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ __all__ = [
     "InvalidConfigurationError", "KernelFaultError", "IllegalAddressError", "BarrierError",
     "Function", "Parameter", "register_array_type", "set_address_describer", "CACHE_DIR",
     "PTX_EMULATION", "MAX_THREADS_PER_BLOCK", "MAX_BLOCK_DIMS", "MAX_GRID_DIMS",
-    "DEFAULT_MAX_DYNAMIC_SHARED",
+    "DEFAULT_MAX_DYNAMIC_SHARED", "FLUSH_TO_ZERO",
 ]
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
@@ -64,6 +69,8 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_DIMS = (1024, 1024, 64)
 MAX_GRID_DIMS = (2 ** 31 - 1, 65535, 65535)
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # without cudaFuncSetAttribute's opt-in
+#: 1: launches flush float32 subnormals, as CuPy's -ftz=true has every kernel do
+FLUSH_TO_ZERO = 1
 MAX_DYNAMIC_SHARED = 232448             # the most a GPU (Hopper) lets a block opt in to
 
 
@@ -574,7 +581,7 @@ def _load_runtime() -> ctypes.CDLL:
 class _Config(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
                 ("shared_mem", ctypes.c_uint64), ("fibers", ctypes.c_int32),
-                ("reserved", ctypes.c_int32)]
+                ("ftz", ctypes.c_int32)]
 
 
 class _Result(ctypes.Structure):
@@ -874,7 +881,7 @@ class Function:
         _check_configuration(self.name, grid, block, shared_mem,
                              min(MAX_DYNAMIC_SHARED, self.max_dynamic_shared_size_bytes))
         keep, argv = _pack(self.name, self.params, args)  # argv points into `keep`
-        config = _Config(grid, block, int(shared_mem), int(self.fibers), 0)
+        config = _Config(grid, block, int(shared_mem), int(self.fibers), FLUSH_TO_ZERO)
         result = _Result()
         with _launch_lock, _launch_guard():
             self._launch(ctypes.byref(config), argv, ctypes.byref(result))

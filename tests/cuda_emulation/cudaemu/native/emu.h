@@ -45,7 +45,7 @@ struct gpukv_emu_config {
     uint32_t block[3];
     uint64_t shared_mem;  // bytes of dynamic shared memory
     int32_t fibers;       // 1: the source synchronises, run each thread as a fiber
-    int32_t reserved;
+    int32_t ftz;          // 1: float32 subnormals read or made are zero (-ftz=true)
 };
 
 enum gpukv_emu_status {

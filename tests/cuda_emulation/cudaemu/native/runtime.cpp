@@ -364,6 +364,36 @@ void run_grid(const gpukv_emu_config* config) {
             }
 }
 
+// ------------------------------------------------------------------ flush to zero
+// -ftz=true on a GPU: float32 subnormal operands and results are (signed) zeros. The CPU's
+// switches (x86's MXCSR DAZ and FTZ, Arm's FPCR.FZ) do it for float64 too, which a GPU
+// does not; gpukv's kernels meet no float64 subnormals that this would change.
+#if defined(__x86_64__) || defined(__i386__)
+using FloatControl = uint32_t;
+FloatControl float_control() {
+    uint32_t mxcsr;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    return mxcsr;
+}
+void set_float_control(FloatControl mxcsr) { asm volatile("ldmxcsr %0" : : "m"(mxcsr)); }
+constexpr uint32_t kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6;
+FloatControl with_flush_to_zero(FloatControl c) { return c | kFlushToZero | kDenormalsAreZero; }
+#elif defined(__aarch64__)
+using FloatControl = uint64_t;
+FloatControl float_control() {
+    uint64_t fpcr;
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return fpcr;
+}
+void set_float_control(FloatControl fpcr) { asm volatile("msr fpcr, %0" : : "r"(fpcr)); }
+FloatControl with_flush_to_zero(FloatControl c) { return c | (1ull << 24); }  // FPCR.FZ
+#else  // elsewhere subnormals stay as they are
+using FloatControl = int;
+FloatControl float_control() { return 0; }
+void set_float_control(FloatControl) {}
+FloatControl with_flush_to_zero(FloatControl c) { return c; }
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------------- the API
@@ -388,6 +418,8 @@ EXPORT void gpukv_emu_run(const gpukv_emu_config* config, void (*thread)(void*),
         return;
     }
     install_handlers();
+    const FloatControl saved = float_control();
+    if (config->ftz) set_float_control(with_flush_to_zero(saved));
     if (sigsetjmp(g_escape, 1) == 0) {
         g_owner = pthread_self();
         g_armed = 1;
@@ -396,6 +428,7 @@ EXPORT void gpukv_emu_run(const gpukv_emu_config* config, void (*thread)(void*),
     } else {
         result->status = g_escape_status;
     }
+    set_float_control(saved);  // also after a fault: siglongjmp restores no float state
     restore_handlers();
     g_current = nullptr;
 }
