@@ -10,7 +10,7 @@ each key on its home device; a push of many keys updates them all in one multi-t
 kernel launch per (GPU, dtype) group, or with vectorised NumPy on the host.
 """
 from . import lr_scheduler
-from ._base import Optimizer, create, register
+from ._base import Optimizer, create, register, registered
 from ._rules import LAMB, NAG, SGD, AdaGrad, Adam, AdamW, RMSProp
 from ._updater import OptimizerUpdater
 from .lr_scheduler import (
@@ -21,6 +21,6 @@ from .lr_scheduler import (
                            PolyScheduler,
 )
 
-__all__ = ["Optimizer", "create", "register", "SGD", "NAG", "Adam", "AdamW", "AdaGrad",
-           "RMSProp", "LAMB", "OptimizerUpdater", "lr_scheduler", "LRScheduler",
+__all__ = ["Optimizer", "create", "register", "registered", "SGD", "NAG", "Adam", "AdamW",
+           "AdaGrad", "RMSProp", "LAMB", "OptimizerUpdater", "lr_scheduler", "LRScheduler",
            "FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "CosineScheduler"]

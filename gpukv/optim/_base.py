@@ -39,6 +39,11 @@ def register(cls):
     return cls
 
 
+def registered() -> list:
+    """The optimizer classes `create` knows, each once (aliases aside), by class name."""
+    return sorted(set(_REGISTRY.values()), key=lambda cls: cls.__name__)
+
+
 def create(name, **options: Any) -> Optimizer:
     """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop',
     'lamb') made with `options`, its keyword parameters (see its class); an option it

@@ -261,15 +261,15 @@ def _compression_cases() -> list:
             ("quantize 1bit", "gpukv_quantize_1bit", 8, 4.125, "grad+residual in, out"),
             ("dequantize 1bit", "gpukv_dequantize_1bit", 0.125, 4, "without accumulate"))
     threads = 256  # what compression_kernels._launch launches with
-    return [KernelCase(label, name, c._CUDA_SOURCE, c.COMPILE_OPTIONS, threads, r, w, why)
+    return [KernelCase(label, name, c.CUDA_SOURCE, c.COMPILE_OPTIONS, threads, r, w, why)
             for label, name, r, w, why in rows]
 
 
 def _optimizer_cases() -> list:
     from ..device.cuda import optim_kernels as o
-    from ..optim import _base
+    from ..optim import registered
     cases = []
-    for cls in sorted(set(_base._REGISTRY.values()), key=lambda c: c.__name__):
+    for cls in registered():
         opt = cls()
         states = len(opt.state_names())
         phases = (1, 2) if getattr(opt, "per_key_norms", False) else (0,)

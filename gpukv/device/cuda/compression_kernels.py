@@ -373,7 +373,8 @@ def _np_uncast_bf16(payload, scale, out, accumulate):
 
 
 # ------------------------------------------------------------------- CUDA kernels
-_CUDA_SOURCE = r"""
+#: the compression kernels' CUDA source (also compiled by `gpukv info --kernels`)
+CUDA_SOURCE = r"""
 extern "C" __global__ void gpukv_quantize_2bit(
         const float* __restrict__ grad, float* __restrict__ residual,
         unsigned char* __restrict__ out, long long n, long long nbytes, float t) {
@@ -438,7 +439,7 @@ extern "C" __global__ void gpukv_dequantize_1bit(
 """
 
 
-#: NVRTC options of `_CUDA_SOURCE` (CuPy adds -arch and a few of its own)
+#: NVRTC options of `CUDA_SOURCE` (CuPy adds -arch and a few of its own)
 COMPILE_OPTIONS = ()
 
 
@@ -446,7 +447,7 @@ COMPILE_OPTIONS = ()
 def _module(device_id: int):
     import cupy
     with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=_CUDA_SOURCE, options=COMPILE_OPTIONS)
+        return cupy.RawModule(code=CUDA_SOURCE, options=COMPILE_OPTIONS)
 
 
 def _launch(name, items, args):

@@ -76,7 +76,7 @@ def _segment_variants():
 
 
 def _compression_variants():
-    yield "compression", Variant(_compression_kernels._CUDA_SOURCE,
+    yield "compression", Variant(_compression_kernels.CUDA_SOURCE,
                                  _compression_kernels.COMPILE_OPTIONS)
 
 
@@ -101,7 +101,7 @@ def _option_grid(cls) -> dict:
 
 
 def _rules() -> list:
-    return sorted(set(optim_base._REGISTRY.values()), key=lambda cls: cls.__name__)
+    return optim_base.registered()
 
 
 def _rule_instances(cls):
