@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -132,13 +133,24 @@ def measure(case, warmup, iters):
             zero()
             case.backward(models)
             sync()
-        setups[way] = (sync, iteration, keys)
+
+        def timed_sync(models=models, zero=zero, sync=sync):
+            """The sync's seconds, after a backward of its own (a step needs fresh
+            gradients: the Trainer refuses stale ones)."""
+            zero()
+            case.backward(models)
+            start = time.perf_counter()
+            sync()
+            return time.perf_counter() - start
+        setups[way] = (timed_sync, iteration, keys)
+    for _ in range(warmup):
+        for _, iteration, _ in setups.values():
+            iteration()
     samples = {way: ([], []) for way in WAYS}
     for _ in range(iters):
-        for way, (sync, iteration, _) in setups.items():
-            samples[way][0].extend(C.time_calls(sync, warmup=warmup, iters=1))
-            samples[way][1].extend(C.time_calls(iteration, warmup=warmup, iters=1))
-        warmup = 0
+        for way, (timed_sync, iteration, _) in setups.items():
+            samples[way][0].append(timed_sync())
+            samples[way][1].extend(C.time_calls(iteration, warmup=0, iters=1))
     return {way: {"sync_s": C.summarize(samples[way][0])["median_s"],
                   "iteration_s": C.summarize(samples[way][1])["median_s"],
                   "keys": setups[way][2]} for way in WAYS}
