@@ -25,7 +25,7 @@ import zlib
 
 import numpy as np
 
-from . import memory, runtime
+from . import memory, runtime, streams
 
 __all__ = ["available", "NcclCommunicator", "NcclError", "groupStart", "groupEnd",
            "get_unique_id", "get_version", "get_build_version", "NCCL_INT8", "NCCL_CHAR",
@@ -136,6 +136,11 @@ class _Remote:
         with self.lock:
             calls, self.pending[self.rank] = self.pending[self.rank], []
         for k, call in enumerate(calls):
+            # Across processes a collective runs as it is issued, after the work queued
+            # before it on its stream (deferred, the processes could deadlock in MPI).
+            lane = _lane(call)
+            streams.eager(lane, f"NCCL {call.kind}", [
+                (lane, p, n, w, memory.find(p)) for p, n, w in call.ranges(self.size)])
             _run_remote(self.comm, call, k)
 
 
@@ -220,7 +225,7 @@ class NcclCommunicator:
         if stream_gpu != device:
             raise _argument(f"{kind} of rank {self._rank} (GPU {device}) on a stream of "
                             f"GPU {stream_gpu}")
-        call = _Call(kind, self._rank, device, args)
+        call = _Call(kind, self._rank, device, dict(args, stream=stream))
         call.check_buffers(self.size())
         clique = self._clique
         with clique.lock:
@@ -242,6 +247,7 @@ class _Call:
         self.op = args.get("op")
         self.root = args.get("root")
         self.send, self.recv = int(args["send"]), int(args["recv"])
+        self.stream = int(args.get("stream", 0))
         if self.datatype == NCCL_BFLOAT16:
             self.dtype = _bfloat16()
         elif self.datatype in _DTYPES:
@@ -258,6 +264,18 @@ class _Call:
         if self.kind == "allGather":
             return self.count, self.count * nranks
         return self.count, self.count
+
+    def ranges(self, nranks: int) -> list:
+        """[(ptr, nbytes, write)] this rank's buffers the collective reads and writes."""
+        n_send, n_recv = self.sizes(nranks)
+        item = self.dtype.itemsize
+        is_root = self.root is None or self.root == self.rank
+        out = []
+        if self.kind != "broadcast" or self.rank == self.root:
+            out.append((self.send, n_send * item, False))
+        if self.kind != "reduce" or is_root:
+            out.append((self.recv, n_recv * item, True))
+        return [r for r in out if r[1]]
 
     def check_buffers(self, nranks: int) -> None:
         n_send, n_recv = self.sizes(nranks)
@@ -290,10 +308,31 @@ def _run_ready(clique: _Clique) -> None:
         for p in clique.pending:  # an incomplete collective is reported, then dropped
             p.clear()
     for k, ranks in enumerate(calls):
-        _run(ranks, k)
+        _queue(ranks, k)
     if waiting:
         raise _usage(f"ranks {waiting} of communicator {clique.devices} issued a "
                      f"collective the other ranks never joined (NCCL would hang)")
+
+
+def _lane(call):
+    stream = (runtime.Stream.null if call.stream == 0
+              else runtime.ExternalStream(call.stream, call.device))
+    return runtime.lane_of(stream, call.device)
+
+
+def _queue(ranks: list, k: int) -> None:
+    """Queue collective #k on every rank's stream: it runs once each has reached it, and
+    each rank's stream is then ordered after every rank's work before it."""
+    lanes = [_lane(c) for c in ranks]
+    for c in ranks:
+        c.check_buffers(len(ranks))
+    accesses = []
+    for lane, c in zip(lanes, ranks):
+        for ptr, nbytes, write in c.ranges(len(ranks)):
+            accesses.append((lane, ptr, nbytes, write, memory.find(ptr)))
+    keep = [a[4] for a in accesses]
+    streams.issue(lanes, lambda: _run(ranks, k), f"NCCL {ranks[0].kind}",
+                  accesses=accesses, keep=keep)
 
 
 def _run(ranks: list, k: int) -> None:
