@@ -459,8 +459,8 @@ def _loop_step(w: Workload):
                     acc = env.to_home(srcs[0], home).copy()
                     for s in srcs[1:]:
                         acc += env.to_home(s, home)
-                for o in srcs:
-                    env.copy_into(o, acc)
+                for o in srcs:  # by the home GPU: its stream has the sum (no event needed)
+                    env.device(home).copy(o, acc)
     else:
         def step():
             for srcs in values:

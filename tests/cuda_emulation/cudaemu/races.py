@@ -24,6 +24,8 @@ import threading
 
 ENABLED = os.environ.get("GPUKV_EMU_RACES", "1") != "0"
 _EMULATION_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: source lines named per operation (GPUKV_EMU_RACES_STACK: more, callers after)
+_STACK = max(1, int(os.environ.get("GPUKV_EMU_RACES_STACK", "1")))
 _MAX_KEPT = 512  # accesses kept per allocation (the oldest go first past it)
 
 #: every race found so far (messages), for the test suite's after-test check
@@ -48,13 +50,14 @@ def site() -> str:
     """The source line that issued the current operation: the innermost frame outside
     the emulation (and outside the standard library's threading and contextlib)."""
     frame = sys._getframe(1)
-    while frame is not None:
+    lines: list = []
+    while frame is not None and len(lines) < _STACK:
         name = frame.f_code.co_filename
         if not name.startswith(_EMULATION_DIR) and not name.endswith(
                 ("contextlib.py", "threading.py", "functools.py")):
-            return f"{os.path.relpath(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            lines.append(f"{os.path.relpath(name)}:{frame.f_lineno} in {frame.f_code.co_name}")
         frame = frame.f_back
-    return "?"
+    return " <- ".join(lines) or "?"
 
 
 def _describe(info: dict, lo: int) -> str:

@@ -237,10 +237,8 @@ def synchronize(lane_: Lane) -> None:
     """The host waits for everything issued to `lane_` so far."""
     with _lock:
         settle_frees()
-        last = lane_.last
-        force(last)
-        if last is not None:
-            join(HOST_CLOCK, last.clock)
+        force(lane_.last)
+        join(HOST_CLOCK, lane_.clock)  # its queued work and the work run at once on it
 
 
 def synchronize_device(device: int) -> None:
@@ -313,6 +311,7 @@ def lane_done(lane_: Lane) -> bool:
     with _lock:
         last = lane_.last
         if last is None:
+            join(HOST_CLOCK, lane_.clock)
             return True
         if not last.done:
             if MODE == "seed":
@@ -323,7 +322,7 @@ def lane_done(lane_: Lane) -> bool:
             if times >= 2 or MODE == "issue":
                 force(last)
         if last.done:
-            join(HOST_CLOCK, last.clock)
+            join(HOST_CLOCK, lane_.clock)
         return last.done
 
 
