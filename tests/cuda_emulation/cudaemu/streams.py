@@ -194,9 +194,11 @@ def _run(node: Node) -> None:
         head = ln.queue.popleft()
         assert head is node, f"{node} run before {head} of its stream"
     node.done = True
-    fn, node.fn, node.keep, node.deps = node.fn, None, None, ()
+    fn, keep = node.fn, node.keep  # what it uses stays alive until it has run
+    node.fn, node.keep, node.deps = None, None, ()
     if fn is not None:
         fn()
+    del keep
 
 
 def force(node) -> None:
