@@ -101,6 +101,7 @@ class _Clique:
         self.size = len(self.devices)
         self.pending = [[] for _ in self.devices]
         self.lock = threading.Lock()
+        self.stalled = self.aborted = False
 
     def device_of(self, rank: int) -> int:
         return self.devices[rank]
@@ -126,6 +127,7 @@ class _Remote:
         self.size, self.rank, self.device = ndev, rank, device
         self.pending: list = [[] for _ in range(ndev)]
         self.lock = threading.Lock()
+        self.stalled = self.aborted = False
 
     def device_of(self, rank: int) -> int:
         if rank != self.rank:
@@ -187,7 +189,10 @@ class NcclCommunicator:
     def destroy(self) -> None:
         self._alive = False
 
-    abort = destroy
+    def abort(self) -> None:
+        """ncclCommAbort: its queued collectives are dropped (they run as nothing)."""
+        self._alive = False
+        self._clique.aborted = True
 
     # ------------------------------------------------------------ collectives
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
@@ -226,6 +231,7 @@ class NcclCommunicator:
             raise _argument(f"{kind} of rank {self._rank} (GPU {device}) on a stream of "
                             f"GPU {stream_gpu}")
         call = _Call(kind, self._rank, device, dict(args, stream=stream))
+        call.clique = self._clique
         call.check_buffers(self.size())
         clique = self._clique
         with clique.lock:
@@ -331,8 +337,10 @@ def _queue(ranks: list, k: int) -> None:
         for ptr, nbytes, write in c.ranges(len(ranks)):
             accesses.append((lane, ptr, nbytes, write, memory.find(ptr)))
     keep = [a[4] for a in accesses]
-    streams.issue(lanes, lambda: _run(ranks, k), f"NCCL {ranks[0].kind}",
-                  accesses=accesses, keep=keep)
+    clique = ranks[0].clique
+    streams.issue(lanes, lambda: None if clique.aborted else _run(ranks, k),
+                  f"NCCL {ranks[0].kind}", accesses=accesses, keep=keep,
+                  blocked=lambda: clique.stalled and not clique.aborted)
 
 
 def _run(ranks: list, k: int) -> None:
@@ -417,6 +425,12 @@ def _run_remote(comm, call: _Call, k: int) -> None:
     elif call.kind == "allGather":
         parts = comm.allgather(call.view(call.send, count).copy())
         call.view(call.recv, count * n)[...] = np.concatenate(parts)
+
+
+def stall(comm: NcclCommunicator) -> None:
+    """Tests of timeouts: the collectives of `comm`'s communicator (in this process)
+    never complete, as when a peer never joins them, until it is aborted."""
+    comm._clique.stalled = True
 
 
 # --------------------------------------------------------------------------- groups

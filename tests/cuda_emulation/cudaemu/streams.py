@@ -105,13 +105,19 @@ def join(clock: dict, other: dict) -> None:
 class Node:
     """One operation on one or more lanes."""
 
-    __slots__ = ("seq", "lanes", "deps", "fn", "done", "label", "clock", "keep")
+    __slots__ = ("seq", "lanes", "deps", "fn", "done", "label", "clock", "keep", "blocked")
 
-    def __init__(self, lanes, deps, fn, label, keep):
+    def __init__(self, lanes, deps, fn, label, keep, blocked=None):
         self.seq = next(_seq)
         self.lanes, self.deps, self.fn, self.label, self.keep = lanes, deps, fn, label, keep
         self.done = False
         self.clock: dict = {}
+        self.blocked = blocked  # None, or a function: True while the node cannot run
+
+
+class HangError(RuntimeError):
+    """The host waits for work that can never run (an NCCL collective a peer never
+    joins): a GPU would wait forever."""
 
     def __repr__(self):
         return f"<node {self.seq} {self.label}>"
@@ -131,7 +137,7 @@ def _legacy_deps(target: Lane) -> list:
 
 
 def issue(lanes, fn, label: str, *, accesses=(), keep=None, extra_deps=(),
-          extra_clock=None):
+          extra_clock=None, blocked=None):
     """Queue `fn` on `lanes` (one Lane, or several for a collective) after their work so
     far; `accesses` [(lane, ptr, nbytes, write, mem)] are checked and recorded now."""
     if isinstance(lanes, Lane):
@@ -145,7 +151,7 @@ def issue(lanes, fn, label: str, *, accesses=(), keep=None, extra_deps=(),
             if extra_clock:
                 join(ln.clock, extra_clock)
         deps += [d for d in extra_deps if d is not None]
-        node = Node(tuple(lanes), [d for d in deps if not d.done], fn, label, keep)
+        node = Node(tuple(lanes), [d for d in deps if not d.done], fn, label, keep, blocked)
         clocks = {ln.id: ln.tick() for ln in lanes}
         if len(lanes) > 1:  # a collective: every rank's stream is after every rank's work
             merged: dict = {}
@@ -164,7 +170,7 @@ def issue(lanes, fn, label: str, *, accesses=(), keep=None, extra_deps=(),
             for ln, ptr, nbytes, write, mem in accesses:
                 races.record(mem, ptr, nbytes, write, ln, clocks[ln.id], label, site)
         if MODE == "issue":
-            force(node)
+            _try_force(node)
         elif MODE == "seed":
             wander()
         return node
@@ -220,6 +226,9 @@ def force(node) -> None:
                     waiting.sort(key=lambda n: -n.seq)
                 stack.extend(waiting)
                 continue
+            if top.blocked is not None and top.blocked():
+                raise HangError(f"the host waits for {top.label}, which cannot run (a peer "
+                                f"never joins it): a GPU would wait forever")
             stack.pop()
             _run(top)
 
@@ -229,6 +238,7 @@ def wander() -> None:
     for _ in range(_rng.choice((0, 0, 1, 1, 2, 3))):
         ready = [ln.queue[0] for ln in _lanes.values()
                  if ln.queue and all(d.done for d in ln.queue[0].deps)
+                 and not (ln.queue[0].blocked and ln.queue[0].blocked())
                  and all(o.queue and o.queue[0] is ln.queue[0] for o in ln.queue[0].lanes)]
         if not ready:
             return
@@ -292,7 +302,7 @@ def query(mark: Mark) -> bool:
                 wander()
             mark.asked += 1
             if mark.asked >= 2 or MODE == "issue":
-                force(mark.node)
+                _try_force(mark.node)
         if mark.node.done:
             join(HOST_CLOCK, mark.clock)
         return mark.node.done
@@ -322,10 +332,18 @@ def lane_done(lane_: Lane) -> bool:
             times = times + 1 if seen is last else 1
             _lane_asked[lane_.id] = (last, times)
             if times >= 2 or MODE == "issue":
-                force(last)
+                _try_force(last)
         if last.done:
             join(HOST_CLOCK, lane_.clock)
         return last.done
+
+
+def _try_force(node) -> None:
+    """A query runs what it asks about, unless that cannot run yet (it stays not done)."""
+    try:
+        force(node)
+    except HangError:
+        pass
 
 
 # -------------------------------------------------------------------------- frees
