@@ -285,12 +285,12 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         else:
             merged_rows[key] = merged
     if updater is None:  # narrow floats and compressed sums: assigned with one cast
-        homes: dict = {}
+        assigned: dict = {}
         for key, entry, out in plan.updates:
             if out is not _ROWS:
                 entry.home.copy(entry.value, out)
-                homes[entry.home] = None
-        for home in homes:  # the caller's current stream sees the new values
+                assigned[entry.home] = None
+        for home in assigned:  # the caller's current stream sees the new values
             home.leave()
         return
     updates = plan.updates

@@ -23,7 +23,7 @@ def schedule():
     """Switch the schedule for one test (`schedule("adversarial")`); put back after, and
     forget the races the test provoked on purpose."""
     from cudaemu import races, streams
-    before = "seed:%d" % streams.SEED if streams.MODE == "seed" else streams.MODE
+    before = f"seed:{streams.SEED}" if streams.MODE == "seed" else streams.MODE
     yield streams.set_schedule
     for _ in range(2):  # the frees of a test's racy memory are races too
         with contextlib.suppress(races.StreamRaceError):
@@ -97,7 +97,6 @@ def test_a_seed_reproduces_its_schedule(cp, schedule):
         ran = []
         lanes = [_stream(cp) for _ in range(3)]
         for i in range(12):
-            lane = cp.cuda.runtime  # noqa: F841 (keeps the loop body readable)
             streams.issue(streams.lane(0, lanes[i % 3].ptr, False),
                           lambda i=i: ran.append(i), f"step {i}")
         streams.drain_all()

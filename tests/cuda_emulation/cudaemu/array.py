@@ -7,6 +7,9 @@ NumPy would slip: it is not a `numpy.ndarray`, it refuses implicit conversion to
 reductions return 0-d arrays, new arrays land on the current device, and an operation
 reading an array of another GPU needs peer access between the two (as CuPy checks).
 
+CuPy's own kernels (every operation here) run at once, on the current stream, after the
+work queued there; what they read and write goes to the race checker.
+
 Arithmetic is NumPy's, run on the host over the device memory: results are therefore
 NumPy's bit for bit (a real GPU may differ in the last bit of transcendental functions
 and flushes float32 subnormals in CuPy's own kernels).

@@ -24,7 +24,6 @@ _META = 6    # int64 words per key of the multi-key sum's table
 _NPTR = 6    # pointers per key of the optimizer's table: W, G, M, S0, S1, S2
 
 
-
 def _words(ptr: int, count: int) -> np.ndarray:
     """`count` int64 words at device address `ptr`, as the host last wrote them (none
     past the end of the allocation)."""

@@ -2,8 +2,9 @@
 
 A source is prepared (its known inline PTX rewritten into calls of emulation functions,
 `extern __shared__` arrays pointed at the dynamic shared buffer), compiled with the system
-g++ through `native/emu.h`, cached on disk, and loaded with ctypes. A launch runs the grid
-on the calling thread, block after block (`native/runtime.cpp`): one plain call per thread,
+g++ through `native/emu.h`, cached on disk, and loaded with ctypes. A launch is queued on
+its stream (streams.py); when it runs, it runs the grid on the thread that forces it,
+block after block (`native/runtime.cpp`): one plain call per thread,
 or one fiber per thread when the compiled code synchronises with `__syncthreads()`.
 
 Arguments are passed as CuPy passes them (device arrays as their data pointer, Python int

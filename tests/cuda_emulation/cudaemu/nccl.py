@@ -1,7 +1,9 @@
 """`cupy.cuda.nccl` for the GPUs of one process, or one GPU in each process of an MPI job,
 checking every call as NCCL would need it.
 
-A collective runs once every rank of its communicator has issued it. Calls made between
+A collective is queued on every rank's stream once every rank of its communicator has
+issued it, and runs when all those streams have reached it (across processes, it runs as it
+is issued, after its stream's queued work). Calls made between
 `groupStart()` and `groupEnd()` are matched at `groupEnd`: the k-th call of every rank
 forms the k-th collective. Each collective is checked before it runs: every rank issued
 one (real NCCL would hang), with the same operation, count, data type, reduction and
