@@ -9,12 +9,19 @@ import pytest
 
 @pytest.fixture
 def transport():
-    """A transport of one rank (MPI's COMM_SELF), whose waits give up after 5 s."""
-    mpi4py = pytest.importorskip("mpi4py")  # noqa: F841 (the transport needs it)
+    """A transport of one rank (MPI's COMM_SELF), whose waits give up after 5 s and whose
+    failures stay with it (the test process is not aborted at exit)."""
+    pytest.importorskip("mpi4py")
     from mpi4py import MPI
 
     from gpukv.distributed.transport import Transport
-    return Transport(MPI.COMM_SELF, timeout=5.0)
+
+    class OneRank(Transport):
+        def fail(self, error):
+            self.failure = error
+            return error
+
+    return OneRank(MPI.COMM_SELF, timeout=5.0)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,9 @@ class Mutation:
 
 _DEVICE = "gpukv/device/cuda/device.py"
 _NCCL = "gpukv/distributed/nccl_rounds.py"
-_STRATEGIES = "tests/comm/test_gpu_store_matrix.py"
+_DEVICE_TESTS = "tests/device/cuda/test_cuda_device.py::"
+_LINK_TESTS = "tests/distributed/test_nccl_link.py::"
+_STREAM_TESTS = "tests/emulation/test_emulated_streams.py::"
 
 MUTATIONS = (
     Mutation(
@@ -33,36 +35,66 @@ MUTATIONS = (
         """            with self._cuda_device:
                 mine.wait_event(last[0])""",
         """            pass""",
-        ()),
+        (_DEVICE_TESTS + "test_wait_for_covers_work_queued_under_a_stream_no_longer_"
+         "current",)),
     Mutation(
         "wait_for without the cross-stream wait_event", _DEVICE,
         """            event = other.record()
             with self._cuda_device:
                 mine.wait_event(event)""",
         """            event = other.record()""",
-        ()),
+        (_DEVICE_TESTS + "test_wait_for_orders_streams_without_host_sync",)),
     Mutation(
         "enter without its wait", _DEVICE,
         """                self.stream.wait_event(ordering_event(current))""",
         """                ordering_event(current)""",
-        ()),
+        ("tests/api/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
     Mutation(
         "leave without its wait", _DEVICE,
         """                current.wait_event(event)""",
         """                pass""",
-        ()),
+        (_DEVICE_TESTS + "test_wait_for_orders_streams_without_host_sync",)),
     Mutation(
         "wait_event a no-op", _DEVICE,
         """        with self._cuda_device:
             self.stream.wait_event(event)""",
         """        return""",
-        ()),
+        ("tests/comm/test_strategies.py::test_gpu_many_keys_one_call[ring]",)),
     Mutation(
         "NcclLink.run without enter", _NCCL,
         """        device.enter()
         with device.cuda_device:""",
         """        with device.cuda_device:""",
-        ()),
+        (_LINK_TESTS + "test_a_link_on_a_virtual_gpu_orders_the_callers_work",)),
+    Mutation(
+        "NcclLink.run without the completion poll", _NCCL,
+        """            self.t.poll(lambda: True if stream.done else None, what,
+                        on_timeout=self._abort(what))""",
+        """            pass""",
+        (_LINK_TESTS + "test_a_collective_that_never_completes_times_out_and_"
+         "aborts",)),
+    Mutation(
+        "pinned tables handed out again while their copies are in flight",
+        "gpukv/device/cuda/kernels.py",
+        """                if event.done:""",
+        """                if True:""",
+        (_STREAM_TESTS + "test_a_pinned_table_is_not_reused_while_its_copy_is_in_flight",)),
+    Mutation(
+        "keep_alive past the pinned cap without waiting", _DEVICE,
+        """        oldest.synchronize()""",
+        """        pass""",
+        (_STREAM_TESTS + "test_past_the_pinned_cap_the_host_waits_for_the_oldest_copies",)),
+    Mutation(
+        "LAMB without the lower bound of the weight norm", "gpukv/device/cuda/optim_kernels.py",
+        """    r1 = fmaxf(r1, (float)hp[5]);""",
+        """    (void)0;""",
+        ("tests/optim/test_optim_gpu.py::test_gpu_steps_equal_the_host_twin"
+         "[lamb_lower_bound-float32]",)),
+)
+
+
+#: edits no test can notice, and why
+EQUIVALENT = (
     Mutation(
         "NcclLink.run without leave", _NCCL,
         """        device.leave()
@@ -71,17 +103,9 @@ MUTATIONS = (
         """
     def _abort""",
         ()),
-    Mutation(
-        "NcclLink.run without the completion poll", _NCCL,
-        """            self.t.poll(lambda: True if stream.done else None, what,
-                        on_timeout=self._abort(what))""",
-        """            pass""",
-        ()),
-    Mutation(
-        "LAMB without the lower bound of the weight norm", "gpukv/device/cuda/optim_kernels.py",
-        """    r1 = fmaxf(r1, (float)hp[5]);""",
-        """    (void)0;""",
-        ()),
+    # Its completion poll already makes the host wait until the stream has run the group;
+    # whatever the host issues afterwards, on any stream, comes after it, so the event
+    # `leave` makes the caller's stream wait for orders nothing more.
 )
 
 

@@ -233,3 +233,49 @@ def test_an_nccl_collective_waits_for_every_ranks_stream(cp, schedule):
     for d, (buf, s) in enumerate(zip(bufs, lanes)):
         with cp.cuda.Device(d):
             np.testing.assert_array_equal(buf.get(stream=s), np.full(4, 3, np.float32))
+
+
+# ------------------------------------------------------- gpukv's work in flight
+def test_a_pinned_table_is_not_reused_while_its_copy_is_in_flight(cp, schedule):
+    """gpukv's pinned staging buffers for pointer tables: one whose copy has not run is
+    not handed out again; once the copy has run, it is."""
+    from gpukv.device.cuda import kernels
+    from gpukv.device.cuda.runtime import ordering_event
+    schedule("adversarial")
+    tables = kernels._PinnedTables()
+    s = _stream(cp)
+    dev = cp.empty(16, cp.int64)
+    cp.cuda.Device(0).synchronize()
+    first = tables.take(cp, 16)
+    first[:] = 1
+    dev.data.copy_from_host_async(first.ctypes.data, dev.nbytes, s)
+    tables.give(first, ordering_event(s))
+    assert tables.take(cp, 16) is not first  # its copy is still queued
+    s.synchronize()
+    assert tables.take(cp, 16) is first
+    np.testing.assert_array_equal(dev.get(stream=s), np.ones(16, np.int64))
+
+
+def test_past_the_pinned_cap_the_host_waits_for_the_oldest_copies(cp, schedule,
+                                                                  monkeypatch):
+    """Host buffers kept for copies in flight past PINNED_CAP bytes make the host wait
+    for the oldest copies: their events have completed when keep_alive returns."""
+    import cupyx
+    from cudaemu import streams
+
+    from gpukv.device.cuda import device as cuda_device
+    from gpukv.device.cuda.runtime import ordering_event
+    schedule("adversarial")
+    monkeypatch.setattr(cuda_device, "PINNED_CAP", 6 << 10)
+    s = _stream(cp)
+    dev = cp.empty(1 << 10, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    events = []
+    with streams.busy():  # the copies stay in flight until the host waits for them
+        for _ in range(2):
+            host = cupyx.empty_pinned(1 << 10, np.float32)  # 4 KiB each
+            dev.data.copy_to_host_async(host.ctypes.data, dev.nbytes, s)
+            events.append(ordering_event(s))
+            cuda_device.keep_alive(host, events[-1])
+    assert streams.has_run(events[0]) and not streams.has_run(events[1])
+    s.synchronize()

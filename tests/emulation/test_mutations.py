@@ -23,7 +23,8 @@ def _run(tests, package_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
     """pytest on `tests` (node ids under the checkout) with the gpukv of `package_dir`."""
     env = gpu_env.subprocess_env()
     paths = [str(package_dir)] + [p for p in env["PYTHONPATH"].split(":") if p != str(ROOT)]
-    env.update(PYTHONPATH=":".join(paths), GPUKV_TEST_GPU="1", GPUKV_EMU_RACES="1",
+    env.update(PYTHONPATH=":".join(paths), GPUKV_CUDA_EMULATION="1", GPUKV_TEST_GPU="1",
+               GPUKV_EMU_RACES="1",
                GPUKV_EMU_SCHEDULE="adversarial")
     # --import-mode=append: the checkout goes last on sys.path, the copy stays first
     return subprocess.run(
