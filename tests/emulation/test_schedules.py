@@ -24,7 +24,7 @@ def test_gpu_tests_pass_under_the_schedule(schedule):
     """Every GPU test (but the MPI ones, which run under the default schedule) passes
     with the emulated streams' work run in the order `schedule` picks."""
     env = dict(gpu_env.subprocess_env(), GPUKV_EMU_SCHEDULE=schedule, GPUKV_TEST_GPU="1",
-               GPUKV_EMU_RACES="1")
+               GPUKV_EMU_RACES="1", GPUKV_CUDA_EMULATION="1")
     root = gpu_env.ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",

@@ -69,6 +69,7 @@ class Lane:
         self.last = None  # the last node issued here
         self.clock: dict = {}  # lane id -> ticks of that lane this one is ordered after
         self.legacy = handle == 0
+        self.host_seen = -1  # the HOST_CLOCK version last joined into `clock`
 
     def name(self) -> str:
         what = {0: "the default stream", 2: "the per-thread default stream"}.get(
@@ -81,7 +82,9 @@ class Lane:
 
 
 _lanes: dict = {}  # (device, handle) -> Lane
+_blocking: dict = {}  # device -> its lanes that take part in legacy default-stream order
 HOST_CLOCK: dict = {}  # what the host has seen completed, as a vector clock
+_host_version = [0]  # bumped when HOST_CLOCK grows, so lanes join it only then
 
 
 def lane(device: int, handle: int, blocking: bool = True) -> Lane:
@@ -92,6 +95,8 @@ def lane(device: int, handle: int, blocking: bool = True) -> Lane:
             found = _lanes.get(key)
             if found is None:
                 found = _lanes[key] = Lane(key[0], key[1], blocking)
+                if blocking or found.legacy:
+                    _blocking.setdefault(key[0], []).append(found)
     return found
 
 
@@ -99,6 +104,21 @@ def join(clock: dict, other: dict) -> None:
     for k, v in other.items():
         if clock.get(k, 0) < v:
             clock[k] = v
+
+
+def _host_join(target: dict) -> None:
+    """HOST_CLOCK joins a clock the host has seen completed."""
+    for k, v in target.items():
+        if HOST_CLOCK.get(k, 0) < v:
+            HOST_CLOCK[k] = v
+            _host_version[0] += 1
+
+
+def _after_host(lane_: Lane) -> None:
+    """Work issued now comes after everything the host has seen completed."""
+    if lane_.host_seen != _host_version[0]:
+        join(lane_.clock, HOST_CLOCK)
+        lane_.host_seen = _host_version[0]
 
 
 # -------------------------------------------------------------------------- nodes
@@ -127,8 +147,10 @@ def _legacy_deps(target: Lane) -> list:
     """CUDA's legacy default stream: it waits for the blocking streams of its GPU, and
     they wait for it."""
     deps = []
-    for other in _lanes.values():
-        if other is target or other.device != target.device or other.last is None:
+    if not (target.legacy or target.blocking):
+        return deps
+    for other in _blocking.get(target.device, ()):
+        if other is target or other.last is None:
             continue
         if (target.legacy and other.blocking) or (other.legacy and target.blocking):
             deps.append(other.last)
@@ -147,7 +169,7 @@ def issue(lanes, fn, label: str, *, accesses=(), keep=None, extra_deps=(),
         deps = [ln.last for ln in lanes if ln.last is not None]
         for ln in lanes:
             deps += _legacy_deps(ln)
-            join(ln.clock, HOST_CLOCK)  # issued after all the host has seen completed
+            _after_host(ln)  # issued after all the host has seen completed
             if extra_clock:
                 join(ln.clock, extra_clock)
         deps += [d for d in extra_deps if d is not None]
@@ -185,7 +207,7 @@ def eager(lane_: Lane, label: str, accesses=()) -> None:
             force(lane_.last)
         for dep in _legacy_deps(lane_):
             force(dep)
-        join(lane_.clock, HOST_CLOCK)
+        _after_host(lane_)
         clock = lane_.tick()
         if accesses:
             site = races.site()
@@ -250,7 +272,7 @@ def synchronize(lane_: Lane) -> None:
     with _lock:
         settle_frees()
         force(lane_.last)
-        join(HOST_CLOCK, lane_.clock)  # its queued work and the work run at once on it
+        _host_join(lane_.clock)  # its queued work and the work run at once on it
 
 
 def synchronize_device(device: int) -> None:
@@ -304,7 +326,7 @@ def query(mark: Mark) -> bool:
             if mark.asked >= 2 or MODE == "issue":
                 _try_force(mark.node)
         if mark.node.done:
-            join(HOST_CLOCK, mark.clock)
+            _host_join(mark.clock)
         return mark.node.done
 
 
@@ -318,7 +340,7 @@ def wait_host(mark: Mark) -> None:
     """cudaEventSynchronize."""
     with _lock:
         force(mark.node)
-        join(HOST_CLOCK, mark.clock)
+        _host_join(mark.clock)
 
 
 _lane_asked: dict = {}  # lane id -> (its last node when asked, times asked)
@@ -329,7 +351,7 @@ def lane_done(lane_: Lane) -> bool:
     with _lock:
         last = lane_.last
         if last is None:
-            join(HOST_CLOCK, lane_.clock)
+            _host_join(lane_.clock)
             return True
         if not last.done:
             if MODE == "seed":
@@ -340,7 +362,7 @@ def lane_done(lane_: Lane) -> bool:
             if times >= 2 or MODE == "issue":
                 _try_force(last)
         if last.done:
-            join(HOST_CLOCK, lane_.clock)
+            _host_join(lane_.clock)
         return last.done
 
 
