@@ -241,10 +241,12 @@ def force(node) -> None:
                 stack.pop()
                 continue
             waiting = [d for d in top.deps if not d.done]
-            if waiting:
+            if waiting:  # the last one pushed runs first
                 if MODE == "seed":
                     _rng.shuffle(waiting)
-                else:  # the earliest issued is pushed last, so the latest runs first
+                elif MODE == "adversarial":  # other streams first, the latest first
+                    waiting.sort(key=lambda n: (n.lanes != top.lanes, n.seq))
+                else:
                     waiting.sort(key=lambda n: -n.seq)
                 stack.extend(waiting)
                 continue
