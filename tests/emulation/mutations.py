@@ -85,6 +85,19 @@ MUTATIONS = (
         """        pass""",
         (_STREAM_TESTS + "test_past_the_pinned_cap_the_host_waits_for_the_oldest_copies",)),
     Mutation(
+        "the host strategy's broadcast without enter", "gpukv/comm/host.py",
+        """                device.enter()
+                device.copy(out, src)""",
+        """                device.copy(out, src)""",
+        ("tests/api/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
+    Mutation(
+        "an assigned push without leave", "gpukv/api/pipeline.py",
+        """        for home in assigned:  # the caller's current stream sees the new values
+            home.leave()""",
+        """        pass""",
+        ("tests/update/test_compression_gpu.py::test_store_on_gpus_equals_the_host_store"
+         "[1bit-0-8]",)),
+    Mutation(
         "LAMB without the lower bound of the weight norm", "gpukv/device/cuda/optim_kernels.py",
         """    r1 = fmaxf(r1, (float)hp[5]);""",
         """    (void)0;""",
