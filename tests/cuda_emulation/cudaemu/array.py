@@ -428,8 +428,14 @@ class ndarray:  # noqa: N801 - CuPy's name
             out.ctypes.data, out.nbytes, out), strides=out.strides)
         accesses = [(lane, *_span(src), False, self._data.mem),
                     (lane, *_span(out), True, memory.find(out.ctypes.data))]
-        streams.issue(lane, lambda: np.copyto(dst, src), "copy to pinned host memory",
-                      accesses=accesses, keep=(self, out))
+        pinned = memory.find(out.ctypes.data)
+
+        def run():
+            np.copyto(dst, src)
+            memory.device_wrote(pinned)
+
+        streams.issue(lane, run, "copy to pinned host memory", accesses=accesses,
+                      keep=(self, out))
 
     def set(self, arr, stream=None):
         """Copy the host array `arr` (same shape and dtype, C- or F-contiguous) in."""

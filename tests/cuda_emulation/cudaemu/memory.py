@@ -323,12 +323,20 @@ class MemoryPointer:
             _queue(stream, lambda: ctypes.memmove(dst, data, size), "memcpy host to device",
                    ((dst, size, True),), dst_mem)
             return
-        if size <= SHADOW_BYTES:  # what the race checker reads a pointer table from
-            shadow[dst] = ctypes.string_at(source, size)
+        issued = ctypes.string_at(source, size) if size <= SHADOW_BYTES else None
+        if issued is not None:  # what the race checker reads a pointer table from
+            shadow[dst] = issued
+        from . import races
+        where = races.site() if issued is not None and races.ENABLED else ""
+        written = pinned.info.get("device_writes", 0)  # copies from a GPU into it so far
 
         def run():
             ctypes.memmove(dst, source, size)
-            shadow.pop(dst, None)
+            if issued is not None and shadow.get(dst) is issued:
+                del shadow[dst]
+            if (where and pinned.info.get("device_writes", 0) == written
+                    and ctypes.string_at(dst, size) != issued):
+                races.host_overwrote(pinned.info, source, size, where)
 
         _queue(stream, run, "memcpy host to device",
                ((source, size, False), (dst, size, True)), (dst_mem, pinned))
@@ -345,7 +353,13 @@ class MemoryPointer:
         src, src_mem = self.ptr, check_range(self.ptr, size, "memcpy source")
         check_host_range(target, size, "memcpy destination")
         pinned = find(target)
-        _queue(stream, lambda: ctypes.memmove(target, src, size), "memcpy device to host",
+
+        def run():
+            ctypes.memmove(target, src, size)
+            if pinned is not None:
+                device_wrote(pinned)
+
+        _queue(stream, run, "memcpy device to host",
                ((src, size, False), (target, size, True)), (src_mem, pinned),
                wait=pinned is None)
 
@@ -380,6 +394,11 @@ class MemoryPointer:
 #: copies only: pointer tables), for kernel_access to read a table before the copy runs
 shadow: dict = {}
 SHADOW_BYTES = 1 << 20
+
+
+def device_wrote(pinned) -> None:
+    """A copy from a GPU wrote into `pinned` (so its bytes changed, not by the host)."""
+    pinned.info["device_writes"] = pinned.info.get("device_writes", 0) + 1
 
 
 def _queue(stream, fn, label: str, ranges, keep, *, wait: bool = False) -> None:

@@ -11,7 +11,8 @@ operations, their streams, the allocation and the source line that issued each. 
 device allocation freed by the host goes back to its stream's pool, which may hand it to
 that stream's next allocation at once: the free counts as a write of the whole
 allocation on that stream. Pinned host memory freed while a copy of a stream may still
-use it (the host never saw that copy complete) is the same error.
+use it (the host never saw that copy complete) is the same error, and so is pinned memory
+the host rewrote while a copy from it was still queued.
 
 `GPUKV_EMU_RACES=0` turns the checker off; every race found is also kept in `found`,
 which the test suite checks after each test.
@@ -122,3 +123,12 @@ def freed(info: dict, ptr: int, size: int, place, lane, clock) -> None:
             _report(f"{_describe(info, a.lo)} freed on {lane.name()} (its pool may hand it "
                     f"to that stream's next allocation) while another stream may still "
                     f"use it: {_words(a)}; no event orders it before the free")
+
+
+def host_overwrote(info: dict, ptr: int, nbytes: int, where: str) -> None:
+    """A queued copy from pinned memory found, when it ran, other bytes there than when
+    it was issued: the host wrote the buffer while the copy was in flight."""
+    if ENABLED:
+        _report(f"the host wrote {_describe(info, ptr)} ({nbytes} bytes) while a copy "
+                f"from it to a GPU, issued at {where}, had not run yet (the copy reads it "
+                f"when it runs)")
