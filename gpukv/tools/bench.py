@@ -317,8 +317,10 @@ class CudaEnv:
         return self.device(home_device).to_local(array)
 
     def copy_into(self, dst, src):
+        """dst[...] = src, by the GPU of `src`: its stream wrote `src`, so no event is
+        needed before the copy reads it."""
         from ..device import device_of
-        device_of(dst).copy(dst, src)
+        device_of(src).copy(dst, src)
 
     def torch_tensor(self, torch, array):
         return torch.from_dlpack(array)
@@ -459,8 +461,8 @@ def _loop_step(w: Workload):
                     acc = env.to_home(srcs[0], home).copy()
                     for s in srcs[1:]:
                         acc += env.to_home(s, home)
-                for o in srcs:  # by the home GPU: its stream has the sum (no event needed)
-                    env.device(home).copy(o, acc)
+                for o in srcs:
+                    env.copy_into(o, acc)
     else:
         def step():
             for srcs in values:
