@@ -285,9 +285,13 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         else:
             merged_rows[key] = merged
     if updater is None:  # narrow floats and compressed sums: assigned with one cast
+        assigned: dict = {}
         for key, entry, out in plan.updates:
             if out is not _ROWS:
                 entry.home.copy(entry.value, out)
+                assigned[entry.home] = None
+        for home in assigned:  # the caller's current stream sees the new values
+            home.leave()
         return
     updates = plan.updates
     if len(updates) > 1:  # MXNet's order: int keys ascending, str keys as initialised

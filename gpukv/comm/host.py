@@ -49,7 +49,11 @@ class HostStrategy(Strategy):
                 _BROADCAST(src, outs)
                 continue
             for out, device in zip(outs, devices):
+                # A virtual GPU's own stream: after the caller's work on the out, and the
+                # caller's later work after the copy.
+                device.enter()
                 device.copy(out, src)
+                device.leave()
 
     # The batch form of the store's all-host calls: jobs as parallel lists, with nothing
     # built per key (with many small keys, a job object is a good part of a key's cost).

@@ -317,8 +317,10 @@ class CudaEnv:
         return self.device(home_device).to_local(array)
 
     def copy_into(self, dst, src):
+        """dst[...] = src, by the GPU of `src`: its stream wrote `src`, so no event is
+        needed before the copy reads it."""
         from ..device import device_of
-        device_of(dst).copy(dst, src)
+        device_of(src).copy(dst, src)
 
     def torch_tensor(self, torch, array):
         return torch.from_dlpack(array)

@@ -69,6 +69,7 @@ def test_asarray_copies_only_where_needed(cp):
     """asarray keeps the array, copies another GPU's to this one, and refuses a cast
     when told not to copy."""
     a = cp.ones(3, cp.float32)
+    cp.cuda.Device(0).synchronize()  # GPU 1 copies it on a stream of its own
     assert cp.asarray(a) is a
     with pytest.raises(ValueError, match="avoid copy"):
         cp.asarray(a, dtype=cp.float64, copy=False)
@@ -85,10 +86,12 @@ def test_reading_another_gpu_needs_peer_access(cp):
         near = cp.ones(3)
     with cp.cuda.Device(3):
         far = cp.ones(3)
+    cp.cuda.Device(1).synchronize()  # GPU 0 reads it on a stream of its own
     with pytest.warns(cp._util.PerformanceWarning, match="Peer access has been activated"):
         near + 1
     with pytest.raises(ValueError, match="Peer access is unavailable"):
         far + 1
+    cp.cuda.Device(0).synchronize()  # GPU 0's read, before `near` returns to GPU 1's pool
 
 
 def test_stream_event_and_launch_stay_on_their_gpu(cp):
@@ -141,6 +144,7 @@ def test_pool_memory_is_hidden_from_gpus_it_does_not_grant(cp):
     pool = cp.cuda.MemoryAsyncPool()
     with cp.cuda.Device(1), cp.cuda.using_allocator(pool.malloc):
         source = cp.full(4, 2.0, cp.float32)
+    cp.cuda.Device(1).synchronize()  # GPU 0 reads it on a stream of its own
     copy = cp.RawKernel('extern "C" __global__ void k(const float* s, float* d) '
                         '{ d[threadIdx.x] = s[threadIdx.x]; }', "k")
     out = cp.zeros(4, cp.float32)
@@ -160,6 +164,7 @@ def test_the_registry_forgets_freed_memory(cp):
     assert memory.used_bytes(0) == before + 40000
     del arrays
     gc.collect()
+    cp.cuda.Device(0).synchronize()  # freed blocks go back in their stream's order
     assert memory.used_bytes(0) == before
 
 

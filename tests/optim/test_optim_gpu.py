@@ -65,6 +65,9 @@ OPTIMIZERS = {
     "lamb_bounds": ("poly", lambda s: optim.LAMB(
         learning_rate=0.01, wd=1e-2, lower_bound=0.5, upper_bound=20.0,
         bias_correction=False, clip_gradient=0.3, rescale_grad=0.5, lr_scheduler=s)),
+    # keys 3 and 4 (7 elements and 1) have weight norms below 5: their ratio uses the bound
+    "lamb_lower_bound": ("factor", lambda s: optim.LAMB(
+        learning_rate=0.01, wd=1e-2, lower_bound=5.0, lr_scheduler=s)),
 }
 
 

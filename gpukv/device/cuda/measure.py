@@ -109,7 +109,8 @@ class GpuProbe:
         with self.device(d):
             a = self.cp.empty(nbytes // 4, self.cp.float32)
             if fill is not None:
-                a.fill(fill)
+                a.fill(fill)  # on the default stream: done before the probe's streams read
+                self.device(d).synchronize()
         return a
 
     def sync(self):

@@ -14,6 +14,7 @@ from .array import (
     _check_device,
     _dtype,
     _to_device,
+    _touch,
     _unsupported,
     check_add_at_dtype,
     function,
@@ -32,12 +33,14 @@ def empty(shape, dtype=float, order="C"):
 
 def zeros(shape, dtype=float, order="C"):
     out = _allocate(shape, dtype, order)
+    _touch("fill", writes=(out,))
     out._view.fill(0)
     return out
 
 
 def ones(shape, dtype=float, order="C"):
     out = _allocate(shape, dtype, order)
+    _touch("fill", writes=(out,))
     out._view.fill(1)
     return out
 
@@ -50,6 +53,7 @@ def full(shape, fill_value, dtype=None, order="C"):
     if dtype is None:
         dtype = np.array(fill_value).dtype
     out = _allocate(shape, dtype, order)
+    _touch("fill", writes=(out,))
     out._view.fill(fill_value)
     return out
 
@@ -153,6 +157,7 @@ def copyto(dst, src, casting="same_kind", where=None):
         np.copyto(np.empty((), dst.dtype), src, casting=casting)  # NumPy's scalar check
     kwargs = {} if where is None else {"where": where._view if isinstance(where, ndarray)
                                        else where}
+    _touch("copyto", reads=(src, where), writes=(dst,))
     np.copyto(dst._view, src, casting="unsafe", **kwargs)
 
 
@@ -192,6 +197,8 @@ def scatter_add(a, slices, value):
     check_add_at_dtype(a)  # CuPy's scatter_add is cupy.add.at
     device = runtime.current_device()
     _check_device(a, device)
+    _touch("scatter_add", reads=(value, slices) if not isinstance(slices, tuple)
+           else (value,) + slices, writes=(a,))
     np.add.at(a._view, _index(slices, device), _value(value, device, a.dtype))
 
 

@@ -7,6 +7,9 @@ NumPy would slip: it is not a `numpy.ndarray`, it refuses implicit conversion to
 reductions return 0-d arrays, new arrays land on the current device, and an operation
 reading an array of another GPU needs peer access between the two (as CuPy checks).
 
+CuPy's own kernels (every operation here) run at once, on the current stream, after the
+work queued there; what they read and write goes to the race checker.
+
 Arithmetic is NumPy's, run on the host over the device memory: results are therefore
 NumPy's bit for bit (a real GPU may differ in the last bit of transcendental functions),
 but for float32 subnormals, which ufuncs and float32 <-> float64 casts flush to zero as
@@ -21,7 +24,7 @@ import warnings
 import numpy as np
 
 from . import ftz as _ftz
-from . import machine, memory, runtime
+from . import machine, memory, races, runtime, streams
 from .errors import CUDARuntimeError
 from .memory import MemoryPointer
 from .names import FUNCTIONS, UFUNCS
@@ -83,6 +86,33 @@ def _views_only(x):
     return x
 
 
+# ---------------------------------------------------------------- stream order
+def _span(view: np.ndarray) -> tuple:
+    """(first byte, bytes) that `view` spans in memory."""
+    if view.size == 0:
+        return _address(view), 0
+    low = sum(min(0, (n - 1) * s) for n, s in zip(view.shape, view.strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(view.shape, view.strides))
+    return _address(view) + low, high - low + view.itemsize
+
+
+def _touch(label: str, reads=(), writes=(), *, device: int | None = None,
+           stream=None) -> streams.Lane:
+    """CuPy's own kernels run at once, on the current stream (of `device`) after the work
+    queued there: that work is run first, and what they read and write (emulated arrays
+    or NumPy views of device memory) is checked by the race checker."""
+    lane = runtime.lane_of(stream, device)
+    accesses = []
+    for write, group in ((False, reads), (True, writes)):
+        for x in group:
+            view = x._view if isinstance(x, ndarray) else x
+            if isinstance(view, np.ndarray) and view.size:
+                ptr, nbytes = _span(view)
+                accesses.append((lane, ptr, nbytes, write, memory.find(ptr)))
+    streams.eager(lane, label, accesses)
+    return lane
+
+
 # ------------------------------------------------------------- making arrays
 def _address(view: np.ndarray) -> int:
     return view.__array_interface__["data"][0]
@@ -118,6 +148,10 @@ def _allocate(shape, dtype, order: str = "C", device: int | None = None) -> ndar
     device = runtime.current_device() if device is None else device
     size = int(np.prod(shape, dtype=np.int64))
     memptr = memory.alloc(size * dtype.itemsize, device)
+    info = getattr(memptr.mem, "info", None)
+    if info is not None:  # a freed block goes back to the pool of the current stream
+        info["lane"] = runtime.lane_of(None, device)
+        info["site"] = races.site() if races.ENABLED else ""
     strides = None
     if order == "F":
         strides = tuple(reversed(_c_strides(tuple(reversed(shape)), dtype.itemsize)))
@@ -132,6 +166,7 @@ def _to_device(host: np.ndarray, device: int | None = None, order: str = "C") ->
     keep_f = host.flags.f_contiguous and not host.flags.c_contiguous
     order = "F" if order == "F" or (order in ("A", "K") and keep_f) else "C"
     out = _allocate(host.shape, host.dtype, order, device)
+    _touch("copy to a new array", writes=(out,), device=out._data.device_id)
     np.copyto(out._view, host, casting="no")
     return out
 
@@ -321,18 +356,23 @@ class ndarray:  # noqa: N801 - CuPy's name
         return self.get().item()
 
     def tolist(self):
+        self._get_now(None)
         return self._view.tolist()
 
     def tobytes(self, order="C"):
+        self._get_now(None)
         return self._view.tobytes(order)
 
     def __repr__(self):
+        self._get_now(None)
         return repr(self._view.copy())
 
     def __str__(self):
+        self._get_now(None)
         return str(self._view.copy())
 
     def __format__(self, spec):
+        self._get_now(None)
         return format(self._view.copy() if self.ndim else self._view[()], spec)
 
     def __reduce__(self):  # pickled through the host, unpickled on the current GPU
@@ -361,6 +401,10 @@ class ndarray:  # noqa: N801 - CuPy's name
             if not (out.flags.c_contiguous or out.flags.f_contiguous):
                 raise RuntimeError("`out` cannot be specified when copying to "
                                    "non-contiguous ndarray")
+            if not blocking and memory.find(out.ctypes.data) is not None and out.size:
+                self._get_later(out, stream)
+                return out
+            self._get_now(stream)
             np.copyto(np.ndarray(out.shape, out.dtype, buffer=memory.host_bytes(
                 out.ctypes.data, out.nbytes, out), strides=out.strides), self._view)
             return out
@@ -370,7 +414,31 @@ class ndarray:  # noqa: N801 - CuPy's name
                 self._view.flags.c_contiguous else "C"
         if order not in ("C", "F"):
             raise ValueError(f"unsupported order: {order}")
+        self._get_now(stream)
         return np.array(self._view, order=order, copy=True)
+
+    def _get_now(self, stream) -> None:
+        """A copy to pageable memory: queued on `stream` (the current one of this array's
+        GPU), and the host waits for it."""
+        lane = _touch("copy to the host", reads=(self,), device=self._data.device_id,
+                      stream=stream)
+        streams.synchronize(lane)
+
+    def _get_later(self, out: np.ndarray, stream) -> None:
+        """A copy into pinned `out`, queued on `stream`; it runs when that stream does."""
+        lane = runtime.lane_of(stream, self._data.device_id)
+        src, dst = self._view, np.ndarray(out.shape, out.dtype, buffer=memory.host_bytes(
+            out.ctypes.data, out.nbytes, out), strides=out.strides)
+        accesses = [(lane, *_span(src), False, self._data.mem),
+                    (lane, *_span(out), True, memory.find(out.ctypes.data))]
+        pinned = memory.find(out.ctypes.data)
+
+        def run():
+            np.copyto(dst, src)
+            memory.device_wrote(pinned)
+
+        streams.issue(lane, run, "copy to pinned host memory", accesses=accesses,
+                      keep=(self, out))
 
     def set(self, arr, stream=None):
         """Copy the host array `arr` (same shape and dtype, C- or F-contiguous) in."""
@@ -383,6 +451,17 @@ class ndarray:  # noqa: N801 - CuPy's name
                              f"{arr.shape}")
         if not (self._view.flags.c_contiguous or self._view.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
+        pinned = memory.find(arr.ctypes.data) if arr.size else None
+        if stream is not None and pinned is not None:  # truly asynchronous: queued
+            lane = runtime.lane_of(stream, self._data.device_id)
+            dst = self._view
+            accesses = [(lane, *_span(arr), False, pinned),
+                        (lane, *_span(dst), True, self._data.mem)]
+            streams.issue(lane, lambda: np.copyto(dst, arr), "copy from pinned host memory",
+                          accesses=accesses, keep=(self, arr))
+            return
+        _touch("copy from the host", writes=(self,), device=self._data.device_id,
+               stream=stream)
         np.copyto(self._view, arr)
 
     # ---------------------------------------------------------------- views
@@ -425,6 +504,7 @@ class ndarray:  # noqa: N801 - CuPy's name
             raise NotImplementedError("CuPy cannot copy non-contiguous array between "
                                       "devices.")
         out = _allocate(self.shape, self.dtype, "F" if order == "F" else "C", device)
+        _touch("copy", reads=(self,), writes=(out,))
         np.copyto(out._view, self._view)
         return out
 
@@ -441,6 +521,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         keep_f = order == "F" or (order in ("A", "K") and self._view.flags.f_contiguous
                                   and not self._view.flags.c_contiguous)
         out = _allocate(self.shape, dtype, "F" if keep_f else "C", device)
+        _touch("astype", reads=(self,), writes=(out,))
         flush = _ftz.cast_flushes(self.dtype, dtype)
         np.copyto(out._view, _ftz.inputs(self._view) if flush else self._view,
                   casting="unsafe")
@@ -452,6 +533,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         _check_device(self, runtime.current_device())
         if isinstance(value, np.ndarray):
             raise _unsupported(value)
+        _touch("fill", reads=(value,) if isinstance(value, ndarray) else (), writes=(self,))
         self._view.fill(value.item() if isinstance(value, ndarray) else value)
 
     # --------------------------------------------------------------- indexing
@@ -477,6 +559,8 @@ class ndarray:  # noqa: N801 - CuPy's name
         if isinstance(result, np.ndarray) and (_in(result, self) if result.size else basic):
             return self._derived(result)  # basic indexing: a view, on this array's GPU
         _check_device(self, device)
+        _touch("take", reads=(self,) + tuple(i for i in index if isinstance(i, np.ndarray)
+                                             and memory.find(_address(i)) is not None))
         return _result(np.asarray(result), device)
 
     def __setitem__(self, index, value):
@@ -488,6 +572,8 @@ class ndarray:  # noqa: N801 - CuPy's name
         elif isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray)
                                                   and value.ndim):
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+        _touch("setitem", reads=(value,) if isinstance(value, np.ndarray) else (),
+               writes=(self,))
         self._view[self._index(index, device)] = value
 
     # ---------------------------------------------------------- DLPack
@@ -535,6 +621,11 @@ def _call(func, args, kwargs, *, views: bool = False, ftz: bool = False):
         np_kwargs = {k: _operand(v, device) for k, v in kwargs.items()}
         if out is not None and not isinstance(out, (ndarray, tuple)):
             raise TypeError(f"Output must be cupy.ndarray, not {type(out).__name__}")
+    if not views:
+        outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+        _touch(f"cupy.{getattr(func, '__name__', 'op')}",
+               reads=tuple(_arrays((args, tuple(kwargs.values())))),
+               writes=tuple(o for o in outs if isinstance(o, ndarray)))
     if ftz:
         np_args = _ftz.inputs(np_args)
     with np.errstate(all="ignore"):  # GPU arithmetic raises no floating-point warnings
@@ -612,6 +703,7 @@ class ufunc:  # noqa: N801 - CuPy's name
             check_add_at_dtype(a)
         device = runtime.current_device()
         args = (a, indices) if b is None else (a, indices, b)
+        _touch(f"cupy.{self.name}.at", reads=tuple(_arrays(args)), writes=(a,))
         self._np.at(*_operand(args, device))
 
     def __repr__(self):
@@ -693,6 +785,7 @@ def _binary(np_ufunc, reflected: bool = False, inplace: bool = False,
 
 def _fill_like(array, value: bool):
     out = _allocate(array.shape, bool)
+    _touch("fill", writes=(out,))
     out._view.fill(value)
     return out
 

@@ -2,8 +2,9 @@
 
 A source is prepared (its known inline PTX rewritten into calls of emulation functions,
 `extern __shared__` arrays pointed at the dynamic shared buffer), compiled with the system
-g++ through `native/emu.h`, cached on disk, and loaded with ctypes. A launch runs the grid
-on the calling thread, block after block (`native/runtime.cpp`): one plain call per thread,
+g++ through `native/emu.h`, cached on disk, and loaded with ctypes. A launch is queued on
+its stream (streams.py); when it runs, it runs the grid on the thread that forces it,
+block after block (`native/runtime.cpp`): one plain call per thread,
 or one fiber per thread when the compiled code synchronises with `__syncthreads()`.
 
 Arguments are passed as CuPy passes them (device arrays as their data pointer, Python int
@@ -873,8 +874,9 @@ class Function:
         self._launch.restype = None
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
-        """Run the kernel now, on this thread: the emulation is eager, so `stream` orders
-        nothing; it must be a stream of the current GPU, as cuLaunchKernel requires."""
+        """Queue the kernel on `stream` (None: the current one), which must be a stream of
+        the current GPU, as cuLaunchKernel requires; it runs on the thread that forces it
+        (or at once, in the issue-order schedule)."""
         _check_stream(self.name, stream)
         grid = _dims("grid", self.name, grid)
         block = _dims("block", self.name, block)
@@ -882,12 +884,20 @@ class Function:
                              min(MAX_DYNAMIC_SHARED, self.max_dynamic_shared_size_bytes))
         keep, argv = _pack(self.name, self.params, args)  # argv points into `keep`
         config = _Config(grid, block, int(shared_mem), int(self.fibers), FLUSH_TO_ZERO)
-        result = _Result()
-        with _launch_lock, _launch_guard():
-            self._launch(ctypes.byref(config), argv, ctypes.byref(result))
-        del keep
-        if result.status:
-            raise _fault(self.name, result)
+        from . import kernel_access, runtime, streams
+        device = runtime.current_device()
+        lane = runtime.lane_of(stream)
+        accesses = [(lane, p, n, w, m) for p, n, w, m in kernel_access.ranges(self, args)]
+
+        def run():
+            result = _Result()
+            with runtime.Device(device), _launch_lock, _launch_guard():
+                self._launch(ctypes.byref(config), argv, ctypes.byref(result))
+            if result.status:
+                raise _fault(self.name, result)
+
+        streams.issue(lane, run, f"kernel {self.name}", accesses=accesses,
+                      keep=(keep, argv, tuple(args)))
 
 
 # ======================================================== RawKernel, RawModule

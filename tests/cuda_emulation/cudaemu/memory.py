@@ -162,7 +162,16 @@ def _map(length: int) -> int:
     return base
 
 
-def _unmap(base: int, length: int, ptr: int, size: int, place) -> None:
+#: allocations the host let go of, not yet unmapped: (base, length, ptr, size, place,
+#: info); streams.settle_frees unmaps them in stream order
+frees: collections.deque = collections.deque()
+
+
+def _release(base: int, length: int, ptr: int, size: int, place, info: dict) -> None:
+    frees.append((base, length, ptr, size, place, info))  # (a finalizer takes no lock)
+
+
+def unmap(base: int, length: int, ptr: int, size: int, place) -> None:
     _libc.munmap(base, length)
     _dead.append((ptr, size, place))  # the registry forgets it at its next use
 
@@ -206,6 +215,9 @@ class Memory(BaseMemory):
         self.domain = domain
         self.ptr = 0
         self.pages = (0, 0)  # the pages holding its bytes: (start, length)
+        # what the race checker keeps (races.py), and the stream whose pool it returns to
+        self.info: dict = {"ptr": 0, "size": self.size, "place": self.place,
+                           "accesses": [], "lane": None}
         if self.size == 0:  # CuPy hands out a null pointer for empty arrays
             return
         if machine.MACHINE.guard:
@@ -222,8 +234,10 @@ class Memory(BaseMemory):
             base = _map(length)
             self.ptr = base
             self.pages = (base, length)
+        self.info["ptr"] = self.ptr
         _register(self)
-        weakref.finalize(self, _unmap, base, length, self.ptr, self.size, self.place)
+        weakref.finalize(self, _release, base, length, self.ptr, self.size, self.place,
+                         self.info)
 
     @property
     def place(self):
@@ -279,43 +293,79 @@ class MemoryPointer:
         from .runtime import Device
         return Device(self.device_id)
 
-    # Copies run at once (the emulation executes work in issue order); `stream` is
-    # accepted as CuPy's API takes it.
+    # Copies are queued on their stream (the current one when None); a synchronous one
+    # then waits for it. Host memory is read or written when the copy runs when it is
+    # pinned, at once when it is pageable (the driver stages pageable memory).
     def copy_from_device_async(self, src, size: int, stream=None) -> None:
         size = int(size)
         if size <= 0:
             return
         source = _device_address(src)
-        check_range(self.ptr, size, "memcpy destination")
-        check_range(source, size, "memcpy source")
-        ctypes.memmove(self.ptr, source, size)
+        dst, src_mem = self.ptr, check_range(source, size, "memcpy source")
+        dst_mem = check_range(dst, size, "memcpy destination")
+        _queue(stream, lambda: ctypes.memmove(dst, source, size), "memcpy device to device",
+               ((source, size, False), (dst, size, True)), (dst_mem, src_mem))
 
     def copy_from_device(self, src, size: int) -> None:
         self.copy_from_device_async(src, size)
+        _wait_current()
 
     def copy_from_host_async(self, mem, size: int, stream=None) -> None:
         size = int(size)
         if size <= 0:
             return
         source = _host_address(mem)
-        check_range(self.ptr, size, "memcpy destination")
+        dst, dst_mem = self.ptr, check_range(self.ptr, size, "memcpy destination")
         check_host_range(source, size, "memcpy source")
-        ctypes.memmove(self.ptr, source, size)
+        pinned = find(source)
+        if pinned is None:
+            data = ctypes.string_at(source, size)
+            _queue(stream, lambda: ctypes.memmove(dst, data, size), "memcpy host to device",
+                   ((dst, size, True),), dst_mem)
+            return
+        issued = ctypes.string_at(source, size) if size <= SHADOW_BYTES else None
+        if issued is not None:  # what the race checker reads a pointer table from
+            shadow[dst] = issued
+        from . import races
+        where = races.site() if issued is not None and races.ENABLED else ""
+        written = pinned.info.get("device_writes", 0)  # copies from a GPU into it so far
+
+        def run():
+            ctypes.memmove(dst, source, size)
+            if issued is not None and shadow.get(dst) is issued:
+                del shadow[dst]
+            if (where and pinned.info.get("device_writes", 0) == written
+                    and ctypes.string_at(dst, size) != issued):
+                races.host_overwrote(pinned.info, source, size, where)
+
+        _queue(stream, run, "memcpy host to device",
+               ((source, size, False), (dst, size, True)), (dst_mem, pinned))
 
     def copy_from_host(self, mem, size: int) -> None:
         self.copy_from_host_async(mem, size)
+        _wait_current()
 
     def copy_to_host_async(self, mem, size: int, stream=None) -> None:
         size = int(size)
         if size <= 0:
             return
         target = _host_address(mem)
-        check_range(self.ptr, size, "memcpy source")
+        src, src_mem = self.ptr, check_range(self.ptr, size, "memcpy source")
         check_host_range(target, size, "memcpy destination")
-        ctypes.memmove(target, self.ptr, size)
+        pinned = find(target)
+
+        def run():
+            ctypes.memmove(target, src, size)
+            if pinned is not None:
+                device_wrote(pinned)
+
+        _queue(stream, run, "memcpy device to host",
+               ((src, size, False), (target, size, True)), (src_mem, pinned),
+               wait=pinned is None)
 
     def copy_to_host(self, mem, size: int) -> None:
         self.copy_to_host_async(mem, size)
+        _wait_current()
 
     def copy_from_async(self, mem, size: int, stream=None) -> None:
         if isinstance(mem, MemoryPointer):
@@ -325,15 +375,47 @@ class MemoryPointer:
 
     def copy_from(self, mem, size: int) -> None:
         self.copy_from_async(mem, size)
+        _wait_current()
 
     def memset_async(self, value: int, size: int, stream=None) -> None:
         size = int(size)
         if size > 0:
-            check_range(self.ptr, size, "memset")
-            ctypes.memset(self.ptr, int(value), size)
+            dst, mem = self.ptr, check_range(self.ptr, size, "memset")
+            value = int(value)
+            _queue(stream, lambda: ctypes.memset(dst, value, size), "memset",
+                   ((dst, size, True),), mem)
 
     def memset(self, value: int, size: int) -> None:
         self.memset_async(value, size)
+        _wait_current()
+
+
+#: device address -> the bytes a queued copy from pinned memory will write there (small
+#: copies only: pointer tables), for kernel_access to read a table before the copy runs
+shadow: dict = {}
+SHADOW_BYTES = 1 << 20
+
+
+def device_wrote(pinned) -> None:
+    """A copy from a GPU wrote into `pinned` (so its bytes changed, not by the host)."""
+    pinned.info["device_writes"] = pinned.info.get("device_writes", 0) + 1
+
+
+def _queue(stream, fn, label: str, ranges, keep, *, wait: bool = False) -> None:
+    """Queue `fn` on `stream` (None: the current stream), touching `ranges` [(ptr,
+    nbytes, write)]; `wait`: the host waits for it (a copy into pageable memory)."""
+    from . import runtime, streams
+    lane = runtime.lane_of(stream)
+    accesses = [(lane, p, n, w, find(p)) for p, n, w in ranges]
+    streams.issue(lane, fn, label, accesses=accesses, keep=keep)
+    if wait:
+        streams.synchronize(lane)
+
+
+def _wait_current() -> None:
+    """A synchronous copy: the host waits for the current stream."""
+    from . import runtime, streams
+    streams.synchronize(runtime.lane_of())
 
 
 def _device_address(src) -> int:

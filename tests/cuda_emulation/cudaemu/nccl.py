@@ -1,7 +1,9 @@
 """`cupy.cuda.nccl` for the GPUs of one process, or one GPU in each process of an MPI job,
 checking every call as NCCL would need it.
 
-A collective runs once every rank of its communicator has issued it. Calls made between
+A collective is queued on every rank's stream once every rank of its communicator has
+issued it, and runs when all those streams have reached it (across processes, it runs as it
+is issued, after its stream's queued work). Calls made between
 `groupStart()` and `groupEnd()` are matched at `groupEnd`: the k-th call of every rank
 forms the k-th collective. Each collective is checked before it runs: every rank issued
 one (real NCCL would hang), with the same operation, count, data type, reduction and
@@ -25,7 +27,7 @@ import zlib
 
 import numpy as np
 
-from . import memory, runtime
+from . import memory, runtime, streams
 
 __all__ = ["available", "NcclCommunicator", "NcclError", "groupStart", "groupEnd",
            "get_unique_id", "get_version", "get_build_version", "NCCL_INT8", "NCCL_CHAR",
@@ -101,6 +103,7 @@ class _Clique:
         self.size = len(self.devices)
         self.pending = [[] for _ in self.devices]
         self.lock = threading.Lock()
+        self.stalled = self.aborted = False
 
     def device_of(self, rank: int) -> int:
         return self.devices[rank]
@@ -126,6 +129,7 @@ class _Remote:
         self.size, self.rank, self.device = ndev, rank, device
         self.pending: list = [[] for _ in range(ndev)]
         self.lock = threading.Lock()
+        self.stalled = self.aborted = False
 
     def device_of(self, rank: int) -> int:
         if rank != self.rank:
@@ -136,6 +140,11 @@ class _Remote:
         with self.lock:
             calls, self.pending[self.rank] = self.pending[self.rank], []
         for k, call in enumerate(calls):
+            # Across processes a collective runs as it is issued, after the work queued
+            # before it on its stream (deferred, the processes could deadlock in MPI).
+            lane = _lane(call)
+            streams.eager(lane, f"NCCL {call.kind}", [
+                (lane, p, n, w, memory.find(p)) for p, n, w in call.ranges(self.size)])
             _run_remote(self.comm, call, k)
 
 
@@ -182,7 +191,10 @@ class NcclCommunicator:
     def destroy(self) -> None:
         self._alive = False
 
-    abort = destroy
+    def abort(self) -> None:
+        """ncclCommAbort: its queued collectives are dropped (they run as nothing)."""
+        self._alive = False
+        self._clique.aborted = True
 
     # ------------------------------------------------------------ collectives
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
@@ -220,7 +232,8 @@ class NcclCommunicator:
         if stream_gpu != device:
             raise _argument(f"{kind} of rank {self._rank} (GPU {device}) on a stream of "
                             f"GPU {stream_gpu}")
-        call = _Call(kind, self._rank, device, args)
+        call = _Call(kind, self._rank, device, dict(args, stream=stream))
+        call.clique = self._clique
         call.check_buffers(self.size())
         clique = self._clique
         with clique.lock:
@@ -242,6 +255,7 @@ class _Call:
         self.op = args.get("op")
         self.root = args.get("root")
         self.send, self.recv = int(args["send"]), int(args["recv"])
+        self.stream = int(args.get("stream", 0))
         if self.datatype == NCCL_BFLOAT16:
             self.dtype = _bfloat16()
         elif self.datatype in _DTYPES:
@@ -258,6 +272,18 @@ class _Call:
         if self.kind == "allGather":
             return self.count, self.count * nranks
         return self.count, self.count
+
+    def ranges(self, nranks: int) -> list:
+        """[(ptr, nbytes, write)] this rank's buffers the collective reads and writes."""
+        n_send, n_recv = self.sizes(nranks)
+        item = self.dtype.itemsize
+        is_root = self.root is None or self.root == self.rank
+        out = []
+        if self.kind != "broadcast" or self.rank == self.root:
+            out.append((self.send, n_send * item, False))
+        if self.kind != "reduce" or is_root:
+            out.append((self.recv, n_recv * item, True))
+        return [r for r in out if r[1]]
 
     def check_buffers(self, nranks: int) -> None:
         n_send, n_recv = self.sizes(nranks)
@@ -290,10 +316,33 @@ def _run_ready(clique: _Clique) -> None:
         for p in clique.pending:  # an incomplete collective is reported, then dropped
             p.clear()
     for k, ranks in enumerate(calls):
-        _run(ranks, k)
+        _queue(ranks, k)
     if waiting:
         raise _usage(f"ranks {waiting} of communicator {clique.devices} issued a "
                      f"collective the other ranks never joined (NCCL would hang)")
+
+
+def _lane(call):
+    stream = (runtime.Stream.null if call.stream == 0
+              else runtime.ExternalStream(call.stream, call.device))
+    return runtime.lane_of(stream, call.device)
+
+
+def _queue(ranks: list, k: int) -> None:
+    """Queue collective #k on every rank's stream: it runs once each has reached it, and
+    each rank's stream is then ordered after every rank's work before it."""
+    lanes = [_lane(c) for c in ranks]
+    for c in ranks:
+        c.check_buffers(len(ranks))
+    accesses = []
+    for lane, c in zip(lanes, ranks):
+        for ptr, nbytes, write in c.ranges(len(ranks)):
+            accesses.append((lane, ptr, nbytes, write, memory.find(ptr)))
+    keep = [a[4] for a in accesses]
+    clique = ranks[0].clique
+    streams.issue(lanes, lambda: None if clique.aborted else _run(ranks, k),
+                  f"NCCL {ranks[0].kind}", accesses=accesses, keep=keep,
+                  blocked=lambda: clique.stalled and not clique.aborted)
 
 
 def _run(ranks: list, k: int) -> None:
@@ -378,6 +427,12 @@ def _run_remote(comm, call: _Call, k: int) -> None:
     elif call.kind == "allGather":
         parts = comm.allgather(call.view(call.send, count).copy())
         call.view(call.recv, count * n)[...] = np.concatenate(parts)
+
+
+def stall(comm: NcclCommunicator) -> None:
+    """Tests of timeouts: the collectives of `comm`'s communicator (in this process)
+    never complete, as when a peer never joins them, until it is aborted."""
+    comm._clique.stalled = True
 
 
 # --------------------------------------------------------------------------- groups

@@ -1,12 +1,13 @@
 """Devices, streams and events of the emulated GPUs (`cupy.cuda.Device`, `Stream`, `Event`,
 `cupy.cuda.runtime`).
 
-Work runs at once, in the order it is issued, so every event has completed when it is
-recorded and a wait has nothing to wait for; what is kept is CuPy's bookkeeping: the
-current device of each host thread, the current stream of each device, and which
-device a stream or an event belongs to (an event recorded on a stream of another GPU,
-a stream entered under another GPU, a kernel launched on one, fail as in CUDA).
-Counters of streams and events made let tests see what the code under test creates.
+Work issued to a stream is queued in stream order (streams.py) and runs when forced or
+when the schedule picks it: an event completes when its stream reaches it, a wait orders
+the waiting stream after the event, a synchronisation makes the host wait. Kept too is
+CuPy's bookkeeping: the current device of each host thread, the current stream of each
+device, and which device a stream or an event belongs to (an event recorded on a stream
+of another GPU, a stream entered under another GPU, a kernel launched on one, fail as in
+CUDA). Counters of streams and events made let tests see what the code under test creates.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import types
 
 from numpy import integer as np_integer
 
-from . import machine, memory
+from . import machine, memory, streams
 from .errors import (
     INVALID_DEVICE,
     INVALID_VALUE,
@@ -80,6 +81,7 @@ class Device:
 
     def synchronize(self):
         _check_device(self.id)
+        streams.synchronize_device(self.id)
 
     @property
     def compute_capability(self) -> str:
@@ -147,7 +149,8 @@ class _BaseStream:
         return self
 
     def record(self, event=None):
-        """Record `event` (a new one when None) on this stream; it completes at once."""
+        """Record `event` (a new one when None) on this stream; it completes when the
+        stream reaches it."""
         if event is None:
             event = Event()
         event.record(self)
@@ -156,15 +159,16 @@ class _BaseStream:
     def wait_event(self, event) -> None:
         if not isinstance(event, Event):
             raise AttributeError(f"'{type(event).__name__}' object has no attribute 'ptr'")
-        if not event.recorded_on:
+        if event.mark is None:
             return  # waiting for an event never recorded waits for nothing, as in CUDA
+        streams.wait(lane_of(self), event.mark)
 
     def synchronize(self) -> None:
-        pass
+        streams.synchronize(lane_of(self))
 
     @property
     def done(self) -> bool:
-        return True
+        return streams.lane_done(lane_of(self))
 
     def __eq__(self, other):
         return isinstance(other, _BaseStream) and (self.ptr, self.device_id) == (
@@ -208,6 +212,19 @@ def stream_device(handle: int) -> int:
     return _stream_devices.get(int(handle), current_device())
 
 
+def lane_of(stream=None, device: int | None = None) -> streams.Lane:
+    """The queue of `stream` (None: the current stream of `device`, by default the
+    current GPU); a default stream is the one of `device`."""
+    if device is None:
+        device = current_device()
+    if stream is None:
+        stream = get_current_stream(device)
+    owner = stream.device_id if getattr(stream, "device_id", -1) != -1 else device
+    ptr = int(stream.ptr)
+    return streams.lane(owner, ptr, blocking=ptr in (0, 2) or not getattr(
+        stream, "non_blocking", True))
+
+
 Stream.null = Stream(null=True)
 Stream.ptds = Stream(ptds=True)
 
@@ -244,6 +261,7 @@ class Event:
         self.device = current_device()  # an event belongs to the GPU current when made
         self.ptr = next(_handles)
         self.recorded_on = None
+        self.mark = None
         self.time = None
         _count("event")
         if not disable_timing:
@@ -257,14 +275,16 @@ class Event:
             raise CUDARuntimeError(400, f"an event of GPU {self.device} recorded on a stream "
                                         f"of GPU {on}")
         self.recorded_on = stream
+        self.mark = streams.record(lane_of(stream))
         self.time = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        if self.mark is not None:
+            streams.wait_host(self.mark)
 
     @property
     def done(self) -> bool:
-        return True
+        return self.mark is None or streams.query(self.mark)
 
 
 def get_elapsed_time(start: Event, end: Event) -> float:
@@ -353,7 +373,7 @@ runtime = types.SimpleNamespace(
     deviceCanAccessPeer=_device_can_access_peer,
     deviceEnablePeerAccess=_device_enable_peer_access,
     deviceDisablePeerAccess=_device_disable_peer_access,
-    deviceSynchronize=lambda: None,
+    deviceSynchronize=lambda: streams.synchronize_device(current_device()),
     memGetInfo=_mem_get_info,
     runtimeGetVersion=lambda: 12090,
     driverGetVersion=lambda: 12090,

@@ -237,6 +237,26 @@ def test_wait_for_orders_streams_without_host_sync():
     assert float(y.sum()) == 3.0 * (1 << 22)
 
 
+@pytest.mark.gpu
+def test_wait_for_covers_work_queued_under_a_stream_no_longer_current():
+    """A GPU's slot-0 device queues on CuPy's current stream; work it queued (and
+    recorded) under another current stream still orders a later `wait_for` of it."""
+    import cupy
+    a, b = cuda_mod.cuda_device(0), cuda_mod.cuda_device(0, 1)
+    x = a.empty((1 << 16,), cupy.float32)
+    with a.cuda_device:
+        side = cupy.cuda.Stream(non_blocking=True)
+        side.wait_event(cuda_mod.ordering_event(cupy.cuda.get_current_stream()))
+    with a.cuda_device, side:
+        x.fill(5)
+        a.record()  # a's last work: on `side`
+    b.wait_for(a)  # a's stream is the default one again
+    y = b.empty(x.shape, x.dtype)
+    b.copy(y, x)
+    b.leave()
+    assert float(y.sum()) == 5.0 * (1 << 16)
+
+
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("strategy", ["home", "tree", "ring", "auto"])
 def test_push_pull_ordered_on_current_stream(strategy):
