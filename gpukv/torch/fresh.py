@@ -27,9 +27,10 @@ class FreshGrads:
         # The hooks hold the marks only: a Trainer dropped takes its hooks with it.
         weakref.finalize(self, _unhook, handles)
 
-    def is_fresh(self, b: int, r: int, i: int) -> bool:
-        """Whether backward wrote parameter i of bucket b in replica r since `clear`."""
-        return self._marks[b][r][i]
+    def marks(self, b: int, r: int) -> list[bool]:
+        """Whether backward wrote each parameter of bucket b in replica r since `clear`
+        (the list the hooks write: read it, do not keep it)."""
+        return self._marks[b][r]
 
     def clear(self) -> None:
         for rows in self._marks:

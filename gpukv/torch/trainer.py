@@ -337,11 +337,20 @@ class Trainer:
 
         Checks every parameter before anything changes.
         """
-        stale = [(bucket, r, i) for b, bucket in enumerate(self._buckets)
-                 for r, params in enumerate(bucket.params)
-                 for i, p in enumerate(params)
-                 if p.grad is None
-                 or (p.grad is bucket.views[r][i] and not self._fresh.is_fresh(b, r, i))]
+        stale: list = []  # (bucket, replica, index) of each gradient backward left alone
+        adopted: list = []  # (param, view, grad): a new tensor since set_to_none
+        for b, bucket in enumerate(self._buckets):
+            for r, (params, views) in enumerate(zip(bucket.params, bucket.views)):
+                fresh = self._fresh.marks(b, r)
+                for i, (p, view) in enumerate(zip(params, views)):
+                    grad = p.grad  # one read: a Parameter's .grad is not a cheap attribute
+                    if grad is view:
+                        if not fresh[i]:
+                            stale.append((bucket, r, i))
+                    elif grad is None:
+                        stale.append((bucket, r, i))
+                    else:
+                        adopted.append((p, view, grad))
         if stale and not ignore_stale_grad:
             raise ArgumentError(_stale_message(stale))
         missing: dict = {}
@@ -349,13 +358,9 @@ class Trainer:
             for bucket, r, i in stale:
                 bucket.views[r][i].zero_()
                 missing[id(bucket)] = missing.get(id(bucket), 0) + 1
-            for bucket in self._buckets:
-                for params, views in zip(bucket.params, bucket.views):
-                    for p, view in zip(params, views):
-                        grad = p.grad
-                        if grad is not None and grad is not view:
-                            view.copy_(grad)  # a new tensor since set_to_none: adopt it
-                            p.grad = view
+            for p, view, grad in adopted:
+                view.copy_(grad)  # adopt it into the bucket
+                p.grad = view
         replicas = len(self._modules)
         return [b for b in self._buckets if b.fused or missing.get(id(b), 0) < replicas]
 
