@@ -428,6 +428,14 @@ class WithExtra(nn.Module):
         return self.body(x) + self.extra
 
 
+class WithFrozenExtra(WithExtra):
+    """WithExtra, its extra parameter frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra.requires_grad_(False)
+
+
 def body_only():
     torch.manual_seed(0)
     module = nn.Module()
@@ -450,7 +458,9 @@ def frozen_weight(trainable_in_zero: bool):
      r"parameter 'body.0.weight': trainable in replica 1 but frozen in replica 0"),
     (lambda: frozen_weight(True),
      r"parameter 'body.0.weight': frozen in replica 1 but trainable in replica 0"),
-], ids=["extra-in-1", "extra-in-0", "frozen-in-0", "frozen-in-1"])
+    (lambda: [WithFrozenExtra(), body_only()],
+     r"parameter 'extra': frozen in replica 0 but missing in replica 1"),
+], ids=["extra-in-1", "extra-in-0", "frozen-in-0", "frozen-in-1", "frozen-extra-in-0"])
 def test_replicas_are_checked_both_ways(models, message):
     """A parameter one replica has (or trains) and another lacks (or freezes) is an
     ArgumentError naming it and the replica, whichever replica is replica 0."""
@@ -628,6 +638,97 @@ def test_a_batch_size_without_a_normal_reciprocal_is_refused(update_on_kvstore, 
     with pytest.raises(gpukv.ArgumentError, match="batch_size=.*not a finite normal"):
         t.step(batch_size)
     assert pushed == []
+    assert_unchanged(models, before)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_batch_size_whose_rescale_is_no_normal_float32_is_refused(update_on_kvstore):
+    """The optimizers take the rescale as a float32: a batch size of 1e38 (1/1e38 is a
+    float64 normal, a float32 subnormal) is an ArgumentError, nothing pushed."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=update_on_kvstore)
+    backward_shards(models, *make_data())
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match="batch_size=1e.38.*not a finite normal"):
+        t.step(1e38)
+    assert_unchanged(models, before)
+
+
+@pytest.mark.parametrize("ignore_stale_grad", [False, True])
+def test_a_parameter_frozen_after_the_trainer_is_refused(ignore_stale_grad):
+    """A parameter trainable when the Trainer is made and frozen at the step (backward
+    skips it) is an ArgumentError saying so, even with ignore_stale_grad, where its key
+    would still move it through weight decay and momentum; nothing changes."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1, "momentum": 0.9},
+                   kvstore="local")
+    step_once(t, models)
+    for m in models:
+        m[0].weight.requires_grad_(False)
+    t.zero_grad()
+    backward_shards(models, *make_data())
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match=r"'0\.weight' of replica 0.*frozen now"):
+        t.step(48, ignore_stale_grad=ignore_stale_grad)
+    assert_unchanged(models, before)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_new_trainer_knows_the_gradients_its_predecessor_stepped(update_on_kvstore):
+    """A new Trainer on the same modules (to change the optimizer) takes the gradients a
+    step of the old one used as stale: its step with no backward since is refused."""
+    models = replicas_of(make_model(), 2)
+    first = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    step_once(first, models)
+    second = gt.Trainer(models, "adam", {"learning_rate": 0.01}, kvstore="local",
+                        update_on_kvstore=update_on_kvstore)
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
+        second.step(48)
+    assert_unchanged(models, before)
+    second.zero_grad()
+    backward_shards(models, *make_data())
+    second.step(48)  # after a backward, the new Trainer steps
+    assert not all(torch.equal(p.detach(), q) for p, q in zip(models[0].parameters(),
+                                                               before[0]))
+
+
+def test_update_applies_a_gradient_replaced_after_allreduce_grads():
+    """A .grad replaced by a new tensor between allreduce_grads() and update() (clipping
+    out of place) is the gradient update() applies."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=False)
+    backward_shards(models, *make_data())
+    t.allreduce_grads()
+    before = weights(models)
+    for m in models:
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 2.0)
+    t.update(1)
+    for m, ws in zip(models, before):
+        for p, w in zip(m.parameters(), ws):
+            torch.testing.assert_close(p.detach(), w - 0.2)
+
+
+def test_a_failed_allreduce_grads_leaves_no_sums_for_update():
+    """allreduce_grads() refused (stale) after an earlier one with no update between:
+    the update() that follows checks the gradients again rather than take the old sums."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=False)
+    backward_shards(models, *make_data())
+    t.allreduce_grads()
+    t.update(48)
+    t.zero_grad()
+    backward_shards(models[:1], *make_data(24))
+    t.allreduce_grads(ignore_stale_grad=True)
+    with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
+        t.allreduce_grads()
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
+        t.update(48)
     assert_unchanged(models, before)
 
 

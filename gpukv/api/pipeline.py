@@ -279,13 +279,14 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         assert comp is not None
         comp.finish(key, out, home)
     merged_rows: dict = {}
+    assigned: dict = {}  # the homes written without an updater (insertion-ordered set)
     for key, entry, merged in plan.rows:
         if updater is None:
             rows.assign_rows(entry, merged)
+            assigned[entry.home] = None
         else:
             merged_rows[key] = merged
     if updater is None:  # narrow floats and compressed sums: assigned with one cast
-        assigned: dict = {}
         for key, entry, out in plan.updates:
             if out is not _ROWS:
                 entry.home.copy(entry.value, out)

@@ -144,9 +144,9 @@ class RowSparse:
 
     @classmethod
     def trusted(cls, indices, data, shape):
-        """A RowSparse from arrays already known to be valid: indices and data checked as
-        the constructor checks them (no checks, no sync here; the store's row merge and
-        this class's own operations make them)."""
+        """A RowSparse from arrays already valid as the constructor requires (the store's
+        row merge and this class's own operations make them): nothing is checked here,
+        and nothing waits for the device."""
         obj = cls.__new__(cls)
         obj.indices, obj.data, obj.shape = indices, data, tuple(shape)
         return obj

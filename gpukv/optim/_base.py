@@ -297,7 +297,8 @@ class Optimizer:
 
     def restore_update_counts(self, counts: dict, num_update: int) -> None:
         """Take over saved update counts ({key: count}) and `num_update`."""
-        self._index_update_count = dict(counts)
+        self._index_update_count.clear()  # in place: `update_counts` views stay current
+        self._index_update_count.update(counts)
         self.num_update = num_update
 
     def settings(self) -> tuple:

@@ -19,8 +19,9 @@ the weight and of each state named by the gradient are gathered, updated with th
 sparse form and scattered back; no other row is read or written. Otherwise the gradient
 is made dense and every row gets the standard update, as MXNet 1.9.1 does.
 
-Saving and loading the state (`export_state`, `check_state`, `apply_state`) is
-`_state.py`'s; the updater hands it its states and optimizer.
+Saving and loading the state is `_state.py`'s (`export_state`, `check_state`,
+`loaded_states`, `apply_plan`); the updater's methods of those names hand it its states
+and optimizer.
 """
 from __future__ import annotations
 

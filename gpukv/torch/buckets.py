@@ -43,6 +43,10 @@ def trainable(modules) -> tuple[list, list]:
     zero = dict(modules[0].named_parameters())
     for r, module in enumerate(modules[1:], start=1):
         mine = dict(module.named_parameters())
+        lacking = [name for name in zero if name not in mine]
+        if lacking:
+            raise ArgumentError(f"parameter {lacking[0]!r}: {_state(zero[lacking[0]])} in "
+                                f"replica 0 but missing in replica {r}")
         for name, p in mine.items():
             p0 = zero.get(name)
             if p0 is None or p.requires_grad != p0.requires_grad:

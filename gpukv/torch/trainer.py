@@ -5,9 +5,9 @@ import contextlib
 import copy
 import math
 import numbers
-import sys
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from .._errors import ArgumentError, ArgumentKindError
@@ -18,6 +18,9 @@ from ..optim import create as create_optimizer
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
 from .fresh import FreshGrads
 from .overlap import OWNER, EarlyReduction
+
+#: the float32 limits the optimizers' rescale must keep to
+_F32 = np.finfo(np.float32)
 
 
 class Trainer:
@@ -221,6 +224,7 @@ class Trainer:
         gradients are refused, or with `ignore_stale_grad` left out, as by `step`; the
         `update` that follows takes the sums as they are."""
         self._need_local_update("allreduce_grads")
+        self._reduced = None  # a failed call leaves no earlier sums for update() to take
         self._check_trainable()
         live = self._collect_grads(ignore_stale_grad)
         early = self._finish_early()
@@ -241,6 +245,10 @@ class Trainer:
         live = self._reduced
         if live is None:
             live = self._collect_grads(ignore_stale_grad)
+        else:  # a .grad replaced since (clipping out of place) is what gets applied
+            with torch.no_grad():
+                for p, view, grad in self._replaced_grads():
+                    _adopt(p, view, grad)
         self._set_scale(scale)
         self._local_update(live)
         self._stepped()
@@ -307,9 +315,11 @@ class Trainer:
             size = math.inf
         if not size > 0:
             raise ArgumentError(f"batch_size={batch_size!r}: expected a number > 0")
+        # The optimizers' kernels take the rescale as a float32: a float64 normal can be a
+        # float32 subnormal (flushed to zero on a GPU) or infinity there.
         for what, value in (("1/batch_size", 1.0 / size),
                             ("rescale_grad/batch_size", self._scale / size)):
-            if not (math.isfinite(value) and abs(value) >= sys.float_info.min):
+            if not (math.isfinite(value) and _F32.tiny <= abs(value) <= _F32.max):
                 raise ArgumentError(f"batch_size={batch_size!r}: {what} is {value!r}, not a "
                                     f"finite normal number; it would turn the weights into "
                                     f"NaN, infinities or leave them unchanged")
@@ -351,18 +361,36 @@ class Trainer:
                         stale.append((bucket, r, i))
                     else:
                         adopted.append((p, view, grad))
-        if stale and not ignore_stale_grad:
-            raise ArgumentError(_stale_message(stale))
+        if stale:
+            self._refuse_frozen(stale)  # backward skips a frozen parameter: say why
+            if not ignore_stale_grad:
+                raise ArgumentError(_stale_message(stale))
         missing: dict = {}
         with torch.no_grad():
             for bucket, r, i in stale:
                 bucket.views[r][i].zero_()
                 missing[id(bucket)] = missing.get(id(bucket), 0) + 1
             for p, view, grad in adopted:
-                view.copy_(grad)  # adopt it into the bucket
-                p.grad = view
+                _adopt(p, view, grad)
         replicas = len(self._modules)
         return [b for b in self._buckets if b.fused or missing.get(id(b), 0) < replicas]
+
+    def _replaced_grads(self) -> list:
+        """(param, view, grad) of each gradient that is a new tensor, not its view."""
+        return [(p, view, p.grad) for bucket in self._buckets
+                for params, views in zip(bucket.params, bucket.views)
+                for p, view in zip(params, views)
+                if p.grad is not None and p.grad is not view]
+
+    def _refuse_frozen(self, stale: list) -> None:
+        """ArgumentError naming a stale parameter that is frozen now (it was trainable when
+        the Trainer was made): its key would still move it (weight decay, momentum)."""
+        for bucket, r, i in stale:
+            if not bucket.params[r][i].requires_grad:
+                raise ArgumentError(
+                    f"parameter {bucket.names[i]!r} of replica {r} was trainable when the "
+                    f"Trainer was made and is frozen now: its key would still move it "
+                    f"(weight decay, momentum); make a new Trainer after freezing it")
 
     def _agreed(self, live: list) -> list:
         """The buckets that some worker steps: on a store of several workers every one
@@ -451,9 +479,15 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------ helpers
+def _adopt(p, view, grad) -> None:
+    """A .grad replaced by a new tensor goes into its bucket view, the .grad again."""
+    view.copy_(grad)
+    p.grad = view
+
+
 def _stale_message(stale: list) -> str:
-    """The stale gradients of the first replica that has some, named."""
-    r = stale[0][1]
+    """The stale gradients of the lowest-numbered replica that has some, named."""
+    r = min(rr for _, rr, _ in stale)
     names = [bucket.names[i] for bucket, rr, i in stale if rr == r]
     shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
     return (f"parameter{'s' if len(names) > 1 else ''} {shown} of replica {r}: stale "

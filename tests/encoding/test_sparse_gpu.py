@@ -283,3 +283,27 @@ def test_optimizer_on_row_sparse_pushes_equals_local(cp, devs, name, dtype):
     want = RowSparse.zeros(shapes["e"], dtype)
     host.row_sparse_pull("e", out=want, row_ids=ids)
     assert_same_bits(out.data.get(), want.data, "pulled rows")
+
+
+@pytest.mark.multi_gpu(8)
+def test_an_assigned_row_sparse_push_is_ordered_before_the_callers_stream(cp):
+    """Without an updater a row-sparse push assigns the rows on the key's home (a virtual
+    GPU's own stream included): work the caller then queues on its current stream reads
+    the new value, ordered after the assignment (the race checker would name both)."""
+    from gpukv.device.cuda.device import gpu_devices
+    devs = gpu_devices()[:8]
+    rng = np.random.default_rng(3)
+    keys = [f"k{i}" for i in range(16)]
+    shape, dtype = (20, 3), np.dtype(np.float32)
+    gpu = gpukv.create("device")
+    gpu.init(keys, [[_on(cp, d, np.zeros(shape, dtype)) for d in devs] for _ in keys])
+    homes = {k: gpu._entries[k].home for k in keys}
+    assert any(h.slot > 0 for h in homes.values())  # some keys live on a virtual GPU
+    pushes = {k: _rows(rng, shape, dtype, 6) for k in keys}
+    gpu.push(keys, [_to_gpu(cp, homes[k], pushes[k]) for k in keys])
+    for k in keys:
+        with homes[k].cuda_device:  # the caller's current stream on the home's GPU
+            seen = gpu._entries[k].value.copy()
+        want = np.zeros(shape, dtype)
+        np.add.at(want, pushes[k].indices, pushes[k].data)
+        np.testing.assert_array_equal(seen.get(), want, err_msg=f"key {k!r}")

@@ -878,3 +878,14 @@ def test_every_option_is_a_keyword_parameter(name):
     assert set(BASE_OPTIONS) <= set(params)
     assert all(p.kind is not p.VAR_KEYWORD for p in params.values())
     assert set(cls.option_names) <= set(params)  # what a checkpoint's options rebuild
+
+
+def test_update_counts_stay_a_live_view_across_a_restore():
+    """`Optimizer.update_counts` is a read-only view that still shows the counts after
+    `restore_update_counts` took over saved ones."""
+    opt = optim.create("sgd")
+    counts = opt.update_counts
+    opt.restore_update_counts({3: 7, "w": 2}, 7)
+    assert dict(counts) == {3: 7, "w": 2} and opt.num_update == 7
+    with pytest.raises(TypeError):
+        counts[3] = 1  # type: ignore[index]
