@@ -690,8 +690,8 @@ def test_a_new_trainer_knows_the_gradients_its_predecessor_stepped(update_on_kvs
     second.zero_grad()
     backward_shards(models, *make_data())
     second.step(48)  # after a backward, the new Trainer steps
-    assert not all(torch.equal(p.detach(), q) for p, q in zip(models[0].parameters(),
-                                                               before[0]))
+    moved = [not torch.equal(p.detach(), q) for p, q in zip(models[0].parameters(), before[0])]
+    assert any(moved)
 
 
 def test_update_applies_a_gradient_replaced_after_allreduce_grads():
