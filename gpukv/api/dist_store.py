@@ -9,6 +9,7 @@ call is checked here, whole, before any message leaves the process.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -50,13 +51,13 @@ def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
-            serve(transport, servers, Shard(), bound, asynchronous=asynchronous)
+            serve(transport, servers, Shard(), asynchronous=asynchronous)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             transport.comm.Abort(1)
         sys.exit(0)
-    return ServerClient(transport, servers, bound, asynchronous=asynchronous)
+    return ServerClient(transport, servers, bound)
 
 
 def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
@@ -104,10 +105,11 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
             timeout = float(raw) if raw else DEFAULT_TIMEOUT
         except ValueError:
             timeout = -1.0
-        if not timeout > 0:
-            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected seconds > 0")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ArgumentError(f"timeout={timeout!r}: expected seconds > 0")
+        if not 0 < timeout < math.inf:
+            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected finite seconds > 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout < math.inf:  # every wait is bounded: by a finite time
+        raise ArgumentError(f"timeout={timeout!r}: expected finite seconds > 0")
     if bigarray_bound is None:
         bigarray_bound = positive_int("GPUKV_BIGARRAY_BOUND") or DEFAULT_BIGARRAY_BOUND
     if isinstance(bigarray_bound, bool) or not isinstance(bigarray_bound, int) \

@@ -45,11 +45,10 @@ class ServerClient:
     round_updates_replicas = False
     compressor: Compressor | None
 
-    def __init__(self, transport: Transport, servers: int, bound: int, asynchronous: bool):
+    def __init__(self, transport: Transport, servers: int, bound: int):
         self.t = transport
         self.servers = servers
         self.bound = bound
-        self.asynchronous = asynchronous
         self.workers = Transport(worker_comm(transport, servers), transport.timeout,
                                  transport.local_size)
         self.agree = Agreement(self.workers)
@@ -251,7 +250,7 @@ class ServerClient:
     def _to_servers(self, op: str, body, what: str) -> None:
         """Worker 0 sends `op` to every server, after every worker's earlier pushes;
         every worker returns once all servers have it."""
-        self._flush_servers(what)
+        self._flush_servers(what, op=op)
         if self.rank == 0:
             requests = []
             for server in range(self.servers):
@@ -347,10 +346,12 @@ class ServerClient:
         if self._stopped or self.t.failure is not None:
             return
         self._stopped = True
-        requests = []
-        for server in range(self.servers):
-            requests += self._request(server, "stop")
         try:
-            self.t.wait_all(requests, "stopping the servers", timeout=10)
+            requests = []
+            for server in range(self.servers):
+                requests += self._request(server, "stop")
+            # settle: a wait that may end short without failing the transport (a failure
+            # recorded now would abort the job at exit)
+            self.t.settle(requests, 10)
         except PeerError:
             pass  # the servers are gone already: nothing is waiting for this worker

@@ -4,7 +4,9 @@ A process whose transport failed aborts the job at exit instead of waiting in
 `MPI_Finalize` for messages that will never match. A process that ends with an uncaught
 exception (a gpukv error or any other) aborts the job as soon as its traceback is printed,
 as `python -m mpi4py` does, so that under a bare `mpiexec -n N python prog.py` the other
-processes end at once instead of waiting out their timeout for it.
+processes end at once instead of waiting out their timeout for it. A `sys.exit(1)` is no
+exception a hook sees: under a bare `mpiexec` the others wait for it up to their timeout
+(under `python -m mpi4py`, a non-zero exit aborts the job too).
 """
 from __future__ import annotations
 
@@ -16,34 +18,41 @@ import time
 #: seconds a failed rank waits at exit before it aborts the job
 ABORT_GRACE = 1.0
 
-_failed: list = []  # (rank, failure, communicator) of each transport that failed
-_installed = [False]
+_failed: list = []  # (rank, failure) of each transport that failed
+_mpi: list = []  # mpi4py's MPI module, once installed
 
 
 def install(MPI) -> None:
     """Set both up, once per process (the hook only in a job of several processes)."""
-    if _installed[0]:
+    if _mpi:
         return
-    _installed[0] = True
+    _mpi.append(MPI)
     atexit.register(_abort_if_failed)
     if MPI.COMM_WORLD.Get_size() > 1:
         sys.excepthook = _aborting(sys.excepthook, MPI)
 
 
-def failed(rank: int, failure, comm) -> None:
+def failed(rank: int, failure) -> None:
     """Record a transport's failure: the process aborts the job at exit."""
-    _failed.append((rank, failure, comm))
+    _failed.append((rank, failure))
 
 
 def _abort_if_failed() -> None:
     """At exit, after a moment's grace in which the other ranks (told of the same
     failure) report it too."""
-    if _failed:
-        rank, failure, comm = _failed[0]
-        sys.stderr.write(f"gpukv: rank {rank}: aborting the MPI job: {failure}\n")
-        sys.stderr.flush()
-        time.sleep(ABORT_GRACE)
-        comm.Abort(1)
+    if not _failed or not _mpi:
+        return
+    MPI = _mpi[0]
+    # The world communicator as MPI made it (no transport's wrapper, which could turn an
+    # error into an exception here); nothing to abort once MPI is finalized, and no peer
+    # to hang on in a job of one process.
+    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    rank, failure = _failed[0]
+    sys.stderr.write(f"gpukv: rank {rank}: aborting the MPI job: {failure}\n")
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE)
+    MPI.COMM_WORLD.Abort(1)
 
 
 def _aborting(previous, MPI):

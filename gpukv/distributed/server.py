@@ -269,9 +269,6 @@ class _Server:
         self.checked = None
         self.reply(worker, "ok")
 
-    def keys_specs(self) -> dict:
-        return {k: s.spec for k, s in self.keys.items() if s.initialised}
-
     def reply(self, worker, obj, tag: int = TAG_REPLY) -> None:
         request = self.t.send_object(obj, self.worker_rank(worker), tag)
         self.sending.append((request, None))
@@ -309,8 +306,7 @@ class _Server:
         self.sending.append((request, None))
 
 
-def serve(transport: Transport, servers: int, shard: Shard, bound: int,
-          asynchronous: bool) -> None:
+def serve(transport: Transport, servers: int, shard: Shard, asynchronous: bool) -> None:
     """Run a server until every worker has stopped (its `create` then exits)."""
     worker_comm(transport, servers)
     _Server(transport, servers, shard, asynchronous).run()

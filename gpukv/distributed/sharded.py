@@ -457,6 +457,7 @@ class ShardedRounds:
         self.shard.set_updater(updater)
         self._assigns = False
         self._rule = "a function"
+        self._settings = None  # a later optimizer, even of the same options, is named again
         self._rounds.clear()
 
     def barrier(self) -> None:

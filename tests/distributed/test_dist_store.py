@@ -465,6 +465,7 @@ def test_one_process_is_a_whole_job():
     ("gpukv.create('dist_sync', num_servers=1)", "ArgumentError", "num_servers=1"),
     ("gpukv.create('dist_sync', num_servers='1')", "ArgumentKindError", "num_servers"),
     ("gpukv.create('dist_sync', timeout=0)", "ArgumentError", "timeout=0"),
+    ("gpukv.create('dist_sync', timeout=float('inf'))", "ArgumentError", "timeout=inf"),
     ("gpukv.create('dist_sync', bigarray_bound=0)", "ArgumentError", "bigarray_bound=0"),
     ("gpukv.create('dist_sync', servers=2)", "ArgumentKindError", "'servers': unknown"),
     ("gpukv.create('dist_sync', nccl=True)", "ArgumentError", "nccl=True"),
@@ -480,6 +481,7 @@ def test_bad_options_are_typed_errors(code, error, words):
 
 @pytest.mark.parametrize("var,value", [("GPUKV_NUM_SERVERS", "two"),
                                        ("GPUKV_DIST_TIMEOUT", "soon"),
+                                       ("GPUKV_DIST_TIMEOUT", "inf"),
                                        ("GPUKV_BIGARRAY_BOUND", "-1")])
 def test_malformed_environment_is_named(var, value):
     result = _single("try:\n    gpukv.create('dist_sync')\nexcept gpukv.ArgumentError as e:\n"
