@@ -17,6 +17,8 @@ import time
 
 #: seconds a failed rank waits at exit before it aborts the job
 ABORT_GRACE = 1.0
+#: seconds a rank ended by an uncaught exception gives its traceback to reach mpiexec
+OUTPUT_GRACE = 0.5
 
 _failed: list = []  # (rank, failure) of each transport that failed
 _mpi: list = []  # mpi4py's MPI module, once installed
@@ -70,7 +72,11 @@ def _aborting(previous, MPI):
             world = MPI.COMM_WORLD
             sys.stderr.write(f"gpukv: rank {world.Get_rank()}: aborting the MPI job: an "
                              f"uncaught {kind.__name__} ended this process\n")
+            sys.stdout.flush()
             sys.stderr.flush()
+            # mpiexec forwards each process's output through its proxies, and the abort
+            # kills them: a moment first, or the traceback can be cut short on its way.
+            time.sleep(OUTPUT_GRACE)
         except Exception:  # noqa: BLE001 - shutting down: abort without the words
             world = MPI.COMM_WORLD
         world.Abort(1)
