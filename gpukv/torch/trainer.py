@@ -195,12 +195,8 @@ class Trainer:
         gradient); on a dist store every worker passes the same flag.
         """
         scale = self._scale_for(batch_size)
-        self._check_trainable()
         self._check_multipliers()
-        live = self._collect_grads(ignore_stale_grad)
-        early = self._finish_early()
-        if ignore_stale_grad:
-            live = self._agreed(live)
+        live, early = self._gather(ignore_stale_grad)
         self._set_scale(scale)
         keys = [b.key for b in live]
         if not self._update_on_kvstore:
@@ -225,11 +221,7 @@ class Trainer:
         `update` that follows takes the sums as they are."""
         self._need_local_update("allreduce_grads")
         self._reduced = None  # a failed call leaves no earlier sums for update() to take
-        self._check_trainable()
-        live = self._collect_grads(ignore_stale_grad)
-        early = self._finish_early()
-        if ignore_stale_grad:
-            live = self._agreed(live)
+        live, early = self._gather(ignore_stale_grad)
         self._allreduce(live, early)
         self._reduced = live
 
@@ -341,6 +333,16 @@ class Trainer:
                 f"was made and is trainable now: the Trainer leaves out the parameters "
                 f"frozen when it is made; make a new Trainer after unfreezing it "
                 f"({len(thawed)} such parameter(s) in all)")
+
+    def _gather(self, ignore_stale_grad: bool) -> tuple[list, tuple]:
+        """The buckets to reduce, checked (see `_collect_grads`), and the early reductions
+        finished: (live buckets, as `_finish_early` gives them)."""
+        self._check_trainable()
+        live = self._collect_grads(ignore_stale_grad)
+        early = self._finish_early()
+        if ignore_stale_grad:
+            live = self._agreed(live)
+        return live, early
 
     def _collect_grads(self, ignore_stale_grad: bool) -> list:
         """Put every replica's gradient into its bucket view; return the buckets to step.
