@@ -1,0 +1,342 @@
+"""Several hosts emulated on one Linux machine, to run an MPI job across real network stacks.
+
+Each host is a network namespace with one interface, `eth0`, and its own address in
+198.18.0.0/15 (the range set aside for benchmarking networks); the hosts' links meet on a
+bridge in a namespace of its own, the switch. Each link is shaped to a rate with `tc`'s
+token-bucket filter in both directions (the host's egress on `eth0`, its ingress on the
+switch's port), so a host sends and receives at most that rate, as on a full-duplex NIC.
+`tbf` shapes bandwidth only: this kernel may have no `netem`, and the links add no latency
+beyond the kernel's own.
+
+MPI runs across the hosts with MPICH's own launcher: `env()` points `HYDRA_LAUNCHER=ssh` at
+a script that runs the proxy's command inside the host's namespace instead of over ssh, and
+turns shared memory off so that every byte crosses a link. Programs start in host 0 (the
+first address), as a job is started from one machine of a cluster.
+
+Needs root and `ip`/`tc` (iproute2). Names are unique per run (they carry the process id),
+everything is removed at the end, and `sweep()` removes what a killed run left behind.
+
+    with EmulatedCluster(4, rate="1gbit") as cluster:
+        cluster.run(0, ["python", "-m", "gpukv", "run", "-n", "4",
+                        "--hosts", ",".join(cluster.addresses), "python", "train.py"],
+                    env=cluster.env())
+
+or from a shell: `python -m gpukv cluster --hosts 4 --rate 1gbit -- gpukv run -n 4 ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+#: the benchmarking range (RFC 2544); host i gets the (i + 1)-th address
+NETWORK = ipaddress.ip_network("198.18.0.0/15")
+#: the interface of each host, as on a one-NIC machine
+IFACE = "eth0"
+_PREFIX = "gpukv"
+_NAME = re.compile(rf"^{_PREFIX}-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)(bit|bps)$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot emulate hosts: not root, or no `ip`/`tc`, or no namespaces."""
+
+
+def rate_bits(rate: str) -> float:
+    """'1gbit' -> 1e9 bits per second ('125mbps' is bytes, as `tc` reads it)."""
+    match = _RATE.match(rate.strip())
+    if match is None:
+        raise ValueError(f"link rate {rate!r}: expected a number with kbit, mbit or gbit "
+                         f"(or kbps, mbps, gbps for bytes), e.g. 1gbit")
+    value = float(match.group(1)) * _SCALE[match.group(2).lower()]
+    return value * (8 if match.group(3).lower() == "bps" else 1)
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be emulated here, or None when they can."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (iproute2)"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise ClusterUnavailable(f"ip {' '.join(args)}: {result.stderr.strip()}")
+    return result
+
+
+def _namespaces() -> list[str]:
+    listing = _ip("-o", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+
+
+def _pids(namespace: str) -> list[int]:
+    listing = _ip("netns", "pids", namespace, check=False).stdout
+    return [int(pid) for pid in listing.split()]
+
+
+def _kill_all(namespace: str) -> None:
+    for pid in _pids(namespace):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces of emulated clusters whose process is gone (a run that was
+    killed before it could clean up); the names removed."""
+    removed = []
+    for namespace in _namespaces():
+        match = _NAME.match(namespace)
+        if match and not _alive(int(match.group(1))):
+            _kill_all(namespace)
+            _ip("netns", "delete", namespace, check=False)
+            removed.append(namespace)
+    return removed
+
+
+class EmulatedCluster:
+    """`hosts` hosts, each linked to the switch at `rate` (per host in `rates`)."""
+
+    def __init__(self, hosts: int, rate: str = "1gbit", rates: dict | None = None):
+        if not isinstance(hosts, int) or not 1 <= hosts <= 250:
+            raise ValueError(f"hosts: expected 1 to 250, got {hosts!r}")
+        self.hosts = hosts
+        self.rates = [rate] * hosts
+        for host, host_rate in (rates or {}).items():
+            self._check_host(host)
+            self.rates[host] = host_rate
+        for host_rate in self.rates:
+            rate_bits(host_rate)  # a bad rate fails here, before anything is made
+        self.tag = f"{_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.addresses = [str(NETWORK.network_address + i + 1) for i in range(hosts)]
+        self.namespaces = [f"{self.tag}-h{i}" for i in range(hosts)]
+        self.switch = f"{self.tag}-sw"
+        self._dir: Path | None = None
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> EmulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Make the switch, the hosts and their links; on any failure, undo it all."""
+        why = unavailable()
+        if why:
+            raise ClusterUnavailable(why)
+        sweep()
+        try:
+            self._make_switch()
+            for host in range(self.hosts):
+                self._make_host(host)
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+            self._write_launcher(self._dir / "netns-ssh")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Kill every process still in a host, remove every namespace (their links go with
+        them) and the launcher script. Safe to call twice."""
+        for namespace in reversed(self._made):
+            _kill_all(namespace)
+        for namespace in reversed(self._made):
+            _ip("netns", "delete", namespace, check=False)
+        self._made.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _make_switch(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+
+    def _make_host(self, host: int) -> None:
+        namespace, port = self.namespaces[host], f"h{host}"
+        _ip("netns", "add", namespace)
+        self._made.append(namespace)
+        _ip("link", "add", port, "netns", self.switch, "type", "veth",
+            "peer", "name", IFACE, "netns", namespace)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", namespace, "addr", "add", f"{self.addresses[host]}/{NETWORK.prefixlen}",
+            "dev", IFACE)
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("-n", namespace, "link", "set", IFACE, "up")
+        self.shape(host, self.rates[host])
+
+    def _write_launcher(self, path: Path) -> None:
+        """The `ssh` MPICH's launcher calls: `netns-ssh [-x] HOST COMMAND...` runs COMMAND
+        through a shell in HOST's namespace, as ssh runs it on a remote machine."""
+        cases = "\n".join(f"  {address}) ns={namespace} ;;" for address, namespace
+                          in zip(self.addresses, self.namespaces, strict=True))
+        path.write_text(
+            "#!/bin/sh\n"
+            "# ssh's options (MPICH passes -x) come before the host\n"
+            'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+            'host=$1; shift\n'
+            'case "$host" in\n'
+            f"{cases}\n"
+            '  *) echo "netns-ssh: no emulated host $host" >&2; exit 255 ;;\n'
+            'esac\n'
+            'exec ip netns exec "$ns" sh -c "$*"\n')
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+    # ------------------------------------------------------------------ the links
+    def shape(self, host: int, rate: str) -> None:
+        """Set host's link to `rate` both ways. The bucket holds 2 ms at that rate (at
+        least 64 KiB, one segment the kernel may send whole), and up to 20 ms of packets
+        queue behind it, as in a switch's port buffer, before any is dropped."""
+        self._check_host(host)
+        bits = rate_bits(rate)
+        burst = max(65536, int(bits / 8 * 0.002))
+        for namespace, device in ((self.namespaces[host], IFACE), (self.switch, f"h{host}")):
+            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace",
+                            "dev", device, "root", "tbf", "rate", f"{int(bits)}bit",
+                            "burst", str(burst), "latency", "20ms"],
+                           check=True, capture_output=True)
+        self.rates[host] = rate
+
+    def cut(self, host: int) -> None:
+        """Take host's link down (its processes go on, unreachable)."""
+        self._check_host(host)
+        _ip("-n", self.namespaces[host], "link", "set", IFACE, "down")
+
+    def restore(self, host: int) -> None:
+        """Bring host's link back up (the address and route come back with it)."""
+        self._check_host(host)
+        _ip("-n", self.namespaces[host], "link", "set", IFACE, "up")
+        # A link that went down loses its routes; the address's own route comes back
+        # with it, so nothing else is needed.
+
+    def kill(self, host: int) -> list[int]:
+        """SIGKILL every process of host, as when the machine dies; their pids."""
+        self._check_host(host)
+        pids = _pids(self.namespaces[host])
+        _kill_all(self.namespaces[host])
+        return pids
+
+    def pids(self, host: int) -> list[int]:
+        """The processes running in host."""
+        self._check_host(host)
+        return _pids(self.namespaces[host])
+
+    # ------------------------------------------------------------------ running
+    def env(self, base: dict | None = None) -> dict:
+        """`base` (the current environment by default) plus what makes `mpiexec` (and
+        `gpukv run`) start processes across the hosts, over TCP only."""
+        if self._dir is None:
+            raise RuntimeError("the cluster is not started")
+        env = dict(os.environ if base is None else base)
+        env.update({
+            "HYDRA_LAUNCHER": "ssh",
+            "HYDRA_LAUNCHER_EXEC": str(self._dir / "netns-ssh"),
+            "HYDRA_IFACE": IFACE,          # proxies reach mpiexec at host 0's address
+            "MPIR_CVAR_NOLOCAL": "1",      # no shared memory between ranks
+            "UCX_TLS": "tcp,self",
+            "FI_PROVIDER": "tcp",
+            "GPUKV_CLUSTER_HOSTS": ",".join(self.addresses),
+        })
+        return env
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """argv run inside host's namespace."""
+        self._check_host(host)
+        return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start argv in host (with `env()` unless `env` is given)."""
+        kwargs.setdefault("env", self.env())
+        return subprocess.Popen(self.command(host, argv), **kwargs)
+
+    def run(self, host: int, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run argv in host to its end (with `env()` unless `env` is given)."""
+        kwargs.setdefault("env", self.env())
+        return subprocess.run(self.command(host, argv), **kwargs)
+
+    def _check_host(self, host) -> None:
+        if not isinstance(host, int) or not 0 <= host < self.hosts:
+            raise ValueError(f"host: expected 0 to {self.hosts - 1}, got {host!r}")
+
+
+# ---------------------------------------------------------------------- the command
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpukv cluster",
+        description="Run COMMAND on host 0 of hosts emulated on this machine (Linux network "
+                    "namespaces on a bridge, links shaped with tc tbf; needs root), with "
+                    "the environment that makes mpiexec and 'gpukv run' start processes "
+                    "across them over TCP. GPUKV_CLUSTER_HOSTS lists their addresses. "
+                    "Everything is removed when COMMAND ends.",
+        epilog="example: gpukv cluster --hosts 2 --rate 1gbit -- sh -c "
+               "'gpukv run -n 2 --hosts $GPUKV_CLUSTER_HOSTS python train.py'")
+    parser.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="each host's link rate, both ways (default 1gbit)")
+    parser.add_argument("--host-rate", action="append", default=[], metavar="I=RATE",
+                        help="host I's link at RATE instead (a straggler), repeatable")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no COMMAND given")
+    rates = {}
+    for item in args.host_rate:
+        host, _, rate = item.partition("=")
+        if not host.isdigit() or not rate:
+            parser.error(f"--host-rate {item!r}: expected I=RATE, e.g. 1=100mbit")
+        rates[int(host)] = rate
+    try:
+        cluster = EmulatedCluster(args.hosts, args.rate, rates)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # SIGTERM ends the command and removes the hosts, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with cluster:
+            print(f"gpukv cluster: {args.hosts} hosts {' '.join(cluster.addresses)}, links "
+                  f"{', '.join(sorted(set(cluster.rates)))}", file=sys.stderr, flush=True)
+            return cluster.run(0, command).returncode
+    except ClusterUnavailable as exc:
+        print(f"gpukv cluster: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
