@@ -44,6 +44,8 @@ NETWORK = ipaddress.ip_network("198.18.0.0/15")
 #: the interface of each host, as on a one-NIC machine
 IFACE = "eth0"
 _PREFIX = "gpukv"
+#: `ip netns exec NS` mounts the files of /etc/netns/NS over those of /etc
+_ETC = Path("/etc/netns")
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)(bit|bps)$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -119,6 +121,7 @@ def sweep() -> list[str]:
         if match and not _alive(int(match.group(1))):
             _kill_all(namespace)
             _ip("netns", "delete", namespace, check=False)
+            shutil.rmtree(_ETC / namespace, ignore_errors=True)
             removed.append(namespace)
     return removed
 
@@ -156,6 +159,8 @@ class EmulatedCluster:
         why = unavailable()
         if why:
             raise ClusterUnavailable(why)
+        if self._made:
+            raise RuntimeError(f"cluster {self.tag} is started already")
         sweep()
         try:
             self._make_switch()
@@ -174,6 +179,7 @@ class EmulatedCluster:
             _kill_all(namespace)
         for namespace in reversed(self._made):
             _ip("netns", "delete", namespace, check=False)
+            shutil.rmtree(_ETC / namespace, ignore_errors=True)
         self._made.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -197,6 +203,19 @@ class EmulatedCluster:
         _ip("-n", namespace, "link", "set", "lo", "up")
         _ip("-n", namespace, "link", "set", IFACE, "up")
         self.shape(host, self.rates[host])
+        self._write_names(namespace)
+
+    def _write_names(self, namespace: str) -> None:
+        """The host's own /etc/hosts (every host by name: gpukv-h0, ...) and a resolver
+        with no server: the machine's name server is out of the hosts' reach, and a
+        lookup sent there (gloo's reverse lookups, say) would wait seconds for it."""
+        etc = _ETC / namespace
+        etc.mkdir(parents=True, exist_ok=True)
+        names = "".join(f"{address} {_PREFIX}-h{i}\n" for i, address in
+                        enumerate(self.addresses))
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
+        (etc / "resolv.conf").write_text("# no name server on the emulated network\n"
+                                         "options timeout:1 attempts:1\n")
 
     def _write_launcher(self, path: Path) -> None:
         """The `ssh` MPICH's launcher calls: `netns-ssh [-x] HOST COMMAND...` runs COMMAND
@@ -268,6 +287,10 @@ class EmulatedCluster:
             "MPIR_CVAR_NOLOCAL": "1",      # no shared memory between ranks
             "UCX_TLS": "tcp,self",
             "FI_PROVIDER": "tcp",
+            # the hosts share one name ("localhost" to a resolver): gloo and NCCL bind to
+            # the host's own interface instead
+            "GLOO_SOCKET_IFNAME": IFACE,
+            "NCCL_SOCKET_IFNAME": IFACE,
             "GPUKV_CLUSTER_HOSTS": ",".join(self.addresses),
         })
         return env

@@ -1,0 +1,174 @@
+"""gpukv.tools.cluster: hosts with their own network stacks, shaped links, cuts, and
+nothing left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpukv.tools import cluster as tool
+
+from .hosts import REPO, cluster, require_cluster
+
+pytestmark = [pytest.mark.cluster]
+
+# A TCP echo across two hosts: host 1 listens, host 0 connects and reads the reply.
+SERVE = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,"
+         "socket.SO_REUSEADDR,1); s.bind((sys.argv[1],7000)); s.listen(); print('up',"
+         "flush=True); c,_=s.accept(); c.sendall(b'hello from '+sys.argv[1].encode())")
+ASK = ("import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=3); "
+       "print(c.recv(64).decode())")
+
+
+def _namespaces() -> set:
+    listing = subprocess.run(["ip", "-o", "netns", "list"], capture_output=True,
+                             text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+
+
+def _serve(made, host: int) -> subprocess.Popen:
+    server = made.popen(host, [sys.executable, "-c", SERVE, made.addresses[host]],
+                        stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "up"
+    return server
+
+
+def _ask(made, host: int, target: int) -> subprocess.CompletedProcess:
+    return made.run(host, [sys.executable, "-c", ASK, made.addresses[target]],
+                    capture_output=True, text=True, timeout=20)
+
+
+def test_hosts_reach_each_other_over_their_own_interfaces():
+    """Each host has its own address on eth0, and a connection from one to another's
+    address crosses the switch (no shortcut through a shared loopback)."""
+    with cluster(3) as made:
+        assert made.addresses == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+        shown = made.run(2, ["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                         text=True).stdout
+        assert "198.18.0.3/15" in shown and "198.18.0.1" not in shown
+        server = _serve(made, 1)
+        asked = _ask(made, 0, 1)
+        server.wait(timeout=10)
+        assert asked.stdout.strip() == "hello from 198.18.0.2", asked.stderr
+
+
+def test_every_link_is_shaped_both_ways():
+    """tbf at each host's rate on the host's eth0 and on its port of the switch."""
+    with cluster(2, "1gbit", h1="100mbit") as made:
+        for host, rate in ((0, "1Gbit"), (1, "100Mbit")):
+            for argv in (made.command(host, ["tc", "qdisc", "show", "dev", "eth0"]),
+                         ["ip", "netns", "exec", made.switch, "tc", "qdisc", "show", "dev",
+                          f"h{host}"]):
+                shown = subprocess.run(argv, capture_output=True, text=True).stdout
+                assert "tbf" in shown and f"rate {rate}" in shown, (argv, shown)
+
+
+def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
+    """cut() takes a host off the network; restore() brings it back with its address."""
+    with cluster(2) as made:
+        made.cut(1)
+        refused = _ask(made, 0, 1)
+        assert refused.returncode != 0
+        made.restore(1)
+        server = _serve(made, 1)
+        asked = _ask(made, 0, 1)
+        server.wait(timeout=10)
+        assert asked.stdout.strip() == "hello from 198.18.0.2", asked.stderr
+
+
+def test_kill_ends_every_process_of_a_host_only():
+    """kill(host) is the host dying: its processes go, the others' stay."""
+    with cluster(2) as made:
+        sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
+        assert made.pids(1)
+        made.kill(1)
+        assert sleepers[1].wait(timeout=10) == -signal.SIGKILL
+        assert sleepers[0].poll() is None
+        assert made.pids(1) == []
+
+
+def test_everything_is_removed_at_the_end_even_after_an_error():
+    """The namespaces and the launcher script go when the `with` ends by an exception;
+    two clusters at once have names of their own."""
+    require_cluster()
+    before = _namespaces()
+    with pytest.raises(KeyError), tool.EmulatedCluster(2) as first, \
+            tool.EmulatedCluster(2) as second:
+        assert not set(first.namespaces) & set(second.namespaces)
+        script = first.env()["HYDRA_LAUNCHER_EXEC"]
+        assert os.access(script, os.X_OK)
+        first.popen(1, ["sleep", "60"])
+        raise KeyError("stop here")
+    assert _namespaces() == before
+    assert not os.path.exists(script)
+
+
+def test_sweep_removes_what_a_killed_run_left():
+    """A run killed with SIGKILL cannot clean up: the next cluster's start removes its
+    namespaces (their owner's process is gone), and leaves a live owner's alone."""
+    require_cluster()
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from gpukv.tools.cluster import EmulatedCluster; "
+            "c = EmulatedCluster(2); c.start(); print(c.switch, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(REPO)], stdout=subprocess.PIPE,
+                             text=True)
+    assert owner.stdout is not None
+    left = owner.stdout.readline().strip()
+    assert left in _namespaces()
+    with cluster(2):
+        assert left in _namespaces()  # its owner lives
+    owner.kill()
+    owner.wait()
+    tool.sweep()  # (another cluster's start, in a run beside this one, may sweep first)
+    assert not [n for n in _namespaces() if n.startswith(left.rsplit("-", 1)[0])]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hosts", "0", "true"], "hosts: expected 1 to 250"),
+    (["--rate", "fast", "true"], "link rate 'fast'"),
+    (["--host-rate", "x", "true"], "--host-rate 'x'"),
+    (["--host-rate", "5=1gbit", "true"], "host: expected 0 to 1"),
+    ([], "no COMMAND given"),
+])
+def test_the_command_refuses_bad_options_before_making_anything(argv, words, capsys):
+    """Usage errors name the option and make no namespace."""
+    before = _namespaces() if not tool.unavailable() else set()
+    with pytest.raises(SystemExit) as exited:
+        tool.main(argv)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+    if not tool.unavailable():
+        assert _namespaces() == before
+
+
+def test_the_command_runs_in_host_0_and_cleans_up_on_sigterm():
+    """`gpukv cluster -- CMD` gives CMD host 0's network and the hosts' list, returns its
+    status; SIGTERM to it removes the hosts."""
+    require_cluster()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "gpukv", "cluster", "--hosts", "2", "--",
+                           "sh", "-c", "ip -o -4 addr show eth0; echo $GPUKV_CLUSTER_HOSTS; "
+                           "exit 3"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "198.18.0.1/15" in done.stdout and "198.18.0.1,198.18.0.2" in done.stdout
+    before = _namespaces()
+    running = subprocess.Popen([sys.executable, "-m", "gpukv", "cluster", "--hosts", "2",
+                                "--", "sleep", "60"], env=env, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 30
+    while len(_namespaces()) < len(before) + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running.send_signal(signal.SIGTERM)
+    assert running.wait(timeout=30) == 130
+    assert _namespaces() == before
+
+
+def test_bad_rates_are_refused():
+    """A rate tc would not read fails before anything is made."""
+    with pytest.raises(ValueError, match="link rate '10 gigabit'"):
+        tool.EmulatedCluster(2, "10 gigabit")
+    assert tool.rate_bits("1gbit") == 1e9 and tool.rate_bits("125mbps") == 1e9
