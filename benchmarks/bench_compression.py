@@ -1,7 +1,8 @@
 """Gradient-compression throughput: encode and decode GB/s of float32 input, vs. a copy.
 
 For each size and compressor (2bit, 1bit, fp16, bf16) it times `compress` (quantise with
-error feedback, or cast) and `decompress` (into a float32 buffer), and reports GB/s of
+error feedback, or cast), `decompress` (into a float32 buffer) and decompress-and-add (what
+a receiver summing several sources does per source), and reports milliseconds and GB/s of
 float32 values handled (4 bytes per element), next to `np.copyto` of the same float32
 array measured in the same run, the memory-bandwidth limit an encoder that reads its
 input once is held to. On a machine with a GPU the same is done with CuPy arrays and
@@ -44,9 +45,11 @@ def host_case(n, kind, warmup, iters):
                              batch=_common.batch_for(n * 1e-9))
     dec = _common.time_calls(lambda: comp.decompress(payload, ctx, out), warmup=warmup,
                              iters=iters, batch=_common.batch_for(n * 1e-9))
+    acc = _common.time_calls(lambda: comp.decompress(payload, ctx, out, accumulate=True),
+                             warmup=warmup, iters=iters, batch=_common.batch_for(n * 1e-9))
     cp = _common.time_calls(lambda: np.copyto(dst, g), warmup=warmup, iters=iters,
                             batch=_common.batch_for(n * 2e-10))
-    return _record(n, kind, "host", enc, dec, cp, payload.nbytes)
+    return _record(n, kind, "host", enc, dec, acc, cp, payload.nbytes)
 
 
 def gpu_case(n, kind, warmup, iters):
@@ -73,25 +76,29 @@ def gpu_case(n, kind, warmup, iters):
     dst = cupy.empty_like(g)
     enc = timed(lambda: comp.compress(g, residual))
     dec = timed(lambda: comp.decompress(payload, ctx, out))
+    acc = timed(lambda: comp.decompress(payload, ctx, out, accumulate=True))
     cp = timed(lambda: cupy.copyto(dst, g))
-    return _record(n, kind, "gpu", enc, dec, cp, int(payload.nbytes))
+    return _record(n, kind, "gpu", enc, dec, acc, cp, int(payload.nbytes))
 
 
-def _record(n, kind, where, enc, dec, cp, payload_bytes):
-    enc_s, dec_s, cp_s = (_common.summarize(s)["median_s"] for s in (enc, dec, cp))
+def _record(n, kind, where, enc, dec, acc, cp, payload_bytes):
+    enc_s, dec_s, acc_s, cp_s = (_common.summarize(s)["median_s"] for s in (enc, dec, acc, cp))
     gb = 4 * n / 1e9
     return {"where": where, "kind": kind, "size": n, "bytes": 4 * n,
             "payload_bytes": payload_bytes, "ratio": 4 * n / payload_bytes,
-            "encode_GBps": gb / enc_s, "decode_GBps": gb / dec_s, "copy_GBps": gb / cp_s,
+            "encode_ms": enc_s * 1e3, "decode_ms": dec_s * 1e3,
+            "decode_add_ms": acc_s * 1e3, "copy_ms": cp_s * 1e3,
+            "encode_GBps": gb / enc_s, "decode_GBps": gb / dec_s,
+            "decode_add_GBps": gb / acc_s, "copy_GBps": gb / cp_s,
             "encode_of_copy": cp_s / enc_s, "decode_of_copy": cp_s / dec_s,
             "encode": _common.summarize(enc), "decode": _common.summarize(dec),
-            "copy": _common.summarize(cp)}
+            "decode_add": _common.summarize(acc), "copy": _common.summarize(cp)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _common.ArgumentParser(prog=Path(__file__).name,
                                description=__doc__.splitlines()[0])
-    _common.add_sizes_option(p, "256K,4M,64M", "the float32 input of a case (bytes / 4 "
+    _common.add_sizes_option(p, "256K,4M,16M,64M", "the float32 input of a case (bytes / 4 "
                              "elements)", minimum=4)
     p.add_argument("--kinds", type=_common.name_list(KINDS, "compressor"),
                    default=",".join(KINDS), metavar="NAMES",
@@ -126,10 +133,11 @@ def run_case(where, n, kind, args) -> dict:
 def table_row(rec: dict) -> list:
     head = [rec["where"], _common.format_size(rec["bytes"]), rec["size"], rec["kind"]]
     if "error" in rec:
-        return head + ["failed", "-", "-", "-", "-", "-"]
-    return head + [f"{rec['ratio']:.0f}x", round(rec["encode_GBps"], 2),
-                   round(rec["decode_GBps"], 2), round(rec["copy_GBps"], 2),
-                   f"{rec['encode_of_copy']:.0%}", f"{rec['decode_of_copy']:.0%}"]
+        return head + ["failed"] + ["-"] * 8
+    return head + [f"{rec['ratio']:.0f}x"] + [
+        f"{rec[k]:.3g}" for k in ("encode_ms", "decode_ms", "decode_add_ms", "copy_ms")] + [
+        round(rec["encode_GBps"], 2), round(rec["decode_GBps"], 2),
+        f"{rec['encode_of_copy']:.0%}", f"{rec['decode_of_copy']:.0%}"]
 
 
 def main(argv=None) -> int:
@@ -140,8 +148,9 @@ def main(argv=None) -> int:
         return 1
     records = [run_case(where, _common.elements(nbytes, 4), kind, args)
                for where in places(args) for nbytes in args.sizes for kind in args.kinds]
-    _common.print_table(["where", "bytes", "floats", "kind", "shrink", "encode GB/s",
-                         "decode GB/s", "copy GB/s", "enc/copy", "dec/copy"],
+    _common.print_table(["where", "bytes", "floats", "kind", "shrink", "encode ms",
+                         "decode ms", "dec+add ms", "copy ms", "encode GB/s",
+                         "decode GB/s", "enc/copy", "dec/copy"],
                         [table_row(r) for r in records])
     failed = [r for r in records if "error" in r]
     for r in failed:

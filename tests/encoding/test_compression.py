@@ -131,7 +131,7 @@ def test_1bit_matches_python_rule(size_steps):
         assert same_bits(decoded, np.where(bits == 1, 1, -1))
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 32768, 32769, 100_003])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 32768, K.BLOCK, K.BLOCK + 1, 100_003])
 @pytest.mark.parametrize("kind", ["2bit", "1bit"])
 def test_block_edges(n, kind):
     """Sizes around word and block boundaries pack like the rule, padding bytes zero."""
@@ -151,6 +151,86 @@ def test_block_edges(n, kind):
     assert payload[:used].tobytes() == expected[:used]
     assert same_bits(r[:2000], er)
     assert not payload[-(-n * bits // 8):].any()
+
+
+def reference_2bit(grad, residual, t):
+    """MXNet's 2-bit rule in plain whole-array NumPy: (packed bytes, new residual)."""
+    t = np.float32(t)
+    r = residual + grad
+    pos, neg = r >= t, r <= -t
+    new_r = np.where(pos, r - t, np.where(neg, r + t, r))
+    codes = np.zeros(-(-grad.size // 16) * 16, np.uint8)
+    codes[:grad.size] = np.where(pos, 3, np.where(neg, 2, 0))
+    quads = codes.reshape(-1, 4)
+    packed = quads[:, 0] << 6 | quads[:, 1] << 4 | quads[:, 2] << 2 | quads[:, 3]
+    return packed.tobytes(), new_r
+
+
+def reference_1bit(grad, residual, t):
+    """MXNet master's 1-bit rule in plain whole-array NumPy: (packed bytes, new residual)."""
+    t = np.float32(t)
+    r = residual + grad
+    up = r > t
+    bits = np.zeros(-(-grad.size // 32) * 32, bool)
+    bits[:grad.size] = up
+    return np.packbits(bits).tobytes(), np.where(up, r - np.float32(1), r + np.float32(1))
+
+
+@st.composite
+def long_gradients(draw):
+    """(gradient, residual) of up to three blocks and a bit, random normals with ties at
+    +-threshold, signed zeros, infinities and NaNs dropped in at drawn places."""
+    n = max(1, draw(st.integers(0, 3)) * K.BLOCK + draw(st.integers(0, 40)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    grad = (rng.standard_normal(n) * draw(st.sampled_from([0.1, 1.0, 10.0]))).astype(np.float32)
+    residual = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    specials = [0.5, -0.5, 0.25, -0.25, 0.0, -0.0, np.inf, -np.inf, np.nan]
+    for _ in range(draw(st.integers(0, 6))):
+        where = draw(st.integers(0, n - 1))
+        target = grad if draw(st.booleans()) else residual
+        target[where] = draw(st.sampled_from(specials))
+    return grad, residual
+
+
+@settings(max_examples=40, deadline=None)
+@given(long_gradients(), st.sampled_from([0.5, 0.25]))
+def test_2bit_whole_blocks_match_reference(case, threshold):
+    """Over whole blocks and ragged tails, the 2-bit twin's bytes and residuals equal the
+    plain NumPy rule's, and decoding (added to a buffer or not) gives the codes' values."""
+    grad, residual = case
+    expected, expected_r = reference_2bit(grad, residual, threshold)
+    r = residual.copy()
+    payload = K.quantize_2bit(grad, r, threshold)
+    assert payload.tobytes() == expected
+    assert same_bits(r, expected_r)
+    codes = np.unpackbits(payload).reshape(-1, 2)[:grad.size]
+    t = np.float32(threshold)
+    values = np.where(codes[:, 0] == 0, np.float32(0), np.where(codes[:, 1] == 1, t, -t))
+    out = np.empty(grad.size, np.float32)
+    assert same_bits(K.dequantize_2bit(payload, grad.size, threshold, out), values)
+    total = residual.copy()
+    K.dequantize_2bit(payload, grad.size, threshold, total, accumulate=True)
+    assert same_bits(total, residual + values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(long_gradients(), st.sampled_from([0.0, 0.25, -0.5]))
+def test_1bit_whole_blocks_match_reference(case, threshold):
+    """Over whole blocks and ragged tails, the 1-bit twin's bytes and residuals equal the
+    plain NumPy rule's, and decoding (added to a buffer or not) gives +1 / -1 per bit."""
+    grad, residual = case
+    expected, expected_r = reference_1bit(grad, residual, threshold)
+    r = residual.copy()
+    payload = K.quantize_1bit(grad, r, threshold)
+    assert payload.tobytes() == expected
+    assert same_bits(r, expected_r)
+    bits = np.unpackbits(payload)[:grad.size]
+    values = np.where(bits == 1, np.float32(1), np.float32(-1))
+    out = np.empty(grad.size, np.float32)
+    assert same_bits(K.dequantize_1bit(payload, grad.size, out), values)
+    total = residual.copy()
+    K.dequantize_1bit(payload, grad.size, total, accumulate=True)
+    assert same_bits(total, residual + values)
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
