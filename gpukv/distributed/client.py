@@ -14,6 +14,7 @@ import numpy as np
 from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ..encoding.compression import Compressor, compressible
 from .agree import Agreement, from_rank0, refuse_split
+from .chunks import chunk_ranges
 from .sharding import pieces
 from .state import cut, merge
 from .transport import (
@@ -29,6 +30,11 @@ from .transport import (
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)
 _REPLY_TAGS = 30000
+
+
+def in_chunks(arrays) -> list:
+    """The chunks each of `arrays` crosses in (see `chunks`), in order."""
+    return [a[lo:hi] for a in arrays for lo, hi in chunk_ranges(a.size, a.itemsize)]
 
 
 def reported(report) -> PeerError:
@@ -180,7 +186,7 @@ class ServerClient:
         for server, (entries, data) in by_server.items():
             body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
                                               for e, a in zip(entries, data)]}
-            requests += self._request(server, "push", body, data)
+            requests += self._request(server, "push", body, in_chunks(data))
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _compress(self, key, piece, grad):
@@ -210,7 +216,8 @@ class ServerClient:
                 if tag is None:
                     tag = tags[p.server] = self._tag()
                 by_server[p.server].append((key, self.pushes[key]))
-                requests.append(t.recv_array(flat[p.start:p.stop], p.server, tag))
+                requests += [t.recv_array(chunk, p.server, tag)
+                             for chunk in in_chunks([flat[p.start:p.stop]])]
         for server, wanted in by_server.items():
             requests += self._request(server, "pull", {"tag": tags[server], "keys": wanted})
         self._wait(requests, f"pull of key {keys[0]!r}")

@@ -2,12 +2,18 @@
 this is the servers' side (`client.ServerClient` is the workers').
 
 A worker sends each piece of a key (see `sharding`) to its server: a small pickled request,
-then the raw bytes. The server keeps, per key, a queue of pushed gradients per worker. In
-sync mode a round completes when every worker has one queued: their sum goes to the updater
-once, and the key's version goes up; a pull names the version it needs (the number of its
-worker's pushes of that key) and is answered when the key has reached it. In async mode each
-push is applied as it comes. Nothing waits without a bound: a key whose round misses some
-workers for the timeout fails on the server, which tells every worker which ones.
+then the raw bytes in chunks (see `chunks`). The server receives from every worker at once:
+it posts the receives of a request's chunks as soon as it reads the request, and keeps, per
+key, a queue of incoming pushes per worker. In sync mode a round's chunk is summed as soon
+as every worker's copy of it is in, always in worker order (so the sum's bits do not depend
+on who came first); without an updater the sum is the key's new value, and a pull waiting
+for that round is sent each summed chunk at once, while later chunks still arrive. With an
+updater the chunks are summed into a merge buffer and the updater runs once on the whole
+piece. When every chunk is in, the key's version goes up; a pull names the version it
+needs (the number of its worker's pushes of that key) and is answered when the key has
+reached it. In async mode each push is applied whole as it comes. Nothing waits without a
+bound: a key whose round misses some workers for the timeout fails on the server, which
+tells every worker which ones.
 """
 from __future__ import annotations
 
@@ -19,10 +25,27 @@ import time
 import numpy as np
 
 from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
+from ..device.host_sum import accumulate_dtype, host_sum
 from ..encoding.compression import make_compressor
+from .chunks import chunk_ranges
 from .engine import Shard
 from .state import mark_starts
 from .transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
+
+
+class _Incoming:
+    """One worker's push of one key's piece: its buffer, arriving chunk by chunk."""
+
+    def __init__(self, buffer: np.ndarray, comp):
+        self.buffer = buffer
+        self.comp = comp               # (compressor params, size) of a compressed payload
+        self.ranges = chunk_ranges(buffer.size, buffer.itemsize)
+        self.arrived = [False] * len(self.ranges)
+        self.missing = len(self.ranges)
+
+    @property
+    def complete(self) -> bool:
+        return self.missing == 0
 
 
 class _Key:
@@ -33,8 +56,21 @@ class _Key:
         self.initialised = False
         self.version = 0
         self.queues: list = [collections.deque() for _ in range(workers)]
+        self.summed = 0                # chunks of the oldest round summed so far
+        self.merged = None             # where chunks are summed when an updater runs
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
+
+
+class _Pull:
+    """A pull not fully answered: its keys go out in order, each in chunks."""
+
+    def __init__(self, worker: int, tag: int, wanted: list):
+        self.worker = worker
+        self.tag = tag
+        self.wanted = wanted           # [(key, version)]
+        self.key = 0                   # the index in `wanted` being sent
+        self.chunk = 0                 # the next chunk of that key
 
 
 class _Server:
@@ -45,8 +81,12 @@ class _Server:
         self.shard = shard
         self.asynchronous = asynchronous
         self.keys: dict = {}
-        self.pulls: list = []          # (worker, tag, [(key, version)]) not answered yet
-        self.sending: list = []        # (request, buffer kept alive)
+        self.pulls: list = []          # _Pull not answered yet
+        self.sending: list = []        # requests of replies on their way
+        self.kept: list = []           # the buffers they send, alive until then
+        self.receiving: list = []      # requests of pushed chunks not in yet
+        self.arrivals: list = []       # (key, _Incoming, chunk) of each of them
+        self.updating = False          # whether an optimizer or updater runs here
         self.stopped: set = set()
         self.failure: PeerError | None = None
         self.compressors: dict = {}
@@ -61,21 +101,64 @@ class _Server:
         t = self.t
         last_check = last_message = time.monotonic()
         pause = t.pacer()
-        while len(self.stopped) < self.workers:
+        while len(self.stopped) < self.workers or self.receiving:
             message = t.try_recv_object(t.MPI.ANY_SOURCE, TAG_REQUEST)
             if message is not None:
                 self.handle(*message)
                 last_message = time.monotonic()
                 pause = t.pacer()
                 continue
-            self.sending = [(r, b) for r, b in self.sending
-                            if not t.done([r], "sending replies")]
+            if self.progress():
+                last_message = time.monotonic()
+                pause = t.pacer()
+                continue
+            self.prune_sending()
             now = time.monotonic()
             if now - last_check > min(1.0, t.timeout / 4):
                 last_check = now
                 self.check_stalls(now)
             pause(now - last_message)  # idle a while: a server costs little
-        t.wait_all([r for r, _ in self.sending], "sending the last replies")
+        t.wait_all(self.sending, "sending the last replies")
+
+    def progress(self) -> bool:
+        """Take in the pushed chunks that arrived, sum and answer what they complete;
+        whether any did."""
+        if not self.receiving:
+            return False
+        try:
+            done = self.t.completed(self.receiving, "receiving pushed data")
+        except PeerError as exc:
+            self.fail(exc)
+            raise
+        if not done:
+            return False
+        keys: dict = {}
+        for i in done:
+            key, incoming, chunk = self.arrivals[i]
+            incoming.arrived[chunk] = True
+            incoming.missing -= 1
+            keys[key] = None
+        finished = set(done)
+        self.receiving = [r for i, r in enumerate(self.receiving) if i not in finished]
+        self.arrivals = [a for i, a in enumerate(self.arrivals) if i not in finished]
+        if self.failure is None:
+            for key in keys:
+                self.guarded("push", lambda key=key: self.advance(key, self.keys[key]))
+            self.answer_pulls()
+        return True
+
+    def send(self, request, buffer=None) -> None:
+        """Keep `request` (and the `buffer` it sends) until it completes."""
+        self.sending.append(request)
+        self.kept.append(buffer)
+
+    def prune_sending(self) -> None:
+        if not self.sending:
+            return
+        done = set(self.t.completed(self.sending, "sending replies"))
+        if done:
+            self.sending = [r for i, r in enumerate(self.sending) if i not in done]
+            self.kept = [b for i, b in enumerate(self.kept) if i not in done]
 
     # ---------------------------------------------------------------- requests
     def handle(self, request, source: int) -> None:
@@ -84,16 +167,36 @@ class _Server:
             self.stopped.add(worker)
             return
         if self.failure is not None:
-            self.receive_data(source, body if op in ("init", "push") else None)
+            if op == "push":
+                self.post(source, body)  # taken in and dropped: the sender is not stuck
+            elif op == "init":
+                self.receive_data(source, body)
             self.tell(worker, self.failure)
             return
+        self.guarded(f"{op} from worker {worker}",
+                     lambda: getattr(self, "op_" + op)(worker, source, body))
+
+    def guarded(self, what: str, call) -> None:
+        """`call()`; a failure in it fails the server (every worker hears of it)."""
         try:
-            getattr(self, "op_" + op)(worker, source, body)
+            call()
         except PeerError as exc:
             self.fail(exc)
         except Exception as exc:  # the updater's own error, say: the job cannot go on
-            self.fail(PeerError(f"server rank {self.t.rank}: {op} from worker {worker} "
-                                f"failed: {type(exc).__name__}: {exc}"))
+            self.fail(PeerError(f"server rank {self.t.rank}: {what} failed: "
+                                f"{type(exc).__name__}: {exc}"))
+
+    def post(self, source: int, body) -> list:
+        """Start receiving the chunks of a push from `source`: an _Incoming per array."""
+        incomings = []
+        for key, dtype, n in body["data"]:
+            incoming = _Incoming(self.buffer(np.dtype(dtype), n), None)
+            for chunk, (lo, hi) in enumerate(incoming.ranges):
+                self.receiving.append(self.t.recv_array(incoming.buffer[lo:hi], source,
+                                                        TAG_PUSH_DATA))
+                self.arrivals.append((key, incoming, chunk))
+            incomings.append(incoming)
+        return incomings
 
     def receive_data(self, source: int, body) -> list:
         """The raw arrays that follow a request from `source` (described in `body`)."""
@@ -158,25 +261,19 @@ class _Server:
         del state.value
         state.initialised = True
         state.since = None
-        self.complete_rounds(key, state)
+        self.advance(key, state)
         self.answer_pulls()
 
     def op_push(self, worker, source, body) -> None:
-        arrays = self.receive_data(source, body)
-        for entry, array in zip(body["keys"], arrays):
-            key, comp = entry[0], entry[1]
+        """Queue the push of each key and start receiving its chunks: they are summed as
+        they come (see `advance`)."""
+        for entry, incoming in zip(body["keys"], self.post(source, body)):
+            key = entry[0]
+            incoming.comp = entry[1]
             state = self.keys.setdefault(key, _Key(self.workers))
-            if comp is not None:
-                payload, array = array, self.decode(comp, array)
-                self.release([payload])
-            if self.asynchronous and state.initialised:
-                self.apply(key, state, [array])
-                continue
-            state.queues[worker].append(array)
+            state.queues[worker].append(incoming)
             if state.since is None:
                 state.since = time.monotonic()
-            self.complete_rounds(key, state)
-        self.answer_pulls()
 
     def decode(self, comp, payload) -> np.ndarray:
         params, size = comp
@@ -188,18 +285,73 @@ class _Server:
         return compressor.decompress(payload, Ctx(size, (size,)),
                                      self.buffer(np.dtype(np.float32), size))
 
-    def complete_rounds(self, key, state) -> None:
+    def whole(self, incoming: _Incoming) -> np.ndarray:
+        """The gradient a complete push carries (decompressed if it was compressed)."""
+        if incoming.comp is None:
+            return incoming.buffer
+        grad = self.decode(incoming.comp, incoming.buffer)
+        self.release([incoming.buffer])
+        return grad
+
+    def advance(self, key, state) -> None:
+        """Apply what the pushes that arrived complete: in async mode each whole push,
+        in sync mode each chunk every worker has sent, then each complete round."""
         if not state.initialised:
             return
         queues = state.queues
-        if self.asynchronous:  # pushes that came before the key was made
+        before = (state.version, state.summed)
+        if self.asynchronous:
             for q in queues:
-                while q:
-                    self.apply(key, state, [q.popleft()])
-            return
-        while all(queues):
-            self.apply(key, state, [q.popleft() for q in queues])
-        state.since = time.monotonic() if any(queues) else None
+                while q and q[0].complete:
+                    self.apply(key, state, [self.whole(q.popleft())])
+        while not self.asynchronous and all(queues):
+            heads = [q[0] for q in queues]
+            if any(h.comp is not None for h in heads):
+                if not all(h.complete for h in heads):
+                    break
+                self.apply(key, state, [self.whole(q.popleft()) for q in queues])
+            elif self.sum_chunks(key, state, heads):
+                for q in queues:
+                    q.popleft()
+                state.summed = 0
+                self.finish_round(key, state, heads)
+            else:
+                break
+        # the stall clock restarts only when the oldest round moved on
+        if not any(queues):
+            state.since = None
+        elif state.since is None or (state.version, state.summed) != before:
+            state.since = time.monotonic()
+
+    def sum_chunks(self, key, state, heads: list) -> bool:
+        """Sum, in worker order, each next chunk of the oldest round that every worker's
+        push has; whether the round's every chunk is summed. Without an updater the sum
+        lands in the stored value itself (a pull may send it at once), else in the merge
+        buffer the updater gets once the round is whole."""
+        ranges = heads[0].ranges
+        if state.summed == len(ranges):
+            return True
+        stored = self.shard.stored(key).reshape(-1)
+        if self.updating:
+            if state.merged is None:
+                state.merged = np.empty(stored.size, accumulate_dtype(stored.dtype))
+            target = state.merged
+        else:
+            target = stored
+        first = state.summed
+        while state.summed < len(ranges) and all(h.arrived[state.summed] for h in heads):
+            state.summed += 1
+        if state.summed > first:
+            lo, hi = ranges[first][0], ranges[state.summed - 1][1]
+            host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
+        return state.summed == len(ranges)
+
+    def finish_round(self, key, state, heads: list) -> None:
+        if self.updating:
+            shape = self.shard.stored(key).shape
+            self.shard.update([key], [state.merged.reshape(shape)])
+        state.version += 1
+        self.release([h.buffer for h in heads])
 
     def apply(self, key, state, grads) -> None:
         shape = self.shard.stored(key).shape
@@ -208,25 +360,41 @@ class _Server:
         self.release(grads)
 
     def op_pull(self, worker, source, body) -> None:
-        self.pulls.append((worker, body["tag"], body["keys"]))
+        self.pulls.append(_Pull(worker, body["tag"], body["keys"]))
         self.answer_pulls()
 
     def answer_pulls(self) -> None:
-        waiting = []
-        for worker, tag, wanted in self.pulls:
-            ready = all(key in self.keys and self.keys[key].initialised
-                        and (self.asynchronous or self.keys[key].version >= version)
-                        for key, version in wanted)
-            if not ready:
-                waiting.append((worker, tag, wanted))
-                continue
-            for key, _ in wanted:
-                value = self.shard.stored(key)
-                if self.asynchronous:  # the next push may change it before it is sent
-                    value = value.copy()
-                request = self.t.send_array(value, self.worker_rank(worker), tag)
-                self.sending.append((request, value))
-        self.pulls = waiting
+        """Send every pull what is ready of it: its keys in order, each key's chunks in
+        order (the worker's receives match them so), a chunk of the round a pull waits
+        for as soon as it is summed when no updater runs."""
+        self.pulls = [p for p in self.pulls if not self.send_ready(p)]
+
+    def send_ready(self, pull: _Pull) -> bool:
+        """Send the chunks of `pull` that are ready; whether it is answered whole."""
+        dest = self.worker_rank(pull.worker)
+        while pull.key < len(pull.wanted):
+            key, version = pull.wanted[pull.key]
+            state = self.keys.get(key)
+            if state is None or not state.initialised:
+                return False
+            value = self.shard.stored(key).reshape(-1)
+            ranges = chunk_ranges(value.size, value.itemsize)
+            if self.asynchronous or state.version >= version:
+                ready = len(ranges)
+            elif state.version == version - 1 and not self.updating:
+                ready = state.summed  # the round it waits for, summed this far
+            else:
+                return False
+            if self.asynchronous:  # the next push may change it before it is sent
+                value = value.copy()
+            while pull.chunk < ready:
+                lo, hi = ranges[pull.chunk]
+                self.send(self.t.send_array(value[lo:hi], dest, pull.tag), value)
+                pull.chunk += 1
+            if pull.chunk < len(ranges):
+                return False
+            pull.key, pull.chunk = pull.key + 1, 0
+        return True
 
     def op_settings(self, worker, source, body) -> None:
         """Worker 0 changed its optimizer's options: so does this server's."""
@@ -239,10 +407,13 @@ class _Server:
 
     def op_set_optimizer(self, worker, source, body) -> None:
         self.shard.set_optimizer(pickle.loads(body["optimizer"]))
+        self.updating = True
         self.reply(worker, "ok")
 
     def op_set_updater(self, worker, source, body) -> None:
-        self.shard.set_updater(pickle.loads(body["updater"]))
+        updater = pickle.loads(body["updater"])
+        self.shard.set_updater(updater)
+        self.updating = updater is not None
         self.reply(worker, "ok")
 
     def op_snapshot(self, worker, source, body) -> None:
@@ -270,8 +441,7 @@ class _Server:
         self.reply(worker, "ok")
 
     def reply(self, worker, obj, tag: int = TAG_REPLY) -> None:
-        request = self.t.send_object(obj, self.worker_rank(worker), tag)
-        self.sending.append((request, None))
+        self.send(self.t.send_object(obj, self.worker_rank(worker), tag))
 
     # ------------------------------------------------------------------ failures
     def check_stalls(self, now: float) -> None:
@@ -283,8 +453,8 @@ class _Server:
             if not state.initialised:
                 came = sorted(state.inits)
                 what = "init"
-            else:
-                came = [w for w, q in enumerate(state.queues) if q]
+            else:  # a push whose data stopped arriving is one that did not come
+                came = [w for w, q in enumerate(state.queues) if q and q[0].complete]
                 what = "push"
             late = [w for w in range(self.workers) if w not in came]
             self.fail(PeerError(
@@ -302,8 +472,7 @@ class _Server:
     def tell(self, worker: int, error: PeerError) -> None:
         """Send `error` to `worker` (as its kind and message: `client.reported` rebuilds it)."""
         report = ("mismatch" if isinstance(error, PeerMismatchError) else "peer", str(error))
-        request = self.t.send_object(report, self.worker_rank(worker), TAG_ERROR)
-        self.sending.append((request, None))
+        self.send(self.t.send_object(report, self.worker_rank(worker), TAG_ERROR))
 
 
 def serve(transport: Transport, servers: int, shard: Shard, asynchronous: bool) -> None:

@@ -197,6 +197,12 @@ class Transport:
         """Whether every request of `requests` completed (a test that does not wait)."""
         return self._checked(lambda: self.MPI.Request.Testall(requests), what)
 
+    def completed(self, requests: list, what: str) -> list:
+        """The indices of the requests of `requests` that completed since the last test
+        (a test that does not wait; completed ones become null requests in the list)."""
+        done = self._checked(lambda: self.MPI.Request.Testsome(requests), what)
+        return done or []
+
     def cancel(self, request) -> None:
         """Cancel a request that will not be completed (its peer failed)."""
         self._checked(request.Cancel, "cancelling a request")

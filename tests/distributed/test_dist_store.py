@@ -56,6 +56,13 @@ def test_sync_without_updater_assigns_the_sum(n, servers):
     _passes(_scenario(n, servers, "sync_assign"), n - servers)
 
 
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1), (4, 2), (5, 2)])
+def test_chunked_pushes_sum_in_worker_order(n, servers):
+    """Keys of many chunks (sizes no chunk divides, split or whole, float32 and float16)
+    pull the bits of the sum in worker order, whatever order the pushes arrive in."""
+    _passes(_scenario(n, servers, "chunked_sums"), n - servers)
+
+
 @pytest.mark.parametrize("n,servers", [(3, 1), (4, 2)])
 def test_async_applies_every_push(n, servers):
     """dist_async: SGD applied once per push; after a barrier the value counts them all."""
@@ -285,6 +292,18 @@ def test_killed_worker_ends_the_job(n, servers):
     assert result.returncode != 0, result.stdout
     assert "PASS" not in result.stdout
     assert "BAD TERMINATION" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n,servers", [(3, 1), (4, 2)])
+def test_worker_stopped_mid_push_is_named(n, servers):
+    """A worker stopped while its chunks are on the wire: every other worker raises a
+    PeerError naming it within twice the timeout, and the job ends."""
+    result = _scenario(n, servers, "stop_mid_push", "1", timeout=3, limit=90)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) >= n - servers - 1, result.stdout + result.stderr
+    assert any(re.search(r"worker\(s\) 1 did not", ln) for ln in lines), lines
+    waited = [float(w) for w in re.findall(r"WAITED ([\d.]+) on worker [02-9]", result.stdout)]
+    assert len(waited) == n - servers - 1 and max(waited) < 6, result.stdout
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])

@@ -298,6 +298,64 @@ def stall(victim: str = "1", made_before: str = "") -> None:
     passed(kv)
 
 
+def _worker_grad(worker: int, size: int, dtype) -> np.ndarray:
+    """Worker `worker`'s gradient: values of many magnitudes, whose float sum depends on
+    the order it is taken in."""
+    rng = np.random.default_rng(worker)
+    scale = 10.0 ** rng.integers(-3, 4, size)
+    return (rng.standard_normal(size) * scale).astype(dtype)
+
+
+def chunked_sums(rounds: str = "2") -> None:
+    """Keys that cross in many chunks, of sizes no chunk divides, split over the servers or
+    whole, float32 and float16: after each round every worker pulls the bits of the sum
+    taken in worker order, though the pushes arrive in reverse worker order."""
+    from gpukv.distributed.chunks import CHUNK_BYTES
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    step = CHUNK_BYTES // 4
+    keys = {"split": (3 * step + 7, "float32"), "whole": (2 * step - 1, "float32"),
+            "one": (1, "float32"), "half": (5 * step + 3, "float16")}
+    kv.init(list(keys), [np.zeros(size, dt) for size, dt in keys.values()])
+    for i in range(int(rounds)):
+        time.sleep(0.05 * (n - 1 - r))  # the last worker's push comes first
+        kv.push(list(keys), [_worker_grad(r + i, size, dt) for size, dt in keys.values()])
+        outs = [np.empty(size, dt) for size, dt in keys.values()]
+        kv.pull(list(keys), out=outs)
+        for (key, (size, dt)), out in zip(keys.items(), outs):
+            acc = np.zeros(size, np.float32)
+            for w in range(n):  # in worker order, wide for float16 as the store sums
+                acc += _worker_grad(w + i, size, dt).astype(np.float32)
+            want = acc.astype(dt)
+            assert out.tobytes() == want.tobytes(), (key, i, np.abs(out - want).max())
+    passed(kv)
+
+
+def stop_mid_push(victim: str = "1") -> None:
+    """Worker `victim` is stopped (SIGSTOP) while its push of a key of many chunks is on
+    the wire, and resumed after four timeouts: every other worker gets a PeerError
+    naming it within the timeout's bound."""
+    kv = create(bigarray_bound=1000)
+    size = 16 << 20  # 64 MiB of float32: many chunks to every server
+    kv.init("w", np.zeros(size, np.float32))
+    grad = np.ones(size, np.float32)
+    if kv.rank == int(victim):
+        timeout = float(os.environ["GPUKV_DIST_TIMEOUT"])
+        import subprocess
+        subprocess.Popen(["sh", "-c", f"sleep {timeout * 4}; kill -CONT {os.getpid()}"])
+        threading.Timer(0.003, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            kv.push("w", grad)
+            kv.pull("w", out=np.empty(size, np.float32))
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+        print(f"WAITED {time.monotonic() - start:.1f} on worker {kv.rank}", flush=True)
+        return
+    passed(kv)
+
+
 def kill(victim: str = "1") -> None:
     """Worker `victim` dies (SIGKILL) in the middle of training."""
     kv = create()
