@@ -1,4 +1,4 @@
-"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info` and `cluster` subcommands."""
+"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info`, `run` and `cluster`."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,8 @@ _COMMANDS = {
     "bench": ("gpukv.tools.bench", "measure push/pull/pushpull speed against baselines"),
     "info": ("gpukv.tools.info",
              "show versions, devices, links and the strategies gpukv would pick"),
+    "run": ("gpukv.distributed.launch",
+            "start an MPI job with mpiexec and end all of it, in bounded time, when it fails"),
     "cluster": ("gpukv.tools.cluster",
                 "run a command on hosts emulated on this machine (network namespaces)"),
 }

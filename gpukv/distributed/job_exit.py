@@ -7,6 +7,9 @@ as `python -m mpi4py` does, so that under a bare `mpiexec -n N python prog.py` t
 processes end at once instead of waiting out their timeout for it. A `sys.exit(1)` is no
 exception a hook sees: under a bare `mpiexec` the others wait for it up to their timeout
 (under `python -m mpi4py`, a non-zero exit aborts the job too).
+
+Under `gpukv run`, both are also reported to the launcher at once (`run_report`), which
+ends the job even where mpiexec cannot.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import atexit
 import sys
 import threading
 import time
+
+from . import run_report
 
 #: seconds a failed rank waits at exit before it aborts the job
 ABORT_GRACE = 1.0
@@ -35,8 +40,10 @@ def install(MPI) -> None:
 
 
 def failed(rank: int, failure) -> None:
-    """Record a transport's failure: the process aborts the job at exit."""
+    """Record a transport's failure: the process aborts the job at exit (and tells the
+    launcher now)."""
     _failed.append((rank, failure))
+    run_report.send(type(failure).__name__, str(failure), rank=rank)
 
 
 def _abort_if_failed() -> None:
@@ -60,6 +67,8 @@ def _abort_if_failed() -> None:
 def _aborting(previous, MPI):
     """`previous` (which prints the traceback), then an abort of the whole job."""
     def hook(kind, value, traceback) -> None:
+        if threading.current_thread() is threading.main_thread():
+            run_report.send(f"uncaught {kind.__name__}", str(value), status=1)
         previous(kind, value, traceback)
         # A thread's uncaught exception (should a program send it here) does not end the
         # process; and once MPI is finalized, or the interpreter torn down past it, there

@@ -1,0 +1,73 @@
+"""Jobs `gpukv run` starts in tests/distributed/test_launch.py: `launched.py MODE DIR`.
+
+Every rank first writes its pid to DIR/rank-R.pid (once its signal handlers are set), so
+the test can check that no process of the job is left. A rank that fails on purpose writes
+the time it does to DIR/failed-at first. The ranks that do not fail wait forever.
+Modes: `clean` (each rank prints a line and ends), `raise` (rank 1 ends on an uncaught
+ValueError), `exit` (rank 1 calls sys.exit(3)), `kill` (rank 1 is SIGKILLed), `stuck`
+(rank 1 ignores SIGTERM and stops its MPI proxy, so mpiexec can never end the job, and
+rank 0 gets a PeerError from the store it creates), `interrupt` and `deaf` (each rank
+writes a line to DIR/rank-R.signals for each SIGINT or SIGTERM it gets, and ends; in `deaf`
+it goes on instead, so mpiexec cannot end the job).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+
+def wait_forever() -> None:
+    while True:
+        time.sleep(60)
+
+
+def failing(folder: Path) -> None:
+    (folder / "failed-at").write_text(repr(time.time()))
+
+
+def main(mode: str, folder: Path) -> None:
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if mode in ("interrupt", "deaf"):
+        def interrupted(signum, _frame):
+            with open(folder / f"rank-{rank}.signals", "a") as out:
+                out.write(f"{signal.Signals(signum).name}\n")
+            if mode == "interrupt":
+                os._exit(1)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, interrupted)
+    if mode == "stuck" and rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (folder / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    if mode == "clean":
+        print(f"rank {rank} of {world.Get_size()} ran", flush=True)
+        return
+    if mode == "stuck":
+        world.Barrier()  # MPI is set up between the ranks: the proxy is not needed
+        if rank == 1:
+            os.kill(os.getppid(), signal.SIGSTOP)  # mpiexec cannot reach this host any more
+            wait_forever()
+        import gpukv
+        try:
+            gpukv.create("dist_sync")
+        except gpukv.PeerError as exc:
+            failing(folder)
+            print(f"CAUGHT PeerError: {exc}", flush=True)
+        wait_forever()
+    if rank == 1 and mode in ("raise", "exit", "kill"):
+        failing(folder)
+        if mode == "raise":
+            raise ValueError("rank 1 fails on purpose")
+        if mode == "exit":
+            sys.exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    wait_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

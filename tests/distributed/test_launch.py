@@ -1,0 +1,262 @@
+"""`gpukv run` (gpukv/distributed/launch.py): a job that ends by itself keeps mpiexec's
+status and output; a failed process, a rank's PeerError or uncaught exception, and Ctrl-C
+end every process of the job within the grace and a few seconds, even where mpiexec would
+wait or hang; usage errors start nothing. The jobs are tests/distributed/programs/launched.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpukv.distributed import launch, process_tree, run_report
+
+from .mpirun import PROGRAMS, require_mpi, run
+
+GRACE = 2.0
+#: seconds allowed past grace + TERM_WAIT for the launcher to notice, kill and reap
+SLACK = 3.0
+REPO = Path(__file__).resolve().parents[2]
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def _launch(mode: str, folder: Path, n: int = 3, env: dict | None = None) -> subprocess.Popen:
+    """`python -m gpukv run -n N --grace GRACE launched.py MODE FOLDER`, started."""
+    require_mpi()
+    full_env = {**os.environ, "GPUKV_DIST_TIMEOUT": "30", **(env or {})}
+    command = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--grace", str(GRACE),
+               str(PROGRAMS / "launched.py"), mode, str(folder)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env=full_env,
+                            start_new_session=True)
+
+
+def _finish(launcher: subprocess.Popen, limit: float = 90) -> tuple[int, str, str, float]:
+    """Status, stdout, stderr and the time the launcher ended; fails (killing the launcher
+    and every process under it) when it runs past `limit` seconds."""
+    try:
+        out, err = launcher.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        process_tree.signal_all(process_tree.descendants(launcher.pid)[0], signal.SIGKILL)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        out, err = launcher.communicate()
+        pytest.fail(f"gpukv run did not end within {limit} s\nstdout:\n{out}\nstderr:\n{err}")
+    return launcher.returncode, out, err, time.time()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended; its reaper is elsewhere
+
+
+def _left(folder: Path, n: int) -> list[int]:
+    """The pids of the job's ranks still running (after a moment for the last to go)."""
+    pids = [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
+    assert len(pids) == n, f"only {len(pids)} of {n} ranks started"
+    end = time.monotonic() + 1
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _said(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("gpukv run:")]
+
+
+@pytest.mark.mpi
+def test_a_clean_job_returns_zero_and_its_output(tmp_path):
+    """A job whose ranks all end well: status 0, every rank's output, no line of ours."""
+    status, out, err, _ = _finish(_launch("clean", tmp_path))
+    assert status == 0, err
+    assert sorted(line for line in out.splitlines() if "ran" in line) == [
+        f"rank {r} of 3 ran" for r in range(3)], out
+    assert not _said(err), err
+    assert not _left(tmp_path, 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,status,says", [
+    ("raise", 1, "rank 1: uncaught ValueError: rank 1 fails on purpose"),
+    ("exit", 3, "rank 1: exit status 3"),
+    ("kill", 9, "a process ended badly"),
+])
+def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, says):
+    """A rank that raises, exits non-zero or is SIGKILLed while the others wait forever:
+    one line names it, and every process is gone with the rank's status (1 for an
+    exception) within the grace and a few seconds of the failure."""
+    code, _, err, ended = _finish(_launch(mode, tmp_path))
+    failed_at = float((tmp_path / "failed-at").read_text())
+    assert code == status, err
+    lines = _said(err)
+    assert len(lines) == 1 and says in lines[0], err
+    assert ended - failed_at < GRACE + launch.TERM_WAIT + SLACK, err
+    assert not _left(tmp_path, 3)
+
+
+@pytest.mark.mpi
+def test_a_peer_error_ends_a_job_mpiexec_cannot_end(tmp_path):
+    """Rank 1 stops its MPI proxy (as if its host were cut off) and ignores SIGTERM; rank 0
+    reports its PeerError and then waits forever: mpiexec would never end this job, the
+    launcher ends all of it within the grace and a few seconds, with status 1."""
+    code, _, err, ended = _finish(_launch("stuck", tmp_path, n=2,
+                                          env={"GPUKV_DIST_TIMEOUT": "2"}))
+    failed_at = float((tmp_path / "failed-at").read_text())
+    assert code == 1, err
+    lines = _said(err)
+    assert len(lines) == 1 and "rank 0: PeerError: " in lines[0], err
+    assert ended - failed_at < GRACE + launch.TERM_WAIT + SLACK, err
+    assert not _left(tmp_path, 2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["interrupt", "deaf"])
+def test_ctrl_c_ends_every_process_once(tmp_path, mode):
+    """SIGINT to the launcher reaches each rank once (through mpiexec); ranks that go on
+    regardless are killed after the grace; status 130 and nothing left."""
+    launcher = _launch(mode, tmp_path, n=2)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank-*.pid"))) < 2 and time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            break
+        time.sleep(0.05)
+    sent = time.time()
+    launcher.send_signal(signal.SIGINT)
+    code, _, err, ended = _finish(launcher)
+    assert code == 130, err
+    assert ended - sent < GRACE + launch.TERM_WAIT + SLACK, err
+    for rank in range(2):
+        heard = (tmp_path / f"rank-{rank}.signals").read_text().split()
+        assert heard.count("SIGINT") == 1, (rank, heard)
+    assert not _left(tmp_path, 2)
+
+
+# ------------------------------------------------------------------ usage errors
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Makes any process the launcher would start fail the test."""
+    def refuse(*args, **kwargs):
+        pytest.fail(f"started {args}")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["-n", "0", "prog.py"], "argument -n/-np: expected a positive integer, got '0'"),
+    (["-n", "two", "prog.py"], "argument -n/-np: expected a positive integer, got 'two'"),
+    (["prog.py"], "the following arguments are required: -n/-np"),
+    (["-n", "2"], "PROG missing"),
+    (["-n", "2", "-genv", "A", "B"], "PROG missing"),
+    (["-n", "2", "no-such-file.py"], "PROG 'no-such-file.py': no such file"),
+    (["-n", "2", "no-such-program-of-gpukv"], "PROG 'no-such-program-of-gpukv': no such"),
+    (["-n", "2", "--hosts", "a,,b", "prog.py"], "expected H1,H2,..., got 'a,,b'"),
+    (["-n", "2", "--grace", "-1", "prog.py"], "expected seconds >= 0, got '-1'"),
+])
+def test_usage_errors_start_nothing(argv, says, capsys, nothing_starts, tmp_path,
+                                    monkeypatch):
+    """Bad counts, hosts or grace, and a missing PROG: status 2 and the problem named."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prog.py").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        launch.main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_no_mpiexec_is_a_usage_error(capsys, nothing_starts, tmp_path, monkeypatch):
+    """Without an mpiexec beside this Python nor on PATH: status 2, saying how to get one."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        launch.main(["-n", "2", "/bin/true"])
+    assert exc.value.code == 2
+    assert "no mpiexec found" in capsys.readouterr().err
+
+
+def test_mpiexec_options_before_prog_pass_through():
+    """Options of mpiexec (with their values) stay before PROG; PROG's own go after it."""
+    argv = ["-n", "2", "-genv", "A", "1", "-l", "--grace=1", "train.py", "-n", "5"]
+    assert launch.split(argv) == (["-n", "2", "--grace=1"], ["-genv", "A", "1", "-l"],
+                                  ["train.py", "-n", "5"])
+
+
+def test_help_says_what_is_watched_and_the_bound():
+    """`gpukv run --help` names what the launcher watches and how long an end can take."""
+    done = subprocess.run([sys.executable, "-m", "gpukv", "run", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for words in ("PeerError", "uncaught exception", "non-zero exit", "ended badly",
+                  "grace + 1 s", "SIGKILL", "Ctrl-C", "130"):
+        assert words in " ".join(done.stdout.split()), words
+
+
+# ---------------------------------------------------------------------- reports
+@pytest.fixture
+def listener(monkeypatch):
+    """A UDP socket on the loopback named in GPUKV_RUN_REPORT (no launcher rank set)."""
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.settimeout(30)
+        monkeypatch.setenv(run_report.ENV, f"127.0.0.1:{sock.getsockname()[1]}")
+        yield sock
+
+
+def test_nothing_is_sent_without_a_launcher(monkeypatch):
+    """Without GPUKV_RUN_REPORT (or with a malformed one) no report is sent."""
+    monkeypatch.delenv(run_report.ENV, raising=False)
+    assert not run_report.send("PeerError", "lost")
+    monkeypatch.setenv(run_report.ENV, "not-an-address")
+    assert not run_report.send("PeerError", "lost")
+
+
+def test_a_report_arrives_on_one_line(listener):
+    """What failed, the words (flattened to one line), the status and the rank arrive."""
+    assert run_report.send("exit status 3", "two\nlines\tand a tab", status=3, rank=4)
+    assert run_report.parse(listener.recv(4096)) == run_report.Report(
+        4, 3, "exit status 3", "two lines and a tab")
+
+
+@pytest.mark.mpi
+def test_a_transport_failure_sends_a_report(listener):
+    """A transport that fails (a wait that times out) reports its PeerError at once."""
+    require_mpi()
+    code = ("from mpi4py import MPI\n"
+            "from gpukv import PeerError\n"
+            "from gpukv.distributed.transport import Transport\n"
+            "try:\n"
+            "    Transport(MPI.COMM_SELF, 0.05).poll(lambda: None, 'a wait for nobody')\n"
+            "except PeerError:\n"
+            "    pass\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    report = run_report.parse(listener.recv(4096))
+    assert report is not None and report[:3] == (0, None, "PeerError"), report
+    assert "a wait for nobody: no answer within 0.05 s" in report.message, report
+
+
+@pytest.mark.mpi
+def test_an_uncaught_exception_sends_a_report(listener):
+    """Under a bare mpiexec, a rank of a dist store ending on an uncaught exception
+    reports it with its rank, before the job is aborted."""
+    result = run("scenarios.py", 2, "uncaught_error", "1", bare=True,
+                 env={run_report.ENV: os.environ[run_report.ENV]}, timeout=90)
+    assert result.returncode != 0, result.stdout
+    reports = []
+    listener.settimeout(1)
+    while True:
+        try:
+            reports.append(run_report.parse(listener.recv(4096)))
+        except TimeoutError:
+            break
+    assert any(r is not None and r[:3] == (1, 1, "uncaught ShapeError")
+               for r in reports), reports
