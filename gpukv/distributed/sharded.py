@@ -4,8 +4,9 @@ A sync round is a reduce-scatter of the round's gradients to their owners, the u
 (on the owner's shard only: optimizer state is sharded, never replicated), and an all-gather
 of the new values into every process's copy, so a round costs what an allreduce costs. Big
 keys are split into one contiguous piece per process and move in their own collectives,
-without packing; small keys go whole to an owner picked by a hash of the key and travel
-packed, one collective per dtype. Every round is first agreed on (`agree.Agreement`), so
+without packing, in chunks over point-to-point messages (`exchange`: sums in rank order,
+pipelined); small keys go whole to an owner picked by a hash of the key and travel packed,
+one collective per dtype. Every round is first agreed on (`agree.Agreement`), so
 processes that call different things fail with a PeerMismatchError instead of mixing data.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import Compressor, Ctx, compressible
+from . import exchange
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
 from .engine import Shard
 from .sharding import pieces
@@ -49,8 +51,8 @@ class _Packed(NamedTuple):
 
 class _Round(NamedTuple):
     compressed: list   # (key, layout) of keys compressed on the wire
-    big: list          # (key, layout, send buffer or None, recv buffer, counts) of the
-    #                    split keys summed by a reduce-scatter of their own
+    big: list          # (key, layout, send buffer or None, recv buffer, counts, starts,
+    #                    scratch) of the split keys summed by an exchange of their own
     split: list        # (key, layout) of every split key (each all-gathered on its own)
     packed: list       # _Packed per wire dtype
     gather_keys: list  # small keys in owner order: (key, byte offset, nbytes)
@@ -63,6 +65,8 @@ class _Round(NamedTuple):
 class _SumPlan(NamedTuple):
     """A round without an updater: allreduces."""
     alone: list        # keys summed each by an allreduce of its own
+    split: list        # (key, counts, starts, scratch, wire buffers or None) of the split
+    #                    keys summed by an exchange
     packed: list       # ([(key, offset, elements)], send, recv) per wire dtype
 
 
@@ -219,13 +223,14 @@ class ShardedRounds:
             if comp is not None and compressible(layout.dtype):
                 compressed.append((key, layout))
             elif layout.split:
-                counts, _ = _per_rank(layout, size)
+                counts, starts = _per_rank(layout, size)
                 send = None if layout.wire == layout.dtype else np.empty(
                     sum(counts), layout.wire)
                 # Without an updater the sum is the new value: received where it is kept.
                 recv = (self.shard.stored(key) if self._assigns and send is None
                         and counts[rank] else np.empty(counts[rank], layout.wire))
-                big.append((key, layout, send, recv, counts))
+                big.append((key, layout, send, recv, counts, starts,
+                            exchange.scratch_for(counts, rank, layout.wire)))
         small.sort(key=lambda s: s[0])  # stable: keys stay in order within an owner
         packed = []
         summed = {k for k, _ in compressed}
@@ -255,11 +260,18 @@ class ShardedRounds:
                       mine_small)
 
     def _sum_plan(self, keys) -> _SumPlan:
-        alone, packed = [], []
-        small = sorted((k for k in keys if not self._alone(k)),
+        alone, split, packed = [], [], []
+        small = sorted((k for k in keys if not self._alone(k) and not self.layouts[k].split),
                        key=lambda k: self.layouts[k].wire.str)
         for key in keys:
-            if self._alone(key):
+            layout = self.layouts[key]
+            if layout.split:
+                counts, starts = _per_rank(layout, self.t.size)
+                wire = None if layout.wire == layout.dtype else (  # summed in float32
+                    np.empty(sum(counts), layout.wire), np.empty(sum(counts), layout.wire))
+                split.append((key, counts, starts,
+                              exchange.scratch_for(counts, self.t.rank, layout.wire), wire))
+            elif self._alone(key):
                 alone.append(key)
         for wire, run in itertools.groupby(small, key=lambda k: self.layouts[k].wire):
             placed, offset = [], 0
@@ -268,7 +280,7 @@ class ShardedRounds:
                 placed.append((key, offset, n))
                 offset += n
             packed.append((placed, np.empty(offset, wire), np.empty(offset, wire)))
-        return _SumPlan(alone, packed)
+        return _SumPlan(alone, split, packed)
 
     def _alone(self, key) -> bool:
         """Whether a key is summed by an allreduce of its own, straight into its copy."""
@@ -279,8 +291,8 @@ class ShardedRounds:
 
     def _allreduce(self, plan: _SumPlan, by_key: dict, what: str) -> None:
         """A round without an updater: one allreduce per big key, from the gradient into
-        this process's copy (which holds the pieces it serves), and one per dtype of the
-        small keys, packed."""
+        this process's copy (which holds the pieces it serves; an exchange for a split
+        key), and one per dtype of the small keys, packed."""
         comm, SUM = self.t.comm, self.t.MPI.SUM
         requests = []
         for key in plan.alone:
@@ -291,7 +303,20 @@ class ShardedRounds:
             for key, offset, n in placed:
                 send[offset:offset + n] = by_key[key][0].reshape(-1)
             requests.append(comm.Iallreduce(send, recv, op=SUM))
+        splits = []
+        for key, counts, starts, scratch, wire in plan.split:
+            grad, replica = by_key[key]
+            if wire is None:
+                send, out = np.ascontiguousarray(grad).reshape(-1), replica.reshape(-1)
+            else:
+                send, out = wire
+                send[...] = grad.reshape(-1)
+            splits.append(exchange.Split(send, out, counts, starts, scratch))
+        exchange.allreduce(self.t, splits, f"{what}: allreduce")
         self.t.wait_all(requests, f"{what}: allreduce")
+        for key, _, _, _, wire in plan.split:
+            if wire is not None:
+                by_key[key][1].reshape(-1)[...] = wire[1]
         for placed, _, recv in plan.packed:
             for key, offset, n in placed:
                 by_key[key][1].reshape(-1)[...] = recv[offset:offset + n]
@@ -300,8 +325,8 @@ class ShardedRounds:
         """Sum the uncompressed keys over the processes; (key, sum) of the pieces owned
         here."""
         comm, SUM = self.t.comm, self.t.MPI.SUM
-        requests = []
-        for key, layout, send, recv, counts in plan.big:
+        requests, splits = [], []
+        for key, layout, send, recv, counts, starts, scratch in plan.big:
             grad = by_key[key][0]
             if send is None and grad.flags.c_contiguous:
                 send = grad.reshape(-1)  # the gradient itself: no copy
@@ -309,15 +334,16 @@ class ShardedRounds:
                 send = np.ascontiguousarray(grad).reshape(-1)
             else:
                 send[...] = grad.reshape(-1)
-            requests.append(comm.Ireduce_scatter(send, recv, counts, op=SUM))
+            splits.append(exchange.Split(send, recv, counts, starts, scratch))
         for group in plan.packed:
             send = group.send
             for key, offset in group.keys:
                 grad = by_key[key][0]
                 send[offset:offset + grad.size] = grad.reshape(-1)
             requests.append(comm.Ireduce_scatter(send, group.recv, group.counts, op=SUM))
+        exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
         self.t.wait_all(requests, f"{what}: reduce-scatter")
-        merged = [(key, recv) for key, _, _, recv, _ in plan.big if recv.size]
+        merged = [(key, recv) for key, _, _, recv, *_ in plan.big if recv.size]
         for group in plan.packed:
             for key, offset in group.mine:
                 shape = self.layouts[key].shape
@@ -401,15 +427,13 @@ class ShardedRounds:
 
     def _all_gather(self, plan: _Round, by_key: dict, what: str) -> None:
         comm, BYTE = self.t.comm, self.t.MPI.BYTE
-        requests = []
+        requests, splits = [], []
         for key, layout in plan.split:  # this process's piece is already in place
             itemsize = layout.dtype.itemsize
             counts, starts = _per_rank(layout, self.t.size)
-            sizes = [c * itemsize for c in counts]
-            displs = [s * itemsize for s in starts]
-            replica = by_key[key][1]
-            requests.append(comm.Iallgatherv(self.t.MPI.IN_PLACE,
-                                             [as_bytes(replica), sizes, displs, BYTE]))
+            splits.append(exchange.Split(None, as_bytes(by_key[key][1]),
+                                         [c * itemsize for c in counts],
+                                         [s * itemsize for s in starts], None))
         if plan.gather_keys:
             send = plan.gather_send
             offset = 0
@@ -420,6 +444,7 @@ class ShardedRounds:
             requests.append(comm.Iallgatherv(send, [plan.gather_recv, plan.gather_counts,
                                                     _displacements(plan.gather_counts),
                                                     BYTE]))
+        exchange.all_gather(self.t, splits, f"{what}: all-gather")
         self.t.wait_all(requests, f"{what}: all-gather")
         recv = plan.gather_recv
         for key, offset, nbytes in plan.gather_keys:

@@ -20,7 +20,8 @@ from .._errors import BackendError, PeerError
 from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
-#: call), the raw bytes of pushes, and what rank 0 shares
+#: call), the raw bytes of pushes, what rank 0 shares, and the chunks of split keys on
+#: their way to their owner and back
 TAG_REQUEST = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
@@ -30,6 +31,8 @@ TAG_SIGNATURE = 6
 TAG_PUSH_DATA = 7
 TAG_SHARE = 8
 TAG_ROLL = 9
+TAG_SCATTER = 10
+TAG_GATHER = 11
 #: data replies use their own tags from here on (one per outstanding request; below this,
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048

@@ -867,6 +867,80 @@ def torch_outs() -> None:
     passed(kv)
 
 
+# ------------------------------------------------------------- split keys in chunks
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _contribution(rank: int, size: int, dt: np.dtype) -> np.ndarray:
+    """Rank `rank`'s gradient: values whose float sum depends on the order of adding."""
+    rng = np.random.default_rng(1000 + rank)
+    if dt.kind in "iu":
+        return rng.integers(-50 if dt.kind == "i" else 0, 50, size).astype(dt)
+    return (rng.standard_normal(size) * 10.0 ** rng.integers(-4, 5, size)).astype(dt)
+
+
+def split_sums(dtype: str, sizes: str, updater: str = "0", chunk_bytes: str = "0") -> None:
+    """Split keys of `sizes` elements (any size: bigarray_bound=1) pushed once, without or
+    with an updater that stores the sum: every worker's copy is the sum of the workers'
+    gradients added in rank order, bit for bit, in the dtype sums are made in; with
+    `chunk_bytes`, the messages of a piece are that short."""
+    from gpukv.device.host_sum import accumulate_dtype
+    if int(chunk_bytes):
+        from gpukv.distributed import exchange
+        exchange.CHUNK_BYTES = int(chunk_bytes)
+    kv = create(bigarray_bound=1)
+    n, r, dt = kv.num_workers, kv.rank, _dtype(dtype)
+    lengths = [int(s) for s in sizes.split(",")]
+    keys = [f"k{i}" for i in range(len(lengths))]
+    kv.init(keys, [np.zeros(m, dt) for m in lengths])
+    if updater == "1":
+        kv.set_updater(store_the_sum)
+    kv.push(keys, [_contribution(r, m, dt) for m in lengths])
+    outs = [np.zeros(m, dt) for m in lengths]
+    kv.pull(keys, out=outs)
+    wire = accumulate_dtype(dt)
+    for key, m, out in zip(keys, lengths, outs):
+        expect = _contribution(0, m, dt).astype(wire)
+        for source in range(1, n):
+            expect = expect + _contribution(source, m, dt).astype(wire)
+        expect = expect.astype(dt)
+        assert out.tobytes() == expect.tobytes(), (
+            key, m, np.flatnonzero(out.view(np.uint8) != expect.view(np.uint8))[:5])
+    passed(kv)
+
+
+def store_the_sum(key, merged, stored):
+    stored[...] = merged
+
+
+def stall_in_exchange(victim: str = "1") -> None:
+    """Worker `victim` stops in the middle of an exchange of a split key (after its first
+    messages): every other worker gets a PeerError naming it within the timeout."""
+    from gpukv.distributed import exchange
+    exchange.CHUNK_BYTES = 4096
+    kv = create(bigarray_bound=1)
+    kv.init("w", np.zeros(100_000, np.float32))
+    if kv.rank == int(victim):
+        progress = exchange._Exchange._progress
+
+        def stall(self):
+            progress(self)
+            time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
+        exchange._Exchange._progress = stall  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        kv.push("w", np.ones(100_000, np.float32))
+    except gpukv.PeerError as exc:
+        print(f"CAUGHT PeerError on worker {kv.rank}: {exc} "
+              f"(after {time.monotonic() - start:.1f} s)", flush=True)
+        return
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 

@@ -1,0 +1,176 @@
+"""Sums of split keys over point-to-point messages, in chunks: a direct exchange.
+
+Every process sends each owner its piece of a key, chunk by chunk; the owner sums the
+contributions to a chunk as soon as all have arrived, always in rank order (so a sum is
+the same bits whichever process ran ahead or whose message came first), and in an
+allreduce sends the summed chunk on to every other process at once. Sending, summing and
+receiving overlap, and each link carries what it must, 2(N-1)/N of the key, near its rate
+(MPI's own collectives, one step after another, leave a network link idle part of the
+time). Every wait is the transport's: bounded by its timeout, and a peer that does not
+answer is named in the PeerError.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .._errors import PeerError
+from .transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
+
+#: bytes of one message: small enough that an owner sums and forwards the first chunk
+#: while later ones are still on the wire, large enough that per-message costs stay small
+CHUNK_BYTES = 1 << 20
+
+
+class Split(NamedTuple):
+    """One split key in an exchange (flat, contiguous arrays of its wire dtype)."""
+    send: np.ndarray | None  # this process's contribution, the whole key (to reduce)
+    out: np.ndarray          # the whole key (gathered into), or only the piece owned here
+    counts: list             # elements of the piece of each rank
+    starts: list             # first element of the piece of each rank
+    scratch: np.ndarray | None  # (ranks - 1, piece owned here): the others' contributions
+
+
+def scratch_for(counts: list, rank: int, wire: np.dtype) -> np.ndarray:
+    """The buffers an owner receives the other ranks' contributions into."""
+    return np.empty((len(counts) - 1, counts[rank]), wire)
+
+
+def chunks(n: int, itemsize: int) -> list:
+    """[start, stop) of the chunks of a piece of `n` elements."""
+    step = max(1, CHUNK_BYTES // itemsize)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def allreduce(t: Transport, keys: list, what: str) -> None:
+    """Each key's `out` becomes the sum over the ranks of their `send`."""
+    _Exchange(t, what).run(keys, reduce=True, gather=True)
+
+
+def reduce_scatter(t: Transport, keys: list, what: str) -> None:
+    """Each key's `out` (the piece owned here) becomes the sum of that piece of `send`."""
+    _Exchange(t, what).run(keys, reduce=True, gather=False)
+
+
+def all_gather(t: Transport, keys: list, what: str) -> None:
+    """Each key's `out` gets every other rank's piece (its own piece is in place)."""
+    _Exchange(t, what).run(keys, reduce=False, gather=True)
+
+
+class _Chunk(NamedTuple):
+    key: Split
+    start: int     # in the piece owned here
+    stop: int
+    waiting: list  # [contributions still to come]
+
+
+class _Exchange:
+    """The messages of one exchange, and what to do as each arrives."""
+
+    def __init__(self, t: Transport, what: str):
+        self.t = t
+        self.what = what
+        self.recvs: list = []    # requests, and for each the rank it comes from and
+        self.sources: list = []  # the chunk it feeds (None: a gathered chunk)
+        self.feeds: list = []
+        self.sends: list = []
+        self.chunks: list = []   # chunks to sum, in the order their sums are sent on
+        self.summed = 0          # chunks summed so far
+        self.gather = False
+        self.others: list = []   # the ranks a summed chunk goes on to
+
+    def run(self, keys: list, reduce: bool, gather: bool) -> None:
+        t, rank, size = self.t, self.t.rank, self.t.size
+        self.gather = gather
+        comm = t.comm
+        others = [(rank + j) % size for j in range(1, size)]  # each rank sends first
+        self.others = others if gather else []                 # to a different one
+        for key in keys:
+            mine = key.counts[rank]
+            if reduce:
+                for a, b in chunks(mine, key.out.itemsize):
+                    chunk = _Chunk(key, a, b, [size - 1])
+                    self.chunks.append(chunk)
+                    for i, source in enumerate(s for s in range(size) if s != rank):
+                        self._recv(key.scratch[i, a:b], source, TAG_SCATTER, chunk)
+            if gather:
+                for source in others:
+                    start = key.starts[source]
+                    for a, b in chunks(key.counts[source], key.out.itemsize):
+                        self._recv(key.out[start + a:start + b], source, TAG_GATHER, None)
+        for key in keys:
+            if reduce:
+                assert key.send is not None
+                pieces = [chunks(key.counts[o], key.send.itemsize) for o in range(size)]
+                for c in range(max(map(len, pieces))):  # chunk by chunk, to every owner
+                    for owner in others:
+                        if c < len(pieces[owner]):
+                            a, b = pieces[owner][c]
+                            start = key.starts[owner]
+                            self.sends.append(comm.Isend(
+                                as_bytes(key.send[start + a:start + b]), dest=owner,
+                                tag=TAG_SCATTER))
+            elif gather:
+                start = key.starts[rank]
+                for a, b in chunks(key.counts[rank], key.out.itemsize):
+                    self._send_on(key.out[start + a:start + b], others)
+        self._sum_ready()
+        t.poll(self._progress, self.what, on_timeout=self._silent)
+
+    def _recv(self, buf: np.ndarray, source: int, tag: int, chunk) -> None:
+        self.recvs.append(self.t.comm.Irecv(as_bytes(buf), source=source, tag=tag))
+        self.sources.append(source)
+        self.feeds.append(chunk)
+
+    def _send_on(self, buf: np.ndarray, ranks: list) -> None:
+        for rank in ranks:
+            self.sends.append(self.t.comm.Isend(as_bytes(buf), dest=rank, tag=TAG_GATHER))
+
+    def _progress(self):
+        """True once every message has moved; sums (and sends on) what has arrived."""
+        test_some, test_all = self.t.MPI.Request.Testsome, self.t.MPI.Request.Testall
+        arrived = test_some(self.recvs) if self.recvs else None
+        if arrived:
+            for i in arrived:
+                chunk = self.feeds[i]
+                self.sources[i] = None
+                if chunk is not None:
+                    chunk.waiting[0] -= 1
+            self._sum_ready()
+        if any(s is not None for s in self.sources):
+            return None
+        return True if test_all(self.sends) else None
+
+    def _sum_ready(self) -> None:
+        """Sum the chunks whose contributions are all in, in order (the sums are sent on
+        in the order the others receive them)."""
+        rank = self.t.rank
+        while self.summed < len(self.chunks) and self.chunks[self.summed].waiting[0] == 0:
+            key, a, b, _ = self.chunks[self.summed]
+            self.summed += 1
+            start = key.starts[rank]
+            assert key.send is not None and key.scratch is not None
+            own = key.send[start + a:start + b]
+            out = key.out[start + a:start + b] if self.gather else key.out[a:b]
+            if np.may_share_memory(own, out):
+                own = own.copy()
+            parts = [key.scratch[s - (s > rank), a:b] if s != rank else own
+                     for s in range(len(key.counts))]
+            np.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                np.add(out, part, out=out)
+            if self.others:
+                self._send_on(out, self.others)
+
+    def _silent(self) -> PeerError:
+        """The PeerError of a timeout: who has not sent what this rank waits for."""
+        # the ranks whose contributions are missing first: the others may only be
+        # waiting for them before they send their sums on
+        silent = sorted({s for s, f in zip(self.sources, self.feeds)
+                         if s is not None and f is not None}) or sorted(
+            {s for s in self.sources if s is not None})
+        waiting = (f"no data from rank(s) {', '.join(map(str, silent))}" if silent else
+                   "its messages were not taken by the other ranks")
+        return PeerError(f"rank {self.t.rank}: {self.what}: {waiting} within "
+                         f"{self.t.timeout:g} s (GPUKV_DIST_TIMEOUT)")

@@ -1,0 +1,71 @@
+"""Split keys of an S = 0 store summed by the chunked exchange (gpukv.distributed.exchange)
+across real MPI processes: the sum is the workers' gradients added in rank order, bit for
+bit, for pieces and chunks of every length and every dtype, and a worker that stops in the
+middle of an exchange is named in a PeerError within the timeout."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from .. import gpu_env
+from .mpirun import ok, run
+
+pytestmark = pytest.mark.mpi
+
+
+def _split_sums(n: int, dtype: str, sizes: str, updater: bool, chunk_bytes: int):
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="30")
+    out = ok(run("scenarios.py", n, "split_sums", dtype, sizes, "1" if updater else "0",
+                 str(chunk_bytes), env=env, timeout=120))
+    assert len(re.findall(r"PASS worker \d+ of", out)) == n, out
+
+
+@pytest.mark.parametrize("updater", [False, True], ids=["sum", "updater"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_short_chunks_sum_in_rank_order(n, dtype, updater):
+    """Keys of 1 element per process, and of lengths that neither the processes nor the
+    10-element chunks divide, are summed in rank order, bit for bit, on every worker."""
+    _split_sums(n, dtype, f"{n},7,1001,3001", updater, 40)
+
+
+@pytest.mark.parametrize("updater", [False, True], ids=["sum", "updater"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64", "int8", "uint8", "int64"])
+def test_every_dtype_sums_in_rank_order(dtype, updater):
+    """Every dtype the store takes (16-bit floats summed in float32) gets the rank-order
+    sum through short chunks."""
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    _split_sums(3, dtype, "3,1001,3001", updater, 64)
+
+
+@pytest.mark.parametrize("updater", [False, True], ids=["sum", "updater"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_big_key_is_the_same_bits_whatever_the_order_of_arrival(n, updater):
+    """A key split in pieces of several default-sized chunks is the rank-order sum, bit
+    for bit: the same on every worker whichever contribution arrived first."""
+    _split_sums(n, "float32", "1300003", updater, 0)
+
+
+def test_worker_stalled_in_an_exchange_is_named_within_the_timeout():
+    """A worker that stops in the middle of an exchange (its first chunks sent): every
+    other worker raises PeerError naming it within the timeout, and the job ends."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="3")
+    start = time.monotonic()
+    result = run("scenarios.py", 3, "stall_in_exchange", "1", env=env, timeout=90)
+    took = time.monotonic() - start
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    lines = re.findall(r"CAUGHT PeerError on worker (\d+): (.*?)(?=CAUGHT|$)",
+                       result.stdout, re.M | re.S)
+    assert sorted(w for w, _ in lines) == ["0", "2"], out
+    for _, line in lines:
+        assert "push of key 'w': reduce-scatter" in line or "allreduce" in line, line
+        assert "no data from rank(s) 1 within 3 s" in line, line
+        after = float(re.search(r"after ([\d.]+) s", line).group(1))  # type: ignore
+        assert after < 3 * 2, line
+    assert took < 60, took
