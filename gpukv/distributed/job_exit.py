@@ -14,6 +14,7 @@ ends the job even where mpiexec cannot.
 from __future__ import annotations
 
 import atexit
+import signal
 import sys
 import threading
 import time
@@ -24,6 +25,8 @@ from . import run_report
 ABORT_GRACE = 1.0
 #: seconds a rank ended by an uncaught exception gives its traceback to reach mpiexec
 OUTPUT_GRACE = 0.5
+#: seconds an abort may take before the process ends without it
+ABORT_BOUND = 5
 
 _failed: list = []  # (rank, failure) of each transport that failed
 _mpi: list = []  # mpi4py's MPI module, once installed
@@ -61,7 +64,7 @@ def _abort_if_failed() -> None:
     sys.stderr.write(f"gpukv: rank {rank}: aborting the MPI job: {failure}\n")
     sys.stderr.flush()
     time.sleep(ABORT_GRACE)
-    MPI.COMM_WORLD.Abort(1)
+    _abort(MPI.COMM_WORLD)
 
 
 def _aborting(previous, MPI):
@@ -88,5 +91,17 @@ def _aborting(previous, MPI):
             time.sleep(OUTPUT_GRACE)
         except Exception:  # noqa: BLE001 - shutting down: abort without the words
             world = MPI.COMM_WORLD
-        world.Abort(1)
+        _abort(world)
     return hook
+
+
+def _abort(world) -> None:
+    """`MPI_Abort`, and the process's end ABORT_BOUND seconds later should the abort itself
+    hang: on a host cut off from the network, the abort waits for a `mpiexec` it cannot
+    reach, and the process (with its GPU and memory) would stay forever. The alarm is the
+    kernel's (SIGALRM's default action ends the process), since the abort holds on to
+    the interpreter while it waits."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(ABORT_BOUND)
+    world.Abort(1)

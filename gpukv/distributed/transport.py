@@ -21,7 +21,7 @@ from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
 #: call), the raw bytes of pushes, what rank 0 shares, and the chunks of split keys on
-#: their way to their owner and back
+#: their way to their owner and back, and a rank's word that it lost a peer
 TAG_REQUEST = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
@@ -33,6 +33,7 @@ TAG_SHARE = 8
 TAG_ROLL = 9
 TAG_SCATTER = 10
 TAG_GATHER = 11
+TAG_LOST = 12
 #: data replies use their own tags from here on (one per outstanding request; below this,
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048
@@ -84,6 +85,8 @@ class Transport:
         self.size = comm.Get_size()
         self.timeout = float(timeout)
         self.failure: PeerError | None = None
+        self._raw = comm
+        self._telling: list = []  # the notices of a failure, on their way to the others
         #: the ranks on this machine (they share its cores)
         self.local_size = local_size
         self.oversubscribed = local_size > _usable_cpus()
@@ -109,9 +112,34 @@ class Transport:
             detail = exc.Get_error_string()  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - the words are a courtesy; the failure is not
             detail = str(exc)
-        return self.fail(PeerError(
+        return self.lost(PeerError(
             f"rank {self.rank}: {what}: MPI failed, as it does when another process of the "
             f"job died or a connection broke: {detail.strip()}"))
+
+    def lost(self, error: PeerError) -> PeerError:
+        """`fail(error)` for a peer that is gone or silent, and word of it to every other
+        rank: those still waiting on the same round raise it at once, each naming the
+        ranks this one lost, instead of each waiting out its own timeout (or being killed
+        by the abort that follows before it could say why). The notices are never waited
+        for: a rank that cannot be reached does not get one."""
+        if self.failure is None and self.size > 1:
+            text = str(error)
+            for peer in range(self.size):
+                if peer != self.rank:
+                    try:
+                        self._telling.append(self._raw.isend(text, dest=peer, tag=TAG_LOST))
+                    except self.MPI.Exception:
+                        pass  # that peer's connection is broken: it learns by itself
+        return self.fail(error)
+
+    def _told(self, what: str) -> PeerError | None:
+        """The failure another rank told this one of, if a notice has come."""
+        status = self.MPI.Status()
+        notice = self._raw.improbe(source=self.MPI.ANY_SOURCE, tag=TAG_LOST, status=status)
+        if notice is None:
+            return None
+        return self.fail(PeerError(f"rank {self.rank}: {what}: rank {status.Get_source()} "
+                                   f"lost its peers: {notice.recv()}"))
 
     def _checked(self, call, what: str):
         """`call()`, an MPI error in it raised as this transport's PeerError."""
@@ -147,12 +175,16 @@ class Transport:
             if result is not None:
                 return result
             waited = time.monotonic() - start
+            if waited > _NOTICE_AFTER:  # (a wait this long can afford a probe each time)
+                told = self._told(what)
+                if told is not None:
+                    raise told
             if waited > limit:
                 error = on_timeout() if on_timeout is not None else None
                 if error is None:
                     error = PeerError(f"rank {self.rank}: {what}: no answer within "
                                       f"{limit:g} s (GPUKV_DIST_TIMEOUT)")
-                raise self.fail(error)
+                raise self.lost(error)
             pause(waited)
 
     def pacer(self):
@@ -238,6 +270,10 @@ class Transport:
     def recv_array(self, array: np.ndarray, source: int, tag: int):
         """Start receiving bytes into contiguous `array`."""
         return self.comm.Irecv(as_bytes(array), source=source, tag=tag)
+
+
+#: seconds a wait runs before it also looks for another rank's word of a lost peer
+_NOTICE_AFTER = 0.01
 
 
 def worker_comm(transport: Transport, servers: int):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,8 +71,10 @@ def start(made: EmulatedCluster, n: int, hosts: str, command: list[str], env: di
     """Start the job from host 0: `mpiexec` or `gpukv run` with -n N -hosts HOSTS."""
     if launcher == "mpiexec":
         head = [require_mpi(), "-hosts", hosts, "-n", str(n)]
-    else:
+    else:  # gpukv run, which runs a .py program under this Python itself
         head = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--hosts", hosts]
+        if command[:3] == [sys.executable, "-m", "mpi4py"]:
+            command = command[3:]
     return made.popen(0, [*head, *command], env=env, stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                       start_new_session=True)
@@ -97,3 +100,57 @@ def passes(status: int, stdout: str, stderr: str, workers: int) -> str:
     for w in range(workers):
         assert f"PASS worker {w} of {workers}" in stdout, (stdout, stderr)
     return stdout
+
+
+class Watched:
+    """A started job whose output lines are read as they come, each with its time."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+        self.lines: list[tuple[float, str]] = []
+        self._readers = [threading.Thread(target=self._read, args=(stream,), daemon=True)
+                         for stream in (process.stdout, process.stderr)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, text: str, count: int = 1, limit: float = 60) -> float:
+        """When `count` lines containing `text` have come (fails past `limit` s)."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            seen = [t for t, line in list(self.lines) if text in line]
+            if len(seen) >= count:
+                return seen[count - 1]
+            if self.process.poll() is not None and not any(r.is_alive()
+                                                           for r in self._readers):
+                break
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"no {count} line(s) with {text!r} within {limit} s:\n{self.text()}")
+
+    def end(self, limit: float) -> tuple[int, float]:
+        """The exit status and when it came (fails past `limit` s, killing the job)."""
+        try:
+            self.process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {limit} s:\n{self.text()}")
+        ended = time.monotonic()
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return self.process.returncode, ended
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in list(self.lines))
+
+    def matching(self, text: str) -> list[tuple[float, str]]:
+        return [(t, line) for t, line in list(self.lines) if text in line]
