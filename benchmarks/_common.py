@@ -73,6 +73,7 @@ def summarize(samples: list[float]) -> dict:
     return {
         "median_s": statistics.median(samples),
         "min_s": min(samples),
+        "max_s": max(samples),
         "mean_s": statistics.fmean(samples),
         "stdev_s": statistics.stdev(samples) if len(samples) > 1 else 0.0,
         "iters": len(samples),
@@ -102,6 +103,22 @@ def time_calls(fn, *, warmup: int, iters: int, min_time: float = 0.0,
         if len(samples) >= 100 * max(iters, 1):
             break
     return samples
+
+
+# A plan entry of the several-process benchmarks is [bytes, warmup, iters]: `bytes` is one
+# key's size, or a list of key sizes pushed and pulled together in one iteration.
+def entry_sizes(nbytes) -> list[int]:
+    """The key sizes of a plan entry's `bytes` (rounded down to whole float32 items)."""
+    sizes = nbytes if isinstance(nbytes, list) else [nbytes]
+    return [max(1, int(n) // 4) * 4 for n in sizes]
+
+
+def entry_label(nbytes) -> str:
+    """The name a plan entry's timings go under: '4194304' for one key, '160x102224128'
+    for 160 keys of 102224128 bytes in all."""
+    sizes = entry_sizes(nbytes)
+    total = str(sum(sizes))
+    return total if not isinstance(nbytes, list) else f"{len(sizes)}x{total}"
 
 
 def batch_for(seconds_per_call: float, target: float = 2e-3) -> int:

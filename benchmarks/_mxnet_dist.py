@@ -8,10 +8,11 @@ DMLC_NUM_SERVER and DMLC_NUM_WORKER set; bench_dist.py starts them all:
         --plan '[[4096, 3, 100]]' --op push+pull --result /tmp/mx.json
 
 For the scheduler and the servers `import mxnet` is the whole job: MXNet serves and
-exits inside the import. Each worker inits one key per size of the plan
-([[bytes, warmup, iters], ...]), checks the first pull, waits at a barrier, then times
-every push+pull (or pushpull) one by one, each ending in `wait_to_read()` on the out so
-the asynchronous engine's work is counted. Worker 0 writes the timings as JSON.
+exits inside the import. Each worker inits the keys of every entry of the plan
+([[bytes, warmup, iters], ...], `bytes` one key's size or a list of sizes pushed and pulled
+together), checks the first pull, waits at a barrier, then times every push+pull (or
+pushpull) one by one, each ending in `wait_to_read()` on the outs so the asynchronous
+engine's work is counted. Worker 0 writes the timings as JSON.
 """
 from __future__ import annotations
 
@@ -27,16 +28,20 @@ ENV_VARS = ("DMLC_NUM_SERVER", "DMLC_NUM_WORKER", "DMLC_PS_ROOT_URI", "DMLC_NODE
             "OMP_NUM_THREADS")
 
 
-def make_step(kv, key: int, value, out, op: str):
+def make_step(kv, keys: list, values: list, outs: list, op: str):
+    """One iteration over the keys (one key as itself, several as lists in one call)."""
+    key, value, out = (keys[0], values[0], outs[0]) if len(keys) == 1 else (keys, values, outs)
     if op == "pushpull":
         def step():
             kv.pushpull(key, value, out=out)
-            out.wait_to_read()
+            for o in outs:
+                o.wait_to_read()
     else:
         def step():
             kv.push(key, value)
             kv.pull(key, out=out)
-            out.wait_to_read()
+            for o in outs:
+                o.wait_to_read()
     return step
 
 
@@ -51,22 +56,26 @@ def run_worker(mx, plan: list, op: str, optimizer: str, result: str) -> None:
         kv.set_optimizer(mx.optimizer.SGD(learning_rate=1.0, rescale_grad=1.0))
         expected = -expected
     timings = {}
-    for key, (nbytes, warmup, iters) in enumerate(plan):
-        n = max(1, nbytes // 4)
-        kv.init(key, mx.nd.zeros((n,)))
-        value = mx.nd.array(np.full(n, kv.rank + 1, np.float32))
-        out = mx.nd.empty((n,))
-        step = make_step(kv, key, value, out, op)
+    first_key = 0
+    for nbytes, warmup, iters in plan:
+        sizes = [n // 4 for n in _common.entry_sizes(nbytes)]
+        keys = list(range(first_key, first_key + len(sizes)))
+        first_key += len(sizes)
+        kv.init(keys, [mx.nd.zeros((n,)) for n in sizes])
+        values = [mx.nd.array(np.full(n, kv.rank + 1, np.float32)) for n in sizes]
+        outs = [mx.nd.empty((n,)) for n in sizes]
+        step = make_step(kv, keys, values, outs, op)
         step()
         # Only the first round is checked: without an optimizer MXNet 1.9.1's server
         # keeps adding to the stored value, so later pulls grow (and reach inf); with SGD
         # the value moves on every round.
-        first = out.asnumpy()
-        ok = bool((first == expected).all())
+        firsts = [o.asnumpy() for o in outs]
+        ok = all(bool((f == expected).all()) for f in firsts)
         barrier()
         samples = _common.time_calls(step, warmup=warmup, iters=iters)
-        timings[str(n * 4)] = {**_common.summarize(samples), "check": ok,
-                               "first_pull": float(first[0]), "expected": expected}
+        timings[_common.entry_label(nbytes)] = {
+            **_common.summarize(samples), "check": ok, "first_pull": float(firsts[0][0]),
+            "expected": expected}
     barrier()
     if kv.rank == 0:
         meta = {"versions": _common.library_versions("mxnet", "numpy"),

@@ -120,7 +120,8 @@ def child_main(args) -> int:
     layout = parse_layouts(args.layout)[0]
     try:
         if args.child == "gpukv":
-            result = gpukv_child(layout, json.loads(args.plan), args.op, args.optimizer)
+            result = gpukv_child(layout, json.loads(args.plan), args.op, args.optimizer,
+                                 json.loads(args.compression or "null"), not args.no_halves)
         else:
             result = allreduce_child(layout, json.loads(args.plan))
         if result is not None:
@@ -136,24 +137,36 @@ def child_main(args) -> int:
     return 0
 
 
-def expected_sum(workers: int) -> float:
-    return workers * (workers + 1) / 2  # worker r pushes r + 1
+def expected_sum(workers: int, compression: dict | None = None) -> float:
+    """The first pull when worker r pushes r + 1 everywhere: their sum, or the sum of what
+    the compression makes of them (2bit sends +threshold, 1bit +1 for values above it)."""
+    kind = (compression or {}).get("type", "none")
+    if kind == "2bit":
+        return workers * float(compression.get("threshold", 0.5))
+    if kind == "1bit":
+        return workers * (1.0 if 1 > float(compression.get("threshold", 0.5)) else -1.0)
+    return workers * (workers + 1) / 2
 
 
 def time_plan(plan, make, barrier) -> dict:
-    """Times the step `make(nbytes, key)` returns for every size of the plan."""
+    """Times the step `make(sizes, keys)` returns for every entry of the plan (one key, or
+    several pushed and pulled together); every key of the plan has its own number."""
     timings = {}
-    for key, (nbytes, warmup, iters) in enumerate(plan):
-        step, check = make(nbytes, key)
+    first = 0
+    for nbytes, warmup, iters in plan:
+        sizes = C.entry_sizes(nbytes)
+        step, check = make(sizes, list(range(first, first + len(sizes))))
+        first += len(sizes)
         step()
         ok = check()
         barrier()
         samples = C.time_calls(step, warmup=warmup, iters=iters)
-        timings[str(max(1, nbytes // 4) * 4)] = {**C.summarize(samples), "check": ok}
+        timings[C.entry_label(nbytes)] = {**C.summarize(samples), "check": ok}
     return timings
 
 
-def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str) -> dict | None:
+def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str,
+                compression: dict | None = None, halves: bool = True) -> dict | None:
     import numpy as np
 
     import gpukv
@@ -161,15 +174,21 @@ def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str) -> dict | N
     kv = gpukv.create("dist_sync", num_servers=layout.servers)  # servers never return
     if kv.num_workers != layout.workers:
         raise RuntimeError(f"{kv.num_workers} workers, expected {layout.workers}")
-    expected = expected_sum(layout.workers)
+    if compression:
+        kv.set_gradient_compression(compression)
+    expected = expected_sum(layout.workers, compression)
     if optimizer == "sgd":  # the sharded update: w = 0 - 1 * sum after the first round
         kv.set_optimizer(gpukv.optim.SGD(learning_rate=1.0))
         expected = -expected
 
-    def make(nbytes, key):
-        value = np.full(max(1, nbytes // 4), kv.rank + 1, np.float32)
-        out = np.empty_like(value)
-        kv.init(key, np.zeros_like(value))
+    def make(sizes, keys):
+        values = [np.full(n // 4, kv.rank + 1, np.float32) for n in sizes]
+        outs = [np.empty_like(v) for v in values]
+        # one key goes in as itself, several as lists (one call for all of them)
+        key, value, out = (keys[0], values[0], outs[0]) if len(keys) == 1 else (
+            keys, values, outs)
+        kv.init(key, [np.zeros_like(v) for v in values] if len(keys) > 1
+                else np.zeros_like(value))
         if op == "pushpull":
             def step():
                 kv.pushpull(key, value, out)
@@ -177,10 +196,10 @@ def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str) -> dict | N
             def step():
                 kv.push(key, value)
                 kv.pull(key, out=out)
-        return step, lambda: bool((out == expected).all())
+        return step, lambda: all(bool((o == expected).all()) for o in outs)
 
     timings = time_plan(plan, make, kv.barrier)
-    halves = time_halves(kv, plan) if op == "push+pull" else {}
+    halves = time_halves(kv, plan) if op == "push+pull" and halves else {}
     kv.barrier()
     if kv.rank != 0:
         return None
@@ -188,7 +207,7 @@ def gpukv_child(layout: Layout, plan: list, op: str, optimizer: str) -> dict | N
             "halves": halves,
             "meta": {"versions": C.library_versions("gpukv", "numpy", "mpi4py"),
                      "mpi_library": _mpi_library(), "workers": kv.num_workers, "op": op,
-                     "optimizer": optimizer}}
+                     "optimizer": optimizer, "compression": compression}}
 
 
 def time_halves(kv, plan: list) -> dict:
@@ -223,10 +242,14 @@ def allreduce_child(layout: Layout, plan: list) -> dict | None:
         raise RuntimeError(f"{comm.size} ranks, expected {layout.workers}")
     expected = expected_sum(layout.workers)
 
-    def make(nbytes, key):
-        send = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)
-        recv = np.empty_like(send)
-        return (lambda: comm.Allreduce(send, recv)), lambda: bool((recv == expected).all())
+    def make(sizes, keys):
+        sends = [np.full(n // 4, comm.rank + 1, np.float32) for n in sizes]
+        recvs = [np.empty_like(s) for s in sends]
+
+        def step():
+            for send, recv in zip(sends, recvs):
+                comm.Allreduce(send, recv)
+        return step, lambda: all(bool((r == expected).all()) for r in recvs)
 
     timings = time_plan(plan, make, comm.Barrier)
     comm.Barrier()
@@ -325,12 +348,25 @@ def run_mpi_job(lib: str, layout: Layout, plan: list, args, tmp: Path) -> dict:
         return {"what": what, "ok": False, "error": "no mpiexec found", "timings": {}}
     ranks = layout.processes if lib == "gpukv" else layout.workers
     result = tmp / f"{lib}_{layout.name}.json"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, str(Path(__file__).resolve()),
-           "--child", lib, "--layout", layout.name, "--plan", json.dumps(plan),
-           "--op", args.op, "--optimizer", args.optimizer, "--result", str(result)]
+    cmd = [mpiexec, "-n", str(ranks), *child_command(lib, layout, plan, args, result)]
     out = finish_job(run_group([(cmd, None)], args.timeout), result, what)
     out["command"] = " ".join(cmd[:4] + [Path(cmd[4]).name] + cmd[5:])
     return out
+
+
+def child_command(lib: str, layout: Layout, plan: list, args, result: Path,
+                  options: tuple = ()) -> list[str]:
+    """What every rank of an MPI job (`lib`: gpukv or mpi) runs: this script as a child,
+    `options` (more of the hidden child options) added."""
+    return [sys.executable, str(Path(__file__).resolve()), "--child", lib,
+            "--layout", layout.name, "--plan", json.dumps(plan), "--op", args.op,
+            "--optimizer", args.optimizer, "--result", str(result), *options]
+
+
+def mxnet_command(plan: list, args, result: Path) -> list[str]:
+    """What every role of an MXNet job runs (its role and peers come in DMLC_*)."""
+    return [args.mxnet_python, str(HERE / "_mxnet_dist.py"), "--plan", json.dumps(plan),
+            "--op", args.op, "--optimizer", args.optimizer, "--result", str(result)]
 
 
 def run_mxnet_job(layout: Layout, plan: list, args, tmp: Path) -> dict:
@@ -339,8 +375,7 @@ def run_mxnet_job(layout: Layout, plan: list, args, tmp: Path) -> dict:
     base = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                 DMLC_NODE_HOST="127.0.0.1", DMLC_NUM_SERVER=str(layout.servers),
                 DMLC_NUM_WORKER=str(layout.workers))
-    cmd = [args.mxnet_python, str(HERE / "_mxnet_dist.py"), "--plan", json.dumps(plan),
-           "--op", args.op, "--optimizer", args.optimizer, "--result", str(result)]
+    cmd = mxnet_command(plan, args, result)
     roles = ["scheduler"] + ["server"] * layout.servers + ["worker"] * layout.workers
     specs = [(cmd, dict(base, DMLC_ROLE=role)) for role in roles]
     return finish_job(run_group(specs, args.timeout), result, what)
@@ -559,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--compression", help=argparse.SUPPRESS)  # JSON, gpukv only
+    p.add_argument("--no-halves", action="store_true", help=argparse.SUPPRESS)
     return p
 
 

@@ -191,6 +191,10 @@ def test_bench_strategies_script_help_names_the_script():
     ("bench_checkpoint.py", "--warmup", "-1"),
     ("bench_dist.py", "--sizes", "4X"),
     ("bench_dist.py", "--sizes", "-4K"),
+    ("bench_cluster.py", "--ways", "s0,fast"),
+    ("bench_cluster.py", "--rates", "1gigabit"),
+    ("bench_cluster.py", "--hosts", "2,1"),
+    ("bench_cluster.py", "--sizes", "16MB,resnet51"),
     ("simulate_topologies.py", "--sizes", "4K,-1K"),
     ("bench_compression.py", "--out", "README.md"),
     ("bench_trainer.py", "--models", "resnet"),
@@ -229,7 +233,7 @@ def test_shared_size_parser_errors_are_value_errors():
 # ------------------------------------------------------------ the shared convention
 SCRIPTS = ("bench_host.py", "bench_compression.py", "bench_optimizers.py",
            "bench_checkpoint.py", "bench_trainer.py", "bench_trainer_dist.py", "bench_dist.py",
-           "simulate_topologies.py")
+           "bench_cluster.py", "simulate_topologies.py")
 OLD_FLAGS = ("--json", "--no-json", "--plot", "--no-plot", "--png", "--replicas")
 
 

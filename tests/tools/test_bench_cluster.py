@@ -1,0 +1,99 @@
+"""benchmarks/bench_cluster.py: its ResNet-50 case, and a small run across emulated hosts."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpukv.tools import cluster
+
+from .. import gpu_env
+from ..distributed.mpirun import require_mpi
+from .test_bench_cli import BENCHMARKS, ROOT, _load
+
+#: torchvision's ResNet-50: 25,557,032 parameters, 4 bytes each
+RESNET50_PARAMETERS = 25_557_032
+
+
+def require_cluster() -> None:
+    """Skips without root or ip/tc; fails instead under GPUKV_TEST_CLUSTER=1 (CI)."""
+    why = cluster.unavailable()
+    if why:
+        if os.environ.get("GPUKV_TEST_CLUSTER") == "1":
+            pytest.fail(f"{why}; GPUKV_TEST_CLUSTER=1 asks for the cluster tests to run")
+        pytest.skip(why)
+
+
+def test_resnet50_case_has_160_tensors_of_resnet50s_parameters():
+    """The 100 MB case is ResNet-50's parameters, its classifier's bias folded into the
+    weight: 160 tensors, torchvision's parameter count in all."""
+    shapes = _load("bench_cluster.py").resnet50_shapes()
+    counts = [math.prod(shape) for _, shape in shapes]
+    assert len(shapes) == 160
+    assert sum(counts) == RESNET50_PARAMETERS
+
+
+def test_resnet50_case_goes_through_the_trainers_buckets():
+    """The ResNet-50 keys are the Trainer's buckets: every byte in one of them, none over
+    the bucket capacity, the classifier (backward's first gradient) in a bucket alone."""
+    pytest.importorskip("torch")
+    from gpukv.torch.buckets import BUCKET_BYTES
+
+    buckets = _load("bench_cluster.py").resnet50_buckets()
+    assert sum(buckets) == 4 * RESNET50_PARAMETERS
+    assert 1 < len(buckets) < 160
+    assert buckets[-1] == 4 * 1000 * 2049
+    assert max(buckets[:-1]) <= BUCKET_BYTES
+
+
+def test_small_run_across_two_hosts_writes_times_fractions_and_chart(tmp_path):
+    """2 emulated hosts at 10 Gb/s, 4 MB: gpukv S=0 and MPI Allreduce (and MXNet given
+    MXNET_PYTHON) each time a push+pull, its fraction of the link-bound limit is reported,
+    and the JSON and PNG are written."""
+    require_cluster()
+    require_mpi()
+    ways = ["s0", "mpi"] + (["mx-spn"] if os.environ.get("MXNET_PYTHON") else [])
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_cluster.py"), "--hosts", "2",
+         "--rates", "10gbit", "--sizes", "4MB", "--ways", ",".join(ways), "--warmup", "1",
+         "--iters", "5", "--timeout", "60", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=150, cwd=ROOT,
+        env=gpu_env.subprocess_env(gpus=False))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in Path(tmp_path).glob("cluster_*.json")]
+    assert list(Path(tmp_path).glob("cluster_*.png"))
+    cases = {c["way"]: c for c in record["cases"]}
+    assert sorted(cases) == sorted(ways)
+    limit = 2 * (2 - 1) / 2 * (4 << 20) / (10e9 / 8)
+    for way, case in cases.items():
+        assert case["ok"], (way, case["error"])
+        assert case["limit_s"] == pytest.approx(limit)
+        assert 0 < case["min_s"] <= case["median_s"] <= case["max_s"]
+        assert case["iters"] == 5
+        assert case["fraction_of_limit"] == pytest.approx(limit / case["median_s"])
+    assert "gpukv S=0" in proc.stdout and "MPI Allreduce" in proc.stdout
+
+
+@pytest.mark.parametrize("lib", ["gpukv", "mpi"])
+def test_plan_entry_of_several_keys_is_one_checked_iteration(lib, tmp_path):
+    """A plan entry whose bytes are a list is one iteration over all those keys (gpukv:
+    push then pull of every key; mpi: one Allreduce each), checked and timed under the
+    entry's label, beside a one-key entry."""
+    mpiexec = require_mpi()
+    result = tmp_path / "result.json"
+    plan = [[[4096, 12288, 400], 0, 2], [8192, 0, 2]]
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(BENCHMARKS / "bench_dist.py"), "--child",
+         lib, "--layout", "2w0s", "--plan", json.dumps(plan), "--result", str(result),
+         "--no-halves"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=dict(gpu_env.subprocess_env(gpus=False), GPUKV_DIST_TIMEOUT="30"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    timings = json.loads(result.read_text())["timings"]
+    assert sorted(timings) == ["3x16784", "8192"]
+    assert all(t["check"] and t["iters"] == 2 for t in timings.values())
