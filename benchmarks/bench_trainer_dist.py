@@ -3,11 +3,16 @@ on a dist_sync store against PyTorch DistributedDataParallel (gloo).
 
     python benchmarks/bench_trainer_dist.py                     # 2 processes, every model
     python benchmarks/bench_trainer_dist.py --devices 2,4 --iters 30 --out /tmp/trainer
+    python benchmarks/bench_trainer_dist.py --cluster 2 --rate 1gbit --models resnet50-mlp
 
 Each case is one MPI job of P processes (`mpiexec -n P ... --child`), one replica each, the
 global batch (`--batch`) split over them. One iteration is zero_grad, forward, backward and
 the step; the ways take turns, one iteration each per round after a barrier, and a round's
-time is the slowest process's. The ways:
+time is the slowest process's. With `--cluster N` the job runs across N hosts emulated on
+this machine (gpukv.tools.cluster: network namespaces, links shaped to `--rate`, MPI and
+gloo over TCP only), one process per host, started from host 0, whose address is gloo's
+master; the record then has the link-bound floor: what each host must send in an
+all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
 - compute: forward, backward and torch.optim.SGD on the process's shard, no communication:
   the floor of an iteration;
 - ddp: DistributedDataParallel over gloo (buckets of 25 MB, the first 1 MB, whose
@@ -17,7 +22,10 @@ time is the slowest process's. The ways:
 - trainer overlap: the same with `overlap=True`: each bucket's allreduce starts from
   backward, on a background thread;
 - trainer on store: `update_on_kvstore=True`: the step reduce-scatters, each process
-  updates its shard, and the weights are all-gathered.
+  updates its shard, and the weights are all-gathered;
+- trainer on store overlap: the same with `overlap=True`.
+`--ways` picks some of them (compute and ddp always run: the others are measured against
+them).
 'sync' is an iteration less the compute way's (the time communication adds); beside it,
 'mpi allreduce' is the floor of that: one MPI Allreduce of all the gradients (float32, in
 place) with mpi4py, timed in the same job. After the
@@ -46,15 +54,36 @@ sys.path.insert(0, str(HERE.parent))
 import _common as C  # noqa: E402
 from bench_dist import find_mpiexec, free_port  # noqa: E402
 
-MODELS = ("mlp", "wide-mlp", "1000-params")
+from gpukv.tools import cluster as emulated  # noqa: E402
+
+MODELS = ("mlp", "wide-mlp", "resnet50-mlp", "1000-params")
+#: run by default (resnet50-mlp is for --cluster: 100 MB of gradients)
+DEFAULT_MODELS = ("mlp", "wide-mlp", "1000-params")
 LR = 0.01
-WAYS = ("compute", "ddp", "trainer", "trainer overlap", "trainer on store")
+#: the Trainer's ways and their options
+TRAINER_WAYS = {
+    "trainer": {"update_on_kvstore": False, "overlap": False},
+    "trainer overlap": {"update_on_kvstore": False, "overlap": True},
+    "trainer on store": {"update_on_kvstore": True, "overlap": False},
+    "trainer on store overlap": {"update_on_kvstore": True, "overlap": True},
+}
+WAYS = ("compute", "ddp", *TRAINER_WAYS)
+#: --ways names the Trainer's ways by these
+WAY_NAMES = {"off": "trainer", "overlap": "trainer overlap", "store": "trainer on store",
+             "store-overlap": "trainer on store overlap"}
 
 
 def make_model(name: str):
     """The model and its input width (the MLP and the 1000-parameter stack are
-    bench_trainer.py's; the wide MLP has 6M parameters, 24 MB of gradients)."""
+    bench_trainer.py's; the wide MLP has 6M parameters, 24 MB of gradients; resnet50-mlp
+    has ResNet-50's size, 25M parameters (100 MB of float32 gradients) in 50 tensors,
+    25 layers of 1000 x 1000, light enough to compute on a small machine)."""
     from torch import nn
+    if name == "resnet50-mlp":
+        layers: list = []
+        for _ in range(25):
+            layers += [nn.Linear(1000, 1000), nn.ReLU()]
+        return nn.Sequential(*layers[:-1]), 1000
     if name == "wide-mlp":
         return nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048),
                              nn.ReLU(), nn.Linear(2048, 512)), 512
@@ -77,8 +106,8 @@ def child(args) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=size)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
+                            rank=rank, world_size=size)
 
     def slowest(call) -> float:
         """Seconds of `call()` on the slowest process, all starting together."""
@@ -112,9 +141,9 @@ def child(args) -> int:
         ddp_opt = torch_sgd(ddp_model, LR * size / batch)  # DDP averages the gradients
         models["ddp"] = ddp_model.module
         steps["ddp"] = (ddp_opt.zero_grad, ddp_model, ddp_opt.step)
-        for way, kw in (("trainer", {"update_on_kvstore": False, "overlap": False}),
-                        ("trainer overlap", {"update_on_kvstore": False, "overlap": True}),
-                        ("trainer on store", {"update_on_kvstore": True, "overlap": False})):
+        ways = ["compute", "ddp", *args.ways]
+        for way in args.ways:
+            kw = TRAINER_WAYS[way]
             model = copy.deepcopy(base)
             trainer = gt.Trainer(model, "sgd", {"learning_rate": LR},
                                  kvstore=gpukv.create("dist_sync"), **kw)
@@ -128,9 +157,9 @@ def child(args) -> int:
             loss_fn(model(xs), ys).backward()
             step()
 
-        samples: dict = {way: [] for way in WAYS}
+        samples: dict = {way: [] for way in ways}
         for i in range(args.warmup + args.iters):
-            for way in WAYS:
+            for way in ways:
                 seconds = slowest(lambda: iteration(way))
                 if i >= args.warmup:
                     samples[way].append(seconds)
@@ -143,12 +172,12 @@ def child(args) -> int:
                   "parameters": parameters, "mpi_allreduce_s": statistics.median(raw),
                   "ways": {}}
         compute = statistics.median(samples["compute"])
-        for way in WAYS:
+        for way in ways:
             median = statistics.median(samples[way])
             diff = max(float(((p.detach() - q).abs() / (q.abs() + 1e-3)).max())
                        for p, q in zip(models[way].parameters(), reference))
             record["ways"][way] = {"iteration_s": median, "sync_s": median - compute,
-                                   "min_s": min(samples[way]),
+                                   "min_s": min(samples[way]), "max_s": max(samples[way]),
                                    "relative_difference_from_ddp": diff}
         records.append(record)
     if rank == 0:
@@ -159,30 +188,59 @@ def child(args) -> int:
 
 # ------------------------------------------------------------------------- the driver
 def run_case(processes: int, args) -> list[dict]:
+    """One MPI job of `processes` processes, on this machine or (--cluster) one per
+    emulated host."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise RuntimeError("no mpiexec found (pip install mpi4py mpich)")
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [mpiexec, "-n", str(processes), sys.executable, str(Path(__file__).resolve()),
-               "--child", "--result", str(result), "--port", str(free_port()),
-               "--models", ",".join(args.models), "--batch", str(args.batch),
-               "--threads", str(args.threads), "--warmup", str(args.warmup),
-               "--iters", str(args.iters)]
-        job = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                             cwd=HERE.parent)
+
+        def command(master: str, hosts: list) -> list:
+            spread = ["-hosts", ",".join(f"{h}:1" for h in hosts)] if hosts else []
+            return [mpiexec, *spread, "-n", str(processes), sys.executable,
+                    str(Path(__file__).resolve()), "--child", "--result", str(result),
+                    "--master", master, "--port", str(free_port()),
+                    "--models", ",".join(args.models), "--batch", str(args.batch),
+                    "--threads", str(args.threads), "--warmup", str(args.warmup),
+                    "--iters", str(args.iters),
+                    "--ways", ",".join(n for n, w in WAY_NAMES.items() if w in args.ways)]
+        run = {"capture_output": True, "text": True, "timeout": args.timeout,
+               "cwd": HERE.parent}
+        if args.cluster:
+            with emulated.EmulatedCluster(processes, args.rate) as cluster:
+                job = cluster.run(0, command(cluster.addresses[0], cluster.addresses), **run)
+        else:
+            job = subprocess.run(command("127.0.0.1", []), **run)
         if job.returncode != 0 or not result.exists():
             raise RuntimeError(f"exit {job.returncode}: {job.stdout[-1500:]}"
                                f"{job.stderr[-1500:]}")
-        return json.loads(result.read_text())
+        records = json.loads(result.read_text())
+    for record in records:
+        if args.cluster:
+            record["rate"] = args.rate
+            record["link_bound_s"] = (2 * (processes - 1) / processes * 4
+                                      * record["parameters"] / (emulated.rate_bits(args.rate) / 8))
+    return records
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = C.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
-    p.add_argument("--models", type=C.name_list(MODELS, "model"), default=",".join(MODELS),
-                   metavar="NAMES",
-                   help=f"models among {', '.join(MODELS)}, comma-separated (default: all)")
+    p.add_argument("--models", type=C.name_list(MODELS, "model"),
+                   default=",".join(DEFAULT_MODELS), metavar="NAMES",
+                   help=f"models among {', '.join(MODELS)}, comma-separated (default: "
+                        f"{', '.join(DEFAULT_MODELS)})")
+    p.add_argument("--ways", type=C.name_list(tuple(WAY_NAMES), "way"),
+                   default=",".join(WAY_NAMES), metavar="NAMES",
+                   help=f"the Trainer's ways among {', '.join(WAY_NAMES)} (trainer, trainer "
+                        f"overlap, trainer on store, trainer on store overlap), "
+                        f"comma-separated (default: all)")
     C.add_devices_option(p, "2", "processes, one replica each")
+    p.add_argument("--cluster", type=C.positive_int, default=None, metavar="HOSTS",
+                   help="run across HOSTS emulated hosts, one process each (needs root; "
+                        "gpukv.tools.cluster); overrides --devices")
+    p.add_argument("--rate", default="1gbit", metavar="RATE",
+                   help="with --cluster: each host's link rate (default 1gbit)")
     p.add_argument("--batch", type=C.positive_int, default=256, metavar="N",
                    help="global batch size, split over the processes (default 256)")
     p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
@@ -195,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     return p
 
 
@@ -209,14 +268,27 @@ def table_rows(record: dict) -> list[list]:
                      f"{r['relative_difference_from_ddp']:.1e}"])
     rows.append([record["model"], record["processes"], "mpi allreduce", "-",
                  C.format_seconds(record["mpi_allreduce_s"]), "-", "-"])
+    if "link_bound_s" in record:
+        rows.append([record["model"], record["processes"], f"link-bound ({record['rate']})",
+                     "-", C.format_seconds(record["link_bound_s"]), "-", "-"])
     return rows
 
 
 def main(argv=None) -> int:
     """Returns 1 when a case failed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.ways = [WAY_NAMES[name] for name in args.ways]
     if args.child:
         return child(args)
+    if args.cluster:
+        try:
+            emulated.rate_bits(args.rate)
+        except ValueError as exc:
+            parser.error(f"argument --rate: {exc}")
+        if args.cluster < 2:
+            parser.error(f"argument --cluster: {args.cluster}: expected 2 hosts or more")
+        args.devices = [args.cluster]
     records, rows, failed = [], [], False
     for processes in args.devices:
         try:
@@ -239,6 +311,7 @@ def main(argv=None) -> int:
     C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp",
                    "diff vs ddp"], rows)
     payload = {"processes": args.devices, "batch": args.batch, "threads": args.threads,
+               "cluster": args.cluster and {"hosts": args.cluster, "rate": args.rate},
                "results": records, "machine": C.machine_info(),
                "libraries": C.library_versions("numpy", "torch", "mpi4py")}
     C.save_results(payload, args.out, C.result_name("trainer_dist"))

@@ -79,6 +79,7 @@ class _Exchange:
         self.summed = 0          # chunks summed so far
         self.gather = False
         self.others: list = []   # the ranks a summed chunk goes on to
+        self.arrived = 0         # messages received so far
 
     def run(self, keys: list, reduce: bool, gather: bool) -> None:
         t, rank, size = self.t, self.t.rank, self.t.size
@@ -116,7 +117,8 @@ class _Exchange:
                 for a, b in chunks(key.counts[rank], key.out.itemsize):
                     self._send_on(key.out[start + a:start + b], others)
         self._sum_ready()
-        t.poll(self._progress, self.what, on_timeout=self._silent)
+        t.poll(self._progress, self.what, on_timeout=self._silent,
+               moved=lambda: self.arrived)
 
     def _recv(self, buf: np.ndarray, source: int, tag: int, chunk) -> None:
         self.recvs.append(self.t.comm.Irecv(as_bytes(buf), source=source, tag=tag))
@@ -132,6 +134,7 @@ class _Exchange:
         test_some, test_all = self.t.MPI.Request.Testsome, self.t.MPI.Request.Testall
         arrived = test_some(self.recvs) if self.recvs else None
         if arrived:
+            self.arrived += len(arrived)
             for i in arrived:
                 chunk = self.feeds[i]
                 self.sources[i] = None

@@ -149,32 +149,40 @@ class Transport:
             raise self.broken(what, exc) from exc
 
     # --------------------------------------------------------------------- waits
-    def poll(self, done, what: str, timeout: float | None = None, on_timeout=None):
+    def poll(self, done, what: str, timeout: float | None = None, on_timeout=None,
+             moved=None):
         """Call `done()` until it returns something other than None, and return that.
 
         Spins (yielding the CPU to any other runnable process) for the first tens of
         milliseconds, so an answer is seen at once, then sleeps a little longer each time,
-        so a long wait costs little. After `timeout`
-        seconds (the transport's by default): `on_timeout()` if given (which may return a
-        PeerError to raise), else a PeerError naming `what`.
+        so a long wait costs little. `moved()`, if given, counts the messages moved so
+        far: each time it changes the spin starts again, so a transfer in progress, which
+        MPI moves on only while it is tested, is not left idle by the naps. After
+        `timeout` seconds (the transport's by default): `on_timeout()` if given (which may
+        return a PeerError to raise), else a PeerError naming `what`.
         """
         try:
-            return self._poll(done, what, timeout, on_timeout)
+            return self._poll(done, what, timeout, on_timeout, moved)
         except self.MPI.Exception as exc:  # a test of a request, a receive, a roll call
             raise self.broken(what, exc) from exc
 
-    def _poll(self, done, what: str, timeout: float | None, on_timeout):
+    def _poll(self, done, what: str, timeout: float | None, on_timeout, moved=None):
         result = done()
         if result is not None:
             return result
         start = time.monotonic()
         limit = self.timeout if timeout is None else timeout
         pause = self.pacer()
+        count = moved() if moved is not None else None
+        idle_since = start  # the last time a message moved
         while True:
             result = done()
             if result is not None:
                 return result
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
+            if moved is not None and moved() != count:
+                count, idle_since = moved(), now
             if waited > _NOTICE_AFTER:  # (a wait this long can afford a probe each time)
                 told = self._told(what)
                 if told is not None:
@@ -185,7 +193,7 @@ class Transport:
                     error = PeerError(f"rank {self.rank}: {what}: no answer within "
                                       f"{limit:g} s (GPUKV_DIST_TIMEOUT)")
                 raise self.lost(error)
-            pause(waited)
+            pause(now - idle_since)
 
     def pacer(self):
         """`pause(waited)`: how a wait spends the time between two tests.
@@ -202,6 +210,7 @@ class Transport:
 
         def pause(waited: float) -> None:
             if waited < spin:
+                naps[0] = 0.0  # (after a message moved, the naps start short again)
                 yield_cpu()
             else:
                 naps[0] = min(0.001, naps[0] + 0.00002)

@@ -540,6 +540,7 @@ def test_trainer_benchmark_against_ddp(tmp_path):
         assert record["mpi_allreduce_s"] > 0
         ways = record["ways"]
         assert set(ways) == {"compute", "ddp", "trainer", "trainer overlap",
-                             "trainer on store"}
-        for way in ("trainer", "trainer overlap", "trainer on store"):
+                             "trainer on store", "trainer on store overlap"}
+        for way in ("trainer", "trainer overlap", "trainer on store",
+                    "trainer on store overlap"):
             assert ways[way]["relative_difference_from_ddp"] < 1e-5, (way, ways[way])

@@ -4,13 +4,16 @@ bit, for pieces and chunks of every length and every dtype, and a worker that st
 middle of an exchange is named in a PeerError within the timeout."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 
 from .. import gpu_env
-from .mpirun import ok, run
+from .mpirun import ok, require_mpi, run
 
 pytestmark = pytest.mark.mpi
 
@@ -69,3 +72,31 @@ def test_worker_stalled_in_an_exchange_is_named_within_the_timeout():
         after = float(re.search(r"after ([\d.]+) s", line).group(1))  # type: ignore
         assert after < 3 * 2, line
     assert took < 60, took
+
+
+# A wait of 0.2 s, four times the spin of a rank with a core of its own, counting its naps.
+_NAPS = """
+import time
+from mpi4py import MPI
+from gpukv.distributed.transport import Transport
+naps = []
+time.sleep = naps.append  # the waits' naps, recorded instead of slept
+t = Transport(MPI.COMM_SELF, 5.0)
+start, tests = time.monotonic(), [0]
+def done():
+    tests[0] += 1
+    return True if time.monotonic() - start > 0.2 else None
+t.poll(done, "a transfer", moved={moved})
+print(len(naps))
+"""
+
+
+@pytest.mark.parametrize("moved, napped", [("lambda: tests[0]", False), ("None", True)])
+def test_wait_keeps_testing_while_messages_move(moved, napped):
+    """A wait whose messages keep moving (MPI moves them on only while they are tested)
+    never naps, however long it lasts; a wait where nothing moves naps past its spin."""
+    require_mpi()
+    proc = subprocess.run([sys.executable, "-c", _NAPS.format(moved=moved)],
+                          capture_output=True, text=True, timeout=60, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    assert (int(proc.stdout) > 0) == napped, proc.stdout

@@ -97,3 +97,27 @@ def test_plan_entry_of_several_keys_is_one_checked_iteration(lib, tmp_path):
     timings = json.loads(result.read_text())["timings"]
     assert sorted(timings) == ["3x16784", "8192"]
     assert all(t["check"] and t["iters"] == 2 for t in timings.values())
+
+
+def test_trainer_benchmark_across_two_hosts_matches_ddp(tmp_path):
+    """bench_trainer_dist.py --cluster 2 runs DDP and the Trainer one process per emulated
+    host (gloo's master on host 0), reports the link-bound floor, and the Trainer ends with
+    DDP's weights."""
+    require_cluster()
+    require_mpi()
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_trainer_dist.py"), "--cluster", "2",
+         "--rate", "10gbit", "--models", "mlp", "--ways", "off,store-overlap",
+         "--warmup", "0", "--iters", "2", "--timeout", "120", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+        env=gpu_env.subprocess_env(gpus=False))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (result,) = Path(tmp_path).glob("trainer_dist_*.json")
+    payload = json.loads(result.read_text())
+    assert payload["cluster"] == {"hosts": 2, "rate": "10gbit"}
+    (record,) = payload["results"]
+    assert set(record["ways"]) == {"compute", "ddp", "trainer", "trainer on store overlap"}
+    assert record["link_bound_s"] == pytest.approx(4 * record["parameters"] / (10e9 / 8))
+    for way in ("trainer", "trainer on store overlap"):
+        assert record["ways"][way]["relative_difference_from_ddp"] < 1e-5, record["ways"]
