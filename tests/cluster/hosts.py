@@ -118,10 +118,11 @@ class Watched:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def wait_for(self, text: str, count: int = 1, limit: float = 60) -> float:
-        """When `count` lines containing `text` have come (fails past `limit` s)."""
+        """When `text` has come `count` times (fails past `limit` s). Counted in the text,
+        not by line: the ranks' lines may run into each other on their way."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            seen = [t for t, line in list(self.lines) if text in line]
+            seen = [t for t, line in list(self.lines) for _ in range(line.count(text))]
             if len(seen) >= count:
                 return seen[count - 1]
             if self.process.poll() is not None and not any(r.is_alive()

@@ -84,6 +84,9 @@ def test_kill_ends_every_process_of_a_host_only():
     """kill(host) is the host dying: its processes go, the others' stay."""
     with cluster(2) as made:
         sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
+        deadline = time.monotonic() + 10
+        while not made.pids(1) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (until `ip netns exec` has entered the host)
         assert made.pids(1)
         made.kill(1)
         assert sleepers[1].wait(timeout=10) == -signal.SIGKILL
