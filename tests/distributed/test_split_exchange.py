@@ -68,7 +68,9 @@ def test_worker_stalled_in_an_exchange_is_named_within_the_timeout():
     assert sorted(w for w, _ in lines) == ["0", "2"], out
     for _, line in lines:
         assert "push of key 'w': reduce-scatter" in line or "allreduce" in line, line
-        assert "no data from rank(s) 1 within 3 s" in line, line
+        # rank 1 named (a loaded machine may find a rank waiting on it late as well)
+        named = re.search(r"no data from rank\(s\) ([\d, ]+) within 3 s", line)
+        assert named and "1" in named.group(1).split(", "), line
         after = float(re.search(r"after ([\d.]+) s", line).group(1))  # type: ignore
         assert after < 3 * 2, line
     assert took < 60, took
