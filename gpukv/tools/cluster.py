@@ -36,6 +36,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -258,8 +259,15 @@ class EmulatedCluster:
         """Bring host's link back up (the address and route come back with it)."""
         self._check_host(host)
         _ip("-n", self.namespaces[host], "link", "set", IFACE, "up")
-        # A link that went down loses its routes; the address's own route comes back
-        # with it, so nothing else is needed.
+        # (the address and its route come back with the link) Return once it carries
+        # traffic again: both ends of the veth report their carrier up.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            shown = _ip("-n", self.namespaces[host], "-o", "link", "show", IFACE).stdout
+            if "LOWER_UP" in shown and "state UP" in shown:
+                return
+            time.sleep(0.02)
+        raise ClusterUnavailable(f"host {host}'s link did not come back up within 5 s")
 
     def kill(self, host: int) -> list[int]:
         """SIGKILL every process of host, as when the machine dies; their pids."""

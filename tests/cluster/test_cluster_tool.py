@@ -20,7 +20,12 @@ pytestmark = [pytest.mark.cluster]
 SERVE = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,"
          "socket.SO_REUSEADDR,1); s.bind((sys.argv[1],7000)); s.listen(); print('up',"
          "flush=True); c,_=s.accept(); c.sendall(b'hello from '+sys.argv[1].encode())")
-ASK = ("import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=3); "
+ASK = ("import socket,sys,time\n"
+       "for attempt in range(int(sys.argv[2])):\n"
+       "    try: c=socket.create_connection((sys.argv[1],7000),timeout=2); break\n"
+       "    except OSError:\n"
+       "        if attempt == int(sys.argv[2]) - 1: raise\n"
+       "        time.sleep(0.5)\n"
        "print(c.recv(64).decode())")
 
 
@@ -37,9 +42,11 @@ def _serve(made, host: int) -> subprocess.Popen:
     return server
 
 
-def _ask(made, host: int, target: int) -> subprocess.CompletedProcess:
-    return made.run(host, [sys.executable, "-c", ASK, made.addresses[target]],
-                    capture_output=True, text=True, timeout=20)
+def _ask(made, host: int, target: int, attempts: int = 5) -> subprocess.CompletedProcess:
+    """Connect from host to target's echo (a few tries: a link just restored may drop
+    the first packets, as a real one does while it comes up) and read its reply."""
+    return made.run(host, [sys.executable, "-c", ASK, made.addresses[target], str(attempts)],
+                    capture_output=True, text=True, timeout=30)
 
 
 def test_hosts_reach_each_other_over_their_own_interfaces():
@@ -71,7 +78,7 @@ def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
     """cut() takes a host off the network; restore() brings it back with its address."""
     with cluster(2) as made:
         made.cut(1)
-        refused = _ask(made, 0, 1)
+        refused = _ask(made, 0, 1, attempts=1)
         assert refused.returncode != 0
         made.restore(1)
         server = _serve(made, 1)
