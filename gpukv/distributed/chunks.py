@@ -7,9 +7,33 @@ alone, so a worker's receives match a server's sends one for one.
 """
 from __future__ import annotations
 
+import os
+
+from .._errors import ArgumentError
+
 #: bytes per chunk: large enough that a message's fixed cost is small against its bytes,
 #: small enough that summing and sending overlap the transfer of the rest
 CHUNK_BYTES = 1 << 20
+#: "no chunks": a piece moves whole
+WHOLE = 1 << 62
+
+
+def chunk_bytes(transport) -> int:
+    """The chunk size of a job: GPUKV_DIST_CHUNK_BYTES when set (every process of the job
+    sets the same), else CHUNK_BYTES when the job spans several machines, and pieces
+    whole when every process shares one machine, where a message costs memory bandwidth
+    alone and each chunk's fixed costs (a message, its tests, a sum call) are what show."""
+    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES")
+    if chosen:
+        try:
+            value = int(chosen)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ArgumentError(f"GPUKV_DIST_CHUNK_BYTES={chosen!r}: expected a positive "
+                                f"number of bytes")
+        return value
+    return CHUNK_BYTES if transport.local_size < transport.size else WHOLE
 
 
 def chunk_ranges(n: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list:

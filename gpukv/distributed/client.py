@@ -14,7 +14,7 @@ import numpy as np
 from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ..encoding.compression import Compressor, compressible
 from .agree import Agreement, from_rank0, refuse_split
-from .chunks import chunk_ranges
+from .chunks import chunk_bytes, chunk_ranges
 from .sharding import pieces
 from .state import cut, merge
 from .transport import (
@@ -32,9 +32,9 @@ from .transport import (
 _REPLY_TAGS = 30000
 
 
-def in_chunks(arrays) -> list:
-    """The chunks each of `arrays` crosses in (see `chunks`), in order."""
-    return [a[lo:hi] for a in arrays for lo, hi in chunk_ranges(a.size, a.itemsize)]
+def in_chunks(arrays, chunk: int) -> list:
+    """The chunks of `chunk` bytes each of `arrays` crosses in (see `chunks`), in order."""
+    return [a[lo:hi] for a in arrays for lo, hi in chunk_ranges(a.size, a.itemsize, chunk)]
 
 
 def reported(report) -> PeerError:
@@ -55,6 +55,7 @@ class ServerClient:
         self.t = transport
         self.servers = servers
         self.bound = bound
+        self.chunk = chunk_bytes(transport)  # the servers cut the pieces alike
         self.workers = Transport(worker_comm(transport, servers), transport.timeout,
                                  transport.local_size)
         self.agree = Agreement(self.workers)
@@ -186,7 +187,7 @@ class ServerClient:
         for server, (entries, data) in by_server.items():
             body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
                                               for e, a in zip(entries, data)]}
-            requests += self._request(server, "push", body, in_chunks(data))
+            requests += self._request(server, "push", body, in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _compress(self, key, piece, grad):
@@ -217,7 +218,7 @@ class ServerClient:
                     tag = tags[p.server] = self._tag()
                 by_server[p.server].append((key, self.pushes[key]))
                 requests += [t.recv_array(chunk, p.server, tag)
-                             for chunk in in_chunks([flat[p.start:p.stop]])]
+                             for chunk in in_chunks([flat[p.start:p.stop]], self.chunk)]
         for server, wanted in by_server.items():
             requests += self._request(server, "pull", {"tag": tags[server], "keys": wanted})
         self._wait(requests, f"pull of key {keys[0]!r}")

@@ -27,7 +27,7 @@ import numpy as np
 from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ..device.host_sum import accumulate_dtype, host_sum
 from ..encoding.compression import make_compressor
-from .chunks import chunk_ranges
+from .chunks import chunk_bytes, chunk_ranges
 from .engine import Shard
 from .state import mark_starts
 from .transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
@@ -36,10 +36,10 @@ from .transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transpo
 class _Incoming:
     """One worker's push of one key's piece: its buffer, arriving chunk by chunk."""
 
-    def __init__(self, buffer: np.ndarray, comp):
+    def __init__(self, buffer: np.ndarray, comp, chunk: int):
         self.buffer = buffer
         self.comp = comp               # (compressor params, size) of a compressed payload
-        self.ranges = chunk_ranges(buffer.size, buffer.itemsize)
+        self.ranges = chunk_ranges(buffer.size, buffer.itemsize, chunk)
         self.arrived = [False] * len(self.ranges)
         self.missing = len(self.ranges)
 
@@ -80,6 +80,7 @@ class _Server:
         self.workers = transport.size - servers
         self.shard = shard
         self.asynchronous = asynchronous
+        self.chunk = chunk_bytes(transport)  # the workers cut their pieces alike
         self.keys: dict = {}
         self.pulls: list = []          # _Pull not answered yet
         self.sending: list = []        # requests of replies on their way
@@ -190,7 +191,7 @@ class _Server:
         """Start receiving the chunks of a push from `source`: an _Incoming per array."""
         incomings = []
         for key, dtype, n in body["data"]:
-            incoming = _Incoming(self.buffer(np.dtype(dtype), n), None)
+            incoming = _Incoming(self.buffer(np.dtype(dtype), n), None, self.chunk)
             for chunk, (lo, hi) in enumerate(incoming.ranges):
                 self.receiving.append(self.t.recv_array(incoming.buffer[lo:hi], source,
                                                         TAG_PUSH_DATA))
@@ -378,7 +379,7 @@ class _Server:
             if state is None or not state.initialised:
                 return False
             value = self.shard.stored(key).reshape(-1)
-            ranges = chunk_ranges(value.size, value.itemsize)
+            ranges = chunk_ranges(value.size, value.itemsize, self.chunk)
             if self.asynchronous or state.version >= version:
                 ready = len(ranges)
             elif state.version == version - 1 and not self.updating:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpukv.distributed.chunks import CHUNK_BYTES, chunk_ranges
+import gpukv
+from gpukv.distributed.chunks import CHUNK_BYTES, WHOLE, chunk_bytes, chunk_ranges
 
 
 @pytest.mark.parametrize("n,itemsize,chunk,want", [
@@ -25,3 +26,33 @@ def test_default_chunk_is_what_both_ends_use():
     """Without a size given, a piece is cut at CHUNK_BYTES."""
     step = CHUNK_BYTES // 4
     assert chunk_ranges(2 * step + 1, 4) == [(0, step), (step, 2 * step), (2 * step, 2 * step + 1)]
+
+
+class _Job:
+    def __init__(self, local_size: int, size: int):
+        self.local_size, self.size = local_size, size
+
+
+@pytest.mark.parametrize("local_size, size, chosen, want", [
+    (1, 4, None, CHUNK_BYTES),      # across machines: chunks
+    (4, 4, None, WHOLE),            # one machine: pieces whole
+    (4, 4, "4096", 4096),           # set: that size anywhere
+])
+def test_a_job_across_machines_moves_chunks_and_one_on_a_machine_whole_pieces(
+        local_size, size, chosen, want, monkeypatch):
+    """Chunks pay where a network is the limit; on one machine their fixed costs showed
+    (a 16 MB push and pull with a server took twice as long), so pieces move whole there,
+    unless GPUKV_DIST_CHUNK_BYTES says otherwise."""
+    if chosen is None:
+        monkeypatch.delenv("GPUKV_DIST_CHUNK_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("GPUKV_DIST_CHUNK_BYTES", chosen)
+    assert chunk_bytes(_Job(local_size, size)) == want
+
+
+@pytest.mark.parametrize("chosen", ["0", "-1", "lots"])
+def test_a_bad_chunk_size_is_refused(chosen, monkeypatch):
+    """GPUKV_DIST_CHUNK_BYTES must be a positive number of bytes."""
+    monkeypatch.setenv("GPUKV_DIST_CHUNK_BYTES", chosen)
+    with pytest.raises(gpukv.ArgumentError, match="GPUKV_DIST_CHUNK_BYTES"):
+        chunk_bytes(_Job(1, 2))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpukv.distributed.chunks import CHUNK_BYTES
+
 from .. import gpu_env
 from .mpirun import ok, require_mpi, run
 
@@ -57,9 +59,12 @@ def test_sync_without_updater_assigns_the_sum(n, servers):
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1), (4, 2), (5, 2)])
-def test_chunked_pushes_sum_in_worker_order(n, servers):
+def test_chunked_pushes_sum_in_worker_order(n, servers, monkeypatch):
     """Keys of many chunks (sizes no chunk divides, split or whole, float32 and float16)
-    pull the bits of the sum in worker order, whatever order the pushes arrive in."""
+    pull the bits of the sum in worker order, whatever order the pushes arrive in. (On
+    one machine pieces move whole unless a chunk size is set, as here: the size a job
+    across machines uses.)"""
+    monkeypatch.setenv("GPUKV_DIST_CHUNK_BYTES", str(CHUNK_BYTES))
     _passes(_scenario(n, servers, "chunked_sums"), n - servers)
 
 
@@ -295,9 +300,10 @@ def test_killed_worker_ends_the_job(n, servers):
 
 
 @pytest.mark.parametrize("n,servers", [(3, 1), (4, 2)])
-def test_worker_stopped_mid_push_is_named(n, servers):
+def test_worker_stopped_mid_push_is_named(n, servers, monkeypatch):
     """A worker stopped while its chunks are on the wire: every other worker raises a
     PeerError naming it within twice the timeout, and the job ends."""
+    monkeypatch.setenv("GPUKV_DIST_CHUNK_BYTES", str(CHUNK_BYTES))
     result = _scenario(n, servers, "stop_mid_push", "1", timeout=3, limit=90)
     lines = _caught(result.stdout, "PeerError")
     assert len(lines) >= n - servers - 1, result.stdout + result.stderr
