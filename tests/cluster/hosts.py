@@ -17,7 +17,7 @@ import pytest
 
 from gpukv.tools.cluster import EmulatedCluster, unavailable
 
-from ..distributed.mpirun import PROGRAMS, require_mpi
+from ..distributed.mpirun import PROGRAMS, communicate, require_mpi
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -84,13 +84,7 @@ def finish(process: subprocess.Popen, limit: float) -> tuple[int, str, str, floa
     """Wait for the job (fail the test past `limit` s, killing it): status, stdout,
     stderr and the seconds it took from now."""
     began = time.monotonic()
-    try:
-        stdout, stderr = process.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"the job did not end within {limit} s\nstdout:\n{stdout}\n"
-                    f"stderr:\n{stderr}")
+    stdout, stderr = communicate(process, limit, "the job")
     return process.returncode, stdout, stderr, time.monotonic() - began
 
 

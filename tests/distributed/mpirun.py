@@ -64,14 +64,20 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True, env=full_env,
                                start_new_session=True)
+    stdout, stderr = communicate(process, timeout, " ".join(command))
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def communicate(process: subprocess.Popen, timeout: float, what: str) -> tuple:
+    """stdout and stderr of `process` (started in a session of its own) once it ends; past
+    `timeout` s, its whole session is killed and the test fails with both outputs."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"{' '.join(command)} did not end within {timeout} s\n"
+        pytest.fail(f"{what} did not end within {timeout} s\n"
                     f"stdout:\n{_text(stdout)}\nstderr:\n{_text(stderr)}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _text(raw) -> str:
