@@ -29,10 +29,13 @@ ASK = ("import socket,sys,time\n"
        "print(c.recv(64).decode())")
 
 
-def _namespaces() -> set:
+def _namespaces(owner: int | None = None) -> set:
+    """The network namespaces, or those of the clusters process `owner` made (other runs
+    may make and remove their own meanwhile)."""
     listing = subprocess.run(["ip", "-o", "netns", "list"], capture_output=True,
                              text=True).stdout
-    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+    names = {line.split()[0] for line in listing.splitlines() if line.strip()}
+    return names if owner is None else {n for n in names if n.startswith(f"gpukv-{owner}-")}
 
 
 def _serve(made, host: int) -> subprocess.Popen:
@@ -105,7 +108,6 @@ def test_everything_is_removed_at_the_end_even_after_an_error():
     """The namespaces and the launcher script go when the `with` ends by an exception;
     two clusters at once have names of their own."""
     require_cluster()
-    before = _namespaces()
     with pytest.raises(KeyError), tool.EmulatedCluster(2) as first, \
             tool.EmulatedCluster(2) as second:
         assert not set(first.namespaces) & set(second.namespaces)
@@ -113,7 +115,7 @@ def test_everything_is_removed_at_the_end_even_after_an_error():
         assert os.access(script, os.X_OK)
         first.popen(1, ["sleep", "60"])
         raise KeyError("stop here")
-    assert _namespaces() == before
+    assert _namespaces(os.getpid()) == set()
     assert not os.path.exists(script)
 
 
@@ -146,13 +148,12 @@ def test_sweep_removes_what_a_killed_run_left():
 ])
 def test_the_command_refuses_bad_options_before_making_anything(argv, words, capsys):
     """Usage errors name the option and make no namespace."""
-    before = _namespaces() if not tool.unavailable() else set()
     with pytest.raises(SystemExit) as exited:
         tool.main(argv)
     assert exited.value.code == 2
     assert words in capsys.readouterr().err
     if not tool.unavailable():
-        assert _namespaces() == before
+        assert _namespaces(os.getpid()) == set()
 
 
 def test_the_command_runs_in_host_0_and_cleans_up_on_sigterm():
@@ -165,16 +166,16 @@ def test_the_command_runs_in_host_0_and_cleans_up_on_sigterm():
                            "exit 3"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 3, done.stderr
     assert "198.18.0.1/15" in done.stdout and "198.18.0.1,198.18.0.2" in done.stdout
-    before = _namespaces()
     running = subprocess.Popen([sys.executable, "-m", "gpukv", "cluster", "--hosts", "2",
                                 "--", "sleep", "60"], env=env, stderr=subprocess.PIPE,
                                text=True)
     deadline = time.monotonic() + 30
-    while len(_namespaces()) < len(before) + 3 and time.monotonic() < deadline:
+    while len(_namespaces(running.pid)) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert len(_namespaces(running.pid)) == 3  # the switch and two hosts, up
     running.send_signal(signal.SIGTERM)
     assert running.wait(timeout=30) == 130
-    assert _namespaces() == before
+    assert _namespaces(running.pid) == set()
 
 
 def test_bad_rates_are_refused():
