@@ -7,7 +7,9 @@ too, wherever it comes from: every call on a transport's communicator, every tes
 request and every receive go through here. Once a transport has failed it stays failed:
 the messages still in flight make the communicator unusable, and at exit the process
 aborts the MPI job (a non-zero exit, the reason on stderr; see `job_exit`) rather than
-hang in `MPI_Finalize`.
+hang in `MPI_Finalize`. A rank that loses a peer (a timeout, a broken connection) tells
+every other rank, so that each raises at once, naming the ranks lost, where it would
+otherwise wait out its own timeout.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from .._errors import BackendError, PeerError
 from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
-#: call), the raw bytes of pushes, what rank 0 shares, and the chunks of split keys on
-#: their way to their owner and back, and a rank's word that it lost a peer
+#: call), the raw bytes of pushes, what rank 0 shares, the chunks of split keys on their
+#: way to their owner and back, and a rank's word that it lost a peer
 TAG_REQUEST = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
