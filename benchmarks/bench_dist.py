@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import statistics
@@ -268,9 +267,9 @@ def _mpi_library() -> str:
 
 # --------------------------------------------------------------------------- jobs
 def find_mpiexec() -> str | None:
-    """The mpiexec beside this interpreter (a venv's MPI wheel), else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
+    """The mpiexec `gpukv run` calls: beside this interpreter, else on PATH."""
+    from gpukv.distributed.launch import find_mpiexec as launcher
+    return launcher()
 
 
 def free_port() -> int:

@@ -1,9 +1,10 @@
-"""How a piece of a key crosses to and from its server: in chunks of about `CHUNK_BYTES`,
-each its own message, so that a server sums a chunk while the next ones are on the wire
-and sends a summed chunk back while later ones still arrive.
+"""How a piece of a key crosses between processes: in chunks of about `CHUNK_BYTES`,
+each its own message, so that a server (or, with num_servers=0, a piece's owner, see
+`exchange`) sums a chunk while the next ones are on the wire and sends a summed chunk on
+while later ones still arrive.
 
 Both ends cut a piece of `n` elements of one dtype alike, from `n` and the item size
-alone, so a worker's receives match a server's sends one for one.
+alone, so a receiver's receives match a sender's sends one for one.
 """
 from __future__ import annotations
 

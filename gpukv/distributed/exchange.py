@@ -16,11 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import PeerError
+from .chunks import CHUNK_BYTES, chunk_ranges
 from .transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
-
-#: bytes of one message: small enough that an owner sums and forwards the first chunk
-#: while later ones are still on the wire, large enough that per-message costs stay small
-CHUNK_BYTES = 1 << 20
 
 
 class Split(NamedTuple):
@@ -38,9 +35,9 @@ def scratch_for(counts: list, rank: int, wire: np.dtype) -> np.ndarray:
 
 
 def chunks(n: int, itemsize: int) -> list:
-    """[start, stop) of the chunks of a piece of `n` elements."""
-    step = max(1, CHUNK_BYTES // itemsize)
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
+    """[start, stop) of the CHUNK_BYTES chunks of a piece of `n` elements (none when
+    the piece is empty: nothing to send)."""
+    return chunk_ranges(n, itemsize, CHUNK_BYTES) if n else []
 
 
 def allreduce(t: Transport, keys: list, what: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,13 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from gpukv.distributed.launch import find_mpiexec
+
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 def mpiexec() -> str | None:
-    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
+    """The mpiexec `gpukv run` calls: beside this interpreter (the mpich wheel's), else the
+    one on PATH."""
+    return find_mpiexec()
 
 
 def require_mpi() -> str:
