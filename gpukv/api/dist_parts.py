@@ -3,14 +3,16 @@ stores that keep its copies and sums, and the gathered optimizer state a checkpo
 writes. KVStore's own machinery (checks, updaters, the push pipeline) does the work."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from .._errors import CheckpointError
 from ..device import device_of
-from . import check
+from . import check, snapshots
 from .pipeline import PushPlan
 from .store import Key, KVStore
 
@@ -71,6 +73,29 @@ class Shard(KVStore):
     def apply_settings(self, settings: tuple) -> None:
         """The optimizer takes over a worker's `Optimizer.settings()`."""
         self._optimizer.apply_settings(settings)
+
+    def write_part(self, request: dict) -> str | None:
+        """Stage the pieces this shard serves and write them as shard "index" of "count"
+        of the snapshot in "folder" (see `Engine.write_snapshot`); the error of an
+        earlier write that failed (nothing is staged then), else None."""
+        keys = request["keys"]
+        pieces = {key: (start, stop, shape, *keys[key])
+                  for key, (start, stop, shape) in request["pieces"].items()}
+        path = os.path.join(request["folder"],
+                            snapshots.shard_file(request["index"], request["count"]))
+        try:
+            self._write_part(path, request["step"], pieces, [],
+                             store_type=request["store_type"])
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    def finish_part(self) -> str | None:
+        try:
+            self.finish_snapshots()
+        except CheckpointError as exc:
+            return str(exc)
+        return None
 
 
 class PinnedStore(KVStore):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import sys
 import threading
 import traceback
@@ -129,6 +130,13 @@ def _attempt(action, keep: bool = False):
     return result if keep else None
 
 
+def _checked(found, check):
+    """`found` (a snapshot or None), once `check(found)` passed."""
+    if found is not None and check is not None:
+        check(found)
+    return found
+
+
 def _raise(outcome):
     """Raise a shared CheckpointError again, here; otherwise return `outcome`."""
     if isinstance(outcome, CheckpointError):
@@ -207,6 +215,8 @@ class DistKVStore(KVStore):
         self._optimizer_followed: Any = None  # the optimizer set_optimizer was given
         self._checker: Any = None  # an OptimizerUpdater of it, to check pushes with
         self._stale: list = []  # keys whose device copies wait for rank 0's value
+        self._writer: Any = None  # writes this worker's snapshot files, once made
+        self._tag: str | None = None  # the folder tag of this store's snapshots
 
     # ----------------------------------------------------------------- properties
     @property
@@ -510,17 +520,18 @@ class DistKVStore(KVStore):
             _raise(self._engine.share(error, "save"))
 
     def load(self, path: str | os.PathLike) -> None:
-        """Read a file `save` wrote (here or in any store, with any number of processes
-        or servers): keys missing from the store are created, the others take the saved
-        values, and the optimizer's state is restored when an optimizer is set. Checked
-        whole first; a failure changes nothing and raises CheckpointError everywhere."""
-        from . import checkpoint
+        """Read a file `save` wrote, or a snapshot's folder (here or in any store, with
+        any number of processes or servers): keys missing from the store are created,
+        the others take the saved values, and the optimizer's state is restored when an
+        optimizer is set. Checked whole first; a failure changes nothing and raises
+        CheckpointError everywhere."""
+        from . import checkpoint, snapshots
         with self._lock:
             self._engine.check()
             self._engine.collective("load")  # agreed before anything moves
             contents = None
             if self.rank == 0:
-                contents = _attempt(lambda: checkpoint.read_store(path), keep=True)
+                contents = _attempt(lambda: snapshots.read_any(path), keep=True)
             contents = _raise(self._engine.share(contents, "load"))
             # The optimizer's state is checked whole, against the keys as they will be,
             # before any key is made (the shards check their parts again).
@@ -540,6 +551,79 @@ class DistKVStore(KVStore):
                     self._engine_device.copy(self._replica(key), values[key])
                 self._to_devices(keys, [self._replica(k) for k in keys])
             self._refresh()
+
+    def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
+                 keep: int = 2) -> str:
+        """Start a numbered snapshot (see `KVStore.snapshot`); every worker calls it at
+        the same step. Each shard (a process with num_servers=0, else a server) writes
+        the pieces it serves and each worker its `user_state`, in the background: `root`
+        must be a folder every process sees (a shared file system)."""
+        from . import snapshots
+        root, step, keep = snapshots.checked(root, step, keep)
+        with self._lock:
+            self._engine.check()
+            self._engine.collective("snapshot")  # agreed before anything moves
+            if self._tag is None:
+                self._tag = self._engine.share(secrets.token_hex(4), "snapshot")
+            folder = os.path.join(root, snapshots.folder_name(step, self._tag))
+            try:
+                worker = snapshots.worker_files(folder, step, self.rank, self.num_workers,
+                                                user_state)
+                problem = None
+            except ArgumentError as exc:
+                worker, problem = None, exc
+            if self._engine.workers_max(np.array([problem is not None], np.int8),
+                                        "snapshot: checking user_state")[0]:
+                raise problem or ArgumentError(
+                    "snapshot: another worker's user_state cannot be saved; nothing was")
+            entries = self._values.entries()
+            error = self._engine.write_snapshot({
+                "folder": folder, "step": step, "store_type": self._type,
+                "keys": {k: (e.home.kind, i) for i, (k, e) in enumerate(entries.items())}})
+            if self._writer is None:
+                self._writer = snapshots.PartWriter()
+            try:
+                turn, _ = self._writer.stage()
+            except CheckpointError as exc:
+                error = error or str(exc)
+            else:
+                then = (lambda: snapshots.prune(root, keep)) if self.rank == 0 else None
+                self._writer.submit(turn, [worker], then)
+            if error is not None:
+                raise CheckpointError(error)
+        return folder
+
+    def resume(self, root: str | os.PathLike, check=None):
+        """Load the newest complete snapshot under `root` (see `KVStore.resume`): worker 0
+        picks it (and runs `check`), so every worker loads the same one. Every worker
+        calls it."""
+        from . import snapshots
+        with self._lock:
+            self._engine.check()
+            self._engine.collective("resume")
+            found = None
+            if self.rank == 0:
+                found = _attempt(lambda: _checked(snapshots.latest_snapshot(root), check),
+                                 keep=True)
+            found = _raise(self._engine.share(found, "resume"))
+            if found is not None:
+                self.load(found)
+            return found
+
+    def finish_snapshots(self) -> None:
+        """Wait until every snapshot started is written, by every shard; CheckpointError
+        on every worker if one failed. Every worker calls it."""
+        with self._lock:
+            self._engine.check()
+            self._engine.collective("finish_snapshots")
+            error = self._engine.finish_snapshots()
+            if self._writer is not None:
+                try:
+                    self._writer.finish()
+                except CheckpointError as exc:
+                    error = error or str(exc)
+            if error is not None:
+                raise CheckpointError(error)
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:

@@ -10,6 +10,7 @@ import itertools
 import logging
 import operator
 import os
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from ..device import Device, announce_writes, gpu_devices, host_device, virtual_
 from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import GradientCompression, make_compressor
 from ..encoding.sparse import RowSparse
-from . import check, pipeline, rows
+from . import check, pipeline, rows, snapshots
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
@@ -113,6 +114,8 @@ class KVStore:
         self._said_host = False
         self._compression: GradientCompression | None = None
         self._said_sparse = False
+        self._snapshots: snapshots.PartWriter | None = None  # made by the first snapshot
+        self._tag: str | None = None  # the folder tag of this store's snapshots
 
     # ----------------------------------------------------------------- properties
     @property
@@ -454,8 +457,86 @@ class KVStore:
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
+    def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
+                 keep: int = 2) -> str:
+        """Start a numbered snapshot of every key and the optimizer's state under `root`.
+
+        The values and state are copied into host buffers now; a background thread
+        writes them (see `gpukv.api.snapshots`), at most one snapshot at a time, into
+        `root/step-<step>-<tag>/`, which is complete once every file is on disk, and then
+        keeps the `keep` newest complete snapshots. `user_state`: a dict of JSON values,
+        tuples and arrays saved beside it (see `gpukv.latest_snapshot`). The folder's path
+        is returned; `finish_snapshots()` waits for it. A failed write (a full disk) is
+        raised as CheckpointError by the next `snapshot` or `finish_snapshots`.
+        """
+        root, step, keep = snapshots.checked(root, step, keep)
+        with self._lock:
+            folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag()))
+            worker = snapshots.worker_files(folder, step, 0, 1, user_state)
+            shard = os.path.join(folder, snapshots.shard_file(0, 1))
+            self._write_part(shard, step, None, [worker], then=lambda: snapshots.prune(
+                root, keep))
+        return folder
+
+    def resume(self, root: str | os.PathLike, check=None) -> snapshots.Snapshot | None:
+        """Load the newest complete snapshot under `root` (see `snapshot`) and return it
+        (its `step`, and `user_state(rank)`), or None when there is none. It loads as
+        `load` does, into a store of any number of devices, processes or servers.
+        `check(snapshot)`, if given, may refuse it first (raising CheckpointError)."""
+        found = snapshots.latest_snapshot(root)
+        if found is not None:
+            if check is not None:
+                check(found)
+            self.load(found)
+        return found
+
+    def finish_snapshots(self) -> None:
+        """Wait until every snapshot started is written; CheckpointError if one failed."""
+        if self._snapshots is not None:
+            self._snapshots.finish()
+
+    def _snapshot_tag(self) -> str:
+        if self._tag is None:
+            self._tag = secrets.token_hex(4)
+        return self._tag
+
+    def _write_part(self, path: str, step: int, pieces: dict | None, others: list,
+                    then=None, store_type: str | None = None) -> None:
+        """Stage this store's keys (`pieces`: {key: (start, stop, shape, home kind, init
+        index)} of the pieces it holds, of a store of `store_type`; None: every key whole)
+        and write them to `path` in the background, then `others` ((path, header,
+        arrays)), then call `then()`."""
+        if self._snapshots is None:
+            self._snapshots = snapshots.PartWriter()
+        turn, staging = self._snapshots.stage()
+        try:
+            with self._lock:
+                infos, values = [], []
+                for index, (key, entry) in enumerate(self._entries.items()):
+                    value = entry.value
+                    if pieces is None:
+                        place = (0, value.size, value.shape, entry.home.kind, index)
+                    elif key in pieces:
+                        place = pieces[key]
+                    else:
+                        continue
+                    start, stop, shape, home, order = place
+                    infos.append({"key": key, "index": order, "home": home,
+                                  "shape": list(shape), "start": start, "stop": stop})
+                    values.append(staging.take(value.reshape(-1)))
+                export = None if self._optimizer is None else \
+                    self._updater.export_state(True, staging.fetch)
+                staging.copy()
+            header = snapshots.shard_header(step, store_type or self._type, self._key_kind,
+                                            infos, export)
+            files = [(path, header, snapshots.shard_arrays(values, export)), *others]
+        except BaseException:
+            self._snapshots.release(turn)
+            raise
+        self._snapshots.submit(turn, files, then)
+
     def load(self, path: str | os.PathLike) -> None:
-        """Read a file written by `save` into this store.
+        """Read a file written by `save` (or a snapshot's folder) into this store.
 
         Keys missing from the store are created (each on a home device chosen as by
         `init`: GPU-homed keys go back to GPUs when this store reduces on GPUs and has
@@ -467,7 +548,7 @@ class KVStore:
         state that does not fit raise CheckpointError and leave the store untouched.
         """
         from . import checkpoint
-        contents = checkpoint.read_store(path)  # the file alone, outside the lock
+        contents = snapshots.read_any(path)  # the file alone, outside the lock
         with self._lock:  # checked against the store and applied in one hold of the lock
             self._apply_load(checkpoint.plan_load(contents, self._snapshot()))
 

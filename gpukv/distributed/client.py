@@ -349,6 +349,27 @@ class ServerClient:
         """Worker 0's `obj` on every worker."""
         return from_rank0(self.workers, obj, what)
 
+    # --------------------------------------------------------------- snapshots
+    def write_snapshot(self, request: dict) -> str | None:
+        """Each server writes the pieces it serves (shard `server` of `servers`), once
+        every worker's earlier pushes are applied; worker 0 asks them."""
+        self._flush_servers("snapshot")
+        error = None
+        if self.rank == 0:
+            errors = self.call_servers("write_snapshot", lambda server: dict(
+                request, index=server, count=self.servers, pieces={
+                    key: (p.start, p.stop, shape) for key, (layout, shape, _)
+                    in self.layouts.items() for p in layout if p.server == server}))
+            error = next((e for e in errors if e is not None), None)
+        return from_rank0(self.workers, error, "snapshot")
+
+    def finish_snapshots(self) -> str | None:
+        error = None
+        if self.rank == 0:
+            errors = self.call_servers("finish_snapshots", lambda server: {})
+            error = next((e for e in errors if e is not None), None)
+        return from_rank0(self.workers, error, "finishing the snapshots")
+
     def stop(self) -> None:
         """Tell the servers this worker is done (at exit; once)."""
         if self._stopped or self.t.failure is not None:

@@ -108,6 +108,17 @@ class Engine(Protocol):
         """Rank 0's `obj` on every worker."""
         ...
 
+    def write_snapshot(self, request: dict) -> str | None:
+        """Have every shard stage its pieces for a snapshot and write them in the
+        background (`request`: "folder", "step", "store_type", "keys" {key: (home kind,
+        init index)}); the error of an earlier write that failed, alike on every worker."""
+        ...
+
+    def finish_snapshots(self) -> str | None:
+        """Wait until every shard's snapshots are written; a failure's error, alike on
+        every worker."""
+        ...
+
 
 @runtime_checkable
 class Shard(Protocol):
@@ -160,4 +171,14 @@ class Shard(Protocol):
 
     def apply_state(self, plan: Any) -> None:
         """Install the optimizer state `check_state` planned."""
+        ...
+
+    def write_part(self, request: dict) -> str | None:
+        """Stage the served pieces for a snapshot and write shard "index" of "count" in
+        the background (`request`: `Engine.write_snapshot`'s, plus those two and
+        "pieces" {key: (start, stop, full shape)}); an earlier failed write's error."""
+        ...
+
+    def finish_part(self) -> str | None:
+        """Wait for this shard's snapshot writes; a failed one's error."""
         ...

@@ -422,6 +422,14 @@ class _Server:
         starts = {k: s.spec[0] for k, s in self.keys.items() if s.initialised}
         self.reply(worker, mark_starts(self.shard.export_state(body["dump"]), starts))
 
+    def op_write_snapshot(self, worker, source, body) -> None:
+        """Stage this server's pieces for a snapshot (written in the background); the
+        error of an earlier write that failed, or None."""
+        self.reply(worker, self.shard.write_part(body))
+
+    def op_finish_snapshots(self, worker, source, body) -> None:
+        self.reply(worker, self.shard.finish_part())
+
     def op_check_state(self, worker, source, body) -> None:
         """Check this server's part of a loaded state; kept for `op_restore`."""
         try:

@@ -548,6 +548,25 @@ class ShardedRounds:
         """Rank 0's `obj` on every rank."""
         return from_rank0(self.t, obj, what)
 
+    # --------------------------------------------------------------- snapshots
+    def write_snapshot(self, request: dict) -> str | None:
+        """Every rank writes the pieces its shard serves (shard `rank` of `size`)."""
+        self.flush("snapshot")
+        rank = self.t.rank
+        pieces = {key: (p.start, p.stop, layout.shape) for key, layout in self.layouts.items()
+                  for p in layout.pieces if p.server == rank}
+        return self._alike(self.shard.write_part(
+            dict(request, index=rank, count=self.t.size, pieces=pieces)), "snapshot")
+
+    def finish_snapshots(self) -> str | None:
+        return self._alike(self.shard.finish_part(), "finishing the snapshots")
+
+    def _alike(self, error: str | None, what: str) -> str | None:
+        """The first rank's error (rank order), on every rank."""
+        errors = to_rank0(self.t, error, what)
+        first = None if errors is None else next((e for e in errors if e is not None), None)
+        return from_rank0(self.t, first, what)
+
 
 def _displacements(counts: list) -> list:
     return [0] + list(itertools.accumulate(counts))[:-1]

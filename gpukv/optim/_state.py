@@ -53,18 +53,20 @@ class KeyState:
 
 
 # ------------------------------------------------------------------------- saving
-def export_state(opt: Optimizer, states: dict,
-                 dump_optimizer: bool = False) -> tuple[dict, dict]:
+def export_state(opt: Optimizer, states: dict, dump_optimizer: bool = False,
+                 fetch=None) -> tuple[dict, dict]:
     """(header, {name: NumPy array}) holding every state tensor of `states` ({key:
-    KeyState}) and every update count of `opt`; its options too when `dump_optimizer`."""
+    KeyState}) and every update count of `opt`; its options too when `dump_optimizer`.
+    `fetch(home, array)`: the host array each state array goes to (default: a copy)."""
+    fetch = fetch or _fetch
     keys, arrays = [], {}
     update_counts = opt.update_counts
     for i, (key, state) in enumerate(states.items()):
         names = list(opt.state_names())
         for name, arr in zip(names, state.arrays):
-            arrays[f"state/{i}/{name}"] = _fetch(state.home, arr)
+            arrays[f"state/{i}/{name}"] = fetch(state.home, arr)
         if state.master is not None:
-            arrays[f"state/{i}/master"] = _fetch(state.home, state.master)
+            arrays[f"state/{i}/master"] = fetch(state.home, state.master)
         shape = list(state.arrays[0].shape if state.arrays else
                      (state.master.shape if state.master is not None else ()))
         keys.append({"key": key, "key_kind": type(key).__name__, "states": names,

@@ -12,10 +12,12 @@ import torch
 
 from .._errors import ArgumentError, ArgumentKindError
 from ..api.factory import create
+from ..api.snapshots import Snapshot
 from ..api.store import KVStore
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
+from .checkpoints import Checkpoints
 from .fresh import FreshGrads
 from .overlap import OWNER, EarlyReduction
 
@@ -74,11 +76,22 @@ class Trainer:
     again (on a dist store, on every process): the result is right, but the early work is
     lost. For gradient accumulation, wrap every backward pass of a step but the last in
     `no_sync()`.
+
+    checkpoint_dir: a folder (shared by every process of a dist store) for numbered
+    snapshots of the weights, the optimizer's state, `steps` and `user_state` (see
+    `KVStore.snapshot`). A Trainer made with a folder that holds a complete snapshot
+    starts from it, on any number of workers, processes or servers, and says so on one
+    line. checkpoint_every: take one after every that many steps (None: only when
+    `snapshot()` is called); a step only copies the state into host buffers, and a
+    background thread writes it. checkpoint_keep: how many complete snapshots to keep.
+    With a dist store, snapshots need update_on_kvstore=True.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=True, *,
-                 bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None):
+                 bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None,
+                 checkpoint_dir=None, checkpoint_every: int | None = None,
+                 checkpoint_keep: int = 2):
         self._modules = _module_list(modules)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
@@ -91,6 +104,8 @@ class Trainer:
             raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
+        checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
+                                               checkpoint_keep)
         names, params = trainable(self._modules)
         #: (name, replica, tensor) of the parameters frozen now, which the Trainer leaves out
         self._frozen: list = frozen(self._modules)
@@ -108,6 +123,14 @@ class Trainer:
         self._local: list = []  # with update_on_kvstore=False: one store per replica
         self._local_opts: list = []  # and its optimizer
         self._init_store()
+        #: steps (and updates) done, counted on from a snapshot resumed from
+        self._steps: int = 0
+        #: what the user keeps current for a resume (a data loader's position, RNG
+        #: states): saved in every snapshot, given back by a resume
+        self.user_state: dict = {}
+        self._checkpoints: Checkpoints | None = None
+        if checkpoints is not None:
+            self._start_checkpoints(*checkpoints)
         self._early: EarlyReduction | None = None
         self._sums: KVStore | None = None  # the early reductions' store, when not _kv
         if self._wants_overlap(overlap):
@@ -141,6 +164,16 @@ class Trainer:
     def overlap(self) -> bool:
         """Whether gradient reductions start from backward (see the class's help)."""
         return self._early is not None
+
+    @property
+    def steps(self) -> int:
+        """Steps (and updates) done, counted from the snapshot the Trainer resumed from."""
+        return self._steps
+
+    @property
+    def resumed_from(self) -> Snapshot | None:
+        """The snapshot the Trainer started from (its `path`, `step`, `workers`), or None."""
+        return None if self._checkpoints is None else self._checkpoints.resumed
 
     @property
     def learning_rate(self) -> float:
@@ -246,6 +279,19 @@ class Trainer:
         self._stepped()
 
     # ---------------------------------------------------------------- checkpoints
+    def snapshot(self) -> str:
+        """Take a snapshot of this step now (see `checkpoint_dir`); its folder. On a dist
+        store every worker calls it at the same step."""
+        if self._checkpoints is None:
+            raise ArgumentError("snapshot(): make the Trainer with a checkpoint_dir")
+        return self._checkpoints.take(self._steps, self.user_state)
+
+    def finish_snapshots(self) -> None:
+        """Wait until the snapshots taken are written (CheckpointError if one failed);
+        at a normal exit the program waits for them by itself."""
+        if self._checkpoints is not None:
+            self._checkpoints.store.finish_snapshots()
+
     def save_states(self, path) -> None:
         """Write the optimizer's state (atomically) to `path`."""
         store = self._kv if self._update_on_kvstore else self._local[0]
@@ -259,6 +305,38 @@ class Trainer:
             store.load_optimizer_states(path)
 
     # ------------------------------------------------------------------ internals
+    def _checkpoint_options(self, directory, every, keep) -> tuple | None:
+        """The snapshot options, checked before anything changes."""
+        if directory is None:
+            if every is not None:
+                raise ArgumentError("checkpoint_every needs a checkpoint_dir")
+            return None
+        if self._kv.num_workers > 1 and not self._update_on_kvstore:
+            raise ArgumentError("checkpoint_dir with a dist store needs "
+                                "update_on_kvstore=True (the store then holds the state)")
+        Checkpoints.check(directory, every, keep)
+        return directory, every, keep
+
+    def _start_checkpoints(self, directory, every, keep) -> None:
+        """Resume from the newest complete snapshot in `directory`, if there is one."""
+        keys = [b.key for b in self._buckets]
+        store = self._kv if self._update_on_kvstore else self._local[0]
+        self._checkpoints = Checkpoints(directory, every, keep, store, keys)
+        resumed = self._checkpoints.resume()
+        if resumed is None:
+            return
+        self._steps, self.user_state = resumed
+        if not keys:
+            return
+        if self._update_on_kvstore:
+            self._kv.pull(keys, out=[b.weights for b in self._buckets])
+            return
+        found = self._checkpoints.resumed
+        for r, local in enumerate(self._local):
+            if r:
+                local.load(found)
+            local.pull(keys, out=[b.weights[r] for b in self._buckets])
+
     def _init_store(self) -> None:
         """The store starts from replica 0's weights, and every replica from the store."""
         keys = [b.key for b in self._buckets]
@@ -405,9 +483,13 @@ class Trainer:
         return [b for b, yes in zip(self._buckets, steps) if yes]
 
     def _stepped(self) -> None:
-        """A step or an update used the gradients: none is fresh any more."""
+        """A step or an update used the gradients: none is fresh any more. One step
+        more is done: a snapshot when one is due."""
         self._fresh.clear()
         self._reduced = None
+        self._steps += 1
+        if self._checkpoints is not None and self._checkpoints.due(self._steps):
+            self._checkpoints.take(self._steps, self.user_state)
 
     def _allreduce(self, live, early: tuple) -> None:
         """Sum every live bucket's gradients on the store, into every replica's."""
