@@ -20,6 +20,7 @@ from ._errors import (
                       UnknownKeyError,
 )
 from .api.factory import create
+from .api.snapshots import Snapshot, latest_snapshot
 from .api.store import KVStore
 from .encoding.sparse import RowSparse
 
@@ -30,7 +31,8 @@ __version__ = "0.1.0"
 logging.getLogger("gpukv").addHandler(logging.NullHandler())
 
 __all__ = [
-    "create", "KVStore", "RowSparse", "GpukvError", "UnknownKeyError", "DuplicateKeyError",
+    "create", "KVStore", "RowSparse", "Snapshot", "latest_snapshot", "GpukvError",
+    "UnknownKeyError", "DuplicateKeyError",
     "KeyKindError", "ArgumentError", "ArgumentKindError", "ShapeError", "DTypeError",
     "ReadOnlyError", "OutOfMemoryError", "DeviceError", "BackendError", "CheckpointError",
     "PeerError", "PeerMismatchError",
