@@ -189,7 +189,8 @@ def read_store(path) -> StoreFile:
         header, arrays = read_archive(name)
         if header.get("kind") != SHARD_KIND or header.get("version") != VERSION:
             raise CheckpointError(f"{name}: not a gpukv snapshot shard of version {VERSION}")
-        kinds.add(header.get("key_kind"))
+        if header.get("keys"):  # a shard without keys has no key kind
+            kinds.add(header.get("key_kind"))
         types.add(header.get("store_type"))
         try:
             for j, info in enumerate(header["keys"]):
