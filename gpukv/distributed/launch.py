@@ -50,12 +50,12 @@ status, else 1; 130 after Ctrl-C (143 after SIGTERM); 2 for a usage error.
 Restarts (--max-restarts K, default 0: none): after a failure or a non-zero exit (not after
 Ctrl-C or SIGTERM) the job starts again, at most K times, on the --hosts that still answer
 (each is asked to run `true` through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within
---probe-timeout seconds; this machine always answers, as does every host without --hosts),
-with as many processes per host as before (--ppn, else -n spread evenly), at most -n. Below
---min-workers processes (default -n) it gives up. The processes of each attempt see
-{restarts.ATTEMPT_ENV} (0, 1, ...) and {restarts.MAX_RESTARTS_ENV}; each attempt ends with one
-line saying its processes and hosts, how long it ran, why it ended and what comes next. The
-exit status is the last attempt's."""
+--probe-timeout seconds; this machine always answers: a job without --hosts restarts on it
+whole), with as many processes per host as before (--ppn, else -n spread evenly), at most
+-n. Below --min-workers processes (default -n) it gives up. The processes of each attempt
+see {restarts.ATTEMPT_ENV} (0, 1, ...) and {restarts.MAX_RESTARTS_ENV}. Instead of the
+failure line, each attempt ends with one line saying its processes and hosts, how long it
+ran, why it ended and what comes next. The exit status is the last attempt's."""
 
 #: mpiexec options that take values (the others are passed on as flags)
 _MPIEXEC_VALUES = {"-genv": 2, "-env": 2}
