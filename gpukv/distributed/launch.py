@@ -20,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import process_tree, run_report
+from . import host_probe, process_tree, restarts, run_report
 
 #: seconds mpiexec has to end the job itself after a failure or a signal
 GRACE = 3.0
 #: seconds between SIGTERM and SIGKILL to every process of the job
 TERM_WAIT = 1.0
+#: seconds a host has to answer before a restart
+PROBE_TIMEOUT = 5.0
 
 DESCRIPTION = f"""\
 Run PROG on N processes with MPICH's mpiexec (the one beside this Python, else on PATH),
@@ -43,7 +45,17 @@ returns about grace + {TERM_WAIT:g} s after the failure at the latest, even wher
 would hang (a host cut off). Ctrl-C or SIGTERM goes to mpiexec once, with the same grace
 and the same end; a second one ends the job at once.
 Exit status: mpiexec's when the job ends by itself; after a failure the failed rank's
-status, else 1; 130 after Ctrl-C (143 after SIGTERM); 2 for a usage error."""
+status, else 1; 130 after Ctrl-C (143 after SIGTERM); 2 for a usage error.
+
+Restarts (--max-restarts K, default 0: none): after a failure or a non-zero exit (not after
+Ctrl-C or SIGTERM) the job starts again, at most K times, on the --hosts that still answer
+(each is asked to run `true` through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within
+--probe-timeout seconds; this machine always answers: a job without --hosts restarts on it
+whole), with as many processes per host as before (--ppn, else -n spread evenly), at most
+-n. Below --min-workers processes (default -n) it gives up. The processes of each attempt
+see {restarts.ATTEMPT_ENV} (0, 1, ...) and {restarts.MAX_RESTARTS_ENV}. Instead of the
+failure line, each attempt ends with one line saying its processes and hosts, how long it
+ran, why it ended and what comes next. The exit status is the last attempt's."""
 
 #: mpiexec options that take values (the others are passed on as flags)
 _MPIEXEC_VALUES = {"-genv": 2, "-env": 2}
@@ -76,6 +88,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _restarts(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def _hosts(text: str) -> list[str]:
     hosts = [h.strip() for h in text.split(",")]
     if not all(hosts):
@@ -88,8 +114,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="gpukv run", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="gpukv run -n N [--hosts H1,H2,...] [--ppn K] [--grace S] "
+              "[--max-restarts K [--min-workers M] [--probe-timeout S]] "
               "[MPIEXEC OPTIONS] PROG [ARGS]",
-        epilog="Example: gpukv run -n 4 --hosts 198.18.0.2,198.18.0.3 --ppn 2 train.py")
+        epilog="Example: gpukv run -n 4 --hosts 198.18.0.2,198.18.0.3 --ppn 2 "
+               "--max-restarts 3 --min-workers 2 train.py")
     parser.add_argument("-n", "-np", dest="n", type=_count, required=True,
                         help="number of processes")
     parser.add_argument("--hosts", "-hosts", type=_hosts,
@@ -99,12 +127,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace", type=_seconds, default=GRACE,
                         help=f"seconds mpiexec has to end a failed or interrupted job "
                              f"before it is killed (default {GRACE:g})")
+    parser.add_argument("--max-restarts", type=_restarts, default=0, metavar="K",
+                        help="start a failed job again at most K times, on the hosts that "
+                             "answer (default 0)")
+    parser.add_argument("--min-workers", type=_count, metavar="M",
+                        help="give up when fewer than M processes fit on the hosts that "
+                             "answer (default -n)")
+    parser.add_argument("--probe-timeout", type=_timeout, default=PROBE_TIMEOUT,
+                        metavar="S", help=f"seconds a host has to answer before a restart "
+                                          f"(default {PROBE_TIMEOUT:g})")
     return parser
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`argv` as (this command's options, mpiexec's other options, PROG and its ARGS)."""
-    ours_with_value = {"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn", "--grace"}
+    ours_with_value = {"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn", "--grace",
+                       "--max-restarts", "--min-workers", "--probe-timeout"}
     ours: list[str] = []
     theirs: list[str] = []
     i = 0
@@ -173,22 +211,53 @@ def main(argv: list[str]) -> int:
         command = [sys.executable, "-m", "gpukv.distributed.run_rank", *command]
     elif shutil.which(prog) is None:
         parser.error(f"PROG {prog!r}: no such program")
-    options = ["-n", str(args.n)]
-    if args.hosts:
-        options += ["-hosts", ",".join(args.hosts)]
-    if args.ppn:
-        options += ["-ppn", str(args.ppn)]
-    return Job([mpiexec, *options, *theirs, *command], report_address(args.hosts),
-               args.grace).run()
+    min_workers = args.n if args.min_workers is None else args.min_workers
+    if min_workers > args.n:
+        parser.error(f"--min-workers {min_workers} is more than the -n {args.n} processes")
+    plan = restarts.Plan(args.n, args.hosts, args.ppn, min_workers, args.max_restarts)
+
+    def start(attempt: int, n: int, hosts: list[str] | None) -> restarts.Outcome:
+        options = ["-n", str(n)]
+        if hosts:
+            options += ["-hosts", ",".join(hosts)]
+        if args.ppn:
+            options += ["-ppn", str(args.ppn)]
+        job = Job([mpiexec, *options, *theirs, *command], report_address(hosts), args.grace,
+                  restarts.attempt_env(attempt, args.max_restarts),
+                  announce=not args.max_restarts)
+        status = job.run()
+        return restarts.Outcome(status, job.reason, job.signal is not None)
+
+    if not args.max_restarts:
+        return start(0, args.n, args.hosts).status
+
+    def probe(hosts: list[str]) -> list[str]:
+        return host_probe.answering(hosts, args.probe_timeout, os.environ,
+                                    _option(theirs, "-launcher-exec"))
+
+    return restarts.run(plan, start, probe)
+
+
+def _option(words: list[str], name: str) -> str | None:
+    """The value of mpiexec option `name` among `words`, if given."""
+    for i, word in enumerate(words[:-1]):
+        if word == name:
+            return words[i + 1]
+    return None
 
 
 class Job:
-    """One mpiexec and everything it starts, watched until it has all ended."""
+    """One mpiexec and everything it starts, watched until it has all ended; `announce`:
+    the line that says why the job is being ended goes to stderr (else only to `reason`)."""
 
-    def __init__(self, command: list[str], address: str, grace: float):
+    def __init__(self, command: list[str], address: str, grace: float,
+                 env: dict[str, str] | None = None, announce: bool = True):
         self.command = command
         self.address = address
         self.grace = grace
+        self.extra_env = env or {}
+        self.announce = announce
+        self.reason: str | None = None  # the words of the first line said
         self.failures: list[run_report.Report] = []
         self.signal: int | None = None
         self.deadline: float | None = None  # when the job is ended by force
@@ -204,7 +273,7 @@ class Job:
             reports.setblocking(False)
             port = reports.getsockname()[1]
             where = f"[{self.address}]" if family == socket.AF_INET6 else self.address
-            env = dict(os.environ, **{run_report.ENV: f"{where}:{port}"})
+            env = {**os.environ, **self.extra_env, run_report.ENV: f"{where}:{port}"}
             handlers = {s: signal.signal(s, self._on_signal)
                         for s in (signal.SIGINT, signal.SIGTERM)}
             try:
@@ -314,11 +383,14 @@ class Job:
             self._say(f"{signal.Signals(signum).name}, passed on to mpiexec")
 
     def _say(self, what: str) -> None:
+        if self.reason is None:
+            self.reason = what
         if self.process is not None and self.process.poll() is None:
             self.deadline = min(self.deadline or math.inf, time.monotonic() + self.grace)
             what += f"; ending the job (mpiexec has {self.grace:g} s)"
-        sys.stderr.write(f"gpukv run: {what}\n")
-        sys.stderr.flush()
+        if self.announce:
+            sys.stderr.write(f"gpukv run: {what}\n")
+            sys.stderr.flush()
 
     # ------------------------------------------------------------------- the end
     def _end_all(self) -> None:

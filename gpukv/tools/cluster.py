@@ -220,18 +220,35 @@ class EmulatedCluster:
 
     def _write_launcher(self, path: Path) -> None:
         """The `ssh` MPICH's launcher calls: `netns-ssh [-x] HOST COMMAND...` runs COMMAND
-        through a shell in HOST's namespace, as ssh runs it on a remote machine."""
+        through a shell in HOST's namespace, as ssh runs it on a remote machine. As ssh, it
+        fails (status 255, ssh's words) when HOST's link is down (cut, or powered off) or
+        when the caller's own eth0, in the namespace it runs in, is."""
         cases = "\n".join(f"  {address}) ns={namespace} ;;" for address, namespace
                           in zip(self.addresses, self.namespaces, strict=True))
+        # an option with a value (-o X, -p N ...) would otherwise be taken for the host
+        valued = "bcDEeFIiJLlmOopQRSWw"
         path.write_text(
             "#!/bin/sh\n"
             "# ssh's options (MPICH passes -x) come before the host\n"
-            'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+            "while [ $# -gt 0 ]; do case \"$1\" in\n"
+            f"  -[{valued}]) shift 2 ;;\n"
+            "  -*) shift ;;\n"
+            "  *) break ;;\n"
+            "esac; done\n"
             'host=$1; shift\n'
             'case "$host" in\n'
             f"{cases}\n"
             '  *) echo "netns-ssh: no emulated host $host" >&2; exit 255 ;;\n'
             'esac\n'
+            "# a link carries traffic when it is up and so is its other end\n"
+            f"up() {{ ip \"$@\" -o link show {IFACE} 2>/dev/null |\n"
+            "  grep -q 'LOWER_UP.*state UP'; }\n"
+            f"if ip -o link show {IFACE} >/dev/null 2>&1 && ! up; then\n"
+            '  echo "ssh: connect to host $host port 22: Network is unreachable" >&2; exit 255\n'
+            "fi\n"
+            'if ! up -n "$ns"; then\n'
+            '  echo "ssh: connect to host $host port 22: No route to host" >&2; exit 255\n'
+            "fi\n"
             'exec ip netns exec "$ns" sh -c "$*"\n')
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
@@ -275,6 +292,13 @@ class EmulatedCluster:
         pids = _pids(self.namespaces[host])
         _kill_all(self.namespaces[host])
         return pids
+
+    def power_off(self, host: int) -> list[int]:
+        """Host dies as a machine does: its link goes down first (its peers hear nothing
+        more, not even the kernel closing its connections), then every process of it is
+        SIGKILLed; their pids. `restore` brings the (empty) host back."""
+        self.cut(host)
+        return self.kill(host)
 
     def pids(self, host: int) -> list[int]:
         """The processes running in host."""

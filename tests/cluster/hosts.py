@@ -67,12 +67,14 @@ def job_env(made: EmulatedCluster, timeout: float = 30, **extra: str) -> dict:
 
 
 def start(made: EmulatedCluster, n: int, hosts: str, command: list[str], env: dict,
-          launcher: str = "mpiexec") -> subprocess.Popen:
-    """Start the job from host 0: `mpiexec` or `gpukv run` with -n N -hosts HOSTS."""
+          launcher: str = "mpiexec", options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start the job from host 0: `mpiexec` or `gpukv run` with -n N -hosts HOSTS (and
+    `options` before the program)."""
     if launcher == "mpiexec":
-        head = [require_mpi(), "-hosts", hosts, "-n", str(n)]
+        head = [require_mpi(), "-hosts", hosts, "-n", str(n), *options]
     else:  # gpukv run, which runs a .py program under this Python itself
-        head = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--hosts", hosts]
+        head = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--hosts", hosts,
+                *options]
         if command[:3] == [sys.executable, "-m", "mpi4py"]:
             command = command[3:]
     return made.popen(0, [*head, *command], env=env, stdout=subprocess.PIPE,

@@ -104,6 +104,47 @@ def test_kill_ends_every_process_of_a_host_only():
         assert made.pids(1) == []
 
 
+def _ssh(made, host: int, target: int) -> subprocess.CompletedProcess:
+    """The launcher script MPICH calls, run from host as MPICH runs it: `ssh -x TARGET
+    COMMAND`."""
+    return made.run(host, [made.env()["HYDRA_LAUNCHER_EXEC"], "-x", made.addresses[target],
+                           "echo from $(hostname -I)"], capture_output=True, text=True,
+                    timeout=30)
+
+
+@pytest.mark.parametrize("down,words", [
+    (1, "ssh: connect to host 198.18.0.2 port 22: No route to host"),
+    (0, "ssh: connect to host 198.18.0.2 port 22: Network is unreachable"),
+])
+def test_the_launcher_fails_as_ssh_over_a_link_that_is_down(down, words):
+    """With the target's link (or the caller's own) down, the launcher script does not run
+    the command: it exits 255 with ssh's words; once the link is back it runs it there."""
+    with cluster(2) as made:
+        assert _ssh(made, 0, 1).stdout.strip() == "from 198.18.0.2"
+        made.cut(down)
+        refused = _ssh(made, 0, 1)
+        assert (refused.returncode, refused.stdout, refused.stderr.strip()) == (255, "", words)
+        made.restore(down)
+        assert _ssh(made, 0, 1).stdout.strip() == "from 198.18.0.2"
+
+
+def test_power_off_kills_a_host_and_takes_it_off_the_network():
+    """power_off(host) is a machine that dies: its processes are killed, the launcher
+    cannot reach it, the other host goes on; restore() brings it back, empty."""
+    with cluster(2) as made:
+        sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
+        deadline = time.monotonic() + 10
+        while not made.pids(1) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (until `ip netns exec` has entered the host)
+        assert made.power_off(1)
+        assert sleepers[1].wait(timeout=10) == -signal.SIGKILL
+        assert sleepers[0].poll() is None and made.pids(1) == []
+        assert _ssh(made, 0, 1).returncode == 255
+        made.restore(1)
+        assert _ssh(made, 0, 1).stdout.strip() == "from 198.18.0.2"
+        sleepers[0].kill()
+
+
 def test_everything_is_removed_at_the_end_even_after_an_error():
     """The namespaces and the launcher script go when the `with` ends by an exception;
     two clusters at once have names of their own."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.distributed import launch, process_tree, run_report
+from gpukv.distributed import host_probe, launch, process_tree, restarts, run_report
 
 from .mpirun import PROGRAMS, require_mpi, run
 
@@ -27,12 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
-def _launch(mode: str, folder: Path, n: int = 3, env: dict | None = None) -> subprocess.Popen:
-    """`python -m gpukv run -n N --grace GRACE launched.py MODE FOLDER`, started."""
+def _launch(mode: str, folder: Path, n: int = 3, env: dict | None = None,
+            options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python -m gpukv run -n N --grace GRACE OPTIONS launched.py MODE FOLDER`, started."""
     require_mpi()
     full_env = {**os.environ, "GPUKV_DIST_TIMEOUT": "30", **(env or {})}
     command = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--grace", str(GRACE),
-               str(PROGRAMS / "launched.py"), mode, str(folder)]
+               *options, str(PROGRAMS / "launched.py"), mode, str(folder)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env=full_env,
                             start_new_session=True)
@@ -59,9 +60,11 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended; its reaper is elsewhere
 
 
-def _left(folder: Path, n: int) -> list[int]:
-    """The pids of the job's ranks still running (after a moment for the last to go)."""
-    pids = [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
+def _left(folder: Path, n: int, attempt: int = 0) -> list[int]:
+    """The pids of the job's ranks (of that attempt) still running (after a moment for the
+    last to go)."""
+    pattern = "rank-*.pid" if attempt == 0 else f"attempt-{attempt}-rank-*.pid"
+    pids = [int(p.read_text()) for p in sorted(folder.glob(pattern))]
     assert len(pids) == n, f"only {len(pids)} of {n} ranks started"
     end = time.monotonic() + 1
     while any(_alive(p) for p in pids) and time.monotonic() < end:
@@ -160,10 +163,21 @@ def nothing_starts(monkeypatch):
     (["-n", "2", "no-such-program-of-gpukv"], "PROG 'no-such-program-of-gpukv': no such"),
     (["-n", "2", "--hosts", "a,,b", "prog.py"], "expected H1,H2,..., got 'a,,b'"),
     (["-n", "2", "--grace", "-1", "prog.py"], "expected seconds >= 0, got '-1'"),
+    (["-n", "2", "--max-restarts", "-1", "prog.py"],
+     "argument --max-restarts: expected a whole number >= 0, got '-1'"),
+    (["-n", "2", "--max-restarts=two", "prog.py"],
+     "argument --max-restarts: expected a whole number >= 0, got 'two'"),
+    (["-n", "2", "--min-workers", "0", "prog.py"],
+     "argument --min-workers: expected a positive integer, got '0'"),
+    (["-n", "2", "--max-restarts", "1", "--min-workers", "3", "prog.py"],
+     "--min-workers 3 is more than the -n 2 processes"),
+    (["-n", "2", "--probe-timeout", "0", "prog.py"],
+     "argument --probe-timeout: expected seconds > 0, got '0'"),
 ])
 def test_usage_errors_start_nothing(argv, says, capsys, nothing_starts, tmp_path,
                                     monkeypatch):
-    """Bad counts, hosts or grace, and a missing PROG: status 2 and the problem named."""
+    """Bad counts, hosts, grace or restart options, and a missing PROG: status 2 and the
+    problem named."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prog.py").write_text("")
     with pytest.raises(SystemExit) as exc:
@@ -195,8 +209,141 @@ def test_help_says_what_is_watched_and_the_bound():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for words in ("PeerError", "uncaught exception", "non-zero exit", "ended badly",
-                  "grace + 1 s", "SIGKILL", "Ctrl-C", "130"):
+                  "grace + 1 s", "SIGKILL", "Ctrl-C", "130", "--max-restarts K",
+                  "--min-workers", "GPUKV_RUN_ATTEMPT", "last attempt's"):
         assert words in " ".join(done.stdout.split()), words
+
+
+# ---------------------------------------------------------------------- restarts
+def _attempts(err: str) -> list[str]:
+    return [line for line in _said(err) if line.startswith("gpukv run: attempt ")]
+
+
+def _seconds_between(folder: Path, first: str, then: str) -> float:
+    return float((folder / then).read_text()) - float((folder / first).read_text())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,says", [
+    ("exit-once", "rank 1: exit status 3"),
+    ("kill-once", "a process ended badly"),
+])
+def test_a_job_that_fails_once_is_restarted(tmp_path, mode, says):
+    """Rank 1 exits 3 (or is SIGKILLed) on the first attempt: the job starts again on this
+    machine with as many processes, which see GPUKV_RUN_ATTEMPT 1, complete, and status 0;
+    one line per attempt, and no process of either is left."""
+    code, out, err, _ = _finish(_launch(mode, tmp_path, options=("--max-restarts", "2")))
+    assert code == 0, err
+    assert sorted(re.findall(r"rank \d of 3 ran in attempt 1 of at most 2 restarts", out)) == [
+        f"rank {r} of 3 ran in attempt 1 of at most 2 restarts" for r in range(3)], out
+    assert _said(err) == _attempts(err), err  # no other line of ours
+    first, second = _attempts(err)
+    assert re.fullmatch(r"gpukv run: attempt 0 \(3 processes on this machine\) ended after "
+                        r"\d+\.\d s: (.*); restarting with 3 processes on this machine "
+                        r"\(restart 1 of at most 2\)", first), first
+    assert says in first, first
+    assert re.fullmatch(r"gpukv run: attempt 1 \(3 processes on this machine\) ended after "
+                        r"\d+\.\d s: every process ended well; done", second), second
+    # the launcher waits for nothing but the end of the failed attempt
+    gap = _seconds_between(tmp_path, "failed-at", "attempt-1-started")
+    print(f"{mode}: failure -> rank 0 of the next attempt running after {gap:.2f} s "
+          f"(grace {GRACE:g} s)")
+    assert gap < GRACE + launch.TERM_WAIT + SLACK + 5, err
+    assert not _left(tmp_path, 3) and not _left(tmp_path, 3, attempt=1)
+
+
+@pytest.mark.mpi
+def test_a_job_that_always_fails_ends_after_the_last_restart(tmp_path):
+    """Rank 1 exits 3 on every attempt: 1 + --max-restarts attempts, one line each, the
+    last giving up; the status is the last attempt's."""
+    code, _, err, _ = _finish(_launch("exit", tmp_path, n=2, options=("--max-restarts", "2")))
+    assert code == 3, err
+    lines = _attempts(err)
+    assert [line.split(" (")[0] for line in lines] == [
+        f"gpukv run: attempt {a}" for a in range(3)], err
+    assert all("rank 1: exit status 3" in line for line in lines), err
+    assert lines[0].endswith("restarting with 2 processes on this machine "
+                             "(restart 1 of at most 2)"), lines
+    assert lines[2].endswith("; giving up: no restart left (--max-restarts 2)"), lines
+    assert (tmp_path / "attempt-2-started").exists()
+    assert not _left(tmp_path, 2, attempt=2)
+
+
+@pytest.mark.mpi
+def test_ctrl_c_is_not_followed_by_a_restart(tmp_path):
+    """SIGINT under --max-restarts ends the job as without it (status 130) and starts no
+    other attempt; its one line says so."""
+    launcher = _launch("interrupt", tmp_path, n=2, options=("--max-restarts", "2"))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank-*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    code, _, err, _ = _finish(launcher)
+    assert code == 130, err
+    lines = _attempts(err)
+    assert len(lines) == 1 and lines[0].endswith("; interrupted, not restarting"), err
+    assert not (tmp_path / "attempt-1-started").exists()
+
+
+@pytest.mark.parametrize("n,hosts,ppn,alive,processes", [
+    (6, None, None, 0, 6),          # this machine only: always all of them
+    (6, ["a", "b", "c"], None, 2, 4),
+    (5, ["a", "b", "c"], None, 2, 4),    # 2 a host (rounded up)
+    (5, ["a", "b", "c"], None, 1, 2),
+    (4, ["a:2", "b:2"], 3, 1, 3),   # --ppn wins
+    (4, ["a", "b"], 3, 2, 4),       # never more than -n
+    (4, ["a", "b"], None, 0, 0),
+])
+def test_a_restart_keeps_the_processes_per_host(n, hosts, ppn, alive, processes):
+    """A restart on fewer hosts runs --ppn processes a host, else -n spread evenly over the
+    first hosts (rounded up), at most -n."""
+    plan = restarts.Plan(n, hosts, ppn, 1, 1)
+    assert restarts.processes_on(plan, alive) == processes
+
+
+@pytest.mark.parametrize("name,local", [
+    ("127.0.0.1", True), ("localhost", True), ("::1", True), (socket.gethostname(), True),
+    ("192.0.2.1", False),  # TEST-NET-1: nobody's address
+    ("no-such-host.invalid", False),
+])
+def test_this_machine_is_told_apart(name, local):
+    """The loopback, this machine's name and its addresses need no probe; others do."""
+    assert host_probe.is_this_machine(name) == local
+
+
+@pytest.mark.parametrize("entry,name", [
+    ("node1", "node1"), ("node1:4", "node1"), ("10.0.0.1:2", "10.0.0.1"), ("fe80::1", "fe80::1"),
+])
+def test_a_host_entry_names_its_host(entry, name):
+    """hydra's HOST:N names HOST; an IPv6 address stays whole."""
+    assert host_probe.host_name(entry) == name
+
+
+def test_hosts_are_probed_at_once_through_the_launcher(tmp_path):
+    """Each host is asked through HYDRA_LAUNCHER_EXEC (`EXEC HOST true`): those that answer
+    0 in time are kept, in order, with their slots; a host that fails or hangs is left out,
+    and two hanging hosts cost one timeout, not two."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$0.log"\n'
+                    'case "$1" in up*) exit 0 ;; down*) exit 255 ;; *) sleep 30 ;; esac\n')
+    fake.chmod(0o755)
+    began = time.monotonic()
+    found = host_probe.answering(["up1:2", "hung1", "down1", "hung2:2", "up2"], 1.0,
+                                 {**os.environ, "HYDRA_LAUNCHER_EXEC": str(fake)})
+    took = time.monotonic() - began
+    assert found == ["up1:2", "up2"]
+    assert took < 1.9, took
+    asked = sorted(Path(f"{fake}.log").read_text().splitlines())
+    assert asked == sorted(f"{h} true" for h in ("up1", "hung1", "down1", "hung2", "up2"))
+
+
+def test_ssh_is_the_probe_without_a_launcher_exec():
+    """Without HYDRA_LAUNCHER_EXEC (or -launcher-exec) a host is asked with ssh in batch
+    mode, its connection bounded by the probe timeout."""
+    assert host_probe.probe_command("node1", 2.5, {}) == [
+        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=3", "node1", "true"]
+    assert host_probe.probe_command("node1", 2.5, {}, "/my/ssh") == [
+        "/my/ssh", "node1", "true"]
 
 
 # ---------------------------------------------------------------------- reports

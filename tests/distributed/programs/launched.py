@@ -8,7 +8,11 @@ ValueError), `exit` (rank 1 calls sys.exit(3)), `kill` (rank 1 is SIGKILLed), `s
 (rank 1 ignores SIGTERM and stops its MPI proxy, so mpiexec can never end the job, and
 rank 0 gets a PeerError from the store it creates), `interrupt` and `deaf` (each rank
 writes a line to DIR/rank-R.signals for each SIGINT or SIGTERM it gets, and ends; in `deaf`
-it goes on instead, so mpiexec cannot end the job).
+it goes on instead, so mpiexec cannot end the job). `exit-once` and `kill-once` are `exit`
+and `kill` on the first attempt of a `gpukv run --max-restarts` job and `clean` on the next
+ones. A rank of a later attempt A writes its pid to DIR/attempt-A-rank-R.pid instead, and
+rank 0 of every attempt the time it starts to DIR/attempt-A-started; `clean` lines say the
+attempt and the most restarts (GPUKV_RUN_ATTEMPT, GPUKV_RUN_MAX_RESTARTS).
 """
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ def failing(folder: Path) -> None:
 def main(mode: str, folder: Path) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    attempt = int(os.environ.get("GPUKV_RUN_ATTEMPT", "0"))
+    if rank == 0:
+        (folder / f"attempt-{attempt}-started").write_text(repr(time.time()))
+    if mode.endswith("-once"):
+        mode = mode[:-len("-once")] if attempt == 0 else "clean"
     if mode in ("interrupt", "deaf"):
         def interrupted(signum, _frame):
             with open(folder / f"rank-{rank}.signals", "a") as out:
@@ -43,9 +52,13 @@ def main(mode: str, folder: Path) -> None:
             signal.signal(signum, interrupted)
     if mode == "stuck" and rank == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    (folder / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    pid_file = f"rank-{rank}.pid" if attempt == 0 else f"attempt-{attempt}-rank-{rank}.pid"
+    (folder / pid_file).write_text(str(os.getpid()))
     if mode == "clean":
-        print(f"rank {rank} of {world.Get_size()} ran", flush=True)
+        restarts = os.environ.get("GPUKV_RUN_MAX_RESTARTS")
+        print(f"rank {rank} of {world.Get_size()} ran"
+              + (f" in attempt {attempt} of at most {restarts} restarts" if attempt else ""),
+              flush=True)
         return
     if mode == "stuck":
         world.Barrier()  # MPI is set up between the ranks: the proxy is not needed
