@@ -241,43 +241,54 @@ def test_a_mutation_after_snapshot_returns_is_not_written(tmp_path, monkeypatch)
     assert found.user_state()["position"].tolist() == [0, 1, 2, 3]
 
 
-def _block_next_folder(root, folder, step):
+def _block_folder(root, folder, step):
     """A file where the folder of `step` will go (the same tag as `folder`)."""
     tag = os.path.basename(folder).rsplit("-", 1)[1]
     with open(os.path.join(root, snapshots.folder_name(step, tag)), "w") as f:
         f.write("in the way")
 
 
+def _raised_by_snapshot(kv, root):
+    """The next snapshots (blocked too): the one that finds the write failed raises; by
+    the second at the latest, which needs the failed write's buffers."""
+    for step in (3, 4):
+        kv.snapshot(root, step)
+
+
 RAISED_BY = {
-    "snapshot": lambda kv, root: kv.snapshot(root, 3),
+    "snapshot": _raised_by_snapshot,
     "finish_snapshots": lambda kv, root: kv.finish_snapshots(),
 }
 
 
 @pytest.mark.parametrize("raised_by", list(RAISED_BY))
 def test_a_failed_write_is_raised_later_and_spoils_nothing(tmp_path, raised_by):
-    """A snapshot whose folder cannot be made is raised as CheckpointError by the next
-    snapshot() or finish_snapshots(), once; the older snapshot stays the newest
-    complete one and loads, and the next snapshot is written."""
+    """A snapshot whose folder cannot be made (a file is in the way) is raised as
+    CheckpointError by a later snapshot() or by finish_snapshots(); the older snapshot
+    stays the newest complete one and loads, and the next snapshot is written."""
     kv = _store("local")
     _train(kv, 0, 1)
     first = kv.snapshot(tmp_path, 1)
     kv.finish_snapshots()
     saved = _values(kv)
-    _block_next_folder(tmp_path, first, 2)
+    for step in (2, 3, 4):
+        _block_folder(tmp_path, first, step)
     _train(kv, 1, 1)
     kv.snapshot(tmp_path, 2)  # staged; the write fails in the background
     with pytest.raises(gpukv.CheckpointError, match="could not be written"):
         RAISED_BY[raised_by](kv, tmp_path)
-    kv.finish_snapshots()  # said once
+    try:
+        kv.finish_snapshots()  # a blocked snapshot 3 may have been staged meanwhile
+    except gpukv.CheckpointError:
+        pass
     found = gpukv.latest_snapshot(tmp_path)
     assert found.path == first
     fresh = _store("local", seed=4)
     fresh.load(found)
     assert [v.tobytes() for v in _values(fresh)] == [v.tobytes() for v in saved]
-    kv.snapshot(tmp_path, 4)
+    kv.snapshot(tmp_path, 5)
     kv.finish_snapshots()
-    assert gpukv.latest_snapshot(tmp_path).step == 4
+    assert gpukv.latest_snapshot(tmp_path).step == 5
 
 
 BAD_ARGUMENTS = [
