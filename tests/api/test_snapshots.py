@@ -415,3 +415,26 @@ def test_loading_a_plain_folder_keeps_its_error(tmp_path):
     with pytest.raises(gpukv.CheckpointError) as got:
         kv.load(tmp_path)
     assert str(got.value) == str(expected.value)
+
+
+def test_prune_keeps_a_snapshot_another_process_completes_meanwhile(tmp_path, monkeypatch):
+    """A newer snapshot that another process completes while prune runs (it was
+    incomplete when prune looked first) is the newest one then, and prune keeps it."""
+    kv = _store("local")
+    kv.snapshot(tmp_path, 3, keep=5)
+    kv.finish_snapshots()
+    newer = kv.snapshot(tmp_path, 4, keep=5)
+    kv.finish_snapshots()
+    worker = os.path.join(newer, snapshots.worker_file(0, 1))
+    os.rename(worker, tmp_path / "aside.npz")
+    completeness = snapshots._completeness
+
+    def completed_after_a_look(folder):
+        found = completeness(folder)
+        if folder == newer and found is None:  # the other process's last file lands
+            os.rename(tmp_path / "aside.npz", worker)
+        return found
+    monkeypatch.setattr(snapshots, "_completeness", completed_after_a_look)
+    snapshots.prune(str(tmp_path), 1)
+    monkeypatch.undo()
+    assert [s.path for s in snapshots.complete_snapshots(tmp_path)][-1] == newer
