@@ -76,3 +76,13 @@ def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
     messages = dict(caught)
     assert "user_state['bad']: a set cannot be saved" in messages["1"], out
     assert "another worker's user_state" in messages["0"], out
+
+
+def test_a_trainer_updating_locally_on_a_dist_store_cannot_snapshot(tmp_path):
+    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
+    ArgumentError on every worker, naming update_on_kvstore, before anything changes."""
+    pytest.importorskip("torch")
+    out = _job(2, 0, "trainer_local_updates", str(tmp_path / "snaps"))
+    caught = re.findall(r"CAUGHT ArgumentError on worker (\d+): (.*)", out)
+    assert sorted(w for w, _ in caught) == ["0", "1"], out
+    assert all("update_on_kvstore=True" in m for _, m in caught), out

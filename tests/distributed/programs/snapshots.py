@@ -98,5 +98,23 @@ def bad_user_state(root: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
+def trainer_local_updates(root: str) -> None:
+    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
+    ArgumentError on every worker, before any key is made or anything written."""
+    import torch
+
+    import gpukv.torch as gt
+    kv = _create()
+    try:
+        gt.Trainer([torch.nn.Linear(3, 2)], "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                   update_on_kvstore=False, checkpoint_dir=root, checkpoint_every=1)
+    except gpukv.ArgumentError as exc:
+        print(f"CAUGHT ArgumentError on worker {kv.rank}: {exc}", flush=True)
+    else:
+        raise AssertionError("the Trainer was made")
+    assert len(kv) == 0 and not os.path.exists(root)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
