@@ -40,6 +40,7 @@ def _store(kind, seed=0):
     values = _arrays(seed)
     if kind == "device":
         import cupy
+
         from gpukv.device.cuda.device import gpu_devices
         devices = gpu_devices()
         on_gpus = []
