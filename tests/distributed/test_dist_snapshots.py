@@ -32,6 +32,13 @@ def _job(n: int, servers: int, *args: str) -> str:
     return out
 
 
+def _caught(out: str) -> list:
+    """(worker, message) of every `CAUGHT ArgumentError` line (ranks print at once: lines
+    may run into each other, so they are found by pattern, not by line)."""
+    return re.findall(r"CAUGHT ArgumentError on worker (\d+): (.*?)(?=CAUGHT|PASS|DIGEST|$)",
+                      out, re.M | re.S)
+
+
 def _digests(out: str) -> set:
     return set(re.findall(r"DIGEST worker \d+ ([0-9a-f]{64})", out))
 
@@ -69,9 +76,10 @@ def test_jobs_resume_one_another_bit_for_bit(tmp_path, chain):
 
 def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
     """A user_state that one worker cannot save raises ArgumentError on every worker (no
-    hang), that worker's naming where; nothing is written and the next snapshot is."""
+    hang), that worker's naming where; nothing is written, and the next snapshot is
+    complete for every worker once finish_snapshots() returns there."""
     out = _job(3, 0, "bad_user_state", str(tmp_path / "snaps"))
-    caught = re.findall(r"CAUGHT ArgumentError on worker (\d+): (.*)", out)
+    caught = _caught(out)
     assert sorted(int(w) for w, _ in caught) == [0, 1, 2], out
     messages = dict(caught)
     assert "user_state['bad']: a set cannot be saved" in messages["1"], out
@@ -83,6 +91,6 @@ def test_a_trainer_updating_locally_on_a_dist_store_cannot_snapshot(tmp_path):
     ArgumentError on every worker, naming update_on_kvstore, before anything changes."""
     pytest.importorskip("torch")
     out = _job(2, 0, "trainer_local_updates", str(tmp_path / "snaps"))
-    caught = re.findall(r"CAUGHT ArgumentError on worker (\d+): (.*)", out)
+    caught = _caught(out)
     assert sorted(w for w, _ in caught) == ["0", "1"], out
     assert all("update_on_kvstore=True" in m for _, m in caught), out
