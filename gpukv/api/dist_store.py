@@ -616,12 +616,18 @@ class DistKVStore(KVStore):
         with self._lock:
             self._engine.check()
             self._engine.collective("finish_snapshots")
-            error = self._engine.finish_snapshots()
+            mine = None
             if self._writer is not None:
                 try:
                     self._writer.finish()
                 except CheckpointError as exc:
-                    error = error or str(exc)
+                    mine = str(exc)
+            error = self._engine.finish_snapshots() or mine
+            # every worker's own files are written (or failed) before any worker returns
+            if self._engine.workers_max(np.array([mine is not None], np.int8),
+                                        "finishing the snapshots")[0]:
+                raise CheckpointError(error or "another worker's snapshot files could not "
+                                      "be written")
             if error is not None:
                 raise CheckpointError(error)
 

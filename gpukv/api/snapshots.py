@@ -155,8 +155,11 @@ def prune(root: str, keep: int) -> None:
         return
     kept = {path for _, path in complete[-keep:]}
     newest = complete[-1][0]
+    # judged by what was complete above: a newer folder another process completes
+    # meanwhile is the newest snapshot now, not one to remove
+    was_complete = {path for _, path in complete}
     for step, path in folders:
-        if path not in kept and (step < newest or _completeness(path) is not None):
+        if path not in kept and (step < newest or path in was_complete):
             shutil.rmtree(path, ignore_errors=True)
 
 

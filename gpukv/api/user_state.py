@@ -7,6 +7,7 @@ pickle: anything else is an ArgumentError naming where in the state it is.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ from .._errors import ArgumentError
 
 _ARRAY = "__gpukv_array__"
 _TUPLE = "__gpukv_tuple__"
+_FLOAT = "__gpukv_float__"  # inf, -inf and nan, which plain JSON has no words for
 
 
 def encode(state, where: str = "user_state") -> tuple:
@@ -26,6 +28,8 @@ def encode(state, where: str = "user_state") -> tuple:
 
 
 def _encode(value, where: str, arrays: dict):
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT: repr(float(value))}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
@@ -34,7 +38,7 @@ def _encode(value, where: str, arrays: dict):
             if not isinstance(key, str):
                 raise ArgumentError(f"{where}: key {key!r} is a {type(key).__name__}; "
                                     f"a saved dict takes str keys only")
-            if key in (_ARRAY, _TUPLE):
+            if key in (_ARRAY, _TUPLE, _FLOAT):
                 raise ArgumentError(f"{where}: key {key!r} is reserved")
             out[key] = _encode(item, f"{where}[{key!r}]", arrays)
         return out
@@ -43,7 +47,7 @@ def _encode(value, where: str, arrays: dict):
     if isinstance(value, tuple):
         return {_TUPLE: [_encode(v, f"{where}[{i}]", arrays) for i, v in enumerate(value)]}
     if isinstance(value, np.generic):
-        return value.item()
+        return _encode(value.item(), where, arrays)
     is_tensor = _is_tensor(value)
     if isinstance(value, np.ndarray) or is_tensor:
         array = value.detach().cpu().numpy() if is_tensor else value
@@ -68,6 +72,8 @@ def decode(obj, arrays: dict):
         return [decode(v, arrays) for v in obj]
     if not isinstance(obj, dict):
         return obj
+    if _FLOAT in obj:
+        return float(obj[_FLOAT])
     if _TUPLE in obj:
         return tuple(decode(v, arrays) for v in obj[_TUPLE])
     if _ARRAY in obj:

@@ -1,0 +1,120 @@
+"""Programs the dist snapshot tests launch: `mpiexec -n N python -m mpi4py snapshots.py
+NAME [ARGS]` (or plain `python` with STORE=local). GPUKV_NUM_SERVERS sets the servers;
+STORE the store (default dist_sync). Each prints one `PASS worker R of W` line."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+import gpukv
+
+STORE = os.environ.get("STORE", "dist_sync")
+#: key -> (dtype, shape); with bigarray_bound=100 the bigger keys are split over shards
+KEYS = {"a": ("float32", (2, 3)), "b": ("float32", (1100,)), "c": ("float16", (301,))}
+#: the logical workers whose gradients make every step's sum, whatever the real count
+LOGICAL = 6
+
+
+def _gradient(worker: int, step: int, key: str) -> np.ndarray:
+    """Logical worker `worker`'s gradient: multiples of 1/4 below 8, so that any grouping
+    of the sum is exact and the sum's bits do not depend on who pushes what."""
+    dtype, shape = KEYS[key]
+    size = int(np.prod(shape))
+    rng = np.random.default_rng([worker, step, size])
+    return (rng.integers(-32, 32, size) / 4).astype(dtype).reshape(shape)
+
+
+def _create():
+    """The store; a dist one splits the bigger keys over its shards."""
+    return gpukv.create(STORE, **({} if STORE == "local" else {"bigarray_bound": 100}))
+
+
+def _push(kv, step: int) -> None:
+    """Worker r pushes the sum of the logical workers r, r + n, r + 2n, ..."""
+    mine = range(kv.rank, LOGICAL, kv.num_workers)
+    kv.push(list(KEYS), [sum(_gradient(w, step, k) for w in mine) for k in KEYS])
+
+
+def _digest(kv) -> str:
+    outs = [np.zeros(shape, dtype) for dtype, shape in KEYS.values()]
+    kv.pull(list(KEYS), out=outs)
+    return hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
+
+
+def _user_state(rank: int, step: int) -> dict:
+    return {"rank": rank, "step": step, "seen": np.arange(3) + 100 * rank + step,
+            "order": (rank, [step, "x"])}
+
+
+def train(root: str, until: str) -> None:
+    """Resume from the newest snapshot under `root` (if any; each worker checks the
+    user_state it saved), push the steps up to `until`, snapshotting after each with a
+    user_state of its own, and print the values' digest."""
+    kv = _create()
+    dtype = {k: np.dtype(d) for k, (d, _) in KEYS.items()}
+    kv.init(list(KEYS), [np.ones(s, dtype[k]) for k, (_, s) in KEYS.items()])
+    kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.01, multi_precision=True))
+    found = kv.resume(root)
+    start = 0
+    if found is not None:
+        start = found.step
+        if kv.rank < found.workers:
+            state = found.user_state(kv.rank)
+            expect = _user_state(kv.rank, start)
+            assert state["seen"].tobytes() == expect["seen"].tobytes(), state
+            del state["seen"], expect["seen"]
+            assert state == expect, (state, expect)
+        print(f"RESUMED worker {kv.rank} step {start} saved by {found.workers}", flush=True)
+    for step in range(start, int(until)):
+        _push(kv, step)
+        kv.snapshot(root, step + 1, user_state=_user_state(kv.rank, step + 1))
+    kv.finish_snapshots()
+    print(f"DIGEST worker {kv.rank} {_digest(kv)}", flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def bad_user_state(root: str) -> None:
+    """Worker 1's user_state holds a set: ArgumentError on every worker (worker 1's names
+    where), nothing is written, and the next snapshot works."""
+    kv = _create()
+    kv.init("a", np.ones(200, np.float32))
+    state = {"bad": {1, 2}} if kv.rank == 1 else {"fine": 1}
+    try:
+        kv.snapshot(root, 1, user_state=state)
+    except gpukv.ArgumentError as exc:
+        print(f"CAUGHT ArgumentError on worker {kv.rank}: {exc}", flush=True)
+    else:
+        raise AssertionError("the snapshot was taken")
+    kv.finish_snapshots()
+    assert gpukv.latest_snapshot(root) is None
+    kv.snapshot(root, 2, user_state={"fine": kv.rank})
+    kv.finish_snapshots()
+    found = gpukv.latest_snapshot(root)
+    assert (found.step, found.workers) == (2, kv.num_workers), found
+    assert found.user_state(kv.rank) == {"fine": kv.rank}
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def trainer_local_updates(root: str) -> None:
+    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
+    ArgumentError on every worker, before any key is made or anything written."""
+    import torch
+
+    import gpukv.torch as gt
+    kv = _create()
+    try:
+        gt.Trainer([torch.nn.Linear(3, 2)], "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                   update_on_kvstore=False, checkpoint_dir=root, checkpoint_every=1)
+    except gpukv.ArgumentError as exc:
+        print(f"CAUGHT ArgumentError on worker {kv.rank}: {exc}", flush=True)
+    else:
+        raise AssertionError("the Trainer was made")
+    assert len(kv) == 0 and not os.path.exists(root)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,96 @@
+"""Snapshots of dist stores across MPI processes: a job resumes from another job's
+snapshot on other numbers of processes and servers, bit for bit, with each worker's
+user_state; a user_state one worker cannot save is an error on every worker."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .. import gpu_env
+from .mpirun import PROGRAMS, ok, run
+
+pytestmark = pytest.mark.mpi
+
+
+def _job(n: int, servers: int, *args: str) -> str:
+    """stdout of `snapshots.py` on n processes with `servers` servers (n == 0: one
+    process on a 'local' store, without MPI)."""
+    env = gpu_env.subprocess_env(gpus=False)
+    if n == 0:
+        env["STORE"] = "local"
+        result = subprocess.run([sys.executable, str(PROGRAMS / "snapshots.py"), *args],
+                                capture_output=True, text=True, env=env, timeout=120)
+        return ok(result)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT="30")
+    out = ok(run("snapshots.py", n, *args, env=env))
+    for w in range(n - servers):
+        assert f"PASS worker {w} of {n - servers}" in out, out
+    return out
+
+
+def _caught(out: str) -> list:
+    """(worker, message) of every `CAUGHT ArgumentError` line (ranks print at once: lines
+    may run into each other, so they are found by pattern, not by line)."""
+    return re.findall(r"CAUGHT ArgumentError on worker (\d+): (.*?)(?=CAUGHT|PASS|DIGEST|$)",
+                      out, re.M | re.S)
+
+
+def _digests(out: str) -> set:
+    return set(re.findall(r"DIGEST worker \d+ ([0-9a-f]{64})", out))
+
+
+#: (processes, servers, steps up to): each job resumes from the one before
+CHAINS = {
+    "3x0-2x0-3x1": [(3, 0, 2), (2, 0, 4), (3, 1, 6)],
+    "2x0-4x2": [(2, 0, 3), (4, 2, 6)],
+}
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_jobs_resume_one_another_bit_for_bit(tmp_path, chain):
+    """Each job of the chain resumes from the snapshot the one before took at its last
+    step (on other numbers of processes and servers), every worker it had gets its own
+    user_state back, and the last job's values equal one uninterrupted run's bits."""
+    root = str(tmp_path / "snaps")
+    before = None
+    for n, servers, until in CHAINS[chain]:
+        listing = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*")) \
+            if before else []
+        out = _job(n, servers, "train", root, str(until))
+        workers = n - servers
+        if before is None:
+            assert "RESUMED" not in out, out
+        else:
+            for w in range(workers):
+                assert f"RESUMED worker {w} step {before[0]} saved by {before[1]}" in out, \
+                    (out, listing)
+        assert len(_digests(out)) == 1, out
+        before = (until, workers)
+    reference = _job(0, 0, "train", str(tmp_path / "reference"), str(before[0]))
+    assert _digests(out) == _digests(reference), (out, reference)
+
+
+def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
+    """A user_state that one worker cannot save raises ArgumentError on every worker (no
+    hang), that worker's naming where; nothing is written, and the next snapshot is
+    complete for every worker once finish_snapshots() returns there."""
+    out = _job(3, 0, "bad_user_state", str(tmp_path / "snaps"))
+    caught = _caught(out)
+    assert sorted(int(w) for w, _ in caught) == [0, 1, 2], out
+    messages = dict(caught)
+    assert "user_state['bad']: a set cannot be saved" in messages["1"], out
+    assert "another worker's user_state" in messages["0"], out
+
+
+def test_a_trainer_updating_locally_on_a_dist_store_cannot_snapshot(tmp_path):
+    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
+    ArgumentError on every worker, naming update_on_kvstore, before anything changes."""
+    pytest.importorskip("torch")
+    out = _job(2, 0, "trainer_local_updates", str(tmp_path / "snaps"))
+    caught = _caught(out)
+    assert sorted(w for w, _ in caught) == ["0", "1"], out
+    assert all("update_on_kvstore=True" in m for _, m in caught), out

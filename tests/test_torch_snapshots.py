@@ -1,0 +1,149 @@
+"""gpukv.torch.Trainer's snapshots: a Trainer stopped early and made again on a fresh
+model resumes its steps, user_state and weights, and ends where an uninterrupted run
+does, bit for bit; wrong options and other layouts are refused."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.torch as gt  # noqa: E402
+
+STEPS = 6
+PARAMS = {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _run(models, steps, directory=None, every=None, update_on_kvstore=True, **options):
+    """A Trainer over `models` (its checkpoints in `directory`), stepped until `steps` are
+    done; each step's data comes from a generator kept in user_state."""
+    trainer = gt.Trainer(models, "sgd", dict(PARAMS), kvstore="local",
+                         update_on_kvstore=update_on_kvstore, checkpoint_dir=directory,
+                         checkpoint_every=every, **options)
+    if "generator" in trainer.user_state:
+        g = torch.Generator()
+        g.set_state(trainer.user_state["generator"])
+    else:
+        g = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    while trainer.steps < steps:
+        x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+        trainer.zero_grad()
+        for m, xs, ys in zip(models, x.chunk(len(models)), y.chunk(len(models))):
+            loss_fn(m(xs), ys).backward()
+        trainer.user_state = {"generator": g.get_state(), "seen": trainer.steps + 1}
+        trainer.step(12)
+    trainer.finish_snapshots()
+    return trainer
+
+
+def _bits(models):
+    return [p.detach().numpy().tobytes() for m in models for p in m.parameters()]
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+@pytest.mark.parametrize("stop,every", [(4, 2), (3, 1), (5, 2)])
+def test_a_new_trainer_resumes_and_ends_as_an_uninterrupted_run(tmp_path, capfd, stop,
+                                                                every, update_on_kvstore):
+    """A Trainer stopped after `stop` steps and made again on a fresh model resumes from
+    the last snapshot (its steps, user_state with a generator's state, resumed_from, one
+    line on stderr) and ends with the weights of an uninterrupted run, to the bit."""
+    base = _model()
+    reference = [copy.deepcopy(base) for _ in range(2)]
+    _run(reference, STEPS, update_on_kvstore=update_on_kvstore)
+    first = [copy.deepcopy(base) for _ in range(2)]
+    _run(first, stop, tmp_path, every, update_on_kvstore)
+    capfd.readouterr()
+
+    fresh = [_model(seed=7) for _ in range(2)]
+    resumed = _run(fresh, 0, tmp_path, every, update_on_kvstore)  # takes no step
+    saved = stop - stop % every
+    assert resumed.steps == saved and resumed.resumed_from.step == saved
+    assert resumed.user_state["seen"] == saved
+    assert resumed.resumed_from.path == gpukv.latest_snapshot(tmp_path).path
+    err = capfd.readouterr().err
+    assert err.count("gpukv: resumed from") == 1, err
+    assert f"gpukv: resumed from {resumed.resumed_from.path} (step {saved}" in err, err
+    done = _run(fresh, STEPS, tmp_path, every, update_on_kvstore)
+    assert done.steps == STEPS
+    assert _bits(fresh) == _bits(reference)
+
+
+def test_no_snapshot_starts_from_the_model(tmp_path, capfd):
+    """A Trainer whose checkpoint_dir holds no snapshot starts at step 0 from its own
+    weights and says nothing."""
+    models = [_model()]
+    before = _bits(models)
+    trainer = gt.Trainer(models, "sgd", dict(PARAMS), checkpoint_dir=tmp_path / "new")
+    assert (trainer.steps, trainer.resumed_from, trainer.user_state) == (0, None, {})
+    assert _bits(models) == before
+    assert "resumed" not in capfd.readouterr().err
+
+
+def test_another_layout_is_refused_naming_the_keys(tmp_path):
+    """A snapshot of a Trainer with other keys (other bucket_bytes) is refused with a
+    CheckpointError naming both key lists; the model keeps its weights."""
+    _run([_model()], 2, tmp_path, 1)
+    models = [_model(seed=3)]
+    before = _bits(models)
+    with pytest.raises(gpukv.CheckpointError, match=r"its keys \(.*\) are not this "
+                       r"Trainer's \(.*\).*bucket_bytes"):
+        gt.Trainer(models, "sgd", dict(PARAMS), kvstore="local", bucket_bytes=0,
+                   checkpoint_dir=tmp_path)
+    assert _bits(models) == before
+
+
+def test_a_bare_store_snapshot_is_refused(tmp_path):
+    """A bare store's snapshot in checkpoint_dir is not a Trainer's: CheckpointError."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(3, np.float32))
+    kv.snapshot(tmp_path, 1)
+    kv.finish_snapshots()
+    with pytest.raises(gpukv.CheckpointError, match="not a Trainer's snapshot"):
+        gt.Trainer([_model()], "sgd", dict(PARAMS), checkpoint_dir=tmp_path)
+
+
+BAD_OPTIONS = [
+    ({"checkpoint_every": 2}, gpukv.ArgumentError, "checkpoint_every needs a checkpoint_dir"),
+    ({"checkpoint_dir": "D", "checkpoint_every": 0}, gpukv.ArgumentError,
+     "checkpoint_every=0"),
+    ({"checkpoint_dir": "D", "checkpoint_every": True}, gpukv.ArgumentError,
+     "checkpoint_every=True"),
+    ({"checkpoint_dir": "D", "checkpoint_every": 1.5}, gpukv.ArgumentError,
+     "checkpoint_every=1.5"),
+    ({"checkpoint_dir": "D", "checkpoint_keep": 0}, gpukv.ArgumentError, "checkpoint_keep=0"),
+    ({"checkpoint_dir": "F"}, gpukv.CheckpointError, "is a file"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", BAD_OPTIONS,
+                         ids=[m.split("=")[0] + str(i) for i, (_, _, m) in
+                              enumerate(BAD_OPTIONS)])
+def test_bad_checkpoint_options_are_refused_first(tmp_path, options, error, message):
+    """Bad checkpoint options raise a typed error naming the option before anything
+    changes: no store is made from the model, no folder is written."""
+    (tmp_path / "F").write_text("a file")
+    options = {k: (str(tmp_path / v) if k == "checkpoint_dir" else v)
+               for k, v in options.items()}
+    kv = gpukv.create("local")
+    models = [_model()]
+    with pytest.raises(error, match=message):
+        gt.Trainer(models, "sgd", dict(PARAMS), kvstore=kv, **options)
+    assert len(kv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["F"]
+
+
+def test_snapshot_without_a_folder_is_refused():
+    """Trainer.snapshot() without a checkpoint_dir is an ArgumentError."""
+    trainer = gt.Trainer([_model()], "sgd", dict(PARAMS))
+    with pytest.raises(gpukv.ArgumentError, match="checkpoint_dir"):
+        trainer.snapshot()
