@@ -525,14 +525,11 @@ class DistKVStore(KVStore):
         the others take the saved values, and the optimizer's state is restored when an
         optimizer is set. Checked whole first; a failure changes nothing and raises
         CheckpointError everywhere."""
-        from . import checkpoint, snapshots
+        from . import checkpoint
         with self._lock:
             self._engine.check()
             self._engine.collective("load")  # agreed before anything moves
-            contents = None
-            if self.rank == 0:
-                contents = _attempt(lambda: snapshots.read_any(path), keep=True)
-            contents = _raise(self._engine.share(contents, "load"))
+            contents = self._read(path)
             # The optimizer's state is checked whole, against the keys as they will be,
             # before any key is made (the shards check their parts again).
             snapshot = checkpoint.StoreSnapshot(self._type, self._values.key_kind,
@@ -551,6 +548,26 @@ class DistKVStore(KVStore):
                     self._engine_device.copy(self._replica(key), values[key])
                 self._to_devices(keys, [self._replica(k) for k in keys])
             self._refresh()
+
+    def _read(self, path):
+        """What `path` holds, on every worker: a snapshot's folder (which every process
+        sees, as they all wrote it) is read by every worker; a file by worker 0, which
+        sends it to the others. A failure raises CheckpointError on every worker."""
+        from . import snapshots
+        from .checkpoint import checkpoint_path
+        folder = self._engine.share(self.rank == 0 and snapshots.is_snapshot(path), "load")
+        if not folder:
+            contents = None
+            if self.rank == 0:
+                contents = _attempt(lambda: snapshots.read_any(path), keep=True)
+            return _raise(self._engine.share(contents, "load"))
+        mine = _attempt(lambda: snapshots.read_store(path), keep=True)
+        failed = isinstance(mine, CheckpointError)
+        if self._engine.workers_max(np.array([failed], np.int8), "load: reading")[0]:
+            first = self._engine.share(str(mine) if failed else None, "load")
+            raise CheckpointError(first or f"{checkpoint_path(path)}: another worker could "
+                                           f"not read this snapshot")
+        return mine
 
     def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
                  keep: int = 2) -> str:

@@ -164,13 +164,19 @@ def prune(root: str, keep: int) -> None:
 
 
 # ---------------------------------------------------------------------------- reading
+def is_snapshot(path) -> bool:
+    """Whether `path` names a snapshot's folder (known by its name, `step-<step>-<tag>`)."""
+    try:
+        path = checkpoint_path(path)
+    except CheckpointError:
+        return False
+    return os.path.isdir(path) and bool(
+        _FOLDER.fullmatch(os.path.basename(os.path.normpath(path))))
+
+
 def read_any(path) -> StoreFile:
-    """A checkpoint file (`checkpoint.read_store`) or a snapshot's folder (`read_store`;
-    known by its name, `step-<step>-<tag>`)."""
-    path = checkpoint_path(path)
-    if os.path.isdir(path) and _FOLDER.fullmatch(os.path.basename(os.path.normpath(path))):
-        return read_store(path)
-    return checkpoint_read_store(path)
+    """A checkpoint file (`checkpoint.read_store`) or a snapshot's folder (`read_store`)."""
+    return read_store(path) if is_snapshot(path) else checkpoint_read_store(path)
 
 
 def read_store(path) -> StoreFile:
