@@ -217,6 +217,7 @@ class DistKVStore(KVStore):
         self._stale: list = []  # keys whose device copies wait for rank 0's value
         self._writer: Any = None  # writes this worker's snapshot files, once made
         self._tag: str | None = None  # the folder tag of this store's snapshots
+        self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
 
     # ----------------------------------------------------------------- properties
     @property
@@ -570,13 +571,20 @@ class DistKVStore(KVStore):
         return mine
 
     def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
-                 keep: int = 2) -> str:
+                 keep: int = 2, replicated: KVStore | None = None) -> str:
         """Start a numbered snapshot (see `KVStore.snapshot`); every worker calls it at
         the same step. Each shard (a process with num_servers=0, else a server) writes
         the pieces it serves and each worker its `user_state`, in the background: `root`
-        must be a folder every process sees (a shared file system)."""
+        must be a folder every process sees (a shared file system). `replicated`: a
+        one-process store that every worker holds alike (the Trainer's with
+        update_on_kvstore=False), saved instead of this store's keys, each worker writing
+        every num_workers-th of its keys."""
         from . import snapshots
         root, step, keep = snapshots.checked(root, step, keep)
+        if replicated is not None and (not isinstance(replicated, KVStore)
+                                       or replicated.num_workers != 1):
+            raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
+                                    f"{replicated!r}")
         with self._lock:
             self._engine.check()
             self._engine.collective("snapshot")  # agreed before anything moves
@@ -593,27 +601,47 @@ class DistKVStore(KVStore):
                                         "snapshot: checking user_state")[0]:
                 raise problem or ArgumentError(
                     "snapshot: another worker's user_state cannot be saved; nothing was")
-            entries = self._values.entries()
-            error = self._engine.write_snapshot({
-                "folder": folder, "step": step, "store_type": self._type,
-                "keys": {k: (e.home.kind, i) for i, (k, e) in enumerate(entries.items())}})
+            if replicated is None:
+                entries = self._values.entries()
+                error = self._engine.write_snapshot({
+                    "folder": folder, "step": step, "store_type": self._type,
+                    "keys": {k: (e.home.kind, i) for i, (k, e) in enumerate(entries.items())}})
+                mine = None
+            else:
+                if replicated not in self._replicated:
+                    self._replicated.append(replicated)
+                error = None
+                mine = replicated.snapshot_share(folder, step, self.rank, self.num_workers)
             if self._writer is None:
                 self._writer = snapshots.PartWriter()
             try:
                 turn, _ = self._writer.stage()
             except CheckpointError as exc:
-                error = error or str(exc)
+                mine = mine or str(exc)
             else:
                 then = (lambda: snapshots.prune(root, keep)) if self.rank == 0 else None
                 self._writer.submit(turn, [worker], then)
+            error = self._agreed_error(mine, "snapshot") or error
             if error is not None:
                 raise CheckpointError(error)
         return folder
 
-    def resume(self, root: str | os.PathLike, check=None):
+    def snapshot_share(self, folder: str, step: int, index: int, count: int) -> str | None:
+        """Not for a dist store: its shards write its snapshots (see `snapshot`)."""
+        raise ArgumentError("snapshot_share: a dist store's shards write its snapshots; "
+                            "call snapshot()")
+
+    def _agreed_error(self, mine: str | None, what: str) -> str | None:
+        """An error some worker met (`mine`: this worker's), the same on every worker."""
+        if not self._engine.workers_max(np.array([mine is not None], np.int8), what)[0]:
+            return None
+        first = self._engine.share(mine, what)
+        return first or mine or f"{what}: another worker's snapshot files could not be written"
+
+    def resume(self, root: str | os.PathLike, check=None, into: list | None = None):
         """Load the newest complete snapshot under `root` (see `KVStore.resume`): worker 0
-        picks it (and runs `check`), so every worker loads the same one. Every worker
-        calls it."""
+        picks it (and runs `check`), so every worker loads the same one, into this store
+        or into the one-process stores `into` (each worker's own). Every worker calls it."""
         from . import snapshots
         with self._lock:
             self._engine.check()
@@ -623,8 +651,20 @@ class DistKVStore(KVStore):
                 found = _attempt(lambda: _checked(snapshots.latest_snapshot(root), check),
                                  keep=True)
             found = _raise(self._engine.share(found, "resume"))
-            if found is not None:
+            if found is None:
+                return None
+            if into is None:
                 self.load(found)
+                return found
+            mine = None
+            for store in into:
+                try:
+                    store.load(found)
+                except CheckpointError as exc:
+                    mine = mine or str(exc)
+            error = self._agreed_error(mine, "resume")
+            if error is not None:
+                raise CheckpointError(error)
             return found
 
     def finish_snapshots(self) -> None:
@@ -634,17 +674,19 @@ class DistKVStore(KVStore):
             self._engine.check()
             self._engine.collective("finish_snapshots")
             mine = None
+            for store in self._replicated:
+                try:
+                    store.finish_snapshots()
+                except CheckpointError as exc:
+                    mine = mine or str(exc)
             if self._writer is not None:
                 try:
                     self._writer.finish()
                 except CheckpointError as exc:
-                    mine = str(exc)
-            error = self._engine.finish_snapshots() or mine
+                    mine = mine or str(exc)
+            error = self._engine.finish_snapshots()
             # every worker's own files are written (or failed) before any worker returns
-            if self._engine.workers_max(np.array([mine is not None], np.int8),
-                                        "finishing the snapshots")[0]:
-                raise CheckpointError(error or "another worker's snapshot files could not "
-                                      "be written")
+            error = self._agreed_error(mine, "finishing the snapshots") or error
             if error is not None:
                 raise CheckpointError(error)
 

@@ -220,7 +220,11 @@ def read_store(path) -> StoreFile:
         homes.append(info["home"])
         values.append(value)
         shapes[key] = value.shape
-    state = merge(exports, shapes)
+    try:
+        state = merge(exports, shapes)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the optimizer state of its shards does not fit "
+                              f"together (a damaged snapshot: {exc})") from exc
     return StoreFile(path, kind, out_keys, homes, values, state)
 
 

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import ArgumentError, ArgumentKindError, GpukvError, OutOfMemoryError
+from .._errors import (
+    ArgumentError,
+    ArgumentKindError,
+    CheckpointError,
+    GpukvError,
+    OutOfMemoryError,
+)
 from ..comm import BroadcastJob, Strategy
 from ..comm.registry import make_strategy
 from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
@@ -478,22 +484,41 @@ class KVStore:
                 root, keep))
         return folder
 
-    def resume(self, root: str | os.PathLike, check=None) -> snapshots.Snapshot | None:
+    def resume(self, root: str | os.PathLike, check=None,
+               into: list | None = None) -> snapshots.Snapshot | None:
         """Load the newest complete snapshot under `root` (see `snapshot`) and return it
         (its `step`, and `user_state(rank)`), or None when there is none. It loads as
-        `load` does, into a store of any number of devices, processes or servers.
-        `check(snapshot)`, if given, may refuse it first (raising CheckpointError)."""
+        `load` does, into a store of any number of devices, processes or servers (into
+        the stores `into` instead of this one, if given). `check(snapshot)`, if given,
+        may refuse it first (raising CheckpointError)."""
         found = snapshots.latest_snapshot(root)
         if found is not None:
             if check is not None:
                 check(found)
-            self.load(found)
+            for store in [self] if into is None else into:
+                store.load(found)
         return found
 
     def finish_snapshots(self) -> None:
         """Wait until every snapshot started is written; CheckpointError if one failed."""
         if self._snapshots is not None:
             self._snapshots.finish()
+
+    def snapshot_share(self, folder: str, step: int, index: int, count: int) -> str | None:
+        """Write every count-th key from the index-th, whole, as shard `index` of `count`
+        of the snapshot in `folder`, in the background: one worker's share of a store every
+        worker of a dist store holds alike (its `snapshot(replicated=)` calls this). The
+        error of an earlier write that failed, else None."""
+        with self._lock:
+            pieces = {key: (0, e.value.size, e.value.shape, e.home.kind, i)
+                      for i, (key, e) in enumerate(self._entries.items())
+                      if i % count == index}
+        try:
+            self._write_part(os.path.join(folder, snapshots.shard_file(index, count)), step,
+                             pieces, [])
+        except CheckpointError as exc:
+            return str(exc)
+        return None
 
     def _snapshot_tag(self) -> str:
         if self._tag is None:
@@ -524,8 +549,8 @@ class KVStore:
                     infos.append({"key": key, "index": order, "home": home,
                                   "shape": list(shape), "start": start, "stop": stop})
                     values.append(staging.take(value.reshape(-1)))
-                export = None if self._optimizer is None else \
-                    self._updater.export_state(True, staging.fetch)
+                export = None if self._optimizer is None else self._updater.export_state(
+                    True, staging.fetch, None if pieces is None else set(pieces))
                 staging.copy()
             header = snapshots.shard_header(step, store_type or self._type, self._key_kind,
                                             infos, export)

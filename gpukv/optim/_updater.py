@@ -501,10 +501,14 @@ class OptimizerUpdater:
         return (stored, grad, master, states, scalars)
 
     # -------------------------------------------------------------- save / load
-    def export_state(self, dump_optimizer: bool = False, fetch=None) -> tuple[dict, dict]:
+    def export_state(self, dump_optimizer: bool = False, fetch=None,
+                     keys=None) -> tuple[dict, dict]:
         """(header, {name: NumPy array}) holding every state tensor and update count
-        (`fetch(home, array)`: where each goes on the host; default a copy)."""
-        return _state.export_state(self.optimizer, self.states, dump_optimizer, fetch)
+        (`fetch(home, array)`: where each goes on the host; default a copy), of the keys
+        in `keys` only when given."""
+        states = self.states if keys is None else {
+            k: v for k, v in self.states.items() if k in keys}
+        return _state.export_state(self.optimizer, states, dump_optimizer, fetch)
 
     def import_state(self, header, arrays, entries, *, check_only=False, path="") -> None:
         """Replace every state with the saved ones; `entries`: {key: (value, home)}.

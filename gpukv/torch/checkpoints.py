@@ -7,6 +7,7 @@ import time
 
 from .._errors import ArgumentError, CheckpointError
 from ..api import snapshots
+from ..api.dist_store import DistKVStore
 from ..api.store import KVStore
 
 #: the layout of what the Trainer keeps beside the user's state in a snapshot
@@ -20,13 +21,20 @@ def _count(name: str, value, low: int) -> int:
 
 
 class Checkpoints:
-    """Where and how often a Trainer snapshots `store` (the store that holds its weights
-    and optimizer state), and its resume."""
+    """Where and how often a Trainer snapshots its state, and its resume.
 
-    def __init__(self, directory, every, keep, store: KVStore, keys: list):
+    `store` takes the snapshots: the store that holds the weights and the optimizer's
+    state, or, with update_on_kvstore=False on a dist store, the dist store, which has
+    each worker write a share of `replicas[0]` (every worker's replica stores are alike).
+    A resume loads into `store`, or into every store of `replicas` when given.
+    """
+
+    def __init__(self, directory, every, keep, store: KVStore, keys: list,
+                 replicas: list | None = None):
         self.directory, self.every, self.keep = self.check(directory, every, keep)
         self.store = store
         self.keys = list(keys)
+        self.replicas = replicas
         self.resumed: snapshots.Snapshot | None = None
 
     @staticmethod
@@ -42,6 +50,9 @@ class Checkpoints:
     def take(self, steps: int, user_state: dict) -> str:
         """Start the snapshot of step `steps`; its folder."""
         saved = {"trainer": {"layout": _TRAINER, "keys": self.keys}, "user": user_state}
+        if self.replicas is not None and isinstance(self.store, DistKVStore):
+            return self.store.snapshot(self.directory, steps, user_state=saved,
+                                       keep=self.keep, replicated=self.replicas[0])
         return self.store.snapshot(self.directory, steps, user_state=saved, keep=self.keep)
 
     def resume(self) -> tuple[int, dict] | None:
@@ -49,7 +60,7 @@ class Checkpoints:
         this worker's user_state, {} for a worker the snapshot did not have); worker 0
         says so on one line."""
         start = time.perf_counter()
-        found = self.store.resume(self.directory, check=self._fits)
+        found = self.store.resume(self.directory, check=self._fits, into=self.replicas)
         if found is None:
             return None
         self.resumed = found

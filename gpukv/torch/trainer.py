@@ -84,7 +84,6 @@ class Trainer:
     line. checkpoint_every: take one after every that many steps (None: only when
     `snapshot()` is called); a step only copies the state into host buffers, and a
     background thread writes it. checkpoint_keep: how many complete snapshots to keep.
-    With a dist store, snapshots need update_on_kvstore=True.
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
@@ -311,30 +310,27 @@ class Trainer:
             if every is not None:
                 raise ArgumentError("checkpoint_every needs a checkpoint_dir")
             return None
-        if self._kv.num_workers > 1 and not self._update_on_kvstore:
-            raise ArgumentError("checkpoint_dir with a dist store needs "
-                                "update_on_kvstore=True (the store then holds the state)")
         Checkpoints.check(directory, every, keep)
         return directory, every, keep
 
     def _start_checkpoints(self, directory, every, keep) -> None:
         """Resume from the newest complete snapshot in `directory`, if there is one."""
         keys = [b.key for b in self._buckets]
-        store = self._kv if self._update_on_kvstore else self._local[0]
-        self._checkpoints = Checkpoints(directory, every, keep, store, keys)
+        replicas = None if self._update_on_kvstore else self._local
+        # With update_on_kvstore=False, replica 0's store holds the state (alike on every
+        # worker); a dist store has each of its workers write a share of it.
+        store = self._local[0] if replicas and self._kv.num_workers == 1 else self._kv
+        self._checkpoints = Checkpoints(directory, every, keep, store, keys, replicas)
         resumed = self._checkpoints.resume()
         if resumed is None:
             return
         self._steps, self.user_state = resumed
         if not keys:
             return
-        if self._update_on_kvstore:
+        if replicas is None:
             self._kv.pull(keys, out=[b.weights for b in self._buckets])
             return
-        found = self._checkpoints.resumed
         for r, local in enumerate(self._local):
-            if r:
-                local.load(found)
             local.pull(keys, out=[b.weights[r] for b in self._buckets])
 
     def _init_store(self) -> None:

@@ -4,6 +4,7 @@ user_state; a user_state one worker cannot save is an error on every worker."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,11 +87,28 @@ def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
     assert "another worker's user_state" in messages["0"], out
 
 
-def test_a_trainer_updating_locally_on_a_dist_store_cannot_snapshot(tmp_path):
-    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
-    ArgumentError on every worker, naming update_on_kvstore, before anything changes."""
+def test_a_trainer_updating_locally_resumes_bit_for_bit(tmp_path):
+    """A Trainer with update_on_kvstore=False on a dist store snapshots (each worker a
+    share of its replica's store): a job resumed from the step-3 snapshot ends as the
+    uninterrupted job did, bit for bit, every worker with its own user_state; a job on
+    fewer workers resumes from the last one."""
     pytest.importorskip("torch")
-    out = _job(2, 0, "trainer_local_updates", str(tmp_path / "snaps"))
-    caught = _caught(out)
-    assert sorted(w for w, _ in caught) == ["0", "1"], out
-    assert all("update_on_kvstore=True" in m for _, m in caught), out
+    root = tmp_path / "snaps"
+    whole = _job(3, 0, "trainer_local_updates", str(root), "6")
+    assert "RESUMED" not in whole and len(_digests(whole)) == 1, whole
+    (third,) = [p for p in root.iterdir() if p.name.startswith("step-000000003-")]
+    shards = sorted(p.name for p in third.iterdir())
+    assert shards[:3] == [f"shard-0000{i}-of-00003.npz" for i in range(3)], shards
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(third, again / third.name)
+    resumed = _job(3, 0, "trainer_local_updates", str(again), "6")
+    for w in range(3):
+        assert f"RESUMED worker {w} step 3 saved by 3 state {{'worker': {w}, 'step': 3}}" \
+            in resumed, resumed
+    assert _digests(resumed) == _digests(whole), (whole, resumed)
+    fewer = _job(2, 0, "trainer_local_updates", str(root), "8")
+    for w in range(2):
+        assert f"RESUMED worker {w} step 6 saved by 3 state {{'worker': {w}, 'step': 6}}" \
+            in fewer, fewer
+    assert len(_digests(fewer)) == 1, fewer

@@ -98,21 +98,33 @@ def bad_user_state(root: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
-def trainer_local_updates(root: str) -> None:
-    """A Trainer on a dist store with update_on_kvstore=False and a checkpoint_dir is an
-    ArgumentError on every worker, before any key is made or anything written."""
+def trainer_local_updates(root: str, until: str) -> None:
+    """A Trainer on a dist store with update_on_kvstore=False (each worker updates its
+    replica) takes `until` steps from where its snapshots left off, one every 3 steps;
+    worker w's batch of step s is drawn from a generator seeded (s, w). Prints the
+    resume and a digest of the weights."""
     import torch
 
     import gpukv.torch as gt
     kv = _create()
-    try:
-        gt.Trainer([torch.nn.Linear(3, 2)], "sgd", {"learning_rate": 0.1}, kvstore=kv,
-                   update_on_kvstore=False, checkpoint_dir=root, checkpoint_every=1)
-    except gpukv.ArgumentError as exc:
-        print(f"CAUGHT ArgumentError on worker {kv.rank}: {exc}", flush=True)
-    else:
-        raise AssertionError("the Trainer was made")
-    assert len(kv) == 0 and not os.path.exists(root)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    trainer = gt.Trainer([model], "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore=kv, update_on_kvstore=False, checkpoint_dir=root,
+                         checkpoint_every=3, checkpoint_keep=10)
+    if trainer.resumed_from is not None:
+        print(f"RESUMED worker {kv.rank} step {trainer.steps} saved by "
+              f"{trainer.resumed_from.workers} state {trainer.user_state}", flush=True)
+    for step in range(trainer.steps, int(until)):
+        g = torch.Generator().manual_seed(1000 * step + kv.rank)
+        trainer.zero_grad()
+        model(torch.randn(4, 5, generator=g)).square().sum().backward()
+        trainer.user_state = {"worker": kv.rank, "step": step + 1}
+        trainer.step(4 * kv.num_workers)
+    trainer.finish_snapshots()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                     for p in model.parameters())).hexdigest()
+    print(f"DIGEST worker {kv.rank} {digest}", flush=True)
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
