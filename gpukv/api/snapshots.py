@@ -3,7 +3,8 @@
 A snapshot is a folder `ROOT/step-<step>-<tag>/` holding
 - `shard-<i>-of-<n>.npz`: the keys (or pieces of keys) shard i of n serves, their values
   and optimizer state: a one-process store is one shard; a dist store has one per process
-  with num_servers=0, one per server otherwise;
+  with num_servers=0, one per server otherwise (or one per worker, each with every n-th
+  key of a store all workers hold alike: `snapshot(replicated=)`);
 - `worker-<r>-of-<m>.npz`: worker r's step and `user_state`.
 Each file is a checkpoint archive written with `atomic_write`, so it exists only whole;
 the snapshot is complete when every file its names promise is there. A process killed
@@ -39,9 +40,9 @@ from . import user_state
 from .checkpoint import StoreFile, checkpoint_path, read_archive, write_archive
 from .checkpoint import read_store as checkpoint_read_store
 
-__all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "prune", "read_store",
-           "read_worker", "PartWriter", "folder_name", "shard_file", "worker_file",
-           "SHARD_KIND", "WORKER_KIND"]
+__all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "prune", "is_snapshot",
+           "read_store", "read_any", "read_worker", "PartWriter", "Staging", "checked",
+           "folder_name", "shard_file", "worker_file", "SHARD_KIND", "WORKER_KIND"]
 
 SHARD_KIND = "gpukv.snapshot.shard"
 WORKER_KIND = "gpukv.snapshot.worker"
