@@ -473,7 +473,8 @@ class KVStore:
         keeps the `keep` newest complete snapshots. `user_state`: a dict of JSON values,
         tuples and arrays saved beside it (see `gpukv.latest_snapshot`). The folder's path
         is returned; `finish_snapshots()` waits for it. A failed write (a full disk) is
-        raised as CheckpointError by the next `snapshot` or `finish_snapshots`.
+        raised as CheckpointError by the first `snapshot` called after it failed, or by
+        `finish_snapshots`.
         """
         root, step, keep = snapshots.checked(root, step, keep)
         with self._lock:
