@@ -217,6 +217,7 @@ class DistKVStore(KVStore):
         self._stale: list = []  # keys whose device copies wait for rank 0's value
         self._writer: Any = None  # writes this worker's snapshot files, once made
         self._tag: str | None = None  # the folder tag of this store's snapshots
+        self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
         self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
 
     # ----------------------------------------------------------------- properties
@@ -570,7 +571,8 @@ class DistKVStore(KVStore):
                                            f"not read this snapshot")
         return mine
 
-    def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
+    def snapshot(self, root: str | os.PathLike, step: int | None = None,
+                 user_state: dict | None = None,
                  keep: int = 2, replicated: KVStore | None = None) -> str:
         """Start a numbered snapshot (see `KVStore.snapshot`); every worker calls it at
         the same step. Each shard (a process with num_servers=0, else a server) writes
@@ -580,7 +582,7 @@ class DistKVStore(KVStore):
         update_on_kvstore=False), saved instead of this store's keys, each worker writing
         every num_workers-th of its keys."""
         from . import snapshots
-        root, step, keep = snapshots.checked(root, step, keep)
+        root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         if replicated is not None and (not isinstance(replicated, KVStore)
                                        or replicated.num_workers != 1):
             raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
@@ -624,6 +626,7 @@ class DistKVStore(KVStore):
             error = self._agreed_error(mine, "snapshot") or error
             if error is not None:
                 raise CheckpointError(error)
+            self._last_step = step
         return folder
 
     def snapshot_share(self, folder: str, step: int, index: int, count: int) -> str | None:
@@ -653,6 +656,7 @@ class DistKVStore(KVStore):
             found = _raise(self._engine.share(found, "resume"))
             if found is None:
                 return None
+            self._last_step = found.step
             if into is None:
                 self.load(found)
                 return found

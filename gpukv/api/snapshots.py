@@ -398,12 +398,15 @@ def _finish_all() -> None:
 
 
 # ----------------------------------------------------------------------- the files
-def checked(root, step, keep) -> tuple[str, int, int]:
+def checked(root, step, keep, last: int = 0) -> tuple[str, int, int]:
     """`snapshot`'s arguments checked: (root as a str, step, keep), else ArgumentError
-    (CheckpointError for a root that is no path or is a file)."""
+    (CheckpointError for a root that is no path or is a file). A step of None is the one
+    after `last` (the store's last snapshot's, or the one it resumed from)."""
     root = checkpoint_path(root)
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"{root}: is a file; snapshots need a folder")
+    if step is None:
+        step = last + 1
     for name, value, low in (("step", step, 0), ("keep", keep, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                 or value < low:

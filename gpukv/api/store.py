@@ -122,6 +122,7 @@ class KVStore:
         self._said_sparse = False
         self._snapshots: snapshots.PartWriter | None = None  # made by the first snapshot
         self._tag: str | None = None  # the folder tag of this store's snapshots
+        self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
 
     # ----------------------------------------------------------------- properties
     @property
@@ -463,9 +464,11 @@ class KVStore:
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
-    def snapshot(self, root: str | os.PathLike, step: int, user_state: dict | None = None,
-                 keep: int = 2) -> str:
-        """Start a numbered snapshot of every key and the optimizer's state under `root`.
+    def snapshot(self, root: str | os.PathLike, step: int | None = None,
+                 user_state: dict | None = None, keep: int = 2) -> str:
+        """Start a numbered snapshot of every key and the optimizer's state under `root`,
+        as step `step` (None: the one after this store's last snapshot, or after the one
+        it resumed from; 1 for the first).
 
         The values and state are copied into host buffers now; a background thread
         writes them (see `gpukv.api.snapshots`), at most one snapshot at a time, into
@@ -476,13 +479,14 @@ class KVStore:
         raised as CheckpointError by the first `snapshot` called after it failed, or by
         `finish_snapshots`.
         """
-        root, step, keep = snapshots.checked(root, step, keep)
+        root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         with self._lock:
             folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag()))
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
             self._write_part(shard, step, None, [worker], then=lambda: snapshots.prune(
                 root, keep))
+            self._last_step = step
         return folder
 
     def resume(self, root: str | os.PathLike, check=None,
@@ -498,6 +502,7 @@ class KVStore:
                 check(found)
             for store in [self] if into is None else into:
                 store.load(found)
+            self._last_step = found.step
         return found
 
     def finish_snapshots(self) -> None:

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +123,21 @@ def test_resume_without_a_snapshot_changes_nothing(tmp_path):
     with pytest.raises(gpukv.CheckpointError, match="not mine"):
         kv.resume(tmp_path / "snaps", check=refuse)
     assert _fingerprint(kv, tmp_path / "a.states") == before
+
+
+def test_a_snapshot_without_a_step_takes_the_next_one(tmp_path):
+    """snapshot(root) numbers its snapshots 1, 2, ... on from the last one the store took
+    (an explicit step included), and a store that resumed goes on from the step it
+    resumed from."""
+    kv = _store("local")
+    assert Path(kv.snapshot(tmp_path)).name.startswith("step-000000001-")
+    assert Path(kv.snapshot(tmp_path, 7)).name.startswith("step-000000007-")
+    assert Path(kv.snapshot(tmp_path)).name.startswith("step-000000008-")
+    kv.finish_snapshots()
+    again = _store("local", seed=3)
+    assert again.resume(tmp_path).step == 8
+    assert Path(again.snapshot(tmp_path)).name.startswith("step-000000009-")
+    again.finish_snapshots()
 
 
 @pytest.mark.parametrize("keep", [1, 2, 3])
