@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpukv._errors import ArgumentError
-from gpukv.distributed import (host_probe, hostfile, launch, process_tree, restarts,
-                               run_report)
+from gpukv.distributed import host_probe, hostfile, launch, process_tree, restarts, run_report
 
 from .mpirun import PROGRAMS, require_mpi, run
 
@@ -348,8 +347,8 @@ def test_a_host_file_is_read_as_hydra_reads_it(text, entries):
 @pytest.mark.parametrize("text,says", [
     ("", "host file 'hosts.txt' names no host"),
     ("# only\n\n   # comments\n", "host file 'hosts.txt' names no host"),
-    ("node1\nnode2:0\n", "host file 'hosts.txt', line 2: expected HOST or HOST:N "
-                          "(N >= 1 slots), got 'node2:0'"),
+    ("node1\nnode2:0\n",
+     "host file 'hosts.txt', line 2: expected HOST or HOST:N (N >= 1 slots), got 'node2:0'"),
     ("node1:two", "line 1: expected HOST or HOST:N (N >= 1 slots), got 'node1:two'"),
     ("node1:", "line 1: expected HOST or HOST:N"),
     (":4", "line 1: expected HOST or HOST:N"),
