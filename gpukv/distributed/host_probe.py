@@ -25,6 +25,14 @@ def host_name(entry: str) -> str:
     return entry.rsplit(":", 1)[0] if entry.count(":") == 1 else entry
 
 
+def slots(entry: str) -> int:
+    """The processes a -hosts entry takes before mpiexec moves on: N of `node1:N`, else 1."""
+    if entry.count(":") != 1:
+        return 1
+    count = entry.rsplit(":", 1)[1]
+    return int(count) if count.isdigit() and int(count) > 0 else 1
+
+
 def is_this_machine(name: str) -> bool:
     """Whether `name` is the loopback or an address of this machine (one this process can
     bind to); a name that does not resolve is not."""

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import host_probe, process_tree, restarts, run_report
+from .._errors import ArgumentError
+from . import host_probe, hostfile, process_tree, restarts, run_report
 
 #: seconds mpiexec has to end the job itself after a failure or a signal
 GRACE = 3.0
@@ -48,14 +49,20 @@ Exit status: mpiexec's when the job ends by itself; after a failure the failed r
 status, else 1; 130 after Ctrl-C (143 after SIGTERM); 2 for a usage error.
 
 Restarts (--max-restarts K, default 0: none): after a failure or a non-zero exit (not after
-Ctrl-C or SIGTERM) the job starts again, at most K times, on the --hosts that still answer
-(each is asked to run `true` through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within
---probe-timeout seconds; this machine always answers: a job without --hosts restarts on it
-whole), with as many processes per host as before (--ppn, else -n spread evenly), at most
--n. Below --min-workers processes (default -n) it gives up. The processes of each attempt
-see {restarts.ATTEMPT_ENV} (0, 1, ...) and {restarts.MAX_RESTARTS_ENV}. Instead of the
-failure line, each attempt ends with one line saying its processes and hosts, how long it
-ran, why it ended and what comes next. The exit status is the last attempt's."""
+Ctrl-C or SIGTERM) the job starts again, at most K times, on the hosts that still answer:
+those of --hosts, or of the host file (-f, -hostfile or -machinefile FILE: one HOST or
+HOST:N a line, `#` starting a comment), which the first attempt gets as given and a restart
+replaces with -hosts of the entries that answer, slots kept. Each is asked to run `true`
+through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within --probe-timeout seconds; this
+machine always answers: a job without hosts restarts on it whole. A restart keeps the
+processes per host: --ppn, else -n spread evenly over the slots (HOST:N has N, a plain HOST
+one; rounded up), at most -n. Below --min-workers processes (default -n) it gives up. The
+processes of each attempt see {restarts.ATTEMPT_ENV} (0, 1, ...) and
+{restarts.MAX_RESTARTS_ENV}. Instead of the failure line, each attempt ends with one line
+saying its processes and hosts, how long it ran, why it ended and what comes next. The exit
+status is the last attempt's. The hosts are given once: --hosts and a host file together
+are a usage error (mpiexec refuses them), as is, under --max-restarts, a host file that
+cannot be read, names no host or has a line other than HOST[:N]."""
 
 #: mpiexec options that take values (the others are passed on as flags)
 _MPIEXEC_VALUES = {"-genv": 2, "-env": 2}
@@ -214,15 +221,28 @@ def main(argv: list[str]) -> int:
     min_workers = args.n if args.min_workers is None else args.min_workers
     if min_workers > args.n:
         parser.error(f"--min-workers {min_workers} is more than the -n {args.n} processes")
-    plan = restarts.Plan(args.n, args.hosts, args.ppn, min_workers, args.max_restarts)
+    files = hostfile.given(theirs)
+    named = (["--hosts"] if args.hosts else []) + [f"{o} {f}" for o, f in files]
+    if len(named) > 1:
+        parser.error(f"the hosts are given more than once ({', '.join(named)}): give one "
+                     f"of --hosts, {', '.join(hostfile.OPTIONS)}")
+    hosts = args.hosts
+    if files and args.max_restarts:  # a restart runs on those of the file that answer
+        try:
+            hosts = hostfile.read(files[0][1])
+        except ArgumentError as exc:
+            parser.error(str(exc))
+    plan = restarts.Plan(args.n, hosts, args.ppn, min_workers, args.max_restarts)
 
     def start(attempt: int, n: int, hosts: list[str] | None) -> restarts.Outcome:
         options = ["-n", str(n)]
-        if hosts:
+        passed = theirs
+        if hosts and (attempt or not files):
             options += ["-hosts", ",".join(hosts)]
+            passed = hostfile.without(theirs)  # a restart runs on the hosts that answer
         if args.ppn:
             options += ["-ppn", str(args.ppn)]
-        job = Job([mpiexec, *options, *theirs, *command], report_address(hosts), args.grace,
+        job = Job([mpiexec, *options, *passed, *command], report_address(hosts), args.grace,
                   restarts.attempt_env(attempt, args.max_restarts),
                   announce=not args.max_restarts)
         status = job.run()

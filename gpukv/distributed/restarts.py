@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from . import host_probe
+
 #: set in every attempt's environment: 0 for the first, 1 for the first restart...
 ATTEMPT_ENV = "GPUKV_RUN_ATTEMPT"
 #: set in every attempt's environment: the --max-restarts of the run
@@ -22,8 +24,8 @@ MAX_RESTARTS_ENV = "GPUKV_RUN_MAX_RESTARTS"
 
 
 class Plan(NamedTuple):
-    """What was asked: -n, --hosts (None: this machine only), --ppn, --min-workers and
-    --max-restarts."""
+    """What was asked: -n, the hosts (of --hosts or the host file; None: this machine
+    only), --ppn, --min-workers and --max-restarts."""
     processes: int
     hosts: list[str] | None
     ppn: int | None
@@ -50,13 +52,16 @@ def attempt_env(attempt: int, max_restarts: int) -> dict[str, str]:
     return {ATTEMPT_ENV: str(attempt), MAX_RESTARTS_ENV: str(max_restarts)}
 
 
-def processes_on(plan: Plan, hosts: int) -> int:
-    """The processes a restart on `hosts` of the plan's hosts gets: as many per host as
-    the first attempt had (--ppn, else -n spread evenly, rounded up), at most -n."""
+def processes_on(plan: Plan, alive: list[str]) -> int:
+    """The processes a restart on `alive` (the plan's hosts that answer) gets: as many per
+    host as the first attempt had: --ppn, else -n spread evenly over the hosts' slots
+    (HOST:N has N, a plain HOST one; rounded up), at most -n."""
     if plan.hosts is None:
         return plan.processes
-    per_host = plan.ppn or math.ceil(plan.processes / len(plan.hosts))
-    return min(plan.processes, per_host * hosts)
+    if plan.ppn:
+        return min(plan.processes, plan.ppn * len(alive))
+    per_slot = math.ceil(plan.processes / sum(map(host_probe.slots, plan.hosts)))
+    return min(plan.processes, per_slot * sum(map(host_probe.slots, alive)))
 
 
 def _where(hosts: list[str] | None) -> str:
@@ -113,7 +118,7 @@ def run(plan: Plan, start: Start, probe: Probe) -> int:
             if signals.received is not None:
                 _say(f"{line}; interrupted, not restarting")
                 return 128 + signals.received
-            fits = plan.processes if alive is None else processes_on(plan, len(alive))
+            fits = plan.processes if alive is None else processes_on(plan, alive)
             if fits < plan.min_workers:
                 _say(f"{line}; giving up: the hosts that answer ({_where(alive)}) take "
                      f"{_processes(fits)}, fewer than --min-workers {plan.min_workers}")

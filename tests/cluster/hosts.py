@@ -67,14 +67,15 @@ def job_env(made: EmulatedCluster, timeout: float = 30, **extra: str) -> dict:
 
 
 def start(made: EmulatedCluster, n: int, hosts: str, command: list[str], env: dict,
-          launcher: str = "mpiexec", options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start the job from host 0: `mpiexec` or `gpukv run` with -n N -hosts HOSTS (and
-    `options` before the program)."""
+          launcher: str = "mpiexec", options: tuple[str, ...] = (),
+          hostfile: Path | None = None) -> subprocess.Popen:
+    """Start the job from host 0: `mpiexec` or `gpukv run` with -n N -hosts HOSTS (or
+    -f HOSTFILE) and `options` before the program."""
+    where = ["-f", str(hostfile)] if hostfile else ["-hosts", hosts]
     if launcher == "mpiexec":
-        head = [require_mpi(), "-hosts", hosts, "-n", str(n), *options]
+        head = [require_mpi(), *where, "-n", str(n), *options]
     else:  # gpukv run, which runs a .py program under this Python itself
-        head = [sys.executable, "-m", "gpukv", "run", "-n", str(n), "--hosts", hosts,
-                *options]
+        head = [sys.executable, "-m", "gpukv", "run", "-n", str(n), *where, *options]
         if command[:3] == [sys.executable, "-m", "mpi4py"]:
             command = command[3:]
     return made.popen(0, [*head, *command], env=env, stdout=subprocess.PIPE,

@@ -1,10 +1,12 @@
 """`gpukv run --max-restarts` across emulated hosts: a host that dies or is cut off mid-run
 is left out of the restart, which runs with as many processes per host on the hosts that
 answer and completes; a host that does not answer at the start is left out too, unless
-fewer than --min-workers processes would be left, where the launcher gives up."""
+fewer than --min-workers processes would be left, where the launcher gives up; a job given
+a host file instead of --hosts restarts on the hosts of the file that answer."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +18,14 @@ TIMEOUT = 3.0  # GPUKV_DIST_TIMEOUT of these jobs
 GRACE = 1.0
 
 
-def _start(made, n: int, ppn: int, first_rounds: int, *options: str) -> Watched:
+def _start(made, n: int, ppn: int | None, first_rounds: int, *options: str,
+           hostfile: Path | None = None) -> Watched:
     env = job_env(made, timeout=TIMEOUT)
+    per_host = ("--ppn", str(ppn)) if ppn else ()
     return Watched(start(made, n, host_list(made),
                          program_command("restarted.py", str(first_rounds), "20"), env,
-                         launcher="gpukv",
-                         options=("--ppn", str(ppn), "--grace", str(GRACE), *options)))
+                         launcher="gpukv", hostfile=hostfile,
+                         options=(*per_host, "--grace", str(GRACE), *options)))
 
 
 def _attempt_lines(job: Watched) -> list[str]:
@@ -79,3 +83,28 @@ def test_a_host_cut_off_at_the_start_is_left_out_down_to_min_workers(min_workers
         passes(code, job.text(), "", 2)
         assert len(lines) == 2 and lines[0].endswith(
             f"restarting with 2 processes on {survivors} (restart 1 of at most 2)"), lines
+
+
+def test_a_job_given_a_host_file_restarts_on_its_hosts_that_answer(tmp_path):
+    """A job given `-f FILE` (3 hosts, 2 slots each, a comment and a blank line) whose host
+    1 is powered off mid-run: the restart runs with -hosts of hosts 0 and 2, their slots
+    kept, 2 ranks on each, and completes."""
+    with cluster(3, "1gbit") as made:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("# the job's hosts\n" + "\n\n".join(
+            f"{address}:2" for address in made.addresses) + "\n")
+        job = _start(made, 6, None, 1_000_000, "--max-restarts", "1", "--min-workers", "4",
+                     hostfile=hostfile)
+        job.wait_for("ROUND 3 attempt 0", count=6)
+        made.power_off(1)
+        job.wait_for("ROUND 0 attempt 1", count=4, limit=2 * TIMEOUT + 30)
+        status, _ = job.end(limit=60)
+    passes(status, job.text(), "", 4)
+    survivors = f"{made.addresses[0]}:2,{made.addresses[2]}:2"
+    first, last = _attempt_lines(job)
+    assert first.startswith(f"gpukv run: attempt 0 (6 processes on "
+                            f"{host_list(made, slots=2)}) ended after "), first
+    assert first.endswith(f"; restarting with 4 processes on {survivors} "
+                          "(restart 1 of at most 1)"), first
+    assert last.startswith(f"gpukv run: attempt 1 (4 processes on {survivors}) "), last
+    assert last.endswith("every process ended well; done"), last

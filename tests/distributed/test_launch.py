@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.distributed import host_probe, launch, process_tree, restarts, run_report
+from gpukv._errors import ArgumentError
+from gpukv.distributed import host_probe, hostfile, launch, process_tree, restarts, run_report
 
 from .mpirun import PROGRAMS, require_mpi, run
 
@@ -173,13 +174,27 @@ def nothing_starts(monkeypatch):
      "--min-workers 3 is more than the -n 2 processes"),
     (["-n", "2", "--probe-timeout", "0", "prog.py"],
      "argument --probe-timeout: expected seconds > 0, got '0'"),
+    (["-n", "2", "--hosts", "a,b", "-f", "hosts.txt", "prog.py"],
+     "the hosts are given more than once (--hosts, -f hosts.txt): give one of --hosts, -f, "
+     "-hostfile, -machinefile"),
+    (["-n", "2", "-hostfile", "hosts.txt", "-machinefile", "hosts.txt", "prog.py"],
+     "the hosts are given more than once (-hostfile hosts.txt, -machinefile hosts.txt)"),
+    (["-n", "2", "--max-restarts", "1", "-f", "missing.txt", "prog.py"],
+     "host file 'missing.txt' cannot be read: No such file or directory"),
+    (["-n", "2", "--max-restarts", "1", "-machinefile", "empty.txt", "prog.py"],
+     "host file 'empty.txt' names no host"),
+    (["-n", "2", "--max-restarts", "1", "-hostfile", "hosts.txt", "prog.py"],
+     "host file 'hosts.txt', line 2: expected HOST or HOST:N (N >= 1 slots), got 'b:x'"),
 ])
 def test_usage_errors_start_nothing(argv, says, capsys, nothing_starts, tmp_path,
                                     monkeypatch):
-    """Bad counts, hosts, grace or restart options, and a missing PROG: status 2 and the
-    problem named."""
+    """Bad counts, hosts, grace or restart options, hosts given twice (mpiexec refuses
+    them), a host file a restart cannot read, and a missing PROG: status 2 and the problem
+    named."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prog.py").write_text("")
+    (tmp_path / "hosts.txt").write_text("a\nb:x\n")
+    (tmp_path / "empty.txt").write_text("# nobody\n")
     with pytest.raises(SystemExit) as exc:
         launch.main(argv)
     assert exc.value.code == 2
@@ -298,7 +313,125 @@ def test_a_restart_keeps_the_processes_per_host(n, hosts, ppn, alive, processes)
     """A restart on fewer hosts runs --ppn processes a host, else -n spread evenly over the
     first hosts (rounded up), at most -n."""
     plan = restarts.Plan(n, hosts, ppn, 1, 1)
+    assert restarts.processes_on(plan, (hosts or [])[:alive]) == processes
+
+
+@pytest.mark.parametrize("n,hosts,alive,processes", [
+    (12, ["a:4", "b:4", "c:4"], ["a:4", "b:4"], 8),
+    (6, ["a:4", "b:4", "c:4"], ["b:4", "c:4"], 6),   # -n fits the slots left: all of it
+    (6, ["a:4", "b:4", "c:4"], ["c:4"], 4),
+    (8, ["a:6", "b:2"], ["b:2"], 2),                 # as many as the host's slots
+    (8, ["a:6", "b:2"], ["a:6"], 6),
+    (4, ["a:1", "b:1"], ["b:1"], 2),                 # -n past the slots: spread over them
+    (4, ["a:2", "b", "c"], ["b", "c"], 2),           # a plain HOST is one slot
+])
+def test_a_restart_keeps_the_processes_per_slot(n, hosts, alive, processes):
+    """Hosts with slots (HOST:N) take -n spread evenly over the slots (rounded up), so a
+    restart runs as many processes a slot on the slots of the hosts that answer, at most
+    -n."""
+    plan = restarts.Plan(n, hosts, None, 1, 1)
     assert restarts.processes_on(plan, alive) == processes
+
+
+# -------------------------------------------------------------------- host files
+@pytest.mark.parametrize("text,entries", [
+    ("node1\nnode2:4\n", ["node1", "node2:4"]),
+    ("# the rack\n\n  node1:2  \n\t\nnode2 # spare\n#node3\n", ["node1:2", "node2"]),
+    ("10.0.0.1:2\nfe80::1", ["10.0.0.1:2", "fe80::1"]),
+])
+def test_a_host_file_is_read_as_hydra_reads_it(text, entries):
+    """One HOST or HOST:N a line, in order; `#` starts a comment, blank lines are ignored."""
+    assert hostfile.parse(text, "hosts.txt") == entries
+
+
+@pytest.mark.parametrize("text,says", [
+    ("", "host file 'hosts.txt' names no host"),
+    ("# only\n\n   # comments\n", "host file 'hosts.txt' names no host"),
+    ("node1\nnode2:0\n",
+     "host file 'hosts.txt', line 2: expected HOST or HOST:N (N >= 1 slots), got 'node2:0'"),
+    ("node1:two", "line 1: expected HOST or HOST:N (N >= 1 slots), got 'node1:two'"),
+    ("node1:", "line 1: expected HOST or HOST:N"),
+    (":4", "line 1: expected HOST or HOST:N"),
+    ("node1 user=me", "line 1: expected HOST or HOST:N (N >= 1 slots), got 'node1 user=me'"),
+])
+def test_a_bad_host_file_is_refused(text, says):
+    """A host file without a host, or with a line that is not one HOST[:N] (N >= 1), is an
+    ArgumentError naming the file and the line."""
+    with pytest.raises(ArgumentError) as exc:
+        hostfile.parse(text, "hosts.txt")
+    assert says in str(exc.value)
+
+
+def test_the_host_file_options_are_found_and_left_out():
+    """-f, -hostfile and -machinefile name a host file; a restart drops them (with their
+    file) and keeps mpiexec's other options."""
+    theirs = ["-genv", "A", "1", "-f", "h.txt", "-l", "-machinefile", "m.txt"]
+    assert hostfile.given(theirs) == [("-f", "h.txt"), ("-machinefile", "m.txt")]
+    assert hostfile.without(theirs) == ["-genv", "A", "1", "-l"]
+
+
+class _FakeJob:
+    """Stands for a launcher.Job: records each attempt's mpiexec command, and fails the
+    first attempt (rank 1 exiting 3) and ends the others well."""
+    commands: list[list[str]] = []
+
+    def __init__(self, command, address, grace, env=None, announce=True):
+        self.command = command
+        self.signal = None
+        self.reason = None if self.commands else "rank 1: exit status 3"
+        self.commands.append(command)
+
+    def run(self) -> int:
+        return 3 if self.reason else 0
+
+
+@pytest.mark.parametrize("option", hostfile.OPTIONS)
+def test_a_job_given_a_host_file_restarts_on_the_hosts_that_answer(option, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A job given a host file runs its first attempt with that file; after a failure each
+    host of the file is asked through HYDRA_LAUNCHER_EXEC, and the restart runs with
+    `-hosts` of those that answer (slots kept, the file dropped), as many processes a slot
+    as before."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\necho "$1" >> "$0.log"\n'
+                    'case "$1" in up*) exit 0 ;; *) exit 255 ;; esac\n')
+    fake.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# the job's hosts\nup1:2\ndown1:2\n\nup2:2  # last\n")
+    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(fake))
+    monkeypatch.setattr(launch, "Job", _FakeJob)
+    monkeypatch.setattr(_FakeJob, "commands", [])
+    status = launch.main(["-n", "6", option, str(hosts), "-l", "--max-restarts", "2",
+                          "--min-workers", "4", "true", "arg"])
+    assert status == 0
+    first, second = _FakeJob.commands
+    assert first[1:] == ["-n", "6", option, str(hosts), "-l", "true", "arg"]
+    assert second[1:] == ["-n", "4", "-hosts", "up1:2,up2:2", "-l", "true", "arg"]
+    assert sorted(Path(f"{fake}.log").read_text().split()) == ["down1", "up1", "up2"]
+    lines = _attempts(capsys.readouterr().err)
+    assert lines[0].endswith("; restarting with 4 processes on up1:2,up2:2 "
+                             "(restart 1 of at most 2)"), lines
+
+
+def test_a_job_given_a_host_file_gives_up_below_min_workers(tmp_path, monkeypatch, capsys):
+    """When the hosts of the file that answer take fewer than --min-workers processes, the
+    launcher gives up after the first attempt, with its status."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\ncase "$1" in up*) exit 0 ;; *) exit 255 ;; esac\n')
+    fake.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("up1\ndown1\ndown2\n")
+    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(fake))
+    monkeypatch.setattr(launch, "Job", _FakeJob)
+    monkeypatch.setattr(_FakeJob, "commands", [])
+    status = launch.main(["-n", "3", "-f", str(hosts), "--max-restarts", "2",
+                          "--min-workers", "2", "true"])
+    assert status == 3
+    assert len(_FakeJob.commands) == 1
+    lines = _attempts(capsys.readouterr().err)
+    assert lines == [lines[0]] and lines[0].endswith(
+        "; giving up: the hosts that answer (up1) take 1 process, fewer than "
+        "--min-workers 2"), lines
 
 
 @pytest.mark.parametrize("name,local", [
