@@ -84,6 +84,9 @@ class Trainer:
     line. checkpoint_every: take one after every that many steps (None: only when
     `snapshot()` is called); a step only copies the state into host buffers, and a
     background thread writes it. checkpoint_keep: how many complete snapshots to keep.
+    A snapshot due at a step is taken at its end, with `user_state` as it is then: set
+    `user_state` before `step()` to what the next step needs (the data position after
+    this step's batch, the RNG states after drawing it).
     """
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
