@@ -72,6 +72,7 @@ def test_training_resumes_on_what_is_left_bit_for_bit(fault, tmp_path):
     cut: the launcher restarts the job on the hosts that answer, training resumes from
     the newest complete snapshot and ends; its weights equal those of that snapshot
     restarted by hand on the same hosts."""
+    pytest.importorskip("torch")
     survivors = FAULTS[fault]
     with cluster(3, "1gbit") as made:
         env = job_env(made, timeout=TIMEOUT, GPUKV_TEST_STEP_SECONDS=STEP_SECONDS)
