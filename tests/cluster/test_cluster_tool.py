@@ -90,13 +90,19 @@ def test_a_cut_link_stops_traffic_and_a_restored_one_carries_it_again():
         assert asked.stdout.strip() == "hello from 198.18.0.2", asked.stderr
 
 
+def _sleepers(made) -> list:
+    """A `sleep 60` on hosts 0 and 1, once host 1's has entered its namespace."""
+    sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
+    deadline = time.monotonic() + 10
+    while not made.pids(1) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (until `ip netns exec` has entered the host)
+    return sleepers
+
+
 def test_kill_ends_every_process_of_a_host_only():
     """kill(host) is the host dying: its processes go, the others' stay."""
     with cluster(2) as made:
-        sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
-        deadline = time.monotonic() + 10
-        while not made.pids(1) and time.monotonic() < deadline:
-            time.sleep(0.05)  # (until `ip netns exec` has entered the host)
+        sleepers = _sleepers(made)
         assert made.pids(1)
         made.kill(1)
         assert sleepers[1].wait(timeout=10) == -signal.SIGKILL
@@ -132,10 +138,7 @@ def test_power_off_kills_a_host_and_takes_it_off_the_network():
     """power_off(host) is a machine that dies: its processes are killed, the launcher
     cannot reach it, the other host goes on; restore() brings it back, empty."""
     with cluster(2) as made:
-        sleepers = [made.popen(h, ["sleep", "60"]) for h in (0, 1)]
-        deadline = time.monotonic() + 10
-        while not made.pids(1) and time.monotonic() < deadline:
-            time.sleep(0.05)  # (until `ip netns exec` has entered the host)
+        sleepers = _sleepers(made)
         assert made.power_off(1)
         assert sleepers[1].wait(timeout=10) == -signal.SIGKILL
         assert sleepers[0].poll() is None and made.pids(1) == []

@@ -385,6 +385,19 @@ class _FakeJob:
         return 3 if self.reason else 0
 
 
+def _hosts_up_by_name(tmp_path, monkeypatch) -> Path:
+    """A launcher exec (HYDRA_LAUNCHER_EXEC) that logs each host asked and reaches those
+    named up*, and a stand-in Job recording the commands; the exec's path."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\necho "$1" >> "$0.log"\n'
+                    'case "$1" in up*) exit 0 ;; *) exit 255 ;; esac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(fake))
+    monkeypatch.setattr(launch, "Job", _FakeJob)
+    monkeypatch.setattr(_FakeJob, "commands", [])
+    return fake
+
+
 @pytest.mark.parametrize("option", hostfile.OPTIONS)
 def test_a_job_given_a_host_file_restarts_on_the_hosts_that_answer(option, tmp_path,
                                                                    monkeypatch, capsys):
@@ -392,15 +405,9 @@ def test_a_job_given_a_host_file_restarts_on_the_hosts_that_answer(option, tmp_p
     host of the file is asked through HYDRA_LAUNCHER_EXEC, and the restart runs with
     `-hosts` of those that answer (slots kept, the file dropped), as many processes a slot
     as before."""
-    fake = tmp_path / "fake-ssh"
-    fake.write_text('#!/bin/sh\necho "$1" >> "$0.log"\n'
-                    'case "$1" in up*) exit 0 ;; *) exit 255 ;; esac\n')
-    fake.chmod(0o755)
+    fake = _hosts_up_by_name(tmp_path, monkeypatch)
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("# the job's hosts\nup1:2\ndown1:2\n\nup2:2  # last\n")
-    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(fake))
-    monkeypatch.setattr(launch, "Job", _FakeJob)
-    monkeypatch.setattr(_FakeJob, "commands", [])
     status = launch.main(["-n", "6", option, str(hosts), "-l", "--max-restarts", "2",
                           "--min-workers", "4", "true", "arg"])
     assert status == 0
@@ -416,14 +423,9 @@ def test_a_job_given_a_host_file_restarts_on_the_hosts_that_answer(option, tmp_p
 def test_a_job_given_a_host_file_gives_up_below_min_workers(tmp_path, monkeypatch, capsys):
     """When the hosts of the file that answer take fewer than --min-workers processes, the
     launcher gives up after the first attempt, with its status."""
-    fake = tmp_path / "fake-ssh"
-    fake.write_text('#!/bin/sh\ncase "$1" in up*) exit 0 ;; *) exit 255 ;; esac\n')
-    fake.chmod(0o755)
+    _hosts_up_by_name(tmp_path, monkeypatch)
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("up1\ndown1\ndown2\n")
-    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(fake))
-    monkeypatch.setattr(launch, "Job", _FakeJob)
-    monkeypatch.setattr(_FakeJob, "commands", [])
     status = launch.main(["-n", "3", "-f", str(hosts), "--max-restarts", "2",
                           "--min-workers", "2", "true"])
     assert status == 3
