@@ -31,8 +31,9 @@ HOST_STRATEGY = HostStrategy()
 class _SplitStrategy:
     """Sends GPU-homed jobs to the GPU strategy and host-homed ones to the host strategy."""
 
-    def __init__(self, gpu_strategy):
+    def __init__(self, gpu_strategy, host_strategy):
         self._gpu = gpu_strategy
+        self._host = host_strategy
 
     def _split(self, jobs):
         return ([j for j in jobs if not j.home.host_memory],
@@ -41,39 +42,44 @@ class _SplitStrategy:
     def reduce_many(self, jobs):
         on_gpu, on_host = self._split(jobs)
         self._gpu.reduce_many(on_gpu)
-        HOST_STRATEGY.reduce_many(on_host)
+        self._host.reduce_many(on_host)
 
     def broadcast_many(self, jobs):
         on_gpu, on_host = self._split(jobs)
         self._gpu.broadcast_many(on_gpu)
-        HOST_STRATEGY.broadcast_many(on_host)
+        self._host.broadcast_many(on_host)
 
 
 class Route:
     """Which strategy runs a store's jobs: its own, the host sum, or both split by home.
 
     `route_host`: the store's strategy (one the user gave) also runs host-homed keys;
-    `host_only`: every key lives on the host and takes the host sum.
+    `host_only`: every key lives on the host and takes the host sum, `host` (the plain
+    HOST_STRATEGY, or a `Canonical` one in a deterministic store). `canonical`: every sum
+    the store makes follows the canonical order (row-sparse merges too).
     """
 
-    __slots__ = ("strategy", "route_host", "host_only")
+    __slots__ = ("strategy", "route_host", "host_only", "host", "canonical")
 
-    def __init__(self, strategy, route_host: bool, host_only: bool):
+    def __init__(self, strategy, route_host: bool, host_only: bool, host=HOST_STRATEGY,
+                 canonical: bool = False):
         self.strategy = strategy
         self.route_host = route_host
         self.host_only = host_only
+        self.host = host
+        self.canonical = canonical
 
     def strategy_for(self, jobs):
         """The store's strategy, or the host one for keys whose home is the host."""
         if self.route_host:
             return self.strategy
         if self.host_only:
-            return HOST_STRATEGY
+            return self.host
         if not any(job.home.host_memory for job in jobs):
             return self.strategy
         if not all(job.home.host_memory for job in jobs):
-            return _SplitStrategy(self.strategy)
-        return HOST_STRATEGY
+            return _SplitStrategy(self.strategy, self.host)
+        return self.host
 
 
 def out_of_memory(key, op: str, exc: MemoryError) -> OutOfMemoryError:
@@ -169,14 +175,14 @@ def plan_push(groups: check.Groups, entries: list, updater,
             raise out_of_memory(key, "push", exc) from exc
     else:
         plan = PushPlan([], [], [], [], [], [])
-        _plan_keys(plan, groups, entries, updater, compression)
+        _plan_keys(plan, groups, entries, updater, compression, route.canonical)
     if updater is not None and plan.updates:
         updater.check([u[0] for u in plan.updates], [u[1].value for u in plan.updates])
     return plan
 
 
 def _plan_keys(plan: PushPlan, groups: check.Groups, entries: list, updater,
-               comp: GradientCompression | None) -> None:
+               comp: GradientCompression | None, canonical: bool = False) -> None:
     """`plan_push` for keys of every kind: dense, compressed, row-sparse."""
     special = groups.sparse or comp is not None
     assign = updater is None
@@ -184,7 +190,8 @@ def _plan_keys(plan: PushPlan, groups: check.Groups, entries: list, updater,
         for key, entry, sources in zip(groups.keys, entries, groups.arrays):
             kind = _push_kind(key, entry, sources, comp) if special else _DENSE
             if kind is _ROWS:
-                plan.rows.append((key, entry, _merged_rows(key, entry, sources, updater)))
+                plan.rows.append((key, entry, _merged_rows(key, entry, sources, updater,
+                                                           canonical)))
                 plan.updates.append((key, entry, _ROWS))
                 continue
             devices = (host_slots(len(sources)) if groups.all_host
@@ -206,11 +213,13 @@ def _plan_keys(plan: PushPlan, groups: check.Groups, entries: list, updater,
         raise out_of_memory(key, "push", exc) from exc
 
 
-def _merged_rows(key, entry, sources, updater) -> RowSparse:
+def _merged_rows(key, entry, sources, updater, canonical: bool = False) -> RowSparse:
     """The row-wise sum of checked RowSparse `sources` at home: what the updater gets
-    (made dense for an updater that takes dense gradients only)."""
+    (made dense for an updater that takes dense gradients only); `canonical`: each row
+    summed over the sources in the canonical tree (see `gpukv.encoding.sparse.merge`)."""
     sources = [s.checked(f"key {key!r}: push") for s in sources]
-    merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype))
+    merged = _merge_rows(sources, entry.home, accumulate_dtype(entry.value.dtype),
+                         canonical)
     takes_rows = (updater is None or type(updater) is FunctionUpdater
                   or hasattr(updater, "update_rows"))
     # An updater without `update_rows` gets the standard (non-lazy) dense gradient.
@@ -264,7 +273,7 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     """Reduce every job of a checked push (`route` picks the strategies), then run
     `updater` (None: assign) in MXNet's order."""
     if plan.host_outs:
-        HOST_STRATEGY.reduce_columns(plan.host_outs, plan.host_sources)
+        route.host.reduce_columns(plan.host_outs, plan.host_sources)
         if not plan.updates:  # summed straight into the values: done
             return
     jobs = plan.jobs

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._env import flag
 from .._errors import (
     ArgumentError,
     ArgumentKindError,
@@ -25,6 +26,7 @@ from .._errors import (
     OutOfMemoryError,
 )
 from ..comm import BroadcastJob, Strategy
+from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
 from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
@@ -63,6 +65,18 @@ _CAPABILITIES = frozenset(["optimizer", "gradient_compression"])
 _HOST = host_device(0)
 
 
+def deterministic_option(value) -> bool:
+    """`create`'s `deterministic`: a bool, or None for `$GPUKV_DETERMINISTIC` ('1' or '0';
+    unset or blank: False). ArgumentKindError for another kind, ArgumentError naming the
+    variable when it is malformed."""
+    if value is None:
+        return bool(flag("GPUKV_DETERMINISTIC"))
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentKindError(f"store option 'deterministic': expected True, False or "
+                                f"None, got {type(value).__name__}")
+    return bool(value)
+
+
 _ENTRY_SEQ = itertools.count()
 _value_of = operator.attrgetter("value")
 
@@ -94,15 +108,20 @@ class KVStore:
     """A key-value store of tensors shared by several devices (see `create`)."""
 
     def __init__(self, name: str, *, strategy: str | Strategy | None = None,
-                 **strategy_options):
+                 deterministic: bool | None = None, **strategy_options):
         self._type = name
         self._on_gpu = _TYPES[name]
+        self._deterministic = deterministic_option(deterministic)
         if self._on_gpu:
             virtual_gpus()  # a malformed GPUKV_VIRTUAL_GPUS is a DeviceError here, GPU or not
         asked = strategy is not None
         if name == "nccl" and strategy is None:
             strategy = "nccl"
         self._strategy = make_strategy(strategy, on_gpu=self._on_gpu, **strategy_options)
+        host: Strategy = pipeline.HOST_STRATEGY
+        if self._deterministic:  # every sum in the canonical order, whatever the strategy
+            self._strategy = Canonical(self._strategy)
+            host = Canonical(host)
         # A strategy the user gave (a name, GPUKV_STRATEGY or an object) also runs host arrays,
         # over host "devices"; otherwise host arrays take the plain host sum.
         self._route_host = (getattr(self._strategy, "explicit", False)
@@ -110,7 +129,8 @@ class KVStore:
                             and self._strategy.name not in ("auto", "cpu"))
         # Every key lives on the host and takes the host strategy.
         self._route = pipeline.Route(self._strategy, self._route_host,
-                                     host_only=not self._on_gpu and not self._route_host)
+                                     host_only=not self._on_gpu and not self._route_host,
+                                     host=host, canonical=self._deterministic)
         self._entries: dict = {}
         self._key_kind: type | None = None
         self._updater: Any = None  # a pipeline.FunctionUpdater or an OptimizerUpdater, once set
@@ -145,6 +165,11 @@ class KVStore:
     @property
     def strategy(self) -> str:
         return self._strategy.name
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every sum follows the canonical order (`create(deterministic=...)`)."""
+        return self._deterministic
 
     def is_capable(self, capability: str) -> bool:
         """Whether this store supports `capability` ('optimizer', 'gradient_compression')."""
@@ -335,7 +360,7 @@ class KVStore:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
         if groups.all_host and self._route.host_only:  # as columns: no job per key
-            pipeline.HOST_STRATEGY.broadcast_columns(map(_value_of, entries), groups.arrays)
+            self._route.host.broadcast_columns(map(_value_of, entries), groups.arrays)
             return
         jobs = [BroadcastJob(key, entry.value, entry.home, outs, pipeline.host_slots(len(outs))
                              if groups.all_host else pipeline.devices_of(outs))
@@ -720,4 +745,4 @@ class KVStore:
 
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
-                f"keys={len(self._entries)}>")
+                f"deterministic={self._deterministic} keys={len(self._entries)}>")

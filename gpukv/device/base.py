@@ -4,7 +4,8 @@ Callers use a device's verbs and never ask which kind of device it is:
 
 - memory: `empty`, `zeros`, `copy`, `cast`, `to_local`, `to_host`, `fill0`, `owns`,
   `readable`;
-- work: `sum_into` (the fused k-way sum of many keys), `copy_many`, `segment_sum`;
+- work: `sum_into` (the fused k-way sum of many keys), `tree_sum_into` (the same in the
+  canonical order of `gpukv._canonical`), `copy_many`, `segment_sum`;
 - order: `activate`, `enter` / `leave`, `record` / `wait_event`, `wait_for`,
   `synchronize`;
 - staging through main memory: `host_buffer`, `to_host_async`, `from_host_async`;
@@ -153,6 +154,19 @@ class Device(ABC):
         itself (accumulate in place); no terms: zeros. The caller has already ordered
         this device after the devices the terms live on."""
         raise NotImplementedError(f"{self!r} has no fused sum")
+
+    def tree_sum_into(self, jobs) -> None:
+        """On this device: out = the canonical tree sum (`gpukv._canonical`) of `arrays`
+        for every (out, arrays) of `jobs`, the arrays its leaves in the order given.
+
+        `out` is 1-D contiguous here; the arrays are 1-D contiguous of out's length, on
+        any device, of any dtype (e.g. float16 arrays into a float32 out). Every pair is
+        added in the accumulation dtype of out (float32 for 16-bit floats) and the result
+        rounded into `out` once, so the bits depend only on the arrays and their order.
+        One array: a copy with a cast (a bit copy when the dtypes agree); none: zeros.
+        The caller has already ordered this device after the devices the arrays live on.
+        """
+        raise NotImplementedError(f"{self!r} has no canonical sum")
 
     def copy_many(self, pairs) -> None:
         """On this device: dst[...] = src for every (dst, src) pair of 1-D contiguous

@@ -1,12 +1,13 @@
 """The host backend: NumPy arrays in main memory, summed by the NumPy twins of the CUDA
-kernels (`host_kernels`) and, for whole keys, by the blocked threaded `host_sum`."""
+kernels (`host_kernels`) and, for whole keys, by the blocked threaded `host_sum` (the
+canonical order: `host_tree_sum`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .base import Device, Term, sum_items
 from .host_kernels import multi_copy_host, multi_sum_host, segment_sum_host
-from .host_sum import host_broadcast, host_sum
+from .host_sum import host_broadcast, host_sum, host_tree_sum
 
 
 def _gpu_to_numpy(array) -> np.ndarray:
@@ -74,6 +75,13 @@ class HostDevice(Device):
             items.extend(sum_items(out, terms))
         if items:
             multi_sum_host(items)
+
+    def tree_sum_into(self, jobs) -> None:
+        for out, arrays in jobs:
+            if not arrays:
+                out.fill(0)
+            else:  # GPU arrays are brought over by their own GPUs first
+                host_tree_sum(out, [self.to_host(a) for a in arrays])
 
     def copy_many(self, pairs) -> None:
         direct = []

@@ -272,3 +272,82 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     chunks = [(flat, flat_src, block, lo, hi)
               for lo, hi in _chunks(flat_src.size, src.dtype.itemsize, block)]
     _POOL.run(_copy_range, chunks)
+
+
+def _tree_add(left, right, dst, spare: list, kwargs: dict, final: bool = False):
+    """(left + right, True): the sum of two stack entries ((array, whether it is a
+    temporary)) in a temporary of `dst`'s shape (one of the operands', else one from
+    `spare`), or in `dst` itself when `final` (then (dst, False)); the operands' other
+    temporaries go back to `spare`."""
+    if final:
+        target = dst
+    elif left[1]:
+        target = left[0]
+    elif right[1]:
+        target = right[0]
+    else:
+        target = spare.pop() if spare else np.empty(dst.shape, kwargs["dtype"])
+    np.add(left[0], right[0], target, **kwargs)
+    for array, temporary in (left, right):
+        if temporary and array is not target:
+            spare.append(array)
+    return (target, not final)
+
+
+def _tree_range(out, sources, acc, block, lo, hi) -> None:
+    """`out[lo:hi]` = the canonical tree sum of `sources[lo:hi]` (cut on axis 0), block
+    by block.
+
+    Per block, the binary-counter stack: leaf j is pushed, then merged with the top of
+    the stack once for every trailing zero bit of j + 1, so a pair is added exactly where
+    the tree (`gpukv._canonical`) adds it. The stack holds at most log2(k) + 1 partial
+    sums of one block each, kept in cache: memory sees k reads and one write."""
+    kwargs = {"dtype": acc, "casting": "unsafe"}
+    spare: list = []  # temporaries of dtype acc, of the current block's shape, not in use
+    for start in range(lo, hi, block):
+        stop = min(start + block, hi)
+        dst = out[start:stop]
+        if spare and spare[0].shape != dst.shape:
+            spare = []
+        stack: list = []  # (array, whether it is a temporary of dtype acc)
+        for j, s in enumerate(sources):
+            v = (s[start:stop], False)
+            m = j + 1
+            while not m & 1:
+                v = _tree_add(stack.pop(), v, dst, spare, kwargs)
+                m >>= 1
+            stack.append(v)
+        total = stack.pop()
+        if not stack:  # a power of two leaves: one partial sum, rounded into out
+            np.copyto(dst, total[0], casting="unsafe")
+            spare.append(total[0])
+        while stack:
+            total = _tree_add(stack.pop(), total, dst, spare, kwargs, final=not stack)
+
+
+def host_tree_sum(out: np.ndarray, sources: list) -> None:
+    """Write the canonical tree sum of `sources` (leaves in the order given; see
+    `gpukv._canonical`) into `out`, elementwise.
+
+    Sources of any dtype are accumulated in `accumulate_dtype(out.dtype)` (float32 for
+    16-bit floats) and the result is rounded into `out` once; one source is a copy with
+    a cast (a bit copy when the dtypes agree). Large C-contiguous arrays are summed in
+    cache-sized blocks over the thread pool, as `host_sum` is; other layouts whole. Any
+    strides work; `out` must not be one of `sources`.
+    """
+    if not sources:
+        raise ValueError("the canonical sum of no arrays")
+    if len(sources) == 1:
+        host_broadcast(sources[0], [out])
+        return
+    acc = accumulate_dtype(out.dtype)
+    if out.nbytes < BLOCKED_BYTES or not _contiguous(sources) or not out.flags.c_contiguous:
+        # one block: the whole arrays, as views with a leading axis of one
+        _tree_range(out[None], [s[None] for s in sources], acc, 1, 0, 1)
+        return
+    flat_out = out.reshape(-1)
+    flat = [s.reshape(-1) for s in sources]
+    block = max(1, BLOCK_BYTES // max(out.dtype.itemsize, acc.itemsize))
+    chunks = [(flat_out, flat, acc, block, lo, hi)
+              for lo, hi in _chunks(flat_out.size, out.dtype.itemsize, block)]
+    _POOL.run(_tree_range, chunks)

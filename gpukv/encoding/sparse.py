@@ -283,8 +283,15 @@ class RowSparse:
                 f"dtype={self.dtype}, on={where})")
 
 
-def merge(sources, home, dtype):
-    """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`."""
+def merge(sources, home, dtype, canonical: bool = False):
+    """The row-wise sum of RowSparse `sources` on `home`: sorted unique rows, in `dtype`.
+
+    By default a row's copies are added in the order of `sources` (a repeated index of
+    one source in its own order), the same for every strategy, which row merges do not
+    use. `canonical`: each source's own repeated rows are summed first (its value, as
+    `todense` gives it), then each row over the sources in the canonical tree of
+    `gpukv._canonical`, a source without the row adding zero: the bits a dense push of
+    the sources' dense values gives in a deterministic store."""
     from ..comm.ordering import begin, finish
     devices = [_device.device_of(s.data) for s in sources]
     # Read the sources after the work their devices queued (on other GPUs too),
@@ -293,9 +300,31 @@ def merge(sources, home, dtype):
     for d in devices:
         home.wait_for(d)
     with home.activate():
-        merged = _merge(sources, home, home.xp, dtype)
+        if canonical and len(sources) > 1:
+            merged = _canonical_merge(sources, home, home.xp, dtype)
+        else:
+            merged = _merge(sources, home, home.xp, dtype)
     finish(devices, home)
     return merged
+
+
+def _canonical_merge(sources, home, xp, dtype):
+    """`_merge` with each row summed over the sources in the canonical tree: every source
+    coalesced, spread over the union of the rows (zeros elsewhere), and the spreads
+    summed by the home's `tree_sum_into`."""
+    shape = sources[0].shape
+    own = [RowSparse.trusted(home.to_local(s.indices), home.to_local(s.data),
+                             shape).coalesce(dtype) for s in sources]
+    rows = xp.unique(xp.concatenate([s.indices for s in own]))
+    width = int(np.prod(shape[1:], dtype=np.int64))
+    spreads = []
+    for s in own:
+        spread = xp.zeros((rows.size,) + tuple(shape[1:]), dtype)
+        spread[xp.searchsorted(rows, s.indices)] = s.data
+        spreads.append(spread.reshape(-1))
+    total = xp.empty(rows.size * width, dtype)
+    home.tree_sum_into([(total, spreads)])
+    return RowSparse.trusted(rows, total.reshape((rows.size,) + tuple(shape[1:])), shape)
 
 
 def _merge(sources, home, xp, dtype):

@@ -173,6 +173,9 @@ class CudaDevice(Device):
     def sum_into(self, jobs) -> None:
         _sums.sum_into(self, jobs)
 
+    def tree_sum_into(self, jobs) -> None:
+        _sums.tree_sum_into(self, jobs)
+
     def copy_many(self, pairs) -> None:
         _sums.copy_many(self, pairs)
 

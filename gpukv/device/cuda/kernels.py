@@ -10,6 +10,8 @@ live in `optim_kernels.py` and `compression_kernels.py`. Layout of this module:
    as the multi-key copy/cast (`multi_copy_gpu`, a bit copy when the dtypes agree): one
    launch sums or copies hundreds of keys, reading their sources directly from peer
    GPUs' memory.
+   The same table drives the canonical tree sum (`multi_tree_sum_gpu`), the sum in the
+   order of `gpukv._canonical` whatever the number of leaves.
 3. The row sum of runs of sorted row-sparse rows (`segment_sum_gpu`), in order, no atomics.
 
 CuPy is never imported at module level, only by the GPU functions when they are
@@ -303,6 +305,123 @@ def multi_sum_gpu(items, stream) -> None:
             [[x.data.ptr for x in it.a] for it in group],
             [[x.data.ptr for x in it.b] for it in group])
         name, source = sum_source(t, u)
+        kernel = compiled(cupy, name, source)
+        dev_table = upload_table(cupy, table, stream)
+        with stream:
+            kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+
+
+#: levels of the tree kernel's partial sums: it takes up to 2**TREE_LEVELS - 1 leaves
+TREE_LEVELS = 16
+
+# float32 addition that keeps subnormals: CuPy compiles every kernel with -ftz=true, which
+# flushes them in compiler-made arithmetic but not in explicit PTX, so the canonical sum
+# gives the host's (NumPy's) bits for every input.
+_TREE_ADD = r"""
+__device__ __forceinline__ float gpukv_tree_add(float a, float b) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ double gpukv_tree_add(double a, double b) { return a + b; }
+__device__ __forceinline__ long long gpukv_tree_add(long long a, long long b) {
+    return a + b;
+}
+__device__ __forceinline__ int gpukv_tree_add(int a, int b) { return a + b; }
+__device__ __forceinline__ signed char gpukv_tree_add(signed char a, signed char b) {
+    return (signed char)(a + b);
+}
+__device__ __forceinline__ unsigned char gpukv_tree_add(unsigned char a, unsigned char b) {
+    return (unsigned char)(a + b);
+}
+"""
+
+
+def tree_sum_source(t_dtype, u_dtype) -> tuple[str, str]:
+    """(kernel name, CUDA source) of the multi-key canonical tree sum reading T, writing U.
+
+    The table of `sum_source` with only `a` lists: per element, the leaves a[0..na) are
+    summed in the tree of `gpukv._canonical` by a binary counter: level L holds the sum
+    of the last complete block of 2**L leaves (while bit L of the count is set); leaf j
+    is merged with the levels below the lowest zero bit of j, and the levels left are
+    added from the lowest up at the end. The loops over levels are unrolled, so the
+    partial sums stay in registers. Sums are in the accumulation type of U (float32 adds
+    keep subnormals, as NumPy's do) and rounded into the out once; one leaf of the out's
+    own dtype is a bit copy.
+    """
+    t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
+    acc = _CTYPES[accumulate_name(u)]
+    name = f"gpukv_tree_sum_{t}_{u}"
+    bit_copy = ""
+    if t == u:
+        bit_copy = """
+        if (na == 1) {  /* one leaf of the out's own dtype: a bit copy */
+            out[i] = (U)a[0][i];
+            continue;
+        }"""
+    source = _PRELUDE + _TREE_ADD + f"""
+typedef {_CTYPES[t]} T;
+typedef {_CTYPES[u]} U;
+typedef {acc} A;
+extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
+    const long long* starts = table;
+    const long long* meta = table + nkeys + 1;
+    const long long* ptrs = meta + {META} * (long long)nkeys;
+    const long long b = blockIdx.x;
+    int lo = 0, hi = nkeys - 1;
+    while (lo < hi) {{  /* the last key whose first block is <= b */
+        const int mid = (lo + hi + 1) >> 1;
+        if (starts[mid] <= b) lo = mid; else hi = mid - 1;
+    }}
+    const long long* m = meta + {META} * (long long)lo;
+    U* out = (U*)m[0];
+    const long long n = m[1];
+    const T* const* a = (const T* const*)(ptrs + m[2]);
+    const int na = (int)m[3];
+    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
+    for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
+         i += stride) {{{bit_copy}
+        A level[{TREE_LEVELS}];
+        for (int j = 0; j < na; ++j) {{
+            A v = {load_expr(t, "a[j]", "i", "A")};
+            bool carry = true;  /* merging: bits 0 .. L-1 of j + 1 are zeros */
+#pragma unroll
+            for (int L = 0; L < {TREE_LEVELS}; ++L) {{
+                if (carry) {{
+                    if (((j + 1) >> L) & 1) {{ level[L] = v; carry = false; }}
+                    else v = gpukv_tree_add(level[L], v);
+                }}
+            }}
+        }}
+        A s = (A)0;
+        bool have = false;
+#pragma unroll
+        for (int L = 0; L < {TREE_LEVELS}; ++L) {{
+            if ((na >> L) & 1) {{ s = have ? gpukv_tree_add(level[L], s) : level[L]; have = true; }}
+        }}
+        {store_stmt(u, "out", "i", "s")}
+    }}
+}}
+"""
+    return name, source
+
+
+def multi_tree_sum_gpu(items, stream) -> None:
+    """Launch the canonical tree sum for every (out, leaves) of `items` (1-D contiguous
+    CuPy arrays; the leaves of one item of one dtype, readable by the launching GPU),
+    one kernel per (leaf dtype, out dtype) pair, on `stream`, the launching GPU current."""
+    import cupy
+
+    groups: dict = {}
+    for out, leaves in items:
+        if len(leaves) >= 1 << TREE_LEVELS:
+            raise ValueError(f"the tree kernel sums at most {(1 << TREE_LEVELS) - 1} "
+                             f"arrays, got {len(leaves)}")
+        if out.size:
+            groups.setdefault((leaves[0].dtype.name, out.dtype.name), []).append((out, leaves))
+    for (t, u), group in groups.items():
+        table, blocks = build_table(
+            [out.data.ptr for out, _ in group], [out.size for out, _ in group],
+            [[x.data.ptr for x in leaves] for _, leaves in group], [[] for _ in group])
+        name, source = tree_sum_source(t, u)
         kernel = compiled(cupy, name, source)
         dev_table = upload_table(cupy, table, stream)
         with stream:

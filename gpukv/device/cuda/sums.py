@@ -1,4 +1,5 @@
-"""A GPU's fused sums and copies of many keys: `CudaDevice.sum_into` and `copy_many`.
+"""A GPU's fused sums and copies of many keys: `CudaDevice.sum_into`, `tree_sum_into` and
+`copy_many`.
 
 Terms the GPU can read where they lie (its own memory, a peer's with peer access) are
 summed by one fused kernel for all keys together (pointer tables); the others are copied
@@ -64,6 +65,40 @@ def _staged_sum(device, out, staged, have: bool) -> None:
             with device.cuda_device:
                 _kernels.multi_sum_gpu([item], stream)
         have = True
+
+
+def tree_sum_into(device, jobs) -> None:
+    """On `device` (a CudaDevice): out = the canonical tree sum of `arrays` for every
+    (out, arrays) of `jobs`, one launch per pair of dtypes.
+
+    The staged sum above adds its terms after the direct ones, which would change the
+    tree; so an array the GPU cannot read where it lies (host memory, a GPU without peer
+    access) is first copied whole to a temporary here, and one of a dtype that differs
+    from the job's other leaves is converted to the accumulation dtype (the value the
+    kernel would load), so every item's leaves share one dtype."""
+    # Temporaries are allocated on this device's stream: CuPy's pool hands them out again
+    # only to later work on that stream, after the launch has read them.
+    items: list = []
+    for out, arrays in jobs:
+        if not arrays:
+            device.fill0(out)
+            continue
+        leaves = [a if device.readable(a) else device.to_local(a) for a in arrays]
+        if len({a.dtype for a in leaves}) > 1:
+            acc = np.dtype(_kernels.accumulate_name(out.dtype))
+            leaves = [a if a.dtype == acc else _cast(device, a, acc) for a in leaves]
+        items.append((out, leaves))
+    if items:
+        with device.cuda_device:
+            _kernels.multi_tree_sum_gpu(items, device.stream)
+
+
+def _cast(device, array, dtype):
+    """`array` (readable here) converted to `dtype` by this device's copy kernel."""
+    out = device.empty(array.size, dtype)
+    with device.cuda_device:
+        _kernels.multi_copy_gpu([(out, array)], device.stream)
+    return out
 
 
 def copy_many(device, pairs) -> None:

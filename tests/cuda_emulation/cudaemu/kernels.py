@@ -189,6 +189,8 @@ def set_address_describer(fn):
 PTX_EMULATION = {
     "cvt.f32.f16 %0, %1": (("=f",), ("h",), "gpukv_emu_cvt_f32_f16"),
     "cvt.rn.f16.f32 %0, %1": (("=h",), ("f",), "gpukv_emu_cvt_rn_f16_f32"),
+    # explicit PTX without .ftz: subnormal operands and results kept, whatever -ftz says
+    "add.rn.f32 %0, %1, %2": (("=f",), ("f", "f"), "gpukv_emu_add_rn_f32"),
 }
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)

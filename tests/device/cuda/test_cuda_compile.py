@@ -1,12 +1,12 @@
 """Every CUDA kernel source gpukv can generate compiles with NVRTC: no GPU or driver needed.
 
-Covered: the multi-key sum/copy of `gpukv/device/cuda/kernels.py` for every (source,
-destination) dtype pair and its row-sparse run sum for every dtype, the compression module of
-`gpukv/device/cuda/compression_kernels.py`, and the multi-tensor optimizer step of
-`gpukv/device/cuda/optim_kernels.py` for every registered rule, weight dtype, compile-time
-switch (`defines()`), body (dense and row-sparse) and phase. Each source is compiled with the
-options its module gives CuPy plus the ones CuPy adds, to a cubin for the oldest target (as
-CuPy does at run time: ptxas runs too) and to PTX for a recent one.
+Covered: the multi-key sum/copy and the canonical tree sum of `gpukv/device/cuda/kernels.py`
+for every (source, destination) dtype pair and its row-sparse run sum for every dtype, the
+compression module of `gpukv/device/cuda/compression_kernels.py`, and the multi-tensor
+optimizer step of `gpukv/device/cuda/optim_kernels.py` for every registered rule, weight
+dtype, compile-time switch (`defines()`), body (dense and row-sparse) and phase. Each source
+is compiled with the options its module gives CuPy plus the ones CuPy adds, to a cubin for
+the oldest target (as CuPy does at run time: ptxas runs too) and to PTX for a recent one.
 
 NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel of the `test` extra (or from
 GPUKV_NVRTC_LIB, the path of a libnvrtc.so.*) and is driven through ctypes (tests/nvrtc.py),
@@ -64,6 +64,16 @@ def _sum_variants():
     for t, u in itertools.product(dtypes, dtypes):
         _, source = _kernels.sum_source(t, u)
         yield f"sum-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
+
+
+def _tree_variants():
+    """The canonical tree sum, for every (T, U) pair."""
+    import ml_dtypes
+    dtypes = [np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+              for name in sorted(_kernels._CTYPES)]
+    for t, u in itertools.product(dtypes, dtypes):
+        _, source = _kernels.tree_sum_source(t, u)
+        yield f"tree-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
 
 
 def _segment_variants():
@@ -140,7 +150,7 @@ def _optim_variants():
 def _variants() -> dict:
     """{id: Variant}, one per distinct (source, options)."""
     out, seen = {}, set()
-    for vid, variant in itertools.chain(_sum_variants(), _segment_variants(),
+    for vid, variant in itertools.chain(_sum_variants(), _tree_variants(), _segment_variants(),
                                         _compression_variants(), _optim_variants()):
         if variant not in seen:
             seen.add(variant)
@@ -232,6 +242,6 @@ def test_every_rule_switch_combination_is_compiled():
 def test_variants_cover_every_family():
     """Each kernel module contributes its sources (a guard against an empty enumeration)."""
     families = {vid.split("-")[0] for vid in VARIANTS}
-    assert families == {"sum", "segment", "compression", "optim"}
+    assert families == {"sum", "tree", "segment", "compression", "optim"}
     rules = {vid.split("-")[1] for vid in VARIANTS if vid.startswith("optim-")}
     assert rules == {cls.name for cls in _rules()}

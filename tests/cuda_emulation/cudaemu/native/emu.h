@@ -460,6 +460,29 @@ static inline float gpukv_emu_cvt_f32_f16(unsigned short h) {
 static inline unsigned short gpukv_emu_cvt_rn_f16_f32(float f) {
     return gpukv_emu_float_to_half_bits(f);
 }
+// add.rn.f32 (no .ftz) keeps subnormals, while launches run with the CPU's flush-to-zero
+// switches on (as -ftz=true has compiler-made arithmetic do): they are off for this add.
+static inline float gpukv_emu_add_rn_f32(float a, float b) {
+    volatile float x = a, y = b, r;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned int saved, plain;
+    asm volatile("stmxcsr %0" : "=m"(saved) : : "memory");
+    plain = saved & ~((1u << 15) | (1u << 6));  // FTZ, DAZ
+    asm volatile("ldmxcsr %0" : : "m"(plain) : "memory");
+    r = x + y;
+    asm volatile("ldmxcsr %0" : : "m"(saved) : "memory");
+#elif defined(__aarch64__)
+    unsigned long long saved, plain;
+    asm volatile("mrs %0, fpcr" : "=r"(saved) : : "memory");
+    plain = saved & ~(1ull << 24);  // FPCR.FZ
+    asm volatile("msr fpcr, %0" : : "r"(plain) : "memory");
+    r = x + y;
+    asm volatile("msr fpcr, %0" : : "r"(saved) : "memory");
+#else
+    r = x + y;
+#endif
+    return r;
+}
 
 // ------------------------------------------------------------- kernel export
 namespace gpukv_emu {

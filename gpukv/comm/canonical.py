@@ -1,0 +1,80 @@
+"""The canonical order: every key summed in one fixed tree, whatever the strategy.
+
+`Canonical(inner)` is the strategy a deterministic store runs: its reductions give every
+job the tree sum of `gpukv._canonical` over the job's sources (leaf i = the i-th source),
+in the accumulation dtype of the out (float32 for 16-bit floats), rounded once. The home
+device sums all the sources of its keys with `tree_sum_into`, reading them where it can
+and copying the others there whole first, so the result is the same bits for every
+strategy, every placement of the sources (GPUs or host) and every home. Broadcasts are
+copies, exact whatever the path, so they stay the inner strategy's.
+"""
+from __future__ import annotations
+
+from ..device.host import host_device
+from ..device.host_sum import host_tree_sum
+from . import ordering
+from ._base import BroadcastJob, ReduceJob, Strategy
+from .flat import FlatOut, flat_in
+
+__all__ = ["Canonical"]
+
+
+class Canonical(Strategy):
+    """The inner strategy's broadcasts, and every sum in the canonical tree order."""
+
+    def __init__(self, inner: Strategy):
+        self.inner = inner
+        self.name = inner.name
+        self.explicit = getattr(inner, "explicit", False)
+        self.store_options = inner.store_options
+
+    def reduce(self, job: ReduceJob) -> None:
+        self.reduce_many([job])
+
+    def broadcast(self, job: BroadcastJob) -> None:
+        self.inner.broadcast(job)
+
+    def broadcast_many(self, jobs: list) -> None:
+        self.inner.broadcast_many(jobs)
+
+    def reduce_many(self, jobs) -> None:
+        jobs = list(jobs)
+        if not jobs:
+            return
+        by_home: dict = {}
+        for job in jobs:
+            # Host slots share one memory: the host device sums for all of them.
+            home = host_device(0) if job.home.host_memory else job.home
+            by_home.setdefault(home, []).append(job)
+        everyone = [d for job in jobs for d in job.devices] + list(by_home)
+        ordering.begin(everyone)
+        # Flat copies of strided sources are made on their own devices and kept until
+        # `finish`, as the home strategy keeps them (CuPy's pool reuses freed memory).
+        alive = []
+        for home, group in by_home.items():
+            outs, work = [], []
+            for job in group:
+                out = FlatOut(job.out, home)
+                leaves = [flat_in(s, d) for s, d in zip(job.sources, job.devices)]
+                work.append((out.flat, leaves))
+                outs.append(out)
+            ordering.wait_all(home, [d for job in group for d in job.devices])
+            home.tree_sum_into(work)
+            for out in outs:
+                out.done()
+            alive.append(work)
+        for home, group in by_home.items():
+            ordering.finish([d for job in group for d in job.devices], home)
+
+    # The batch form of a host store's all-NumPy calls (see `HostStrategy`).
+    def reduce_columns(self, outs, sources) -> None:
+        """outs[i] = the canonical sum of the NumPy arrays sources[i], for every i."""
+        for out, arrays in zip(outs, sources):
+            host_tree_sum(out, arrays)
+
+    def broadcast_columns(self, srcs, outs) -> None:
+        """Every NumPy array of outs[i] = srcs[i], for every i (the inner strategy's)."""
+        self.inner.broadcast_columns(srcs, outs)  # type: ignore[attr-defined]
+
+    def __repr__(self):
+        return f"<Canonical {self.inner!r}>"
