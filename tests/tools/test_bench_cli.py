@@ -233,7 +233,7 @@ def test_shared_size_parser_errors_are_value_errors():
 # ------------------------------------------------------------ the shared convention
 SCRIPTS = ("bench_host.py", "bench_compression.py", "bench_optimizers.py",
            "bench_checkpoint.py", "bench_trainer.py", "bench_trainer_dist.py", "bench_dist.py",
-           "bench_cluster.py", "simulate_topologies.py")
+           "bench_cluster.py", "bench_deterministic.py", "simulate_topologies.py")
 OLD_FLAGS = ("--json", "--no-json", "--plot", "--no-plot", "--png", "--replicas")
 
 
