@@ -214,7 +214,7 @@ def _grouped(signatures: dict, describe) -> str:
 
 
 def _call(signature) -> str:
-    """A call's signature in words: (op, ((key, shape, dtype) or key, ...))."""
+    """A call's signature in words: (op, (key, (key, shape, dtype) or (key, count), ...))."""
     op, items = signature
     if not items:
         return op
@@ -223,6 +223,10 @@ def _call(signature) -> str:
 
 
 def _item(item) -> str:
+    """An item of a call: a key, (key, shape, dtype), or (key, values pushed of it)."""
+    if isinstance(item, tuple) and len(item) == 2:
+        key, count = item
+        return f"key {key!r} with {count} value(s) pushed"
     if isinstance(item, tuple):
         key, shape, dtype = item
         return f"key {key!r} {tuple(shape)} {dtype}"

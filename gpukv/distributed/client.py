@@ -1,7 +1,9 @@
 """A worker's end of the dedicated servers (`num_servers=S >= 1`): the engine of a dist store
 on the worker ranks. It sends each piece of a key to its server (see `server` for what the
 servers do with them) and waits, each wait bounded, for their replies; a failure a server
-reports ends the wait at once.
+reports ends the wait at once. A deterministic client sends each piece's node partials of
+the canonical tree (`engine.Partials`), a row each, and their count: the server merges
+them as the tree does.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ..encoding.compression import Compressor, compressible
 from .agree import Agreement, from_rank0, refuse_split
+from .canonical_sum import check_partials, refuse_compression
 from .chunks import chunk_bytes, chunk_ranges
 from .sharding import pieces
 from .state import cut, merge
@@ -33,8 +36,14 @@ _REPLY_TAGS = 30000
 
 
 def in_chunks(arrays, chunk: int) -> list:
-    """The chunks of `chunk` bytes each of `arrays` crosses in (see `chunks`), in order."""
-    return [a[lo:hi] for a in arrays for lo, hi in chunk_ranges(a.size, a.itemsize, chunk)]
+    """The chunks of `chunk` bytes each of `arrays` crosses in (see `chunks`), in order;
+    a 2-D array (node partials, a row each) chunk by chunk of its rows, each row's in turn."""
+    out = []
+    for a in arrays:
+        rows = [a] if a.ndim == 1 else list(a)
+        for lo, hi in chunk_ranges(a.shape[-1], a.itemsize, chunk):
+            out += [row[lo:hi] for row in rows]
+    return out
 
 
 def reported(report) -> PeerError:
@@ -51,9 +60,11 @@ class ServerClient:
     round_updates_replicas = False
     compressor: Compressor | None
 
-    def __init__(self, transport: Transport, servers: int, bound: int):
+    def __init__(self, transport: Transport, servers: int, bound: int,
+                 deterministic: bool = False):
         self.t = transport
         self.servers = servers
+        self.deterministic = deterministic  # push gets Partials, merged as the tree does
         self.bound = bound
         self.chunk = chunk_bytes(transport)  # the servers cut the pieces alike
         self.workers = Transport(worker_comm(transport, servers), transport.timeout,
@@ -167,8 +178,16 @@ class ServerClient:
             self._unsettled.pop(0)
 
     def push(self, keys, grads, replicas) -> None:
+        counts = None
+        if self.deterministic:  # checked whole before anything moves
+            counts = check_partials(keys, grads, [
+                (int(np.prod(shape)), dtype) for _, shape, dtype in
+                (self.layouts[k] for k in keys)], self.rank, self.num_workers)
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
+            return
+        if counts is not None:
+            self._push_partials(keys, grads, counts)
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad in zip(keys, grads):
@@ -186,6 +205,23 @@ class ServerClient:
         requests = []
         for server, (entries, data) in by_server.items():
             body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
+                                              for e, a in zip(entries, data)]}
+            requests += self._request(server, "push", body, in_chunks(data, self.chunk))
+        self._wait(requests, f"push of key {keys[0]!r}")
+
+    def _push_partials(self, keys, grads, counts: list) -> None:
+        """Send each piece's rows of this worker's node partials, and their `counts` (the
+        servers check every worker pushed the same)."""
+        by_server: dict = collections.defaultdict(lambda: ([], []))
+        for key, grad, count in zip(keys, grads, counts):
+            for p in self.layouts[key][0]:
+                entries, data = by_server[p.server]
+                entries.append((key, None, count))
+                data.append(grad.sums[:, p.start:p.stop])  # rows cross one by one
+            self.pushes[key] += 1
+        requests = []
+        for server, (entries, data) in by_server.items():
+            body = {"keys": entries, "data": [(e[0], a.dtype, a.shape[1])
                                               for e, a in zip(entries, data)]}
             requests += self._request(server, "push", body, in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
@@ -269,6 +305,7 @@ class ServerClient:
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:
+        refuse_compression(compressor, self.deterministic)
         self.compressor = compressor
         self.residuals = {}
 

@@ -12,13 +12,22 @@ of both by name and signature.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..encoding.compression import Compressor
     from ..optim import Optimizer
+
+
+class Partials(NamedTuple):
+    """A worker's part of a key's sum in the canonical order (gpukv._canonical)."""
+    sums: np.ndarray  # (len(rank_nodes(rank, count, workers)), elements of the key) in its
+    #                   wire dtype, C-contiguous
+    # the values this worker pushed for the key (a field named as the contract has it,
+    # over tuple.count)
+    count: int  # type: ignore[assignment]
 
 
 @runtime_checkable
@@ -60,7 +69,9 @@ class Engine(Protocol):
         ...
 
     def push(self, keys: list, grads: list, replicas: list) -> None:
-        """Send this worker's summed `grads` of `keys`; their sum over workers updates them."""
+        """Send this worker's summed `grads` of `keys`; their sum over workers updates them.
+        An engine made deterministic gets a `Partials` per key instead, and continues
+        the canonical tree from them."""
         ...
 
     def pull(self, keys: list, replicas: list) -> None:

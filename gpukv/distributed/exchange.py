@@ -2,7 +2,8 @@
 
 Every process sends each owner its piece of a key, chunk by chunk; the owner sums the
 contributions to a chunk as soon as all have arrived, always in rank order (so a sum is
-the same bits whichever process ran ahead or whose message came first), and in an
+the same bits whichever process ran ahead or whose message came first), or, for a key
+with a `Tree`, each rank's node partials merged as the canonical tree adds them, and in an
 allreduce sends the summed chunk on to every other process at once. Sending, summing and
 receiving overlap, and each link carries what it must, 2(N-1)/N of the key, near its rate
 (MPI's own collectives, one step after another, leave a network link idle part of the
@@ -16,17 +17,34 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import PeerError
+from .canonical_sum import merge_into
 from .chunks import CHUNK_BYTES, chunk_ranges
 from .transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
 
 
+class Tree(NamedTuple):
+    """A key summed in the canonical order (`gpukv._canonical`)."""
+    nodes: list  # per rank, the [lo, hi) leaf ranges of the node partials it sends
+    total: int   # leaves of the tree
+
+
 class Split(NamedTuple):
     """One split key in an exchange (flat, contiguous arrays of its wire dtype)."""
-    send: np.ndarray | None  # this process's contribution, the whole key (to reduce)
+    send: np.ndarray | None  # this process's contribution, the whole key (to reduce); with
+    #                          a tree, (its nodes, the whole key): a row per node partial
     out: np.ndarray          # the whole key (gathered into), or only the piece owned here
     counts: list             # elements of the piece of each rank
     starts: list             # first element of the piece of each rank
-    scratch: np.ndarray | None  # (ranks - 1, piece owned here): the others' contributions
+    scratch: np.ndarray | list | None  # (ranks - 1, piece owned here): the others'
+    #                          contributions; with a tree, per rank (None: this one) its
+    #                          rows of the piece owned here
+    tree: Tree | None = None
+
+
+def tree_scratch(counts: list, rank: int, tree: Tree, wire: np.dtype) -> list:
+    """The buffers an owner receives the other ranks' node partials into."""
+    return [None if s == rank else np.empty((len(nodes), counts[rank]), wire)
+            for s, nodes in enumerate(tree.nodes)]
 
 
 def scratch_for(counts: list, rank: int, wire: np.dtype) -> np.ndarray:
@@ -87,11 +105,16 @@ class _Exchange:
         for key in keys:
             mine = key.counts[rank]
             if reduce:
+                per = [1] * size if key.tree is None else list(map(len, key.tree.nodes))
                 for a, b in chunks(mine, key.out.itemsize):
-                    chunk = _Chunk(key, a, b, [size - 1])
+                    chunk = _Chunk(key, a, b, [sum(per) - per[rank]])
                     self.chunks.append(chunk)
                     for i, source in enumerate(s for s in range(size) if s != rank):
-                        self._recv(key.scratch[i, a:b], source, TAG_SCATTER, chunk)
+                        if key.tree is None:
+                            self._recv(key.scratch[i, a:b], source, TAG_SCATTER, chunk)
+                            continue
+                        for row in key.scratch[source]:  # one message per node partial
+                            self._recv(row[a:b], source, TAG_SCATTER, chunk)
             if gather:
                 for source in others:
                     start = key.starts[source]
@@ -100,15 +123,17 @@ class _Exchange:
         for key in keys:
             if reduce:
                 assert key.send is not None
+                rows = [key.send] if key.tree is None else list(key.send)
                 pieces = [chunks(key.counts[o], key.send.itemsize) for o in range(size)]
                 for c in range(max(map(len, pieces))):  # chunk by chunk, to every owner
                     for owner in others:
                         if c < len(pieces[owner]):
                             a, b = pieces[owner][c]
                             start = key.starts[owner]
-                            self.sends.append(comm.Isend(
-                                as_bytes(key.send[start + a:start + b]), dest=owner,
-                                tag=TAG_SCATTER))
+                            for row in rows:
+                                self.sends.append(comm.Isend(
+                                    as_bytes(row[start + a:start + b]), dest=owner,
+                                    tag=TAG_SCATTER))
             elif gather:
                 start = key.starts[rank]
                 for a, b in chunks(key.counts[rank], key.out.itemsize):
@@ -151,8 +176,13 @@ class _Exchange:
             self.summed += 1
             start = key.starts[rank]
             assert key.send is not None and key.scratch is not None
-            own = key.send[start + a:start + b]
             out = key.out[start + a:start + b] if self.gather else key.out[a:b]
+            if key.tree is not None:
+                self._merge(key, a, b, out)
+                if self.others:
+                    self._send_on(out, self.others)
+                continue
+            own = key.send[start + a:start + b]
             if np.may_share_memory(own, out):
                 own = own.copy()
             parts = [key.scratch[s - (s > rank), a:b] if s != rank else own
@@ -162,6 +192,17 @@ class _Exchange:
                 np.add(out, part, out=out)
             if self.others:
                 self._send_on(out, self.others)
+
+    def _merge(self, key: Split, a: int, b: int, out: np.ndarray) -> None:
+        """`out` becomes the sum of chunk [a, b) of the piece owned here: every rank's
+        node partials of it, merged as the canonical tree adds them."""
+        rank, start = self.t.rank, key.starts[self.t.rank]
+        assert key.tree is not None and key.send is not None and key.scratch is not None
+        parts: list = []
+        for s, nodes in enumerate(key.tree.nodes):
+            rows = key.send[:, start + a:start + b] if s == rank else key.scratch[s][:, a:b]
+            parts += zip(nodes, rows)
+        merge_into(out, parts, key.tree.total)
 
     def _silent(self) -> PeerError:
         """The PeerError of a timeout: who has not sent what this rank waits for."""

@@ -14,6 +14,10 @@ needs (the number of its worker's pushes of that key) and is answered when the k
 reached it. In async mode each push is applied whole as it comes. Nothing waits without a
 bound: a key whose round misses some workers for the timeout fails on the server, which
 tells every worker which ones.
+
+A deterministic worker sends its node partials of the canonical tree (`engine.Partials`)
+and their count instead: the server checks every worker pushed the same count and merges
+each chunk's partials as the tree does (`canonical_sum`), in place of the worker-order sum.
 """
 from __future__ import annotations
 
@@ -24,9 +28,11 @@ import time
 
 import numpy as np
 
+from .._canonical import rank_nodes
 from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ..device.host_sum import accumulate_dtype, host_sum
 from ..encoding.compression import make_compressor
+from .canonical_sum import merge_into, own_sum
 from .chunks import chunk_bytes, chunk_ranges
 from .engine import Shard
 from .state import mark_starts
@@ -34,18 +40,26 @@ from .transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transpo
 
 
 class _Incoming:
-    """One worker's push of one key's piece: its buffer, arriving chunk by chunk."""
+    """One worker's push of one key's piece: its buffer, arriving chunk by chunk (node
+    partials: a row each, every row's chunk by chunk)."""
 
-    def __init__(self, buffer: np.ndarray, comp, chunk: int):
+    def __init__(self, buffer: np.ndarray, comp, chunk: int, count=None, nodes=None):
         self.buffer = buffer
         self.comp = comp               # (compressor params, size) of a compressed payload
-        self.ranges = chunk_ranges(buffer.size, buffer.itemsize, chunk)
-        self.arrived = [False] * len(self.ranges)
-        self.missing = len(self.ranges)
+        self.count = count             # the values of a push of node partials, else None
+        self.nodes = nodes             # and the worker's nodes, one per row
+        self.rows = len(nodes) if nodes else 1
+        self.ranges = chunk_ranges(buffer.size // self.rows, buffer.itemsize, chunk)
+        self.arrived = [0] * len(self.ranges)  # rows in, per chunk
+        self.missing = len(self.ranges) * self.rows
 
     @property
     def complete(self) -> bool:
         return self.missing == 0
+
+    def ready(self, chunk: int) -> bool:
+        """Whether every row of `chunk` is in."""
+        return self.arrived[chunk] == self.rows
 
 
 class _Key:
@@ -136,7 +150,7 @@ class _Server:
         keys: dict = {}
         for i in done:
             key, incoming, chunk = self.arrivals[i]
-            incoming.arrived[chunk] = True
+            incoming.arrived[chunk] += 1
             incoming.missing -= 1
             keys[key] = None
         finished = set(done)
@@ -188,14 +202,21 @@ class _Server:
                                 f"{type(exc).__name__}: {exc}"))
 
     def post(self, source: int, body) -> list:
-        """Start receiving the chunks of a push from `source`: an _Incoming per array."""
+        """Start receiving the chunks of a push from `source`: an _Incoming per array (of
+        `n` elements, or per node partial of a count of values)."""
         incomings = []
-        for key, dtype, n in body["data"]:
-            incoming = _Incoming(self.buffer(np.dtype(dtype), n), None, self.chunk)
+        for entry, (key, dtype, n) in zip(body["keys"], body["data"]):
+            count = entry[2] if len(entry) > 2 else None
+            nodes = None if count is None else rank_nodes(source - self.servers, count,
+                                                          self.workers)
+            rows = len(nodes) if nodes else 1
+            incoming = _Incoming(self.buffer(np.dtype(dtype), n * rows), entry[1],
+                                 self.chunk, count, nodes)
             for chunk, (lo, hi) in enumerate(incoming.ranges):
-                self.receiving.append(self.t.recv_array(incoming.buffer[lo:hi], source,
-                                                        TAG_PUSH_DATA))
-                self.arrivals.append((key, incoming, chunk))
+                for row in range(rows):
+                    self.receiving.append(self.t.recv_array(
+                        incoming.buffer[row * n + lo:row * n + hi], source, TAG_PUSH_DATA))
+                    self.arrivals.append((key, incoming, chunk))
             incomings.append(incoming)
         return incomings
 
@@ -270,7 +291,6 @@ class _Server:
         they come (see `advance`)."""
         for entry, incoming in zip(body["keys"], self.post(source, body)):
             key = entry[0]
-            incoming.comp = entry[1]
             state = self.keys.setdefault(key, _Key(self.workers))
             state.queues[worker].append(incoming)
             if state.since is None:
@@ -287,7 +307,13 @@ class _Server:
                                      self.buffer(np.dtype(np.float32), size))
 
     def whole(self, incoming: _Incoming) -> np.ndarray:
-        """The gradient a complete push carries (decompressed if it was compressed)."""
+        """The gradient a complete push carries (decompressed if it was compressed, its
+        node partials merged if it has several)."""
+        if incoming.nodes is not None and incoming.rows > 1:
+            rows = incoming.buffer.reshape(incoming.rows, -1)
+            grad = own_sum(rows, incoming.nodes, incoming.count * self.workers)
+            self.release([incoming.buffer])
+            return grad
         if incoming.comp is None:
             return incoming.buffer
         grad = self.decode(incoming.comp, incoming.buffer)
@@ -307,6 +333,7 @@ class _Server:
                     self.apply(key, state, [self.whole(q.popleft())])
         while not self.asynchronous and all(queues):
             heads = [q[0] for q in queues]
+            same_counts(key, heads)
             if any(h.comp is not None for h in heads):
                 if not all(h.complete for h in heads):
                     break
@@ -340,11 +367,16 @@ class _Server:
         else:
             target = stored
         first = state.summed
-        while state.summed < len(ranges) and all(h.arrived[state.summed] for h in heads):
+        while state.summed < len(ranges) and all(h.ready(state.summed) for h in heads):
             state.summed += 1
         if state.summed > first:
             lo, hi = ranges[first][0], ranges[state.summed - 1][1]
-            host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
+            if heads[0].nodes is None:
+                host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
+            else:  # every worker's node partials, merged as the canonical tree does
+                parts = [(node, row[lo:hi]) for h in heads for node, row in
+                         zip(h.nodes, h.buffer.reshape(h.rows, -1))]
+                merge_into(target[lo:hi], parts, heads[0].count * self.workers)
         return state.summed == len(ranges)
 
     def finish_round(self, key, state, heads: list) -> None:
@@ -482,6 +514,22 @@ class _Server:
         """Send `error` to `worker` (as its kind and message: `client.reported` rebuilds it)."""
         report = ("mismatch" if isinstance(error, PeerMismatchError) else "peer", str(error))
         self.send(self.t.send_object(report, self.worker_rank(worker), TAG_ERROR))
+
+
+def same_counts(key, heads: list) -> None:
+    """PeerMismatchError unless every worker pushed the same count of values of `key`
+    in the round of `heads` (None: a push of one sum, not of node partials)."""
+    counts = [h.count for h in heads]
+    if len(set(counts)) == 1:
+        return
+    by_count: dict = {}
+    for w, count in enumerate(counts):
+        by_count.setdefault(count, []).append(w)
+    told = "; ".join(f"worker(s) {', '.join(map(str, ws))}: "
+                     + ("one sum, not node partials" if count is None else
+                        f"{count} value(s)") for count, ws in by_count.items())
+    raise PeerMismatchError(f"push of key {key!r}: workers pushed different numbers of "
+                            f"values, where the canonical order needs the same: {told}")
 
 
 def serve(transport: Transport, servers: int, shard: Shard, asynchronous: bool) -> None:

@@ -8,6 +8,10 @@ without packing, in chunks over point-to-point messages (`exchange`: sums in ran
 pipelined); small keys go whole to an owner picked by a hash of the key and travel packed,
 one collective per dtype. Every round is first agreed on (`agree.Agreement`), so
 processes that call different things fail with a PeerMismatchError instead of mixing data.
+
+A deterministic engine gets each process's node partials of the canonical tree
+(`engine.Partials`) and every sum goes through the exchange, whose owners merge them as
+the tree does: MPI's own reductions have no fixed order.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import Compressor, Ctx, compressible
 from . import exchange
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
+from .canonical_sum import check_partials, node_ranges, refuse_compression
 from .engine import Shard
 from .sharding import pieces
 from .state import cut, mark_starts, merge
@@ -49,17 +54,22 @@ class _Packed(NamedTuple):
     mine: list         # (key, offset in `recv`) of the keys this process owns
 
 
+class _Gather(NamedTuple):
+    """The all-gather of a round's new values from their owners."""
+    split: list        # (key, layout) of every split key (each all-gathered on its own)
+    keys: list         # small keys in owner order: (key, byte offset, nbytes)
+    counts: list
+    send: np.ndarray
+    recv: np.ndarray
+    mine_small: list   # small keys this process owns, in gather order
+
+
 class _Round(NamedTuple):
     compressed: list   # (key, layout) of keys compressed on the wire
     big: list          # (key, layout, send buffer or None, recv buffer, counts, starts,
     #                    scratch) of the split keys summed by an exchange of their own
-    split: list        # (key, layout) of every split key (each all-gathered on its own)
     packed: list       # _Packed per wire dtype
-    gather_keys: list  # small keys in owner order: (key, byte offset, nbytes)
-    gather_counts: list
-    gather_send: np.ndarray
-    gather_recv: np.ndarray
-    mine_small: list   # small keys this process owns, in gather order
+    gather: _Gather
 
 
 class _SumPlan(NamedTuple):
@@ -68,6 +78,24 @@ class _SumPlan(NamedTuple):
     split: list        # (key, counts, starts, scratch, wire buffers or None) of the split
     #                    keys summed by an exchange
     packed: list       # ([(key, offset, elements)], send, recv) per wire dtype
+
+
+class _Exchanged(NamedTuple):
+    """One sum of a canonical round: a key, or small keys packed, through the exchange."""
+    keys: list         # (key, offset in the buffers, elements)
+    counts: list       # elements of the piece each rank sums
+    starts: list
+    tree: exchange.Tree
+    scratch: list
+    send: np.ndarray | None  # (nodes, elements) the partials are packed into, or None
+    out: np.ndarray | None   # where the sums land (the whole, or the piece owned here),
+    #                          or None: into the key's copy itself
+
+
+class _CanonicalPlan(NamedTuple):
+    """A round of a deterministic engine: every sum goes through the exchange."""
+    sums: list         # _Exchanged
+    gather: _Gather | None  # with an updater: the all-gather of the new values
 
 
 #: keys of at least this many bytes (and no narrow type) are summed on their own
@@ -86,8 +114,10 @@ class ShardedRounds:
     round_updates_replicas = True
     compressor: Compressor | None
 
-    def __init__(self, transport: Transport, shard: Shard, bound: int):
+    def __init__(self, transport: Transport, shard: Shard, bound: int,
+                 deterministic: bool = False):
         self.t = transport
+        self.deterministic = deterministic  # push gets Partials, summed as the tree does
         self.compressor = None
         self.shard = shard
         self.bound = bound
@@ -170,6 +200,8 @@ class ShardedRounds:
         replicas = [replicas[i] for i in order]
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
         what = f"push of key {keys[0]!r}{more}"
+        counts = (check_partials(keys, grads, [(r.size, r.dtype) for r in replicas],
+                                 self.t.rank, self.t.size) if self.deterministic else None)
         self.flush(what)
         comp = self.compressor
         wire = None if comp is None else tuple(sorted(comp.params().items()))
@@ -177,8 +209,14 @@ class ShardedRounds:
         # same optimizer options (each process runs its own on its shard).
         op = ("push" + ("" if wire is None else f" compressed with {dict(wire)}")
               + (" assigning the sum" if self._assigns else f" updating with {self._rule}"))
-        self.agree.check((op, keys), what)
-        self.round(keys, dict(zip(keys, zip(grads, replicas))), what)
+        if counts is None:
+            self.agree.check((op, keys), what)
+            self.round(keys, dict(zip(keys, zip(grads, replicas))), what)
+            return
+        # the count of values each process pushes shapes the tree: every one must agree
+        self.agree.check((op + " in the canonical order", tuple(zip(keys, counts))), what)
+        self.canonical_round(keys, tuple(counts), dict(zip(keys, zip(grads, replicas))),
+                             what)
 
     def round(self, keys, by_key: dict, what: str) -> None:
         """A push round once agreed on: `by_key` maps each key (in canonical order) to
@@ -197,7 +235,86 @@ class ShardedRounds:
         merged = self._exchange_compressed(plan, by_key, what)
         merged += self._reduce_scatter(plan, by_key, what)
         self.update(merged, what)
-        self._all_gather(plan, by_key, what)
+        self._all_gather(plan.gather, by_key, what)
+
+    def canonical_round(self, keys, counts: tuple, by_key: dict, what: str) -> None:
+        """A push round of a deterministic engine once agreed on: `by_key` maps each key
+        (in canonical order) to (this process's Partials, its copy of the value); every
+        sum is the exchange's merge of the ranks' node partials."""
+        plan = self._rounds.get((keys, counts, "canonical"))
+        if plan is None:
+            plan = self._canonical_plan(keys, counts)
+            self._rounds[keys, counts, "canonical"] = plan
+        splits = []
+        for item in plan.sums:
+            send = item.send
+            if send is None:
+                send = by_key[item.keys[0][0]][0].sums
+            else:
+                for key, offset, n in item.keys:
+                    send[:, offset:offset + n] = by_key[key][0].sums
+            out = item.out if item.out is not None else by_key[item.keys[0][0]][1].reshape(-1)
+            splits.append(exchange.Split(send, out, item.counts, item.starts, item.scratch,
+                                         item.tree))
+        if plan.gather is None:  # no updater: the sums are the new values
+            exchange.allreduce(self.t, splits, f"{what}: allreduce")
+            for item in plan.sums:
+                if item.out is not None:  # the key's dtype, rounded once
+                    for key, offset, n in item.keys:
+                        by_key[key][1].reshape(-1)[...] = item.out[offset:offset + n]
+            return
+        exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
+        rank = self.t.rank
+        merged = []
+        for item in plan.sums:
+            assert item.out is not None
+            start, stop = item.starts[rank], item.starts[rank] + item.counts[rank]
+            for key, offset, n in item.keys:
+                layout = self.layouts[key]
+                if layout.split:
+                    if item.counts[rank]:
+                        merged.append((key, item.out))
+                elif start <= offset < stop:
+                    merged.append((key, item.out[offset - start:offset - start + n]
+                                   .reshape(layout.shape)))
+        self.update(merged, what)
+        self._all_gather(plan.gather, by_key, what)
+
+    def _canonical_plan(self, keys, counts: tuple) -> _CanonicalPlan:
+        """Every key's sum through the exchange: a split key in its pieces; without an
+        updater, a key summed alone split evenly; the small keys of one wire dtype and
+        count packed, each in the piece of its owner."""
+        rank, size = self.t.rank, self.t.size
+        sums, small = [], []
+        for key, count in zip(keys, counts):
+            layout = self.layouts[key]
+            n, wire = layout_size(layout), layout.wire
+            if layout.split:
+                per, starts = _per_rank(layout, size)
+            elif self._assigns and self._alone(key):
+                per, starts = _even(n, size)
+            else:
+                small.append((layout.pieces[0].server, key, layout, count))
+                continue
+            tree = exchange.Tree(node_ranges(size, count), size * count)
+            out = (np.empty(per[rank], wire) if not self._assigns else
+                   None if wire == layout.dtype else np.empty(n, wire))
+            sums.append(_Exchanged([(key, 0, n)], per, starts, tree,
+                                   exchange.tree_scratch(per, rank, tree, wire), None, out))
+        small.sort(key=lambda s: (s[2].wire.str, s[3], s[0]))  # stable: by owner, in order
+        for (wire, count), run in itertools.groupby(small, key=lambda s: (s[2].wire, s[3])):
+            per, placed, offset = [0] * size, [], 0
+            for owner, key, layout, _ in run:
+                n = layout_size(layout)
+                placed.append((key, offset, n))
+                per[owner] += n
+                offset += n
+            tree = exchange.Tree(node_ranges(size, count), size * count)
+            sums.append(_Exchanged(placed, per, _displacements(per), tree,
+                                   exchange.tree_scratch(per, rank, tree, wire),
+                                   np.empty((len(tree.nodes[rank]), offset), wire),
+                                   np.empty(offset if self._assigns else per[rank], wire)))
+        return _CanonicalPlan(sums, None if self._assigns else self._gather_plan(keys))
 
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
@@ -247,7 +364,15 @@ class ShardedRounds:
                 offset += n
             packed.append(_Packed(wire, placed, counts, np.empty(offset, wire),
                                   np.empty(counts[rank], wire), mine))
-        gather_keys, gather_counts, offset = [], [0] * size, 0
+        return _Round(compressed, big, packed, self._gather_plan(keys))
+
+    def _gather_plan(self, keys) -> _Gather:
+        """How a round with an updater brings the new values of `keys` to everyone."""
+        rank = self.t.rank
+        small = sorted(((layout.pieces[0].server, key, layout) for key in keys
+                        for layout in [self.layouts[key]] if not layout.split),
+                       key=lambda s: s[0])  # stable: keys stay in order within an owner
+        gather_keys, gather_counts, offset = [], [0] * self.t.size, 0
         for owner, key, layout in small:
             nbytes = int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
             gather_keys.append((key, offset, nbytes))
@@ -255,9 +380,9 @@ class ShardedRounds:
             offset += nbytes
         mine_small = [key for owner, key, _ in small if owner == rank]
         split = [(key, self.layouts[key]) for key in keys if self.layouts[key].split]
-        return _Round(compressed, big, split, packed, gather_keys, gather_counts,
-                      np.empty(gather_counts[rank], np.uint8), np.empty(offset, np.uint8),
-                      mine_small)
+        return _Gather(split, gather_keys, gather_counts,
+                       np.empty(gather_counts[rank], np.uint8), np.empty(offset, np.uint8),
+                       mine_small)
 
     def _sum_plan(self, keys) -> _SumPlan:
         alone, split, packed = [], [], []
@@ -421,11 +546,12 @@ class ShardedRounds:
     def set_compression(self, compressor) -> None:
         """Compress on the wire from now on (every process must set the same: a push
         of processes that differ fails as a mismatch)."""
+        refuse_compression(compressor, self.deterministic)
         self.compressor = compressor
         self._residuals = {}
         self._formats = {}
 
-    def _all_gather(self, plan: _Round, by_key: dict, what: str) -> None:
+    def _all_gather(self, plan: _Gather, by_key: dict, what: str) -> None:
         comm, BYTE = self.t.comm, self.t.MPI.BYTE
         requests, splits = [], []
         for key, layout in plan.split:  # this process's piece is already in place
@@ -434,20 +560,19 @@ class ShardedRounds:
             splits.append(exchange.Split(None, as_bytes(by_key[key][1]),
                                          [c * itemsize for c in counts],
                                          [s * itemsize for s in starts], None))
-        if plan.gather_keys:
-            send = plan.gather_send
+        if plan.keys:
+            send = plan.send
             offset = 0
             for key in plan.mine_small:  # after the update: the new values
                 stored = as_bytes(self.shard.stored(key))
                 send[offset:offset + stored.size] = stored
                 offset += stored.size
-            requests.append(comm.Iallgatherv(send, [plan.gather_recv, plan.gather_counts,
-                                                    _displacements(plan.gather_counts),
-                                                    BYTE]))
+            requests.append(comm.Iallgatherv(send, [plan.recv, plan.counts,
+                                                    _displacements(plan.counts), BYTE]))
         exchange.all_gather(self.t, splits, f"{what}: all-gather")
         self.t.wait_all(requests, f"{what}: all-gather")
-        recv = plan.gather_recv
-        for key, offset, nbytes in plan.gather_keys:
+        recv = plan.recv
+        for key, offset, nbytes in plan.keys:
             as_bytes(by_key[key][1])[...] = recv[offset:offset + nbytes]
 
     # ------------------------------------------------------- updaters, barrier
@@ -570,6 +695,12 @@ class ShardedRounds:
 
 def _displacements(counts: list) -> list:
     return [0] + list(itertools.accumulate(counts))[:-1]
+
+
+def _even(n: int, size: int) -> tuple[list, list]:
+    """(elements, first element) of `size` pieces of `n` elements, as even as can be."""
+    per = [n // size + (r < n % size) for r in range(size)]
+    return per, _displacements(per)
 
 
 def _per_rank(layout: KeyLayout, size: int) -> tuple[list, list]:
