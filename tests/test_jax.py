@@ -65,6 +65,26 @@ def test_pushpull_tree_sums_the_gradients_of_every_device(n_devices):
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,strategy", [("local", None), ("device", "tree"),
+                                           ("device", "ring")])
+def test_a_deterministic_store_sums_trees_in_the_canonical_order(name, strategy, dtype):
+    """pushpull_tree on a deterministic store: each leaf is the canonical tree's sum of
+    the 5 devices' gradients (in float32, rounded once), bit for bit, in every store."""
+    from gpukv._canonical import leaves_sum
+    options = {"strategy": strategy} if strategy else {}
+    kv = gpukv.create(name, deterministic=True, **options)
+    params = _model(dtype)
+    gjax.init_tree(kv, jax.tree_util.tree_map(jnp.zeros_like, params))
+    grads = [jax.tree_util.tree_map(lambda g, i=i: g * 10.0 ** (i - 2), tree)
+             for i, tree in enumerate(_grads(params, _batches(5)[0]))]
+    summed = gjax.pushpull_tree(kv, grads)[0]
+    for got, *leaves in zip(jax.tree_util.tree_leaves(summed),
+                            *[jax.tree_util.tree_leaves(g) for g in grads]):
+        want = leaves_sum([np.asarray(x, np.float32) for x in leaves], np.add)
+        assert np.asarray(got).tobytes() == want.astype(got.dtype).tobytes()
+
+
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_sgd_training_loop_matches_summing_by_hand(dtype, tol):
     """With set_optimizer('sgd'), push_tree then pull_tree gives the parameters a hand-written

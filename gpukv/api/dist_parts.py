@@ -11,9 +11,12 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError
-from ..device import device_of
+from ..comm import ReduceJob
+from ..comm.canonical import Canonical
+from ..comm.host import HostStrategy
+from ..device import device_of, host_device
 from . import check, snapshots
-from .pipeline import PushPlan
+from .pipeline import PushPlan, devices_of, host_slots
 from .store import Key, KVStore
 
 #: the kind of a store's keys: int or str
@@ -146,6 +149,21 @@ class PinnedStore(KVStore):
         passed `check.all_outs`."""
         with self._lock:
             self._pull_groups(groups, entries, ignore_sparse)
+
+
+_NODES = Canonical(HostStrategy())
+
+
+def node_sums(key, arrays: list, all_host: bool, ranges: list, first: int,
+              out: np.ndarray, shape: tuple) -> None:
+    """out[i] = the canonical sum of the values of node `ranges[i]` ([a, b) of the key's
+    leaves; `arrays` are leaves first, first + 1, ...), on the host, in out's dtype."""
+    devices = host_slots(len(arrays)) if all_host else devices_of(arrays)
+    home = host_device(0)
+    _NODES.reduce_many([
+        ReduceJob(key, list(arrays[a - first:b - first]), list(devices[a - first:b - first]),
+                  home, row.reshape(shape))
+        for (a, b), row in zip(ranges, out)])
 
 
 class SavedState:

@@ -22,10 +22,12 @@ import numpy as np
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..device import host_device
-from ..device.host_sum import share_cpus
+from ..distributed.engine import Partials
+from .._canonical import rank_nodes
+from ..device.host_sum import accumulate_dtype, share_cpus
 from . import check
-from .dist_parts import PinnedStore, SavedState, Shard
-from .store import KVStore
+from .dist_parts import PinnedStore, SavedState, Shard, node_sums
+from .store import KVStore, deterministic_option
 
 if TYPE_CHECKING:
     from ..distributed import Engine
@@ -43,7 +45,8 @@ _made = [0]
 _SERVED: list = []
 
 
-def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
+def _serve_or_client(transport, servers: int, bound: int, name: str,
+                     deterministic: bool) -> Engine:
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
@@ -58,7 +61,7 @@ def _serve_or_client(transport, servers: int, bound: int, name: str) -> Engine:
             sys.stderr.flush()
             transport.comm.Abort(1)
         sys.exit(0)
-    return ServerClient(transport, servers, bound)
+    return ServerClient(transport, servers, bound, deterministic=deterministic)
 
 
 def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
@@ -158,7 +161,8 @@ class DistKVStore(KVStore):
 
     def __init__(self, name: str, *, num_servers: int | None = None,
                  timeout: float | None = None, bigarray_bound: int | None = None,
-                 nccl: bool | None = None, **local_options):
+                 nccl: bool | None = None, deterministic: bool | None = None,
+                 **local_options):
         from ..distributed.agree import Agreement
         from ..distributed.transport import Transport, mpi
         MPI = mpi()
@@ -168,6 +172,11 @@ class DistKVStore(KVStore):
         if nccl is not None and not isinstance(nccl, bool):
             raise ArgumentKindError(f"nccl: expected True, False or None, got "
                                     f"{type(nccl).__name__}")
+        deterministic = deterministic_option(deterministic)
+        if deterministic and nccl:
+            raise ArgumentError("nccl=True with deterministic=True: NCCL's sums have no "
+                                "fixed order; a deterministic store sums between processes "
+                                "through MPI (leave nccl unset)")
         if servers and _SERVED:
             raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of this "
                                 f"job serve one store, made already; make one store with "
@@ -175,7 +184,8 @@ class DistKVStore(KVStore):
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
-            ("create", (name, servers, bound, _made[0])), f"gpukv.create({name!r})")
+            ("create", (name, servers, bound, deterministic, _made[0])),
+            f"gpukv.create({name!r})")
         _made[0] += 1
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -184,7 +194,7 @@ class DistKVStore(KVStore):
         # The ranks on this machine share its CPUs: each sums and copies with its share.
         share_cpus(local_size)
         transport = Transport(comm, timeout, local_size)
-        gpu = _nccl_gpu(name, servers, nccl, local_rank)
+        gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
         Agreement(transport, tags=_CREATE_TAGS).check(
             ("engine", ("nccl" if gpu is not None else "host",)),
             f"gpukv.create({name!r}): the path across processes")
@@ -201,12 +211,15 @@ class DistKVStore(KVStore):
             self._engine = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
             from ..distributed.sharded import ShardedRounds
-            self._engine = ShardedRounds(transport, Shard(), bound)
+            self._engine = ShardedRounds(transport, Shard(), bound, deterministic=deterministic)
         else:
             _SERVED.append(name)
-            self._engine = _serve_or_client(transport, servers, bound, name)
-        self._values = PinnedStore(local, gpu, **local_options)
-        self._grads = PinnedStore(local, gpu, **local_options)
+            self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
+        self._values = PinnedStore(local, gpu, deterministic=deterministic, **local_options)
+        self._grads = PinnedStore(local, gpu, deterministic=deterministic, **local_options)
+        #: the canonical order (gpukv._canonical) for every sum, here and between processes
+        self._deterministic = deterministic
+        self._partials: dict = {}  # key -> this process's node sums (deterministic)
         #: whether the engine works in `_values`' own arrays (else in host copies)
         self._in_place = local == "local" or gpu is not None
         self._host: dict = {}  # key -> this process's host copy of its value
@@ -238,6 +251,12 @@ class DistKVStore(KVStore):
     @property
     def strategy(self) -> str:
         return self._values.strategy
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every sum follows the canonical order: the same bits for any strategy,
+        split of devices over processes, number of servers or bucketing."""
+        return self._deterministic
 
     @property
     def nccl(self) -> bool:
@@ -339,7 +358,8 @@ class DistKVStore(KVStore):
             return
         if self._has_optimizer:
             self._engine.follow(self._optimizer_followed)
-        grads = self._local_sums(groups, entries)
+        grads = (self._node_sums(groups, entries) if self._deterministic
+                 else self._local_sums(groups, entries))
         replicas = [self._replica(k) for k in groups.keys]
         self._engine.push(groups.keys, grads, replicas)
         if self._engine.round_updates_replicas:
@@ -382,6 +402,30 @@ class DistKVStore(KVStore):
                 sums[i] = (entry.value if self._in_place
                            else entry.home.to_host(entry.value))
         return sums
+
+    def _node_sums(self, groups, entries) -> list:
+        """Each key's `Partials`: the sums of the canonical tree's nodes this worker holds
+        (its values are leaves rank * n .. rank * n + n - 1 of the key's tree), in the
+        key's wire dtype, on the host; a lone host array of the wire dtype is used as it
+        is."""
+        rank, workers = self.rank, self.num_workers
+        out = []
+        for key, arrays, entry in zip(groups.keys, groups.arrays, entries):
+            wire = accumulate_dtype(entry.value.dtype)
+            size = entry.value.size
+            a = arrays[0]
+            if (len(arrays) == 1 and isinstance(a, np.ndarray) and a.dtype == wire
+                    and a.flags.c_contiguous):
+                out.append(Partials(a.reshape(1, size), 1))
+                continue
+            ranges = rank_nodes(rank, len(arrays), workers)
+            buffer = self._partials.get(key)
+            if buffer is None or buffer.shape[0] != len(ranges):
+                buffer = self._partials[key] = np.empty((len(ranges), size), wire)
+            node_sums(key, arrays, groups.all_host, ranges, rank * len(arrays),
+                      buffer, entry.value.shape)
+            out.append(Partials(buffer, len(arrays)))
+        return out
 
     def _to_devices(self, keys, replicas) -> None:
         """After the engine wrote new values into host copies: onto the devices."""

@@ -77,6 +77,12 @@ class Trainer:
     lost. For gradient accumulation, wrap every backward pass of a step but the last in
     `no_sync()`.
 
+    deterministic: sum every gradient in the canonical order (see `gpukv.create`), so the
+    weights are the same bits for any strategy, devices per process, servers or
+    bucket_bytes; None: the store's default (GPUKV_DETERMINISTIC). With a store given as
+    kvstore it must match the store's. With update_on_kvstore=True, overlap stays off
+    (True is an ArgumentError): it would sum the replicas' gradients before the store.
+
     checkpoint_dir: a folder (shared by every process of a dist store) for numbered
     snapshots of the weights, the optimizer's state, `steps` and `user_state` (see
     `KVStore.snapshot`). A Trainer made with a folder that holds a complete snapshot
@@ -93,11 +99,11 @@ class Trainer:
                  compression_params=None, update_on_kvstore=True, *,
                  bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None,
                  checkpoint_dir=None, checkpoint_every: int | None = None,
-                 checkpoint_keep: int = 2):
+                 checkpoint_keep: int = 2, deterministic: bool | None = None):
         self._modules = _module_list(modules)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
-        self._kv = _make_store(kvstore)
+        self._kv = _make_store(kvstore, deterministic)
         self._update_on_kvstore = _check_flag("update_on_kvstore", update_on_kvstore)
         if overlap is not None:
             _check_flag("overlap", overlap)
@@ -523,9 +529,16 @@ class Trainer:
 
     # ---------------------------------------------------------------- overlap
     def _wants_overlap(self, overlap: bool | None) -> bool:
+        # With the optimizer on the store, an early reduction pushes this process's sum,
+        # one value where the canonical order needs each replica's own.
+        presums = self._update_on_kvstore and self._kv.deterministic
+        if overlap and presums:
+            raise ArgumentError("overlap=True with a deterministic store and "
+                                "update_on_kvstore=True: the early reduction would sum the "
+                                "replicas before the store; use update_on_kvstore=False")
         if overlap is not None:
             return overlap
-        return any(p.is_cuda for b in self._buckets for p in b.params[0])
+        return not presums and any(p.is_cuda for b in self._buckets for p in b.params[0])
 
     def _start_overlap(self) -> None:
         """Hooks that start the reductions early, into the store that runs no optimizer:
@@ -617,10 +630,14 @@ def _make_optimizer(optimizer, optimizer_params) -> Optimizer:
     return create_optimizer(optimizer, **(optimizer_params or {}))
 
 
-def _make_store(kvstore) -> KVStore:
+def _make_store(kvstore, deterministic: bool | None) -> KVStore:
     if isinstance(kvstore, KVStore):
+        if deterministic is not None and deterministic != kvstore.deterministic:
+            raise ArgumentError(f"deterministic={deterministic!r}: the store given as kvstore "
+                                f"was made with deterministic={kvstore.deterministic}; make "
+                                f"it with the option, or pass the store's name")
         return kvstore
     if not isinstance(kvstore, str):
         raise ArgumentKindError(f"kvstore: expected a store name or a gpukv.KVStore, got "
                                 f"{type(kvstore).__name__}")
-    return create(kvstore)
+    return create(kvstore, deterministic=deterministic)

@@ -1,0 +1,97 @@
+"""The same gradients through any layout: `mpiexec -n P python -m mpi4py digest.py N`.
+
+Eight gradients per key (magnitudes over six decades) are the leaves 0..7 of a
+deterministic store's sum; each of the store's workers pushes N of them (worker w: leaves
+w*N .. w*N + N - 1; N = 8 on one process), on the host or, with STORE=dist_device_sync,
+on its GPUs. Worker 0 prints `DIGEST <what> <sha1>` for the summed values (no updater),
+then for the values after three rounds of SGD with momentum. Run without MPI (plain
+`python digest.py 8 local|device`) it uses a one-process store instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+import gpukv
+
+LEAVES = 8
+#: name -> (dtype, shape): a key split over processes or servers (with the bound below),
+#: small keys packed together, and a 16-bit key summed in float32
+KEYS = {"big": ("float32", (512, 512)), "small": ("float32", (1000,)),
+        "tiny": ("float32", (3, 7)), "half": ("float16", (4096,))}
+BOUND = 100_000
+
+
+def leaves(name: str, rounds: int = 1) -> list:
+    """The 8 gradients of key `name` in round `rounds` - 1: normal values scaled by
+    10**u, u uniform in [-3, 3]."""
+    dtype, shape = KEYS[name]
+    rng = np.random.default_rng([sorted(KEYS).index(name), rounds])
+    out = []
+    for _ in range(LEAVES):
+        scale = 10.0 ** rng.uniform(-3, 3, size=shape)
+        value = rng.standard_normal(shape) * scale
+        if dtype == "float16":
+            value = value / 1e3  # inside float16's range, sums included
+        out.append(value.astype(dtype))
+    return out
+
+
+def digest(arrays: list) -> str:
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:12]
+
+
+def main() -> None:
+    per_worker = int(sys.argv[1])
+    store = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("STORE", "dist_sync")
+    options = {"bigarray_bound": BOUND} if store.startswith("dist") else {}
+    if len(sys.argv) > 3:
+        options["strategy"] = sys.argv[3]
+    # DIGEST_DEFAULT=1: the store's default order, to show that layouts differ there
+    deterministic = os.environ.get("DIGEST_DEFAULT") != "1"
+    kv = gpukv.create(store, deterministic=deterministic, **options)
+    rank = getattr(kv, "rank", 0)
+    names = sorted(KEYS)
+    place = _placer(store)
+    mine = slice(rank * per_worker, (rank + 1) * per_worker)
+    kv.init(names, [np.zeros(KEYS[n][1], KEYS[n][0]) for n in names])
+    kv.push(names, [[place(j, v) for j, v in enumerate(leaves(n)[mine])] for n in names])
+    outs = [np.empty(KEYS[n][1], KEYS[n][0]) for n in names]
+    kv.pull(names, out=outs)
+    if rank == 0:
+        print("DIGEST sum", digest(outs), flush=True)
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1, momentum=0.9))
+    for r in range(2, 5):
+        kv.push(names, [[place(j, v) for j, v in enumerate(leaves(n, r)[mine])]
+                        for n in names])
+    kv.pull(names, out=outs)
+    if rank == 0:
+        print("DIGEST sgd", digest(outs), flush=True)
+    print(f"PASS worker {rank} of {kv.num_workers}", flush=True)
+
+
+def _placer(store: str):
+    """Value j of this process: a NumPy array, or on GPU j (mod the GPUs) of a device
+    store when CuPy sees GPUs."""
+    if store not in ("dist_device_sync", "device"):
+        return lambda j, v: v
+    try:
+        import cupy
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy or no GPU: host values
+        return lambda j, v: v
+
+    def place(j, v):
+        with cupy.cuda.Device(j % gpus):
+            return cupy.asarray(v)
+    return place
+
+
+if __name__ == "__main__":
+    main()
