@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .._canonical import leaves_sum
 from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
 
@@ -274,55 +275,55 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     _POOL.run(_copy_range, chunks)
 
 
-def _tree_add(left, right, dst, spare: list, kwargs: dict, final: bool = False):
-    """(left + right, True): the sum of two stack entries ((array, whether it is a
-    temporary)) in a temporary of `dst`'s shape (one of the operands', else one from
-    `spare`), or in `dst` itself when `final` (then (dst, False)); the operands' other
-    temporaries go back to `spare`."""
-    if final:
-        target = dst
-    elif left[1]:
-        target = left[0]
-    elif right[1]:
-        target = right[0]
-    else:
-        target = spare.pop() if spare else np.empty(dst.shape, kwargs["dtype"])
-    np.add(left[0], right[0], target, **kwargs)
-    for array, temporary in (left, right):
-        if temporary and array is not target:
-            spare.append(array)
-    return (target, not final)
+_OUT = -1  # the plan's name for the out
 
 
-def _tree_range(out, sources, acc, block, lo, hi) -> None:
+def tree_plan(k: int) -> tuple[list, int]:
+    """([(target, left, right)], temporaries): the adds of the canonical tree over k
+    leaves (`gpukv._canonical`), in order. An operand >= 0 is leaf j, one < -1 is
+    temporary -2 - t; the last add's target is the out (`_OUT`), so the sum is written,
+    and rounded, once. A temporary is reused as soon as it is read: at most log2(k) live."""
+    ops: list = []
+    free: list = []
+    count = [0]
+
+    def add(x: int, y: int) -> int:
+        for v in (x, y):
+            if v < _OUT:
+                free.append(v)
+        if free:
+            target = free.pop()
+        else:
+            target = -2 - count[0]
+            count[0] += 1
+        ops.append((target, x, y))
+        return target
+
+    leaves_sum(list(range(k)), add)
+    if ops:
+        ops[-1] = (_OUT,) + ops[-1][1:]
+    return ops, count[0]
+
+
+def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
     """`out[lo:hi]` = the canonical tree sum of `sources[lo:hi]` (cut on axis 0), block
-    by block.
-
-    Per block, the binary-counter stack: leaf j is pushed, then merged with the top of
-    the stack once for every trailing zero bit of j + 1, so a pair is added exactly where
-    the tree (`gpukv._canonical`) adds it. The stack holds at most log2(k) + 1 partial
-    sums of one block each, kept in cache: memory sees k reads and one write."""
-    kwargs = {"dtype": acc, "casting": "unsafe"}
-    spare: list = []  # temporaries of dtype acc, of the current block's shape, not in use
+    by block, by the adds of `tree_plan`: the temporaries of one block stay in cache,
+    so memory sees k reads and one write."""
+    add = np.add
+    shape = (min(block, hi - lo),) + out.shape[1:]
+    scratch = [np.empty(shape, acc) for _ in range(temps)]
     for start in range(lo, hi, block):
         stop = min(start + block, hi)
+        slots = [t[:stop - start] for t in scratch]
         dst = out[start:stop]
-        if spare and spare[0].shape != dst.shape:
-            spare = []
-        stack: list = []  # (array, whether it is a temporary of dtype acc)
-        for j, s in enumerate(sources):
-            v = (s[start:stop], False)
-            m = j + 1
-            while not m & 1:
-                v = _tree_add(stack.pop(), v, dst, spare, kwargs)
-                m >>= 1
-            stack.append(v)
-        total = stack.pop()
-        if not stack:  # a power of two leaves: one partial sum, rounded into out
-            np.copyto(dst, total[0], casting="unsafe")
-            spare.append(total[0])
-        while stack:
-            total = _tree_add(stack.pop(), total, dst, spare, kwargs, final=not stack)
+        parts = [s[start:stop] for s in sources]
+        for target, x, y in ops:
+            add(parts[x] if x >= 0 else slots[-2 - x],
+                parts[y] if y >= 0 else slots[-2 - y],
+                dst if target == _OUT else slots[-2 - target], **kwargs)
+
+
+_PLANS: dict = {}  # leaves -> tree_plan(leaves)
 
 
 def host_tree_sum(out: np.ndarray, sources: list) -> None:
@@ -341,13 +342,20 @@ def host_tree_sum(out: np.ndarray, sources: list) -> None:
         host_broadcast(sources[0], [out])
         return
     acc = accumulate_dtype(out.dtype)
+    plan = _PLANS.get(len(sources))
+    if plan is None:
+        plan = _PLANS[len(sources)] = tree_plan(len(sources))
+    ops, temps = plan
+    kwargs = _SAME
+    if out.dtype is not acc or any(s.dtype is not acc for s in sources):
+        kwargs = {"dtype": acc, "casting": "unsafe"}
     if out.nbytes < BLOCKED_BYTES or not _contiguous(sources) or not out.flags.c_contiguous:
-        # one block: the whole arrays, as views with a leading axis of one
-        _tree_range(out[None], [s[None] for s in sources], acc, 1, 0, 1)
+        _tree_range(out[None], [s[None] for s in sources], ops, temps, acc, kwargs, 1, 0, 1)
         return
     flat_out = out.reshape(-1)
     flat = [s.reshape(-1) for s in sources]
-    block = max(1, BLOCK_BYTES // max(out.dtype.itemsize, acc.itemsize))
-    chunks = [(flat_out, flat, acc, block, lo, hi)
+    # the out's block and the live temporaries share what host_sum's block alone takes
+    block = max(1, BLOCK_BYTES // max(out.dtype.itemsize, acc.itemsize) // max(1, temps))
+    chunks = [(flat_out, flat, ops, temps, acc, kwargs, block, lo, hi)
               for lo, hi in _chunks(flat_out.size, out.dtype.itemsize, block)]
     _POOL.run(_tree_range, chunks)
