@@ -167,7 +167,8 @@ def strategy_info(on_gpu: bool) -> dict:
     """The strategy a GPU store uses by default, and what the names resolve to here."""
     from ..comm.registry import STRATEGIES, make_strategy
     env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
-    out = {"names": list(STRATEGIES), "env": env, "default": env or "auto"}
+    out = {"names": list(STRATEGIES), "env": env, "default": env or "auto",
+           "deterministic": os.environ.get("GPUKV_DETERMINISTIC", "").strip() == "1"}
     try:
         chosen = make_strategy(None, on_gpu=on_gpu)
         out["resolves_to"] = chosen.name
@@ -321,6 +322,10 @@ def render(info: dict) -> str:
                  + (f" -> {s['resolves_to']}" if s.get("resolves_to") else "")
                  + (f"; {s['note']}" if s.get("note") else ""))
     lines.append(f"strategies: {', '.join(s['names'])}")
+    lines.append("sum order: " + ("canonical, the same bits for every layout "
+                                  "(GPUKV_DETERMINISTIC=1)" if s.get("deterministic") else
+                                  "each strategy's own (deterministic=True or "
+                                  "GPUKV_DETERMINISTIC=1: the canonical order)"))
     c = info.get("calibration")
     if c:
         if c["in_use"]:
