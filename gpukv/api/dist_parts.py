@@ -166,6 +166,14 @@ def node_sums(key, arrays: list, all_host: bool, ranges: list, first: int,
         for (a, b), row in zip(ranges, out)])
 
 
+def leaf_values(arrays: list, dtype, out: np.ndarray) -> None:
+    """out[j] = `arrays[j]` as a compressor reads a pushed value: on the host, cast to
+    the key's `dtype` (as a push converts it), then to float32."""
+    for array, row in zip(arrays, out):
+        host = device_of(array).to_host(array)
+        row[...] = host.astype(dtype, copy=False).reshape(-1)
+
+
 class SavedState:
     """The optimizer state a dist store gathered, for `checkpoint.save_store`."""
 

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._canonical import rank_nodes
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..device import host_device
-from ..distributed.engine import Partials
-from .._canonical import rank_nodes
 from ..device.host_sum import accumulate_dtype, share_cpus
+from ..distributed.engine import Leaves, Partials
+from ..encoding.compression import compressible
 from . import check
-from .dist_parts import PinnedStore, SavedState, Shard, node_sums
+from .dist_parts import PinnedStore, SavedState, Shard, leaf_values, node_sums
 from .store import KVStore, deterministic_option
 
 if TYPE_CHECKING:
@@ -220,6 +221,7 @@ class DistKVStore(KVStore):
         #: the canonical order (gpukv._canonical) for every sum, here and between processes
         self._deterministic = deterministic
         self._partials: dict = {}  # key -> this process's node sums (deterministic)
+        self._leaves: dict = {}  # key -> its values as float32 leaves (compressed, too)
         #: whether the engine works in `_values`' own arrays (else in host copies)
         self._in_place = local == "local" or gpu is not None
         self._host: dict = {}  # key -> this process's host copy of its value
@@ -407,10 +409,14 @@ class DistKVStore(KVStore):
         """Each key's `Partials`: the sums of the canonical tree's nodes this worker holds
         (its values are leaves rank * n .. rank * n + n - 1 of the key's tree), in the
         key's wire dtype, on the host; a lone host array of the wire dtype is used as it
-        is."""
+        is. A key the engine compresses gets `Leaves` instead: each value on its own."""
         rank, workers = self.rank, self.num_workers
-        out = []
+        compressing = self._engine.compressor is not None
+        out: list = []
         for key, arrays, entry in zip(groups.keys, groups.arrays, entries):
+            if compressing and compressible(entry.value.dtype):
+                out.append(self._leaves_of(key, arrays, entry.value))
+                continue
             wire = accumulate_dtype(entry.value.dtype)
             size = entry.value.size
             a = arrays[0]
@@ -426,6 +432,20 @@ class DistKVStore(KVStore):
                       buffer, entry.value.shape)
             out.append(Partials(buffer, len(arrays)))
         return out
+
+    def _leaves_of(self, key, arrays, value) -> Leaves:
+        """A compressed key's `Leaves`: its values as the one-process compressor reads
+        them (cast to the key's dtype, then to float32), a row each; a lone float32 host
+        array of a float32 key is used as it is."""
+        a = arrays[0]
+        if (len(arrays) == 1 and isinstance(a, np.ndarray) and a.dtype == np.float32
+                and value.dtype == np.float32 and a.flags.c_contiguous):
+            return Leaves(a.reshape(1, value.size), 1)
+        buffer = self._leaves.get(key)
+        if buffer is None or buffer.shape[0] != len(arrays):
+            buffer = self._leaves[key] = np.empty((len(arrays), value.size), np.float32)
+        leaf_values(arrays, value.dtype, buffer)
+        return Leaves(buffer, len(arrays))
 
     def _to_devices(self, keys, replicas) -> None:
         """After the engine wrote new values into host copies: onto the devices."""

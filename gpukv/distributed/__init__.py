@@ -2,7 +2,7 @@
 precedes each collective call, key sharding, and the engines a dist store drives (the
 `Engine` they implement, the `Shard` they call back)."""
 from .agree import Agreement
-from .engine import Engine, Partials, Shard
+from .engine import Engine, Leaves, Partials, Shard
 from .transport import Transport
 
-__all__ = ["Agreement", "Engine", "Partials", "Shard", "Transport"]
+__all__ = ["Agreement", "Engine", "Leaves", "Partials", "Shard", "Transport"]

@@ -1,7 +1,8 @@
 """Sums between processes that continue the canonical tree (`gpukv._canonical`): the
 owner of a chunk gets every rank's node partials of it and merges them where the tree
-adds them, so the sum is the same bits whatever the layout that made the partials. And the
-checks of what a deterministic engine is given.
+adds them, so the sum is the same bits whatever the layout that made the partials; a key
+compressed on the wire comes as each leaf's payload, decoded and summed as one process
+does. And the checks of what a deterministic engine is given.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 
 from .._canonical import merge, merge_partial, rank_nodes
 from .._errors import ArgumentError
-from ..device.host_sum import accumulate_dtype
+from ..device.host_sum import accumulate_dtype, host_tree_sum
+from ..encoding.compression import Ctx
 
 
 def node_ranges(ranks: int, count: int) -> list:
@@ -46,17 +48,20 @@ def own_sum(rows: np.ndarray, nodes: list, total: int) -> np.ndarray:
     return out
 
 
-def check_partials(keys, grads, specs, rank: int, ranks: int) -> list:
-    """The count of values of each key's `engine.Partials` in `grads`, each checked
-    against its key's (elements, dtype) in `specs`: ArgumentError naming the key."""
+def check_partials(keys, grads, specs, rank: int, ranks: int, leaves=None) -> list:
+    """The count of values of each key's `engine.Partials` in `grads` (`engine.Leaves`
+    where `leaves[i]` is true: a key compressed on the wire), each checked against its
+    key's (elements, dtype) in `specs`: ArgumentError naming the key."""
     counts = []
-    for key, grad, (size, dtype) in zip(keys, grads, specs):
-        sums, count = getattr(grad, "sums", None), getattr(grad, "count", None)
-        if not isinstance(sums, np.ndarray) or isinstance(count, bool) or not isinstance(
-                count, (int, np.integer)) or count < 1:
+    for i, (key, grad, (size, dtype)) in enumerate(zip(keys, grads, specs)):
+        if leaves is not None and leaves[i]:
+            counts.append(_leaves_count(key, grad, size))
+            continue
+        sums, count = getattr(grad, "sums", None), _count(grad)
+        if not isinstance(sums, np.ndarray) or count is None:
             raise ArgumentError(f"key {key!r}: a deterministic engine takes Partials(sums, "
                                 f"count >= 1), got {type(grad).__name__}")
-        rows = len(rank_nodes(rank, int(count), ranks))
+        rows = len(rank_nodes(rank, count, ranks))
         wire = accumulate_dtype(np.dtype(dtype))
         if sums.shape != (rows, size) or sums.dtype != wire or not sums.flags.c_contiguous:
             raise ArgumentError(
@@ -64,15 +69,47 @@ def check_partials(keys, grads, specs, rank: int, ranks: int) -> list:
                 f"are a C-contiguous {wire.name} array of shape {(rows, size)}, got "
                 f"{sums.dtype.name} {sums.shape}"
                 f"{'' if sums.flags.c_contiguous else ' (not contiguous)'}")
-        counts.append(int(count))
+        counts.append(count)
     return counts
 
 
-def refuse_compression(compressor, deterministic: bool) -> None:
-    """ArgumentError for compression on the wire of a deterministic engine: the decoded
-    payloads would be summed outside the canonical tree."""
-    if compressor is not None and deterministic:
-        raise ArgumentError(f"gradient compression {compressor.params()}: a deterministic "
-                            f"store sums every key in the canonical order, which the "
-                            f"compressed rounds do not follow yet; set no compression, or "
-                            f"create the store with deterministic=False")
+def _count(grad) -> int | None:
+    """`grad.count` as an int when it is one >= 1 (not a bool), else None."""
+    count = getattr(grad, "count", None)
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        return None
+    return int(count)
+
+
+def _leaves_count(key, grad, size: int) -> int:
+    """The count of a compressed key's `engine.Leaves`, checked (ArgumentError naming it)."""
+    values, count = getattr(grad, "values", None), _count(grad)
+    if not isinstance(values, np.ndarray) or count is None:
+        raise ArgumentError(f"key {key!r}: a deterministic engine compressing it takes "
+                            f"Leaves(values, count >= 1), got {type(grad).__name__}")
+    if (values.shape != (count, size) or values.dtype != np.float32
+            or not values.flags.c_contiguous):
+        raise ArgumentError(
+            f"key {key!r}: the leaves of {count} value(s) are a C-contiguous float32 array "
+            f"of shape {(count, size)}, got {values.dtype.name} {values.shape}"
+            f"{'' if values.flags.c_contiguous else ' (not contiguous)'}")
+    return count
+
+
+def decode_leaves(comp, payloads, n: int, terms: np.ndarray) -> None:
+    """terms[i] = the term one process sums for leaf payload i (`n` elements): its
+    decoded float32 value, or, for a compressor that sums payloads, the payload itself
+    in float32 (a 16-bit float is a float32 exactly)."""
+    for payload, row in zip(payloads, terms):
+        if comp.sums_payload:
+            row[...] = payload
+        else:
+            comp.decompress(payload, Ctx(n, (n,)), row)
+
+
+def sum_leaves(comp, terms: np.ndarray, out: np.ndarray) -> None:
+    """`out` (float32) becomes one process's sum of the decoded leaves `terms` (a row
+    per leaf, every leaf of the key in order): their canonical tree sum, then the
+    compressor's `finish` (the pre_divide scale of summed fp16 payloads)."""
+    host_tree_sum(out, list(terms))
+    comp.finish(out)

@@ -3,7 +3,9 @@ on the worker ranks. It sends each piece of a key to its server (see `server` fo
 servers do with them) and waits, each wait bounded, for their replies; a failure a server
 reports ends the wait at once. A deterministic client sends each piece's node partials of
 the canonical tree (`engine.Partials`), a row each, and their count: the server merges
-them as the tree does.
+them as the tree does. A key it compresses goes as each of its values' payloads (of
+`engine.Leaves`, each compressed with its own residual), a row each, and their count:
+the server decodes and sums every worker's leaves as one process does.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ..encoding.compression import Compressor, compressible
 from .agree import Agreement, from_rank0, refuse_split
-from .canonical_sum import check_partials, refuse_compression
+from .canonical_sum import check_partials
 from .chunks import chunk_bytes, chunk_ranges
 from .sharding import pieces
 from .state import cut, merge
@@ -180,9 +182,11 @@ class ServerClient:
     def push(self, keys, grads, replicas) -> None:
         counts = None
         if self.deterministic:  # checked whole before anything moves
-            counts = check_partials(keys, grads, [
-                (int(np.prod(shape)), dtype) for _, shape, dtype in
-                (self.layouts[k] for k in keys)], self.rank, self.num_workers)
+            specs = [self.layouts[k][1:] for k in keys]
+            counts = check_partials(keys, grads, [(int(np.prod(shape)), dtype)
+                                                  for shape, dtype in specs],
+                                    self.rank, self.num_workers,
+                                    [self._compresses(dtype) for _, dtype in specs])
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
@@ -197,7 +201,7 @@ class ServerClient:
                 entries, data = by_server[p.server]
                 piece = flat[p.start:p.stop]
                 comp = None
-                if self.compressor is not None and compressible(dtype):
+                if self._compresses(dtype):
                     piece, comp = self._compress(key, p, piece)
                 entries.append((key, comp))
                 data.append(np.ascontiguousarray(piece))
@@ -210,12 +214,20 @@ class ServerClient:
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _push_partials(self, keys, grads, counts: list) -> None:
-        """Send each piece's rows of this worker's node partials, and their `counts` (the
-        servers check every worker pushed the same)."""
+        """Send each piece's rows of this worker's node partials (or of its leaves'
+        payloads, for a key it compresses), and their `counts` (the servers check every
+        worker pushed the same)."""
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad, count in zip(keys, grads, counts):
-            for p in self.layouts[key][0]:
+            layout, _, dtype = self.layouts[key]
+            for p in layout:
                 entries, data = by_server[p.server]
+                if self._compresses(dtype):
+                    rows = [self._compress(key, p, grad.values[j, p.start:p.stop], j)
+                            for j in range(count)]
+                    entries.append((key, rows[0][1], count))
+                    data.append(np.stack([payload for payload, _ in rows]))
+                    continue
                 entries.append((key, None, count))
                 data.append(grad.sums[:, p.start:p.stop])  # rows cross one by one
             self.pushes[key] += 1
@@ -226,11 +238,18 @@ class ServerClient:
             requests += self._request(server, "push", body, in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
-    def _compress(self, key, piece, grad):
+    def _compresses(self, dtype) -> bool:
+        """Whether a key of `dtype` is compressed on the wire."""
+        return self.compressor is not None and compressible(dtype)
+
+    def _compress(self, key, piece, grad, leaf: int | None = None):
+        """(payload, (params, elements)) of one piece of a key (of its `leaf`-th value,
+        whose residual is its own, in a deterministic push)."""
         comp = self.compressor
+        assert comp is not None  # only a key it compresses comes here
         residual = None
         if comp.uses_residual:
-            slot = (key, piece.start)
+            slot = (key, piece.start) if leaf is None else (key, piece.start, leaf)
             residual = self.residuals.get(slot)
             if residual is None:
                 residual = self.residuals[slot] = np.zeros(grad.size, np.float32)
@@ -305,7 +324,6 @@ class ServerClient:
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:
-        refuse_compression(compressor, self.deterministic)
         self.compressor = compressor
         self.residuals = {}
 

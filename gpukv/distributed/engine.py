@@ -30,6 +30,15 @@ class Partials(NamedTuple):
     count: int  # type: ignore[assignment]
 
 
+class Leaves(NamedTuple):
+    """A worker's values of a key compressed on the wire, in a deterministic store: each
+    value is its own leaf of the canonical tree, compressed on its own (with its own
+    residual) and decoded where the key is served, as one process decodes each source."""
+    values: np.ndarray  # (count, elements of the key) float32, C-contiguous: row j is the
+    #                     worker's j-th value, cast to the key's dtype, then to float32
+    count: int  # type: ignore[assignment]  # the values this worker pushed for the key
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What a dist store calls on its engine. `keys` are in the store's order; `replicas`
@@ -71,7 +80,8 @@ class Engine(Protocol):
     def push(self, keys: list, grads: list, replicas: list) -> None:
         """Send this worker's summed `grads` of `keys`; their sum over workers updates them.
         An engine made deterministic gets a `Partials` per key instead, and continues
-        the canonical tree from them."""
+        the canonical tree from them; with a compressor, `Leaves` for each key of a
+        floating-point dtype (the keys it compresses)."""
         ...
 
     def pull(self, keys: list, replicas: list) -> None:

@@ -18,6 +18,9 @@ tells every worker which ones.
 A deterministic worker sends its node partials of the canonical tree (`engine.Partials`)
 and their count instead: the server checks every worker pushed the same count and merges
 each chunk's partials as the tree does (`canonical_sum`), in place of the worker-order sum.
+A key it compresses comes as its values' payloads, a row each (the leaves of the tree):
+once every worker's are in, the server decodes them all and sums them as one process
+sums its sources' (`canonical_sum.sum_leaves`), then updates.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from .._canonical import rank_nodes
 from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ..device.host_sum import accumulate_dtype, host_sum
 from ..encoding.compression import make_compressor
-from .canonical_sum import merge_into, own_sum
+from .canonical_sum import decode_leaves, merge_into, own_sum, sum_leaves
 from .chunks import chunk_bytes, chunk_ranges
 from .engine import Shard
 from .state import mark_starts
@@ -46,8 +49,9 @@ class _Incoming:
     def __init__(self, buffer: np.ndarray, comp, chunk: int, count=None, nodes=None):
         self.buffer = buffer
         self.comp = comp               # (compressor params, size) of a compressed payload
-        self.count = count             # the values of a push of node partials, else None
-        self.nodes = nodes             # and the worker's nodes, one per row
+        self.count = count             # the values of a push of node partials (or of
+        #                                leaves' payloads, when compressed), else None
+        self.nodes = nodes             # and the worker's nodes (or leaves), one per row
         self.rows = len(nodes) if nodes else 1
         self.ranges = chunk_ranges(buffer.size // self.rows, buffer.itemsize, chunk)
         self.arrived = [0] * len(self.ranges)  # rows in, per chunk
@@ -72,6 +76,7 @@ class _Key:
         self.queues: list = [collections.deque() for _ in range(workers)]
         self.summed = 0                # chunks of the oldest round summed so far
         self.merged = None             # where chunks are summed when an updater runs
+        self.leaf_sum = None           # where compressed leaves are summed (float32)
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
 
@@ -207,8 +212,13 @@ class _Server:
         incomings = []
         for entry, (key, dtype, n) in zip(body["keys"], body["data"]):
             count = entry[2] if len(entry) > 2 else None
-            nodes = None if count is None else rank_nodes(source - self.servers, count,
-                                                          self.workers)
+            worker = source - self.servers
+            if count is None:
+                nodes = None
+            elif entry[1] is None:
+                nodes = rank_nodes(worker, count, self.workers)
+            else:  # compressed: every value's payload is a leaf of its own
+                nodes = [(worker * count + j, worker * count + j + 1) for j in range(count)]
             rows = len(nodes) if nodes else 1
             incoming = _Incoming(self.buffer(np.dtype(dtype), n * rows), entry[1],
                                  self.chunk, count, nodes)
@@ -296,19 +306,51 @@ class _Server:
             if state.since is None:
                 state.since = time.monotonic()
 
-    def decode(self, comp, payload) -> np.ndarray:
-        params, size = comp
+    def compressor(self, params):
+        """The compressor of `params` (a worker's, sorted items)."""
         compressor = self.compressors.get(params)
         if compressor is None:
             compressor = self.compressors[params] = make_compressor(dict(params))
         assert compressor is not None  # the params of a compressor at work
+        return compressor
+
+    def decode(self, comp, payload) -> np.ndarray:
+        params, size = comp
         from ..encoding.compression import Ctx
-        return compressor.decompress(payload, Ctx(size, (size,)),
-                                     self.buffer(np.dtype(np.float32), size))
+        return self.compressor(params).decompress(payload, Ctx(size, (size,)),
+                                                  self.buffer(np.dtype(np.float32), size))
+
+    def leaf_terms(self, heads: list) -> np.ndarray:
+        """The decoded leaves of pushes of payloads `heads` (the leaves in order), a row
+        each, as one process sums them (see `canonical_sum.decode_leaves`)."""
+        params, size = heads[0].comp
+        terms = np.empty((sum(h.rows for h in heads), size), np.float32)
+        payloads = [row for h in heads for row in h.buffer.reshape(h.rows, -1)]
+        decode_leaves(self.compressor(params), payloads, size, terms)
+        return terms
+
+    def sum_leaves(self, key, state, heads: list) -> None:
+        """A round of every worker's leaves' payloads: decoded and summed as one process
+        does, then the update (or the assignment)."""
+        same_compression(key, heads)
+        stored = self.shard.stored(key)
+        if state.leaf_sum is None:
+            state.leaf_sum = np.empty(stored.size, np.float32)
+        sum_leaves(self.compressor(heads[0].comp[0]), self.leaf_terms(heads), state.leaf_sum)
+        self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
+        state.version += 1
+        self.release([h.buffer for h in heads])
 
     def whole(self, incoming: _Incoming) -> np.ndarray:
         """The gradient a complete push carries (decompressed if it was compressed, its
-        node partials merged if it has several)."""
+        node partials merged if it has several, its leaves decoded and summed over
+        the nodes they make alone)."""
+        if incoming.comp is not None and incoming.nodes is not None:
+            terms = self.leaf_terms([incoming])
+            grad = own_sum(terms, incoming.nodes, incoming.count * self.workers)
+            self.compressor(incoming.comp[0]).finish(grad)
+            self.release([incoming.buffer])
+            return grad
         if incoming.nodes is not None and incoming.rows > 1:
             rows = incoming.buffer.reshape(incoming.rows, -1)
             grad = own_sum(rows, incoming.nodes, incoming.count * self.workers)
@@ -337,6 +379,9 @@ class _Server:
             if any(h.comp is not None for h in heads):
                 if not all(h.complete for h in heads):
                     break
+                if heads[0].count is not None:  # leaves' payloads, in the canonical order
+                    self.sum_leaves(key, state, [q.popleft() for q in queues])
+                    continue
                 self.apply(key, state, [self.whole(q.popleft()) for q in queues])
             elif self.sum_chunks(key, state, heads):
                 for q in queues:
@@ -530,6 +575,22 @@ def same_counts(key, heads: list) -> None:
                         f"{count} value(s)") for count, ws in by_count.items())
     raise PeerMismatchError(f"push of key {key!r}: workers pushed different numbers of "
                             f"values, where the canonical order needs the same: {told}")
+
+
+def same_compression(key, heads: list) -> None:
+    """PeerMismatchError unless every worker compressed `key` alike in the round of
+    `heads` (pushes of leaves' payloads)."""
+    kinds = [None if h.comp is None else dict(h.comp[0]) for h in heads]
+    if all(k == kinds[0] for k in kinds):
+        return
+    by_kind: dict = {}
+    for w, kind in enumerate(kinds):
+        by_kind.setdefault(repr(kind), []).append(w)
+    told = "; ".join(f"worker(s) {', '.join(map(str, ws))}: "
+                     + ("no compression" if kind == "None" else kind)
+                     for kind, ws in by_kind.items())
+    raise PeerMismatchError(f"push of key {key!r}: workers compressed it differently: "
+                            f"{told}")
 
 
 def serve(transport: Transport, servers: int, shard: Shard, asynchronous: bool) -> None:

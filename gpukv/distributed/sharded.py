@@ -26,7 +26,7 @@ from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import Compressor, Ctx, compressible
 from . import exchange
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
-from .canonical_sum import check_partials, node_ranges, refuse_compression
+from .canonical_sum import check_partials, decode_leaves, node_ranges, sum_leaves
 from .engine import Shard
 from .sharding import pieces
 from .state import cut, mark_starts, merge
@@ -93,9 +93,12 @@ class _Exchanged(NamedTuple):
 
 
 class _CanonicalPlan(NamedTuple):
-    """A round of a deterministic engine: every sum goes through the exchange."""
+    """A round of a deterministic engine: every sum goes through the exchange, but those
+    of the keys compressed on the wire (their leaves' payloads go to the owners)."""
     sums: list         # _Exchanged
-    gather: _Gather | None  # with an updater: the all-gather of the new values
+    compressed: list   # (key, layout, count) of the keys compressed on the wire
+    gather: _Gather | None  # with an updater or compressed keys: the all-gather of the
+    #                         new values (of every key, or of the compressed ones)
 
 
 #: keys of at least this many bytes (and no narrow type) are summed on their own
@@ -200,10 +203,12 @@ class ShardedRounds:
         replicas = [replicas[i] for i in order]
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
         what = f"push of key {keys[0]!r}{more}"
-        counts = (check_partials(keys, grads, [(r.size, r.dtype) for r in replicas],
-                                 self.t.rank, self.t.size) if self.deterministic else None)
-        self.flush(what)
         comp = self.compressor
+        counts = (check_partials(keys, grads, [(r.size, r.dtype) for r in replicas],
+                                 self.t.rank, self.t.size,
+                                 [comp is not None and compressible(r.dtype) for r in replicas])
+                  if self.deterministic else None)
+        self.flush(what)
         wire = None if comp is None else tuple(sorted(comp.params().items()))
         # Every process must round alike: the same compression, updater or not, and the
         # same optimizer options (each process runs its own on its shard).
@@ -239,12 +244,15 @@ class ShardedRounds:
 
     def canonical_round(self, keys, counts: tuple, by_key: dict, what: str) -> None:
         """A push round of a deterministic engine once agreed on: `by_key` maps each key
-        (in canonical order) to (this process's Partials, its copy of the value); every
-        sum is the exchange's merge of the ranks' node partials."""
-        plan = self._rounds.get((keys, counts, "canonical"))
+        (in canonical order) to (this process's Partials, or Leaves of a key compressed
+        on the wire, and its copy of the value); every sum is the exchange's merge of the
+        ranks' node partials, or the owner's of every leaf's decoded payload."""
+        comp = self.compressor
+        wire = None if comp is None else tuple(sorted(comp.params().items()))
+        plan = self._rounds.get((keys, counts, wire, "canonical"))
         if plan is None:
             plan = self._canonical_plan(keys, counts)
-            self._rounds[keys, counts, "canonical"] = plan
+            self._rounds[keys, counts, wire, "canonical"] = plan
         splits = []
         for item in plan.sums:
             send = item.send
@@ -256,16 +264,21 @@ class ShardedRounds:
             out = item.out if item.out is not None else by_key[item.keys[0][0]][1].reshape(-1)
             splits.append(exchange.Split(send, out, item.counts, item.starts, item.scratch,
                                          item.tree))
-        if plan.gather is None:  # no updater: the sums are the new values
-            exchange.allreduce(self.t, splits, f"{what}: allreduce")
+        merged = self._exchange_leaves(plan.compressed, by_key, what)
+        if self._assigns:  # no updater: the sums are the new values
+            if splits:
+                exchange.allreduce(self.t, splits, f"{what}: allreduce")
             for item in plan.sums:
                 if item.out is not None:  # the key's dtype, rounded once
                     for key, offset, n in item.keys:
                         by_key[key][1].reshape(-1)[...] = item.out[offset:offset + n]
+            if plan.gather is not None:  # the compressed keys: assigned, then gathered
+                self.update(merged, what)
+                self._all_gather(plan.gather, by_key, what)
             return
-        exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
+        if splits:
+            exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
         rank = self.t.rank
-        merged = []
         for item in plan.sums:
             assert item.out is not None
             start, stop = item.starts[rank], item.starts[rank] + item.counts[rank]
@@ -278,17 +291,23 @@ class ShardedRounds:
                     merged.append((key, item.out[offset - start:offset - start + n]
                                    .reshape(layout.shape)))
         self.update(merged, what)
+        assert plan.gather is not None  # an updater's round gathers every key
         self._all_gather(plan.gather, by_key, what)
 
     def _canonical_plan(self, keys, counts: tuple) -> _CanonicalPlan:
         """Every key's sum through the exchange: a split key in its pieces; without an
         updater, a key summed alone split evenly; the small keys of one wire dtype and
-        count packed, each in the piece of its owner."""
+        count packed, each in the piece of its owner. Keys compressed on the wire go
+        their own way (`_exchange_leaves`), in their pieces."""
         rank, size = self.t.rank, self.t.size
-        sums, small = [], []
+        sums, small, compressed = [], [], []
+        comp = self.compressor
         for key, count in zip(keys, counts):
             layout = self.layouts[key]
             n, wire = layout_size(layout), layout.wire
+            if comp is not None and compressible(layout.dtype):
+                compressed.append((key, layout, count))
+                continue
             if layout.split:
                 per, starts = _per_rank(layout, size)
             elif self._assigns and self._alone(key):
@@ -314,7 +333,9 @@ class ShardedRounds:
                                    exchange.tree_scratch(per, rank, tree, wire),
                                    np.empty((len(tree.nodes[rank]), offset), wire),
                                    np.empty(offset if self._assigns else per[rank], wire)))
-        return _CanonicalPlan(sums, None if self._assigns else self._gather_plan(keys))
+        gathered = [k for k, _, _ in compressed] if self._assigns else keys
+        return _CanonicalPlan(sums, compressed,
+                              self._gather_plan(gathered) if gathered else None)
 
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
@@ -515,6 +536,54 @@ class ShardedRounds:
             offset += nbytes
         return merged
 
+    def _exchange_leaves(self, compressed: list, by_key: dict, what: str) -> list:
+        """The keys compressed on the wire of a deterministic round: each process
+        compresses each of its leaves' pieces on its own (with the leaf's own residual),
+        one all-to-all moves every payload to the piece's owner, and each owner decodes
+        the payloads of every leaf and sums them as one process does (`sum_leaves`);
+        (key, float32 sum) of the pieces owned here."""
+        if not compressed:
+            return []
+        comp, rank, size = self.compressor, self.t.rank, self.t.size
+        assert comp is not None  # the plan has compressed keys
+        outgoing: list = [[] for _ in range(size)]
+        mine = []
+        for key, layout, count in compressed:
+            values = by_key[key][0].values
+            for p in layout.pieces:
+                for j in range(count):
+                    payload, _ = comp.compress(values[j, p.start:p.stop],
+                                               self._residual(key, p, j))
+                    outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
+                if p.server == rank:
+                    mine.append((key, layout, p, count))
+        send_counts = [sum(b.size for b in out) for out in outgoing]
+        send = np.concatenate([b for out in outgoing for b in out])
+        formats = [self._payload_format(p.stop - p.start) for _, _, p, _ in mine]
+        per_source = sum(nbytes * count for (_, nbytes), (*_, count) in zip(formats, mine))
+        recv = self._scratch("leaf payloads", np.uint8, per_source * size)
+        BYTE = self.t.MPI.BYTE
+        request = self.t.comm.Ialltoallv(
+            [send, send_counts, _displacements(send_counts), BYTE],
+            [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
+        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        merged, offset = [], 0
+        for (key, layout, p, count), (dtype, nbytes) in zip(mine, formats):
+            n = p.stop - p.start
+            payloads = []  # every leaf's, in the tree's order: source-major, then j
+            for source in range(size):
+                first = source * per_source + offset
+                payloads += [recv[first + j * nbytes:first + (j + 1) * nbytes].view(dtype)
+                             for j in range(count)]
+            terms = self._scratch(("terms", key, p.start), np.float32, size * count * n)
+            terms = terms.reshape(size * count, n)
+            decode_leaves(comp, payloads, n, terms)
+            total = self._scratch((key, p.start), np.float32, n)
+            sum_leaves(comp, terms, total)
+            merged.append((key, total if layout.split else total.reshape(layout.shape)))
+            offset += count * nbytes
+        return merged
+
     def _scratch(self, name, dtype, n: int) -> np.ndarray:
         """A buffer kept from round to round (a new one would fault in every page)."""
         buf = self._buffers.get(name)
@@ -522,12 +591,13 @@ class ShardedRounds:
             buf = self._buffers[name] = np.empty(n, dtype)
         return buf
 
-    def _residual(self, key, piece):
-        """The error-feedback residual of this process for one piece of a key."""
+    def _residual(self, key, piece, leaf: int | None = None):
+        """The error-feedback residual of this process for one piece of a key (of its
+        `leaf`-th value, in a deterministic round: each value has its own)."""
         assert self.compressor is not None
         if not self.compressor.uses_residual:
             return None
-        slot = (key, piece.start)
+        slot = (key, piece.start) if leaf is None else (key, piece.start, leaf)
         residual = self._residuals.get(slot)
         if residual is None:
             residual = self._residuals[slot] = np.zeros(piece.stop - piece.start, np.float32)
@@ -546,7 +616,6 @@ class ShardedRounds:
     def set_compression(self, compressor) -> None:
         """Compress on the wire from now on (every process must set the same: a push
         of processes that differ fails as a mismatch)."""
-        refuse_compression(compressor, self.deterministic)
         self.compressor = compressor
         self._residuals = {}
         self._formats = {}

@@ -12,9 +12,8 @@ more leaves (several node partials per worker). Scenarios:
   rounded once into the key's dtype. Prints `PASS worker R of W`.
 - `default`: the engines as they are by default, each worker pushing the sum of its own
   leaves; prints `DIGESTS worker R of W: key=ok|differs ...` against that tree sum.
-- `counts`: a deterministic engine refuses compression on the wire (prints `REFUSED
-  <error> on worker R: <message>`), then worker 1 pushes one value less of a key than
-  the others; prints `CAUGHT <error> on worker R: <message>`.
+- `counts`: worker 1 pushes one value less of a key than the others; prints `CAUGHT
+  <error> on worker R: <message>`.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ from gpukv.distributed import Partials, Transport, exchange
 from gpukv.distributed.client import ServerClient
 from gpukv.distributed.server import serve
 from gpukv.distributed.sharded import ShardedRounds
-from gpukv.encoding.compression import make_compressor
 
 LEAVES, ELEMENTS, BOUND, TIMEOUT = 8, 256 * 1024, 100_000, 30.0
 #: key -> (elements, dtype, values each worker pushes: "even" 8 / workers, or 3)
@@ -170,11 +168,6 @@ def counts(world, servers: int) -> None:
     key = "odd_small"
     replica = np.zeros(KEYS[key][0], KEYS[key][1])
     engine.init([key], [replica])
-    try:
-        engine.set_compression(make_compressor({"type": "2bit", "threshold": 0.5}))
-    except gpukv.ArgumentError as exc:
-        print(f"REFUSED {type(exc).__name__} on worker {rank}: {exc}", flush=True)
-    assert engine.compressor is None
     try:
         engine.push([key], [partials(key, rank, workers, data, 2 if rank == 1 else 3)],
                     [replica])

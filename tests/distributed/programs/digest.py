@@ -6,6 +6,11 @@ w*N .. w*N + N - 1; N = 8 on one process), on the host or, with STORE=dist_devic
 on its GPUs. Worker 0 prints `DIGEST <what> <sha1>` for the summed values (no updater),
 then for the values after three rounds of SGD with momentum. Run without MPI (plain
 `python digest.py 8 local|device`) it uses a one-process store instead.
+
+With DIGEST_COMPRESS=1 the pushes are compressed (a one-process store: 'device'), in
+phases of three rounds each (see `PHASES`): fp16 with a pre_divide, then 2-bit, without
+an updater; then, with SGD, 2-bit on (its residuals carried over) and fp16 again. Worker
+0 prints `DIGEST <phase> <sha1>` after each phase.
 """
 from __future__ import annotations
 
@@ -23,6 +28,12 @@ LEAVES = 8
 KEYS = {"big": ("float32", (512, 512)), "small": ("float32", (1000,)),
         "tiny": ("float32", (3, 7)), "half": ("float16", (4096,))}
 BOUND = 100_000
+#: (name, compression, whether SGD runs): three rounds each, in order; the compression is
+#: set only when it changes (setting it starts fresh residuals)
+FP16 = {"type": "fp16", "pre_divide": 3.0}
+TWO_BIT = {"type": "2bit", "threshold": 0.5}
+PHASES = [("fp16_sum", FP16, False), ("twobit_sum", TWO_BIT, False),
+          ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True)]
 
 
 def leaves(name: str, rounds: int = 1) -> list:
@@ -47,6 +58,12 @@ def digest(arrays: list) -> str:
     return h.hexdigest()[:12]
 
 
+def say(line: str) -> None:
+    """Print `line` in one write: the lines of several ranks share one pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     per_worker = int(sys.argv[1])
     store = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("STORE", "dist_sync")
@@ -61,19 +78,43 @@ def main() -> None:
     place = _placer(store)
     mine = slice(rank * per_worker, (rank + 1) * per_worker)
     kv.init(names, [np.zeros(KEYS[n][1], KEYS[n][0]) for n in names])
+    if os.environ.get("DIGEST_COMPRESS") == "1":
+        compressed(kv, names, place, mine)
+        say(f"PASS worker {rank} of {kv.num_workers}")
+        return
     kv.push(names, [[place(j, v) for j, v in enumerate(leaves(n)[mine])] for n in names])
     outs = [np.empty(KEYS[n][1], KEYS[n][0]) for n in names]
     kv.pull(names, out=outs)
     if rank == 0:
-        print("DIGEST sum", digest(outs), flush=True)
+        say(f"DIGEST sum {digest(outs)}")
     kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1, momentum=0.9))
     for r in range(2, 5):
         kv.push(names, [[place(j, v) for j, v in enumerate(leaves(n, r)[mine])]
                         for n in names])
     kv.pull(names, out=outs)
     if rank == 0:
-        print("DIGEST sgd", digest(outs), flush=True)
-    print(f"PASS worker {rank} of {kv.num_workers}", flush=True)
+        say(f"DIGEST sgd {digest(outs)}")
+    say(f"PASS worker {rank} of {kv.num_workers}")
+
+
+def compressed(kv, names: list, place, mine: slice) -> None:
+    """The phases of `PHASES`, each three rounds of this worker's leaves, compressed."""
+    rank = getattr(kv, "rank", 0)
+    outs = [np.empty(KEYS[n][1], KEYS[n][0]) for n in names]
+    current, optimized = None, False
+    for phase, (what, compression, sgd) in enumerate(PHASES):
+        if compression is not current:
+            kv.set_gradient_compression(compression)
+            current = compression
+        if sgd and not optimized:
+            kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1, momentum=0.9))
+            optimized = True
+        for r in range(10 * phase, 10 * phase + 3):
+            kv.push(names, [[place(j, v) for j, v in enumerate(leaves(n, r)[mine])]
+                            for n in names])
+        kv.pull(names, out=outs)
+        if rank == 0:
+            say(f"DIGEST {what} {digest(outs)}")
 
 
 def _placer(store: str):

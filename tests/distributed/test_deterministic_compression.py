@@ -1,0 +1,63 @@
+"""Gradient compression in deterministic dist stores: each value a worker pushes is a
+leaf compressed on its own (its own residual), and whoever sums decodes every leaf's
+payload and sums them as one process does, so 8 values split over 2, 4 or 8 workers,
+with 0 or 1 server, give the bits of one process given all 8 (programs/digest.py with
+DIGEST_COMPRESS=1: fp16 with a pre_divide and 2-bit, three rounds each, with and without
+SGD)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .. import gpu_env
+from .mpirun import PROGRAMS, ok, run
+
+pytestmark = pytest.mark.mpi
+
+PHASES = ["fp16_sum", "twobit_sum", "twobit_sgd", "fp16_sgd"]
+
+
+def _digests(out: str) -> dict:
+    return dict(re.findall(r"DIGEST (\w+) ([0-9a-f]{12})", out))
+
+
+def _env(gpus: bool = False) -> dict:
+    env = gpu_env.subprocess_env(gpus=gpus)
+    env["DIGEST_COMPRESS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The digests of the one-process deterministic 'device' store given all 8 leaves."""
+    result = subprocess.run([sys.executable, str(PROGRAMS / "digest.py"), "8", "device"],
+                            capture_output=True, text=True, timeout=120, env=_env())
+    assert result.returncode == 0, result.stderr
+    found = _digests(result.stdout)
+    assert sorted(found) == sorted(PHASES), result.stdout
+    return found
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 0), (4, 0), (8, 0), (2, 1)],
+                         ids=lambda v: str(v))
+def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, servers):
+    """8 host gradients on 8 // workers per worker, compressed (fp16 with pre_divide 3,
+    2-bit with threshold 0.5, residuals carried over rounds), without an updater and with
+    SGD: every phase's values are the bits of one process."""
+    env = _env()
+    env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync")
+    out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=240))
+    assert _digests(out) == one_process, out
+
+
+@pytest.mark.gpu
+def test_gpu_values_give_the_bits_of_one_process(one_process):
+    """dist_device_sync with each worker's 4 values on its (emulated) GPUs, compressed:
+    the host's one-process bits."""
+    env = _env(gpus=True)
+    env.update(GPUKV_NUM_SERVERS="0", STORE="dist_device_sync")
+    out = ok(run("digest.py", 2, "4", env=env, timeout=240))
+    assert _digests(out) == one_process, out
