@@ -157,13 +157,24 @@ _NODES = Canonical(HostStrategy())
 def node_sums(key, arrays: list, all_host: bool, ranges: list, first: int,
               out: np.ndarray, shape: tuple) -> None:
     """out[i] = the canonical sum of the values of node `ranges[i]` ([a, b) of the key's
-    leaves; `arrays` are leaves first, first + 1, ...), on the host, in out's dtype."""
+    leaves; `arrays` are leaves first, first + 1, ...), in out's dtype, on the host. A
+    node of several GPU values is summed on the GPU of its first (which reads the others
+    where it can) and crosses to the host once."""
     devices = host_slots(len(arrays)) if all_host else devices_of(arrays)
-    home = host_device(0)
-    _NODES.reduce_many([
-        ReduceJob(key, list(arrays[a - first:b - first]), list(devices[a - first:b - first]),
-                  home, row.reshape(shape))
-        for (a, b), row in zip(ranges, out)])
+    host = host_device(0)
+    jobs, copies = [], []
+    for (a, b), row in zip(ranges, out):
+        values, where = list(arrays[a - first:b - first]), list(devices[a - first:b - first])
+        home = where[0]
+        if home.host_memory or len(values) == 1:
+            jobs.append(ReduceJob(key, values, where, host, row.reshape(shape)))
+            continue
+        total = home.empty(shape, out.dtype)
+        jobs.append(ReduceJob(key, values, where, home, total))
+        copies.append((row, home, total))
+    _NODES.reduce_many(jobs)
+    for row, home, total in copies:
+        row[...] = home.to_host(total).reshape(-1)
 
 
 def leaf_values(arrays: list, dtype, out: np.ndarray) -> None:
