@@ -60,7 +60,7 @@ def check_partials(keys, grads, specs, rank: int, ranks: int, leaves=None) -> li
         sums, count = getattr(grad, "sums", None), _count(grad)
         if not isinstance(sums, np.ndarray) or count is None:
             raise ArgumentError(f"key {key!r}: a deterministic engine takes Partials(sums, "
-                                f"count >= 1), got {type(grad).__name__}")
+                                f"pushed >= 1), got {type(grad).__name__}")
         rows = len(rank_nodes(rank, count, ranks))
         wire = accumulate_dtype(np.dtype(dtype))
         if sums.shape != (rows, size) or sums.dtype != wire or not sums.flags.c_contiguous:
@@ -74,8 +74,8 @@ def check_partials(keys, grads, specs, rank: int, ranks: int, leaves=None) -> li
 
 
 def _count(grad) -> int | None:
-    """`grad.count` as an int when it is one >= 1 (not a bool), else None."""
-    count = getattr(grad, "count", None)
+    """`grad.pushed` as an int when it is one >= 1 (not a bool), else None."""
+    count = getattr(grad, "pushed", None)
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         return None
     return int(count)
@@ -86,7 +86,7 @@ def _leaves_count(key, grad, size: int) -> int:
     values, count = getattr(grad, "values", None), _count(grad)
     if not isinstance(values, np.ndarray) or count is None:
         raise ArgumentError(f"key {key!r}: a deterministic engine compressing it takes "
-                            f"Leaves(values, count >= 1), got {type(grad).__name__}")
+                            f"Leaves(values, pushed >= 1), got {type(grad).__name__}")
     if (values.shape != (count, size) or values.dtype != np.float32
             or not values.flags.c_contiguous):
         raise ArgumentError(

@@ -23,20 +23,18 @@ if TYPE_CHECKING:
 
 class Partials(NamedTuple):
     """A worker's part of a key's sum in the canonical order (gpukv._canonical)."""
-    sums: np.ndarray  # (len(rank_nodes(rank, count, workers)), elements of the key) in its
+    sums: np.ndarray  # (len(rank_nodes(rank, pushed, workers)), elements of the key) in its
     #                   wire dtype, C-contiguous
-    # the values this worker pushed for the key (a field named as the contract has it,
-    # over tuple.count)
-    count: int  # type: ignore[assignment]
+    pushed: int       # the values this worker pushed for the key
 
 
 class Leaves(NamedTuple):
     """A worker's values of a key compressed on the wire, in a deterministic store: each
     value is its own leaf of the canonical tree, compressed on its own (with its own
     residual) and decoded where the key is served, as one process decodes each source."""
-    values: np.ndarray  # (count, elements of the key) float32, C-contiguous: row j is the
+    values: np.ndarray  # (pushed, elements of the key) float32, C-contiguous: row j is the
     #                     worker's j-th value, cast to the key's dtype, then to float32
-    count: int  # type: ignore[assignment]  # the values this worker pushed for the key
+    pushed: int         # the values this worker pushed for the key
 
 
 @runtime_checkable
