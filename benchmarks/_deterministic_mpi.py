@@ -76,16 +76,23 @@ def time_sides(stores: dict, plan: list, op: str, expected: float, barrier) -> d
     timings = {}
     names = list(stores)
     for key, (nbytes, warmup, iters) in enumerate(plan):
-        steps, ok = {}, True
-        for name, kv in stores.items():
-            step, out = make_round(kv, key, nbytes, op)
-            step()
-            ok = ok and bool((out == expected).all())
-            steps[name] = step
+        # Each side's arrays are made twice, in both orders, and each set times half of
+        # the rounds: memory made second can run slower than memory made first (on one
+        # process, 15-20% for the same store), which one order would count as a cost.
+        sets, ok = [], True
+        for made in (names, names[::-1]):
+            steps = {}
+            for name in made:
+                step, out = make_round(stores[name], 2 * key + len(sets), nbytes, op)
+                step()
+                ok = ok and bool((out == expected).all())
+                steps[name] = step
+            sets.append(steps)
         barrier()
         samples: dict = {name: [] for name in names}
         for i in range(warmup + iters):
             order = names if i % 2 == 0 else names[::-1]
+            steps = sets[(i // 2) % 2]
             for name in order:
                 t0 = time.perf_counter()
                 steps[name]()

@@ -90,18 +90,27 @@ def one_process_case(store: str, devices: int, nbytes: int, args, sides,
     values = [np.full(C.elements(nbytes, 4), d + 1, np.float32) for d in range(devices)]
     outs = [np.empty_like(v) for v in values]
     expected = devices * (devices + 1) / 2 * (-1 if args.optimizer == "sgd" else 1)
-    steps = {}
+    samples: dict = {name: [] for name, _ in sides}
     try:
-        for name, options in sides:
-            kv = gpukv.create(store, **options)
-            kv.init(0, np.zeros_like(values[0]))
-            if args.optimizer == "sgd":
-                kv.set_optimizer(gpukv.optim.SGD(learning_rate=1.0))
-            steps[name] = _round(kv, values, outs, args.op)
-            steps[name]()
-            if not all(bool((o == expected).all()) for o in outs):
-                raise AssertionError(f"{name}: the first pull is not {expected}")
-        samples = time_in_turn(steps, args.warmup, args.iters)
+        # The stores are made in both orders, and each pair times half of the rounds:
+        # here a store made second ran its rounds 15-20% slower than the same store made
+        # first (its memory, not its order of summing), which one order would count as
+        # the cost of one side.
+        for made in (sides, sides[::-1]):
+            steps = {}
+            for name, options in made:
+                kv = gpukv.create(store, **options)
+                kv.init(0, np.zeros_like(values[0]))
+                if args.optimizer == "sgd":
+                    kv.set_optimizer(gpukv.optim.SGD(learning_rate=1.0))
+                steps[name] = _round(kv, values, outs, args.op)
+                steps[name]()
+                if not all(bool((o == expected).all()) for o in outs):
+                    raise AssertionError(f"{name}: the first pull is not {expected}")
+            half = args.iters // 2 if made is sides else args.iters - args.iters // 2
+            for name, times in time_in_turn(steps, args.warmup, half).items():
+                samples[name] += times
+            del steps, kv
     except Exception as exc:
         traceback.print_exc()
         return {**case, "ok": False, "error": f"{type(exc).__name__}: {exc}"}

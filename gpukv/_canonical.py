@@ -80,3 +80,35 @@ def leaves_sum(values: Sequence[V], add: Callable[[V, V], V]) -> V:
     if n == 0:
         raise ValueError("the sum of no values")
     return merge([((i, i + 1), v) for i, v in enumerate(values)], n, add)
+
+
+#: `add_plan`'s name for the out
+OUT = -1
+
+
+def add_plan(ranges: Sequence[tuple[int, int]], total: int) -> tuple[list, int]:
+    """([(target, left, right)], temporaries): the adds that merge the nodes `ranges`
+    (covering [0, total) in order) into the root, in the order they run. An operand
+    i >= 0 is the i-th node's value, one below OUT is temporary -2 - t; the last add's
+    target is OUT, so the root is written (and rounded) once. A temporary is reused as
+    soon as it is read: at most log2 of the nodes are live."""
+    ops: list = []
+    free: list = []
+    count = [0]
+
+    def add(x: int, y: int) -> int:
+        for v in (x, y):
+            if v < OUT:
+                free.append(v)
+        if free:
+            target = free.pop()
+        else:
+            target = -2 - count[0]
+            count[0] += 1
+        ops.append((target, x, y))
+        return target
+
+    merge([(rng, i) for i, rng in enumerate(ranges)], total, add)
+    if ops:
+        ops[-1] = (OUT,) + ops[-1][1:]
+    return ops, count[0]

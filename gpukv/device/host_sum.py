@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._canonical import leaves_sum
+from .._canonical import OUT, add_plan
 from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
 
@@ -275,34 +275,9 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     _POOL.run(_copy_range, chunks)
 
 
-_OUT = -1  # the plan's name for the out
-
-
 def tree_plan(k: int) -> tuple[list, int]:
-    """([(target, left, right)], temporaries): the adds of the canonical tree over k
-    leaves (`gpukv._canonical`), in order. An operand >= 0 is leaf j, one < -1 is
-    temporary -2 - t; the last add's target is the out (`_OUT`), so the sum is written,
-    and rounded, once. A temporary is reused as soon as it is read: at most log2(k) live."""
-    ops: list = []
-    free: list = []
-    count = [0]
-
-    def add(x: int, y: int) -> int:
-        for v in (x, y):
-            if v < _OUT:
-                free.append(v)
-        if free:
-            target = free.pop()
-        else:
-            target = -2 - count[0]
-            count[0] += 1
-        ops.append((target, x, y))
-        return target
-
-    leaves_sum(list(range(k)), add)
-    if ops:
-        ops[-1] = (_OUT,) + ops[-1][1:]
-    return ops, count[0]
+    """`gpukv._canonical.add_plan` of k leaves: the adds of their canonical tree."""
+    return add_plan([(i, i + 1) for i in range(k)], k)
 
 
 def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
@@ -324,7 +299,7 @@ def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
         for target, x, y in ops:
             add(parts[x] if x >= 0 else slots[-2 - x],
                 parts[y] if y >= 0 else slots[-2 - y],
-                dst if target == _OUT else slots[-2 - target], **kwargs)
+                dst if target == OUT else slots[-2 - target], **kwargs)
 
 
 _PLANS: dict = {}  # leaves -> tree_plan(leaves)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._canonical import merge, merge_partial, rank_nodes
+from .._canonical import OUT, add_plan, merge_partial, rank_nodes
 from .._errors import ArgumentError
 from ..device.host_sum import accumulate_dtype, host_tree_sum
 from ..encoding.compression import Ctx
@@ -21,19 +21,33 @@ def node_ranges(ranks: int, count: int) -> list:
     return [rank_nodes(r, count, ranks) for r in range(ranks)]
 
 
-def merge_into(out: np.ndarray, parts: Sequence, total: int) -> None:
+def merge_into(out: np.ndarray, parts: Sequence, total: int, scratch: list) -> None:
     """`out` becomes the tree's root from `parts` ((leaf range, array) covering
-    [0, total) in order): the inner adds go into temporaries, the root's into `out`
-    (so a 16-bit `out` is rounded once, from the accumulation dtype)."""
+    [0, total) in order), by the adds of `add_plan`: the inner ones into temporaries (the
+    out itself first, when it has the parts' dtype), the root's into `out` (so a 16-bit
+    `out` is rounded once, from the accumulation dtype). `scratch`: the caller's list of
+    temporaries, grown here as needed and kept for its next merges."""
     if len(parts) == 1:
         out[...] = parts[0][1]
         return
+    ranges = tuple(rng for rng, _ in parts)
+    plan = _PLANS.get((ranges, total))
+    if plan is None:
+        plan = _PLANS[ranges, total] = add_plan(ranges, total)
+    ops, temps = plan
+    values = [array for _, array in parts]
+    dtype, n = values[0].dtype, out.size
+    in_out = out.dtype == dtype and not any(np.may_share_memory(out, v) for v in values)
+    need = temps - in_out
+    if len(scratch) < need or any(t.size < n or t.dtype != dtype for t in scratch[:need]):
+        scratch[:] = [np.empty(n, dtype) for _ in range(need)]  # made for this size
+    slots = ([out] if in_out else []) + [t[:n].reshape(out.shape) for t in scratch[:need]]
+    for target, x, y in ops:
+        np.add(values[x] if x >= 0 else slots[-2 - x], values[y] if y >= 0 else slots[-2 - y],
+               out=out if target == OUT else slots[-2 - target])
 
-    def add(left, right):
-        (lo, _), x = left
-        (_, hi), y = right
-        return (lo, hi), np.add(x, y, out=out if (lo, hi) == (0, total) else None)
-    merge([(rng, (rng, array)) for rng, array in parts], total, add)
+
+_PLANS: dict = {}  # (node ranges, leaves) -> add_plan
 
 
 def own_sum(rows: np.ndarray, nodes: list, total: int) -> np.ndarray:

@@ -95,6 +95,7 @@ class _Exchange:
         self.gather = False
         self.others: list = []   # the ranks a summed chunk goes on to
         self.arrived = 0         # messages received so far
+        self.scratch: list = []  # temporaries of the canonical merges
 
     def run(self, keys: list, reduce: bool, gather: bool) -> None:
         t, rank, size = self.t, self.t.rank, self.t.size
@@ -202,7 +203,7 @@ class _Exchange:
         for s, nodes in enumerate(key.tree.nodes):
             rows = key.send[:, start + a:start + b] if s == rank else key.scratch[s][:, a:b]
             parts += zip(nodes, rows)
-        merge_into(out, parts, key.tree.total)
+        merge_into(out, parts, key.tree.total, self.scratch)
 
     def _silent(self) -> PeerError:
         """The PeerError of a timeout: who has not sent what this rank waits for."""

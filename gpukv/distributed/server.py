@@ -101,6 +101,7 @@ class _Server:
         self.asynchronous = asynchronous
         self.chunk = chunk_bytes(transport)  # the workers cut their pieces alike
         self.keys: dict = {}
+        self.scratch: list = []        # temporaries of the canonical merges
         self.pulls: list = []          # _Pull not answered yet
         self.sending: list = []        # requests of replies on their way
         self.kept: list = []           # the buffers they send, alive until then
@@ -421,7 +422,8 @@ class _Server:
             else:  # every worker's node partials, merged as the canonical tree does
                 parts = [(node, row[lo:hi]) for h in heads for node, row in
                          zip(h.nodes, h.buffer.reshape(h.rows, -1))]
-                merge_into(target[lo:hi], parts, heads[0].count * self.workers)
+                merge_into(target[lo:hi], parts, heads[0].count * self.workers,
+                           self.scratch)
         return state.summed == len(ranges)
 
     def finish_round(self, key, state, heads: list) -> None:

@@ -82,12 +82,28 @@ def _leaves(n: int, size: int = 257) -> list:
 def test_merging_every_ranks_nodes_is_the_tree_sum(ranks, count, dtype):
     """The merge of every rank's node partials, the root's add into the output, is the
     tree sum of the leaves (rounded once into a float16 output)."""
-    values = _leaves(ranks * count)
+    values = _leaves(ranks * count, 300)
     parts = [((lo, hi), leaves_sum(values[lo:hi], np.add))
              for r in range(ranks) for lo, hi in rank_nodes(r, count, ranks)]
-    out = np.empty(257, dtype)
-    merge_into(out, parts, ranks * count)
-    assert out.tobytes() == leaves_sum(values, np.add).astype(dtype).tobytes()
+    scratch: list = []
+    for size in (257, 100, 300):  # the scratch kept, then too small for a larger chunk
+        out = np.empty(size, dtype)
+        merge_into(out, [(rng, v[:size]) for rng, v in parts], ranks * count, scratch)
+        want = leaves_sum([v[:size] for v in values], np.add).astype(dtype)
+        assert out.tobytes() == want.tobytes()
+
+
+def test_one_scratch_serves_merges_of_every_size_and_tree():
+    """The temporaries a caller keeps serve its next merges, of any size and any number
+    of nodes (more temporaries, or fewer than it holds)."""
+    scratch: list = []
+    for ranks, count, size in [(8, 1, 100), (2, 1, 300), (4, 2, 50), (3, 5, 400)]:
+        values = _leaves(ranks * count, size)
+        parts = [((lo, hi), leaves_sum(values[lo:hi], np.add))
+                 for r in range(ranks) for lo, hi in rank_nodes(r, count, ranks)]
+        out = np.empty(size, np.float32)
+        merge_into(out, parts, ranks * count, scratch)
+        assert out.tobytes() == leaves_sum(values, np.add).tobytes()
 
 
 def test_a_push_alone_is_its_own_nodes_merged():
