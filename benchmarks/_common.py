@@ -57,6 +57,30 @@ elements = _util.elements
 RESULTS_TEXT = "benchmarks/results/"
 
 
+def host_counts(text: str) -> list[int]:
+    """Comma-separated numbers of emulated hosts (or processes), each 2 or more."""
+    counts = parse_ints(text)
+    if any(n < 2 for n in counts):
+        raise BadArgument(f"{text!r}: every count must be 2 or more")
+    return counts
+
+
+def link_rates(text: str) -> list[str]:
+    """Comma-separated link rates of emulated hosts ('1gbit,10gbit'), checked by
+    gpukv.tools.cluster, without repeats."""
+    from gpukv.tools.cluster import rate_bits
+
+    rates = [r.strip().lower() for r in text.split(",") if r.strip()]
+    if not rates:
+        raise BadArgument("no link rate given, e.g. 1gbit")
+    for rate in rates:
+        try:
+            rate_bits(rate)
+        except ValueError as exc:
+            raise BadArgument(str(exc)) from None
+    return list(dict.fromkeys(rates))
+
+
 def add_out_option(p, files: str = "the JSON") -> None:
     """--out DIR, default benchmarks/results/ ('-' writes nothing)."""
     _util.add_out_option(p, RESULTS_TEXT, files)

@@ -343,10 +343,10 @@ def plot(cases: list[dict], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = C.ArgumentParser(prog=Path(__file__).name,
                          description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--hosts", type=_host_counts, default=None, metavar="COUNTS",
+    p.add_argument("--hosts", type=C.host_counts, default=None, metavar="COUNTS",
                    help=f"comma-separated numbers of emulated hosts, each a cluster of its "
                         f"own (default {DEFAULT_HOSTS}; 2 with --quick)")
-    p.add_argument("--rates", type=_rates, default=None, metavar="RATES",
+    p.add_argument("--rates", type=C.link_rates, default=None, metavar="RATES",
                    help=f"comma-separated link rates, e.g. 1gbit,10gbit (default "
                         f"{DEFAULT_RATES}; 10gbit with --quick)")
     p.add_argument("--sizes", type=parse_cluster_sizes, default=None, metavar="BYTES",
@@ -374,31 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _host_counts(text: str) -> list[int]:
-    counts = C.parse_ints(text)
-    if any(n < 2 for n in counts):
-        raise C.BadArgument(f"hosts {text!r}: every count must be 2 or more")
-    return counts
-
-
-def _rates(text: str) -> list[str]:
-    rates = [r.strip().lower() for r in text.split(",") if r.strip()]
-    if not rates:
-        raise C.BadArgument("no link rate given, e.g. 1gbit")
-    for rate in rates:
-        try:
-            emulated.rate_bits(rate)
-        except ValueError as exc:
-            raise C.BadArgument(str(exc)) from None
-    return list(dict.fromkeys(rates))
-
-
 def settle(args) -> list[str]:
     """Fill in the axes' defaults (--quick's where it is given); the notes on what is
     left out and why."""
     quick = QUICK if args.quick else {}
     args.hosts = args.hosts or quick.get("hosts") or C.parse_ints(DEFAULT_HOSTS)
-    args.rates = args.rates or quick.get("rates") or _rates(DEFAULT_RATES)
+    args.rates = args.rates or quick.get("rates") or C.link_rates(DEFAULT_RATES)
     args.sizes = args.sizes or quick.get("sizes") or parse_cluster_sizes(DEFAULT_SIZES)
     if quick:
         args.warmup, args.iters = min(args.warmup, quick["warmup"]), min(args.iters,

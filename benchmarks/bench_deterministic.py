@@ -349,13 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stores", type=C.name_list(STORES, "store"), default=",".join(STORES),
                    metavar="NAMES", help="one-process stores among device, local "
                                          "(default: both)")
-    p.add_argument("--processes", type=_at_least_two, default=None, metavar="COUNTS",
+    p.add_argument("--processes", type=C.host_counts, default=None, metavar="COUNTS",
                    help=f"MPI processes on this machine, each a case (default "
                         f"{DEFAULTS['processes']}; 2 with --quick)")
-    p.add_argument("--hosts", type=_at_least_two, default=None, metavar="COUNTS",
+    p.add_argument("--hosts", type=C.host_counts, default=None, metavar="COUNTS",
                    help=f"emulated hosts, one process each (default {DEFAULTS['hosts']}; "
                         "2 with --quick)")
-    p.add_argument("--rates", type=_rates, default=None, metavar="RATES",
+    p.add_argument("--rates", type=C.link_rates, default=None, metavar="RATES",
                    help=f"the emulated hosts' link rates (default {DEFAULTS['rates']}; "
                         "10gbit with --quick)")
     p.add_argument("--servers", type=_server_counts, default=DEFAULTS["servers"],
@@ -379,30 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _at_least_two(text: str) -> list[int]:
-    counts = C.parse_ints(text)
-    if any(n < 2 for n in counts):
-        raise C.BadArgument(f"{text!r}: every count must be 2 or more")
-    return counts
-
-
 def _server_counts(text: str) -> list[int]:
     counts = [p.strip() for p in text.split(",") if p.strip()]
     if not counts or any(c not in ("0", "1") for c in counts):
         raise C.BadArgument(f"{text!r}: expected 0, 1 or 0,1")
     return [int(c) for c in dict.fromkeys(counts)]
-
-
-def _rates(text: str) -> list[str]:
-    rates = [r.strip().lower() for r in text.split(",") if r.strip()]
-    if not rates:
-        raise C.BadArgument("no link rate given, e.g. 1gbit")
-    for rate in rates:
-        try:
-            emulated.rate_bits(rate)
-        except ValueError as exc:
-            raise C.BadArgument(str(exc)) from None
-    return list(dict.fromkeys(rates))
 
 
 def settle(args) -> None:
@@ -414,7 +395,7 @@ def settle(args) -> None:
     args.processes = args.processes or quick.get("processes") or C.parse_ints(
         DEFAULTS["processes"])
     args.hosts = args.hosts or quick.get("hosts") or C.parse_ints(DEFAULTS["hosts"])
-    args.rates = args.rates or quick.get("rates") or _rates(DEFAULTS["rates"])
+    args.rates = args.rates or quick.get("rates") or C.link_rates(DEFAULTS["rates"])
     if quick:
         args.warmup = min(args.warmup, quick["warmup"])
         args.iters = min(args.iters, quick["iters"])
