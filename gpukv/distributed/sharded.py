@@ -514,16 +514,9 @@ class ShardedRounds:
                 outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
                 if p.server == rank:
                     mine.append((key, layout, p))
-        send_counts = [sum(b.size for b in out) for out in outgoing]
-        send = np.concatenate([b for out in outgoing for b in out])
         formats = [self._payload_format(p.stop - p.start) for _, _, p in mine]
         per_source = sum(nbytes for _, nbytes in formats)
-        recv = self._scratch("payloads", np.uint8, per_source * size)
-        BYTE = self.t.MPI.BYTE
-        request = self.t.comm.Ialltoallv(
-            [send, send_counts, _displacements(send_counts), BYTE],
-            [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
-        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        recv = self._all_to_all(outgoing, per_source, "payloads", what)
         merged, offset = [], 0
         for (key, layout, p), (dtype, nbytes) in zip(mine, formats):
             n = p.stop - p.start
@@ -557,16 +550,9 @@ class ShardedRounds:
                     outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
                 if p.server == rank:
                     mine.append((key, layout, p, count))
-        send_counts = [sum(b.size for b in out) for out in outgoing]
-        send = np.concatenate([b for out in outgoing for b in out])
         formats = [self._payload_format(p.stop - p.start) for _, _, p, _ in mine]
         per_source = sum(nbytes * count for (_, nbytes), (*_, count) in zip(formats, mine))
-        recv = self._scratch("leaf payloads", np.uint8, per_source * size)
-        BYTE = self.t.MPI.BYTE
-        request = self.t.comm.Ialltoallv(
-            [send, send_counts, _displacements(send_counts), BYTE],
-            [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
-        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        recv = self._all_to_all(outgoing, per_source, "leaf payloads", what)
         merged, offset = [], 0
         for (key, layout, p, count), (dtype, nbytes) in zip(mine, formats):
             n = p.stop - p.start
@@ -583,6 +569,21 @@ class ShardedRounds:
             merged.append((key, total if layout.split else total.reshape(layout.shape)))
             offset += count * nbytes
         return merged
+
+    def _all_to_all(self, outgoing: list, per_source: int, name: str, what: str):
+        """Every rank's payloads for each owner (`outgoing[owner]`: byte arrays) moved by
+        one all-to-all; what came here, `per_source` bytes from each rank in rank order,
+        in a buffer kept under `name`."""
+        size = self.t.size
+        send_counts = [sum(b.size for b in out) for out in outgoing]
+        send = np.concatenate([b for out in outgoing for b in out])
+        recv = self._scratch(name, np.uint8, per_source * size)
+        BYTE = self.t.MPI.BYTE
+        request = self.t.comm.Ialltoallv(
+            [send, send_counts, _displacements(send_counts), BYTE],
+            [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
+        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        return recv
 
     def _scratch(self, name, dtype, n: int) -> np.ndarray:
         """A buffer kept from round to round (a new one would fault in every page)."""
