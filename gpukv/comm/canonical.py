@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from ..device.host import host_device
 from ..device.host_sum import host_tree_sum
-from . import ordering
 from ._base import BroadcastJob, ReduceJob, Strategy
-from .flat import FlatOut, flat_in
+from .home import reduce_at_homes
 
 __all__ = ["Canonical"]
+
+_HOST = host_device(0)
 
 
 class Canonical(Strategy):
@@ -38,33 +39,9 @@ class Canonical(Strategy):
         self.inner.broadcast_many(jobs)
 
     def reduce_many(self, jobs) -> None:
-        jobs = list(jobs)
-        if not jobs:
-            return
-        by_home: dict = {}
-        for job in jobs:
-            # Host slots share one memory: the host device sums for all of them.
-            home = host_device(0) if job.home.host_memory else job.home
-            by_home.setdefault(home, []).append(job)
-        everyone = [d for job in jobs for d in job.devices] + list(by_home)
-        ordering.begin(everyone)
-        # Flat copies of strided sources are made on their own devices and kept until
-        # `finish`, as the home strategy keeps them (CuPy's pool reuses freed memory).
-        alive = []
-        for home, group in by_home.items():
-            outs, work = [], []
-            for job in group:
-                out = FlatOut(job.out, home)
-                leaves = [flat_in(s, d) for s, d in zip(job.sources, job.devices)]
-                work.append((out.flat, leaves))
-                outs.append(out)
-            ordering.wait_all(home, [d for job in group for d in job.devices])
-            home.tree_sum_into(work)
-            for out in outs:
-                out.done()
-            alive.append(work)
-        for home, group in by_home.items():
-            ordering.finish([d for job in group for d in job.devices], home)
+        # Host slots share one memory: the host device sums for all of them.
+        reduce_at_homes(list(jobs), lambda home, work: home.tree_sum_into(work),
+                        lambda job: _HOST if job.home.host_memory else job.home)
 
     # The batch form of a host store's all-NumPy calls (see `HostStrategy`).
     def reduce_columns(self, outs, sources) -> None:

@@ -28,32 +28,8 @@ class HomeStrategy(Strategy):
         self.broadcast_many([job])
 
     def reduce_many(self, jobs: list) -> None:
-        if not jobs:
-            return
-        by_home: dict = {}
-        for job in jobs:
-            by_home.setdefault(job.home, []).append(job)
-        everyone = [d for job in jobs for d in job.devices] + list(by_home)
-        ordering.begin(everyone)
-        # Flat copies of strided sources are made on their own devices first (the home
-        # then waits for them) and kept until `finish`: CuPy's pool would hand a freed
-        # copy to the next allocation on its stream while another home still reads it.
-        alive = []
-        for home, group in by_home.items():
-            outs, work = [], []
-            for job in group:
-                out = FlatOut(job.out, home)
-                terms = [Term(flat_in(s, d), False)
-                         for s, d in zip(job.sources, job.devices)]
-                work.append((out.flat, terms))
-                outs.append(out)
-            ordering.wait_all(home, [d for job in group for d in job.devices])
-            home.sum_into(work)
-            for out in outs:
-                out.done()
-            alive.append(work)
-        for home in by_home:
-            ordering.finish([d for job in jobs if job.home == home for d in job.devices], home)
+        reduce_at_homes(jobs, lambda home, work: home.sum_into(
+            [(out, [Term(a, False) for a in arrays]) for out, arrays in work]))
 
     def broadcast_many(self, jobs: list) -> None:
         if not jobs:
@@ -78,3 +54,33 @@ class HomeStrategy(Strategy):
                 target.done()
         for home in homes:  # the stored value may change only after every read of it
             ordering.finish([d for job in jobs if job.home == home for d in job.devices], home)
+
+
+def reduce_at_homes(jobs, add, home_of=None) -> None:
+    """Every job's sources summed into its out at its home, ordered by events:
+    `add(home, work)` sums each home's keys (one launch for all of them), `work` being
+    [(1-D out, [1-D sources])]; `home_of(job)` picks a job's home (default: job.home)."""
+    if not jobs:
+        return
+    by_home: dict = {}
+    for job in jobs:
+        by_home.setdefault(job.home if home_of is None else home_of(job), []).append(job)
+    everyone = [d for job in jobs for d in job.devices] + list(by_home)
+    ordering.begin(everyone)
+    # Flat copies of strided sources are made on their own devices first (the home
+    # then waits for them) and kept until `finish`: CuPy's pool would hand a freed
+    # copy to the next allocation on its stream while another home still reads it.
+    alive = []
+    for home, group in by_home.items():
+        outs, work = [], []
+        for job in group:
+            out = FlatOut(job.out, home)
+            work.append((out.flat, [flat_in(s, d) for s, d in zip(job.sources, job.devices)]))
+            outs.append(out)
+        ordering.wait_all(home, [d for job in group for d in job.devices])
+        add(home, work)
+        for out in outs:
+            out.done()
+        alive.append(work)
+    for home, group in by_home.items():
+        ordering.finish([d for job in group for d in job.devices], home)

@@ -220,6 +220,25 @@ def build_table(outs, sizes, a_lists, b_lists, **plan) -> tuple[np.ndarray, int]
     return table, int(starts[-1])
 
 
+# The start of the table kernels: the key this block works on, its out, length and `a`
+# terms (see `build_table`).
+_TABLE_KEY = f"""    const long long* starts = table;
+    const long long* meta = table + nkeys + 1;
+    const long long* ptrs = meta + {META} * (long long)nkeys;
+    const long long b = blockIdx.x;
+    int lo = 0, hi = nkeys - 1;
+    while (lo < hi) {{  /* the last key whose first block is <= b */
+        const int mid = (lo + hi + 1) >> 1;
+        if (starts[mid] <= b) lo = mid; else hi = mid - 1;
+    }}
+    const long long* m = meta + {META} * (long long)lo;
+    U* out = (U*)m[0];
+    const long long n = m[1];
+    const T* const* a = (const T* const*)(ptrs + m[2]);
+    const int na = (int)m[3];
+"""
+
+
 def sum_source(t_dtype, u_dtype) -> tuple[str, str]:
     """(kernel name, CUDA source) of the multi-key sum reading T and U, writing U.
 
@@ -242,21 +261,7 @@ typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
 typedef {acc} A;
 extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
-    const long long* starts = table;
-    const long long* meta = table + nkeys + 1;
-    const long long* ptrs = meta + {META} * (long long)nkeys;
-    const long long b = blockIdx.x;
-    int lo = 0, hi = nkeys - 1;
-    while (lo < hi) {{  /* the last key whose first block is <= b */
-        const int mid = (lo + hi + 1) >> 1;
-        if (starts[mid] <= b) lo = mid; else hi = mid - 1;
-    }}
-    const long long* m = meta + {META} * (long long)lo;
-    U* out = (U*)m[0];
-    const long long n = m[1];
-    const T* const* a = (const T* const*)(ptrs + m[2]);
-    const int na = (int)m[3];
-    const U* const* bb = (const U* const*)(ptrs + m[4]);
+{_TABLE_KEY}    const U* const* bb = (const U* const*)(ptrs + m[4]);
     const int nb = (int)m[5];
     const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
     for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
@@ -362,21 +367,7 @@ typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
 typedef {acc} A;
 extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
-    const long long* starts = table;
-    const long long* meta = table + nkeys + 1;
-    const long long* ptrs = meta + {META} * (long long)nkeys;
-    const long long b = blockIdx.x;
-    int lo = 0, hi = nkeys - 1;
-    while (lo < hi) {{  /* the last key whose first block is <= b */
-        const int mid = (lo + hi + 1) >> 1;
-        if (starts[mid] <= b) lo = mid; else hi = mid - 1;
-    }}
-    const long long* m = meta + {META} * (long long)lo;
-    U* out = (U*)m[0];
-    const long long n = m[1];
-    const T* const* a = (const T* const*)(ptrs + m[2]);
-    const int na = (int)m[3];
-    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
+{_TABLE_KEY}    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
     for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
          i += stride) {{{bit_copy}
         A level[{TREE_LEVELS}];
