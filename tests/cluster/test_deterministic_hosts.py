@@ -2,14 +2,9 @@
 one process per host, every byte over a shaped link, give one process's bits."""
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
 import pytest
 
-from .. import gpu_env
-from ..distributed.mpirun import PROGRAMS
+from ..distributed import digests
 from .hosts import cluster, finish, host_list, job_env, passes, program_command, start
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
@@ -26,12 +21,9 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def one_process() -> str:
-    result = subprocess.run([sys.executable, str(PROGRAMS / "digest.py"), "8", "local"],
-                            capture_output=True, text=True, timeout=120,
-                            env=gpu_env.subprocess_env(gpus=False))
-    assert result.returncode == 0, result.stderr
-    return " ".join(re.findall(r"DIGEST \w+ [0-9a-f]{12}", result.stdout))
+def one_process() -> dict:
+    """The digests of the one-process 'local' store given all 8 leaves."""
+    return digests.one_process()
 
 
 @pytest.mark.parametrize("used,n,servers", LAYOUTS)
@@ -43,4 +35,4 @@ def test_hosts_give_one_process_bits(hosts, one_process, used, n, servers):
     job = start(hosts, n, host_list(hosts, list(range(used)), slots=1),
                 program_command("digest.py", str(8 // workers)), env)
     out = passes(*finish(job, 180)[:3], workers=workers)
-    assert " ".join(re.findall(r"DIGEST \w+ [0-9a-f]{12}", out)) == one_process, out
+    assert digests.digests(out) == one_process, out

@@ -4,9 +4,6 @@ canonical tree's sum (gpukv._canonical), and of the same SGD rounds on one proce
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from gpukv._canonical import leaves_sum
 
 from .. import gpu_env
+from . import digests
 from .mpirun import PROGRAMS, ok, run
 
 pytestmark = pytest.mark.mpi
@@ -25,10 +23,6 @@ _spec.loader.exec_module(digest_program)
 
 #: (workers, servers): every split of 8 devices over workers, with 0, 1 and 2 servers
 LAYOUTS = [(w, s) for w in (1, 2, 4, 8) for s in (0, 1, 2)]
-
-
-def _digests(out: str) -> dict:
-    return dict(re.findall(r"DIGEST (\w+) ([0-9a-f]{12})", out))
 
 
 def reference_sum() -> str:
@@ -45,11 +39,7 @@ def reference_sum() -> str:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The digests of the one-process 'local' store given all 8 leaves."""
-    result = subprocess.run([sys.executable, str(PROGRAMS / "digest.py"), "8", "local"],
-                            capture_output=True, text=True, timeout=120,
-                            env=gpu_env.subprocess_env(gpus=False))
-    assert result.returncode == 0, result.stderr
-    found = _digests(result.stdout)
+    found = digests.one_process()
     assert found["sum"] == reference_sum(), "the one-process store is not canonical"
     return found
 
@@ -62,7 +52,7 @@ def test_every_split_over_processes_and_servers_gives_one_digest(one_process, wo
     env = gpu_env.subprocess_env(gpus=False)
     env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync")
     out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=180))
-    assert _digests(out) == one_process, out
+    assert digests.digests(out) == one_process, out
 
 
 @pytest.mark.gpu
@@ -72,7 +62,7 @@ def test_gpu_values_across_processes_give_the_same_digest(one_process, workers, 
     env = gpu_env.subprocess_env(gpus=True)
     env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_device_sync")
     out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=240))
-    assert _digests(out) == one_process, out
+    assert digests.digests(out) == one_process, out
 
 
 def test_without_it_layouts_differ_on_this_data(one_process):
@@ -81,4 +71,4 @@ def test_without_it_layouts_differ_on_this_data(one_process):
     env = gpu_env.subprocess_env(gpus=False)
     env.update(GPUKV_NUM_SERVERS="0", STORE="dist_sync", DIGEST_DEFAULT="1")
     out = ok(run("digest.py", 4, "2", env=env, timeout=180))
-    assert _digests(out)["sum"] != one_process["sum"], out
+    assert digests.digests(out)["sum"] != one_process["sum"], out

@@ -6,22 +6,15 @@ DIGEST_COMPRESS=1: fp16 with a pre_divide and 2-bit, three rounds each, with and
 SGD)."""
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
 import pytest
 
 from .. import gpu_env
-from .mpirun import PROGRAMS, ok, run
+from . import digests
+from .mpirun import ok, run
 
 pytestmark = pytest.mark.mpi
 
 PHASES = ["fp16_sum", "twobit_sum", "twobit_sgd", "fp16_sgd"]
-
-
-def _digests(out: str) -> dict:
-    return dict(re.findall(r"DIGEST (\w+) ([0-9a-f]{12})", out))
 
 
 def _env(gpus: bool = False) -> dict:
@@ -33,11 +26,8 @@ def _env(gpus: bool = False) -> dict:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The digests of the one-process deterministic 'device' store given all 8 leaves."""
-    result = subprocess.run([sys.executable, str(PROGRAMS / "digest.py"), "8", "device"],
-                            capture_output=True, text=True, timeout=120, env=_env())
-    assert result.returncode == 0, result.stderr
-    found = _digests(result.stdout)
-    assert sorted(found) == sorted(PHASES), result.stdout
+    found = digests.one_process("device", DIGEST_COMPRESS="1")
+    assert sorted(found) == sorted(PHASES), found
     return found
 
 
@@ -50,7 +40,7 @@ def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, se
     env = _env()
     env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync")
     out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=240))
-    assert _digests(out) == one_process, out
+    assert digests.digests(out) == one_process, out
 
 
 @pytest.mark.gpu
@@ -60,4 +50,4 @@ def test_gpu_values_give_the_bits_of_one_process(one_process):
     env = _env(gpus=True)
     env.update(GPUKV_NUM_SERVERS="0", STORE="dist_device_sync")
     out = ok(run("digest.py", 2, "4", env=env, timeout=240))
-    assert _digests(out) == one_process, out
+    assert digests.digests(out) == one_process, out
