@@ -3,10 +3,12 @@
 
 Every replica (global index: worker-major) trains on its own batches, the same in every
 layout; worker 0 prints `DIGEST weights <sha1>` of its weights after the last step.
+DIGEST_DEFAULT=1 makes the store in its default order instead.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import torch
@@ -21,7 +23,9 @@ BATCH = 8
 
 def main(replicas: int, bucket_bytes: int, store: str, on_store: str = "1") -> None:
     torch.set_num_threads(1)  # the same kernels' arithmetic in every layout
-    kv = gpukv.create(store, deterministic=True)  # a server process serves in here
+    # DIGEST_DEFAULT=1: the store's default order, to show that layouts differ there
+    deterministic = os.environ.get("DIGEST_DEFAULT") != "1"
+    kv = gpukv.create(store, deterministic=deterministic)  # a server process serves here
     rank, workers = getattr(kv, "rank", 0), getattr(kv, "num_workers", 1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(),
@@ -43,7 +47,7 @@ def main(replicas: int, bucket_bytes: int, store: str, on_store: str = "1") -> N
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
     if rank == 0:
-        print("DIGEST weights", h.hexdigest()[:12], flush=True)
+        print(f"DIGEST weights {h.hexdigest()[:12]}", flush=True)  # one write: ranks share stdout
     print(f"PASS worker {rank} of {workers}", flush=True)
 
 
