@@ -57,23 +57,15 @@ class Variant(NamedTuple):
 
 # ------------------------------------------------------------------ the sources
 def _sum_variants():
-    """Every (T, U) pair: sums read T and U, and `multi_copy` casts any T to any U."""
+    """Every (T, U) pair: sums read T and U, and `multi_copy` casts any T to any U; the
+    canonical tree sum too."""
     import ml_dtypes
     dtypes = [np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
               for name in sorted(_kernels._CTYPES)]
     for t, u in itertools.product(dtypes, dtypes):
-        _, source = _kernels.sum_source(t, u)
-        yield f"sum-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
-
-
-def _tree_variants():
-    """The canonical tree sum, for every (T, U) pair."""
-    import ml_dtypes
-    dtypes = [np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-              for name in sorted(_kernels._CTYPES)]
-    for t, u in itertools.product(dtypes, dtypes):
-        _, source = _kernels.tree_sum_source(t, u)
-        yield f"tree-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
+        for kind, make in (("sum", _kernels.sum_source), ("tree", _kernels.tree_sum_source)):
+            _, source = make(t, u)
+            yield f"{kind}-{t.name}-{u.name}", Variant(source, _kernels.COMPILE_OPTIONS)
 
 
 def _segment_variants():
@@ -150,7 +142,7 @@ def _optim_variants():
 def _variants() -> dict:
     """{id: Variant}, one per distinct (source, options)."""
     out, seen = {}, set()
-    for vid, variant in itertools.chain(_sum_variants(), _tree_variants(), _segment_variants(),
+    for vid, variant in itertools.chain(_sum_variants(), _segment_variants(),
                                         _compression_variants(), _optim_variants()):
         if variant not in seen:
             seen.add(variant)
