@@ -77,6 +77,7 @@ class _Key:
         self.summed = 0                # chunks of the oldest round summed so far
         self.merged = None             # where chunks are summed when an updater runs
         self.leaf_sum = None           # where compressed leaves are summed (float32)
+        self.leaf_terms = None         # and their decoded terms, a row per leaf
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
 
@@ -321,11 +322,14 @@ class _Server:
         return self.compressor(params).decompress(payload, Ctx(size, (size,)),
                                                   self.buffer(np.dtype(np.float32), size))
 
-    def leaf_terms(self, heads: list) -> np.ndarray:
+    def leaf_terms(self, heads: list, terms: np.ndarray | None = None) -> np.ndarray:
         """The decoded leaves of pushes of payloads `heads` (the leaves in order), a row
-        each, as one process sums them (see `canonical_sum.decode_leaves`)."""
+        each, as one process sums them (see `canonical_sum.decode_leaves`), in `terms`
+        when it is given (and of their shape)."""
         params, size = heads[0].comp
-        terms = np.empty((sum(h.rows for h in heads), size), np.float32)
+        shape = (sum(h.rows for h in heads), size)
+        if terms is None or terms.shape != shape:
+            terms = np.empty(shape, np.float32)
         payloads = [row for h in heads for row in h.buffer.reshape(h.rows, -1)]
         decode_leaves(self.compressor(params), payloads, size, terms)
         return terms
@@ -337,7 +341,9 @@ class _Server:
         stored = self.shard.stored(key)
         if state.leaf_sum is None:
             state.leaf_sum = np.empty(stored.size, np.float32)
-        sum_leaves(self.compressor(heads[0].comp[0]), self.leaf_terms(heads), state.leaf_sum)
+        # kept from round to round, as leaf_sum is (a new one would fault in every page)
+        state.leaf_terms = self.leaf_terms(heads, state.leaf_terms)
+        sum_leaves(self.compressor(heads[0].comp[0]), state.leaf_terms, state.leaf_sum)
         self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
         state.version += 1
         self.release([h.buffer for h in heads])
