@@ -1,4 +1,5 @@
-"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info`, `run` and `cluster`."""
+"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info`, `run`, `gpucheck` and
+`cluster`."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,8 @@ _COMMANDS = {
              "show versions, devices, links and the strategies gpukv would pick"),
     "run": ("gpukv.distributed.launch",
             "start an MPI job with mpiexec and end all of it, in bounded time, when it fails"),
+    "gpucheck": ("gpukv.tools.gpucheck.cli",
+                 "check and measure gpukv on this machine's GPU in one command"),
     "cluster": ("gpukv.tools.cluster",
                 "run a command on hosts emulated on this machine (network namespaces)"),
 }

@@ -1,0 +1,204 @@
+"""`python -m gpukv gpucheck`: the one command that checks and measures gpukv on a GPU.
+
+Sections, in the order they run (each gets a share of the budget left when it starts; the
+tests take whatever remains):
+- environment: the GPUs, driver, CUDA runtime, CuPy, NCCL, PyTorch and peer access;
+- kernels: every CUDA kernel on fixed inputs, bit for bit against golden digests made on
+  the CUDA emulation, NaN payloads and flush-to-zero edges told apart (goldens.py);
+- bandwidth: each kernel family at 1, 16 and 256 MiB against the device-to-device copy;
+- store: small-key calls against a bare CuPy loop, large keys against the copy;
+- trainer: gpukv.torch.Trainer against PyTorch's own optimizer step, weights compared;
+- tests: the checkout's gpu-marked tests, multi-GPU ones on virtual GPUs (suite.py).
+With --out DIR it writes gpucheck_<device>.json (rewritten after every section, so a run
+stopped from outside keeps what it found) and gpucheck_<device>.txt, the summary printed
+at the end. Exit status: 0 when no section failed, 1 when one did, 2 when there is no GPU
+(and no emulation asked for with GPUKV_CUDA_EMULATION=1) or an option is wrong.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+from .. import benchutil
+from . import machine as _machine
+from .budget import Budget
+from .section import Section
+
+SECTIONS = ("kernels", "bandwidth", "store", "trainer", "tests")
+#: share of the budget left that each section may take when it starts
+SHARES = {"kernels": 0.35, "bandwidth": 0.25, "store": 0.15, "trainer": 0.25, "tests": 1.0}
+DEFAULT_BUDGET_S = 480.0
+QUICK_BUDGET_S = 90.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpukv gpucheck",
+        description="Check and measure gpukv on this machine's GPU(s) in one command: "
+                    "what is there, the GPU tests, every kernel bit for bit against the "
+                    "emulation's goldens, kernel bandwidth against the copy, the store and "
+                    "the Trainer against bare CuPy and PyTorch.")
+    p.add_argument("--out", metavar="DIR", help="write gpucheck_<device>.json and .txt here")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and the device layer's tests only (a minute or two)")
+    p.add_argument("--budget", type=benchutil.nonnegative_float, metavar="SECONDS",
+                   help=f"the most the whole run may take (default {DEFAULT_BUDGET_S:.0f}, "
+                        f"{QUICK_BUDGET_S:.0f} with --quick); later sections are cut "
+                        "short, saying so")
+    p.add_argument("--sections", type=benchutil.name_list(SECTIONS, "section"),
+                   default=list(SECTIONS), metavar="LIST",
+                   help=f"which to run, comma-separated (default all: {','.join(SECTIONS)})")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="pytest processes for the tests (default: 4 on a GPU with 16 or "
+                        "more cores, else 1)")
+    return p
+
+
+def default_jobs(emulated: bool) -> int:
+    if emulated:
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        build_parser().error(f"--jobs {args.jobs}: expected 1 or more")
+    budget = Budget(args.budget if args.budget is not None
+                    else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S))
+    found = _machine.open_machine()
+    if isinstance(found, str):
+        print(f"gpukv gpucheck: {found}")
+        return 2
+    machine = found
+    out = Path(args.out) if args.out else None
+    record = Record(machine, args, budget, out)
+    environment = _machine.describe(machine).finish()
+    record.add(environment)
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
+        deadline = budget.share(SHARES[name])
+        section = Section(name)
+        try:
+            section = _run(name, machine, deadline, args)
+        except Exception as exc:  # a section that breaks is a finding; the others go on
+            section.crashed(exc)
+            section.line = section.failed[-1]
+        record.add(section.finish())
+    print(record.summary())
+    record.write(final=True)
+    return 1 if any(s.ok is False for s in record.sections) else 0
+
+
+def _run(name: str, machine, deadline, args) -> Section:
+    if name == "kernels":
+        from . import goldens
+        return goldens.run(deadline)
+    if name == "bandwidth":
+        from . import bandwidth
+        return bandwidth.run(deadline, quick=args.quick, emulated=machine.emulated)
+    if name == "store":
+        from . import store_timing
+        return store_timing.run(deadline, quick=args.quick, emulated=machine.emulated)
+    if name == "trainer":
+        from . import trainer_timing
+        return trainer_timing.run(deadline, quick=args.quick, emulated=machine.emulated)
+    from . import suite
+    jobs = args.jobs or default_jobs(machine.emulated)
+    work = args.out and Path(args.out) / "gpucheck-tests"
+    return suite.run(machine.root, machine.emulated, deadline, quick=args.quick, jobs=jobs,
+                     work_dir=work or None)
+
+
+class Record:
+    """The run's JSON record and text summary, rewritten as sections finish."""
+
+    def __init__(self, machine, args, budget: Budget, out: Path | None):
+        self.machine, self.args, self.budget, self.out = machine, args, budget, out
+        self.sections: list[Section] = []
+        self.created = datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+        stem = f"gpucheck_{benchutil.slug(machine.name)}"
+        self.json_path = out / f"{stem}.json" if out else None
+        self.text_path = out / f"{stem}.txt" if out else None
+
+    def add(self, section: Section) -> None:
+        self.sections.append(section)
+        print(f"[{self.budget.elapsed():5.0f} s] {section.name:<11} {_status(section):<7} "
+              f"{section.line}", flush=True)
+        self.write()
+
+    def payload(self) -> dict:
+        from ... import __version__
+        head = {"gpukv": __version__, "created_utc": self.created,
+                "command": command_line(),
+                "device": self.machine.name, "emulated": self.machine.emulated,
+                "quick": self.args.quick, "budget_s": round(self.budget.end
+                                                            - self.budget.start, 1),
+                "elapsed_s": round(self.budget.elapsed(), 1),
+                "ok": not any(s.ok is False for s in self.sections)}
+        return {"gpucheck": head, **{s.name: s.to_dict() for s in self.sections}}
+
+    def write(self, final: bool = False) -> None:
+        if self.json_path is None:
+            return
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.payload(), indent=1, default=str) + "\n")
+        os.replace(tmp, self.json_path)
+        if final and self.text_path is not None:
+            self.text_path.write_text(self.summary() + "\n")
+
+    def summary(self) -> str:
+        m = self.machine
+        budget = self.budget.end - self.budget.start
+        lines = [f"gpukv gpucheck on {m.name}" + (" (quick)" if self.args.quick else "")
+                 + f": {self.budget.elapsed():.0f} s of a {budget:.0f} s budget"]
+        for s in self.sections:
+            lines.append(f"  {s.name:<11} {_status(s):<7} {s.line}")
+            for failure in s.failed[:5]:
+                lines.append(f"      failed: {failure}")
+            if len(s.failed) > 5:
+                lines.append(f"      ... {len(s.failed) - 5} more in the JSON")
+            if s.cut:
+                lines.append(f"      cut: {s.cut}")
+        goals = [(s.name, g) for s in self.sections for g in s.goals]
+        judged = [g for _, g in goals if g["met"] is not None]
+        if goals:
+            why = ("the emulation's speeds say nothing of a GPU's" if m.emulated
+                   else "--quick sizes")
+            head = (f"{sum(g['met'] for g in judged)} of {len(judged)} met" if judged
+                    else "none judged")
+            if len(judged) < len(goals):
+                head += f" ({len(goals) - len(judged)} not judged: {why})"
+            lines.append(f"  goals: {head}")
+            for name, g in goals:
+                mark = {True: "met", False: "MISSED", None: "-"}[g["met"]]
+                value = "n/a" if g["value"] is None else f"{g['value']:.3g}{g['unit']}"
+                sign = "<=" if g["at_most"] else ">="
+                lines.append(f"    {mark:<6} {g['goal']}: {value} (goal {sign} "
+                             f"{g['target']:g}{g['unit']})")
+        if self.json_path:
+            lines.append(f"  written: {self.json_path}, {self.text_path}")
+        return "\n".join(lines)
+
+
+def command_line() -> str:
+    """This run's command as a user would type it."""
+    argv = sys.argv[1:]
+    if Path(sys.argv[0]).name == "__main__.py":  # python -m gpukv ...
+        return " ".join([Path(sys.executable).name, "-m", "gpukv", *argv])
+    return " ".join([Path(sys.argv[0]).name, *argv])
+
+
+def _status(section: Section) -> str:
+    if section.ok is None:
+        return "skipped"
+    if section.cut and not section.failed:
+        return "cut"
+    return "ok" if section.ok else "FAILED"

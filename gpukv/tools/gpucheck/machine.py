@@ -1,0 +1,132 @@
+"""Where gpucheck runs (a real GPU, or the checkout's CUDA emulation) and what it sees there.
+
+The emulation (tests/cuda_emulation, installed as `cupy` as the test suite installs it) is
+used only when asked for with `GPUKV_CUDA_EMULATION=1`, so that a machine whose GPU is
+broken is never measured on a stand-in by mistake.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .section import Section
+
+
+def checkout_root() -> Path | None:
+    """The source tree gpukv runs from, when it has the test suite beside it."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "tests" / "gpu_env.py").is_file() and (root / "tests" / "conftest.py").is_file():
+        return root
+    return None
+
+
+@dataclass
+class Machine:
+    emulated: bool
+    root: Path | None
+    gpus: list            # [{'id', 'name', 'memory_GiB', 'compute_capability', ...}]
+
+    @property
+    def name(self) -> str:
+        if self.emulated:
+            return "CUDA emulation"
+        return self.gpus[0]["name"] if self.gpus else "no GPU"
+
+
+def wants_emulation() -> bool:
+    return os.environ.get("GPUKV_CUDA_EMULATION", "") == "1"
+
+
+def open_machine() -> Machine | str:
+    """The machine to check, or one line saying why there is none."""
+    root = checkout_root()
+    emulated = wants_emulation()
+    if emulated:
+        if root is None:
+            return ("GPUKV_CUDA_EMULATION=1, but the CUDA emulation lives in a checkout's "
+                    "tests/ and none is beside this gpukv")
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        # the test suite's own installer of the emulation
+        importlib.import_module("tests.gpu_env").install()
+    from ...device.cuda import probe
+    try:
+        gpus = probe.gpu_properties()
+    except Exception as exc:  # a driver that answers with an error
+        return f"CUDA is unusable here: {type(exc).__name__}: {exc}"
+    if not gpus:
+        return (f"no GPU here ({probe.no_gpu_reason()}); in a checkout, "
+                "GPUKV_CUDA_EMULATION=1 runs the check on the CUDA emulation")
+    return Machine(emulated, root, gpus)
+
+
+def describe(machine: Machine) -> Section:
+    """The environment section: GPUs, driver, CUDA runtime, CuPy, NCCL, PyTorch, peer access."""
+    from ...device.cuda import probe
+    from ...device.cuda.device import gpu_devices
+    section = Section("environment")
+    data = section.data
+    data["emulated"] = machine.emulated
+    data["gpus"] = machine.gpus
+    data["cupy"] = probe.cupy_versions()
+    data["nccl"] = probe.nccl_versions()
+    data["host"] = {"python": platform.python_version(), "cpu": probe.cpu_model(),
+                    "logical_cpus": os.cpu_count(), "platform": platform.platform()}
+    try:
+        import numpy
+        data["host"]["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover - gpukv needs NumPy
+        pass
+    physical = [g["id"] for g in machine.gpus]
+    try:
+        data["peer_access"] = probe.peer_access(physical)
+    except Exception as exc:
+        section.fail(f"peer access could not be asked: {type(exc).__name__}: {exc}")
+    try:
+        data["logical_devices"] = len(gpu_devices())
+    except Exception as exc:
+        section.fail(f"gpukv's devices: {type(exc).__name__}: {exc}")
+    data["torch"] = torch_facts()
+    if data["cupy"].get("error"):
+        section.fail(f"CuPy: {data['cupy']['error']}")
+    section.line = environment_line(data, machine)
+    return section
+
+
+def torch_facts() -> dict:
+    try:
+        import torch
+    except Exception as exc:
+        return {"installed": False, "reason": f"{type(exc).__name__}: {exc}"}
+    out = {"installed": True, "version": torch.__version__,
+           "cuda": getattr(torch.version, "cuda", None),
+           "cuda_available": bool(torch.cuda.is_available())}
+    if out["cuda_available"]:
+        out["device"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def environment_line(data: dict, machine: Machine) -> str:
+    gpus = machine.gpus
+    first = gpus[0]
+    what = (f"{len(gpus)} x {first['name']}" if len(gpus) > 1 else first["name"])
+    cupy, nccl, torch = data["cupy"], data["nccl"], data["torch"]
+    parts = [f"{what} ({first['memory_GiB']} GiB, compute {first['compute_capability']})",
+             f"driver CUDA {cupy.get('cuda_driver')}, runtime {cupy.get('cuda_runtime')}",
+             f"CuPy {cupy.get('version')}",
+             f"NCCL {nccl.get('version')}" if nccl.get("available") else "no NCCL"]
+    if torch.get("installed"):
+        parts.append(f"torch {torch['version']}"
+                     + (f" (CUDA {torch['cuda']})" if torch.get("cuda_available")
+                        else " (no CUDA)"))
+    else:
+        parts.append("no torch")
+    access = data.get("peer_access")
+    if access is not None and len(access) > 1:
+        pairs = sum(a for i, row in enumerate(access) for j, a in enumerate(row) if i != j)
+        parts.append(f"peer access {pairs} of {len(access) * (len(access) - 1)} pairs")
+    return "; ".join(parts)

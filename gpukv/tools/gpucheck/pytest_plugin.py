@@ -1,0 +1,67 @@
+"""A pytest plugin for gpucheck's test section (`pytest -p gpukv.tools.gpucheck.pytest_plugin`).
+
+`GPUCHECK_SELECT=FILE` keeps only the test ids listed in FILE (one per line), so several
+pytest processes can share one run's tests. `GPUCHECK_REPORT=FILE` appends one JSON line
+per event as it happens (flushed at once): the ids collected, each test's start, each
+phase's outcome with its message, and the end, so a run killed at its deadline still
+says which tests passed, failed, or were running.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+_MESSAGE_CHARS = 400
+
+
+def _write(event: dict) -> None:
+    path = os.environ.get("GPUCHECK_REPORT")
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def message(report) -> str:
+    """The one line that says why a test failed or skipped."""
+    longrepr = report.longrepr
+    if longrepr is None:
+        return ""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        text = str(longrepr[2]).removeprefix("Skipped: ")
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = getattr(crash, "message", None) or str(longrepr).strip().splitlines()[-1]
+    text = " ".join(str(text).split())
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
+
+
+def pytest_collection_modifyitems(config, items):
+    path = os.environ.get("GPUCHECK_SELECT")
+    if not path:
+        return
+    with open(path, encoding="utf-8") as f:
+        keep = {line.strip() for line in f if line.strip()}
+    selected = [item for item in items if item.nodeid in keep]
+    dropped = [item for item in items if item.nodeid not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = selected
+
+
+def pytest_collection_finish(session):
+    _write({"event": "collected", "ids": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _write({"event": "start", "id": nodeid})
+
+
+def pytest_runtest_logreport(report):
+    _write({"event": "report", "id": report.nodeid, "when": report.when,
+            "outcome": report.outcome, "seconds": round(report.duration, 3),
+            "message": message(report) if report.outcome != "passed" else ""})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _write({"event": "finish", "status": int(exitstatus)})

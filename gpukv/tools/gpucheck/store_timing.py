@@ -1,0 +1,164 @@
+"""gpucheck's store section: the 'device' store on the GPU against bare CuPy.
+
+Small keys (4 KB of float32, four values on GPU 0): push, pull and pushpull, microseconds
+per call (host time of many calls, then one synchronisation: what a training loop pays),
+against a bare CuPy loop doing the same arithmetic (sum the four values into the stored
+array, copy it into the four outs). The calls are timed in turns, medians of a few
+rounds. Large keys: push + pull of four values, CUDA events, as a fraction of the
+device-to-device copy bandwidth measured in the same run (bytes = read + written: a push
+reads four values and writes the stored one, a pull reads it and writes four).
+Goal (on a real GPU): the 4 KB pushpull within 1.5x the bare loop.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from .budget import Deadline
+from .section import Section
+
+VALUES = 4
+SMALL_BYTES = 4 << 10
+LARGE_BYTES, QUICK_LARGE_BYTES = 256 << 20, 1 << 20
+SMALL_GOAL = 1.5
+ROUNDS = 5
+
+
+SUM = VALUES * (VALUES + 1) / 2  # values 1, 2, ... summed
+
+
+def _sums_right(cp, values, step) -> bool:
+    """After the values are set to 1, 2, ... and `step` sums them, does each hold SUM?"""
+    for i, v in enumerate(values):
+        v.fill(float(i + 1))
+    step()
+    return all(bool(cp.all(v == SUM)) for v in values)
+
+
+def per_call(call, sync, calls: int) -> float:
+    """Seconds per call of `calls` back-to-back calls, the work finished."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def small_ways(cp, kv, key, values) -> dict:
+    """{(operation, way): call} for the small key: gpukv's calls and their bare twins."""
+    stored = cp.empty_like(values[0])
+
+    def bare_push():
+        cp.add(values[0], values[1], out=stored)
+        for v in values[2:]:
+            cp.add(stored, v, out=stored)
+
+    def bare_pull():
+        for o in values:
+            cp.copyto(o, stored)
+
+    def bare_pushpull():
+        bare_push()
+        bare_pull()
+
+    return {("push", "gpukv"): lambda: kv.push(key, values),
+            ("push", "cupy"): bare_push,
+            ("pull", "gpukv"): lambda: kv.pull(key, out=values),
+            ("pull", "cupy"): bare_pull,
+            ("pushpull", "gpukv"): lambda: kv.pushpull(key, values),
+            ("pushpull", "cupy"): bare_pushpull}
+
+
+def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
+    import gpukv
+
+    from ...device.cuda.device import cuda_device
+    from ...device.cuda.probe import release_cached_memory
+    from ...device.cuda.timing import clock_for_devices
+    section = Section("store")
+    device = cuda_device(0)
+    cp = device.xp
+    sync = device.synchronize
+    with cp.cuda.Device(device.physical):
+        kv = gpukv.create("device")
+        small = [cp.full(SMALL_BYTES // 4, float(i + 1), cp.float32) for i in range(VALUES)]
+        kv.init("small", small[0])
+        ways = small_ways(cp, kv, "small", small)
+        calls = 20 if quick else 200
+        for call in ways.values():  # warm: compiles, plans, pools
+            per_call(call, sync, 3)
+        found: dict = {k: [] for k in ways}
+        for _ in range(2 if quick else ROUNDS):
+            if deadline.passed():
+                section.cut = "the budget ran out during the small keys"
+                break
+            for k, call in ways.items():
+                found[k].append(per_call(call, sync, calls))
+        small_rows = []
+        for op in ("push", "pull", "pushpull"):
+            if not found[(op, "gpukv")]:
+                continue
+            mine = statistics.median(found[(op, "gpukv")])
+            bare = statistics.median(found[(op, "cupy")])
+            small_rows.append({"operation": op, "bytes": SMALL_BYTES, "values": VALUES,
+                               "gpukv_us": mine * 1e6, "cupy_us": bare * 1e6,
+                               "ratio": mine / bare})
+        if not _sums_right(cp, small, lambda: kv.pushpull("small", small)):
+            section.fail(f"the 4 KB key's pushpull did not give {SUM} in every value")
+        large = _large(section, cp, device, gpukv, clock_for_devices,
+                       QUICK_LARGE_BYTES if quick else LARGE_BYTES, deadline, quick)
+    release_cached_memory()
+    section.data.update(small=small_rows, large=large,
+                        method="small: host seconds per call over back-to-back calls with "
+                        "one synchronisation, medians of rounds in turns; large: CUDA events")
+    by_op = {r["operation"]: r for r in small_rows}
+    if "pushpull" in by_op:
+        section.goal("4 KB pushpull, gpukv / bare CuPy loop", by_op["pushpull"]["ratio"],
+                     SMALL_GOAL, at_most=True, unit="x", judged=not emulated and not quick)
+    parts = [f"4 KB {r['operation']} {r['gpukv_us']:.0f} us ({r['ratio']:.2f}x CuPy)"
+             for r in small_rows]
+    if large:
+        parts.append(f"{large['bytes'] >> 20} MiB push+pull at "
+                     f"{large['copy_fraction']:.0%} of the copy")
+    section.line = "; ".join(parts)
+    return section
+
+
+def _large(section, cp, device, gpukv, clock_for_devices, nbytes, deadline, quick) -> dict:
+    if deadline.passed():
+        section.cut = "the budget ran out before the large key"
+        return {}
+    n = nbytes // 4
+    values = [cp.full(n, float(i + 1), cp.float32) for i in range(VALUES)]
+    kv = gpukv.create("device")
+    kv.init("large", values[0])
+    clock = clock_for_devices([device])
+
+    def step():
+        kv.push("large", values)
+        kv.pull("large", out=values)
+
+    def copy():
+        device.copy(values[1], values[0])
+
+    iters = 2 if quick else 10
+    times = {}
+    for name, call in (("copy", copy), ("push+pull", step)):
+        call()
+        device.synchronize()
+        pairs = []
+        for _ in range(3):
+            start = clock.start()
+            for _ in range(iters):
+                call()
+            pairs.append((start, clock.stop()))
+        times[name] = statistics.median(clock.elapsed(pairs)) / iters
+    copy_gbps = 2 * nbytes / times["copy"] / 1e9
+    moved = 2 * nbytes * (VALUES + 1)
+    gbps = moved / times["push+pull"] / 1e9
+    if not _sums_right(cp, values, step):
+        section.fail(f"the large key's push+pull did not give {SUM} in every value")
+    return {"bytes": nbytes, "values": VALUES, "seconds": times["push+pull"],
+            "moved_bytes": moved, "GBps": gbps, "copy_GBps": copy_gbps,
+            "copy_fraction": gbps / copy_gbps}

@@ -1,0 +1,364 @@
+"""`python -m gpukv gpucheck`: the one command a lent GPU runs, kept working on the CUDA
+emulation: every section written, kernels against their goldens, failures and cuts of
+the test section named, and a clear line when there is no GPU at all."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpukv.tools.gpucheck import cli, goldens, kernel_cases, suite
+from gpukv.tools.gpucheck.budget import Budget
+from gpukv.tools.gpucheck.section import Section
+
+from .. import gpu_env
+
+SECTIONS = ("environment", "kernels", "bandwidth", "store", "trainer", "tests")
+
+
+def _env(**extra):
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------ the command
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `gpucheck --quick` on the CUDA emulation: (exit status, output, JSON, seconds)."""
+    out = tmp_path_factory.mktemp("gpucheck")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck", "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env=_env(GPUKV_CUDA_EMULATION="1"), cwd=out)
+    seconds = time.monotonic() - start
+    (path,) = out.glob("gpucheck_*.json")
+    return proc.returncode, proc.stdout + proc.stderr, json.loads(path.read_text()), seconds
+
+
+def test_quick_run_on_the_emulation_writes_every_section(quick_run):
+    """Each section runs, passes and says what it found; the record names the device."""
+    status, output, record, _ = quick_run
+    assert status == 0, output
+    assert record["gpucheck"]["device"] == "CUDA emulation" and record["gpucheck"]["ok"]
+    for name in SECTIONS:
+        assert record[name]["ok"] is True, (name, record[name])
+        assert record[name]["summary"], name
+        assert f"  {name}" in output
+    assert record["tests"]["passed"] == record["tests"]["collected"] > 100
+    assert record["kernels"]["identical"] == record["kernels"]["cases"] == len(
+        kernel_cases.all_cases())
+    kernels = {r["kernel"] for r in record["bandwidth"]["rows"]}
+    assert {"device-to-device memcpy", "sum of 2 terms", "canonical tree sum of 4 leaves",
+            "2bit encode", "adam step", "lamb step"} <= kernels
+    assert all(r["copy_fraction"] > 0 for r in record["bandwidth"]["rows"])
+    assert {r["operation"] for r in record["store"]["small"]} == {"push", "pull", "pushpull"}
+    assert record["trainer"]["weights_close"] is True
+
+
+def test_quick_run_keeps_to_its_time(quick_run):
+    """--quick on the emulation stays within its 90 s budget, start-up included."""
+    _, _, record, seconds = quick_run
+    assert record["gpucheck"]["elapsed_s"] <= record["gpucheck"]["budget_s"] == 90
+    assert seconds < 90
+
+
+def test_goals_on_the_emulation_are_listed_but_not_judged(quick_run):
+    """The emulation's speeds say nothing of a GPU's: every goal is shown, none judged."""
+    _, output, record, _ = quick_run
+    goals = [g for name in SECTIONS for g in record[name]["goals"]]
+    assert goals and all(g["met"] is None for g in goals)
+    assert "none judged" in output
+
+
+def test_without_any_gpu_it_says_so_in_one_line():
+    """No GPU visible and no emulation asked for: one line, exit status 2."""
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck"], capture_output=True,
+                          text=True, timeout=120,
+                          env=_env(GPUKV_CUDA_EMULATION="0", CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no GPU here" in lines[0], proc.stdout
+    assert "GPUKV_CUDA_EMULATION=1" in lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--jobs", "0"], "--jobs 0"),
+    (["--sections", "tests,bogus"], "bogus"),
+    (["--budget", "-3"], "-3"),
+])
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    """A wrong option stops before anything runs, naming the value."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------- the goldens
+def test_every_case_has_one_golden_and_no_golden_is_stale():
+    """The goldens file holds exactly the cases gpucheck runs."""
+    assert set(goldens.load()) == {c.name for c in kernel_cases.all_cases()}
+
+
+def test_the_cases_reach_every_kernel_gpukv_launches():
+    """Every dtype the sum kernels are made for, every compression kernel, every optimizer
+    rule (with its row-sparse form where it has one) is among the cases."""
+    from gpukv.device.cuda import compression_kernels, kernels
+    from gpukv.optim import registered
+    names = [c.name for c in kernel_cases.all_cases()]
+    summed = {t for t, _ in kernel_cases.SUM_PAIRS}
+    assert summed == set(kernels._CTYPES)
+    for family in ("sum", "tree sum"):
+        assert {n.split()[-1].split("->")[0] for n in names if n.startswith(family + " ")} \
+            == summed
+    for entry in ("quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit"):
+        assert f"gpukv_{entry}" in compression_kernels.CUDA_SOURCE
+    assert {"compression 2bit", "compression 1bit", "compression fp16",
+            "compression bf16"} <= set(names)
+    configs = {type(make()) for make in kernel_cases.optimizer_configs().values()}
+    assert configs == set(registered())
+    sparse = {cls().name for cls in registered()
+              if cls().lazy_rows() or cls().sparse_cuda_body != cls().cuda_body}
+    rows = {kernel_cases.optimizer_configs()[c]().name for c in kernel_cases.ROW_CONFIGS}
+    assert sparse <= rows
+
+
+def test_inputs_are_the_same_for_the_same_name_and_carry_special_values():
+    """A case's inputs depend only on its name, and float inputs hold NaNs, infinities,
+    subnormals and signed zeros."""
+    a = kernel_cases.values(kernel_cases.rng_for("x"), 5000, np.float32)
+    b = kernel_cases.values(kernel_cases.rng_for("x"), 5000, np.float32)
+    c = kernel_cases.values(kernel_cases.rng_for("y"), 5000, np.float32)
+    assert a.tobytes() == b.tobytes() != c.tobytes()
+    bits = a.view(np.uint32)
+    assert np.isnan(a).sum() >= 3 and np.isinf(a).sum() >= 2
+    assert ((bits & 0x7F800000) == 0).sum() >= 3  # zeros and subnormals
+    assert len(set((bits[np.isnan(a)] & 0x007FFFFF).tolist())) >= 2  # several payloads
+
+
+F32 = st.integers(0, 2**32 - 1).map(lambda b: np.array([b], np.uint32).view(np.float32))
+
+
+@given(F32, F32)
+def test_canonical_float32_bits_forget_only_nan_payloads_and_flushed_values(x, y):
+    """Two float32 values are canonically equal exactly when they are the same bits, both
+    NaN, or both of magnitude at most the smallest normal."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    same = x.view(np.uint32)[0] == y.view(np.uint32)[0]
+    nan = np.isnan(x[0]) and np.isnan(y[0])
+    flushed = abs(x[0]) <= tiny and abs(y[0]) <= tiny
+    canonical = goldens.canonical_bits(x)[0] == goldens.canonical_bits(y)[0]
+    assert canonical == (same or nan or flushed)
+
+
+def test_float16_subnormals_stay_and_integers_are_untouched():
+    """float16 keeps its subnormals (its arithmetic runs in float32); integers are bits."""
+    h = np.array([0x0001, 0x0000], np.uint16).view(np.float16)
+    assert goldens.canonical_bits(h).tolist() == [1, 0]
+    assert goldens.canonical_bits(np.array([-1, 7], np.int32)).tolist() == \
+        np.array([-1, 7], np.int32).view(np.uint32).tolist()
+
+
+CASES = kernel_cases.all_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_kernel_gives_its_golden(case):
+    """Each case on GPU 0 gives its golden digest: exactly on the emulation (which made
+    them), on a GPU within the documented exceptions (NaN payloads, flush-to-zero edges)."""
+    from gpukv.device.cuda.device import cuda_device
+    golden = goldens.load()[case.name]
+    got = goldens.run_case(case, cuda_device(0))
+    if gpu_env.EMULATED:
+        assert goldens.digest(got) == golden["exact"]
+    else:
+        assert goldens.digest(got, canonical=True) == golden["canonical"]
+
+
+def _fake_case(name, outputs):
+    return kernel_cases.KernelCase(name, "fake", lambda device: dict(outputs))
+
+
+@pytest.mark.gpu
+def test_kernels_section_tells_documented_differences_from_mismatches():
+    """Outputs equal to a golden but for a NaN payload are reported as within the
+    exceptions; outputs that differ in a normal value fail, naming the case and the
+    output and element that differ from the host twin."""
+    nan = np.array([1.0, np.nan], np.float32)
+    other_nan = nan.copy()
+    other_nan.view(np.uint32)[1] = 0x7FC0BEEF
+    cases = [_fake_case("payload", {"out": other_nan}),
+             _fake_case("wrong", {"out": np.array([1.0, 3.0], np.float32)})]
+    made = {"payload": goldens.record({"out": nan}),
+            "wrong": goldens.record({"out": np.array([1.0, 2.0], np.float32)})}
+    section = goldens.run(Budget(60).share(1.0), cases, made)
+    assert section.data["documented"] == [{"case": "payload", "exceptions": ["NaN payloads"]}]
+    assert section.ok is False and len(section.failed) == 1
+    assert section.failed[0].startswith("wrong: differs from the emulation's golden")
+    assert section.data["mismatches"][0]["case"] == "wrong"
+
+
+@pytest.mark.gpu
+def test_kernels_section_out_of_time_is_cut_not_passed():
+    """A section whose deadline has passed runs no case and says it was cut."""
+    section = goldens.run(Budget(0).share(1.0), kernel_cases.all_cases()[:3], {})
+    assert section.ok is False and section.cut and len(section.data["not_run"]) == 3
+
+
+# ------------------------------------------------------------------ the test section
+def test_shards_keep_files_whole_and_balance():
+    """Tests are shared out file by file, the largest files first to the emptiest shard."""
+    ids = [f"tests/a.py::t{i}" for i in range(6)] + [f"tests/b.py::t{i}" for i in range(3)] \
+        + [f"tests/c.py::t{i}" for i in range(3)]
+    groups = suite.shards(ids, 2)
+    assert sorted(len(g) for g in groups) == [6, 6]
+    for g in groups:
+        assert len({i.split("::")[0] for i in g}) in (1, 2)
+    assert sorted(i for g in groups for i in g) == sorted(ids)
+    assert suite.shards(ids, 10) and len(suite.shards(ids, 10)) == 3
+
+
+def test_outcomes_read_every_kind_of_result():
+    """Passed, failed, errored, skipped and interrupted tests are told apart."""
+    def report(nodeid, when, outcome, message=""):
+        return {"event": "report", "id": nodeid, "when": when, "outcome": outcome,
+                "message": message}
+    events = [{"event": "start", "id": "p"}, report("p", "setup", "passed"),
+              report("p", "call", "passed"), report("p", "teardown", "passed"),
+              {"event": "start", "id": "f"}, report("f", "setup", "passed"),
+              report("f", "call", "failed", "assert 1 == 2"),
+              report("f", "teardown", "passed"),
+              {"event": "start", "id": "e"}, report("e", "setup", "failed", "boom"),
+              report("e", "teardown", "passed"),
+              {"event": "start", "id": "s"}, report("s", "setup", "skipped", "no NCCL"),
+              report("s", "teardown", "passed"),
+              {"event": "start", "id": "i"}, report("i", "setup", "passed")]
+    found = suite.outcomes(events)
+    assert {k: v["outcome"] for k, v in found.items()} == {
+        "p": "passed", "f": "failed", "e": "error", "s": "skipped", "i": "interrupted"}
+    assert found["f"]["message"] == "call: assert 1 == 2"
+    assert found["s"]["message"] == "no NCCL"
+
+
+FAKE_TESTS = {
+    "conftest.py": """
+        def pytest_configure(config):
+            config.addinivalue_line("markers", "gpu: a GPU test")
+            config.addinivalue_line("markers", "multi_gpu(n): several GPUs")
+    """,
+    "test_one.py": """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_passes():
+            assert True
+
+        @pytest.mark.gpu
+        def test_fails():
+            assert 1 + 1 == 3, "arithmetic is broken"
+
+        @pytest.mark.multi_gpu(4)
+        def test_skips():
+            pytest.skip("needs NCCL")
+
+        def test_not_a_gpu_test():
+            raise AssertionError("never selected")
+    """,
+    "test_two.py": """
+        import time
+        import pytest
+
+        @pytest.mark.gpu
+        def test_hangs():
+            time.sleep(120)
+
+        @pytest.mark.gpu
+        def test_after_the_hang():
+            assert True
+    """,
+}
+
+
+@pytest.fixture
+def fake_checkout(tmp_path):
+    """A checkout whose tests/ holds GPU tests that pass, fail, skip and hang."""
+    (tmp_path / "tests").mkdir()
+    for name, text in FAKE_TESTS.items():
+        (tmp_path / "tests" / name).write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def test_test_section_names_failures_and_what_the_deadline_cut(fake_checkout, tmp_path):
+    """Each failure is listed with its test id and message, a skip with its reason; at
+    the deadline the hanging test is reported as cut while running, the one after it as
+    never run, and the section as cut."""
+    section = suite.run(fake_checkout, False, Budget(12).share(1.0), quick=False, jobs=2,
+                        work_dir=tmp_path / "work")
+    data = section.data
+    assert data["collected"] == 5 and data["jobs"] == 2
+    assert (data["passed"], data["failed"], data["skipped"]) == (1, 1, 1)
+    assert data["interrupted"] + data["not_run"] == 2
+    failed = "\n".join(section.failed)
+    assert "tests/test_one.py::test_fails: call: AssertionError: arithmetic is broken" in failed
+    assert "tests/test_two.py::test_hangs: cut while running" in failed
+    assert data["skip_reasons"] == [{"reason": "needs NCCL", "tests": 1}]
+    assert section.cut and section.ok is False
+
+
+def test_test_section_without_a_checkout_is_skipped_not_failed():
+    """An installed gpukv without tests/ beside it skips the section, saying why."""
+    section = suite.run(None, False, Budget(5).share(1.0), quick=True, jobs=1)
+    assert section.ok is None and "checkout" in section.skipped
+
+
+def test_pytest_without_the_timeout_plugin_still_starts(monkeypatch):
+    """setup.cfg's `timeout` needs pytest-timeout, which a bare GPU machine may lack:
+    the command then drops --strict-config, which would stop pytest before any test."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pytest_timeout" else real(name, *a))
+    command = suite.pytest_command(["tests/device"])
+    assert command[-2:] == ["-o", "addopts=--strict-markers -ra"]
+    proc = subprocess.run(command[:3] + ["-p", "no:timeout"] + command[3:] + ["--co", "-q"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=gpu_env.ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------- sections
+def test_a_section_is_ok_only_when_nothing_failed_and_nothing_was_cut():
+    """ok: None when skipped, False when failed or cut, True otherwise; goals apart."""
+    s = Section("x")
+    s.goal("speed", 0.5, 0.8)
+    assert s.ok is True and s.goals[0]["met"] is False
+    s.cut = "out of time"
+    assert s.ok is False
+    skipped = Section("y")
+    skipped.skipped = "no torch"
+    assert skipped.ok is None
+    failed = Section("z")
+    failed.fail("broken")
+    assert failed.ok is False
+    failed.goal("unjudged", 1.0, 2.0, judged=False)
+    assert failed.goals[0]["met"] is None
+
+
+def test_budget_shares_what_is_left():
+    """A share is a fraction of the time left, never past the budget's end."""
+    now = [100.0]
+    budget = Budget(60, clock=lambda: now[0])
+    first = budget.share(0.5)
+    assert first.left() == 30
+    now[0] += 40
+    assert first.passed() and budget.left() == 20
+    assert budget.share(0.25, at_least=100).left() == 20
