@@ -1,7 +1,7 @@
 """gpucheck's bandwidth section: each kernel family against the device-to-device copy.
 
-Every kernel gpukv runs streams memory, so its speed is the bytes it must move (read +
-written, for float32 data of the given size) over its time, compared with a plain
+Every kernel gpukv runs streams memory, so its speed is the least bytes it must move (read
++ written, for float32 data of the given size) over its time, compared with a plain
 device-to-device memcpy of the same size measured in the same run (read + written bytes
 counted too), as nccl-tests compares bus bandwidth with the hardware's. Times are CUDA
 events around back-to-back calls on the device's stream, the call as the store makes it
@@ -11,18 +11,16 @@ Goals (on a real GPU, at the largest size): sums at >= 80% of the copy, optimize
 """
 from __future__ import annotations
 
-import statistics
-
 import numpy as np
 
 from .budget import Deadline
 from .section import Section
+from .timing import seconds_per_call
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 16 * MIB, 256 * MIB)
 QUICK_SIZES = (256 << 10,)
 SUM_GOAL, OPTIMIZER_GOAL = 0.80, 0.70
-BATCHES = 3
 
 
 def size_text(nbytes: int) -> str:
@@ -122,24 +120,6 @@ def _optimizer_families(device, n: int, arr) -> list:
     return found
 
 
-def time_call(device, call, iters: int) -> float:
-    """Seconds per call: the median of BATCHES batches of `iters` calls, CUDA events."""
-    from ...device.cuda.timing import clock_for_devices
-    clock = clock_for_devices([device])
-    with device.activate():
-        call()  # warm: compiles, allocates states
-        device.synchronize()
-        pairs = []
-        for _ in range(BATCHES):
-            start = clock.start()
-            for _ in range(iters):
-                call()
-            pairs.append((start, clock.stop()))
-    times = clock.elapsed(pairs)
-    device.synchronize()
-    return statistics.median(times) / iters
-
-
 def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
     from ...device.cuda.device import cuda_device
     from ...device.cuda.probe import release_cached_memory
@@ -152,20 +132,25 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         if deadline.passed():
             section.cut = f"the budget ran out before {size_text(nbytes)}"
             break
-        n = nbytes // 4
-        for fam in families(device, n):
+        try:
+            measured = families(device, nbytes // 4)
+        except Exception as exc:  # e.g. out of memory: the sizes done so far stand
+            section.fail(f"making the {size_text(nbytes)} arrays: {type(exc).__name__}: {exc}")
+            break
+        for fam in measured:
             if deadline.passed():
                 section.cut = f"the budget ran out during {size_text(nbytes)}"
                 break
             row = {"family": fam.family, "kernel": fam.label, "bytes": nbytes}
             try:
-                seconds = time_call(device, fam.call, iterations(nbytes, quick))
+                seconds = seconds_per_call(device, fam.call, iterations(nbytes, quick))
             except Exception as exc:
                 section.fail(f"{fam.label} at {size_text(nbytes)}: {type(exc).__name__}: {exc}")
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 rows.append(row)
                 continue
-            row.update(seconds=seconds, moved_bytes=fam.moved, GBps=fam.moved / seconds / 1e9)
+            row.update(seconds=seconds, minimal_bytes=fam.moved,
+                       GBps=fam.moved / seconds / 1e9)
             if fam.label == "device-to-device memcpy":
                 copy_gbps[nbytes] = row["GBps"]
             row["copy_fraction"] = row["GBps"] / copy_gbps[nbytes] if nbytes in copy_gbps \
@@ -174,14 +159,17 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         release_cached_memory()
     section.data.update(sizes=list(sizes), copy_GBps={str(k): v for k, v in copy_gbps.items()},
                         rows=rows, method="CUDA events around back-to-back calls on the "
-                        "device's stream, median of 3 batches; bytes = read + written")
+                        "device's stream, median of 3 batches; bytes: the least each call "
+                        "must read and write (a codec that runs several CuPy kernels "
+                        "moves more)")
     _goals(section, rows, max(sizes), judged=not emulated and not quick)
-    kernels = [r for r in rows if r["bytes"] == max(sizes) and r.get("copy_fraction")
+    largest = max(copy_gbps, default=None)  # the largest size measured
+    kernels = [r for r in rows if r["bytes"] == largest and r.get("copy_fraction")
                and r["kernel"] != "device-to-device memcpy"]
-    if kernels:
+    if largest is not None and kernels:
         worst = min(kernels, key=lambda r: r["copy_fraction"])
         best = max(kernels, key=lambda r: r["copy_fraction"])
-        section.line = (f"copy {copy_gbps[max(sizes)]:.0f} GB/s at {size_text(max(sizes))}; "
+        section.line = (f"copy {copy_gbps[largest]:.0f} GB/s at {size_text(largest)}; "
                         f"{len(kernels)} kernels at {worst['copy_fraction']:.0%} "
                         f"({worst['kernel']}) to {best['copy_fraction']:.0%} of it")
     return section

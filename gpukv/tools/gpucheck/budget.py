@@ -24,10 +24,10 @@ class Budget:
         """Seconds left of the whole budget (never below zero)."""
         return max(0.0, self.end - self.clock())
 
-    def share(self, fraction: float, at_least: float = 0.0) -> Deadline:
-        """A deadline `fraction` of what is left from now (at least `at_least` seconds,
-        never past the budget's end)."""
-        left = self.left()
+    def share(self, fraction: float, at_least: float = 0.0, keep: float = 0.0) -> Deadline:
+        """A deadline `fraction` of what is left from now, less `keep` seconds kept for
+        what must follow (at least `at_least` seconds, never past the budget's end)."""
+        left = max(0.0, self.left() - keep)
         return Deadline(self.clock, self.clock() + min(left, max(at_least, fraction * left)))
 
 

@@ -9,10 +9,13 @@ tests take whatever remains):
 - store: small-key calls against a bare CuPy loop, large keys against the copy;
 - trainer: gpukv.torch.Trainer against PyTorch's own optimizer step, weights compared;
 - tests: the checkout's gpu-marked tests, multi-GPU ones on virtual GPUs (suite.py).
-With --out DIR it writes gpucheck_<device>.json (rewritten after every section, so a run
-stopped from outside keeps what it found) and gpucheck_<device>.txt, the summary printed
-at the end. Exit status: 0 when no section failed, 1 when one did, 2 when there is no GPU
-(and no emulation asked for with GPUKV_CUDA_EMULATION=1) or an option is wrong.
+The four measuring sections each run in a process of their own (isolated.py), so a hang, a
+crash or a sticky CUDA error costs one section; SIGTERM ends every process the run started
+and keeps the record of what finished. With --out DIR it writes gpucheck_<device>.json
+(rewritten after every section, so a run stopped from outside keeps what it found) and
+gpucheck_<device>.txt, the summary printed at the end. Exit status: 0 when no section
+failed, 1 when one did or the run was interrupted, 2 when there is no GPU (and no
+emulation asked for with GPUKV_CUDA_EMULATION=1) or an option is wrong.
 """
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from .. import benchutil
+from . import isolated, processes, suite
 from . import machine as _machine
 from .budget import Budget
 from .section import Section
@@ -33,6 +39,8 @@ SECTIONS = ("kernels", "bandwidth", "store", "trainer", "tests")
 SHARES = {"kernels": 0.35, "bandwidth": 0.25, "store": 0.15, "trainer": 0.25, "tests": 1.0}
 DEFAULT_BUDGET_S = 480.0
 QUICK_BUDGET_S = 90.0
+#: seconds the tests leave at the end of the budget, to stop their processes and write
+TESTS_KEEP_S = 15.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,15 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
                    default=list(SECTIONS), metavar="LIST",
                    help=f"which to run, comma-separated (default all: {','.join(SECTIONS)})")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="pytest processes for the tests (default: 4 on a GPU with 16 or "
-                        "more cores, else 1)")
+                   help="pytest processes for the tests (default: one per 4 cores, at most "
+                        "4; 1 on the emulation)")
     return p
 
 
 def default_jobs(emulated: bool) -> int:
+    """pytest processes: one per 4 cores, at most 4 (one on the emulation)."""
     if emulated:
         return 1
     return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+class Interrupted(Exception):
+    """SIGTERM (or SIGHUP) reached the run: it ends its children and writes what it has."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def main(argv=None) -> int:
@@ -74,45 +91,47 @@ def main(argv=None) -> int:
     if isinstance(found, str):
         print(f"gpukv gpucheck: {found}")
         return 2
-    machine = found
-    out = Path(args.out) if args.out else None
-    record = Record(machine, args, budget, out)
-    environment = _machine.describe(machine).finish()
-    record.add(environment)
-    for name in SECTIONS:
-        if name not in args.sections:
-            continue
-        deadline = budget.share(SHARES[name])
-        section = Section(name)
-        try:
-            section = _run(name, machine, deadline, args)
-        except Exception as exc:  # a section that breaks is a finding; the others go on
-            section.crashed(exc)
-            section.line = section.failed[-1]
-        record.add(section.finish())
+    record = Record(found, args, budget, Path(args.out) if args.out else None)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        _run_sections(record, found, args, budget)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        record.interrupted = f"{type(exc).__name__} {exc}".strip()
+    finally:
+        processes.stop_all()
     print(record.summary())
     record.write(final=True)
+    if record.interrupted:
+        return 1
     return 1 if any(s.ok is False for s in record.sections) else 0
 
 
-def _run(name: str, machine, deadline, args) -> Section:
-    if name == "kernels":
-        from . import goldens
-        return goldens.run(deadline)
-    if name == "bandwidth":
-        from . import bandwidth
-        return bandwidth.run(deadline, quick=args.quick, emulated=machine.emulated)
-    if name == "store":
-        from . import store_timing
-        return store_timing.run(deadline, quick=args.quick, emulated=machine.emulated)
-    if name == "trainer":
-        from . import trainer_timing
-        return trainer_timing.run(deadline, quick=args.quick, emulated=machine.emulated)
-    from . import suite
-    jobs = args.jobs or default_jobs(machine.emulated)
-    work = args.out and Path(args.out) / "gpucheck-tests"
-    return suite.run(machine.root, machine.emulated, deadline, quick=args.quick, jobs=jobs,
-                     work_dir=work or None)
+def _run_sections(record: Record, machine, args, budget: Budget) -> None:
+    environment = Section("environment")
+    record.current = "environment"
+    try:
+        environment = _machine.describe(machine)
+    except Exception as exc:  # what could not be described is itself a finding
+        environment.crashed(exc)
+        environment.line = environment.failed[-1]
+    record.add(environment.finish())
+    work = record.work_dir()
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
+        record.current = name
+        if name == "tests":
+            # the last section keeps time to stop its processes and write the record
+            deadline = budget.share(SHARES[name], keep=TESTS_KEEP_S)
+            section = suite.run(machine.root, machine.emulated, deadline, quick=args.quick,
+                                jobs=args.jobs or default_jobs(machine.emulated),
+                                work_dir=work / "tests")
+        else:
+            deadline = budget.share(SHARES[name], keep=isolated.GRACE_S)
+            section = isolated.run(name, deadline, quick=args.quick, work=work)
+        record.add(section.finish())
+    record.current = None
 
 
 class Record:
@@ -121,11 +140,20 @@ class Record:
     def __init__(self, machine, args, budget: Budget, out: Path | None):
         self.machine, self.args, self.budget, self.out = machine, args, budget, out
         self.sections: list[Section] = []
+        self.current: str | None = None  # the section running now
+        self.interrupted: str | None = None
         self.created = datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ")
         stem = f"gpucheck_{benchutil.slug(machine.name)}"
         self.json_path = out / f"{stem}.json" if out else None
         self.text_path = out / f"{stem}.txt" if out else None
+
+    def work_dir(self) -> Path:
+        """Where the sections' processes keep their logs: beside the record, or a
+        temporary folder without --out."""
+        if self.out is not None:
+            return self.out / "gpucheck-work"
+        return Path(tempfile.mkdtemp(prefix="gpukv-gpucheck-"))
 
     def add(self, section: Section) -> None:
         self.sections.append(section)
@@ -141,7 +169,8 @@ class Record:
                 "quick": self.args.quick, "budget_s": round(self.budget.end
                                                             - self.budget.start, 1),
                 "elapsed_s": round(self.budget.elapsed(), 1),
-                "ok": not any(s.ok is False for s in self.sections)}
+                "ok": not self.interrupted and not any(s.ok is False for s in self.sections),
+                "interrupted": self.interrupted and f"{self.interrupted} during {self.current}"}
         return {"gpucheck": head, **{s.name: s.to_dict() for s in self.sections}}
 
     def write(self, final: bool = False) -> None:
@@ -159,6 +188,9 @@ class Record:
         budget = self.budget.end - self.budget.start
         lines = [f"gpukv gpucheck on {m.name}" + (" (quick)" if self.args.quick else "")
                  + f": {self.budget.elapsed():.0f} s of a {budget:.0f} s budget"]
+        if self.interrupted:
+            lines.append(f"  INTERRUPTED ({self.interrupted}) during {self.current}: the "
+                         "sections below are all it finished")
         for s in self.sections:
             lines.append(f"  {s.name:<11} {_status(s):<7} {s.line}")
             for failure in s.failed[:5]:
@@ -171,7 +203,7 @@ class Record:
         judged = [g for _, g in goals if g["met"] is not None]
         if goals:
             why = ("the emulation's speeds say nothing of a GPU's" if m.emulated
-                   else "--quick sizes")
+                   else "--quick sizes, or not measured")
             head = (f"{sum(g['met'] for g in judged)} of {len(judged)} met" if judged
                     else "none judged")
             if len(judged) < len(goals):

@@ -6,11 +6,14 @@ goldens keep a canonical digest, taken after two documented differences between 
 the emulation are taken out of the outputs:
 - NaN payloads: a GPU's arithmetic returns its canonical NaN where the CPU carries an
   input's payload, so every NaN counts as one NaN;
-- flush-to-zero edges: CuPy compiles with -ftz=true and the emulation flushes float32
-  subnormals too (the CPU's DAZ/FTZ), but the CPU also flushes float64 subnormals, which a
-  GPU keeps, and the two may round differently at the smallest normal; so every value of
-  magnitude up to the smallest normal counts as +0 (float32, bfloat16, float64; float16
-  arithmetic runs in float32 and keeps its own subnormals).
+- flush-to-zero edges: CuPy compiles with -ftz=true and the emulation runs the project's
+  kernels with the CPU's DAZ/FTZ switches on, which flush float32 subnormals as a GPU does
+  but float64 ones too (a GPU keeps them), and may round differently at the smallest
+  normal; so every value of magnitude up to the smallest normal counts as +0 (float32,
+  bfloat16, float64; float16 arithmetic runs in float32 and keeps its own subnormals).
+  The cases hold no float64 subnormal inputs, whose later arithmetic no rule covers.
+An output named "... (bfloat16 bits)" holds bfloat16 values as uint16 and is compared as
+bfloat16.
 A GPU output that matches the exact digest is bit-identical; one that matches only the
 canonical digest differs only within these exceptions, which the section reports as such;
 anything else is a mismatch, named with the outputs and elements that differ from the
@@ -50,10 +53,14 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(f"u{a.dtype.itemsize}")
 
 
-def canonical_bits(a: np.ndarray) -> np.ndarray:
-    """The bits of `a` with the documented exceptions taken out (see the module)."""
+BFLOAT16_BITS = "(bfloat16 bits)"
+
+
+def canonical_bits(a: np.ndarray, as_float: str | None = None) -> np.ndarray:
+    """The bits of `a` with the documented exceptions taken out (see the module);
+    `as_float`: the float dtype whose bit patterns `a` holds as unsigned integers."""
     bits = _bits(a)
-    spec = _FLOATS.get(a.dtype.name)
+    spec = _FLOATS.get(as_float or a.dtype.name)
     if spec is None:
         return bits
     word = bits.dtype.type
@@ -70,18 +77,22 @@ def digest(outputs: dict, canonical: bool = False) -> str:
     h = hashlib.sha256()
     for name in sorted(outputs):
         a = np.asarray(outputs[name])
-        bits = canonical_bits(a) if canonical else _bits(a)
+        bits = canonical_bits(a, _holds(name)) if canonical else _bits(a)
         h.update(f"{name}\0{a.dtype.name}\0{a.shape}\0".encode())
         h.update(bits.tobytes())
     return h.hexdigest()[:32]
 
 
+def _holds(name: str) -> str | None:
+    return "bfloat16" if name.endswith(BFLOAT16_BITS) else None
+
+
 def exceptions_seen(outputs: dict) -> list:
     """Which documented exceptions the outputs hold values of."""
     kinds = set()
-    for a in outputs.values():
+    for name, a in outputs.items():
         a = np.asarray(a)
-        spec = _FLOATS.get(a.dtype.name)
+        spec = _FLOATS.get(_holds(name) or a.dtype.name)
         if spec is None:
             continue
         bits = _bits(a)
@@ -117,7 +128,7 @@ def differences(got: dict, want: dict) -> list:
         if g.dtype != w.dtype or g.shape != w.shape:
             found.append(f"{name}: {g.dtype}{list(g.shape)} against {w.dtype}{list(w.shape)}")
             continue
-        differ = np.flatnonzero(canonical_bits(g) != canonical_bits(w))
+        differ = np.flatnonzero(canonical_bits(g, _holds(name)) != canonical_bits(w, _holds(name)))
         if differ.size:
             i = int(differ[0])
             found.append(f"{name}: {differ.size} of {g.size} elements, first at {i}: "

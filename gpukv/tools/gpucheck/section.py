@@ -23,7 +23,7 @@ class Section:
         self.data: dict = {}
         self.line = ""  # the one-line summary of the text report
         self._start = time.monotonic()
-        self.seconds = 0.0
+        self.seconds: float | None = None
 
     def fail(self, what: str) -> None:
         self.failed.append(what)
@@ -53,8 +53,24 @@ class Section:
         return not self.failed and self.cut is None
 
     def finish(self) -> Section:
-        self.seconds = round(time.monotonic() - self._start, 2)
+        if self.seconds is None:
+            self.seconds = round(time.monotonic() - self._start, 2)
         return self
+
+    @classmethod
+    def from_dict(cls, name: str, record: dict) -> Section:
+        """The section `to_dict` wrote (in another process)."""
+        section = cls(name)
+        rest = dict(record)
+        rest.pop("ok", None)
+        section.failed = list(rest.pop("failed", []))
+        section.goals = list(rest.pop("goals", []))
+        section.cut = rest.pop("cut", None)
+        section.skipped = rest.pop("skipped", None)
+        section.seconds = rest.pop("seconds", None)
+        section.line = rest.pop("summary", "")
+        section.data = rest
+        return section
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "failed": self.failed, "cut": self.cut,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from . import processes
 from .budget import Deadline
 from .section import Section
 
@@ -29,6 +29,8 @@ PLUGIN = "gpukv.tools.gpucheck.pytest_plugin"
 MARKERS = "gpu or multi_gpu"
 #: what --quick runs: the device layer's GPU tests (kernels, streams, tree sums)
 QUICK_PATHS = ("tests/device",)
+#: gpucheck's own tests: their GPU cases are the kernels section's, run there already
+OWN_TESTS = "tests/tools/test_gpucheck.py"
 COLLECT_TIMEOUT_S = 120
 MAX_FAILURES_LISTED = 50
 
@@ -114,23 +116,8 @@ class _Shard:
         files = sorted({i.split("::", 1)[0] for i in ids})
         env = dict(env, GPUCHECK_SELECT=str(self.select), GPUCHECK_REPORT=str(self.report))
         with open(self.log, "w", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(pytest_command(files), cwd=root, env=env,
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def stop(self) -> None:
-        """End the shard's whole process group (its tests may have started others)."""
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is not None:
-                return
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
+            self.proc = processes.start(pytest_command(files), cwd=root, env=env,
+                                        stdout=log, stderr=subprocess.STDOUT)
 
     def log_tail(self, lines: int = 3) -> str:
         try:
@@ -154,7 +141,7 @@ def collect(root: Path, env: dict, paths, work: Path, deadline: Deadline) -> tup
     if proc.returncode not in (0, 5) or not collected:
         tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
         return [], f"pytest --collect-only exited with status {proc.returncode}: {tail}"
-    return collected[-1]["ids"], None
+    return [i for i in collected[-1]["ids"] if not i.startswith(OWN_TESTS + "::")], None
 
 
 def run(root: Path | None, emulated: bool, deadline: Deadline, *, quick: bool, jobs: int,
@@ -182,8 +169,7 @@ def run(root: Path | None, emulated: bool, deadline: Deadline, *, quick: bool, j
     while any(s.proc.poll() is None for s in running) and not deadline.passed():
         time.sleep(0.2)
     stopped = [s for s in running if s.proc.poll() is None]
-    for s in stopped:
-        s.stop()
+    processes.stop([s.proc for s in stopped])  # with what their tests started
     found: dict = {}
     for s in running:
         found.update(outcomes(read_events(s.report)))
@@ -193,10 +179,15 @@ def run(root: Path | None, emulated: bool, deadline: Deadline, *, quick: bool, j
 
 def _judge(section: Section, ids: list, found: dict, running: list, stopped: list) -> None:
     counts = Counter(found[i]["outcome"] if i in found else "not run" for i in ids)
+    # a test that never finished in a process the deadline ended was cut, not failed; in
+    # one that ended by itself, it took the process down (a crash)
+    cut_short = {i for s in stopped for i in s.ids}
     bad = [(i, found[i]) for i in ids if i in found
-           and found[i]["outcome"] in ("failed", "error", "interrupted")]
+           and (found[i]["outcome"] in ("failed", "error")
+                or (found[i]["outcome"] == "interrupted" and i not in cut_short))]
     for nodeid, entry in bad[:MAX_FAILURES_LISTED]:
-        what = "cut while running" if entry["outcome"] == "interrupted" else entry["message"]
+        what = ("the process running it ended" if entry["outcome"] == "interrupted"
+                else entry["message"])
         section.fail(f"{nodeid}: {what}")
     if len(bad) > MAX_FAILURES_LISTED:
         section.fail(f"... and {len(bad) - MAX_FAILURES_LISTED} more (see the logs)")
@@ -207,9 +198,16 @@ def _judge(section: Section, ids: list, found: dict, running: list, stopped: lis
                 o in ("failed", "error") for o in mine):
             section.fail(f"pytest process {s.index} exited with status {status}: "
                          f"{s.log_tail()}")
+    # collected, yet a process that ended by itself never ran them: nothing says they pass
+    orphans = [i for i in ids if i not in found and i not in cut_short]
+    if orphans:
+        section.fail(f"{len(orphans)} collected tests never ran (first {orphans[0]})")
     if stopped:
-        section.cut = (f"the budget ran out: {counts['not run']} of {len(ids)} tests never "
-                       f"ran, {counts['interrupted']} were cut while running")
+        running = [i for i in cut_short if found.get(i, {}).get("outcome") == "interrupted"]
+        never = [i for i in cut_short if i not in found]
+        section.cut = (f"the budget ran out: {len(never)} of {len(ids)} tests never ran, "
+                       f"{len(running)} cut while running"
+                       + (f" ({', '.join(sorted(running)[:4])})" if running else ""))
     skipped = Counter(found[i]["message"] for i in ids
                       if i in found and found[i]["outcome"] == "skipped")
     section.data.update(
@@ -221,7 +219,7 @@ def _judge(section: Section, ids: list, found: dict, running: list, stopped: lis
                   for i, e in bad[:MAX_FAILURES_LISTED]])
     section.line = (f"{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
                     f"{counts['skipped']} skipped"
-                    + (f", {counts['not run'] + counts['interrupted']} not run (budget)"
-                       if stopped else "")
+                    + (f", {counts['not run'] + counts['interrupted']} not run"
+                       if counts["not run"] + counts["interrupted"] else "")
                     + f" of {len(ids)} ({len(running)} pytest process"
                     + ("es" if len(running) != 1 else "") + ")")

@@ -6,7 +6,9 @@ Both start from the same weights and see the same batches: an MLP trained with p
 sum loss, PyTorch's gradients scaled by 1/batch before `torch.optim.SGD.step()`, the
 Trainer's by `step(batch)`. Reported: the per-step time of the whole iteration (zero_grad,
 forward, backward, update) and of the update alone (CUDA events on PyTorch's stream; host
-time without CUDA), medians over the steps; and whether the weights agree after the last
+time without CUDA), medians over the steps (with the Trainer's overlap, on by default for
+GPU replicas, its reduction starts during backward: its "update" is what is left after
+backward, and the iterations are what compare); and whether the weights agree after the last
 step (bit for bit, and within float32 rounding: PyTorch's CUDA kernels may fuse the
 multiply-add that gpukv's kernels round twice).
 """
@@ -118,7 +120,8 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         torch.cuda.synchronize()
     medians = {f"{w}_{part}_ms": statistics.median(v) * 1e3
                for (w, part), v in times.items() if v}
-    section.data.update(device=str(device), model=f"MLP {'-'.join(map(str, spec.dims))}",
+    section.data.update(device=str(device), overlap=trainer.overlap,
+                        model=f"MLP {'-'.join(map(str, spec.dims))}",
                         parameters=sum(p.numel() for p in base.parameters()), batch=batch,
                         steps=len(times[("gpukv", "update")]), optimizer=f"SGD lr={LR}",
                         **medians)
@@ -133,8 +136,9 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         section.data["update_ratio"] = medians["gpukv_update_ms"] / medians["torch_update_ms"]
         section.line = (f"{section.data['model']} on {device}: step "
                         f"{medians['gpukv_iteration_ms']:.2f} ms against "
-                        f"{medians['torch_iteration_ms']:.2f} ms in PyTorch ({ratio:.2f}x), "
-                        f"update {medians['gpukv_update_ms']:.2f} against "
+                        f"{medians['torch_iteration_ms']:.2f} ms in PyTorch ({ratio:.2f}x"
+                        + (", overlap on" if trainer.overlap else "") + "), update "
+                        f"{medians['gpukv_update_ms']:.2f} against "
                         f"{medians['torch_update_ms']:.2f} ms; weights "
                         f"{section.data['weights']}")
     return section
