@@ -166,7 +166,8 @@ def parse_ptxas(log: str) -> list:
 
 
 def find_ptxas() -> str:
-    """ptxas: GPUKV_PTXAS, else the nvidia-cuda-nvcc-cu12 wheel's, else on PATH."""
+    """ptxas: GPUKV_PTXAS, else the nvidia-cuda-nvcc-cu12 (or CUDA 13 nvidia-cuda-nvcc)
+    wheel's, else on PATH."""
     explicit = os.environ.get("GPUKV_PTXAS", "")
     if explicit:
         if not os.access(explicit, os.X_OK):
@@ -174,9 +175,10 @@ def find_ptxas() -> str:
         return explicit
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(root, "cuda_nvcc", "bin", "ptxas")
-        if os.access(path, os.X_OK):
-            return path
+        for folder in ("cuda_nvcc", "cu13"):  # CUDA 12's wheel layout, then CUDA 13's
+            path = os.path.join(root, folder, "bin", "ptxas")
+            if os.access(path, os.X_OK):
+                return path
     found = shutil.which("ptxas")
     if found:
         return found

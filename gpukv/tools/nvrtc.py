@@ -28,9 +28,12 @@ def _library_path() -> str | None:
         return path
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        libs = sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so.[0-9]*")))
-        if libs:
-            return libs[-1]
+        # CUDA 12's wheel (nvidia-cuda-nvrtc-cu12) keeps it in cuda_nvrtc/lib, CUDA 13's
+        # (nvidia-cuda-nvrtc 13.x) in cu13/lib
+        for folder in ("cuda_nvrtc", "cu13"):
+            libs = sorted(glob.glob(os.path.join(root, folder, "lib", "libnvrtc.so.[0-9]*")))
+            if libs:
+                return libs[-1]
     return None
 
 

@@ -144,3 +144,29 @@ def test_info_kernels_refuses_simulate(capsys):
         _info.main(["--kernels", "--simulate", "dgx1"])
     assert exc.value.code == 2
     assert "--kernels" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- CUDA 13 wheel layout
+@pytest.mark.parametrize("layout", ["cuda_nvrtc", "cu13"])
+def test_the_tools_are_found_in_cuda_12_and_cuda_13_wheels(layout, tmp_path, monkeypatch):
+    """NVRTC and ptxas are found where CUDA 12's wheels put them (cuda_nvrtc/lib,
+    cuda_nvcc/bin) and where CUDA 13's do (cu13/lib, cu13/bin)."""
+    import importlib.machinery
+    import importlib.util
+
+    from gpukv.tools import nvrtc
+    lib = tmp_path / layout / "lib" / "libnvrtc.so.13"
+    ptxas = tmp_path / ("cuda_nvcc" if layout == "cuda_nvrtc" else "cu13") / "bin" / "ptxas"
+    for path in (lib, ptxas):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    ptxas.chmod(0o755)
+    spec = importlib.machinery.ModuleSpec("nvidia", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "nvidia" else real(name, *a))
+    monkeypatch.delenv("GPUKV_NVRTC_LIB", raising=False)
+    monkeypatch.delenv("GPUKV_PTXAS", raising=False)
+    assert nvrtc._library_path() == str(lib)
+    assert kr.find_ptxas() == str(ptxas)
