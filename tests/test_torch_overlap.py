@@ -103,6 +103,9 @@ def test_gradient_accumulation(update_on_kvstore, no_sync):
     trainer.zero_grad()
     with trainer.no_sync() if no_sync else contextlib.nullcontext():
         backward_shards(models, x, y)
+    # the first pass's reductions have read their gradients before the second pass
+    # changes them (else, on a slow machine, they read the final ones and are not stale)
+    trainer._early._worker.submit(lambda: None).result()
     backward_shards(models, x, y)
     trainer.step(2 * len(x))
     early = [WORKER + "_0"] * len(trainer.keys)
