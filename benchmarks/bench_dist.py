@@ -268,7 +268,7 @@ def _mpi_library() -> str:
 # --------------------------------------------------------------------------- jobs
 def find_mpiexec() -> str | None:
     """The mpiexec `gpukv run` calls: beside this interpreter, else on PATH."""
-    from gpukv.distributed.launch import find_mpiexec as launcher
+    from gpukv.launcher.launch import find_mpiexec as launcher
     return launcher()
 
 

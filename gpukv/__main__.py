@@ -14,7 +14,7 @@ _COMMANDS = {
     "bench": ("gpukv.tools.bench", "measure push/pull/pushpull speed against baselines"),
     "info": ("gpukv.tools.info",
              "show versions, devices, links and the strategies gpukv would pick"),
-    "run": ("gpukv.distributed.launch",
+    "run": ("gpukv.launcher.launch",
             "start an MPI job with mpiexec and end all of it, in bounded time, when it fails"),
     "gpucheck": ("gpukv.tools.gpucheck.cli",
                  "check and measure gpukv on this machine's GPU in one command"),

@@ -84,3 +84,15 @@ def test_the_import_reader_resolves_every_form(source, reaches):
     names no module of it."""
     modules = [module for _, module in imported_modules(source, "gpukv.comm")]
     assert any(_reaches_cuda(m) for m in modules) is reaches
+
+
+def test_the_launcher_imports_no_store_nor_engine():
+    """gpukv/launcher/ (the supervisor of `gpukv run`) imports nothing of gpukv but its
+    own modules and the error types: the ranks reach it only through `run_report`."""
+    files = _files("launcher")
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {module}" for path in files
+             for line, module in imported_modules(path.read_text(), _package_of(path))
+             if module.startswith("gpukv.") and not module.startswith(("gpukv.launcher",
+                                                                       "gpukv._errors"))]
+    assert files
+    assert not found, "\n".join(found)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.distributed.launch import find_mpiexec
+from gpukv.launcher.launch import find_mpiexec
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 

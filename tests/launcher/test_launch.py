@@ -1,4 +1,4 @@
-"""`gpukv run` (gpukv/distributed/launch.py): a job that ends by itself keeps mpiexec's
+"""`gpukv run` (gpukv/launcher/launch.py): a job that ends by itself keeps mpiexec's
 status and output; a failed process, a rank's PeerError or uncaught exception, and Ctrl-C
 end every process of the job within the grace and a few seconds, even where mpiexec would
 wait or hang; usage errors start nothing. The jobs are tests/distributed/programs/launched.py.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from gpukv._errors import ArgumentError
-from gpukv.distributed import host_probe, hostfile, launch, process_tree, restarts, run_report
+from gpukv.launcher import host_probe, hostfile, launch, process_tree, restarts, run_report
 
-from .mpirun import PROGRAMS, require_mpi, run
+from ..distributed.mpirun import PROGRAMS, require_mpi, run
 
 GRACE = 2.0
 #: seconds allowed past grace + TERM_WAIT for the launcher to notice, kill and reap

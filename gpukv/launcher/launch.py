@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
     if prog.endswith(".py"):
         if not os.path.isfile(prog):
             parser.error(f"PROG {prog!r}: no such file")
-        command = [sys.executable, "-m", "gpukv.distributed.run_rank", *command]
+        command = [sys.executable, "-m", "gpukv.launcher.run_rank", *command]
     elif shutil.which(prog) is None:
         parser.error(f"PROG {prog!r}: no such program")
     min_workers = args.n if args.min_workers is None else args.min_workers

@@ -1,6 +1,6 @@
 """How `gpukv run` starts a Python program on each rank.
 
-`python -m gpukv.distributed.run_rank PROG ARGS` runs PROG as `__main__`, as `python PROG
+`python -m gpukv.launcher.run_rank PROG ARGS` runs PROG as `__main__`, as `python PROG
 ARGS` would, and when it ends on a non-zero exit or an uncaught exception, reports that to
 the launcher (`run_report`) before the exit goes on as usual: the launcher then ends the job
 at once, where mpiexec would wait for the other ranks (possibly forever).
@@ -24,7 +24,7 @@ def exit_status(code) -> int:
 def main(argv: list[str]) -> None:
     """Run `argv[0]` with `argv[1:]` as its arguments."""
     if not argv:
-        sys.exit("usage: python -m gpukv.distributed.run_rank PROG.py [ARGS]")
+        sys.exit("usage: python -m gpukv.launcher.run_rank PROG.py [ARGS]")
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python PROG` sets it
     try:
