@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError
-from ..device import compression_kernels as _k
+from ..device import codecs as _k
 
 __all__ = ["Compressor", "TwoBit", "OneBit", "Cast", "GradientCompression", "make_compressor"]
 

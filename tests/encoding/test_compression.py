@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 import gpukv
 from gpukv.comm import ReduceJob
 from gpukv.comm.registry import make_strategy
+from gpukv.device import codecs as K
+from gpukv.device import host_codecs as twins
 from gpukv.device import host_device
-from gpukv.device.cuda import compression_kernels as K
 from gpukv.encoding.compression import (
     Cast,
     Ctx,
@@ -131,7 +132,8 @@ def test_1bit_matches_python_rule(size_steps):
         assert same_bits(decoded, np.where(bits == 1, 1, -1))
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 32768, K.BLOCK, K.BLOCK + 1, 100_003])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 32768, twins.BLOCK, twins.BLOCK + 1,
+                               100_003])
 @pytest.mark.parametrize("kind", ["2bit", "1bit"])
 def test_block_edges(n, kind):
     """Sizes around word and block boundaries pack like the rule, padding bytes zero."""
@@ -180,7 +182,7 @@ def reference_1bit(grad, residual, t):
 def long_gradients(draw):
     """(gradient, residual) of up to three blocks and a bit, random normals with ties at
     +-threshold, signed zeros, infinities and NaNs dropped in at drawn places."""
-    n = max(1, draw(st.integers(0, 3)) * K.BLOCK + draw(st.integers(0, 40)))
+    n = max(1, draw(st.integers(0, 3)) * twins.BLOCK + draw(st.integers(0, 40)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     grad = (rng.standard_normal(n) * draw(st.sampled_from([0.1, 1.0, 10.0]))).astype(np.float32)
     residual = (rng.standard_normal(n) * 0.3).astype(np.float32)
@@ -314,14 +316,14 @@ def test_uncast_twins_match_numpy_on_every_pattern(scale, accumulate):
 def test_threaded_host_twins_equal_one_thread(comp, monkeypatch):
     """Long arrays split over the host threads give the bytes and residuals of one thread."""
     from gpukv.device import host_sum as host
-    n = K._THREADED_MIN * 2 + 77
+    n = twins._THREADED_MIN * 2 + 77
     rng = np.random.default_rng(11)
     g = rng.standard_normal(n).astype(np.float32)
     r0 = (rng.standard_normal(n) * 0.3).astype(np.float32)
     results = []
-    for threads, threshold in ((1, 1 << 62), (3, K._THREADED_MIN)):
+    for threads, threshold in ((1, 1 << 62), (3, twins._THREADED_MIN)):
         monkeypatch.setattr(host, "THREADS", threads)
-        monkeypatch.setattr(K, "_THREADED_MIN", threshold)
+        monkeypatch.setattr(twins, "_THREADED_MIN", threshold)
         r = r0.copy()
         payload, ctx = comp.compress(g, r)
         out = np.full(n, 0.5, np.float32)
@@ -703,7 +705,7 @@ def test_gpu_encode_enters_every_device_first():
 def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
     """fp16 with a pre_divide scales the summed payloads on the home device's stream and
     then orders the caller's stream after it; without a scale, finish does nothing."""
-    from gpukv.device import compression_kernels as kernels
+    from gpukv.device import codecs as kernels
 
     from ..fake_gpu import FakeGpu
     log, current = [], {}

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import gpukv
+from gpukv.device import codecs as K
 from gpukv.device import host_device
-from gpukv.device.cuda import compression_kernels as K
 
 pytestmark = pytest.mark.gpu
 

@@ -111,7 +111,7 @@ def test_every_case_has_one_golden_and_no_golden_is_stale():
 def test_the_cases_reach_every_kernel_gpukv_launches():
     """Every dtype the sum kernels are made for, every compression kernel, every optimizer
     rule (with its row-sparse form where it has one) is among the cases."""
-    from gpukv.device.cuda import compression_kernels, kernels
+    from gpukv.device.cuda import codec_kernels, kernels
     from gpukv.optim import registered
     names = [c.name for c in kernel_cases.all_cases()]
     summed = {t for t, _ in kernel_cases.SUM_PAIRS}
@@ -120,7 +120,7 @@ def test_the_cases_reach_every_kernel_gpukv_launches():
         assert {n.split()[-1].split("->")[0] for n in names if n.startswith(family + " ")} \
             == summed
     for entry in ("quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit"):
-        assert f"gpukv_{entry}" in compression_kernels.CUDA_SOURCE
+        assert f"gpukv_{entry}" in codec_kernels.CUDA_SOURCE
     assert {"compression 2bit", "compression 1bit", "compression fp16",
             "compression bf16"} <= set(names)
     configs = {type(make()) for make in kernel_cases.optimizer_configs().values()}

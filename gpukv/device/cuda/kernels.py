@@ -2,7 +2,7 @@
 
 Every kernel here has a NumPy twin with the same contract, so the host backend runs
 the same algorithm and tests compare the two. The optimizer and compression kernels
-live in `optim_kernels.py` and `compression_kernels.py`. Layout of this module:
+live in `optim_kernels.py` and `codec_kernels.py`. Layout of this module:
 
 1. Infrastructure: dtype -> CUDA C type/load/store snippets, the compile cache, and
    launch helpers (pointer tables uploaded to device memory on the launching stream).

@@ -43,7 +43,7 @@ class Family:
 def families(device, n: int) -> list:
     """Every family on float32 data of n elements on `device` (arrays made here)."""
     from ...device.base import Term
-    from ...device.compression_kernels import (
+    from ...device.codecs import (
         cast_bf16,
         cast_fp16,
         dequantize_1bit,

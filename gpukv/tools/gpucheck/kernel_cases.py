@@ -235,7 +235,7 @@ def _codec_case(codec: str) -> KernelCase:
     name = f"compression {codec}"
 
     def run(device):
-        from ...device import compression_kernels as ck
+        from ...device import codecs as ck
         rng = Stream(name)
         grad = put(device, values(rng, N, np.float32))
         residual = put(device, values(rng, N, np.float32, scale=0.3))

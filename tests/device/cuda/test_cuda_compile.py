@@ -2,7 +2,7 @@
 
 Covered: the multi-key sum/copy and the canonical tree sum of `gpukv/device/cuda/kernels.py`
 for every (source, destination) dtype pair and its row-sparse run sum for every dtype, the
-compression module of `gpukv/device/cuda/compression_kernels.py`, and the multi-tensor
+compression module of `gpukv/device/cuda/codec_kernels.py`, and the multi-tensor
 optimizer step of `gpukv/device/cuda/optim_kernels.py` for every registered rule, weight
 dtype, compile-time switch (`defines()`), body (dense and row-sparse) and phase. Each source
 is compiled with the options its module gives CuPy plus the ones CuPy adds, to a cubin for
@@ -28,7 +28,7 @@ import pytest
 
 from gpukv import optim
 from gpukv._errors import GpukvError
-from gpukv.device.cuda import compression_kernels as _compression_kernels
+from gpukv.device.cuda import codec_kernels as _codec_kernels
 from gpukv.device.cuda import kernels as _kernels
 from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim import _base as optim_base
@@ -78,8 +78,8 @@ def _segment_variants():
 
 
 def _compression_variants():
-    yield "compression", Variant(_compression_kernels.CUDA_SOURCE,
-                                 _compression_kernels.COMPILE_OPTIONS)
+    yield "compression", Variant(_codec_kernels.CUDA_SOURCE,
+                                 _codec_kernels.COMPILE_OPTIONS)
 
 
 #: values of constructor options that are not a bool or an optional (None) number

@@ -1,25 +1,11 @@
-"""Gradient-compression kernels: CuPy kernels and their NumPy twins, bit for bit the same
-but for float32 subnormals, which flush to zero on the GPU.
+"""The NumPy twins of the gradient-compression codecs (`gpukv.device.codecs` picks them
+for host arrays; `cuda/codec_kernels.py` holds the CUDA kernels): the same bytes and
+residuals as the kernels, bit for bit, but for float32 subnormals, which a GPU flushes to
+zero.
 
-Every function takes flat, contiguous float32 arrays (the caller converts) and works on
-whichever library the arrays belong to: NumPy arrays run the vectorised NumPy twin,
-CuPy arrays a CUDA kernel. The two produce identical bytes and identical residuals,
-except where a float32 subnormal (magnitude below 2**-126) is read or produced: CuPy
-compiles every kernel, its own elementwise ones included, with -ftz=true, so on the GPU
-such a value is a (signed) zero, in residuals, decoded sums and `pre_divide` scaling.
-
-Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
-
-- 2bit: 16 values per 32-bit word, 4 per byte, the first value in the two most
-  significant bits of the first byte; 0b11 is +threshold, 0b10 is -threshold,
-  0b00 is 0 (0b01 is never written and decodes to 0). Payload: 4 * ceil(n / 16) bytes.
-- 1bit: 32 values per 32-bit word, 8 per byte, the first value in the most significant
-  bit of the first byte; 1 decodes to +1 and 0 to -1. Payload: 4 * ceil(n / 32) bytes.
-
-The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:
-r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`. Subtracting -t and adding t
-(or subtracting 1 and adding -1) give the same IEEE result, which is what lets the
-NumPy twin apply the update as one vectorised add.
+Each twin runs block by block (a block's residual, flags and codes stay in L2), with
+in-place ufuncs on per-thread scratch buffers, and splits long arrays over the host thread
+pool (`host_sum`). The packed layouts and the residual rules are `gpukv.device.codecs`'s.
 """
 from __future__ import annotations
 
@@ -74,7 +60,7 @@ def _blocks(fn, n: int, *args) -> None:
     if n < _THREADED_MIN:
         fn(*args, 0, n)
         return
-    from .. import host_sum
+    from . import host_sum
     if host_sum.thread_count() < _POOL_MIN:
         fn(*args, 0, n)
         return
@@ -87,8 +73,6 @@ def packed_nbytes(n: int, bits: int) -> int:
     return 4 * (-(-n // per_word))
 
 
-def _is_host(a) -> bool:
-    return isinstance(a, np.ndarray)
 
 
 # ------------------------------------------------------------------ lookup tables
@@ -112,9 +96,7 @@ def _cached_table_2bit(threshold: float) -> np.ndarray:
     return _table_2bit(threshold)
 
 
-# -------------------------------------------------------------------- NumPy twins
-# Each twin runs block by block (a block's residual, flags and codes stay in L2), with
-# in-place ufuncs on per-thread scratch, and splits long arrays over the host threads.
+# ------------------------------------------------------------------------- twins
 # (c0 | c1 << 8 | c2 << 16 | c3 << 24) * _GATHER_2BIT >> 24, mod 2**32, is the byte
 # c0 << 6 | c1 << 4 | c2 << 2 | c3 for 2-bit codes c: the partial products below bit 24
 # sum to less than 2**24 and the others fall above bit 31.
@@ -126,7 +108,7 @@ _STEP_1BIT = np.array(0xFE, np.uint32)
 _ONES_1BIT = np.array(0x01010101, np.uint32)
 
 
-def _np_quantize_2bit_range(grad, residual, t, out, lo, hi):
+def _quantize_2bit_range(grad, residual, t, out, lo, hi):
     t0, nt0 = np.array(t, _F32), np.array(-t, _F32)  # 0-d: cheaper to pass than scalars
     pos = _scratch("pos", np.bool_, BLOCK)
     neg = _scratch("neg", np.bool_, BLOCK)
@@ -162,18 +144,18 @@ def _np_quantize_2bit_range(grad, residual, t, out, lo, hi):
         np.copyto(out[b0:b0 + kk // 4], w, casting="unsafe")
 
 
-def _np_quantize_2bit(grad, residual, threshold, out):
-    _blocks(_np_quantize_2bit_range, grad.size, grad, residual, np.float32(threshold), out)
+def quantize_2bit(grad, residual, threshold, out):
+    _blocks(_quantize_2bit_range, grad.size, grad, residual, np.float32(threshold), out)
     return out
 
 
-def _np_dequantize_2bit(payload, n, threshold, out, accumulate):
+def dequantize_2bit(payload, n, threshold, out, accumulate):
     table = _cached_table_2bit(float(np.float32(threshold)))
-    _np_lookup(table, 4, payload, n, out, accumulate)
+    _lookup(table, 4, payload, n, out, accumulate)
     return out
 
 
-def _np_lookup_range(table, per_byte, payload, out, accumulate, lo, hi):
+def _lookup_range(table, per_byte, payload, out, accumulate, lo, hi):
     idx = _scratch("idx", np.intp, BLOCK // per_byte)
     rows = _scratch("rows", _F32, BLOCK).reshape(-1, per_byte) if accumulate else None
     for start in range(lo, hi, BLOCK):
@@ -198,11 +180,11 @@ def _np_lookup_range(table, per_byte, payload, out, accumulate, lo, hi):
                 o[...] = tail
 
 
-def _np_lookup(table, per_byte, payload, n, out, accumulate):
-    _blocks(_np_lookup_range, n, table, per_byte, payload, out, accumulate)
+def _lookup(table, per_byte, payload, n, out, accumulate):
+    _blocks(_lookup_range, n, table, per_byte, payload, out, accumulate)
 
 
-def _np_quantize_1bit_range(grad, residual, t, out, lo, hi):
+def _quantize_1bit_range(grad, residual, t, out, lo, hi):
     t0 = np.array(t, _F32)
     bits = _scratch("bits", np.bool_, BLOCK)
     step8 = _scratch("step8", _U8, BLOCK)
@@ -227,15 +209,15 @@ def _np_quantize_1bit_range(grad, residual, t, out, lo, hi):
         out[b0:b0 + packed.size] = packed
 
 
-def _np_quantize_1bit(grad, residual, threshold, out):
+def quantize_1bit(grad, residual, threshold, out):
     n = grad.size
     out[-(-n // 8):] = 0  # padding bytes of the last word
-    _blocks(_np_quantize_1bit_range, n, grad, residual, np.float32(threshold), out)
+    _blocks(_quantize_1bit_range, n, grad, residual, np.float32(threshold), out)
     return out
 
 
-def _np_dequantize_1bit(payload, n, out, accumulate):
-    _np_lookup(_TABLE_1BIT, 8, payload, n, out, accumulate)
+def dequantize_1bit(payload, n, out, accumulate):
+    _lookup(_TABLE_1BIT, 8, payload, n, out, accumulate)
     return out
 
 
@@ -250,7 +232,7 @@ def _scaled_blocks(x, scale, lo, hi):
         yield start, stop, xb
 
 
-def _np_cast_fp16_range(x, scale, out, lo, hi):
+def _cast_fp16_range(x, scale, out, lo, hi):
     """float32 -> float16 bits as NumPy's astype (round to nearest even), without its
     per-element loop. For a = |x| with exponent e (e >= -14, as fp16's subnormals share
     the grid of its smallest normals), M = 2**(e+13) has fp16's ulp at a, so the float32
@@ -287,13 +269,13 @@ def _np_cast_fp16_range(x, scale, out, lo, hi):
         np.copyto(out[start:stop].view(np.uint16), ab, casting="unsafe")
 
 
-def _np_cast_fp16(x, scale):
+def cast_fp16(x, scale):
     out = np.empty(x.size, np.float16)
-    _blocks(_np_cast_fp16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    _blocks(_cast_fp16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
 
 
-def _np_uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
+def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
     """float16 -> float32 as NumPy's astype: the fp16 bits without the sign, shifted to
     a float32's significand, times 2**112 (exact, subnormals included), with the sign
     kept by widening as int16. A block with an inf or NaN takes NumPy's cast."""
@@ -321,26 +303,26 @@ def _np_uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
             np.add(o, ff, out=o)
 
 
-def _np_uncast_fp16(payload, scale, out, accumulate):
-    _blocks(_np_uncast_fp16_range, payload.size, payload.view(np.uint16),
+def uncast_fp16(payload, scale, out, accumulate):
+    _blocks(_uncast_fp16_range, payload.size, payload.view(np.uint16),
             None if scale == 1.0 else np.float32(scale), out, accumulate)
     return out
 
 
-def _bf16_bits(u, xp=np):
+def bf16_bits(u, xp=np):
     """bfloat16 bits (uint32) of float32 bits `u`: round to nearest even, NaN quieted."""
     rounded = (u + (xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1)))) >> 16
     quiet = (u >> 16) | xp.uint32(0x0040)
     return xp.where(xp.isnan(u.view(xp.float32)), quiet, rounded)
 
 
-def _np_cast_bf16_range(x, scale, out, lo, hi):
+def _cast_bf16_range(x, scale, out, lo, hi):
     tmp = _scratch("bf", _U32, BLOCK)
     for start, stop, xb in _scaled_blocks(x, scale, lo, hi):
         k = stop - start
         u = xb.view(_U32)
         if np.isnan(np.minimum.reduce(xb)):  # the minimum is NaN when any value is
-            out[start:stop] = _bf16_bits(u)
+            out[start:stop] = bf16_bits(u)
             continue
         tb = tmp[:k]
         np.right_shift(u, 16, out=tb)
@@ -351,13 +333,13 @@ def _np_cast_bf16_range(x, scale, out, lo, hi):
         np.copyto(out[start:stop], tb, casting="unsafe")
 
 
-def _np_cast_bf16(x, scale):
+def cast_bf16(x, scale):
     out = np.empty(x.size, np.uint16)
-    _blocks(_np_cast_bf16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    _blocks(_cast_bf16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
 
 
-def _np_uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
+def _uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
     wide = _scratch("wide", _U32, BLOCK) if accumulate else None
     for start in range(lo, hi, BLOCK):
         stop = min(start + BLOCK, hi)
@@ -373,227 +355,7 @@ def _np_uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
             np.add(o, ff, out=o)
 
 
-def _np_uncast_bf16(payload, scale, out, accumulate):
-    _blocks(_np_uncast_bf16_range, payload.size, payload,
+def uncast_bf16(payload, scale, out, accumulate):
+    _blocks(_uncast_bf16_range, payload.size, payload,
             None if scale == 1.0 else np.float32(scale), out, accumulate)
     return out
-
-
-# ------------------------------------------------------------------- CUDA kernels
-#: the compression kernels' CUDA source (also compiled by `gpukv info --kernels`)
-CUDA_SOURCE = r"""
-extern "C" __global__ void gpukv_quantize_2bit(
-        const float* __restrict__ grad, float* __restrict__ residual,
-        unsigned char* __restrict__ out, long long n, long long nbytes, float t) {
-    const unsigned char posbits[4] = {0xc0, 0x30, 0x0c, 0x03};
-    const unsigned char negbits[4] = {0x80, 0x20, 0x08, 0x02};
-    for (long long b = blockIdx.x * (long long)blockDim.x + threadIdx.x; b < nbytes;
-         b += (long long)gridDim.x * blockDim.x) {
-        unsigned char byte = 0;
-        long long start = b * 4;
-        for (int k = 0; k < 4; ++k) {
-            long long i = start + k;
-            if (i >= n) break;
-            float r = __fadd_rn(residual[i], grad[i]);
-            if (r >= t) { byte |= posbits[k]; r = __fsub_rn(r, t); }
-            else if (r <= -t) { byte |= negbits[k]; r = __fadd_rn(r, t); }
-            residual[i] = r;
-        }
-        out[b] = byte;
-    }
-}
-
-extern "C" __global__ void gpukv_dequantize_2bit(
-        const unsigned char* __restrict__ in, float* __restrict__ out, long long n,
-        float t, int accumulate) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        int shift = 6 - 2 * (int)(i & 3);
-        int code = (in[i >> 2] >> shift) & 3;
-        float v = code == 3 ? t : (code == 2 ? -t : 0.0f);
-        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
-    }
-}
-
-extern "C" __global__ void gpukv_quantize_1bit(
-        const float* __restrict__ grad, float* __restrict__ residual,
-        unsigned char* __restrict__ out, long long n, long long nbytes, float t) {
-    for (long long b = blockIdx.x * (long long)blockDim.x + threadIdx.x; b < nbytes;
-         b += (long long)gridDim.x * blockDim.x) {
-        unsigned char byte = 0;
-        long long start = b * 8;
-        for (int k = 0; k < 8; ++k) {
-            long long i = start + k;
-            if (i >= n) break;
-            float r = __fadd_rn(residual[i], grad[i]);
-            if (r > t) { byte |= (unsigned char)(0x80 >> k); r = __fsub_rn(r, 1.0f); }
-            else { r = __fadd_rn(r, 1.0f); }
-            residual[i] = r;
-        }
-        out[b] = byte;
-    }
-}
-
-extern "C" __global__ void gpukv_dequantize_1bit(
-        const unsigned char* __restrict__ in, float* __restrict__ out, long long n,
-        int accumulate) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        float v = ((in[i >> 3] >> (7 - (int)(i & 7))) & 1) ? 1.0f : -1.0f;
-        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
-    }
-}
-"""
-
-
-#: NVRTC options of `CUDA_SOURCE` (CuPy adds -arch and a few of its own)
-COMPILE_OPTIONS = ()
-
-
-@functools.cache
-def _module(device_id: int):
-    import cupy
-    with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=CUDA_SOURCE, options=COMPILE_OPTIONS)
-
-
-def _launch(name, items, args):
-    import cupy
-    fn = _module(cupy.cuda.Device().id).get_function(name)
-    threads = 256
-    blocks = max(1, min(-(-items // threads), 65535))
-    fn((blocks,), (threads,), args)
-
-
-# ---------------------------------------------------------------------- front door
-def _quantize(bits, host_fn, kernel, grad, residual, threshold, out):
-    """`host_fn` on host arrays, else the CUDA `kernel` (one thread per byte it writes);
-    the payload's bytes past the last value are zero."""
-    n = grad.size
-    nbytes = packed_nbytes(n, bits)
-    if _is_host(grad):
-        if out is None:
-            out = np.empty(nbytes, np.uint8)
-        return host_fn(grad, residual, threshold, out)
-    import cupy
-    if out is None:
-        out = cupy.empty(nbytes, cupy.uint8)
-    used = -(-n * bits // 8)
-    out[used:] = 0
-    _launch(kernel, used,
-            (grad, residual, out, np.int64(n), np.int64(used), np.float32(threshold)))
-    return out
-
-
-def quantize_2bit(grad, residual, threshold, out=None):
-    """Add `grad` into `residual`, write MXNet's 2-bit codes into `out` (uint8), return it."""
-    return _quantize(2, _np_quantize_2bit, "gpukv_quantize_2bit", grad, residual, threshold,
-                     out)
-
-
-def dequantize_2bit(payload, n, threshold, out, accumulate=False):
-    """Decode `n` values of a 2-bit payload into `out` (float32), or add them to it."""
-    if _is_host(payload):
-        return _np_dequantize_2bit(payload, n, threshold, out, accumulate)
-    _launch("gpukv_dequantize_2bit", n,
-            (payload, out, np.int64(n), np.float32(threshold), np.int32(bool(accumulate))))
-    return out
-
-
-def quantize_1bit(grad, residual, threshold, out=None):
-    """Add `grad` into `residual`, write MXNet master's 1-bit codes into `out`, return it."""
-    return _quantize(1, _np_quantize_1bit, "gpukv_quantize_1bit", grad, residual, threshold,
-                     out)
-
-
-def dequantize_1bit(payload, n, out, accumulate=False):
-    """Decode `n` values of a 1-bit payload (+1/-1) into `out` (float32), or add them."""
-    if _is_host(payload):
-        return _np_dequantize_1bit(payload, n, out, accumulate)
-    _launch("gpukv_dequantize_1bit", n,
-            (payload, out, np.int64(n), np.int32(bool(accumulate))))
-    return out
-
-
-def _xp(a):
-    if _is_host(a):
-        return np
-    import cupy
-    return cupy
-
-
-def flat_f32(x):
-    """`x` as a flat, contiguous float32 array on its own device (a view when it already
-    is one; a GPU copy is made on the current device and stream)."""
-    xp = _xp(x)
-    return xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1)
-
-
-def empty_f32(like, shape):
-    """A new float32 array of `shape` where `like` lives (current device and stream)."""
-    return _xp(like).empty(shape, _F32)
-
-
-def scale_in_place(out, factor: float):
-    """out *= float32(factor), in place (on the current stream for a GPU array)."""
-    xp = _xp(out)
-    xp.multiply(out, xp.float32(factor), out=out)
-    return out
-
-
-def _write(xp, out, value, scale: float, accumulate: bool):
-    """out = value * scale, or out += value * scale (`value` is a temporary, scaled in place)."""
-    if scale != 1.0:
-        xp.multiply(value, xp.float32(scale), out=value)
-    if accumulate:
-        xp.add(out, value, out=out)
-    else:
-        out[...] = value
-    return out
-
-
-def _host_vectors(payload, dtype, out) -> bool:
-    """Whether the NumPy twin decodes `payload` into `out`: 1-D host arrays of one length."""
-    return (_is_host(payload) and _is_host(out) and payload.dtype == dtype
-            and out.dtype == _F32 and payload.ndim == 1 and out.shape == payload.shape)
-
-
-def cast_fp16(x, scale: float):
-    """`x / scale` rounded to float16 (round to nearest even); `scale` 1 divides nothing."""
-    if _is_host(x) and x.dtype == _F32:
-        return _np_cast_fp16(x.reshape(-1), scale).reshape(x.shape)
-    xp = _xp(x)
-    if scale != 1.0:
-        x = xp.divide(x, xp.float32(scale))
-    if xp is np:
-        with np.errstate(over="ignore"):  # beyond float16's range: inf, as on the GPU
-            return x.astype(np.float16)
-    return x.astype(xp.float16)
-
-
-def uncast_fp16(payload, scale: float, out, accumulate=False):
-    """float32(payload) * scale written into `out`, or added to it."""
-    if _host_vectors(payload, np.float16, out):
-        return _np_uncast_fp16(payload, scale, out, accumulate)
-    xp = _xp(payload)
-    return _write(xp, out, payload.astype(xp.float32), scale, accumulate)
-
-
-def cast_bf16(x, scale: float):
-    """`x / scale` as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
-    if _is_host(x) and x.dtype == _F32:
-        return _np_cast_bf16(x.reshape(-1), scale).reshape(x.shape)
-    xp = _xp(x)
-    if scale != 1.0:
-        x = xp.divide(x, xp.float32(scale))
-    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    return _bf16_bits(u, xp).astype(xp.uint16)
-
-
-def uncast_bf16(payload, scale: float, out, accumulate=False):
-    """The float32 value of bfloat16 bit patterns, times `scale`, into `out` (or added)."""
-    if _host_vectors(payload, np.uint16, out):
-        return _np_uncast_bf16(payload, scale, out, accumulate)
-    xp = _xp(payload)
-    return _write(xp, out, (payload.astype(xp.uint32) << 16).view(xp.float32), scale,
-                  accumulate)

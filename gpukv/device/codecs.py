@@ -1,0 +1,177 @@
+"""The gradient-compression codecs, the front door to their NumPy twins (`host_codecs.py`)
+and CUDA kernels (`cuda/codec_kernels.py`, which imports CuPy only to launch one).
+
+Every function takes flat, contiguous float32 arrays (the caller converts) and works on
+whichever library the arrays belong to: NumPy arrays run the vectorised NumPy twin,
+CuPy arrays a CUDA kernel. The two produce identical bytes and identical residuals,
+except where a float32 subnormal (magnitude below 2**-126) is read or produced: CuPy
+compiles every kernel, its own elementwise ones included, with -ftz=true, so on the GPU
+such a value is a (signed) zero, in residuals, decoded sums and `pre_divide` scaling.
+
+Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
+
+- 2bit: 16 values per 32-bit word, 4 per byte, the first value in the two most
+  significant bits of the first byte; 0b11 is +threshold, 0b10 is -threshold,
+  0b00 is 0 (0b01 is never written and decodes to 0). Payload: 4 * ceil(n / 16) bytes.
+- 1bit: 32 values per 32-bit word, 8 per byte, the first value in the most significant
+  bit of the first byte; 1 decodes to +1 and 0 to -1. Payload: 4 * ceil(n / 32) bytes.
+
+The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:
+r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`. Subtracting -t and adding t
+(or subtracting 1 and adding -1) give the same IEEE result, which is what lets the
+NumPy twin apply the update as one vectorised add.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import host_codecs as host
+from .host_codecs import packed_nbytes
+
+__all__ = ["quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit",
+           "flat_f32", "empty_f32", "scale_in_place", "cast_fp16", "uncast_fp16",
+           "cast_bf16", "uncast_bf16", "packed_nbytes"]
+
+_F32 = np.float32
+
+
+def _is_host(a) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def _launch(name, items, args):
+    from .cuda.codec_kernels import launch
+    launch(name, items, args)
+
+
+def _quantize(bits, host_fn, kernel, grad, residual, threshold, out):
+    """`host_fn` on host arrays, else the CUDA `kernel` (one thread per byte it writes);
+    the payload's bytes past the last value are zero."""
+    n = grad.size
+    nbytes = packed_nbytes(n, bits)
+    if _is_host(grad):
+        if out is None:
+            out = np.empty(nbytes, np.uint8)
+        return host_fn(grad, residual, threshold, out)
+    import cupy
+    if out is None:
+        out = cupy.empty(nbytes, cupy.uint8)
+    used = -(-n * bits // 8)
+    out[used:] = 0
+    _launch(kernel, used,
+            (grad, residual, out, np.int64(n), np.int64(used), np.float32(threshold)))
+    return out
+
+
+def quantize_2bit(grad, residual, threshold, out=None):
+    """Add `grad` into `residual`, write MXNet's 2-bit codes into `out` (uint8), return it."""
+    return _quantize(2, host.quantize_2bit, "gpukv_quantize_2bit", grad, residual, threshold,
+                     out)
+
+
+def dequantize_2bit(payload, n, threshold, out, accumulate=False):
+    """Decode `n` values of a 2-bit payload into `out` (float32), or add them to it."""
+    if _is_host(payload):
+        return host.dequantize_2bit(payload, n, threshold, out, accumulate)
+    _launch("gpukv_dequantize_2bit", n,
+            (payload, out, np.int64(n), np.float32(threshold), np.int32(bool(accumulate))))
+    return out
+
+
+def quantize_1bit(grad, residual, threshold, out=None):
+    """Add `grad` into `residual`, write MXNet master's 1-bit codes into `out`, return it."""
+    return _quantize(1, host.quantize_1bit, "gpukv_quantize_1bit", grad, residual, threshold,
+                     out)
+
+
+def dequantize_1bit(payload, n, out, accumulate=False):
+    """Decode `n` values of a 1-bit payload (+1/-1) into `out` (float32), or add them."""
+    if _is_host(payload):
+        return host.dequantize_1bit(payload, n, out, accumulate)
+    _launch("gpukv_dequantize_1bit", n,
+            (payload, out, np.int64(n), np.int32(bool(accumulate))))
+    return out
+
+
+def _xp(a):
+    if _is_host(a):
+        return np
+    import cupy
+    return cupy
+
+
+def flat_f32(x):
+    """`x` as a flat, contiguous float32 array on its own device (a view when it already
+    is one; a GPU copy is made on the current device and stream)."""
+    xp = _xp(x)
+    return xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1)
+
+
+def empty_f32(like, shape):
+    """A new float32 array of `shape` where `like` lives (current device and stream)."""
+    return _xp(like).empty(shape, _F32)
+
+
+def scale_in_place(out, factor: float):
+    """out *= float32(factor), in place (on the current stream for a GPU array)."""
+    xp = _xp(out)
+    xp.multiply(out, xp.float32(factor), out=out)
+    return out
+
+
+def _write(xp, out, value, scale: float, accumulate: bool):
+    """out = value * scale, or out += value * scale (`value` is a temporary, scaled in place)."""
+    if scale != 1.0:
+        xp.multiply(value, xp.float32(scale), out=value)
+    if accumulate:
+        xp.add(out, value, out=out)
+    else:
+        out[...] = value
+    return out
+
+
+def _host_vectors(payload, dtype, out) -> bool:
+    """Whether the NumPy twin decodes `payload` into `out`: 1-D host arrays of one length."""
+    return (_is_host(payload) and _is_host(out) and payload.dtype == dtype
+            and out.dtype == _F32 and payload.ndim == 1 and out.shape == payload.shape)
+
+
+def cast_fp16(x, scale: float):
+    """`x / scale` rounded to float16 (round to nearest even); `scale` 1 divides nothing."""
+    if _is_host(x) and x.dtype == _F32:
+        return host.cast_fp16(x.reshape(-1), scale).reshape(x.shape)
+    xp = _xp(x)
+    if scale != 1.0:
+        x = xp.divide(x, xp.float32(scale))
+    if xp is np:
+        with np.errstate(over="ignore"):  # beyond float16's range: inf, as on the GPU
+            return x.astype(np.float16)
+    return x.astype(xp.float16)
+
+
+def uncast_fp16(payload, scale: float, out, accumulate=False):
+    """float32(payload) * scale written into `out`, or added to it."""
+    if _host_vectors(payload, np.float16, out):
+        return host.uncast_fp16(payload, scale, out, accumulate)
+    xp = _xp(payload)
+    return _write(xp, out, payload.astype(xp.float32), scale, accumulate)
+
+
+def cast_bf16(x, scale: float):
+    """`x / scale` as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    if _is_host(x) and x.dtype == _F32:
+        return host.cast_bf16(x.reshape(-1), scale).reshape(x.shape)
+    xp = _xp(x)
+    if scale != 1.0:
+        x = xp.divide(x, xp.float32(scale))
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    return host.bf16_bits(u, xp).astype(xp.uint16)
+
+
+def uncast_bf16(payload, scale: float, out, accumulate=False):
+    """The float32 value of bfloat16 bit patterns, times `scale`, into `out` (or added)."""
+    if _host_vectors(payload, np.uint16, out):
+        return host.uncast_bf16(payload, scale, out, accumulate)
+    xp = _xp(payload)
+    return _write(xp, out, (payload.astype(xp.uint32) << 16).view(xp.float32), scale,
+                  accumulate)
