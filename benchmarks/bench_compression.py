@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common  # noqa: E402
 
-from gpukv.encoding.compression import Cast, OneBit, TwoBit  # noqa: E402
+from gpukv.encoding.compressors import Cast, OneBit, TwoBit  # noqa: E402
 
 KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0),
          "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}

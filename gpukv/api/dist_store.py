@@ -25,7 +25,7 @@ from .._errors import ArgumentError, ArgumentKindError, BackendError, Checkpoint
 from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
 from ..distributed.engine import Leaves, Partials
-from ..encoding.compression import compressible
+from ..encoding.compressors import compressible
 from . import check
 from .dist_parts import PinnedStore, SavedState, Shard, leaf_values, node_sums
 from .store import KVStore, deterministic_option
@@ -552,7 +552,7 @@ class DistKVStore(KVStore):
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
-        from ..encoding.compression import make_compressor
+        from ..encoding.compressors import make_compressor
         compressor = make_compressor(compression_params)
         with self._lock:
             self._engine.set_compression(compressor)

@@ -19,7 +19,8 @@ from .._errors import ArgumentKindError, OutOfMemoryError
 from ..comm import HostStrategy, ReduceJob
 from ..device import device_of, host_device
 from ..device.host_sum import accumulate_dtype
-from ..encoding.compression import GradientCompression, compressible
+from ..encoding.compression import GradientCompression
+from ..encoding.compressors import compressible
 from ..encoding.sparse import RowSparse
 from ..encoding.sparse import merge as _merge_rows
 from . import check, rows

@@ -30,7 +30,8 @@ from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
 from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
-from ..encoding.compression import GradientCompression, make_compressor
+from ..encoding.compression import GradientCompression
+from ..encoding.compressors import make_compressor
 from ..encoding.sparse import RowSparse
 from . import check, pipeline, rows, snapshots
 
@@ -681,7 +682,7 @@ class KVStore:
         return "device" in self._type or "dist" in self._type
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
-        """Compress every pushed source on its way home (see `gpukv.encoding.compression`).
+        """Compress every pushed source on its way home (see `gpukv.encoding.compressors`).
 
         `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
         'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /

@@ -73,8 +73,6 @@ def packed_nbytes(n: int, bits: int) -> int:
     return 4 * (-(-n // per_word))
 
 
-
-
 # ------------------------------------------------------------------ lookup tables
 def _table_2bit(threshold: float) -> np.ndarray:
     """256 x 4 float32: the four values one packed byte decodes to."""

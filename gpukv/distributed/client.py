@@ -16,7 +16,7 @@ import pickle
 import numpy as np
 
 from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
-from ..encoding.compression import Compressor, compressible
+from ..encoding.compressors import Compressor, ErrorFeedback, compressible
 from .agree import Agreement, from_rank0, refuse_split
 from .canonical_sum import check_partials
 from .chunks import chunk_bytes, chunk_ranges
@@ -75,7 +75,7 @@ class ServerClient:
         self.layouts: dict = {}     # key -> (pieces, shape, dtype)
         self.pushes: dict = {}      # key -> pushes this worker made
         self.compressor = None
-        self.residuals: dict = {}
+        self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start[, value])
         self._tags = itertools.count()
         self._unsettled: list = []  # (server, reply tag, first key) of inits not answered
         self._sent_settings = None  # the optimizer options the servers have
@@ -245,16 +245,11 @@ class ServerClient:
     def _compress(self, key, piece, grad, leaf: int | None = None):
         """(payload, (params, elements)) of one piece of a key (of its `leaf`-th value,
         whose residual is its own, in a deterministic push)."""
-        comp = self.compressor
-        assert comp is not None  # only a key it compresses comes here
-        residual = None
-        if comp.uses_residual:
-            slot = (key, piece.start) if leaf is None else (key, piece.start, leaf)
-            residual = self.residuals.get(slot)
-            if residual is None:
-                residual = self.residuals[slot] = np.zeros(grad.size, np.float32)
-        payload, ctx = comp.compress(grad, residual)
-        return payload, (tuple(sorted(comp.params().items())), ctx.size)
+        feedback = self.feedback
+        assert feedback is not None  # only a key it compresses comes here
+        slot = (key, piece.start) if leaf is None else (key, piece.start, leaf)
+        payload, ctx = feedback.compress(slot, grad)
+        return payload, (tuple(sorted(feedback.compressor.params().items())), ctx.size)
 
     def pull(self, keys, replicas) -> None:
         self._settle(f"pull of key {keys[0]!r}" if keys else "pull")
@@ -325,7 +320,7 @@ class ServerClient:
 
     def set_compression(self, compressor) -> None:
         self.compressor = compressor
-        self.residuals = {}
+        self.feedback = ErrorFeedback(compressor) if compressor is not None else None
 
     @property
     def pending(self) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..encoding.compression import Compressor
+    from ..encoding.compressors import Compressor
     from ..optim import Optimizer
 
 

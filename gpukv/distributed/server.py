@@ -34,7 +34,7 @@ import numpy as np
 from .._canonical import rank_nodes
 from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ..device.host_sum import accumulate_dtype, host_sum
-from ..encoding.compression import make_compressor
+from ..encoding.compressors import make_compressor
 from .canonical_sum import decode_leaves, merge_into, own_sum, sum_leaves
 from .chunks import chunk_bytes, chunk_ranges
 from .engine import Shard
@@ -318,7 +318,7 @@ class _Server:
 
     def decode(self, comp, payload) -> np.ndarray:
         params, size = comp
-        from ..encoding.compression import Ctx
+        from ..encoding.compressors import Ctx
         return self.compressor(params).decompress(payload, Ctx(size, (size,)),
                                                   self.buffer(np.dtype(np.float32), size))
 

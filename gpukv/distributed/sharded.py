@@ -23,7 +23,7 @@ import numpy as np
 
 from .._errors import CheckpointError, GpukvError, PeerError
 from ..device.host_sum import accumulate_dtype
-from ..encoding.compression import Compressor, Ctx, compressible
+from ..encoding.compressors import Compressor, Ctx, ErrorFeedback, compressible
 from . import exchange
 from .agree import Agreement, from_rank0, refuse_split, to_rank0
 from .canonical_sum import check_partials, decode_leaves, node_ranges, sum_leaves
@@ -128,7 +128,7 @@ class ShardedRounds:
         self.layouts: dict = {}
         self._pending: list = []    # (key, replica) made here, not agreed on yet
         self._rounds: dict = {}     # (keys in canonical order, compression) -> _Round
-        self._residuals: dict = {}  # (key, piece start) -> error-feedback residual
+        self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start)
         self._formats: dict = {}    # elements -> compressed payload (dtype, bytes)
         self._assigns = True        # no updater yet: a round assigns the sum
         self._rule = ""             # the updater, as the agreement of a round names it
@@ -510,7 +510,7 @@ class ShardedRounds:
         for key, layout in plan.compressed:
             flat = by_key[key][0].reshape(-1)
             for p in layout.pieces:
-                payload, _ = comp.compress(flat[p.start:p.stop], self._residual(key, p))
+                payload, _ = self._compress((key, p.start), flat[p.start:p.stop])
                 outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
                 if p.server == rank:
                     mine.append((key, layout, p))
@@ -545,8 +545,7 @@ class ShardedRounds:
             values = by_key[key][0].values
             for p in layout.pieces:
                 for j in range(count):
-                    payload, _ = comp.compress(values[j, p.start:p.stop],
-                                               self._residual(key, p, j))
+                    payload, _ = self._compress((key, p.start, j), values[j, p.start:p.stop])
                     outgoing[p.server].append(as_bytes(np.ascontiguousarray(payload)))
                 if p.server == rank:
                     mine.append((key, layout, p, count))
@@ -592,17 +591,12 @@ class ShardedRounds:
             buf = self._buffers[name] = np.empty(n, dtype)
         return buf
 
-    def _residual(self, key, piece, leaf: int | None = None):
-        """The error-feedback residual of this process for one piece of a key (of its
-        `leaf`-th value, in a deterministic round: each value has its own)."""
-        assert self.compressor is not None
-        if not self.compressor.uses_residual:
-            return None
-        slot = (key, piece.start) if leaf is None else (key, piece.start, leaf)
-        residual = self._residuals.get(slot)
-        if residual is None:
-            residual = self._residuals[slot] = np.zeros(piece.stop - piece.start, np.float32)
-        return residual
+    def _compress(self, slot: tuple, values):
+        """(payload, ctx) of one piece of a key, with this process's residual of `slot`:
+        (key, piece start), or (key, piece start, value) in a deterministic round, where
+        each value has its own."""
+        assert self.feedback is not None  # only a compressed key comes here
+        return self.feedback.compress(slot, values)
 
     def _payload_format(self, n: int) -> tuple:
         """(dtype, bytes) of the payload of `n` elements under the compressor."""
@@ -618,7 +612,7 @@ class ShardedRounds:
         """Compress on the wire from now on (every process must set the same: a push
         of processes that differ fails as a mismatch)."""
         self.compressor = compressor
-        self._residuals = {}
+        self.feedback = ErrorFeedback(compressor) if compressor is not None else None
         self._formats = {}
 
     def _all_gather(self, plan: _Gather, by_key: dict, what: str) -> None:

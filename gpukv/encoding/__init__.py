@@ -1,2 +1,3 @@
-"""Values in the forms they travel in: compressed gradients (`compression.py`) and
+"""Values in the forms they travel in: the gradient compressors, one module each
+(`compressors/`), their use around a one-process store's reduction (`compression.py`), and
 row-sparse values with their row merge (`sparse.py`)."""

@@ -257,14 +257,13 @@ def _sum_cases() -> list:
 
 
 def _compression_cases() -> list:
+    """The CUDA kernels every registered compressor declares (`Compressor.kernels`)."""
     from ..device.cuda import codec_kernels as c
-    rows = (("quantize 2bit", "gpukv_quantize_2bit", 8, 4.25, "grad+residual in, out"),
-            ("dequantize 2bit", "gpukv_dequantize_2bit", 0.25, 4, "without accumulate"),
-            ("quantize 1bit", "gpukv_quantize_1bit", 8, 4.125, "grad+residual in, out"),
-            ("dequantize 1bit", "gpukv_dequantize_1bit", 0.125, 4, "without accumulate"))
+    from ..encoding.compressors import registered
     threads = 256  # what codec_kernels.launch launches with
-    return [KernelCase(label, name, c.CUDA_SOURCE, c.COMPILE_OPTIONS, threads, r, w, why)
-            for label, name, r, w, why in rows]
+    return [KernelCase(k.label, k.function, c.CUDA_SOURCE, c.COMPILE_OPTIONS, threads,
+                       k.read, k.written, k.traffic)
+            for cls in registered() for k in cls.kernels]
 
 
 def _optimizer_cases() -> list:

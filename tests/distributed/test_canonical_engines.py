@@ -22,7 +22,7 @@ from gpukv.distributed.canonical_sum import (
     sum_leaves,
 )
 from gpukv.distributed.server import same_compression
-from gpukv.encoding.compression import make_compressor
+from gpukv.encoding.compressors import make_compressor
 
 from .. import gpu_env
 from .mpirun import ok, run

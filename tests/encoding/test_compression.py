@@ -17,14 +17,8 @@ from gpukv.comm.registry import make_strategy
 from gpukv.device import codecs as K
 from gpukv.device import host_codecs as twins
 from gpukv.device import host_device
-from gpukv.encoding.compression import (
-    Cast,
-    Ctx,
-    GradientCompression,
-    OneBit,
-    TwoBit,
-    make_compressor,
-)
+from gpukv.encoding.compression import GradientCompression
+from gpukv.encoding.compressors import Cast, Ctx, OneBit, TwoBit, make_compressor
 
 from ..strategies import float32_bits, gradient_steps
 
@@ -499,7 +493,7 @@ def test_home_reduce_of_encoded_terms_equals_the_decoded_sum(params, n, shape, s
             assert (np.abs(got[finite] - want[finite]) <= bound[finite]).all()
         for i, r in enumerate(residuals):
             if comp.uses_residual:
-                assert same_bits(gc._residuals[("k", host_device(i))], r)
+                assert same_bits(gc.feedback.residuals[("k", host_device(i))], r)
 
 
 @pytest.mark.parametrize("params", [{"type": "2bit", "threshold": 0.5},
@@ -522,8 +516,8 @@ def test_compressed_push_same_for_every_strategy(params):
         assert not np.isnan(got["home"]).any()
         for name in ("tree", "ring"):
             assert same_bits(got[name], got["home"]), name
-            for slot, r in stores["home"]._residuals.items():
-                assert same_bits(stores[name]._residuals[slot], r)
+            for slot, r in stores["home"].feedback.residuals.items():
+                assert same_bits(stores[name].feedback.residuals[slot], r)
 
 
 def test_repeated_device_keeps_each_sources_term():

@@ -226,7 +226,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
             assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
                              f"key {k!r} after push {step}")
         if params["type"] in ("2bit", "1bit"):
-            hr, gr = host._compression._residuals, gpu._compression._residuals
+            hr, gr = host._compression.feedback.residuals, gpu._compression.feedback.residuals
             assert len(gr) == len(hr) == len(devs) * (len(keys) - 1)
             for k in keys:
                 for i, d in enumerate(devs):
@@ -268,7 +268,7 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
         for k in keys:
             assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
                              f"key {k!r} after push {step}")
-        hr, gr = host._compression._residuals, gpu._compression._residuals
+        hr, gr = host._compression.feedback.residuals, gpu._compression.feedback.residuals
         assert len(gr) == len(hr)
         for (k, d), r in gr.items():
             assert_same_bits(r.get(), hr[(k, host_device(devs.index(d)))],

@@ -1,0 +1,101 @@
+"""The compressor registry and error feedback: a compressor is one registered class,
+found by its type name with its options checked; `ErrorFeedback` keeps one residual per
+slot whoever compresses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpukv
+from gpukv.encoding import compressors
+from gpukv.encoding.compressors import registry
+
+
+def test_mxnet_types_are_registered():
+    """2bit, 1bit, fp16 and bf16 are registered; 'none' turns compression off."""
+    assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none"]
+    assert compressors.registered() == [compressors.Cast, compressors.OneBit,
+                                        compressors.TwoBit]
+    assert compressors.make_compressor({"type": "none"}) is None
+
+
+@pytest.fixture
+def scaled(monkeypatch):
+    """A compressor of a test's own, registered as 'scaled' for the test only."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    @compressors.register("scaled")
+    class Scaled(compressors.Compressor):
+        """Sends x * factor as float32; decodes by dividing."""
+        name = "scaled"
+        options = {"factor": 2.0}
+        positive = ("factor",)
+        kernels = (compressors.KernelTraffic("scale", "gpukv_scale", 4, 4, "x in, out"),)
+
+        def __init__(self, factor=2.0):
+            self.factor = factor
+
+        def compress(self, x, residual=None):
+            return np.asarray(x, np.float32) * np.float32(self.factor), \
+                compressors.Ctx(x.size, x.shape)
+
+        def decompress(self, payload, ctx, out=None, accumulate=False):
+            value = payload / np.float32(self.factor)
+            if out is None:
+                return value
+            out[...] = out + value if accumulate else value
+            return out
+
+        def params(self):
+            return {"type": self.name, "factor": self.factor}
+    return Scaled
+
+
+def test_a_registered_class_is_a_compressor_of_every_store(scaled):
+    """One registered class is enough for make_compressor, a store's
+    set_gradient_compression and the kernel-resource table."""
+    from gpukv.tools import kernel_resources
+    comp = compressors.make_compressor({"type": "Scaled", "factor": "4"})
+    assert isinstance(comp, scaled) and comp.factor == 4.0
+    kv = gpukv.create("device")
+    kv.init(0, np.zeros(3, np.float32))
+    kv.set_gradient_compression({"type": "scaled", "factor": 8})
+    kv.push(0, [np.full(3, 1.5, np.float32), np.full(3, 0.5, np.float32)])
+    out = np.empty(3, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [2.0, 2.0, 2.0]
+    assert "gpukv_scale" in {c.kernel for c in kernel_resources._compression_cases()}
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"type": "scaled", "threshold": 1}, "unknown option 'threshold'; valid options are "
+                                         "type, factor"),
+    ({"type": "scaled", "factor": 0}, "option 'factor' must be greater than 0, got 0"),
+    ({"type": "scaled", "factor": "x"}, "option 'factor' must be a float32 number"),
+    ({"type": "scaledx"}, "valid types are 1bit, 2bit, bf16, fp16, none, scaled"),
+])
+def test_a_registered_class_has_its_options_checked(scaled, params, message):
+    """Its options are checked from what it declares, with the others' messages."""
+    with pytest.raises(gpukv.ArgumentError, match=message):
+        compressors.make_compressor(params)
+
+
+def test_a_type_registered_twice_is_refused(scaled):
+    """Two classes cannot answer to one type name, nor any to 'none'."""
+    for name in ("scaled", "none"):
+        with pytest.raises(ValueError, match="registered twice"):
+            compressors.register(name)(scaled)
+
+
+def test_error_feedback_keeps_one_residual_per_slot():
+    """Each slot's residual starts at zero and moves on with its own pushes; a new size
+    starts afresh; a compressor without error feedback gets none."""
+    feedback = compressors.ErrorFeedback(compressors.TwoBit(0.5))
+    g = np.array([0.3, -0.2, 0.6], np.float32)
+    feedback.compress(("k", 0), g)
+    feedback.compress(("k", 0), g)
+    feedback.compress(("k", 1), g)
+    assert feedback.residuals[("k", 0)].tolist() == pytest.approx([0.1, -0.4, 0.2])
+    assert feedback.residuals[("k", 1)].tolist() == pytest.approx([0.3, -0.2, 0.1])
+    assert feedback.residual(("k", 0), 5).tolist() == [0.0] * 5
+    assert compressors.ErrorFeedback(compressors.Cast("fp16")).residual("s", 3) is None
