@@ -19,9 +19,9 @@ from ._errors import (
                       ShapeError,
                       UnknownKeyError,
 )
+from .api.base import KVStore
 from .api.factory import create
 from .api.snapshots import Snapshot, latest_snapshot
-from .api.store import KVStore
 from .encoding.sparse import RowSparse
 
 __version__ = "0.1.0"

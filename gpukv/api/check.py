@@ -448,3 +448,16 @@ def _row_sparse_one(key, out, row_ids) -> list:
             raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
         return [(key, o, r) for o, r in zip(outs, row_ids)]
     return [(key, o, row_ids) for o in outs]
+
+
+def worker_values(values, what: str) -> np.ndarray:
+    """`values` for `workers_max`: integers (or bools) of one shape, as an int64 array;
+    ArgumentKindError naming `what` otherwise."""
+    try:
+        array = np.asarray(values)
+    except ValueError:  # ragged
+        array = np.asarray(values, dtype=object)
+    if array.size and not np.can_cast(array.dtype, np.int64):
+        raise ArgumentKindError(f"workers_max ({what}): expected integers of one "
+                                f"shape, got {array.dtype}")
+    return array.astype(np.int64)

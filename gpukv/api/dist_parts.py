@@ -1,12 +1,10 @@
 """The one-process stores a dist store is made of: the shard a process serves, the
 stores that keep its copies and sums, and the gathered optimizer state a checkpoint
-writes. KVStore's own machinery (checks, updaters, the push pipeline) does the work."""
+writes. LocalStore's own machinery (checks, updaters, the push pipeline) does the work,
+driven through its public surface."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
@@ -15,67 +13,68 @@ from ..comm import ReduceJob
 from ..comm.canonical import Canonical
 from ..comm.host import HostStrategy
 from ..device import device_of, host_device
-from . import check, snapshots
-from .pipeline import PushPlan, devices_of, host_slots
-from .store import Key, KVStore
-
-#: the kind of a store's keys: int or str
-KeyKind = type
+from . import snapshots
+from .pipeline import devices_of, host_slots
+from .store import LocalStore
 
 
-class Shard(KVStore):
-    """The keys (or pieces of keys) this process serves: a host store the engines of
-    `gpukv.distributed` sum into and read back."""
+class Shard:
+    """The keys (or pieces of keys) this process serves, for the engines of
+    `gpukv.distributed` (their `Shard` protocol): a host `LocalStore` they sum into and
+    read back, driven through its public surface."""
 
     def __init__(self):
-        super().__init__("local")
+        self.store = LocalStore("local")
+
+    def init(self, key, value) -> None:
+        self.store.init(key, value)
+
+    def push(self, key, value, priority: int = 0) -> None:
+        self.store.push(key, value, priority)
+
+    def set_optimizer(self, optimizer) -> None:
+        self.store.set_optimizer(optimizer)
+
+    def set_updater(self, updater) -> None:
+        self.store.set_updater(updater)
 
     def stored(self, key) -> np.ndarray:
-        return self._entries[key].value
+        return self.store.entries()[key].value
 
     def adopt(self, keys, arrays) -> None:
-        """Serve `arrays` themselves (views of a worker's copies of the keys, on the host
-        or a GPU) as the values of new `keys`: updates land in the worker's copy, with no
-        copy between."""
-        self.init(keys, [device_of(a).to_host(a) for a in arrays])
-        for key, array in zip(keys, arrays):
-            entry = self._entries[key]
-            entry.value, entry.home = array, device_of(array)
+        self.store.adopt(keys, arrays)
 
     def update(self, keys, merged) -> None:
-        """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
-        in the store's order; a `merged` that is the stored array itself is assigned.
-        (What the optimizer takes was checked by every worker before it pushed.)"""
-        entries = [self._entries[k] for k in keys]
-        updater = self._updater
-        updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
-                   if updater is not None or m is not e.value]
-        if updates:
-            self._run_push(PushPlan([], [], [], updates, [], []))
+        self.store.update_merged(keys, merged)
 
     def assign(self, key, value) -> None:
         """Set a key's value, without the updater (a checkpoint's value)."""
-        entry = self._entries[key]
+        entry = self.store.entries()[key]
         entry.home.copy(entry.value, value.reshape(entry.value.shape))
 
     def export_state(self, dump: bool):
         """The optimizer's state, as `save_optimizer_states` writes it; None without one."""
-        return None if self._optimizer is None else self._updater.export_state(dump)
+        if self.store.optimizer is None:
+            return None
+        return self.store.optimizer_updater("save_optimizer_states").export_state(dump)
 
     def check_state(self, state):
         """Check (header, arrays) of an optimizer state against these keys (see
         `OptimizerUpdater.check_state`); the plan `apply_state` installs."""
         header, arrays = state
-        updater = self._optimizer_updater("load_optimizer_states")
+        updater = self.store.optimizer_updater("load_optimizer_states")
         return updater.check_state(header, arrays,
-                                   {k: e.value for k, e in self._entries.items()})
+                                   {k: e.value for k, e in self.store.entries().items()})
 
     def apply_state(self, plan) -> None:
-        self._updater.apply_state(plan, {k: e.home for k, e in self._entries.items()})
+        self.store.optimizer_updater("load_optimizer_states").apply_state(
+            plan, {k: e.home for k, e in self.store.entries().items()})
 
     def apply_settings(self, settings: tuple) -> None:
         """The optimizer takes over a worker's `Optimizer.settings()`."""
-        self._optimizer.apply_settings(settings)
+        optimizer = self.store.optimizer
+        assert optimizer is not None  # the workers set one before they send its settings
+        optimizer.apply_settings(settings)
 
     def write_part(self, request: dict) -> str | None:
         """Stage the pieces this shard serves and write them as shard "index" of "count"
@@ -87,68 +86,45 @@ class Shard(KVStore):
         path = os.path.join(request["folder"],
                             snapshots.shard_file(request["index"], request["count"]))
         try:
-            self._write_part(path, request["step"], pieces, [],
-                             store_type=request["store_type"])
+            self.store.write_part(path, request["step"], pieces, [],
+                                  store_type=request["store_type"])
         except CheckpointError as exc:
             return str(exc)
         return None
 
     def finish_part(self) -> str | None:
         try:
-            self.finish_snapshots()
+            self.store.finish_snapshots()
         except CheckpointError as exc:
             return str(exc)
         return None
 
 
-class PinnedStore(KVStore):
+def pinned_store(name: str, pinned, **options) -> LocalStore:
     """A one-process store a dist store keeps keys in (its values, its local sums): its
-    keys all live on `pinned` (the NCCL GPU), or where KVStore places them (`pinned` None).
+    keys all live on `pinned` (the NCCL GPU), or where LocalStore places them (`pinned`
+    None). The dist store checks each call itself and drives it through LocalStore's
+    surface for it (`lookup`, `init_checked`, `push_checked`, `pull_checked`, ...)."""
+    store = LocalStore(name, **options)
+    if pinned is not None:
+        store.pin(pinned)
+    return store
 
-    The dist store checks each call itself (with `check`, against `entries()`), then has
-    the methods below run it on the checked `check.Groups`: nothing is checked twice, and
-    the dist store reads nothing private of this store.
-    """
 
-    def __init__(self, name: str, pinned, **options):
-        super().__init__(name, **options)
-        self._pinned = pinned
-
-    def _candidates(self, arrays) -> list:
-        return [self._pinned] if self._pinned is not None else super()._candidates(arrays)
-
-    @property
-    def key_kind(self) -> KeyKind | None:
-        """The kind of key the store holds: int or str (None before its first key)."""
-        return self._key_kind
-
-    def entries(self) -> Mapping[Key, Any]:
-        """The store's keys, in init order, read-only: key -> entry, whose `value` is the
-        stored array and `home` the Device it lives on."""
-        return MappingProxyType(self._entries)
-
-    def lookup(self, groups: check.Groups, op: str) -> list:
-        """The entries of a call's keys, in order; KeyKindError or UnknownKeyError naming
-        the key, for the call `op`."""
-        return self._lookup(groups, op)
-
-    def init_checked(self, groups: check.Groups) -> None:
-        """`init` of `check.group`'s groups (each key's first array is copied)."""
-        with self._lock:
-            self._init_groups(groups)
-
-    def push_checked(self, groups: check.Groups, entries: list) -> None:
-        """`push` of `check.group`'s groups into their `entries` (from `lookup`), whose
-        sources passed `check.all_sources`."""
-        with self._lock:
-            self._run_push(self._plan_push(groups, entries))
-
-    def pull_checked(self, groups: check.Groups, entries: list,
-                     ignore_sparse: bool = True) -> None:
-        """`pull` of `entries` (from `lookup`) into `check.group`'s groups of outs, which
-        passed `check.all_outs`."""
-        with self._lock:
-            self._pull_groups(groups, entries, ignore_sparse)
+def share_of(store: LocalStore, folder: str, step: int, index: int,
+             count: int) -> str | None:
+    """Write every count-th key of `store` from the index-th, whole, as shard `index` of
+    `count` of the snapshot in `folder`, in the background: one worker's share of a store
+    every worker of a dist store holds alike (`DistKVStore.snapshot(replicated=)`). The
+    error of an earlier write that failed, else None."""
+    pieces = {key: (0, e.value.size, e.value.shape, e.home.kind, i)
+              for i, (key, e) in enumerate(store.entries().items()) if i % count == index}
+    try:
+        store.write_part(os.path.join(folder, snapshots.shard_file(index, count)), step,
+                         pieces, [])
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 _NODES = Canonical(HostStrategy())

@@ -27,8 +27,9 @@ from ..device.host_sum import accumulate_dtype, share_cpus
 from ..distributed.engine import Leaves, Partials
 from ..encoding.compressors import compressible
 from . import check
-from .dist_parts import PinnedStore, SavedState, Shard, leaf_values, node_sums
-from .store import KVStore, deterministic_option
+from .base import KVStore
+from .dist_parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
+from .store import LocalStore, deterministic_option
 
 if TYPE_CHECKING:
     from ..distributed import Engine
@@ -151,13 +152,9 @@ def _raise(outcome):
 class DistKVStore(KVStore):
     """A store shared by the processes of an MPI job (see `gpukv.create`).
 
-    A `KVStore` to its users, as `create` promises (`isinstance(kv, gpukv.KVStore)`, which
-    the Trainer and the tools check), but none of KVStore's machinery: its keys live in
-    two `PinnedStore`s, reached through their public surface only, and in its `Engine`.
-    So it does not run KVStore's constructor, and every public member is its own here but
-    `type` (a test checks it). A base class both would derive from was weighed and left:
-    it would hold `type` and the docstrings alone, and the dist store would no longer be
-    the `KVStore` that `create` returns.
+    A `KVStore`, as the one-process `LocalStore` is, and none of its machinery: its keys
+    live in two one-process stores (this process's copies of the values, and its local
+    sums), driven through LocalStore's surface for it, and in its `Engine`.
     """
 
     def __init__(self, name: str, *, num_servers: int | None = None,
@@ -216,8 +213,8 @@ class DistKVStore(KVStore):
         else:
             _SERVED.append(name)
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
-        self._values = PinnedStore(local, gpu, deterministic=deterministic, **local_options)
-        self._grads = PinnedStore(local, gpu, deterministic=deterministic, **local_options)
+        self._values = pinned_store(local, gpu, deterministic=deterministic, **local_options)
+        self._grads = pinned_store(local, gpu, deterministic=deterministic, **local_options)
         #: the canonical order (gpukv._canonical) for every sum, here and between processes
         self._deterministic = deterministic
         self._partials: dict = {}  # key -> this process's node sums (deterministic)
@@ -285,13 +282,11 @@ class DistKVStore(KVStore):
             self._engine.barrier()
             self._refresh()
 
-    _barrier = barrier
-
     def workers_max(self, values, what: str) -> np.ndarray:
         """The elementwise maximum of `values` (ints or bools, one shape on every worker)
         over every worker, as an int64 array; each calls it at the same point, or every
         one gets a PeerError naming `what`."""
-        mine = super().workers_max(values, what)
+        mine = check.worker_values(values, what)
         with self._lock:
             return self._engine.workers_max(mine, what)
 
@@ -530,8 +525,6 @@ class DistKVStore(KVStore):
             self._has_optimizer, self._checker = False, None  # the function replaces it
             self._refresh()
 
-    _set_updater = set_updater
-
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run `optimizer` where the keys are served. Every worker calls it, with
         optimizers of the same kind and options (else PeerMismatchError). Later changes
@@ -647,8 +640,7 @@ class DistKVStore(KVStore):
         every num_workers-th of its keys."""
         from . import snapshots
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
-        if replicated is not None and (not isinstance(replicated, KVStore)
-                                       or replicated.num_workers != 1):
+        if replicated is not None and not isinstance(replicated, LocalStore):
             raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
                                     f"{replicated!r}")
         with self._lock:
@@ -677,7 +669,7 @@ class DistKVStore(KVStore):
                 if replicated not in self._replicated:
                     self._replicated.append(replicated)
                 error = None
-                mine = replicated.snapshot_share(folder, step, self.rank, self.num_workers)
+                mine = share_of(replicated, folder, step, self.rank, self.num_workers)
             if self._writer is None:
                 self._writer = snapshots.PartWriter()
             try:
@@ -692,11 +684,6 @@ class DistKVStore(KVStore):
                 raise CheckpointError(error)
             self._last_step = step
         return folder
-
-    def snapshot_share(self, folder: str, step: int, index: int, count: int) -> str | None:
-        """Not for a dist store: its shards write its snapshots (see `snapshot`)."""
-        raise ArgumentError("snapshot_share: a dist store's shards write its snapshots; "
-                            "call snapshot()")
 
     def _agreed_error(self, mine: str | None, what: str) -> str | None:
         """An error some worker met (`mine`: this worker's), the same on every worker."""

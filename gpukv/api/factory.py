@@ -6,7 +6,8 @@ from typing import Any
 
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
-from .store import _TYPES, KVStore
+from .base import KVStore
+from .store import _TYPES, LocalStore
 
 # Several processes (gpukv.api.dist_store, imported when asked for: it needs MPI).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
@@ -38,12 +39,12 @@ def create(name: str = "local", **options: Any) -> KVStore:
         from .dist_store import DistKVStore
         accepted = _store_options() | _own_options(DistKVStore)
         _check_options(options, accepted)
-        return DistKVStore(lowered, **options)  # type: ignore[return-value]
+        return DistKVStore(lowered, **options)
     if lowered not in _TYPES:
         valid = sorted(_TYPES) + sorted(_DIST_TYPES)
         raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
     _check_options(options, _store_options())
-    return KVStore(lowered, **options)
+    return LocalStore(lowered, **options)
 
 
 def _check_options(options: dict, accepted: set) -> None:
@@ -59,6 +60,6 @@ def _own_options(cls) -> set:
 
 
 def _store_options() -> set:
-    """The keyword options KVStore takes: its own, and every strategy's (each checked
+    """The keyword options a LocalStore takes: its own, and every strategy's (each checked
     against the strategy the store ends up with when it is made)."""
-    return _own_options(KVStore) | all_strategy_options()
+    return _own_options(LocalStore) | all_strategy_options()

@@ -1,4 +1,5 @@
-"""`KVStore`, the one-process store: orchestration only, never imports CuPy.
+"""`LocalStore`, the one-process store ('local', 'device', 'nccl'): orchestration only,
+never imports CuPy.
 
 Each call runs the phases in turn, each in its own place: `check.py` checks the arguments
 whole, `pipeline.py` plans a push as jobs and runs them (the strategies of `gpukv.comm`
@@ -12,7 +13,8 @@ import operator
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,37 +23,24 @@ from .._env import flag
 from .._errors import (
     ArgumentError,
     ArgumentKindError,
-    CheckpointError,
     GpukvError,
     OutOfMemoryError,
 )
 from ..comm import BroadcastJob, Strategy
 from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
-from ..device import Device, announce_writes, gpu_devices, host_device, virtual_gpus
+from ..device import Device, announce_writes, device_of, gpu_devices, host_device, virtual_gpus
 from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import GradientCompression
 from ..encoding.compressors import make_compressor
 from ..encoding.sparse import RowSparse
 from . import check, pipeline, rows, snapshots
+from .base import Key, Keys, KVStore, Updater, Values
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
 
 log = logging.getLogger("gpukv")
-
-# The argument forms of the store's calls (see `KVStore.push`).
-Key = int | str
-#: one key, or a list of keys (one int kind or one str kind per store)
-Keys = Key | Sequence[Key]
-#: any array: NumPy, CuPy, a PyTorch tensor, a JAX array, a RowSparse, or any object with
-#: DLPack, the CUDA array interface or the buffer protocol
-Array = Any
-#: for one key: an array, or a list with one array per device
-Value = Array | Sequence[Array]
-#: for a list of keys: a list with one `Value` per key
-Values = Value | Sequence[Value]
-Updater = Callable[[Key, Any, Any], None]
 
 # name -> whether the store reduces on GPUs (True) or on the host (False).
 _TYPES = {
@@ -105,8 +94,13 @@ class _Entry:
         return self._merge
 
 
-class KVStore:
-    """A key-value store of tensors shared by several devices (see `create`)."""
+class LocalStore(KVStore):
+    """The store of one process: its keys live on its devices (see `gpukv.create`).
+
+    Besides the public calls of `KVStore`, it offers the multi-process store (which keeps
+    its keys in one-process stores) a small documented surface, at the end of the class:
+    it reads and drives a LocalStore through it, never through its privates.
+    """
 
     def __init__(self, name: str, *, strategy: str | Strategy | None = None,
                  deterministic: bool | None = None, **strategy_options):
@@ -137,6 +131,7 @@ class KVStore:
         self._updater: Any = None  # a pipeline.FunctionUpdater or an OptimizerUpdater, once set
         self._optimizer: Any = None  # the Optimizer set_optimizer installed (None otherwise)
         self._load: dict = {}  # home device -> bytes of the keys it holds
+        self._pinned: Device | None = None  # where every new key lives, if set (`pin`)
         self._lock = threading.RLock()
         self._said_host = False
         self._compression: GradientCompression | None = None
@@ -147,10 +142,6 @@ class KVStore:
 
     # ----------------------------------------------------------------- properties
     @property
-    def type(self) -> str:
-        return self._type
-
-    @property
     def rank(self) -> int:
         return 0
 
@@ -160,7 +151,6 @@ class KVStore:
 
     @property
     def num_servers(self) -> int:
-        """Dedicated server processes (dist stores; none in one process)."""
         return 0
 
     @property
@@ -169,11 +159,9 @@ class KVStore:
 
     @property
     def deterministic(self) -> bool:
-        """Whether every sum follows the canonical order (`create(deterministic=...)`)."""
         return self._deterministic
 
     def is_capable(self, capability: str) -> bool:
-        """Whether this store supports `capability` ('optimizer', 'gradient_compression')."""
         if not isinstance(capability, str):
             raise ArgumentKindError(
                 f"capability: expected a str, got {type(capability).__name__}")
@@ -186,7 +174,6 @@ class KVStore:
             f"capability {capability!r}: unknown; known are {', '.join(sorted(_CAPABILITIES))}")
 
     def keys(self) -> list[Key]:
-        """The keys of the store, in the order they were initialised."""
         with self._lock:
             return list(self._entries)
 
@@ -194,7 +181,6 @@ class KVStore:
         return len(self._entries)
 
     def __contains__(self, key) -> bool:
-        """Whether `key` was initialised (any other object, even unhashable: False)."""
         try:
             key, _ = check.check_key(key)
         except GpukvError:  # not a key at all
@@ -202,23 +188,10 @@ class KVStore:
         return key in self._entries
 
     def barrier(self) -> None:
-        """Wait for every worker (one process: returns at once)."""
-
-    _barrier = barrier
+        """One process: returns at once."""
 
     def workers_max(self, values, what: str) -> np.ndarray:
-        """The elementwise maximum over every worker of `values` (ints or bools, any one
-        shape), as an int64 array. Every worker calls it at the same point: `what` names
-        that point in the PeerError of a dist store whose workers do not. One process:
-        the values themselves (ArgumentKindError if they are not integers)."""
-        try:
-            array = np.asarray(values)
-        except ValueError:  # ragged
-            array = np.asarray(values, dtype=object)
-        if array.size and not np.can_cast(array.dtype, np.int64):
-            raise ArgumentKindError(f"workers_max ({what}): expected integers of one "
-                                    f"shape, got {array.dtype}")
-        return array.astype(np.int64)
+        return check.worker_values(values, what)
 
     def _lookup(self, groups: check.Groups, op: str) -> list:
         """The entries of a call's keys (every key known, of the store's kind)."""
@@ -227,6 +200,8 @@ class KVStore:
     # --------------------------------------------------------------- home devices
     def _candidates(self, arrays) -> list:
         """The devices a new key may live on."""
+        if self._pinned is not None:
+            return [self._pinned]
         if not self._on_gpu or all(isinstance(a, np.ndarray) for a in arrays):
             if self._on_gpu and not self._said_host:
                 self._said_host = True
@@ -250,15 +225,6 @@ class KVStore:
 
     # ------------------------------------------------------------------ the API
     def init(self, key: Keys, value: Values) -> None:
-        """Create key(s) with a copy of `value`.
-
-        `key`: an int or a str, or a list of them; `value`: per key, an array, or a list of
-        arrays (one per device) that agree in shape and dtype, the first one being copied.
-        The store keeps its own copy on the key's home device::
-
-            kv.init('w', np.zeros((2, 3)))
-            kv.init([1, 2], [np.zeros(4), np.ones(4)])
-        """
         groups = check.group(key, value, "value")
         with self._lock:
             self._init_groups(groups)
@@ -291,19 +257,6 @@ class KVStore:
             self._key_kind = groups.key_kind
 
     def push(self, key: Keys, value: Values, priority: int = 0) -> None:
-        """Sum the value(s) of each key and apply the updater (default: assign) at home.
-
-        `key`: one key, or a list of keys; `value`: for one key an array or a list of arrays
-        (one per device, summed), for a list of keys a list with one of those per key (a key
-        repeated in the list counts as more devices). Arrays of another dtype are converted
-        to the key's; RowSparse values are summed row-wise. The whole call is checked before
-        anything changes; updaters then run with int keys ascending, str keys in init
-        order. `priority` is accepted for MXNet's sake (calls run in order)::
-
-            kv.push('w', grad)                          # one device
-            kv.push('w', [grad_gpu0, grad_gpu1])        # summed
-            kv.push(['w', 'b'], [[gw0, gw1], [gb0, gb1]])
-        """
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
@@ -326,19 +279,6 @@ class KVStore:
 
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
-        """Copy the value of each key into every array of `out` (written in place).
-
-        `out` takes the forms of `push`'s `value`: for one key an array or a list of arrays
-        (one per device), for a list of keys one of those per key. Another dtype is
-        converted; RowSparse outs are skipped (`ignore_sparse`, as MXNet; use
-        `row_sparse_pull`). An out is written as `out.copy_(value)` would write it: a
-        PyTorch tensor that requires grad only under `torch.no_grad()`, its version
-        counter moved; an out that cannot be written in place (read-only, or an object
-        whose `__array__` returns a copy) is a ReadOnlyError::
-
-            kv.pull('w', out=w_host)
-            kv.pull(['w', 'b'], out=[[w0, w1], [b0, b1]])
-        """
         if out is None:
             raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
         if type(priority) is not int:
@@ -371,10 +311,6 @@ class KVStore:
 
     def pushpull(self, key: Keys, value: Values, out: Values | None = None,
                  priority: int = 0) -> None:
-        """Push `value` then pull into `out` (or back into `value` when out is None).
-
-        The argument forms of `push` and `pull`; both halves are checked before either runs.
-        """
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value", written=out is None)
@@ -390,8 +326,6 @@ class KVStore:
             self._pull_groups(out_groups, out_entries)
 
     def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
-        """Initialise key(s) with `value`, then pull into `out` (`init`'s and `pull`'s
-        argument forms)."""
         if type(priority) is not int:
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
@@ -408,14 +342,6 @@ class KVStore:
             self._pull_groups(out_groups, self._lookup(out_groups, "broadcast"))
 
     def set_updater(self, updater: Updater) -> None:
-        """Use `updater(key, merged, stored)` on every push; it changes `stored` in place.
-
-        Rebinding `stored` (``stored = merged * 2``) changes nothing, as in MXNet. An
-        exception raised by the updater reaches the caller of push/pushpull and the store
-        stays usable, but the call is not undone: the keys updated before it (int keys
-        ascending, str keys in init order) keep their new values, the key it raised on
-        keeps whatever the updater wrote before raising, and the later keys are unchanged.
-        """
         if not callable(updater):
             raise ArgumentKindError(
                 f"updater: expected a callable, got {type(updater).__name__}")
@@ -423,14 +349,7 @@ class KVStore:
             self._updater = pipeline.FunctionUpdater(updater)
             self._optimizer = None
 
-    _set_updater = set_updater
-
     def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
-
-        Its state (momentum, moments, float32 master copies of 16-bit weights) lives with
-        each key on its home device; replaces any updater set before.
-        """
         from ..optim import Optimizer, OptimizerUpdater
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
@@ -439,89 +358,53 @@ class KVStore:
             self._updater = OptimizerUpdater(optimizer)
             self._optimizer = optimizer
 
-    def _optimizer_updater(self, op: str):
+    def optimizer_updater(self, op: str):
+        """The OptimizerUpdater `set_optimizer` installed (the optimizer's per-key state);
+        ArgumentError naming `op` when no optimizer is set."""
         if self._optimizer is None:
             raise ArgumentError(f"{op}: this store has no optimizer; call set_optimizer first")
         return self._updater
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:
-        """Write the optimizer's state (and its options if `dump_optimizer`) to `fname`.
-
-        A versioned archive (JSON header, one array per state tensor, no pickle), written
-        to a temporary file and renamed over `fname`: a crash leaves the old file whole.
-        A bad path, a folder, a folder that cannot be written or a full disk raise
-        CheckpointError and leave the old file whole, with no temporary file behind.
-        """
         from .checkpoint import checkpoint_path, write_archive
         path = checkpoint_path(fname)
         with self._lock:
-            header, arrays = self._optimizer_updater(
+            header, arrays = self.optimizer_updater(
                 "save_optimizer_states").export_state(bool(dump_optimizer))
             write_archive(path, header, arrays)
 
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
-        """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit.
-
-        The file, every key's state, and the options, multipliers and schedule it may
-        hold are all checked before anything changes: a failed load changes nothing.
-        """
         from .checkpoint import checkpoint_path, read_archive
-        self._optimizer_updater("load_optimizer_states")
+        self.optimizer_updater("load_optimizer_states")
         path = checkpoint_path(fname)
         header, arrays = read_archive(path)
         with self._lock:
-            self._optimizer_updater("load_optimizer_states").import_state(
+            self.optimizer_updater("load_optimizer_states").import_state(
                 header, arrays, self._entry_map(), path=path)
 
     def _entry_map(self) -> dict:
         return {k: (e.value, e.home) for k, e in self._entries.items()}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write every key's value (and the optimizer's state, if one is set) to `path`.
-
-        The file is a versioned `.npz` archive with a JSON header (no pickle), written to a
-        temporary file and renamed over `path`, so a crash mid-save leaves the previous
-        file whole. GPU values are copied to the host for saving. A bad path, a folder, a
-        folder that cannot be written or a full disk raise CheckpointError and leave the
-        previous file whole, with no temporary file behind.
-        """
         from . import checkpoint
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
                  user_state: dict | None = None, keep: int = 2) -> str:
-        """Start a numbered snapshot of every key and the optimizer's state under `root`,
-        as step `step` (None: the one after this store's last snapshot, or after the one
-        it resumed from; 1 for the first).
-
-        The values and state are copied into host buffers now; a background thread
-        writes them (see `gpukv.api.snapshots`), at most one snapshot at a time, into
-        `root/step-<step>-<tag>/`, which is complete once every file is on disk, and then
-        keeps the `keep` newest complete snapshots. `user_state`: a dict of JSON values,
-        tuples and arrays saved beside it (see `gpukv.latest_snapshot`). The folder's path
-        is returned; `finish_snapshots()` waits for it. A failed write (a full disk) is
-        raised as CheckpointError by the first `snapshot` called after it failed, or by
-        `finish_snapshots`.
-        """
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         with self._lock:
             folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag()))
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
-            self._write_part(shard, step, None, [worker], then=lambda: snapshots.prune(
+            self.write_part(shard, step, None, [worker], then=lambda: snapshots.prune(
                 root, keep))
             self._last_step = step
         return folder
 
     def resume(self, root: str | os.PathLike, check=None,
                into: list | None = None) -> snapshots.Snapshot | None:
-        """Load the newest complete snapshot under `root` (see `snapshot`) and return it
-        (its `step`, and `user_state(rank)`), or None when there is none. It loads as
-        `load` does, into a store of any number of devices, processes or servers (into
-        the stores `into` instead of this one, if given). `check(snapshot)`, if given,
-        may refuse it first (raising CheckpointError)."""
         found = snapshots.latest_snapshot(root)
         if found is not None:
             if check is not None:
@@ -532,33 +415,16 @@ class KVStore:
         return found
 
     def finish_snapshots(self) -> None:
-        """Wait until every snapshot started is written; CheckpointError if one failed."""
         if self._snapshots is not None:
             self._snapshots.finish()
-
-    def snapshot_share(self, folder: str, step: int, index: int, count: int) -> str | None:
-        """Write every count-th key from the index-th, whole, as shard `index` of `count`
-        of the snapshot in `folder`, in the background: one worker's share of a store every
-        worker of a dist store holds alike (its `snapshot(replicated=)` calls this). The
-        error of an earlier write that failed, else None."""
-        with self._lock:
-            pieces = {key: (0, e.value.size, e.value.shape, e.home.kind, i)
-                      for i, (key, e) in enumerate(self._entries.items())
-                      if i % count == index}
-        try:
-            self._write_part(os.path.join(folder, snapshots.shard_file(index, count)), step,
-                             pieces, [])
-        except CheckpointError as exc:
-            return str(exc)
-        return None
 
     def _snapshot_tag(self) -> str:
         if self._tag is None:
             self._tag = secrets.token_hex(4)
         return self._tag
 
-    def _write_part(self, path: str, step: int, pieces: dict | None, others: list,
-                    then=None, store_type: str | None = None) -> None:
+    def write_part(self, path: str, step: int, pieces: dict | None, others: Sequence = (),
+                   then=None, store_type: str | None = None) -> None:
         """Stage this store's keys (`pieces`: {key: (start, stop, shape, home kind, init
         index)} of the pieces it holds, of a store of `store_type`; None: every key whole)
         and write them to `path` in the background, then `others` ((path, header,
@@ -593,17 +459,6 @@ class KVStore:
         self._snapshots.submit(turn, files, then)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Read a file written by `save` (or a snapshot's folder) into this store.
-
-        Keys missing from the store are created (each on a home device chosen as by
-        `init`: GPU-homed keys go back to GPUs when this store reduces on GPUs and has
-        some); keys already in the store get the saved value, which must match their
-        shape and dtype; keys of the store absent from the file are left as they are.
-        The optimizer's state is restored when the file has some and an optimizer is set.
-        Everything is checked before anything changes: a bad path, a missing, damaged or
-        foreign file, another key kind, a key whose shape or dtype differ, or optimizer
-        state that does not fit raise CheckpointError and leave the store untouched.
-        """
         from . import checkpoint
         contents = snapshots.read_any(path)  # the file alone, outside the lock
         with self._lock:  # checked against the store and applied in one hold of the lock
@@ -682,12 +537,6 @@ class KVStore:
         return "device" in self._type or "dist" in self._type
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
-        """Compress every pushed source on its way home (see `gpukv.encoding.compressors`).
-
-        `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
-        'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /
-        ``{'type': 'none'}`` to turn it off. Setting it again starts fresh residuals.
-        """
         if not self._compression_allowed():
             raise ArgumentError(
                 f"gradient compression is not supported for a {self._type!r} store "
@@ -699,7 +548,6 @@ class KVStore:
 
     @property
     def gradient_compression(self) -> dict | None:
-        """The compression in use, as a dict of its options, or None."""
         comp = self._compression
         return None if comp is None else comp.params()
 
@@ -730,13 +578,6 @@ class KVStore:
 
     def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,
                         priority: int = 0) -> None:
-        """Write the rows `row_ids` of each key into RowSparse `out`(s), as MXNet does.
-
-        `row_ids`: an integer array (any shape) or list of ints, shared by every out of
-        the key, or a list with one such array per out. Each out receives exactly the
-        requested rows, deduplicated and sorted (its other rows are zero), on the device
-        its arrays are on. Works for any key: every key is stored dense-backed.
-        """
         if type(priority) is not int:
             check.check_priority(key, priority)
         pairs = check.row_sparse_pairs(key, out, row_ids)
@@ -747,3 +588,70 @@ class KVStore:
     def __repr__(self):
         return (f"<gpukv.KVStore type={self._type!r} strategy={self._strategy.name!r} "
                 f"deterministic={self._deterministic} keys={len(self._entries)}>")
+
+    # ------------------------------------------------- what a dist store uses of it
+    # A DistKVStore keeps its keys in LocalStores (its copies of the values, its local
+    # sums, the shard its engine serves) and drives them through the methods below (and
+    # `optimizer_updater`, `write_part`) only: it checks each call itself, with `check`,
+    # then has them run it on the checked groups, so nothing is checked twice.
+    def pin(self, device: Device) -> None:
+        """Make every key from now on on `device` (a dist store's NCCL GPU)."""
+        self._pinned = device
+
+    @property
+    def key_kind(self) -> type | None:
+        """The kind of key the store holds: int or str (None before its first key)."""
+        return self._key_kind
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        """The optimizer `set_optimizer` installed, or None."""
+        return self._optimizer
+
+    def entries(self) -> Mapping[Key, Any]:
+        """The store's keys, in init order, read-only: key -> entry, whose `value` is the
+        stored array and `home` the Device it lives on."""
+        return MappingProxyType(self._entries)
+
+    def lookup(self, groups: check.Groups, op: str) -> list:
+        """The entries of a call's keys, in order; KeyKindError or UnknownKeyError naming
+        the key, for the call `op`."""
+        return self._lookup(groups, op)
+
+    def init_checked(self, groups: check.Groups) -> None:
+        """`init` of `check.group`'s groups (each key's first array is copied)."""
+        with self._lock:
+            self._init_groups(groups)
+
+    def push_checked(self, groups: check.Groups, entries: list) -> None:
+        """`push` of `check.group`'s groups into their `entries` (from `lookup`), whose
+        sources passed `check.all_sources`."""
+        with self._lock:
+            self._run_push(self._plan_push(groups, entries))
+
+    def pull_checked(self, groups: check.Groups, entries: list,
+                     ignore_sparse: bool = True) -> None:
+        """`pull` of `entries` (from `lookup`) into `check.group`'s groups of outs, which
+        passed `check.all_outs`."""
+        with self._lock:
+            self._pull_groups(groups, entries, ignore_sparse)
+
+    def adopt(self, keys, arrays) -> None:
+        """Serve `arrays` themselves (views of a worker's copies of the keys, on the host
+        or a GPU) as the values of new `keys`: updates land in the worker's copy, with no
+        copy between."""
+        self.init(keys, [device_of(a).to_host(a) for a in arrays])
+        for key, array in zip(keys, arrays):
+            entry = self._entries[key]
+            entry.value, entry.home = array, device_of(array)
+
+    def update_merged(self, keys, merged) -> None:
+        """Apply the updater (or assign) to `keys` with their summed gradients `merged`,
+        in the store's order; a `merged` that is the stored array itself is assigned.
+        (What the optimizer takes was checked by every worker before it pushed.)"""
+        entries = [self._entries[k] for k in keys]
+        updater = self._updater
+        updates = [(k, e, m) for k, e, m in zip(keys, entries, merged)
+                   if updater is not None or m is not e.value]
+        if updates:
+            self._run_push(pipeline.PushPlan([], [], [], updates, [], []))

@@ -7,8 +7,8 @@ import time
 
 from .._errors import ArgumentError, CheckpointError
 from ..api import snapshots
+from ..api.base import KVStore
 from ..api.dist_store import DistKVStore
-from ..api.store import KVStore
 
 #: the layout of what the Trainer keeps beside the user's state in a snapshot
 _TRAINER = "gpukv.torch.Trainer"

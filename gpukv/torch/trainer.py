@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from .._errors import ArgumentError, ArgumentKindError
+from ..api.base import KVStore
 from ..api.factory import create
 from ..api.snapshots import Snapshot
-from ..api.store import KVStore
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
