@@ -106,7 +106,7 @@ def time_sides(stores: dict, plan: list, op: str, expected: float, barrier) -> d
 
 def run(args) -> dict | None:
     import gpukv  # first: gpukv's own MPI settings apply before mpi4py starts MPI
-    from gpukv.distributed.transport import mpi
+    from gpukv.distributed.mpi.transport import mpi
 
     MPI = mpi()
     world = MPI.COMM_WORLD

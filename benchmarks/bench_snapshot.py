@@ -25,7 +25,7 @@ against 'none' in the same run.
 Beside it, per snapshot: 'staging', the wall time of the `KVStore.snapshot` call the
 step makes (the copy into host buffers; with K=1 also the wait for the previous write to
 free its buffers), and 'write', the background thread's wall and CPU seconds in
-`write_archive` (timed by wrapping `gpukv.api.snapshots.write_archive`). The physical
+`write_archive` (timed by wrapping `gpukv.checkpoints.snapshots.write_archive`). The physical
 limits, measured in every round after the blocks: 'memcpy', one np.copyto of the
 snapshot's bytes between two host buffers, and 'disk', `write_archive` of the same bytes
 (two float32 arrays, fsynced) into `--dir`, whose file system is recorded. The process's
@@ -99,7 +99,7 @@ def file_system(path: str) -> dict:
 # ------------------------------------------------------------- timing the writer
 class WriterClock:
     """Wall and CPU seconds the snapshot writer spends in `write_archive`, summed until
-    `take()`; installed by wrapping the name gpukv.api.snapshots calls."""
+    `take()`; installed by wrapping the name gpukv.checkpoints.snapshots calls."""
 
     def __init__(self):
         self._lock = threading.Lock()

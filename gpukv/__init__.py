@@ -19,10 +19,10 @@ from ._errors import (
                       ShapeError,
                       UnknownKeyError,
 )
-from .api.base import KVStore
 from .api.factory import create
-from .api.snapshots import Snapshot, latest_snapshot
+from .checkpoints.snapshots import Snapshot, latest_snapshot
 from .encoding.sparse import RowSparse
+from .store.base import KVStore
 
 __version__ = "0.1.0"
 

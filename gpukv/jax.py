@@ -28,8 +28,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise BackendError("gpukv.jax needs JAX: pip install jax") from exc
 
-from .api.base import KVStore
 from .device import adopt
+from .store.base import KVStore
 
 __all__ = ["init_tree", "push_tree", "pull_tree", "pushpull_tree"]
 

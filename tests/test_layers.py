@@ -12,7 +12,8 @@ import gpukv
 
 PACKAGE = Path(gpukv.__file__).resolve().parent
 #: the packages (and modules) above the device layer that must keep to its face
-ABOVE_DEVICE = ["comm", "encoding", "distributed", "api", "optim", "torch", "jax.py"]
+ABOVE_DEVICE = ["comm", "encoding", "layout", "checkpoints", "store", "distributed", "api", "optim",
+                "torch", "jax.py"]
 FORBIDDEN = "gpukv.device.cuda"
 
 

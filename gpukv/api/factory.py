@@ -6,10 +6,10 @@ from typing import Any
 
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
-from .base import KVStore
-from .store import _TYPES, LocalStore
+from ..store.base import KVStore
+from ..store.local import _TYPES, LocalStore
 
-# Several processes (gpukv.api.dist_store, imported when asked for: it needs MPI).
+# Several processes (gpukv.distributed.store, imported when asked for: it needs MPI).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 
 
@@ -36,7 +36,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
     if lowered in _DIST_TYPES:
-        from .dist_store import DistKVStore
+        from ..distributed.store import DistKVStore
         accepted = _store_options() | _own_options(DistKVStore)
         _check_options(options, accepted)
         return DistKVStore(lowered, **options)

@@ -6,7 +6,7 @@
 - `process_tree`: every process an attempt started, to end them all;
 - `run_rank`: the entry each rank runs its program through;
 - `run_report`: the one-line report a rank sends the launcher when it fails, the only
-  module the ranks' side (`gpukv.distributed.job_exit`) shares with it.
+  module the ranks' side (`gpukv.distributed.mpi.job_exit`) shares with it.
 
 It never imports the stores or their engines: a job's processes and the launcher meet only
 through mpiexec, the environment and `run_report`'s messages.

@@ -1,6 +1,6 @@
 """Optimizer state: one key's `KeyState`, and the state of every key saved and loaded.
 
-Optimizer state is saved as an archive (`gpukv.api.checkpoint`): a JSON header with the
+Optimizer state is saved as an archive (`gpukv.checkpoints.checkpoint`): a JSON header with the
 format version, the optimizer's name, per-key kind, shape, dtype, state names and update
 count (plus the hyper-parameters when asked), and one array per state tensor.
 `export_state` makes it; `check_state` checks a saved one against an optimizer and the

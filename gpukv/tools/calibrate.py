@@ -174,7 +174,7 @@ def write(record: dict, path) -> Path:
     """Write `record` atomically to `path` (folders created); returns the path."""
     import json
 
-    from ..api.checkpoint import atomic_write
+    from ..checkpoints.checkpoint import atomic_write
     path = Path(path).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,9 @@ import sys
 import time
 
 from .._errors import ArgumentError, CheckpointError
-from ..api import snapshots
-from ..api.base import KVStore
-from ..api.dist_store import DistKVStore
+from ..checkpoints import snapshots
+from ..distributed.store import DistKVStore
+from ..store.base import KVStore
 
 #: the layout of what the Trainer keeps beside the user's state in a snapshot
 _TRAINER = "gpukv.torch.Trainer"

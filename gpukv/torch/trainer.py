@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from .._errors import ArgumentError, ArgumentKindError
-from ..api.base import KVStore
 from ..api.factory import create
-from ..api.snapshots import Snapshot
+from ..checkpoints.snapshots import Snapshot
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
+from ..store.base import KVStore
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
 from .checkpoints import Checkpoints
 from .fresh import FreshGrads

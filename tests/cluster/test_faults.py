@@ -139,7 +139,7 @@ def test_a_cut_off_host_ends_its_own_processes(tmp_path):
     """Under a bare mpiexec (no gpukv run to end it), the rank on a host whose link is cut
     times out, and its abort, which can never reach mpiexec, does not keep it alive: it
     ends within the timeout, the abort's grace and bound, and a few seconds."""
-    from gpukv.distributed import job_exit
+    from gpukv.distributed.mpi import job_exit
     with cluster(3, "1gbit") as made:
         env = job_env(made, timeout=TIMEOUT)
         job = Watched(start(made, 3, host_list(made, slots=1),

@@ -14,14 +14,14 @@ import gpukv
 from gpukv import ArgumentError, PeerMismatchError
 from gpukv._canonical import leaves_sum, nodes, rank_nodes
 from gpukv.distributed import Leaves, Partials
-from gpukv.distributed.canonical_sum import (
+from gpukv.distributed.engines.canonical_sum import (
     check_partials,
     decode_leaves,
     merge_into,
     own_sum,
     sum_leaves,
 )
-from gpukv.distributed.server import same_compression
+from gpukv.distributed.engines.server import same_compression
 from gpukv.encoding.compressors import make_compressor
 
 from .. import gpu_env

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import gpukv
-from gpukv.distributed.chunks import CHUNK_BYTES, WHOLE, chunk_bytes, chunk_ranges
+from gpukv.distributed.mpi.chunks import CHUNK_BYTES, WHOLE, chunk_bytes, chunk_ranges
 
 
 @pytest.mark.parametrize("n,itemsize,chunk,want", [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.distributed.chunks import CHUNK_BYTES
+from gpukv.distributed.mpi.chunks import CHUNK_BYTES
 
 from .. import gpu_env
 from .mpirun import ok, require_mpi, run

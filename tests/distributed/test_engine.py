@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import gpukv
-from gpukv.api.dist_parts import Shard as StoreShard
 from gpukv.distributed import Engine, Shard
-from gpukv.distributed.client import ServerClient
-from gpukv.distributed.nccl_rounds import NcclRounds
-from gpukv.distributed.sharded import ShardedRounds
+from gpukv.distributed.engines.client import ServerClient
+from gpukv.distributed.engines.nccl_rounds import NcclRounds
+from gpukv.distributed.engines.sharded import ShardedRounds
+from gpukv.distributed.parts import Shard as StoreShard
 
 ENGINES = [ShardedRounds, NcclRounds, ServerClient]
 PACKAGE = Path(gpukv.__file__).resolve().parent
@@ -53,9 +53,9 @@ def _used(path: Path, owner: str) -> set[str]:
 def test_the_protocols_declare_what_the_store_and_the_engines_use():
     """Engine declares every call the dist store makes on its engine, and Shard every call
     an engine makes back on its shard: nothing passes between them undeclared."""
-    store_uses = _used(PACKAGE / "api" / "dist_store.py", "_engine")
+    store_uses = _used(PACKAGE / "distributed" / "store.py", "_engine")
     engines_use = set().union(*(_used(p, "shard")
-                                for p in (PACKAGE / "distributed").glob("*.py")))
+                                for p in (PACKAGE / "distributed" / "engines").glob("*.py")))
     assert {"push", "pull", "collective"} <= store_uses
     assert {"update", "stored"} <= engines_use
     assert not store_uses - set(_members(Engine)), store_uses - set(_members(Engine))

@@ -14,7 +14,7 @@ def transport():
     pytest.importorskip("mpi4py")
     from mpi4py import MPI
 
-    from gpukv.distributed.transport import Transport
+    from gpukv.distributed.mpi.transport import Transport
 
     class OneRank(Transport):
         def fail(self, error):
@@ -31,7 +31,7 @@ def test_a_link_on_a_virtual_gpu_orders_the_callers_work(transport):
     import cupy
 
     from gpukv.device.cuda.device import cuda_device
-    from gpukv.distributed.nccl_rounds import NcclLink, all_reduce
+    from gpukv.distributed.engines.nccl_rounds import NcclLink, all_reduce
     device = cuda_device(0, 1)
     link = NcclLink(transport, device)
     with device.cuda_device:
@@ -54,7 +54,7 @@ def test_a_collective_that_never_completes_times_out_and_aborts(transport):
 
     from gpukv import PeerError
     from gpukv.device.cuda.device import cuda_device
-    from gpukv.distributed.nccl_rounds import NcclLink, all_reduce
+    from gpukv.distributed.engines.nccl_rounds import NcclLink, all_reduce
     transport.timeout = 0.2
     device = cuda_device(0, 1)
     link = NcclLink(transport, device)

@@ -1,4 +1,4 @@
-"""Split keys of an S = 0 store summed by the chunked exchange (gpukv.distributed.exchange)
+"""Split keys of an S = 0 store summed by the chunked exchange (gpukv.distributed.engines.exchange)
 across real MPI processes: the sum is the workers' gradients added in rank order, bit for
 bit, for pieces and chunks of every length and every dtype, and a worker that stops in the
 middle of an exchange is named in a PeerError within the timeout."""
@@ -80,7 +80,7 @@ def test_worker_stalled_in_an_exchange_is_named_within_the_timeout():
 _NAPS = """
 import time
 from mpi4py import MPI
-from gpukv.distributed.transport import Transport
+from gpukv.distributed.mpi.transport import Transport
 naps = []
 time.sleep = naps.append  # the waits' naps, recorded instead of slept
 t = Transport(MPI.COMM_SELF, 5.0)

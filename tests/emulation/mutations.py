@@ -24,7 +24,7 @@ class Mutation:
 
 
 _DEVICE = "gpukv/device/cuda/device.py"
-_NCCL = "gpukv/distributed/nccl_rounds.py"
+_NCCL = "gpukv/distributed/engines/nccl_rounds.py"
 _DEVICE_TESTS = "tests/device/cuda/test_cuda_device.py::"
 _LINK_TESTS = "tests/distributed/test_nccl_link.py::"
 _STREAM_TESTS = "tests/emulation/test_emulated_streams.py::"
@@ -48,7 +48,7 @@ MUTATIONS = (
         "enter without its wait", _DEVICE,
         """                self.stream.wait_event(ordering_event(current))""",
         """                ordering_event(current)""",
-        ("tests/api/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
+        ("tests/store/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
     Mutation(
         "leave without its wait", _DEVICE,
         """                current.wait_event(event)""",
@@ -89,9 +89,9 @@ MUTATIONS = (
         """                device.enter()
                 device.copy(out, src)""",
         """                device.copy(out, src)""",
-        ("tests/api/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
+        ("tests/store/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
     Mutation(
-        "an assigned push without leave", "gpukv/api/pipeline.py",
+        "an assigned push without leave", "gpukv/store/pipeline.py",
         """        for home in assigned:  # the caller's current stream sees the new values
             home.leave()""",
         """        pass""",

@@ -434,7 +434,7 @@ def _gpu_entry(log, current):
 def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
     """row_sparse_pull of a GPU key into a host RowSparse waits for the gather on the
     key's stream (a host copy reads on CuPy's current stream, not the key's)."""
-    from gpukv.api import rows
+    from gpukv.store import rows
     log, current = [], {}
     entry = _gpu_entry(log, current)
     out = RowSparse.zeros((4, 2))
@@ -446,7 +446,7 @@ def test_gpu_row_sparse_pull_into_host_out_waits_for_the_gather():
 def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
     """Into a RowSparse on another GPU: the key's device waits for the copies before its
     gathered rows go back to its memory pool."""
-    from gpukv.api import rows
+    from gpukv.store import rows
 
     from ..fake_gpu import FakeGpu
     log, current = [], {}
@@ -467,7 +467,7 @@ def test_gpu_row_sparse_pull_into_other_gpu_keeps_temporaries_alive():
 def test_gpu_row_sparse_pull_orders_row_ids_of_another_gpu():
     """row_ids on another GPU are copied to the key's GPU only after the work queued on
     theirs, and their GPU may reuse them only once the copy has read them."""
-    from gpukv.api import rows
+    from gpukv.store import rows
 
     from ..fake_gpu import FakeGpu
     log, current = [], {}

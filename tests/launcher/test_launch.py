@@ -515,7 +515,7 @@ def test_a_transport_failure_sends_a_report(listener):
     require_mpi()
     code = ("from mpi4py import MPI\n"
             "from gpukv import PeerError\n"
-            "from gpukv.distributed.transport import Transport\n"
+            "from gpukv.distributed.mpi.transport import Transport\n"
             "try:\n"
             "    Transport(MPI.COMM_SELF, 0.05).poll(lambda: None, 'a wait for nobody')\n"
             "except PeerError:\n"

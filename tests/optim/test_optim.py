@@ -372,7 +372,7 @@ def _fortran_ordered(path, out):
 def test_load_of_fortran_ordered_states_gives_c_order(tmp_path, home):
     """States read from a file with Fortran-ordered members are C-contiguous (the GPU
     multi-tensor kernels index flat pointers) and resume exactly as from a C-ordered file."""
-    from gpukv.api.checkpoint import read_archive
+    from gpukv.checkpoints.checkpoint import read_archive
 
     from ..fake_gpu import FakeGpu
     kv, path = _saved(tmp_path, optim.Adam(), dtype=np.float16)
@@ -473,7 +473,7 @@ def test_file_has_no_pickle(tmp_path):
     with np.load(path, allow_pickle=False) as npz:
         names = set(npz.files)
         assert all(npz[n].dtype != object for n in names)
-    from gpukv.api.checkpoint import read_archive
+    from gpukv.checkpoints.checkpoint import read_archive
     header, arrays = read_archive(path)
     assert header["kind"] == "gpukv.optimizer-states" and header["version"] == 1
     assert header["optimizer"] == "adam"

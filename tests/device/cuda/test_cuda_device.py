@@ -764,7 +764,7 @@ def test_nccl_strided_sources_over_several_homes(fake_gpus, monkeypatch):
 
 def test_init_source_may_be_overwritten_after_init(fake_gpus, monkeypatch):
     """init copies its GPU input before the caller's later work on that GPU may change it."""
-    from gpukv.api import check as _args
+    from gpukv.store import check as _args
     home = fake_gpus[2]
     monkeypatch.setattr(cuda_mod, "gpu_devices", lambda: [home])
     monkeypatch.setattr(cuda_mod, "cuda_device", lambda p, s=0: fake_gpus[p + 4 * s])

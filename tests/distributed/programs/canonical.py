@@ -24,11 +24,12 @@ import numpy as np
 
 import gpukv
 from gpukv._canonical import leaves_sum, rank_nodes
-from gpukv.api.dist_parts import Shard
-from gpukv.distributed import Partials, Transport, exchange
-from gpukv.distributed.client import ServerClient
-from gpukv.distributed.server import serve
-from gpukv.distributed.sharded import ShardedRounds
+from gpukv.distributed import Partials, Transport
+from gpukv.distributed.engines import exchange
+from gpukv.distributed.engines.client import ServerClient
+from gpukv.distributed.engines.server import serve
+from gpukv.distributed.engines.sharded import ShardedRounds
+from gpukv.distributed.parts import Shard
 
 LEAVES, ELEMENTS, BOUND, TIMEOUT = 8, 256 * 1024, 100_000, 30.0
 #: key -> (elements, dtype, values each worker pushes: "even" 8 / workers, or 3)

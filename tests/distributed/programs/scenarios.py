@@ -310,7 +310,7 @@ def chunked_sums(rounds: str = "2") -> None:
     """Keys that cross in many chunks, of sizes no chunk divides, split over the servers or
     whole, float32 and float16: after each round every worker pulls the bits of the sum
     taken in worker order, though the pushes arrive in reverse worker order."""
-    from gpukv.distributed.chunks import CHUNK_BYTES
+    from gpukv.distributed.mpi.chunks import CHUNK_BYTES
     kv = create(bigarray_bound=1000)
     n, r = kv.num_workers, kv.rank
     step = CHUNK_BYTES // 4
@@ -890,7 +890,7 @@ def split_sums(dtype: str, sizes: str, updater: str = "0", chunk_bytes: str = "0
     `chunk_bytes`, the messages of a piece are that short."""
     from gpukv.device.host_sum import accumulate_dtype
     if int(chunk_bytes):
-        from gpukv.distributed import exchange
+        from gpukv.distributed.engines import exchange
         exchange.CHUNK_BYTES = int(chunk_bytes)
     kv = create(bigarray_bound=1)
     n, r, dt = kv.num_workers, kv.rank, _dtype(dtype)
@@ -920,7 +920,7 @@ def store_the_sum(key, merged, stored):
 def stall_in_exchange(victim: str = "1") -> None:
     """Worker `victim` stops in the middle of an exchange of a split key (after its first
     messages): every other worker gets a PeerError naming it within the timeout."""
-    from gpukv.distributed import exchange
+    from gpukv.distributed.engines import exchange
     exchange.CHUNK_BYTES = 4096
     kv = create(bigarray_bound=1)
     kv.init("w", np.zeros(100_000, np.float32))

@@ -13,7 +13,7 @@ import pytest
 
 import gpukv
 from gpukv import optim
-from gpukv.api.checkpoint import read_archive, write_archive
+from gpukv.checkpoints.checkpoint import read_archive, write_archive
 
 KEYS = [1, 2, 3]
 SHAPES = [(2, 3), (4,), (5,)]
@@ -352,7 +352,7 @@ def test_huge_int_key_in_optimizer_header(tmp_path, door):
 
 def test_saving_a_key_too_long_to_write(tmp_path):
     """A key Python cannot write in decimal is a CheckpointError before any file exists."""
-    from gpukv.api.checkpoint import StoreSnapshot, save_store
+    from gpukv.checkpoints.checkpoint import StoreSnapshot, save_store
 
     snapshot = StoreSnapshot("local", int, [(10 ** 5000, np.zeros(2), "cpu")], None)
     with pytest.raises(gpukv.CheckpointError, match="too many digits"):

@@ -1,4 +1,4 @@
-"""KVStore.save / KVStore.load and the checkpoint archive format (gpukv.api.checkpoint)."""
+"""KVStore.save / KVStore.load and the checkpoint archive format (gpukv.checkpoints.checkpoint)."""
 from __future__ import annotations
 
 import errno
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.api.checkpoint import read_archive, write_archive
+from gpukv.checkpoints.checkpoint import read_archive, write_archive
 
 from .failing_file import FailingFile
 
@@ -462,11 +462,12 @@ def test_sigkill_at_random_points(tmp_path, delay):
 
 # ------------------------------------------------------------ the store's two doors
 def test_checkpoint_module_uses_no_store_privates():
-    """gpukv.api.checkpoint imports nothing of gpukv.api.store and reads no private member
-    of another object: a store reaches it only through `_snapshot` and `_apply_load`."""
+    """gpukv.checkpoints.checkpoint imports nothing of the stores and reads no private
+    member of another object: a store reaches it only through `_snapshot` and
+    `_apply_load`."""
     import ast
 
-    source = (REPO / "gpukv" / "api" / "checkpoint.py").read_text()
+    source = (REPO / "gpukv" / "checkpoints" / "checkpoint.py").read_text()
     tree = ast.parse(source)
     imported = set()
     for node in ast.walk(tree):
@@ -475,7 +476,8 @@ def test_checkpoint_module_uses_no_store_privates():
             imported.update("." * node.level + a.name for a in node.names)
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names)
-    assert not {name for name in imported if name.endswith("store")}, imported
+    assert not {name for name in imported if name.endswith("store") or "store." in name
+                or name.endswith(".local")}, imported
     private = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                and node.attr.startswith("_") and not node.attr.endswith("__")
                and not (isinstance(node.value, ast.Name) and node.value.id == "self")}
@@ -485,7 +487,7 @@ def test_checkpoint_module_uses_no_store_privates():
 def test_snapshot_lists_keys_in_init_order(tmp_path):
     """KVStore._snapshot gives every key in init order with its value and home kind, the
     key kind and the optimizer's updater; the values are the ones `save` writes."""
-    from gpukv.api.checkpoint import StoreSnapshot
+    from gpukv.checkpoints.checkpoint import StoreSnapshot
 
     kv = gpukv.create("local")
     kv.init(["b", "a", "c"], [np.full(2, float(i), np.float32) for i in range(3)])

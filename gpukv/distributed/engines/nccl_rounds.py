@@ -14,13 +14,13 @@ for with the same bound as every other wait, and a timeout aborts the communicat
 """
 from __future__ import annotations
 
-from .._errors import ArgumentError, PeerError
-from ..device.nccl import nccl_dtype, nccl_module
-from .agree import from_rank0
-from .engine import Shard
+from ..._errors import ArgumentError, PeerError
+from ...device.nccl import nccl_dtype, nccl_module
+from ...layout.pieces import piece_length
+from ..mpi.agree import from_rank0
+from ..mpi.transport import Transport
+from .protocol import Shard
 from .sharded import ShardedRounds, layout_size
-from .sharding import piece_length
-from .transport import Transport
 
 
 class NcclLink:
@@ -205,8 +205,8 @@ class NcclRounds(ShardedRounds):
 def nccl_device(local_rank: int):
     """The GPU this process joins the NCCL communicator with (its local rank's, among the
     GPUs it sees), or None without GPUs or NCCL."""
-    from ..device import gpu_count, gpu_devices
-    from ..device.nccl import nccl_available
+    from ...device import gpu_count, gpu_devices
+    from ...device.nccl import nccl_available
     if not gpu_count() or not nccl_available():
         return None
     gpus = [g for g in gpu_devices() if g.slot == 0]

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ..launcher import run_report
+from ...launcher import run_report
 
 #: seconds a failed rank waits at exit before it aborts the job
 ABORT_GRACE = 1.0

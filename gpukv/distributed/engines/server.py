@@ -31,15 +31,15 @@ import time
 
 import numpy as np
 
-from .._canonical import rank_nodes
-from .._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
-from ..device.host_sum import accumulate_dtype, host_sum
-from ..encoding.compressors import make_compressor
+from ..._canonical import rank_nodes
+from ..._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
+from ...device.host_sum import accumulate_dtype, host_sum
+from ...encoding.compressors import make_compressor
+from ...layout.state import mark_starts
+from ..mpi.chunks import chunk_bytes, chunk_ranges
+from ..mpi.transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
 from .canonical_sum import decode_leaves, merge_into, own_sum, sum_leaves
-from .chunks import chunk_bytes, chunk_ranges
-from .engine import Shard
-from .state import mark_starts
-from .transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
+from .protocol import Shard
 
 
 class _Incoming:
@@ -318,7 +318,7 @@ class _Server:
 
     def decode(self, comp, payload) -> np.ndarray:
         params, size = comp
-        from ..encoding.compressors import Ctx
+        from ...encoding.compressors import Ctx
         return self.compressor(params).decompress(payload, Ctx(size, (size,)),
                                                   self.buffer(np.dtype(np.float32), size))
 

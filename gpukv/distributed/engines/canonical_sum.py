@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._canonical import OUT, add_plan, merge_partial, rank_nodes
-from .._errors import ArgumentError
-from ..device.host_sum import accumulate_dtype, host_tree_sum
-from ..encoding.compressors import Ctx
+from ..._canonical import OUT, add_plan, merge_partial, rank_nodes
+from ..._errors import ArgumentError
+from ...device.host_sum import accumulate_dtype, host_tree_sum
+from ...encoding.compressors import Ctx
 
 
 def node_ranges(ranks: int, count: int) -> list:

@@ -16,8 +16,8 @@ import pytest
 
 import gpukv
 from gpukv import optim
-from gpukv.api import checkpoint, snapshots
-from gpukv.api.checkpoint import read_archive
+from gpukv.checkpoints import checkpoint, snapshots
+from gpukv.checkpoints.checkpoint import read_archive
 
 torch = pytest.importorskip("torch")
 

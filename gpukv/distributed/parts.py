@@ -9,13 +9,13 @@ import os
 import numpy as np
 
 from .._errors import CheckpointError
+from ..checkpoints import snapshots
 from ..comm import ReduceJob
 from ..comm.canonical import Canonical
 from ..comm.host import HostStrategy
 from ..device import device_of, host_device
-from . import snapshots
-from .pipeline import devices_of, host_slots
-from .store import LocalStore
+from ..store.local import LocalStore
+from ..store.pipeline import devices_of, host_slots
 
 
 class Shard:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .._errors import ArgumentError
+from ..._errors import ArgumentError
 
 #: bytes per chunk: large enough that a message's fixed cost is small against its bytes,
 #: small enough that summing and sending overlap the transfer of the rest

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.api.checkpoint import read_archive
+from gpukv.checkpoints.checkpoint import read_archive
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 optim = pytest.importorskip("gpukv.optim")

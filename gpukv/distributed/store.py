@@ -24,16 +24,16 @@ from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
-from ..distributed.engine import Leaves, Partials
 from ..encoding.compressors import compressible
-from . import check
-from .base import KVStore
-from .dist_parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
-from .store import LocalStore, deterministic_option
+from ..store import check
+from ..store.base import KVStore
+from ..store.local import LocalStore, deterministic_option
+from .engines.protocol import Leaves, Partials
+from .parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
 
 if TYPE_CHECKING:
-    from ..distributed import Engine
     from ..optim import Optimizer
+    from . import Engine
 
 #: seconds a process waits for the others before it calls them stalled
 DEFAULT_TIMEOUT = 120.0
@@ -52,8 +52,8 @@ def _serve_or_client(transport, servers: int, bound: int, name: str,
     """On a server rank: serve the workers, then end the process (as MXNet's servers do;
     a failure of the server itself aborts the job rather than run the program on). On a
     worker: its end of the servers."""
-    from ..distributed.client import ServerClient
-    from ..distributed.server import serve
+    from .engines.client import ServerClient
+    from .engines.server import serve
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
@@ -75,7 +75,7 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
                                 f"between processes with num_servers=0; this is {name!r} "
                                 f"with num_servers={servers}")
         return None
-    from ..distributed.nccl_rounds import nccl_device
+    from .engines.nccl_rounds import nccl_device
     gpu = nccl_device(local_rank)
     if gpu is None and nccl:
         raise BackendError("nccl=True: this process sees no GPU, or CuPy finds no NCCL "
@@ -86,7 +86,7 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
 def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
     """(servers, timeout, bound) from the options or their environment variables, each
     checked (as is everything `create` is given) before any message is sent."""
-    from ..distributed.sharding import DEFAULT_BIGARRAY_BOUND
+    from ..layout.pieces import DEFAULT_BIGARRAY_BOUND
     if num_servers is None:
         raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
         try:
@@ -161,8 +161,8 @@ class DistKVStore(KVStore):
                  timeout: float | None = None, bigarray_bound: int | None = None,
                  nccl: bool | None = None, deterministic: bool | None = None,
                  **local_options):
-        from ..distributed.agree import Agreement
-        from ..distributed.transport import Transport, mpi
+        from .mpi.agree import Agreement
+        from .mpi.transport import Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
@@ -205,10 +205,10 @@ class DistKVStore(KVStore):
         self._engine_device = gpu if gpu is not None else host_device(0)
         self._engine: Engine
         if gpu is not None:
-            from ..distributed.nccl_rounds import NcclRounds
+            from .engines.nccl_rounds import NcclRounds
             self._engine = NcclRounds(transport, Shard(), bound, gpu)
         elif servers == 0:
-            from ..distributed.sharded import ShardedRounds
+            from .engines.sharded import ShardedRounds
             self._engine = ShardedRounds(transport, Shard(), bound, deterministic=deterministic)
         else:
             _SERVED.append(name)
@@ -561,7 +561,7 @@ class DistKVStore(KVStore):
     # how it went: a failure raises the same CheckpointError on every worker.
     def save(self, path: str | os.PathLike) -> None:
         """Write every key's value and the optimizer's state (see `KVStore.save`)."""
-        from . import checkpoint
+        from ..checkpoints import checkpoint
         with self._lock:
             self._engine.check()
             self._engine.collective("save")  # agreed before anything moves
@@ -584,7 +584,7 @@ class DistKVStore(KVStore):
         the others take the saved values, and the optimizer's state is restored when an
         optimizer is set. Checked whole first; a failure changes nothing and raises
         CheckpointError everywhere."""
-        from . import checkpoint
+        from ..checkpoints import checkpoint
         with self._lock:
             self._engine.check()
             self._engine.collective("load")  # agreed before anything moves
@@ -612,8 +612,8 @@ class DistKVStore(KVStore):
         """What `path` holds, on every worker: a snapshot's folder (which every process
         sees, as they all wrote it) is read by every worker; a file by worker 0, which
         sends it to the others. A failure raises CheckpointError on every worker."""
-        from . import snapshots
-        from .checkpoint import checkpoint_path
+        from ..checkpoints import snapshots
+        from ..checkpoints.checkpoint import checkpoint_path
         folder = self._engine.share(self.rank == 0 and snapshots.is_snapshot(path), "load")
         if not folder:
             contents = None
@@ -638,7 +638,7 @@ class DistKVStore(KVStore):
         one-process store that every worker holds alike (the Trainer's with
         update_on_kvstore=False), saved instead of this store's keys, each worker writing
         every num_workers-th of its keys."""
-        from . import snapshots
+        from ..checkpoints import snapshots
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         if replicated is not None and not isinstance(replicated, LocalStore):
             raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
@@ -696,7 +696,7 @@ class DistKVStore(KVStore):
         """Load the newest complete snapshot under `root` (see `KVStore.resume`): worker 0
         picks it (and runs `check`), so every worker loads the same one, into this store
         or into the one-process stores `into` (each worker's own). Every worker calls it."""
-        from . import snapshots
+        from ..checkpoints import snapshots
         with self._lock:
             self._engine.check()
             self._engine.collective("resume")
@@ -748,7 +748,7 @@ class DistKVStore(KVStore):
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:
         """Write the optimizer's state, gathered from every shard, to `fname`."""
-        from .checkpoint import checkpoint_path, write_archive
+        from ..checkpoints.checkpoint import checkpoint_path, write_archive
         path = checkpoint_path(fname)
         self._need_optimizer("save_optimizer_states")
         with self._lock:
@@ -762,7 +762,7 @@ class DistKVStore(KVStore):
 
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
         """Restore what `save_optimizer_states` wrote (by any store) onto every shard."""
-        from .checkpoint import checkpoint_path, read_archive
+        from ..checkpoints.checkpoint import checkpoint_path, read_archive
         path = checkpoint_path(fname)
         self._need_optimizer("load_optimizer_states")
         with self._lock:

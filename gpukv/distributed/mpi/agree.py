@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from .._errors import ArgumentError, PeerError, PeerMismatchError
+from ..._errors import ArgumentError, PeerError, PeerMismatchError
 from .transport import TAG_DIGEST, TAG_ROLL, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
 
 _OK = ("ok", "")

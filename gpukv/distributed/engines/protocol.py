@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..encoding.compressors import Compressor
-    from ..optim import Optimizer
+    from ...encoding.compressors import Compressor
+    from ...optim import Optimizer
 
 
 class Partials(NamedTuple):

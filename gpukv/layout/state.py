@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sharding import pieces
+from .pieces import pieces
 
 
 def merge(exports: list, shapes: dict) -> tuple[dict, dict] | None:

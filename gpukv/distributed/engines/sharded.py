@@ -21,16 +21,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import CheckpointError, GpukvError, PeerError
-from ..device.host_sum import accumulate_dtype
-from ..encoding.compressors import Compressor, Ctx, ErrorFeedback, compressible
+from ..._errors import CheckpointError, GpukvError, PeerError
+from ...device.host_sum import accumulate_dtype
+from ...encoding.compressors import Compressor, Ctx, ErrorFeedback, compressible
+from ...layout.pieces import pieces
+from ...layout.state import cut, mark_starts, merge
+from ..mpi.agree import Agreement, from_rank0, refuse_split, to_rank0
+from ..mpi.transport import Transport, as_bytes
 from . import exchange
-from .agree import Agreement, from_rank0, refuse_split, to_rank0
 from .canonical_sum import check_partials, decode_leaves, node_ranges, sum_leaves
-from .engine import Shard
-from .sharding import pieces
-from .state import cut, mark_starts, merge
-from .transport import Transport, as_bytes
+from .protocol import Shard
 
 
 class KeyLayout(NamedTuple):

@@ -184,7 +184,7 @@ def read_store(path) -> StoreFile:
     """Every shard of the snapshot at `path` joined into one `StoreFile` (what
     `checkpoint.read_store` gives for a one-file checkpoint); CheckpointError if the
     snapshot is not complete, or a shard is damaged or does not fit with the others."""
-    from ..distributed.state import merge
+    from ..layout.state import merge
     path = checkpoint_path(path)
     counts = _completeness(path)
     if counts is None:

@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import PeerError
+from ..._errors import PeerError
+from ..mpi.chunks import CHUNK_BYTES, chunk_ranges
+from ..mpi.transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
 from .canonical_sum import merge_into
-from .chunks import CHUNK_BYTES, chunk_ranges
-from .transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
 
 
 class Tree(NamedTuple):

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .._errors import BackendError, PeerError
+from ..._errors import BackendError, PeerError
 from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll

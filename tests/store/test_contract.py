@@ -8,8 +8,8 @@ import pytest
 
 import gpukv
 from gpukv import KVStore
-from gpukv.api.dist_store import DistKVStore
-from gpukv.api.store import LocalStore
+from gpukv.distributed.store import DistKVStore
+from gpukv.store.local import LocalStore
 
 
 def test_both_stores_are_kvstores_and_neither_derives_from_the_other():

@@ -15,14 +15,13 @@ import pickle
 
 import numpy as np
 
-from .._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
-from ..encoding.compressors import Compressor, ErrorFeedback, compressible
-from .agree import Agreement, from_rank0, refuse_split
-from .canonical_sum import check_partials
-from .chunks import chunk_bytes, chunk_ranges
-from .sharding import pieces
-from .state import cut, merge
-from .transport import (
+from ..._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
+from ...encoding.compressors import Compressor, ErrorFeedback, compressible
+from ...layout.pieces import pieces
+from ...layout.state import cut, merge
+from ..mpi.agree import Agreement, from_rank0, refuse_split
+from ..mpi.chunks import chunk_bytes, chunk_ranges
+from ..mpi.transport import (
     TAG_DATA,
     TAG_ERROR,
     TAG_PUSH_DATA,
@@ -31,6 +30,7 @@ from .transport import (
     Transport,
     worker_comm,
 )
+from .canonical_sum import check_partials
 
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)

@@ -55,7 +55,7 @@ log = logging.getLogger("gpukv")
 
 ARCHIVE_FORMAT = "gpukv-archive"
 ARCHIVE_VERSION = 1
-STORE_KIND = "gpukv.api.store"
+STORE_KIND = "gpukv.api.store"  # the file format's name, kept as the first files had it
 STORE_VERSION = 1
 
 _HEADER_MEMBER = "__gpukv__"

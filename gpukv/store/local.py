@@ -26,6 +26,7 @@ from .._errors import (
     GpukvError,
     OutOfMemoryError,
 )
+from ..checkpoints import snapshots
 from ..comm import BroadcastJob, Strategy
 from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
@@ -34,7 +35,7 @@ from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import GradientCompression
 from ..encoding.compressors import make_compressor
 from ..encoding.sparse import RowSparse
-from . import check, pipeline, rows, snapshots
+from . import check, pipeline, rows
 from .base import Key, Keys, KVStore, Updater, Values
 
 if TYPE_CHECKING:
@@ -367,7 +368,7 @@ class LocalStore(KVStore):
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:
-        from .checkpoint import checkpoint_path, write_archive
+        from ..checkpoints.checkpoint import checkpoint_path, write_archive
         path = checkpoint_path(fname)
         with self._lock:
             header, arrays = self.optimizer_updater(
@@ -375,7 +376,7 @@ class LocalStore(KVStore):
             write_archive(path, header, arrays)
 
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
-        from .checkpoint import checkpoint_path, read_archive
+        from ..checkpoints.checkpoint import checkpoint_path, read_archive
         self.optimizer_updater("load_optimizer_states")
         path = checkpoint_path(fname)
         header, arrays = read_archive(path)
@@ -387,7 +388,7 @@ class LocalStore(KVStore):
         return {k: (e.value, e.home) for k, e in self._entries.items()}
 
     def save(self, path: str | os.PathLike) -> None:
-        from . import checkpoint
+        from ..checkpoints import checkpoint
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
@@ -459,13 +460,13 @@ class LocalStore(KVStore):
         self._snapshots.submit(turn, files, then)
 
     def load(self, path: str | os.PathLike) -> None:
-        from . import checkpoint
+        from ..checkpoints import checkpoint
         contents = snapshots.read_any(path)  # the file alone, outside the lock
         with self._lock:  # checked against the store and applied in one hold of the lock
             self._apply_load(checkpoint.plan_load(contents, self._snapshot()))
 
     def _snapshot(self, to_host: bool = False):
-        """The store as `gpukv.api.checkpoint` sees it; with `_apply_load`, the only door
+        """The store as `gpukv.checkpoints.checkpoint` sees it; with `_apply_load`, the only door
         between a store and its checkpoints.
 
         A `checkpoint.StoreSnapshot`: the store's type and key kind, (key, value, home
@@ -474,7 +475,7 @@ class LocalStore(KVStore):
         otherwise the stored arrays, for their shapes and dtypes. Host values are the
         store's own arrays: hold the store's lock for as long as the snapshot is used.
         """
-        from .checkpoint import StoreSnapshot
+        from ..checkpoints.checkpoint import StoreSnapshot
         with self._lock:
             if to_host:
                 entries = [(k, e.home.to_host(e.value), e.home.kind)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from ..checkpoints.snapshots import Snapshot
     from ..optim import Optimizer
-    from .snapshots import Snapshot
 
 # The argument forms of the store's calls (see `KVStore.push`).
 Key = int | str
@@ -268,7 +268,7 @@ class KVStore(ABC):
         it resumed from; 1 for the first).
 
         The values and state are copied into host buffers now; a background thread
-        writes them (see `gpukv.api.snapshots`), at most one snapshot at a time, into
+        writes them (see `gpukv.checkpoints.snapshots`), at most one snapshot at a time, into
         `root/step-<step>-<tag>/`, which is complete once every file is on disk, and then
         keeps the `keep` newest complete snapshots. `user_state`: a dict of JSON values,
         tuples and arrays saved beside it (see `gpukv.latest_snapshot`). The folder's path

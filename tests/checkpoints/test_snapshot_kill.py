@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gpukv
-from gpukv.api import snapshots
+from gpukv.checkpoints import snapshots
 
 from .. import gpu_env
 from .snapshot_writer import SIZES, expected
