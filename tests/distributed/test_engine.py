@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,23 @@ ENGINES = [ShardedRounds, NcclRounds, ServerClient]
 PACKAGE = Path(gpukv.__file__).resolve().parent
 
 
+def _protocols(protocol) -> list:
+    """`protocol` and the protocols it is made of."""
+    return [c for c in protocol.__mro__ if getattr(c, "_is_protocol", False)
+            and c is not typing.Protocol]
+
+
+def _declared(protocol, name: str):
+    """The declaration of `name` in `protocol` or the protocols it is made of."""
+    return next(vars(c)[name] for c in _protocols(protocol) if name in vars(c))
+
+
 def _members(protocol) -> list[str]:
     """The public names a protocol declares: its methods, properties and annotations."""
-    names = set(protocol.__annotations__) | {n for n in vars(protocol)
-                                             if not n.startswith("_")}
+    names: set = set()
+    for c in _protocols(protocol):
+        names |= set(vars(c).get("__annotations__", {})) | {n for n in vars(c)
+                                                            if not n.startswith("_")}
     return sorted(names)
 
 
@@ -38,7 +52,7 @@ def _parameters(function) -> list[str]:
 
 
 def _methods(protocol) -> list[str]:
-    return [n for n in _members(protocol) if inspect.isfunction(vars(protocol).get(n))]
+    return [n for n in _members(protocol) if inspect.isfunction(_declared(protocol, n))]
 
 
 def _used(path: Path, owner: str) -> set[str]:
@@ -73,7 +87,7 @@ def test_every_engine_has_every_engine_member(engine, member):
 @pytest.mark.parametrize("method", _methods(Engine))
 def test_every_engine_method_takes_the_protocols_parameters(engine, method):
     """Each engine's method takes the parameters Engine declares, by the same names."""
-    assert _parameters(getattr(engine, method)) == _parameters(vars(Engine)[method])
+    assert _parameters(getattr(engine, method)) == _parameters(_declared(Engine, method))
 
 
 @pytest.mark.parametrize("method", _methods(Shard))

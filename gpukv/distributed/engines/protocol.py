@@ -1,12 +1,15 @@
-"""The two surfaces between a dist store and the engine that carries its keys across
+"""The surfaces between a dist store and the engine that carries its keys across
 processes: `Engine`, what the store calls (`ShardedRounds`, `NcclRounds`, `ServerClient`
-implement it), and `Shard`, what an engine calls back on the one-process store that holds
-the keys (or pieces of keys) its process serves. The store makes the shard and hands it to
-the engine's constructor, so nothing here imports the store's layer.
+implement it), made of four smaller protocols (`Control`: the calls every worker makes
+together; `Rounds`: init, push, pull; `Settings`: updater, optimizer, compression;
+`Snapshots`: the checkpoint surface), and `Shard`, what an engine calls back on the
+one-process store that holds the keys (or pieces of keys) its process serves. The store
+makes the shard and hands it to the engine's constructor, so nothing here imports the
+store's layer.
 
-Both are `typing.Protocol`s rather than base classes: the engines share no code through
-them (each round is its own), and the shard is a `KVStore` of `gpukv.api`, which this
-layer must not import. mypy checks each engine against `Engine` where the store keeps it,
+All are `typing.Protocol`s rather than base classes: the engines share no code through
+them (each round is its own), and the shard wraps a `LocalStore`, which this layer must
+not import. mypy checks each engine against `Engine` where the store keeps it,
 and the store's shard against `Shard` where an engine is made; a test checks every member
 of both by name and signature.
 """
@@ -38,9 +41,9 @@ class Leaves(NamedTuple):
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """What a dist store calls on its engine. `keys` are in the store's order; `replicas`
-    are this process's copies of the keys' values, which the engine reads and writes."""
+class Control(Protocol):
+    """What every engine does alike for the store: who this worker is, and the calls every
+    worker makes together (barrier, agreements, maxima, rank 0's objects), each bounded."""
 
     @property
     def rank(self) -> int:
@@ -52,6 +55,34 @@ class Engine(Protocol):
         """How many workers the job has (servers excluded)."""
         ...
 
+    def check(self) -> None:
+        """Raise the failure an earlier call met (or a peer reported), if any."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every worker's earlier calls are done and every worker came."""
+        ...
+
+    def collective(self, op: str) -> None:
+        """Agree that every worker makes call `op` now (a checkpoint call), before any of
+        it moves; a worker on another call makes every one raise PeerMismatchError."""
+        ...
+
+    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
+        """The elementwise maximum of `values` over every worker (a PeerError names `what`)."""
+        ...
+
+    def share(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every worker."""
+        ...
+
+
+@runtime_checkable
+class Rounds(Protocol):
+    """The data rounds: keys made, pushed and pulled. `keys` are in the store's order;
+    `replicas` are this process's copies of the keys' values, which the engine reads and
+    writes."""
+
     @property
     def pending(self) -> bool:
         """Whether keys made here wait for the next collective call to be agreed on."""
@@ -60,15 +91,6 @@ class Engine(Protocol):
     @property
     def round_updates_replicas(self) -> bool:
         """Whether a push leaves every worker's replicas current (else a pull fetches)."""
-        ...
-
-    @property
-    def compressor(self) -> Compressor | None:
-        """The compression on the wire, or None."""
-        ...
-
-    def check(self) -> None:
-        """Raise the failure an earlier call met (or a peer reported), if any."""
         ...
 
     def init(self, keys: list, replicas: list) -> None:
@@ -84,6 +106,16 @@ class Engine(Protocol):
 
     def pull(self, keys: list, replicas: list) -> None:
         """Bring the current values of `keys` into `replicas`."""
+        ...
+
+
+@runtime_checkable
+class Settings(Protocol):
+    """How the keys are updated where they are served, and compressed on the way."""
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The compression on the wire, or None."""
         ...
 
     def set_compression(self, compressor: Compressor | None) -> None:
@@ -102,18 +134,11 @@ class Engine(Protocol):
         """Run `updater(key, merged, stored)` where the keys are served."""
         ...
 
-    def barrier(self) -> None:
-        """Return once every worker's earlier calls are done and every worker came."""
-        ...
 
-    def collective(self, op: str) -> None:
-        """Agree that every worker makes call `op` now (a checkpoint call), before any of
-        it moves; a worker on another call makes every one raise PeerMismatchError."""
-        ...
-
-    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
-        """The elementwise maximum of `values` over every worker (a PeerError names `what`)."""
-        ...
+@runtime_checkable
+class Snapshots(Protocol):
+    """The engine's part of checkpoints: the optimizer's state of every shard, values
+    and state loaded back, and each shard's files of a snapshot."""
 
     def optimizer_state(self, dump: bool) -> Any:
         """Every shard's optimizer state merged, on rank 0 (None elsewhere, or without)."""
@@ -121,10 +146,6 @@ class Engine(Protocol):
 
     def restore(self, values: dict, state: Any) -> None:
         """Load `values` ({key: array}) and optimizer `state`, checked whole everywhere first."""
-        ...
-
-    def share(self, obj: Any, what: str) -> Any:
-        """Rank 0's `obj` on every worker."""
         ...
 
     def write_snapshot(self, request: dict) -> str | None:
@@ -137,6 +158,11 @@ class Engine(Protocol):
         """Wait until every shard's snapshots are written; a failure's error, alike on
         every worker."""
         ...
+
+
+@runtime_checkable
+class Engine(Control, Rounds, Settings, Snapshots, Protocol):
+    """What a dist store calls on its engine: the four surfaces above."""
 
 
 @runtime_checkable
