@@ -59,8 +59,8 @@ from torch import nn  # noqa: E402
 
 import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
-from gpukv.api import checkpoint as _checkpoint  # noqa: E402
-from gpukv.api import snapshots as _snapshots  # noqa: E402
+from gpukv.checkpoints import checkpoint as _checkpoint  # noqa: E402
+from gpukv.checkpoints import snapshots as _snapshots  # noqa: E402
 
 LR = 0.01
 MOMENTUM = 0.9

@@ -85,14 +85,15 @@ def test_demo_with_tqdm():
 
 def test_demo_fails_on_wrong_values(monkeypatch, capsys):
     """A store that returns wrong values makes the demo report MISMATCH and exit 1."""
-    real_pull = gpukv.KVStore.pull
+    from gpukv.store.local import LocalStore  # the demo's stores are one-process ones
+    real_pull = LocalStore.pull
 
     def wrong_pull(self, key, out=None, priority=0, ignore_sparse=True):
         real_pull(self, key, out=out, priority=priority, ignore_sparse=ignore_sparse)
         if isinstance(out, np.ndarray):
             out += 1
 
-    monkeypatch.setattr(gpukv.KVStore, "pull", wrong_pull)
+    monkeypatch.setattr(LocalStore, "pull", wrong_pull)
     assert cli.main(["demo", "--cpu", "--steps", "5", "--progress", "plain"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH: expected all 2" in out and "demo: FAILED" in out
