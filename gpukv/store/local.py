@@ -194,10 +194,6 @@ class LocalStore(KVStore):
     def workers_max(self, values, what: str) -> np.ndarray:
         return check.worker_values(values, what)
 
-    def _lookup(self, groups: check.Groups, op: str) -> list:
-        """The entries of a call's keys (every key known, of the store's kind)."""
-        return check.lookup(self._entries, self._key_kind, groups, op)
-
     # --------------------------------------------------------------- home devices
     def _candidates(self, arrays) -> list:
         """The devices a new key may live on."""
@@ -262,7 +258,7 @@ class LocalStore(KVStore):
             check.check_priority(key, priority)
         groups = check.group(key, value, "value")
         with self._lock:
-            entries = check.lookup(self._entries, self._key_kind, groups, "push")
+            entries = self.lookup(groups, "push")
             exact = check.all_sources(groups, entries, "push")
             self._run_push(self._plan_push(groups, entries, cast=not exact))
 
@@ -286,7 +282,7 @@ class LocalStore(KVStore):
             check.check_priority(key, priority)
         groups = check.group(key, out, "out", written=True)
         with self._lock:
-            entries = self._lookup(groups, "pull")
+            entries = self.lookup(groups, "pull")
             check.all_outs(groups, entries)
             self._pull_groups(groups, entries, ignore_sparse)
 
@@ -317,8 +313,8 @@ class LocalStore(KVStore):
         groups = check.group(key, value, "value", written=out is None)
         out_groups = groups if out is None else check.group(key, out, "out", written=True)
         with self._lock:
-            entries = self._lookup(groups, "pushpull")
-            out_entries = entries if out is None else self._lookup(out_groups, "pushpull")
+            entries = self.lookup(groups, "pushpull")
+            out_entries = entries if out is None else self.lookup(out_groups, "pushpull")
             exact = check.all_sources(groups, entries, "pushpull")
             check.all_outs(out_groups, out_entries)
             if out_groups.sparse:
@@ -340,7 +336,7 @@ class LocalStore(KVStore):
                     raise ArgumentError(f"key {k!r}: broadcast has an out but no value for it")
                 check.outs(k, shapes[k], arrays)
             self._init_groups(groups)
-            self._pull_groups(out_groups, self._lookup(out_groups, "broadcast"))
+            self._pull_groups(out_groups, self.lookup(out_groups, "broadcast"))
 
     def set_updater(self, updater: Updater) -> None:
         if not callable(updater):
@@ -617,7 +613,7 @@ class LocalStore(KVStore):
     def lookup(self, groups: check.Groups, op: str) -> list:
         """The entries of a call's keys, in order; KeyKindError or UnknownKeyError naming
         the key, for the call `op`."""
-        return self._lookup(groups, op)
+        return check.lookup(self._entries, self._key_kind, groups, op)
 
     def init_checked(self, groups: check.Groups) -> None:
         """`init` of `check.group`'s groups (each key's first array is copied)."""

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .section import Section
 
 
@@ -75,12 +77,8 @@ def describe(machine: Machine) -> Section:
     data["cupy"] = probe.cupy_versions()
     data["nccl"] = probe.nccl_versions()
     data["host"] = {"python": platform.python_version(), "cpu": probe.cpu_model(),
-                    "logical_cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        import numpy
-        data["host"]["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover - gpukv needs NumPy
-        pass
+                    "logical_cpus": os.cpu_count(), "platform": platform.platform(),
+                    "numpy": np.__version__}
     physical = [g["id"] for g in machine.gpus]
     try:
         data["peer_access"] = probe.peer_access(physical)
