@@ -71,7 +71,7 @@ def test_pushpull_tree_sums_the_gradients_of_every_device(n_devices):
 def test_a_deterministic_store_sums_trees_in_the_canonical_order(name, strategy, dtype):
     """pushpull_tree on a deterministic store: each leaf is the canonical tree's sum of
     the 5 devices' gradients (in float32, rounded once), bit for bit, in every store."""
-    from gpukv._canonical import leaves_sum
+    from gpukv.canonical.tree import leaves_sum
     options = {"strategy": strategy} if strategy else {}
     kv = gpukv.create(name, deterministic=True, **options)
     params = _model(dtype)

@@ -97,3 +97,15 @@ def test_the_launcher_imports_no_store_nor_engine():
                                                                        "gpukv._errors"))]
     assert files
     assert not found, "\n".join(found)
+
+
+def test_the_canonical_order_stands_alone():
+    """gpukv/canonical/ (the tree and its sums on NumPy) imports nothing of gpukv but its
+    own modules: every layer that sums in the canonical order (the device layer's host
+    sum included) can use it."""
+    files = _files("canonical")
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {module}" for path in files
+             for line, module in imported_modules(path.read_text(), _package_of(path))
+             if module.startswith("gpukv.") and not module.startswith("gpukv.canonical")]
+    assert files
+    assert not found, "\n".join(found)

@@ -74,7 +74,7 @@ def test_every_bucket_is_reduced_during_backward(update_on_kvstore):
     trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
                          update_on_kvstore=update_on_kvstore, bucket_bytes=256, overlap=True)
     assert len(trainer.keys) > 2
-    reducing = trainer.kvstore if not update_on_kvstore else trainer._sums
+    reducing = trainer.kvstore if not update_on_kvstore else trainer._update.sums
     early = record_pushes(reducing)
     on_store = record_pushes(trainer.kvstore) if update_on_kvstore else []
     x, y = make_data()
@@ -97,7 +97,7 @@ def test_gradient_accumulation(update_on_kvstore, no_sync):
     want, _, _ = train(False, **kw)
     got, trainer, models = train(True, **kw)
     assert_equal(got, want)
-    reducing = trainer.kvstore if not update_on_kvstore else trainer._sums
+    reducing = trainer.kvstore if not update_on_kvstore else trainer._update.sums
     pushes = record_pushes(reducing)
     x, y = make_data()
     trainer.zero_grad()

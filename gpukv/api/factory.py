@@ -25,7 +25,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
     environment variable GPUKV_STRATEGY gives the default of GPU stores) or a
     `gpukv.comm.Strategy` instance; and the keyword options of the strategy the name picks
     (e.g. `array_bound=` for 'tree'), passed to its constructor; `deterministic`: True
-    sums every key in one canonical order (`gpukv._canonical`: a fixed tree over the
+    sums every key in one canonical order (`gpukv.canonical`: a fixed tree over the
     values in the order they are given), so the result is the same bits whatever the
     strategy, the devices the values lie on or the slicing of a key; None (the default)
     reads the environment variable GPUKV_DETERMINISTIC ('1' on, '0' off; unset: off),

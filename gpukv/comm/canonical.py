@@ -1,7 +1,7 @@
 """The canonical order: every key summed in one fixed tree, whatever the strategy.
 
 `Canonical(inner)` is the strategy a deterministic store runs: its reductions give every
-job the tree sum of `gpukv._canonical` over the job's sources (leaf i = the i-th source),
+job the tree sum of `gpukv.canonical` over the job's sources (leaf i = the i-th source),
 in the accumulation dtype of the out (float32 for 16-bit floats), rounded once. The home
 device sums all the sources of its keys with `tree_sum_into`, reading them where it can
 and copying the others there whole first, so the result is the same bits for every

@@ -5,7 +5,7 @@ Callers use a device's verbs and never ask which kind of device it is:
 - memory: `empty`, `zeros`, `copy`, `cast`, `to_local`, `to_host`, `fill0`, `owns`,
   `readable`;
 - work: `sum_into` (the fused k-way sum of many keys), `tree_sum_into` (the same in the
-  canonical order of `gpukv._canonical`), `copy_many`, `segment_sum`;
+  canonical order of `gpukv.canonical`), `copy_many`, `segment_sum`;
 - order: `activate`, `enter` / `leave`, `record` / `wait_event`, `wait_for`,
   `synchronize`;
 - staging through main memory: `host_buffer`, `to_host_async`, `from_host_async`;
@@ -156,7 +156,7 @@ class Device(ABC):
         raise NotImplementedError(f"{self!r} has no fused sum")
 
     def tree_sum_into(self, jobs) -> None:
-        """On this device: out = the canonical tree sum (`gpukv._canonical`) of `arrays`
+        """On this device: out = the canonical tree sum (`gpukv.canonical`) of `arrays`
         for every (out, arrays) of `jobs`, the arrays its leaves in the order given.
 
         `out` is 1-D contiguous here; the arrays are 1-D contiguous of out's length, on

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._canonical import OUT, add_plan
 from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
+from ..canonical.arrays import leaf_plan, run_adds
 
 _F32 = np.dtype(np.float32)
 _NDARRAY = np.ndarray
@@ -275,17 +275,11 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     _POOL.run(_copy_range, chunks)
 
 
-def tree_plan(k: int) -> tuple[list, int]:
-    """`gpukv._canonical.add_plan` of k leaves: the adds of their canonical tree."""
-    return add_plan([(i, i + 1) for i in range(k)], k)
-
-
 def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
     """`out[lo:hi]` = the canonical tree sum of `sources[lo:hi]` (cut on axis 0), block
-    by block, by the adds of `tree_plan`: the temporaries of one block stay in cache,
+    by block, by the adds of `leaf_plan`: the temporaries of one block stay in cache,
     so memory sees k reads and one write. An out of the accumulation dtype is the first
     temporary itself (it is written last, from the others)."""
-    add = np.add
     shape = (min(block, hi - lo),) + out.shape[1:]
     in_out = out.dtype == acc
     scratch = [np.empty(shape, acc) for _ in range(temps - in_out)]
@@ -295,19 +289,12 @@ def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
         slots = [t[:stop - start] for t in scratch]
         if in_out:
             slots.insert(0, dst)
-        parts = [s[start:stop] for s in sources]
-        for target, x, y in ops:
-            add(parts[x] if x >= 0 else slots[-2 - x],
-                parts[y] if y >= 0 else slots[-2 - y],
-                dst if target == OUT else slots[-2 - target], **kwargs)
-
-
-_PLANS: dict = {}  # leaves -> tree_plan(leaves)
+        run_adds(ops, [s[start:stop] for s in sources], slots, dst, **kwargs)
 
 
 def host_tree_sum(out: np.ndarray, sources: list) -> None:
     """Write the canonical tree sum of `sources` (leaves in the order given; see
-    `gpukv._canonical`) into `out`, elementwise.
+    `gpukv.canonical`) into `out`, elementwise.
 
     Sources of any dtype are accumulated in `accumulate_dtype(out.dtype)` (float32 for
     16-bit floats) and the result is rounded into `out` once; one source is a copy with
@@ -321,10 +308,7 @@ def host_tree_sum(out: np.ndarray, sources: list) -> None:
         host_broadcast(sources[0], [out])
         return
     acc = accumulate_dtype(out.dtype)
-    plan = _PLANS.get(len(sources))
-    if plan is None:
-        plan = _PLANS[len(sources)] = tree_plan(len(sources))
-    ops, temps = plan
+    ops, temps = leaf_plan(len(sources))
     kwargs = _SAME
     if out.dtype is not acc or any(s.dtype is not acc for s in sources):
         kwargs = {"dtype": acc, "casting": "unsafe"}

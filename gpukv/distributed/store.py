@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._canonical import rank_nodes
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
+from ..canonical.tree import rank_nodes
 from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
 from ..encoding.compressors import compressible
@@ -204,18 +204,16 @@ class DistKVStore(KVStore):
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
         self._engine: Engine
-        if gpu is not None:
-            from .engines.nccl_rounds import NcclRounds
-            self._engine = NcclRounds(transport, Shard(), bound, gpu)
-        elif servers == 0:
+        if servers == 0:  # NCCL's rounds when `gpu` is one
             from .engines.sharded import ShardedRounds
-            self._engine = ShardedRounds(transport, Shard(), bound, deterministic=deterministic)
+            self._engine = ShardedRounds(transport, Shard(), bound,
+                                         deterministic=deterministic, device=gpu)
         else:
             _SERVED.append(name)
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
         self._values = pinned_store(local, gpu, deterministic=deterministic, **local_options)
         self._grads = pinned_store(local, gpu, deterministic=deterministic, **local_options)
-        #: the canonical order (gpukv._canonical) for every sum, here and between processes
+        #: the canonical order (gpukv.canonical) for every sum, here and between processes
         self._deterministic = deterministic
         self._partials: dict = {}  # key -> this process's node sums (deterministic)
         self._leaves: dict = {}  # key -> its values as float32 leaves (compressed, too)
@@ -236,11 +234,11 @@ class DistKVStore(KVStore):
     @property
     def rank(self) -> int:
         """This worker's index among the workers (servers excluded), as in MXNet."""
-        return self._engine.rank
+        return self._engine.control.rank
 
     @property
     def num_workers(self) -> int:
-        return self._engine.num_workers
+        return self._engine.control.num_workers
 
     @property
     def num_servers(self) -> int:
@@ -279,7 +277,7 @@ class DistKVStore(KVStore):
     def barrier(self) -> None:
         """Wait for every worker; a PeerError names those that did not come in time."""
         with self._lock:
-            self._engine.barrier()
+            self._engine.control.barrier()
             self._refresh()
 
     def workers_max(self, values, what: str) -> np.ndarray:
@@ -288,7 +286,7 @@ class DistKVStore(KVStore):
         one gets a PeerError naming `what`."""
         mine = check.worker_values(values, what)
         with self._lock:
-            return self._engine.workers_max(mine, what)
+            return self._engine.control.workers_max(mine, what)
 
     # ------------------------------------------------------------------ the API
     def init(self, key, value) -> None:
@@ -296,7 +294,7 @@ class DistKVStore(KVStore):
         order) before its next call that talks to the others, and rank 0's value wins."""
         groups = check.group(key, value, "value")
         with self._lock:
-            self._engine.check()
+            self._engine.control.check()
             check.init_values(groups, self._values.entries(), self._values.key_kind)
             if not groups.keys:
                 return
@@ -334,7 +332,7 @@ class DistKVStore(KVStore):
             self._push(groups, entries)
 
     def _checked_push(self, groups, op: str) -> list:
-        self._engine.check()
+        self._engine.control.check()
         entries = self._values.lookup(groups, op)
         check.all_sources(groups, entries, op)
         if not groups.keys:
@@ -459,7 +457,7 @@ class DistKVStore(KVStore):
             check.check_priority(key, priority)
         groups = check.group(key, out, "out", written=True)
         with self._lock:
-            self._engine.check()
+            self._engine.control.check()
             entries = self._values.lookup(groups, "pull")
             check.all_outs(groups, entries)
             self._fetch(groups.keys)
@@ -505,7 +503,7 @@ class DistKVStore(KVStore):
             check.check_priority(key, priority)
         pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
-            self._engine.check()
+            self._engine.control.check()
             check.row_sparse_pulls(pairs, self._values.entries(), self._values.key_kind)
             self._fetch(list(dict.fromkeys(k for k, _, _ in pairs)))
             self._values.row_sparse_pull(key, out, row_ids)
@@ -563,8 +561,8 @@ class DistKVStore(KVStore):
         """Write every key's value and the optimizer's state (see `KVStore.save`)."""
         from ..checkpoints import checkpoint
         with self._lock:
-            self._engine.check()
-            self._engine.collective("save")  # agreed before anything moves
+            self._engine.control.check()
+            self._engine.control.collective("save")  # agreed before anything moves
             keys = self._values.keys()
             self._fetch(keys)  # every worker: with num_servers=0, queued keys are agreed on
             state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
@@ -576,7 +574,7 @@ class DistKVStore(KVStore):
                     self._type, self._values.key_kind, entries,
                     None if state is None else SavedState(state))
                 error = _attempt(lambda: checkpoint.save_store(snapshot, path))
-            _raise(self._engine.share(error, "save"))
+            _raise(self._engine.control.share(error, "save"))
 
     def load(self, path: str | os.PathLike) -> None:
         """Read a file `save` wrote, or a snapshot's folder (here or in any store, with
@@ -586,8 +584,8 @@ class DistKVStore(KVStore):
         CheckpointError everywhere."""
         from ..checkpoints import checkpoint
         with self._lock:
-            self._engine.check()
-            self._engine.collective("load")  # agreed before anything moves
+            self._engine.control.check()
+            self._engine.control.collective("load")  # agreed before anything moves
             contents = self._read(path)
             # The optimizer's state is checked whole, against the keys as they will be,
             # before any key is made (the shards check their parts again).
@@ -614,16 +612,16 @@ class DistKVStore(KVStore):
         sends it to the others. A failure raises CheckpointError on every worker."""
         from ..checkpoints import snapshots
         from ..checkpoints.checkpoint import checkpoint_path
-        folder = self._engine.share(self.rank == 0 and snapshots.is_snapshot(path), "load")
+        folder = self._engine.control.share(self.rank == 0 and snapshots.is_snapshot(path), "load")
         if not folder:
             contents = None
             if self.rank == 0:
                 contents = _attempt(lambda: snapshots.read_any(path), keep=True)
-            return _raise(self._engine.share(contents, "load"))
+            return _raise(self._engine.control.share(contents, "load"))
         mine = _attempt(lambda: snapshots.read_store(path), keep=True)
         failed = isinstance(mine, CheckpointError)
-        if self._engine.workers_max(np.array([failed], np.int8), "load: reading")[0]:
-            first = self._engine.share(str(mine) if failed else None, "load")
+        if self._engine.control.workers_max(np.array([failed], np.int8), "load: reading")[0]:
+            first = self._engine.control.share(str(mine) if failed else None, "load")
             raise CheckpointError(first or f"{checkpoint_path(path)}: another worker could "
                                            f"not read this snapshot")
         return mine
@@ -644,10 +642,10 @@ class DistKVStore(KVStore):
             raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
                                     f"{replicated!r}")
         with self._lock:
-            self._engine.check()
-            self._engine.collective("snapshot")  # agreed before anything moves
+            self._engine.control.check()
+            self._engine.control.collective("snapshot")  # agreed before anything moves
             if self._tag is None:
-                self._tag = self._engine.share(secrets.token_hex(4), "snapshot")
+                self._tag = self._engine.control.share(secrets.token_hex(4), "snapshot")
             folder = os.path.join(root, snapshots.folder_name(step, self._tag))
             try:
                 worker = snapshots.worker_files(folder, step, self.rank, self.num_workers,
@@ -655,8 +653,8 @@ class DistKVStore(KVStore):
                 problem = None
             except ArgumentError as exc:
                 worker, problem = None, exc
-            if self._engine.workers_max(np.array([problem is not None], np.int8),
-                                        "snapshot: checking user_state")[0]:
+            if self._engine.control.workers_max(np.array([problem is not None], np.int8),
+                                                "snapshot: checking user_state")[0]:
                 raise problem or ArgumentError(
                     "snapshot: another worker's user_state cannot be saved; nothing was")
             if replicated is None:
@@ -687,9 +685,9 @@ class DistKVStore(KVStore):
 
     def _agreed_error(self, mine: str | None, what: str) -> str | None:
         """An error some worker met (`mine`: this worker's), the same on every worker."""
-        if not self._engine.workers_max(np.array([mine is not None], np.int8), what)[0]:
+        if not self._engine.control.workers_max(np.array([mine is not None], np.int8), what)[0]:
             return None
-        first = self._engine.share(mine, what)
+        first = self._engine.control.share(mine, what)
         return first or mine or f"{what}: another worker's snapshot files could not be written"
 
     def resume(self, root: str | os.PathLike, check=None, into: list | None = None):
@@ -698,13 +696,13 @@ class DistKVStore(KVStore):
         or into the one-process stores `into` (each worker's own). Every worker calls it."""
         from ..checkpoints import snapshots
         with self._lock:
-            self._engine.check()
-            self._engine.collective("resume")
+            self._engine.control.check()
+            self._engine.control.collective("resume")
             found = None
             if self.rank == 0:
                 found = _attempt(lambda: _checked(snapshots.latest_snapshot(root), check),
                                  keep=True)
-            found = _raise(self._engine.share(found, "resume"))
+            found = _raise(self._engine.control.share(found, "resume"))
             if found is None:
                 return None
             self._last_step = found.step
@@ -726,8 +724,8 @@ class DistKVStore(KVStore):
         """Wait until every snapshot started is written, by every shard; CheckpointError
         on every worker if one failed. Every worker calls it."""
         with self._lock:
-            self._engine.check()
-            self._engine.collective("finish_snapshots")
+            self._engine.control.check()
+            self._engine.control.collective("finish_snapshots")
             mine = None
             for store in self._replicated:
                 try:
@@ -752,13 +750,13 @@ class DistKVStore(KVStore):
         path = checkpoint_path(fname)
         self._need_optimizer("save_optimizer_states")
         with self._lock:
-            self._engine.check()
-            self._engine.collective("save_optimizer_states")  # agreed before anything moves
+            self._engine.control.check()
+            self._engine.control.collective("save_optimizer_states")  # agreed before anything moves
             state = self._engine.optimizer_state(dump=bool(dump_optimizer))
             error = None
             if self.rank == 0:
                 error = _attempt(lambda: write_archive(path, *state))
-            _raise(self._engine.share(error, "save_optimizer_states"))
+            _raise(self._engine.control.share(error, "save_optimizer_states"))
 
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
         """Restore what `save_optimizer_states` wrote (by any store) onto every shard."""
@@ -766,11 +764,11 @@ class DistKVStore(KVStore):
         path = checkpoint_path(fname)
         self._need_optimizer("load_optimizer_states")
         with self._lock:
-            self._engine.check()
-            self._engine.collective("load_optimizer_states")  # agreed before anything moves
+            self._engine.control.check()
+            self._engine.control.collective("load_optimizer_states")  # agreed before anything moves
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
-            state = _raise(self._engine.share(state, "load_optimizer_states"))
+            state = _raise(self._engine.control.share(state, "load_optimizer_states"))
             self._engine.restore({}, state)
 
     def _need_optimizer(self, op: str) -> None:

@@ -290,7 +290,7 @@ def merge(sources, home, dtype, canonical: bool = False):
     one source in its own order), the same for every strategy, which row merges do not
     use. `canonical`: each source's own repeated rows are summed first (its value, as
     `todense` gives it), then each row over the sources in the canonical tree of
-    `gpukv._canonical`, a source without the row adding zero: the bits a dense push of
+    `gpukv.canonical`, a source without the row adding zero: the bits a dense push of
     the sources' dense values gives in a deterministic store."""
     from ..comm.ordering import begin, finish
     devices = [_device.device_of(s.data) for s in sources]

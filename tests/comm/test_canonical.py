@@ -13,7 +13,7 @@ import pytest
 
 import gpukv
 from gpukv import ArgumentError, ArgumentKindError
-from gpukv._canonical import leaves_sum
+from gpukv.canonical.tree import leaves_sum
 from gpukv.comm import nccl as nccl_mod
 from gpukv.comm.canonical import Canonical
 from gpukv.comm.home import HomeStrategy

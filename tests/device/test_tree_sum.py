@@ -1,4 +1,4 @@
-"""`tree_sum_into` and `host_tree_sum`: the canonical tree sum of `gpukv._canonical`, bit for
+"""`tree_sum_into` and `host_tree_sum`: the canonical tree sum of `gpukv.canonical`, bit for
 bit, on the host (blocked and threaded, or whole) and on GPUs (one kernel per dtype pair,
 sources read where they lie or copied to the GPU first)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpukv._canonical import leaves_sum
+from gpukv.canonical.tree import leaves_sum
 from gpukv.device import host_device
 from gpukv.device import host_sum as host_sum_mod
 from gpukv.device.host_sum import host_tree_sum

@@ -1,5 +1,5 @@
 """Deterministic engines across processes continue the canonical reduction tree
-(`gpukv._canonical`): fed each worker's node partials, every key's value is the same bits
+(`gpukv.canonical`): fed each worker's node partials, every key's value is the same bits
 as the NumPy tree sum of all its values, whatever the number of workers and servers, the
 updater, and however the key is split, packed or chunked (programs/canonical.py)."""
 from __future__ import annotations
@@ -12,15 +12,10 @@ import pytest
 
 import gpukv
 from gpukv import ArgumentError, PeerMismatchError
-from gpukv._canonical import leaves_sum, nodes, rank_nodes
+from gpukv.canonical.arrays import merge_into, own_sum
+from gpukv.canonical.tree import leaves_sum, nodes, rank_nodes
 from gpukv.distributed import Leaves, Partials
-from gpukv.distributed.engines.canonical_sum import (
-    check_partials,
-    decode_leaves,
-    merge_into,
-    own_sum,
-    sum_leaves,
-)
+from gpukv.distributed.engines.partials import check_partials, decode_leaves, sum_leaves
 from gpukv.distributed.engines.server import same_compression
 from gpukv.encoding.compressors import make_compressor
 

@@ -1,6 +1,6 @@
 """deterministic=True across processes: the same eight gradients, split over 1, 2, 4 or 8
 workers, with 0, 1 or 2 servers, on the host or on (emulated) GPUs, give the bits of the
-canonical tree's sum (gpukv._canonical), and of the same SGD rounds on one process."""
+canonical tree's sum (gpukv.canonical), and of the same SGD rounds on one process."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +8,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from gpukv._canonical import leaves_sum
+from gpukv.canonical.tree import leaves_sum
 
 from .. import gpu_env
 from . import digests

@@ -1,6 +1,7 @@
 """The declared surfaces between a dist store and its engines: every engine has every
-member of `Engine`, and the store's shard every member of `Shard`, with the protocol's
-parameters."""
+member of `Engine`, every engine's control every member of `Control`, the sharded
+engine's data paths what it calls on them, and the store's shard every member of
+`Shard`, with the protocol's parameters."""
 from __future__ import annotations
 
 import ast
@@ -13,11 +14,15 @@ import pytest
 import gpukv
 from gpukv.distributed import Engine, Shard
 from gpukv.distributed.engines.client import ServerClient
+from gpukv.distributed.engines.control import WorkerControl
+from gpukv.distributed.engines.mpi_rounds import MpiRounds
 from gpukv.distributed.engines.nccl_rounds import NcclRounds
+from gpukv.distributed.engines.protocol import Control, RoundState
 from gpukv.distributed.engines.sharded import ShardedRounds
 from gpukv.distributed.parts import Shard as StoreShard
 
-ENGINES = [ShardedRounds, NcclRounds, ServerClient]
+ENGINES = [ShardedRounds, ServerClient]
+DATA_PATHS = [MpiRounds, NcclRounds]
 PACKAGE = Path(gpukv.__file__).resolve().parent
 
 
@@ -28,8 +33,9 @@ def _protocols(protocol) -> list:
 
 
 def _declared(protocol, name: str):
-    """The declaration of `name` in `protocol` or the protocols it is made of."""
-    return next(vars(c)[name] for c in _protocols(protocol) if name in vars(c))
+    """The declaration of `name` in `protocol` or the protocols it is made of (None for
+    an attribute only annotated)."""
+    return next((vars(c)[name] for c in _protocols(protocol) if name in vars(c)), None)
 
 
 def _members(protocol) -> list[str]:
@@ -55,25 +61,37 @@ def _methods(protocol) -> list[str]:
     return [n for n in _members(protocol) if inspect.isfunction(_declared(protocol, n))]
 
 
-def _used(path: Path, owner: str) -> set[str]:
-    """The names the code of `path` reads from `self.<owner>`."""
+def _used(path: Path, *owner: str) -> set[str]:
+    """The names the code of `path` reads from `self.<owner>` (`self.a.b` for ("a", "b"))."""
     tree = ast.parse(path.read_text())
+
+    def reads(node, names) -> bool:
+        if not names:
+            return isinstance(node, ast.Name) and node.id == "self"
+        return (isinstance(node, ast.Attribute) and node.attr == names[-1]
+                and reads(node.value, names[:-1]))
     return {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-            and node.value.attr == owner and isinstance(node.value.value, ast.Name)
-            and node.value.value.id == "self"}
+            if isinstance(node, ast.Attribute) and reads(node.value, owner)}
 
 
 def test_the_protocols_declare_what_the_store_and_the_engines_use():
     """Engine declares every call the dist store makes on its engine, and Shard every call
     an engine makes back on its shard: nothing passes between them undeclared."""
-    store_uses = _used(PACKAGE / "distributed" / "store.py", "_engine")
-    engines_use = set().union(*(_used(p, "shard")
-                                for p in (PACKAGE / "distributed" / "engines").glob("*.py")))
-    assert {"push", "pull", "collective"} <= store_uses
+    store = PACKAGE / "distributed" / "store.py"
+    store_uses = _used(store, "_engine")
+    control_uses = _used(store, "_engine", "control")
+    engines = list((PACKAGE / "distributed" / "engines").glob("*.py"))
+    engines_use = set().union(*(_used(p, "shard") for p in engines))
+    engines_use |= set().union(*(_used(p, "state", "shard") for p in engines))
+    paths_use = set().union(*(_used(p, "state") for p in engines))
+    assert {"push", "pull", "control"} <= store_uses
+    assert {"collective", "barrier", "share"} <= control_uses
     assert {"update", "stored"} <= engines_use
+    assert {"layouts", "assigns", "update"} <= paths_use
     assert not store_uses - set(_members(Engine)), store_uses - set(_members(Engine))
+    assert not control_uses - set(_members(Control)), control_uses - set(_members(Control))
     assert not engines_use - set(_members(Shard)), engines_use - set(_members(Shard))
+    assert not paths_use - set(_members(RoundState)), paths_use - set(_members(RoundState))
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=lambda c: c.__name__)
@@ -88,6 +106,31 @@ def test_every_engine_has_every_engine_member(engine, member):
 def test_every_engine_method_takes_the_protocols_parameters(engine, method):
     """Each engine's method takes the parameters Engine declares, by the same names."""
     assert _parameters(getattr(engine, method)) == _parameters(_declared(Engine, method))
+
+
+@pytest.mark.parametrize("member", _members(Control))
+def test_the_workers_control_has_every_control_member(member):
+    """WorkerControl, every engine's control, defines each member of Control with the
+    protocol's parameters."""
+    assert _has(WorkerControl, member), f"WorkerControl lacks Control.{member}"
+    if member in _methods(Control):
+        assert (_parameters(getattr(WorkerControl, member))
+                == _parameters(_declared(Control, member)))
+
+
+@pytest.mark.parametrize("member", _members(RoundState))
+def test_the_sharded_engine_is_the_state_of_its_data_paths(member):
+    """ShardedRounds has each member of RoundState, which its data paths read."""
+    assert _has(ShardedRounds, member), f"ShardedRounds lacks RoundState.{member}"
+
+
+@pytest.mark.parametrize("path", DATA_PATHS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", ["share_values", "round", "forget", "refuse"])
+def test_every_data_path_has_what_the_sharded_engine_calls(path, method):
+    """Both data paths take the calls ShardedRounds makes on `self.rounds`, alike."""
+    used = _used(PACKAGE / "distributed" / "engines" / "sharded.py", "rounds")
+    assert method in used
+    assert _parameters(getattr(path, method)) == _parameters(getattr(MpiRounds, method))
 
 
 @pytest.mark.parametrize("method", _methods(Shard))

@@ -11,7 +11,7 @@ live in `optim_kernels.py` and `codec_kernels.py`. Layout of this module:
    launch sums or copies hundreds of keys, reading their sources directly from peer
    GPUs' memory.
    The same table drives the canonical tree sum (`multi_tree_sum_gpu`), the sum in the
-   order of `gpukv._canonical` whatever the number of leaves.
+   order of `gpukv.canonical` whatever the number of leaves.
 3. The row sum of runs of sorted row-sparse rows (`segment_sum_gpu`), in order, no atomics.
 
 CuPy is never imported at module level, only by the GPU functions when they are
@@ -344,7 +344,7 @@ def tree_sum_source(t_dtype, u_dtype) -> tuple[str, str]:
     """(kernel name, CUDA source) of the multi-key canonical tree sum reading T, writing U.
 
     The table of `sum_source` with only `a` lists: per element, the leaves a[0..na) are
-    summed in the tree of `gpukv._canonical` by a binary counter: level L holds the sum
+    summed in the tree of `gpukv.canonical` by a binary counter: level L holds the sum
     of the last complete block of 2**L leaves (while bit L of the count is set); leaf j
     is merged with the levels below the lowest zero bit of j, and the levels left are
     added from the lowest up at the end. The loops over levels are unrolled, so the

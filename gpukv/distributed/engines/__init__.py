@@ -1,4 +1,4 @@
 """The engines a dist store drives between processes, behind `protocol.py`'s `Engine`:
 sharded rounds (every process serves a shard, num_servers=0; `exchange.py` moves their
-pieces), NCCL rounds (GPU data), and dedicated servers with their client; the merges of
-the canonical order across processes (canonical_sum.py)."""
+pieces), NCCL rounds (GPU data), and dedicated servers with their client; what a
+deterministic engine is given and how its compressed leaves are summed (partials.py)."""

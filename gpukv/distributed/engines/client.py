@@ -17,9 +17,8 @@ import numpy as np
 
 from ..._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ...encoding.compressors import Compressor, ErrorFeedback, compressible
-from ...layout.pieces import pieces
 from ...layout.state import cut, merge
-from ..mpi.agree import Agreement, from_rank0, refuse_split
+from ..mpi.agree import refuse_split
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import (
     TAG_DATA,
@@ -30,7 +29,9 @@ from ..mpi.transport import (
     Transport,
     worker_comm,
 )
-from .canonical_sum import check_partials
+from .control import WorkerControl
+from .layout import KeyLayout
+from .partials import check_partials
 
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)
@@ -61,6 +62,7 @@ class ServerClient:
     #: pulls fetch the values; a push leaves this process's copies as they are
     round_updates_replicas = False
     compressor: Compressor | None
+    control: WorkerControl
 
     def __init__(self, transport: Transport, servers: int, bound: int,
                  deterministic: bool = False):
@@ -71,8 +73,9 @@ class ServerClient:
         self.chunk = chunk_bytes(transport)  # the servers cut the pieces alike
         self.workers = Transport(worker_comm(transport, servers), transport.timeout,
                                  transport.local_size)
-        self.agree = Agreement(self.workers)
-        self.layouts: dict = {}     # key -> (pieces, shape, dtype)
+        self.control = WorkerControl(self.workers, self._settle, self._drain, self._reported)
+        self.agree = self.control.agree
+        self.layouts: dict = {}     # key -> KeyLayout
         self.pushes: dict = {}      # key -> pushes this worker made
         self.compressor = None
         self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start[, value])
@@ -87,14 +90,9 @@ class ServerClient:
     def rank(self) -> int:
         return self.workers.rank
 
-    @property
-    def num_workers(self) -> int:
-        return self.workers.size
-
-    def check(self) -> None:
-        """Raise a failure already met, or one a server reported since."""
+    def _reported(self) -> None:
+        """Raise a failure the job's transport met, or one a server reported since."""
         self.t.check()
-        self.workers.check()
         self._raise_reported()
 
     def _raise_reported(self, requests=()) -> None:
@@ -141,16 +139,16 @@ class ServerClient:
     def init(self, keys, replicas) -> None:
         """Send the keys to their servers (worker 0 with its values); the servers agree
         on them once every worker has sent them, in whatever order."""
-        self.check()
+        self.control.check()
         if not keys:
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, value in zip(keys, replicas):
-            layout = pieces(key, value.size, self.servers, self.bound)
-            self.layouts[key] = (layout, value.shape, value.dtype)
+            layout = self.layouts[key] = KeyLayout.of(key, value.shape, value.dtype,
+                                                      self.servers, self.bound)
             self.pushes[key] = 0
             flat = value.reshape(-1)
-            for p in layout:
+            for p in layout.pieces:
                 specs, data = by_server[p.server]
                 specs.append((key, p.start, p.stop, value.shape, value.dtype))
                 if self.rank == 0:
@@ -172,7 +170,7 @@ class ServerClient:
         """Wait until the servers made every key this worker created: they answer once
         all workers have sent theirs (a mismatch between workers is raised here); the
         first step of the call `during` names (and its errors name it)."""
-        self.check()
+        self.control.check()
         while self._unsettled:
             server, tag, key = self._unsettled[0]
             self._reply(server, f"{during}: first the keys made before it (init of key "
@@ -182,11 +180,10 @@ class ServerClient:
     def push(self, keys, grads, replicas) -> None:
         counts = None
         if self.deterministic:  # checked whole before anything moves
-            specs = [self.layouts[k][1:] for k in keys]
-            counts = check_partials(keys, grads, [(int(np.prod(shape)), dtype)
-                                                  for shape, dtype in specs],
-                                    self.rank, self.num_workers,
-                                    [self._compresses(dtype) for _, dtype in specs])
+            layouts = [self.layouts[k] for k in keys]
+            counts = check_partials(keys, grads, [(lay.size, lay.dtype) for lay in layouts],
+                                    self.rank, self.workers.size,
+                                    [self._compresses(lay.dtype) for lay in layouts])
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
@@ -195,13 +192,13 @@ class ServerClient:
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad in zip(keys, grads):
-            layout, shape, dtype = self.layouts[key]
+            layout = self.layouts[key]
             flat = grad.reshape(-1)
-            for p in layout:
+            for p in layout.pieces:
                 entries, data = by_server[p.server]
                 piece = flat[p.start:p.stop]
                 comp = None
-                if self._compresses(dtype):
+                if self._compresses(layout.dtype):
                     piece, comp = self._compress(key, p, piece)
                 entries.append((key, comp))
                 data.append(np.ascontiguousarray(piece))
@@ -219,10 +216,10 @@ class ServerClient:
         worker pushed the same)."""
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, grad, count in zip(keys, grads, counts):
-            layout, _, dtype = self.layouts[key]
-            for p in layout:
+            layout = self.layouts[key]
+            for p in layout.pieces:
                 entries, data = by_server[p.server]
-                if self._compresses(dtype):
+                if self._compresses(layout.dtype):
                     rows = [self._compress(key, p, grad.values[j, p.start:p.stop], j)
                             for j in range(count)]
                     entries.append((key, rows[0][1], count))
@@ -260,9 +257,8 @@ class ServerClient:
         requests = []
         tags: dict = {}
         for key, replica in zip(keys, replicas):
-            layout, _, _ = self.layouts[key]
             flat = replica.reshape(-1)
-            for p in layout:
+            for p in self.layouts[key].pieces:
                 tag = tags.get(p.server)
                 if tag is None:
                     tag = tags[p.server] = self._tag()
@@ -278,8 +274,8 @@ class ServerClient:
         self._settle("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
-        refuse_split(optimizer, {k: (len(layout) > 1, shape)
-                                 for k, (layout, shape, _) in self.layouts.items()}, "servers")
+        refuse_split(optimizer, {k: (layout.split, layout.shape)
+                                 for k, layout in self.layouts.items()}, "servers")
         self._to_servers("set_optimizer", {"optimizer": pickle.dumps(optimizer)},
                          "set_optimizer")
         self._sent_settings = optimizer.settings()
@@ -327,24 +323,10 @@ class ServerClient:
         """Keys are sent to the servers as they are made: none waits here."""
         return False
 
-    def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
-        return self.agree.maximum(values, what)
-
-    def barrier(self) -> None:
-        """Every worker's earlier calls are done on the servers (in dist_async too: each
-        server answers a flush after the pushes before it), then the workers meet."""
-        self._flush_servers("barrier", op="barrier")
-
-    def collective(self, op: str) -> None:
-        """Every worker makes call `op` (a checkpoint call) now: agreed on before any
-        request of it leaves, so a worker on another call fails, naming both."""
-        self._settle(op)
-        self.agree.check((op, ()), op)
-
-    def _flush_servers(self, what: str, op: str = "flush") -> None:
-        """Return once every worker's earlier requests are handled by every server
-        (requests of one worker are handled in order; those of several are not)."""
-        self._settle(what)
+    def _drain(self, what: str) -> None:
+        """Return once this worker's earlier requests are handled by every server
+        (requests of one worker are handled in order; in dist_async too: each server
+        answers a flush after the pushes before it)."""
         tags = {server: self._tag() for server in range(self.servers)}
         requests = []
         for server, tag in tags.items():
@@ -352,11 +334,17 @@ class ServerClient:
         self._wait(requests, what)
         for server, tag in tags.items():
             self._reply(server, f"{what}: waiting for the servers", tag)
+
+    def _flush_servers(self, what: str, op: str = "flush") -> None:
+        """Return once every worker's earlier requests are handled by every server: each
+        worker drains its own, then the workers agree on `op`."""
+        self._settle(what)
+        self._drain(what)
         self.agree.check((op, ()), what)
 
     def call_servers(self, op: str, body_for) -> list:
         """Send `op` to every server (body_for(server) -> body) and return their replies."""
-        self.check()
+        self.control.check()
         requests = []
         for server in range(self.servers):
             requests += self._request(server, op, body_for(server))
@@ -371,7 +359,7 @@ class ServerClient:
         if self.rank != 0:
             return None
         exports = self.call_servers("snapshot", lambda server: {"dump": dump})
-        return merge(exports, {k: shape for k, (_, shape, _) in self.layouts.items()})
+        return merge(exports, {k: layout.shape for k, layout in self.layouts.items()})
 
     def restore(self, values: dict, state) -> None:
         """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
@@ -381,7 +369,7 @@ class ServerClient:
         self.agree.check(("restore", tuple(sorted(values))), "load")
         outcome = None
         if self.rank == 0:
-            sizes = {k: int(np.prod(shape)) for k, (_, shape, _) in self.layouts.items()}
+            sizes = {k: layout.size for k, layout in self.layouts.items()}
             errors = self.call_servers("check_state", lambda server: {
                 "state": None if state is None else cut(state, server, self.servers,
                                                         self.bound, sizes)})
@@ -390,14 +378,10 @@ class ServerClient:
                 self.call_servers("restore", lambda server: {"values": {
                     key: value.reshape(-1)[p.start:p.stop]
                     for key, value in values.items()
-                    for p in self.layouts[key][0] if p.server == server}})
-        outcome = from_rank0(self.workers, outcome, "load")
+                    for p in self.layouts[key].served_by(server)}})
+        outcome = self.control.share(outcome, "load")
         if outcome is not None:
             raise CheckpointError(outcome)
-
-    def share(self, obj, what: str):
-        """Worker 0's `obj` on every worker."""
-        return from_rank0(self.workers, obj, what)
 
     # --------------------------------------------------------------- snapshots
     def write_snapshot(self, request: dict) -> str | None:
@@ -408,17 +392,17 @@ class ServerClient:
         if self.rank == 0:
             errors = self.call_servers("write_snapshot", lambda server: dict(
                 request, index=server, count=self.servers, pieces={
-                    key: (p.start, p.stop, shape) for key, (layout, shape, _)
-                    in self.layouts.items() for p in layout if p.server == server}))
+                    key: (p.start, p.stop, layout.shape) for key, layout
+                    in self.layouts.items() for p in layout.served_by(server)}))
             error = next((e for e in errors if e is not None), None)
-        return from_rank0(self.workers, error, "snapshot")
+        return self.control.share(error, "snapshot")
 
     def finish_snapshots(self) -> str | None:
         error = None
         if self.rank == 0:
             errors = self.call_servers("finish_snapshots", lambda server: {})
             error = next((e for e in errors if e is not None), None)
-        return from_rank0(self.workers, error, "finishing the snapshots")
+        return self.control.share(error, "finishing the snapshots")
 
     def stop(self) -> None:
         """Tell the servers this worker is done (at exit; once)."""

@@ -17,13 +17,13 @@ from typing import NamedTuple
 import numpy as np
 
 from ..._errors import PeerError
+from ...canonical.arrays import merge_into
 from ..mpi.chunks import CHUNK_BYTES, chunk_ranges
 from ..mpi.transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
-from .canonical_sum import merge_into
 
 
 class Tree(NamedTuple):
-    """A key summed in the canonical order (`gpukv._canonical`)."""
+    """A key summed in the canonical order (`gpukv.canonical`)."""
     nodes: list  # per rank, the [lo, hi) leaf ranges of the node partials it sends
     total: int   # leaves of the tree
 

@@ -1,11 +1,11 @@
-"""`dist_device_sync` with `num_servers=0` on GPUs: the sync rounds through NCCL.
+"""`dist_device_sync` with `num_servers=0` on GPUs: the sharded rounds' data through NCCL.
 
 Every key lives on this process's GPU (its copy, and the pieces it serves inside that
 copy), and one NCCL communicator joins the processes' GPUs, bootstrapped over MPI (rank
-0's unique id is shared with `agree.from_rank0`). A round is what `ShardedRounds` does on
+0's unique id is shared with `agree.from_rank0`). A round is what `MpiRounds` does on
 the host, with NCCL's collectives: without an updater an allreduce straight into each
 key's copy; with one, a reduce-scatter of each split key (NCCL wants equal counts: the
-buffers are padded to `piece_length * processes`, which is how `sharding.pieces` cuts) or
+buffers are padded to `piece_length * processes`, which is how `layout.pieces` cuts) or
 a reduce of a whole key to its owner, the update on the owner's GPU, then an all-gather
 (in place when the key divides evenly) or a broadcast from the owner. 16-bit floats are
 summed in float32. Each round is agreed on first (over MPI), so the NCCL calls that
@@ -19,8 +19,7 @@ from ...device.nccl import nccl_dtype, nccl_module
 from ...layout.pieces import piece_length
 from ..mpi.agree import from_rank0
 from ..mpi.transport import Transport
-from .protocol import Shard
-from .sharded import ShardedRounds, layout_size
+from .protocol import RoundState
 
 
 class NcclLink:
@@ -94,25 +93,31 @@ def broadcast(buffer, root: int):
         _ptr(buffer), _ptr(buffer), buffer.size, nccl_dtype(nccl, buffer.dtype), root, s)
 
 
-class NcclRounds(ShardedRounds):
-    """The S = 0 engine for a store whose keys live on `device`, this process's GPU
-    (an `engine.Engine`)."""
+class NcclRounds:
+    """A sharded engine's rounds for a store whose keys live on `device`, this process's
+    GPU (see the module's docstring)."""
 
-    def __init__(self, transport: Transport, shard: Shard, bound: int, device):
-        super().__init__(transport, shard, bound)
+    def __init__(self, state: RoundState, device):
+        self.state = state
+        self.t = state.t
         self.device = device
-        self.link = NcclLink(transport, device)
+        self.link = NcclLink(state.t, device)
         self._scratch_gpu: dict = {}
 
-    def _share_values(self, pending, what: str) -> None:
-        self.link.run([broadcast(r.reshape(-1), 0) for _, r in pending], what)
+    def forget(self) -> None:
+        """Nothing is planned ahead: the buffers are kept by key and size."""
 
-    def set_compression(self, compressor) -> None:
+    def refuse(self, compressor) -> None:
+        """ArgumentError for a compressor: NCCL moves the float32 sums."""
         if compressor is not None:
             raise ArgumentError("gradient compression on the wire goes with the host path: "
                                 "create the dist_device_sync store with nccl=False to "
                                 "compress what crosses processes (NCCL moves the float32 "
                                 "sums on the GPUs)")
+
+    def share_values(self, pending, what: str) -> None:
+        """Rank 0's value of each new key into every process's copy."""
+        self.link.run([broadcast(r.reshape(-1), 0) for _, r in pending], what)
 
     def _buffer(self, name, dtype, n: int):
         """A device buffer kept from round to round."""
@@ -123,7 +128,7 @@ class NcclRounds(ShardedRounds):
 
     def _wire(self, key, grad):
         """`grad` flat, in its key's wire dtype (a float32 copy for 16-bit floats)."""
-        layout = self.layouts[key]
+        layout = self.state.layouts[key]
         flat = grad.reshape(-1)
         if layout.wire == layout.dtype:
             return flat
@@ -132,7 +137,9 @@ class NcclRounds(ShardedRounds):
         return buf
 
     def round(self, keys, by_key: dict, what: str) -> None:
-        if self._assigns:
+        """A push round once agreed on: `by_key` maps each key to (this process's sum,
+        its copy of the value)."""
+        if self.state.assigns:
             self._sum_everywhere(keys, by_key, what)
         else:
             self._update_at_owners(keys, by_key, what)
@@ -156,9 +163,9 @@ class NcclRounds(ShardedRounds):
         rank, size = self.t.rank, self.t.size
         calls, merged = [], []
         for key in keys:
-            layout = self.layouts[key]
+            layout = self.state.layouts[key]
             send = self._wire(key, by_key[key][0])
-            n = layout_size(layout)
+            n = layout.size
             if layout.split:
                 step = piece_length(n, size)
                 padded = send
@@ -167,7 +174,7 @@ class NcclRounds(ShardedRounds):
                     self.device.copy(padded[:n], send)
                 recv = self._buffer(("piece", key), layout.wire, step)
                 calls.append(reduce_scatter(padded, recv))
-                mine = [p for p in layout.pieces if p.server == rank]
+                mine = layout.served_by(rank)
                 if mine:
                     merged.append((key, recv[:mine[0].stop - mine[0].start]))
             else:
@@ -177,12 +184,12 @@ class NcclRounds(ShardedRounds):
                 if owner == rank:
                     merged.append((key, recv.reshape(layout.shape)))
         self.link.run(calls, f"{what}: NCCL reduce")
-        self.update(merged, what)
+        self.state.update(merged, what)
         calls, padded_copies = [], []
         for key in keys:
-            layout = self.layouts[key]
+            layout = self.state.layouts[key]
             replica = by_key[key][1].reshape(-1)
-            n = layout_size(layout)
+            n = layout.size
             if not layout.split:
                 calls.append(broadcast(replica, layout.pieces[0].server))
                 continue
@@ -191,7 +198,7 @@ class NcclRounds(ShardedRounds):
                 calls.append(all_gather(replica, step, rank))
                 continue
             gathered = self._buffer(("gathered", key), layout.dtype, step * size)
-            mine = [p for p in layout.pieces if p.server == rank]
+            mine = layout.served_by(rank)
             if mine:
                 self.device.copy(gathered[mine[0].start:mine[0].stop],
                                  replica[mine[0].start:mine[0].stop])

@@ -1,17 +1,18 @@
 """The surfaces between a dist store and the engine that carries its keys across
-processes: `Engine`, what the store calls (`ShardedRounds`, `NcclRounds`, `ServerClient`
-implement it), made of four smaller protocols (`Control`: the calls every worker makes
-together; `Rounds`: init, push, pull; `Settings`: updater, optimizer, compression;
-`Snapshots`: the checkpoint surface), and `Shard`, what an engine calls back on the
-one-process store that holds the keys (or pieces of keys) its process serves. The store
-makes the shard and hands it to the engine's constructor, so nothing here imports the
-store's layer.
+processes: `Engine`, what the store calls (`ShardedRounds` and `ServerClient` implement
+it), made of three smaller protocols (`Rounds`: init, push, pull; `Settings`: updater,
+optimizer, compression; `Snapshots`: the checkpoint surface) and its `control`
+(`Control`: the calls every worker makes together, which `control.WorkerControl` does
+once for every engine); `Shard`, what an engine calls back on the one-process store that
+holds the keys (or pieces of keys) its process serves; and `RoundState`, what the
+sharded engine's data paths (MPI or NCCL) read of it. The store makes the shard and hands
+it to the engine's constructor, so nothing here imports the store's layer.
 
-All are `typing.Protocol`s rather than base classes: the engines share no code through
-them (each round is its own), and the shard wraps a `LocalStore`, which this layer must
-not import. mypy checks each engine against `Engine` where the store keeps it,
-and the store's shard against `Shard` where an engine is made; a test checks every member
-of both by name and signature.
+All are `typing.Protocol`s rather than base classes: the engines share their common code
+by composition (a `WorkerControl`, a `KeyLayout` per key), and the shard wraps a
+`LocalStore`, which this layer must not import. mypy checks each engine against `Engine`
+where the store keeps it, and the store's shard against `Shard` where an engine is made;
+a test checks every member of both by name and signature.
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from ...encoding.compressors import Compressor
+    from ...encoding.compressors import Compressor, ErrorFeedback
     from ...optim import Optimizer
+    from ..mpi.transport import Transport
+    from .control import WorkerControl
 
 
 class Partials(NamedTuple):
-    """A worker's part of a key's sum in the canonical order (gpukv._canonical)."""
+    """A worker's part of a key's sum in the canonical order (gpukv.canonical)."""
     sums: np.ndarray  # (len(rank_nodes(rank, pushed, workers)), elements of the key) in its
     #                   wire dtype, C-contiguous
     pushed: int       # the values this worker pushed for the key
@@ -161,8 +164,26 @@ class Snapshots(Protocol):
 
 
 @runtime_checkable
-class Engine(Control, Rounds, Settings, Snapshots, Protocol):
-    """What a dist store calls on its engine: the four surfaces above."""
+class Engine(Rounds, Settings, Snapshots, Protocol):
+    """What a dist store calls on its engine: the data rounds, their settings and the
+    checkpoints, and its `control` (every engine's is a `control.WorkerControl`)."""
+
+    control: WorkerControl
+
+
+class RoundState(Protocol):
+    """What the sharded engine's data paths (`mpi_rounds`, `nccl_rounds`) read of it: the
+    keys, how they are updated and compressed, and the update of the pieces served here."""
+    t: Transport
+    shard: Shard
+    layouts: dict             # key -> layout.KeyLayout
+    assigns: bool             # no updater: a round assigns the sum
+    compressor: Compressor | None
+    feedback: ErrorFeedback | None
+
+    def update(self, merged: list, what: str) -> None:
+        """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
+        ...
 
 
 @runtime_checkable

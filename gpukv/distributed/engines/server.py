@@ -17,10 +17,11 @@ tells every worker which ones.
 
 A deterministic worker sends its node partials of the canonical tree (`engine.Partials`)
 and their count instead: the server checks every worker pushed the same count and merges
-each chunk's partials as the tree does (`canonical_sum`), in place of the worker-order sum.
+each chunk's partials as the tree does (`gpukv.canonical.arrays.merge_into`), in place of
+the worker-order sum.
 A key it compresses comes as its values' payloads, a row each (the leaves of the tree):
 once every worker's are in, the server decodes them all and sums them as one process
-sums its sources' (`canonical_sum.sum_leaves`), then updates.
+sums its sources' (`partials.sum_leaves`), then updates.
 """
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ import time
 
 import numpy as np
 
-from ..._canonical import rank_nodes
 from ..._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
+from ...canonical.arrays import merge_into, own_sum
+from ...canonical.tree import rank_nodes
 from ...device.host_sum import accumulate_dtype, host_sum
 from ...encoding.compressors import make_compressor
 from ...layout.state import mark_starts
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
-from .canonical_sum import decode_leaves, merge_into, own_sum, sum_leaves
+from .partials import decode_leaves, sum_leaves
 from .protocol import Shard
 
 
@@ -324,7 +326,7 @@ class _Server:
 
     def leaf_terms(self, heads: list, terms: np.ndarray | None = None) -> np.ndarray:
         """The decoded leaves of pushes of payloads `heads` (the leaves in order), a row
-        each, as one process sums them (see `canonical_sum.decode_leaves`), in `terms`
+        each, as one process sums them (see `partials.decode_leaves`), in `terms`
         when it is given (and of their shape)."""
         params, size = heads[0].comp
         shape = (sum(h.rows for h in heads), size)

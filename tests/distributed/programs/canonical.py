@@ -8,7 +8,7 @@ more leaves (several node partials per worker). Scenarios:
 
 - `canonical`: deterministic engines, without an updater, with one that assigns the sum,
   and with SGD (learning rate 1: the new value is minus the sum); every key's value on
-  every worker is the pure NumPy tree sum of its leaves (`_canonical.leaves_sum`),
+  every worker is the pure NumPy tree sum of its leaves (`gpukv.canonical.tree.leaves_sum`),
   rounded once into the key's dtype. Prints `PASS worker R of W`.
 - `default`: the engines as they are by default, each worker pushing the sum of its own
   leaves; prints `DIGESTS worker R of W: key=ok|differs ...` against that tree sum.
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 import gpukv
-from gpukv._canonical import leaves_sum, rank_nodes
+from gpukv.canonical.tree import leaves_sum, rank_nodes
 from gpukv.distributed import Partials, Transport
 from gpukv.distributed.engines import exchange
 from gpukv.distributed.engines.client import ServerClient
@@ -116,7 +116,7 @@ def run_round(engine, mode: str, grads: dict) -> dict:
         engine.set_optimizer(gpukv.optim.create("sgd", learning_rate=1.0))
     engine.push(keys, [grads[k] for k in keys], replicas)
     engine.pull(keys, replicas)
-    engine.barrier()
+    engine.control.barrier()
     return dict(zip(keys, replicas))
 
 
@@ -133,7 +133,7 @@ def canonical(world, servers: int) -> None:
         engine = engine_for(world, servers, deterministic=True)
         if engine is None:
             continue
-        rank = engine.rank
+        rank = engine.control.rank
         grads = {k: partials(k, rank, workers, data) for k in KEYS}
         got = run_round(engine, mode, grads)
         for key, value in got.items():
@@ -151,7 +151,7 @@ def default(world, servers: int) -> None:
     engine = engine_for(world, servers, deterministic=False)
     if engine is None:
         return
-    rank = engine.rank
+    rank = engine.control.rank
     got = run_round(engine, "sum", {k: own_sum(k, rank, workers, data) for k in KEYS})
     same = {k: digest(v) == digest(expected(k, workers, data, False)) for k, v in got.items()}
     told = " ".join(f"{k}={'ok' if ok else 'differs'}" for k, ok in same.items())
@@ -165,7 +165,7 @@ def counts(world, servers: int) -> None:
     engine = engine_for(world, servers, deterministic=True)
     if engine is None:
         return
-    rank = engine.rank
+    rank = engine.control.rank
     key = "odd_small"
     replica = np.zeros(KEYS[key][0], KEYS[key][1])
     engine.init([key], [replica])

@@ -1,65 +1,17 @@
-"""Sums between processes that continue the canonical tree (`gpukv._canonical`): the
-owner of a chunk gets every rank's node partials of it and merges them where the tree
-adds them, so the sum is the same bits whatever the layout that made the partials; a key
-compressed on the wire comes as each leaf's payload, decoded and summed as one process
-does. And the checks of what a deterministic engine is given.
+"""What a deterministic engine is given, checked (`engine.Partials`: a worker's node
+partials of the canonical tree; `engine.Leaves`: its values of a key compressed on the
+wire), and the leaves' sum where a compressed key is served: every leaf's payload decoded
+and summed as one process sums its sources, so the bits do not depend on the layout.
+The merges of node partials are `gpukv.canonical.arrays`'.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from ..._canonical import OUT, add_plan, merge_partial, rank_nodes
 from ..._errors import ArgumentError
+from ...canonical.tree import rank_nodes
 from ...device.host_sum import accumulate_dtype, host_tree_sum
 from ...encoding.compressors import Ctx
-
-
-def node_ranges(ranks: int, count: int) -> list:
-    """The nodes of every rank of `ranks` when each pushes `count` values (rank order)."""
-    return [rank_nodes(r, count, ranks) for r in range(ranks)]
-
-
-def merge_into(out: np.ndarray, parts: Sequence, total: int, scratch: list) -> None:
-    """`out` becomes the tree's root from `parts` ((leaf range, array) covering
-    [0, total) in order), by the adds of `add_plan`: the inner ones into temporaries (the
-    out itself first, when it has the parts' dtype), the root's into `out` (so a 16-bit
-    `out` is rounded once, from the accumulation dtype). `scratch`: the caller's list of
-    temporaries, grown here as needed and kept for its next merges."""
-    if len(parts) == 1:
-        out[...] = parts[0][1]
-        return
-    ranges = tuple(rng for rng, _ in parts)
-    plan = _PLANS.get((ranges, total))
-    if plan is None:
-        plan = _PLANS[ranges, total] = add_plan(ranges, total)
-    ops, temps = plan
-    values = [array for _, array in parts]
-    dtype, n = values[0].dtype, out.size
-    in_out = out.dtype == dtype and not any(np.may_share_memory(out, v) for v in values)
-    need = temps - in_out
-    if len(scratch) < need or any(t.size < n or t.dtype != dtype for t in scratch[:need]):
-        scratch[:] = [np.empty(n, dtype) for _ in range(need)]  # made for this size
-    slots = ([out] if in_out else []) + [t[:n].reshape(out.shape) for t in scratch[:need]]
-    for target, x, y in ops:
-        np.add(values[x] if x >= 0 else slots[-2 - x], values[y] if y >= 0 else slots[-2 - y],
-               out=out if target == OUT else slots[-2 - target])
-
-
-_PLANS: dict = {}  # (node ranges, leaves) -> add_plan
-
-
-def own_sum(rows: np.ndarray, nodes: list, total: int) -> np.ndarray:
-    """One process's node partials `rows` (its `nodes`) as one array: merged as far as
-    the tree allows, the rest added in order (a push applied alone, as in dist_async)."""
-    if len(nodes) == 1:
-        return rows[0]
-    merged = [v for _, v in merge_partial(list(zip(nodes, rows)), total, np.add)]
-    out = merged[0]
-    for value in merged[1:]:
-        out = np.add(out, value)
-    return out
 
 
 def check_partials(keys, grads, specs, rank: int, ranks: int, leaves=None) -> list:

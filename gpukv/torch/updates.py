@@ -1,0 +1,179 @@
+"""The two ways a Trainer applies its optimizer (its `update_on_kvstore`).
+
+`StoreUpdate`: the store sums the gradients and runs the optimizer; the replicas pull the
+weights. `ReplicaUpdate`: the store only sums the gradients, which every replica pulls
+into its `.grad`; then each replica runs its own copy of the optimizer, on a store of its
+own. Both start the store from replica 0's weights and every replica from the store.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import torch
+
+from ..api.factory import create
+from ..optim import Optimizer
+from ..store.base import KVStore
+from .buckets import Bucket
+from .checkpoints import Checkpoints
+from .reduction import Reduction
+
+
+class Update(Protocol):
+    """What the Trainer asks of either way of updating."""
+
+    #: the copies of the Trainer's optimizer that run the updates (none where the store
+    #: runs the Trainer's own): each takes every setting the Trainer's takes (learning
+    #: rate, rescale, multipliers)
+    replica_optimizers: list[Optimizer]
+
+    @property
+    def overlap_allowed(self) -> bool:
+        """Whether early reductions leave the sums the store makes as they would be."""
+
+    @property
+    def state_stores(self) -> list[KVStore]:
+        """The stores whose optimizers hold the state (the first one is saved)."""
+
+    def early_store(self) -> KVStore:
+        """The store, running no optimizer, that the early reductions push to."""
+
+    def step(self, reduction: Reduction) -> None:
+        """Sum the live buckets' gradients, update, and bring the weights to every replica."""
+
+    def checkpoints(self, directory, every, keep) -> Checkpoints:
+        """The snapshots of the stores that hold the weights and the optimizer's state."""
+
+    def pull_weights(self) -> None:
+        """Every replica's weights from the stores (after a resume)."""
+
+
+class StoreUpdate:
+    """update_on_kvstore=True: a step pushes the gradients, the store sums them and runs
+    the Trainer's optimizer, and every replica pulls the weights."""
+
+    def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket]) -> None:
+        self.store = store
+        self.replica_optimizers: list[Optimizer] = []  # the store runs the Trainer's own
+        #: with overlap: the store of this process that sums the early reductions
+        self.sums: KVStore | None = None
+        self._buckets = buckets
+        _start_from_replica_0(store, buckets)
+        store.set_optimizer(optimizer)
+
+    @property
+    def overlap_allowed(self) -> bool:
+        # An early reduction pushes this process's sum, one value where the canonical
+        # order needs each replica's own.
+        return not self.store.deterministic
+
+    @property
+    def state_stores(self) -> list[KVStore]:
+        return [self.store]
+
+    def early_store(self) -> KVStore:
+        """One more store of this process, without optimizer: it sums the replicas'
+        gradients during backward, and the step pushes its sums to the store."""
+        self.sums = create("local" if self.store.type == "local" else "device")
+        for bucket in self._buckets:
+            bucket.summed = torch.zeros_like(bucket.grads[0])
+        self.sums.init([b.key for b in self._buckets], [b.summed for b in self._buckets])
+        return self.sums
+
+    def step(self, reduction: Reduction) -> None:
+        keys, live = reduction.keys, reduction.live
+        if not keys:
+            return
+        if self.sums is None:
+            self.store.push(keys, [b.grads for b in live])
+        else:
+            reduction.push(self.sums)
+            summed = [b.summed for b in live]
+            self.sums.pull(keys, out=summed)
+            self.store.push(keys, summed)
+        self.store.pull(keys, out=[b.weights for b in live])
+
+    def checkpoints(self, directory, every, keep) -> Checkpoints:
+        return Checkpoints(directory, every, keep, self.store, [b.key for b in self._buckets])
+
+    def pull_weights(self) -> None:
+        keys = [b.key for b in self._buckets]
+        if keys:
+            self.store.pull(keys, out=[b.weights for b in self._buckets])
+
+
+class ReplicaUpdate:
+    """update_on_kvstore=False: the store sums the gradients into every replica's
+    `.grad`, and each replica runs its own copy of the optimizer on a store of its own
+    (the same arithmetic on the same sums keeps the replicas equal)."""
+
+    def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket],
+                 replicas: int) -> None:
+        self.store = store
+        self._buckets = buckets
+        _start_from_replica_0(store, buckets)
+        keys = [b.key for b in buckets]
+        kind = "local" if store.type == "local" else "device"
+        self.replica_stores: list[KVStore] = []
+        self.replica_optimizers: list[Optimizer] = []
+        for r in range(replicas):
+            local = create(kind)
+            if keys:
+                local.init(keys, [b.weights[r] for b in buckets])
+            opt = copy.deepcopy(optimizer)
+            local.set_optimizer(opt)
+            self.replica_stores.append(local)
+            self.replica_optimizers.append(opt)
+
+    @property
+    def overlap_allowed(self) -> bool:
+        return True  # the early reductions push each replica's gradients to the store
+
+    @property
+    def state_stores(self) -> list[KVStore]:
+        return self.replica_stores
+
+    def early_store(self) -> KVStore:
+        return self.store
+
+    def step(self, reduction: Reduction) -> None:
+        self.allreduce(reduction)
+        self.apply(reduction.live)
+
+    def allreduce(self, reduction: Reduction) -> None:
+        """Sum every live bucket's gradients on the store, into every replica's."""
+        reduction.push(self.store)
+        if reduction.keys:
+            self.store.pull(reduction.keys, out=[b.grads for b in reduction.live])
+
+    def apply(self, live: list[Bucket]) -> None:
+        """Run every replica's optimizer with the gradients its buckets hold."""
+        keys = [b.key for b in live]
+        if not keys:
+            return
+        for r, local in enumerate(self.replica_stores):
+            local.push(keys, [b.grads[r] for b in live])
+            local.pull(keys, out=[b.weights[r] for b in live])
+
+    def checkpoints(self, directory, every, keep) -> Checkpoints:
+        # Replica 0's store holds the state (alike on every worker); a dist store has
+        # each of its workers write a share of it.
+        store = self.replica_stores[0] if self.store.num_workers == 1 else self.store
+        return Checkpoints(directory, every, keep, store, [b.key for b in self._buckets],
+                           self.replica_stores)
+
+    def pull_weights(self) -> None:
+        keys = [b.key for b in self._buckets]
+        if not keys:
+            return
+        for r, local in enumerate(self.replica_stores):
+            local.pull(keys, out=[b.weights[r] for b in self._buckets])
+
+
+def _start_from_replica_0(store: KVStore, buckets: list[Bucket]) -> None:
+    """The store starts from replica 0's weights, and every replica from the store."""
+    keys = [b.key for b in buckets]
+    if keys:
+        store.init(keys, [b.weights[0] for b in buckets])
+        store.pull(keys, out=[b.weights for b in buckets])
