@@ -41,10 +41,18 @@ DEFAULT_TIMEOUT = 120.0
 
 #: message tags of the agreements of `create` (away from those of the stores' own calls)
 _CREATE_TAGS = 1000
-#: dist stores this process made (each must be made by every process, in the same order)
-_made = [0]
-#: the store whose dedicated servers this job runs, once made
-_SERVED: list = []
+
+
+class _ThisProcess:
+    """What every dist store of this process must know of the others: facts of the MPI
+    job, which outlives any store (its ranks, and the servers a job runs only once)."""
+
+    def __init__(self) -> None:
+        self.made = 0              # dist stores made (every process makes each, in order)
+        self.served: str | None = None  # the store whose dedicated servers the job runs
+
+
+_PROCESS = _ThisProcess()
 
 
 def _serve_or_client(transport, servers: int, bound: int, name: str,
@@ -175,16 +183,16 @@ class DistKVStore(KVStore):
             raise ArgumentError("nccl=True with deterministic=True: NCCL's sums have no "
                                 "fixed order; a deterministic store sums between processes "
                                 "through MPI (leave nccl unset)")
-        if servers and _SERVED:
+        if servers and _PROCESS.served is not None:
             raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of this "
                                 f"job serve one store, made already; make one store with "
                                 f"dedicated servers per job (num_servers=0 allows several)")
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
-            ("create", (name, servers, bound, deterministic, _made[0])),
+            ("create", (name, servers, bound, deterministic, _PROCESS.made)),
             f"gpukv.create({name!r})")
-        _made[0] += 1
+        _PROCESS.made += 1
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()
@@ -209,7 +217,7 @@ class DistKVStore(KVStore):
             self._engine = ShardedRounds(transport, Shard(), bound,
                                          deterministic=deterministic, device=gpu)
         else:
-            _SERVED.append(name)
+            _PROCESS.served = name
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
         self._values = pinned_store(local, gpu, deterministic=deterministic, **local_options)
         self._grads = pinned_store(local, gpu, deterministic=deterministic, **local_options)

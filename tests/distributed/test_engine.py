@@ -143,3 +143,24 @@ def test_the_stores_shard_is_a_shard_and_no_engine():
     """An instance of the store's shard passes the runtime check of Shard (not of Engine)."""
     shard = StoreShard()
     assert isinstance(shard, Shard) and not isinstance(shard, Engine)
+
+
+def test_every_server_command_has_one_request_and_a_handler():
+    """Each Command is the command of exactly one request dataclass, and the server
+    handles every command (STOP in `handle` itself) with a method of its own."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gpukv.distributed.engines import requests
+    from gpukv.distributed.engines.server import _Server
+
+    made = [c for c in vars(requests).values() if dataclasses.is_dataclass(c)]
+    by_command: dict = {}
+    for cls in made:
+        by_command.setdefault(cls.command, []).append(cls.__name__)
+    assert {c: len(names) for c, names in by_command.items()} == {
+        c: 1 for c in requests.Command}
+    server = _Server(SimpleNamespace(size=3, local_size=3), 1, StoreShard(),
+                     asynchronous=False)
+    assert set(server.handlers) == set(requests.Command) - {requests.Command.STOP}
+    assert all(h.__self__ is server for h in server.handlers.values())

@@ -32,6 +32,23 @@ from ..mpi.transport import (
 from .control import WorkerControl
 from .layout import KeyLayout
 from .partials import check_partials
+from .requests import (
+    CheckState,
+    FinishSnapshots,
+    Flush,
+    Init,
+    InitPiece,
+    OptimizerState,
+    Pull,
+    Push,
+    PushPiece,
+    Restore,
+    SetOptimizer,
+    Settings,
+    SetUpdater,
+    Stop,
+    WriteSnapshot,
+)
 
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)
@@ -103,10 +120,11 @@ class ServerClient:
                 self.t.cancel(r)
             raise self.t.fail(reported(error[0]))
 
-    def _request(self, server: int, op: str, body=None, data=()) -> list:
-        """Start sending a request and its raw arrays to `server`; their MPI requests."""
+    def _request(self, server: int, request, data=()) -> list:
+        """Start sending `request` (of `requests`) and its raw arrays to `server`; their
+        MPI requests."""
         t = self.t
-        requests = [t.send_object((op, self.rank, body), server, TAG_REQUEST)]
+        requests = [t.send_object((self.rank, request), server, TAG_REQUEST)]
         requests += [t.send_array(a, server, TAG_PUSH_DATA) for a in data]
         return requests
 
@@ -149,16 +167,14 @@ class ServerClient:
             self.pushes[key] = 0
             flat = value.reshape(-1)
             for p in layout.pieces:
-                specs, data = by_server[p.server]
-                specs.append((key, p.start, p.stop, value.shape, value.dtype))
+                made, data = by_server[p.server]
+                made.append(InitPiece(key, p.start, p.stop, value.shape, value.dtype))
                 if self.rank == 0:
                     data.append(np.ascontiguousarray(flat[p.start:p.stop]))
         requests = []
-        for server, (specs, data) in by_server.items():
+        for server, (made, data) in by_server.items():
             tag = self._tag()
-            body = {"keys": specs, "tag": tag, "data": [(s[0], "u1", a.nbytes) for s, a in
-                                                        zip(specs, data)]}
-            requests += self._request(server, "init", body,
+            requests += self._request(server, Init(tag, made, [a.nbytes for a in data]),
                                       [a.view(np.uint8) for a in data])
             self._unsettled.append((server, tag, keys[0]))
         self._wait(requests, f"init of key {keys[0]!r}")
@@ -200,14 +216,13 @@ class ServerClient:
                 comp = None
                 if self._compresses(layout.dtype):
                     piece, comp = self._compress(key, p, piece)
-                entries.append((key, comp))
-                data.append(np.ascontiguousarray(piece))
+                piece = np.ascontiguousarray(piece)
+                entries.append(PushPiece(key, piece.dtype, piece.size, comp))
+                data.append(piece)
             self.pushes[key] += 1
         requests = []
         for server, (entries, data) in by_server.items():
-            body = {"keys": entries, "data": [(e[0], a.dtype, a.size)
-                                              for e, a in zip(entries, data)]}
-            requests += self._request(server, "push", body, in_chunks(data, self.chunk))
+            requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _push_partials(self, keys, grads, counts: list) -> None:
@@ -222,17 +237,18 @@ class ServerClient:
                 if self._compresses(layout.dtype):
                     rows = [self._compress(key, p, grad.values[j, p.start:p.stop], j)
                             for j in range(count)]
-                    entries.append((key, rows[0][1], count))
-                    data.append(np.stack([payload for payload, _ in rows]))
+                    payloads = np.stack([payload for payload, _ in rows])
+                    entries.append(PushPiece(key, payloads.dtype, payloads.shape[1],
+                                             rows[0][1], count))
+                    data.append(payloads)
                     continue
-                entries.append((key, None, count))
-                data.append(grad.sums[:, p.start:p.stop])  # rows cross one by one
+                sums = grad.sums[:, p.start:p.stop]  # rows cross one by one
+                entries.append(PushPiece(key, sums.dtype, sums.shape[1], None, count))
+                data.append(sums)
             self.pushes[key] += 1
         requests = []
         for server, (entries, data) in by_server.items():
-            body = {"keys": entries, "data": [(e[0], a.dtype, a.shape[1])
-                                              for e, a in zip(entries, data)]}
-            requests += self._request(server, "push", body, in_chunks(data, self.chunk))
+            requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _compresses(self, dtype) -> bool:
@@ -266,7 +282,7 @@ class ServerClient:
                 requests += [t.recv_array(chunk, p.server, tag)
                              for chunk in in_chunks([flat[p.start:p.stop]], self.chunk)]
         for server, wanted in by_server.items():
-            requests += self._request(server, "pull", {"tag": tags[server], "keys": wanted})
+            requests += self._request(server, Pull(tags[server], wanted))
         self._wait(requests, f"pull of key {keys[0]!r}")
 
     def set_optimizer(self, optimizer) -> None:
@@ -276,8 +292,7 @@ class ServerClient:
                          "set_optimizer")
         refuse_split(optimizer, {k: (layout.split, layout.shape)
                                  for k, layout in self.layouts.items()}, "servers")
-        self._to_servers("set_optimizer", {"optimizer": pickle.dumps(optimizer)},
-                         "set_optimizer")
+        self._to_servers(SetOptimizer(pickle.dumps(optimizer)), "set_optimizer")
         self._sent_settings = optimizer.settings()
 
     def follow(self, optimizer) -> None:
@@ -289,7 +304,7 @@ class ServerClient:
         if settings != self._sent_settings:
             requests = []
             for server in range(self.servers):
-                requests += self._request(server, "settings", {"settings": settings})
+                requests += self._request(server, Settings(settings))
             self._wait(requests, "sending the optimizer's options")
             self._sent_settings = settings
 
@@ -299,16 +314,17 @@ class ServerClient:
         except Exception as exc:
             raise ArgumentError(f"updater {updater!r}: the servers run it, so it must pickle "
                                 f"(a function defined at module level): {exc}") from exc
-        self._to_servers("set_updater", {"updater": blob}, "set_updater")
+        self._to_servers(SetUpdater(blob), "set_updater")
 
-    def _to_servers(self, op: str, body, what: str) -> None:
-        """Worker 0 sends `op` to every server, after every worker's earlier pushes;
+    def _to_servers(self, request, what: str) -> None:
+        """Worker 0 sends `request` to every server, after every worker's earlier pushes;
         every worker returns once all servers have it."""
+        op = request.command.value
         self._flush_servers(what, op=op)
         if self.rank == 0:
             requests = []
             for server in range(self.servers):
-                requests += self._request(server, op, body)
+                requests += self._request(server, request)
             self._wait(requests, what)
             for server in range(self.servers):
                 self._reply(server, what)
@@ -330,7 +346,7 @@ class ServerClient:
         tags = {server: self._tag() for server in range(self.servers)}
         requests = []
         for server, tag in tags.items():
-            requests += self._request(server, "flush", {"tag": tag})
+            requests += self._request(server, Flush(tag))
         self._wait(requests, what)
         for server, tag in tags.items():
             self._reply(server, f"{what}: waiting for the servers", tag)
@@ -342,14 +358,16 @@ class ServerClient:
         self._drain(what)
         self.agree.check((op, ()), what)
 
-    def call_servers(self, op: str, body_for) -> list:
-        """Send `op` to every server (body_for(server) -> body) and return their replies."""
+    def call_servers(self, request_for) -> list:
+        """Send every server its request (request_for(server)) and return their replies."""
         self.control.check()
-        requests = []
+        requests, what = [], ""
         for server in range(self.servers):
-            requests += self._request(server, op, body_for(server))
-        self._wait(requests, op)
-        return [self._reply(server, op) for server in range(self.servers)]
+            request = request_for(server)
+            what = request.command.value
+            requests += self._request(server, request)
+        self._wait(requests, what)
+        return [self._reply(server, what) for server in range(self.servers)]
 
     # ------------------------------------------------------------- checkpoints
     def optimizer_state(self, dump: bool):
@@ -358,7 +376,7 @@ class ServerClient:
         self._flush_servers("saving the optimizer state")
         if self.rank != 0:
             return None
-        exports = self.call_servers("snapshot", lambda server: {"dump": dump})
+        exports = self.call_servers(lambda server: OptimizerState(dump))
         return merge(exports, {k: layout.shape for k, layout in self.layouts.items()})
 
     def restore(self, values: dict, state) -> None:
@@ -370,15 +388,15 @@ class ServerClient:
         outcome = None
         if self.rank == 0:
             sizes = {k: layout.size for k, layout in self.layouts.items()}
-            errors = self.call_servers("check_state", lambda server: {
-                "state": None if state is None else cut(state, server, self.servers,
-                                                        self.bound, sizes)})
+            errors = self.call_servers(lambda server: CheckState(
+                None if state is None else cut(state, server, self.servers, self.bound,
+                                               sizes)))
             outcome = next((e for e in errors if e is not None), None)
             if outcome is None:
-                self.call_servers("restore", lambda server: {"values": {
+                self.call_servers(lambda server: Restore({
                     key: value.reshape(-1)[p.start:p.stop]
                     for key, value in values.items()
-                    for p in self.layouts[key].served_by(server)}})
+                    for p in self.layouts[key].served_by(server)}))
         outcome = self.control.share(outcome, "load")
         if outcome is not None:
             raise CheckpointError(outcome)
@@ -390,17 +408,17 @@ class ServerClient:
         self._flush_servers("snapshot")
         error = None
         if self.rank == 0:
-            errors = self.call_servers("write_snapshot", lambda server: dict(
+            errors = self.call_servers(lambda server: WriteSnapshot(dict(
                 request, index=server, count=self.servers, pieces={
                     key: (p.start, p.stop, layout.shape) for key, layout
-                    in self.layouts.items() for p in layout.served_by(server)}))
+                    in self.layouts.items() for p in layout.served_by(server)})))
             error = next((e for e in errors if e is not None), None)
         return self.control.share(error, "snapshot")
 
     def finish_snapshots(self) -> str | None:
         error = None
         if self.rank == 0:
-            errors = self.call_servers("finish_snapshots", lambda server: {})
+            errors = self.call_servers(lambda server: FinishSnapshots())
             error = next((e for e in errors if e is not None), None)
         return self.control.share(error, "finishing the snapshots")
 
@@ -412,7 +430,7 @@ class ServerClient:
         try:
             requests = []
             for server in range(self.servers):
-                requests += self._request(server, "stop")
+                requests += self._request(server, Stop())
             # settle: a wait that may end short without failing the transport (a failure
             # recorded now would abort the job at exit)
             self.t.settle(requests, 10)

@@ -29,6 +29,8 @@ import collections
 import itertools
 import pickle
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +44,22 @@ from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
 from .partials import decode_leaves, sum_leaves
 from .protocol import Shard
+from .requests import (
+    CheckState,
+    Command,
+    FinishSnapshots,
+    Flush,
+    Init,
+    OptimizerState,
+    Pull,
+    Push,
+    Restore,
+    SetOptimizer,
+    Settings,
+    SetUpdater,
+    Stop,
+    WriteSnapshot,
+)
 
 
 class _Incoming:
@@ -117,6 +135,16 @@ class _Server:
         self.checked = None            # the state plan op_check_state made
         self.init_waits: list = []     # (worker, reply tag, keys) of inits not answered
         self.free: dict = {}           # (dtype, size) -> push buffers to reuse
+        self.handlers: dict[Command, Callable[[int, int, Any], None]] = {
+            Command.INIT: self.op_init, Command.PUSH: self.op_push,
+            Command.PULL: self.op_pull, Command.FLUSH: self.op_flush,
+            Command.SETTINGS: self.op_settings,
+            Command.SET_OPTIMIZER: self.op_set_optimizer,
+            Command.SET_UPDATER: self.op_set_updater,
+            Command.OPTIMIZER_STATE: self.op_optimizer_state,
+            Command.WRITE_SNAPSHOT: self.op_write_snapshot,
+            Command.FINISH_SNAPSHOTS: self.op_finish_snapshots,
+            Command.CHECK_STATE: self.op_check_state, Command.RESTORE: self.op_restore}
 
     def worker_rank(self, w: int) -> int:
         return self.servers + w
@@ -185,20 +213,21 @@ class _Server:
             self.kept = [b for i, b in enumerate(self.kept) if i not in done]
 
     # ---------------------------------------------------------------- requests
-    def handle(self, request, source: int) -> None:
-        op, worker, body = request
-        if op == "stop":
+    def handle(self, message, source: int) -> None:
+        worker, request = message
+        if isinstance(request, Stop):
             self.stopped.add(worker)
             return
         if self.failure is not None:
-            if op == "push":
-                self.post(source, body)  # taken in and dropped: the sender is not stuck
-            elif op == "init":
-                self.receive_data(source, body)
+            if isinstance(request, Push):
+                self.post(source, request)  # taken in and dropped: the sender is not stuck
+            elif isinstance(request, Init):
+                self.receive_data(source, request)
             self.tell(worker, self.failure)
             return
-        self.guarded(f"{op} from worker {worker}",
-                     lambda: getattr(self, "op_" + op)(worker, source, body))
+        handler = self.handlers[request.command]
+        self.guarded(f"{request.command.value} from worker {worker}",
+                     lambda: handler(worker, source, request))
 
     def guarded(self, what: str, call) -> None:
         """`call()`; a failure in it fails the server (every worker hears of it)."""
@@ -210,21 +239,21 @@ class _Server:
             self.fail(PeerError(f"server rank {self.t.rank}: {what} failed: "
                                 f"{type(exc).__name__}: {exc}"))
 
-    def post(self, source: int, body) -> list:
-        """Start receiving the chunks of a push from `source`: an _Incoming per array (of
-        `n` elements, or per node partial of a count of values)."""
+    def post(self, source: int, request: Push) -> list:
+        """Start receiving the chunks of a push from `source`: an _Incoming per piece (of
+        `elements`, or per node partial of a count of values)."""
         incomings = []
-        for entry, (key, dtype, n) in zip(body["keys"], body["data"]):
-            count = entry[2] if len(entry) > 2 else None
+        for entry in request.pieces:
+            key, count, n = entry.key, entry.pushed, entry.elements
             worker = source - self.servers
             if count is None:
                 nodes = None
-            elif entry[1] is None:
+            elif entry.comp is None:
                 nodes = rank_nodes(worker, count, self.workers)
             else:  # compressed: every value's payload is a leaf of its own
                 nodes = [(worker * count + j, worker * count + j + 1) for j in range(count)]
             rows = len(nodes) if nodes else 1
-            incoming = _Incoming(self.buffer(np.dtype(dtype), n * rows), entry[1],
+            incoming = _Incoming(self.buffer(np.dtype(entry.dtype), n * rows), entry.comp,
                                  self.chunk, count, nodes)
             for chunk, (lo, hi) in enumerate(incoming.ranges):
                 for row in range(rows):
@@ -234,11 +263,9 @@ class _Server:
             incomings.append(incoming)
         return incomings
 
-    def receive_data(self, source: int, body) -> list:
-        """The raw arrays that follow a request from `source` (described in `body`)."""
-        if not body:
-            return []
-        arrays = [self.buffer(np.dtype(dtype), n) for _, dtype, n in body["data"]]
+    def receive_data(self, source: int, request: Init) -> list:
+        """The values (as bytes) that follow an init from `source` (worker 0's)."""
+        arrays = [self.buffer(np.dtype(np.uint8), n) for n in request.nbytes]
         self.t.wait_all([self.t.recv_array(a, source, TAG_PUSH_DATA) for a in arrays],
                         f"data of a request from worker {source - self.servers}")
         return arrays
@@ -253,10 +280,10 @@ class _Server:
         for a in arrays:
             self.free.setdefault((a.dtype, a.size), []).append(a)
 
-    def op_init(self, worker, source, body) -> None:
-        arrays = self.receive_data(source, body)
-        self.init_waits.append((worker, body["tag"], [spec[0] for spec in body["keys"]]))
-        for (key, start, stop, shape, dtype), value in zip(body["keys"], arrays or
+    def op_init(self, worker, source, request: Init) -> None:
+        arrays = self.receive_data(source, request)
+        self.init_waits.append((worker, request.tag, [p.key for p in request.pieces]))
+        for (key, start, stop, shape, dtype), value in zip(request.pieces, arrays or
                                                            itertools.repeat(None)):
             state = self.keys.setdefault(key, _Key(self.workers))
             if state.initialised or worker in state.inits:
@@ -300,11 +327,11 @@ class _Server:
         self.advance(key, state)
         self.answer_pulls()
 
-    def op_push(self, worker, source, body) -> None:
+    def op_push(self, worker, source, request: Push) -> None:
         """Queue the push of each key and start receiving its chunks: they are summed as
         they come (see `advance`)."""
-        for entry, incoming in zip(body["keys"], self.post(source, body)):
-            key = entry[0]
+        for entry, incoming in zip(request.pieces, self.post(source, request)):
+            key = entry.key
             state = self.keys.setdefault(key, _Key(self.workers))
             state.queues[worker].append(incoming)
             if state.since is None:
@@ -447,8 +474,8 @@ class _Server:
         state.version += 1
         self.release(grads)
 
-    def op_pull(self, worker, source, body) -> None:
-        self.pulls.append(_Pull(worker, body["tag"], body["keys"]))
+    def op_pull(self, worker, source, request: Pull) -> None:
+        self.pulls.append(_Pull(worker, request.tag, request.wanted))
         self.answer_pulls()
 
     def answer_pulls(self) -> None:
@@ -484,52 +511,53 @@ class _Server:
             pull.key, pull.chunk = pull.key + 1, 0
         return True
 
-    def op_settings(self, worker, source, body) -> None:
+    def op_settings(self, worker, source, request: Settings) -> None:
         """Worker 0 changed its optimizer's options: so does this server's."""
-        self.shard.apply_settings(body["settings"])
+        self.shard.apply_settings(request.settings)
 
-    def op_flush(self, worker, source, body) -> None:
+    def op_flush(self, worker, source, request: Flush) -> None:
         """Every earlier request of `worker` is done (requests of one worker are handled
         in order): say so."""
-        self.reply(worker, "ok", body["tag"])
+        self.reply(worker, "ok", request.tag)
 
-    def op_set_optimizer(self, worker, source, body) -> None:
-        self.shard.set_optimizer(pickle.loads(body["optimizer"]))
+    def op_set_optimizer(self, worker, source, request: SetOptimizer) -> None:
+        self.shard.set_optimizer(pickle.loads(request.optimizer))
         self.updating = True
         self.reply(worker, "ok")
 
-    def op_set_updater(self, worker, source, body) -> None:
-        updater = pickle.loads(body["updater"])
+    def op_set_updater(self, worker, source, request: SetUpdater) -> None:
+        updater = pickle.loads(request.updater)
         self.shard.set_updater(updater)
         self.updating = updater is not None
         self.reply(worker, "ok")
 
-    def op_snapshot(self, worker, source, body) -> None:
+    def op_optimizer_state(self, worker, source, request: OptimizerState) -> None:
         """This server's optimizer state (None without one), each key's start marked."""
         starts = {k: s.spec[0] for k, s in self.keys.items() if s.initialised}
-        self.reply(worker, mark_starts(self.shard.export_state(body["dump"]), starts))
+        self.reply(worker, mark_starts(self.shard.export_state(request.dump), starts))
 
-    def op_write_snapshot(self, worker, source, body) -> None:
+    def op_write_snapshot(self, worker, source, request: WriteSnapshot) -> None:
         """Stage this server's pieces for a snapshot (written in the background); the
         error of an earlier write that failed, or None."""
-        self.reply(worker, self.shard.write_part(body))
+        self.reply(worker, self.shard.write_part(request.part))
 
-    def op_finish_snapshots(self, worker, source, body) -> None:
+    def op_finish_snapshots(self, worker, source, request: FinishSnapshots) -> None:
         self.reply(worker, self.shard.finish_part())
 
-    def op_check_state(self, worker, source, body) -> None:
+    def op_check_state(self, worker, source, request: CheckState) -> None:
         """Check this server's part of a loaded state; kept for `op_restore`."""
         try:
-            self.checked = self.shard.check_state(body["state"]) if body["state"] else None
+            self.checked = (self.shard.check_state(request.state) if request.state
+                            else None)
         except GpukvError as exc:
             self.reply(worker, str(exc) if isinstance(exc, CheckpointError)
                        else f"{type(exc).__name__}: {exc}")
             return
         self.reply(worker, None)
 
-    def op_restore(self, worker, source, body) -> None:
+    def op_restore(self, worker, source, request: Restore) -> None:
         """Assign loaded values to their pieces and install the checked state."""
-        for key, piece in body["values"].items():
+        for key, piece in request.values.items():
             self.shard.assign(key, piece)
         if self.checked is not None:
             self.shard.apply_state(self.checked)
