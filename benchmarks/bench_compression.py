@@ -1,6 +1,6 @@
 """Gradient-compression throughput: encode and decode GB/s of float32 input, vs. a copy.
 
-For each size and compressor (2bit, 1bit, fp16, bf16) it times `compress` (quantise with
+For each size and compressor (2bit, 1bit, sign, fp16, bf16) it times `compress` (quantise with
 error feedback, or cast), `decompress` (into a float32 buffer) and decompress-and-add (what
 a receiver summing several sources does per source), and reports milliseconds and GB/s of
 float32 values handled (4 bytes per element), next to `np.copyto` of the same float32
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common  # noqa: E402
 
-from gpukv.encoding.compressors import Cast, OneBit, TwoBit  # noqa: E402
+from gpukv.encoding.compressors import Cast, OneBit, Sign, TwoBit  # noqa: E402
 
-KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0),
+KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0), "sign": Sign,
          "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}
 
 

@@ -15,9 +15,15 @@ Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
   0b00 is 0 (0b01 is never written and decodes to 0). Payload: 4 * ceil(n / 16) bytes.
 - 1bit: 32 values per 32-bit word, 8 per byte, the first value in the most significant
   bit of the first byte; 1 decodes to +1 and 0 to -1. Payload: 4 * ceil(n / 32) bytes.
+- sign (gpukv's own): a float32 scale per block of 64 values (the root mean square of
+  the block's residual: its squares summed pairwise, 32 apart, then 16, ..., 1, divided
+  by the block's count, then the square root), then 1bit's bit layout with 1 for a
+  value >= 0 (+scale) and 0 for the others (-scale). Payload: 4 * ceil(n / 64) +
+  4 * ceil(n / 32) bytes.
 
 The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:
-r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`. Subtracting -t and adding t
+r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`; for sign `r += g`, then
+`r -= +scale if r >= 0 else -scale`. Subtracting -t and adding t
 (or subtracting 1 and adding -1) give the same IEEE result, which is what lets the
 NumPy twin apply the update as one vectorised add.
 """
@@ -26,9 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import host_codecs as host
-from .host_codecs import packed_nbytes
+from .host_codecs import packed_nbytes, sign_nbytes
 
 __all__ = ["quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit",
+           "quantize_sign", "dequantize_sign", "sign_nbytes",
            "flat_f32", "empty_f32", "scale_in_place", "cast_fp16", "uncast_fp16",
            "cast_bf16", "uncast_bf16", "packed_nbytes"]
 
@@ -90,6 +97,34 @@ def dequantize_1bit(payload, n, out, accumulate=False):
         return host.dequantize_1bit(payload, n, out, accumulate)
     _launch("gpukv_dequantize_1bit", n,
             (payload, out, np.int64(n), np.int32(bool(accumulate))))
+    return out
+
+
+def quantize_sign(grad, residual, out=None):
+    """Add `grad` into `residual`; write each block's root mean square and every value's
+    sign into `out` (uint8, `sign_nbytes(n)` bytes); take the decoded value (+-scale) out
+    of the residual; return `out`."""
+    n = grad.size
+    nbytes = host.sign_nbytes(n)
+    if _is_host(grad):
+        if out is None:
+            out = np.empty(nbytes, np.uint8)
+        return host.quantize_sign(grad, residual, out)
+    import cupy
+    if out is None:
+        out = cupy.empty(nbytes, cupy.uint8)
+    blocks = -(-n // host.SIGN_BLOCK)
+    _launch("gpukv_quantize_sign", n, (grad, residual, out, np.int64(n), np.int64(blocks)))
+    return out
+
+
+def dequantize_sign(payload, n, out, accumulate=False):
+    """Decode `n` values of a sign payload (+-their block's scale) into `out`, or add them."""
+    if _is_host(payload):
+        return host.dequantize_sign(payload, n, out, accumulate)
+    blocks = -(-n // host.SIGN_BLOCK)
+    _launch("gpukv_dequantize_sign", n,
+            (payload, out, np.int64(n), np.int64(blocks), np.int32(bool(accumulate))))
     return out
 
 

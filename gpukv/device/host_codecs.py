@@ -357,3 +357,96 @@ def uncast_bf16(payload, scale, out, accumulate):
     _blocks(_uncast_bf16_range, payload.size, payload,
             None if scale == 1.0 else np.float32(scale), out, accumulate)
     return out
+
+
+# --------------------------------------------------------------------------- sign
+#: values per scale of the sign codec (a multiple of 8 dividing 256, a CUDA block's
+#: values in the kernel, and BLOCK)
+SIGN_BLOCK = 64
+_HALVES = tuple(SIGN_BLOCK >> k for k in range(1, SIGN_BLOCK.bit_length()))  # 32 .. 1
+
+
+def sign_nbytes(n: int) -> int:
+    """Bytes of the sign payload of `n` values: a float32 scale per SIGN_BLOCK values,
+    then the bits, 32 values per 32-bit word."""
+    return 4 * (-(-n // SIGN_BLOCK)) + packed_nbytes(n, 1)
+
+
+def sign_parts(payload, n: int):
+    """(scales as float32, packed bits) of a sign payload of `n` values."""
+    blocks = -(-n // SIGN_BLOCK)
+    return payload[:4 * blocks].view(_F32), payload[4 * blocks:]
+
+
+def _block_scales(r, k, total, start):
+    """The root mean square of each SIGN_BLOCK of `r` (`k` values from element `start`
+    of `total`): the squares summed by halves (x[i] += x[i + h], h = 32, 16, ..., 1) as
+    the CUDA kernel's threads do, divided by the block's count, then the square root."""
+    blocks = -(-k // SIGN_BLOCK)
+    a = _scratch("sign_squares", _F32, blocks * SIGN_BLOCK)
+    np.multiply(r, r, out=a[:k])
+    a[k:] = 0
+    m = a.reshape(blocks, SIGN_BLOCK)
+    for h in _HALVES:
+        np.add(m[:, :h], m[:, h:2 * h], out=m[:, :h])
+    scales = np.divide(m[:, 0], _F32(SIGN_BLOCK))
+    if start + k == total and k % SIGN_BLOCK:  # the array's last block is short
+        scales[-1] = m[-1, 0] / _F32(k % SIGN_BLOCK)
+    return np.sqrt(scales, out=scales)
+
+
+def _quantize_sign_range(grad, residual, scales, bits, total, lo, hi):
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        r = residual[start:stop]
+        np.add(r, grad[start:stop], r)
+        block_scales = _block_scales(r, k, total, start)
+        scales[start // SIGN_BLOCK:start // SIGN_BLOCK + block_scales.size] = block_scales
+        positive = _scratch("sign_pos", np.bool_, k)
+        np.greater_equal(r, _F32(0), positive)
+        step = _scratch("sign_step", _F32, block_scales.size * SIGN_BLOCK)
+        np.copyto(step[:k], positive)                    # 1 or 0
+        np.multiply(step[:k], _F32(2), step[:k])
+        np.subtract(step[:k], _F32(1), step[:k])         # +1 or -1
+        step[k:] = 0
+        signed = step.reshape(block_scales.size, SIGN_BLOCK)
+        np.multiply(signed, block_scales[:, None], signed)  # +scale or -scale, exactly
+        np.subtract(r, step[:k], r)
+        packed = np.packbits(positive)
+        bits[start // 8:start // 8 + packed.size] = packed
+
+
+def quantize_sign(grad, residual, out):
+    n = grad.size
+    scales, bits = sign_parts(out, n)
+    bits[-(-n // 8):] = 0  # padding bytes of the last word
+    _blocks(_quantize_sign_range, n, grad, residual, scales, bits, n)
+    return out
+
+
+def _dequantize_sign_range(scales, bits, out, accumulate, lo, hi):
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        blocks = -(-k // SIGN_BLOCK)
+        step = _scratch("sign_step", _F32, blocks * SIGN_BLOCK)
+        unpacked = np.unpackbits(bits[start // 8:start // 8 + -(-k // 8)], count=k)
+        np.copyto(step[:k], unpacked)
+        np.multiply(step[:k], _F32(2), step[:k])
+        np.subtract(step[:k], _F32(1), step[:k])
+        step[k:] = 0
+        signed = step.reshape(blocks, SIGN_BLOCK)
+        first = start // SIGN_BLOCK
+        np.multiply(signed, scales[first:first + blocks, None], signed)
+        o = out[start:stop]
+        if accumulate:
+            np.add(o, step[:k], o)
+        else:
+            o[...] = step[:k]
+
+
+def dequantize_sign(payload, n, out, accumulate):
+    scales, bits = sign_parts(payload, n)
+    _blocks(_dequantize_sign_range, n, scales, bits, out, accumulate)
+    return out

@@ -30,10 +30,10 @@ def key_hash(key) -> int:
 def pieces(key, size: int, servers: int, bound: int) -> tuple:
     """The pieces of a key of `size` elements over `servers` servers.
 
-    A split key is cut every `piece_length` elements (the last pieces may be shorter, or
-    empty and left out), so that a collective with equal counts per rank (NCCL's
-    reduce-scatter and all-gather, over a buffer padded to `servers * piece_length`) hands
-    each rank exactly its piece."""
+    A split key is cut every `piece_length` elements, a multiple of PIECE_ALIGN but for
+    tiny keys (the last pieces may be shorter, or empty and left out), so that a
+    collective with equal counts per rank (NCCL's reduce-scatter and all-gather, over a
+    buffer padded to `servers * piece_length`) hands each rank exactly its piece."""
     if size >= bound and size >= servers > 1:
         step = piece_length(size, servers)
         return tuple(Piece(s, s * step, min((s + 1) * step, size)) for s in range(servers)
@@ -41,6 +41,13 @@ def pieces(key, size: int, servers: int, bound: int) -> tuple:
     return (Piece(key_hash(key) % servers, 0, size),)
 
 
+#: pieces of at least this many values start at multiples of it: a codec that works in
+#: blocks of values (sign's 256) then cuts each piece where it cuts the whole key
+PIECE_ALIGN = 256
+
+
 def piece_length(size: int, servers: int) -> int:
-    """The length of every full piece of a split key."""
-    return -(-size // servers)
+    """The length of every full piece of a split key: an even share, rounded up to a
+    multiple of PIECE_ALIGN when it is at least that long."""
+    share = -(-size // servers)
+    return share if share < PIECE_ALIGN else -(-share // PIECE_ALIGN) * PIECE_ALIGN

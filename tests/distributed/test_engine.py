@@ -164,3 +164,24 @@ def test_every_server_command_has_one_request_and_a_handler():
                      asynchronous=False)
     assert set(server.handlers) == set(requests.Command) - {requests.Command.STOP}
     assert all(h.__self__ is server for h in server.handlers.values())
+
+
+@pytest.mark.parametrize("size,servers", [(1500, 3), (1_000_000, 7), (4096, 16), (511, 2)])
+def test_split_keys_are_cut_at_multiples_of_the_codecs_block(size, servers):
+    """Pieces of 256 values or more start at multiples of 256 (sign's blocks then fall
+    where they fall in the whole key); every element is in exactly one piece."""
+    from gpukv.layout.pieces import PIECE_ALIGN, pieces
+    cut = pieces("k", size, servers, 1)
+    assert [p.start for p in cut] == sorted(p.start for p in cut)
+    assert cut[0].start == 0 and cut[-1].stop == size
+    assert all(a.stop == b.start for a, b in zip(cut, cut[1:]))
+    assert all(p.start % PIECE_ALIGN == 0 for p in cut)
+    assert len({p.server for p in cut}) == len(cut) > 1
+
+
+def test_tiny_split_keys_keep_one_piece_per_process():
+    """Shares under 256 values are not rounded: a key of 4 values on 4 processes is 4
+    pieces of 1."""
+    from gpukv.layout.pieces import pieces
+    cut = [(p.start, p.stop) for p in pieces("k", 4, 4, 1)]
+    assert cut == [(0, 1), (1, 2), (2, 3), (3, 4)]

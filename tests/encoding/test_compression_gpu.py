@@ -90,6 +90,29 @@ def test_quantize_kernels_give_the_twins_bytes_and_residuals(cp, bits, threshold
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
 
 
+@pytest.mark.parametrize("n", SIZES + [63, 64, 65, 255, 256, 257, 70_001])
+def test_sign_kernels_give_the_twins_bytes_and_residuals(cp, n):
+    """Three sign quantisations in a row with one residual: the CUDA kernel writes the
+    twin's scales and bits (padding zero over a poisoned `out`) and leaves the twin's
+    residual; decoding, or adding, gives the twin's values."""
+    g, r = _grad_and_residual(n, n)
+    r_gpu = cp.asarray(r)
+    nbytes = K.sign_nbytes(n)
+    for step in range(3):
+        want = K.quantize_sign(g, r)
+        out = cp.empty(nbytes, cp.uint8) if step else None  # fresh memory is poisoned
+        got = K.quantize_sign(cp.asarray(g), r_gpu, out=out)
+        assert got.dtype == cp.uint8 and got.shape == (nbytes,)
+        assert got.get().tobytes() == want.tobytes(), f"payload of step {step}"
+        assert_same_bits(r_gpu.get(), r, f"residual after step {step}")
+    for accumulate in (False, True):
+        base = f32_without_subnormals(np.linspace(-1, 1, n))
+        host_out, gpu_out = base.copy(), cp.asarray(base)
+        K.dequantize_sign(want, n, host_out, accumulate)
+        K.dequantize_sign(got, n, gpu_out, accumulate)
+        assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+
+
 @pytest.mark.parametrize("bits", [2, 1])
 @pytest.mark.parametrize("n", [1, 17, 33])
 def test_dequantize_kernels_write_only_n_values(cp, bits, n):
@@ -170,16 +193,23 @@ COMPRESSIONS = {
     "fp16-pre8": {"type": "fp16", "pre_divide": 8},
     "bf16": {"type": "bf16"},
     "bf16-pre4": {"type": "bf16", "pre_divide": 4},
+    "sign": {"type": "sign"},
 }
+#: those whose decoded terms sum exactly in any order (sign's means are off the grid of
+#: `_gradient`: its stores are deterministic, whose strategy is always the canonical one)
+EXACT_IN_ANY_ORDER = sorted(k for k in COMPRESSIONS if k != "sign")
 
 
 def _compressed_stores(cp, rng, keys, params, strategy="home"):
     """Two 'device' stores with compression `params` and the same random values of
     `keys`: one fed host arrays (the host reference, which sums the terms in source
     order), one GPU arrays made on GPU 0 reducing with `strategy` ('home' sums in
-    source order too)."""
+    source order too). Sign's terms are off `_gradient`'s exact grid: both stores then
+    sum in the canonical order (deterministic), the same bits wherever the terms lie."""
     init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
-    host, gpu = gpukv.create("device"), gpukv.create("device", strategy=strategy)
+    exact = params["type"] == "sign"
+    host = gpukv.create("device", deterministic=exact)
+    gpu = gpukv.create("device", strategy=strategy, deterministic=exact)
     host.init(keys, [init[k] for k in keys])
     with cp.cuda.Device(0):
         gpu.init(keys, [cp.asarray(init[k]) for k in keys])
@@ -225,7 +255,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
         for k in keys:
             assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
                              f"key {k!r} after push {step}")
-        if params["type"] in ("2bit", "1bit"):
+        if params["type"] in ("2bit", "1bit", "sign"):
             hr, gr = host._compression.feedback.residuals, gpu._compression.feedback.residuals
             assert len(gr) == len(hr) == len(devs) * (len(keys) - 1)
             for k in keys:
@@ -244,7 +274,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
 
 @pytest.mark.multi_gpu(8)
 @pytest.mark.parametrize("strategy", ["auto", "tree", "ring", "cpu"])
-@pytest.mark.parametrize("name", sorted(COMPRESSIONS))
+@pytest.mark.parametrize("name", EXACT_IN_ANY_ORDER)
 def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
     """With compression on, a 'device' store on eight logical GPUs hands the encoded
     terms to its strategy: every strategy stores the host store's bits and leaves the
@@ -276,7 +306,7 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
 
 
 @pytest.mark.multi_gpu(4)
-@pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16"])
+@pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", "sign"])
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
     """With an optimizer, the decompressed float32 sum of every GPU's source updates
     each float key (float32, float16, float64, bfloat16) to the host store's bits, its

@@ -11,11 +11,12 @@ from gpukv.encoding import compressors
 from gpukv.encoding.compressors import registry
 
 
-def test_mxnet_types_are_registered():
-    """2bit, 1bit, fp16 and bf16 are registered; 'none' turns compression off."""
-    assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none"]
+def test_mxnet_types_and_sign_are_registered():
+    """MXNet's 2bit, 1bit, fp16 and bf16 and gpukv's sign are registered; 'none' turns
+    compression off."""
+    assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none", "sign"]
     assert compressors.registered() == [compressors.Cast, compressors.OneBit,
-                                        compressors.TwoBit]
+                                        compressors.Sign, compressors.TwoBit]
     assert compressors.make_compressor({"type": "none"}) is None
 
 
@@ -72,7 +73,7 @@ def test_a_registered_class_is_a_compressor_of_every_store(scaled):
                                          "type, factor"),
     ({"type": "scaled", "factor": 0}, "option 'factor' must be greater than 0, got 0"),
     ({"type": "scaled", "factor": "x"}, "option 'factor' must be a float32 number"),
-    ({"type": "scaledx"}, "valid types are 1bit, 2bit, bf16, fp16, none, scaled"),
+    ({"type": "scaledx"}, "valid types are 1bit, 2bit, bf16, fp16, none, scaled, sign"),
 ])
 def test_a_registered_class_has_its_options_checked(scaled, params, message):
     """Its options are checked from what it declares, with the others' messages."""
@@ -99,3 +100,27 @@ def test_error_feedback_keeps_one_residual_per_slot():
     assert feedback.residuals[("k", 1)].tolist() == pytest.approx([0.3, -0.2, 0.1])
     assert feedback.residual(("k", 0), 5).tolist() == [0.0] * 5
     assert compressors.ErrorFeedback(compressors.Cast("fp16")).residual("s", 3) is None
+
+
+@pytest.mark.parametrize("params, scale, warns", [
+    ({"type": "2bit", "threshold": 0.5}, 2.0, True),    # gradients past t: r grows
+    ({"type": "2bit", "threshold": 0.5}, 0.05, False),
+    ({"type": "1bit", "threshold": 0.5}, 4.0, True),    # a step of 1 cannot keep up
+    ({"type": "1bit", "threshold": 0.5}, 0.3, False),
+    ({"type": "sign"}, 1000.0, False),                  # nothing to outgrow
+])
+def test_a_residual_past_its_bound_warns_once_naming_the_key(params, scale, warns, caplog):
+    """2bit/1bit: a key whose residual passes 8x its threshold (8 for 1bit) logs one
+    warning naming it, however many pushes follow; gradients the rule keeps up with,
+    and sign's, none."""
+    feedback = compressors.ErrorFeedback(compressors.make_compressor(params))
+    rng = np.random.default_rng(1)
+    with caplog.at_level("WARNING", logger="gpukv"):
+        for _ in range(100):
+            for key in ("w", "b"):
+                g = (np.abs(rng.standard_normal(64)) * scale).astype(np.float32)
+                feedback.compress((key, 0), g)
+    named = [r.getMessage() for r in caplog.records if "residual of key" in r.getMessage()]
+    assert len(named) == (2 if warns else 0), named
+    if warns:
+        assert {"'w'", "'b'"} == {m.split("residual of key ")[1].split(" ")[0] for m in named}

@@ -72,6 +72,63 @@ extern "C" __global__ void gpukv_dequantize_1bit(
         out[i] = accumulate ? __fadd_rn(out[i], v) : v;
     }
 }
+
+/* sign: a CUDA block of 256 threads takes 4 blocks of 64 values (host_codecs.SIGN_BLOCK)
+   at a time, a thread per value. The payload is the blocks' float32 scales, then the bits
+   (32 values per 32-bit word). */
+extern "C" __global__ void gpukv_quantize_sign(
+        const float* __restrict__ grad, float* __restrict__ residual,
+        unsigned char* __restrict__ out, long long n, long long nblocks) {
+    __shared__ float sums[256];
+    __shared__ unsigned char bits[256];
+    float* scales = (float*)out;
+    unsigned char* packed = out + 4 * nblocks;
+    const long long nbits_bytes = 4 * ((n + 31) / 32);
+    const long long groups = (n + 255) / 256;
+    const int t = threadIdx.x, lane = t & 63, first = t - lane;
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        long long i = g * 256 + t;
+        float r = 0.0f;
+        if (i < n) r = __fadd_rn(residual[i], grad[i]);
+        sums[t] = __fmul_rn(r, r);
+        __syncthreads();
+        for (int h = 32; h > 0; h >>= 1) {  /* the halves host_codecs adds, in its order */
+            if (lane < h) sums[t] = __fadd_rn(sums[t], sums[t + h]);
+            __syncthreads();
+        }
+        long long b = g * 4 + (t >> 6);  /* this thread's block of 64 values */
+        long long left = n - b * 64;
+        float scale = left > 0 ? __fsqrt_rn(__fdiv_rn(sums[first],
+                                                      (float)(left < 64 ? left : 64)))
+                               : 0.0f;
+        bool positive = r >= 0.0f;
+        bits[t] = (i < n && positive) ? 1 : 0;
+        if (i < n) residual[i] = __fsub_rn(r, positive ? scale : -scale);
+        __syncthreads();
+        long long byte = b * 8 + lane;
+        if (lane < 8 && byte < nbits_bytes) {
+            unsigned char v = 0;
+            for (int k = 0; k < 8; ++k)
+                v |= (unsigned char)(bits[first + 8 * lane + k] << (7 - k));
+            packed[byte] = v;
+        }
+        if (lane == 0 && b < nblocks) scales[b] = scale;
+        __syncthreads();  /* sums and bits are the next values' */
+    }
+}
+
+extern "C" __global__ void gpukv_dequantize_sign(
+        const unsigned char* __restrict__ in, float* __restrict__ out, long long n,
+        long long nblocks, int accumulate) {
+    const float* scales = (const float*)in;
+    const unsigned char* packed = in + 4 * nblocks;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float s = scales[i >> 6];
+        float v = ((packed[i >> 3] >> (7 - (int)(i & 7))) & 1) ? s : -s;
+        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+    }
+}
 """
 
 

@@ -2,6 +2,7 @@
 `set_gradient_compression({'type': T, ...})` builds the class registered as T.
 
 - `two_bit` ('2bit'), `one_bit` ('1bit'), `cast` ('fp16', 'bf16'): MXNet's rules;
+- `sign` ('sign'): scaled sign with error feedback, accurate without tuning;
 - `base`: what a compressor is (`Compressor`, `Ctx`) and how options are checked;
 - `registry`: `register`, `make_compressor`, `registered`;
 - `feedback`: `ErrorFeedback`, the residuals of error feedback around any compressor.
@@ -10,13 +11,14 @@ Adding a compressor: a module here with a `@register('name')` class (its options
 `compress`/`decompress`, its kernels' traffic), its kernels in `gpukv.device.codecs`, and
 its tests; `gpukv info --kernels` and the option checks follow from the registry.
 """
-from . import cast, one_bit, two_bit  # noqa: F401  (each registers its types)
+from . import cast, one_bit, sign, two_bit  # noqa: F401  (each registers its types)
 from .base import Compressor, Ctx, KernelTraffic, compressible
 from .cast import Cast
 from .feedback import ErrorFeedback
 from .one_bit import OneBit
 from .registry import make_compressor, register, registered, type_names
+from .sign import Sign
 from .two_bit import TwoBit
 
-__all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "Cast", "OneBit", "TwoBit",
+__all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "Cast", "OneBit", "Sign", "TwoBit",
            "ErrorFeedback", "make_compressor", "register", "registered", "type_names"]

@@ -72,6 +72,13 @@ class Compressor:
     def compress(self, x, residual=None):
         raise NotImplementedError
 
+    @property
+    def residual_bound(self) -> float | None:
+        """A magnitude the residual of error feedback stays within while the rule keeps
+        up with the gradients (None: no bound to watch); past it, the rule is losing
+        accuracy, and `ErrorFeedback` warns once per key."""
+        return None
+
     def decompress(self, payload, ctx: Ctx, out=None, accumulate: bool = False):
         """The float32 value of `payload`, written into `out` (or added to it)."""
         raise NotImplementedError

@@ -4,11 +4,18 @@ device), the sharded rounds and the servers' client per (key, piece[, value])).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
 from .base import Compressor
+
+log = logging.getLogger("gpukv")
+
+#: a residual is checked against its compressor's bound at its first push and every
+#: CHECK_EVERY-th one (a pass over it, and on a GPU a wait for its stream)
+CHECK_EVERY = 16
 
 
 def _host_zeros(size: int):
@@ -26,6 +33,8 @@ class ErrorFeedback:
     def __init__(self, compressor: Compressor):
         self.compressor = compressor
         self.residuals: dict = {}
+        self._pushes: dict = {}      # slot -> compressions so far
+        self._warned: set = set()    # keys whose residual passed the bound
 
     def residual(self, slot: Hashable, size: int,
                  zeros: Callable[[int], object] = _host_zeros):
@@ -40,4 +49,26 @@ class ErrorFeedback:
 
     def compress(self, slot: Hashable, x, zeros: Callable[[int], object] = _host_zeros):
         """`compressor.compress(x, residual of slot)`: (payload, ctx); moves the residual on."""
-        return self.compressor.compress(x, self.residual(slot, x.size, zeros))
+        residual = self.residual(slot, x.size, zeros)
+        compressed = self.compressor.compress(x, residual)
+        bound = self.compressor.residual_bound
+        if bound is not None and residual is not None:
+            count = self._pushes.get(slot, 0)
+            self._pushes[slot] = count + 1
+            if count % CHECK_EVERY == 0:
+                self._check(slot, residual, bound)
+        return compressed
+
+    def _check(self, slot: Hashable, residual, bound: float) -> None:
+        """Warn once per key whose residual passed `bound`: the rule is not keeping up."""
+        key = slot[0] if isinstance(slot, tuple) else slot
+        if key in self._warned or not residual.size:
+            return
+        largest = float(abs(residual).max())
+        if largest > bound:
+            self._warned.add(key)
+            params = self.compressor.params()
+            log.warning("gradient compression %s: the residual of key %r reached %.4g, "
+                        "past %.4g: its gradients outgrow what the rule sends each push, "
+                        "and accuracy suffers; {'type': 'sign'} keeps accuracy without "
+                        "tuning", params, key, largest, bound)

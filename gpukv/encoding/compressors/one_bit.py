@@ -18,6 +18,12 @@ class OneBit(Quantizer):
                KernelTraffic("dequantize 1bit", "gpukv_dequantize_1bit", 0.125, 4,
                              "without accumulate"))
 
+    @property
+    def residual_bound(self) -> float:
+        """8x the larger of 1 and |threshold|: each push moves the residual by 1 only,
+        whatever the gradients' size."""
+        return 8 * max(1.0, abs(self.threshold))
+
     def _quantize(self, g, residual):
         return codecs.quantize_1bit(g, residual, self.threshold)
 

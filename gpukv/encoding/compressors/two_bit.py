@@ -20,6 +20,12 @@ class TwoBit(Quantizer):
                KernelTraffic("dequantize 2bit", "gpukv_dequantize_2bit", 0.25, 4,
                              "without accumulate"))
 
+    @property
+    def residual_bound(self) -> float:
+        """8x the threshold: a residual past it grows because the gradients exceed the
+        threshold, which sends at most t a push."""
+        return 8 * self.threshold
+
     def _quantize(self, g, residual):
         return codecs.quantize_2bit(g, residual, self.threshold)
 

@@ -48,8 +48,11 @@ def families(device, n: int) -> list:
         cast_fp16,
         dequantize_1bit,
         dequantize_2bit,
+        dequantize_sign,
         quantize_1bit,
         quantize_2bit,
+        quantize_sign,
+        sign_nbytes,
         uncast_bf16,
         uncast_fp16,
     )
@@ -70,6 +73,8 @@ def families(device, n: int) -> list:
     residual = arr(0.0)
     p2 = arr(0, np.uint8)[: -(-n // 4)]
     p1 = arr(0, np.uint8)[: -(-n // 8)]
+    ps = arr(0, np.uint8)[:sign_nbytes(n)]
+    sign_bytes = sign_nbytes(n) / n  # payload bytes per value
     with device.activate():
         h16 = cast_fp16(src, 1.0)
         b16 = cast_bf16(src, 1.0)
@@ -91,6 +96,10 @@ def families(device, n: int) -> list:
                lambda: quantize_1bit(src, residual, 0.0, out=p1)),
         Family("compression", "1bit decode", 1.03125 * e,
                lambda: dequantize_1bit(p1, n, out)),
+        Family("compression", "sign encode", (3 + sign_bytes / 4) * e,
+               lambda: quantize_sign(src, residual, out=ps)),
+        Family("compression", "sign decode", (1 + sign_bytes / 4) * e,
+               lambda: dequantize_sign(ps, n, out)),
         Family("compression", "fp16 encode", 1.5 * e, lambda: cast_fp16(src, 1.0)),
         Family("compression", "fp16 decode", 1.5 * e, lambda: uncast_fp16(h16, 1.0, out)),
         Family("compression", "bf16 encode", 1.5 * e, lambda: cast_bf16(src, 1.0)),

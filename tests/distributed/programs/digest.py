@@ -8,9 +8,9 @@ then for the values after three rounds of SGD with momentum. Run without MPI (pl
 `python digest.py 8 local|device`) it uses a one-process store instead.
 
 With DIGEST_COMPRESS=1 the pushes are compressed (a one-process store: 'device'), in
-phases of three rounds each (see `PHASES`): fp16 with a pre_divide, then 2-bit, without
-an updater; then, with SGD, 2-bit on (its residuals carried over) and fp16 again. Worker
-0 prints `DIGEST <phase> <sha1>` after each phase.
+phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, then sign,
+without an updater; then, with SGD, 2-bit again, fp16 and sign. Worker 0 prints
+`DIGEST <phase> <sha1>` after each phase.
 """
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ BOUND = 100_000
 #: set only when it changes (setting it starts fresh residuals)
 FP16 = {"type": "fp16", "pre_divide": 3.0}
 TWO_BIT = {"type": "2bit", "threshold": 0.5}
+SIGN = {"type": "sign"}
 PHASES = [("fp16_sum", FP16, False), ("twobit_sum", TWO_BIT, False),
-          ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True)]
+          ("sign_sum", SIGN, False), ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True),
+          ("sign_sgd", SIGN, True)]
 
 
 def leaves(name: str, rounds: int = 1) -> list:

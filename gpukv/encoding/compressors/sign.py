@@ -1,0 +1,46 @@
+"""``{'type': 'sign'}``: scaled sign with error feedback (after EF-SignSGD, Karimireddy et
+al., "Error Feedback Fixes SignSGD", 2019). Each value crosses as one bit, its sign, and
+each block of 64 values as one float32, the root mean square of the block; what the
+decoded value misses of gradient plus residual is the next push's residual.
+
+Unlike 2bit/1bit it has nothing to tune: the scale follows the gradient's own size, so
+the residual stays bounded whatever the gradients' scale, and 64 float32 values cross in
+12 bytes (a 21x cut). The root mean square, rather than the paper's mean absolute value,
+sends a block's largest values sooner (the overshoot of the small ones comes back through
+the residual): on the accuracy benchmark's CNN it keeps epoch 5 within 2 pp of
+uncompressed training where the mean loses 10 (benchmarks/bench_accuracy.py)."""
+from __future__ import annotations
+
+from ...device import codecs
+from .base import Compressor, Ctx, KernelTraffic
+from .registry import register
+
+_BITS = 0.125 + 4 / 64  # payload bytes per value: its bit and its share of a scale
+
+
+@register("sign")
+class Sign(Compressor):
+    """Scaled sign, 1 bit per value plus a float32 scale per 64 values, with error
+    feedback: decodes to +-the block's root mean square."""
+
+    name = "sign"
+    uses_residual = True
+    kernels = (KernelTraffic("quantize sign", "gpukv_quantize_sign", 8, 4 + _BITS,
+                             "grad+residual in, residual+payload out"),
+               KernelTraffic("dequantize sign", "gpukv_dequantize_sign", _BITS, 4,
+                             "without accumulate"))
+
+    def compress(self, x, residual=None):
+        g = codecs.flat_f32(x)
+        if residual is None:
+            residual = codecs.empty_f32(g, g.size)
+            residual.fill(0)
+        return codecs.quantize_sign(g, residual), Ctx(g.size, tuple(x.shape))
+
+    def decompress(self, payload, ctx, out=None, accumulate=False):
+        out = self._out(payload, ctx, out)
+        codecs.dequantize_sign(payload, ctx.size, out.reshape(-1), accumulate)
+        return out
+
+    def params(self):
+        return {"type": "sign"}

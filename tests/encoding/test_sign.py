@@ -1,0 +1,119 @@
+"""The sign compressor against a plain NumPy statement of its rule (scaled sign with error
+feedback, a root-mean-square scale per 64 values), its payload's size, its residual
+bounded whatever the gradients' scale and sparsity, and its options checked."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import gpukv
+from gpukv.encoding.compressors import Ctx, make_compressor
+
+BLOCK = 64
+
+
+def reference_step(g: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(decoded value, new residual) of one push of `g` with residual `r`, as the rule
+    says: e = r + g; per block of 64 its root mean square m (the squares summed by
+    halves, 32 apart, then 16, ..., 1, divided by the block's count, square-rooted);
+    +m where e >= 0, else -m."""
+    e = (r + g).astype(np.float32)
+    n = e.size
+    blocks = -(-n // BLOCK)
+    a = np.zeros(blocks * BLOCK, np.float32)
+    a[:n] = e * e
+    m = a.reshape(blocks, BLOCK)
+    h = BLOCK // 2
+    while h:
+        m[:, :h] = m[:, :h] + m[:, h:2 * h]
+        h //= 2
+    counts = np.full(blocks, BLOCK, np.float32)
+    if n % BLOCK:
+        counts[-1] = n % BLOCK
+    means = np.repeat(np.sqrt(m[:, 0] / counts), BLOCK)[:n]
+    decoded = np.where(e >= 0, means, -means).astype(np.float32)
+    return decoded, (e - decoded).astype(np.float32)
+
+
+finite = st.floats(-1e4, 1e4, width=32, allow_subnormal=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float32, st.integers(1, 1300), elements=finite),
+       st.integers(1, 3), st.floats(1e-3, 1e3))
+def test_sign_is_its_rule_push_after_push(g, pushes, scale):
+    """Push after push with one residual, the decoded values and the residual are the
+    rule's, bit for bit (the gradients scaled too: nothing to tune)."""
+    comp = make_compressor({"type": "sign"})
+    residual = np.zeros(g.size, np.float32)
+    want_r = residual.copy()
+    for step in range(pushes):
+        grad = (g * np.float32(scale) * np.float32(step + 1)).astype(np.float32)
+        payload, ctx = comp.compress(grad, residual)
+        decoded = comp.decompress(payload, ctx)
+        want, want_r = reference_step(grad, want_r)
+        assert decoded.tobytes() == want.tobytes()
+        assert residual.tobytes() == want_r.tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 63, 64, 65, 256, 70_001])
+def test_sign_payload_is_a_bit_a_value_and_a_scale_a_block(n):
+    """4 * ceil(n / 64) + 4 * ceil(n / 32) bytes: 21x fewer than float32 for keys of a
+    whole number of blocks, and at least 16x for any key of 2048 values or more."""
+    comp = make_compressor({"type": "sign"})
+    payload, ctx = comp.compress(np.ones(n, np.float32), np.zeros(n, np.float32))
+    assert payload.dtype == np.uint8
+    assert payload.nbytes == 4 * -(-n // 64) + 4 * -(-n // 32)
+    assert ctx == Ctx(n, (n,))
+    if n % 64 == 0:
+        assert 4 * n / payload.nbytes == 64 * 4 / 12
+    if n >= 2048:
+        assert 4 * n / payload.nbytes >= 16
+
+
+def test_accumulate_adds_the_decoded_values():
+    comp = make_compressor({"type": "sign"})
+    g = np.linspace(-3, 2, 600, dtype=np.float32)
+    payload, ctx = comp.compress(g, np.zeros(600, np.float32))
+    decoded = comp.decompress(payload, ctx)
+    out = np.full(600, 0.5, np.float32)
+    comp.decompress(payload, ctx, out, accumulate=True)
+    assert out.tobytes() == (decoded + np.float32(0.5)).tobytes()
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
+@pytest.mark.parametrize("density", [1.0, 0.1, 1 / 64])
+def test_the_residual_stays_bounded_whatever_the_scale(scale, density):
+    """300 pushes of gradients of any scale, dense or sparse (mostly exact zeros, which
+    decode to +scale): the residual stays within a few times the largest gradient (2bit
+    at its default threshold grows without bound once gradients pass it)."""
+    rng = np.random.default_rng(0)
+    comp = make_compressor({"type": "sign"})
+    residual = np.zeros(4096, np.float32)
+    largest = 0.0
+    for _ in range(300):
+        g = (rng.standard_normal(4096) * scale * (rng.random(4096) < density)
+             ).astype(np.float32)
+        largest = max(largest, float(np.abs(g).max()))
+        comp.compress(g, residual)
+    assert np.abs(residual).max() < 4 * largest
+
+
+def test_sign_takes_no_option_and_says_so():
+    with pytest.raises(gpukv.ArgumentError, match="unknown option 'threshold'; valid "
+                                                  "options are type$"):
+        make_compressor({"type": "sign", "threshold": 0.5})
+    assert make_compressor({"type": "SIGN"}).params() == {"type": "sign"}
+
+
+def test_a_store_with_sign_compression_changes_nothing_on_bad_options():
+    """A bad option raises before the store's compression changes."""
+    kv = gpukv.create("device")
+    kv.init("w", np.zeros(300, np.float32))
+    kv.set_gradient_compression({"type": "sign"})
+    with pytest.raises(gpukv.ArgumentError):
+        kv.set_gradient_compression({"type": "sign", "block": 64})
+    assert kv.gradient_compression == {"type": "sign"}
