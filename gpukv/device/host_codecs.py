@@ -431,10 +431,7 @@ def _dequantize_sign_range(scales, bits, out, accumulate, lo, hi):
         k = stop - start
         blocks = -(-k // SIGN_BLOCK)
         step = _scratch("sign_step", _F32, blocks * SIGN_BLOCK)
-        unpacked = np.unpackbits(bits[start // 8:start // 8 + -(-k // 8)], count=k)
-        np.copyto(step[:k], unpacked)
-        np.multiply(step[:k], _F32(2), step[:k])
-        np.subtract(step[:k], _F32(1), step[:k])
+        _lookup_range(_TABLE_1BIT, 8, bits[start // 8:], step, False, 0, k)  # +1 or -1
         step[k:] = 0
         signed = step.reshape(blocks, SIGN_BLOCK)
         first = start // SIGN_BLOCK
