@@ -28,6 +28,7 @@ from ..encoding.compressors import compressible
 from ..store import check
 from ..store.base import KVStore
 from ..store.local import LocalStore, deterministic_option
+from ..store.pipeline import cast_to_keys
 from .engines.protocol import Leaves, Partials
 from .parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
 
@@ -361,8 +362,10 @@ class DistKVStore(KVStore):
             return
         if self._has_optimizer:
             self._engine.follow(self._optimizer_followed)
-        grads = (self._node_sums(groups, entries) if self._deterministic
-                 else self._local_sums(groups, entries))
+        # the canonical sums read the values as one process sums them: each converted to
+        # its key's dtype first (the sums of `_local_sums` convert as they go)
+        grads = (self._node_sums(cast_to_keys(groups, entries), entries)
+                 if self._deterministic else self._local_sums(groups, entries))
         replicas = [self._replica(k) for k in groups.keys]
         self._engine.push(groups.keys, grads, replicas)
         if self._engine.round_updates_replicas:

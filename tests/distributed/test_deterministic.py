@@ -65,6 +65,18 @@ def test_gpu_values_across_processes_give_the_same_digest(one_process, workers, 
     assert digests.digests(out) == one_process, out
 
 
+@pytest.mark.parametrize("workers,servers", [(2, 0), (4, 0), (8, 0), (2, 1)])
+def test_float32_pushes_into_a_float16_key_are_converted_first(workers, servers):
+    """Values pushed as float32 into a float16 key are converted to float16 before the
+    sum, as one process converts them: every layout gives one process's bits."""
+    reference = digests.one_process(DIGEST_WIDE="1")
+    assert reference != digests.one_process(), "the float32 values must differ in float16"
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync", DIGEST_WIDE="1")
+    out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=180))
+    assert digests.digests(out) == reference, out
+
+
 def test_without_it_layouts_differ_on_this_data(one_process):
     """The store's default order gives these gradients other bits on 4 workers than the
     canonical order does (so the tests above can fail)."""

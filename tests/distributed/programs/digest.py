@@ -7,6 +7,8 @@ on its GPUs. Worker 0 prints `DIGEST <what> <sha1>` for the summed values (no up
 then for the values after three rounds of SGD with momentum. Run without MPI (plain
 `python digest.py 8 local|device`) it uses a one-process store instead.
 
+With DIGEST_WIDE=1 every value is pushed as float32, into float16 keys too.
+
 With DIGEST_COMPRESS=1 the pushes are compressed (a one-process store: 'device'), in
 phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, then sign,
 without an updater; then, with SGD, 2-bit again, fp16 and sign. Worker 0 prints
@@ -49,7 +51,10 @@ def leaves(name: str, rounds: int = 1) -> list:
         value = rng.standard_normal(shape) * scale
         if dtype == "float16":
             value = value / 1e3  # inside float16's range, sums included
-        out.append(value.astype(dtype))
+        # DIGEST_WIDE=1: every value pushed as float32, which a push converts to the
+        # key's dtype (float16 for 'half') before anything is summed
+        wide = os.environ.get("DIGEST_WIDE") == "1"
+        out.append(value.astype(np.float32 if wide else dtype))
     return out
 
 
