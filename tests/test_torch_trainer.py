@@ -747,3 +747,85 @@ def test_a_new_trainer_changes_the_optimizer():
         step_once(adam, models)
         step_once(reference, copies)
     assert_same_weights(models, copies[0], rtol=0, atol=0)
+
+
+def backward_means(models, x, y):
+    """DDP's habit: each replica's loss is the mean over its shard of the batch."""
+    loss_fn = nn.CrossEntropyLoss()
+    for model, xs, ys in zip(models, x.chunk(len(models)), y.chunk(len(models))):
+        loss_fn(model(xs), ys).backward()
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_step_without_a_batch_size_averages_mean_losses_as_ddp(replicas, update_on_kvstore):
+    """step() with mean losses per replica (DDP's convention) gives torch.optim.SGD's
+    weights on the whole batch, as step(batch_size) does with sum losses."""
+    base = make_model()
+    models = replicas_of(base, replicas)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore="local", update_on_kvstore=update_on_kvstore)
+    x, y = make_data()
+    for _ in range(5):
+        trainer.zero_grad()
+        backward_means(models, x, y)
+        if update_on_kvstore:
+            trainer.step()
+        else:
+            trainer.allreduce_grads()
+            trainer.update()
+    ref = train_torch(copy.deepcopy(base),
+                      lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert_same_weights(models, ref)
+    assert trainer.num_replicas == replicas
+
+
+def test_a_mean_loss_with_a_batch_size_is_not_the_mean():
+    """The two conventions differ by the batch per replica: a mean loss given step(batch)
+    moves the weights 1/(batch per replica) as far (what the README warns of)."""
+    base = make_model()
+    sums, means = replicas_of(base, 4), replicas_of(base, 4)
+    x, y = make_data()
+    t_sum = gt.Trainer(sums, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    t_mean = gt.Trainer(means, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    backward_shards(sums, x, y)
+    backward_means(means, x, y)
+    t_sum.step(len(x))
+    t_mean.step(len(x))
+    moved_sum = (sums[0][0].weight - base[0].weight).abs().sum().item()
+    moved_mean = (means[0][0].weight - base[0].weight).abs().sum().item()
+    assert moved_mean == pytest.approx(moved_sum / (len(x) // 4), rel=1e-4)
+
+
+def test_replica_indices_shard_data_with_distributed_sampler():
+    """DistributedSampler(num_replicas=trainer.num_replicas, rank=trainer.replica_index(r))
+    gives every replica its own share of the data, together all of it."""
+    from torch.utils.data import DistributedSampler, TensorDataset
+    models = replicas_of(make_model(), 3)
+    trainer = gt.Trainer(models, "sgd", kvstore="local")
+    data = TensorDataset(torch.arange(30))
+    shares = [list(DistributedSampler(data, num_replicas=trainer.num_replicas,
+                                      rank=trainer.replica_index(r), shuffle=True, seed=4))
+              for r in range(3)]
+    assert all(len(s) == 10 for s in shares)
+    assert sorted(i for s in shares for i in s) == list(range(30))
+    for bad in (3, -1, 1.0, True):
+        with pytest.raises(gpukv.ArgumentError, match="replica="):
+            trainer.replica_index(bad)
+
+
+@pytest.mark.parametrize("variable", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"])
+def test_snapshots_of_a_one_process_store_in_a_job_of_several_are_refused(
+        tmp_path, monkeypatch, variable):
+    """Under `gpukv run -n 2` (or mpiexec, torchrun) a Trainer on a one-process store with
+    a checkpoint_dir is refused at construction, naming why, and writes nothing; with
+    one process, or without snapshots, it is made."""
+    monkeypatch.setenv(variable, "2")
+    folder = tmp_path / "ckpt"
+    with pytest.raises(gpukv.ArgumentError, match=f"a job of 2 processes \\({variable}=2\\)"
+                                                  ".*dist store"):
+        gt.Trainer(make_model(), "sgd", kvstore="local", checkpoint_dir=folder)
+    assert not folder.exists()
+    gt.Trainer(make_model(), "sgd", kvstore="local")
+    monkeypatch.setenv(variable, "1")
+    gt.Trainer(make_model(), "sgd", kvstore="local", checkpoint_dir=folder)

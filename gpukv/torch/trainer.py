@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import math
 import numbers
 from collections.abc import Iterator
@@ -36,7 +37,8 @@ class Trainer:
 
     modules: a `torch.nn.Module`, or a list of them (one per device, same architecture;
         with a dist store, this process's replicas, and `step(batch_size)` takes the batch
-        of every worker together).
+        of every worker together; `step()` with mean losses averages over every replica,
+        as DDP does).
     optimizer, optimizer_params: a name for `gpukv.optim.create` and its options, or a
         `gpukv.optim.Optimizer`. kvstore: a store name for `gpukv.create`, or a `KVStore`.
     compression_params: gradient compression (see `KVStore.set_gradient_compression`).
@@ -62,6 +64,7 @@ class Trainer:
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
         self._kv = _make_store(kvstore, deterministic)
+        self._total_replicas: int | None = None  # every worker's replicas, once checked
         on_store = _check_flag("update_on_kvstore", update_on_kvstore)
         if overlap is not None:
             _check_flag("overlap", overlap)
@@ -72,6 +75,8 @@ class Trainer:
             bucket_bytes = 0
         checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
                                                checkpoint_keep)
+        if checkpoints is not None:
+            _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult)
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
@@ -186,8 +191,13 @@ class Trainer:
                         if p.grad is not view:  # set to None or replaced since
                             p.grad = view
 
-    def step(self, batch_size, ignore_stale_grad: bool = False) -> None:
-        """Push every replica's gradients (rescaled by 1/batch_size), update, pull weights.
+    def step(self, batch_size=None, ignore_stale_grad: bool = False) -> None:
+        """Push every replica's gradients, update, pull weights.
+
+        `batch_size`: gluon's convention, each replica's loss the sum over its samples and
+        the gradients' sum rescaled by 1/batch_size (the batch of every replica of every
+        worker together). None: DDP's, each replica's loss a mean, and the gradients
+        averaged over every replica of every worker (`num_replicas`).
 
         A gradient backward has not written since the last step (`.grad` None, or left
         as it was: a step without backward, backward on only some replicas, a parameter
@@ -215,9 +225,10 @@ class Trainer:
         replicas.allreduce(reduction)
         self._reduced = reduction.live
 
-    def update(self, batch_size, ignore_stale_grad: bool = False) -> None:
+    def update(self, batch_size=None, ignore_stale_grad: bool = False) -> None:
         """Run the optimizer on every replica with its (already summed) gradients,
-        rescaled by 1/batch_size (with update_on_kvstore=False only, as in gluon). After
+        rescaled by 1/batch_size, or averaged over `num_replicas` when it is None (as
+        `step`; with update_on_kvstore=False only, as in gluon). After
         `allreduce_grads` it updates what that summed; else stale gradients are checked
         as by `step`."""
         replicas = self._replica_update("update")
@@ -299,9 +310,41 @@ class Trainer:
         for local in self._update.replica_optimizers:
             local.lr_mult, local.wd_mult = dict(opt.lr_mult), dict(opt.wd_mult)
 
+    @property
+    def num_replicas(self) -> int:
+        """The replicas of every worker together: what `step()` averages over, and the
+        `num_replicas` of a `torch.utils.data.DistributedSampler` that gives each replica
+        its own share of the data (with `rank=replica_index(r)`). Every worker must have
+        as many replicas (on a dist store, the first call checks it on every worker)."""
+        if self._total_replicas is None:
+            mine = len(self._modules)
+            workers = self._kv.num_workers
+            if workers > 1:
+                most, fewest = self._kv.workers_max(np.array([mine, -mine]),
+                                                    "Trainer: replicas per worker")
+                if most != -fewest:
+                    raise ArgumentError(
+                        f"num_replicas: the workers have between {-fewest} and {most} "
+                        f"replicas each; averaging over every replica (step() without a "
+                        f"batch size) needs as many on every worker: pass step(batch_size)")
+            self._total_replicas = mine * workers
+        return self._total_replicas
+
+    def replica_index(self, replica: int) -> int:
+        """The index among `num_replicas` of this process's replica `replica` (workers in
+        rank order, each one's replicas in the order the Trainer was given them)."""
+        mine = len(self._modules)
+        if isinstance(replica, bool) or not isinstance(replica, numbers.Integral) or not (
+                0 <= replica < mine):
+            raise ArgumentError(f"replica={replica!r}: expected an int in [0, {mine})")
+        return self._kv.rank * mine + int(replica)
+
     def _scale_for(self, batch_size) -> float:
-        """The optimizer's rescale_grad for `batch_size` (gluon's: given / batch_size):
-        ArgumentError unless it and 1/batch_size are finite normal numbers."""
+        """The optimizer's rescale_grad for `batch_size` (gluon's: given / batch_size), or
+        for the mean over every replica when it is None: ArgumentError unless it and
+        1/batch_size are finite normal numbers."""
+        if batch_size is None:
+            return self._scale / self.num_replicas
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real):
             raise ArgumentError(f"batch_size={batch_size!r}: expected a number > 0")
         try:
@@ -366,6 +409,28 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------ helpers
+#: the environment variables that give a job's process count: MPICH's and Open MPI's
+#: mpiexec (`gpukv run` included) and torchrun
+_JOB_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
+
+
+def _refuse_shared_snapshots(kv: KVStore) -> None:
+    """ArgumentError for a one-process store with snapshots inside a job of several
+    processes: each would train a model of its own and write (and prune) the others'
+    snapshots in the one folder."""
+    if kv.num_workers > 1:
+        return
+    for name in _JOB_SIZE_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise ArgumentError(
+                f"checkpoint_dir with a one-process {kv.type!r} store, in a job of {value} "
+                f"processes ({name}={value}): each process would train a model of its own "
+                f"and overwrite the others' snapshots; make the Trainer on a dist store "
+                f"(gpukv.create('dist_sync'), or 'dist_device_sync' on GPUs) so that the "
+                f"processes train one model")
+
+
 def _check_flag(name, value) -> bool:
     if not isinstance(value, bool):
         raise ArgumentKindError(f"{name}: expected True or False, got {type(value).__name__}")

@@ -166,6 +166,16 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
 
 
 @pytest.mark.parametrize("on_store", ["0", "1"])
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_torch_trainer_mean_losses_on_a_dist_store(n, servers, on_store):
+    """DDP's convention on a dist store: mean losses and step() average over every
+    worker's replicas, exactly as one process over all of them; num_replicas and
+    replica_index count every worker's replicas."""
+    pytest.importorskip("torch")
+    _passes(_scenario(n, servers, "trainer", "sgd", on_store, "auto", "1mean"), n - servers)
+
+
+@pytest.mark.parametrize("on_store", ["0", "1"])
 @pytest.mark.parametrize("passes", ["1", "2", "2nosync", "1halve0"])
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):

@@ -471,7 +471,8 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     overlap: 'auto', 'on' or 'off' (on: small buckets, so that several reductions start
     from backward); passes: backward passes per step, the earlier ones outside
     no_sync ('2') or inside ('2nosync'); '1halve0': after backward, worker 0 alone halves
-    its gradients through `.data` (stale on one process only)."""
+    its gradients through `.data` (stale on one process only); '1mean': DDP's convention,
+    mean losses and step() without a batch size (averaged over every worker's replicas)."""
     import contextlib
     import copy
 
@@ -500,7 +501,11 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     push = kv.push
     kv.push = lambda *a, **k: pushers.append(threading.current_thread().name) or push(*a, **k)
     g = torch.Generator().manual_seed(1)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    mean = "mean" in passes
+    loss_fn = nn.CrossEntropyLoss(reduction="mean" if mean else "sum")
+    if mean:
+        assert dist.num_replicas == local.num_replicas == 2 * n, dist.num_replicas
+        assert [dist.replica_index(i) for i in range(2)] == [2 * r, 2 * r + 1]
     for step in range(4):
         x, y = torch.randn(8 * n, 6, generator=g), torch.randint(0, 3, (8 * n,), generator=g)
         for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
@@ -516,7 +521,10 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
                 for m in models[:2]:
                     for p in m.parameters():
                         p.grad.data.mul_(0.5)
-            trainer.step(8 * n * (step + 1))  # another batch size every step
+            if mean:
+                trainer.step()
+            else:
+                trainer.step(8 * n * (step + 1))  # another batch size every step
     for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
     early = sum(name.startswith("gpukv-reduce") for name in pushers)
