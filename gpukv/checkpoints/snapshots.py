@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import os
 import re
 import shutil
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from .._dtypes import SUPPORTED_DTYPES
 from .._errors import ArgumentError, CheckpointError
 from ..device import host_device
 from . import user_state
-from .checkpoint import StoreFile, checkpoint_path, read_archive, write_archive
+from .checkpoint import StoreFile, _show, checkpoint_path, read_archive, write_archive
 from .checkpoint import read_store as checkpoint_read_store
 
 __all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "prune", "is_snapshot",
@@ -182,77 +185,207 @@ def read_any(path) -> StoreFile:
 
 def read_store(path) -> StoreFile:
     """Every shard of the snapshot at `path` joined into one `StoreFile` (what
-    `checkpoint.read_store` gives for a one-file checkpoint); CheckpointError if the
-    snapshot is not complete, or a shard is damaged or does not fit with the others."""
+    `checkpoint.read_store` gives for a one-file checkpoint); CheckpointError, naming the
+    file and the problem, if the snapshot is not complete, or a file is damaged, holds
+    another step than the snapshot's, or does not fit with the others. Every file is
+    checked (every field of every header) before a store is touched."""
     from ..layout.state import merge
     path = checkpoint_path(path)
     counts = _completeness(path)
     if counts is None:
         raise CheckpointError(f"{path}: not a complete snapshot (a part is missing)")
-    shards, _ = counts
-    kinds: set = set()
-    types: set = set()
-    keys: dict = {}
-    exports: list = []
+    shards, workers = counts
+    parts = []
     for i in range(shards):
         name = os.path.join(path, shard_file(i, shards))
         header, arrays = read_archive(name)
-        if header.get("kind") != SHARD_KIND or header.get("version") != VERSION:
-            raise CheckpointError(f"{name}: not a gpukv snapshot shard of version {VERSION}")
-        if header.get("keys"):  # a shard without keys has no key kind
-            kinds.add(header.get("key_kind"))
-        types.add(header.get("store_type"))
-        try:
-            for j, info in enumerate(header["keys"]):
-                keys.setdefault(info["key"], []).append(
-                    (info["start"], info["stop"], info, arrays[f"value/{j}"]))
-            exports.append(_optimizer_part(header, arrays))
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"{name}: damaged snapshot shard ({exc!r})") from exc
-    if len(kinds) > 1 or len(types) > 1:
-        raise CheckpointError(f"{path}: its shards come from different stores")
-    kind = {"int": int, "str": str, None: None}.get(next(iter(kinds), None), None)
-    order = sorted(keys.items(), key=lambda item: item[1][0][2]["index"])
+        parts.append(_Shard(name, header, arrays))
+    step = _step_of(path, parts[0].step)
+    for part in parts:
+        _same_step(part.name, "shard", part.step, step)
+    for rank in range(workers):  # user_state is read after the load: checked before it
+        _worker_header(path, rank, workers, step)
+    first = next((p for p in parts if p.keys), parts[0])
+    keys: dict = {}
+    for part in parts:
+        if part.store_type != first.store_type:
+            raise CheckpointError(f"{part.name}: a shard of a {part.store_type!r} store, but "
+                                  f"{first.name} is of a {first.store_type!r} store")
+        if part.keys and part.key_kind != first.key_kind:
+            raise CheckpointError(f"{part.name}: holds {part.key_kind} keys, but "
+                                  f"{first.name} holds {first.key_kind} keys")
+        for piece in part.keys:
+            keys.setdefault(piece.key, []).append(piece)
+    indexes: dict = {}
+    for key, pieces in keys.items():
+        _agreeing(key, pieces)
+        other = indexes.setdefault(pieces[0].order, key)
+        if other != key:
+            raise CheckpointError(f"{pieces[0].name}: key {_show(key)}: field 'index' is "
+                                  f"{pieces[0].order}, as key {_show(other)}'s is (a damaged "
+                                  f"snapshot shard)")
+    kind = {"int": int, "str": str, None: None}[first.key_kind if keys else None]
     out_keys, homes, values, shapes = [], [], [], {}
-    for key, pieces in order:
-        info = pieces[0][2]
+    for key, pieces in sorted(keys.items(), key=lambda item: item[1][0].order):
         value = _joined(path, key, pieces)
         out_keys.append(key)
-        homes.append(info["home"])
+        homes.append(pieces[0].home)
         values.append(value)
         shapes[key] = value.shape
     try:
-        state = merge(exports, shapes)
-    except (KeyError, TypeError, ValueError) as exc:
+        state = merge([p.optimizer for p in parts], shapes)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: the optimizer state of its shards does not fit "
                               f"together (a damaged snapshot: {exc})") from exc
     return StoreFile(path, kind, out_keys, homes, values, state)
 
 
-def _optimizer_part(header: dict, arrays: dict):
-    section = header.get("optimizer")
-    if section is None:
-        return None
-    return section["header"], {n: arrays[f"optimizer/{n}"] for n in section["arrays"]}
+class _Piece(NamedTuple):
+    """A piece of a key, as a shard's header describes it, with its value."""
+    name: str          # the shard's file
+    key: int | str
+    order: int         # the key's place in the store's init order (its 'index')
+    home: str          # the kind of its home device when saved
+    shape: tuple       # the whole key's
+    start: int         # the piece's first element in the flat key
+    stop: int
+    value: np.ndarray  # flat, stop - start elements
+
+
+def _natural(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _field(name: str, where: str, record: dict, field: str, fits, expected: str):
+    """`record[field]`, else CheckpointError naming the file (`name`), where in it
+    (`where`, e.g. "key 2: "), the field and what is wrong with it."""
+    if field not in record:
+        raise CheckpointError(f"{name}: {where}field {field!r} is missing (a damaged "
+                              f"snapshot shard)")
+    value = record[field]
+    if not fits(value):
+        raise CheckpointError(f"{name}: {where}field {field!r} is {_show(value)}, expected "
+                              f"{expected} (a damaged snapshot shard)")
+    return value
+
+
+class _Shard:
+    """A shard file's header checked whole (every field's presence and type, its keys'
+    kind, each value's size and dtype); CheckpointError naming the file, the key and the
+    field otherwise."""
+
+    def __init__(self, name: str, header: dict, arrays: dict):
+        if header.get("kind") != SHARD_KIND or header.get("version") != VERSION:
+            raise CheckpointError(f"{name}: not a gpukv snapshot shard of version {VERSION}")
+        self.name = name
+        self.step: int = _field(name, "", header, "step", _natural, "an int >= 0")
+        self.store_type: str = _field(name, "", header, "store_type",
+                                      lambda v: isinstance(v, str), "a str")
+        self.key_kind: str | None = _field(name, "", header, "key_kind",
+                                           lambda v: v in ("int", "str", None),
+                                           "'int', 'str' or null")
+        entries = _field(name, "", header, "keys", lambda v: isinstance(v, list), "a list")
+        if entries and self.key_kind is None:
+            raise CheckpointError(f"{name}: field 'key_kind' is null but the shard holds "
+                                  f"keys (a damaged snapshot shard)")
+        self.keys = [self._piece(j, entry, arrays) for j, entry in enumerate(entries)]
+        self.optimizer = self._optimizer(header, arrays)
+
+    def _piece(self, j: int, entry, arrays: dict) -> _Piece:
+        name = self.name
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{name}: field 'keys': entry {j} is {_show(entry)}, "
+                                  f"expected an object (a damaged snapshot shard)")
+        key = _field(name, f"field 'keys': entry {j}: ", entry, "key", lambda v: True, "")
+        found = type(key).__name__
+        if found != self.key_kind:  # an int key is never a bool, nor a str key an int
+            a = "an" if found[:1] in "aeiou" else "a"
+            raise CheckpointError(f"{name}: key {_show(key)} is {a} {found} key in a "
+                                  f"snapshot of {self.key_kind} keys (a damaged snapshot "
+                                  f"shard)")
+        where = f"key {_show(key)}: "
+        index = _field(name, where, entry, "index", _natural, "an int >= 0")
+        home = _field(name, where, entry, "home", lambda v: isinstance(v, str), "a str")
+        shape = _field(name, where, entry, "shape",
+                       lambda v: isinstance(v, list) and all(_natural(n) for n in v),
+                       "a list of ints >= 0")
+        start = _field(name, where, entry, "start", _natural, "an int >= 0")
+        stop = _field(name, where, entry, "stop", lambda v: _natural(v) and v >= start,
+                      f"an int >= its 'start' ({start})")
+        value = arrays.get(f"value/{j}")
+        if value is None:
+            raise CheckpointError(f"{name}: {where}its value (array 'value/{j}') is missing")
+        if value.dtype.name not in SUPPORTED_DTYPES:
+            raise CheckpointError(f"{name}: {where}its value has unsupported dtype "
+                                  f"{value.dtype}")
+        if value.size != stop - start:
+            raise CheckpointError(f"{name}: {where}its value holds {value.size} elements, "
+                                  f"but its 'start' and 'stop' say {stop - start}")
+        return _Piece(name, key, index, home, tuple(shape), start, stop, value.reshape(-1))
+
+    def _optimizer(self, header: dict, arrays: dict):
+        """This shard's part of the optimizer's state, (header, arrays), or None."""
+        name = self.name
+        section = _field(name, "", header, "optimizer",
+                         lambda v: v is None or isinstance(v, dict), "an object or null")
+        if section is None:
+            return None
+        where = "field 'optimizer': "
+        head = _field(name, where, section, "header", lambda v: isinstance(v, dict),
+                      "an object")
+        names = _field(name, where, section, "arrays",
+                       lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+                       "a list of str")
+        missing = [n for n in names if f"optimizer/{n}" not in arrays]
+        if missing:
+            raise CheckpointError(f"{name}: {where}array {_show(missing[0])} is missing")
+        return head, {n: arrays[f"optimizer/{n}"] for n in names}
+
+
+def _step_of(path: str, fallback: int) -> int:
+    """The step a snapshot's folder name says (`fallback` for a folder named otherwise)."""
+    match = _FOLDER.fullmatch(os.path.basename(os.path.normpath(path)))
+    return int(match[1]) if match else fallback
+
+
+def _same_step(name: str, what: str, step, expected: int) -> None:
+    if step != expected:
+        raise CheckpointError(f"{name}: a {what} file of step {step}, in the snapshot of "
+                              f"step {expected} (copied in from another snapshot?); "
+                              f"every file of a snapshot records its step")
+
+
+def _agreeing(key, pieces: list) -> None:
+    """The pieces of one key agree on its place, home, shape and dtype."""
+    first = pieces[0]
+    for piece in pieces[1:]:
+        for field, attribute in (("index", "order"), ("home", "home"), ("shape", "shape")):
+            mine, theirs = getattr(piece, attribute), getattr(first, attribute)
+            if mine != theirs:
+                raise CheckpointError(
+                    f"{piece.name}: key {_show(key)}: field {field!r} is {_show(mine)}, "
+                    f"but {_show(theirs)} in {first.name} (a damaged snapshot)")
+        if piece.value.dtype != first.value.dtype:
+            raise CheckpointError(f"{piece.name}: key {_show(key)}: its value is "
+                                  f"{piece.value.dtype}, but {first.value.dtype} in "
+                                  f"{first.name} (a damaged snapshot)")
 
 
 def _joined(path: str, key, pieces: list) -> np.ndarray:
     """A key's pieces put back together, checked to cover it exactly once."""
-    pieces.sort(key=lambda p: p[0])
-    info = pieces[0][2]
-    shape = tuple(info["shape"])
-    size = int(np.prod(shape, dtype=np.int64))
+    pieces = sorted(pieces, key=lambda p: p.start)
+    shape = pieces[0].shape
     at = 0
-    for start, stop, _, array in pieces:
-        if start != at or stop - start != array.size:
+    for piece in pieces:
+        if piece.start != at:
             break
-        at = stop
-    if at != size:
-        raise CheckpointError(f"{path}: key {key!r}: its pieces in the shards do not "
+        at = piece.stop
+    if at != math.prod(shape):
+        raise CheckpointError(f"{path}: key {_show(key)}: its pieces in the shards do not "
                               f"cover it exactly (a damaged snapshot)")
     if len(pieces) == 1:
-        return pieces[0][3].reshape(shape)
-    return np.concatenate([p[3].reshape(-1) for p in pieces]).reshape(shape)
+        return pieces[0].value.reshape(shape)
+    return np.concatenate([p.value for p in pieces]).reshape(shape)
 
 
 def read_worker(path, rank: int) -> tuple[int, dict]:
@@ -264,14 +397,27 @@ def read_worker(path, rank: int) -> tuple[int, dict]:
     if not 0 <= rank < counts[1]:
         raise CheckpointError(f"{path}: worker {rank}: the snapshot was written by "
                               f"{counts[1]} worker(s)")
-    name = os.path.join(path, worker_file(rank, counts[1]))
+    name, header, arrays = _worker_header(path, rank, counts[1], None)
+    try:
+        return header["step"], user_state.decode(header["user_state"], arrays)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{name}: damaged worker file ({exc!r})") from exc
+
+
+def _worker_header(path: str, rank: int, workers: int, step: int | None) -> tuple:
+    """(name, header, arrays) of worker `rank`'s file, its header checked: its kind, rank,
+    worker count and step (`step`, or the one the folder's name says)."""
+    name = os.path.join(path, worker_file(rank, workers))
     header, arrays = read_archive(name)
     if header.get("kind") != WORKER_KIND:
         raise CheckpointError(f"{name}: not a gpukv snapshot worker file")
-    try:
-        return int(header["step"]), user_state.decode(header["user_state"], arrays)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{name}: damaged worker file ({exc!r})") from exc
+    found = _field(name, "", header, "step", _natural, "an int >= 0")
+    for field, expected in (("rank", rank), ("workers", workers)):
+        _field(name, "", header, field, lambda v, e=expected: type(v) is int and v == e,
+               f"{expected}, as its name says")
+    _field(name, "", header, "user_state", lambda v: True, "")
+    _same_step(name, "worker", found, _step_of(path, found) if step is None else step)
+    return name, header, arrays
 
 
 # ---------------------------------------------------------------------------- writing

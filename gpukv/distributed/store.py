@@ -238,6 +238,7 @@ class DistKVStore(KVStore):
         self._tag: str | None = None  # the folder tag of this store's snapshots
         self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
         self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
+        self._pruning: dict = {}  # root -> keep of the snapshots taken since the last finish
 
     # ----------------------------------------------------------------- properties
     @property
@@ -686,8 +687,14 @@ class DistKVStore(KVStore):
             except CheckpointError as exc:
                 mine = mine or str(exc)
             else:
+                # Worker 0 prunes once its own file is written, counting only complete
+                # snapshots (never removing one of the `keep` newest complete): this one
+                # and the one before may not be complete yet (other processes' files
+                # land later), so more than `keep` may stay until a later prune;
+                # finish_snapshots prunes once every snapshot is known complete.
                 then = (lambda: snapshots.prune(root, keep)) if self.rank == 0 else None
                 self._writer.submit(turn, [worker], then)
+                self._pruning[root] = keep
             error = self._agreed_error(mine, "snapshot") or error
             if error is not None:
                 raise CheckpointError(error)
@@ -733,7 +740,9 @@ class DistKVStore(KVStore):
 
     def finish_snapshots(self) -> None:
         """Wait until every snapshot started is written, by every shard; CheckpointError
-        on every worker if one failed. Every worker calls it."""
+        on every worker if one failed; then only the `keep` newest complete snapshots
+        are left. Every worker calls it."""
+        from ..checkpoints import snapshots
         with self._lock:
             self._engine.control.check()
             self._engine.control.collective("finish_snapshots")
@@ -753,6 +762,20 @@ class DistKVStore(KVStore):
             error = self._agreed_error(mine, "finishing the snapshots") or error
             if error is not None:
                 raise CheckpointError(error)
+            # Only here is every snapshot taken known complete, on every worker and
+            # shard: the prune that leaves exactly `keep` of them (see snapshot()).
+            pruning, self._pruning = self._pruning, {}
+            if pruning:
+                mine = None
+                if self.rank == 0:
+                    try:
+                        for root, keep in pruning.items():
+                            snapshots.prune(root, keep)
+                    except CheckpointError as exc:
+                        mine = str(exc)
+                error = self._agreed_error(mine, "pruning the snapshots")
+                if error is not None:
+                    raise CheckpointError(error)
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:

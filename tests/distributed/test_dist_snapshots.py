@@ -1,6 +1,7 @@
 """Snapshots of dist stores across MPI processes: a job resumes from another job's
 snapshot on other numbers of processes and servers, bit for bit, with each worker's
-user_state; a user_state one worker cannot save is an error on every worker."""
+user_state; a user_state one worker cannot save is an error on every worker; `keep` is
+exact however late the files land; a spoiled snapshot is refused on every worker."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from gpukv.checkpoints import snapshots
 
 from .. import gpu_env
 from .mpirun import PROGRAMS, ok, run
@@ -112,3 +115,45 @@ def test_a_trainer_updating_locally_resumes_bit_for_bit(tmp_path):
         assert f"RESUMED worker {w} step 6 saved by 3 state {{'worker': {w}, 'step': 6}}" \
             in fewer, fewer
     assert len(_digests(fewer)) == 1, fewer
+
+
+def _folders(out: str) -> list:
+    (line,) = re.findall(r"FOLDERS ([^\s]*)", out)
+    return line.split(",") if line else []
+
+
+@pytest.mark.parametrize("n,servers,trainer",
+                         [(3, 0, ""), (1, 0, ""), (0, 0, ""), (4, 1, ""), (3, 0, "trainer")],
+                         ids=["3x0", "1x0", "local", "4x1", "3x0-trainer"])
+def test_keep_is_exact_when_files_land_late(tmp_path, n, servers, trainer):
+    """After snapshots of steps 1..5 with keep=2 (a store's `keep`, or a Trainer's
+    checkpoint_keep) and finish_snapshots(), exactly the 2 newest snapshot folders are
+    left, both complete, even when worker 0's own file of each snapshot lands first and
+    the other files after it."""
+    if trainer:
+        pytest.importorskip("torch")
+    root = tmp_path / "snaps"
+    out = _job(n, servers, "keep", str(root), "2", "5", trainer)
+    folders = _folders(out)
+    assert [name.split("-")[1] for name in folders] == ["000000004", "000000005"], out
+    assert [s.step for s in snapshots.complete_snapshots(root)] == [4, 5]
+
+
+def test_a_shard_from_an_earlier_step_is_refused_on_every_worker(tmp_path):
+    """A shard copied into the newest snapshot from an earlier step of the same run makes
+    resume raise CheckpointError on every worker, naming the shard and both steps, and
+    leaves every worker's values as they were."""
+    root = tmp_path / "snaps"
+    _job(3, 0, "train", str(root), "2")
+    older, newest = sorted(p for p in root.iterdir())
+    shard = snapshots.shard_file(1, 3)
+    shutil.copyfile(older / shard, newest / shard)
+    out = _job(3, 0, "refused", str(root))
+    caught = re.findall(r"CAUGHT CheckpointError on worker (\d+): "
+                        r"(.*?)(?=CAUGHT|UNCHANGED|PASS|$)", out, re.M | re.S)
+    assert sorted(int(w) for w, _ in caught) == [0, 1, 2], out
+    for _, message in caught:
+        assert str(newest / shard) in message and "step 1" in message \
+            and "step 2" in message, out
+    for w in range(3):
+        assert f"UNCHANGED worker {w}" in out, out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -125,6 +126,72 @@ def trainer_local_updates(root: str, until: str) -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     print(f"DIGEST worker {kv.rank} {digest}", flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def _late_writes() -> None:
+    """Every shard file, and every worker file but worker 0's, lands 0.2 s late (as on a
+    slow shared file system): worker 0's own file is then the first of each snapshot."""
+    from gpukv.checkpoints import snapshots
+    write = snapshots.write_archive
+
+    def late(path, header, arrays):
+        if header.get("kind") == snapshots.SHARD_KIND or header.get("rank", 0) != 0:
+            time.sleep(0.2)
+        write(path, header, arrays)
+    snapshots.write_archive = late
+
+
+def keep(root: str, keep: str, steps: str, trainer: str = "") -> None:
+    """Snapshots of steps 1..`steps` with keep=`keep` (through a Trainer's
+    checkpoint_keep with `trainer`), files landing late; then finish_snapshots() and
+    worker 0 prints the folders left (`FOLDERS name,name,...`)."""
+    _late_writes()
+    kv = _create()
+    if trainer:
+        import torch
+
+        import gpukv.torch as gt
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        coach = gt.Trainer([model], "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                           checkpoint_dir=root, checkpoint_every=1,
+                           checkpoint_keep=int(keep))
+        for step in range(int(steps)):
+            g = torch.Generator().manual_seed(1000 * step + kv.rank)
+            coach.zero_grad()
+            model(torch.randn(4, 5, generator=g)).square().sum().backward()
+            coach.step(4 * kv.num_workers)
+        coach.finish_snapshots()
+    else:
+        dtype = {k: np.dtype(d) for k, (d, _) in KEYS.items()}
+        kv.init(list(KEYS), [np.ones(s, dtype[k]) for k, (_, s) in KEYS.items()])
+        for step in range(int(steps)):
+            _push(kv, step)
+            kv.snapshot(root, step + 1, user_state={"step": step + 1}, keep=int(keep))
+        kv.finish_snapshots()
+    if kv.rank == 0:
+        print(f"FOLDERS {','.join(sorted(os.listdir(root)))}", flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def refused(root: str) -> None:
+    """Resume from `root`, whose newest snapshot the test spoiled: CheckpointError on
+    every worker (`CAUGHT CheckpointError on worker R: ...`), and every value as it was
+    (`UNCHANGED worker R`)."""
+    kv = _create()
+    dtype = {k: np.dtype(d) for k, (d, _) in KEYS.items()}
+    kv.init(list(KEYS), [np.full(s, 3, dtype[k]) for k, (_, s) in KEYS.items()])
+    kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.01, multi_precision=True))
+    before = _digest(kv)
+    try:
+        kv.resume(root)
+    except gpukv.CheckpointError as exc:
+        print(f"CAUGHT CheckpointError on worker {kv.rank}: {exc}", flush=True)
+    else:
+        raise AssertionError("the spoiled snapshot was loaded")
+    if _digest(kv) == before:
+        print(f"UNCHANGED worker {kv.rank}", flush=True)
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
