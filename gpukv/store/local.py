@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import timeline
 from .._env import flag
 from .._errors import (
     ArgumentError,
@@ -221,6 +222,7 @@ class LocalStore(KVStore):
         return homes, load
 
     # ------------------------------------------------------------------ the API
+    @timeline.traced("init")
     def init(self, key: Keys, value: Values) -> None:
         groups = check.group(key, value, "value")
         with self._lock:
@@ -253,14 +255,19 @@ class LocalStore(KVStore):
         if groups.key_kind is not None:
             self._key_kind = groups.key_kind
 
+    @timeline.traced("push")
     def push(self, key: Keys, value: Values, priority: int = 0) -> None:
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, value, "value")
+        with timeline.span("check"):
+            groups = check.group(key, value, "value")
         with self._lock:
-            entries = self.lookup(groups, "push")
-            exact = check.all_sources(groups, entries, "push")
-            self._run_push(self._plan_push(groups, entries, cast=not exact))
+            with timeline.span("check"):
+                entries = self.lookup(groups, "push")
+                exact = check.all_sources(groups, entries, "push")
+            with timeline.span("plan"):
+                plan = self._plan_push(groups, entries, cast=not exact)
+            self._run_push(plan)
 
     # The push pipeline (`pipeline.py`): the plan checks what `check.all_sources` could not
     # and makes every allocation; the run reduces, then updates.
@@ -274,6 +281,7 @@ class LocalStore(KVStore):
         """Reduce every job of a checked push, then run the updater (or assign)."""
         pipeline.run_push(plan, self._updater, self._compression, self._route)
 
+    @timeline.traced("pull")
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
         if out is None:
@@ -306,6 +314,7 @@ class LocalStore(KVStore):
         if jobs:
             self._route.strategy_for(jobs).broadcast_many(jobs)
 
+    @timeline.traced("pushpull")
     def pushpull(self, key: Keys, value: Values, out: Values | None = None,
                  priority: int = 0) -> None:
         if type(priority) is not int:
@@ -322,6 +331,7 @@ class LocalStore(KVStore):
             self._run_push(self._plan_push(groups, entries, cast=not exact))
             self._pull_groups(out_groups, out_entries)
 
+    @timeline.traced("broadcast")
     def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
         if type(priority) is not int:
             check.check_priority(key, priority)
@@ -383,11 +393,13 @@ class LocalStore(KVStore):
     def _entry_map(self) -> dict:
         return {k: (e.value, e.home) for k, e in self._entries.items()}
 
+    @timeline.traced("save")
     def save(self, path: str | os.PathLike) -> None:
         from ..checkpoints import checkpoint
         with self._lock:  # the values stay as they are while the file is written
             checkpoint.save_store(self._snapshot(to_host=True), path)
 
+    @timeline.traced("snapshot")
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
                  user_state: dict | None = None, keep: int = 2) -> str:
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
@@ -455,6 +467,7 @@ class LocalStore(KVStore):
             raise
         self._snapshots.submit(turn, files, then)
 
+    @timeline.traced("load")
     def load(self, path: str | os.PathLike) -> None:
         from ..checkpoints import checkpoint
         contents = snapshots.read_any(path)  # the file alone, outside the lock
@@ -573,6 +586,7 @@ class LocalStore(KVStore):
         rest = rows.regroup(rest_keys, rest_arrays, groups.key_kind)
         return rest, rest_entries
 
+    @timeline.traced("row_sparse_pull")
     def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,
                         priority: int = 0) -> None:
         if type(priority) is not int:

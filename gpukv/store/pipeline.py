@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import timeline
 from .._errors import ArgumentKindError, OutOfMemoryError
 from ..comm import HostStrategy, ReduceJob
 from ..device import device_of, host_device
@@ -274,20 +275,29 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     """Reduce every job of a checked push (`route` picks the strategies), then run
     `updater` (None: assign) in MXNet's order."""
     if plan.host_outs:
-        route.host.reduce_columns(plan.host_outs, plan.host_sources)
+        with timeline.span("reduce"):
+            route.host.reduce_columns(plan.host_outs, plan.host_sources)
         if not plan.updates:  # summed straight into the values: done
             return
     jobs = plan.jobs
     comp = compression
     if plan.compressed:  # compressed keys: the strategy sums the encoded terms
         assert comp is not None  # they were planned with it
-        jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home, out)
-                       for key, sources, devices, home, out in plan.compressed]
-    if jobs:
-        route.strategy_for(jobs).reduce_many(jobs)
-    for key, _, _, home, out in plan.compressed:
-        assert comp is not None
-        comp.finish(key, out, home)
+        with timeline.span("encode"):
+            jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home,
+                                     out) for key, sources, devices, home, out in plan.compressed]
+    with timeline.span("reduce"):
+        if jobs:
+            route.strategy_for(jobs).reduce_many(jobs)
+        for key, _, _, home, out in plan.compressed:
+            assert comp is not None
+            comp.finish(key, out, home)
+    with timeline.span("update" if updater is not None else "assign"):
+        _apply(plan, updater)
+
+
+def _apply(plan: PushPlan, updater) -> None:
+    """Run `updater` (None: assign) on a push's sums, in MXNet's order."""
     merged_rows: dict = {}
     assigned: dict = {}  # the homes written without an updater (insertion-ordered set)
     for key, entry, merged in plan.rows:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import math
 import numbers
+import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from .. import timeline
 from .._errors import ArgumentError, ArgumentKindError
 from ..api.factory import create
 from ..checkpoints.snapshots import Snapshot
@@ -207,12 +208,15 @@ class Trainer:
         is left out of the step when it has its own key (in a fused key it gets a zero
         gradient); on a dist store every worker passes the same flag.
         """
-        scale = self._scale_for(batch_size)
-        self._check_multipliers()
-        reduction = self._gather(ignore_stale_grad)
-        self._set_scale(scale)
-        self._update.step(reduction)
-        self._stepped()
+        with timeline.span("Trainer.step", "trainer", step=self._steps):
+            scale = self._scale_for(batch_size)
+            self._check_multipliers()
+            with timeline.span("gather gradients", "trainer"):
+                reduction = self._gather(ignore_stale_grad)
+            self._set_scale(scale)
+            with timeline.span("reduce and update", "trainer"):
+                self._update.step(reduction)
+            self._stepped()
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients of every replica on the store and pull the sum into each

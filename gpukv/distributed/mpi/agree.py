@@ -18,6 +18,7 @@ import zlib
 
 import numpy as np
 
+from ... import timeline
 from ..._errors import ArgumentError, PeerError, PeerMismatchError
 from .transport import TAG_DIGEST, TAG_ROLL, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
 
@@ -44,6 +45,10 @@ class Agreement:
     def check(self, signature: tuple, what: str) -> None:
         """Return once every rank called the same thing (`signature`, a tuple of plain
         values naming the call); else raise PeerError/PeerMismatchError on every rank."""
+        with timeline.span("agree", "mpi", call=what):
+            self._check(signature, what)
+
+    def _check(self, signature: tuple, what: str) -> None:
         t = self.t
         t.check()
         self.seq += 1

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from ... import timeline
 from ..._errors import BackendError, PeerError
 from . import job_exit
 
@@ -164,7 +165,8 @@ class Transport:
         return a PeerError to raise), else a PeerError naming `what`.
         """
         try:
-            return self._poll(done, what, timeout, on_timeout, moved)
+            with timeline.span("wait", "mpi", on=what):
+                return self._poll(done, what, timeout, on_timeout, moved)
         except self.MPI.Exception as exc:  # a test of a request, a receive, a roll call
             raise self.broken(what, exc) from exc
 

@@ -1,0 +1,194 @@
+"""`GPUKV_TIMELINE=DIR`: a timeline of every store call and its phases, per process.
+
+Each process writes `DIR/gpukv-timeline-rank<R>-pid<P>.json`, a Chrome trace (a JSON
+object whose "traceEvents" are complete events, "ph": "X") that Perfetto
+(ui.perfetto.dev) and chrome://tracing open: the store calls (init, push, pull, ...),
+their phases (check, plan, reduce, update; in a dist store the agreements, the engine's
+round and every wait on other processes), snapshot writes (on their own thread) and the
+Trainer's steps, nested as they ran, one row per thread. R is the MPI or torchrun rank
+(PMI_RANK, OMPI_COMM_WORLD_RANK or RANK), else 0. The file is written at exit, by
+`flush()`, and every `FLUSH_EVERY` events on the way, whole each time (a crash loses
+only the events since the last write).
+
+While it runs, in a process that imported PyTorch, each span is also a
+`torch.profiler.record_function` (named gpukv.<span>), so while `torch.profiler` records,
+the store's work shows in its trace beside the model's. Off (no GPUKV_TIMELINE, the
+default), a span is one global read: nothing measurable (benchmarks/bench_timeline.py).
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+ENV = "GPUKV_TIMELINE"
+#: events written out every this many (the whole file again, atomically)
+FLUSH_EVERY = 50_000
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _rank() -> int:
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class _Recorder:
+    """The events of this process, and where they go."""
+
+    def __init__(self, folder: str):
+        os.makedirs(folder, exist_ok=True)
+        self.rank, self.pid = _rank(), os.getpid()
+        self.path = os.path.join(folder, f"gpukv-timeline-rank{self.rank}-pid{self.pid}.json")
+        self.lock = threading.Lock()
+        # (name, category, start ns, end ns, thread, args): a tuple is the cheapest to
+        # keep; list.append is atomic, so spans of several threads need no lock
+        self.spans: list = []
+        self.threads: dict = {}  # native thread id -> its name
+        self.written = 0
+
+    def add(self, name: str, cat: str, start_ns: int, end_ns: int, args: dict) -> None:
+        tid = threading.get_native_id()
+        if tid not in self.threads:
+            self.threads[tid] = threading.current_thread().name
+        self.spans.append((name, cat, start_ns, end_ns, tid, args))
+        if len(self.spans) - self.written >= FLUSH_EVERY:
+            self.write()
+
+    def write(self) -> str:
+        """Write every event so far (atomically: a reader never sees half a file)."""
+        with self.lock:
+            spans, threads = list(self.spans), dict(self.threads)
+            self.written = len(spans)
+            events: list = [{"name": "process_name", "ph": "M", "pid": self.pid,
+                             "args": {"name": f"rank {self.rank}"}},
+                            {"name": "process_sort_index", "ph": "M", "pid": self.pid,
+                             "args": {"sort_index": self.rank}}]
+            events += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
+                        "args": {"name": name}} for tid, name in threads.items()]
+            for name, cat, start, end, tid, args in spans:
+                event = {"name": name, "cat": cat, "ph": "X", "pid": self.pid, "tid": tid,
+                         "ts": start / 1000, "dur": (end - start) / 1000}
+                if args:
+                    event["args"] = args
+                events.append(event)
+            temp = f"{self.path}.tmp"
+            with open(temp, "w") as f:
+                json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                           "otherData": {"rank": self.rank, "pid": self.pid}}, f)
+            os.replace(temp, self.path)
+        return self.path
+
+
+_active: _Recorder | None = None
+
+
+def start(folder: str | os.PathLike) -> None:
+    """Record from now on into `folder` (what GPUKV_TIMELINE=folder does at import)."""
+    global _active
+    if _active is not None:
+        _active.write()
+    _active = _Recorder(os.fspath(folder))
+
+
+def stop() -> str | None:
+    """Write the timeline and stop recording; the file's path (None when off)."""
+    global _active
+    recorder, _active = _active, None
+    return None if recorder is None else recorder.write()
+
+
+def flush() -> str | None:
+    """Write the events so far; the file's path (None when off)."""
+    recorder = _active
+    return None if recorder is None else recorder.write()
+
+
+def enabled() -> bool:
+    return _active is not None
+
+
+def _torch_profiling() -> bool:
+    """Whether this process imported PyTorch and its profiler records now. The check is
+    the one record_function makes itself (a tenth of a microsecond against its five)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return enabled is None or bool(enabled())
+
+
+class _Span:
+    __slots__ = ("name", "cat", "args", "start", "torch_span")
+
+    def __init__(self, name: str, cat: str, args: dict):
+        self.name, self.cat, self.args = name, cat, args
+        self.torch_span = None
+
+    def __enter__(self):
+        if _torch_profiling():
+            torch = sys.modules["torch"]
+            self.torch_span = torch.profiler.record_function(f"gpukv.{self.name}")
+            self.torch_span.__enter__()
+        self.start = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = time.perf_counter_ns()
+        if self.torch_span is not None:
+            self.torch_span.__exit__(*exc)
+        recorder = _active
+        if recorder is not None:
+            recorder.add(self.name, self.cat, self.start, end, self.args)
+
+
+class _Off:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
+def span(name: str, cat: str = "gpukv", **args):
+    """A context manager timing `name` (with `args` shown beside it) on the timeline."""
+    if _active is None:
+        return _OFF
+    return _Span(name, cat, args)
+
+
+def traced(name: str, cat: str = "store") -> Callable[[F], F]:
+    """Decorator: every call of the function is a span `name` on the timeline."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*a, **k):
+            if _active is None:
+                return fn(*a, **k)
+            with _Span(name, cat, {}):
+                return fn(*a, **k)
+        return call  # type: ignore[return-value]
+    return wrap
+
+
+@atexit.register
+def _at_exit() -> None:
+    if _active is not None:
+        _active.write()
+
+
+if os.environ.get(ENV):
+    start(os.environ[ENV])
