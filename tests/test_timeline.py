@@ -82,6 +82,18 @@ def test_the_environment_variable_records_a_process_and_its_trainer(tmp_path):
     assert all(any(_inside(p, s) for p in pushes) for s in steps)
 
 
+def test_snapshot_writes_are_spans_of_their_own_thread(recording):
+    kv = gpukv.create("local")
+    kv.init("w", np.zeros(8, np.float32))
+    kv.snapshot(recording / "snaps", step=1)
+    kv.finish_snapshots()
+    events = _events(timeline.stop())
+    writes = [e for e in events if e["name"] == "snapshot write"]
+    snapshot = next(e for e in events if e["name"] == "snapshot")
+    assert writes and all(w["tid"] != snapshot["tid"] for w in writes)
+    assert any(w["args"]["file"].startswith("shard") for w in writes), writes
+
+
 def test_spans_show_in_torch_profiler(recording):
     torch = pytest.importorskip("torch")
     kv = gpukv.create("local")

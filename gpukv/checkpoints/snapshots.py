@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import timeline
 from .._dtypes import SUPPORTED_DTYPES
 from .._errors import ArgumentError, CheckpointError
 from ..device import host_device
@@ -518,7 +519,9 @@ class PartWriter:
             try:
                 os.makedirs(os.path.dirname(files[0][0]), exist_ok=True)
                 for path, header, arrays in files:
-                    write_archive(path, header, arrays)
+                    name = os.path.basename(path)
+                    with timeline.span("snapshot write", "snapshot", file=name):
+                        write_archive(path, header, arrays)
                 if then is not None:
                     then()
             except BaseException as exc:  # kept for the caller's next call

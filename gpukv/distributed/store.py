@@ -9,6 +9,7 @@ call is checked here, whole, before any message leaves the process.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import timeline
 from .._env import positive_int
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..canonical.tree import rank_nodes
@@ -35,6 +37,8 @@ from .parts import SavedState, Shard, leaf_values, node_sums, pinned_store, shar
 if TYPE_CHECKING:
     from ..optim import Optimizer
     from . import Engine
+
+log = logging.getLogger("gpukv")
 
 #: seconds a process waits for the others before it calls them stalled
 DEFAULT_TIMEOUT = 120.0
@@ -239,6 +243,12 @@ class DistKVStore(KVStore):
         self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
         self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
         self._pruning: dict = {}  # root -> keep of the snapshots taken since the last finish
+        engine = type(self._engine).__name__
+        if gpu is not None:
+            engine += " (NCCL)"
+        log.info("gpukv %r store made: worker %d of %d, %d server(s), engine %s%s",
+                 name, self.rank, self.num_workers, servers, engine,
+                 ", deterministic" if deterministic else "")
 
     # ----------------------------------------------------------------- properties
     @property
@@ -284,6 +294,7 @@ class DistKVStore(KVStore):
     def __contains__(self, key) -> bool:
         return key in self._values
 
+    @timeline.traced("barrier")
     def barrier(self) -> None:
         """Wait for every worker; a PeerError names those that did not come in time."""
         with self._lock:
@@ -299,6 +310,7 @@ class DistKVStore(KVStore):
             return self._engine.control.workers_max(mine, what)
 
     # ------------------------------------------------------------------ the API
+    @timeline.traced("init")
     def init(self, key, value) -> None:
         """Create key(s) on every worker; every worker must init the same keys (in any
         order) before its next call that talks to the others, and rank 0's value wins."""
@@ -330,6 +342,7 @@ class DistKVStore(KVStore):
     def _replica(self, key) -> np.ndarray:
         return (self._values.entries()[key].value if self._in_place else self._host[key])
 
+    @timeline.traced("push")
     def push(self, key, value, priority: int = 0) -> None:
         """Push every worker's value(s) of each key; see `KVStore.push`. In dist_sync a
         server (or the owner, with num_servers=0) applies the updater once per key per
@@ -365,10 +378,12 @@ class DistKVStore(KVStore):
             self._engine.follow(self._optimizer_followed)
         # the canonical sums read the values as one process sums them: each converted to
         # its key's dtype first (the sums of `_local_sums` convert as they go)
-        grads = (self._node_sums(cast_to_keys(groups, entries), entries)
-                 if self._deterministic else self._local_sums(groups, entries))
+        with timeline.span("sum here"):
+            grads = (self._node_sums(cast_to_keys(groups, entries), entries)
+                     if self._deterministic else self._local_sums(groups, entries))
         replicas = [self._replica(k) for k in groups.keys]
-        self._engine.push(groups.keys, grads, replicas)
+        with timeline.span("round", "mpi"):
+            self._engine.push(groups.keys, grads, replicas)
         if self._engine.round_updates_replicas:
             self._to_devices(groups.keys, replicas)
         self._refresh()
@@ -460,6 +475,7 @@ class DistKVStore(KVStore):
             entry = self._values.entries()[key]
             entry.home.copy(entry.value, host)
 
+    @timeline.traced("pull")
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy each key's value into `out`; in dist_sync a pull returns the value after
         every push of this worker that came before it, summed with the other workers'."""
@@ -482,6 +498,7 @@ class DistKVStore(KVStore):
             self._to_devices(keys, replicas)
         self._refresh()
 
+    @timeline.traced("pushpull")
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push then pull (into `value` itself when `out` is None); both checked first."""
         if type(priority) is not int:
@@ -499,6 +516,7 @@ class DistKVStore(KVStore):
             self._fetch(out_groups.keys)
             self._values.pull_checked(out_groups, out_entries)
 
+    @timeline.traced("broadcast")
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """init (rank 0's value wins) then pull into `out`."""
         out_groups = check.group(key, out, "out", written=True)
@@ -509,6 +527,7 @@ class DistKVStore(KVStore):
             self._fetch(out_groups.keys)
             self._values.pull_checked(out_groups, entries)
 
+    @timeline.traced("row_sparse_pull")
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
         """The rows `row_ids` of each key into RowSparse `out`(s) (see KVStore's)."""
         if type(priority) is not int:
@@ -569,6 +588,7 @@ class DistKVStore(KVStore):
     # Every worker calls these (optimizer state is spread over the shards); worker 0 reads
     # or writes the file, the same format a one-process store uses, and tells the others
     # how it went: a failure raises the same CheckpointError on every worker.
+    @timeline.traced("save")
     def save(self, path: str | os.PathLike) -> None:
         """Write every key's value and the optimizer's state (see `KVStore.save`)."""
         from ..checkpoints import checkpoint
@@ -588,6 +608,7 @@ class DistKVStore(KVStore):
                 error = _attempt(lambda: checkpoint.save_store(snapshot, path))
             _raise(self._engine.control.share(error, "save"))
 
+    @timeline.traced("load")
     def load(self, path: str | os.PathLike) -> None:
         """Read a file `save` wrote, or a snapshot's folder (here or in any store, with
         any number of processes or servers): keys missing from the store are created,
@@ -638,6 +659,7 @@ class DistKVStore(KVStore):
                                            f"not read this snapshot")
         return mine
 
+    @timeline.traced("snapshot")
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
                  user_state: dict | None = None,
                  keep: int = 2, replicated: KVStore | None = None) -> str:
@@ -708,6 +730,7 @@ class DistKVStore(KVStore):
         first = self._engine.control.share(mine, what)
         return first or mine or f"{what}: another worker's snapshot files could not be written"
 
+    @timeline.traced("resume")
     def resume(self, root: str | os.PathLike, check=None, into: list | None = None):
         """Load the newest complete snapshot under `root` (see `KVStore.resume`): worker 0
         picks it (and runs `check`), so every worker loads the same one, into this store
@@ -738,6 +761,7 @@ class DistKVStore(KVStore):
                 raise CheckpointError(error)
             return found
 
+    @timeline.traced("finish_snapshots")
     def finish_snapshots(self) -> None:
         """Wait until every snapshot started is written, by every shard; CheckpointError
         on every worker if one failed; then only the `keep` newest complete snapshots

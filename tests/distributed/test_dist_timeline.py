@@ -29,6 +29,7 @@ def test_every_rank_writes_its_timeline(tmp_path, servers):
         if rank < servers:  # a server: its shard's updates
             assert "update" in names, (f.name, names)
             continue
-        assert {"Trainer.step", "push", "agree", "wait"} <= names, (f.name, names)
+        assert {"Trainer.step", "push", "sum here", "round", "agree", "wait"} <= names, (
+            f.name, names)
         waits = [e for e in trace["traceEvents"] if e["name"] == "wait"]
         assert all(e["args"]["on"] for e in waits)
