@@ -8,18 +8,28 @@ import math
 import os
 import random
 import shutil
+import struct
+import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpukv
 from gpukv import optim
 from gpukv.checkpoints import checkpoint, snapshots
+from gpukv.checkpoints import user_state as user_state_format
 from gpukv.checkpoints.checkpoint import read_archive
 
 torch = pytest.importorskip("torch")
+try:
+    import ml_dtypes
+except ImportError:  # its dtypes' tests then expect a refusal
+    ml_dtypes = None
 
 #: key -> (dtype, shape); Adam with float32 master copies trains every key
 KEYS = {1: ("float32", (5, 7)), 2: ("float16", (33,)), 3: ("float64", (300,))}
@@ -347,7 +357,7 @@ def test_bad_arguments_change_nothing(tmp_path, change, error, message):
 
 def _same(a, b) -> bool:
     """Equal values of the same types all the way down; arrays to the bit, dtype and
-    shape included; nan equals nan."""
+    shape included; floats to the bit (nan equals a nan of the same bits)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -355,14 +365,22 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        a, b = a.numpy(), b.numpy()
+        return a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
     if isinstance(a, np.ndarray):
         return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, float):
-        return math.copysign(1, a) == math.copysign(1, b) and (
-            a == b or math.isnan(a) and math.isnan(b))
+    if isinstance(a, float):  # to the bit: -0.0, a nan's sign and payload
+        return struct.pack("<d", a) == struct.pack("<d", b)
     return a == b
 
+
+def _bits(t) -> bytes:
+    """The bytes of a tensor's values (any dtype, 0-d too), in order."""
+    if t.numel() == 0:
+        return b""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+_SHARED = [1, {"x": 2}]  # one list in several places: saved in each, no cycle
 
 USER_STATES = {
     "nested": {"loader": {"epoch": 3, "batches": [1, 2, {"deep": (4, "five", None)}]},
@@ -377,7 +395,20 @@ USER_STATES = {
               "t": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
     "big_ints": {"big": 2**80, "small": -(2**70), "zero": 0},
     "floats": {"inf": math.inf, "ninf": -math.inf, "nan": math.nan, "nzero": -0.0,
-               "tiny": 5e-324, "in_a_tuple": (math.nan, 1.25)},
+               "tiny": 5e-324, "in_a_tuple": (math.nan, 1.25), "negative_nan": -math.nan,
+               "nan_payload": struct.unpack("<d", struct.pack("<Q", 0x7FF0_0000_0000_0123))[0]},
+    "narrow_tensors": {  # dtypes torch has no NumPy twin for: through ml_dtypes
+        "bf16": torch.tensor([1.5, -0.0, math.inf, math.nan, 3e38], dtype=torch.bfloat16),
+        "bf16_strided": torch.arange(12.0).to(torch.bfloat16).reshape(3, 4).t(),
+        "bf16_0d": torch.tensor(-2.25, dtype=torch.bfloat16),
+        "bf16_grad": torch.ones(2, dtype=torch.bfloat16, requires_grad=True),
+        "e4m3": torch.tensor([0.5, -448.0], dtype=torch.float8_e4m3fn),
+        "e5m2": (torch.tensor([1.0, -57344.0], dtype=torch.float8_e5m2),)},
+    "long_double": {"a": np.array([1, 2, 3], np.longdouble) / 3,
+                    "c": np.array([1 + 1j], np.clongdouble) / 3,
+                    "zero_d": np.asarray(np.longdouble(1) / 7)},
+    "longest_int": {"big": int("9" * 4300), "neg": -int("9" * 4300), "hex": hex(7 ** 9000)},
+    "shared_not_cyclic": {"a": _SHARED, "b": [_SHARED, (_SHARED,)]},
 }
 
 
@@ -402,17 +433,116 @@ def test_numpy_scalars_come_back_as_python_numbers(tmp_path):
     assert type(back["x"]) is float and math.isnan(back["x"])
 
 
+def _cycle_in_a_list():
+    a = [0, 1]
+    a.append(a)
+    return {"a": a}
+
+
+def _cycle_in_a_dict():
+    d: dict = {"x": {}}
+    d["x"]["up"] = d
+    return {"d": d}
+
+
+def _cycle_through_a_tuple():
+    inner: list = []
+    t = (inner,)
+    inner.append(t)
+    return {"t": t}
+
+
+def _cycle_at_the_top():
+    state: dict = {}
+    state["me"] = state
+    return state
+
+
+def _quietly(make):
+    """make(), without the warnings torch gives for its beta and deprecated kinds."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make()
+
+
+def _sparse(layout):
+    dense = torch.eye(4)
+    if layout in ("bsr", "bsc"):
+        return _quietly(lambda: getattr(dense, f"to_sparse_{layout}")((2, 2)))
+    if layout == "coo":
+        return dense.to_sparse()
+    return _quietly(getattr(dense, f"to_sparse_{layout}"))
+
+
 UNSAVABLE = [
-    ({"seen": {1, 2}}, r"user_state\['seen'\]: a set cannot be saved"),
-    ({"a": [0, {1: "one"}]}, r"user_state\['a'\]\[1\]: key 1 is a int"),
-    ({"a": (np.array([object()]),)}, r"user_state\['a'\]\[0\]: an array of Python objects"),
-    ({"a": {"__gpukv_tuple__": 1}}, r"user_state\['a'\]: key '__gpukv_tuple__' is reserved"),
-    ({"c": 1j}, r"user_state\['c'\]: a complex cannot be saved"),
-    ({"c": np.complex64(1j)}, r"user_state\['c'\]: a complex cannot be saved"),
+    pytest.param({"seen": {1, 2}}, r"user_state\['seen'\]: a set cannot be saved", id="set"),
+    pytest.param({"a": [0, {1: "one"}]}, r"user_state\['a'\]\[1\]: key 1 is a int", id="int-key"),
+    pytest.param({"a": (np.array([object()]),)},
+                 r"user_state\['a'\]\[0\]: an array of Python objects", id="object-array"),
+    pytest.param({"a": {"__gpukv_tuple__": 1}},
+                 r"user_state\['a'\]: key '__gpukv_tuple__' is reserved", id="reserved-key"),
+    pytest.param({"c": 1j}, r"user_state\['c'\]: a complex cannot be saved", id="complex"),
+    pytest.param({"c": np.complex64(1j)}, r"user_state\['c'\]: a complex cannot be saved",
+                 id="np-complex"),
+    # NumPy scalars that hold no Python number
+    pytest.param({"x": [np.longdouble(1) / 3]},
+                 r"user_state\['x'\]\[0\]: a numpy\.longdouble scalar .*np\.asarray",
+                 id="longdouble"),
+    pytest.param({"x": {"y": np.clongdouble(1j) / 3}},
+                 r"user_state\['x'\]\['y'\]: a numpy\.clongdouble scalar", id="clongdouble"),
+    pytest.param({"v": np.zeros(1, [("a", "i4")])[0]},
+                 r"user_state\['v'\]: a numpy\.void scalar", id="structured-scalar"),
+    pytest.param({"d": [np.datetime64("2024-01-02T03:04:05.123456789", "ns")]},
+                 r"user_state\['d'\]\[0\]: a numpy\.datetime64 scalar", id="datetime-scalar"),
+    pytest.param({"d": np.timedelta64("NaT")}, r"user_state\['d'\]: a numpy\.timedelta64 scalar",
+                 id="timedelta-scalar"),
+    # cycles, and a nesting past the limit
+    pytest.param(_cycle_in_a_list(), r"user_state\['a'\]\[2\]: refers back .*cycle",
+                 id="cycle-list"),
+    pytest.param(_cycle_in_a_dict(), r"user_state\['d'\]\['x'\]\['up'\]: refers back",
+                 id="cycle-dict"),
+    pytest.param(_cycle_through_a_tuple(), r"user_state\['t'\]\[0\]\[0\]: refers back",
+                 id="cycle-tuple"),
+    pytest.param(_cycle_at_the_top(), r"user_state\['me'\]: refers back", id="cycle-top"),
+    # arrays the archive cannot hold
+    pytest.param({"a": [0, np.array(["text"])]}, r"user_state\['a'\]\[1\]: .*dtype <U4",
+                 id="str-array"),
+    pytest.param({"a": np.array([b"raw"])}, r"user_state\['a'\]: .*dtype \|S3", id="bytes-array"),
+    pytest.param({"a": np.array(["2024-01-02"], "datetime64[D]")},
+                 r"user_state\['a'\]: .*dtype datetime64\[D\].*astype", id="datetime-array"),
+    pytest.param({"a": np.array([5], "timedelta64[s]")},
+                 r"user_state\['a'\]: .*dtype timedelta64\[s\]", id="timedelta-array"),
+    pytest.param({"a": np.zeros(2, [("x", "i4"), ("y", "f8")])},
+                 r"user_state\['a'\]: .*dtype \[\('x', '<i4'\), \('y', '<f8'\)\].*field",
+                 id="structured-array"),
+    pytest.param({"a": np.zeros(2, [("x", "O")])}, r"user_state\['a'\]: an array of Python objects",
+                 id="object-field-array"),
+    pytest.param({"a": np.zeros(2, "V2")}, r"user_state\['a'\]: .*dtype \|V2", id="void-array"),
+    pytest.param({"a": np.ma.masked_array([1, 2], mask=[0, 1])},
+                 r"user_state\['a'\]: a masked array .*mask", id="masked-array"),
+    # ints whose decimal digits are past Python's int/str limit (JSON writes them as digits)
+    pytest.param({"a": [1, 10 ** 4300]}, r"user_state\['a'\]\[1\]: an int of more than 4300 digits",
+                 id="huge-int"),
+    pytest.param({"a": (-(10 ** 5000),)}, r"user_state\['a'\]\[0\]: an int of more than 4300",
+                 id="huge-negative-int"),
+    # torch tensors without NumPy values
+    *[pytest.param({"t": [_sparse(layout)]}, r"user_state\['t'\]\[0\]: .*sparse.*to_dense\(\)",
+                   id=f"sparse-{layout}") for layout in ("coo", "csr", "csc", "bsr", "bsc")],
+    pytest.param({"t": torch.ones(2, device="meta")}, r"user_state\['t'\]: .*meta",
+                 id="meta-tensor"),
+    pytest.param({"t": _quietly(lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0,
+                                                                  torch.qint8))},
+                 r"user_state\['t'\]: a quantized .*dequantize\(\)", id="quantized-tensor"),
+    pytest.param({"t": _quietly(lambda: torch.nested.nested_tensor([torch.ones(2),
+                                                                   torch.ones(3)]))},
+                 r"user_state\['t'\]: a nested .*unbind\(\)", id="nested-tensor"),
+    pytest.param({"t": _quietly(lambda: torch.ones(2, dtype=torch.complex32))},
+                 r"user_state\['t'\]: a torch tensor of dtype torch\.complex32 .*\.to\(",
+                 id="complex32-tensor"),
 ]
 
 
-@pytest.mark.parametrize("state,message", UNSAVABLE, ids=[m.split(":")[0] for _, m in UNSAVABLE])
+@pytest.mark.parametrize("state,message", UNSAVABLE)
 def test_unsavable_user_state_is_refused_naming_where(tmp_path, state, message):
     """A value user_state cannot hold is an ArgumentError naming where it is, raised by
     snapshot() itself, and nothing is written."""
@@ -421,6 +551,233 @@ def test_unsavable_user_state_is_refused_naming_where(tmp_path, state, message):
         kv.snapshot(tmp_path / "snaps", 1, user_state=state)
     kv.finish_snapshots()
     assert not (tmp_path / "snaps").exists()
+
+
+@pytest.mark.parametrize("state,message", UNSAVABLE)
+def test_a_refused_user_state_changes_nothing(tmp_path, state, message):
+    """After a refused snapshot() the earlier snapshots are as they were, no write fails
+    later, and the next snapshot takes the step the refused one would have had."""
+    kv = _store("local")
+    root = tmp_path / "snaps"
+    kv.snapshot(root, user_state={"kept": [1, 2]})
+    kv.finish_snapshots()
+    listing = _folders(root)
+    with pytest.raises(gpukv.ArgumentError, match=message):
+        kv.snapshot(root, user_state=state, keep=1)
+    kv.finish_snapshots()  # nothing was left to fail in the background
+    assert _folders(root) == listing
+    assert gpukv.latest_snapshot(root).user_state(0) == {"kept": [1, 2]}
+    assert Path(kv.snapshot(root)).name.startswith("step-000000002-")
+    kv.finish_snapshots()
+
+
+def _nested(levels: int):
+    """A user_state `levels` containers deep, the dict itself counted, cycling through
+    lists, tuples and dicts."""
+    value: object = "leaf"
+    for level in range(levels - 1, 0, -1):
+        value = [value] if level % 3 == 1 else (value,) if level % 3 == 2 else {"k": value}
+    return {"top": value}
+
+
+def _where(levels: int) -> str:
+    """The path `_nested` gives the container at depth `levels`, as a pattern."""
+    parts = ["user_state", "['top']"] + [
+        "[0]" if level % 3 in (1, 2) else "['k']" for level in range(1, levels - 1)]
+    return "".join(parts).replace("[", r"\[").replace("]", r"\]")
+
+
+def test_a_state_as_deep_as_the_limit_round_trips(tmp_path):
+    """A user_state exactly MAX_DEPTH containers deep is saved and comes back equal."""
+    state = _nested(user_state_format.MAX_DEPTH)
+    kv = _store("local")
+    kv.snapshot(tmp_path, 1, user_state=state)
+    kv.finish_snapshots()
+    assert _same(gpukv.latest_snapshot(tmp_path).user_state(0), state)
+
+
+@pytest.mark.parametrize("levels", [1, 5, 900, 5000])
+def test_a_state_deeper_than_the_limit_is_refused_naming_where(tmp_path, levels):
+    """A user_state deeper than MAX_DEPTH (thousands of levels included) is an
+    ArgumentError naming the first container past the limit, never a RecursionError,
+    and nothing is written."""
+    depth = user_state_format.MAX_DEPTH + levels
+    kv = _store("local")
+    with pytest.raises(gpukv.ArgumentError,
+                       match=f"^{_where(user_state_format.MAX_DEPTH + 1)}: nested deeper than "
+                             f"{user_state_format.MAX_DEPTH} "):
+        kv.snapshot(tmp_path / "snaps", 1, user_state=_nested(depth))
+    kv.finish_snapshots()
+    assert not (tmp_path / "snaps").exists()
+
+
+@settings(max_examples=30, deadline=None)
+@given(digits=st.integers(4290, 4310), negative=st.booleans(), tail=st.integers(0, 10 ** 30))
+def test_ints_round_trip_up_to_4300_digits_and_are_refused_past(digits, negative, tail):
+    """An int of at most 4300 decimal digits round-trips exactly; a longer one is an
+    ArgumentError at the call naming where, and nothing is written."""
+    value = (10 ** (digits - 1) + tail) * (-1 if negative else 1)
+    kv = _store("local")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "snaps")
+        if digits > 4300:
+            with pytest.raises(gpukv.ArgumentError, match=r"user_state\['n'\]\[1\]: an int"):
+                kv.snapshot(root, 1, user_state={"n": [0, value]})
+            kv.finish_snapshots()
+            assert not os.path.exists(root)
+            return
+        kv.snapshot(root, 1, user_state={"n": [0, value]})
+        kv.finish_snapshots()
+        assert gpukv.latest_snapshot(root).user_state(0)["n"][1] == value
+
+
+def _numpy_dtypes() -> list:
+    """Every dtype NumPy names, byte-swapped ones, ml_dtypes' ones and the odd kinds."""
+    found = {np.dtype(t) for t in np.sctypeDict.values()}
+    found |= {np.dtype(d) for d in (">i4", ">f8", ">c16", "<U3", "|S3", "M8[D]", "m8[s]",
+                                    "V2", "V3", [("a", "<i4"), ("b", "<f8")])}
+    if ml_dtypes is not None:
+        found |= {np.dtype(t) for t in vars(ml_dtypes).values()
+                  if isinstance(t, type) and issubclass(t, np.generic)}
+    return sorted(found, key=str)
+
+
+def _sample(dtype: np.dtype) -> np.ndarray:
+    """A 2x3 array of `dtype` of varied bits (true and false for bool)."""
+    if dtype.hasobject or dtype.itemsize == 0:
+        return np.zeros((2, 3), dtype)
+    if dtype.kind == "b":
+        return np.array([[True, False, True], [False, False, True]])
+    rng = np.random.default_rng(dtype.itemsize)
+    return np.frombuffer(rng.bytes(6 * dtype.itemsize), dtype).reshape(2, 3)
+
+
+def _ml_dtype(dtype: np.dtype) -> bool:
+    return (ml_dtypes is not None and dtype.kind == "V"
+            and getattr(ml_dtypes, dtype.name, None) is dtype.type)
+
+
+@pytest.mark.parametrize("dtype", _numpy_dtypes(), ids=str)
+def test_every_numpy_dtype_round_trips_or_is_refused_at_the_call(tmp_path, dtype):
+    """An array of numbers, bool or an ml_dtypes type comes back with its values to the
+    bit (byte-swapped ones in native order); an array of any other dtype is an
+    ArgumentError at the call naming where, never a write that fails later."""
+    array = _sample(dtype)
+    kv = _store("local")
+    root = tmp_path / "snaps"
+    if not (dtype.kind in "biufc" or _ml_dtype(dtype)):
+        with pytest.raises(gpukv.ArgumentError, match=r"^user_state\['a'\]\[1\]: "):
+            kv.snapshot(root, 1, user_state={"a": [0, array]})
+        kv.finish_snapshots()
+        assert not root.exists()
+        return
+    kv.snapshot(root, 1, user_state={"a": [0, array]})
+    kv.finish_snapshots()
+    back = gpukv.latest_snapshot(root).user_state(0)["a"][1]
+    native = dtype if dtype.isnative else dtype.newbyteorder("=")
+    assert type(back) is np.ndarray and back.dtype == native and back.shape == array.shape
+    assert back.tobytes() == array.astype(native).tobytes()
+
+
+def _torch_dtypes() -> list:
+    return sorted({getattr(torch, n) for n in dir(torch)
+                   if isinstance(getattr(torch, n), torch.dtype)}, key=str)
+
+
+#: torch dtypes without a NumPy twin that are saved through ml_dtypes' one
+THROUGH_ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                     "float8_e5m2fnuz", "float8_e8m0fnu"}
+
+
+def _tensor(dtype):
+    """A 2x3 tensor of `dtype` of varied bits, or None where torch cannot make one."""
+    try:
+        if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+            return torch.quantize_per_tensor(torch.arange(6.0).reshape(2, 3), 0.5, 1, dtype)
+        if dtype == torch.bool:
+            return torch.tensor([[True, False, True], [False, False, True]])
+        raw = np.random.default_rng(7).integers(0, 256, 6 * dtype.itemsize, np.uint8)
+        return torch.from_numpy(raw).view(dtype).reshape(2, 3)
+    except (RuntimeError, TypeError):
+        try:
+            return torch.zeros(2, 3, dtype=dtype)
+        except (RuntimeError, TypeError):
+            return None
+
+
+@pytest.mark.parametrize("dtype", _torch_dtypes(), ids=str)
+def test_every_torch_dtype_round_trips_or_is_refused_at_the_call(tmp_path, dtype):
+    """A tensor of a dtype with a NumPy or ml_dtypes twin comes back as a CPU tensor of
+    that dtype with its values to the bit (nan payloads included); any other dtype is an
+    ArgumentError at the call naming where and what to do, never a TypeError or a write
+    that fails later."""
+    tensor = _quietly(lambda: _tensor(dtype))
+    if tensor is None:
+        pytest.skip(f"torch makes no tensor of {dtype}")
+    name = str(dtype).removeprefix("torch.")
+    try:
+        tensor.numpy()
+        savable = True
+    except (TypeError, RuntimeError):
+        savable = name in THROUGH_ML_DTYPES
+    kv = _store("local")
+    root = tmp_path / "snaps"
+    if not savable:
+        with pytest.raises(gpukv.ArgumentError,
+                           match=rf"^user_state\['t'\]\[0\]: a .*tensor .*{dtype}"):
+            kv.snapshot(root, 1, user_state={"t": (tensor,)})
+        kv.finish_snapshots()
+        assert not root.exists()
+        return
+    kv.snapshot(root, 1, user_state={"t": (tensor,)})
+    kv.finish_snapshots()
+    back = gpukv.latest_snapshot(root).user_state(0)["t"][0]
+    assert type(back) is torch.Tensor and back.device.type == "cpu"
+    assert back.dtype == dtype and back.shape == tensor.shape and _bits(back) == _bits(tensor)
+
+
+def test_tensors_with_a_conjugate_or_negative_bit_are_saved_as_their_values(tmp_path):
+    """A lazily conjugated or negated tensor (torch's conj/neg bits) is saved as the
+    values it stands for."""
+    z = torch.tensor([1 + 2j, -3 - 4j], dtype=torch.complex64)
+    state = {"conj": z.conj(), "neg": z.conj().imag}
+    kv = _store("local")
+    kv.snapshot(tmp_path, 1, user_state=state)
+    kv.finish_snapshots()
+    back = gpukv.latest_snapshot(tmp_path).user_state(0)
+    assert torch.equal(back["conj"], z.conj().resolve_conj())
+    assert torch.equal(back["neg"], z.conj().imag.resolve_neg())
+    assert back["conj"].dtype == torch.complex64 and back["neg"].dtype == torch.float32
+
+
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5),
+    st.builds(lambda digits, negative, tail: (10 ** (digits - 1) + tail) * (-1) ** negative,
+              st.integers(20, 4300), st.booleans(), st.integers(0, 10 ** 18)),
+    st.sampled_from([np.float16, np.float32, np.float64, np.longdouble, np.complex128,
+                     np.int8, np.uint64, np.bool_]).flatmap(
+        lambda t: st.lists(st.integers(0, 100), max_size=4).map(lambda v: np.array(v, t))),
+    st.lists(st.floats(width=32), max_size=4).map(
+        lambda v: torch.tensor(v, dtype=torch.float32).to(torch.bfloat16)))
+_STATES = st.dictionaries(st.text(max_size=4).filter(lambda k: not k.startswith("__gpukv")),
+                          st.recursive(_LEAVES, lambda inner: st.one_of(
+                              st.lists(inner, max_size=3),
+                              st.lists(inner, max_size=3).map(tuple),
+                              st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+                              max_leaves=12),
+                          max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(state=_STATES)
+def test_any_savable_state_round_trips(state):
+    """Random nestings of the savable kinds (big ints, nan, long doubles, bfloat16
+    tensors among them) come back with the same types and bits."""
+    kv = _store("local")
+    with tempfile.TemporaryDirectory() as tmp:
+        kv.snapshot(tmp, 1, user_state=state)
+        kv.finish_snapshots()
+        assert _same(gpukv.latest_snapshot(tmp).user_state(0), state)
 
 
 def test_loading_a_plain_folder_keeps_its_error(tmp_path):
