@@ -63,7 +63,11 @@ def rate_bits(rate: str) -> float:
         raise ValueError(f"link rate {rate!r}: expected a number with kbit, mbit or gbit "
                          f"(or kbps, mbps, gbps for bytes), e.g. 1gbit")
     value = float(match.group(1)) * _SCALE[match.group(2).lower()]
-    return value * (8 if match.group(3).lower() == "bps" else 1)
+    bits = value * (8 if match.group(3).lower() == "bps" else 1)
+    if bits < 8:  # tc's token bucket cannot run slower (and 0 would never send)
+        raise ValueError(f"link rate {rate!r}: expected at least 8bit (1bps); to take a "
+                         f"host off the network, cut its link")
+    return bits
 
 
 def unavailable() -> str | None:
@@ -270,21 +274,12 @@ class EmulatedCluster:
     def cut(self, host: int) -> None:
         """Take host's link down (its processes go on, unreachable)."""
         self._check_host(host)
-        _ip("-n", self.namespaces[host], "link", "set", IFACE, "down")
+        cut_link(self.namespaces[host])
 
     def restore(self, host: int) -> None:
         """Bring host's link back up (the address and route come back with it)."""
         self._check_host(host)
-        _ip("-n", self.namespaces[host], "link", "set", IFACE, "up")
-        # (the address and its route come back with the link) Return once it carries
-        # traffic again: both ends of the veth report their carrier up.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            shown = _ip("-n", self.namespaces[host], "-o", "link", "show", IFACE).stdout
-            if "LOWER_UP" in shown and "state UP" in shown:
-                return
-            time.sleep(0.02)
-        raise ClusterUnavailable(f"host {host}'s link did not come back up within 5 s")
+        restore_link(self.namespaces[host])
 
     def kill(self, host: int) -> list[int]:
         """SIGKILL every process of host, as when the machine dies; their pids."""
@@ -324,6 +319,7 @@ class EmulatedCluster:
             "GLOO_SOCKET_IFNAME": IFACE,
             "NCCL_SOCKET_IFNAME": IFACE,
             "GPUKV_CLUSTER_HOSTS": ",".join(self.addresses),
+            "GPUKV_CLUSTER": self.tag,     # `gpukv cluster cut I` finds its hosts by it
         })
         return env
 
@@ -347,15 +343,98 @@ class EmulatedCluster:
             raise ValueError(f"host: expected 0 to {self.hosts - 1}, got {host!r}")
 
 
+def cut_link(namespace: str) -> None:
+    """Take the link of the host in `namespace` down."""
+    _ip("-n", namespace, "link", "set", IFACE, "down")
+
+
+def restore_link(namespace: str) -> None:
+    """Bring the link of the host in `namespace` back up; return once it carries traffic
+    again (both ends of the veth report their carrier up; the address and its route
+    come back with the link)."""
+    _ip("-n", namespace, "link", "set", IFACE, "up")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        shown = _ip("-n", namespace, "-o", "link", "show", IFACE).stdout
+        if "LOWER_UP" in shown and "state UP" in shown:
+            return
+        time.sleep(0.02)
+    raise ClusterUnavailable(f"{namespace}: the link did not come back up within 5 s")
+
+
+def clusters() -> dict:
+    """{tag: [(host, namespace, address, link state)]} of the emulated clusters running
+    on this machine."""
+    found: dict = {}
+    for namespace in _namespaces():
+        match = _NAME.match(namespace)
+        if match is None or match.group(3) == "sw":
+            continue
+        tag = namespace[:-len(match.group(3)) - 1]
+        shown = _ip("-n", namespace, "-o", "-4", "addr", "show", IFACE, check=False).stdout
+        address = shown.split(" inet ")[1].split("/")[0] if " inet " in shown else "-"
+        link = _ip("-n", namespace, "-o", "link", "show", IFACE, check=False).stdout
+        state = "up" if "state UP" in link else "down"
+        found.setdefault(tag, []).append((int(match.group(3)[1:]), namespace, address, state))
+    return {tag: sorted(hosts) for tag, hosts in sorted(found.items())}
+
+
 # ---------------------------------------------------------------------- the command
+_VERBS = ("cut", "restore", "list")
+
+
+def _verb(argv: list[str]) -> int:
+    """`gpukv cluster cut|restore HOST [--cluster TAG]` and `gpukv cluster list`."""
+    parser = argparse.ArgumentParser(
+        prog=f"gpukv cluster {argv[0]}",
+        description="cut: take host HOST's link down (its processes go on, unreachable); "
+                    "restore: bring it back up; list: the emulated clusters running here, "
+                    "each host's namespace, address and link. The cluster is the one "
+                    "GPUKV_CLUSTER names (set for the COMMAND of 'gpukv cluster'), else "
+                    "--cluster TAG.")
+    if argv[0] != "list":
+        parser.add_argument("host", type=int, help="the host's index (0 is the first)")
+        parser.add_argument("--cluster", default=os.environ.get("GPUKV_CLUSTER"),
+                            help="the cluster's tag (default $GPUKV_CLUSTER)")
+    args = parser.parse_args(argv[1:])
+    why = unavailable()
+    if why:
+        print(f"gpukv cluster: {why}", file=sys.stderr)
+        return 2
+    running = clusters()
+    if argv[0] == "list":
+        for tag, hosts in running.items():
+            print(tag)
+            for host, namespace, address, state in hosts:
+                print(f"  host {host}  {address:<15}  {namespace}  link {state}")
+        if not running:
+            print("no emulated cluster is running", file=sys.stderr)
+        return 0
+    if not args.cluster:
+        parser.error("no cluster: run it inside 'gpukv cluster -- COMMAND' (which sets "
+                     "GPUKV_CLUSTER), or give --cluster TAG ('gpukv cluster list' shows them)")
+    hosts = {host: namespace for host, namespace, _, _ in running.get(args.cluster, [])}
+    if not hosts:
+        parser.error(f"--cluster {args.cluster!r}: no such cluster is running here")
+    if args.host not in hosts:
+        parser.error(f"host {args.host}: cluster {args.cluster} has hosts 0 to "
+                     f"{max(hosts)}")
+    (cut_link if argv[0] == "cut" else restore_link)(hosts[args.host])
+    print(f"gpukv cluster: host {args.host} ({hosts[args.host]}): link "
+          f"{'down' if argv[0] == 'cut' else 'up'}", file=sys.stderr)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpukv cluster",
         description="Run COMMAND on host 0 of hosts emulated on this machine (Linux network "
                     "namespaces on a bridge, links shaped with tc tbf; needs root), with "
                     "the environment that makes mpiexec and 'gpukv run' start processes "
-                    "across them over TCP. GPUKV_CLUSTER_HOSTS lists their addresses. "
-                    "Everything is removed when COMMAND ends.",
+                    "across them over TCP. GPUKV_CLUSTER_HOSTS lists their addresses, "
+                    "GPUKV_CLUSTER names the cluster for 'gpukv cluster cut|restore HOST' "
+                    "('gpukv cluster list' shows every running cluster). Everything is "
+                    "removed when COMMAND ends.",
         epilog="example: gpukv cluster --hosts 2 --rate 1gbit -- sh -c "
                "'gpukv run -n 2 --hosts $GPUKV_CLUSTER_HOSTS python train.py'")
     parser.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
@@ -368,6 +447,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in _VERBS:
+        return _verb(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -387,8 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         with cluster:
-            print(f"gpukv cluster: {args.hosts} hosts {' '.join(cluster.addresses)}, links "
-                  f"{', '.join(sorted(set(cluster.rates)))}", file=sys.stderr, flush=True)
+            print(f"gpukv cluster {cluster.tag}: {args.hosts} hosts, links "
+                  f"{', '.join(sorted(set(cluster.rates)))}", file=sys.stderr)
+            for host, (address, namespace) in enumerate(zip(cluster.addresses,
+                                                            cluster.namespaces)):
+                print(f"  host {host}  {address:<15}  {namespace}", file=sys.stderr)
+            sys.stderr.flush()
             return cluster.run(0, command).returncode
     except ClusterUnavailable as exc:
         print(f"gpukv cluster: {exc}", file=sys.stderr)

@@ -227,3 +227,48 @@ def test_bad_rates_are_refused():
     with pytest.raises(ValueError, match="link rate '10 gigabit'"):
         tool.EmulatedCluster(2, "10 gigabit")
     assert tool.rate_bits("1gbit") == 1e9 and tool.rate_bits("125mbps") == 1e9
+
+
+def test_cut_restore_and_list_act_on_a_running_cluster_by_its_name():
+    """Inside `gpukv cluster -- CMD`, `gpukv cluster cut 1` takes host 1's link down
+    (GPUKV_CLUSTER names the cluster), `restore 1` brings it back, and `list` shows every
+    host's namespace, address and link; the start line names the namespaces too."""
+    require_cluster()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    gpukv = f"{sys.executable} -m gpukv cluster"
+    script = (f"{gpukv} cut 1 && {gpukv} list && {gpukv} restore 1 && {gpukv} list && "
+              f"{gpukv} cut 5; echo status $?")
+    done = subprocess.run([sys.executable, "-m", "gpukv", "cluster", "--hosts", "2", "--",
+                           "sh", "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    tag = done.stderr.split("gpukv cluster ")[1].split(":")[0]
+    assert f"{tag}-h1" in done.stderr  # the start line lists the namespaces
+    listings = done.stdout.split(tag + "\n")[1:]
+    assert len(listings) == 2, done.stdout
+    assert f"host 1  198.18.0.2       {tag}-h1  link down" in listings[0]
+    assert f"host 1  198.18.0.2       {tag}-h1  link up" in listings[1]
+    assert f"host 5: cluster {tag} has hosts 0 to 1" in done.stderr
+    assert "status 2" in done.stdout
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["cut", "1"], "no cluster"),
+    (["restore", "1", "--cluster", "gpukv-1-abcdef"], "no such cluster is running here"),
+])
+def test_cut_and_restore_say_which_cluster_they_need(argv, words, capsys, monkeypatch):
+    require_cluster()
+    monkeypatch.delenv("GPUKV_CLUSTER", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        tool.main(argv)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["0bit", "0gbit", "7bit"])
+def test_rates_too_slow_to_send_are_usage_errors(rate, capsys):
+    """--rate 0bit is a usage error naming the rate, not tc's CalledProcessError."""
+    with pytest.raises(SystemExit) as exited:
+        tool.main(["--rate", rate, "true"])
+    assert exited.value.code == 2
+    assert f"link rate {rate!r}: expected at least 8bit" in capsys.readouterr().err
