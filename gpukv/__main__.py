@@ -1,5 +1,5 @@
-"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info`, `run`, `gpucheck` and
-`cluster`."""
+"""The `gpukv` command (`python -m gpukv`): `demo`, `bench`, `info`, `run`, `gpucheck`,
+`cluster` and `export`."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,8 @@ _COMMANDS = {
                  "check and measure gpukv on this machine's GPU in one command"),
     "cluster": ("gpukv.tools.cluster",
                 "run a command on hosts emulated on this machine (network namespaces)"),
+    "export": ("gpukv.torch.export",
+               "write a Trainer snapshot's parameters to a safetensors file, by name"),
 }
 
 

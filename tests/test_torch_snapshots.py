@@ -4,6 +4,8 @@ does, bit for bit; wrong options and other layouts are refused."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from torch import nn  # noqa: E402
 
 import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
+from gpukv.checkpoints import snapshots  # noqa: E402
 
 STEPS = 6
 PARAMS = {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}
@@ -147,3 +150,73 @@ def test_snapshot_without_a_folder_is_refused():
     trainer = gt.Trainer([_model()], "sgd", dict(PARAMS))
     with pytest.raises(gpukv.ArgumentError, match="checkpoint_dir"):
         trainer.snapshot()
+
+
+def _trained(folder, model, steps=3, **kw):
+    trainer = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         checkpoint_dir=folder, **kw)
+    x = torch.randn(8, 4)
+    for _ in range(steps):
+        trainer.zero_grad()
+        model(x).sum().backward()
+        trainer.step()
+    return trainer
+
+
+def test_export_writes_every_parameter_by_name_to_safetensors(tmp_path):
+    """`python -m gpukv export` (and export_safetensors) write the newest snapshot's
+    parameters under their state_dict names, values as trained: safetensors' own
+    loader reads them into a fresh model."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with _trained(tmp_path / "ckpt", model):  # the final snapshot, at the end of the block
+        pass
+    out = tmp_path / "model.safetensors"
+    names = export_safetensors(tmp_path / "ckpt", out)
+    assert names == [n for n, _ in model.named_parameters()]
+    loaded = safetensors_torch.load_file(str(out))
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fresh.load_state_dict(loaded)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    cli = tmp_path / "cli.safetensors"
+    done = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "ckpt"),
+                           str(cli)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4 parameters" in done.stdout
+    assert safetensors_torch.load_file(str(cli)).keys() == loaded.keys()
+    bad = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "none"),
+                          str(tmp_path / "x.safetensors")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and "no complete snapshot here" in bad.stderr
+
+
+def test_close_takes_the_final_snapshot_once(tmp_path):
+    """A run of 5 steps snapshotting every 2 ends, after close(), with a snapshot of step
+    5; a close right after a snapshot of the last step takes none more."""
+    model = nn.Linear(4, 2)
+    trainer = _trained(tmp_path / "a", model, steps=5, checkpoint_every=2)
+    trainer.close()
+    found = snapshots.latest_snapshot(tmp_path / "a")
+    assert found.step == 5
+    trainer = _trained(tmp_path / "b", nn.Linear(4, 2), steps=4, checkpoint_every=2)
+    trainer.close()
+    steps = [s.step for s in snapshots.complete_snapshots(tmp_path / "b")]
+    assert steps == [2, 4]
+
+
+def test_a_changed_model_is_named_per_parameter_as_pytorch_does(tmp_path):
+    """Resuming a snapshot of another model names each parameter that differs: its size
+    on both sides, or on which side it is missing."""
+    with _trained(tmp_path / "ckpt", nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 2))):
+        pass
+    with pytest.raises(gpukv.CheckpointError,
+                       match=r"size mismatch for 0\.weight: \[64, 4\] in the snapshot, "
+                             r"\[32, 4\] in the model"):
+        gt.Trainer(nn.Sequential(nn.Linear(4, 32), nn.Linear(32, 2)), "sgd",
+                   kvstore="local", checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(gpukv.CheckpointError, match=r"missing in the snapshot: 2\.weight"):
+        gt.Trainer(nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 2), nn.Linear(2, 2)),
+                   "sgd", kvstore="local", checkpoint_dir=tmp_path / "ckpt")

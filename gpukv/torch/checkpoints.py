@@ -29,11 +29,15 @@ class Checkpoints:
     A resume loads into `store`, or into every store of `replicas` when given.
     """
 
-    def __init__(self, directory, every, keep, store: KVStore, keys: list,
+    def __init__(self, directory, every, keep, store: KVStore, layout: dict,
                  replicas: list | None = None):
         self.directory, self.every, self.keep = self.check(directory, every, keep)
         self.store = store
-        self.keys = list(keys)
+        #: {key: [(parameter name, shape)]}: the parameters each key holds, flat, in order
+        self.layout = {key: [(name, tuple(shape)) for name, shape in params]
+                       for key, params in layout.items()}
+        self.keys = list(layout)
+        self.last_step: int | None = None  # the step of the last snapshot taken or resumed
         self.replicas = replicas
         self.resumed: snapshots.Snapshot | None = None
 
@@ -49,7 +53,11 @@ class Checkpoints:
 
     def take(self, steps: int, user_state: dict) -> str:
         """Start the snapshot of step `steps`; its folder."""
-        saved = {"trainer": {"layout": _TRAINER, "keys": self.keys}, "user": user_state}
+        self.last_step = steps
+        saved = {"trainer": {"layout": _TRAINER, "keys": self.keys,
+                             "params": [[key, [[name, list(shape)] for name, shape in params]]
+                                        for key, params in self.layout.items()]},
+                 "user": user_state}
         if self.replicas is not None and isinstance(self.store, DistKVStore):
             return self.store.snapshot(self.directory, steps, user_state=saved,
                                        keep=self.keep, replicated=self.replicas[0])
@@ -64,6 +72,7 @@ class Checkpoints:
         if found is None:
             return None
         self.resumed = found
+        self.last_step = found.step
         rank = self.store.rank
         user = found.user_state(rank).get("user", {}) if rank < found.workers else {}
         if rank == 0:
@@ -81,11 +90,50 @@ class Checkpoints:
         if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
             raise CheckpointError(f"{found.path}: not a Trainer's snapshot (a bare store's "
                                   f"snapshot() made it: load it with kv.resume)")
-        if trainer.get("keys") != self.keys:
-            raise CheckpointError(
-                f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
-                f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes or "
-                f"multipliers")
+        if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
+            layout = parameter_layout(saved, found.path)
+            if layout == self.layout:
+                return
+            saved_params = {name: shape for params in layout.values()
+                            for name, shape in params}
+            mine = {name: shape for params in self.layout.values() for name, shape in params}
+            problems = [f"size mismatch for {name}: {list(saved_params[name])} in the "
+                        f"snapshot, {list(shape)} in the model"
+                        for name, shape in mine.items()
+                        if name in saved_params and saved_params[name] != shape]
+            problems += [f"missing in the snapshot: {name}" for name in mine
+                         if name not in saved_params]
+            problems += [f"not in the model: {name}" for name in saved_params
+                         if name not in mine]
+            if problems:
+                more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+                raise CheckpointError(f"{found.path}: another model's snapshot: "
+                                      f"{'; '.join(problems[:3])}{more}")
+        elif trainer.get("keys") == self.keys:
+            return
+        raise CheckpointError(
+            f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
+            f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes or "
+            f"multipliers")
+
+
+def parameter_layout(saved: dict, path) -> dict:
+    """{key: [(parameter name, shape)]} a Trainer's snapshot records (`saved`: its worker
+    0's user_state); CheckpointError when there is none or it is malformed."""
+    trainer = saved.get("trainer") if isinstance(saved, dict) else None
+    if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
+        raise CheckpointError(f"{path}: not a Trainer's snapshot (a bare store's "
+                              f"snapshot() made it)")
+    params = trainer.get("params")
+    if params is None:
+        raise CheckpointError(f"{path}: the snapshot does not record its parameters' "
+                              f"names (a Trainer of an earlier gpukv wrote it)")
+    try:
+        return {key: [(str(name), tuple(int(d) for d in shape)) for name, shape in entry]
+                for key, entry in params}
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the Trainer's parameter layout is damaged: "
+                              f"{exc}") from None
 
 
 def _few(keys) -> str:

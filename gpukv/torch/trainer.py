@@ -262,6 +262,26 @@ class Trainer:
         if self._checkpoints is not None:
             self._checkpoints.store.finish_snapshots()
 
+    def close(self) -> None:
+        """The end of training: with a checkpoint_dir, a snapshot of the last step (unless
+        one of it was taken already), then every snapshot written. On a dist store every
+        worker calls it. `with Trainer(...) as trainer:` calls it at the end of the block
+        (not after an exception: a failed step's state is not snapshotted)."""
+        if self._checkpoints is None:
+            return
+        if self._checkpoints.last_step != self._steps:
+            self.snapshot()
+        self.finish_snapshots()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is None:
+            self.close()
+        elif self._checkpoints is not None:
+            self.finish_snapshots()  # the earlier snapshots, whole, before the error goes on
+
     def save_states(self, path) -> None:
         """Write the optimizer's state (atomically) to `path`."""
         self._update.state_stores[0].save_optimizer_states(path)

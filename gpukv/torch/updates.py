@@ -95,7 +95,7 @@ class StoreUpdate:
         self.store.pull(keys, out=[b.weights for b in live])
 
     def checkpoints(self, directory, every, keep) -> Checkpoints:
-        return Checkpoints(directory, every, keep, self.store, [b.key for b in self._buckets])
+        return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets))
 
     def pull_weights(self) -> None:
         keys = [b.key for b in self._buckets]
@@ -160,7 +160,7 @@ class ReplicaUpdate:
         # Replica 0's store holds the state (alike on every worker); a dist store has
         # each of its workers write a share of it.
         store = self.replica_stores[0] if self.store.num_workers == 1 else self.store
-        return Checkpoints(directory, every, keep, store, [b.key for b in self._buckets],
+        return Checkpoints(directory, every, keep, store, layout_of(self._buckets),
                            self.replica_stores)
 
     def pull_weights(self) -> None:
@@ -169,6 +169,12 @@ class ReplicaUpdate:
             return
         for r, local in enumerate(self.replica_stores):
             local.pull(keys, out=[b.weights[r] for b in self._buckets])
+
+
+def layout_of(buckets: list[Bucket]) -> dict:
+    """{key: [(parameter name, shape)]}: what each bucket's key holds, flat, in order."""
+    return {b.key: [(name, tuple(p.shape)) for name, p in zip(b.names, b.params[0])]
+            for b in buckets}
 
 
 def _start_from_replica_0(store: KVStore, buckets: list[Bucket]) -> None:
