@@ -220,3 +220,46 @@ def test_a_changed_model_is_named_per_parameter_as_pytorch_does(tmp_path):
     with pytest.raises(gpukv.CheckpointError, match=r"missing in the snapshot: 2\.weight"):
         gt.Trainer(nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 2), nn.Linear(2, 2)),
                    "sgd", kvstore="local", checkpoint_dir=tmp_path / "ckpt")
+
+
+def test_resume_never_starts_afresh_and_keeps_the_old_runs_snapshots(tmp_path):
+    """resume='never' in a folder of an earlier run: trains from the model as given,
+    keeps its own `checkpoint_keep` newest snapshots and removes none of the old run's."""
+    folder = tmp_path / "ckpt"
+    _trained(folder, nn.Linear(4, 2), steps=6, checkpoint_every=1).close()
+    old = {s.path for s in snapshots.complete_snapshots(folder)}
+    assert len(old) == 2
+    torch.manual_seed(5)
+    model = nn.Linear(4, 2)
+    start = copy.deepcopy(model)
+    trainer = gt.Trainer(model, "sgd", {"learning_rate": 0.0}, kvstore="local",
+                         checkpoint_dir=folder, checkpoint_every=1, resume="never")
+    assert trainer.steps == 0 and trainer.resumed_from is None
+    assert torch.equal(model.weight, start.weight)  # not the old run's weights
+    x = torch.randn(8, 4)
+    for _ in range(4):
+        trainer.zero_grad()
+        model(x).sum().backward()
+        trainer.step()
+    trainer.close()
+    now = {s.path for s in snapshots.complete_snapshots(folder)}
+    assert old <= now and len(now - old) == 2
+
+
+def test_resume_from_a_chosen_snapshot(tmp_path):
+    """resume=PATH starts from that snapshot (an older one here), not the newest."""
+    folder = tmp_path / "ckpt"
+    _trained(folder, nn.Linear(4, 2), steps=4, checkpoint_every=1, checkpoint_keep=4).close()
+    older = snapshots.complete_snapshots(folder)[1]
+    trainer = gt.Trainer(nn.Linear(4, 2), "sgd", kvstore="local", checkpoint_dir=folder,
+                         resume=older.path)
+    assert trainer.steps == older.step == 2
+    with pytest.raises(gpukv.CheckpointError, match="not a snapshot's folder"):
+        gt.Trainer(nn.Linear(4, 2), "sgd", kvstore="local", checkpoint_dir=folder,
+                   resume=str(tmp_path))
+    for bad in ("sometimes", 3):
+        with pytest.raises((gpukv.ArgumentError, gpukv.CheckpointError), match="resume="):
+            gt.Trainer(nn.Linear(4, 2), "sgd", kvstore="local", checkpoint_dir=folder,
+                       resume=bad)
+    with pytest.raises(gpukv.ArgumentError, match="needs a checkpoint_dir"):
+        gt.Trainer(nn.Linear(4, 2), "sgd", kvstore="local", resume="never")

@@ -547,8 +547,9 @@ def _finish_all() -> None:
 
 
 # ----------------------------------------------------------------------- the files
-def checked(root, step, keep, last: int = 0) -> tuple[str, int, int]:
-    """`snapshot`'s arguments checked: (root as a str, step, keep), else ArgumentError
+def checked(root, step, keep, last: int = 0) -> tuple[str, int, int | None]:
+    """`snapshot`'s arguments checked: (root as a str, step, keep; None: no pruning),
+    else ArgumentError
     (CheckpointError for a root that is no path or is a file). A step of None is the one
     after `last` (the store's last snapshot's, or the one it resumed from)."""
     root = checkpoint_path(root)
@@ -557,10 +558,13 @@ def checked(root, step, keep, last: int = 0) -> tuple[str, int, int]:
     if step is None:
         step = last + 1
     for name, value, low in (("step", step, 0), ("keep", keep, 1)):
+        if name == "keep" and value is None:  # the caller removes old snapshots itself
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                 or value < low:
-            raise ArgumentError(f"{name}={value!r}: expected an int >= {low}")
-    return root, int(step), int(keep)
+            raise ArgumentError(f"{name}={value!r}: expected an int >= {low}"
+                                + (" (or None)" if name == "keep" else ""))
+    return root, int(step), None if keep is None else int(keep)
 
 
 def shard_header(step: int, store_type: str, key_kind, pieces: list, export) -> dict:

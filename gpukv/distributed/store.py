@@ -662,7 +662,7 @@ class DistKVStore(KVStore):
     @timeline.traced("snapshot")
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
                  user_state: dict | None = None,
-                 keep: int = 2, replicated: KVStore | None = None) -> str:
+                 keep: int | None = 2, replicated: KVStore | None = None) -> str:
         """Start a numbered snapshot (see `KVStore.snapshot`); every worker calls it at
         the same step. Each shard (a process with num_servers=0, else a server) writes
         the pieces it serves and each worker its `user_state`, in the background: `root`
@@ -714,9 +714,11 @@ class DistKVStore(KVStore):
                 # and the one before may not be complete yet (other processes' files
                 # land later), so more than `keep` may stay until a later prune;
                 # finish_snapshots prunes once every snapshot is known complete.
-                then = (lambda: snapshots.prune(root, keep)) if self.rank == 0 else None
+                then = (lambda: snapshots.prune(root, keep)) if (
+                    self.rank == 0 and keep is not None) else None
                 self._writer.submit(turn, [worker], then)
-                self._pruning[root] = keep
+                if keep is not None:
+                    self._pruning[root] = keep
             error = self._agreed_error(mine, "snapshot") or error
             if error is not None:
                 raise CheckpointError(error)

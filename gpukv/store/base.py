@@ -262,7 +262,7 @@ class KVStore(ABC):
 
     @abstractmethod
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
-                 user_state: dict | None = None, keep: int = 2) -> str:
+                 user_state: dict | None = None, keep: int | None = 2) -> str:
         """Start a numbered snapshot of every key and the optimizer's state under `root`,
         as step `step` (None: the one after this store's last snapshot, or after the one
         it resumed from; 1 for the first).
@@ -270,9 +270,10 @@ class KVStore(ABC):
         The values and state are copied into host buffers now; a background thread
         writes them (see `gpukv.checkpoints.snapshots`), at most one snapshot at a time, into
         `root/step-<step>-<tag>/`, which is complete once every file is on disk, and then
-        keeps the `keep` newest complete snapshots. `user_state`: a dict of JSON values,
-        tuples and arrays saved beside it (see `gpukv.latest_snapshot`). The folder's path
-        is returned; `finish_snapshots()` waits for it. A failed write (a full disk) is
+        keeps the `keep` newest complete snapshots (None: removes none). `user_state`: a
+        dict of JSON values, tuples and arrays saved beside it (see
+        `gpukv.latest_snapshot`). The folder's path is returned; `finish_snapshots()`
+        waits for it. A failed write (a full disk) is
         raised as CheckpointError by the first `snapshot` called after it failed, or by
         `finish_snapshots`. In a dist store every worker calls it at the same point.
         """

@@ -401,14 +401,14 @@ class LocalStore(KVStore):
 
     @timeline.traced("snapshot")
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
-                 user_state: dict | None = None, keep: int = 2) -> str:
+                 user_state: dict | None = None, keep: int | None = 2) -> str:
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         with self._lock:
             folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag()))
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
-            self.write_part(shard, step, None, [worker], then=lambda: snapshots.prune(
-                root, keep))
+            then = None if keep is None else (lambda: snapshots.prune(root, keep))
+            self.write_part(shard, step, None, [worker], then=then)
             self._last_step = step
         return folder
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numbers
+import os
+import shutil
 import sys
 import time
 
@@ -30,8 +32,12 @@ class Checkpoints:
     """
 
     def __init__(self, directory, every, keep, store: KVStore, layout: dict,
-                 replicas: list | None = None):
+                 replicas: list | None = None, resume="auto"):
         self.directory, self.every, self.keep = self.check(directory, every, keep)
+        #: 'auto': the newest snapshot in the folder; 'never': none, and only this run's
+        #: snapshots are removed; else the path of the one to start from
+        self.resume_from = resume
+        self.taken: list = []  # this run's snapshot folders, oldest first
         self.store = store
         #: {key: [(parameter name, shape)]}: the parameters each key holds, flat, in order
         self.layout = {key: [(name, tuple(shape)) for name, shape in params]
@@ -40,6 +46,20 @@ class Checkpoints:
         self.last_step: int | None = None  # the step of the last snapshot taken or resumed
         self.replicas = replicas
         self.resumed: snapshots.Snapshot | None = None
+
+    @staticmethod
+    def check_resume(resume):
+        """'auto', 'never', or a snapshot's folder (as a str): else ArgumentError."""
+        if resume in ("auto", "never"):
+            return resume
+        if not isinstance(resume, (str, os.PathLike)):
+            raise ArgumentError(f"resume={resume!r}: expected 'auto', 'never' or the path "
+                                f"of a snapshot's folder")
+        path = os.fspath(resume)
+        if not snapshots.is_snapshot(path):
+            raise CheckpointError(f"resume={path!r}: not a snapshot's folder (named "
+                                  f"step-<step>-<tag>)")
+        return path
 
     @staticmethod
     def check(directory, every, keep) -> tuple:
@@ -58,17 +78,47 @@ class Checkpoints:
                              "params": [[key, [[name, list(shape)] for name, shape in params]]
                                         for key, params in self.layout.items()]},
                  "user": user_state}
+        if self.resume_from == "never":  # an earlier run's snapshots are not this one's
+            folder = self._snapshot(steps, saved, None)
+            self.taken.append(folder)
+            self._prune_own()
+            return folder
+        return self._snapshot(steps, saved, self.keep)
+
+    def _snapshot(self, steps: int, saved: dict, keep) -> str:
         if self.replicas is not None and isinstance(self.store, DistKVStore):
             return self.store.snapshot(self.directory, steps, user_state=saved,
-                                       keep=self.keep, replicated=self.replicas[0])
-        return self.store.snapshot(self.directory, steps, user_state=saved, keep=self.keep)
+                                       keep=keep, replicated=self.replicas[0])
+        return self.store.snapshot(self.directory, steps, user_state=saved, keep=keep)
+
+    def _prune_own(self) -> None:
+        """Keep the `keep` newest complete snapshots of this run (worker 0 removes the
+        others that are complete: no process writes into those any more)."""
+        if self.store.rank != 0:
+            return
+        complete = {os.path.normpath(s.path)
+                    for s in snapshots.complete_snapshots(self.directory)}
+        done = [f for f in self.taken if os.path.normpath(f) in complete]
+        for folder in done[:-self.keep]:
+            shutil.rmtree(folder, ignore_errors=True)
+            self.taken.remove(folder)
+
+    def finished(self) -> None:
+        """Every snapshot is written: prune this run's again, now that all are complete."""
+        if self.resume_from == "never":
+            self._prune_own()
 
     def resume(self) -> tuple[int, dict] | None:
         """Load the newest complete snapshot into the store, if there is one: (its step,
         this worker's user_state, {} for a worker the snapshot did not have); worker 0
         says so on one line."""
         start = time.perf_counter()
-        found = self.store.resume(self.directory, check=self._fits, into=self.replicas)
+        if self.resume_from == "never":
+            return None
+        if self.resume_from == "auto":
+            found = self.store.resume(self.directory, check=self._fits, into=self.replicas)
+        else:
+            found = self._chosen(self.resume_from)
         if found is None:
             return None
         self.resumed = found
@@ -82,6 +132,19 @@ class Checkpoints:
                 f"{time.perf_counter() - start:.2f} s\n")
             sys.stderr.flush()
         return found.step, user
+
+    def _chosen(self, path: str) -> snapshots.Snapshot:
+        """Load the snapshot at `path` (checked to be complete and this Trainer's)."""
+        parent = os.path.dirname(os.path.normpath(path))
+        found = next((s for s in snapshots.complete_snapshots(parent)
+                      if os.path.normpath(s.path) == os.path.normpath(path)), None)
+        if found is None:
+            raise CheckpointError(f"resume={path!r}: not a complete snapshot (a part is "
+                                  f"missing)")
+        self._fits(found)
+        for store in [self.store] if self.replicas is None else self.replicas:
+            store.load(found)
+        return found
 
     def _fits(self, found: snapshots.Snapshot) -> None:
         """CheckpointError unless `found` is a snapshot of a Trainer with these keys."""

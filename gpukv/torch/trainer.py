@@ -50,8 +50,10 @@ class Trainer:
     overlap: start each bucket's gradient reduction from backward; None: on for replicas
         on GPUs only.
     checkpoint_dir: a folder for numbered snapshots, taken after every `checkpoint_every`
-        steps (None: only by `snapshot()`), the newest `checkpoint_keep` kept; a Trainer
-        made on a folder with a complete snapshot resumes from it.
+        steps (None: only by `snapshot()`), the newest `checkpoint_keep` kept. resume:
+        'auto' starts from the folder's newest complete snapshot, if any; 'never' starts
+        afresh and removes none of an earlier run's snapshots; a snapshot's path starts
+        from that one.
     deterministic: sum every gradient in the canonical order, the same bits for any
         layout; None: the store's default (GPUKV_DETERMINISTIC).
     """
@@ -60,7 +62,8 @@ class Trainer:
                  compression_params=None, update_on_kvstore=True, *,
                  bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None,
                  checkpoint_dir=None, checkpoint_every: int | None = None,
-                 checkpoint_keep: int = 2, deterministic: bool | None = None):
+                 checkpoint_keep: int = 2, deterministic: bool | None = None,
+                 resume="auto"):
         self._modules = _module_list(modules)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
@@ -75,7 +78,7 @@ class Trainer:
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
         checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
-                                               checkpoint_keep)
+                                               checkpoint_keep, resume)
         if checkpoints is not None:
             _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
@@ -261,6 +264,7 @@ class Trainer:
         at a normal exit the program waits for them by itself."""
         if self._checkpoints is not None:
             self._checkpoints.store.finish_snapshots()
+            self._checkpoints.finished()
 
     def close(self) -> None:
         """The end of training: with a checkpoint_dir, a snapshot of the last step (unless
@@ -294,18 +298,21 @@ class Trainer:
             store.load_optimizer_states(path)
 
     # ------------------------------------------------------------------ internals
-    def _checkpoint_options(self, directory, every, keep) -> tuple | None:
+    def _checkpoint_options(self, directory, every, keep, resume) -> tuple | None:
         """The snapshot options, checked before anything changes."""
         if directory is None:
             if every is not None:
                 raise ArgumentError("checkpoint_every needs a checkpoint_dir")
+            if resume != "auto":
+                raise ArgumentError(f"resume={resume!r} needs a checkpoint_dir")
             return None
         Checkpoints.check(directory, every, keep)
-        return directory, every, keep
+        return directory, every, keep, Checkpoints.check_resume(resume)
 
-    def _start_checkpoints(self, directory, every, keep) -> None:
-        """Resume from the newest complete snapshot in `directory`, if there is one."""
-        self._checkpoints = self._update.checkpoints(directory, every, keep)
+    def _start_checkpoints(self, directory, every, keep, resume) -> None:
+        """Resume from the newest complete snapshot in `directory` ('auto'), or from
+        the one `resume` names, or from none ('never')."""
+        self._checkpoints = self._update.checkpoints(directory, every, keep, resume)
         resumed = self._checkpoints.resume()
         if resumed is None:
             return

@@ -42,7 +42,7 @@ class Update(Protocol):
     def step(self, reduction: Reduction) -> None:
         """Sum the live buckets' gradients, update, and bring the weights to every replica."""
 
-    def checkpoints(self, directory, every, keep) -> Checkpoints:
+    def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         """The snapshots of the stores that hold the weights and the optimizer's state."""
 
     def pull_weights(self) -> None:
@@ -94,8 +94,9 @@ class StoreUpdate:
             self.store.push(keys, summed)
         self.store.pull(keys, out=[b.weights for b in live])
 
-    def checkpoints(self, directory, every, keep) -> Checkpoints:
-        return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets))
+    def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
+        return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets),
+                           resume=resume)
 
     def pull_weights(self) -> None:
         keys = [b.key for b in self._buckets]
@@ -156,12 +157,12 @@ class ReplicaUpdate:
             local.push(keys, [b.grads[r] for b in live])
             local.pull(keys, out=[b.weights[r] for b in live])
 
-    def checkpoints(self, directory, every, keep) -> Checkpoints:
+    def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         # Replica 0's store holds the state (alike on every worker); a dist store has
         # each of its workers write a share of it.
         store = self.replica_stores[0] if self.store.num_workers == 1 else self.store
         return Checkpoints(directory, every, keep, store, layout_of(self._buckets),
-                           self.replica_stores)
+                           self.replica_stores, resume)
 
     def pull_weights(self) -> None:
         keys = [b.key for b in self._buckets]
