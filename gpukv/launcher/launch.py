@@ -2,7 +2,8 @@
 
 mpiexec alone can hang for good: a rank that exits non-zero is waited for by the others, and
 when a host is cut off mpiexec cannot reach its proxy and never exits. The launcher watches
-the job and ends every process it can reach in bounded time (see `DESCRIPTION`).
+the job, ends every process it can reach in bounded time, and says which rank failed and how
+(see `DESCRIPTION`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import argparse
 import ipaddress
 import math
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .._errors import ArgumentError
-from . import host_probe, hostfile, process_tree, restarts, run_report
+from . import failures, host_probe, hostfile, output, process_tree, restarts, run_rank, run_report
 
 #: seconds mpiexec has to end the job itself after a failure or a signal
 GRACE = 3.0
@@ -29,24 +29,53 @@ GRACE = 3.0
 TERM_WAIT = 1.0
 #: seconds a host has to answer before a restart
 PROBE_TIMEOUT = 5.0
+#: seconds `nvidia-smi -L` has to list the GPUs (for -n's default)
+GPU_QUERY_TIMEOUT = 10.0
+#: the names of a PROG that means this Python
+PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
+#: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
+_BOX = "mpiexec's word"
 
 DESCRIPTION = f"""\
-Run PROG on N processes with MPICH's mpiexec (the one beside this Python, else on PATH),
-passing -n, -hosts, -ppn and any other mpiexec option given before PROG; the environment
-passes through (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, HYDRA_IFACE ...). A PROG ending in .py
-runs under this Python. The job runs in a session of its own, and the launcher watches:
+Run PROG on N processes with MPICH's mpiexec, as torchrun runs a training script, and make
+sure the job ends. In torchrun's terms:
+  torchrun --nproc-per-node K     gpukv run -n N (N processes in all; --ppn K a host)
+  torchrun --nnodes, --rdzv-*     gpukv run --hosts H1,H2,... or -f HOSTFILE
+  torchrun --log-dir DIR --tee    gpukv run --log-dir DIR (the console keeps every line)
+  torchrun --max-restarts K       gpukv run --max-restarts K [--min-workers M]
+  RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE: set in every rank, whatever PROG is
+-n defaults to torchrun's --nproc-per-node gpu: this machine's GPUs (as many as
+CUDA_VISIBLE_DEVICES names, else as `nvidia-smi -L` lists, else 1) on each host (--ppn K:
+K on each), times the hosts. mpiexec (the one beside this Python, else on PATH) gets -n,
+-hosts, -ppn and any other mpiexec option given before PROG; the environment passes through
+(HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, HYDRA_IFACE ...). A PROG ending in .py, and a bare
+`python`/`python3` PROG (`gpukv run -n 2 python train.py`), run under this Python.
+Output: each whole line of a rank's stdout and stderr comes out on the launcher's after
+`[R] ` (R the rank; lines of two ranks are never joined); --log-dir DIR also writes
+DIR/attemptA/rankR.log for each rank R of attempt A (0, then one per restart), and
+mpiexec's own words to DIR/attemptA/mpiexec.log. Given -prepend-rank (-l),
+-prepend-pattern, -outfile-pattern or -errfile-pattern, mpiexec's output passes as it is.
+The job runs in a session of its own, and the launcher watches:
   - reports from the ranks (a UDP socket named in {run_report.ENV}): a rank whose
-    transport fails (PeerError), or a .py PROG that ends on an uncaught exception or a
-    non-zero exit;
+    transport fails (PeerError), a Python PROG that ends on an uncaught exception or a
+    non-zero exit, and each rank's start (rank, local rank, host, pid) and end;
   - mpiexec's own word that a process ended badly, and mpiexec's exit.
-On the first failure it prints one line naming the rank(s) and why, gives mpiexec --grace
-seconds to end the job, then sends SIGTERM and {TERM_WAIT:g} s later SIGKILL to every process
-of the job it can reach (mpiexec, proxies, ranks, the ssh clients of remote hosts): it
-returns about grace + {TERM_WAIT:g} s after the failure at the latest, even where mpiexec
-would hang (a host cut off). Ctrl-C or SIGTERM goes to mpiexec once, with the same grace
-and the same end; a second one ends the job at once.
+On the first failure it gives mpiexec --grace seconds to end the job, then sends SIGTERM
+and {TERM_WAIT:g} s later SIGKILL to every process of the job it can reach (mpiexec,
+proxies, ranks, the ssh clients of remote hosts): it returns about grace + {TERM_WAIT:g} s
+after the failure at the latest, even where mpiexec would hang (a host cut off). It then
+prints one line per failed rank: rank, local rank, host, pid and what happened, e.g.
+  gpukv run: rank 2 (local rank 2) on host vm, pid 9110: killed by signal 9 (SIGKILL)
+  gpukv run: rank 1 (local rank 1) on host vm, pid 9109: uncaught ValueError: bad batch
+(a rank's traceback shows its program's frames; gpukv's are counted, not shown). mpiexec's
+box and exit codes and MPI's Abort banners are left out, and whole tracebacks and
+KeyboardInterrupt's kept back, unless --verbose (or {run_rank.VERBOSE_ENV}=1). Ctrl-C or
+SIGTERM goes to mpiexec once, with the same grace and the same end, and one line:
+  gpukv run: interrupted (Ctrl-C): ended N processes
+a second one ends the job at once.
 Exit status: mpiexec's when the job ends by itself; after a failure the failed rank's
-status, else 1; 130 after Ctrl-C (143 after SIGTERM); 2 for a usage error.
+status (a signal's number for a rank a signal ended, as mpiexec gives it), else 1; 130
+after Ctrl-C (143 after SIGTERM); 2 for a usage error.
 
 Restarts (--max-restarts K, default 0: none): after a failure or a non-zero exit (not after
 Ctrl-C or SIGTERM) the job starts again, at most K times, on the hosts that still answer:
@@ -58,21 +87,20 @@ machine always answers: a job without hosts restarts on it whole. A restart keep
 processes per host: --ppn, else -n spread evenly over the slots (HOST:N has N, a plain HOST
 one; rounded up), at most -n. Below --min-workers processes (default -n) it gives up. The
 processes of each attempt see {restarts.ATTEMPT_ENV} (0, 1, ...) and
-{restarts.MAX_RESTARTS_ENV}. Instead of the failure line, each attempt ends with one line
-saying its processes and hosts, how long it ran, why it ended and what comes next. The exit
-status is the last attempt's. The hosts are given once: --hosts and a host file together
-are a usage error (mpiexec refuses them), as is, under --max-restarts, a host file that
-cannot be read, names no host or has a line other than HOST[:N]."""
+{restarts.MAX_RESTARTS_ENV}. Instead of the failure lines, each attempt ends with one line
+saying its processes and hosts, how long it ran, why it ended (the failed ranks' words) and
+what comes next. The exit status is the last attempt's. The hosts are given once: --hosts
+and a host file together are a usage error (mpiexec refuses them), as is, under
+--max-restarts, a host file that cannot be read, names no host or has a line other than
+HOST[:N]."""
 
 #: mpiexec options that take values (the others are passed on as flags)
 _MPIEXEC_VALUES = {"-genv": 2, "-env": 2}
 _MPIEXEC_VALUES.update(dict.fromkeys(
     ["-genvlist", "-envlist", "-f", "-hostfile", "-machinefile", "-launcher",
      "-launcher-exec", "-iface", "-bind-to", "-binding", "-map-by", "-wdir", "-configfile",
-     "-rmk", "-demux", "-outfile-pattern", "-errfile-pattern", "-gpus-per-proc"], 1))
-# hydra's box on stdout when a process dies; its exit status or signal follows
-_BAD_END = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\s*\n"
-                      r"=\s*(.*?)\s*\n=\s*(EXIT CODE|KILLED BY SIGNAL): (\d+)")
+     "-rmk", "-demux", "-outfile-pattern", "-errfile-pattern", "-gpus-per-proc",
+     "-prepend-pattern"], 1))
 
 
 def _count(text: str) -> int:
@@ -120,13 +148,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpukv run", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="gpukv run -n N [--hosts H1,H2,...] [--ppn K] [--grace S] "
-              "[--max-restarts K [--min-workers M] [--probe-timeout S]] "
+        usage="gpukv run [-n N] [--hosts H1,H2,...] [--ppn K] [--grace S] [--log-dir DIR] "
+              "[--verbose] [--max-restarts K [--min-workers M] [--probe-timeout S]] "
               "[MPIEXEC OPTIONS] PROG [ARGS]",
         epilog="Example: gpukv run -n 4 --hosts 198.18.0.2,198.18.0.3 --ppn 2 "
-               "--max-restarts 3 --min-workers 2 train.py")
-    parser.add_argument("-n", "-np", dest="n", type=_count, required=True,
-                        help="number of processes")
+               "--max-restarts 3 --min-workers 2 --log-dir logs train.py")
+    parser.add_argument("-n", "-np", dest="n", type=_count,
+                        help="number of processes (default: this machine's GPUs, else 1, "
+                             "on each host; torchrun's --nproc-per-node gpu)")
     parser.add_argument("--hosts", "-hosts", type=_hosts,
                         help="hosts to run on (names or addresses); the ranks report to "
                              "the address of this machine that routes to the first remote one")
@@ -134,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace", type=_seconds, default=GRACE,
                         help=f"seconds mpiexec has to end a failed or interrupted job "
                              f"before it is killed (default {GRACE:g})")
+    parser.add_argument("--log-dir", type=Path, metavar="DIR",
+                        help="also write each rank's lines to DIR/attemptA/rankR.log "
+                             "(torchrun's --log-dir with --tee)")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show mpiexec's own messages, MPI's Abort banners and whole "
+                             f"tracebacks (also {run_rank.VERBOSE_ENV}=1)")
     parser.add_argument("--max-restarts", type=_restarts, default=0, metavar="K",
                         help="start a failed job again at most K times, on the hosts that "
                              "answer (default 0)")
@@ -149,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
 def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`argv` as (this command's options, mpiexec's other options, PROG and its ARGS)."""
     ours_with_value = {"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn", "--grace",
-                       "--max-restarts", "--min-workers", "--probe-timeout"}
+                       "--max-restarts", "--min-workers", "--probe-timeout", "--log-dir"}
+    ours_flags = {"-h", "--help", "--verbose"}
     ours: list[str] = []
     theirs: list[str] = []
     i = 0
@@ -163,7 +199,7 @@ def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
         if word in ours_with_value:
             ours += argv[i:i + 2]
             i += 2
-        elif word.split("=")[0] in ours_with_value or word in ("-h", "--help"):
+        elif word.split("=")[0] in ours_with_value or word in ours_flags:
             ours.append(word)
             i += 1
         else:
@@ -171,6 +207,50 @@ def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             theirs += argv[i:i + step]
             i += step
     return ours, theirs, argv[i:]
+
+
+def gpus_here(env=None, timeout: float = GPU_QUERY_TIMEOUT) -> int:
+    """The GPUs a process of this machine sees: as many as CUDA_VISIBLE_DEVICES names (up to
+    its first entry that is not one: empty or negative), else the lines `nvidia-smi -L`
+    lists; 0 when neither says (no CuPy nor torch is imported)."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            count += 1
+        return count
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL, env=dict(env))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if listed.returncode:
+        return 0
+    return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+
+
+def resolve_program(command: list[str]) -> list[str]:
+    """PROG and its ARGS as the ranks run them: a bare `python`/`python3` is this Python;
+    ArgumentError when PROG (or the script `python` is given) is not there."""
+    prog = command[0]
+    if prog in PYTHONS:
+        command = [sys.executable, *command[1:]]
+        script = command[1] if len(command) > 1 and not command[1].startswith("-") else None
+        if script is not None and not os.path.isfile(script):
+            raise ArgumentError(f"PROG {prog} {script!r}: no such file")
+    elif prog.endswith(".py"):
+        if not os.path.isfile(prog):
+            raise ArgumentError(f"PROG {prog!r}: no such file")
+    elif shutil.which(prog) is None:
+        raise ArgumentError(f"PROG {prog!r}: no such program")
+    return command
 
 
 def find_mpiexec() -> str | None:
@@ -211,27 +291,40 @@ def main(argv: list[str]) -> int:
     if mpiexec is None:
         parser.error("no mpiexec found beside this Python nor on PATH "
                      "(pip install mpich, or install MPICH)")
-    prog = command[0]
-    if prog.endswith(".py"):
-        if not os.path.isfile(prog):
-            parser.error(f"PROG {prog!r}: no such file")
-        command = [sys.executable, "-m", "gpukv.launcher.run_rank", *command]
-    elif shutil.which(prog) is None:
-        parser.error(f"PROG {prog!r}: no such program")
-    min_workers = args.n if args.min_workers is None else args.min_workers
-    if min_workers > args.n:
-        parser.error(f"--min-workers {min_workers} is more than the -n {args.n} processes")
+    try:
+        command = resolve_program(command)
+    except ArgumentError as exc:
+        parser.error(str(exc))
+    verbose = args.verbose or run_rank.verbose()
+    prefixed = [o for o in theirs if o in output.PREFIXING_OPTIONS]
+    if args.log_dir is not None and prefixed:
+        parser.error(f"--log-dir needs the ranks' lines, which {prefixed[0]} leaves to "
+                     f"mpiexec: give one of them")
     files = hostfile.given(theirs)
     named = (["--hosts"] if args.hosts else []) + [f"{o} {f}" for o, f in files]
     if len(named) > 1:
         parser.error(f"the hosts are given more than once ({', '.join(named)}): give one "
                      f"of --hosts, {', '.join(hostfile.OPTIONS)}")
     hosts = args.hosts
-    if files and args.max_restarts:  # a restart runs on those of the file that answer
+    if files and (args.max_restarts or args.n is None):  # read: restarts, -n's default
         try:
             hosts = hostfile.read(files[0][1])
         except ArgumentError as exc:
             parser.error(str(exc))
+    if args.n is None:  # torchrun's --nproc-per-node gpu, on each host
+        per_host = args.ppn or max(1, gpus_here())
+        args.n = per_host * (len(hosts) if hosts else 1)
+        if hosts:
+            args.ppn = per_host
+    min_workers = args.n if args.min_workers is None else args.min_workers
+    if min_workers > args.n:
+        parser.error(f"--min-workers {min_workers} is more than the -n {args.n} processes")
+    if args.log_dir is not None:
+        try:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--log-dir {str(args.log_dir)!r} cannot be made: "
+                         f"{exc.strerror or exc}")
     plan = restarts.Plan(args.n, hosts, args.ppn, min_workers, args.max_restarts)
 
     def start(attempt: int, n: int, hosts: list[str] | None) -> restarts.Outcome:
@@ -242,9 +335,11 @@ def main(argv: list[str]) -> int:
             passed = hostfile.without(theirs)  # a restart runs on the hosts that answer
         if args.ppn:
             options += ["-ppn", str(args.ppn)]
-        job = Job([mpiexec, *options, *passed, *command], report_address(hosts), args.grace,
+        head = [mpiexec, *options, *passed]
+        job = Job([*head, *command], report_address(hosts), args.grace,
                   restarts.attempt_env(attempt, args.max_restarts),
-                  announce=not args.max_restarts)
+                  announce=not args.max_restarts, program_at=len(head), processes=n,
+                  verbose=verbose, log_dir=args.log_dir and args.log_dir / f"attempt{attempt}")
         status = job.run()
         return restarts.Outcome(status, job.reason, job.signal is not None)
 
@@ -268,21 +363,56 @@ def _option(words: list[str], name: str) -> str | None:
 
 class Job:
     """One mpiexec and everything it starts, watched until it has all ended; `announce`:
-    the line that says why the job is being ended goes to stderr (else only to `reason`)."""
+    the lines that say why the job ended go to stderr (else only to `reason`).
+
+    With `program_at` (where PROG starts in `command`) each rank runs PROG through
+    `run_rank` (torchrun's variables, its start and end told), and its lines come out after
+    `[R] ` (unless mpiexec is asked to prefix them itself); `processes`: the ranks, for the
+    line after Ctrl-C where no rank said it started; `verbose`: mpiexec's own words and
+    whole tracebacks shown; `log_dir`: the attempt's folder for the ranks' files.
+    """
 
     def __init__(self, command: list[str], address: str, grace: float,
-                 env: dict[str, str] | None = None, announce: bool = True):
+                 env: dict[str, str] | None = None, announce: bool = True, *,
+                 program_at: int | None = None, processes: int | None = None,
+                 verbose: bool = False, log_dir: Path | None = None):
+        self.token: str | None = None
+        if program_at is not None:
+            head, program = command[:program_at], command[program_at:]
+            extra = []
+            if not any(o in output.PREFIXING_OPTIONS for o in head):
+                self.token = output.new_token()
+                extra += ["-prepend-pattern", output.pattern(self.token)]
+            if "-print-all-exitcodes" not in head:
+                extra.append("-print-all-exitcodes")  # how each rank ended
+            command = [*head, *extra, sys.executable, "-m", "gpukv.launcher.run_rank",
+                       *program]
         self.command = command
         self.address = address
         self.grace = grace
-        self.extra_env = env or {}
+        self.extra_env = dict(env or {})
+        if verbose:
+            self.extra_env[run_rank.VERBOSE_ENV] = "1"
         self.announce = announce
-        self.reason: str | None = None  # the words of the first line said
-        self.failures: list[run_report.Report] = []
+        self.processes = processes
+        if log_dir is not None:
+            try:
+                log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                sys.stderr.write(f"gpukv run: --log-dir: {log_dir}: {exc.strerror or exc}\n")
+                log_dir = None
+        self.console = output.Console(verbose, log_dir)
+        self.reason: str | None = None  # the words of the lines said
+        self.failures: list[run_report.Report] = []  # every rank's report of a failure
+        self.started: dict[int, run_report.Started] = {}
+        self.ended: list[run_report.Ended] = []  # in the order they came
+        self.said = failures.MpiexecWords()
+        self.first: list[run_report.Report] | str | None = None  # what failed first
         self.signal: int | None = None
+        self.running_at_signal = 0
         self.deadline: float | None = None  # when the job is ended by force
-        self.seen = ""  # the end of mpiexec's output, for hydra's box
         self.process: subprocess.Popen | None = None
+        self._streams: dict[int, tuple[int, output.Demux]] = {}  # fd -> (1 or 2, demux)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -298,28 +428,34 @@ class Job:
                         for s in (signal.SIGINT, signal.SIGTERM)}
             try:
                 self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE,
                                                 start_new_session=True)
+                assert self.process.stdout is not None and self.process.stderr is not None
+                for number, stream in ((1, self.process.stdout), (2, self.process.stderr)):
+                    self._streams[stream.fileno()] = (number, output.Demux(self.token))
                 status = self._watch(reports)
             finally:
                 if self.process is not None:
                     self._end_all()
+                self._finish_output()
                 for s, handler in handlers.items():
                     signal.signal(s, handler)
-        return status
+        return self._conclude(status)
 
-    def _watch(self, reports: socket.socket) -> int:
-        """Forward the output and read the reports until mpiexec ends or is overdue."""
-        assert self.process is not None and self.process.stdout is not None
-        output = self.process.stdout.fileno()
+    def _watch(self, reports: socket.socket) -> int | None:
+        """Forward the output and read the reports until mpiexec ends or is overdue;
+        mpiexec's status (None: overdue)."""
+        assert self.process is not None
         with selectors.DefaultSelector() as selector:
             selector.register(reports, selectors.EVENT_READ)
-            selector.register(output, selectors.EVENT_READ)
+            for fd in self._streams:
+                selector.register(fd, selectors.EVENT_READ)
             while True:
                 for key, _ in selector.select(timeout=0.1):
                     if key.fileobj is reports:
                         self._read_reports(reports)
-                    elif not self._forward(output):
-                        selector.unregister(output)
+                    elif not self._forward(key.fd):
+                        selector.unregister(key.fd)
                 status = self.process.poll()
                 if status is not None:
                     break
@@ -327,19 +463,12 @@ class Job:
                     status = None
                     break
         if status is not None:
-            self._drain(output, TERM_WAIT)  # hydra's box may follow its exit
+            self._drain(TERM_WAIT)  # mpiexec's box and exit codes may follow its exit
         self._read_reports(reports)  # those that came with mpiexec's exit
-        if status and not self.failures and self.signal is None:
+        if status and self.first is None and self.signal is None:
             code = status if status > 0 else 128 - status
-            self._fail([run_report.Report(None, code, "mpiexec", "")],
-                       f"mpiexec ended with status {code}")
-        if self.signal is not None:
-            return 128 + self.signal
-        if self.failures:
-            known = [f.status for f in self.failures if f.status]
-            return (known[0] if known else 1) & 0xFF or 1
-        assert status is not None
-        return status if status >= 0 else 128 - status
+            self.first = f"mpiexec ended with status {code}"
+        return status
 
     def _read_reports(self, reports: socket.socket) -> None:
         found = []
@@ -348,68 +477,97 @@ class Job:
                 data = reports.recv(65536)
             except (BlockingIOError, InterruptedError):
                 break
+            except OSError:  # an ICMP error of an earlier send: nothing to read
+                continue
             report = run_report.parse(data)
-            if report is not None:
+            if isinstance(report, run_report.Started):
+                self.started[report.rank] = report
+            elif isinstance(report, run_report.Ended):
+                self.ended.append(report)
+            elif report is not None:
                 found.append(report)
-        if found:
-            self._fail(found)
+        self.failures += found
+        if found and self._failing(found):
+            self._end_soon()
 
-    def _forward(self, output: int) -> bool:
-        """Copy what mpiexec wrote to stdout; whether there may be more."""
+    def _forward(self, fd: int) -> bool:
+        """Write the lines of what mpiexec wrote to `fd`; whether there may be more."""
         try:
-            chunk = os.read(output, 65536)
+            chunk = os.read(fd, 65536)
         except BlockingIOError:
             return True
-        if not chunk:
-            return False
-        try:
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        except (BrokenPipeError, OSError):
-            pass  # nobody reads our output: the job still runs to its end
-        if not self.failures:
-            self.seen = (self.seen + chunk.decode(errors="replace"))[-4096:]
-            bad = _BAD_END.search(self.seen)
-            if bad:
-                code = int(bad[3]) + (128 if bad[2] == "KILLED BY SIGNAL" else 0)
-                self._fail([run_report.Report(None, code, "a process ended badly",
-                                              f"{bad[1]}, {bad[2].lower()} {bad[3]}")])
-        return True
+        except OSError:
+            chunk = b""
+        number, demux = self._streams[fd]
+        self._write(demux.feed(chunk) if chunk else demux.flush(), number)
+        return bool(chunk)
+
+    def _write(self, lines: list[output.Line], number: int) -> None:
+        for line in lines:
+            text = line.text.decode(errors="replace")
+            if output.about_the_ends(text) and self.said.read(text) \
+                    and self._failing(_BOX):
+                self._end_soon()
+            self.console.write(line, number, self.first is not None or self.signal is not None)
+
+    def _finish_output(self) -> None:
+        for number, demux in self._streams.values():
+            self._write(demux.flush(), number)
+        self.console.finish()
 
     # ------------------------------------------------------------ failures, signals
-    def _fail(self, reports: list[run_report.Report], line: str = "") -> None:
-        """Record failures; the first ones start the grace and are said in one line."""
-        first = not self.failures and self.signal is None
-        self.failures += reports
-        if not first:
-            return
-        if line:
-            self._say(line)
-            return
-        said = []
-        for r in reports:
-            who = "" if r.rank is None else f"rank {r.rank}: "
-            said.append(f"{who}{r.what}" + (f": {r.message[:200]}" if r.message else ""))
-        self._say("; ".join(dict.fromkeys(said)))
+    def _failing(self, what: list[run_report.Report] | str) -> bool:
+        """Record what failed first (reports, or mpiexec's box); whether it was first."""
+        if self.first is not None or self.signal is not None:
+            return False
+        self.first = what
+        return True
+
+    def _end_soon(self) -> None:
+        """mpiexec has the grace to end the job; then it is ended by force."""
+        if self.process is not None and self.process.poll() is None:
+            self.deadline = min(self.deadline or math.inf, time.monotonic() + self.grace)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.signal is not None:  # a second one: no more waiting
             self.deadline = time.monotonic()
             return
         self.signal = signum
+        ended = {e.rank for e in self.ended}
+        self.running_at_signal = (len(set(self.started) - ended) if self.started
+                                  else self.processes or 0)
         if self.process is not None:
             process_tree.signal_all([self.process.pid], signum)
-        if not self.failures:
-            self._say(f"{signal.Signals(signum).name}, passed on to mpiexec")
+        self._end_soon()
 
-    def _say(self, what: str) -> None:
-        if self.reason is None:
-            self.reason = what
-        if self.process is not None and self.process.poll() is None:
-            self.deadline = min(self.deadline or math.inf, time.monotonic() + self.grace)
-            what += f"; ending the job (mpiexec has {self.grace:g} s)"
+    def _conclude(self, status: int | None) -> int:
+        """Say why the job ended (one line per failed rank, or the signal's); its status."""
+        if self.signal is not None:
+            name = ("interrupted (Ctrl-C)" if self.signal == signal.SIGINT
+                    else f"terminated ({signal.Signals(self.signal).name})")
+            count = self.running_at_signal
+            self._say([f"{name}: ended {count} process{'' if count == 1 else 'es'}"])
+            return 128 + self.signal
+        if self.first is None:
+            assert status is not None
+            return status if status >= 0 else 128 - status
+        if self.first == _BOX:
+            lines = [failures.of_mpiexec(self.said, self.started, self.ended)]
+        elif isinstance(self.first, str):  # mpiexec's own failure: its status is the job's
+            code = None if not status else status if status > 0 else 128 - status
+            lines = [failures.Failure(self.first, code)]
+        else:
+            lines = [failures.of_report(r, self.started) for r in self.first]
+        lines = list(dict.fromkeys(lines))
+        self._say([line.words for line in lines])
+        known = [line.status for line in lines if line.status]
+        return (known[0] if known else 1) & 0xFF or 1
+
+    def _say(self, lines: list[str]) -> None:
+        self.reason = "; ".join(lines)
         if self.announce:
-            sys.stderr.write(f"gpukv run: {what}\n")
+            for line in lines:
+                sys.stderr.write(f"gpukv run: {line}\n")
             sys.stderr.flush()
 
     # ------------------------------------------------------------------- the end
@@ -432,16 +590,25 @@ class Job:
                     break
                 time.sleep(0.02)
         self.process.wait(timeout=TERM_WAIT)
-        if self.process.stdout is not None:
-            self._drain(self.process.stdout.fileno(), 0)
-            self.process.stdout.close()
+        self._drain(0)
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
 
-    def _drain(self, output: int, seconds: float) -> None:
+    def _drain(self, seconds: float) -> None:
         """Forward what is left of mpiexec's output, waiting for more up to `seconds`
-        (a process the job left behind may hold the pipe open)."""
+        (a process the job left behind may hold a pipe open)."""
         end = time.monotonic() + seconds
         with selectors.DefaultSelector() as selector:
-            selector.register(output, selectors.EVENT_READ)
-            while selector.select(timeout=max(0.0, end - time.monotonic())):
-                if not self._forward(output):
+            for fd in self._streams:
+                try:
+                    selector.register(fd, selectors.EVENT_READ)
+                except (ValueError, OSError):  # closed already
+                    continue
+            while selector.get_map():
+                ready = selector.select(timeout=max(0.0, end - time.monotonic()))
+                if not ready:
                     break
+                for key, _ in ready:
+                    if not self._forward(key.fd):
+                        selector.unregister(key.fd)

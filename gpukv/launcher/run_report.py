@@ -1,9 +1,16 @@
-"""The one-line reports a rank of a `gpukv run` job sends its launcher when it fails.
+"""The one-line reports the ranks of a `gpukv run` job send their launcher.
 
-`gpukv run` listens on a UDP socket and names it in GPUKV_RUN_REPORT (`ADDR:PORT`). A rank
-whose transport fails, or which ends on an uncaught exception or a non-zero exit, sends one
-datagram there, so that the launcher can end the job even where mpiexec cannot (a host cut
-off). Sending never blocks nor raises; nothing is sent when the variable is unset.
+`gpukv run` listens on a UDP socket and names it in GPUKV_RUN_REPORT (`ADDR:PORT`). Three
+kinds of datagram go there, one line each:
+- a failure (`Report`): a rank whose transport fails, or which ends on an uncaught
+  exception or a non-zero exit, says so, so that the launcher can end the job even where
+  mpiexec cannot (a host cut off);
+- a start (`Started`): each rank's entry (`run_rank`) says, before the program runs, its
+  rank, local rank, host and pid, which the launcher's failure lines name;
+- an end (`Ended`): the watcher `run_rank` leaves beside each rank says when the rank's
+  process has ended, however it ended (kill -9 included), before mpiexec learns of it: the
+  first of these tells which rank a process that "ended badly" was.
+Sending never blocks nor raises; nothing is sent when the variable is unset.
 """
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ from typing import NamedTuple
 
 ENV = "GPUKV_RUN_REPORT"
 _TAG = "gpukv-run-report"
+_STARTED = "gpukv-run-started"
+_ENDED = "gpukv-run-ended"
 _LIMIT = 1024  # bytes: small enough to cross any link in one piece
 # where MPI launchers put a process's rank in the world (MPICH's Hydra, Open MPI, PMIx)
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -27,6 +36,21 @@ class Report(NamedTuple):
     message: str
 
 
+class Started(NamedTuple):
+    """A rank that started: its rank, its rank on its host (None if unknown), its host (as
+    mpiexec names it) and its process id."""
+    rank: int
+    local_rank: int | None
+    host: str
+    pid: int
+
+
+class Ended(NamedTuple):
+    """A rank's process that ended, told by the watcher beside it: its rank and pid."""
+    rank: int
+    pid: int
+
+
 def world_rank(default: int | None = None) -> int | None:
     """This process's rank in the job, as the MPI launcher set it; else `default`."""
     for name in _RANK_VARIABLES:
@@ -36,15 +60,12 @@ def world_rank(default: int | None = None) -> int | None:
     return default
 
 
-def send(what: str, message: str = "", status: int | None = None,
-         rank: int | None = None) -> bool:
-    """Send one report to the launcher named in GPUKV_RUN_REPORT; whether it was sent."""
+def _send(fields: list) -> bool:
+    """One datagram of `fields` (each flattened to one line without tabs) to the launcher
+    named in GPUKV_RUN_REPORT; whether it was sent."""
     target = os.environ.get(ENV, "").strip()
     if not target:
         return False
-    rank = world_rank(rank)
-    fields = [_TAG, "-" if rank is None else str(rank), "-" if status is None else str(status),
-              what, message]
     line = "\t".join(" ".join(str(field).split()) for field in fields)  # one line, no tabs
     try:
         host, _, port = target.rpartition(":")
@@ -60,11 +81,40 @@ def send(what: str, message: str = "", status: int | None = None,
     return True
 
 
-def parse(data: bytes) -> Report | None:
+def send(what: str, message: str = "", status: int | None = None,
+         rank: int | None = None) -> bool:
+    """Send one failure report to the launcher; whether it was sent."""
+    rank = world_rank(rank)
+    return _send([_TAG, "-" if rank is None else rank, "-" if status is None else status,
+                  what, message])
+
+
+def send_started(started: Started) -> bool:
+    """Tell the launcher a rank started; whether it was sent."""
+    local = "-" if started.local_rank is None else started.local_rank
+    return _send([_STARTED, started.rank, local, started.host or "-", started.pid])
+
+
+def send_ended(ended: Ended) -> bool:
+    """Tell the launcher a rank's process ended; whether it was sent."""
+    return _send([_ENDED, ended.rank, ended.pid])
+
+
+def _number(text: str) -> int | None:
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def parse(data: bytes) -> Report | Started | Ended | None:
     """The report in a datagram, or None when it is not one."""
     fields = data.decode(errors="replace").rstrip("\n").split("\t")
-    if len(fields) != 5 or fields[0] != _TAG:
-        return None
-    _, rank, status, what, message = fields
-    return Report(int(rank) if rank.isdigit() else None,
-                  int(status) if status.lstrip("-").isdigit() else None, what, message)
+    if len(fields) == 5 and fields[0] == _TAG:
+        _, rank, status, what, message = fields
+        return Report(int(rank) if rank.isdigit() else None, _number(status), what, message)
+    if len(fields) == 5 and fields[0] == _STARTED and fields[1].isdigit() \
+            and fields[4].isdigit():
+        _, rank, local, host, pid = fields
+        return Started(int(rank), int(local) if local.isdigit() else None, host, int(pid))
+    if len(fields) == 3 and fields[0] == _ENDED and fields[1].isdigit() \
+            and fields[2].isdigit():
+        return Ended(int(fields[1]), int(fields[2]))
+    return None

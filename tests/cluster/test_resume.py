@@ -30,16 +30,18 @@ FAULTS = {"a host dies": [0, 1], "a process is killed": [0, 1, 2], "a link is cu
 
 
 def _program_ranks(made, host: int) -> list[int]:
-    """The training processes running on host (not hydra's proxy)."""
-    found = []
+    """The training processes running on host (not hydra's proxy, nor the watcher each
+    rank forks to report its end, a child of the rank with its command line)."""
+    found = {}
     for pid in made.pids(host):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if b"resume_train.py" in cmdline and b"hydra" not in cmdline:
-            found.append(pid)
-    return found
+            found[pid] = parent
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 def _strike(made, fault: str) -> None:

@@ -1,0 +1,171 @@
+"""The lines a failed `gpukv run` attempt ends with: one per failed rank.
+
+Each names the rank, its local rank, its host and its pid (from the rank's start report,
+`run_report.Started`) and what happened: the exception (type and message) or the exit status
+a rank reported itself, or, for a process that ended without a word (kill -9, a crash), how
+it ended as mpiexec saw it: `rank 2 (local rank 2) on host vm, pid 9110: killed by signal 9
+(SIGKILL)`.
+
+Which rank that was is not what mpiexec's box says: the box names the first process of its
+host (in rank order) whose status is not 0 once mpiexec has ended them all, and its cleanup
+kills every other process with SIGKILL, so it mostly names another rank. The rank is the
+first whose end its watcher reported (the watcher speaks before mpiexec hears of the end),
+and how it ended is its status among mpiexec's exit codes (`-print-all-exitcodes`: each
+host's statuses in local-rank order); without them, the box's.
+"""
+from __future__ import annotations
+
+import re
+import signal
+from typing import NamedTuple
+
+from .run_report import Ended, Report, Started
+
+_BOX_START = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES")
+_BOX_WHO = re.compile(r"^=\s+(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)")
+_BOX_HOW = re.compile(r"^=\s+(EXIT CODE|KILLED BY SIGNAL): (\d+)")
+_ABORT = re.compile(r"^Abort\((-?\d+)\) on node \d+ \(rank (\d+) in comm \d+\): (.*?)"
+                    r"(?: - process \d+)?$")
+_CODES = re.compile(r"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
+_HOST_CODES = re.compile(r"\[([^\]]+)\]\s*(-?\d+(?:\s*,\s*-?\d+)*)")
+
+
+class Box(NamedTuple):
+    """mpiexec's box: the host and pid it names (and rank, where it says one), the number
+    it gives and whether it calls it a signal."""
+    host: str
+    pid: int
+    rank: int | None
+    code: int
+    signalled: bool
+
+
+class Abort(NamedTuple):
+    """MPI's word that a rank called MPI_Abort: the rank, its error code and the words."""
+    rank: int
+    code: int
+    words: str
+
+
+class Failure(NamedTuple):
+    """One line's words (without `gpukv run: `) and the exit status it stands for."""
+    words: str
+    status: int | None
+
+
+class MpiexecWords:
+    """What mpiexec said about the ends, read line by line: its first box, the first rank
+    that called MPI_Abort, its exit codes."""
+
+    def __init__(self) -> None:
+        self.box: Box | None = None
+        self.abort: Abort | None = None
+        self.codes: dict[str, list[int]] = {}
+        self._who: tuple[int | None, int, str] | None = None
+        self._in_box = False
+
+    def read(self, text: str) -> bool:
+        """Take in one of mpiexec's lines; whether it was the first word of a failure (the
+        first box, or the first MPI_Abort)."""
+        abort = _ABORT.match(text)
+        if abort:
+            if self.abort is not None:
+                return False
+            self.abort = Abort(int(abort[2]), int(abort[1]), abort[3])
+            return self.box is None
+        codes = _CODES.match(text)
+        if codes:
+            for host, numbers in _HOST_CODES.findall(codes[1]):
+                self.codes[host] = [int(n) for n in numbers.split(",")]
+            return False
+        if _BOX_START.search(text):
+            self._in_box, self._who = True, None
+            return False
+        if not self._in_box:
+            return False
+        who = _BOX_WHO.match(text)
+        if who:
+            self._who = (int(who[1]) if who[1] else None, int(who[2]), who[3])
+            return False
+        how = _BOX_HOW.match(text)
+        if how and self._who is not None:
+            self._in_box = False
+            if self.box is None:
+                rank, pid, host = self._who
+                self.box = Box(host, pid, rank, int(how[2]), how[1] == "KILLED BY SIGNAL")
+                return self.abort is None
+        return False
+
+    def status_of(self, started: Started | None) -> int | None:
+        """The wait status mpiexec gives the rank of `started`, if it gave one."""
+        if started is None or started.local_rank is None:
+            return None
+        codes = self.codes.get(started.host, [])
+        return codes[started.local_rank] if started.local_rank < len(codes) else None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def how_it_ended(wait_status: int) -> Failure:
+    """A wait status in words, with the exit status mpiexec gives it: the signal's number
+    for a process a signal ended, else its exit status."""
+    if wait_status & 0x7F:
+        number = wait_status & 0x7F
+        return Failure(f"killed by signal {number} ({signal_name(number)})", number)
+    return Failure(f"exit status {wait_status >> 8}", wait_status >> 8)
+
+
+def who(rank: int | None, started: dict[int, Started]) -> str:
+    """`rank R (local rank L) on host H, pid P`, as much of it as is known."""
+    if rank is None:
+        return "a rank"
+    known = started.get(rank)
+    if known is None:
+        return f"rank {rank}"
+    local = "" if known.local_rank is None else f" (local rank {known.local_rank})"
+    return f"rank {rank}{local} on host {known.host}, pid {known.pid}"
+
+
+def of_report(report: Report, started: dict[int, Started]) -> Failure:
+    """The line of a rank's own report."""
+    words = f"{who(report.rank, started)}: {report.what}"
+    if report.message:
+        words += f": {report.message[:300]}"
+    return Failure(words, report.status)
+
+
+def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
+               ended: list[Ended]) -> Failure:
+    """The line of the first failure mpiexec told of: a rank's MPI_Abort, or a process that
+    ended badly (the first rank whose end was reported and whose status, where mpiexec
+    gave them, is not 0)."""
+    if said.abort is not None:
+        abort = said.abort
+        return Failure(f"{who(abort.rank, started)}: {abort.words}", abort.code)
+    box = said.box
+    assert box is not None
+    first: int | None = None
+    for end in ended:
+        status = said.status_of(started.get(end.rank))
+        if status != 0 and end.rank in started:
+            first = end.rank
+            break
+    if first is not None:
+        status = said.status_of(started[first])
+        how = how_it_ended(status) if status is not None else _how_of_box(box)
+        return Failure(f"{who(first, started)}: {how.words}", how.status)
+    how = _how_of_box(box)
+    if box.rank is not None:  # a later MPICH's box names the rank
+        return Failure(f"{who(box.rank, started)}: {how.words}", how.status)
+    return Failure(f"a process on host {box.host} ended badly: {how.words}", how.status)
+
+
+def _how_of_box(box: Box) -> Failure:
+    if box.signalled:
+        return Failure(f"killed by signal {box.code} ({signal_name(box.code)})", box.code)
+    return Failure(f"exit code {box.code}", box.code)
