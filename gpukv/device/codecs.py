@@ -51,18 +51,19 @@ def _launch(name, items, args):
     launch(name, items, args)
 
 
+def _payload(like, nbytes: int, out):
+    """`out`, or a new uint8 payload of `nbytes` where `like` lives (current device and
+    stream for a GPU array)."""
+    return _xp(like).empty(nbytes, np.uint8) if out is None else out
+
+
 def _quantize(bits, host_fn, kernel, grad, residual, threshold, out):
     """`host_fn` on host arrays, else the CUDA `kernel` (one thread per byte it writes);
     the payload's bytes past the last value are zero."""
     n = grad.size
-    nbytes = packed_nbytes(n, bits)
+    out = _payload(grad, packed_nbytes(n, bits), out)
     if _is_host(grad):
-        if out is None:
-            out = np.empty(nbytes, np.uint8)
         return host_fn(grad, residual, threshold, out)
-    import cupy
-    if out is None:
-        out = cupy.empty(nbytes, cupy.uint8)
     used = -(-n * bits // 8)
     out[used:] = 0
     _launch(kernel, used,
@@ -105,14 +106,9 @@ def quantize_sign(grad, residual, out=None):
     sign into `out` (uint8, `sign_nbytes(n)` bytes); take the decoded value (+-scale) out
     of the residual; return `out`."""
     n = grad.size
-    nbytes = host.sign_nbytes(n)
+    out = _payload(grad, host.sign_nbytes(n), out)
     if _is_host(grad):
-        if out is None:
-            out = np.empty(nbytes, np.uint8)
         return host.quantize_sign(grad, residual, out)
-    import cupy
-    if out is None:
-        out = cupy.empty(nbytes, cupy.uint8)
     blocks = -(-n // host.SIGN_BLOCK)
     _launch("gpukv_quantize_sign", n, (grad, residual, out, np.int64(n), np.int64(blocks)))
     return out

@@ -219,6 +219,15 @@ def dequantize_1bit(payload, n, out, accumulate):
     return out
 
 
+def _scaled_into(values, scale, out, accumulate) -> None:
+    """The last steps of a decoder's block: `values` (float32, in `out` itself unless
+    `accumulate`) times `scale` (None: 1), added to `out` when `accumulate`."""
+    if scale is not None:
+        np.multiply(values, scale, out=values)
+    if accumulate:
+        np.add(out, values, out=out)
+
+
 def _scaled_blocks(x, scale, lo, hi):
     """(start, stop, block of x[lo:hi] divided by `scale`, or x's own slice if None)."""
     xs = _scratch("xs", _F32, BLOCK) if scale is not None else None
@@ -293,12 +302,7 @@ def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
             np.left_shift(f, 13, out=f)
             np.bitwise_and(f, _I32(-0x70000001), out=f)         # 0x8FFFFFFF: sign | bits << 13
             np.multiply(f.view(_F32), _F32(2.0 ** 112), out=f.view(_F32))
-        ff = f.view(_F32)
-        if scale is not None:
-            np.multiply(ff, scale, out=ff)
-        if accumulate:
-            o = out[start:stop]
-            np.add(o, ff, out=o)
+        _scaled_into(f.view(_F32), scale, out[start:stop], accumulate)
 
 
 def uncast_fp16(payload, scale, out, accumulate):
@@ -345,12 +349,7 @@ def _uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
         f = wide[:k] if accumulate else out[start:stop].view(_U32)
         np.copyto(f, payload[start:stop])
         np.left_shift(f, 16, out=f)
-        ff = f.view(_F32)
-        if scale is not None:
-            np.multiply(ff, scale, out=ff)
-        if accumulate:
-            o = out[start:stop]
-            np.add(o, ff, out=o)
+        _scaled_into(f.view(_F32), scale, out[start:stop], accumulate)
 
 
 def uncast_bf16(payload, scale, out, accumulate):

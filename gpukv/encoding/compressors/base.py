@@ -104,14 +104,12 @@ class Compressor:
         return f"<gpukv compressor {opts}>"
 
 
-class Quantizer(Compressor):
-    """A quantiser with error feedback: bits packed from the gradient plus its residual."""
+class ResidualCodec(Compressor):
+    """A codec with error feedback: `_quantize(g, residual)` packs the flat float32
+    gradient plus its residual (and leaves the residual moved on), `_dequantize` decodes
+    a payload into a flat float32 out, or adds it there."""
 
     uses_residual = True
-    options = {"threshold": 0.5}
-
-    def __init__(self, threshold: float = 0.5):
-        self.threshold = float(np.float32(threshold))
 
     def compress(self, x, residual=None):
         g = codecs.flat_f32(x)
@@ -130,6 +128,16 @@ class Quantizer(Compressor):
 
     def _dequantize(self, payload, size, out, accumulate):
         raise NotImplementedError
+
+
+class Quantizer(ResidualCodec):
+    """MXNet's quantisers: bits packed from the gradient plus its residual, by a
+    threshold."""
+
+    options = {"threshold": 0.5}
+
+    def __init__(self, threshold: float = 0.5):
+        self.threshold = float(np.float32(threshold))
 
     def params(self):
         return {"type": self.name, "threshold": self.threshold}

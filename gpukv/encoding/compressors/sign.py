@@ -12,35 +12,28 @@ uncompressed training where the mean loses 10 (benchmarks/bench_accuracy.py)."""
 from __future__ import annotations
 
 from ...device import codecs
-from .base import Compressor, Ctx, KernelTraffic
+from .base import KernelTraffic, ResidualCodec
 from .registry import register
 
 _BITS = 0.125 + 4 / 64  # payload bytes per value: its bit and its share of a scale
 
 
 @register("sign")
-class Sign(Compressor):
+class Sign(ResidualCodec):
     """Scaled sign, 1 bit per value plus a float32 scale per 64 values, with error
     feedback: decodes to +-the block's root mean square."""
 
     name = "sign"
-    uses_residual = True
     kernels = (KernelTraffic("quantize sign", "gpukv_quantize_sign", 8, 4 + _BITS,
                              "grad+residual in, residual+payload out"),
                KernelTraffic("dequantize sign", "gpukv_dequantize_sign", _BITS, 4,
                              "without accumulate"))
 
-    def compress(self, x, residual=None):
-        g = codecs.flat_f32(x)
-        if residual is None:
-            residual = codecs.empty_f32(g, g.size)
-            residual.fill(0)
-        return codecs.quantize_sign(g, residual), Ctx(g.size, tuple(x.shape))
+    def _quantize(self, g, residual):
+        return codecs.quantize_sign(g, residual)
 
-    def decompress(self, payload, ctx, out=None, accumulate=False):
-        out = self._out(payload, ctx, out)
-        codecs.dequantize_sign(payload, ctx.size, out.reshape(-1), accumulate)
-        return out
+    def _dequantize(self, payload, size, out, accumulate):
+        codecs.dequantize_sign(payload, size, out, accumulate)
 
     def params(self):
         return {"type": "sign"}
