@@ -479,11 +479,7 @@ class DistKVStore(KVStore):
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy each key's value into `out`; in dist_sync a pull returns the value after
         every push of this worker that came before it, summed with the other workers'."""
-        if out is None:
-            raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
-        if type(priority) is not int:
-            check.check_priority(key, priority)
-        groups = check.group(key, out, "out", written=True)
+        groups = check.pull_outs(key, out, priority)
         with self._lock:
             self._engine.control.check()
             entries = self._values.lookup(groups, "pull")

@@ -220,6 +220,16 @@ def group(keys, values, name: str = "value", written: bool = False) -> Groups:
     return Groups(out_keys, arrays, all_host, kind, sparse, tuple(foreign or ()))
 
 
+def pull_outs(key, out, priority) -> Groups:
+    """A pull's `out` grouped by key and checked (after its priority): an ArgumentError
+    without outs to write into."""
+    if out is None:
+        raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
+    if type(priority) is not int:
+        check_priority(key, priority)
+    return group(key, out, "out", written=True)
+
+
 def check_priority(key, priority) -> None:
     """An ArgumentKindError unless `priority` is an int (as MXNet, which takes a C int)."""
     if type(priority) is not int and not isinstance(priority, numbers.Integral):

@@ -284,11 +284,7 @@ class LocalStore(KVStore):
     @timeline.traced("pull")
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
-        if out is None:
-            raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
-        if type(priority) is not int:
-            check.check_priority(key, priority)
-        groups = check.group(key, out, "out", written=True)
+        groups = check.pull_outs(key, out, priority)
         with self._lock:
             entries = self.lookup(groups, "pull")
             check.all_outs(groups, entries)
