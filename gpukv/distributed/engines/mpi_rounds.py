@@ -98,13 +98,13 @@ class MpiRounds:
         self.state = state
         self.t = state.t
         self._plans: dict = {}      # (keys in canonical order, compression) -> plan
-        self._formats: dict = {}    # elements -> compressed payload (dtype, bytes)
+        self._formats: dict = {}    # elements -> payload (dtype, bytes), under
+        self._formats_of: object = None  # this compressor
         self._buffers: dict = {}    # scratch buffers of compressed rounds
 
     def forget(self) -> None:
         """Drop the plans made so far (new keys, another updater or compression)."""
         self._plans.clear()
-        self._formats.clear()
 
     def refuse(self, compressor) -> None:
         """Any compressor goes: its payloads travel as bytes."""
@@ -481,11 +481,14 @@ class MpiRounds:
 
     def _payload_format(self, n: int) -> tuple:
         """(dtype, bytes) of the payload of `n` elements under the compressor."""
+        comp = self.state.compressor
+        assert comp is not None  # only a compressed key comes here
+        if comp is not self._formats_of:  # another compressor: other payloads
+            self._formats, self._formats_of = {}, comp
         found = self._formats.get(n)
         if found is None:
-            assert self.state.compressor is not None
-            residual = np.zeros(n, np.float32) if self.state.compressor.uses_residual else None
-            payload, _ = self.state.compressor.compress(np.zeros(n, np.float32), residual)
+            residual = np.zeros(n, np.float32) if comp.uses_residual else None
+            payload, _ = comp.compress(np.zeros(n, np.float32), residual)
             found = self._formats[n] = (payload.dtype, payload.nbytes)
         return found
 
