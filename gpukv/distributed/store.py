@@ -497,10 +497,7 @@ class DistKVStore(KVStore):
     @timeline.traced("pushpull")
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push then pull (into `value` itself when `out` is None); both checked first."""
-        if type(priority) is not int:
-            check.check_priority(key, priority)
-        groups = check.group(key, value, "value", written=out is None)
-        out_groups = groups if out is None else check.group(key, out, "out", written=True)
+        groups, out_groups = check.pushpull_groups(key, value, out, priority)
         with self._lock:
             entries = self._checked_push(groups, "pushpull")
             out_entries = (entries if out is None

@@ -230,6 +230,15 @@ def pull_outs(key, out, priority) -> Groups:
     return group(key, out, "out", written=True)
 
 
+def pushpull_groups(key, value, out, priority) -> tuple[Groups, Groups]:
+    """(values, outs) of a pushpull, grouped by key and checked (after its priority); the
+    outs are the values themselves when `out` is None (written into, then)."""
+    if type(priority) is not int:
+        check_priority(key, priority)
+    groups = group(key, value, "value", written=out is None)
+    return groups, groups if out is None else group(key, out, "out", written=True)
+
+
 def check_priority(key, priority) -> None:
     """An ArgumentKindError unless `priority` is an int (as MXNet, which takes a C int)."""
     if type(priority) is not int and not isinstance(priority, numbers.Integral):

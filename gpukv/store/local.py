@@ -313,10 +313,7 @@ class LocalStore(KVStore):
     @timeline.traced("pushpull")
     def pushpull(self, key: Keys, value: Values, out: Values | None = None,
                  priority: int = 0) -> None:
-        if type(priority) is not int:
-            check.check_priority(key, priority)
-        groups = check.group(key, value, "value", written=out is None)
-        out_groups = groups if out is None else check.group(key, out, "out", written=True)
+        groups, out_groups = check.pushpull_groups(key, value, out, priority)
         with self._lock:
             entries = self.lookup(groups, "pushpull")
             out_entries = entries if out is None else self.lookup(out_groups, "pushpull")
