@@ -408,6 +408,7 @@ class Job:
         self.ended: list[run_report.Ended] = []  # in the order they came
         self.said = failures.MpiexecWords()
         self.first: list[run_report.Report] | str | None = None  # what failed first
+        self.exited_badly = False  # mpiexec ended non-zero (its words may still come)
         self.signal: int | None = None
         self.running_at_signal = 0
         self.deadline: float | None = None  # when the job is ended by force
@@ -437,6 +438,9 @@ class Job:
             finally:
                 if self.process is not None:
                     self._end_all()
+                    # what the job's processes wrote as they ended (a rank's abort banner
+                    # under load may come after mpiexec's exit): read before concluding
+                    self._drain(TERM_WAIT)
                 self._finish_output()
                 for s, handler in handlers.items():
                     signal.signal(s, handler)
@@ -465,9 +469,7 @@ class Job:
         if status is not None:
             self._drain(TERM_WAIT)  # mpiexec's box and exit codes may follow its exit
         self._read_reports(reports)  # those that came with mpiexec's exit
-        if status and self.first is None and self.signal is None:
-            code = status if status > 0 else 128 - status
-            self.first = f"mpiexec ended with status {code}"
+        self.exited_badly = bool(status)
         return status
 
     def _read_reports(self, reports: socket.socket) -> None:
@@ -508,7 +510,8 @@ class Job:
             if output.about_the_ends(text) and self.said.read(text) \
                     and self._failing(_BOX):
                 self._end_soon()
-            self.console.write(line, number, self.first is not None or self.signal is not None)
+            self.console.write(line, number, self.first is not None or self.signal is not None
+                               or self.exited_badly)
 
     def _finish_output(self) -> None:
         for number, demux in self._streams.values():
@@ -548,6 +551,9 @@ class Job:
             count = self.running_at_signal
             self._say([f"{name}: ended {count} process{'' if count == 1 else 'es'}"])
             return 128 + self.signal
+        if self.first is None and status:  # no report and no words of mpiexec's (all its
+            # output is in by now, its last lines too): its exit status says it all
+            self.first = f"mpiexec ended with status {status if status > 0 else 128 - status}"
         if self.first is None:
             assert status is not None
             return status if status >= 0 else 128 - status
