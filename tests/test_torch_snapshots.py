@@ -4,6 +4,7 @@ does, bit for bit; wrong options and other layouts are refused."""
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 import sys
 
@@ -79,6 +80,19 @@ def test_a_new_trainer_resumes_and_ends_as_an_uninterrupted_run(tmp_path, capfd,
     done = _run(fresh, STEPS, tmp_path, every, update_on_kvstore)
     assert done.steps == STEPS
     assert _bits(fresh) == _bits(reference)
+
+
+def test_a_resumed_trainer_logs_it_at_info_with_its_rank(tmp_path, caplog):
+    """A Trainer made again over a folder with snapshots logs at INFO, with its worker's
+    rank, the snapshot it resumed from and its step."""
+    _run([_model()], 2, tmp_path, 2)
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        resumed = _run([_model(seed=7)], 0, tmp_path, 2)
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno == logging.INFO and r.getMessage().startswith("gpukv: worker")]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"gpukv: worker 0 resumed from {resumed.resumed_from.path} "
+                              "(step 2, saved by 1 worker(s), now 1) in "), said
 
 
 def test_no_snapshot_starts_from_the_model(tmp_path, capfd):

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
+from .._env import restart_note
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
 from ..store.base import KVStore
 from ..store.local import _TYPES, LocalStore
+
+log = logging.getLogger("gpukv")
 
 # Several processes (gpukv.distributed.store, imported when asked for: it needs MPI).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
@@ -44,7 +48,13 @@ def create(name: str = "local", **options: Any) -> KVStore:
         valid = sorted(_TYPES) + sorted(_DIST_TYPES)
         raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
     _check_options(options, _store_options())
-    return LocalStore(lowered, **options)
+    store = LocalStore(lowered, **options)
+    # Said here, not by LocalStore: dist stores keep their keys in LocalStores of their own.
+    # Its devices are not named: a key's home is chosen when the key is made.
+    note = restart_note()
+    log.info("gpukv %r store made: one process, strategy %s%s%s", store.type, store.strategy,
+             ", deterministic" if store.deterministic else "", f", {note}" if note else "")
+    return store
 
 
 def _check_options(options: dict, accepted: set) -> None:

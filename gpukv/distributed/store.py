@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import timeline
-from .._env import positive_int
+from .._env import positive_int, restart_note
 from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
 from ..canonical.tree import rank_nodes
 from ..device import host_device
@@ -246,9 +246,10 @@ class DistKVStore(KVStore):
         engine = type(self._engine).__name__
         if gpu is not None:
             engine += " (NCCL)"
-        log.info("gpukv %r store made: worker %d of %d, %d server(s), engine %s%s",
+        note = restart_note()
+        log.info("gpukv %r store made: worker %d of %d, %d server(s), engine %s%s%s",
                  name, self.rank, self.num_workers, servers, engine,
-                 ", deterministic" if deterministic else "")
+                 ", deterministic" if deterministic else "", f", {note}" if note else "")
 
     # ----------------------------------------------------------------- properties
     @property
@@ -740,20 +741,24 @@ class DistKVStore(KVStore):
                                  keep=True)
             found = _raise(self._engine.control.share(found, "resume"))
             if found is None:
+                log.info("gpukv: worker %d: no complete snapshot under %s to resume from",
+                         self.rank, os.fspath(root))
                 return None
             self._last_step = found.step
             if into is None:
                 self.load(found)
-                return found
-            mine = None
-            for store in into:
-                try:
-                    store.load(found)
-                except CheckpointError as exc:
-                    mine = mine or str(exc)
-            error = self._agreed_error(mine, "resume")
-            if error is not None:
-                raise CheckpointError(error)
+            else:
+                mine = None
+                for store in into:
+                    try:
+                        store.load(found)
+                    except CheckpointError as exc:
+                        mine = mine or str(exc)
+                error = self._agreed_error(mine, "resume")
+                if error is not None:
+                    raise CheckpointError(error)
+            log.info("gpukv: worker %d resumed from snapshot %s (step %d)", self.rank,
+                     found.path, found.step)
             return found
 
     @timeline.traced("finish_snapshots")

@@ -414,6 +414,9 @@ class LocalStore(KVStore):
             for store in [self] if into is None else into:
                 store.load(found)
             self._last_step = found.step
+            log.info("gpukv: resumed from snapshot %s (step %d)", found.path, found.step)
+        else:
+            log.info("gpukv: no complete snapshot under %s to resume from", os.fspath(root))
         return found
 
     def finish_snapshots(self) -> None:

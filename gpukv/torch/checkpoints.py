@@ -1,6 +1,7 @@
 """A Trainer's snapshots: taken every few steps, and resumed from when it is made."""
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import shutil
@@ -11,6 +12,8 @@ from .._errors import ArgumentError, CheckpointError
 from ..checkpoints import snapshots
 from ..distributed.store import DistKVStore
 from ..store.base import KVStore
+
+log = logging.getLogger("gpukv")
 
 #: the layout of what the Trainer keeps beside the user's state in a snapshot
 _TRAINER = "gpukv.torch.Trainer"
@@ -111,7 +114,7 @@ class Checkpoints:
     def resume(self) -> tuple[int, dict] | None:
         """Load the newest complete snapshot into the store, if there is one: (its step,
         this worker's user_state, {} for a worker the snapshot did not have); worker 0
-        says so on one line."""
+        says so on one line on stderr, and every worker logs it at INFO."""
         start = time.perf_counter()
         if self.resume_from == "never":
             return None
@@ -125,11 +128,12 @@ class Checkpoints:
         self.last_step = found.step
         rank = self.store.rank
         user = found.user_state(rank).get("user", {}) if rank < found.workers else {}
+        said = (f"resumed from {found.path} (step {found.step}, saved by {found.workers} "
+                f"worker(s), now {self.store.num_workers}) in "
+                f"{time.perf_counter() - start:.2f} s")
+        log.info("gpukv: worker %d %s", rank, said)
         if rank == 0:
-            sys.stderr.write(
-                f"gpukv: resumed from {found.path} (step {found.step}, saved by "
-                f"{found.workers} worker(s), now {self.store.num_workers}) in "
-                f"{time.perf_counter() - start:.2f} s\n")
+            sys.stderr.write(f"gpukv: {said}\n")
             sys.stderr.flush()
         return found.step, user
 

@@ -4,6 +4,7 @@ newest are kept, a failed write is raised later and spoils nothing, and `user_st
 round-trips exactly or is refused naming where."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -133,6 +134,21 @@ def test_resume_without_a_snapshot_changes_nothing(tmp_path):
     with pytest.raises(gpukv.CheckpointError, match="not mine"):
         kv.resume(tmp_path / "snaps", check=refuse)
     assert _fingerprint(kv, tmp_path / "a.states") == before
+
+
+def test_resume_logs_the_snapshot_or_that_there_is_none(tmp_path, caplog):
+    """kv.resume logs at INFO the path and step of the snapshot it resumed from, or that
+    the root holds none."""
+    kv = _store("local")
+    folder = kv.snapshot(tmp_path / "snaps", 4)
+    kv.finish_snapshots()
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        _store("local", seed=3).resume(tmp_path / "snaps")
+        _store("local", seed=3).resume(tmp_path / "missing")
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno == logging.INFO and "snapshot" in r.getMessage()]
+    assert said == [f"gpukv: resumed from snapshot {folder} (step 4)",
+                    f"gpukv: no complete snapshot under {tmp_path / 'missing'} to resume from"]
 
 
 def test_a_snapshot_without_a_step_takes_the_next_one(tmp_path):

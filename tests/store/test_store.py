@@ -576,6 +576,47 @@ def test_local_store_logs_nothing(caplog):
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def _made_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.INFO and "store made" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name,options,line", [
+    ("local", {}, "gpukv 'local' store made: one process, strategy cpu"),
+    ("device", {"strategy": "tree", "deterministic": True},
+     "gpukv 'device' store made: one process, strategy tree, deterministic"),
+])
+def test_a_store_made_says_its_kind_and_strategy_at_info(name, options, line, monkeypatch,
+                                                         caplog):
+    """gpukv.create of a one-process store logs one INFO line naming its kind, its
+    strategy and whether it is deterministic."""
+    monkeypatch.delenv("GPUKV_RUN_ATTEMPT", raising=False)
+    monkeypatch.delenv("GPUKV_DETERMINISTIC", raising=False)
+    monkeypatch.delenv("GPUKV_STRATEGY", raising=False)
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        gpukv.create(name, **options)
+    assert _made_lines(caplog) == [line]
+
+
+def test_a_store_made_in_a_restart_says_which(monkeypatch, caplog):
+    """In attempt 2 of `gpukv run --max-restarts 3` the store-made line says the restart."""
+    monkeypatch.setenv("GPUKV_RUN_ATTEMPT", "2")
+    monkeypatch.setenv("GPUKV_RUN_MAX_RESTARTS", "3")
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        gpukv.create("local")
+    assert _made_lines(caplog) == ["gpukv 'local' store made: one process, strategy cpu, "
+                                   "restart 2 of at most 3 (GPUKV_RUN_ATTEMPT=2)"]
+
+
+def test_a_malformed_attempt_is_named_and_the_store_still_made(monkeypatch, caplog):
+    """A GPUKV_RUN_ATTEMPT that is not a count is named in the store-made line, not raised."""
+    monkeypatch.setenv("GPUKV_RUN_ATTEMPT", "two")
+    with caplog.at_level(logging.INFO, logger="gpukv"):
+        gpukv.create("local")
+    assert _made_lines(caplog) == ["gpukv 'local' store made: one process, strategy cpu, "
+                                   "GPUKV_RUN_ATTEMPT='two': not a count"]
+
+
 def test_repr_names_type():
     """repr(kv) shows the store type."""
     assert "local" in repr(gpukv.create("local"))
