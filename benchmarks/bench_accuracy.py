@@ -20,7 +20,7 @@ SGD, momentum 0.9, the same learning rate, batches and initial weights (per seed
 Measured per way, model and seed: the test accuracy after every epoch, the seconds of
 every epoch's training (wall), and the bytes a replica sends per step each way: push,
 every key's compressed payload (float32 without compression); pull, the float32 weights
-(the payload for a compressor whose class says `both_ways = True`). The table gives the
+(the payload for a compressor whose class says `compresses_pulls = True`). The table gives the
 mean over seeds (+- their standard deviation), the change in percentage points against
 torch, the bytes against float32's, and the seconds per epoch (median over epochs and
 seeds) against the uncompressed Trainer's in the same run; the ways of a seed are trained
@@ -143,7 +143,8 @@ class TrainerWay:
 def wire_bytes(key_sizes: dict, compression) -> dict:
     """Bytes one replica sends per step, summed over the keys: push (the payloads of
     compressing a float32 zero array of each key's size, a residual given where the
-    compressor uses one) and pull (float32, or the payloads for a `both_ways` compressor),
+    compressor uses one) and pull (float32, or the payloads for a compressor that
+    `compresses_pulls`),
     with float32's bytes for reference."""
     f32 = sum(4 * n for n in key_sizes.values())
     comp = make_compressor(compression) if compression is not None else None
@@ -155,7 +156,7 @@ def wire_bytes(key_sizes: dict, compression) -> dict:
             residual = np.zeros(n, np.float32) if comp.uses_residual else None
             payload, _ = comp.compress(np.zeros(n, np.float32), residual)
             push += int(payload.nbytes)
-    both = bool(getattr(comp, "both_ways", False)) if comp is not None else False
+    both = comp is not None and comp.compresses_pulls
     pull = push if both else f32
     return {"keys": len(key_sizes), "float32_bytes": f32, "push_bytes": push,
             "pull_bytes": pull, "push_over_float32": push / f32, "pull_over_float32": pull / f32,

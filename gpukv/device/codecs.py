@@ -36,7 +36,8 @@ from .host_codecs import packed_nbytes, sign_nbytes
 
 __all__ = ["quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit",
            "quantize_sign", "dequantize_sign", "sign_nbytes",
-           "flat_f32", "empty_f32", "scale_in_place", "cast_fp16", "uncast_fp16",
+           "flat_f32", "empty_f32", "scale_in_place", "difference_f32", "write_f32",
+           "cast_fp16", "uncast_fp16",
            "cast_bf16", "uncast_bf16", "packed_nbytes"]
 
 _F32 = np.float32
@@ -141,6 +142,27 @@ def flat_f32(x):
 def empty_f32(like, shape):
     """A new float32 array of `shape` where `like` lives (current device and stream)."""
     return _xp(like).empty(shape, _F32)
+
+
+def difference_f32(a, b):
+    """float32(a - b), flat, a new array where `a` lives (current device and stream):
+    subtracted in float32, or in float64 for float64 arrays, then rounded once."""
+    xp = _xp(a)
+    wide = np.float64 if a.dtype == np.float64 else _F32
+    d = xp.subtract(a.reshape(-1).astype(wide, copy=False),
+                    b.reshape(-1).astype(wide, copy=False))
+    return d.astype(_F32, copy=False)
+
+
+def write_f32(out, value, accumulate: bool) -> None:
+    """out = value, or out += value, for a float32 `value` and an `out` of any floating
+    dtype (the sum in float32, or float64 for a float64 `out`, rounded once)."""
+    xp = _xp(out)
+    flat = out.reshape(-1)
+    if accumulate:
+        wide = np.float64 if out.dtype == np.float64 else _F32
+        value = xp.add(flat.astype(wide, copy=False), value)
+    flat[...] = value
 
 
 def scale_in_place(out, factor: float):

@@ -39,7 +39,16 @@ class Shard:
         self.store.set_updater(updater)
 
     def stored(self, key) -> np.ndarray:
+        return self.store.entries()[key].stored
+
+    def served(self, key) -> np.ndarray:
         return self.store.entries()[key].value
+
+    def keep_apart(self, keys) -> None:
+        self.store.keep_apart(keys)
+
+    def rejoin(self, keys=None) -> None:
+        self.store.rejoin(keys)
 
     def adopt(self, keys, arrays) -> None:
         self.store.adopt(keys, arrays)
@@ -51,6 +60,7 @@ class Shard:
         """Set a key's value, without the updater (a checkpoint's value)."""
         entry = self.store.entries()[key]
         entry.home.copy(entry.value, value.reshape(entry.value.shape))
+        entry.kept = None  # what workers hold is that value too
 
     def export_state(self, dump: bool):
         """The optimizer's state, as `save_optimizer_states` writes it; None without one."""

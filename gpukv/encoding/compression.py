@@ -10,8 +10,10 @@ on a GPU), is refused.
 
 Every source of a dense floating-point key is compressed, the home device's own source
 too, so no device is favoured, and the updater sees the float32 sum of the trips.
-Integer keys and row-sparse pushes travel uncompressed; init and pull are never
-compressed (as in MXNet).
+Integer keys and row-sparse pushes travel uncompressed; init is never compressed, and
+pull only with a compressor that compresses both ways ('sign'; MXNet's never do): then
+the home keeps the value apart from what pulls read, and moves that on by one payload
+after each push (`gpukv.encoding.pulls`, `serve`).
 
 Compressors have Horovod's shape: ``compress(x, residual) -> (payload, ctx)`` and
 ``decompress(payload, ctx, out, accumulate=False)``, wrapped around the reduction rather
@@ -33,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .compressors import Compressor, ErrorFeedback
+from .pulls import PullCodec
 
 __all__ = ["GradientCompression"]
 
@@ -44,6 +47,8 @@ class GradientCompression:
     def __init__(self, compressor: Compressor):
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor)
+        #: what the home does for compressed pulls (None: pulls read the values as they are)
+        self.pulls = PullCodec(compressor) if compressor.compresses_pulls else None
         self._decoded: dict = {}
         self._buffers: dict = {}
 
@@ -115,6 +120,20 @@ class GradientCompression:
                     decoded = self._decoded_buffer(key, device, nth, ctx.shape)
                     terms.append(comp.decompress(payload, ctx, decoded))
         return terms
+
+    def serve(self, key, value, served, home, assigns: bool) -> None:
+        """Compressed pulls: move `key`'s `served` value on at `home` after a push (see
+        `gpukv.encoding.pulls`): from the float32 sum it `assigns`, else from `value`,
+        the updated value; the caller's current stream then sees it."""
+        pulls = self.pulls
+        assert pulls is not None  # a compressor that compresses pulls
+
+        def zeros(n):
+            return home.zeros(n, np.float32)
+        with home.activate():
+            payload = pulls.payload(key, value, served, assigns, zeros)
+            pulls.apply(payload, served, assigns)
+        home.leave()
 
     def finish(self, key, out, home) -> None:
         """The step at `home` after a strategy summed `key`'s terms into `out` (fp16 with

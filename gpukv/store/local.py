@@ -74,9 +74,14 @@ _value_of = operator.attrgetter("value")
 
 
 class _Entry:
-    """One key: its value on its home device, and a scratch buffer for merged pushes."""
+    """One key: its value on its home device, and a scratch buffer for merged pushes.
 
-    __slots__ = ("value", "home", "narrow", "_merge", "seq")
+    With compressed pulls (`gpukv.encoding.pulls`) and an updater, `value` is the served
+    value, what pulls read, and `kept` the value the updater updates; otherwise `kept`
+    is None and `value` is both.
+    """
+
+    __slots__ = ("value", "home", "narrow", "_merge", "seq", "kept")
 
     def __init__(self, value, home: Device):
         self.value = value
@@ -84,6 +89,20 @@ class _Entry:
         self.narrow = accumulate_dtype(value.dtype) != value.dtype
         self._merge = None
         self.seq = next(_ENTRY_SEQ)  # creation order: str keys are updated in this order
+        self.kept = None
+
+    @property
+    def stored(self):
+        """The key's value proper: what the updater updates and snapshots hold."""
+        return self.value if self.kept is None else self.kept
+
+    def keep(self) -> None:
+        """Keep the value apart from the served value, from now on (the same bits at
+        first)."""
+        if self.kept is None:
+            kept = self.home.empty(self.value.shape, self.value.dtype)
+            self.home.copy(kept, self.value)
+            self.kept = kept
 
     def merge_buffer(self):
         """Where pushes are summed before the updater sees them (float32 for fp16/bf16).
@@ -441,7 +460,7 @@ class LocalStore(KVStore):
             with self._lock:
                 infos, values = [], []
                 for index, (key, entry) in enumerate(self._entries.items()):
-                    value = entry.value
+                    value = entry.stored
                     if pieces is None:
                         place = (0, value.size, value.shape, entry.home.kind, index)
                     elif key in pieces:
@@ -483,7 +502,7 @@ class LocalStore(KVStore):
         from ..checkpoints.checkpoint import StoreSnapshot
         with self._lock:
             if to_host:
-                entries = [(k, e.home.to_host(e.value), e.home.kind)
+                entries = [(k, e.home.to_host(e.stored), e.home.kind)
                            for k, e in self._entries.items()]
             else:
                 entries = [(k, e.value, e.home.kind) for k, e in self._entries.items()]
@@ -526,6 +545,7 @@ class LocalStore(KVStore):
             for key, value in plan.updates:
                 entry = entries[key]
                 entry.home.copy(entry.value, value)
+                entry.kept = None  # what workers hold is the file's value
                 touched.add(entry.home)
             for key, entry, value in created:
                 entry.home.copy(entry.value, value)
@@ -551,6 +571,7 @@ class LocalStore(KVStore):
         with self._lock:
             self._compression = (None if compressor is None
                                  else GradientCompression(compressor))
+            self.rejoin()  # every residual afresh, the served values' too: they are the values
 
     @property
     def gradient_compression(self) -> dict | None:
@@ -617,7 +638,8 @@ class LocalStore(KVStore):
 
     def entries(self) -> Mapping[Key, Any]:
         """The store's keys, in init order, read-only: key -> entry, whose `value` is the
-        stored array and `home` the Device it lives on."""
+        array pulls read, `stored` the key's value proper (the same array unless
+        `keep_apart`) and `home` the Device it lives on."""
         return MappingProxyType(self._entries)
 
     def lookup(self, groups: check.Groups, op: str) -> list:
@@ -651,6 +673,20 @@ class LocalStore(KVStore):
         for key, array in zip(keys, arrays):
             entry = self._entries[key]
             entry.value, entry.home = array, device_of(array)
+
+    def keep_apart(self, keys) -> None:
+        """From now on the updater updates a copy of each of `keys`' values, and the
+        values themselves are what workers hold (compressed pulls; see `_Entry`)."""
+        with self._lock:
+            for key in keys:
+                self._entries[key].keep()
+
+    def rejoin(self, keys=None) -> None:
+        """The value of `keys` (None: every key) is what workers hold again: the copies
+        kept apart go."""
+        with self._lock:
+            for key in self._entries if keys is None else keys:
+                self._entries[key].kept = None
 
     def update_merged(self, keys, merged) -> None:
         """Apply the updater (or assign) to `keys` with their summed gradients `merged`,

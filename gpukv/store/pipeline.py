@@ -105,7 +105,7 @@ _DENSE, _COMPRESSED, _ROWS = _PushKind("dense"), _PushKind("compressed"), _PushK
 class PushPlan(NamedTuple):
     """A checked push, as jobs: nothing of the store has changed yet."""
     jobs: list        # ReduceJobs of the dense keys
-    compressed: list  # (key, sources, devices, home, out) of the compressed keys
+    compressed: list  # (key, sources, devices, home, out, entry) of the compressed keys
     rows: list        # (key, entry, merged rows at home) of the row-sparse keys
     updates: list     # (key, entry, merged out, or _ROWS) for the updater, in call order
     host_outs: list   # a host store's NumPy call as columns: out i = sum of host_sources[i]
@@ -203,7 +203,9 @@ def _plan_keys(plan: PushPlan, groups: check.Groups, entries: list, updater,
                 out = (entry.merge_buffer() if entry.value.dtype == np.float32
                        or entry.narrow else comp.buffer(key, entry.home, entry.value.shape))
                 comp.reserve(key, sources, devices)
-                plan.compressed.append((key, sources, devices, entry.home, out))
+                if comp.pulls is not None and not assign:  # the updater's value apart
+                    entry.keep()
+                plan.compressed.append((key, sources, devices, entry.home, out, entry))
             elif assign and not entry.narrow:
                 plan.jobs.append(ReduceJob(key, sources, devices, entry.home, entry.value))
                 continue
@@ -285,15 +287,21 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         assert comp is not None  # they were planned with it
         with timeline.span("encode"):
             jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home,
-                                     out) for key, sources, devices, home, out in plan.compressed]
+                                     out) for key, sources, devices, home, out, _
+                           in plan.compressed]
     with timeline.span("reduce"):
         if jobs:
             route.strategy_for(jobs).reduce_many(jobs)
-        for key, _, _, home, out in plan.compressed:
+        for key, _, _, home, out, _ in plan.compressed:
             assert comp is not None
             comp.finish(key, out, home)
     with timeline.span("update" if updater is not None else "assign"):
         _apply(plan, updater)
+    if plan.compressed and comp is not None and comp.pulls is not None:
+        with timeline.span("serve"):  # what pulls read: moved on by one payload each
+            for key, _, _, home, out, entry in plan.compressed:
+                assigns = updater is None
+                comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns)
 
 
 def _apply(plan: PushPlan, updater) -> None:
@@ -323,7 +331,7 @@ def _apply(plan: PushPlan, updater) -> None:
     for is_rows, group in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
         run = list(group)
         keys = [u[0] for u in run]
-        stored = [u[1].value for u in run]
+        stored = [u[1].stored for u in run]
         homes = [u[1].home for u in run]
         if not is_rows:
             updater.update(keys, [u[2] for u in run], stored, homes)

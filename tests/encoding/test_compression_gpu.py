@@ -310,7 +310,7 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
     """With an optimizer, the decompressed float32 sum of every GPU's source updates
     each float key (float32, float16, float64, bfloat16) to the host store's bits, its
-    states and master copy too."""
+    states and master copy too, and with sign what pulls read of it too."""
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     params = COMPRESSIONS[name]
@@ -325,6 +325,10 @@ def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
         gpu.push(keys, [[_on(cp, d, g) for d, g in zip(devs, grads[k])] for k in keys])
     for k in keys:
         assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value, f"key {k!r}")
+        # sign compresses pulls: the value the optimizer updates is kept apart
+        assert (gpu._entries[k].kept is None) == (name != "sign")
+        assert_same_bits(gpu._entries[k].stored.get(), host._entries[k].stored,
+                         f"key {k!r}, the value kept apart")
         hs, gs = host._updater.states[k], gpu._updater.states[k]
         for i, (g, h) in enumerate(zip(gs.arrays, hs.arrays)):
             assert_same_bits(g.get(), h, f"state {i} of key {k!r}")

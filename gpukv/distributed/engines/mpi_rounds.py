@@ -12,7 +12,10 @@ one collective per dtype. Without an updater a round is an allreduce.
 A deterministic round gets each process's node partials of the canonical tree
 (`engine.Partials`) and every sum goes through the exchange, whose owners merge them as
 the tree does: MPI's own reductions have no fixed order. Keys compressed on the wire move
-as payloads by one all-to-all, each owner decoding and summing what it got.
+as payloads by one all-to-all, each owner decoding and summing what it got; with a
+compressor that compresses pulls too ('sign'), the new values of those keys come back as
+payloads as well, one all-gather of each owner's (`gpukv.encoding.pulls`), which every
+process decodes into its copy alike.
 """
 from __future__ import annotations
 
@@ -128,10 +131,12 @@ class MpiRounds:
         plan = self._plans.get((keys, wire))
         if plan is None:
             plan = self._plans[keys, wire] = self._plan(keys)
-        merged = self._exchange_compressed(plan, by_key, what)
-        merged += self._reduce_scatter(plan, by_key, what)
+        sums = self._exchange_compressed(plan, by_key, what)
+        merged = sums + self._reduce_scatter(plan, by_key, what)
         self.state.update(merged, what)
         self._all_gather(plan.gather, by_key, what)
+        if self.state.pulls is not None:
+            self._serve(plan.compressed, dict(sums), by_key, what)
 
     def canonical_round(self, keys, counts: tuple, by_key: dict, what: str) -> None:
         """A push round of a deterministic engine once agreed on: `by_key` maps each key
@@ -156,6 +161,8 @@ class MpiRounds:
             splits.append(exchange.Split(send, out, item.counts, item.starts, item.scratch,
                                          item.tree))
         merged = self._exchange_leaves(plan.compressed, by_key, what)
+        sums = list(merged)  # of the compressed keys' pieces owned here
+        served = [(key, layout) for key, layout, _ in plan.compressed]
         if self.state.assigns:  # no updater: the sums are the new values
             if splits:
                 exchange.allreduce(self.t, splits, f"{what}: allreduce")
@@ -163,9 +170,9 @@ class MpiRounds:
                 if item.out is not None:  # the key's dtype, rounded once
                     for key, offset, n in item.keys:
                         by_key[key][1].reshape(-1)[...] = item.out[offset:offset + n]
-            if plan.gather is not None:  # the compressed keys: assigned, then gathered
+            if served:  # the compressed keys: assigned, then gathered or served
                 self.state.update(merged, what)
-                self._all_gather(plan.gather, by_key, what)
+                self._serve_or_gather(plan.gather, served, sums, by_key, what)
             return
         if splits:
             exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
@@ -182,8 +189,17 @@ class MpiRounds:
                     merged.append((key, item.out[offset - start:offset - start + n]
                                    .reshape(layout.shape)))
         self.state.update(merged, what)
-        assert plan.gather is not None  # an updater's round gathers every key
-        self._all_gather(plan.gather, by_key, what)
+        self._serve_or_gather(plan.gather, served, sums, by_key, what)
+
+    def _serve_or_gather(self, gather: _Gather | None, served: list, sums: list,
+                         by_key: dict, what: str) -> None:
+        """Bring a round's new values to every process: the compressed keys (`served`:
+        (key, layout); `sums`: (key, float32 sum) of the pieces owned here) as pull
+        payloads when the compressor compresses pulls, the others all-gathered."""
+        if gather is not None:
+            self._all_gather(gather, by_key, what)
+        if self.state.pulls is not None:
+            self._serve(served, dict(sums), by_key, what)
 
     def _canonical_plan(self, keys, counts: tuple) -> _CanonicalPlan:
         """Every key's sum through the exchange: a split key in its pieces; without an
@@ -225,6 +241,9 @@ class MpiRounds:
                                    np.empty((len(tree.nodes[rank]), offset), wire),
                                    np.empty(offset if self.state.assigns else per[rank], wire)))
         gathered = [k for k, _, _ in compressed] if self.state.assigns else keys
+        if self.state.pulls is not None:  # the compressed keys are served instead
+            served = {k for k, _, _ in compressed}
+            gathered = [k for k in gathered if k not in served]
         return _CanonicalPlan(sums, compressed,
                               self._gather_plan(gathered) if gathered else None)
 
@@ -265,7 +284,10 @@ class MpiRounds:
                 offset += n
             packed.append(_Packed(wire, placed, counts, np.empty(offset, wire),
                                   np.empty(counts[rank], wire), mine))
-        return _Round(compressed, big, packed, self._gather_plan(keys))
+        gathered = list(keys)
+        if self.state.pulls is not None:  # the compressed keys are served instead
+            gathered = [k for k in keys if k not in summed]
+        return _Round(compressed, big, packed, self._gather_plan(gathered))
 
     def _gather_plan(self, keys) -> _Gather:
         """How a round with an updater brings the new values of `keys` to everyone."""
@@ -448,6 +470,39 @@ class MpiRounds:
             merged.append((key, total if layout.split else total.reshape(layout.shape)))
             offset += count * nbytes
         return merged
+
+    def _serve(self, compressed: list, sums: dict, by_key: dict, what: str) -> None:
+        """Compressed pulls (`gpukv.encoding.pulls`): the owner of each piece of the
+        `compressed` keys ((key, layout)) encodes its new value (`sums`: the float32 sum
+        of each piece owned here, for a round that assigns), one all-gather moves every
+        payload, and every process decodes each into its copy, the owner's included."""
+        pulls, rank, size = self.state.pulls, self.t.rank, self.t.size
+        assert pulls is not None  # a compressor that compresses pulls
+        if not compressed:  # every process has the same plan: none calls the all-gather
+            return
+        assigns = self.state.assigns
+        pieces = [(key, p, by_key[key][1].reshape(-1)[p.start:p.stop])
+                  for key, layout in compressed for p in layout.pieces]
+        counts = [0] * size
+        for _, p, _ in pieces:
+            counts[p.server] += self._payload_format(p.stop - p.start)[1]
+        outgoing = []
+        for key, p, copy in pieces:
+            if p.server == rank:
+                value = sums[key] if assigns else self.state.shard.stored(key)
+                payload = pulls.payload((key, p.start), value, copy, assigns)
+                outgoing.append(as_bytes(np.ascontiguousarray(payload)))
+        send = np.concatenate(outgoing) if outgoing else np.empty(0, np.uint8)
+        recv = self._scratch("pull payloads", np.uint8, sum(counts))
+        starts = displacements(counts)
+        request = self.t.comm.Iallgatherv(send, [recv, counts, starts, self.t.MPI.BYTE])
+        self.t.wait_all([request], f"{what}: compressed all-gather")
+        at = list(starts)
+        for key, p, copy in pieces:  # each owner's payloads, in the order it sent them
+            dtype, nbytes = self._payload_format(p.stop - p.start)
+            payload = recv[at[p.server]:at[p.server] + nbytes].view(dtype)
+            at[p.server] += nbytes
+            pulls.apply(payload, copy, assigns)
 
     def _all_to_all(self, outgoing: list, per_source: int, name: str, what: str):
         """Every rank's payloads for each owner (`outgoing[owner]`: byte arrays) moved by

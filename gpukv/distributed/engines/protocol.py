@@ -22,6 +22,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ...encoding.compressors import Compressor, ErrorFeedback
+    from ...encoding.pulls import PullCodec
     from ...optim import Optimizer
     from ..mpi.transport import Transport
     from .control import WorkerControl
@@ -180,6 +181,7 @@ class RoundState(Protocol):
     assigns: bool             # no updater: a round assigns the sum
     compressor: Compressor | None
     feedback: ErrorFeedback | None
+    pulls: PullCodec | None   # compressed pulls (None: the new values cross as they are)
 
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
@@ -201,6 +203,21 @@ class Shard(Protocol):
 
     def stored(self, key: Any) -> Any:
         """The array that holds `key`'s value (read it; the shard writes it)."""
+        ...
+
+    def served(self, key: Any) -> Any:
+        """The array that holds what workers hold of `key`: `stored(key)` itself, unless
+        `keep_apart` put the value apart from it (compressed pulls)."""
+        ...
+
+    def keep_apart(self, keys: list) -> None:
+        """From now on the updater updates a copy of each key's value, apart from what
+        workers hold (`served`), until `rejoin`."""
+        ...
+
+    def rejoin(self, keys: list | None = None) -> None:
+        """The value of `keys` (None: every key) becomes what workers hold again (the
+        copies kept apart are dropped)."""
         ...
 
     def adopt(self, keys: list, arrays: list) -> None:

@@ -22,6 +22,11 @@ the worker-order sum.
 A key it compresses comes as its values' payloads, a row each (the leaves of the tree):
 once every worker's are in, the server decodes them all and sums them as one process
 sums its sources' (`partials.sum_leaves`), then updates.
+
+A key pushed with a compressor that compresses pulls too ('sign') is served as
+`gpukv.encoding.pulls` says: the server moves what its workers pull on by one payload
+after each round, from the updated value kept apart (with an updater) or from the sum;
+pulls are sent that served value (as float32: the payloads do not cross yet).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from ...canonical.arrays import merge_into, own_sum
 from ...canonical.tree import rank_nodes
 from ...device.host_sum import accumulate_dtype, host_sum
 from ...encoding.compressors import make_compressor
+from ...encoding.pulls import PullCodec
 from ...layout.state import mark_starts
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
@@ -100,6 +106,7 @@ class _Key:
         self.leaf_terms = None         # and their decoded terms, a row per leaf
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
+        self.serving = None            # the compressor params its pulls are compressed by
 
 
 class _Pull:
@@ -132,6 +139,7 @@ class _Server:
         self.stopped: set = set()
         self.failure: PeerError | None = None
         self.compressors: dict = {}
+        self.pull_codecs: dict = {}    # compressor params -> PullCodec (compressed pulls)
         self.checked = None            # the state plan op_check_state made
         self.init_waits: list = []     # (worker, reply tag, keys) of inits not answered
         self.free: dict = {}           # (dtype, size) -> push buffers to reuse
@@ -373,9 +381,41 @@ class _Server:
         # kept from round to round, as leaf_sum is (a new one would fault in every page)
         state.leaf_terms = self.leaf_terms(heads, state.leaf_terms)
         sum_leaves(self.compressor(heads[0].comp[0]), state.leaf_terms, state.leaf_sum)
+        self.serve_as(key, state, heads[0].comp)
         self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
+        self.serve(key, state, state.leaf_sum)
         state.version += 1
         self.release([h.buffer for h in heads])
+
+    def serve_as(self, key, state, comp) -> None:
+        """Before a round of `key` pushed with `comp` ((params, size), or None): its pulls
+        compressed from now on if its compressor compresses both ways; a key whose
+        compression changed is served its value again (its residual afresh), as a
+        worker's store does when the compression is set."""
+        params = None if comp is None else comp[0]
+        if params is not None and not self.compressor(params).compresses_pulls:
+            params = None
+        if state.serving is not None and state.serving != params:
+            self.shard.rejoin([key])
+            self.pull_codecs[state.serving].forget(key)
+        state.serving = params
+        if params is not None:
+            if params not in self.pull_codecs:
+                self.pull_codecs[params] = PullCodec(self.compressor(params))
+            if self.updating:  # the updater's value apart from what workers hold
+                self.shard.keep_apart([key])
+
+    def serve(self, key, state, total=None) -> None:
+        """After a round of `key`: move what its workers pull on by one payload (see
+        `gpukv.encoding.pulls`), from the float32 `total` a round without an updater
+        assigns (None: the value as stored) or from the updated value."""
+        if state.serving is None:
+            return
+        codec = self.pull_codecs[state.serving]
+        assigns = not self.updating
+        value = self.shard.stored(key) if total is None or not assigns else total
+        served = self.shard.served(key)
+        codec.apply(codec.payload(key, value, served, assigns), served, assigns)
 
     def whole(self, incoming: _Incoming) -> np.ndarray:
         """The gradient a complete push carries (decompressed if it was compressed, its
@@ -408,6 +448,7 @@ class _Server:
         if self.asynchronous:
             for q in queues:
                 while q and q[0].complete:
+                    self.serve_as(key, state, q[0].comp)
                     self.apply(key, state, [self.whole(q.popleft())])
         while not self.asynchronous and all(queues):
             heads = [q[0] for q in queues]
@@ -418,14 +459,17 @@ class _Server:
                 if heads[0].count is not None:  # leaves' payloads, in the canonical order
                     self.sum_leaves(key, state, [q.popleft() for q in queues])
                     continue
+                self.serve_as(key, state, heads[0].comp)
                 self.apply(key, state, [self.whole(q.popleft()) for q in queues])
-            elif self.sum_chunks(key, state, heads):
+            else:
+                if state.serving is not None:  # compressed no more: its value served again
+                    self.serve_as(key, state, None)
+                if not self.sum_chunks(key, state, heads):
+                    break
                 for q in queues:
                     q.popleft()
                 state.summed = 0
                 self.finish_round(key, state, heads)
-            else:
-                break
         # the stall clock restarts only when the oldest round moved on
         if not any(queues):
             state.since = None
@@ -471,6 +515,7 @@ class _Server:
     def apply(self, key, state, grads) -> None:
         shape = self.shard.stored(key).shape
         self.shard.push(key, [g.reshape(shape) for g in grads])
+        self.serve(key, state)
         state.version += 1
         self.release(grads)
 
@@ -492,7 +537,7 @@ class _Server:
             state = self.keys.get(key)
             if state is None or not state.initialised:
                 return False
-            value = self.shard.stored(key).reshape(-1)
+            value = self.shard.served(key).reshape(-1)
             ranges = chunk_ranges(value.size, value.itemsize, self.chunk)
             if self.asynchronous or state.version >= version:
                 ready = len(ranges)

@@ -16,6 +16,7 @@ import zlib
 
 from ..._errors import ArgumentError, CheckpointError, GpukvError, PeerError
 from ...encoding.compressors import Compressor, ErrorFeedback, compressible
+from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
 from ..mpi.agree import refuse_split, to_rank0
 from ..mpi.transport import Transport
@@ -46,6 +47,7 @@ class ShardedRounds:
     assigns: bool
     compressor: Compressor | None
     feedback: ErrorFeedback | None
+    pulls: PullCodec | None
 
     def __init__(self, transport: Transport, shard: Shard, bound: int,
                  deterministic: bool = False, device=None):
@@ -58,6 +60,7 @@ class ShardedRounds:
         self.deterministic = deterministic  # push gets Partials, summed as the tree does
         self.compressor = None
         self.feedback = None        # ErrorFeedback: residuals per (key, piece start)
+        self.pulls = None           # PullCodec of a compressor that compresses pulls
         self.shard = shard
         self.bound = bound
         self.layouts: dict = {}
@@ -131,6 +134,10 @@ class ShardedRounds:
         # same optimizer options (each process runs its own on its shard).
         op = ("push" + ("" if wire is None else f" compressed with {dict(wire)}")
               + (" assigning the sum" if self.assigns else f" updating with {self._rule}"))
+        if self.pulls is not None and not self.assigns:  # updated apart from the copies
+            rank = self.t.rank
+            self.shard.keep_apart([k for k, r in zip(keys, replicas) if compressible(r.dtype)
+                                   and self.layouts[k].served_by(rank)])
         if counts is None:
             self.agree.check((op, keys), what)
             self.rounds.round(keys, dict(zip(keys, zip(grads, replicas))), what)
@@ -158,6 +165,9 @@ class ShardedRounds:
         self.rounds.refuse(compressor)
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
+        self.pulls = (PullCodec(compressor) if compressor is not None
+                      and compressor.compresses_pulls else None)
+        self.shard.rejoin()  # the values are what every process holds: residuals afresh
         self.rounds.forget()
 
     # --------------------------------------------------------------- settings

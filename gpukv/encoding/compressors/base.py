@@ -48,6 +48,7 @@ class Compressor:
     name = ""
     uses_residual = False
     sums_payload = False
+    compresses_pulls = False
     options: dict = {}
     positive: tuple = ()
     kernels: tuple = ()

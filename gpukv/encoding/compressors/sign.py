@@ -5,7 +5,10 @@ decoded value misses of gradient plus residual is the next push's residual.
 
 Unlike 2bit/1bit it has nothing to tune: the scale follows the gradient's own size, so
 the residual stays bounded whatever the gradients' scale, and 64 float32 values cross in
-12 bytes (a 21x cut). The root mean square, rather than the paper's mean absolute value,
+12 bytes (a 21x cut). It compresses both ways: what workers pull crosses as sign
+payloads too, with the owner's own error feedback (`gpukv.encoding.pulls`).
+
+The root mean square, rather than the paper's mean absolute value,
 sends a block's largest values sooner (the overshoot of the small ones comes back through
 the residual): on the accuracy benchmark's CNN it keeps epoch 5 within 2 pp of
 uncompressed training where the mean loses 10 (benchmarks/bench_accuracy.py)."""
@@ -24,6 +27,7 @@ class Sign(ResidualCodec):
     feedback: decodes to +-the block's root mean square."""
 
     name = "sign"
+    compresses_pulls = True
     kernels = (KernelTraffic("quantize sign", "gpukv_quantize_sign", 8, 4 + _BITS,
                              "grad+residual in, residual+payload out"),
                KernelTraffic("dequantize sign", "gpukv_dequantize_sign", _BITS, 4,

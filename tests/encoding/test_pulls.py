@@ -1,0 +1,165 @@
+"""Compressed pulls ('sign' compresses both ways): what a store's pulls return against a
+plain NumPy statement of the rule, with and without an updater; the served value within
+the owner's residual of the value; what setting the compression again, a checkpoint and
+MXNet's one-way codecs do."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import gpukv
+
+from .test_sign import reference_step
+
+SIGN = {"type": "sign"}
+finite = st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
+
+
+def _store(n: int, compression=SIGN):
+    kv = gpukv.create("device")
+    kv.set_gradient_compression(compression)
+    kv.init("w", np.zeros(n, np.float32))
+    return kv
+
+
+def _pulled(kv) -> np.ndarray:
+    out = np.empty(kv.entries()["w"].value.shape, np.float32)
+    kv.pull("w", out=out)
+    return out
+
+
+def _pushed(grads: list, residuals: list) -> np.ndarray:
+    """The float32 sum the home gets of `grads`, each compressed with its own residual
+    (moved on in place), in source order."""
+    total = np.zeros(grads[0].size, np.float32)
+    for j, g in enumerate(grads):
+        decoded, residuals[j][...] = reference_step(g, residuals[j])
+        total = (total + decoded).astype(np.float32)
+    return total
+
+
+@settings(max_examples=25, deadline=None)
+@given(arrays(np.float32, st.integers(1, 700), elements=finite), st.integers(1, 4))
+def test_without_an_updater_a_pull_is_the_sum_compressed_with_the_homes_residual(g, rounds):
+    """A push assigns the sum; a pull returns D(C(sum + residual)), the home's residual
+    carried from round to round, bit for bit."""
+    kv = _store(g.size)
+    residuals = [np.zeros(g.size, np.float32) for _ in range(2)]
+    home_residual = np.zeros(g.size, np.float32)
+    for r in range(rounds):
+        grads = [g * np.float32(r + 1), -g * np.float32(0.5) + np.float32(r)]
+        kv.push("w", [x.astype(np.float32) for x in grads])
+        want, home_residual = reference_step(_pushed(grads, residuals), home_residual)
+        assert _pulled(kv).tobytes() == want.tobytes()
+
+
+def _sgd(key, merged, stored):
+    stored -= np.float32(0.1) * merged
+
+
+@settings(max_examples=25, deadline=None)
+@given(arrays(np.float32, st.integers(1, 700), elements=finite), st.integers(1, 4))
+def test_with_an_updater_a_pull_follows_the_value_by_its_compressed_change(g, rounds):
+    """With an updater the home keeps the value apart; a pull returns the served value
+    moved on by D(C(value - served)) after each push, bit for bit."""
+    kv = _store(g.size)
+    kv.set_updater(_sgd)
+    residuals = [np.zeros(g.size, np.float32)]
+    value = np.zeros(g.size, np.float32)
+    served = np.zeros(g.size, np.float32)
+    for r in range(rounds):
+        grad = (g * np.float32(r + 1)).astype(np.float32)
+        kv.push("w", [grad])
+        _sgd("w", _pushed([grad], residuals), value)
+        change, _ = reference_step((value - served).astype(np.float32),
+                                   np.zeros(g.size, np.float32))
+        served = (served + change).astype(np.float32)
+        assert _pulled(kv).tobytes() == served.tobytes()
+        assert kv.entries()["w"].stored.tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
+def test_the_served_value_stays_within_the_owners_residual(scale):
+    """Over 300 SGD steps of gradients of changing size, what workers hold differs from
+    the value by a bounded residual: under 4x the largest change of one step."""
+    rng = np.random.default_rng(7)
+    n = 2000
+    kv = _store(n)
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=0.9))
+    largest, worst = 0.0, 0.0
+    before = kv.entries()["w"].stored.copy()
+    for step in range(300):
+        size = scale * (1 + 9 * (step % 50 == 0))
+        kv.push("w", [(rng.standard_normal(n) * size).astype(np.float32)])
+        value = kv.entries()["w"].stored
+        largest = max(largest, float(np.abs(value - before).max()))
+        worst = max(worst, float(np.abs(value - _pulled(kv)).max()))
+        before = value.copy()
+    assert 0 < worst < 4 * largest, (worst, largest)
+
+
+def test_setting_the_compression_again_serves_the_value_held():
+    """Setting a compression starts every residual afresh, the home's too: the value
+    becomes what workers hold, and pulls are unchanged by it."""
+    rng = np.random.default_rng(1)
+    kv = _store(500)
+    kv.set_updater(_sgd)
+    for _ in range(3):
+        kv.push("w", [rng.standard_normal(500).astype(np.float32) for _ in range(2)])
+    held = _pulled(kv)
+    assert kv.entries()["w"].stored.tobytes() != held.tobytes()
+    kv.set_gradient_compression(None)
+    assert _pulled(kv).tobytes() == held.tobytes()
+    assert kv.entries()["w"].stored.tobytes() == held.tobytes()
+
+
+def test_a_checkpoint_holds_the_value_and_loads_as_what_workers_hold(tmp_path):
+    """A checkpoint holds the value the updater updates; loaded, it is what pulls return."""
+    rng = np.random.default_rng(2)
+    kv = _store(300)
+    kv.set_updater(_sgd)
+    for _ in range(3):
+        kv.push("w", [rng.standard_normal(300).astype(np.float32) for _ in range(2)])
+    value = kv.entries()["w"].stored.copy()
+    assert value.tobytes() != _pulled(kv).tobytes()
+    kv.save(tmp_path / "w.gpukv")
+    again = _store(300)
+    again.set_updater(_sgd)
+    again.load(tmp_path / "w.gpukv")
+    assert _pulled(again).tobytes() == value.tobytes()
+    kv.load(tmp_path / "w.gpukv")
+    assert _pulled(kv).tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("compression", [{"type": "2bit", "threshold": 0.5},
+                                         {"type": "1bit"}, {"type": "fp16"}])
+def test_mxnets_codecs_pull_the_value_as_it_is(compression):
+    """MXNet's codecs compress one way: a pull returns the updated value itself."""
+    rng = np.random.default_rng(3)
+    kv = _store(400, compression)
+    kv.set_updater(_sgd)
+    for _ in range(3):
+        kv.push("w", [rng.standard_normal(400).astype(np.float32)])
+    assert kv.entries()["w"].stored is kv.entries()["w"].value
+    assert _pulled(kv).tobytes() == kv.entries()["w"].value.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_keys_of_other_float_dtypes_pull_the_rule_rounded_to_their_dtype(dtype):
+    """A float16 or float64 key: the change decoded in float32, added in the key's
+    precision (float32 for float16), rounded once to its dtype."""
+    rng = np.random.default_rng(4)
+    kv = gpukv.create("device")
+    kv.set_gradient_compression(SIGN)
+    kv.init("w", np.zeros(256, dtype))
+    kv.set_updater(_sgd)
+    grad = rng.standard_normal(256).astype(dtype)
+    kv.push("w", [grad])
+    value = kv.entries()["w"].stored
+    change, _ = reference_step(value.astype(np.float32), np.zeros(256, np.float32))
+    out = np.empty(256, dtype)
+    kv.pull("w", out=out)
+    assert out.tobytes() == change.astype(dtype).tobytes()
