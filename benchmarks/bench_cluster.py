@@ -88,6 +88,7 @@ WAYS = {w.name: w for w in (
     Way("2bit", "gpukv", "s0", "2bit", "gpukv S=0 2bit"),
     Way("1bit", "gpukv", "s0", "1bit", "gpukv S=0 1bit"),
     Way("sign", "gpukv", "s0", "sign", "gpukv S=0 sign"),
+    Way("sign-spn", "gpukv", "spn", "sign", "gpukv server per host sign"),
     Way("fp16", "gpukv", "s0", "fp16", "gpukv S=0 fp16"),
     Way("bf16", "gpukv", "s0", "bf16", "gpukv S=0 bf16"),
     Way("mx-spn", "mxnet", "spn", text="MXNet server per host"),
