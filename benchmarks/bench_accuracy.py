@@ -20,7 +20,8 @@ SGD, momentum 0.9, the same learning rate, batches and initial weights (per seed
 Measured per way, model and seed: the test accuracy after every epoch, the seconds of
 every epoch's training (wall), and the bytes a replica sends per step each way: push,
 every key's compressed payload (float32 without compression); pull, the float32 weights
-(the payload for a compressor whose class says `compresses_pulls = True`). The table gives the
+(the payload for a compressor whose class says `compresses_pulls = True`; PowerSGD's P
+and Q for its push, each parameter of two or more dimensions its own key). The table gives the
 mean over seeds (+- their standard deviation), the change in percentage points against
 torch, the bytes against float32's, and the seconds per epoch (median over epochs and
 seeds) against the uncompressed Trainer's in the same run; the ways of a seed are trained
@@ -131,34 +132,38 @@ class TrainerWay:
         self.trainer.step(len(x))
 
     def key_sizes(self) -> dict:
-        """Store key -> its number of elements."""
-        sizes = {name: p.numel() for name, p in self.model.named_parameters()}
-        return {key: sum(sizes[n] for n in names)
+        """Store key -> its shape (a parameter's own, or the flat size of a bucket)."""
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        return {key: shapes[names[0]] if len(names) == 1 else
+                (sum(int(np.prod(shapes[n])) for n in names),)
                 for key, names in self.trainer.buckets.items()}
 
     def wire(self) -> dict:
         return wire_bytes(self.key_sizes(), self.compression)
 
 
-def wire_bytes(key_sizes: dict, compression) -> dict:
-    """Bytes one replica sends per step, summed over the keys: push (the payloads of
-    compressing a float32 zero array of each key's size, a residual given where the
-    compressor uses one) and pull (float32, or the payloads for a compressor that
-    `compresses_pulls`),
-    with float32's bytes for reference."""
-    f32 = sum(4 * n for n in key_sizes.values())
+def wire_bytes(key_shapes: dict, compression) -> dict:
+    """Bytes one replica sends per step, summed over the keys (`key_shapes`: key ->
+    shape): push (the payloads of compressing a float32 zero array of each key's size, a
+    residual given where the compressor uses one; PowerSGD's P and Q) and pull (float32,
+    as the optimizer runs on the store, or the payloads for a compressor that
+    `compresses_pulls`), with float32's bytes for reference."""
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in key_shapes.values()]
+    f32 = sum(4 * n for n in sizes)
     comp = make_compressor(compression) if compression is not None else None
     if comp is None:
         push = f32
+    elif comp.low_rank:
+        push = sum(comp.nbytes(shape) for shape in key_shapes.values())
     else:
         push = 0
-        for n in key_sizes.values():
+        for n in sizes:
             residual = np.zeros(n, np.float32) if comp.uses_residual else None
             payload, _ = comp.compress(np.zeros(n, np.float32), residual)
             push += int(payload.nbytes)
     both = comp is not None and comp.compresses_pulls
     pull = push if both else f32
-    return {"keys": len(key_sizes), "float32_bytes": f32, "push_bytes": push,
+    return {"keys": len(key_shapes), "float32_bytes": f32, "push_bytes": push,
             "pull_bytes": pull, "push_over_float32": push / f32, "pull_over_float32": pull / f32,
             "both_ways": both}
 

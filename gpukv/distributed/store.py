@@ -76,7 +76,8 @@ def _serve_or_client(transport, servers: int, bound: int, name: str,
             sys.stderr.flush()
             transport.comm.Abort(1)
         sys.exit(0)
-    return ServerClient(transport, servers, bound, deterministic=deterministic)
+    return ServerClient(transport, servers, bound, deterministic=deterministic,
+                        asynchronous=asynchronous)
 
 
 def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):

@@ -57,7 +57,10 @@ class GradientCompression:
 
     def residual(self, key, device, size: int):
         """The residual of `key` on `device` (zeros the first time; None without error
-        feedback)."""
+        feedback); a low-rank compressor's are on the host, where its sums run."""
+        if self.compressor.low_rank:
+            return self.feedback.residual((key, device), size)
+
         def zeros(n):
             with device.activate():  # zero-filled on the stream the kernels use it on
                 return device.zeros(n, np.float32)
@@ -90,7 +93,7 @@ class GradientCompression:
         for source, device in zip(sources, devices):
             nth = seen[device] = seen.get(device, -1) + 1
             self.residual(key, device, source.size)
-            if not comp.sums_payload:
+            if not comp.sums_payload and not comp.low_rank:
                 with device.activate():
                     self._decoded_buffer(key, device, nth, source.shape)
 
@@ -135,6 +138,35 @@ class GradientCompression:
             pulls.apply(payload, served, assigns)
         home.leave()
 
+    def low_rank_sum(self, key, sources, devices, home, out) -> None:
+        """A low-rank compressor's push of `key` (PowerSGD; see its module): both of its
+        sums over the sources, in source order, on the host; their decoded sum into the
+        float32 `out` at `home`, and each source's residual moved on."""
+        from .compressors import powersgd
+        comp = self.compressor
+        assert isinstance(comp, powersgd.PowerSGD)  # the one low-rank compressor
+        found = comp.matrix(out.shape)
+        assert found is not None  # the plan compresses matrices only
+        rows, cols = found
+        ms = []
+        for source, device in zip(sources, devices):
+            residual = self.residual(key, device, source.size)
+            residual += device.to_host(source).reshape(-1)  # now the source's M
+            ms.append(residual.reshape(rows, cols))
+        q = comp.warm_q(key, cols)
+        p = sum_in_order([m @ q for m in ms])
+        powersgd.orthogonalize(p)
+        qs = [m.T @ p for m in ms]
+        for m, q_i in zip(ms, qs):  # each source keeps what P Q_i^T misses of its M
+            m -= p @ q_i.T  # its own: BLAS's order is fine
+        q = sum_in_order(qs)
+        scratch = np.empty((rows, cols), np.float32)
+        total = np.empty((rows, cols), np.float32)
+        powersgd.decode(p, q, total, scratch)
+        comp.keep_q(key, q)
+        home.copy(out, total.reshape(out.shape))
+        home.leave()
+
     def finish(self, key, out, home) -> None:
         """The step at `home` after a strategy summed `key`'s terms into `out` (fp16 with
         a pre_divide: the scale); the caller's current stream then sees `out`."""
@@ -144,3 +176,11 @@ class GradientCompression:
         with home.activate():
             comp.finish(out)
         home.leave()
+
+
+def sum_in_order(arrays: list) -> np.ndarray:
+    """arrays[0] + arrays[1] + ..., added in that order (a new array)."""
+    total = arrays[0].copy()
+    for a in arrays[1:]:
+        total += a
+    return total

@@ -238,7 +238,8 @@ def _push_kind(key, entry, sources, comp):
             raise ArgumentKindError(f"key {key!r}: push mixes RowSparse and dense values; "
                                     f"give every device the same kind")
         return _ROWS
-    if comp is not None and compressible(entry.value.dtype):
+    if (comp is not None and compressible(entry.value.dtype)
+            and comp.compressor.compresses(entry.value.shape)):
         return _COMPRESSED
     return _DENSE
 
@@ -286,9 +287,13 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     if plan.compressed:  # compressed keys: the strategy sums the encoded terms
         assert comp is not None  # they were planned with it
         with timeline.span("encode"):
-            jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices, home,
-                                     out) for key, sources, devices, home, out, _
-                           in plan.compressed]
+            if comp.compressor.low_rank:  # its sums are its own
+                for key, sources, devices, home, out, _ in plan.compressed:
+                    comp.low_rank_sum(key, sources, devices, home, out)
+            else:
+                jobs = jobs + [ReduceJob(key, comp.encode(key, sources, devices), devices,
+                                         home, out) for key, sources, devices, home, out, _
+                               in plan.compressed]
     with timeline.span("reduce"):
         if jobs:
             route.strategy_for(jobs).reduce_many(jobs)

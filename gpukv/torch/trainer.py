@@ -46,7 +46,9 @@ class Trainer:
     update_on_kvstore: True runs the optimizer on the store; False sums the gradients on
         the store, pulls them into every replica's `.grad` and runs the optimizer on each
         replica (`allreduce_grads` and `update` then split the step in two).
-    bucket_bytes: capacity of a fused key; 0 gives every parameter its own key.
+    bucket_bytes: capacity of a fused key; 0 gives every parameter its own key. With
+        PowerSGD (`compression_params={'type': 'powersgd', ...}`) every parameter of two
+        or more dimensions has a key of its own, which it compresses as a matrix.
     overlap: start each bucket's gradient reduction from backward; None: on for replicas
         on GPUs only.
     checkpoint_dir: a folder for numbered snapshots, taken after every `checkpoint_every`
@@ -83,6 +85,8 @@ class Trainer:
             _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult)
+        if _low_rank(compression_params):  # PowerSGD compresses a parameter's own matrix
+            alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
@@ -510,3 +514,11 @@ def _make_store(kvstore, deterministic: bool | None) -> KVStore:
         raise ArgumentKindError(f"kvstore: expected a store name or a gpukv.KVStore, got "
                                 f"{type(kvstore).__name__}")
     return create(kvstore, deterministic=deterministic)
+
+
+def _low_rank(compression_params) -> bool:
+    """Whether `compression_params` make a low-rank compressor (checked: a bad one is
+    its typed error here, before anything is made)."""
+    from ..encoding.compressors import make_compressor
+    comp = make_compressor(compression_params)
+    return comp is not None and comp.low_rank

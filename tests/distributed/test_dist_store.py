@@ -144,6 +144,19 @@ def test_compression_on_the_wire(n, servers, kind):
             n - servers)
 
 
+def test_powersgd_on_the_wire():
+    """PowerSGD's two allreduces with num_servers=0 give a one-process store's sums
+    (one source per worker), without and with an updater, split keys included."""
+    _passes(_scenario(3, 0, "compression", "powersgd", store="dist_device_sync"), 3)
+
+
+def test_powersgd_needs_num_servers_0():
+    """With servers, PowerSGD is refused when it is set, saying what to use."""
+    result = _scenario(3, 1, "compression", "powersgd", store="dist_device_sync")
+    assert result.returncode != 0
+    assert "use num_servers=0" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_updater_function_runs_where_keys_are_served(n, servers):
     _passes(_scenario(n, servers, "updater_function"), n - servers)

@@ -11,12 +11,14 @@ from gpukv.encoding import compressors
 from gpukv.encoding.compressors import registry
 
 
-def test_mxnet_types_and_sign_are_registered():
-    """MXNet's 2bit, 1bit, fp16 and bf16 and gpukv's sign are registered; 'none' turns
-    compression off."""
-    assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none", "sign"]
+def test_mxnet_types_sign_and_powersgd_are_registered():
+    """MXNet's 2bit, 1bit, fp16 and bf16 and gpukv's sign and powersgd are registered;
+    'none' turns compression off."""
+    assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none", "powersgd",
+                                        "sign"]
     assert compressors.registered() == [compressors.Cast, compressors.OneBit,
-                                        compressors.Sign, compressors.TwoBit]
+                                        compressors.PowerSGD, compressors.Sign,
+                                        compressors.TwoBit]
     assert compressors.make_compressor({"type": "none"}) is None
 
 
@@ -73,7 +75,8 @@ def test_a_registered_class_is_a_compressor_of_every_store(scaled):
                                          "type, factor"),
     ({"type": "scaled", "factor": 0}, "option 'factor' must be greater than 0, got 0"),
     ({"type": "scaled", "factor": "x"}, "option 'factor' must be a float32 number"),
-    ({"type": "scaledx"}, "valid types are 1bit, 2bit, bf16, fp16, none, scaled, sign"),
+    ({"type": "scaledx"}, "valid types are 1bit, 2bit, bf16, fp16, none, powersgd, "
+                          "scaled, sign"),
 ])
 def test_a_registered_class_has_its_options_checked(scaled, params, message):
     """Its options are checked from what it declares, with the others' messages."""

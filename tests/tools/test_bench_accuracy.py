@@ -92,13 +92,21 @@ def test_quick_run_draws_the_curves(quick_run):
 
 
 def test_a_both_ways_compressor_compresses_the_pull_too(monkeypatch):
-    """A compressor class with `both_ways = True` counts its payload for the pull as well;
-    without it the pull is float32's bytes."""
+    """A compressor class with `compresses_pulls = True` counts its payload for the pull
+    as well; without it the pull is float32's bytes."""
     from gpukv.encoding.compressors import Cast
 
     wire_bytes = _load("bench_accuracy.py").wire_bytes
-    sizes = {"a": 1000, "b": 24}
-    assert wire_bytes(sizes, {"type": "fp16"})["pull_bytes"] == 4 * 1024
-    monkeypatch.setattr(Cast, "both_ways", True, raising=False)
-    wire = wire_bytes(sizes, {"type": "fp16"})
+    shapes = {"a": (1000,), "b": (24,)}
+    assert wire_bytes(shapes, {"type": "fp16"})["pull_bytes"] == 4 * 1024
+    monkeypatch.setattr(Cast, "compresses_pulls", True)
+    wire = wire_bytes(shapes, {"type": "fp16"})
     assert wire["push_bytes"] == wire["pull_bytes"] == 2 * 1024 and wire["both_ways"]
+
+
+def test_powersgd_pushes_p_and_q_of_its_matrices():
+    """PowerSGD's push is R * (rows + cols) float32 values per matrix, a vector whole."""
+    wire_bytes = _load("bench_accuracy.py").wire_bytes
+    wire = wire_bytes({"w": (512, 64), "b": (512,)}, {"type": "powersgd"})
+    assert wire["push_bytes"] == 4 * 4 * (512 + 64) + 4 * 512
+    assert wire["pull_bytes"] == 4 * (512 * 64 + 512)

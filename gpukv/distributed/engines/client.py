@@ -17,6 +17,7 @@ import numpy as np
 
 from ..._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
 from ...encoding.compressors import Compressor, ErrorFeedback, compressible
+from ...encoding.pulls import PullCodec
 from ...layout.state import cut, merge
 from ..mpi.agree import refuse_split
 from ..mpi.chunks import chunk_bytes, chunk_ranges
@@ -82,8 +83,9 @@ class ServerClient:
     control: WorkerControl
 
     def __init__(self, transport: Transport, servers: int, bound: int,
-                 deterministic: bool = False):
+                 deterministic: bool = False, asynchronous: bool = False):
         self.t = transport
+        self.asynchronous = asynchronous  # a pull gets whatever the value is by then
         self.servers = servers
         self.deterministic = deterministic  # push gets Partials, merged as the tree does
         self.bound = bound
@@ -94,6 +96,12 @@ class ServerClient:
         self.agree = self.control.agree
         self.layouts: dict = {}     # key -> KeyLayout
         self.pushes: dict = {}      # key -> pushes this worker made
+        # Compressed pulls (sync only): key -> the version of the served value its copy
+        # holds (None: unknown), and how its last push was served (the compressor and
+        # whether an updater ran), for a pull to ask for the payload of one round.
+        self.held: dict = {}
+        self.served_by: dict = {}
+        self.updating = False       # an optimizer or updater runs on the servers
         self.compressor = None
         self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start[, value])
         self._tags = itertools.count()
@@ -165,6 +173,7 @@ class ServerClient:
             layout = self.layouts[key] = KeyLayout.of(key, value.shape, value.dtype,
                                                       self.servers, self.bound)
             self.pushes[key] = 0
+            self.held[key] = None  # worker 0's value may not be this copy's
             flat = value.reshape(-1)
             for p in layout.pieces:
                 made, data = by_server[p.server]
@@ -219,7 +228,7 @@ class ServerClient:
                 piece = np.ascontiguousarray(piece)
                 entries.append(PushPiece(key, piece.dtype, piece.size, comp))
                 data.append(piece)
-            self.pushes[key] += 1
+            self._pushed(key, layout)
         requests = []
         for server, (entries, data) in by_server.items():
             requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
@@ -245,11 +254,20 @@ class ServerClient:
                 sums = grad.sums[:, p.start:p.stop]  # rows cross one by one
                 entries.append(PushPiece(key, sums.dtype, sums.shape[1], None, count))
                 data.append(sums)
-            self.pushes[key] += 1
+            self._pushed(key, layout)
         requests = []
         for server, (entries, data) in by_server.items():
             requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
+
+    def _pushed(self, key, layout) -> None:
+        """Count a push of `key`, and say how its round is served: compressed pulls
+        (the compressor and whether an updater runs), or None."""
+        self.pushes[key] += 1
+        comp = self.compressor
+        both = (not self.asynchronous and comp is not None and comp.compresses_pulls
+                and compressible(layout.dtype))
+        self.served_by[key] = (comp, self.updating) if both else None
 
     def _compresses(self, dtype) -> bool:
         """Whether a key of `dtype` is compressed on the wire."""
@@ -269,21 +287,37 @@ class ServerClient:
         if not keys:
             return
         t = self.t
-        by_server: dict = collections.defaultdict(list)
+        by_server: dict = collections.defaultdict(lambda: ([], []))
         requests = []
         tags: dict = {}
+        changes = []  # (payload buffer, piece of the copy, how it was served)
         for key, replica in zip(keys, replicas):
             flat = replica.reshape(-1)
+            served = self.served_by.get(key)
+            if self.held[key] != self.pushes[key] - 1:
+                served = None  # the copy missed more than a round, or is unknown
             for p in self.layouts[key].pieces:
                 tag = tags.get(p.server)
                 if tag is None:
                     tag = tags[p.server] = self._tag()
-                by_server[p.server].append((key, self.pushes[key]))
+                wanted, asked = by_server[p.server]
+                wanted.append((key, self.pushes[key]))
+                asked.append(served is not None)
+                if served is not None:  # one payload moves this copy on by the round
+                    dtype, nbytes = served[0].payload_format(p.stop - p.start)
+                    payload = np.empty(nbytes, np.uint8)
+                    requests.append(t.recv_array(payload, p.server, tag))
+                    changes.append((payload.view(dtype), flat[p.start:p.stop], served))
+                    continue
                 requests += [t.recv_array(chunk, p.server, tag)
                              for chunk in in_chunks([flat[p.start:p.stop]], self.chunk)]
-        for server, wanted in by_server.items():
-            requests += self._request(server, Pull(tags[server], wanted))
+        for server, (wanted, asked) in by_server.items():
+            requests += self._request(server, Pull(tags[server], wanted, asked))
         self._wait(requests, f"pull of key {keys[0]!r}")
+        for payload, piece, (comp, updating) in changes:
+            PullCodec(comp).apply(payload, piece, assigns=not updating)
+        for key in keys:
+            self.held[key] = self.pushes[key]
 
     def set_optimizer(self, optimizer) -> None:
         """Worker 0's optimizer goes to the servers (every worker's must agree)."""
@@ -293,6 +327,7 @@ class ServerClient:
         refuse_split(optimizer, {k: (layout.split, layout.shape)
                                  for k, layout in self.layouts.items()}, "servers")
         self._to_servers(SetOptimizer(pickle.dumps(optimizer)), "set_optimizer")
+        self.updating = True
         self._sent_settings = optimizer.settings()
 
     def follow(self, optimizer) -> None:
@@ -315,6 +350,7 @@ class ServerClient:
             raise ArgumentError(f"updater {updater!r}: the servers run it, so it must pickle "
                                 f"(a function defined at module level): {exc}") from exc
         self._to_servers(SetUpdater(blob), "set_updater")
+        self.updating = updater is not None
 
     def _to_servers(self, request, what: str) -> None:
         """Worker 0 sends `request` to every server, after every worker's earlier pushes;
@@ -331,6 +367,9 @@ class ServerClient:
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:
+        if compressor is not None and compressor.low_rank:
+            raise ArgumentError(f"gradient compression {compressor.params()}: its two sums "
+                                f"per push run among the workers; use num_servers=0")
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
 
@@ -400,6 +439,8 @@ class ServerClient:
         outcome = self.control.share(outcome, "load")
         if outcome is not None:
             raise CheckpointError(outcome)
+        for key in values:  # the next pull brings the loaded value whole
+            self.held[key] = None
 
     # --------------------------------------------------------------- snapshots
     def write_snapshot(self, request: dict) -> str | None:

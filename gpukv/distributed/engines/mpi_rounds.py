@@ -55,6 +55,7 @@ class _Gather(NamedTuple):
 
 class _Round(NamedTuple):
     compressed: list   # (key, layout) of keys compressed on the wire
+    low_rank: list     # (key, layout) of keys a low-rank compressor sums (PowerSGD)
     big: list          # (key, layout, send buffer or None, recv buffer, counts, starts,
     #                    scratch) of the split keys summed by an exchange of their own
     packed: list       # _Packed per wire dtype
@@ -101,8 +102,6 @@ class MpiRounds:
         self.state = state
         self.t = state.t
         self._plans: dict = {}      # (keys in canonical order, compression) -> plan
-        self._formats: dict = {}    # elements -> payload (dtype, bytes), under
-        self._formats_of: object = None  # this compressor
         self._buffers: dict = {}    # scratch buffers of compressed rounds
 
     def forget(self) -> None:
@@ -133,6 +132,7 @@ class MpiRounds:
             plan = self._plans[keys, wire] = self._plan(keys)
         sums = self._exchange_compressed(plan, by_key, what)
         merged = sums + self._reduce_scatter(plan, by_key, what)
+        merged += self._low_rank(plan.low_rank, by_key, what)
         self.state.update(merged, what)
         self._all_gather(plan.gather, by_key, what)
         if self.state.pulls is not None:
@@ -252,13 +252,15 @@ class MpiRounds:
         big: list = []
         small: list = []
         compressed: list = []
+        low_rank: list = []
         comp = self.state.compressor
         for key in keys:
             layout = self.state.layouts[key]
             if not layout.split:
                 small.append((layout.pieces[0].server, key, layout))
-            if comp is not None and compressible(layout.dtype):
-                compressed.append((key, layout))
+            if (comp is not None and compressible(layout.dtype)
+                    and comp.compresses(layout.shape)):
+                (low_rank if comp.low_rank else compressed).append((key, layout))
             elif layout.split:
                 counts, starts = layout.per_rank(size)
                 send = None if layout.wire == layout.dtype else np.empty(
@@ -270,7 +272,7 @@ class MpiRounds:
                             exchange.scratch_for(counts, rank, layout.wire)))
         small.sort(key=lambda s: s[0])  # stable: keys stay in order within an owner
         packed = []
-        summed = {k for k, _ in compressed}
+        summed = {k for k, _ in compressed + low_rank}
         by_wire = sorted((s for s in small if s[1] not in summed), key=lambda s: s[2].wire.str)
         for wire, run in itertools.groupby(by_wire, key=lambda s: s[2].wire):
             counts = [0] * size
@@ -284,10 +286,13 @@ class MpiRounds:
                 offset += n
             packed.append(_Packed(wire, placed, counts, np.empty(offset, wire),
                                   np.empty(counts[rank], wire), mine))
-        gathered = list(keys)
+        skipped: set = set()
         if self.state.pulls is not None:  # the compressed keys are served instead
-            gathered = [k for k in keys if k not in summed]
-        return _Round(compressed, big, packed, self._gather_plan(gathered))
+            skipped.update(k for k, _ in compressed)
+        if self.state.assigns:  # every process decodes the low-rank sums itself
+            skipped.update(k for k, _ in low_rank)
+        gathered = [k for k in keys if k not in skipped]
+        return _Round(compressed, low_rank, big, packed, self._gather_plan(gathered))
 
     def _gather_plan(self, keys) -> _Gather:
         """How a round with an updater brings the new values of `keys` to everyone."""
@@ -504,6 +509,58 @@ class MpiRounds:
             at[p.server] += nbytes
             pulls.apply(payload, copy, assigns)
 
+    def _low_rank(self, keys: list, by_key: dict, what: str) -> list:
+        """The keys a low-rank compressor sums (`keys`: (key, layout); PowerSGD, see its
+        module): every process's P, then Q, summed by one allreduce each, of every key
+        at once; every process decodes each key's sum P Q^T alike. Without an updater
+        that is the new value, written into every copy; else (key, piece of the sum) of
+        the pieces owned here."""
+        if not keys:
+            return []
+        from ...encoding.compressors import powersgd
+        comp, feedback, rank = self.state.compressor, self.state.feedback, self.t.rank
+        assert isinstance(comp, powersgd.PowerSGD) and feedback is not None  # its round
+        ms, ps = [], []
+        for key, layout in keys:
+            found = comp.matrix(layout.shape)
+            assert found is not None  # the plan has matrices only
+            rows, cols = found
+            m = feedback.residual((key,), layout.size)
+            m += by_key[key][0].reshape(-1)  # this process's M
+            ms.append(m.reshape(rows, cols))
+            ps.append(ms[-1] @ comp.warm_q(key, cols))
+        ps = self._summed(ps, "low-rank P", what)
+        for p in ps:
+            powersgd.orthogonalize(p)
+        mine = [m.T @ p for m, p in zip(ms, ps)]
+        qs = self._summed(mine, "low-rank Q", what)
+        merged = []
+        for (key, layout), m, p, q_mine, q in zip(keys, ms, ps, mine, qs):
+            m -= p @ q_mine.T  # what this process's P Q^T misses of its M (its own)
+            scratch = np.empty(m.shape, np.float32)
+            total = np.empty(m.shape, np.float32)
+            powersgd.decode(p, q, total, scratch)  # the same bits in every process
+            comp.keep_q(key, q)
+            if self.state.assigns:
+                by_key[key][1].reshape(-1)[...] = total.reshape(-1)
+                continue
+            for piece in layout.served_by(rank):
+                merged.append((key, total.reshape(-1)[piece.start:piece.stop]
+                               if layout.split else total.reshape(layout.shape)))
+        return merged
+
+    def _summed(self, arrays: list, name: str, what: str) -> list:
+        """`arrays` (float32) summed over the processes by one allreduce: new arrays of
+        their shapes, the same bits in every process."""
+        flat = np.concatenate([a.reshape(-1) for a in arrays])
+        request = self.t.comm.Iallreduce(self.t.MPI.IN_PLACE, flat, op=self.t.MPI.SUM)
+        self.t.wait_all([request], f"{what}: allreduce of the {name}")
+        out, at = [], 0
+        for a in arrays:
+            out.append(flat[at:at + a.size].reshape(a.shape))
+            at += a.size
+        return out
+
     def _all_to_all(self, outgoing: list, per_source: int, name: str, what: str):
         """Every rank's payloads for each owner (`outgoing[owner]`: byte arrays) moved by
         one all-to-all; what came here, `per_source` bytes from each rank in rank order,
@@ -538,14 +595,7 @@ class MpiRounds:
         """(dtype, bytes) of the payload of `n` elements under the compressor."""
         comp = self.state.compressor
         assert comp is not None  # only a compressed key comes here
-        if comp is not self._formats_of:  # another compressor: other payloads
-            self._formats, self._formats_of = {}, comp
-        found = self._formats.get(n)
-        if found is None:
-            residual = np.zeros(n, np.float32) if comp.uses_residual else None
-            payload, _ = comp.compress(np.zeros(n, np.float32), residual)
-            found = self._formats[n] = (payload.dtype, payload.nbytes)
-        return found
+        return comp.payload_format(n)
 
     def _all_gather(self, plan: _Gather, by_key: dict, what: str) -> None:
         comm, BYTE = self.t.comm, self.t.MPI.BYTE

@@ -64,10 +64,13 @@ class Push:
 
 @dataclass(frozen=True)
 class Pull:
-    """Send each key's piece on `tag` once it has reached the version given."""
+    """Send each key's piece on `tag` once it has reached the version given: the value
+    in chunks, or (where `changes` says so) the payload that moved it on from the
+    version before, which the worker holds (compressed pulls)."""
     command: ClassVar[Command] = Command.PULL
     tag: int
     wanted: list  # (key, version): the worker's pushes of the key so far
+    changes: list = field(default_factory=list)  # per wanted: send the payload
 
 
 @dataclass(frozen=True)

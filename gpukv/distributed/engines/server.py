@@ -107,15 +107,18 @@ class _Key:
         self.since = None              # when the oldest incomplete round began
         self.spec = None               # (start, stop, shape, dtype)
         self.serving = None            # the compressor params its pulls are compressed by
+        self.change = None             # (version, payload) that moved the served value
+        #                                to that version (compressed pulls)
 
 
 class _Pull:
     """A pull not fully answered: its keys go out in order, each in chunks."""
 
-    def __init__(self, worker: int, tag: int, wanted: list):
+    def __init__(self, worker: int, tag: int, wanted: list, changes: list):
         self.worker = worker
         self.tag = tag
         self.wanted = wanted           # [(key, version)]
+        self.changes = changes         # per wanted: send the payload of its last round
         self.key = 0                   # the index in `wanted` being sent
         self.chunk = 0                 # the next chunk of that key
 
@@ -415,7 +418,11 @@ class _Server:
         assigns = not self.updating
         value = self.shard.stored(key) if total is None or not assigns else total
         served = self.shard.served(key)
-        codec.apply(codec.payload(key, value, served, assigns), served, assigns)
+        payload = codec.payload(key, value, served, assigns)
+        codec.apply(payload, served, assigns)
+        # kept for the workers whose copy is one round behind (a new array each round:
+        # a send of the last may still be on its way)
+        state.change = (state.version + 1, np.ascontiguousarray(payload).copy())
 
     def whole(self, incoming: _Incoming) -> np.ndarray:
         """The gradient a complete push carries (decompressed if it was compressed, its
@@ -520,7 +527,7 @@ class _Server:
         self.release(grads)
 
     def op_pull(self, worker, source, request: Pull) -> None:
-        self.pulls.append(_Pull(worker, request.tag, request.wanted))
+        self.pulls.append(_Pull(worker, request.tag, request.wanted, request.changes))
         self.answer_pulls()
 
     def answer_pulls(self) -> None:
@@ -537,6 +544,12 @@ class _Server:
             state = self.keys.get(key)
             if state is None or not state.initialised:
                 return False
+            if pull.changes and pull.changes[pull.key]:  # the round's payload alone
+                if state.version < version:
+                    return False
+                self.send_change(key, state, version, dest, pull.tag)
+                pull.key += 1
+                continue
             value = self.shard.served(key).reshape(-1)
             ranges = chunk_ranges(value.size, value.itemsize, self.chunk)
             if self.asynchronous or state.version >= version:
@@ -555,6 +568,17 @@ class _Server:
                 return False
             pull.key, pull.chunk = pull.key + 1, 0
         return True
+
+    def send_change(self, key, state, version: int, dest: int, tag: int) -> None:
+        """Send the payload that moved `key`'s served value to `version` (the worker
+        holds the version before: a sync round waits for each worker's push, so none
+        can have gone further)."""
+        if state.change is None or state.change[0] != version:
+            have = "none" if state.change is None else f"version {state.change[0]}'s"
+            raise PeerError(f"server rank {self.t.rank}: a pull of key {key!r} asks for "
+                            f"the payload of version {version}, but the server kept {have}")
+        payload = state.change[1]
+        self.send(self.t.send_array(payload, dest, tag), payload)
 
     def op_settings(self, worker, source, request: Settings) -> None:
         """Worker 0 changed its optimizer's options: so does this server's."""

@@ -163,6 +163,10 @@ class ShardedRounds:
         """Compress on the wire from now on (every process must set the same: a push
         of processes that differ fails as a mismatch)."""
         self.rounds.refuse(compressor)
+        if compressor is not None and compressor.low_rank and self.deterministic:
+            raise ArgumentError(f"gradient compression {compressor.params()}: its sums "
+                                f"(two allreduces) have no canonical order; a deterministic "
+                                f"store takes another compressor")
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
         self.pulls = (PullCodec(compressor) if compressor is not None

@@ -49,6 +49,7 @@ class Compressor:
     uses_residual = False
     sums_payload = False
     compresses_pulls = False
+    low_rank = False  # PowerSGD: two sums per push, run by the store or engine
     options: dict = {}
     positive: tuple = ()
     kernels: tuple = ()
@@ -72,6 +73,21 @@ class Compressor:
 
     def compress(self, x, residual=None):
         raise NotImplementedError
+
+    def compresses(self, shape) -> bool:
+        """Whether a floating-point key of `shape` is compressed (else sent as it is)."""
+        return True
+
+    def payload_format(self, n: int) -> tuple:
+        """(dtype, bytes) of the payload of `n` float32 values (kept per size: a receiver
+        posts its buffer before the payload comes)."""
+        formats = self.__dict__.setdefault("_formats", {})
+        found = formats.get(n)
+        if found is None:
+            residual = np.zeros(n, np.float32) if self.uses_residual else None
+            payload, _ = self.compress(np.zeros(n, np.float32), residual)
+            found = formats[n] = (payload.dtype, payload.nbytes)
+        return found
 
     @property
     def residual_bound(self) -> float | None:

@@ -181,32 +181,48 @@ def device_sync() -> None:
     passed(kv, f"on {gpus} GPUs")
 
 
+def _descend(key, merged, stored):
+    """An updater for keys of any dtype (servers run it: defined at module level)."""
+    stored -= (np.float32(0.1) * merged).astype(stored.dtype)
+
+
 def compression(kind: str = "2bit") -> None:
     """Compression on the wire gives what a one-process 'device' store with the same
-    compression gives for the same sources (each worker one source, with its residual)."""
+    compression gives for the same sources (each worker one source, with its residual),
+    without and with an updater; a pull after a pull gives the same bits (with sign,
+    the first of a round moved the worker's copy on by the round's payload)."""
     kv = create(bigarray_bound=1000)
     n, r = kv.num_workers, kv.rank
     params = {"type": kind, "threshold": 0.5} if kind in ("2bit", "1bit") else {"type": kind}
     kv.set_gradient_compression(params)
     reference = gpukv.create("device")
     reference.set_gradient_compression(params)
-    shapes = {"a": (3, 4), "b": (1500,), "i": (5,)}  # 'b' split; 'i' int: not compressed
-    dtypes = {"a": np.float32, "b": np.float32, "i": np.int32}
+    # 'b' and 'm' split; 'i' int: not compressed; 'm' a matrix PowerSGD compresses
+    shapes = {"a": (3, 4), "b": (1500,), "i": (5,), "m": (64, 48)}
+    dtypes = {"a": np.float32, "b": np.float32, "i": np.int32, "m": np.float32}
+    # PowerSGD's sums are allreduces here, in source order there: rounding apart
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if kind == "powersgd" else {"atol": 1e-5}
     for key, shape in shapes.items():
         kv.init(key, np.zeros(shape, dtypes[key]))
         reference.init(key, np.zeros(shape, dtypes[key]))
     rng = np.random.default_rng(0)  # the same draws on every worker
-    for _ in range(3):
+    for round_ in range(6):
+        if round_ == 3:  # then with an updater on the store
+            for store in (kv, reference):
+                store.set_updater(_descend)
         grads = {k: [(rng.standard_normal(s) * 2).astype(dtypes[k]) for _ in range(n)]
                  for k, s in shapes.items()}
         kv.push(list(shapes), [grads[k][r] for k in shapes])
         reference.push(list(shapes), [grads[k] for k in shapes])
         for key, shape in shapes.items():
             got, want = np.zeros(shape, dtypes[key]), np.zeros(shape, dtypes[key])
-            kv.pull(key, out=got)
+            kv.pull(key, out=got)  # after a pull each round: sign's one payload
             reference.pull(key, out=want)
-            assert np.allclose(got, want, atol=1e-5), (key, got.reshape(-1)[:4],
-                                                       want.reshape(-1)[:4])
+            assert np.allclose(got, want, **tolerance), (key, got.reshape(-1)[:4],
+                                                         want.reshape(-1)[:4])
+            again = np.zeros(shape, dtypes[key])
+            kv.pull(key, out=again)  # nothing pushed since: the served value whole
+            assert again.tobytes() == got.tobytes(), key
     assert kv.gradient_compression == reference.gradient_compression
     passed(kv)
 
