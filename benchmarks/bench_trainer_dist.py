@@ -4,6 +4,8 @@ on a dist_sync store against PyTorch DistributedDataParallel (gloo).
     python benchmarks/bench_trainer_dist.py                     # 2 processes, every model
     python benchmarks/bench_trainer_dist.py --devices 2,4 --iters 30 --out /tmp/trainer
     python benchmarks/bench_trainer_dist.py --cluster 2 --rate 1gbit --models resnet50-mlp
+    python benchmarks/bench_trainer_dist.py --cluster 2 --rate 1gbit --models resnet50-mlp \
+        --ways store-overlap,sign,powersgd,ddp-powersgd  # compressed, against PowerSGD
 
 Each case is one MPI job of P processes (`mpiexec -n P ... --child`), one replica each, the
 global batch (`--batch`) split over them. One iteration is zero_grad, forward, backward and
@@ -23,17 +25,29 @@ all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
   backward, on a background thread;
 - trainer on store: `update_on_kvstore=True`: the step reduce-scatters, each process
   updates its shard, and the weights are all-gathered;
-- trainer on store overlap: the same with `overlap=True`.
+- trainer on store overlap: the same with `overlap=True`;
+- trainer sign: trainer on store overlap with `compression_params={'type': 'sign'}`: one
+  bit per value (and a float32 scale per 64) both ways, the gradients pushed and the
+  weights' changes pulled, with error feedback;
+- trainer powersgd: trainer overlap with `compression_params={'type': 'powersgd',
+  'rank': 4}`: every parameter of 2+ dimensions its own key, sent as P and Q by two
+  allreduces per push; each worker decodes the sum itself (nothing to pull);
+- ddp powersgd: ddp with PyTorch's PowerSGD communication hook (`powerSGD_hook`, rank 4,
+  error feedback and warm start; its first 2 iterations allreduce uncompressed, and
+  --warmup is raised to 3 so that they and the first compressed one are not timed).
 `--ways` picks some of them (compute and ddp always run: the others are measured against
-them).
+them; by default the four uncompressed Trainer ways). 'iter/ddp' is a way's iteration
+over ddp's.
 'sync' is an iteration less the compute way's (the time communication adds); beside it,
 'mpi allreduce' is the floor of that: one MPI Allreduce of all the gradients (float32, in
 place) with mpi4py, timed in the same job. After the
 timing every way's weights are compared with DDP's (same start, same batches; the Trainer
 sums where DDP averages, so its learning rate is scaled to match) and a way that differs
-by more than float32 rounding fails the case. Results: trainer_dist_<machine>.json in
---out DIR (default benchmarks/results/; '-' writes nothing); exit status 1 when a case
-failed.
+by more than float32 rounding fails the case; the compressed ways (trainer sign, trainer
+powersgd, ddp powersgd) differ by design: their difference is shown, marked lossy, and not checked
+(bench_accuracy.py measures what compression costs in accuracy). Results:
+trainer_dist_<machine>.json in --out DIR (default benchmarks/results/; '-' writes
+nothing); exit status 1 when a case failed.
 """
 from __future__ import annotations
 
@@ -66,11 +80,28 @@ TRAINER_WAYS = {
     "trainer overlap": {"update_on_kvstore": False, "overlap": True},
     "trainer on store": {"update_on_kvstore": True, "overlap": False},
     "trainer on store overlap": {"update_on_kvstore": True, "overlap": True},
+    "trainer sign": {"update_on_kvstore": True, "overlap": True,
+                     "compression_params": {"type": "sign"}},
+    # the optimizer on the workers: every worker decodes the sum, the pull costs nothing
+    "trainer powersgd": {"update_on_kvstore": False, "overlap": True,
+                         "compression_params": {"type": "powersgd", "rank": 4}},
 }
-WAYS = ("compute", "ddp", *TRAINER_WAYS)
-#: --ways names the Trainer's ways by these
+#: DDP with PyTorch's PowerSGD communication hook, and the hook's options
+POWERSGD_WAY = "ddp powersgd"
+POWERSGD = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2,
+            "min_compression_rate": 2, "use_error_feedback": True, "warm_start": True}
+#: the fewest --warmup rounds with the PowerSGD way: its uncompressed iterations and its
+#: first compressed one (which makes the hook's state) stay out of the timing
+POWERSGD_WARMUP = POWERSGD["start_powerSGD_iter"] + 1
+#: the ways that compress the gradients: their weights are not DDP's (reported, not checked)
+LOSSY = ("trainer sign", "trainer powersgd", POWERSGD_WAY)
+WAYS = ("compute", "ddp", *TRAINER_WAYS, POWERSGD_WAY)
+#: --ways names the ways after compute and ddp by these
 WAY_NAMES = {"off": "trainer", "overlap": "trainer overlap", "store": "trainer on store",
-             "store-overlap": "trainer on store overlap"}
+             "store-overlap": "trainer on store overlap", "sign": "trainer sign",
+             "powersgd": "trainer powersgd", "ddp-powersgd": POWERSGD_WAY}
+#: --ways by default: the ways that end with DDP's weights
+DEFAULT_WAYS = ("off", "overlap", "store", "store-overlap")
 
 
 def make_model(name: str):
@@ -93,12 +124,31 @@ def make_model(name: str):
 
 
 # ---------------------------------------------------------------------- one process
+def in_order(hook):
+    """A DDP communication hook that starts a bucket once the previous bucket's future is
+    done. powerSGD_hook issues a bucket's later allreduces (P, then Q) from its future's
+    callbacks: meanwhile the next bucket's first allreduce starts from backward, in an
+    order the processes need not share, and gloo, which pairs the collectives by the
+    order they start, then fails ("Received data size doesn't match expected size").
+    Backward still overlaps the communication of one bucket."""
+    pending: list = []
+
+    def ordered(state, bucket):
+        if pending:
+            pending.pop().wait()
+        future = hook(state, bucket)
+        pending.append(future)
+        return future
+    return ordered
+
+
 def child(args) -> int:
     import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
     from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
     import gpukv
     import gpukv.torch as gt
@@ -142,7 +192,14 @@ def child(args) -> int:
         models["ddp"] = ddp_model.module
         steps["ddp"] = (ddp_opt.zero_grad, ddp_model, ddp_opt.step)
         ways = ["compute", "ddp", *args.ways]
-        for way in args.ways:
+        if POWERSGD_WAY in args.ways:
+            hooked = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            hooked.register_comm_hook(powerSGD.PowerSGDState(process_group=None, **POWERSGD),
+                                      in_order(powerSGD.powerSGD_hook))
+            hooked_opt = torch_sgd(hooked, LR * size / batch)  # the hook averages too
+            models[POWERSGD_WAY] = hooked.module
+            steps[POWERSGD_WAY] = (hooked_opt.zero_grad, hooked, hooked_opt.step)
+        for way in (w for w in args.ways if w in TRAINER_WAYS):
             kw = TRAINER_WAYS[way]
             model = copy.deepcopy(base)
             trainer = gt.Trainer(model, "sgd", {"learning_rate": LR},
@@ -172,13 +229,16 @@ def child(args) -> int:
                   "parameters": parameters, "mpi_allreduce_s": statistics.median(raw),
                   "ways": {}}
         compute = statistics.median(samples["compute"])
+        ddp = statistics.median(samples["ddp"])
         for way in ways:
             median = statistics.median(samples[way])
             diff = max(float(((p.detach() - q).abs() / (q.abs() + 1e-3)).max())
                        for p, q in zip(models[way].parameters(), reference))
             record["ways"][way] = {"iteration_s": median, "sync_s": median - compute,
+                                   "iteration_over_ddp": median / ddp,
                                    "min_s": min(samples[way]), "max_s": max(samples[way]),
-                                   "relative_difference_from_ddp": diff}
+                                   "relative_difference_from_ddp": diff,
+                                   "lossy": way in LOSSY}
         records.append(record)
     if rank == 0:
         Path(args.result).write_text(json.dumps(records))
@@ -231,10 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"models among {', '.join(MODELS)}, comma-separated (default: "
                         f"{', '.join(DEFAULT_MODELS)})")
     p.add_argument("--ways", type=C.name_list(tuple(WAY_NAMES), "way"),
-                   default=",".join(WAY_NAMES), metavar="NAMES",
-                   help=f"the Trainer's ways among {', '.join(WAY_NAMES)} (trainer, trainer "
-                        f"overlap, trainer on store, trainer on store overlap), "
-                        f"comma-separated (default: all)")
+                   default=",".join(DEFAULT_WAYS), metavar="NAMES",
+                   help=f"the ways besides compute and ddp among {', '.join(WAY_NAMES)} "
+                        f"(trainer, trainer overlap, trainer on store, trainer on store "
+                        f"overlap, trainer sign, ddp powersgd), comma-separated (default: "
+                        f"{','.join(DEFAULT_WAYS)}; ddp-powersgd raises --warmup to "
+                        f"{POWERSGD_WARMUP} at least)")
     C.add_devices_option(p, "2", "processes, one replica each")
     p.add_argument("--cluster", type=C.positive_int, default=None, metavar="HOSTS",
                    help="run across HOSTS emulated hosts, one process each (needs root; "
@@ -265,7 +327,8 @@ def table_rows(record: dict) -> list[list]:
                      C.format_seconds(r["iteration_s"]),
                      C.format_seconds(r["sync_s"]) if way != "compute" else "-",
                      round(r["iteration_s"] / ddp, 2),
-                     f"{r['relative_difference_from_ddp']:.1e}"])
+                     f"{r['relative_difference_from_ddp']:.1e}"
+                     + (" (lossy)" if r.get("lossy") else "")])
     rows.append([record["model"], record["processes"], "mpi allreduce", "-",
                  C.format_seconds(record["mpi_allreduce_s"]), "-", "-"])
     if "link_bound_s" in record:
@@ -289,6 +352,10 @@ def main(argv=None) -> int:
         if args.cluster < 2:
             parser.error(f"argument --cluster: {args.cluster}: expected 2 hosts or more")
         args.devices = [args.cluster]
+    if POWERSGD_WAY in args.ways and args.warmup < POWERSGD_WARMUP:
+        print(f"--warmup {args.warmup} raised to {POWERSGD_WARMUP}: the PowerSGD hook's "
+              f"first iterations are not timed", file=sys.stderr)
+        args.warmup = POWERSGD_WARMUP
     records, rows, failed = [], [], False
     for processes in args.devices:
         try:
@@ -301,7 +368,8 @@ def main(argv=None) -> int:
             continue
         for record in case:
             off = [way for way, r in record["ways"].items()
-                   if way != "compute" and r["relative_difference_from_ddp"] > 1e-3]
+                   if way not in ("compute", *LOSSY)
+                   and r["relative_difference_from_ddp"] > 1e-3]
             if off:
                 failed = True
                 record["error"] = f"weights differ from DDP's: {', '.join(off)}"
@@ -311,6 +379,7 @@ def main(argv=None) -> int:
     C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp",
                    "diff vs ddp"], rows)
     payload = {"processes": args.devices, "batch": args.batch, "threads": args.threads,
+               "warmup": args.warmup, "iters": args.iters,
                "cluster": args.cluster and {"hosts": args.cluster, "rate": args.rate},
                "results": records, "machine": C.machine_info(),
                "libraries": C.library_versions("numpy", "torch", "mpi4py")}

@@ -121,3 +121,33 @@ def test_trainer_benchmark_across_two_hosts_matches_ddp(tmp_path):
     assert record["link_bound_s"] == pytest.approx(4 * record["parameters"] / (10e9 / 8))
     for way in ("trainer", "trainer on store overlap"):
         assert record["ways"][way]["relative_difference_from_ddp"] < 1e-5, record["ways"]
+
+
+def test_trainer_benchmark_compressed_ways_across_two_hosts(tmp_path):
+    """bench_trainer_dist.py --ways sign,ddp-powersgd across 2 emulated hosts at 1 Gb/s:
+    the Trainer with sign compression and DDP with PyTorch's PowerSGD hook (on gloo, its
+    buckets kept in order) both run, with their iteration over DDP's; their weights
+    differ from DDP's by design, so they are marked lossy and the case passes, and the
+    warmup is raised past the hook's uncompressed iterations."""
+    require_cluster()
+    require_mpi()
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_trainer_dist.py"), "--cluster", "2",
+         "--rate", "1gbit", "--models", "mlp", "--ways", "sign,ddp-powersgd",
+         "--warmup", "0", "--iters", "2", "--timeout", "120", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+        env=gpu_env.subprocess_env(gpus=False))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "--warmup 0 raised to 3" in proc.stderr
+    (result,) = Path(tmp_path).glob("trainer_dist_*.json")
+    payload = json.loads(result.read_text())
+    assert payload["warmup"] == 3
+    (record,) = payload["results"]
+    ways = record["ways"]
+    assert set(ways) == {"compute", "ddp", "trainer sign", "ddp powersgd"}
+    for way in ("trainer sign", "ddp powersgd"):
+        assert ways[way]["lossy"] and ways[way]["iteration_s"] > 0, ways[way]
+        assert ways[way]["iteration_over_ddp"] == pytest.approx(
+            ways[way]["iteration_s"] / ways["ddp"]["iteration_s"])
+    assert "(lossy)" in proc.stdout
