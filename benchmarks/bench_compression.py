@@ -6,7 +6,10 @@ a receiver summing several sources does per source), and reports milliseconds an
 float32 values handled (4 bytes per element), next to `np.copyto` of the same float32
 array measured in the same run, the memory-bandwidth limit an encoder that reads its
 input once is held to. On a machine with a GPU the same is done with CuPy arrays and
-CUDA events (copy: `cupy.copyto`); `--host` or `--gpu` keeps to one of the two.
+CUDA events (copy: `cupy.copyto`); `--host` or `--gpu` keeps to one of the two. With fp16
+among the kinds, the host also times the sum of two float16 payloads into a float32 out
+(`host_sum`, what a strategy does with fp16 terms), next to the same copy: both read and
+write the bytes of the float32 values once.
 
     python benchmarks/bench_compression.py --sizes 256KB,4MB,64MB --warmup 2 --iters 10
 
@@ -31,6 +34,7 @@ from gpukv.encoding.compressors import Cast, OneBit, Sign, TwoBit  # noqa: E402
 
 KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0), "sign": Sign,
          "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}
+SUM_SOURCES = 2  # float16 payloads per timed host sum
 
 
 def host_case(n, kind, warmup, iters):
@@ -50,6 +54,28 @@ def host_case(n, kind, warmup, iters):
     cp = _common.time_calls(lambda: np.copyto(dst, g), warmup=warmup, iters=iters,
                             batch=_common.batch_for(n * 2e-10))
     return _record(n, kind, "host", enc, dec, acc, cp, payload.nbytes)
+
+
+def host_sum_case(n, warmup, iters):
+    """host_sum of SUM_SOURCES float16 payloads of n values into a float32 out, and
+    np.copyto of n float32 values."""
+    from gpukv.device.host_sum import host_sum
+
+    rng = np.random.default_rng(0)
+    halves = [rng.standard_normal(n).astype(np.float16) for _ in range(SUM_SOURCES)]
+    out = np.empty(n, np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    dst = np.empty_like(g)
+    total = _common.time_calls(lambda: host_sum(out, halves), warmup=warmup, iters=iters,
+                               batch=_common.batch_for(n * 1e-9))
+    cp = _common.time_calls(lambda: np.copyto(dst, g), warmup=warmup, iters=iters,
+                            batch=_common.batch_for(n * 2e-10))
+    sum_s, cp_s = (_common.summarize(s)["median_s"] for s in (total, cp))
+    return {"where": "host", "kind": "fp16-sum", "size": n, "bytes": 4 * n,
+            "sources": SUM_SOURCES, "sum_ms": sum_s * 1e3, "copy_ms": cp_s * 1e3,
+            "sum_GBps": 4 * n / 1e9 / sum_s, "copy_GBps": 4 * n / 1e9 / cp_s,
+            "sum_of_copy": cp_s / sum_s, "sum": _common.summarize(total),
+            "copy": _common.summarize(cp)}
 
 
 def gpu_case(n, kind, warmup, iters):
@@ -91,6 +117,7 @@ def _record(n, kind, where, enc, dec, acc, cp, payload_bytes):
             "encode_GBps": gb / enc_s, "decode_GBps": gb / dec_s,
             "decode_add_GBps": gb / acc_s, "copy_GBps": gb / cp_s,
             "encode_of_copy": cp_s / enc_s, "decode_of_copy": cp_s / dec_s,
+            "decode_add_of_copy": cp_s / acc_s,
             "encode": _common.summarize(enc), "decode": _common.summarize(dec),
             "decode_add": _common.summarize(acc), "copy": _common.summarize(cp)}
 
@@ -133,11 +160,28 @@ def run_case(where, n, kind, args) -> dict:
 def table_row(rec: dict) -> list:
     head = [rec["where"], _common.format_size(rec["bytes"]), rec["size"], rec["kind"]]
     if "error" in rec:
-        return head + ["failed"] + ["-"] * 8
+        return head + ["failed"] + ["-"] * 9
     return head + [f"{rec['ratio']:.0f}x"] + [
         f"{rec[k]:.3g}" for k in ("encode_ms", "decode_ms", "decode_add_ms", "copy_ms")] + [
-        round(rec["encode_GBps"], 2), round(rec["decode_GBps"], 2),
-        f"{rec['encode_of_copy']:.0%}", f"{rec['decode_of_copy']:.0%}"]
+        round(rec["encode_GBps"], 2), round(rec["decode_GBps"], 2)] + [
+        f"{rec[k]:.0%}" for k in ("encode_of_copy", "decode_of_copy", "decode_add_of_copy")]
+
+
+def sum_row(rec: dict) -> list:
+    head = [_common.format_size(rec["bytes"]), rec["size"]]
+    if "error" in rec:
+        return head + ["failed"] + ["-"] * 3
+    return head + [f"{rec['sum_ms']:.3g}", f"{rec['copy_ms']:.3g}", round(rec["sum_GBps"], 2),
+                   f"{rec['sum_of_copy']:.0%}"]
+
+
+def run_sum_case(n, args) -> dict:
+    """The host fp16 sum's record; one that raises is recorded with its error."""
+    try:
+        return host_sum_case(n, args.warmup, args.iters)
+    except Exception as exc:
+        return {"where": "host", "kind": "fp16-sum", "size": n, "bytes": 4 * n,
+                "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def main(argv=None) -> int:
@@ -146,13 +190,20 @@ def main(argv=None) -> int:
     if args.gpu and not _common.has_gpu():
         print(f"{Path(__file__).name}: --gpu: no GPU visible", file=sys.stderr)
         return 1
+    wheres = places(args)
     records = [run_case(where, _common.elements(nbytes, 4), kind, args)
-               for where in places(args) for nbytes in args.sizes for kind in args.kinds]
+               for where in wheres for nbytes in args.sizes for kind in args.kinds]
     _common.print_table(["where", "bytes", "floats", "kind", "shrink", "encode ms",
                          "decode ms", "dec+add ms", "copy ms", "encode GB/s",
-                         "decode GB/s", "enc/copy", "dec/copy"],
+                         "decode GB/s", "enc/copy", "dec/copy", "add/copy"],
                         [table_row(r) for r in records])
-    failed = [r for r in records if "error" in r]
+    sums = ([run_sum_case(_common.elements(nbytes, 4), args) for nbytes in args.sizes]
+            if "host" in wheres and "fp16" in args.kinds else [])
+    if sums:
+        print(f"\nhost sums of {SUM_SOURCES} float16 payloads into float32:")
+        _common.print_table(["bytes", "floats", "sum ms", "copy ms", "sum GB/s", "sum/copy"],
+                            [sum_row(r) for r in sums])
+    failed = [r for r in records + sums if "error" in r]
     for r in failed:
         print(f"FAILED {r['where']} {r['kind']} {_common.format_size(r['bytes'])}: "
               f"{r['error']}", file=sys.stderr)
@@ -163,7 +214,7 @@ def main(argv=None) -> int:
                "versions": {"python": sys.version.split()[0],
                             **_common.library_versions("numpy", "cupy-cuda12x")},
                "host_copy_bandwidth": limit, "units": "GB/s of float32 values",
-               "results": records}
+               "results": records, "sums": sums}
     _common.save_results(payload, args.out, _common.result_name("compression"))
     return 1 if failed else 0
 

@@ -22,7 +22,7 @@ BLOCK = 1 << 16  # a multiple of 32, so blocks start on word boundaries of both 
 _U8, _I8, _U32, _I32, _F32 = np.uint8, np.int8, np.uint32, np.int32, np.float32
 # Arrays at least this long (elements) are split over the host thread pool.
 _THREADED_MIN = 1 << 19
-_POOL_MIN = 3
+POOL_MIN = 3  # vector code runs on the host thread pool only when it has this many threads
 _LOCAL = threading.local()
 _CONSTS: dict = {}
 
@@ -54,14 +54,14 @@ def _const(value: int, dtype, size: int) -> np.ndarray:
 def _blocks(fn, n: int, *args) -> None:
     """fn(*args, lo, hi) over [0, n): inline, or in BLOCK-aligned chunks on the host
     thread pool (gpukv.device.host_sum) for long arrays (NumPy releases the GIL in
-    ufuncs) when that pool has at least _POOL_MIN threads. On a 2-vCPU VM two threads
+    ufuncs) when that pool has at least POOL_MIN threads. On a 2-vCPU VM two threads
     were slower than one for every encoder (the twins are compute-bound in L2, and the
     second vCPU is often busy), so small pools run inline."""
     if n < _THREADED_MIN:
         fn(*args, 0, n)
         return
     from . import host_sum
-    if host_sum.thread_count() < _POOL_MIN:
+    if host_sum.thread_count() < POOL_MIN:
         fn(*args, 0, n)
         return
     host_sum.run_chunks(fn, [args + c for c in host_sum.chunk_ranges(n, 4, BLOCK)])
@@ -245,15 +245,17 @@ def _cast_fp16_range(x, scale, out, lo, hi):
     the grid of its smallest normals), M = 2**(e+13) has fp16's ulp at a, so the float32
     sum a + M rounds a to fp16's grid (ties to even, M being even) and its bits minus
     M's are the fp16 significand; adding the rebiased exponent gives the fp16 bits.
-    a >= 65536 is clamped to 65536, which rounds to inf. A block with a NaN takes
-    NumPy's cast, which keeps the payload."""
+    a >= 65536 is clamped to 65536, which rounds to inf. The sign is added to the 16-bit
+    result (half the bytes of a 32-bit pass). A block with a NaN takes NumPy's cast,
+    which keeps the payload."""
     a = _scratch("a", _U32, BLOCK)
-    e = _scratch("e", _U32, BLOCK)
-    mag = _scratch("mag", _U32, BLOCK)
+    m = _scratch("m", _U32, BLOCK)
+    neg = _scratch("neg", np.bool_, BLOCK)
+    sign = _scratch("sign16", np.uint16, BLOCK)
     for start, stop, xb in _scaled_blocks(x, scale, lo, hi):
         k = stop - start
         u = xb.view(_U32)
-        ab, eb, mb = a[:k], e[:k], mag[:k]
+        ab, mb, nb, sb = a[:k], m[:k], neg[:k], sign[:k]
         np.bitwise_and(u, _U32(0x7FFFFFFF), out=ab)
         top = ab.max()
         if top > 0x7F800000:
@@ -262,18 +264,20 @@ def _cast_fp16_range(x, scale, out, lo, hi):
             continue
         if top >= 0x47800000:
             np.minimum(ab, _const(0x47800000, _U32, k), out=ab)
-        np.bitwise_and(ab, _U32(0x7F800000), out=eb)
-        np.maximum(eb, _const(0x38800000, _U32, k), out=eb)  # 2**e, e >= -14
-        np.add(eb, _U32(13 << 23), out=mb)                     # M = 2**(e+13)
+        np.bitwise_and(ab, _U32(0x7F800000), out=mb)
+        np.maximum(mb, _const(0x38800000, _U32, k), out=mb)  # 2**e, e >= -14
+        np.add(mb, _U32(13 << 23), out=mb)                     # M = 2**(e+13)
         np.add(ab.view(_F32), mb.view(_F32), out=ab.view(_F32))
         np.subtract(ab, mb, out=ab)                            # significand (+1024 if normal)
-        np.right_shift(eb, 13, out=eb)
-        np.add(ab, eb, out=ab)                                 # fp16 bits + 0x1C400 - 0x20000
-        np.right_shift(u, 16, out=eb)
-        np.bitwise_and(eb, _U32(0x8000), out=eb)
-        np.bitwise_or(eb, _U32(0x3C00), out=eb)                # sign, and -0x1C400 mod 2**16
-        np.add(ab, eb, out=ab)
-        np.copyto(out[start:stop].view(np.uint16), ab, casting="unsafe")
+        np.right_shift(mb, _U32(13), out=mb)
+        np.add(ab, mb, out=ab)                                 # fp16 bits + 0x1F800
+        o = out[start:stop].view(np.uint16)
+        np.copyto(o, ab, casting="unsafe")                     # fp16 bits + 0xF800 (mod 2**16)
+        np.signbit(xb, out=nb)
+        np.copyto(sb, nb)
+        np.multiply(sb, np.uint16(0x8000), out=sb)
+        np.bitwise_or(sb, np.uint16(0x0800), out=sb)           # sign, and -0xF800 mod 2**16
+        np.add(o, sb, out=o)
 
 
 def cast_fp16(x, scale):
@@ -282,27 +286,30 @@ def cast_fp16(x, scale):
     return out
 
 
+def widen_fp16(half, out) -> None:
+    """out[...] = half (float16, or its bits as uint16) as float32, as NumPy's astype
+    but without its per-element loop: the bits widened as int16 (the sign in bit 31),
+    shifted to a float32's significand, the sign's copies cleared, times 2**112 (exact,
+    subnormals included). 1-D contiguous arrays of one length. One with an inf or NaN
+    (int16 >= 0x7C00, or uint16 >= 0xFC00) takes NumPy's cast, which keeps NaN payloads."""
+    bits = half.view(np.int16)
+    if bits.max() >= 0x7C00 or bits.view(np.uint16).max() >= 0xFC00:
+        np.copyto(out, half.view(np.float16))
+        return
+    f = out.view(_I32)
+    np.copyto(f, bits)
+    np.left_shift(f, _I32(13), out=f)
+    np.bitwise_and(f, _I32(-0x70000001), out=f)  # 0x8FFFFFFF: sign | bits << 13
+    np.multiply(out, _F32(2.0 ** 112), out=out)
+
+
 def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
-    """float16 -> float32 as NumPy's astype: the fp16 bits without the sign, shifted to
-    a float32's significand, times 2**112 (exact, subnormals included), with the sign
-    kept by widening as int16. A block with an inf or NaN takes NumPy's cast."""
-    mag = _scratch("mag16", np.uint16, BLOCK)
-    wide = _scratch("wide", _I32, BLOCK) if accumulate else None
+    wide = _scratch("wide", _F32, BLOCK) if accumulate else None
     for start in range(lo, hi, BLOCK):
         stop = min(start + BLOCK, hi)
-        k = stop - start
-        p = payload[start:stop]
-        mb = mag[:k]
-        f = wide[:k] if accumulate else out[start:stop].view(_I32)
-        np.bitwise_and(p, np.uint16(0x7FFF), out=mb)
-        if mb.max() >= 0x7C00:
-            np.copyto(f.view(_F32), p.view(np.float16))
-        else:
-            np.copyto(f, p.view(np.int16))                      # sign-extended
-            np.left_shift(f, 13, out=f)
-            np.bitwise_and(f, _I32(-0x70000001), out=f)         # 0x8FFFFFFF: sign | bits << 13
-            np.multiply(f.view(_F32), _F32(2.0 ** 112), out=f.view(_F32))
-        _scaled_into(f.view(_F32), scale, out[start:stop], accumulate)
+        f = wide[:stop - start] if accumulate else out[start:stop]
+        widen_fp16(payload[start:stop], f)
+        _scaled_into(f, scale, out[start:stop], accumulate)
 
 
 def uncast_fp16(payload, scale, out, accumulate):
@@ -377,21 +384,71 @@ def sign_parts(payload, n: int):
     return payload[:4 * blocks].view(_F32), payload[4 * blocks:]
 
 
-def _block_scales(r, k, total, start):
-    """The root mean square of each SIGN_BLOCK of `r` (`k` values from element `start`
-    of `total`): the squares summed by halves (x[i] += x[i + h], h = 32, 16, ..., 1) as
-    the CUDA kernel's threads do, divided by the block's count, then the square root."""
-    blocks = -(-k // SIGN_BLOCK)
-    a = _scratch("sign_squares", _F32, blocks * SIGN_BLOCK)
-    np.multiply(r, r, out=a[:k])
+_V64 = np.dtype((np.void, 64))  # 16 float32 as one item: copies of it skip ufunc loops
+
+
+def _halve(x, y, n, width, halves):
+    """The sums by halves of every `width`-value block of x[:n] (x[i] += x[i + h] for
+    each h of `halves`), as shifted adds of whole arrays, y[p] = x[p] + x[p + h] for
+    every p: 2-D slices cost a ufunc inner-loop call per block, 4x the time. Each
+    block's first h elements then hold its next level; the others mix two blocks and are
+    never read (their overflow is silenced). x and y alternate; returns the array
+    holding the last level."""
+    with np.errstate(over="ignore"):
+        for h in halves:
+            m = n - width + h  # up to the last block's first h elements
+            np.add(x[:m], x[h:m + h], out=y[:m])
+            x, y = y, x
+    return x
+
+
+def _block_scales(r, k, short, scales):
+    """scales[:] = the root mean square of each SIGN_BLOCK of r[:k]: the squares summed
+    by halves (x[i] += x[i + h], h = 32, 16, ..., 1) as the CUDA kernel's threads do,
+    divided by the block's count (`short` for the last block when it is short, else 0),
+    then the square root."""
+    blocks = scales.size
+    n = blocks * SIGN_BLOCK
+    x = _scratch("sign_x", _F32, BLOCK)[:n]
+    y = _scratch("sign_y", _F32, BLOCK)[:n]
+    np.square(r, out=x[:k])
+    x[k:] = 0
+    x = _halve(x, y, n, SIGN_BLOCK, _HALVES[:2])  # 32, 16
+    # The first 16 values of each block, packed (a 64-byte item per block: one plain
+    # copy), take the last halves: 1/4 of the values.
+    c = _scratch("sign_c", _F32, BLOCK // 4)[:16 * blocks]
+    d = _scratch("sign_d", _F32, BLOCK // 4)[:16 * blocks]
+    np.copyto(c.view(_V64), x.view(_V64)[::4])
+    sums = _halve(c, d, c.size, 16, _HALVES[2:])[::16]  # 8, 4, 2, 1
+    if np.isnan(np.maximum.reduce(sums)):  # keep the NaNs the sums always kept
+        sums = _block_sums_2d(r, k, blocks)
+    np.divide(sums, _F32(SIGN_BLOCK), out=scales)
+    if short:
+        scales[-1] = sums[-1] / _F32(short)
+    np.sqrt(scales, out=scales)
+
+
+def _block_sums_2d(r, k, blocks):
+    """The blocks' sums of squares by halves on 2-D views (a ufunc call per block and
+    half): the sums of `_block_scales`, slower, but with the NaN they always had where
+    two NaNs meet (which of the two an add returns depends on NumPy's loop, and a short
+    row takes another path than a long array)."""
+    a = _scratch("sign_x", _F32, BLOCK)[:blocks * SIGN_BLOCK]
+    np.square(r, out=a[:k])
     a[k:] = 0
     m = a.reshape(blocks, SIGN_BLOCK)
     for h in _HALVES:
         np.add(m[:, :h], m[:, h:2 * h], out=m[:, :h])
-    scales = np.divide(m[:, 0], _F32(SIGN_BLOCK))
-    if start + k == total and k % SIGN_BLOCK:  # the array's last block is short
-        scales[-1] = m[-1, 0] / _F32(k % SIGN_BLOCK)
-    return np.sqrt(scales, out=scales)
+    return m[:, 0]
+
+
+def _sign_values(scales, bits, k, out):
+    """out[:k] = the sign payload's values: +1 or -1 per bit (1 for +), times its block's
+    scale (the scales of the SIGN_BLOCKs of the k values, spread over their values)."""
+    _lookup_range(_TABLE_1BIT, 8, bits, out, False, 0, k)
+    s = _scratch("sign_y", _F32, BLOCK)[:scales.size * SIGN_BLOCK]
+    np.copyto(s.reshape(scales.size, SIGN_BLOCK), scales[:, None])
+    np.multiply(out, s[:k], out=out)
 
 
 def _quantize_sign_range(grad, residual, scales, bits, total, lo, hi):
@@ -400,20 +457,17 @@ def _quantize_sign_range(grad, residual, scales, bits, total, lo, hi):
         k = stop - start
         r = residual[start:stop]
         np.add(r, grad[start:stop], r)
-        block_scales = _block_scales(r, k, total, start)
-        scales[start // SIGN_BLOCK:start // SIGN_BLOCK + block_scales.size] = block_scales
-        positive = _scratch("sign_pos", np.bool_, k)
+        first = start // SIGN_BLOCK
+        sc = scales[first:first - (-k // SIGN_BLOCK)]
+        _block_scales(r, k, k % SIGN_BLOCK if stop == total else 0, sc)
+        positive = _scratch("sign_pos", np.bool_, BLOCK)[:k]
         np.greater_equal(r, _F32(0), positive)
-        step = _scratch("sign_step", _F32, block_scales.size * SIGN_BLOCK)
-        np.copyto(step[:k], positive)                    # 1 or 0
-        np.multiply(step[:k], _F32(2), step[:k])
-        np.subtract(step[:k], _F32(1), step[:k])         # +1 or -1
-        step[k:] = 0
-        signed = step.reshape(block_scales.size, SIGN_BLOCK)
-        np.multiply(signed, block_scales[:, None], signed)  # +scale or -scale, exactly
-        np.subtract(r, step[:k], r)
         packed = np.packbits(positive)
-        bits[start // 8:start // 8 + packed.size] = packed
+        b = bits[start // 8:start // 8 + packed.size]
+        b[...] = packed
+        step = _scratch("sign_x", _F32, BLOCK)[:k]  # +scale or -scale: the decoded value
+        _sign_values(sc, b, k, step)
+        np.subtract(r, step, r)
 
 
 def quantize_sign(grad, residual, out):
@@ -428,18 +482,12 @@ def _dequantize_sign_range(scales, bits, out, accumulate, lo, hi):
     for start in range(lo, hi, BLOCK):
         stop = min(start + BLOCK, hi)
         k = stop - start
-        blocks = -(-k // SIGN_BLOCK)
-        step = _scratch("sign_step", _F32, blocks * SIGN_BLOCK)
-        _lookup_range(_TABLE_1BIT, 8, bits[start // 8:], step, False, 0, k)  # +1 or -1
-        step[k:] = 0
-        signed = step.reshape(blocks, SIGN_BLOCK)
         first = start // SIGN_BLOCK
-        np.multiply(signed, scales[first:first + blocks, None], signed)
         o = out[start:stop]
+        values = _scratch("sign_x", _F32, BLOCK)[:k] if accumulate else o
+        _sign_values(scales[first:first - (-k // SIGN_BLOCK)], bits[start // 8:], k, values)
         if accumulate:
-            np.add(o, step[:k], o)
-        else:
-            o[...] = step[:k]
+            np.add(o, values, o)
 
 
 def dequantize_sign(payload, n, out, accumulate):

@@ -25,8 +25,10 @@ import numpy as np
 from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
 from ..canonical.arrays import leaf_plan, run_adds
+from . import host_codecs
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
 _NDARRAY = np.ndarray
 _SAME: dict = {}  # ufunc keywords when every array has the output's dtype: none
 
@@ -179,6 +181,28 @@ def _contiguous(arrays) -> bool:
     return True
 
 
+def _widened_chunks(n: int, itemsize: int, block: int) -> list | None:
+    """The chunks of a sum that widens its float16 sources itself, or None where NumPy's
+    cast is faster: a sum cut over a pool of fewer than host_codecs.POOL_MIN threads.
+    (The widening is vector code, which two vCPUs of one core do not run faster; NumPy's
+    per-element cast they run twice as fast.)"""
+    chunks = _chunks(n, itemsize, block)
+    if len(chunks) > 1 and thread_count() < host_codecs.POOL_MIN:
+        return None
+    return chunks
+
+
+def _halves_into_float32(out, sources) -> bool:
+    """Whether `sources` are float16 and float32 arrays summed into a float32 `out`, all
+    C-contiguous: the sum `_sum_halves_range` does."""
+    if out.dtype != _F32 or not out.flags.c_contiguous or not _contiguous(sources):
+        return False
+    for s in sources:
+        if s.dtype != _F16 and s.dtype != _F32:
+            return False
+    return True
+
+
 def _overlapping(arrays) -> bool:
     """Whether two of `arrays` may share memory (then only whole-array order is safe)."""
     for i in range(1, len(arrays)):
@@ -196,6 +220,31 @@ def _sum_range(out, first, second, rest, kwargs, block, lo, hi) -> None:
         add(first[start:stop], second[start:stop], acc, **kwargs)
         for s in rest:
             add(acc, s[start:stop], acc, **kwargs)
+
+
+def _term(s, scratch):
+    """Block `s` as float32: itself, or a float16 block widened into `scratch`."""
+    if s.dtype != _F16:
+        return s
+    host_codecs.widen_fp16(s, scratch)
+    return scratch
+
+
+def _sum_halves_range(out, sources, lo, hi) -> None:
+    """out[lo:hi] = the sum of float16 and float32 `sources` (flat, contiguous), in
+    host_codecs.BLOCK blocks: each float16 block widened to float32 exactly (not by
+    NumPy's per-element cast), then the float32 adds of np.add(..., dtype=float32), in
+    the same order."""
+    block = host_codecs.BLOCK
+    wide = np.empty(min(block, hi - lo), _F32)
+    for start in range(lo, hi, block):
+        stop = min(start + block, hi)
+        acc = out[start:stop]
+        tmp = wide[:stop - start]
+        first = _term(sources[0][start:stop], acc)
+        np.add(first, _term(sources[1][start:stop], tmp), acc)
+        for s in sources[2:]:
+            np.add(acc, _term(s[start:stop], tmp), acc)
 
 
 def host_sum(out: np.ndarray, sources: list) -> None:
@@ -233,6 +282,13 @@ def host_sum(out: np.ndarray, sources: list) -> None:
         if s.dtype is not dtype:  # e.g. float16 sources into a float32 merge buffer
             kwargs = {"dtype": acc, "casting": "unsafe"}
             break
+    if kwargs is not _SAME and _halves_into_float32(out, sources):
+        chunks = _widened_chunks(out.size, dtype.itemsize, host_codecs.BLOCK)
+        if chunks is not None:
+            flat_out = out.reshape(-1)
+            flat = [s.reshape(-1) for s in sources]
+            _POOL.run(_sum_halves_range, [(flat_out, flat, lo, hi) for lo, hi in chunks])
+            return
     nbytes = out.nbytes
     if nbytes < BLOCKED_BYTES or not _contiguous(sources) or not out.flags.c_contiguous:
         np.add(first, second, out, **kwargs)
@@ -275,21 +331,26 @@ def host_broadcast(src: np.ndarray, outs: list) -> None:
     _POOL.run(_copy_range, chunks)
 
 
-def _tree_range(out, sources, ops, temps, acc, kwargs, block, lo, hi) -> None:
+def _tree_range(out, sources, ops, temps, acc, kwargs, widen, block, lo, hi) -> None:
     """`out[lo:hi]` = the canonical tree sum of `sources[lo:hi]` (cut on axis 0), block
     by block, by the adds of `leaf_plan`: the temporaries of one block stay in cache,
     so memory sees k reads and one write. An out of the accumulation dtype is the first
-    temporary itself (it is written last, from the others)."""
+    temporary itself (it is written last, from the others). With `widen`, the float16
+    leaves (flat, contiguous) of a float32 sum are widened block by block first, as
+    `_term` does."""
     shape = (min(block, hi - lo),) + out.shape[1:]
     in_out = out.dtype == acc
     scratch = [np.empty(shape, acc) for _ in range(temps - in_out)]
+    wide = [np.empty(shape, _F32) if widen and s.dtype == _F16 else None for s in sources]
     for start in range(lo, hi, block):
         stop = min(start + block, hi)
         dst = out[start:stop]
         slots = [t[:stop - start] for t in scratch]
         if in_out:
             slots.insert(0, dst)
-        run_adds(ops, [s[start:stop] for s in sources], slots, dst, **kwargs)
+        values = [s[start:stop] if w is None else _term(s[start:stop], w[:stop - start])
+                  for s, w in zip(sources, wide)]
+        run_adds(ops, values, slots, dst, **kwargs)
 
 
 def host_tree_sum(out: np.ndarray, sources: list) -> None:
@@ -312,16 +373,30 @@ def host_tree_sum(out: np.ndarray, sources: list) -> None:
     kwargs = _SAME
     if out.dtype is not acc or any(s.dtype is not acc for s in sources):
         kwargs = {"dtype": acc, "casting": "unsafe"}
-    if out.nbytes < BLOCKED_BYTES or not _contiguous(sources) or not out.flags.c_contiguous:
-        _tree_range(out[None], [s[None] for s in sources], ops, temps, acc, kwargs, 1, 0, 1)
-        return
-    flat_out = out.reshape(-1)
-    flat = [s.reshape(-1) for s in sources]
+    contiguous = _contiguous(sources) and out.flags.c_contiguous
     # Half of host_sum's block: the live temporaries (at most log2(k), the out being the
     # first) then mostly stay in L2, and per-call overhead stays small (8 x 16 MiB float32
     # on 2 threads, alternating with host_sum: 1/2 of its block cost 4-10% over it, the
     # whole block or 1/4 of it 10-20%, 1/8 of it 50%).
     block = max(1, BLOCK_BYTES // max(out.dtype.itemsize, acc.itemsize) // 2)
-    chunks = [(flat_out, flat, ops, temps, acc, kwargs, block, lo, hi)
-              for lo, hi in _chunks(flat_out.size, out.dtype.itemsize, block)]
-    _POOL.run(_tree_range, chunks)
+    halves = sum(s.dtype == _F16 for s in sources) if acc == _F32 and contiguous else 0
+    widened = None
+    if halves:
+        # A widened block per float16 leaf too: smaller blocks, in multiples of 4096
+        # values (which of two NaNs an add returns depends on its loop's path, which
+        # NumPy picks by the length: such blocks keep the NaNs of the whole-array add).
+        wide_block = max(1, block // (1 + halves // 2) >> 12) << 12
+        widened = _widened_chunks(out.size, out.dtype.itemsize, wide_block)
+    widen = widened is not None
+    if widened is not None:
+        block, chunks = wide_block, widened
+    elif not contiguous or out.nbytes < BLOCKED_BYTES:
+        _tree_range(out[None], [s[None] for s in sources], ops, temps, acc, kwargs, False,
+                    1, 0, 1)
+        return
+    else:
+        chunks = _chunks(out.size, out.dtype.itemsize, block)
+    flat_out = out.reshape(-1)
+    flat = [s.reshape(-1) for s in sources]
+    _POOL.run(_tree_range, [(flat_out, flat, ops, temps, acc, kwargs, widen, block, lo, hi)
+                            for lo, hi in chunks])

@@ -1,0 +1,128 @@
+"""The host codecs' chunks (gpukv.device.host_codecs) and the float16 sums of host_sum:
+arrays that straddle a chunk edge give the bytes of the plain, unchunked NumPy rule."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpukv.canonical.arrays import leaf_plan, run_adds
+from gpukv.device import host_codecs as twins
+from gpukv.device import host_sum as host
+
+SIGN = twins.SIGN_BLOCK
+SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan]
+
+
+def same_bits(got, want) -> bool:
+    return got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+def same_or_nan(got, want) -> bool:
+    """Same bits, or NaN in both (which NaN two NaNs add to is the loop's choice)."""
+    nan = np.isnan(want)
+    return bool(np.array_equal(np.isnan(got), nan)
+                and same_bits(got[~nan], want[~nan]))
+
+
+def sign_rule(grad, residual):
+    """(payload bytes, decoded values, new residual) of one sign push on whole arrays, as
+    the rule says: e = r + g; per block of 64 its squares summed by halves (x[i] += x[i+h],
+    h = 32, 16, ..., 1), divided by the block's count, square-rooted: the scale; bit 1
+    where e >= 0; the decoded value +1 or -1 times the scale, taken out of e."""
+    e = residual + grad
+    n = e.size
+    blocks = -(-n // SIGN)
+    a = np.zeros(blocks * SIGN, np.float32)
+    a[:n] = e * e
+    m = a.reshape(blocks, SIGN)
+    h = SIGN // 2
+    while h:
+        m[:, :h] = m[:, :h] + m[:, h:2 * h]
+        h //= 2
+    counts = np.full(blocks, SIGN, np.float32)
+    if n % SIGN:
+        counts[-1] = n % SIGN
+    scales = np.sqrt(m[:, 0] / counts)
+    bits = np.zeros(-(-n // 32) * 32, bool)
+    bits[:n] = e >= 0
+    signs = np.where(bits[:n], np.float32(1), np.float32(-1))
+    decoded = signs * np.repeat(scales, SIGN)[:n]
+    return scales.tobytes() + np.packbits(bits).tobytes(), decoded, e - decoded
+
+
+@st.composite
+def straddling(draw, dtype=np.float32):
+    """n values around the edge of the first or second chunk (twins.BLOCK), normals of a
+    drawn scale with signed zeros, infinities and NaNs dropped in near the edge."""
+    edge = draw(st.sampled_from([1, 2])) * twins.BLOCK
+    n = edge + draw(st.integers(-200, 200))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = (rng.standard_normal(n) * draw(st.sampled_from([1e-3, 1.0, 1e3]))).astype(dtype)
+    for _ in range(draw(st.integers(0, 4))):
+        x[min(n - 1, edge - 100 + draw(st.integers(0, 200)))] = draw(st.sampled_from(SPECIALS))
+    return x
+
+
+@settings(max_examples=30, deadline=None)
+@given(straddling(), st.integers(0, 2**32 - 1))
+def test_sign_across_chunk_edges_is_the_rule(grad, seed):
+    """The sign twin's payload, residual and decoded values (written or added) across a
+    chunk edge equal the rule's on the whole array."""
+    n = grad.size
+    residual = (np.random.default_rng(seed).standard_normal(n) * 0.3).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want, decoded, want_r = sign_rule(grad, residual)
+        r = residual.copy()
+        payload = twins.quantize_sign(grad, r, np.full(twins.sign_nbytes(n), 0xA5, np.uint8))
+        assert payload.tobytes() == want
+        assert same_bits(r, want_r)
+        out = np.full(n, np.nan, np.float32)
+        assert same_bits(twins.dequantize_sign(payload, n, out, False), decoded)
+        total = residual.copy()
+        assert same_bits(twins.dequantize_sign(payload, n, total, True), residual + decoded)
+
+
+@settings(max_examples=30, deadline=None)
+@given(straddling(np.float16), st.integers(1, 2))
+def test_fp16_casts_across_chunk_edges_are_numpys(half, scale):
+    """float32 -> float16 and back (written or added) across a chunk edge give NumPy's
+    astype of the whole array."""
+    x = half.astype(np.float32) * np.float32(1 + 2.0**-12)  # ties and between them
+    with np.errstate(all="ignore"):
+        want = (x / np.float32(scale)).astype(np.float16)
+        assert same_bits(twins.cast_fp16(x, float(scale)), want)
+        out = np.full(x.size, 2.0, np.float32)
+        twins.uncast_fp16(want, 1.0, out, True)
+        assert same_bits(out, np.float32(2.0) + want.astype(np.float32))
+
+
+def sum_rule(sources, tree):
+    """NumPy's float32 adds of whole arrays: left to right, or the canonical tree's."""
+    if not tree:
+        total = np.add(sources[0], sources[1], dtype=np.float32)
+        for s in sources[2:]:
+            total = np.add(total, s, dtype=np.float32)
+        return total
+    ops, temps = leaf_plan(len(sources))
+    total = np.empty(sources[0].size, np.float32)
+    slots = [np.empty_like(total) for _ in range(temps)]
+    run_adds(ops, sources, slots, total, dtype=np.float32, casting="unsafe")
+    return total
+
+
+@settings(max_examples=20, deadline=None)
+@given(straddling(np.float16), st.lists(st.booleans(), min_size=1, max_size=4),
+       st.integers(0, 2**32 - 1), st.booleans())
+def test_float16_sums_across_chunk_edges_are_numpys(half, kinds, seed, tree):
+    """host_sum and host_tree_sum of float16 (and float32) sources into a float32 out,
+    which widen the float16 blocks themselves, equal NumPy's float32 adds of the whole
+    arrays."""
+    rng = np.random.default_rng(seed)
+    sources = [half] + [rng.permutation(half) if is_half
+                        else rng.permutation(half).astype(np.float32) * 3 for is_half in kinds]
+    with np.errstate(all="ignore"):
+        want = sum_rule(sources, tree)
+        out = np.empty(half.size, np.float32)
+        (host.host_tree_sum if tree else host.host_sum)(out, sources)
+    assert same_or_nan(out, want)
