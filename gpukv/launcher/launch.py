@@ -44,6 +44,8 @@ sure the job ends. In torchrun's terms:
   torchrun --log-dir DIR --tee    gpukv run --log-dir DIR (the console keeps every line)
   torchrun --max-restarts K       gpukv run --max-restarts K [--min-workers M]
   RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE: set in every rank, whatever PROG is
+  OMP_NUM_THREADS=1 with several processes a host, unless set (OPENBLAS_, MKL_ too;
+  --verbose says so)
 -n defaults to torchrun's --nproc-per-node gpu: this machine's GPUs (as many as
 CUDA_VISIBLE_DEVICES names, else as `nvidia-smi -L` lists, else 1) on each host (--ppn K:
 K on each), times the hosts. mpiexec (the one beside this Python, else on PATH) gets -n,
@@ -280,6 +282,24 @@ def report_address(hosts: list[str] | None) -> str:
     return "127.0.0.1"
 
 
+#: the math libraries' thread counts, set to 1 when several processes share a host and the
+#: user set none (torchrun sets OMP_NUM_THREADS so): each would start a thread per core
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env(per_host: int) -> dict[str, str]:
+    """{variable: '1'} for the THREAD_VARIABLES not set here (or set blank), with
+    `per_host` processes on a host; {} for one process a host."""
+    if per_host <= 1:
+        return {}
+    return {v: "1" for v in THREAD_VARIABLES if not os.environ.get(v, "").strip()}
+
+
+def _note(text: str) -> None:
+    sys.stderr.write(f"gpukv run: {text}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str]) -> int:
     """Parse, check, start and watch; the exit status."""
     parser = _parser()
@@ -326,6 +346,11 @@ def main(argv: list[str]) -> int:
             parser.error(f"--log-dir {str(args.log_dir)!r} cannot be made: "
                          f"{exc.strerror or exc}")
     plan = restarts.Plan(args.n, hosts, args.ppn, min_workers, args.max_restarts)
+    threads = thread_env(args.ppn or -(-args.n // (len(hosts) if hosts else 1)))
+    if threads and verbose:  # quiet otherwise, as the rest of the launcher's own words
+        _note(f"{', '.join(f'{v}=1' for v in threads)} in every process (more than one "
+              f"runs on a host: their math libraries would overload its cores, as torchrun "
+              f"says); set them to choose")
 
     def start(attempt: int, n: int, hosts: list[str] | None) -> restarts.Outcome:
         options = ["-n", str(n)]
@@ -337,7 +362,7 @@ def main(argv: list[str]) -> int:
             options += ["-ppn", str(args.ppn)]
         head = [mpiexec, *options, *passed]
         job = Job([*head, *command], report_address(hosts), args.grace,
-                  restarts.attempt_env(attempt, args.max_restarts),
+                  {**restarts.attempt_env(attempt, args.max_restarts), **threads},
                   announce=not args.max_restarts, program_at=len(head), processes=n,
                   verbose=verbose, log_dir=args.log_dir and args.log_dir / f"attempt{attempt}")
         status = job.run()

@@ -125,6 +125,26 @@ def test_every_rank_sees_torchruns_variables(tmp_path, how):
 
 
 @pytest.mark.mpi
+def test_several_processes_a_host_get_one_math_thread_each_unless_set(tmp_path):
+    """As torchrun: with more than one process on a host, OMP_NUM_THREADS,
+    OPENBLAS_NUM_THREADS and MKL_NUM_THREADS are 1 in each (said once with --verbose); a
+    value the user set is kept; one process a host gets none."""
+    prog = _program(tmp_path, "import os\nprint(*(os.environ.get(v, '-') for v in "
+                              "('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', "
+                              "'MKL_NUM_THREADS')))\n")
+    clean = {v: "" for v in launch.THREAD_VARIABLES}
+    code, out, err, _ = _finish(_start("--verbose", "-n", "2", str(prog), env=clean), 30)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[0] 1 1 1", "[1] 1 1 1"], out
+    assert err.count("OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, MKL_NUM_THREADS=1") == 1, err
+    kept = dict(clean, OMP_NUM_THREADS="3")
+    code, out, err, _ = _finish(_start("-n", "2", str(prog), env=kept), 30)
+    assert sorted(out.splitlines()) == ["[0] 3 1 1", "[1] 3 1 1"], out
+    assert "NUM_THREADS" not in err, err  # quiet without --verbose
+    assert launch.thread_env(1) == {}
+
+
+@pytest.mark.mpi
 def test_a_bare_python_is_this_interpreter(tmp_path):
     """`gpukv run -n 2 python prog.py` runs this Python, not the `python` first on PATH."""
     bin_dir = tmp_path / "bin"

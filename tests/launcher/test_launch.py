@@ -74,7 +74,9 @@ def _left(folder: Path, n: int, attempt: int = 0) -> list[int]:
 
 
 def _said(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith("gpukv run:")]
+    """The launcher's lines about the job (without --verbose's note on math threads)."""
+    return [line for line in err.splitlines() if line.startswith("gpukv run:")
+            and "_NUM_THREADS=1" not in line]
 
 
 def _names(folder: Path, rank: int, attempt: int = 0) -> str:
