@@ -29,9 +29,10 @@ all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
 - trainer sign: trainer on store overlap with `compression_params={'type': 'sign'}`: one
   bit per value (and a float32 scale per 64) both ways, the gradients pushed and the
   weights' changes pulled, with error feedback;
-- trainer powersgd: trainer overlap with `compression_params={'type': 'powersgd',
-  'rank': 4}`: every parameter of 2+ dimensions its own key, sent as P and Q by two
-  allreduces per push; each worker decodes the sum itself (nothing to pull);
+- trainer powersgd: trainer (one push of every key after backward) with
+  `compression_params={'type': 'powersgd', 'rank': 4}`: every parameter of 2+ dimensions
+  its own key, all their P and Q summed by two allreduces; each worker decodes the sums
+  itself (nothing to pull);
 - ddp powersgd: ddp with PyTorch's PowerSGD communication hook (`powerSGD_hook`, rank 4,
   error feedback and warm start; its first 2 iterations allreduce uncompressed, and
   --warmup is raised to 3 so that they and the first compressed one are not timed).
@@ -82,8 +83,9 @@ TRAINER_WAYS = {
     "trainer on store overlap": {"update_on_kvstore": True, "overlap": True},
     "trainer sign": {"update_on_kvstore": True, "overlap": True,
                      "compression_params": {"type": "sign"}},
-    # the optimizer on the workers: every worker decodes the sum, the pull costs nothing
-    "trainer powersgd": {"update_on_kvstore": False, "overlap": True,
+    # the optimizer on the workers: every worker decodes the sum, the pull costs nothing;
+    # every key in one push, so that one pair of allreduces carries all their P and Q
+    "trainer powersgd": {"update_on_kvstore": False, "overlap": False,
                          "compression_params": {"type": "powersgd", "rank": 4}},
 }
 #: DDP with PyTorch's PowerSGD communication hook, and the hook's options
@@ -258,7 +260,11 @@ def run_case(processes: int, args) -> list[dict]:
 
         def command(master: str, hosts: list) -> list:
             spread = ["-hosts", ",".join(f"{h}:1" for h in hosts)] if hosts else []
-            return [mpiexec, *spread, "-n", str(processes), sys.executable,
+            # NumPy's BLAS gets the threads torch gets: a thread per core in every
+            # process oversubscribes the cores (PowerSGD's matrix products)
+            threads = ["-genv", "OPENBLAS_NUM_THREADS", str(args.threads),
+                       "-genv", "OMP_NUM_THREADS", str(args.threads)]
+            return [mpiexec, *spread, *threads, "-n", str(processes), sys.executable,
                     str(Path(__file__).resolve()), "--child", "--result", str(result),
                     "--master", master, "--port", str(free_port()),
                     "--models", ",".join(args.models), "--batch", str(args.batch),
