@@ -14,15 +14,11 @@ import threading
 
 import numpy as np
 
-# Elements per block of the NumPy twins: the temporaries of one block stay in L2 (1 MiB
-# per core here), and each of a block's dozen ufunc calls costs about 0.3 us of Python
-# whatever its length, which 2**15 elements made a third of the 2-bit encoder's time.
-BLOCK = 1 << 16  # a multiple of 32, so blocks start on word boundaries of both layouts
+from .host_blocks import BLOCK, POOL_MIN, widen_fp16
 
 _U8, _I8, _U32, _I32, _F32 = np.uint8, np.int8, np.uint32, np.int32, np.float32
 # Arrays at least this long (elements) are split over the host thread pool.
 _THREADED_MIN = 1 << 19
-POOL_MIN = 3  # vector code runs on the host thread pool only when it has this many threads
 _LOCAL = threading.local()
 _CONSTS: dict = {}
 
@@ -284,23 +280,6 @@ def cast_fp16(x, scale):
     out = np.empty(x.size, np.float16)
     _blocks(_cast_fp16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
-
-
-def widen_fp16(half, out) -> None:
-    """out[...] = half (float16, or its bits as uint16) as float32, as NumPy's astype
-    but without its per-element loop: the bits widened as int16 (the sign in bit 31),
-    shifted to a float32's significand, the sign's copies cleared, times 2**112 (exact,
-    subnormals included). 1-D contiguous arrays of one length. One with an inf or NaN
-    (int16 >= 0x7C00, or uint16 >= 0xFC00) takes NumPy's cast, which keeps NaN payloads."""
-    bits = half.view(np.int16)
-    if bits.max() >= 0x7C00 or bits.view(np.uint16).max() >= 0xFC00:
-        np.copyto(out, half.view(np.float16))
-        return
-    f = out.view(_I32)
-    np.copyto(f, bits)
-    np.left_shift(f, _I32(13), out=f)
-    np.bitwise_and(f, _I32(-0x70000001), out=f)  # 0x8FFFFFFF: sign | bits << 13
-    np.multiply(out, _F32(2.0 ** 112), out=out)
 
 
 def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):

@@ -25,7 +25,7 @@ import numpy as np
 from .._dtypes import NARROW_FLOATS
 from .._env import positive_int
 from ..canonical.arrays import leaf_plan, run_adds
-from . import host_codecs
+from .host_blocks import BLOCK, POOL_MIN, widen_fp16
 
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
@@ -183,11 +183,11 @@ def _contiguous(arrays) -> bool:
 
 def _widened_chunks(n: int, itemsize: int, block: int) -> list | None:
     """The chunks of a sum that widens its float16 sources itself, or None where NumPy's
-    cast is faster: a sum cut over a pool of fewer than host_codecs.POOL_MIN threads.
+    cast is faster: a sum cut over a pool of fewer than POOL_MIN threads.
     (The widening is vector code, which two vCPUs of one core do not run faster; NumPy's
     per-element cast they run twice as fast.)"""
     chunks = _chunks(n, itemsize, block)
-    if len(chunks) > 1 and thread_count() < host_codecs.POOL_MIN:
+    if len(chunks) > 1 and thread_count() < POOL_MIN:
         return None
     return chunks
 
@@ -226,16 +226,16 @@ def _term(s, scratch):
     """Block `s` as float32: itself, or a float16 block widened into `scratch`."""
     if s.dtype != _F16:
         return s
-    host_codecs.widen_fp16(s, scratch)
+    widen_fp16(s, scratch)
     return scratch
 
 
 def _sum_halves_range(out, sources, lo, hi) -> None:
     """out[lo:hi] = the sum of float16 and float32 `sources` (flat, contiguous), in
-    host_codecs.BLOCK blocks: each float16 block widened to float32 exactly (not by
+    BLOCK blocks: each float16 block widened to float32 exactly (not by
     NumPy's per-element cast), then the float32 adds of np.add(..., dtype=float32), in
     the same order."""
-    block = host_codecs.BLOCK
+    block = BLOCK
     wide = np.empty(min(block, hi - lo), _F32)
     for start in range(lo, hi, block):
         stop = min(start + block, hi)
@@ -283,7 +283,7 @@ def host_sum(out: np.ndarray, sources: list) -> None:
             kwargs = {"dtype": acc, "casting": "unsafe"}
             break
     if kwargs is not _SAME and _halves_into_float32(out, sources):
-        chunks = _widened_chunks(out.size, dtype.itemsize, host_codecs.BLOCK)
+        chunks = _widened_chunks(out.size, dtype.itemsize, BLOCK)
         if chunks is not None:
             flat_out = out.reshape(-1)
             flat = [s.reshape(-1) for s in sources]
