@@ -147,23 +147,13 @@ class GradientCompression:
         assert isinstance(comp, powersgd.PowerSGD)  # the one low-rank compressor
         found = comp.matrix(out.shape)
         assert found is not None  # the plan compresses matrices only
-        rows, cols = found
         ms = []
         for source, device in zip(sources, devices):
             residual = self.residual(key, device, source.size)
             residual += device.to_host(source).reshape(-1)  # now the source's M
-            ms.append(residual.reshape(rows, cols))
-        q = comp.warm_q(key, cols)
-        p = sum_in_order([m @ q for m in ms])
-        powersgd.orthogonalize(p)
-        qs = [m.T @ p for m in ms]
-        for m, q_i in zip(ms, qs):  # each source keeps what P Q_i^T misses of its M
-            m -= p @ q_i.T  # its own: BLAS's order is fine
-        q = sum_in_order(qs)
-        scratch = np.empty((rows, cols), np.float32)
-        total = np.empty((rows, cols), np.float32)
-        powersgd.decode(p, q, total, scratch)
-        comp.keep_q(key, q)
+            ms.append(residual.reshape(found))
+        (total,) = powersgd.step(comp, [key], [ms], lambda lists, _: [
+            sum_in_order(arrays) for arrays in lists])
         home.copy(out, total.reshape(out.shape))
         home.leave()
 

@@ -520,27 +520,17 @@ class MpiRounds:
         from ...encoding.compressors import powersgd
         comp, feedback, rank = self.state.compressor, self.state.feedback, self.t.rank
         assert isinstance(comp, powersgd.PowerSGD) and feedback is not None  # its round
-        ms, ps = [], []
+        ms = []
         for key, layout in keys:
             found = comp.matrix(layout.shape)
             assert found is not None  # the plan has matrices only
-            rows, cols = found
             m = feedback.residual((key,), layout.size)
             m += by_key[key][0].reshape(-1)  # this process's M
-            ms.append(m.reshape(rows, cols))
-            ps.append(ms[-1] @ comp.warm_q(key, cols))
-        ps = self._summed(ps, "low-rank P", what)
-        for p in ps:
-            powersgd.orthogonalize(p)
-        mine = [m.T @ p for m, p in zip(ms, ps)]
-        qs = self._summed(mine, "low-rank Q", what)
+            ms.append([m.reshape(found)])
+        totals = powersgd.step(comp, [key for key, _ in keys], ms, lambda lists, name:
+                               self._summed([a for a, in lists], f"low-rank {name}", what))
         merged = []
-        for (key, layout), m, p, q_mine, q in zip(keys, ms, ps, mine, qs):
-            m -= p @ q_mine.T  # what this process's P Q^T misses of its M (its own)
-            scratch = np.empty(m.shape, np.float32)
-            total = np.empty(m.shape, np.float32)
-            powersgd.decode(p, q, total, scratch)  # the same bits in every process
-            comp.keep_q(key, q)
+        for (key, layout), total in zip(keys, totals):
             if self.state.assigns:
                 by_key[key][1].reshape(-1)[...] = total.reshape(-1)
                 continue

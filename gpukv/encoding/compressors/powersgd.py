@@ -133,3 +133,29 @@ def decode(p: np.ndarray, q: np.ndarray, out: np.ndarray, scratch: np.ndarray) -
     for k in range(1, p.shape[1]):
         np.multiply(p[:, k:k + 1], q[:, k], out=scratch)
         out += scratch
+
+
+def step(comp: PowerSGD, keys: list, sources: list, summed) -> list:
+    """One push of `keys` (PowerSGD's rule, see the module): `sources[k]` holds key k's
+    matrices M_i (gradient plus residual, float32, rows x cols), left as their new
+    residuals M_i - P Q_i^T; `summed(lists, name)` turns one list of arrays per key into
+    each list's sum over every source (in this process, or across processes), `name`
+    saying which ('P', then 'Q'). Returns each
+    key's sum P Q'^T, decoded in a fixed order: the same bits wherever P and Q' are."""
+    ps = summed([[m @ comp.warm_q(key, m.shape[1]) for m in ms]
+                 for key, ms in zip(keys, sources)], "P")
+    for p in ps:
+        orthogonalize(p)
+    q_parts = [[m.T @ p for m in ms] for ms, p in zip(sources, ps)]
+    for ms, p, parts in zip(sources, ps, q_parts):
+        for m, q_i in zip(ms, parts):  # each source keeps what P Q_i^T misses of its M
+            m -= p @ q_i.T  # its own: BLAS's order is fine
+    qs = summed(q_parts, "Q")
+    totals = []
+    for key, p, q in zip(keys, ps, qs):
+        rows, cols = p.shape[0], q.shape[0]
+        total = np.empty((rows, cols), np.float32)
+        decode(p, q, total, np.empty((rows, cols), np.float32))
+        comp.keep_q(key, q)
+        totals.append(total)
+    return totals
