@@ -60,7 +60,7 @@ class Shard:
         """Set a key's value, without the updater (a checkpoint's value)."""
         entry = self.store.entries()[key]
         entry.home.copy(entry.value, value.reshape(entry.value.shape))
-        entry.kept = None  # what workers hold is that value too
+        self.store.rejoin([key])  # what workers hold is that value too
 
     def export_state(self, dump: bool):
         """The optimizer's state, as `save_optimizer_states` writes it; None without one."""

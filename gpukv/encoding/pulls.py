@@ -42,11 +42,7 @@ class PullCodec:
         sum, with `slot`'s residual) when the push `assigns`, else of `value - served`.
         `zeros(n)`: a new residual where the values live (NumPy's by default)."""
         if assigns:
-            flat = codecs.flat_f32(value)
-            if zeros is None:
-                payload, _ = self.feedback.compress(slot, flat)
-            else:
-                payload, _ = self.feedback.compress(slot, flat, zeros)
+            payload, _ = self.feedback.compress(slot, codecs.flat_f32(value), zeros)
             return payload
         payload, _ = self.compressor.compress(codecs.difference_f32(value, served))
         return payload

@@ -303,9 +303,9 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     with timeline.span("update" if updater is not None else "assign"):
         _apply(plan, updater)
     if plan.compressed and comp is not None and comp.pulls is not None:
+        assigns = updater is None
         with timeline.span("serve"):  # what pulls read: moved on by one payload each
             for key, _, _, home, out, entry in plan.compressed:
-                assigns = updater is None
                 comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns)
 
 

@@ -25,7 +25,7 @@ def _host_zeros(size: int):
 class ErrorFeedback:
     """A compressor and its residuals, one per slot (any hashable the caller picks).
 
-    `zeros(size)` makes a new residual where the values live (NumPy zeros by default; a
+    `zeros(size)` makes a new residual where the values live (None: NumPy zeros; a
     GPU's zeros on its stream for device values). Setting another compressor means a new
     ErrorFeedback: residuals start afresh.
     """
@@ -37,17 +37,17 @@ class ErrorFeedback:
         self._warned: set = set()    # keys whose residual passed the bound
 
     def residual(self, slot: Hashable, size: int,
-                 zeros: Callable[[int], object] = _host_zeros):
+                 zeros: Callable[[int], object] | None = None):
         """The residual of `slot` (zeros the first time, or when its size changed); None
         for a compressor without error feedback."""
         if not self.compressor.uses_residual:
             return None
         r = self.residuals.get(slot)
         if r is None or r.size != size:
-            r = self.residuals[slot] = zeros(size)
+            r = self.residuals[slot] = (zeros or _host_zeros)(size)
         return r
 
-    def compress(self, slot: Hashable, x, zeros: Callable[[int], object] = _host_zeros):
+    def compress(self, slot: Hashable, x, zeros: Callable[[int], object] | None = None):
         """`compressor.compress(x, residual of slot)`: (payload, ctx); moves the residual on."""
         residual = self.residual(slot, x.size, zeros)
         compressed = self.compressor.compress(x, residual)
