@@ -10,7 +10,8 @@ from gpukv.canonical.arrays import leaf_plan, run_adds
 from gpukv.device import host_codecs as twins
 from gpukv.device import host_sum as host
 
-SIGN = twins.SIGN_BLOCK
+from ..encoding.test_sign import sign_rule
+
 SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan]
 
 
@@ -23,32 +24,6 @@ def same_or_nan(got, want) -> bool:
     nan = np.isnan(want)
     return bool(np.array_equal(np.isnan(got), nan)
                 and same_bits(got[~nan], want[~nan]))
-
-
-def sign_rule(grad, residual):
-    """(payload bytes, decoded values, new residual) of one sign push on whole arrays, as
-    the rule says: e = r + g; per block of 64 its squares summed by halves (x[i] += x[i+h],
-    h = 32, 16, ..., 1), divided by the block's count, square-rooted: the scale; bit 1
-    where e >= 0; the decoded value +1 or -1 times the scale, taken out of e."""
-    e = residual + grad
-    n = e.size
-    blocks = -(-n // SIGN)
-    a = np.zeros(blocks * SIGN, np.float32)
-    a[:n] = e * e
-    m = a.reshape(blocks, SIGN)
-    h = SIGN // 2
-    while h:
-        m[:, :h] = m[:, :h] + m[:, h:2 * h]
-        h //= 2
-    counts = np.full(blocks, SIGN, np.float32)
-    if n % SIGN:
-        counts[-1] = n % SIGN
-    scales = np.sqrt(m[:, 0] / counts)
-    bits = np.zeros(-(-n // 32) * 32, bool)
-    bits[:n] = e >= 0
-    signs = np.where(bits[:n], np.float32(1), np.float32(-1))
-    decoded = signs * np.repeat(scales, SIGN)[:n]
-    return scales.tobytes() + np.packbits(bits).tobytes(), decoded, e - decoded
 
 
 @st.composite

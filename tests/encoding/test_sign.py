@@ -15,12 +15,13 @@ from gpukv.encoding.compressors import Ctx, make_compressor
 BLOCK = 64
 
 
-def reference_step(g: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(decoded value, new residual) of one push of `g` with residual `r`, as the rule
-    says: e = r + g; per block of 64 its root mean square m (the squares summed by
-    halves, 32 apart, then 16, ..., 1, divided by the block's count, square-rooted);
-    +m where e >= 0, else -m."""
-    e = (r + g).astype(np.float32)
+def sign_rule(grad: np.ndarray, residual: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """(payload bytes, decoded values, new residual) of one push of float32 `grad` with
+    `residual`, as the rule says: e = r + g; per block of 64 its squares summed by halves
+    (x[i] += x[i+h], h = 32, 16, ..., 1), divided by the block's count, square-rooted:
+    the scale; bit 1 where e >= 0; the decoded value +1 or -1 times the scale, taken out
+    of e."""
+    e = residual + grad
     n = e.size
     blocks = -(-n // BLOCK)
     a = np.zeros(blocks * BLOCK, np.float32)
@@ -33,9 +34,18 @@ def reference_step(g: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray
     counts = np.full(blocks, BLOCK, np.float32)
     if n % BLOCK:
         counts[-1] = n % BLOCK
-    means = np.repeat(np.sqrt(m[:, 0] / counts), BLOCK)[:n]
-    decoded = np.where(e >= 0, means, -means).astype(np.float32)
-    return decoded, (e - decoded).astype(np.float32)
+    scales = np.sqrt(m[:, 0] / counts)
+    bits = np.zeros(-(-n // 32) * 32, bool)
+    bits[:n] = e >= 0
+    signs = np.where(bits[:n], np.float32(1), np.float32(-1))
+    decoded = signs * np.repeat(scales, BLOCK)[:n]
+    return scales.tobytes() + np.packbits(bits).tobytes(), decoded, e - decoded
+
+
+def reference_step(g: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(decoded value, new residual) of one push of `g` with residual `r` (`sign_rule`)."""
+    _, decoded, residual = sign_rule(g, r)
+    return decoded, residual
 
 
 finite = st.floats(-1e4, 1e4, width=32, allow_subnormal=False)

@@ -99,22 +99,28 @@ def test_plan_entry_of_several_keys_is_one_checked_iteration(lib, tmp_path):
     assert all(t["check"] and t["iters"] == 2 for t in timings.values())
 
 
-def test_trainer_benchmark_across_two_hosts_matches_ddp(tmp_path):
-    """bench_trainer_dist.py --cluster 2 runs DDP and the Trainer one process per emulated
-    host (gloo's master on host 0), reports the link-bound floor, and the Trainer ends with
-    DDP's weights."""
+def _trainer_across_two_hosts(tmp_path, rate: str, ways: str):
+    """bench_trainer_dist.py --cluster 2 at `rate` with `ways` (the mlp, no warmup asked,
+    2 iterations): the finished process and the JSON it wrote."""
     require_cluster()
     require_mpi()
     pytest.importorskip("torch")
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_trainer_dist.py"), "--cluster", "2",
-         "--rate", "10gbit", "--models", "mlp", "--ways", "off,store-overlap",
+         "--rate", rate, "--models", "mlp", "--ways", ways,
          "--warmup", "0", "--iters", "2", "--timeout", "120", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
         env=gpu_env.subprocess_env(gpus=False))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     (result,) = Path(tmp_path).glob("trainer_dist_*.json")
-    payload = json.loads(result.read_text())
+    return proc, json.loads(result.read_text())
+
+
+def test_trainer_benchmark_across_two_hosts_matches_ddp(tmp_path):
+    """bench_trainer_dist.py --cluster 2 runs DDP and the Trainer one process per emulated
+    host (gloo's master on host 0), reports the link-bound floor, and the Trainer ends with
+    DDP's weights."""
+    _, payload = _trainer_across_two_hosts(tmp_path, "10gbit", "off,store-overlap")
     assert payload["cluster"] == {"hosts": 2, "rate": "10gbit"}
     (record,) = payload["results"]
     assert set(record["ways"]) == {"compute", "ddp", "trainer", "trainer on store overlap"}
@@ -124,29 +130,19 @@ def test_trainer_benchmark_across_two_hosts_matches_ddp(tmp_path):
 
 
 def test_trainer_benchmark_compressed_ways_across_two_hosts(tmp_path):
-    """bench_trainer_dist.py --ways sign,ddp-powersgd across 2 emulated hosts at 1 Gb/s:
-    the Trainer with sign compression and DDP with PyTorch's PowerSGD hook (on gloo, its
-    buckets kept in order) both run, with their iteration over DDP's; their weights
-    differ from DDP's by design, so they are marked lossy and the case passes, and the
-    warmup is raised past the hook's uncompressed iterations."""
-    require_cluster()
-    require_mpi()
-    pytest.importorskip("torch")
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_trainer_dist.py"), "--cluster", "2",
-         "--rate", "1gbit", "--models", "mlp", "--ways", "sign,ddp-powersgd",
-         "--warmup", "0", "--iters", "2", "--timeout", "120", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-        env=gpu_env.subprocess_env(gpus=False))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    """bench_trainer_dist.py --ways sign,powersgd,ddp-powersgd across 2 emulated hosts at
+    1 Gb/s: the Trainer with sign, the Trainer with PowerSGD (two allreduces per push)
+    and DDP with PyTorch's PowerSGD hook (on gloo, its buckets kept in order) all run,
+    with their iteration over DDP's; their weights differ from DDP's by design, so they
+    are marked lossy and the case passes, and the warmup is raised past the hook's
+    uncompressed iterations."""
+    proc, payload = _trainer_across_two_hosts(tmp_path, "1gbit", "sign,powersgd,ddp-powersgd")
     assert "--warmup 0 raised to 3" in proc.stderr
-    (result,) = Path(tmp_path).glob("trainer_dist_*.json")
-    payload = json.loads(result.read_text())
     assert payload["warmup"] == 3
     (record,) = payload["results"]
     ways = record["ways"]
-    assert set(ways) == {"compute", "ddp", "trainer sign", "ddp powersgd"}
-    for way in ("trainer sign", "ddp powersgd"):
+    assert set(ways) == {"compute", "ddp", "trainer sign", "trainer powersgd", "ddp powersgd"}
+    for way in ("trainer sign", "trainer powersgd", "ddp powersgd"):
         assert ways[way]["lossy"] and ways[way]["iteration_s"] > 0, ways[way]
         assert ways[way]["iteration_over_ddp"] == pytest.approx(
             ways[way]["iteration_s"] / ways["ddp"]["iteration_s"])
