@@ -12,6 +12,13 @@ from .gpu_gate import gpu_unavailable
 
 gpu_env.install()
 
+# JAX sees this many CPU devices (read once, when JAX starts), so the tests of sharded
+# arrays have several devices without a GPU.
+JAX_HOST_DEVICES = 4
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
+                               f"platform_device_count={JAX_HOST_DEVICES}").strip()
+
 # CI runs the same examples every time, so a CI result never depends on a lucky draw;
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)

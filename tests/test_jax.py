@@ -41,9 +41,9 @@ def _grads(params, shards):
 
 
 def test_init_tree_names_one_key_per_leaf_by_its_path():
-    """init_tree gives every leaf a key named prefix + its pytree path."""
+    """init_tree with bucket_bytes=0 gives every leaf a key named prefix + its path."""
     kv = gpukv.create("local")
-    gjax.init_tree(kv, _model(), prefix="net")
+    gjax.init_tree(kv, _model(), prefix="net", bucket_bytes=0)
     assert sorted(kv.keys()) == sorted(["net['dense']['b']", "net['dense']['w']",
                                         "net['scale'][0]"])
 
@@ -132,8 +132,8 @@ def test_trees_of_different_structure_are_an_error_naming_the_leaf():
     gjax.init_tree(kv, {"a": jnp.zeros(2), "b": jnp.zeros(2)})
     with pytest.raises(gpukv.ArgumentError, match=r"\['b'\]"):
         gjax.push_tree(kv, [{"a": jnp.ones(2), "b": jnp.ones(2)}, {"a": jnp.ones(2)}])
-    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"a": jnp.zeros(2)})["a"]),
-                                  np.zeros(2))
+    pulled = gjax.pull_tree(kv, {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+    np.testing.assert_array_equal(np.asarray(pulled["a"]), np.zeros(2))
 
 
 def test_a_leaf_that_is_no_array_is_an_error_naming_its_path():

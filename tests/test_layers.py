@@ -13,7 +13,7 @@ import gpukv
 PACKAGE = Path(gpukv.__file__).resolve().parent
 #: the packages (and modules) above the device layer that must keep to its face
 ABOVE_DEVICE = ["comm", "encoding", "layout", "checkpoints", "store", "distributed", "api", "optim",
-                "torch", "jax.py"]
+                "torch", "jax"]
 FORBIDDEN = "gpukv.device.cuda"
 
 

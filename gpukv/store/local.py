@@ -222,8 +222,8 @@ class LocalStore(KVStore):
         if not self._on_gpu or all(isinstance(a, np.ndarray) for a in arrays):
             if self._on_gpu and not self._said_host:
                 self._said_host = True
-                log.warning("gpukv %r store: only host arrays, so keys are reduced on the host",
-                            self._type)
+                log.info("gpukv %r store: only host arrays, so keys are reduced on the host",
+                         self._type)
             return [_HOST]
         return gpu_devices()
 

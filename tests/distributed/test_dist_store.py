@@ -583,3 +583,15 @@ def test_trainer_benchmark_against_ddp(tmp_path):
         for way in ("trainer", "trainer overlap", "trainer on store",
                     "trainer on store overlap"):
             assert ways[way]["relative_difference_from_ddp"] < 1e-5, (way, ways[way])
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_jax_trees_on_a_dist_store(n, servers):
+    """gpukv.jax across workers of 2 JAX devices each: mean_tree is the mean over every
+    device of every worker, and a tree sharded over a worker's devices pushes one value
+    per shard."""
+    pytest.importorskip("jax")
+    env = gpu_env.subprocess_env()
+    env.update(GPUKV_NUM_SERVERS=str(servers),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    _passes(run("jax_trees.py", n, env=env, timeout=120), n - servers)

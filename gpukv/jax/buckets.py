@@ -1,0 +1,98 @@
+"""Buckets: the leaves of a pytree grouped into a few store keys, as PyTorch DDP (and
+`gpukv.torch.Trainer`) group gradients, so that a tree of 200 small leaves costs what a
+few keys cost.
+
+A bucket is consecutive leaves of one dtype, up to `BUCKET_BYTES` (a larger leaf is a
+bucket of its own). A bucket of one leaf is that leaf's key (named by its path); a
+bucket of several is one flat key named ``first..last`` by their paths, packed and
+unpacked on the device by one jitted call per device.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: bucket capacity in bytes (PyTorch DDP's default)
+BUCKET_BYTES = 25 << 20
+
+
+class Bucket(NamedTuple):
+    """A store key and the leaves it holds (their indices in the tree, in order)."""
+    key: str
+    leaves: tuple
+    shape: tuple          # the key's shape: the leaf's own, or (total size,)
+    dtype: np.dtype
+
+    @property
+    def fused(self) -> bool:
+        return len(self.leaves) > 1
+
+
+def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
+    """Buckets of consecutive leaves of one dtype, each up to `capacity` bytes (0: one
+    leaf per bucket)."""
+    buckets: list[Bucket] = []
+    group: list[int] = []
+    size = 0
+
+    def close() -> None:
+        if len(group) == 1:
+            i = group[0]
+            buckets.append(Bucket(keys[i], (i,), shapes[i], dtypes[i]))
+        elif group:
+            total = sum(_count(shapes[i]) for i in group)
+            buckets.append(Bucket(f"{keys[group[0]]}..{keys[group[-1]]}", tuple(group),
+                                  (total,), dtypes[group[0]]))
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        nbytes = _count(shape) * dtype.itemsize
+        if group and (dtype != dtypes[group[0]] or size + nbytes > capacity):
+            close()
+            group, size = [], 0
+        group.append(i)
+        size += nbytes
+    close()
+    return buckets
+
+
+def pack(groups: list) -> list:
+    """Each group of arrays (a fused bucket's leaves on one device) as one flat array:
+    one jitted call for JAX arrays all on one accelerator, else NumPy on the host (where
+    a JAX array is read without a copy, and NumPy copies faster than XLA's CPU code)."""
+    devices = {d for g in groups for x in g for d in _devices(x)}
+    if len(devices) == 1 and None not in devices and next(iter(devices)).platform != "cpu":
+        return _pack_jitted(groups)
+    return [np.concatenate([np.asarray(x).reshape(-1) for x in g]) for g in groups]
+
+
+@jax.jit
+def _pack_jitted(groups):
+    return [jnp.concatenate([x.reshape(-1) for x in g]) for g in groups]
+
+
+def unpack(bucket: Bucket, flat, shapes: list) -> list:
+    """The leaves of `bucket` from its flat value (a JAX array on one device), on that
+    device, each of its shape."""
+    sizes = tuple(_count(shapes[i]) for i in bucket.leaves)
+    return _splitter(sizes, tuple(tuple(shapes[i]) for i in bucket.leaves))(flat)
+
+
+@functools.cache
+def _splitter(sizes: tuple, shapes: tuple):
+    ends = np.cumsum(sizes).tolist()
+    starts = [0, *ends[:-1]]
+
+    def split(flat):
+        return [flat[a:b].reshape(shape) for a, b, shape in zip(starts, ends, shapes)]
+    return jax.jit(split)
+
+
+def _count(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _devices(x) -> set:
+    return x.devices() if isinstance(x, jax.Array) else {None}

@@ -1,0 +1,69 @@
+"""Pushed trees into the store's arguments: every tree checked against `init_tree`'s,
+each split into rows (one per device it is on: one for a tree of single-device leaves,
+one per shard for a tree of sharded leaves), and each row's leaves packed into the
+buckets' keys. Everything is checked before the store is called, so a refused push
+changes nothing.
+"""
+from __future__ import annotations
+
+from .._errors import ArgumentError, ArgumentKindError
+from .buckets import pack
+from .leaves import as_key_shape, device_values, store_array
+from .trees import TreeLayout, check_dtype, leaves
+
+
+def rows_of(layout: TreeLayout, trees_per_device, prefix: str, call: str) -> list:
+    """One list of rows per tree; a row is (device or None, its value of every leaf)."""
+    if not isinstance(trees_per_device, (list, tuple)) or not trees_per_device:
+        raise ArgumentKindError(f"trees_per_device: expected a non-empty list of trees "
+                                f"(one per device), got {type(trees_per_device).__name__}")
+    return [_rows(layout, leaves(layout, tree, prefix, f"trees_per_device[{t}]"), call)
+            for t, tree in enumerate(trees_per_device)]
+
+
+def _rows(layout: TreeLayout, found: list, call: str) -> list:
+    per_leaf = [device_values(key, leaf, call) for key, leaf in zip(layout.keys, found)]
+    spread = [i for i, values in enumerate(per_leaf) if len(values) > 1]
+    if not spread:  # single-device leaves: the tree is one device's
+        return [(per_leaf[0][0][0] if per_leaf else None,
+                 [_value(layout, i, values[0][1]) for i, values in enumerate(per_leaf)])]
+    devices = [device for device, _ in per_leaf[spread[0]]]
+    rows = []
+    for r, device in enumerate(devices):
+        row = []
+        for i, values in enumerate(per_leaf):
+            mine = dict(values)
+            if set(mine) != set(devices):
+                raise ArgumentError(f"leaf {layout.keys[i]!r} is on "
+                                    f"{_devices(mine)}, leaf {layout.keys[spread[0]]!r} "
+                                    f"on {_devices(devices)}: a tree's leaves must be on "
+                                    f"the same devices")
+            row.append(_value(layout, i, mine[device]))
+        rows.append((device, row))
+    return rows
+
+
+def _value(layout: TreeLayout, i: int, value):
+    return as_key_shape(layout.keys[i], value, layout.shapes[i])
+
+
+def columns(layout: TreeLayout, rows: list) -> list:
+    """Per bucket key, every row's value of it, as arrays the store takes."""
+    out: list = [[] for _ in layout.buckets]
+    fused = [b for b, bucket in enumerate(layout.buckets) if bucket.fused]
+    for _, row in rows:
+        for b, bucket in enumerate(layout.buckets):
+            if not bucket.fused:
+                (i,) = bucket.leaves
+                out[b].append(store_array(layout.keys[i], row[i]))
+        for b in fused:
+            for i in layout.buckets[b].leaves:
+                check_dtype(layout.buckets[b], layout.keys[i], row[i])
+        groups = [[row[i] for i in layout.buckets[b].leaves] for b in fused]
+        for b, flat in zip(fused, pack(groups)):
+            out[b].append(store_array(layout.buckets[b].key, flat))
+    return out
+
+
+def _devices(devices) -> str:
+    return "[" + ", ".join(str(d) for d in devices) + "]"

@@ -1,0 +1,309 @@
+"""gpukv.jax beyond one key per leaf: calls refused inside transforms, sharded arrays,
+the tree kept by init_tree, buckets, and the mean beside an optimizer of one's own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.jax as gjax  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = jax.devices()
+    assert len(devices) >= 4, "tests/conftest.py gives JAX 4 host devices"
+    return Mesh(np.array(devices[:4]), ("i",))
+
+
+def _tree(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.standard_normal((3, 4)), dtype),
+            "b": jnp.asarray(rng.standard_normal(4), dtype),
+            "layers": [jnp.asarray(rng.standard_normal(2), dtype),
+                       jnp.asarray(rng.standard_normal((2, 2)), dtype)]}
+
+
+def _values(tree) -> list:
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def _same(a, b) -> None:
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(_values(a), _values(b)):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+
+
+# ------------------------------------------------------------------ transforms
+@pytest.mark.parametrize("call", ["pull_tree", "push_tree", "pushpull_tree", "init_tree"])
+def test_calls_inside_jit_are_refused_at_trace_time(call):
+    """A gpukv.jax call traced by jit is an ArgumentError saying calls stay outside
+    transforms; the store is unchanged and works after."""
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    calls = {"pull_tree": lambda t: gjax.pull_tree(kv, t),
+             "push_tree": lambda t: gjax.push_tree(kv, [t]),
+             "pushpull_tree": lambda t: gjax.pushpull_tree(kv, [t]),
+             "init_tree": lambda t: gjax.init_tree(kv, t, prefix="other")}
+    with pytest.raises(gpukv.ArgumentError, match="outside"):
+        jax.jit(calls[call])(params)
+    assert "other['w']" not in kv.keys()
+    _same(gjax.pull_tree(kv, params), params)
+
+
+def test_a_pull_in_a_jitted_function_without_traced_arguments_is_refused():
+    """pull_tree inside jit with a template closed over (no tracer in sight) is refused:
+    its value would be compiled in as a constant."""
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    with pytest.raises(gpukv.ArgumentError, match="traces"):
+        jax.jit(lambda: gjax.pull_tree(kv, params))()
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_calls_inside_vmap_and_grad_are_refused(transform):
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"w": jnp.zeros(3)})
+
+    def f(x):
+        gjax.push_tree(kv, [{"w": x}])
+        return jnp.sum(x)
+    wrapped = jax.vmap(f) if transform == "vmap" else jax.grad(f)
+    with pytest.raises(gpukv.ArgumentError, match="outside"):
+        wrapped(jnp.ones((2, 3)) if transform == "vmap" else jnp.ones(3))
+    assert np.asarray(gjax.pull_tree(kv, {"w": jnp.zeros(3)})["w"]).tolist() == [0, 0, 0]
+
+
+# ------------------------------------------------------------------ typed errors
+def test_a_deleted_array_is_an_error_naming_its_leaf():
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    grads = _tree(1)
+    jax.jit(lambda t: t, donate_argnums=0)(grads)  # donated: deleted
+    with pytest.raises(gpukv.ArgumentError, match=r"leaf \"\['b'\]\": the array was deleted"):
+        gjax.push_tree(kv, [grads])
+    _same(gjax.pull_tree(kv, params), params)
+
+
+@pytest.mark.parametrize("change", ["dropped", "tuple", "dict", "extra"])
+def test_a_tree_whose_structure_changed_is_refused_and_changes_nothing(change):
+    """A pushed tree that lost a leaf, became a tuple, became a dict of the same paths,
+    or gained a leaf is an ArgumentError naming what differs; no key changes."""
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    grads = _tree(1)
+    if change == "dropped":
+        del grads["layers"][1]
+        match = r"no leaf \"\['layers'\]\[1\]\""
+    elif change == "tuple":
+        grads["layers"] = tuple(grads["layers"])
+        match = "PyTreeDef"
+    elif change == "dict":
+        grads["layers"] = dict(enumerate(grads["layers"]))
+        match = "PyTreeDef"
+    else:
+        grads["extra"] = jnp.ones(2)
+        match = r"a leaf \"\['extra'\]\""
+    with pytest.raises(gpukv.ArgumentError, match=match):
+        gjax.push_tree(kv, [_tree(2), grads])
+    _same(gjax.pull_tree(kv, params), params)
+
+
+def test_calls_before_init_tree_say_to_call_it():
+    kv = gpukv.create("local")
+    kv.init("['w']", np.zeros(3, np.float32))
+    with pytest.raises(gpukv.ArgumentError, match="init_tree"):
+        gjax.push_tree(kv, [{"w": jnp.ones(3)}])
+
+
+def test_a_leaf_of_another_dtype_in_a_shared_key_is_a_dtype_error():
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    grads = _tree(1)
+    grads["b"] = grads["b"].astype(jnp.float16)
+    with pytest.raises(gpukv.DTypeError, match=r"\['b'\]"):
+        gjax.push_tree(kv, [grads])
+    _same(gjax.pull_tree(kv, params), params)
+
+
+def test_a_template_of_another_shape_is_a_shape_error():
+    kv = gpukv.create("local")
+    params = _tree()
+    gjax.init_tree(kv, params)
+    like = dict(params, b=jnp.zeros(5))
+    with pytest.raises(gpukv.ShapeError, match=r"\['b'\]"):
+        gjax.pull_tree(kv, like)
+
+
+# ------------------------------------------------------------------ buckets
+def test_small_leaves_share_keys_by_dtype_and_a_large_one_keeps_its_own():
+    """Consecutive leaves of one dtype share a key named first..last; a change of dtype,
+    or a leaf past bucket_bytes, starts another."""
+    kv = gpukv.create("local")
+    tree = {"a": jnp.zeros(4), "b": jnp.zeros(4), "c": jnp.zeros(4, jnp.bfloat16),
+            "d": jnp.zeros(100), "e": jnp.zeros(3)}
+    gjax.init_tree(kv, tree, bucket_bytes=64)
+    assert kv.keys() == ["['a']..['b']", "['c']", "['d']", "['e']"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+       capacity=st.sampled_from([0, 16, 100, 1 << 20]),
+       devices=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_buckets_give_the_bits_of_one_key_per_leaf(sizes, capacity, devices, seed):
+    """pushpull_tree's sums are the same bits whatever the buckets (each element is
+    summed in the same order), and placed on each tree's device."""
+    rng = np.random.default_rng(seed)
+    cpus = jax.devices()[:devices]
+    trees = [{f"p{i}": jax.device_put(rng.standard_normal(n).astype(np.float32), cpus[d])
+              for i, n in enumerate(sizes)} for d in range(devices)]
+    results = []
+    for bucket_bytes in (0, capacity):
+        kv = gpukv.create("device")
+        gjax.init_tree(kv, jax.tree_util.tree_map(jnp.zeros_like, trees[0]),
+                       bucket_bytes=bucket_bytes)
+        results.append(gjax.pushpull_tree(kv, trees))
+    for by_leaf, bucketed, tree in zip(*results, trees):
+        _same(by_leaf, bucketed)
+        for leaf, pushed in zip(jax.tree_util.tree_leaves(bucketed),
+                                jax.tree_util.tree_leaves(tree)):
+            assert leaf.devices() == pushed.devices()
+    want = [sum(leaves) for leaves in zip(*[_values(t) for t in trees])]
+    for got, expected in zip(_values(results[1][0]), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ sharded arrays
+def test_a_sharded_push_counts_each_shard_as_a_device(mesh):
+    """A leaf sharded along its first axis gives each device its slice: the store sums
+    the 4 slices; a replicated leaf counts once per device (4x its value)."""
+    kv = gpukv.create("device")
+    gjax.init_tree(kv, {"g": jnp.zeros((2, 3)), "r": jnp.zeros(3)})
+    stacked = np.arange(24, dtype=np.float32).reshape(8, 3)
+    grads = {"g": jax.device_put(stacked, NamedSharding(mesh, P("i"))),
+             "r": jax.device_put(np.ones(3, np.float32), NamedSharding(mesh, P()))}
+    gjax.push_tree(kv, [grads])
+    got = gjax.pull_tree(kv, {"g": jnp.zeros((2, 3)), "r": jnp.zeros(3)})
+    np.testing.assert_array_equal(np.asarray(got["g"]), stacked.reshape(4, 2, 3).sum(0))
+    np.testing.assert_array_equal(np.asarray(got["r"]), np.full(3, 4.0))
+
+
+def test_sharded_arrays_init_whole_and_pull_into_the_templates_sharding(mesh):
+    """init_tree takes a sharded or replicated leaf's whole value; pull_tree lays the
+    value out as the template's sharding says."""
+    kv = gpukv.create("local")
+    value = np.arange(8, dtype=np.float32)
+    tree = {"s": jax.device_put(value, NamedSharding(mesh, P("i"))),
+            "r": jax.device_put(value * 2, NamedSharding(mesh, P()))}
+    gjax.init_tree(kv, tree)
+    got = gjax.pull_tree(kv, tree)
+    for name in tree:
+        assert got[name].sharding == tree[name].sharding
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(tree[name]))
+
+
+def test_pushpull_of_sharded_leaves_gives_every_shard_the_sum(mesh):
+    """pushpull_tree returns a sharded leaf with the pushed leaf's sharding, each shard
+    holding the sum over the shards (what psum gives every device)."""
+    kv = gpukv.create("device")
+    gjax.init_tree(kv, {"g": jnp.zeros((1, 3))})
+    stacked = np.arange(12, dtype=np.float32).reshape(4, 3)
+    pushed = jax.device_put(stacked, NamedSharding(mesh, P("i")))
+    (out,) = gjax.pushpull_tree(kv, [{"g": pushed}])
+    assert out["g"].sharding == pushed.sharding
+    for shard in out["g"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data)[0], stacked.sum(0))
+
+
+def test_leaves_on_different_devices_in_one_sharded_tree_are_refused(mesh):
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+    tree = {"a": jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("i"))),
+            "b": jnp.ones(2)}
+    with pytest.raises(gpukv.ArgumentError, match="same devices"):
+        gjax.push_tree(kv, [tree])
+
+
+# ------------------------------------------------------------------ an optimizer beside
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_mean_tree_is_pmean_bit_for_bit(mesh, dtype):
+    """mean_tree over 4 devices gives shard_map + pmean's bits; in float16 the sum
+    rounded once from float32, then divided (XLA's psum on host devices rounds float16
+    after each add, and may end an ulp or two away)."""
+    from jax import shard_map
+    kv = gpukv.create("device")
+    grads = [_tree(seed, dtype) for seed in range(4)]
+    gjax.init_tree(kv, grads[0])
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *grads)
+    on_mesh = jax.device_put(stacked, NamedSharding(mesh, P("i")))
+    pmean = shard_map(lambda t: jax.tree_util.tree_map(
+        lambda x: jax.lax.pmean(x, "i"), t), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    want = jax.tree_util.tree_map(lambda x: x[0], jax.jit(pmean)(on_mesh))
+    by_device = [jax.device_put(g, d) for g, d in zip(grads, jax.devices()[:4])]
+    for got in gjax.mean_tree(kv, by_device):
+        if dtype != jnp.float16:
+            _same(got, want)
+            continue
+        from gpukv.canonical.tree import leaves_sum
+        for x, *leaves in zip(_values(got), *[_values(g) for g in grads]):
+            total = leaves_sum([leaf.astype(np.float32) for leaf in leaves], np.add)
+            assert x.tobytes() == (total.astype(np.float16) / np.float16(4)).tobytes()
+
+
+def test_mean_tree_refuses_integer_leaves_naming_one():
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"w": jnp.zeros(2), "n": jnp.zeros(2, jnp.int32)})
+    with pytest.raises(gpukv.DTypeError, match=r"\['n'\]\": mean_tree averages"):
+        gjax.mean_tree(kv, [{"w": jnp.ones(2), "n": jnp.ones(2, jnp.int32)}])
+
+
+def test_optax_beside_the_store_trains_as_pmean_does(mesh):
+    """gpukv sums, optax updates on every device: after 5 Adam steps every device holds
+    the bits of shard_map + pmean, then the same jitted optax update (pmean of per-device
+    gradients: check_vma=False, else JAX sums a replicated parameter's gradient itself)."""
+    optax = pytest.importorskip("optax")
+    from jax import shard_map
+    devices = jax.devices()[:4]
+
+    def loss(p, x):
+        return jnp.sum((x @ p["w"] + p["b"]) ** 2)
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((4, 5, 3)).astype(np.float32) for _ in range(5)]
+    params = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32), "b": jnp.zeros(2)}
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def update(p, s, g):
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+    kv = gpukv.create("device")
+    gjax.init_tree(kv, params)
+    grad = jax.jit(jax.grad(loss))
+    mine = [jax.device_put(params, d) for d in devices]
+    states = [opt.init(p) for p in mine]
+    for batch in data:
+        grads = [grad(p, jax.device_put(x, d)) for p, x, d in zip(mine, batch, devices)]
+        for r, g in enumerate(gjax.mean_tree(kv, grads)):
+            mine[r], states[r] = update(mine[r], states[r], g)
+
+    pmean = jax.jit(shard_map(lambda p, x: jax.tree_util.tree_map(
+        lambda v: jax.lax.pmean(v, "i"), jax.grad(loss)(p, x[0])), mesh=mesh,
+        in_specs=(P(), P("i")), out_specs=P(), check_vma=False))
+    theirs, state = params, opt.init(params)
+    for batch in data:
+        theirs, state = update(theirs, state, pmean(theirs, batch))
+    assert not np.allclose(_values(theirs)[0], _values(params)[0])
+    for p in mine:
+        _same(p, theirs)
