@@ -27,10 +27,11 @@ def _model(seed=0):
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _run(models, steps, directory=None, every=None, update_on_kvstore=True, **options):
+def _run(models, steps, directory=None, every=None, update_on_kvstore=True,
+         kvstore="local", **options):
     """A Trainer over `models` (its checkpoints in `directory`), stepped until `steps` are
     done; each step's data comes from a generator kept in user_state."""
-    trainer = gt.Trainer(models, "sgd", dict(PARAMS), kvstore="local",
+    trainer = gt.Trainer(models, "sgd", dict(PARAMS), kvstore=kvstore,
                          update_on_kvstore=update_on_kvstore, checkpoint_dir=directory,
                          checkpoint_every=every, **options)
     if "generator" in trainer.user_state:
@@ -52,6 +53,24 @@ def _run(models, steps, directory=None, every=None, update_on_kvstore=True, **op
 
 def _bits(models):
     return [p.detach().numpy().tobytes() for m in models for p in m.parameters()]
+
+
+@pytest.mark.parametrize("compression", [{"type": "sign"}, {"type": "powersgd", "rank": 2}],
+                         ids=lambda c: c["type"])
+def test_a_compressed_trainer_resumes_to_the_bit(tmp_path, compression):
+    """With gradient compression on its store, a Trainer made again also resumes what
+    the compression carries from step to step (residuals, served values, warm starts):
+    it ends with the weights of an uninterrupted run, to the bit."""
+    base = _model()
+    options = {"kvstore": "device", "compression_params": compression}
+    reference = [copy.deepcopy(base) for _ in range(2)]
+    _run(reference, STEPS, **options)
+    first = [copy.deepcopy(base) for _ in range(2)]
+    _run(first, 3, tmp_path, 3, **options)
+    again = [copy.deepcopy(base) for _ in range(2)]
+    trainer = _run(again, STEPS, tmp_path, 3, **options)
+    assert trainer.resumed_from is not None and trainer.resumed_from.step == 3
+    assert _bits(again) == _bits(reference)
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])

@@ -356,8 +356,9 @@ class _Members:
         return np.frombuffer(view, dtype, count, start + len(head)).reshape(shape).copy()
 
 
-def read_archive(path) -> tuple[dict, dict]:
-    """`(header, arrays)` from an archive written by `write_archive`, checked whole.
+def read_archive(path, wanted=None) -> tuple[dict, dict]:
+    """`(header, arrays)` from an archive written by `write_archive`, checked whole
+    (with `wanted`, a test of an array's name: only the arrays it passes are read).
 
     Raises CheckpointError for a bad path, a missing, unreadable, truncated, corrupt or
     foreign file, or one written by a newer version of the format. Linear in the number
@@ -384,7 +385,7 @@ def read_archive(path) -> tuple[dict, dict]:
         with zf:
             members = _Members(f, zf)
             try:
-                return _read_contents(path, members)
+                return _read_contents(path, members, wanted)
             except CheckpointError:
                 raise
             except Exception as exc:  # zipfile, numpy.format, json, unicode, OS errors
@@ -394,7 +395,7 @@ def read_archive(path) -> tuple[dict, dict]:
                 members.close()
 
 
-def _read_contents(path: str, members: _Members) -> tuple[dict, dict]:
+def _read_contents(path: str, members: _Members, wanted=None) -> tuple[dict, dict]:
     if not members.has(_HEADER_MEMBER):
         raise CheckpointError(f"{path}: not a gpukv checkpoint (no {_HEADER_MEMBER})")
     meta = json.loads(members.read(_HEADER_MEMBER).tobytes().decode("utf-8"))
@@ -409,7 +410,7 @@ def _read_contents(path: str, members: _Members) -> tuple[dict, dict]:
     if not isinstance(header, dict) or not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: damaged archive header")
     arrays = {name: _read_member(path, members, name, info)
-              for name, info in manifest.items()}
+              for name, info in manifest.items() if wanted is None or wanted(name)}
     return header, arrays
 
 

@@ -9,6 +9,10 @@ A snapshot is a folder `ROOT/step-<step>-<tag>/` holding
 Each file is a checkpoint archive written with `atomic_write`, so it exists only whole;
 the snapshot is complete when every file its names promise is there. A process killed
 while writing leaves a snapshot that is not complete, never one that passes for complete.
+A shard may also hold its store's compression state (`compression_section`): what the
+residuals of error feedback, the served values of compressed pulls and PowerSGD's warm
+starts were, as named arrays `compression/<j>` and a header field `compression`
+(absent from snapshots written before they held it, which still load).
 `tag` is random, picked once per store, so that a job restarted after a failure never
 mixes its files with those an earlier attempt left at the same step.
 
@@ -46,7 +50,8 @@ from .checkpoint import read_store as checkpoint_read_store
 
 __all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "prune", "is_snapshot",
            "read_store", "read_any", "read_worker", "PartWriter", "Staging", "checked",
-           "folder_name", "shard_file", "worker_file", "SHARD_KIND", "WORKER_KIND"]
+           "folder_name", "shard_file", "worker_file", "SHARD_KIND", "WORKER_KIND",
+           "Compression", "compression_section", "read_compression"]
 
 SHARD_KIND = "gpukv.snapshot.shard"
 WORKER_KIND = "gpukv.snapshot.worker"
@@ -419,6 +424,61 @@ def _worker_header(path: str, rank: int, workers: int, step: int | None) -> tupl
     _field(name, "", header, "user_state", lambda v: True, "")
     _same_step(name, "worker", found, _step_of(path, found) if step is None else step)
     return name, header, arrays
+
+
+class Compression(NamedTuple):
+    """A file's compression state: the compression's `params` when saved (None: none
+    was set), and its `records` (dicts with at least 'what' and 'key'), each with its
+    array in `arrays`. `present` is False for a file written before snapshots held
+    compression state."""
+    present: bool
+    params: dict | None
+    records: list
+    arrays: list
+
+
+#: what a compression record may be (see `GradientCompression.state`)
+COMPRESSION_RECORDS = ("residual", "pull", "served", "q")
+
+
+def compression_section(params: dict | None, items: list, staging: Staging) -> tuple:
+    """(header field, arrays) of a compression state: `items` are (record, live array),
+    each array staged in `staging` (copied with the values)."""
+    if params is None:
+        return None, {}
+    records, arrays = [], {}
+    for j, (record, array) in enumerate(items):
+        records.append(record)
+        arrays[f"compression/{j}"] = staging.take(array)
+    return {"params": params, "records": records}, arrays
+
+
+def read_compression(path, file: str) -> Compression:
+    """The compression state of `file` (a shard or worker file) of the snapshot at
+    `path`; CheckpointError naming the file when the section is damaged."""
+    name = os.path.join(checkpoint_path(path), file)
+    header, arrays = read_archive(name, lambda array: array.startswith("compression/"))
+    if "compression" not in header:
+        return Compression(False, None, [], [])
+    section = _field(name, "", header, "compression",
+                     lambda v: v is None or isinstance(v, dict), "an object or null")
+    if section is None:
+        return Compression(True, None, [], [])
+    where = "field 'compression': "
+    params = _field(name, where, section, "params", lambda v: isinstance(v, dict),
+                    "an object")
+    records = _field(name, where, section, "records",
+                     lambda v: isinstance(v, list) and all(
+                         isinstance(r, dict) and r.get("what") in COMPRESSION_RECORDS
+                         and "key" in r for r in v),
+                     f"a list of records of {', '.join(COMPRESSION_RECORDS)}")
+    found = []
+    for j in range(len(records)):
+        array = arrays.get(f"compression/{j}")
+        if array is None:
+            raise CheckpointError(f"{name}: {where}array 'compression/{j}' is missing")
+        found.append(array)
+    return Compression(True, params, records, found)
 
 
 # ---------------------------------------------------------------------------- writing

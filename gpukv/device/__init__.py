@@ -17,7 +17,8 @@ from .outs import announce_writes, write_refusal
 
 __all__ = ["Device", "HostDevice", "host_device", "adopt", "device_of", "SUPPORTED_DTYPES",
            "virtual_gpus", "has_overlapping_elements", "gpu_devices", "write_refusal",
-           "announce_writes", "gpu_count", "p2p_ranks", "cpu_model", "gpu_names"]
+           "announce_writes", "gpu_count", "p2p_ranks", "cpu_model", "gpu_names",
+           "device_named"]
 
 
 def _cupy_ndarray():
@@ -202,6 +203,17 @@ def device_of(array, slot: int = 0) -> Device:
         return host_device(slot)
     from .cuda.device import cuda_device
     return cuda_device(array.device.id, slot)
+
+
+def device_named(kind: str, physical: int, slot: int) -> Device | None:
+    """The Device of `kind` ('cpu' or 'gpu'), `physical` and `slot` (as its attributes
+    name it), or None when this process has no such device."""
+    if kind == HostDevice.kind and physical == 0:
+        return host_device(slot)
+    if kind != "gpu" or not 0 <= physical < gpu_count():
+        return None
+    from .cuda.device import cuda_device
+    return cuda_device(physical, slot)
 
 
 def gpu_devices() -> list:

@@ -97,7 +97,8 @@ class Shard:
                             snapshots.shard_file(request["index"], request["count"]))
         try:
             self.store.write_part(path, request["step"], pieces, [],
-                                  store_type=request["store_type"])
+                                  store_type=request["store_type"],
+                                  compression=request.get("compression"))
         except CheckpointError as exc:
             return str(exc)
         return None

@@ -700,10 +700,17 @@ class DistKVStore(KVStore):
             if self._writer is None:
                 self._writer = snapshots.PartWriter()
             try:
-                turn, _ = self._writer.stage()
+                turn, staging = self._writer.stage()
             except CheckpointError as exc:
                 mine = mine or str(exc)
             else:
+                state = self._engine.worker_compression() if replicated is None else None
+                if state is not None and worker is not None:  # its residuals, staged
+                    path, header, arrays = worker
+                    params, items = state
+                    section, more = snapshots.compression_section(params, items, staging)
+                    staging.copy()
+                    worker = (path, dict(header, compression=section), {**arrays, **more})
                 # Worker 0 prunes once its own file is written, counting only complete
                 # snapshots (never removing one of the `keep` newest complete): this one
                 # and the one before may not be complete yet (other processes' files
@@ -748,6 +755,8 @@ class DistKVStore(KVStore):
             self._last_step = found.step
             if into is None:
                 self.load(found)
+                changed = self._engine.restore_compression(found, self._replica)
+                self._to_devices(changed, [self._replica(k) for k in changed])
             else:
                 mine = None
                 for store in into:

@@ -157,6 +157,46 @@ class GradientCompression:
         home.copy(out, total.reshape(out.shape))
         home.leave()
 
+    # ------------------------------------------------------------ snapshots
+    def state(self) -> list:
+        """Every piece of state that moves from push to push, as (record, array): the
+        residual of each (key, source device) ({'what': 'residual', 'key', 'device':
+        [kind, physical, slot]}), of each key's compressed pulls ('pull') and the
+        warm-start Q of a low-rank compressor ('q'). The arrays are the live ones: copy
+        them before the next push."""
+        out = [({"what": "residual", "key": key, "device": [d.kind, d.physical, d.slot]}, r)
+               for (key, d), r in self.feedback.residuals.items()]
+        if self.pulls is not None:
+            out += [({"what": "pull", "key": key}, r)
+                    for key, r in self.pulls.feedback.residuals.items()]
+        from .compressors import powersgd
+        if isinstance(self.compressor, powersgd.PowerSGD):
+            out += [({"what": "q", "key": key}, q)
+                    for key, q in self.compressor.warm_starts().items()]
+        return out
+
+    def restore_residual(self, key, device, saved: np.ndarray) -> None:
+        """Make `saved` (a flat float32 host array) the residual of `key` on `device`."""
+        residual = self.residual(key, device, saved.size)
+        if residual is not None:
+            device.copy(residual, saved)
+
+    def restore_pull(self, key, home, saved: np.ndarray) -> None:
+        """Make `saved` the residual of `key`'s compressed pulls, at `home`."""
+        assert self.pulls is not None  # a compressor that compresses pulls
+
+        def zeros(n):
+            return home.zeros(n, np.float32)
+        with home.activate():
+            residual = self.pulls.feedback.residual(key, saved.size, zeros)
+        home.copy(residual, saved)
+
+    def restore_q(self, key, saved: np.ndarray) -> None:
+        """Make `saved` the Q `key`'s next push starts from (a low-rank compressor)."""
+        from .compressors import powersgd
+        assert isinstance(self.compressor, powersgd.PowerSGD)
+        self.compressor.keep_q(key, np.array(saved, np.float32))
+
     def finish(self, key, out, home) -> None:
         """The step at `home` after a strategy summed `key`'s terms into `out` (fp16 with
         a pre_divide: the scale); the caller's current stream then sees `out`."""

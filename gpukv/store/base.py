@@ -285,7 +285,13 @@ class KVStore(ABC):
         (its `step`, and `user_state(rank)`), or None when there is none. It loads as
         `load` does, into a store of any number of devices, processes or servers (into
         the stores `into` instead of this one, if given). `check(snapshot)`, if given,
-        may refuse it first (raising CheckpointError)."""
+        may refuse it first (raising CheckpointError).
+
+        Gradient compression's state (residuals, what workers hold of compressed pulls,
+        PowerSGD's warm starts) comes back too when this store has the compression the
+        snapshot was saved with (set it before resuming) and the same layout (the same
+        devices; as many workers with the same pieces); otherwise it starts afresh, and
+        an INFO line on logger 'gpukv' says why."""
 
     @abstractmethod
     def finish_snapshots(self) -> None:

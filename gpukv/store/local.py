@@ -31,7 +31,15 @@ from ..checkpoints import snapshots
 from ..comm import BroadcastJob, Strategy
 from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
-from ..device import Device, announce_writes, device_of, gpu_devices, host_device, virtual_gpus
+from ..device import (
+    Device,
+    announce_writes,
+    device_named,
+    device_of,
+    gpu_devices,
+    host_device,
+    virtual_gpus,
+)
 from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import GradientCompression
 from ..encoding.compressors import make_compressor
@@ -420,7 +428,9 @@ class LocalStore(KVStore):
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
             then = None if keep is None else (lambda: snapshots.prune(root, keep))
-            self.write_part(shard, step, None, [worker], then=then)
+            comp = self._compression
+            state = (None, []) if comp is None else (comp.params(), comp.state())
+            self.write_part(shard, step, None, [worker], then=then, compression=state)
             self._last_step = step
         return folder
 
@@ -430,8 +440,10 @@ class LocalStore(KVStore):
         if found is not None:
             if check is not None:
                 check(found)
+            saved = snapshots.read_compression(found, snapshots.shard_file(0, found.shards))
             for store in [self] if into is None else into:
                 store.load(found)
+            self._restore_compression(found, saved)
             self._last_step = found.step
             log.info("gpukv: resumed from snapshot %s (step %d)", found.path, found.step)
         else:
@@ -448,17 +460,21 @@ class LocalStore(KVStore):
         return self._tag
 
     def write_part(self, path: str, step: int, pieces: dict | None, others: Sequence = (),
-                   then=None, store_type: str | None = None) -> None:
+                   then=None, store_type: str | None = None,
+                   compression: tuple | None = None) -> None:
         """Stage this store's keys (`pieces`: {key: (start, stop, shape, home kind, init
         index)} of the pieces it holds, of a store of `store_type`; None: every key whole)
         and write them to `path` in the background, then `others` ((path, header,
-        arrays)), then call `then()`."""
+        arrays)), then call `then()`. `compression`: (params, [(record, live array)]) of
+        the compression state to stage and write with them (params None: none was set),
+        to which the values of the keys kept apart are added (what workers hold of them:
+        records 'served' with their piece's 'start'); None: no compression section."""
         if self._snapshots is None:
             self._snapshots = snapshots.PartWriter()
         turn, staging = self._snapshots.stage()
         try:
             with self._lock:
-                infos, values = [], []
+                infos, values, served = [], [], []
                 for index, (key, entry) in enumerate(self._entries.items()):
                     value = entry.stored
                     if pieces is None:
@@ -471,12 +487,23 @@ class LocalStore(KVStore):
                     infos.append({"key": key, "index": order, "home": home,
                                   "shape": list(shape), "start": start, "stop": stop})
                     values.append(staging.take(value.reshape(-1)))
+                    if entry.kept is not None:
+                        served.append(({"what": "served", "key": key, "start": start},
+                                       entry.value.reshape(-1)))
                 export = None if self._optimizer is None else self._updater.export_state(
                     True, staging.fetch, None if pieces is None else set(pieces))
+                if compression is not None:
+                    params, items = compression
+                    section, comp_arrays = snapshots.compression_section(
+                        params, items + served, staging)
                 staging.copy()
             header = snapshots.shard_header(step, store_type or self._type, self._key_kind,
                                             infos, export)
-            files = [(path, header, snapshots.shard_arrays(values, export)), *others]
+            arrays = snapshots.shard_arrays(values, export)
+            if compression is not None:
+                header["compression"] = section
+                arrays.update(comp_arrays)
+            files = [(path, header, arrays), *others]
         except BaseException:
             self._snapshots.release(turn)
             raise
@@ -556,6 +583,85 @@ class LocalStore(KVStore):
             self._load = load
             if plan.key_kind is not None:
                 self._key_kind = plan.key_kind
+
+    def _restore_compression(self, found: snapshots.Snapshot,
+                             saved: snapshots.Compression) -> None:
+        """After a resume loaded `found`: put back the compression state `saved` (its
+        shard's) when it fits this store, else start it afresh, saying why at INFO.
+
+        It fits when the snapshot is a one-process store's, saved with the compression
+        set here (the same params), every device it names a residual of is in this
+        process, every key it names is here with the size it had, and served values
+        (kept apart from the value by an updater) have an updater here to keep apart."""
+        with self._lock:
+            comp = self._compression
+            if comp is None and saved.params is None:
+                return
+            mine = None if comp is None else comp.params()
+            if comp is not None:  # afresh, whatever follows
+                compressor = make_compressor(mine)
+                assert compressor is not None  # made from a compressor's params
+                comp = self._compression = GradientCompression(compressor)
+                self.rejoin()
+            reason: str | None
+            if not saved.present:
+                reason = ("the snapshot holds none (written before snapshots kept them), "
+                          f"resuming with {mine}")
+            elif found.shards != 1 or found.workers != 1:
+                reason = (f"saved by a store of {found.workers} worker(s) and "
+                          f"{found.shards} shard(s), resuming with {mine} in one process")
+            elif saved.params != mine:
+                reason = f"saved with {saved.params}, resuming with {mine}"
+            else:
+                reason = self._unfit_compression(saved)
+            if reason is not None:
+                log.info("gpukv: compression residuals of the snapshot not restored: %s",
+                         reason)
+                return
+            assert comp is not None  # the params matched
+            touched = set()
+            for record, array in zip(saved.records, saved.arrays):
+                key, what = record["key"], record["what"]
+                entry = self._entries[key]
+                if what == "residual":
+                    device = device_named(*record["device"])
+                    assert device is not None  # `_unfit_compression` found it
+                    comp.restore_residual(key, device, array.reshape(-1))
+                    touched.add(device)
+                elif what == "pull":
+                    comp.restore_pull(key, entry.home, array.reshape(-1))
+                elif what == "served":
+                    entry.keep()
+                    entry.home.copy(entry.value, array.reshape(entry.value.shape))
+                else:
+                    comp.restore_q(key, array)
+                touched.add(entry.home)
+            for device in touched:  # the file's host arrays go away after this call
+                device.synchronize()
+            log.debug("gpukv: restored the snapshot's compression state (%s): %d "
+                      "array(s)", mine, len(saved.arrays))
+
+    def _unfit_compression(self, saved: snapshots.Compression) -> str | None:
+        """Why the compression state `saved` does not fit this store, or None."""
+        for record, array in zip(saved.records, saved.arrays):
+            key, what = record["key"], record["what"]
+            entry = (self._entries.get(key) if type(key) in (int, str) else None)
+            if entry is None:
+                return f"it names key {key!r}, which this store lacks"
+            if what != "q" and array.size != entry.value.size:
+                return (f"key {key!r} has {entry.value.size} elements, but its saved "
+                        f"{what} has {array.size}")
+            if what == "residual":
+                named = record.get("device")
+                if not (isinstance(named, list) and len(named) == 3
+                        and isinstance(named[0], str)
+                        and all(type(n) is int for n in named[1:])
+                        and device_named(*named) is not None):
+                    return f"it holds a residual of key {key!r} on {named}, not in this process"
+            if what == "served" and self._updater is None:
+                return (f"it holds the served value of key {key!r}, kept apart by an "
+                        f"updater, and this store has none")
+        return None
 
     # ------------------------------------------------- compression and row-sparse
     def _compression_allowed(self) -> bool:

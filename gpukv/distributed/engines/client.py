@@ -16,7 +16,7 @@ import pickle
 import numpy as np
 
 from ..._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
-from ...encoding.compressors import Compressor, ErrorFeedback, compressible
+from ...encoding.compressors import Compressor, ErrorFeedback, compressible, make_compressor
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, merge
 from ..mpi.agree import refuse_split
@@ -30,6 +30,7 @@ from ..mpi.transport import (
     Transport,
     worker_comm,
 )
+from . import residuals
 from .control import WorkerControl
 from .layout import KeyLayout
 from .partials import check_partials
@@ -44,6 +45,7 @@ from .requests import (
     Push,
     PushPiece,
     Restore,
+    RestoreCompression,
     SetOptimizer,
     Settings,
     SetUpdater,
@@ -449,8 +451,10 @@ class ServerClient:
         self._flush_servers("snapshot")
         error = None
         if self.rank == 0:
+            comp = self.compressor
             errors = self.call_servers(lambda server: WriteSnapshot(dict(
-                request, index=server, count=self.servers, pieces={
+                request, index=server, count=self.servers,
+                params=None if comp is None else comp.params(), pieces={
                     key: (p.start, p.stop, layout.shape) for key, layout
                     in self.layouts.items() for p in layout.served_by(server)})))
             error = next((e for e in errors if e is not None), None)
@@ -462,6 +466,43 @@ class ServerClient:
             errors = self.call_servers(lambda server: FinishSnapshots())
             error = next((e for e in errors if e is not None), None)
         return self.control.share(error, "finishing the snapshots")
+
+    # ------------------------------------------------------ compression state
+    # (see `residuals`): each worker's residuals in its worker file; each server's pull
+    # residuals and served values in its shard file.
+    def worker_compression(self) -> tuple | None:
+        """(params, [(record, live array)]) of this worker's compression state."""
+        return residuals.worker_items(self.compressor, self.feedback)
+
+    def restore_compression(self, found, replica) -> list:
+        """After a resume loaded the snapshot `found`: put back every worker's residuals
+        and every server's pull residuals and served values when they fit (see
+        `residuals.saved`), else start them afresh and say why at INFO, alike on every
+        worker. The next pull brings each served value whole: no copy changes here."""
+        self._settle("resume")
+        comp = self.compressor
+        mine = None if comp is None else comp.params()
+        if comp is not None:  # afresh, whatever follows
+            self.set_compression(make_compressor(mine))
+        reason, state = residuals.saved(found, mine, self.rank, self.workers.size,
+                                        self.servers, self.layouts)
+        agreed = self.control.alike(reason, "resume: the compression state")
+        if agreed is not None:
+            if agreed:
+                residuals.log.info(residuals.NOT_RESTORED, agreed)
+            return []
+        assert state is not None and mine is not None  # it fits
+        residuals.restore_worker(state.worker, self.compressor, self.feedback)
+        error = None
+        if self.rank == 0:
+            params = tuple(sorted(mine.items()))
+            errors = self.call_servers(lambda server: RestoreCompression(
+                found.path, server, self.servers, params))
+            error = next((e for e in errors if e is not None), None)
+        error = self.control.share(error, "resume: the compression state")
+        if error is not None:
+            raise CheckpointError(error)
+        return []
 
     def stop(self) -> None:
         """Tell the servers this worker is done (at exit; once)."""

@@ -163,6 +163,17 @@ class Snapshots(Protocol):
         every worker."""
         ...
 
+    def worker_compression(self) -> tuple | None:
+        """(params, [(record, live array)]) of this worker's compression state, for its
+        snapshot file (params None: no compression); None: the engine keeps none there."""
+        ...
+
+    def restore_compression(self, found: Any, replica: Any) -> list:
+        """After a resume loaded snapshot `found`: its compression state back where it
+        fits (else afresh, said at INFO), alike on every worker; the keys whose copies
+        (`replica(key)`) changed."""
+        ...
+
 
 @runtime_checkable
 class Engine(Rounds, Settings, Snapshots, Protocol):

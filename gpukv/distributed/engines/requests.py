@@ -23,6 +23,7 @@ class Command(enum.Enum):
     FINISH_SNAPSHOTS = "finish_snapshots"
     CHECK_STATE = "check_state"
     RESTORE = "restore"
+    RESTORE_COMPRESSION = "restore_compression"
     STOP = "stop"
 
 
@@ -132,6 +133,18 @@ class Restore:
     """Assign these values ({key: piece}) and install the state `CheckState` checked."""
     command: ClassVar[Command] = Command.RESTORE
     values: dict
+
+
+@dataclass(frozen=True)
+class RestoreCompression:
+    """Put back what this server keeps of compressed pulls (`params`: the compressor's,
+    sorted items) from its file of the snapshot at `path` (shard `index` of `count`),
+    which every worker checked; answer with an error, or None."""
+    command: ClassVar[Command] = Command.RESTORE_COMPRESSION
+    path: str
+    index: int
+    count: int
+    params: tuple
 
 
 @dataclass(frozen=True)

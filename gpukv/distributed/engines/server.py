@@ -42,6 +42,7 @@ import numpy as np
 from ..._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ...canonical.arrays import merge_into, own_sum
 from ...canonical.tree import rank_nodes
+from ...checkpoints import snapshots
 from ...device.host_sum import accumulate_dtype, host_sum
 from ...encoding.compressors import make_compressor
 from ...encoding.pulls import PullCodec
@@ -60,6 +61,7 @@ from .requests import (
     Pull,
     Push,
     Restore,
+    RestoreCompression,
     SetOptimizer,
     Settings,
     SetUpdater,
@@ -155,7 +157,8 @@ class _Server:
             Command.OPTIMIZER_STATE: self.op_optimizer_state,
             Command.WRITE_SNAPSHOT: self.op_write_snapshot,
             Command.FINISH_SNAPSHOTS: self.op_finish_snapshots,
-            Command.CHECK_STATE: self.op_check_state, Command.RESTORE: self.op_restore}
+            Command.CHECK_STATE: self.op_check_state, Command.RESTORE: self.op_restore,
+            Command.RESTORE_COMPRESSION: self.op_restore_compression}
 
     def worker_rank(self, w: int) -> int:
         return self.servers + w
@@ -606,9 +609,22 @@ class _Server:
         self.reply(worker, mark_starts(self.shard.export_state(request.dump), starts))
 
     def op_write_snapshot(self, worker, source, request: WriteSnapshot) -> None:
-        """Stage this server's pieces for a snapshot (written in the background); the
-        error of an earlier write that failed, or None."""
-        self.reply(worker, self.shard.write_part(request.part))
+        """Stage this server's pieces for a snapshot (written in the background), with
+        the residuals of the pieces whose pulls the store's compression ("params")
+        compresses (`engines.residuals`); the error of an earlier write that failed, or
+        None."""
+        params = request.part.get("params")
+        items = []
+        if params is not None:
+            serving = tuple(sorted(params.items()))
+            codec = self.pull_codecs.get(serving)
+            for key, state in self.keys.items():
+                found = None if codec is None else codec.feedback.residuals.get(key)
+                if state.serving == serving and found is not None:
+                    items.append(({"what": "pull", "key": key, "slot": [state.spec[0]]},
+                                  found))
+        self.reply(worker, self.shard.write_part(dict(request.part,
+                                                      compression=(params, items))))
 
     def op_finish_snapshots(self, worker, source, request: FinishSnapshots) -> None:
         self.reply(worker, self.shard.finish_part())
@@ -632,6 +648,34 @@ class _Server:
             self.shard.apply_state(self.checked)
         self.checked = None
         self.reply(worker, "ok")
+
+    def op_restore_compression(self, worker, source, request: RestoreCompression) -> None:
+        """Put back the pull residuals and served values of this server's pieces, and
+        serve them compressed as before the snapshot (every worker checked the file)."""
+        try:
+            saved = snapshots.read_compression(
+                request.path, snapshots.shard_file(request.index, request.count))
+        except CheckpointError as exc:
+            self.reply(worker, str(exc))
+            return
+        params = request.params
+        if not self.compressor(params).compresses_pulls:
+            self.reply(worker, None)
+            return
+        codec = self.pull_codecs.get(params)
+        if codec is None:
+            codec = self.pull_codecs[params] = PullCodec(self.compressor(params))
+        for record, array in zip(saved.records, saved.arrays):
+            key = record["key"]
+            state = self.keys[key]
+            if record["what"] == "pull":
+                np.copyto(codec.feedback.residual(key, array.size), array.reshape(-1))
+            elif record["what"] == "served":
+                self.shard.keep_apart([key])
+                served = self.shard.served(key)
+                served.reshape(-1)[...] = array.reshape(-1)
+            state.serving, state.change = params, None
+        self.reply(worker, None)
 
     def reply(self, worker, obj, tag: int = TAG_REPLY) -> None:
         self.send(self.t.send_object(obj, self.worker_rank(worker), tag))

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
 from ..._errors import ArgumentError, CheckpointError, GpukvError, PeerError
-from ...encoding.compressors import Compressor, ErrorFeedback, compressible
+from ...encoding.compressors import Compressor, ErrorFeedback, compressible, make_compressor
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
 from ..mpi.agree import refuse_split, to_rank0
 from ..mpi.transport import Transport
+from . import residuals
 from .control import WorkerControl
 from .layout import KeyLayout
 from .mpi_rounds import MpiRounds
@@ -259,8 +262,61 @@ class ShardedRounds:
         rank = self.t.rank
         pieces = {key: (p.start, p.stop, layout.shape) for key, layout in self.layouts.items()
                   for p in layout.served_by(rank)}
+        comp, pulls = self.compressor, self.pulls
+        owned = [] if pulls is None else [
+            ({"what": "pull", "key": slot[0], "slot": list(slot[1:])}, r)
+            for slot, r in pulls.feedback.residuals.items()]
         return self.control.alike(self.shard.write_part(
-            dict(request, index=rank, count=self.t.size, pieces=pieces)), "snapshot")
+            dict(request, index=rank, count=self.t.size, pieces=pieces,
+                 compression=(None if comp is None else comp.params(), owned))),
+            "snapshot")
+
+    # ------------------------------------------------------ compression state
+    # (see `residuals`): each worker's residuals and PowerSGD's warm starts go in its
+    # worker file; each owner's pull residuals and served values in its shard file.
+    def worker_compression(self) -> tuple | None:
+        """(params, [(record, live array)]) of this worker's compression state."""
+        return residuals.worker_items(self.compressor, self.feedback)
+
+    def restore_compression(self, found, replica) -> list:
+        """After a resume loaded the snapshot `found`: put back every worker's and every
+        owner's compression state when it fits (see `residuals.saved`), else start it
+        afresh and say why at INFO, alike on every worker. `replica(key)`: this
+        process's copy of `key` (the served values are written there). The keys whose
+        copies changed."""
+        self.flush("resume")
+        comp = self.compressor
+        mine = None if comp is None else comp.params()
+        if comp is not None:  # afresh, whatever follows
+            fresh = make_compressor(mine)
+            assert fresh is not None  # made from a compressor's params
+            self.set_compression(fresh)
+        size = self.t.size
+        reason, state = residuals.saved(found, mine, self.t.rank, size, size, self.layouts)
+        agreed = self.control.alike(reason, "resume: the compression state")
+        if agreed is not None:
+            if agreed:
+                residuals.log.info(residuals.NOT_RESTORED, agreed)
+            return []
+        assert state is not None  # it fits
+        residuals.restore_worker(state.worker, self.compressor, self.feedback)
+        own = state.shards[self.t.rank]
+        pulls = self.pulls
+        for record, array in zip(own.records, own.arrays):
+            if record["what"] == "pull" and pulls is not None:
+                slot = (record["key"], *record["slot"])
+                np.copyto(pulls.feedback.residual(slot, array.size), array.reshape(-1))
+        self.shard.keep_apart(list(dict.fromkeys(
+            r["key"] for r in own.records if r["what"] == "served")))
+        changed: dict = {}
+        for shard in state.shards:  # every owner's served pieces into this process's copies
+            for record, array in zip(shard.records, shard.arrays):
+                if record["what"] == "served":
+                    start, key = record["start"], record["key"]
+                    flat = replica(key).reshape(-1)
+                    flat[start:start + array.size] = array.reshape(-1)
+                    changed[key] = None
+        return list(changed)
 
     def finish_snapshots(self) -> str | None:
         return self.control.alike(self.shard.finish_part(), "finishing the snapshots")

@@ -94,6 +94,11 @@ class PowerSGD(Compressor):
     def keep_q(self, key, q: np.ndarray) -> None:
         self._q[key] = q
 
+    def warm_starts(self) -> dict:
+        """key -> the Q its next push starts from, for every key pushed so far (what a
+        snapshot keeps; `keep_q` puts one back)."""
+        return dict(self._q)
+
     def nbytes(self, shape) -> int:
         """Bytes one source sends for a key of `shape`: P and Q, or the float32 values."""
         found = self.matrix(shape)
