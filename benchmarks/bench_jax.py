@@ -3,7 +3,8 @@
     python benchmarks/bench_jax.py                  # 4 devices, 200 leaves, digits MLP
     python benchmarks/bench_jax.py --devices 2 --leaves 50 --steps 20 --out -
 
-Two cases, each timed in one run against `shard_map` + `psum`/`pmean` (jitted):
+Two cases, each timed in one run (the ways taking turns, call by call) against a jitted
+`shard_map` with `psum` or `pmean`:
 - leaves: a tree of `--leaves` small float32 leaves (64 to 4096 values) on every device:
   `pushpull_tree` with one key per leaf (`bucket_bytes=0`), with the default buckets, and
   `mean_tree`, against a jitted `psum` of the same tree; and a memory copy of all the
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,10 +60,6 @@ def main(argv=None) -> int:
     C.print_table(["case", "way", "median ms", "x JAX"], rows)
     C.save_results(record, args.out, C.result_name("jax"))
     return 0
-
-
-def _median_ms(fn, steps: int) -> float:
-    return C.summarize(C.time_calls(fn, warmup=3, iters=steps))["median_s"] * 1e3
 
 
 def leaves_case(jax, np, devices, args, rows) -> dict:
@@ -195,7 +194,18 @@ def _apart(jax, np, replicas: list, reference) -> float:
 
 
 def _timed(case: str, ways: dict, steps: int, rows: list, extra: dict) -> dict:
-    times = {name: _median_ms(fn, steps) for name, fn in ways.items()}
+    """Median ms per call of every way, the ways taking turns call by call (so that a
+    change in the machine's load falls on all of them alike)."""
+    for fn in ways.values():
+        for _ in range(3):
+            fn()
+    samples: dict = {name: [] for name in ways}
+    for _ in range(steps):
+        for name, fn in ways.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    times = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
     base = next(iter(times.values()))
     for name, ms in times.items():
         rows.append([case, name, round(ms, 3), round(ms / base, 2)])

@@ -150,12 +150,20 @@ def test_a_template_of_another_shape_is_a_shape_error():
 # ------------------------------------------------------------------ buckets
 def test_small_leaves_share_keys_by_dtype_and_a_large_one_keeps_its_own():
     """Consecutive leaves of one dtype share a key named first..last; a change of dtype,
-    or a leaf past bucket_bytes, starts another."""
+    or a leaf past bucket_bytes, starts another; a leaf of ALONE_BYTES or more keeps a
+    key of its own whatever bucket_bytes says."""
+    from gpukv.jax.buckets import ALONE_BYTES
     kv = gpukv.create("local")
     tree = {"a": jnp.zeros(4), "b": jnp.zeros(4), "c": jnp.zeros(4, jnp.bfloat16),
-            "d": jnp.zeros(100), "e": jnp.zeros(3)}
+            "d": jnp.zeros(100), "e": jnp.zeros(3), "f": jnp.zeros(2),
+            "g": jnp.zeros(ALONE_BYTES // 4), "h": jnp.zeros(1), "i": jnp.zeros(1)}
     gjax.init_tree(kv, tree, bucket_bytes=64)
-    assert kv.keys() == ["['a']..['b']", "['c']", "['d']", "['e']"]
+    assert kv.keys() == ["['a']..['b']", "['c']", "['d']", "['e']..['f']", "['g']",
+                         "['h']..['i']"]
+    gjax.init_tree(kv, tree, prefix="big/", bucket_bytes=1 << 30)
+    assert [k for k in kv.keys() if k.startswith("big/")] == [
+        "big/['a']..big/['b']", "big/['c']", "big/['d']..big/['f']", "big/['g']",
+        "big/['h']..big/['i']"]
 
 
 @settings(max_examples=25, deadline=None)

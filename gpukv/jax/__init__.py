@@ -13,7 +13,8 @@ new arrays.
 Leaves are named ``prefix + jax.tree_util.keystr(path)``, e.g. ``"['dense']['w']"``; a
 prefix keeps several trees apart in one store. Consecutive leaves of one dtype share a
 key up to `bucket_bytes` (25 MB, as PyTorch DDP; a bucket of one leaf is that leaf's
-key, one of several is named ``first..last``); ``bucket_bytes=0`` gives every leaf its
+key, one of several is named ``first..last``), and a leaf of 256 KiB or more keeps its
+own (packing it would cost more than its key); ``bucket_bytes=0`` gives every leaf its
 own key, which layer-wise optimizers on the store ('lamb') and per-key `lr_mult` /
 `wd_mult` need.
 
@@ -55,8 +56,13 @@ __all__ = ["init_tree", "push_tree", "pull_tree", "pushpull_tree", "mean_tree",
 
 
 def init_tree(kv: KVStore, tree, prefix: str = "", bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Create the keys of `tree`'s leaves (in buckets of up to `bucket_bytes`; 0: one key
-    per leaf), holding a copy of each leaf's whole value, and keep its structure."""
+    """Create the keys of `tree`'s leaves in the store `kv`, each holding a copy of the
+    leaf's whole value, and keep the tree's structure for the later calls on `prefix`.
+
+    `tree`: a pytree of arrays (JAX arrays of any sharding, NumPy arrays). `prefix`: a
+    str put before every leaf's path in its key, to keep several trees apart in one
+    store. `bucket_bytes`: the most bytes of consecutive leaves of one dtype that share
+    a key (0: every leaf its own key)."""
     outside_transforms("init_tree")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
             or bucket_bytes < 0:
@@ -73,9 +79,11 @@ def init_tree(kv: KVStore, tree, prefix: str = "", bucket_bytes: int = BUCKET_BY
 
 
 def push_tree(kv: KVStore, trees_per_device, prefix: str = "") -> None:
-    """Push every leaf of every device's tree (a list of trees of `init_tree`'s
-    structure: one per device, or trees of sharded leaves, one value per shard); the
-    store sums a leaf over the devices and applies its updater."""
+    """Push every leaf of every device's tree into `kv`: the store sums each leaf over
+    the devices (and over the workers of a dist store) and applies its updater.
+
+    `trees_per_device`: a list of trees of `init_tree`'s structure under `prefix`, one
+    per device, or trees of sharded leaves, each shard a device's value."""
     outside_transforms("push_tree")
     layout = trees.layout_of(kv, prefix, "push_tree")
     rows = [row for rows in pushing.rows_of(layout, trees_per_device, prefix, "push_tree")
@@ -85,7 +93,8 @@ def push_tree(kv: KVStore, trees_per_device, prefix: str = "") -> None:
 
 
 def pull_tree(kv: KVStore, like_tree, devices=None, prefix: str = ""):
-    """The stored values as a tree shaped like `like_tree`, made of new JAX arrays.
+    """The values `kv` holds under `prefix`, as a tree shaped like `like_tree`, made of
+    new JAX arrays.
 
     Leaves of `like_tree` give shape, dtype and placement (arrays, or
     `jax.ShapeDtypeStruct`s, of `init_tree`'s structure). With `devices` (a list of
@@ -107,9 +116,9 @@ def pull_tree(kv: KVStore, like_tree, devices=None, prefix: str = ""):
 
 
 def pushpull_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
-    """Push every device's tree as `push_tree` does, then pull: one tree of new arrays
-    per tree given, each leaf placed as that tree's leaf was (a sharded leaf: every shard
-    holds the whole value)."""
+    """Push `trees_per_device` into `kv` under `prefix` as `push_tree` does, then pull:
+    one tree of new arrays per tree given, each leaf placed as that tree's leaf was (a
+    sharded leaf: every shard holds the whole value)."""
     outside_transforms("pushpull_tree")
     layout = trees.layout_of(kv, prefix, "pushpull_tree")
     per_tree = pushing.rows_of(layout, trees_per_device, prefix, "pushpull_tree")
@@ -117,10 +126,11 @@ def pushpull_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
 
 
 def mean_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
-    """The mean of the trees over every device of every worker, as `jax.lax.pmean` gives
-    it (the sum, divided by the number of devices): one tree per tree given, placed as
-    `pushpull_tree` places them. For an optimizer beside the store (optax): `kv` must
-    have no optimizer set, so that a push stores the sum."""
+    """The mean of `trees_per_device` over every device of every worker, as
+    `jax.lax.pmean` gives it (the sum, divided by the number of devices): one tree per
+    tree given, placed as `pushpull_tree` places them, for an optimizer beside the store
+    (optax). `kv` must have no optimizer set, so that a push stores the sum; `prefix`
+    names the tree as in `init_tree`; every leaf must be floating-point."""
     outside_transforms("mean_tree")
     layout = trees.layout_of(kv, prefix, "mean_tree")
     for key, dtype in zip(layout.keys, layout.dtypes):

@@ -2,10 +2,11 @@
 `gpukv.torch.Trainer`) group gradients, so that a tree of 200 small leaves costs what a
 few keys cost.
 
-A bucket is consecutive leaves of one dtype, up to `BUCKET_BYTES` (a larger leaf is a
-bucket of its own). A bucket of one leaf is that leaf's key (named by its path); a
-bucket of several is one flat key named ``first..last`` by their paths, packed and
-unpacked on the device by one jitted call per device.
+A bucket is consecutive leaves of one dtype, up to `BUCKET_BYTES`; a leaf of
+`ALONE_BYTES` or more is a bucket of its own. A bucket of one leaf is that leaf's key
+(named by its path); a bucket of several is one flat key named ``first..last`` by their
+paths, packed (NumPy on host devices, one jitted call on a GPU) and unpacked on the
+device.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import numpy as np
 
 #: bucket capacity in bytes (PyTorch DDP's default)
 BUCKET_BYTES = 25 << 20
+#: a leaf of at least this many bytes keeps a key of its own: packing it would cost more
+#: (a copy per device) than its key costs
+ALONE_BYTES = 256 << 10
 
 
 class Bucket(NamedTuple):
@@ -49,11 +53,15 @@ def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
                                   (total,), dtypes[group[0]]))
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _count(shape) * dtype.itemsize
-        if group and (dtype != dtypes[group[0]] or size + nbytes > capacity):
+        alone = nbytes >= ALONE_BYTES
+        if group and (alone or dtype != dtypes[group[0]] or size + nbytes > capacity):
             close()
             group, size = [], 0
         group.append(i)
         size += nbytes
+        if alone:
+            close()
+            group, size = [], 0
     close()
     return buckets
 

@@ -18,6 +18,8 @@ from ..device import gpu_devices
 from .buckets import Bucket, unpack
 from .trees import TreeLayout
 
+#: the alignment (bytes) of a host buffer that a JAX CPU device takes without a copy
+ALIGNMENT = 64
 #: a bucket of at most this many leaves is put on a device leaf by leaf; a larger one is
 #: put whole and split there by one jitted call (on 4 host devices, a put costs about
 #: 40 us and a split about 10 us per leaf, plus 350 us per put of 1 MB)
@@ -32,8 +34,10 @@ class PerShard(NamedTuple):
 def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> list:
     """The leaves of every row of places (a list of places, one per leaf), pulled, and
     with `divide_by` divided by it (in each buffer, as `x / n` rounds in its dtype)."""
-    devices = {d for row in rows for place in row for d in _single_devices(place)}
-    gpus = {d for d in devices if _is_gpu(d)}
+    of_leaf = {i: b for b, bucket in enumerate(layout.buckets) for i in bucket.leaves}
+    wanted = {(of_leaf[i], device) for row in rows for i, place in enumerate(row)
+              for device in _devices_of(place)}
+    gpus = {device for _, device in wanted if device is not None and _is_gpu(device)}
     buffers = [_buffers(bucket, gpus) for bucket in layout.buckets]
     if buffers:
         kv.pull(layout.bucket_keys, out=[list(b.values()) for b in buffers])
@@ -41,19 +45,50 @@ def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> li
         for found in buffers:
             for buffer in found.values():
                 buffer /= divide_by
-    made = _Made(layout, buffers)
+    made = _Made(layout, buffers, of_leaf)
+    made.place(sorted(wanted, key=lambda pair: (pair[0], str(pair[1]))))
     return [[made.leaf(i, place) for i, place in enumerate(row)] for row in rows]
 
 
 class _Made:
-    """Leaves made on devices from the pulled buffers, each bucket moved once per device."""
+    """Leaves made on devices from the pulled buffers: every bucket moved to every
+    device that wants it in one batched `device_put` (or by DLPack from a GPU's own
+    buffer), then handed out leaf by leaf."""
 
-    def __init__(self, layout: TreeLayout, buffers: list):
+    def __init__(self, layout: TreeLayout, buffers: list, of_leaf: dict):
         self.layout = layout
         self.buffers = buffers
-        self.of_leaf = {i: (b, bucket) for b, bucket in enumerate(layout.buckets)
-                        for i in bucket.leaves}
+        self.of_leaf = of_leaf
         self._on: dict = {}   # (bucket index, device) -> the bucket's leaves there
+        self._host: dict = {}   # bucket index -> its leaves as views of its host buffer
+
+    def place(self, wanted: list) -> None:
+        """Make the leaves of every (bucket index, device) of `wanted` (None: JAX's
+        default device)."""
+        puts: dict = {}   # None (JAX's default device) or not -> [(b, device, split, values)]
+        for b, device in wanted:
+            bucket = self.layout.buckets[b]
+            gpu_flat = None if device is None else self.buffers[b].get(device)
+            if gpu_flat is not None:  # the GPU's own buffer, handed over without a copy
+                flat = jax.dlpack.from_dlpack(gpu_flat)
+                self._on[(b, device)] = self._split(b, flat)
+            elif len(bucket.leaves) <= FEW_LEAVES:  # the host's, leaf by leaf
+                puts.setdefault(device is None, []).append(
+                    (b, device, False, self.host_leaves(b)))
+            else:  # the host's, put whole and split on the device
+                puts.setdefault(device is None, []).append(
+                    (b, device, True, [self.buffers[b][None]]))
+        for default, items in puts.items():  # one call for every device but the default
+            values = [v for _, _, _, vs in items for v in vs]
+            placed = iter(jax.device_put(values) if default else jax.device_put(
+                values, [device for _, device, _, vs in items for _ in vs]))
+            for b, device, split, vs in items:
+                mine = [next(placed) for _ in vs]
+                self._on[(b, device)] = self._split(b, mine[0]) if split else mine
+
+    def _split(self, b: int, flat) -> list:
+        bucket = self.layout.buckets[b]
+        return unpack(bucket, flat, self.layout.shapes) if bucket.fused else [flat]
 
     def leaf(self, i: int, place):
         if isinstance(place, PerShard):
@@ -67,28 +102,21 @@ class _Made:
         return jax.device_put(self.host(i), place)   # a sharding over several devices
 
     def on(self, i: int, device):
-        """Leaf i on `device` (None: JAX's default device)."""
-        b, bucket = self.of_leaf[i]
-        made = self._on.get((b, device))
-        if made is None:
-            gpu_flat = self.buffers[b].get(device)
-            if gpu_flat is not None:  # the GPU's own buffer, handed over without a copy
-                flat = jax.dlpack.from_dlpack(gpu_flat)
-                made = unpack(bucket, flat, self.layout.shapes) if bucket.fused else [flat]
-            elif len(bucket.leaves) <= FEW_LEAVES:  # the host's, leaf by leaf
-                made = jax.device_put(self.host_leaves(b), device)
-            else:  # the host's, put whole and split on the device
-                made = unpack(bucket, jax.device_put(self.buffers[b][None], device),
-                              self.layout.shapes)
-            self._on[(b, device)] = made
-        return made[bucket.leaves.index(i)]
+        """Leaf i on `device` (None: JAX's default device), made by `place`."""
+        b = self.of_leaf[i]
+        return self._on[(b, device)][self.layout.buckets[b].leaves.index(i)]
 
     def host(self, i: int) -> np.ndarray:
-        b, bucket = self.of_leaf[i]
-        return self.host_leaves(b)[bucket.leaves.index(i)]
+        b = self.of_leaf[i]
+        return self.host_leaves(b)[self.layout.buckets[b].leaves.index(i)]
 
     def host_leaves(self, b: int) -> list:
         """Bucket b's leaves as views of its host buffer."""
+        if b not in self._host:
+            self._host[b] = self._views(b)
+        return self._host[b]
+
+    def _views(self, b: int) -> list:
         flat, bucket = self.buffers[b][None], self.layout.buckets[b]
         shapes = [self.layout.shapes[i] for i in bucket.leaves]
         ends = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape in shapes]).tolist()
@@ -100,12 +128,22 @@ class _Made:
 def _buffers(bucket: Bucket, gpus: set) -> dict:
     """A fresh buffer for `bucket` on each GPU of `gpus` (by its JAX device) and on the
     host (under None); never written after the pull, so JAX may alias any of them."""
-    found = {None: np.empty(bucket.shape, bucket.dtype)}
+    found = {None: _aligned_empty(bucket.shape, bucket.dtype)}
     for device in gpus:
         gpu = _gpu_of(device)
         with gpu.activate():
             found[device] = gpu.empty(bucket.shape, bucket.dtype)
     return found
+
+
+def _aligned_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An uninitialised host array at a multiple of ALIGNMENT bytes, which JAX's CPU
+    devices take without a copy (every device's array then shares it: none is ever
+    written, and a donated one is copied, not written in place)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _single_device(place):
@@ -118,11 +156,13 @@ def _single_device(place):
     return None
 
 
-def _single_devices(place) -> list:
+def _devices_of(place) -> list:
+    """The devices (None: JAX's default) `place` needs a leaf's value on; none for a
+    sharding over several devices, laid out from the host."""
     if isinstance(place, PerShard):
         return [s.device for s in place.leaf.addressable_shards]
     device = _single_device(place)
-    return [] if device is None else [device]
+    return [device] if device is not None or place is None else []
 
 
 def _is_gpu(device) -> bool:
