@@ -30,10 +30,18 @@ class Bucket(NamedTuple):
     leaves: tuple
     shape: tuple          # the key's shape: the leaf's own, or (total size,)
     dtype: np.dtype
+    shapes: tuple         # each leaf's shape
+    ends: tuple           # where each leaf ends in the flat key
 
     @property
     def fused(self) -> bool:
         return len(self.leaves) > 1
+
+    def views(self, flat) -> list:
+        """The leaves as views of the bucket's flat value (any array library's)."""
+        flat = flat.reshape(-1)
+        return [flat[start:end].reshape(shape) for start, end, shape
+                in zip((0, *self.ends[:-1]), self.ends, self.shapes)]
 
 
 def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
@@ -44,13 +52,16 @@ def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
     size = 0
 
     def close() -> None:
+        if not group:
+            return
+        mine = tuple(tuple(shapes[i]) for i in group)
+        ends = tuple(np.cumsum([_count(shape) for shape in mine]).tolist())
+        first, last = group[0], group[-1]
         if len(group) == 1:
-            i = group[0]
-            buckets.append(Bucket(keys[i], (i,), shapes[i], dtypes[i]))
-        elif group:
-            total = sum(_count(shapes[i]) for i in group)
-            buckets.append(Bucket(f"{keys[group[0]]}..{keys[group[-1]]}", tuple(group),
-                                  (total,), dtypes[group[0]]))
+            buckets.append(Bucket(keys[first], (first,), mine[0], dtypes[first], mine, ends))
+        else:
+            buckets.append(Bucket(f"{keys[first]}..{keys[last]}", tuple(group), (ends[-1],),
+                                  dtypes[first], mine, ends))
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _count(shape) * dtype.itemsize
         alone = nbytes >= ALONE_BYTES
@@ -66,12 +77,13 @@ def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
     return buckets
 
 
-def pack(groups: list) -> list:
-    """Each group of arrays (a fused bucket's leaves on one device) as one flat array:
-    one jitted call for JAX arrays all on one accelerator, else NumPy on the host (where
-    a JAX array is read without a copy, and NumPy copies faster than XLA's CPU code)."""
-    devices = {d for g in groups for x in g for d in _devices(x)}
-    if len(devices) == 1 and None not in devices and next(iter(devices)).platform != "cpu":
+def pack(groups: list, device) -> list:
+    """Each group of arrays (a fused bucket's leaves of a tree on `device`) as one flat
+    array: one jitted call for JAX arrays all on one accelerator, else NumPy on the host
+    (where a JAX array is read without a copy, and NumPy copies faster than XLA's CPU
+    code)."""
+    if device is not None and device.platform != "cpu" and all(
+            isinstance(x, jax.Array) and x.devices() == {device} for g in groups for x in g):
         return _pack_jitted(groups)
     return [np.concatenate([np.asarray(x).reshape(-1) for x in g]) for g in groups]
 
@@ -81,26 +93,16 @@ def _pack_jitted(groups):
     return [jnp.concatenate([x.reshape(-1) for x in g]) for g in groups]
 
 
-def unpack(bucket: Bucket, flat, shapes: list) -> list:
+def unpack(bucket: Bucket, flat) -> list:
     """The leaves of `bucket` from its flat value (a JAX array on one device), on that
-    device, each of its shape."""
-    sizes = tuple(_count(shapes[i]) for i in bucket.leaves)
-    return _splitter(sizes, tuple(tuple(shapes[i]) for i in bucket.leaves))(flat)
+    device, by one jitted call."""
+    return _splitter(bucket)(flat)
 
 
 @functools.cache
-def _splitter(sizes: tuple, shapes: tuple):
-    ends = np.cumsum(sizes).tolist()
-    starts = [0, *ends[:-1]]
-
-    def split(flat):
-        return [flat[a:b].reshape(shape) for a, b, shape in zip(starts, ends, shapes)]
-    return jax.jit(split)
+def _splitter(bucket: Bucket):
+    return jax.jit(bucket.views)
 
 
 def _count(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
-
-
-def _devices(x) -> set:
-    return x.devices() if isinstance(x, jax.Array) else {None}

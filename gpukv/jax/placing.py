@@ -35,8 +35,10 @@ def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> li
     """The leaves of every row of places (a list of places, one per leaf), pulled, and
     with `divide_by` divided by it (in each buffer, as `x / n` rounds in its dtype)."""
     of_leaf = {i: b for b, bucket in enumerate(layout.buckets) for i in bucket.leaves}
-    wanted = {(of_leaf[i], device) for row in rows for i, place in enumerate(row)
-              for device in _devices_of(place)}
+    resolved: dict = {}   # id(place) -> its devices; a place is often shared by leaves
+    rows = [[_resolved(place, resolved) for place in row] for row in rows]
+    wanted = {(of_leaf[i], device) for row in rows for i, (_, devices) in enumerate(row)
+              for device in devices}
     gpus = {device for _, device in wanted if device is not None and _is_gpu(device)}
     buffers = [_buffers(bucket, gpus) for bucket in layout.buckets]
     if buffers:
@@ -88,17 +90,18 @@ class _Made:
 
     def _split(self, b: int, flat) -> list:
         bucket = self.layout.buckets[b]
-        return unpack(bucket, flat, self.layout.shapes) if bucket.fused else [flat]
+        return unpack(bucket, flat) if bucket.fused else [flat]
 
-    def leaf(self, i: int, place):
+    def leaf(self, i: int, resolved: tuple):
+        """Leaf i where a place `_resolved` says."""
+        place, devices = resolved
         if isinstance(place, PerShard):
             leaf = place.leaf
             shards = [self.on(i, s.device).reshape(s.data.shape)
                       for s in leaf.addressable_shards]
             return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
-        device = _single_device(place)
-        if device is not None or place is None:
-            return self.on(i, device)
+        if devices:
+            return self.on(i, devices[0])
         return jax.device_put(self.host(i), place)   # a sharding over several devices
 
     def on(self, i: int, device):
@@ -113,16 +116,8 @@ class _Made:
     def host_leaves(self, b: int) -> list:
         """Bucket b's leaves as views of its host buffer."""
         if b not in self._host:
-            self._host[b] = self._views(b)
+            self._host[b] = self.layout.buckets[b].views(self.buffers[b][None])
         return self._host[b]
-
-    def _views(self, b: int) -> list:
-        flat, bucket = self.buffers[b][None], self.layout.buckets[b]
-        shapes = [self.layout.shapes[i] for i in bucket.leaves]
-        ends = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape in shapes]).tolist()
-        flat = flat.reshape(-1)
-        return [flat[start:end].reshape(shape)
-                for start, end, shape in zip([0, *ends[:-1]], ends, shapes)]
 
 
 def _buffers(bucket: Bucket, gpus: set) -> dict:
@@ -156,13 +151,18 @@ def _single_device(place):
     return None
 
 
-def _devices_of(place) -> list:
-    """The devices (None: JAX's default) `place` needs a leaf's value on; none for a
-    sharding over several devices, laid out from the host."""
-    if isinstance(place, PerShard):
-        return [s.device for s in place.leaf.addressable_shards]
-    device = _single_device(place)
-    return [device] if device is not None or place is None else []
+def _resolved(place, memo: dict) -> tuple:
+    """(place, the devices it needs a leaf's value on: None for JAX's default device;
+    none for a sharding over several devices, laid out from the host)."""
+    found = memo.get(id(place))
+    if found is None:
+        if isinstance(place, PerShard):
+            devices = [s.device for s in place.leaf.addressable_shards]
+        else:
+            device = _single_device(place)
+            devices = [device] if device is not None or place is None else []
+        found = memo[id(place)] = (place, devices)
+    return found
 
 
 def _is_gpu(device) -> bool:

@@ -51,7 +51,7 @@ def columns(layout: TreeLayout, rows: list) -> list:
     """Per bucket key, every row's value of it, as arrays the store takes."""
     out: list = [[] for _ in layout.buckets]
     fused = [b for b, bucket in enumerate(layout.buckets) if bucket.fused]
-    for _, row in rows:
+    for device, row in rows:
         for b, bucket in enumerate(layout.buckets):
             if not bucket.fused:
                 (i,) = bucket.leaves
@@ -60,7 +60,7 @@ def columns(layout: TreeLayout, rows: list) -> list:
             for i in layout.buckets[b].leaves:
                 check_dtype(layout.buckets[b], layout.keys[i], row[i])
         groups = [[row[i] for i in layout.buckets[b].leaves] for b in fused]
-        for b, flat in zip(fused, pack(groups)):
+        for b, flat in zip(fused, pack(groups, device)):
             out[b].append(store_array(layout.buckets[b].key, flat))
     return out
 
