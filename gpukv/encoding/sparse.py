@@ -105,7 +105,15 @@ def _own(ids):
 
 
 class RowSparse:
-    """Rows `indices` of a `shape`-shaped array whose other rows are zero."""
+    """Rows `indices` of a `shape`-shaped array whose other rows are zero.
+
+    `indices`: a 1-D integer array of row numbers, each below `shape[0]` (repeats are
+    summed); `data`: the rows themselves, shaped `(len(indices),) + shape[1:]`, on the
+    device of `indices`; `shape`: the dense array's shape. The indices are checked and
+    copied; `data` is kept as given::
+
+        g = gpukv.RowSparse(np.array([3, 7]), np.ones((2, 16)), (1000, 16))
+    """
 
     __slots__ = ("indices", "data", "shape")
 
@@ -144,9 +152,9 @@ class RowSparse:
 
     @classmethod
     def trusted(cls, indices, data, shape):
-        """A RowSparse from arrays already valid as the constructor requires (the store's
-        row merge and this class's own operations make them): nothing is checked here,
-        and nothing waits for the device."""
+        """A RowSparse of `indices`, `data` and `shape` already valid as the constructor
+        requires (the store's row merge and this class's own operations make them):
+        nothing is checked here, and nothing waits for the device."""
         obj = cls.__new__(cls)
         obj.indices, obj.data, obj.shape = indices, data, tuple(shape)
         return obj
@@ -154,10 +162,12 @@ class RowSparse:
     # ------------------------------------------------------------------ properties
     @property
     def dtype(self):
+        """The dtype of the rows."""
         return self.data.dtype
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions of the dense value."""
         return len(self.shape)
 
     @property
@@ -167,16 +177,19 @@ class RowSparse:
 
     @property
     def on_host(self) -> bool:
+        """Whether the rows are a NumPy array (else on a GPU)."""
         return isinstance(self.data, np.ndarray)
 
     @property
     def xp(self):
+        """The array module of the rows: `numpy` or `cupy`."""
         return _xp_of(self.data)
 
     # ------------------------------------------------------------------- builders
     @classmethod
     def zeros(cls, shape, dtype=np.float32, xp=np):
-        """An all-zero value with no rows, on the host (xp=numpy) or the current GPU."""
+        """An all-zero value of `shape` and `dtype` with no rows, on the host (`xp`=numpy)
+        or the current GPU (`xp`=cupy): the `out` of a `row_sparse_pull`."""
         shape = tuple(shape)
         return cls(xp.zeros(0, xp.int64), xp.zeros((0,) + shape[1:], dtype), shape)
 
@@ -225,7 +238,8 @@ class RowSparse:
         return RowSparse.trusted(idx[starts], summed.astype(dtype, copy=False), self.shape)
 
     def todense(self, dtype=None):
-        """The dense array (repeated rows summed) on the same device."""
+        """The dense array (repeated rows summed) on the same device, of `dtype` (None:
+        the rows' dtype)."""
         dtype = self.data.dtype if dtype is None else np.dtype(dtype)
         with _on_device_of(self.data):
             return self._todense(self.xp, dtype)
@@ -255,6 +269,7 @@ class RowSparse:
         return RowSparse.trusted(ids, data, self.shape)
 
     def copy(self) -> RowSparse:
+        """A copy of the indices and the rows, on the same device."""
         with _on_device_of(self.data):  # CuPy copies to the current device
             return RowSparse.trusted(self.indices.copy(), self.data.copy(), self.shape)
 

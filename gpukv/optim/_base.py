@@ -115,7 +115,10 @@ class Optimizer:
     the (rescaled) gradient to [-c, c] (None: no clipping). lr_scheduler: an object with
     `__call__(num_update) -> lr`. begin_num_update: the update count keys start from.
     multi_precision: accepted for MXNet compatibility; float16/bfloat16 weights always get
-    a float32 master copy here.
+    a float32 master copy here. param_idx2name: {key: parameter name}, so that multipliers
+    set by name (`set_lr_mult`, `set_wd_mult`) apply to the key.
+
+    Each optimizer below takes these options beside its own.
     """
 
     #: extra hyper-parameters of a subclass, in the order the CUDA kernel receives them
@@ -172,22 +175,25 @@ class Optimizer:
     # ------------------------------------------------------------- MXNet's interface
     @property
     def learning_rate(self) -> float:
+        """The rate of the next update: the schedule's at `num_update`, else the set one."""
         if self.lr_scheduler is not None:
             return self.lr_scheduler(self.num_update)
         return self.lr
 
     def set_learning_rate(self, lr) -> None:
-        """Set the rate (only without a schedule, as in MXNet)."""
+        """Set the rate to `lr` (only without a schedule, as in MXNet)."""
         if self.lr_scheduler is not None:
             raise ArgumentError("set_learning_rate: this optimizer follows an lr_scheduler")
         self.lr = check_number("learning_rate", lr, low=0)
 
     def set_lr_mult(self, args_lr_mult: dict) -> None:
-        """Per-key learning-rate multipliers: {key: mult}."""
+        """Per-key learning-rate multipliers: `args_lr_mult` is {key or parameter name:
+        multiplier}, and replaces those set before."""
         self.lr_mult = self._mults("lr_mult", args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult: dict) -> None:
-        """Per-key weight-decay multipliers: {key: mult}."""
+        """Per-key weight-decay multipliers: `args_wd_mult` is {key or parameter name:
+        multiplier}, and replaces those set before."""
         self.wd_mult = self._mults("wd_mult", args_wd_mult)
 
     @staticmethod
@@ -246,13 +252,16 @@ class Optimizer:
         """Update `w` (and `states`) in place from `g`, using only in-place ufuncs.
 
         All arguments are equally shaped arrays of the compute type (any slice of a key,
-        or of several keys sharing the scalars `sc`); `tmp` holds `host_scratch` scratch
-        arrays of that shape. The updater calls it on cache-sized pieces.
+        or of several keys sharing the scalars `sc`, which `next_scalars` returned: lr and
+        wd first); `hp` holds the float32 hyper-parameters of `hyper()`; `tmp` holds
+        `host_scratch` scratch arrays of that shape. The updater calls it on cache-sized
+        pieces.
         """
         raise NotImplementedError
 
     def host_step(self, w, g, states, sc, hp) -> None:
-        """Update `w` (and `states`) in place from the gradient `g`; NumPy, one key."""
+        """Update `w` (and `states`) in place from the gradient `g`; NumPy, one key
+        (`sc` and `hp` as for `host_chunk`)."""
         tmp = [np.empty_like(w) for _ in range(self.host_scratch)]
         self.host_chunk(w, g, states, sc, hp, tmp)
 
@@ -269,7 +278,8 @@ class Optimizer:
     def sparse_chunk(self, w, g, states, sc, hp, tmp) -> None:
         """`host_chunk` as MXNet's kernel for row-sparse gradients rounds: run on the
         gradient's rows (lazy) or on every row with the gradient made dense (standard).
-        Rules without a sparse kernel in MXNet use their dense rule."""
+        Rules without a sparse kernel in MXNet use their dense rule. `w`, `g`, `states`,
+        `sc`, `hp` and `tmp` are `host_chunk`'s."""
         self.host_chunk(w, g, states, sc, hp, tmp)
 
     @property

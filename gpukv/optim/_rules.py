@@ -287,6 +287,8 @@ class Adam(Optimizer):
     host_scratch = 2
 
     def host_chunk(self, w, g, states, sc, hp, tmp, square_first=False):
+        """`Optimizer.host_chunk`; `square_first` rounds the second moment as
+        (g * g) * (1 - beta2), as MXNet's row-sparse kernel does."""
         lr, wd = sc[0], sc[1]
         mean, var = states
         r, s = tmp[0], tmp[1]
@@ -455,7 +457,12 @@ class AdaGrad(Optimizer):
 @register
 class RMSProp(Optimizer):
     """RMSProp: Tieleman & Hinton (`rmsprop_update`), or Graves' centered version
-    (`rmspropalex_update`) with `centered=True`; `clip_weights` clips the new weight."""
+    (`rmspropalex_update`) with `centered=True`; `clip_weights` clips the new weight.
+
+    gamma1: the decay of the mean square of the gradients (and, centered, of its mean);
+    gamma2: the momentum of the centered version; epsilon: added to the mean square
+    before its square root.
+    """
 
     hyper_names = ("gamma1", "gamma2", "epsilon", "clip_weights")
     name = "rmsprop"
@@ -548,7 +555,11 @@ class RMSProp(Optimizer):
 @register
 class LAMB(Optimizer):
     """LAMB (MXNet's `multi_lamb_update`): Adam's direction plus wd * w, scaled per key by
-    the trust ratio ||w|| / ||direction|| (||w|| bounded by lower_bound / upper_bound)."""
+    the trust ratio ||w|| / ||direction|| (||w|| bounded by lower_bound / upper_bound).
+
+    beta1, beta2, epsilon: Adam's; bias_correction: divide the moments by
+    1 - beta1**t and 1 - beta2**t.
+    """
 
     hyper_names = ("beta1", "beta2", "epsilon", "lower_bound", "upper_bound")
     name = "lamb"
@@ -594,7 +605,8 @@ class LAMB(Optimizer):
     host_scratch = 2
 
     def host_direction_chunk(self, w, g, states, sc, hp, d, tmp) -> None:
-        """Phase one on a piece: update the moments, write the direction into `d`."""
+        """Phase one on a piece: update the moments, write the direction into `d`
+        (`w`, `g`, `states`, `sc`, `hp` and `tmp` as for `Optimizer.host_chunk`)."""
         wd, bc1, bc2 = sc[1], sc[2], sc[3]
         mean, var = states
         r, s = tmp[0], tmp[1]
@@ -613,13 +625,16 @@ class LAMB(Optimizer):
         np.add(d, s, out=d)
 
     def host_direction(self, w, g, states, sc, hp):
-        """Phase one: update the moments, return the direction (a new array)."""
+        """Phase one on a whole key: update the moments, return the direction (a new
+        array); `w`, `g`, `states`, `sc` and `hp` as for `Optimizer.host_chunk`."""
         d = np.empty_like(w)
         self.host_direction_chunk(w, g, states, sc, hp, d, [np.empty_like(w), np.empty_like(w)])
         return d
 
     def trust_lr(self, lr, sumsq_w, sumsq_d, hp, ct):
-        """lr * ||w|| / ||d|| in MXNet's float arithmetic (lr alone if either norm is 0)."""
+        """lr * ||w|| / ||d|| in MXNet's float arithmetic (lr alone if either norm is 0),
+        from the sums of squares `sumsq_w` and `sumsq_d`, the bounds in `hp`, as a `ct`
+        (the compute type) scalar."""
         r1 = np.sqrt(np.float32(sumsq_w))
         r2 = np.sqrt(np.float32(sumsq_d))
         if self.lower_bound is not None:
@@ -630,6 +645,8 @@ class LAMB(Optimizer):
         return lr * r
 
     def host_step(self, w, g, states, sc, hp, stored=None):
+        """`Optimizer.host_step`, with ||w|| taken of `stored` when given (the key's
+        stored value, of which `w` may be the float32 master copy)."""
         d = self.host_direction(w, g, states, sc, hp)
         ref = w if stored is None else stored
         sumsq_w = float(np.sum(np.square(ref, dtype=np.float64)))

@@ -78,7 +78,8 @@ class _Scratch:
 
 
 class OptimizerUpdater:
-    """The batch updater `KVStore.set_optimizer` installs."""
+    """The batch updater `KVStore.set_optimizer` installs: it runs `optimizer` over the
+    keys of a push, keeping each key's state (`states`) on the key's home device."""
 
     def __init__(self, optimizer: Optimizer):
         self.optimizer = optimizer
@@ -142,7 +143,8 @@ class OptimizerUpdater:
                 states[key].home = home
 
     def check(self, keys, stored) -> None:
-        """DTypeError naming the first key whose value this optimizer cannot update."""
+        """DTypeError naming the first of `keys` whose value in `stored` (the keys'
+        values, in the same order) this optimizer cannot update."""
         known = _FLOAT_DTYPES
         for key, s in zip(keys, stored):
             ok = known.get(s.dtype)
@@ -171,6 +173,9 @@ class OptimizerUpdater:
 
     # ------------------------------------------------------------------ update
     def update(self, keys, merged, stored, homes) -> None:
+        """Update the values `stored` of `keys` in place from their summed gradients
+        `merged`, each on its home device (`homes`, in the same order): one multi-tensor
+        step per (GPU, dtype), vectorised NumPy on the host."""
         self.check(keys, stored)
         opt = self.optimizer
         hp = opt.hyper()
@@ -393,7 +398,8 @@ class OptimizerUpdater:
 
     # ----------------------------------------------------------- row-sparse
     def update_rows(self, keys, merged, stored, homes) -> None:
-        """Apply row-sparse gradients (`RowSparse`, sorted unique rows, on each home).
+        """Apply row-sparse gradients `merged` (`RowSparse`, sorted unique rows, on each
+        of `homes`) to the values `stored` of `keys`, as `update` does.
 
         A lazy rule reads and writes only the gradient's rows of each weight and state;
         otherwise every row is updated, absent rows with a zero gradient.
@@ -505,13 +511,15 @@ class OptimizerUpdater:
                      keys=None) -> tuple[dict, dict]:
         """(header, {name: NumPy array}) holding every state tensor and update count
         (`fetch(home, array)`: where each goes on the host; default a copy), of the keys
-        in `keys` only when given."""
+        in `keys` only when given; the header holds the optimizer's options too with
+        `dump_optimizer`."""
         states = self.states if keys is None else {
             k: v for k, v in self.states.items() if k in keys}
         return _state.export_state(self.optimizer, states, dump_optimizer, fetch)
 
     def import_state(self, header, arrays, entries, *, check_only=False, path="") -> None:
-        """Replace every state with the saved ones; `entries`: {key: (value, home)}.
+        """Replace every state with the saved ones (`export_state`'s `header` and
+        `arrays`); `entries`: {key: (value, home)}; `path` names the file in errors.
 
         `check_state`, then `apply_state`: everything is checked before anything changes,
         and any mismatch is a CheckpointError. `check_only`: check, change nothing.
@@ -522,8 +530,9 @@ class OptimizerUpdater:
             self.apply_state(plan, {k: home for k, (_, home) in entries.items()})
 
     def check_state(self, header, arrays, weights, *, path="") -> StatePlan:
-        """Check saved state against this optimizer, changing nothing (see
-        `_state.check_state`); the `StatePlan` that `apply_state` installs."""
+        """Check saved state (`export_state`'s `header` and `arrays`) against this
+        optimizer and `weights` ({key: its value}), changing nothing; the `StatePlan`
+        that `apply_state` installs. `path` names the file in errors."""
         return _state.check_state(self.optimizer, header, arrays, weights, path=path)
 
     def apply_state(self, plan: StatePlan, homes: dict) -> None:

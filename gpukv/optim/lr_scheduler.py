@@ -41,7 +41,13 @@ def _int(name, value, low):
 
 
 class LRScheduler:
-    """Base class: warm-up handling and the `__call__(num_update) -> lr` protocol."""
+    """Base class: warm-up handling and the `__call__(num_update) -> lr` protocol.
+
+    base_lr: the rate after warm-up (an optimizer given a `learning_rate` sets it);
+    warmup_steps: how many updates the warm-up lasts (0: none); warmup_begin_lr: the rate
+    it starts from; warmup_mode: 'linear' (rising to base_lr) or 'constant'. Each schedule
+    below takes these options beside its own.
+    """
 
     def __init__(self, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
         self.base_lr = _number("base_lr", base_lr, low=0)
@@ -56,6 +62,7 @@ class LRScheduler:
         self.warmup_mode = warmup_mode
 
     def get_warmup_lr(self, num_update):
+        """The rate during warm-up, at update `num_update`."""
         if self.warmup_mode == "linear":
             increase = ((self.warmup_final_lr - self.warmup_begin_lr)
                         * float(num_update) / float(self.warmup_steps))
@@ -176,7 +183,8 @@ _CLASSES = {c.__name__: c for c in
 
 
 def from_state(state: dict) -> LRScheduler:
-    """The schedule `LRScheduler.state()` described (only the classes defined here)."""
+    """The schedule that `LRScheduler.state()` returned `state` for (only the classes
+    defined here)."""
     cls = _CLASSES.get(state.get("class", "")) if isinstance(state, dict) else None
     attrs = state.get("attrs") if cls is not None else None
     if cls is None or not isinstance(attrs, dict):

@@ -144,10 +144,11 @@ class KVStore(ABC):
         `out` takes the forms of `push`'s `value`: for one key an array or a list of arrays
         (one per device), for a list of keys one of those per key. Another dtype is
         converted; RowSparse outs are skipped (`ignore_sparse`, as MXNet; use
-        `row_sparse_pull`). An out is written as `out.copy_(value)` would write it: a
-        PyTorch tensor that requires grad only under `torch.no_grad()`, its version
-        counter moved; an out that cannot be written in place (read-only, or an object
-        whose `__array__` returns a copy) is a ReadOnlyError::
+        `row_sparse_pull`). `priority` is accepted for MXNet's sake (calls run in order).
+        An out is written as `out.copy_(value)` would write it: a PyTorch tensor that
+        requires grad only under `torch.no_grad()`, its version counter moved; an out that
+        cannot be written in place (read-only, or an object whose `__array__` returns a
+        copy) is a ReadOnlyError::
 
             kv.pull('w', out=w_host)
             kv.pull(['w', 'b'], out=[[w0, w1], [b0, b1]])
@@ -158,13 +159,14 @@ class KVStore(ABC):
                  priority: int = 0) -> None:
         """Push `value` then pull into `out` (or back into `value` when out is None).
 
-        The argument forms of `push` and `pull`; both halves are checked before either runs.
+        `key`, `value`, `out` and `priority` take the forms of `push` and `pull`; both
+        halves are checked before either runs.
         """
 
     @abstractmethod
     def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
-        """Initialise key(s) with `value`, then pull into `out` (`init`'s and `pull`'s
-        argument forms)."""
+        """Initialise `key` (one or a list) with `value`, then pull into `out` (`init`'s
+        and `pull`'s argument forms; `priority` is accepted for MXNet's sake)."""
 
     @abstractmethod
     def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,
@@ -174,7 +176,8 @@ class KVStore(ABC):
         `row_ids`: an integer array (any shape) or list of ints, shared by every out of
         the key, or a list with one such array per out. Each out receives exactly the
         requested rows, deduplicated and sorted (its other rows are zero), on the device
-        its arrays are on. Works for any key: every key is stored dense-backed.
+        its arrays are on. Works for any key: every key is stored dense-backed. `priority`
+        is accepted for MXNet's sake (calls run in order).
         """
 
     # ------------------------------------------------- updaters and compression
@@ -229,7 +232,8 @@ class KVStore(ABC):
 
     @abstractmethod
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
-        """Restore the state `save_optimizer_states` wrote; CheckpointError if it does not fit.
+        """Restore the state `save_optimizer_states` wrote to `fname`; CheckpointError if
+        it does not fit.
 
         The file, every key's state, and the options, multipliers and schedule it may
         hold are all checked before anything changes: a failed load changes nothing.

@@ -127,10 +127,12 @@ class Trainer:
     # ------------------------------------------------------------------ properties
     @property
     def kvstore(self) -> KVStore:
+        """The store the trainer pushes to and pulls from."""
         return self._kv
 
     @property
     def optimizer(self) -> Optimizer:
+        """The `gpukv.optim.Optimizer` the trainer runs."""
         return self._optimizer
 
     @property
@@ -160,10 +162,12 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float:
+        """The optimizer's learning rate (its schedule's, if it has one)."""
         return self._optimizer.learning_rate
 
     def set_learning_rate(self, lr) -> None:
-        """Set the optimizer's learning rate (not with an lr_scheduler, as in MXNet)."""
+        """Set the optimizer's learning rate to `lr` (not with an lr_scheduler, as in
+        MXNet)."""
         self._optimizer.set_learning_rate(lr)
         for opt in self._update.replica_optimizers:
             opt.set_learning_rate(lr)
@@ -241,7 +245,7 @@ class Trainer:
         rescaled by 1/batch_size, or averaged over `num_replicas` when it is None (as
         `step`; with update_on_kvstore=False only, as in gluon). After
         `allreduce_grads` it updates what that summed; else stale gradients are checked
-        as by `step`."""
+        as by `step` (`ignore_stale_grad`: as `step`'s)."""
         replicas = self._replica_update("update")
         scale = self._scale_for(batch_size)
         self._grads.check_trainable()
@@ -295,8 +299,8 @@ class Trainer:
         self._update.state_stores[0].save_optimizer_states(path)
 
     def load_states(self, path) -> None:
-        """Restore the optimizer's state `save_states` wrote (CheckpointError if it does
-        not fit; nothing changes then)."""
+        """Restore the optimizer's state `save_states` wrote to `path` (CheckpointError if
+        it does not fit; nothing changes then)."""
         # The first load checks the file whole: if it fails, nothing has changed.
         for store in self._update.state_stores:
             store.load_optimizer_states(path)
