@@ -40,7 +40,8 @@ def test_a_pull_onto_a_gpu_hands_over_the_gpus_own_buffer(bucket_bytes, monkeypa
     assert placing._is_gpu(gpu)
     buffers = [placing._buffers(bucket, {gpu}) for bucket in layout.buckets]
     kv.pull(layout.bucket_keys, out=[list(b.values()) for b in buffers])
-    of_leaf = {i: b for b, bucket in enumerate(layout.buckets) for i in bucket.leaves}
+    of_leaf = {i: (b, k) for b, bucket in enumerate(layout.buckets)
+               for k, i in enumerate(bucket.leaves)}
     made = placing._Made(layout, buffers, of_leaf)
     made.place([(b, gpu) for b in range(len(layout.buckets))])
     leaves = [made.on(i, gpu) for i in range(len(layout.keys))]

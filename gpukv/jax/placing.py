@@ -34,10 +34,11 @@ class PerShard(NamedTuple):
 def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> list:
     """The leaves of every row of places (a list of places, one per leaf), pulled, and
     with `divide_by` divided by it (in each buffer, as `x / n` rounds in its dtype)."""
-    of_leaf = {i: b for b, bucket in enumerate(layout.buckets) for i in bucket.leaves}
+    of_leaf = {i: (b, k) for b, bucket in enumerate(layout.buckets)
+               for k, i in enumerate(bucket.leaves)}
     resolved: dict = {}   # id(place) -> its devices; a place is often shared by leaves
     rows = [[_resolved(place, resolved) for place in row] for row in rows]
-    wanted = {(of_leaf[i], device) for row in rows for i, (_, devices) in enumerate(row)
+    wanted = {(of_leaf[i][0], device) for row in rows for i, (_, devices) in enumerate(row)
               for device in devices}
     gpus = {device for _, device in wanted if device is not None and _is_gpu(device)}
     buffers = [_buffers(bucket, gpus) for bucket in layout.buckets]
@@ -60,7 +61,7 @@ class _Made:
     def __init__(self, layout: TreeLayout, buffers: list, of_leaf: dict):
         self.layout = layout
         self.buffers = buffers
-        self.of_leaf = of_leaf
+        self.of_leaf = of_leaf  # leaf index -> (its bucket's index, its place there)
         self._on: dict = {}   # (bucket index, device) -> the bucket's leaves there
         self._host: dict = {}   # bucket index -> its leaves as views of its host buffer
 
@@ -106,12 +107,12 @@ class _Made:
 
     def on(self, i: int, device):
         """Leaf i on `device` (None: JAX's default device), made by `place`."""
-        b = self.of_leaf[i]
-        return self._on[(b, device)][self.layout.buckets[b].leaves.index(i)]
+        b, k = self.of_leaf[i]
+        return self._on[(b, device)][k]
 
     def host(self, i: int) -> np.ndarray:
-        b = self.of_leaf[i]
-        return self.host_leaves(b)[self.layout.buckets[b].leaves.index(i)]
+        b, k = self.of_leaf[i]
+        return self.host_leaves(b)[k]
 
     def host_leaves(self, b: int) -> list:
         """Bucket b's leaves as views of its host buffer."""

@@ -28,19 +28,14 @@ def _rows(layout: TreeLayout, found: list, call: str) -> list:
         return [(per_leaf[0][0][0] if per_leaf else None,
                  [_value(layout, i, values[0][1]) for i, values in enumerate(per_leaf)])]
     devices = [device for device, _ in per_leaf[spread[0]]]
-    rows = []
-    for r, device in enumerate(devices):
-        row = []
-        for i, values in enumerate(per_leaf):
-            mine = dict(values)
-            if set(mine) != set(devices):
-                raise ArgumentError(f"leaf {layout.keys[i]!r} is on "
-                                    f"{_devices(mine)}, leaf {layout.keys[spread[0]]!r} "
-                                    f"on {_devices(devices)}: a tree's leaves must be on "
-                                    f"the same devices")
-            row.append(_value(layout, i, mine[device]))
-        rows.append((device, row))
-    return rows
+    by_device = [dict(values) for values in per_leaf]
+    for i, mine in enumerate(by_device):
+        if set(mine) != set(devices):
+            raise ArgumentError(f"leaf {layout.keys[i]!r} is on {_devices(mine)}, leaf "
+                                f"{layout.keys[spread[0]]!r} on {_devices(devices)}: a "
+                                f"tree's leaves must be on the same devices")
+    return [(device, [_value(layout, i, mine[device]) for i, mine in enumerate(by_device)])
+            for device in devices]
 
 
 def _value(layout: TreeLayout, i: int, value):
