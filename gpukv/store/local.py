@@ -599,10 +599,8 @@ class LocalStore(KVStore):
                 return
             mine = None if comp is None else comp.params()
             if comp is not None:  # afresh, whatever follows
-                compressor = make_compressor(mine)
-                assert compressor is not None  # made from a compressor's params
-                comp = self._compression = GradientCompression(compressor)
-                self.rejoin()
+                self._compress_afresh(make_compressor(mine))
+                comp = self._compression
             reason: str | None
             if not saved.present:
                 reason = ("the snapshot holds none (written before snapshots kept them), "
@@ -675,9 +673,13 @@ class LocalStore(KVStore):
                 f"(as in MXNet); use 'device' or a 'dist' store")
         compressor = make_compressor(compression_params)
         with self._lock:
-            self._compression = (None if compressor is None
-                                 else GradientCompression(compressor))
-            self.rejoin()  # every residual afresh, the served values' too: they are the values
+            self._compress_afresh(compressor)
+
+    def _compress_afresh(self, compressor) -> None:
+        """Compress with `compressor` (None: not at all), every residual afresh, the
+        served values' too: they become the values. The caller holds the lock."""
+        self._compression = None if compressor is None else GradientCompression(compressor)
+        self.rejoin()
 
     @property
     def gradient_compression(self) -> dict | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +17,8 @@ import gpukv
 from gpukv import optim
 from gpukv.checkpoints import snapshots
 from gpukv.checkpoints.checkpoint import read_archive, write_archive
+
+from .held_writes import hold_snapshot_writes
 
 #: key -> shape: a matrix PowerSGD compresses, a vector every compressor sends
 SHAPES = {"w": (16, 40), "b": (70,)}
@@ -81,13 +82,8 @@ def _host(array):
 def _uninterrupted_and_snapshot(root, compression, updater, k, monkeypatch, gpus=None):
     """Steps 0..STEPS of one store, with a snapshot at step k whose write is held until
     the store has pushed on to the end (so what it writes is what was staged)."""
-    release = threading.Event()
     write = snapshots.write_archive
-
-    def held_write(*args, **kwargs):
-        assert release.wait(30), "the test never let the write go"
-        write(*args, **kwargs)
-    monkeypatch.setattr(snapshots, "write_archive", held_write)
+    release = hold_snapshot_writes(monkeypatch)
     kv = _store(compression, updater, gpus)
     _steps(kv, 0, k, gpus)
     kv.snapshot(root, k)

@@ -11,7 +11,6 @@ import random
 import shutil
 import struct
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from gpukv import optim
 from gpukv.checkpoints import checkpoint, snapshots
 from gpukv.checkpoints import user_state as user_state_format
 from gpukv.checkpoints.checkpoint import read_archive
+
+from .held_writes import hold_snapshot_writes
 
 torch = pytest.importorskip("torch")
 try:
@@ -257,13 +258,7 @@ def test_a_mutation_after_snapshot_returns_is_not_written(tmp_path, monkeypatch)
     """What snapshot() saves is the state when it returned: pushes (values and optimizer
     state) and changes to user_state's arrays made while the file is being written are
     not in it."""
-    release = threading.Event()
-    write = snapshots.write_archive
-
-    def held_write(*args, **kwargs):
-        assert release.wait(30), "the test never let the write go"
-        write(*args, **kwargs)
-    monkeypatch.setattr(snapshots, "write_archive", held_write)
+    release = hold_snapshot_writes(monkeypatch)
     kv = _store("local")
     _train(kv, 0, 2)
     kv.save(tmp_path / "then.npz")
