@@ -38,7 +38,9 @@ all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
   --warmup is raised to 3 so that they and the first compressed one are not timed).
 `--ways` picks some of them (compute and ddp always run: the others are measured against
 them; by default the four uncompressed Trainer ways). 'iter/ddp' is a way's iteration
-over ddp's.
+over ddp's; 'backward' is the time of `loss.backward()` (slowest process), where the
+overlap's reductions run beside backward's hooks, and 'bwd/alone' that over the compute
+way's (DDP's includes its wait for the last all-reduce).
 'sync' is an iteration less the compute way's (the time communication adds); beside it,
 'mpi allreduce' is the floor of that: one MPI Allreduce of all the gradients (float32, in
 place) with mpi4py, timed in the same job. After the
@@ -210,18 +212,24 @@ def child(args) -> int:
             steps[way] = (trainer.zero_grad, model,
                           lambda trainer=trainer: trainer.step(batch))
 
-        def iteration(way):
+        def iteration(way, backward_s: list):
             zero, model, step = steps[way]
             zero()
-            loss_fn(model(xs), ys).backward()
+            loss = loss_fn(model(xs), ys)
+            start = time.perf_counter()
+            loss.backward()
+            backward_s.append(time.perf_counter() - start)
             step()
 
         samples: dict = {way: [] for way in ways}
+        backwards: dict = {way: [] for way in ways}
         for i in range(args.warmup + args.iters):
             for way in ways:
-                seconds = slowest(lambda: iteration(way))
+                backward_s: list = []
+                seconds = slowest(lambda: iteration(way, backward_s))
                 if i >= args.warmup:
                     samples[way].append(seconds)
+                    backwards[way].append(comm.allreduce(backward_s[0], op=MPI.MAX))
         parameters = sum(p.numel() for p in base.parameters())
         flat = np.ones(parameters, np.float32)  # the raw transport's time for the gradients
         raw = [slowest(lambda: comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM))
@@ -237,6 +245,9 @@ def child(args) -> int:
             diff = max(float(((p.detach() - q).abs() / (q.abs() + 1e-3)).max())
                        for p, q in zip(models[way].parameters(), reference))
             record["ways"][way] = {"iteration_s": median, "sync_s": median - compute,
+                                   "backward_s": statistics.median(backwards[way]),
+                                   "backward_over_compute": statistics.median(backwards[way])
+                                   / statistics.median(backwards["compute"]),
                                    "iteration_over_ddp": median / ddp,
                                    "min_s": min(samples[way]), "max_s": max(samples[way]),
                                    "relative_difference_from_ddp": diff,
@@ -333,13 +344,14 @@ def table_rows(record: dict) -> list[list]:
                      C.format_seconds(r["iteration_s"]),
                      C.format_seconds(r["sync_s"]) if way != "compute" else "-",
                      round(r["iteration_s"] / ddp, 2),
+                     C.format_seconds(r["backward_s"]), round(r["backward_over_compute"], 2),
                      f"{r['relative_difference_from_ddp']:.1e}"
                      + (" (lossy)" if r.get("lossy") else "")])
     rows.append([record["model"], record["processes"], "mpi allreduce", "-",
-                 C.format_seconds(record["mpi_allreduce_s"]), "-", "-"])
+                 C.format_seconds(record["mpi_allreduce_s"]), "-", "-", "-", "-"])
     if "link_bound_s" in record:
         rows.append([record["model"], record["processes"], f"link-bound ({record['rate']})",
-                     "-", C.format_seconds(record["link_bound_s"]), "-", "-"])
+                     "-", C.format_seconds(record["link_bound_s"]), "-", "-", "-", "-"])
     return rows
 
 
@@ -382,8 +394,8 @@ def main(argv=None) -> int:
                 print(f"FAILED {record['model']}: {record['error']}", file=sys.stderr)
             records.append(record)
             rows += table_rows(record)
-    C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp",
-                   "diff vs ddp"], rows)
+    C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp", "backward",
+                   "bwd/alone", "diff vs ddp"], rows)
     payload = {"processes": args.devices, "batch": args.batch, "threads": args.threads,
                "warmup": args.warmup, "iters": args.iters,
                "cluster": args.cluster and {"hosts": args.cluster, "rate": args.rate},

@@ -583,6 +583,10 @@ def test_trainer_benchmark_against_ddp(tmp_path):
         for way in ("trainer", "trainer overlap", "trainer on store",
                     "trainer on store overlap"):
             assert ways[way]["relative_difference_from_ddp"] < 1e-5, (way, ways[way])
+        for way, r in ways.items():  # backward is timed inside the iteration
+            assert 0 < r["backward_s"] < r["iteration_s"], (way, r)
+            assert r["backward_over_compute"] == pytest.approx(
+                r["backward_s"] / ways["compute"]["backward_s"])
 
 
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])

@@ -1,0 +1,73 @@
+"""benchmarks/model_hosts.py: NCCL's cost model as tuning.cc states it, the model's
+figures from a bench_cluster record, and its per-message measurement over MPI."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ..distributed.mpirun import require_mpi
+from .test_bench_cli import _load
+
+MB = 1 << 20
+
+
+def _case(hosts, way, nbytes, seconds):
+    return {"hosts": hosts, "rate": "100mbit", "way": way, "bytes": nbytes, "keys": 1,
+            "ok": True, "median_s": seconds, "fraction_of_limit": 0.5}
+
+
+def test_nccl_ring_and_tree_follow_tuning_cc():
+    m = _load("model_hosts.py")
+    link = 50e9  # 400 Gb/s
+    big = m.nccl_seconds(64, 100_000_000, link)
+    steps = 2 * 63
+    assert big["ring"] == pytest.approx((8.4 + steps * 9.6) * 1e-6 * 1.9
+                                        + steps / 64 * 100_000_000 / link)
+    assert big["tree"] == pytest.approx(2 * 6 * 50e-6 + 100_000_000 / (0.45 * link))
+    small = m.nccl_seconds(1024, 4096, link)
+    assert small["tree LL"] == pytest.approx((6.8 + 2 * 10 * 5.0) * 1e-6
+                                             + 4096 / (0.45 / 3.8 * link))
+    assert small["best"] == min(v for k, v in small.items() if k != "best")
+    assert small["best"] == small["tree LL"]  # small messages: the tree's log latency wins
+
+
+def test_the_model_takes_its_figures_from_the_2_host_runs():
+    m = _load("model_hosts.py")
+    rate = 100e6 / 8
+    exchange_s = 4 * MB / rate / 0.8  # the bytes at 80% of the link on 2 hosts
+    message_s = 40e-6
+    sent = m.messages(2, 4 * MB)
+    cases = [_case(2, "s0", 4096, 300e-6), _case(2, "mpi", 4096, 100e-6),
+             _case(2, "s0", 4 * MB, exchange_s + message_s * sent),
+             _case(2, "mpi", 4 * MB, 0.4), _case(16, "s0", 4096, 9e-3)]
+    fits = m.fitted(cases, message_s)
+    assert fits["round_software_s"] == pytest.approx(200e-6)
+    assert fits["link_share"] == pytest.approx(0.8)
+    rows = {(r["hosts"], r["gbit_s"], r["size"]): r for r in m.predict(fits)}
+    row = rows[1024, 400, "100 MB"]
+    link = 400e9 / 8
+    assert row["gpukv_s"] == pytest.approx(2 * 1023 / 1024 * 1e8 / (0.8 * link)
+                                           + message_s * m.messages(1024, 100_000_000))
+    # at the cost per message it names, the exchange would take what NCCL's best takes
+    needed = row["message_s_to_match"]
+    assert needed is not None and needed < message_s
+    assert (2 * 1023 / 1024 * 1e8 / (0.8 * link) + needed * m.messages(1024, 100_000_000)
+            == pytest.approx(row["nccl_s"]["best"]))
+    assert rows[64, 100, "4 KB"]["gpukv_s"] == pytest.approx(
+        200e-6 + rows[64, 100, "4 KB"]["nccl_s"]["best"])
+
+
+def test_exchange_messages_grow_with_hosts_and_chunks():
+    m = _load("model_hosts.py")
+    assert m.messages(2, 4 * MB) == 2 * 1 * 2       # 2 MB pieces: two 1 MB chunks
+    assert m.messages(16, 4 * MB) == 2 * 15 * 1     # 256 KB pieces: one chunk each
+    assert m.messages(2, 8 * MB, 16 << 10) == 2 * 256
+    assert m.messages(1024, 100_000_000) == 2 * 1023 * math.ceil(100_000_000 / 1024 / MB)
+
+
+def test_the_message_cost_is_measured_over_mpi():
+    require_mpi()
+    m = _load("model_hosts.py")
+    seconds = m.measure_message_s()
+    assert 0 < seconds < 0.01  # a message's software: microseconds, not a stall
