@@ -372,6 +372,8 @@ def test_different_keys_in_one_round_are_refused():
     lines = _caught(result.stdout, "PeerMismatchError")
     assert len(lines) == 2, result.stdout + result.stderr
     assert all("key 'a'" in ln and "key 'b'" in ln for ln in lines), lines
+    again = re.findall(r"AGAIN Peer\w*Error on worker \d after ([\d.]+) s", result.stdout)
+    assert len(again) == 2 and max(map(float, again)) < 1, result.stdout
 
 
 @pytest.mark.gpu

@@ -98,6 +98,8 @@ class _Exchange:
         self.scratch: list = []  # temporaries of the canonical merges
 
     def run(self, keys: list, reduce: bool, gather: bool) -> None:
+        if not keys:
+            return
         t, rank, size = self.t, self.t.rank, self.t.size
         self.gather = gather
         comm = t.comm

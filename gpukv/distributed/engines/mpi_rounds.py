@@ -116,15 +116,26 @@ class MpiRounds:
         comm = self.t.comm
         self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending], what)
 
-    def round(self, keys, by_key: dict, what: str) -> None:
+    def opening(self, keys, by_key: dict):
+        """What starts a push round's collectives beside its agreement (`Agreement.check`'s
+        `alongside`): the allreduces of a round without an updater; None for the others."""
+        if not (self.state.assigns and self.state.compressor is None):
+            return None
+        summed = self._sum_plan_of(keys)
+        if not (summed.alone or summed.packed):
+            return None
+        return lambda: self._start_allreduce(summed, by_key)
+
+    def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key (in canonical order) to
-        (this process's sum, its copy of the value)."""
+        (this process's sum, its copy of the value); `started`: the requests of what
+        `opening` started."""
         comp = self.state.compressor
         if self.state.assigns and comp is None:  # the sum is the new value, everywhere
-            summed = self._plans.get((keys, "sum"))
-            if summed is None:
-                summed = self._plans[keys, "sum"] = self._sum_plan(keys)
-            self._allreduce(summed, by_key, what)
+            summed = self._sum_plan_of(keys)
+            if started is None:
+                started = self._start_allreduce(summed, by_key)
+            self._allreduce(summed, by_key, started, what)
             return
         wire = None if comp is None else tuple(sorted(comp.params().items()))
         plan = self._plans.get((keys, wire))
@@ -335,6 +346,12 @@ class MpiRounds:
             packed.append((placed, np.empty(offset, wire), np.empty(offset, wire)))
         return _SumPlan(alone, split, packed)
 
+    def _sum_plan_of(self, keys) -> _SumPlan:
+        summed = self._plans.get((keys, "sum"))
+        if summed is None:
+            summed = self._plans[keys, "sum"] = self._sum_plan(keys)
+        return summed
+
     def _alone(self, key) -> bool:
         """Whether a key is summed by an allreduce of its own, straight into its copy."""
         layout = self.state.layouts[key]
@@ -342,10 +359,10 @@ class MpiRounds:
                 and int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
                 >= _ALONE_BYTES)
 
-    def _allreduce(self, plan: _SumPlan, by_key: dict, what: str) -> None:
-        """A round without an updater: one allreduce per big key, from the gradient into
-        this process's copy (which holds the pieces it serves; an exchange for a split
-        key), and one per dtype of the small keys, packed."""
+    def _start_allreduce(self, plan: _SumPlan, by_key: dict) -> list:
+        """The allreduces of a round without an updater: one per big key, from the
+        gradient into this process's copy, and one per dtype of the small keys, packed;
+        their requests."""
         comm, SUM = self.t.comm, self.t.MPI.SUM
         requests = []
         for key in plan.alone:
@@ -356,6 +373,12 @@ class MpiRounds:
             for key, offset, n in placed:
                 send[offset:offset + n] = by_key[key][0].reshape(-1)
             requests.append(comm.Iallreduce(send, recv, op=SUM))
+        return requests
+
+    def _allreduce(self, plan: _SumPlan, by_key: dict, requests: list, what: str) -> None:
+        """A round without an updater, its allreduces started (`requests`): the split
+        keys' exchange (which holds the pieces this process serves in its copy), then
+        every sum in its key's copy."""
         splits = []
         for key, counts, starts, scratch, wire in plan.split:
             grad, replica = by_key[key]

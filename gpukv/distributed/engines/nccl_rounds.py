@@ -136,7 +136,11 @@ class NcclRounds:
         self.device.copy(buf, flat)
         return buf
 
-    def round(self, keys, by_key: dict, what: str) -> None:
+    def opening(self, keys, by_key: dict) -> None:
+        """Nothing starts beside the agreement: NCCL's calls follow it."""
+        return None
+
+    def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key to (this process's sum,
         its copy of the value)."""
         if self.state.assigns:

@@ -142,8 +142,10 @@ class ShardedRounds:
             self.shard.keep_apart([k for k, r in zip(keys, replicas) if compressible(r.dtype)
                                    and self.layouts[k].served_by(rank)])
         if counts is None:
-            self.agree.check((op, keys), what)
-            self.rounds.round(keys, dict(zip(keys, zip(grads, replicas))), what)
+            by_key = dict(zip(keys, zip(grads, replicas)))
+            started = self.agree.check((op, keys), what,
+                                       alongside=self.rounds.opening(keys, by_key))
+            self.rounds.round(keys, by_key, what, started)
             return
         # the count of values each process pushes shapes the tree: every one must agree
         self.agree.check((op + " in the canonical order", tuple(zip(keys, counts))), what)

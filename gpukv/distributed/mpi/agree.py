@@ -14,6 +14,7 @@ digest and waits for the verdict.
 from __future__ import annotations
 
 import pickle
+import time
 import zlib
 
 import numpy as np
@@ -26,8 +27,11 @@ _OK = ("ok", "")
 _MISMATCH = ("mismatch", "")
 
 
-def _digest(seq: int, signature) -> np.ndarray:
-    return np.array([seq, zlib.crc32(repr(signature).encode())], dtype=np.int64)
+#: checksums of signatures an Agreement keeps (a training loop repeats a few calls)
+_KEPT_CRCS = 256
+#: seconds an agreement waits before it also listens for rank 0's roll call and verdict
+#: (which come only once rank 0 has waited out its timeout)
+_HEAR_AFTER = 0.01
 
 
 class Agreement:
@@ -37,30 +41,47 @@ class Agreement:
         self.t = transport
         self.seq = 0
         self.collective = collective
+        self._crcs: dict = {}  # signature -> the checksum of its words
         # its message tags: TAG_DIGEST, TAG_VERDICT, TAG_SIGNATURE and TAG_ROLL, moved by
         # `tags`
         self.digest_tag, self.verdict_tag, self.signature_tag, self.roll_tag = (
             TAG_DIGEST + tags, TAG_VERDICT + tags, TAG_SIGNATURE + tags, TAG_ROLL + tags)
 
-    def check(self, signature: tuple, what: str) -> None:
+    def check(self, signature: tuple, what: str, alongside=None):
         """Return once every rank called the same thing (`signature`, a tuple of plain
-        values naming the call); else raise PeerError/PeerMismatchError on every rank."""
-        with timeline.span("agree", "mpi", call=what):
-            self._check(signature, what)
+        values naming the call); else raise PeerError/PeerMismatchError on every rank.
 
-    def _check(self, signature: tuple, what: str) -> None:
+        `alongside()`, if given, starts the call's own collectives, and what it returns
+        (their requests) is returned. On the store's communicator it runs right after
+        the agreement's own collective is posted, so that both travel together (every
+        rank posts them in the same order; when the agreement fails, the failure is
+        raised and the transport, failed, never waits on them)."""
+        with timeline.span("agree", "mpi", call=what):
+            return self._check(signature, what, alongside)
+
+    def _check(self, signature: tuple, what: str, alongside):
         t = self.t
         t.check()
         self.seq += 1
         if t.size == 1:
-            return
-        digest = _digest(self.seq, signature)
+            return alongside() if alongside is not None else None
+        digest = np.array([self.seq, self._crc(signature)], dtype=np.int64)
         if self.collective:
-            self._together(digest, signature, what)
-        elif t.rank == 0:
+            return self._together(digest, signature, what, alongside)
+        if t.rank == 0:
             self._coordinate(digest, signature, what)
         else:
             self._follow(digest, signature, what)
+        return alongside() if alongside is not None else None
+
+    def _crc(self, signature: tuple) -> int:
+        """The checksum of `signature`'s words, kept for the calls a loop repeats."""
+        crc = self._crcs.get(signature)
+        if crc is None:
+            if len(self._crcs) >= _KEPT_CRCS:
+                self._crcs.clear()
+            crc = self._crcs[signature] = zlib.crc32(repr(signature).encode())
+        return crc
 
     def maximum(self, values: np.ndarray, what: str) -> np.ndarray:
         """The elementwise maximum of `values` (int64, one shape) over every rank, each
@@ -74,17 +95,20 @@ class Agreement:
         return out
 
     # ------------------------------------------------ on the store's communicator
-    def _together(self, digest, signature, what) -> None:
+    def _together(self, digest, signature, what, alongside):
         t = self.t
         extremes = np.empty(4, np.int64)
-        request = t.comm.Iallreduce(np.concatenate([digest, -digest]), extremes,
+        seq, crc = digest.tolist()
+        request = t.comm.Iallreduce(np.array([seq, crc, -seq, -crc], np.int64), extremes,
                                     op=t.MPI.MAX)
+        started = alongside() if alongside is not None else None
         if t.rank == 0:
             t.wait_all([request], what, on_timeout=lambda: self._roll_call(what))
         else:
             self._wait_or_hear(request, what)
-        if np.array_equal(extremes[:2], -extremes[2:]):  # the largest is the smallest
-            return
+        high_seq, high_crc, low_seq, low_crc = extremes.tolist()
+        if high_seq == -low_seq and high_crc == -low_crc:  # the largest is the smallest
+            return started
         signatures = to_rank0(t, (self.seq, signature), what)  # every rank is here
         message = None
         if signatures is not None:
@@ -115,10 +139,13 @@ class Agreement:
         or rank 0's verdict (longer than rank 0 waits, so that its verdict comes first)."""
         t = self.t
         test = request.Test
+        start = time.monotonic()
 
         def done():
             if test():
                 return True
+            if time.monotonic() - start < _HEAR_AFTER:  # rank 0 calls only after a timeout
+                return None
             roll = t.try_recv_object(0, self.roll_tag)
             if roll is not None:
                 t.wait_all([t.send_array(np.array([roll[0]], np.int64), 0, self.roll_tag)],

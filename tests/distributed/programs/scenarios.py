@@ -399,14 +399,22 @@ def shape_mismatch() -> None:
 
 
 def key_mismatch() -> None:
-    """Workers that push different keys in one round (num_servers=0): a
-    PeerMismatchError naming both calls on every worker, instead of mixed data."""
+    """Workers that push different keys in one round (num_servers=0), of other sizes: a
+    PeerMismatchError naming both calls on every worker, instead of mixed data (the
+    round's allreduce starts beside its agreement, and is never waited on when the
+    agreement fails), and the next call a PeerError at once."""
     kv = create()
-    kv.init(["a", "b"], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    kv.init(["a", "b"], [np.ones(4, np.float32), np.ones(7, np.float32)])
     try:
-        kv.push("a" if kv.rank == 0 else "b", np.ones(4, np.float32))
+        kv.push("a" if kv.rank == 0 else "b", np.ones(4 if kv.rank == 0 else 7, np.float32))
     except gpukv.PeerMismatchError as exc:
         caught(kv.rank, exc)
+        start = time.monotonic()
+        try:
+            kv.pull("a", out=np.zeros(4, np.float32))
+        except gpukv.PeerError as again:
+            print(f"AGAIN {type(again).__name__} on worker {kv.rank} after "
+                  f"{time.monotonic() - start:.1f} s", flush=True)
         return
     passed(kv)
 
