@@ -6,19 +6,23 @@ NCCL's own cost model of its ring and tree all-reduce.
     python benchmarks/model_hosts.py /tmp/scale/cluster_<machine>.json
 
 The model of one push+pull round with num_servers=0 on N hosts, one process each:
-- a small key (under 64 KB: one packed MPI allreduce after the round's agreement) takes
+- a small key (under 64 KB: one packed MPI allreduce beside the round's agreement) takes
   an allreduce plus gpukv's software cost per round, s: gpukv's round less MPI
   Allreduce's on 2 hosts of the runs (with more hosts than this machine has cores, the
   emulated hosts queue for the CPU, MPI's and gpukv's alike, and the figures say so
   more than they say anything about a real cluster);
-- a split key of B bytes goes through the exchange: every process sends each other
-  owner its share of each chunk (N - 1 messages per chunk) and each summed chunk on to
-  the N - 1 others, so T = 2(N-1)/N x B / (e R) + c x 2(N-1) x chunks, where e is the
-  share of the link R the bytes got on 2 hosts and c the software cost of one message
-  (its send, receive, tests and the sum of its chunk), measured here by two processes
-  exchanging an 8 MB key in 16 KB chunks against 1 MB chunks (`--message-us` skips it).
+- a split key of B bytes goes through the exchange (on 3 hosts or more; two processes
+  take MPI's own allreduce): every process sends each other owner its share of each
+  chunk (N - 1 messages per chunk) and each summed chunk on to the N - 1 others, so
+  T = 2(N-1)/N x B / (e R) + c x 2(N-1) x chunks, where e is the share of the link R
+  the bytes got on the fewest hosts above 2 in the runs and c the software cost of one
+  message (its send, receive, tests and the sum of its chunk), measured here by two
+  processes made to exchange an 8 MB key in 16 KB chunks against 1 MB chunks
+  (`--message-us` skips it).
 
-The prediction takes s, e and c as they are and the link at 100-400 Gb/s. NCCL's model is
+The prediction takes s, e and c as they are and the link at 100-400 Gb/s, and names the
+cost per message at which the exchange, its bytes at the link's full rate, would take
+what NCCL's best takes. NCCL's model is
 the one in NCCL's src/graph/tuning.cc, one GPU and one NIC per host: ring (Simple)
 latency 8.4 us + 2(N-1) x 9.6 us (x 1.9 for large messages), bus bandwidth the link's,
 B x 2(N-1)/N over it; tree (Simple) latency 2 log2(N) x 50 us, half
@@ -104,12 +108,16 @@ def fitted(cases: list, message_s: float) -> dict:
                              f"{'under' if small else 'of at least'} 64 KB")
         return found[0]["median_s"]
 
-    large = [c for c in ok if c["way"] == "s0" and c["hosts"] == 2 and c["bytes"] >= SMALL_MAX]
-    nbytes = large[0]["bytes"] if large else 0
-    exchange_s = median("s0", small=False) - message_s * messages(2, nbytes)
+    large = sorted((c for c in ok if c["way"] == "s0" and c["hosts"] > 2
+                    and c["bytes"] >= SMALL_MAX), key=lambda c: c["hosts"])
+    if not large:
+        raise SystemExit("expected way s0 on 3 hosts or more with a key of at least 64 KB")
+    hosts, nbytes = large[0]["hosts"], large[0]["bytes"]
+    exchange_s = large[0]["median_s"] - message_s * messages(hosts, nbytes)
     return {"rate_bytes_per_s": rate_bytes,
             "round_software_s": median("s0", small=True) - median("mpi", small=True),
-            "link_share": (nbytes / rate_bytes) / exchange_s,
+            "link_share": (2 * (hosts - 1) / hosts * nbytes / rate_bytes) / exchange_s,
+            "link_share_hosts": hosts,
             "message_s": message_s,
             "runs": [{k: c[k] for k in ("hosts", "way", "bytes", "median_s",
                                         "fraction_of_limit")} for c in ok]}
@@ -141,6 +149,8 @@ def child(chunk: int, result: str) -> int:
     import gpukv
     from gpukv.distributed.engines import exchange
     exchange.CHUNK_BYTES = chunk
+    # the exchange's messages, even between 2 processes (which take MPI's allreduce)
+    exchange._by_mpi = lambda t, keys, **_: (keys, [])  # noqa: SLF001
     kv = gpukv.create("dist_sync")
     grad = np.ones(MESSAGE_KEY // 4, np.float32)
     out = np.empty_like(grad)
@@ -174,17 +184,18 @@ def predict(fits: dict) -> list[dict]:
                 rows.append({"hosts": hosts, "gbit_s": gbits, "size": label,
                              "bytes": nbytes, "gpukv_s": gpukv, "messages_s": messages_s,
                              "nccl_s": nccl, "gpukv_over_nccl": gpukv / nccl["best"],
-                             "message_s_to_match": _needed(hosts, nbytes, link, nccl["best"],
-                                                           fits["link_share"])})
+                             "message_s_to_match": _needed(hosts, nbytes, link,
+                                                           nccl["best"])})
     return rows
 
 
-def _needed(hosts: int, nbytes: int, link: float, target: float, share: float) -> float | None:
-    """The cost per message at which the exchange would match `target` (None: not even
-    at no cost, or a small key)."""
+def _needed(hosts: int, nbytes: int, link: float, target: float) -> float | None:
+    """The cost per message at which the exchange, its bytes at the link's full rate
+    (as NCCL's model has its ring's), would match `target` (None: not even at no cost,
+    or a small key)."""
     if nbytes < SMALL_MAX:
         return None
-    left = target - 2 * (hosts - 1) / hosts * nbytes / (share * link)
+    left = target - 2 * (hosts - 1) / hosts * nbytes / link
     return left / messages(hosts, nbytes) if left > 0 else None
 
 

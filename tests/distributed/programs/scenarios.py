@@ -951,17 +951,26 @@ def store_the_sum(key, merged, stored):
 
 def stall_in_exchange(victim: str = "1") -> None:
     """Worker `victim` stops in the middle of an exchange of a split key (after its first
-    messages): every other worker gets a PeerError naming it within the timeout."""
+    messages; between 2 workers, before MPI's allreduce that sums it): every other worker
+    gets a PeerError naming it within the timeout."""
     from gpukv.distributed.engines import exchange
     exchange.CHUNK_BYTES = 4096
     kv = create(bigarray_bound=1)
     kv.init("w", np.zeros(100_000, np.float32))
-    if kv.rank == int(victim):
+    stall_for = float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4
+    if kv.rank == int(victim) and kv.num_workers == 2:  # MPI's allreduce sums the key
+        allreduce = exchange.allreduce
+
+        def stall_first(t, keys, what):
+            time.sleep(stall_for)
+            allreduce(t, keys, what)
+        exchange.allreduce = stall_first
+    elif kv.rank == int(victim):
         progress = exchange._Exchange._progress
 
         def stall(self):
             progress(self)
-            time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
+            time.sleep(stall_for)
         exchange._Exchange._progress = stall  # type: ignore[method-assign]
     start = time.monotonic()
     try:
