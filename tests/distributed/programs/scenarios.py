@@ -982,6 +982,40 @@ def stall_in_exchange(victim: str = "1") -> None:
     passed(kv)
 
 
+def python_runs_while_waiting() -> None:
+    """Worker 0 pushes and pulls while worker 1 sleeps a second before its push (with
+    servers, the pull is what waits): meanwhile another thread of worker 0 runs Python.
+    Prints RATE: its loop's speed during the wait over its speed alone (a wait that held
+    the GIL would leave it near 0)."""
+    kv = create()
+    kv.init("w", np.zeros(1000, np.float32))
+    kv.barrier()
+
+    def spin(seconds: float) -> float:
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            count += sum(range(100))
+        return count / seconds
+
+    def push_pull() -> None:
+        kv.push("w", np.ones(1000, np.float32))
+        kv.pull("w", out=np.zeros(1000, np.float32))
+
+    if kv.rank == 0:
+        alone = spin(0.4)
+        pushing = threading.Thread(target=push_pull)
+        pushing.start()
+        time.sleep(0.05)  # (the push is waiting for worker 1 by now)
+        during = spin(0.4)
+        waited = pushing.is_alive()
+        pushing.join()
+        print(f"RATE {during / alone:.2f} waited {waited}", flush=True)
+    else:
+        time.sleep(1.0)
+        push_pull()
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 
