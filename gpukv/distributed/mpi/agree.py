@@ -27,8 +27,6 @@ _OK = ("ok", "")
 _MISMATCH = ("mismatch", "")
 
 
-#: checksums of signatures an Agreement keeps (a training loop repeats a few calls)
-_KEPT_CRCS = 256
 #: seconds an agreement waits before it also listens for rank 0's roll call and verdict
 #: (which come only once rank 0 has waited out its timeout)
 _HEAR_AFTER = 0.01
@@ -41,7 +39,6 @@ class Agreement:
         self.t = transport
         self.seq = 0
         self.collective = collective
-        self._crcs: dict = {}  # signature -> the checksum of its words
         # its message tags: TAG_DIGEST, TAG_VERDICT, TAG_SIGNATURE and TAG_ROLL, moved by
         # `tags`
         self.digest_tag, self.verdict_tag, self.signature_tag, self.roll_tag = (
@@ -65,7 +62,7 @@ class Agreement:
         self.seq += 1
         if t.size == 1:
             return alongside() if alongside is not None else None
-        digest = np.array([self.seq, self._crc(signature)], dtype=np.int64)
+        digest = np.array([self.seq, zlib.crc32(repr(signature).encode())], dtype=np.int64)
         if self.collective:
             return self._together(digest, signature, what, alongside)
         if t.rank == 0:
@@ -73,15 +70,6 @@ class Agreement:
         else:
             self._follow(digest, signature, what)
         return alongside() if alongside is not None else None
-
-    def _crc(self, signature: tuple) -> int:
-        """The checksum of `signature`'s words, kept for the calls a loop repeats."""
-        crc = self._crcs.get(signature)
-        if crc is None:
-            if len(self._crcs) >= _KEPT_CRCS:
-                self._crcs.clear()
-            crc = self._crcs[signature] = zlib.crc32(repr(signature).encode())
-        return crc
 
     def maximum(self, values: np.ndarray, what: str) -> np.ndarray:
         """The elementwise maximum of `values` (int64, one shape) over every rank, each
