@@ -398,6 +398,31 @@ def test_a_section_that_hangs_or_dies_fails_alone(script, words, tmp_path, monke
         assert word in section.failed[0], section.failed
 
 
+def test_sigterm_while_a_section_starts_still_ends_that_section(monkeypatch):
+    """SIGTERM that lands inside Popen (after the fork): the run's handler holds it until
+    the process is remembered, then raises, and stopping the run ends that process too."""
+    from gpukv.tools.gpucheck import processes
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)  # as if it came before Popen returned
+        return proc
+
+    monkeypatch.setattr(processes.subprocess, "Popen", popen_then_signal)
+    monkeypatch.setattr(processes, "_running", [])
+    previous = signal.signal(signal.SIGTERM, cli._interrupt)
+    try:
+        with pytest.raises(cli.Interrupted, match="SIGTERM"):
+            processes.start([sys.executable, "-c", "import time; time.sleep(60)"])
+        (proc,) = processes._running
+        assert proc.poll() is None  # remembered while it runs
+        processes.stop_all()
+        assert proc.poll() is not None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigterm_ends_the_run_and_its_children_and_keeps_the_record(tmp_path):
     """SIGTERM during a run (a harness's timeout) ends every process it started and
     writes the record of the sections done, marked interrupted."""

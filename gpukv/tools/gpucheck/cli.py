@@ -78,6 +78,8 @@ class Interrupted(Exception):
 
 
 def _interrupt(signum, frame):
+    if processes.held(signum):  # raised again once the starting process is remembered
+        return
     raise Interrupted(signal.Signals(signum).name)
 
 

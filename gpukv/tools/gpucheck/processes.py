@@ -9,13 +9,32 @@ import subprocess
 import time
 
 _running: list = []
+_starting = [False]  # whether `start` is between its fork and remembering the process
+_held: list = []     # signals that came meanwhile
 
 
 def start(command, **options) -> subprocess.Popen:
-    """Popen(command) in a new session, remembered until `stop`."""
-    proc = subprocess.Popen(command, start_new_session=True, **options)
-    _running.append(proc)
+    """Popen(command) in a new session, remembered until `stop`. A signal the run ends on
+    that comes while the process starts is held (`held`) and raised again once the
+    process is remembered: raised inside Popen, it would leave the process running
+    with no one to end it."""
+    _starting[0] = True
+    try:
+        proc = subprocess.Popen(command, start_new_session=True, **options)
+        _running.append(proc)
+    finally:
+        _starting[0] = False
+        if _held:
+            signal.raise_signal(_held.pop())
     return proc
+
+
+def held(signum: int) -> bool:
+    """For a signal handler: whether the signal is held for now (a process is starting)."""
+    if _starting[0]:
+        _held.append(signum)
+        return True
+    return False
 
 
 def stop(procs, grace_s: float = 5.0) -> None:
