@@ -72,7 +72,6 @@ class _Checked:
                 return attr(*args, **kwargs)
             except transport.MPI.Exception as exc:
                 raise transport.broken(f"MPI {name}", exc) from exc
-        setattr(self, name, checked)  # made once: a round calls the same few
         return checked
 
 
