@@ -24,8 +24,10 @@ def start(command, **options) -> subprocess.Popen:
         _running.append(proc)
     finally:
         _starting[0] = False
-        if _held:
-            signal.raise_signal(_held.pop())
+        if _held:  # the first one ends the run
+            signum = _held[0]
+            _held.clear()
+            signal.raise_signal(signum)
     return proc
 
 

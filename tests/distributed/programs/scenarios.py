@@ -35,6 +35,17 @@ def caught(kv_rank, exc) -> None:
     print(f"CAUGHT {type(exc).__name__} on worker {kv_rank}: {exc}", flush=True)
 
 
+def pull_again(kv, key, out) -> None:
+    """After a failure: pull `key` once more and print the PeerError it raises (AGAIN
+    ..., with how long it took)."""
+    start = time.monotonic()
+    try:
+        kv.pull(key, out=out)
+    except gpukv.PeerError as exc:
+        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
 # ------------------------------------------------------------------- MXNet's tests
 def sync_sgd(dtype: str = "float32", rounds: str = "3") -> None:
     """MXNet's dist_sync test: keys initialised to ones, each worker pushes ones*(rank+1)
@@ -409,12 +420,7 @@ def key_mismatch() -> None:
         kv.push("a" if kv.rank == 0 else "b", np.ones(4 if kv.rank == 0 else 7, np.float32))
     except gpukv.PeerMismatchError as exc:
         caught(kv.rank, exc)
-        start = time.monotonic()
-        try:
-            kv.pull("a", out=np.zeros(4, np.float32))
-        except gpukv.PeerError as again:
-            print(f"AGAIN {type(again).__name__} on worker {kv.rank} after "
-                  f"{time.monotonic() - start:.1f} s", flush=True)
+        pull_again(kv, "a", np.zeros(4, np.float32))
         return
     passed(kv)
 
@@ -701,12 +707,7 @@ def mismatched_calls(first: str, other: str, path: str) -> None:
         kv.barrier()
     except gpukv.PeerError as exc:
         caught(kv.rank, exc)
-    start = time.monotonic()
-    try:
-        kv.pull("a", out=np.zeros((2, 3), np.float32))
-    except gpukv.PeerError as exc:
-        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
-              f"{time.monotonic() - start:.1f} s", flush=True)
+    pull_again(kv, "a", np.zeros((2, 3), np.float32))
 
 
 def uncaught_error(victim: str = "1") -> None:
@@ -746,12 +747,7 @@ def server_dies(point: str, code: str = "1") -> None:
             time.sleep(0.02)
     except gpukv.PeerError as exc:
         caught(kv.rank, exc)
-    start = time.monotonic()
-    try:
-        kv.pull("w", out=np.zeros(1000, np.float32))
-    except gpukv.PeerError as exc:
-        print(f"AGAIN {type(exc).__name__} on worker {kv.rank} after "
-              f"{time.monotonic() - start:.1f} s", flush=True)
+    pull_again(kv, "w", np.zeros(1000, np.float32))
 
 
 _updates = [0]
