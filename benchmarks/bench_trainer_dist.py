@@ -146,6 +146,18 @@ def in_order(hook):
     return ordered
 
 
+def end_gloo() -> None:
+    """Free what still holds gloo's group, then the group, while Python runs: its threads
+    drop their last work, and a thread that takes the GIL as Python ends aborts the
+    process ("terminate called without an active exception")."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def child(args) -> int:
     import numpy as np
     import torch
@@ -255,7 +267,9 @@ def child(args) -> int:
         records.append(record)
     if rank == 0:
         Path(args.result).write_text(json.dumps(records))
-    dist.destroy_process_group()
+    ddp_model = hooked = None  # noqa: F841 (DDP's reducers hold the group)
+    steps.clear()
+    end_gloo()
     return 0
 
 

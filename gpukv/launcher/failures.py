@@ -165,6 +165,17 @@ def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
     return Failure(f"a process on host {box.host} ended badly: {how.words}", how.status)
 
 
+def of_silence(status: int, started: dict[int, Started], ended: list[Ended]) -> Failure:
+    """The line of a job mpiexec ended with `status` (its exit status) without a word on
+    why: its proxy may end before it forwards what a rank printed last (MPICH's banner of
+    an MPI_Abort). The rank is the first whose end its watcher reported, if one did."""
+    words = f"mpiexec ended with status {status}"
+    first = next((end.rank for end in ended if end.rank in started), None)
+    if first is not None:
+        words = f"{who(first, started)}: ended first, without a word; {words}"
+    return Failure(words, status)
+
+
 def _how_of_box(box: Box) -> Failure:
     if box.signalled:
         return Failure(f"killed by signal {box.code} ({signal_name(box.code)})", box.code)

@@ -89,6 +89,9 @@ def _peer_silent(t: Transport, what: str):
                              f"within {t.timeout:g} s (GPUKV_DIST_TIMEOUT)")
 
 
+#: whether two processes' split keys take MPI's own collectives (`_by_mpi`); False keeps
+#: the exchange's messages between two as well (benchmarks/model_hosts.py times them so)
+MPI_FOR_TWO = True
 #: the dtypes MPI's own sums take here (its SUM on them is NumPy's add)
 _MPI_SUMS = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32),
              np.dtype(np.int64)}
@@ -105,7 +108,7 @@ def _by_mpi(t: Transport, keys: list, summed: bool = False,
     A key summed in the canonical order (`tree`) always takes the exchange; so does a
     sum of a dtype MPI does not add as NumPy does, or a reduce-scatter of a key whose
     pieces are not in rank order."""
-    if t.size != 2:
+    if t.size != 2 or not MPI_FOR_TWO:
         return keys, []
     direct: list = []
     mine: list = []

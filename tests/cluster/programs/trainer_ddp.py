@@ -5,6 +5,7 @@ DDP meets at the first host of GPUKV_CLUSTER_HOSTS (127.0.0.1 without it)."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import socket
 import sys
@@ -64,6 +65,10 @@ def main(steps: int = 4, on_store: str = "0") -> None:
     worst = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(),
                                                            theirs.parameters()))
     assert worst < 1e-6, f"rank {rank}: weights differ from DDP's by {worst}"
+    # free DDP's reducer, then gloo's group, while Python runs: the group's threads drop
+    # their last work, and a thread taking the GIL as Python ends aborts the process
+    del ddp, reference
+    gc.collect()
     dist.destroy_process_group()
     print(f"PASS worker {kv.rank} of {kv.num_workers} max difference {worst:.2e}",
           flush=True)
