@@ -21,9 +21,18 @@ Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
   value >= 0 (+scale) and 0 for the others (-scale). Payload: 4 * ceil(n / 64) +
   4 * ceil(n / 32) bytes.
 
+- ternary (gpukv's own): a float32 scale per block of 128 values, then each block's
+  26 bytes of codes, five to a byte as base-3 digits (the first value the lowest; 0 is
+  0, 1 is +scale, 2 is -scale). A value is sent when its magnitude exceeds 0.7 times
+  its block's mean magnitude (magnitudes summed pairwise, 64 apart, then 32, ..., 1,
+  divided by the block's count, times 0.7f); the scale is the mean magnitude of the
+  values sent (summed in the same order, divided by their count; 0 when none is).
+  Payload: 30 * ceil(n / 128) bytes.
+
 The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:
 r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`; for sign `r += g`, then
-`r -= +scale if r >= 0 else -scale`. Subtracting -t and adding t
+`r -= +scale if r >= 0 else -scale`; for ternary `r += g`, then `r -= ` the value sent
+(+0 for a value not sent). Subtracting -t and adding t
 (or subtracting 1 and adding -1) give the same IEEE result, which is what lets the
 NumPy twin apply the update as one vectorised add.
 """
@@ -32,10 +41,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import host_codecs as host
-from .host_codecs import packed_nbytes, sign_nbytes
+from .host_codecs import packed_nbytes, sign_nbytes, ternary_nbytes
 
 __all__ = ["quantize_2bit", "dequantize_2bit", "quantize_1bit", "dequantize_1bit",
            "quantize_sign", "dequantize_sign", "sign_nbytes",
+           "quantize_ternary", "dequantize_ternary", "ternary_nbytes",
            "flat_f32", "empty_f32", "scale_in_place", "difference_f32", "write_f32",
            "cast_fp16", "uncast_fp16",
            "cast_bf16", "uncast_bf16", "packed_nbytes"]
@@ -121,6 +131,30 @@ def dequantize_sign(payload, n, out, accumulate=False):
         return host.dequantize_sign(payload, n, out, accumulate)
     blocks = -(-n // host.SIGN_BLOCK)
     _launch("gpukv_dequantize_sign", n,
+            (payload, out, np.int64(n), np.int64(blocks), np.int32(bool(accumulate))))
+    return out
+
+
+def quantize_ternary(grad, residual, out=None):
+    """Add `grad` into `residual`; write each block's scale and every value's code into
+    `out` (uint8, `ternary_nbytes(n)` bytes); take the decoded value out of the residual;
+    return `out`."""
+    n = grad.size
+    out = _payload(grad, host.ternary_nbytes(n), out)
+    if _is_host(grad):
+        return host.quantize_ternary(grad, residual, out)
+    blocks = -(-n // host.TERNARY_BLOCK)
+    _launch("gpukv_quantize_ternary", n, (grad, residual, out, np.int64(n), np.int64(blocks)))
+    return out
+
+
+def dequantize_ternary(payload, n, out, accumulate=False):
+    """Decode `n` values of a ternary payload (0 or +-their block's scale) into `out`, or
+    add them."""
+    if _is_host(payload):
+        return host.dequantize_ternary(payload, n, out, accumulate)
+    blocks = -(-n // host.TERNARY_BLOCK)
+    _launch("gpukv_dequantize_ternary", n,
             (payload, out, np.int64(n), np.int64(blocks), np.int32(bool(accumulate))))
     return out
 

@@ -473,3 +473,122 @@ def dequantize_sign(payload, n, out, accumulate):
     scales, bits = sign_parts(payload, n)
     _blocks(_dequantize_sign_range, n, scales, bits, out, accumulate)
     return out
+
+
+# ------------------------------------------------------------------------ ternary
+#: values per scale of the ternary codec (divides 256, a CUDA block's values, and BLOCK)
+TERNARY_BLOCK = 128
+#: bytes of a block's codes, five to a byte (3**5 = 243 <= 256)
+TERNARY_CODE_BYTES = -(-TERNARY_BLOCK // 5)
+#: a value is sent when its magnitude exceeds this fraction of its block's mean magnitude
+TERNARY_THRESHOLD = _F32(0.7)
+_T_HALVES = tuple(TERNARY_BLOCK >> k for k in range(1, TERNARY_BLOCK.bit_length()))
+_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
+
+
+def ternary_nbytes(n: int) -> int:
+    """Bytes of the ternary payload of `n` values: a float32 scale per TERNARY_BLOCK
+    values, then each block's TERNARY_CODE_BYTES bytes of codes."""
+    return (4 + TERNARY_CODE_BYTES) * (-(-n // TERNARY_BLOCK))
+
+
+def ternary_parts(payload, n: int):
+    """(scales as float32, codes as (blocks, TERNARY_CODE_BYTES) bytes) of a payload."""
+    blocks = -(-n // TERNARY_BLOCK)
+    codes = payload[4 * blocks:(4 + TERNARY_CODE_BYTES) * blocks]
+    return payload[:4 * blocks].view(_F32), codes.reshape(blocks, TERNARY_CODE_BYTES)
+
+
+def _ternary_sums(values, k, blocks, name):
+    """Each TERNARY_BLOCK's sum of values[:k] (zeros past k), by halves (x[i] += x[i + h],
+    h = 64, 32, ..., 1) as the CUDA kernel's threads add them."""
+    n = blocks * TERNARY_BLOCK
+    x = _scratch(name + "_x", _F32, n)
+    y = _scratch(name + "_y", _F32, n)
+    x[:k] = values
+    x[k:] = 0
+    return _halve(x, y, n, TERNARY_BLOCK, _T_HALVES)[:n:TERNARY_BLOCK].copy()
+
+
+def _ternary_table() -> np.ndarray:
+    """(256, 5) float32: the signs (0, +1, -1) of the five codes of each byte."""
+    digits = (np.arange(256)[:, None] // _POW3.astype(np.int64)[None, :]) % 3
+    return np.array([0, 1, -1], _F32)[digits]
+
+
+_TERNARY_SIGNS = _ternary_table()
+
+
+def _ternary_values(scales, codes, k, out):
+    """out[:k] = the decoded values of k values' codes: 0, +scale or -scale (a code of
+    0 is +0 whatever its scale, as in the kernel)."""
+    blocks = scales.size
+    signs = _TERNARY_SIGNS[codes].reshape(blocks, -1)[:, :TERNARY_BLOCK].reshape(-1)[:k]
+    spread = np.repeat(scales, TERNARY_BLOCK)[:k]
+    with np.errstate(invalid="ignore"):
+        np.multiply(signs, spread, out=out)
+    out[signs == 0] = 0
+
+
+def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        blocks = -(-k // TERNARY_BLOCK)
+        first = start // TERNARY_BLOCK
+        r = residual[start:stop]
+        np.add(r, grad[start:stop], r)
+        size = np.abs(r)
+        counts = np.full(blocks, TERNARY_BLOCK, _F32)
+        if stop == total and k % TERNARY_BLOCK:
+            counts[-1] = k % TERNARY_BLOCK
+        with np.errstate(invalid="ignore", over="ignore"):
+            mean = _ternary_sums(size, k, blocks, "ternary") / counts
+            threshold = mean * TERNARY_THRESHOLD
+            chosen = size > np.repeat(threshold, TERNARY_BLOCK)[:k]
+        kept = np.where(chosen, size, _F32(0))
+        chosen_sums = _ternary_sums(kept, k, blocks, "ternary")
+        chosen_counts = _ternary_sums(chosen, k, blocks, "ternary")  # exact: at most 128
+        sc = scales[first:first + blocks]
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            np.divide(chosen_sums, chosen_counts, out=sc)
+        sc[chosen_counts == 0] = 0
+        digit = np.zeros((blocks, 5 * TERNARY_CODE_BYTES), np.uint8)
+        flat = digit[:, :TERNARY_BLOCK].reshape(-1)  # a copy: written back below
+        flat[:k] = np.where(chosen, np.where(r > 0, 1, 2), 0)
+        digit[:, :TERNARY_BLOCK] = flat.reshape(blocks, TERNARY_BLOCK)
+        by_five = digit.reshape(blocks, TERNARY_CODE_BYTES, 5)
+        packed = codes[first:first + blocks]
+        np.copyto(packed, by_five[:, :, 4])
+        for place in (3, 2, 1, 0):  # Horner: ((d4 * 3 + d3) * 3 + ...) + d0
+            np.multiply(packed, _U8(3), out=packed)
+            np.add(packed, by_five[:, :, place], out=packed)
+        step = _scratch("ternary_step", _F32, k)
+        _ternary_values(sc, codes[first:first + blocks], k, step)
+        np.subtract(r, step, r)
+
+
+def quantize_ternary(grad, residual, out):
+    n = grad.size
+    scales, codes = ternary_parts(out, n)
+    _blocks(_quantize_ternary_range, n, grad, residual, scales, codes, n)
+    return out
+
+
+def _dequantize_ternary_range(scales, codes, out, accumulate, lo, hi):
+    for start in range(lo, hi, BLOCK):
+        stop = min(start + BLOCK, hi)
+        k = stop - start
+        first = start // TERNARY_BLOCK
+        blocks = -(-k // TERNARY_BLOCK)
+        o = out[start:stop]
+        values = _scratch("ternary_step", _F32, k) if accumulate else o
+        _ternary_values(scales[first:first + blocks], codes[first:first + blocks], k, values)
+        if accumulate:
+            np.add(o, values, o)
+
+
+def dequantize_ternary(payload, n, out, accumulate):
+    scales, codes = ternary_parts(payload, n)
+    _blocks(_dequantize_ternary_range, n, scales, codes, out, accumulate)
+    return out

@@ -24,7 +24,7 @@ from .held_writes import hold_snapshot_writes
 SHAPES = {"w": (16, 40), "b": (70,)}
 SOURCES = 2
 STEPS = 5
-COMPRESSIONS = [{"type": "sign"}, {"type": "2bit", "threshold": 0.5},
+COMPRESSIONS = [{"type": "sign"}, {"type": "ternary"}, {"type": "2bit", "threshold": 0.5},
                 {"type": "1bit", "threshold": 0.0}, {"type": "powersgd", "rank": 2}]
 NOT_RESTORED = "compression residuals of the snapshot not restored"
 

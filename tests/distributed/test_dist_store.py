@@ -136,7 +136,7 @@ def test_nccl_refuses_compression_and_says_what_to_do():
     assert "create the dist_device_sync store with nccl=False" in result.stderr
 
 
-@pytest.mark.parametrize("kind", ["2bit", "1bit", "fp16", "sign"])
+@pytest.mark.parametrize("kind", ["2bit", "1bit", "fp16", "sign", "ternary"])
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_compression_on_the_wire(n, servers, kind):
     """Compressed pushes equal a one-process store's with one source per worker."""

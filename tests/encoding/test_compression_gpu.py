@@ -90,26 +90,28 @@ def test_quantize_kernels_give_the_twins_bytes_and_residuals(cp, bits, threshold
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
 
 
-@pytest.mark.parametrize("n", SIZES + [63, 64, 65, 255, 256, 257, 70_001])
-def test_sign_kernels_give_the_twins_bytes_and_residuals(cp, n):
-    """Three sign quantisations in a row with one residual: the CUDA kernel writes the
-    twin's scales and bits (padding zero over a poisoned `out`) and leaves the twin's
-    residual; decoding, or adding, gives the twin's values."""
+@pytest.mark.parametrize("n", SIZES + [63, 64, 65, 127, 128, 129, 255, 256, 257, 70_001])
+@pytest.mark.parametrize("codec", ["sign", "ternary"])
+def test_blockwise_kernels_give_the_twins_bytes_and_residuals(cp, codec, n):
+    """Three sign or ternary quantisations in a row with one residual: the CUDA kernel
+    writes the twin's scales and codes (padding zero over a poisoned `out`) and leaves the
+    twin's residual; decoding, or adding, gives the twin's values."""
+    quantize, dequantize = getattr(K, f"quantize_{codec}"), getattr(K, f"dequantize_{codec}")
     g, r = _grad_and_residual(n, n)
     r_gpu = cp.asarray(r)
-    nbytes = K.sign_nbytes(n)
+    nbytes = getattr(K, f"{codec}_nbytes")(n)
     for step in range(3):
-        want = K.quantize_sign(g, r)
+        want = quantize(g, r)
         out = cp.empty(nbytes, cp.uint8) if step else None  # fresh memory is poisoned
-        got = K.quantize_sign(cp.asarray(g), r_gpu, out=out)
+        got = quantize(cp.asarray(g), r_gpu, out=out)
         assert got.dtype == cp.uint8 and got.shape == (nbytes,)
         assert got.get().tobytes() == want.tobytes(), f"payload of step {step}"
         assert_same_bits(r_gpu.get(), r, f"residual after step {step}")
     for accumulate in (False, True):
         base = f32_without_subnormals(np.linspace(-1, 1, n))
         host_out, gpu_out = base.copy(), cp.asarray(base)
-        K.dequantize_sign(want, n, host_out, accumulate)
-        K.dequantize_sign(got, n, gpu_out, accumulate)
+        dequantize(want, n, host_out, accumulate)
+        dequantize(got, n, gpu_out, accumulate)
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
 
 
@@ -194,20 +196,24 @@ COMPRESSIONS = {
     "bf16": {"type": "bf16"},
     "bf16-pre4": {"type": "bf16", "pre_divide": 4},
     "sign": {"type": "sign"},
+    "ternary": {"type": "ternary"},
 }
-#: those whose decoded terms sum exactly in any order (sign's means are off the grid of
-#: `_gradient`: its stores are deterministic, whose strategy is always the canonical one)
-EXACT_IN_ANY_ORDER = sorted(k for k in COMPRESSIONS if k != "sign")
+#: those that compress pulls too, with scales off the grid of `_gradient` (their stores are
+#: deterministic, whose strategy is always the canonical one)
+BOTH_WAYS = ("sign", "ternary")
+#: those whose decoded terms sum exactly in any order
+EXACT_IN_ANY_ORDER = sorted(k for k in COMPRESSIONS if k not in BOTH_WAYS)
 
 
 def _compressed_stores(cp, rng, keys, params, strategy="home"):
     """Two 'device' stores with compression `params` and the same random values of
     `keys`: one fed host arrays (the host reference, which sums the terms in source
     order), one GPU arrays made on GPU 0 reducing with `strategy` ('home' sums in
-    source order too). Sign's terms are off `_gradient`'s exact grid: both stores then
-    sum in the canonical order (deterministic), the same bits wherever the terms lie."""
+    source order too). Sign's and ternary's terms are off `_gradient`'s exact grid: both
+    stores then sum in the canonical order (deterministic), the same bits wherever the
+    terms lie."""
     init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
-    exact = params["type"] == "sign"
+    exact = params["type"] in BOTH_WAYS
     host = gpukv.create("device", deterministic=exact)
     gpu = gpukv.create("device", strategy=strategy, deterministic=exact)
     host.init(keys, [init[k] for k in keys])
@@ -255,7 +261,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
         for k in keys:
             assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value,
                              f"key {k!r} after push {step}")
-        if params["type"] in ("2bit", "1bit", "sign"):
+        if params["type"] in ("2bit", "1bit", *BOTH_WAYS):
             hr, gr = host._compression.feedback.residuals, gpu._compression.feedback.residuals
             assert len(gr) == len(hr) == len(devs) * (len(keys) - 1)
             for k in keys:
@@ -306,11 +312,11 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
 
 
 @pytest.mark.multi_gpu(4)
-@pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", "sign"])
+@pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", *BOTH_WAYS])
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
     """With an optimizer, the decompressed float32 sum of every GPU's source updates
     each float key (float32, float16, float64, bfloat16) to the host store's bits, its
-    states and master copy too, and with sign what pulls read of it too."""
+    states and master copy too, and with sign and ternary what pulls read of it too."""
     from gpukv.device.cuda.device import gpu_devices
     devs = gpu_devices()[:4]
     params = COMPRESSIONS[name]
@@ -325,8 +331,8 @@ def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
         gpu.push(keys, [[_on(cp, d, g) for d, g in zip(devs, grads[k])] for k in keys])
     for k in keys:
         assert_same_bits(gpu._entries[k].value.get(), host._entries[k].value, f"key {k!r}")
-        # sign compresses pulls: the value the optimizer updates is kept apart
-        assert (gpu._entries[k].kept is None) == (name != "sign")
+        # sign and ternary compress pulls: the value the optimizer updates is kept apart
+        assert (gpu._entries[k].kept is None) == (name not in BOTH_WAYS)
         assert_same_bits(gpu._entries[k].stored.get(), host._entries[k].stored,
                          f"key {k!r}, the value kept apart")
         hs, gs = host._updater.states[k], gpu._updater.states[k]

@@ -11,14 +11,14 @@ from gpukv.encoding import compressors
 from gpukv.encoding.compressors import registry
 
 
-def test_mxnet_types_sign_and_powersgd_are_registered():
-    """MXNet's 2bit, 1bit, fp16 and bf16 and gpukv's sign and powersgd are registered;
-    'none' turns compression off."""
+def test_mxnet_types_sign_ternary_and_powersgd_are_registered():
+    """MXNet's 2bit, 1bit, fp16 and bf16 and gpukv's sign, ternary and powersgd are
+    registered; 'none' turns compression off."""
     assert compressors.type_names() == ["1bit", "2bit", "bf16", "fp16", "none", "powersgd",
-                                        "sign"]
+                                        "sign", "ternary"]
     assert compressors.registered() == [compressors.Cast, compressors.OneBit,
                                         compressors.PowerSGD, compressors.Sign,
-                                        compressors.TwoBit]
+                                        compressors.Ternary, compressors.TwoBit]
     assert compressors.make_compressor({"type": "none"}) is None
 
 
@@ -111,11 +111,12 @@ def test_error_feedback_keeps_one_residual_per_slot():
     ({"type": "1bit", "threshold": 0.5}, 4.0, True),    # a step of 1 cannot keep up
     ({"type": "1bit", "threshold": 0.5}, 0.3, False),
     ({"type": "sign"}, 1000.0, False),                  # nothing to outgrow
+    ({"type": "ternary"}, 1000.0, False),
 ])
 def test_a_residual_past_its_bound_warns_once_naming_the_key(params, scale, warns, caplog):
     """2bit/1bit: a key whose residual passes 8x its threshold (8 for 1bit) logs one
     warning naming it, however many pushes follow; gradients the rule keeps up with,
-    and sign's, none."""
+    and sign's and ternary's, none."""
     feedback = compressors.ErrorFeedback(compressors.make_compressor(params))
     rng = np.random.default_rng(1)
     with caplog.at_level("WARNING", logger="gpukv"):

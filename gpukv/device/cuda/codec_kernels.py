@@ -129,6 +129,86 @@ extern "C" __global__ void gpukv_dequantize_sign(
         out[i] = accumulate ? __fadd_rn(out[i], v) : v;
     }
 }
+
+/* ternary: a CUDA block of 256 threads takes 2 blocks of 128 values
+   (host_codecs.TERNARY_BLOCK) at a time, a thread per value. The payload is the blocks'
+   float32 scales, then each block's 26 bytes of codes, five to a byte (the first value
+   the lowest base-3 digit; 0: 0, 1: +scale, 2: -scale). */
+extern "C" __global__ void gpukv_quantize_ternary(
+        const float* __restrict__ grad, float* __restrict__ residual,
+        unsigned char* __restrict__ out, long long n, long long nblocks) {
+    __shared__ float sums[256];
+    __shared__ int counts[256];
+    __shared__ unsigned char codes[256];
+    float* scales = (float*)out;
+    unsigned char* packed = out + 4 * nblocks;
+    const long long groups = (n + 255) / 256;
+    const int t = threadIdx.x, lane = t & 127, first = t - lane;
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        long long i = g * 256 + t;
+        float r = 0.0f;
+        if (i < n) r = __fadd_rn(residual[i], grad[i]);
+        float size = fabsf(r);
+        sums[t] = size;
+        __syncthreads();
+        for (int h = 64; h > 0; h >>= 1) {  /* the halves host_codecs adds, in its order */
+            if (lane < h) sums[t] = __fadd_rn(sums[t], sums[t + h]);
+            __syncthreads();
+        }
+        long long b = g * 2 + (t >> 7);  /* this thread's block of 128 values */
+        long long left = n - b * 128;
+        float mean = left > 0 ? __fdiv_rn(sums[first], (float)(left < 128 ? left : 128))
+                              : 0.0f;
+        bool chosen = i < n && size > __fmul_rn(mean, 0.7f);
+        __syncthreads();  /* every thread has read its block's sum */
+        sums[t] = chosen ? size : 0.0f;
+        counts[t] = chosen ? 1 : 0;
+        __syncthreads();
+        for (int h = 64; h > 0; h >>= 1) {
+            if (lane < h) {
+                sums[t] = __fadd_rn(sums[t], sums[t + h]);
+                counts[t] += counts[t + h];
+            }
+            __syncthreads();
+        }
+        int count = counts[first];
+        float scale = count > 0 ? __fdiv_rn(sums[first], (float)count) : 0.0f;
+        unsigned char code = chosen ? (r > 0.0f ? 1 : 2) : 0;
+        codes[t] = code;
+        float sent = code == 0 ? 0.0f : (code == 1 ? scale : -scale);
+        if (i < n) residual[i] = __fsub_rn(r, sent);
+        __syncthreads();
+        if (lane < 26 && b < nblocks) {
+            int v = 0, p = 1;
+            for (int k = 0; k < 5; ++k) {
+                int j = 5 * lane + k;
+                if (j < 128) v += codes[first + j] * p;
+                p *= 3;
+            }
+            packed[b * 26 + lane] = (unsigned char)v;
+        }
+        if (lane == 0 && b < nblocks) scales[b] = scale;
+        __syncthreads();  /* sums, counts and codes are the next values' */
+    }
+}
+
+extern "C" __global__ void gpukv_dequantize_ternary(
+        const unsigned char* __restrict__ in, float* __restrict__ out, long long n,
+        long long nblocks, int accumulate) {
+    const float* scales = (const float*)in;
+    const unsigned char* packed = in + 4 * nblocks;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long b = i >> 7;
+        int j = (int)(i & 127);
+        int code = packed[b * 26 + j / 5];
+        for (int k = j % 5; k > 0; --k) code /= 3;
+        code %= 3;
+        float s = scales[b];
+        float v = code == 0 ? 0.0f : (code == 1 ? s : -s);
+        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+    }
+}
 """
 
 

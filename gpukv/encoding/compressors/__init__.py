@@ -3,6 +3,8 @@
 
 - `two_bit` ('2bit'), `one_bit` ('1bit'), `cast` ('fp16', 'bf16'): MXNet's rules;
 - `sign` ('sign'): scaled sign with error feedback, accurate without tuning;
+- `ternary` ('ternary'): thresholded ternary with error feedback, closer to uncompressed
+  training early on;
 - `powersgd` ('powersgd'): low-rank with warm start and error feedback, its two sums run
   by the store or engine (`low_rank`);
 - `base`: what a compressor is (`Compressor`, `Ctx`) and how options are checked;
@@ -13,7 +15,8 @@ Adding a compressor: a module here with a `@register('name')` class (its options
 `compress`/`decompress`, its kernels' traffic), its kernels in `gpukv.device.codecs`, and
 its tests; `gpukv info --kernels` and the option checks follow from the registry.
 """
-from . import cast, one_bit, powersgd, sign, two_bit  # noqa: F401  (each registers its types)
+# each module registers its types
+from . import cast, one_bit, powersgd, sign, ternary, two_bit  # noqa: F401
 from .base import Compressor, Ctx, KernelTraffic, compressible
 from .cast import Cast
 from .feedback import ErrorFeedback
@@ -21,8 +24,9 @@ from .one_bit import OneBit
 from .powersgd import PowerSGD
 from .registry import make_compressor, register, registered, type_names
 from .sign import Sign
+from .ternary import Ternary
 from .two_bit import TwoBit
 
 __all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "Cast", "OneBit", "PowerSGD",
-           "Sign", "TwoBit",
+           "Sign", "Ternary", "TwoBit",
            "ErrorFeedback", "make_compressor", "register", "registered", "type_names"]

@@ -49,10 +49,13 @@ def families(device, n: int) -> list:
         dequantize_1bit,
         dequantize_2bit,
         dequantize_sign,
+        dequantize_ternary,
         quantize_1bit,
         quantize_2bit,
         quantize_sign,
+        quantize_ternary,
         sign_nbytes,
+        ternary_nbytes,
         uncast_bf16,
         uncast_fp16,
     )
@@ -75,6 +78,8 @@ def families(device, n: int) -> list:
     p1 = arr(0, np.uint8)[: -(-n // 8)]
     ps = arr(0, np.uint8)[:sign_nbytes(n)]
     sign_bytes = sign_nbytes(n) / n  # payload bytes per value
+    pt = arr(0, np.uint8)[:ternary_nbytes(n)]
+    ternary_bytes = ternary_nbytes(n) / n
     with device.activate():
         h16 = cast_fp16(src, 1.0)
         b16 = cast_bf16(src, 1.0)
@@ -100,6 +105,10 @@ def families(device, n: int) -> list:
                lambda: quantize_sign(src, residual, out=ps)),
         Family("compression", "sign decode", (1 + sign_bytes / 4) * e,
                lambda: dequantize_sign(ps, n, out)),
+        Family("compression", "ternary encode", (3 + ternary_bytes / 4) * e,
+               lambda: quantize_ternary(src, residual, out=pt)),
+        Family("compression", "ternary decode", (1 + ternary_bytes / 4) * e,
+               lambda: dequantize_ternary(pt, n, out)),
         Family("compression", "fp16 encode", 1.5 * e, lambda: cast_fp16(src, 1.0)),
         Family("compression", "fp16 decode", 1.5 * e, lambda: uncast_fp16(h16, 1.0, out)),
         Family("compression", "bf16 encode", 1.5 * e, lambda: cast_bf16(src, 1.0)),

@@ -255,10 +255,13 @@ def _codec_case(codec: str) -> KernelCase:
                     ck.dequantize_1bit(payload, N, decoded)
                     ck.dequantize_1bit(payload, N, added, accumulate=True)
                 outs["residual"] = residual
-            elif codec == "sign":
-                payload = ck.quantize_sign(grad, residual)
-                ck.dequantize_sign(payload, N, decoded)
-                ck.dequantize_sign(payload, N, added, accumulate=True)
+            elif codec in ("sign", "ternary"):
+                quantize, dequantize = ((ck.quantize_sign, ck.dequantize_sign)
+                                        if codec == "sign" else
+                                        (ck.quantize_ternary, ck.dequantize_ternary))
+                payload = quantize(grad, residual)
+                dequantize(payload, N, decoded)
+                dequantize(payload, N, added, accumulate=True)
                 outs["residual"] = residual
             else:
                 cast, uncast = ((ck.cast_fp16, ck.uncast_fp16) if codec.startswith("fp16")
@@ -277,7 +280,7 @@ def _codec_case(codec: str) -> KernelCase:
     return KernelCase(name, "compression", run)
 
 
-CODECS = ["2bit", "1bit", "sign", "fp16", "fp16 scaled", "bf16", "bf16 scaled"]
+CODECS = ["2bit", "1bit", "sign", "ternary", "fp16", "fp16 scaled", "bf16", "bf16 scaled"]
 
 
 # ---------------------------------------------------------------------- optimizers
