@@ -499,35 +499,33 @@ def ternary_parts(payload, n: int):
     return payload[:4 * blocks].view(_F32), codes.reshape(blocks, TERNARY_CODE_BYTES)
 
 
-def _ternary_sums(values, k, blocks, name):
-    """Each TERNARY_BLOCK's sum of values[:k] (zeros past k), by halves (x[i] += x[i + h],
-    h = 64, 32, ..., 1) as the CUDA kernel's threads add them."""
-    n = blocks * TERNARY_BLOCK
-    x = _scratch(name + "_x", _F32, n)
-    y = _scratch(name + "_y", _F32, n)
-    x[:k] = values
-    x[k:] = 0
-    return _halve(x, y, n, TERNARY_BLOCK, _T_HALVES)[:n:TERNARY_BLOCK].copy()
+def _ternary_sums(x, out) -> None:
+    """out[b] = the sum of row b of x (blocks, TERNARY_BLOCK) by halves (x[i] += x[i + h],
+    h = 64, 32, ..., 1), as the CUDA kernel's threads add them: the first two halves on
+    whole rows, the rest (a quarter of the values) as shifted adds (`_halve`)."""
+    blocks = x.shape[0]
+    a = _scratch("ternary_h64", _F32, blocks * 64).reshape(blocks, 64)
+    b = _scratch("ternary_h32", _F32, blocks * 32).reshape(blocks, 32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add(x[:, :64], x[:, 64:], out=a)
+        np.add(a[:, :32], a[:, 32:], out=b)
+    flat = b.reshape(-1)
+    y = _scratch("ternary_hy", _F32, flat.size)
+    np.copyto(out, _halve(flat, y, flat.size, 32, _T_HALVES[2:])[::32])
 
 
-def _ternary_table() -> np.ndarray:
-    """(256, 5) float32: the signs (0, +1, -1) of the five codes of each byte."""
-    digits = (np.arange(256)[:, None] // _POW3.astype(np.int64)[None, :]) % 3
-    return np.array([0, 1, -1], _F32)[digits]
+#: each byte's five values' signs (0, +1, -1), first value first, as one 20-byte item
+_TERNARY_SIGNS = np.array([0, 1, -1], _F32)[
+    (np.arange(256)[:, None] // _POW3.astype(np.int64)) % 3].view(np.dtype((np.void, 20)))[:, 0]
 
 
-_TERNARY_SIGNS = _ternary_table()
-
-
-def _ternary_values(scales, codes, k, out):
-    """out[:k] = the decoded values of k values' codes: 0, +scale or -scale (a code of
-    0 is +0 whatever its scale, as in the kernel)."""
-    blocks = scales.size
-    signs = _TERNARY_SIGNS[codes].reshape(blocks, -1)[:, :TERNARY_BLOCK].reshape(-1)[:k]
-    spread = np.repeat(scales, TERNARY_BLOCK)[:k]
+def _times_scale(signs, scales, out) -> None:
+    """out = signs (0, +1, -1) times their row's scale, 0 (+0) where the sign is 0 even
+    for an infinite scale (masks and np.where cost ten times these plain ufuncs)."""
     with np.errstate(invalid="ignore"):
-        np.multiply(signs, spread, out=out)
-    out[signs == 0] = 0
+        np.multiply(signs, scales[:, None], out=out)
+    if not np.isfinite(scales).all():  # 0 * inf: NaN, where the kernel writes 0
+        out[signs == 0] = 0
 
 
 def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
@@ -536,36 +534,58 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         k = stop - start
         blocks = -(-k // TERNARY_BLOCK)
         first = start // TERNARY_BLOCK
+        shape = (blocks, TERNARY_BLOCK)
         r = residual[start:stop]
         np.add(r, grad[start:stop], r)
-        size = np.abs(r)
-        counts = np.full(blocks, TERNARY_BLOCK, _F32)
-        if stop == total and k % TERNARY_BLOCK:
-            counts[-1] = k % TERNARY_BLOCK
-        with np.errstate(invalid="ignore", over="ignore"):
-            mean = _ternary_sums(size, k, blocks, "ternary") / counts
-            threshold = mean * TERNARY_THRESHOLD
-            chosen = size > np.repeat(threshold, TERNARY_BLOCK)[:k]
-        kept = np.where(chosen, size, _F32(0))
-        chosen_sums = _ternary_sums(kept, k, blocks, "ternary")
-        chosen_counts = _ternary_sums(chosen, k, blocks, "ternary")  # exact: at most 128
+        e = _scratch("ternary_e", _F32, blocks * TERNARY_BLOCK)  # r, zeros past its end
+        e[:k] = r
+        e[k:] = 0
+        e = e.reshape(shape)
+        size = _scratch("ternary_size", _F32, e.size).reshape(shape)
+        np.abs(e, out=size)
+        threshold = _scratch("ternary_mean", _F32, blocks)
+        _ternary_sums(size, threshold)
+        short = k % TERNARY_BLOCK if stop == total else 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            last = threshold[-1] / _F32(short) if short else None
+            np.divide(threshold, _F32(TERNARY_BLOCK), out=threshold)  # the mean
+            if last is not None:
+                threshold[-1] = last
+            np.multiply(threshold, TERNARY_THRESHOLD, out=threshold)
+        chosen = _scratch("ternary_chosen", np.bool_, e.size).reshape(shape)
+        np.greater(size, threshold[:, None], out=chosen)  # never a NaN's, nor padding's
+        kept = _scratch("ternary_kept", _F32, e.size).reshape(shape)
+        with np.errstate(invalid="ignore"):
+            np.multiply(size, chosen, out=kept)
+        np.fmax(kept, 0, out=kept)  # inf * 0 or NaN * 0 (not chosen): NaN, made 0
         sc = scales[first:first + blocks]
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            np.divide(chosen_sums, chosen_counts, out=sc)
-        sc[chosen_counts == 0] = 0
-        digit = np.zeros((blocks, 5 * TERNARY_CODE_BYTES), np.uint8)
-        flat = digit[:, :TERNARY_BLOCK].reshape(-1)  # a copy: written back below
-        flat[:k] = np.where(chosen, np.where(r > 0, 1, 2), 0)
-        digit[:, :TERNARY_BLOCK] = flat.reshape(blocks, TERNARY_BLOCK)
-        by_five = digit.reshape(blocks, TERNARY_CODE_BYTES, 5)
+        _ternary_sums(kept, sc)
+        how_many = chosen.sum(axis=1, dtype=_F32)  # exact: at most 128
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            np.divide(sc, how_many, out=sc)
+        sc[how_many == 0] = 0
+        negative = _scratch("ternary_negative", np.bool_, e.size).reshape(shape)
+        np.less(e, 0, out=negative)
+        np.logical_and(negative, chosen, out=negative)
+        digits = _scratch("ternary_digits", _U8, blocks * 5 * TERNARY_CODE_BYTES)
+        digits = digits.reshape(blocks, 5 * TERNARY_CODE_BYTES)
+        digits[:, TERNARY_BLOCK:] = 0
+        np.add(chosen.view(_U8), negative.view(_U8), out=digits[:, :TERNARY_BLOCK])
+        by_five = digits.reshape(blocks, TERNARY_CODE_BYTES, 5)
         packed = codes[first:first + blocks]
         np.copyto(packed, by_five[:, :, 4])
         for place in (3, 2, 1, 0):  # Horner: ((d4 * 3 + d3) * 3 + ...) + d0
             np.multiply(packed, _U8(3), out=packed)
             np.add(packed, by_five[:, :, place], out=packed)
-        step = _scratch("ternary_step", _F32, k)
-        _ternary_values(sc, codes[first:first + blocks], k, step)
-        np.subtract(r, step, r)
+        signs = _scratch("ternary_signs", _F32, e.size).reshape(shape)
+        # chosen - 2 * negative: +1, -1 or 0, in int8 (as uint8 0 - 1 would be 255)
+        np.subtract(chosen.view(np.int8), negative.view(np.int8), out=signs,
+                    casting="unsafe")
+        np.subtract(signs, negative.view(np.int8), out=signs, casting="unsafe")
+        _times_scale(signs, sc, size)  # the values sent
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.subtract(e, size, out=e)
+        r[...] = e.reshape(-1)[:k]
 
 
 def quantize_ternary(grad, residual, out):
@@ -581,11 +601,16 @@ def _dequantize_ternary_range(scales, codes, out, accumulate, lo, hi):
         k = stop - start
         first = start // TERNARY_BLOCK
         blocks = -(-k // TERNARY_BLOCK)
+        signs = np.take(_TERNARY_SIGNS, codes[first:first + blocks].reshape(-1))
+        signs = signs.view(_F32).reshape(blocks, -1)[:, :TERNARY_BLOCK]
+        values = _scratch("ternary_values", _F32, blocks * TERNARY_BLOCK)
+        values = values.reshape(blocks, TERNARY_BLOCK)
+        _times_scale(signs, scales[first:first + blocks], values)
         o = out[start:stop]
-        values = _scratch("ternary_step", _F32, k) if accumulate else o
-        _ternary_values(scales[first:first + blocks], codes[first:first + blocks], k, values)
         if accumulate:
-            np.add(o, values, o)
+            np.add(o, values.reshape(-1)[:k], o)
+        else:
+            o[...] = values.reshape(-1)[:k]
 
 
 def dequantize_ternary(payload, n, out, accumulate):
