@@ -1,10 +1,11 @@
 """Gradient-compression throughput: encode and decode GB/s of float32 input, vs. a copy.
 
-For each size and compressor (2bit, 1bit, sign, fp16, bf16) it times `compress` (quantise with
-error feedback, or cast), `decompress` (into a float32 buffer) and decompress-and-add (what
-a receiver summing several sources does per source), and reports milliseconds and GB/s of
-float32 values handled (4 bytes per element), next to `np.copyto` of the same float32
-array measured in the same run, the memory-bandwidth limit an encoder that reads its
+For each size and compressor (2bit, 1bit, sign, ternary, fp16, bf16) it times `compress`
+(quantise with error feedback, or cast), `decompress` (into a float32 buffer) and
+decompress-and-add (what a receiver summing several sources does per source), and reports
+milliseconds and GB/s of float32 values handled (4 bytes per element), next to
+`np.copyto` of the same float32 array measured in the same run, the memory-bandwidth
+limit an encoder that reads its
 input once is held to. On a machine with a GPU the same is done with CuPy arrays and
 CUDA events (copy: `cupy.copyto`); `--host` or `--gpu` keeps to one of the two. With fp16
 among the kinds, the host also times the sum of two float16 payloads into a float32 out
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common  # noqa: E402
 
-from gpukv.encoding.compressors import Cast, OneBit, Sign, TwoBit  # noqa: E402
+from gpukv.encoding.compressors import Cast, OneBit, Sign, Ternary, TwoBit  # noqa: E402
 
 KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0), "sign": Sign,
-         "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}
+         "ternary": Ternary, "fp16": lambda: Cast("fp16"), "bf16": lambda: Cast("bf16")}
 SUM_SOURCES = 2  # float16 payloads per timed host sum
 
 

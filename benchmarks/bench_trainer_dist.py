@@ -29,6 +29,8 @@ all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
 - trainer sign: trainer on store overlap with `compression_params={'type': 'sign'}`: one
   bit per value (and a float32 scale per 64) both ways, the gradients pushed and the
   weights' changes pulled, with error feedback;
+- trainer ternary: the same with `{'type': 'ternary'}`: 0 or +-a block's scale per value
+  (five values a byte, and a float32 scale per 128), both ways;
 - trainer powersgd: trainer (one push of every key after backward) with
   `compression_params={'type': 'powersgd', 'rank': 4}`: every parameter of 2+ dimensions
   its own key, all their P and Q summed by two allreduces; each worker decodes the sums
@@ -47,8 +49,8 @@ place) with mpi4py, timed in the same job. After the
 timing every way's weights are compared with DDP's (same start, same batches; the Trainer
 sums where DDP averages, so its learning rate is scaled to match) and a way that differs
 by more than float32 rounding fails the case; the compressed ways (trainer sign, trainer
-powersgd, ddp powersgd) differ by design: their difference is shown, marked lossy, and not checked
-(bench_accuracy.py measures what compression costs in accuracy). Results:
+ternary, trainer powersgd, ddp powersgd) differ by design: their difference is shown, marked
+lossy, and not checked (bench_accuracy.py measures what compression costs in accuracy). Results:
 trainer_dist_<machine>.json in --out DIR (default benchmarks/results/; '-' writes
 nothing); exit status 1 when a case failed.
 """
@@ -85,6 +87,8 @@ TRAINER_WAYS = {
     "trainer on store overlap": {"update_on_kvstore": True, "overlap": True},
     "trainer sign": {"update_on_kvstore": True, "overlap": True,
                      "compression_params": {"type": "sign"}},
+    "trainer ternary": {"update_on_kvstore": True, "overlap": True,
+                        "compression_params": {"type": "ternary"}},
     # the optimizer on the workers: every worker decodes the sum, the pull costs nothing;
     # every key in one push, so that one pair of allreduces carries all their P and Q
     "trainer powersgd": {"update_on_kvstore": False, "overlap": False,
@@ -98,11 +102,12 @@ POWERSGD = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2,
 #: first compressed one (which makes the hook's state) stay out of the timing
 POWERSGD_WARMUP = POWERSGD["start_powerSGD_iter"] + 1
 #: the ways that compress the gradients: their weights are not DDP's (reported, not checked)
-LOSSY = ("trainer sign", "trainer powersgd", POWERSGD_WAY)
+LOSSY = ("trainer sign", "trainer ternary", "trainer powersgd", POWERSGD_WAY)
 WAYS = ("compute", "ddp", *TRAINER_WAYS, POWERSGD_WAY)
 #: --ways names the ways after compute and ddp by these
 WAY_NAMES = {"off": "trainer", "overlap": "trainer overlap", "store": "trainer on store",
              "store-overlap": "trainer on store overlap", "sign": "trainer sign",
+             "ternary": "trainer ternary",
              "powersgd": "trainer powersgd", "ddp-powersgd": POWERSGD_WAY}
 #: --ways by default: the ways that end with DDP's weights
 DEFAULT_WAYS = ("off", "overlap", "store", "store-overlap")
@@ -325,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=",".join(DEFAULT_WAYS), metavar="NAMES",
                    help=f"the ways besides compute and ddp among {', '.join(WAY_NAMES)} "
                         f"(trainer, trainer overlap, trainer on store, trainer on store "
-                        f"overlap, trainer sign, ddp powersgd), comma-separated (default: "
+                        f"overlap, trainer sign, trainer ternary, trainer powersgd, ddp "
+                        f"powersgd), comma-separated (default: "
                         f"{','.join(DEFAULT_WAYS)}; ddp-powersgd raises --warmup to "
                         f"{POWERSGD_WARMUP} at least)")
     C.add_devices_option(p, "2", "processes, one replica each")

@@ -31,8 +31,8 @@ Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
 
 The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:
 r += t`; for 1bit `r += g; if r > t: r -= 1 else r += 1`; for sign `r += g`, then
-`r -= +scale if r >= 0 else -scale`; for ternary `r += g`, then `r -= ` the value sent
-(+0 for a value not sent). Subtracting -t and adding t
+`r -= +scale if r >= 0 else -scale`; for ternary `r += g`, then `r -= v`, v the value
+sent (+0 for a value not sent). Subtracting -t and adding t
 (or subtracting 1 and adding -1) give the same IEEE result, which is what lets the
 NumPy twin apply the update as one vectorised add.
 """

@@ -582,9 +582,10 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         np.subtract(chosen.view(np.int8), negative.view(np.int8), out=signs,
                     casting="unsafe")
         np.subtract(signs, negative.view(np.int8), out=signs, casting="unsafe")
-        _times_scale(signs, sc, size)  # the values sent
+        sent = size  # the magnitudes are spent: their buffer takes the values sent
+        _times_scale(signs, sc, sent)
         with np.errstate(over="ignore", invalid="ignore"):
-            np.subtract(e, size, out=e)
+            np.subtract(e, sent, out=e)
         r[...] = e.reshape(-1)[:k]
 
 

@@ -42,7 +42,8 @@ def pieces(key, size: int, servers: int, bound: int) -> tuple:
 
 
 #: pieces of at least this many values start at multiples of it: a codec that works in
-#: blocks of values (sign's 256) then cuts each piece where it cuts the whole key
+#: blocks of values (sign's 64, ternary's 128) then cuts each piece where it cuts the
+#: whole key
 PIECE_ALIGN = 256
 
 

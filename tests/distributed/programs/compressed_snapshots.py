@@ -19,7 +19,7 @@ from gpukv.checkpoints import snapshots
 #: 'v' are split over the processes; 'h' (float16) is whole
 KEYS = {"m": ("float32", (24, 40)), "v": ("float32", (301,)), "h": ("float16", (33,))}
 STEPS = 5
-COMPRESSIONS = [{"type": "sign"}, {"type": "2bit", "threshold": 0.5},
+COMPRESSIONS = [{"type": "sign"}, {"type": "ternary"}, {"type": "2bit", "threshold": 0.5},
                 {"type": "1bit", "threshold": 0.0}, {"type": "powersgd", "rank": 2}]
 
 

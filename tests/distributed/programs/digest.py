@@ -10,8 +10,8 @@ then for the values after three rounds of SGD with momentum. Run without MPI (pl
 With DIGEST_WIDE=1 every value is pushed as float32, into float16 keys too.
 
 With DIGEST_COMPRESS=1 the pushes are compressed (a one-process store: 'device'), in
-phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, then sign,
-without an updater; then, with SGD, 2-bit again, fp16 and sign. Worker 0 prints
+phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, sign, then
+ternary, without an updater; then, with SGD, 2-bit again, fp16, sign and ternary. Worker 0 prints
 `DIGEST <phase> <sha1>` after each phase.
 """
 from __future__ import annotations
@@ -35,9 +35,11 @@ BOUND = 100_000
 FP16 = {"type": "fp16", "pre_divide": 3.0}
 TWO_BIT = {"type": "2bit", "threshold": 0.5}
 SIGN = {"type": "sign"}
+TERNARY = {"type": "ternary"}
 PHASES = [("fp16_sum", FP16, False), ("twobit_sum", TWO_BIT, False),
-          ("sign_sum", SIGN, False), ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True),
-          ("sign_sgd", SIGN, True)]
+          ("sign_sum", SIGN, False), ("ternary_sum", TERNARY, False),
+          ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True), ("sign_sgd", SIGN, True),
+          ("ternary_sgd", TERNARY, True)]
 
 
 def leaves(name: str, rounds: int = 1) -> list:
