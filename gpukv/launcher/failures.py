@@ -146,7 +146,8 @@ def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
     gave them, is not 0)."""
     if said.abort is not None:
         abort = said.abort
-        return Failure(f"{who(abort.rank, started)}: {abort.words}", abort.code)
+        words = abort.words or f"called MPI_Abort with error code {abort.code}"
+        return Failure(f"{who(abort.rank, started)}: {words}", abort.code)
     box = said.box
     assert box is not None
     first: int | None = None

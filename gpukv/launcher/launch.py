@@ -496,8 +496,23 @@ class Job:
         if status is not None:
             self._drain(TERM_WAIT)  # mpiexec's box and exit codes may follow its exit
         self._read_reports(reports)  # those that came with mpiexec's exit
+        if status and self.first is None:  # ended badly, no word yet on why
+            self._await_ends(reports, TERM_WAIT)
         self.exited_badly = bool(status)
         return status
+
+    def _await_ends(self, reports: socket.socket, seconds: float) -> None:
+        """Read reports until every rank that started has its end reported (which rank
+        ended first names the failure), up to `seconds`."""
+        end = time.monotonic() + seconds
+        with selectors.DefaultSelector() as selector:
+            selector.register(reports, selectors.EVENT_READ)
+            while set(self.started) - {e.rank for e in self.ended}:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                if selector.select(timeout=left):
+                    self._read_reports(reports)
 
     def _read_reports(self, reports: socket.socket) -> None:
         found = []

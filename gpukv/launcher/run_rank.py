@@ -4,7 +4,8 @@ Before PROG runs, the process gets torchrun's variables, `RANK`, `LOCAL_RANK`, `
 and `LOCAL_WORLD_SIZE`, from those mpiexec set (MPICH's PMI_RANK, MPI_LOCALRANKID, PMI_SIZE,
 MPI_LOCALNRANKS, or Open MPI's OMPI_COMM_WORLD_*); it tells the launcher its rank, local
 rank, host and pid (`run_report`), and forks a watcher that tells the launcher once this
-process has ended, however it ended (kill -9 included). The watcher keeps this process's
+process has ended, however it ended (kill -9 included, and mpiexec's proxy killing the
+rank's process group: the watcher has a group of its own). The watcher keeps this process's
 connections to mpiexec open the moment it takes to say so: mpiexec, which ends every other
 rank as soon as one's connections close, hears of the end after the launcher has.
 
@@ -101,6 +102,10 @@ def _leave_a_watcher(rank: int) -> None:
     try:  # the watcher
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
+        try:  # out of its rank's process group, which mpiexec's proxy kills as a whole
+            os.setpgid(0, 0)  # when it ends a job (an MPI_Abort): it outlives its rank
+        except OSError:
+            pass
         _wait_for_end(me)
         run_report.send_ended(run_report.Ended(rank, me))
     finally:

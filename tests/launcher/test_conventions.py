@@ -288,6 +288,32 @@ def test_an_mpi_abort_is_one_line(tmp_path, verbose):
 
 
 @pytest.mark.mpi
+def test_a_rank_whose_process_group_is_killed_is_named(tmp_path):
+    """Rank 1 of 3 kills its whole process group, as mpiexec's proxy does when it ends a
+    job: its watcher, in a group of its own, still reports the end first, so the line
+    names rank 1 (mpiexec's box names the first failed process of the host, rank 0)."""
+    prog = _program(tmp_path, "import os, signal, sys, time\n"
+                              "if os.environ['RANK'] == '1':\n"
+                              "    time.sleep(1)\n"
+                              "    os.killpg(os.getpgid(0), signal.SIGKILL)\n"
+                              "time.sleep(60)\n")
+    code, out, err, _ = _finish(_start("-n", "3", str(prog)), 30)
+    assert code == 9, err
+    assert len(_said(err)) == 1 and re.fullmatch(
+        rf"gpukv run: rank 1 \(local rank 1\) on host {re.escape(HOST)}, pid \d+: killed by "
+        r"signal 9 \(SIGKILL\)", _said(err)[0]), err
+
+
+def test_an_mpi_abort_without_words_says_its_error_code():
+    """MPICH's banner with its message suppressed (MPIR_CVAR_SUPPRESS_ABORT_MESSAGE=1):
+    the line says the rank called MPI_Abort and with which code."""
+    said = failures.MpiexecWords()
+    assert said.read("Abort(4) on node 1 (rank 1 in comm 0): ")
+    assert failures.of_mpiexec(said, {1: _started(1, 1)}, []) == failures.Failure(
+        "rank 1 (local rank 1) on host vm, pid 9001: called MPI_Abort with error code 4", 4)
+
+
+@pytest.mark.mpi
 def test_ctrl_c_ends_with_one_line(tmp_path):
     """Ctrl-C to a job of Python ranks that do not handle it: status 130 and one line,
     `interrupted (Ctrl-C): ended 2 processes`; no KeyboardInterrupt traceback, none of
