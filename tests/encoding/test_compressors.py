@@ -128,3 +128,46 @@ def test_a_residual_past_its_bound_warns_once_naming_the_key(params, scale, warn
     assert len(named) == (2 if warns else 0), named
     if warns:
         assert {"'w'", "'b'"} == {m.split("residual of key ")[1].split(" ")[0] for m in named}
+
+
+#: the compressors that scale each block of values by the block's own size
+BLOCKWISE = ["sign", "ternary"]
+
+
+@pytest.mark.parametrize("kind", BLOCKWISE)
+def test_accumulate_adds_the_decoded_values(kind):
+    comp = compressors.make_compressor({"type": kind})
+    g = np.linspace(-3, 2, 600, dtype=np.float32)
+    payload, ctx = comp.compress(g, np.zeros(600, np.float32))
+    decoded = comp.decompress(payload, ctx)
+    assert (decoded > 0).any() and (decoded < 0).any()
+    out = np.full(600, 0.5, np.float32)
+    comp.decompress(payload, ctx, out, accumulate=True)
+    assert out.tobytes() == (decoded + np.float32(0.5)).tobytes()
+
+
+@pytest.mark.parametrize("kind", BLOCKWISE)
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
+@pytest.mark.parametrize("density", [1.0, 0.1, 1 / 128])
+def test_a_blockwise_residual_stays_bounded_whatever_the_scale(kind, scale, density):
+    """300 pushes of gradients of any scale, dense or sparse (mostly exact zeros, which
+    sign decodes to +scale): the residual stays within a few times the largest gradient
+    (2bit at its default threshold grows without bound once gradients pass it)."""
+    rng = np.random.default_rng(0)
+    comp = compressors.make_compressor({"type": kind})
+    residual = np.zeros(4096, np.float32)
+    largest = 0.0
+    for _ in range(300):
+        g = (rng.standard_normal(4096) * scale * (rng.random(4096) < density)
+             ).astype(np.float32)
+        largest = max(largest, float(np.abs(g).max()))
+        comp.compress(g, residual)
+    assert np.abs(residual).max() < 4 * largest
+
+
+@pytest.mark.parametrize("kind", BLOCKWISE)
+def test_a_blockwise_compressor_takes_no_option_and_says_so(kind):
+    with pytest.raises(gpukv.ArgumentError, match="unknown option 'threshold'; valid "
+                                                  "options are type$"):
+        compressors.make_compressor({"type": kind, "threshold": 0.5})
+    assert compressors.make_compressor({"type": kind.upper()}).params() == {"type": kind}

@@ -1,6 +1,6 @@
 """The sign compressor against a plain NumPy statement of its rule (scaled sign with error
-feedback, a root-mean-square scale per 64 values), its payload's size, its residual
-bounded whatever the gradients' scale and sparsity, and its options checked."""
+feedback, a root-mean-square scale per 64 values), its payload's size, and bad options on
+a store (what it shares with 'ternary': test_compressors.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -82,41 +82,6 @@ def test_sign_payload_is_a_bit_a_value_and_a_scale_a_block(n):
         assert 4 * n / payload.nbytes == 64 * 4 / 12
     if n >= 2048:
         assert 4 * n / payload.nbytes >= 16
-
-
-def test_accumulate_adds_the_decoded_values():
-    comp = make_compressor({"type": "sign"})
-    g = np.linspace(-3, 2, 600, dtype=np.float32)
-    payload, ctx = comp.compress(g, np.zeros(600, np.float32))
-    decoded = comp.decompress(payload, ctx)
-    out = np.full(600, 0.5, np.float32)
-    comp.decompress(payload, ctx, out, accumulate=True)
-    assert out.tobytes() == (decoded + np.float32(0.5)).tobytes()
-
-
-@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
-@pytest.mark.parametrize("density", [1.0, 0.1, 1 / 64])
-def test_the_residual_stays_bounded_whatever_the_scale(scale, density):
-    """300 pushes of gradients of any scale, dense or sparse (mostly exact zeros, which
-    decode to +scale): the residual stays within a few times the largest gradient (2bit
-    at its default threshold grows without bound once gradients pass it)."""
-    rng = np.random.default_rng(0)
-    comp = make_compressor({"type": "sign"})
-    residual = np.zeros(4096, np.float32)
-    largest = 0.0
-    for _ in range(300):
-        g = (rng.standard_normal(4096) * scale * (rng.random(4096) < density)
-             ).astype(np.float32)
-        largest = max(largest, float(np.abs(g).max()))
-        comp.compress(g, residual)
-    assert np.abs(residual).max() < 4 * largest
-
-
-def test_sign_takes_no_option_and_says_so():
-    with pytest.raises(gpukv.ArgumentError, match="unknown option 'threshold'; valid "
-                                                  "options are type$"):
-        make_compressor({"type": "sign", "threshold": 0.5})
-    assert make_compressor({"type": "SIGN"}).params() == {"type": "sign"}
 
 
 def test_a_store_with_sign_compression_changes_nothing_on_bad_options():

@@ -1,7 +1,6 @@
 """The ternary compressor against a plain NumPy statement of its rule (0 or +-a block's
 scale per value, a value sent when its magnitude passes 0.7 of its block's mean, error
-feedback), its payload's size, its residual bounded whatever the gradients' scale and
-sparsity, and its options checked."""
+feedback), its payload's size, and its pulls (what it shares with 'sign': test_compressors.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -116,41 +115,6 @@ def test_ternary_payload_is_30_bytes_a_block(n):
     assert ctx == Ctx(n, (n,))
     if n >= 2048:
         assert 4 * n / payload.nbytes >= 16
-
-
-def test_accumulate_adds_the_decoded_values():
-    comp = make_compressor({"type": "ternary"})
-    g = np.linspace(-3, 2, 600, dtype=np.float32)
-    payload, ctx = comp.compress(g, np.zeros(600, np.float32))
-    decoded = comp.decompress(payload, ctx)
-    assert (decoded == 0).any() and (decoded > 0).any() and (decoded < 0).any()
-    out = np.full(600, 0.5, np.float32)
-    comp.decompress(payload, ctx, out, accumulate=True)
-    assert out.tobytes() == (decoded + np.float32(0.5)).tobytes()
-
-
-@pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
-@pytest.mark.parametrize("density", [1.0, 0.1, 1 / 128])
-def test_the_residual_stays_bounded_whatever_the_scale(scale, density):
-    """300 pushes of gradients of any scale, dense or sparse: the residual stays within
-    a few times the largest gradient."""
-    rng = np.random.default_rng(0)
-    comp = make_compressor({"type": "ternary"})
-    residual = np.zeros(4096, np.float32)
-    largest = 0.0
-    for _ in range(300):
-        g = (rng.standard_normal(4096) * scale * (rng.random(4096) < density)
-             ).astype(np.float32)
-        largest = max(largest, float(np.abs(g).max()))
-        comp.compress(g, residual)
-    assert np.abs(residual).max() < 8 * largest
-
-
-def test_ternary_takes_no_option_and_says_so():
-    with pytest.raises(gpukv.ArgumentError, match="unknown option 'threshold'; valid "
-                                                  "options are type$"):
-        make_compressor({"type": "ternary", "threshold": 0.5})
-    assert make_compressor({"type": "TERNARY"}).params() == {"type": "ternary"}
 
 
 @settings(max_examples=20, deadline=None)
