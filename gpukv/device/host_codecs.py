@@ -482,8 +482,8 @@ TERNARY_BLOCK = 128
 TERNARY_CODE_BYTES = -(-TERNARY_BLOCK // 5)
 #: a value is sent when its magnitude exceeds this fraction of its block's mean magnitude
 TERNARY_THRESHOLD = _F32(0.7)
-_T_HALVES = tuple(TERNARY_BLOCK >> k for k in range(1, TERNARY_BLOCK.bit_length()))
-_POW3 = np.array([1, 3, 9, 27, 81], np.uint8)
+_LAST_HALVES = (16, 8, 4, 2, 1)  # of a block's sum, after the whole-row halves 64 and 32
+_POW3 = np.array([1, 3, 9, 27, 81])
 
 
 def ternary_nbytes(n: int) -> int:
@@ -511,12 +511,12 @@ def _ternary_sums(x, out) -> None:
         np.add(a[:, :32], a[:, 32:], out=b)
     flat = b.reshape(-1)
     y = _scratch("ternary_hy", _F32, flat.size)
-    np.copyto(out, _halve(flat, y, flat.size, 32, _T_HALVES[2:])[::32])
+    np.copyto(out, _halve(flat, y, flat.size, 32, _LAST_HALVES)[::32])
 
 
 #: each byte's five values' signs (0, +1, -1), first value first, as one 20-byte item
 _TERNARY_SIGNS = np.array([0, 1, -1], _F32)[
-    (np.arange(256)[:, None] // _POW3.astype(np.int64)) % 3].view(np.dtype((np.void, 20)))[:, 0]
+    (np.arange(256)[:, None] // _POW3) % 3].view(np.dtype((np.void, 20)))[:, 0]
 
 
 def _times_scale(signs, scales, out) -> None:

@@ -35,8 +35,6 @@ GPU_QUERY_TIMEOUT = 10.0
 PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
-#: what failed, when mpiexec ended badly without a word on why
-_SILENT = "mpiexec's status"
 
 DESCRIPTION = f"""\
 Run PROG on N processes with MPICH's mpiexec, as torchrun runs a training script, and make
@@ -599,16 +597,10 @@ class Job:
                 return 0
             # no report and no words of mpiexec's (all its output is in by now, its last
             # lines too): its exit status, and the rank that ended first
-            self.first = _SILENT
-        if self.first == _SILENT:
-            assert status is not None
             lines = [failures.of_silence(status if status > 0 else 128 - status,
                                          self.started, self.ended)]
-        elif self.first == _BOX:
+        elif isinstance(self.first, str):  # _BOX: mpiexec's word
             lines = [failures.of_mpiexec(self.said, self.started, self.ended)]
-        elif isinstance(self.first, str):  # mpiexec's own failure: its status is the job's
-            code = None if not status else status if status > 0 else 128 - status
-            lines = [failures.Failure(self.first, code)]
         else:
             lines = [failures.of_report(r, self.started) for r in self.first]
         lines = list(dict.fromkeys(lines))

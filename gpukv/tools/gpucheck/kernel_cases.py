@@ -256,9 +256,8 @@ def _codec_case(codec: str) -> KernelCase:
                     ck.dequantize_1bit(payload, N, added, accumulate=True)
                 outs["residual"] = residual
             elif codec in ("sign", "ternary"):
-                quantize, dequantize = ((ck.quantize_sign, ck.dequantize_sign)
-                                        if codec == "sign" else
-                                        (ck.quantize_ternary, ck.dequantize_ternary))
+                quantize = getattr(ck, f"quantize_{codec}")
+                dequantize = getattr(ck, f"dequantize_{codec}")
                 payload = quantize(grad, residual)
                 dequantize(payload, N, decoded)
                 dequantize(payload, N, added, accumulate=True)
