@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -136,21 +137,22 @@ def measure_message_s() -> float:
         for chunk in (MESSAGE_CHUNK, CHUNK_BYTES):
             out = Path(tmp) / f"{chunk}.json"
             subprocess.run([find_mpiexec(), "-n", "2", sys.executable, __file__, "--child",
-                            str(chunk), "--result", str(out)], check=True, timeout=300)
+                            "--result", str(out)], check=True, timeout=300,
+                           env={**os.environ, "GPUKV_DIST_CHUNK_BYTES": str(chunk)})
             times[chunk] = json.loads(out.read_text())["median_s"]
     extra = messages(2, MESSAGE_KEY, MESSAGE_CHUNK) - messages(2, MESSAGE_KEY)
     return (times[MESSAGE_CHUNK] - times[CHUNK_BYTES]) / extra
 
 
-def child(chunk: int, result: str) -> int:
-    """One process of `measure_message_s`: push+pull of an 8 MB key, the median of 15."""
+def child(result: str) -> int:
+    """One process of `measure_message_s`: push+pull of an 8 MB key, the median of 15, in
+    the chunks GPUKV_DIST_CHUNK_BYTES says."""
     import time
 
     from mpi4py import MPI
 
     import gpukv
     from gpukv.distributed.engines import exchange
-    exchange.CHUNK_BYTES = chunk
     exchange.MPI_FOR_TWO = False  # the exchange's messages, not MPI's allreduce
     kv = gpukv.create("dist_sync")
     grad = np.ones(MESSAGE_KEY // 4, np.float32)
@@ -208,11 +210,11 @@ def main(argv=None) -> int:
     p.add_argument("--message-us", type=float, default=None, metavar="US",
                    help="the software cost of one exchange message (default: measured)")
     C.add_out_option(p, "hosts_model_<machine>.json")
-    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, args.result)
+        return child(args.result)
     if not args.runs:
         p.error("the bench_cluster.py JSON is required")
     record = json.loads(Path(args.runs).read_text())

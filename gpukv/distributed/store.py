@@ -32,6 +32,8 @@ from ..store.base import KVStore
 from ..store.local import LocalStore, deterministic_option
 from ..store.pipeline import cast_to_keys
 from .engines.protocol import Leaves, Partials
+from .mpi import job_exit
+from .mpi.chunks import chosen_chunk_bytes
 from .parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
 
 if TYPE_CHECKING:
@@ -136,6 +138,7 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
             or bigarray_bound < 1:
         raise ArgumentError(f"bigarray_bound={bigarray_bound!r}: expected a positive int "
                             f"(elements)")
+    chosen_chunk_bytes()  # (refused here, before any message, when it is not a size)
     return num_servers, float(timeout), bigarray_bound
 
 
@@ -196,9 +199,11 @@ class DistKVStore(KVStore):
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
-            ("create", (name, servers, bound, deterministic, _PROCESS.made)),
+            ("create", (name, servers, bound, deterministic, _PROCESS.made,
+                        chosen_chunk_bytes())),
             f"gpukv.create({name!r})")
         _PROCESS.made += 1
+        job_exit.end_together(timeout)
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()

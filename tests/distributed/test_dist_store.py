@@ -552,7 +552,8 @@ def test_bad_options_are_typed_errors(code, error, words):
 @pytest.mark.parametrize("var,value", [("GPUKV_NUM_SERVERS", "two"),
                                        ("GPUKV_DIST_TIMEOUT", "soon"),
                                        ("GPUKV_DIST_TIMEOUT", "inf"),
-                                       ("GPUKV_BIGARRAY_BOUND", "-1")])
+                                       ("GPUKV_BIGARRAY_BOUND", "-1"),
+                                       ("GPUKV_DIST_CHUNK_BYTES", "1MB")])
 def test_malformed_environment_is_named(var, value):
     result = _single("try:\n    gpukv.create('dist_sync')\nexcept gpukv.ArgumentError as e:\n"
                      "    print(e)\n", **{var: value})

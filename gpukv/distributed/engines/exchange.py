@@ -18,7 +18,7 @@ import numpy as np
 
 from ..._errors import PeerError
 from ...canonical.arrays import merge_into
-from ..mpi.chunks import CHUNK_BYTES, chunk_ranges
+from ..mpi.chunks import CHUNK_BYTES, chosen_chunk_bytes, chunk_ranges
 from ..mpi.transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
 
 
@@ -53,9 +53,12 @@ def scratch_for(counts: list, rank: int, wire: np.dtype) -> np.ndarray:
 
 
 def chunks(n: int, itemsize: int) -> list:
-    """[start, stop) of the CHUNK_BYTES chunks of a piece of `n` elements (none when
-    the piece is empty: nothing to send)."""
-    return chunk_ranges(n, itemsize, CHUNK_BYTES) if n else []
+    """[start, stop) of the chunks of a piece of `n` elements (none when the piece is
+    empty: nothing to send): GPUKV_DIST_CHUNK_BYTES long when set, else CHUNK_BYTES, on
+    one machine too (the owner's sum of a chunk overlaps the others' transfers)."""
+    if not n:
+        return []
+    return chunk_ranges(n, itemsize, chosen_chunk_bytes() or CHUNK_BYTES)
 
 
 def allreduce(t: Transport, keys: list, what: str) -> None:

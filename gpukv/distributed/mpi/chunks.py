@@ -24,17 +24,25 @@ def chunk_bytes(transport) -> int:
     sets the same), else CHUNK_BYTES when the job spans several machines, and pieces
     whole when every process shares one machine, where a message costs memory bandwidth
     alone and each chunk's fixed costs (a message, its tests, a sum call) are what show."""
-    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES")
-    if chosen:
-        try:
-            value = int(chosen)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ArgumentError(f"GPUKV_DIST_CHUNK_BYTES={chosen!r}: expected a positive "
-                                f"number of bytes")
-        return value
+    chosen = chosen_chunk_bytes()
+    if chosen is not None:
+        return chosen
     return CHUNK_BYTES if transport.local_size < transport.size else WHOLE
+
+
+def chosen_chunk_bytes() -> int | None:
+    """GPUKV_DIST_CHUNK_BYTES, or None when it is not set."""
+    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES")
+    if not chosen:
+        return None
+    try:
+        value = int(chosen)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ArgumentError(f"GPUKV_DIST_CHUNK_BYTES={chosen!r}: expected a positive "
+                            f"number of bytes")
+    return value
 
 
 def chunk_ranges(n: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list:

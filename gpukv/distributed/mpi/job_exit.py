@@ -10,6 +10,15 @@ exception a hook sees: under a bare `mpiexec` the others wait for it up to their
 
 Under `gpukv run`, both are also reported to the launcher at once (`run_report`), which
 ends the job even where mpiexec cannot.
+
+A job whose processes all made a dist store ends together: at exit each waits (bounded by
+the store's timeout) until every process has reached its exit before `MPI_Finalize`. A
+process that received the last messages of a round may still owe their senders MPICH's
+word that they were read (a single-copy transfer between processes of one machine acks
+its sender after the copy, and the ack waits in a queue when the queue is full); in
+`MPI_Finalize`, MPICH waits for the others first and never sends it, and the sender, still
+waiting for its send to complete, would time out: the job's end would be a PeerError.
+Waiting in a barrier that MPI progresses sends the ack on.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ ABORT_BOUND = 5
 
 _failed: list = []  # (rank, failure) of each transport that failed
 _mpi: list = []  # mpi4py's MPI module, once installed
+_together: list = []  # the longest timeout of a dist store's, once one was made
 
 
 def install(MPI) -> None:
@@ -40,6 +50,35 @@ def install(MPI) -> None:
     atexit.register(_abort_if_failed)
     if MPI.COMM_WORLD.Get_size() > 1:
         sys.excepthook = _aborting(sys.excepthook, MPI)
+
+
+def end_together(timeout: float) -> None:
+    """Make this process wait at exit, up to `timeout` seconds, for every other process
+    of the job to reach its own exit (every process of the job calls this, at the same
+    point: a dist store's creation)."""
+    if not _together:
+        _together.append(timeout)
+        atexit.register(_wait_for_the_others)
+    _together[0] = max(_together[0], timeout)
+
+
+def _wait_for_the_others() -> None:
+    """A barrier of the whole job, tested until it completes or the timeout passes (then
+    MPI_Finalize waits as it would have; a failed process aborts the job instead)."""
+    if _failed or not _mpi:
+        return
+    MPI = _mpi[0]
+    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    try:
+        barrier = MPI.COMM_WORLD.Ibarrier()
+        deadline = time.monotonic() + _together[0]
+        nap = 0.0
+        while not barrier.Test() and time.monotonic() < deadline:
+            nap = min(0.001, nap + 0.00002)  # (naps grow: a late peer costs little CPU)
+            time.sleep(nap)
+    except MPI.Exception:
+        pass  # a peer is gone: MPI_Finalize (or the abort of whoever failed) follows
 
 
 def failed(rank: int, failure) -> None:

@@ -1012,6 +1012,23 @@ def python_runs_while_waiting() -> None:
     passed(kv)
 
 
+def end_after_an_exchange(megabytes: str = "4") -> None:
+    """Two workers push and pull a split key through the exchange's own messages (not
+    MPI's allreduce) and end right after: the last receiver may still owe the sender
+    MPICH's word that a message was read, and the job must end without a PeerError."""
+    from gpukv.distributed.engines import exchange
+    exchange.MPI_FOR_TWO = False
+    kv = create(bigarray_bound=1)
+    grad = np.ones(int(megabytes) << 18, np.float32)
+    kv.init("w", np.zeros_like(grad))
+    out = np.empty_like(grad)
+    for _ in range(3):
+        kv.push("w", grad)
+        kv.pull("w", out=out)
+    assert (out == kv.num_workers).all()
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 
