@@ -17,7 +17,7 @@ The model of one push+pull round with num_servers=0 on N hosts, one process each
   T = 2(N-1)/N x B / (e R) + c x 2(N-1) x chunks, where e is the share of the link R
   the bytes got on the fewest hosts above 2 in the runs and c the software cost of one
   message (its send, receive, tests and the sum of its chunk), measured here by two
-  processes made to exchange an 8 MB key in 64 KB chunks against 1 MB chunks
+  processes made to exchange an 8 MB key in 16 KB chunks against 1 MB chunks
   (`--message-us` skips it).
 
 The prediction takes s, e and c as they are and the link at 100-400 Gb/s, and names the
@@ -63,9 +63,7 @@ NCCL_TREE_SIMPLE = (0.0, 50.0, 0.45)
 NCCL_TREE_LL = (6.8, 5.0, 0.45 / 3.8)
 NCCL_RING_PLATEAU = 1.9  # the ring's latency for large messages (tuning.cc)
 MESSAGE_KEY = 8 << 20  # the key and the small chunks of the per-message measurement
-# 64 KB, not smaller: 256 chunks of 16 KB each way sometimes stall the exchange between
-# two processes on one loaded machine (docs/limits.md)
-MESSAGE_CHUNK = 64 << 10
+MESSAGE_CHUNK = 16 << 10
 
 
 def messages(hosts: int, nbytes: int, chunk: int = CHUNK_BYTES) -> int:
@@ -127,7 +125,7 @@ def fitted(cases: list, message_s: float) -> dict:
 
 
 def measure_message_s() -> float:
-    """Seconds of software per exchange message: 2 processes, an 8 MB key in 64 KB
+    """Seconds of software per exchange message: 2 processes, an 8 MB key in 16 KB
     chunks against 1 MB chunks."""
     import subprocess
     import tempfile
