@@ -537,10 +537,14 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         shape = (blocks, TERNARY_BLOCK)
         r = residual[start:stop]
         np.add(r, grad[start:stop], r)
-        e = _scratch("ternary_e", _F32, blocks * TERNARY_BLOCK)  # r, zeros past its end
-        e[:k] = r
-        e[k:] = 0
-        e = e.reshape(shape)
+        whole = k == blocks * TERNARY_BLOCK
+        if whole:  # the residual itself, block by block
+            e = r.reshape(shape)
+        else:  # r, zeros past its end
+            e = _scratch("ternary_e", _F32, blocks * TERNARY_BLOCK)
+            e[:k] = r
+            e[k:] = 0
+            e = e.reshape(shape)
         size = _scratch("ternary_size", _F32, e.size).reshape(shape)
         np.abs(e, out=size)
         threshold = _scratch("ternary_mean", _F32, blocks)
@@ -560,7 +564,8 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         np.fmax(kept, 0, out=kept)  # inf * 0 or NaN * 0 (not chosen): NaN, made 0
         sc = scales[first:first + blocks]
         _ternary_sums(kept, sc)
-        how_many = chosen.sum(axis=1, dtype=_F32)  # exact: at most 128
+        # exact: at most 128 (a uint16 sum of the bytes is twice as fast as bool's sum)
+        how_many = np.add.reduce(chosen.view(_U8), axis=1, dtype=np.uint16).astype(_F32)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             np.divide(sc, how_many, out=sc)
         sc[how_many == 0] = 0
@@ -586,7 +591,8 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         _times_scale(signs, sc, sent)
         with np.errstate(over="ignore", invalid="ignore"):
             np.subtract(e, sent, out=e)
-        r[...] = e.reshape(-1)[:k]
+        if not whole:
+            r[...] = e.reshape(-1)[:k]
 
 
 def quantize_ternary(grad, residual, out):
