@@ -109,10 +109,10 @@ def test_wait_keeps_testing_while_messages_move(moved, napped):
 def test_a_job_ends_cleanly_right_after_an_exchange():
     """Two workers end right after an exchange of 8 KB messages, which MPICH moves between
     processes of one machine by a single copy the receiver acks. With one cell in its
-    shared-memory queue an ack often has to wait, and the receiver used to reach
-    MPI_Finalize still owing it: the sender then timed out (7 of 10 such jobs did). Each
-    process now waits at exit until every other has reached its own, and MPI sends the ack
-    on meanwhile."""
+    shared-memory queue an ack often has to wait; a receiver that reached MPI_Finalize
+    still owing it would leave the sender to time out (7 of 10 such jobs without the wait
+    at exit). Each process waits at exit until every other has reached its own, and MPI
+    sends the ack on meanwhile."""
     env = gpu_env.subprocess_env(gpus=False)
     env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="5", GPUKV_DIST_CHUNK_BYTES="8192",
                MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS="1")
