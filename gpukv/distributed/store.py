@@ -179,7 +179,7 @@ class DistKVStore(KVStore):
                  nccl: bool | None = None, deterministic: bool | None = None,
                  **local_options):
         from .mpi.agree import Agreement
-        from .mpi.transport import Transport, mpi
+        from .mpi.transport import TAG_EXIT, Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
         servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
@@ -198,19 +198,19 @@ class DistKVStore(KVStore):
                                 f"dedicated servers per job (num_servers=0 allows several)")
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
+        chunk = chosen_chunk_bytes()  # (read once: the processes agree on this value)
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
-            ("create", (name, servers, bound, deterministic, _PROCESS.made,
-                        chosen_chunk_bytes())),
+            ("create", (name, servers, bound, deterministic, _PROCESS.made, chunk)),
             f"gpukv.create({name!r})")
         _PROCESS.made += 1
-        job_exit.end_together(timeout)
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart
+        job_exit.end_together(comm, TAG_EXIT, timeout)
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()
         local_comm.Free()
         # The ranks on this machine share its CPUs: each sums and copies with its share.
         share_cpus(local_size)
-        transport = Transport(comm, timeout, local_size)
+        transport = Transport(comm, timeout, local_size, chunk)
         gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
         Agreement(transport, tags=_CREATE_TAGS).check(
             ("engine", ("nccl" if gpu is not None else "host",)),

@@ -59,14 +59,11 @@ def test_a_bad_chunk_size_is_refused(chosen, monkeypatch):
         chunk_bytes(_Job(1, 2))
 
 
-@pytest.mark.parametrize("chosen, step", [(None, CHUNK_BYTES // 4), ("4096", 1024)])
-def test_the_exchange_cuts_pieces_as_the_setting_says(chosen, step, monkeypatch):
+@pytest.mark.parametrize("chosen, step", [(None, CHUNK_BYTES // 4), (4096, 1024)])
+def test_the_exchange_cuts_pieces_as_the_job_says(chosen, step):
     """With num_servers=0 the owners' pieces cross in CHUNK_BYTES chunks, on one machine
-    too, or in GPUKV_DIST_CHUNK_BYTES ones when it is set; an empty piece sends nothing."""
-    if chosen is None:
-        monkeypatch.delenv("GPUKV_DIST_CHUNK_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("GPUKV_DIST_CHUNK_BYTES", chosen)
-    assert exchange.chunks(2 * step + 1, 4) == [(0, step), (step, 2 * step),
-                                                (2 * step, 2 * step + 1)]
-    assert exchange.chunks(0, 4) == []
+    too, or in the job's GPUKV_DIST_CHUNK_BYTES (read once, at `create`: its transport's
+    `chunk_bytes`); an empty piece sends nothing."""
+    assert exchange.chunks(2 * step + 1, 4, chosen) == [(0, step), (step, 2 * step),
+                                                        (2 * step, 2 * step + 1)]
+    assert exchange.chunks(0, 4, chosen) == []

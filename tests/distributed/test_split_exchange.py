@@ -119,3 +119,18 @@ def test_a_job_ends_cleanly_right_after_an_exchange():
     for _ in range(4):
         out = ok(run("scenarios.py", 2, "end_after_an_exchange", "4", env=env, timeout=60))
         assert len(re.findall(r"PASS worker \d+ of 2", out)) == 2, out
+
+
+def test_a_process_that_ends_late_finds_the_others_words_at_exit():
+    """Three workers; worker 2 ends three timeouts after the others. They wait for its word
+    at exit no longer than the timeout, then end (MPI_Finalize); worker 2, last to its
+    exit, finds both words there and ends at once, where a barrier's later rounds would
+    have waited out its timeout on processes already in MPI_Finalize."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="2")
+    out = ok(run("scenarios.py", 3, "end_late", "2", env=env, timeout=90))
+    said = re.findall(r"EXIT WAIT worker (\d+): ([\d.]+) s", out)
+    waits = {int(w): float(s) for w, s in said}
+    assert sorted(waits) == [0, 1, 2], out
+    assert 1.9 < waits[0] < 5 and 1.9 < waits[1] < 5, waits  # bounded by the timeout
+    assert waits[2] < 1, waits

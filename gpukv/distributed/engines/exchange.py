@@ -18,7 +18,7 @@ import numpy as np
 
 from ..._errors import PeerError
 from ...canonical.arrays import merge_into
-from ..mpi.chunks import CHUNK_BYTES, chosen_chunk_bytes, chunk_ranges
+from ..mpi.chunks import CHUNK_BYTES, chunk_ranges
 from ..mpi.transport import TAG_GATHER, TAG_SCATTER, Transport, as_bytes
 
 
@@ -52,13 +52,14 @@ def scratch_for(counts: list, rank: int, wire: np.dtype) -> np.ndarray:
     return np.empty((len(counts) - 1, counts[rank]), wire)
 
 
-def chunks(n: int, itemsize: int) -> list:
+def chunks(n: int, itemsize: int, chunk_bytes: int | None = None) -> list:
     """[start, stop) of the chunks of a piece of `n` elements (none when the piece is
-    empty: nothing to send): GPUKV_DIST_CHUNK_BYTES long when set, else CHUNK_BYTES, on
-    one machine too (the owner's sum of a chunk overlaps the others' transfers)."""
+    empty: nothing to send): `chunk_bytes` long (the job's GPUKV_DIST_CHUNK_BYTES,
+    `Transport.chunk_bytes`) when given, else CHUNK_BYTES, on one machine too (the
+    owner's sum of a chunk overlaps the others' transfers)."""
     if not n:
         return []
-    return chunk_ranges(n, itemsize, chosen_chunk_bytes() or CHUNK_BYTES)
+    return chunk_ranges(n, itemsize, chunk_bytes or CHUNK_BYTES)
 
 
 def allreduce(t: Transport, keys: list, what: str) -> None:
@@ -146,6 +147,7 @@ class _Exchange:
         self.others: list = []   # the ranks a summed chunk goes on to
         self.arrived = 0         # messages received so far
         self.scratch: list = []  # temporaries of the canonical merges
+        self.chunk = t.chunk_bytes  # the job's chunk size (None: CHUNK_BYTES)
 
     def run(self, keys: list, reduce: bool, gather: bool) -> None:
         if not keys:
@@ -159,7 +161,7 @@ class _Exchange:
             mine = key.counts[rank]
             if reduce:
                 per = [1] * size if key.tree is None else list(map(len, key.tree.nodes))
-                for a, b in chunks(mine, key.out.itemsize):
+                for a, b in chunks(mine, key.out.itemsize, self.chunk):
                     chunk = _Chunk(key, a, b, [sum(per) - per[rank]])
                     self.chunks.append(chunk)
                     for i, source in enumerate(s for s in range(size) if s != rank):
@@ -171,13 +173,14 @@ class _Exchange:
             if gather:
                 for source in others:
                     start = key.starts[source]
-                    for a, b in chunks(key.counts[source], key.out.itemsize):
+                    for a, b in chunks(key.counts[source], key.out.itemsize, self.chunk):
                         self._recv(key.out[start + a:start + b], source, TAG_GATHER, None)
         for key in keys:
             if reduce:
                 assert key.send is not None
                 rows = [key.send] if key.tree is None else list(key.send)
-                pieces = [chunks(key.counts[o], key.send.itemsize) for o in range(size)]
+                pieces = [chunks(key.counts[o], key.send.itemsize, self.chunk)
+                          for o in range(size)]
                 for c in range(max(map(len, pieces))):  # chunk by chunk, to every owner
                     for owner in others:
                         if c < len(pieces[owner]):
@@ -189,7 +192,7 @@ class _Exchange:
                                     tag=TAG_SCATTER))
             elif gather:
                 start = key.starts[rank]
-                for a, b in chunks(key.counts[rank], key.out.itemsize):
+                for a, b in chunks(key.counts[rank], key.out.itemsize, self.chunk):
                     self._send_on(key.out[start + a:start + b], others)
         self._sum_ready()
         t.poll(self._progress, self.what, on_timeout=self._silent,

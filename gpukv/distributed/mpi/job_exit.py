@@ -11,14 +11,18 @@ exception a hook sees: under a bare `mpiexec` the others wait for it up to their
 Under `gpukv run`, both are also reported to the launcher at once (`run_report`), which
 ends the job even where mpiexec cannot.
 
-A job whose processes all made a dist store ends together: at exit each waits (bounded by
-the store's timeout) until every process has reached its exit before `MPI_Finalize`. A
-process that received the last messages of a round may still owe their senders MPICH's
-word that they were read (a single-copy transfer between processes of one machine acks
-its sender after the copy, and the ack waits in a queue when the queue is full); in
-`MPI_Finalize`, MPICH waits for the others first and never sends it, and the sender, still
-waiting for its send to complete, would time out: the job's end would be a PeerError.
-Waiting in a barrier that MPI progresses sends the ack on.
+A job whose processes all made a dist store ends together: at exit each tells every
+other it is done and waits (bounded by the store's timeout) for their word before
+`MPI_Finalize`. A process that received the last messages of a round may still owe their
+senders MPICH's word that they were read (a single-copy transfer between processes of one
+machine acks its sender after the copy, and the ack waits in a queue when the queue is
+full); in `MPI_Finalize`, MPICH waits for the others first and never sends it, and the
+sender, still waiting for its send to complete, would time out: the job's end would be a
+PeerError. Waiting for the others' words, MPI moves the ack on. The words are
+point-to-point, not a barrier: a process that gave up waiting has sent its own, so one
+that reaches its exit later (after a long evaluation, say) finds every word there and
+ends at once, where a barrier's later rounds would wait on processes already in
+`MPI_Finalize`.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ ABORT_BOUND = 5
 
 _failed: list = []  # (rank, failure) of each transport that failed
 _mpi: list = []  # mpi4py's MPI module, once installed
-_together: list = []  # the longest timeout of a dist store's, once one was made
+_together: list = []  # [communicator, its tag for the words at exit, the longest timeout
+#                        of a dist store's], once one was made
 
 
 def install(MPI) -> None:
@@ -52,33 +57,54 @@ def install(MPI) -> None:
         sys.excepthook = _aborting(sys.excepthook, MPI)
 
 
-def end_together(timeout: float) -> None:
-    """Make this process wait at exit, up to `timeout` seconds, for every other process
-    of the job to reach its own exit (every process of the job calls this, at the same
-    point: a dist store's creation)."""
+def end_together(comm, tag: int, timeout: float) -> None:
+    """Make this process tell every other of the job it is done at exit, on `comm` (the
+    first dist store's communicator: every process of the job) with `tag`, and wait up to
+    `timeout` seconds for their word (every process calls this at the same point: a dist
+    store's creation; a later store may lengthen the wait)."""
     if not _together:
-        _together.append(timeout)
+        _together.extend([comm, tag, timeout])
         atexit.register(_wait_for_the_others)
-    _together[0] = max(_together[0], timeout)
+    _together[2] = max(_together[2], timeout)
 
 
 def _wait_for_the_others() -> None:
-    """A barrier of the whole job, tested until it completes or the timeout passes (then
-    MPI_Finalize waits as it would have; a failed process aborts the job instead)."""
-    if _failed or not _mpi:
+    """Each other process's word that it reached its exit, tested until all are in or the
+    timeout passes (then MPI_Finalize waits as it would have; a failed process aborts the
+    job instead)."""
+    if _failed or not _mpi or _mpi[0].Is_finalized():
         return
     MPI = _mpi[0]
-    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    comm, tag, timeout = _together
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
         return
     try:
-        barrier = MPI.COMM_WORLD.Ibarrier()
-        deadline = time.monotonic() + _together[0]
+        others = [r for r in range(size) if r != rank]
+        words = [comm.Irecv([bytearray(1), MPI.BYTE], source=r, tag=tag) for r in others]
+        sent = [comm.Isend([bytearray(1), MPI.BYTE], dest=r, tag=tag) for r in others]
+        deadline = time.monotonic() + timeout
         nap = 0.0
-        while not barrier.Test() and time.monotonic() < deadline:
+        while not MPI.Request.Testall(words + sent):
+            if time.monotonic() > deadline:  # the late ones end at once on their own
+                _give_up(MPI, words, sent)
+                return
             nap = min(0.001, nap + 0.00002)  # (naps grow: a late peer costs little CPU)
             time.sleep(nap)
-    except MPI.Exception:
-        pass  # a peer is gone: MPI_Finalize (or the abort of whoever failed) follows
+    except (MPI.Exception, KeyboardInterrupt):
+        pass  # a peer is gone, or the user is: MPI_Finalize (or an abort) follows
+
+
+def _give_up(MPI, words: list, sent: list) -> None:
+    """Leave no receive behind for MPI_Finalize: cancel those still waiting; the words
+    sent go on by themselves (a send may be freed before it completes)."""
+    for request in words:
+        if request != MPI.REQUEST_NULL:
+            request.Cancel()
+    MPI.Request.Waitall(words)  # (a cancelled receive completes at once)
+    for request in sent:
+        if request != MPI.REQUEST_NULL:
+            request.Free()
 
 
 def failed(rank: int, failure) -> None:

@@ -24,7 +24,8 @@ from . import job_exit
 
 #: message tags: requests to a server, its small replies, errors, agreement (and its roll
 #: call), the raw bytes of pushes, what rank 0 shares, the chunks of split keys on their
-#: way to their owner and back, and a rank's word that it lost a peer
+#: way to their owner and back, a rank's word that it lost a peer, and its word at exit
+#: that it is done (`job_exit`)
 TAG_REQUEST = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
@@ -37,6 +38,7 @@ TAG_ROLL = 9
 TAG_SCATTER = 10
 TAG_GATHER = 11
 TAG_LOST = 12
+TAG_EXIT = 13
 #: data replies use their own tags from here on (one per outstanding request; below this,
 #: the agreements of `create` use theirs)
 TAG_DATA = 2048
@@ -81,7 +83,8 @@ class Transport:
     `comm` is the communicator with every call checked: an MPI error raises PeerError
     and marks the transport failed."""
 
-    def __init__(self, comm, timeout: float, local_size: int = 1):
+    def __init__(self, comm, timeout: float, local_size: int = 1,
+                 chunk_bytes: int | None = None):
         self.MPI = mpi()
         self.comm = _Checked(comm, self)
         self.rank = comm.Get_rank()
@@ -92,6 +95,9 @@ class Transport:
         self._telling: list = []  # the notices of a failure, on their way to the others
         #: the ranks on this machine (they share its cores)
         self.local_size = local_size
+        #: the chunk size every process agreed on (GPUKV_DIST_CHUNK_BYTES at `create`);
+        #: None: each layout's own
+        self.chunk_bytes = chunk_bytes
         self.oversubscribed = local_size > _usable_cpus()
         _short_naps()
         job_exit.install(self.MPI)

@@ -1029,6 +1029,29 @@ def end_after_an_exchange(megabytes: str = "4") -> None:
     passed(kv)
 
 
+def end_late(late: str = "2") -> None:
+    """Every worker pushes and pulls, then worker `late` works on for three timeouts before
+    it ends. The others wait for its word at exit no longer than the timeout; it, last to
+    its exit, finds their words there and ends at once. Each prints how long it waited
+    (`EXIT WAIT worker R: S s`)."""
+    import atexit
+
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    began: list = []
+    # registered before the store's wait, so called after it (and the other way below)
+    atexit.register(lambda: print(f"EXIT WAIT worker {rank}: "
+                                  f"{time.monotonic() - began[0]:.2f} s", flush=True))
+    kv = create()
+    kv.init("w", np.zeros(10, np.float32))
+    kv.push("w", np.ones(10, np.float32))
+    kv.pull("w", out=np.zeros(10, np.float32))
+    atexit.register(lambda: began.append(time.monotonic()))
+    if kv.rank == int(late):
+        time.sleep(3 * float(os.environ["GPUKV_DIST_TIMEOUT"]))
+    passed(kv)
+
+
 def double_and_add(key, merged, stored):
     stored += 2 * merged
 
