@@ -72,6 +72,8 @@ def main(mode: str, folder: Path) -> None:
             failing(folder)
             print(f"CAUGHT PeerError: {exc}", flush=True)
         wait_forever()
+    if mode in ("raise", "exit", "kill"):
+        world.Barrier()  # every rank has written its pid file: none is killed before it
     if rank == 1 and mode in ("raise", "exit", "kill"):
         failing(folder)
         if mode == "raise":
