@@ -100,8 +100,9 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
 
 
 def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
-    """(servers, timeout, bound) from the options or their environment variables, each
-    checked (as is everything `create` is given) before any message is sent."""
+    """(servers, timeout, bound, chunk bytes or None) from the options or their
+    environment variables, each checked (as is everything `create` is given) before any
+    message is sent."""
     from ..layout.pieces import DEFAULT_BIGARRAY_BOUND
     if num_servers is None:
         raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
@@ -138,8 +139,7 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
             or bigarray_bound < 1:
         raise ArgumentError(f"bigarray_bound={bigarray_bound!r}: expected a positive int "
                             f"(elements)")
-    chosen_chunk_bytes()  # (refused here, before any message, when it is not a size)
-    return num_servers, float(timeout), bigarray_bound
+    return num_servers, float(timeout), bigarray_bound, chosen_chunk_bytes()
 
 
 def _attempt(action, keep: bool = False):
@@ -182,8 +182,8 @@ class DistKVStore(KVStore):
         from .mpi.transport import TAG_EXIT, Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
-        servers, timeout, bound = _options(name, num_servers, timeout, bigarray_bound,
-                                           world.Get_size())
+        servers, timeout, bound, chunk = _options(name, num_servers, timeout,
+                                                  bigarray_bound, world.Get_size())
         if nccl is not None and not isinstance(nccl, bool):
             raise ArgumentKindError(f"nccl: expected True, False or None, got "
                                     f"{type(nccl).__name__}")
@@ -198,7 +198,6 @@ class DistKVStore(KVStore):
                                 f"dedicated servers per job (num_servers=0 allows several)")
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
-        chunk = chosen_chunk_bytes()  # (read once: the processes agree on this value)
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
             ("create", (name, servers, bound, deterministic, _PROCESS.made, chunk)),
             f"gpukv.create({name!r})")
