@@ -40,6 +40,20 @@ def _no_user_calibration(tmp_path_factory):
     simulate.reset_calibration()
 
 
+@pytest.fixture(scope="module", params=["numba", "numpy"])
+def host_codec_path(request):
+    """Runs a module's tests with the host's sign and ternary codecs compiled by Numba, then
+    with their NumPy twins (GPUKV_HOST_JIT); modules take it with
+    `pytestmark = pytest.mark.usefixtures("host_codec_path")`."""
+    from gpukv.device import host_jit
+    if request.param == "numba":
+        pytest.importorskip("numba", reason="the compiled codecs need Numba (the test extra)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(host_jit.ENV, "1" if request.param == "numba" else "0")
+        assert host_jit.enabled() == (request.param == "numba")
+        yield request.param
+
+
 @pytest.fixture(autouse=True)
 def _streams_settled():
     """Under the CUDA emulation, the work a test queued runs before the next test starts,

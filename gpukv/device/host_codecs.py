@@ -6,6 +6,8 @@ zero.
 Each twin runs block by block (a block's residual, flags and codes stay in L2), with
 in-place ufuncs on per-thread scratch buffers, and splits long arrays over the host thread
 pool (`host_sum`). The packed layouts and the residual rules are `gpukv.device.codecs`'s.
+Where Numba is installed, sign and ternary run compiled instead (`host_jit`: the same
+bytes, 2-6x faster).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import threading
 
 import numpy as np
 
+from . import host_jit
 from .host_blocks import BLOCK, POOL_MIN, widen_fp16
 
 _U8, _I8, _U32, _I32, _F32 = np.uint8, np.int8, np.uint32, np.int32, np.float32
@@ -453,7 +456,10 @@ def quantize_sign(grad, residual, out):
     n = grad.size
     scales, bits = sign_parts(out, n)
     bits[-(-n // 8):] = 0  # padding bytes of the last word
-    _blocks(_quantize_sign_range, n, grad, residual, scales, bits, n)
+    if host_jit.enabled():
+        _blocks(host_jit.sign_encode, n, grad, residual, scales, bits)
+    else:
+        _blocks(_quantize_sign_range, n, grad, residual, scales, bits, n)
     return out
 
 
@@ -471,7 +477,8 @@ def _dequantize_sign_range(scales, bits, out, accumulate, lo, hi):
 
 def dequantize_sign(payload, n, out, accumulate):
     scales, bits = sign_parts(payload, n)
-    _blocks(_dequantize_sign_range, n, scales, bits, out, accumulate)
+    fn = host_jit.sign_decode if host_jit.enabled() else _dequantize_sign_range
+    _blocks(fn, n, scales, bits, out, accumulate)
     return out
 
 
@@ -598,7 +605,10 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
 def quantize_ternary(grad, residual, out):
     n = grad.size
     scales, codes = ternary_parts(out, n)
-    _blocks(_quantize_ternary_range, n, grad, residual, scales, codes, n)
+    if host_jit.enabled():
+        _blocks(host_jit.ternary_encode, n, grad, residual, scales, codes.reshape(-1))
+    else:
+        _blocks(_quantize_ternary_range, n, grad, residual, scales, codes, n)
     return out
 
 
@@ -622,5 +632,8 @@ def _dequantize_ternary_range(scales, codes, out, accumulate, lo, hi):
 
 def dequantize_ternary(payload, n, out, accumulate):
     scales, codes = ternary_parts(payload, n)
-    _blocks(_dequantize_ternary_range, n, scales, codes, out, accumulate)
+    if host_jit.enabled():
+        _blocks(host_jit.ternary_decode, n, scales, codes.reshape(-1), out, accumulate)
+    else:
+        _blocks(_dequantize_ternary_range, n, scales, codes, out, accumulate)
     return out

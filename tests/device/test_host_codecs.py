@@ -3,6 +3,7 @@ arrays that straddle a chunk edge give the bytes of the plain, unchunked NumPy r
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,7 @@ def straddling(draw, dtype=np.float32):
     return x
 
 
+@pytest.mark.usefixtures("host_codec_path")
 @settings(max_examples=30, deadline=None)
 @given(straddling(), st.integers(0, 2**32 - 1))
 def test_sign_across_chunk_edges_is_the_rule(grad, seed):

@@ -12,6 +12,9 @@ from hypothesis.extra.numpy import arrays
 import gpukv
 from gpukv.encoding.compressors import Ctx, make_compressor
 
+# every test twice: the host codecs compiled by Numba, then their NumPy twins
+pytestmark = pytest.mark.usefixtures("host_codec_path")
+
 BLOCK = 128
 
 

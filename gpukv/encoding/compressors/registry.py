@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..._errors import ArgumentError, ArgumentKindError
+from ...device import host_jit
 from .base import Compressor
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -31,9 +32,11 @@ def type_names() -> list[str]:
 
 
 def make_compressor(params) -> Compressor | None:
-    """Validate a compression dict and build its compressor (None: no compression)."""
+    """Validate a compression dict and build its compressor (None: no compression); a
+    malformed GPUKV_HOST_JIT is an ArgumentError here, before any push."""
     if params is None:
         return None
+    host_jit.check_setting()
     if not isinstance(params, dict):
         raise ArgumentKindError(
             f"gradient compression: expected a dict such as {{'type': '2bit', "

@@ -1,0 +1,57 @@
+"""The sign and ternary codecs on the host, compiled by Numba when it is installed
+(`host_jit_kernels`): one pass over each block of values where the NumPy twins
+(`host_codecs`) make a dozen, with the same bytes and residuals, NaNs included (the tests
+hold both to the same rules).
+
+`host_codecs` calls these when `enabled()`: Numba imports (the `fast` extra; the test
+extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is imported on the first
+call, not with gpukv."""
+from __future__ import annotations
+
+import functools
+
+from .._env import flag
+
+ENV = "GPUKV_HOST_JIT"
+
+
+def check_setting() -> None:
+    """ArgumentError for a malformed GPUKV_HOST_JIT (anything but '0', '1' or unset)."""
+    flag(ENV)
+
+
+def enabled() -> bool:
+    """Whether the compiled codecs run: Numba is installed and GPUKV_HOST_JIT is not '0'
+    (a malformed value is an ArgumentError)."""
+    if flag(ENV) is False:
+        return False
+    return _kernels() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """The compiled functions' module, or None without Numba."""
+    try:
+        from . import host_jit_kernels
+    except ImportError:
+        return None
+    return host_jit_kernels
+
+
+def sign_encode(grad, residual, scales, bits, lo, hi):
+    k = _kernels()
+    k.sign_encode(grad, residual, scales, bits, lo, hi, k.PLUS_MINUS)
+
+
+def sign_decode(scales, bits, out, accumulate, lo, hi):
+    k = _kernels()
+    k.sign_decode(scales, bits, out, accumulate, lo, hi, k.SIGN_TABLE)
+
+
+def ternary_encode(grad, residual, scales, codes, lo, hi):
+    _kernels().ternary_encode(grad, residual, scales, codes, lo, hi)
+
+
+def ternary_decode(scales, codes, out, accumulate, lo, hi):
+    k = _kernels()
+    k.ternary_decode(scales, codes, out, accumulate, lo, hi, k.TERNARY_TABLE)

@@ -1,0 +1,180 @@
+"""The compiled sign and ternary codecs of `host_jit` (Numba): importing this module
+imports Numba, which `host_jit` does on the first call that needs it.
+
+Each function works on the values [lo, hi) of flat, contiguous arrays, lo a multiple of
+the codec's block (host_codecs' SIGN_BLOCK, 64 values, and TERNARY_BLOCK, 128 values), so
+that a long array can be cut over the host thread pool: they release the GIL. They are
+compiled on their first call in a process and then kept in Numba's cache (next to this
+file, or Numba's own cache directory where that is read-only)."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_F32 = np.float32
+_TERNARY_CODE_BYTES = 26  # a ternary block's bytes of codes: five values to a byte
+_ZERO, _SEVEN_TENTHS = _F32(0), _F32(0.7)
+#: (the decoders' `table`: as an argument rather than a global they run twice as fast)
+#: +1 or -1 for each of a byte's 8 bits, the most significant first
+SIGN_TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1) == 1,
+                      _F32(1), _F32(-1)).astype(_F32)
+PLUS_MINUS = np.array([-1, 1], _F32)
+#: 0, +1 or -1 for each of a byte's five base-3 digits, the lowest first
+TERNARY_TABLE = np.array([0, 1, -1], _F32)[
+    (np.arange(256)[:, None] // np.array([1, 3, 9, 27, 81])) % 3]
+jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+# (a call per block costs more than the block)
+inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy",
+                    inline="always")
+
+
+# Indices below count from 0 within slices taken on entry: Numba checks an index
+# that may be negative (it wraps), which stops LLVM from vectorising the loops.
+@inline
+def sign_block(g, r, at, count, x, p, bits, byte, plus_minus):
+    """One block of 64 values from g[at:], r[at:] (its first `count` real, zeros after
+    them): r += g, the squares summed by halves (x[i] += x[i + h], h = 32, ..., 1)
+    over `count`, square-rooted: the scale, returned; the signs into
+    bits[byte:byte + 8] (1 for >= 0); r -= +-scale."""
+    for i in range(64):
+        v = r[at + i] + g[at + i]
+        r[at + i] = v
+        x[i] = v * v
+        p[i] = 1 if v >= _ZERO else 0
+    for i in range(32):
+        x[i] = x[i] + x[i + 32]
+    for i in range(16):
+        x[i] = x[i] + x[i + 16]
+    for i in range(8):
+        x[i] = x[i] + x[i + 8]
+    for i in range(4):
+        x[i] = x[i] + x[i + 4]
+    for i in range(2):
+        x[i] = x[i] + x[i + 2]
+    s = _F32(np.sqrt((x[0] + x[1]) / _F32(count)))
+    for j in range(8):
+        q = 8 * j
+        bits[byte + j] = ((p[q] << 7) | (p[q + 1] << 6) | (p[q + 2] << 5) | (p[q + 3] << 4)
+                          | (p[q + 4] << 3) | (p[q + 5] << 2) | (p[q + 6] << 1) | p[q + 7])
+    minus, plus = plus_minus[0] * s, plus_minus[1] * s  # -1 * s, +1 * s (sign_encode)
+    for i in range(64):
+        r[at + i] = r[at + i] - (plus if p[i] else minus)
+    return s
+
+
+@jit
+def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
+    """`plus_minus` is [-1, +1] (PLUS_MINUS), an argument so that LLVM cannot fold
+    `-1 * s` into `-s`: for a NaN scale the two differ in the NaN's sign."""
+    g, r = grad[lo:hi], residual[lo:hi]
+    sc, bt = scales[lo // 64:], bits[lo // 8:]
+    x = np.empty(64, np.float32)
+    p = np.empty(64, np.uint8)
+    whole = (hi - lo) // 64
+    for b in range(whole):
+        sc[b] = sign_block(g, r, b * 64, 64, x, p, bt, b * 8, plus_minus)
+    k = hi - lo - whole * 64
+    if k:  # the array's last, short block: zeros after its values, its bits cleared
+        g64 = np.zeros(64, np.float32)
+        r64 = np.zeros(64, np.float32)
+        g64[:k] = g[whole * 64:]
+        r64[:k] = r[whole * 64:]
+        b8 = np.zeros(8, np.uint8)
+        sc[whole] = sign_block(g64, r64, 0, k, x, p, b8, 0, plus_minus)
+        r[whole * 64:] = r64[:k]
+        full, rest = k // 8, k % 8
+        for j in range(full):
+            bt[whole * 8 + j] = b8[j]
+        if rest:
+            bt[whole * 8 + full] = b8[full] & ((0xFF << (8 - rest)) & 0xFF)
+
+
+@jit
+def sign_decode(scales, bits, out, accumulate, lo, hi, table):
+    sc, bt, o = scales[lo // 64:], bits[lo // 8:], out[lo:hi]
+    whole = (hi - lo) // 8
+    for j in range(whole):
+        s = sc[j // 8]
+        row = table[bt[j]]
+        if accumulate:
+            for t in range(8):
+                o[8 * j + t] += row[t] * s
+        else:
+            for t in range(8):
+                o[8 * j + t] = row[t] * s
+    for i in range(whole * 8, hi - lo):  # the values of a last, partial byte
+        v = table[bt[i // 8], i % 8] * sc[i // 64]
+        o[i] = o[i] + v if accumulate else v
+
+
+@inline
+def halves_128(x, y):
+    """The sum of x[:128] by halves (x[i] += x[i + h], h = 64, ..., 1), y scratch."""
+    for i in range(64):
+        y[i] = x[i] + x[i + 64]
+    for i in range(32):
+        y[i] = y[i] + y[i + 32]
+    for i in range(16):
+        y[i] = y[i] + y[i + 16]
+    for i in range(8):
+        y[i] = y[i] + y[i + 8]
+    for i in range(4):
+        y[i] = y[i] + y[i + 4]
+    for i in range(2):
+        y[i] = y[i] + y[i + 2]
+    return y[0] + y[1]
+
+
+@jit
+def ternary_encode(grad, residual, scales, codes, lo, hi):
+    """Per block of 128 values (the last may be short: zeros after its values, its
+    count dividing its sums): r += g; a value is sent when its magnitude exceeds 0.7
+    times the block's mean magnitude; the scale is the mean magnitude of those sent;
+    codes five to a byte, the first value the lowest digit; r -= the value sent."""
+    g, r = grad[lo:hi], residual[lo:hi]
+    sc, cd = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:]
+    e = np.empty(128, np.float32)
+    a = np.empty(128, np.float32)
+    y = np.empty(64, np.float32)
+    d = np.zeros(130, np.uint8)  # (the last byte's two digits past 128 stay 0)
+    for b in range((hi - lo + 127) // 128):
+        at = b * 128
+        k = min(128, hi - lo - at)
+        for i in range(128):
+            v = r[at + i] + g[at + i] if i < k else _ZERO
+            e[i] = v
+            a[i] = abs(v)
+        threshold = halves_128(a, y) / _F32(k) * _SEVEN_TENTHS
+        sent = 0
+        for i in range(128):
+            chosen = a[i] > threshold  # never a NaN's
+            d[i] = (2 if e[i] < _ZERO else 1) if chosen else 0
+            a[i] = a[i] if chosen else _ZERO
+            sent += 1 if chosen else 0
+        s = halves_128(a, y) / _F32(sent) if sent else _ZERO
+        sc[b] = s
+        for j in range(_TERNARY_CODE_BYTES):
+            q = 5 * j
+            cd[b * _TERNARY_CODE_BYTES + j] = (
+                (((d[q + 4] * 3 + d[q + 3]) * 3 + d[q + 2]) * 3 + d[q + 1]) * 3 + d[q])
+        for i in range(k):
+            step = _ZERO if d[i] == 0 else (s if d[i] == 1 else _F32(-1) * s)
+            r[at + i] = e[i] - step
+
+
+@jit
+def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
+    sc, cd, o = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:], out[lo:hi]
+    n = hi - lo
+    for b in range((n + 127) // 128):
+        s = sc[b]
+        for j in range(_TERNARY_CODE_BYTES):
+            row = table[cd[b * _TERNARY_CODE_BYTES + j]]
+            for t in range(5):
+                i = b * 128 + 5 * j + t
+                if 5 * j + t < 128 and i < n:
+                    v = _ZERO if row[t] == _ZERO else row[t] * s  # 0, also for inf
+                    if accumulate:
+                        o[i] += v
+                    else:
+                        o[i] = v
