@@ -6,8 +6,8 @@ zero.
 Each twin runs block by block (a block's residual, flags and codes stay in L2), with
 in-place ufuncs on per-thread scratch buffers, and splits long arrays over the host thread
 pool (`host_sum`). The packed layouts and the residual rules are `gpukv.device.codecs`'s.
-Where Numba is installed, sign and ternary run compiled instead (`host_jit`: the same
-bytes, 2-6x faster).
+Where Numba is installed, sign, ternary and the float16 and bfloat16 casts run compiled
+instead (`host_jit`: the same bytes, 2-6x faster).
 """
 from __future__ import annotations
 
@@ -64,6 +64,21 @@ def _blocks(fn, n: int, *args) -> None:
         fn(*args, 0, n)
         return
     host_sum.run_chunks(fn, [args + c for c in host_sum.chunk_ranges(n, 4, BLOCK)])
+
+
+def _compiled(kernel, twin):
+    """fn(*args, lo, hi): the compiled `kernel` over [lo, hi); a chunk it stops at (it
+    returns where one with an inf or NaN starts) goes to the NumPy `twin`, which keeps
+    NaNs as NumPy does, and the kernel goes on after it."""
+    def run(*args):
+        *rest, lo, hi = args
+        while lo < hi:
+            stopped = kernel(*rest, lo, hi)
+            if stopped < 0:
+                return
+            lo = min(stopped + host_jit.CHUNK, hi)
+            twin(*rest, stopped, lo)
+    return run
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -281,7 +296,9 @@ def _cast_fp16_range(x, scale, out, lo, hi):
 
 def cast_fp16(x, scale):
     out = np.empty(x.size, np.float16)
-    _blocks(_cast_fp16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    fn = (_compiled(host_jit.fp16_encode, _cast_fp16_range) if host_jit.enabled()
+          else _cast_fp16_range)
+    _blocks(fn, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
 
 
@@ -295,7 +312,9 @@ def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
 
 
 def uncast_fp16(payload, scale, out, accumulate):
-    _blocks(_uncast_fp16_range, payload.size, payload.view(np.uint16),
+    fn = (_compiled(host_jit.fp16_decode, _uncast_fp16_range) if host_jit.enabled()
+          else _uncast_fp16_range)
+    _blocks(fn, payload.size, payload.view(np.uint16),
             None if scale == 1.0 else np.float32(scale), out, accumulate)
     return out
 
@@ -326,7 +345,8 @@ def _cast_bf16_range(x, scale, out, lo, hi):
 
 def cast_bf16(x, scale):
     out = np.empty(x.size, np.uint16)
-    _blocks(_cast_bf16_range, x.size, x, None if scale == 1.0 else np.float32(scale), out)
+    fn = host_jit.bf16_encode if host_jit.enabled() else _cast_bf16_range
+    _blocks(fn, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
 
 
@@ -342,8 +362,10 @@ def _uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
 
 
 def uncast_bf16(payload, scale, out, accumulate):
-    _blocks(_uncast_bf16_range, payload.size, payload,
-            None if scale == 1.0 else np.float32(scale), out, accumulate)
+    fn = (_compiled(host_jit.bf16_decode, _uncast_bf16_range) if host_jit.enabled()
+          else _uncast_bf16_range)
+    _blocks(fn, payload.size, payload, None if scale == 1.0 else np.float32(scale), out,
+            accumulate)
     return out
 
 

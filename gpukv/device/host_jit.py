@@ -1,7 +1,7 @@
-"""The sign and ternary codecs on the host, compiled by Numba when it is installed
-(`host_jit_kernels`): one pass over each block of values where the NumPy twins
-(`host_codecs`) make a dozen, with the same bytes and residuals, NaNs included (the tests
-hold both to the same rules).
+"""The sign and ternary codecs and the float16 and bfloat16 casts on the host, compiled by
+Numba when it is installed (`host_jit_kernels`): one pass over each block of values where
+the NumPy twins (`host_codecs`) make a dozen, with the same bytes and residuals, NaNs
+included (the tests hold both to the same rules).
 
 `host_codecs` calls these when `enabled()`: Numba imports (the `fast` extra; the test
 extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is imported on the first
@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from .._env import flag
 
 ENV = "GPUKV_HOST_JIT"
+#: values per pass of the float16 casts: one with an inf or NaN is left to NumPy
+CHUNK = 1024
+_F32 = np.float32
 
 
 def check_setting() -> None:
@@ -55,3 +60,29 @@ def ternary_encode(grad, residual, scales, codes, lo, hi):
 def ternary_decode(scales, codes, out, accumulate, lo, hi):
     k = _kernels()
     k.ternary_decode(scales, codes, out, accumulate, lo, hi, k.TERNARY_TABLE)
+
+
+def fp16_encode(x, scale, out, lo, hi) -> int:
+    """out[lo:hi] (float16) = x[lo:hi] / scale (None: 1); -1, or where the CHUNK with a
+    NaN that stopped it starts."""
+    one = _F32(1) if scale is None else scale
+    return _kernels().fp16_encode(x, one, out.view(np.uint16), lo, hi)
+
+
+def fp16_decode(half, scale, out, accumulate, lo, hi) -> int:
+    """out[lo:hi] = half[lo:hi] (uint16 bits of float16) * scale (None: 1), or added;
+    -1, or where the CHUNK with an inf or NaN that stopped it starts."""
+    one = _F32(1) if scale is None else scale
+    return _kernels().fp16_decode(half, one, out, accumulate, lo, hi)
+
+
+def bf16_encode(x, scale, out, lo, hi) -> None:
+    """out[lo:hi] (bfloat16 bits, uint16) = x[lo:hi] / scale (None: 1)."""
+    _kernels().bf16_encode(x, _F32(1) if scale is None else scale, out, lo, hi)
+
+
+def bf16_decode(half, scale, out, accumulate, lo, hi) -> int:
+    """out[lo:hi] = half[lo:hi] (uint16 bits of bfloat16) * scale (None: 1), or added;
+    -1, or where the CHUNK with a NaN that stopped it starts."""
+    return _kernels().bf16_decode(half, _F32(1) if scale is None else scale, out,
+                                  accumulate, lo, hi)

@@ -178,3 +178,136 @@ def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
                         o[i] += v
                     else:
                         o[i] = v
+
+
+# ------------------------------------------------------------------------- fp16
+# values per pass of the float16 casts: their three scratch arrays stay in L1 (host_jit.CHUNK)
+_CHUNK = 1024
+_TWO_112 = _F32(2.0 ** 112)
+_U32 = np.uint32
+
+
+@jit
+def fp16_encode(x, scale, out, lo, hi):
+    """out[lo:hi] = the float16 bits (uint16) of x[lo:hi] / scale (`scale` 1: x itself),
+    rounded to nearest even, inf past float16's range, as NumPy's astype. Returns -1, or
+    the index where a chunk with a NaN starts, written no further (NumPy casts that chunk,
+    keeping a NaN's payload as it does).
+
+    The rounding is the NumPy twin's (host_codecs._cast_fp16_range): for a = |x| (at
+    most 65536) with exponent e >= -14, M = 2**(e+13) has float16's ulp at a, so the
+    float32 sum a + M rounds a to float16's grid, ties to even; its bits minus M's are
+    the significand, and M's bits >> 13 add the exponent (plus 0x1F800, taken off with
+    the sign)."""
+    xs, o = x[lo:hi], out[lo:hi]
+    y = np.empty(_CHUNK, np.float32)
+    yu = y.view(np.uint32)
+    a = np.empty(_CHUNK, np.uint32)
+    af = a.view(np.float32)
+    m = np.empty(_CHUNK, np.uint32)
+    mf = m.view(np.float32)
+    n = hi - lo
+    for c in range((n + _CHUNK - 1) // _CHUNK):
+        at = c * _CHUNK
+        k = min(_CHUNK, n - at)
+        if scale != 1:
+            for i in range(k):
+                y[i] = xs[at + i] / scale
+        else:
+            for i in range(k):
+                y[i] = xs[at + i]
+        top = _U32(0)
+        for i in range(k):
+            v = yu[i] & _U32(0x7FFFFFFF)
+            top = max(top, v)
+            v = min(v, _U32(0x47800000))
+            a[i] = v
+            m[i] = max(v & _U32(0x7F800000), _U32(0x38800000)) + _U32(13 << 23)
+        if top > _U32(0x7F800000):
+            return lo + at
+        for i in range(k):
+            af[i] = af[i] + mf[i]
+        for i in range(k):
+            h = (a[i] - m[i]) + (m[i] >> _U32(13))
+            o[at + i] = np.uint16(((yu[i] >> _U32(16)) & _U32(0x8000)) + _U32(0x0800) + h)
+    return -1
+
+
+@jit
+def fp16_decode(half, scale, out, accumulate, lo, hi):
+    """out[lo:hi] = float32(half[lo:hi] as float16 bits) * scale (`scale` 1: no
+    product), or added to it, as NumPy's cast and ufuncs give it. Returns -1, or the index
+    where a chunk with an inf or NaN starts, written no further (NumPy decodes that
+    chunk)."""
+    hs, o = half[lo:hi], out[lo:hi]
+    w = np.empty(_CHUNK, np.uint32)
+    wf = w.view(np.float32)
+    n = hi - lo
+    for c in range((n + _CHUNK - 1) // _CHUNK):
+        at = c * _CHUNK
+        k = min(_CHUNK, n - at)
+        top = _U32(0)
+        for i in range(k):
+            v = _U32(hs[at + i])
+            top = max(top, v & _U32(0x7FFF))
+            w[i] = ((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13))
+        if top >= _U32(0x7C00):
+            return lo + at
+        for i in range(k):
+            f = wf[i] * _TWO_112  # exact, subnormals included
+            if scale != 1:
+                f = f * scale
+            o[at + i] = o[at + i] + f if accumulate else f
+    return -1
+
+
+# ------------------------------------------------------------------------- bf16
+@jit
+def bf16_encode(x, scale, out, lo, hi):
+    """out[lo:hi] = the bfloat16 bits (uint16) of x[lo:hi] / scale (`scale` 1: x itself),
+    rounded to nearest even; a NaN keeps its top bits, quieted (host_codecs.bf16_bits)."""
+    xs, o = x[lo:hi], out[lo:hi]
+    y = np.empty(_CHUNK, np.float32)
+    yu = y.view(np.uint32)
+    n = hi - lo
+    for c in range((n + _CHUNK - 1) // _CHUNK):
+        at = c * _CHUNK
+        k = min(_CHUNK, n - at)
+        if scale != 1:
+            for i in range(k):
+                y[i] = xs[at + i] / scale
+        else:
+            for i in range(k):
+                y[i] = xs[at + i]
+        for i in range(k):
+            u = yu[i]
+            rounded = (u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16)
+            nan = (u & _U32(0x7FFFFFFF)) > _U32(0x7F800000)
+            o[at + i] = np.uint16(((u >> _U32(16)) | _U32(0x0040)) if nan else rounded)
+
+
+@jit
+def bf16_decode(half, scale, out, accumulate, lo, hi):
+    """out[lo:hi] = float32(half[lo:hi] as bfloat16 bits) * scale (`scale` 1: no product),
+    or added to it. Returns -1, or the index where a chunk with a NaN starts, written no
+    further (NumPy decodes that chunk: which of two NaNs an add keeps is its choice)."""
+    hs, o = half[lo:hi], out[lo:hi]
+    w = np.empty(_CHUNK, np.uint32)
+    wf = w.view(np.float32)
+    n = hi - lo
+    for c in range((n + _CHUNK - 1) // _CHUNK):
+        at = c * _CHUNK
+        k = min(_CHUNK, n - at)
+        top = _U32(0)
+        for i in range(k):
+            v = _U32(hs[at + i])
+            top = max(top, v & _U32(0x7FFF))
+            w[i] = v << _U32(16)
+        if top > _U32(0x7F80):
+            return lo + at
+        for i in range(k):
+            f = wf[i]
+            if scale != 1:
+                f = f * scale
+            o[at + i] = o[at + i] + f if accumulate else f
+    return -1

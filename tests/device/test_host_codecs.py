@@ -60,18 +60,62 @@ def test_sign_across_chunk_edges_is_the_rule(grad, seed):
         assert same_bits(twins.dequantize_sign(payload, n, total, True), residual + decoded)
 
 
+@pytest.mark.usefixtures("host_codec_path")
 @settings(max_examples=30, deadline=None)
 @given(straddling(np.float16), st.integers(1, 2))
 def test_fp16_casts_across_chunk_edges_are_numpys(half, scale):
-    """float32 -> float16 and back (written or added) across a chunk edge give NumPy's
-    astype of the whole array."""
+    """float32 -> float16 and back (written or added, scaled) across a chunk edge give
+    NumPy's astype of the whole array."""
     x = half.astype(np.float32) * np.float32(1 + 2.0**-12)  # ties and between them
     with np.errstate(all="ignore"):
         want = (x / np.float32(scale)).astype(np.float16)
         assert same_bits(twins.cast_fp16(x, float(scale)), want)
         out = np.full(x.size, 2.0, np.float32)
-        twins.uncast_fp16(want, 1.0, out, True)
-        assert same_bits(out, np.float32(2.0) + want.astype(np.float32))
+        twins.uncast_fp16(want, float(scale), out, True)
+        assert same_bits(out, np.float32(2.0) + want.astype(np.float32) * np.float32(scale))
+
+
+@pytest.mark.usefixtures("host_codec_path")
+def test_fp16_casts_of_every_float16_and_its_neighbours_are_numpys():
+    """Every float16 decodes as NumPy's cast does; every float32 at a float16, one ulp
+    either side of it, and at the midpoints to its neighbours (ties) and one ulp either
+    side of those encodes as NumPy's astype: subnormals, overflow and NaNs included."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    wide = np.empty(every.size, np.float32)
+    twins.uncast_fp16(every, 1.0, wide, False)
+    assert same_bits(wide, every.astype(np.float32))
+    finite = wide[np.isfinite(wide)]
+    with np.errstate(all="ignore"):
+        up = np.nextafter(finite.astype(np.float16), np.float16(np.inf)).astype(np.float32)
+        mid = finite + (up - finite) / np.float32(2)
+        points = np.concatenate([finite, mid, np.float32([65520, 65536, 1e30, np.inf,
+                                                          np.nan])])
+        bits = points.view(np.uint32)
+        x = np.concatenate([bits - 1, bits, bits + 1]).view(np.float32)
+        assert same_bits(twins.cast_fp16(x, 1.0), x.astype(np.float16))
+
+
+@pytest.mark.usefixtures("host_codec_path")
+def test_bf16_casts_of_every_bfloat16_and_its_neighbours_are_the_rule():
+    """Every float32 at a bfloat16, one ulp either side, at the ties between two (the low
+    16 bits 0x8000) and one ulp either side of those, NaNs included, encodes by the rule
+    (round to nearest even, a NaN's top bits quieted); every bfloat16 decodes to its
+    float32, scaled, written or added."""
+    every = np.arange(1 << 16, dtype=np.uint32)
+    x = (every[:, None] << 16 | np.uint32([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF])).ravel()
+    x = x.view(np.float32)
+    u = x.view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
+    want = np.where(np.isnan(x), (u >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
+    assert np.array_equal(twins.cast_bf16(x, 1.0), want)
+    bits = every.astype(np.uint16)
+    wide = (every << 16).view(np.float32)
+    with np.errstate(all="ignore"):
+        for scale, accumulate in ((1.0, False), (0.5, True)):
+            out = np.full(bits.size, 2.0, np.float32)
+            twins.uncast_bf16(bits, scale, out, accumulate)
+            value = wide if scale == 1.0 else wide * np.float32(scale)
+            assert same_or_nan(out, np.float32(2.0) + value if accumulate else value)
 
 
 def sum_rule(sources, tree):

@@ -242,6 +242,7 @@ def test_decompress_accumulate(comp, accumulate):
     assert same_bits(out, plain + 3 if accumulate else plain)
 
 
+@pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
 @pytest.mark.parametrize("kind,dtype", [("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)])
 @pytest.mark.parametrize("pre_divide", [1.0, 4.0])
 def test_casts_round_to_nearest_even(kind, dtype, pre_divide):
@@ -268,6 +269,7 @@ def bf16_reference(x):
     return np.where(np.isnan(x), (u >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
 
 
+@pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
 @settings(max_examples=150, deadline=None)
 @given(float32_bits(), st.sampled_from([1.0, 3.0, 0.125]))
 def test_cast_twins_match_numpy_on_any_bits(x, scale):
@@ -284,6 +286,7 @@ def test_cast_twins_match_numpy_on_any_bits(x, scale):
             assert np.array_equal(K.cast_bf16(v, scale), bf16_reference(scaled))
 
 
+@pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
 @pytest.mark.parametrize("scale", [1.0, 0.3])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_uncast_twins_match_numpy_on_every_pattern(scale, accumulate):
