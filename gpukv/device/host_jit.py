@@ -1,7 +1,7 @@
-"""The sign and ternary codecs and the float16 and bfloat16 casts on the host, compiled by
-Numba when it is installed (`host_jit_kernels`): one pass over each block of values where
-the NumPy twins (`host_codecs`) make a dozen, with the same bytes and residuals, NaNs
-included (the tests hold both to the same rules).
+"""The sign and ternary codecs, the float16 and bfloat16 casts and PowerSGD's decoding on
+the host, compiled by Numba when it is installed (`host_jit_kernels`): one pass over each
+block of values where the NumPy twins (`host_codecs`, `powersgd.decode`) make several,
+with the same bytes and residuals, NaNs included (the tests hold both to the same rules).
 
 `host_codecs` calls these when `enabled()`: Numba imports (the `fast` extra; the test
 extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is imported on the first
@@ -86,3 +86,8 @@ def bf16_decode(half, scale, out, accumulate, lo, hi) -> int:
     -1, or where the CHUNK with a NaN that stopped it starts."""
     return _kernels().bf16_decode(half, _F32(1) if scale is None else scale, out,
                                   accumulate, lo, hi)
+
+
+def low_rank_product(p, q, out) -> None:
+    """out (rows x cols, float32) = P Q^T as rank-one terms added in order (powersgd)."""
+    _kernels().low_rank_product(p, np.ascontiguousarray(q.T), out)

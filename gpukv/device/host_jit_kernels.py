@@ -311,3 +311,22 @@ def bf16_decode(half, scale, out, accumulate, lo, hi):
                 f = f * scale
             o[at + i] = o[at + i] + f if accumulate else f
     return -1
+
+
+# ------------------------------------------------------------------------ low rank
+@jit
+def low_rank_product(p, qt, out):
+    """out = P Q^T (`qt` is Q^T, rank x cols) as rank-one terms added in order, each
+    product and sum a float32 rounding of its own (no fused multiply-add): the bits of
+    powersgd.decode's whole-array products and adds, one row at a time (it stays in L1)."""
+    rows, rank = p.shape
+    cols = qt.shape[1]
+    for i in range(rows):
+        o = out[i]
+        first = p[i, 0]
+        for j in range(cols):
+            o[j] = first * qt[0, j]
+        for k in range(1, rank):
+            factor = p[i, k]
+            for j in range(cols):
+                o[j] = o[j] + factor * qt[k, j]

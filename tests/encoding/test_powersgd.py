@@ -12,6 +12,9 @@ import gpukv
 from gpukv.encoding.compressors import make_compressor
 from gpukv.encoding.compressors import powersgd as psgd
 
+# every test twice: decoding compiled by Numba, then with NumPy
+pytestmark = pytest.mark.usefixtures("host_codec_path")
+
 
 def reference_push(ms: list, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
     """(the sum P Q'^T, Q', each source's new residual) of one push of the sources' M
@@ -123,6 +126,24 @@ def test_orthogonalize_and_decode_are_exact_in_their_order():
     out, scratch = np.empty((200, 30), np.float32), np.empty((200, 30), np.float32)
     psgd.decode(p, q, out, scratch)
     np.testing.assert_allclose(out, p.astype(np.float64) @ q.T, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 70), st.integers(1, 6), st.integers(0, 2**32 - 1),
+       st.sampled_from([1e-30, 1.0, 1e30]))
+def test_decode_adds_the_rank_one_terms_in_order(rows, cols, rank, seed, scale):
+    """decode's bits are P[:, 0] Q[:, 0]^T + P[:, 1] Q[:, 1]^T + ... in float32, each
+    product and sum rounded in turn (subnormals, overflow to inf included)."""
+    rng = np.random.default_rng(seed)
+    p = (rng.standard_normal((rows, rank)) * scale).astype(np.float32)
+    q = (rng.standard_normal((cols, rank)) * scale).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want = p[:, 0:1] * q[:, 0]
+        for k in range(1, rank):
+            want = want + p[:, k:k + 1] * q[:, k]
+        out, scratch = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
+        psgd.decode(p, q, out, scratch)
+    assert out.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("rank,error", [(0, gpukv.ArgumentError), (2000, gpukv.ArgumentError),

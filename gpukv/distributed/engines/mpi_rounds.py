@@ -550,12 +550,17 @@ class MpiRounds:
             m = feedback.residual((key,), layout.size)
             m += by_key[key][0].reshape(-1)  # this process's M
             ms.append([m.reshape(found)])
+        # without an updater each sum is decoded straight into the copy it replaces
+        outs = [_decodable_into(by_key[key][1], m[0].shape) if self.state.assigns else None
+                for (key, _), m in zip(keys, ms)]
         totals = powersgd.step(comp, [key for key, _ in keys], ms, lambda lists, name:
-                               self._summed([a for a, in lists], f"low-rank {name}", what))
+                               self._summed([a for a, in lists], f"low-rank {name}", what),
+                               outs)
         merged = []
-        for (key, layout), total in zip(keys, totals):
+        for (key, layout), total, out in zip(keys, totals, outs):
             if self.state.assigns:
-                by_key[key][1].reshape(-1)[...] = total.reshape(-1)
+                if out is None:
+                    by_key[key][1].reshape(-1)[...] = total.reshape(-1)
                 continue
             for piece in layout.served_by(rank):
                 merged.append((key, total.reshape(-1)[piece.start:piece.stop]
@@ -633,3 +638,12 @@ class MpiRounds:
         recv = plan.recv
         for key, offset, nbytes in plan.keys:
             as_bytes(by_key[key][1])[...] = recv[offset:offset + nbytes]
+
+
+def _decodable_into(copy, shape):
+    """`copy` seen as a float32 matrix of `shape` a sum can be decoded into, or None (its
+    sum is decoded apart, then written into it)."""
+    if (isinstance(copy, np.ndarray) and copy.dtype == np.float32
+            and copy.flags.c_contiguous and copy.size == int(np.prod(shape))):
+        return copy.reshape(shape)
+    return None

@@ -29,6 +29,7 @@ import zlib
 import numpy as np
 
 from ..._errors import ArgumentError, ArgumentKindError
+from ...device import host_jit
 from .base import Compressor, short
 from .registry import register
 
@@ -131,22 +132,30 @@ def orthogonalize(p: np.ndarray) -> None:
             col /= np.float32(norm)
 
 
-def decode(p: np.ndarray, q: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+def decode(p: np.ndarray, q: np.ndarray, out: np.ndarray, scratch=None) -> None:
     """out = P Q^T (float32, rows x cols) as rank-one terms added in order: elementwise
-    float32 operations, the same bits on every machine."""
+    float32 operations, the same bits on every machine (on the host, compiled by Numba
+    when it is installed: the same operations in one pass). `scratch`: an array like
+    `out` for a term, None to make one when needed."""
+    if isinstance(out, np.ndarray) and host_jit.enabled():
+        host_jit.low_rank_product(p, q, out)
+        return
+    if scratch is None:
+        scratch = np.empty_like(out)
     np.multiply(p[:, 0:1], q[:, 0], out=out)
     for k in range(1, p.shape[1]):
         np.multiply(p[:, k:k + 1], q[:, k], out=scratch)
         out += scratch
 
 
-def step(comp: PowerSGD, keys: list, sources: list, summed) -> list:
+def step(comp: PowerSGD, keys: list, sources: list, summed, outs=None) -> list:
     """One push of `keys` (PowerSGD's rule, see the module): `sources[k]` holds key k's
     matrices M_i (gradient plus residual, float32, rows x cols), left as their new
     residuals M_i - P Q_i^T; `summed(lists, name)` turns one list of arrays per key into
     each list's sum over every source (in this process, or across processes), `name`
     saying which ('P', then 'Q'). Returns each
-    key's sum P Q'^T, decoded in a fixed order: the same bits wherever P and Q' are."""
+    key's sum P Q'^T, decoded in a fixed order: the same bits wherever P and Q' are;
+    into `outs[k]` (float32, rows x cols, contiguous) where given and not None."""
     ps = summed([[m @ comp.warm_q(key, m.shape[1]) for m in ms]
                  for key, ms in zip(keys, sources)], "P")
     for p in ps:
@@ -157,10 +166,11 @@ def step(comp: PowerSGD, keys: list, sources: list, summed) -> list:
             m -= p @ q_i.T  # its own: BLAS's order is fine
     qs = summed(q_parts, "Q")
     totals = []
-    for key, p, q in zip(keys, ps, qs):
-        rows, cols = p.shape[0], q.shape[0]
-        total = np.empty((rows, cols), np.float32)
-        decode(p, q, total, np.empty((rows, cols), np.float32))
+    for k, (key, p, q) in enumerate(zip(keys, ps, qs)):
+        total = outs[k] if outs is not None and outs[k] is not None else None
+        if total is None:
+            total = np.empty((p.shape[0], q.shape[0]), np.float32)
+        decode(p, q, total)
         comp.keep_q(key, q)
         totals.append(total)
     return totals
