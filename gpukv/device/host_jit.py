@@ -62,30 +62,32 @@ def ternary_decode(scales, codes, out, accumulate, lo, hi):
     k.ternary_decode(scales, codes, out, accumulate, lo, hi, k.TERNARY_TABLE)
 
 
+def _factor(scale):
+    """The casts' scale as the kernels take it: None (no scaling) is 1."""
+    return _F32(1) if scale is None else scale
+
+
 def fp16_encode(x, scale, out, lo, hi) -> int:
     """out[lo:hi] (float16) = x[lo:hi] / scale (None: 1); -1, or where the CHUNK with a
     NaN that stopped it starts."""
-    one = _F32(1) if scale is None else scale
-    return _kernels().fp16_encode(x, one, out.view(np.uint16), lo, hi)
+    return _kernels().fp16_encode(x, _factor(scale), out.view(np.uint16), lo, hi)
 
 
 def fp16_decode(half, scale, out, accumulate, lo, hi) -> int:
     """out[lo:hi] = half[lo:hi] (uint16 bits of float16) * scale (None: 1), or added;
     -1, or where the CHUNK with an inf or NaN that stopped it starts."""
-    one = _F32(1) if scale is None else scale
-    return _kernels().fp16_decode(half, one, out, accumulate, lo, hi)
+    return _kernels().fp16_decode(half, _factor(scale), out, accumulate, lo, hi)
 
 
 def bf16_encode(x, scale, out, lo, hi) -> None:
     """out[lo:hi] (bfloat16 bits, uint16) = x[lo:hi] / scale (None: 1)."""
-    _kernels().bf16_encode(x, _F32(1) if scale is None else scale, out, lo, hi)
+    _kernels().bf16_encode(x, _factor(scale), out, lo, hi)
 
 
 def bf16_decode(half, scale, out, accumulate, lo, hi) -> int:
     """out[lo:hi] = half[lo:hi] (uint16 bits of bfloat16) * scale (None: 1), or added;
     -1, or where the CHUNK with a NaN that stopped it starts."""
-    return _kernels().bf16_decode(half, _F32(1) if scale is None else scale, out,
-                                  accumulate, lo, hi)
+    return _kernels().bf16_decode(half, _factor(scale), out, accumulate, lo, hi)
 
 
 def low_rank_product(p, q, out) -> None:

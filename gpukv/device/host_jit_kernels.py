@@ -187,6 +187,28 @@ _TWO_112 = _F32(2.0 ** 112)
 _U32 = np.uint32
 
 
+@inline
+def scaled_chunk(xs, at, k, scale, y):
+    """y[:k] = xs[at:at + k] / scale (`scale` 1: copied), the casts' float32 input."""
+    if scale != 1:
+        for i in range(k):
+            y[i] = xs[at + i] / scale
+    else:
+        for i in range(k):
+            y[i] = xs[at + i]
+
+
+@inline
+def write_widened(wide, k, widen, scale, o, at, accumulate):
+    """o[at:at + k] = wide[:k] * widen (`widen` 1: no product) * scale (`scale` 1: no
+    product), or added to it: the decoders' last step, NumPy's order of operations."""
+    for i in range(k):
+        f = wide[i] * widen if widen != 1 else wide[i]
+        if scale != 1:
+            f = f * scale
+        o[at + i] = o[at + i] + f if accumulate else f
+
+
 @jit
 def fp16_encode(x, scale, out, lo, hi):
     """out[lo:hi] = the float16 bits (uint16) of x[lo:hi] / scale (`scale` 1: x itself),
@@ -210,12 +232,7 @@ def fp16_encode(x, scale, out, lo, hi):
     for c in range((n + _CHUNK - 1) // _CHUNK):
         at = c * _CHUNK
         k = min(_CHUNK, n - at)
-        if scale != 1:
-            for i in range(k):
-                y[i] = xs[at + i] / scale
-        else:
-            for i in range(k):
-                y[i] = xs[at + i]
+        scaled_chunk(xs, at, k, scale, y)
         top = _U32(0)
         for i in range(k):
             v = yu[i] & _U32(0x7FFFFFFF)
@@ -253,11 +270,7 @@ def fp16_decode(half, scale, out, accumulate, lo, hi):
             w[i] = ((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13))
         if top >= _U32(0x7C00):
             return lo + at
-        for i in range(k):
-            f = wf[i] * _TWO_112  # exact, subnormals included
-            if scale != 1:
-                f = f * scale
-            o[at + i] = o[at + i] + f if accumulate else f
+        write_widened(wf, k, _TWO_112, scale, o, at, accumulate)  # exact, subnormals too
     return -1
 
 
@@ -273,12 +286,7 @@ def bf16_encode(x, scale, out, lo, hi):
     for c in range((n + _CHUNK - 1) // _CHUNK):
         at = c * _CHUNK
         k = min(_CHUNK, n - at)
-        if scale != 1:
-            for i in range(k):
-                y[i] = xs[at + i] / scale
-        else:
-            for i in range(k):
-                y[i] = xs[at + i]
+        scaled_chunk(xs, at, k, scale, y)
         for i in range(k):
             u = yu[i]
             rounded = (u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16)
@@ -305,11 +313,7 @@ def bf16_decode(half, scale, out, accumulate, lo, hi):
             w[i] = v << _U32(16)
         if top > _U32(0x7F80):
             return lo + at
-        for i in range(k):
-            f = wf[i]
-            if scale != 1:
-                f = f * scale
-            o[at + i] = o[at + i] + f if accumulate else f
+        write_widened(wf, k, _F32(1), scale, o, at, accumulate)
     return -1
 
 
