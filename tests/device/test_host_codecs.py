@@ -62,7 +62,7 @@ def test_sign_across_chunk_edges_is_the_rule(grad, seed):
 
 @pytest.mark.usefixtures("host_codec_path")
 @settings(max_examples=30, deadline=None)
-@given(straddling(np.float16), st.integers(1, 2))
+@given(straddling(np.float16), st.integers(1, 3))  # (3: a division, not a product)
 def test_fp16_casts_across_chunk_edges_are_numpys(half, scale):
     """float32 -> float16 and back (written or added, scaled) across a chunk edge give
     NumPy's astype of the whole array."""
@@ -108,6 +108,12 @@ def test_bf16_casts_of_every_bfloat16_and_its_neighbours_are_the_rule():
     rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
     want = np.where(np.isnan(x), (u >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
     assert np.array_equal(twins.cast_bf16(x, 1.0), want)
+    with np.errstate(all="ignore"):
+        third = (x / np.float32(3)).view(np.uint32)
+        rounded = (third + (np.uint32(0x7FFF) + ((third >> 16) & np.uint32(1)))) >> 16
+        want = np.where(np.isnan(third.view(np.float32)), (third >> 16) | np.uint32(0x40),
+                        rounded).astype(np.uint16)
+        assert np.array_equal(twins.cast_bf16(x, 3.0), want)  # scaled by a division
     bits = every.astype(np.uint16)
     wide = (every << 16).view(np.float32)
     with np.errstate(all="ignore"):
