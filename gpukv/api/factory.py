@@ -8,6 +8,7 @@ from typing import Any
 from .._env import restart_note
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
+from ..device import host_jit
 from ..store.base import KVStore
 from ..store.local import _TYPES, LocalStore
 
@@ -39,6 +40,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
+    host_jit.check_setting()  # read by the host's float16 sums as well as by compression
     if lowered in _DIST_TYPES:
         from ..distributed.store import DistKVStore
         accepted = _store_options() | _own_options(DistKVStore)

@@ -6,8 +6,8 @@ zero.
 Each twin runs block by block (a block's residual, flags and codes stay in L2), with
 in-place ufuncs on per-thread scratch buffers, and splits long arrays over the host thread
 pool (`host_sum`). The packed layouts and the residual rules are `gpukv.device.codecs`'s.
-Where Numba is installed, sign, ternary and the float16 and bfloat16 casts run compiled
-instead (`host_jit`: the same bytes, 2-6x faster).
+Where Numba is installed, every codec and cast runs compiled instead (`host_jit`: the
+same bytes, 2-6x faster).
 """
 from __future__ import annotations
 
@@ -157,7 +157,12 @@ def _quantize_2bit_range(grad, residual, t, out, lo, hi):
 
 
 def quantize_2bit(grad, residual, threshold, out):
-    _blocks(_quantize_2bit_range, grad.size, grad, residual, np.float32(threshold), out)
+    n = grad.size
+    if host_jit.enabled():
+        out[-(-n // 4):] = 0  # padding bytes of the last word
+        _blocks(host_jit.two_bit_encode, n, grad, residual, np.float32(threshold), out)
+    else:
+        _blocks(_quantize_2bit_range, n, grad, residual, np.float32(threshold), out)
     return out
 
 
@@ -193,7 +198,11 @@ def _lookup_range(table, per_byte, payload, out, accumulate, lo, hi):
 
 
 def _lookup(table, per_byte, payload, n, out, accumulate):
-    _blocks(_lookup_range, n, table, per_byte, payload, out, accumulate)
+    if host_jit.enabled():
+        kernel = host_jit.two_bit_decode if per_byte == 4 else host_jit.one_bit_decode
+        _blocks(kernel, n, table, payload, out, accumulate)
+    else:
+        _blocks(_lookup_range, n, table, per_byte, payload, out, accumulate)
 
 
 def _quantize_1bit_range(grad, residual, t, out, lo, hi):
@@ -224,7 +233,8 @@ def _quantize_1bit_range(grad, residual, t, out, lo, hi):
 def quantize_1bit(grad, residual, threshold, out):
     n = grad.size
     out[-(-n // 8):] = 0  # padding bytes of the last word
-    _blocks(_quantize_1bit_range, n, grad, residual, np.float32(threshold), out)
+    fn = host_jit.one_bit_encode if host_jit.enabled() else _quantize_1bit_range
+    _blocks(fn, n, grad, residual, np.float32(threshold), out)
     return out
 
 

@@ -1,9 +1,10 @@
-"""The sign and ternary codecs, the float16 and bfloat16 casts and PowerSGD's decoding on
-the host, compiled by Numba when it is installed (`host_jit_kernels`): one pass over each
-block of values where the NumPy twins (`host_codecs`, `powersgd.decode`) make several,
-with the same bytes and residuals, NaNs included (the tests hold both to the same rules).
+"""The host's codecs compiled by Numba when it is installed (`host_jit_kernels`): the
+2-bit, 1-bit, sign and ternary encoders and decoders, the float16 and bfloat16 casts, the
+float16 sums of `host_sum` and PowerSGD's decoding; one pass over each block of values
+where the NumPy twins (`host_codecs`, `host_sum`, `powersgd.decode`) make several, with
+the same bytes and residuals, NaNs included (the tests hold both to the same rules).
 
-`host_codecs` calls these when `enabled()`: Numba imports (the `fast` extra; the test
+`host_codecs` and `host_sum` call these when `enabled()`: Numba imports (the `fast` extra; the test
 extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is imported on the first
 call, not with gpukv."""
 from __future__ import annotations
@@ -43,6 +44,22 @@ def _kernels():
     return host_jit_kernels
 
 
+def two_bit_encode(grad, residual, t, out, lo, hi):
+    _kernels().two_bit_encode(grad, residual, t, out, lo, hi)
+
+
+def one_bit_encode(grad, residual, t, out, lo, hi):
+    _kernels().one_bit_encode(grad, residual, t, out, lo, hi)
+
+
+def two_bit_decode(table, payload, out, accumulate, lo, hi):
+    _kernels().two_bit_decode(table, payload, out, accumulate, lo, hi)
+
+
+def one_bit_decode(table, payload, out, accumulate, lo, hi):
+    _kernels().one_bit_decode(table, payload, out, accumulate, lo, hi)
+
+
 def sign_encode(grad, residual, scales, bits, lo, hi):
     k = _kernels()
     k.sign_encode(grad, residual, scales, bits, lo, hi, k.PLUS_MINUS)
@@ -77,6 +94,12 @@ def fp16_decode(half, scale, out, accumulate, lo, hi) -> int:
     """out[lo:hi] = half[lo:hi] (uint16 bits of float16) * scale (None: 1), or added;
     -1, or where the CHUNK with an inf or NaN that stopped it starts."""
     return _kernels().fp16_decode(half, _factor(scale), out, accumulate, lo, hi)
+
+
+def fp16_sum_two(a, b, out, lo, hi) -> int:
+    """out[lo:hi] = float32(a) + float32(b), a and b float16; -1, or where the CHUNK with
+    an inf or NaN that stopped it starts (written, but not as NumPy would)."""
+    return _kernels().fp16_sum_two(a.view(np.uint16), b.view(np.uint16), out, lo, hi)
 
 
 def bf16_encode(x, scale, out, lo, hi) -> None:

@@ -1,8 +1,9 @@
-"""The compiled sign and ternary codecs of `host_jit` (Numba): importing this module
+"""The compiled codecs of `host_jit` (Numba): importing this module
 imports Numba, which `host_jit` does on the first call that needs it.
 
 Each function works on the values [lo, hi) of flat, contiguous arrays, lo a multiple of
-the codec's block (host_codecs' SIGN_BLOCK, 64 values, and TERNARY_BLOCK, 128 values), so
+the codec's block (host_codecs' SIGN_BLOCK, 64 values, TERNARY_BLOCK, 128 values, and a
+byte's values for the 2-bit and 1-bit codes), so
 that a long array can be cut over the host thread pool: they release the GIL. They are
 compiled on their first call in a process and then kept in Numba's cache (next to this
 file, or Numba's own cache directory where that is read-only)."""
@@ -13,7 +14,7 @@ import numpy as np
 
 _F32 = np.float32
 _TERNARY_CODE_BYTES = 26  # a ternary block's bytes of codes: five values to a byte
-_ZERO, _SEVEN_TENTHS = _F32(0), _F32(0.7)
+_ZERO, _ONE, _SEVEN_TENTHS = _F32(0), _F32(1), _F32(0.7)
 #: (the decoders' `table`: as an argument rather than a global they run twice as fast)
 #: +1 or -1 for each of a byte's 8 bits, the most significant first
 SIGN_TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1) == 1,
@@ -180,6 +181,88 @@ def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
                         o[i] = v
 
 
+# --------------------------------------------------------------- 2-bit and 1-bit
+@jit
+def two_bit_encode(grad, residual, t, out, lo, hi):
+    """MXNet's 2-bit rule over [lo, hi) (lo a multiple of 4): r += g; r >= t sends +t
+    (code 0b11) and r -= t, r <= -t sends -t (0b10) and r += t, else 0 (0b00); four codes
+    to a byte, the first value in the high bits. The last byte's missing values are 0."""
+    g, r, o = grad[lo:hi], residual[lo:hi], out[lo // 4:]
+    c = np.empty(64, np.uint8)
+    n = hi - lo
+    minus_t = -t
+    for b in range((n + 63) // 64):
+        at = b * 64
+        k = min(64, n - at)
+        for i in range(64):  # (a loop of 64 with a test vectorises; one of k does not)
+            if i < k:
+                v = r[at + i] + g[at + i]
+                up, down = v >= t, v <= minus_t
+                r[at + i] = v - t if up else (v + t if down else v)
+                c[i] = 3 if up else (2 if down else 0)
+            else:
+                c[i] = 0
+        for j in range((k + 3) // 4):
+            q = 4 * j
+            o[at // 4 + j] = (c[q] << 6) | (c[q + 1] << 4) | (c[q + 2] << 2) | c[q + 3]
+
+
+@jit
+def one_bit_encode(grad, residual, t, out, lo, hi):
+    """The 1-bit rule over [lo, hi) (lo a multiple of 8): r += g; r > t sets the bit and
+    r -= 1, else r += 1; eight bits to a byte, the first value the most significant. The
+    last byte's missing values are 0."""
+    g, r, o = grad[lo:hi], residual[lo:hi], out[lo // 8:]
+    c = np.empty(64, np.uint8)
+    n = hi - lo
+    for b in range((n + 63) // 64):
+        at = b * 64
+        k = min(64, n - at)
+        for i in range(64):
+            if i < k:
+                v = r[at + i] + g[at + i]
+                up = v > t
+                r[at + i] = v - _ONE if up else v + _ONE
+                c[i] = 1 if up else 0
+            else:
+                c[i] = 0
+        for j in range((k + 7) // 8):
+            q = 8 * j
+            o[at // 8 + j] = ((c[q] << 7) | (c[q + 1] << 6) | (c[q + 2] << 5) | (c[q + 3] << 4)
+                              | (c[q + 4] << 3) | (c[q + 5] << 2) | (c[q + 6] << 1) | c[q + 7])
+
+
+@inline
+def table_decode(table, payload, out, accumulate, lo, hi, per_byte):
+    """out[lo:hi] = the rows of `table` (256 x per_byte float32) that payload's bytes
+    pick, the first value of a byte its first column, or added to out."""
+    p, o = payload[lo // per_byte:], out[lo:hi]
+    n = hi - lo
+    whole = n // per_byte
+    for j in range(whole):
+        row = table[p[j]]
+        at = per_byte * j
+        if accumulate:
+            for t in range(per_byte):
+                o[at + t] += row[t]
+        else:
+            for t in range(per_byte):
+                o[at + t] = row[t]
+    for i in range(whole * per_byte, n):  # the values of a last, partial byte
+        v = table[p[whole], i - whole * per_byte]
+        o[i] = o[i] + v if accumulate else v
+
+
+@jit
+def two_bit_decode(table, payload, out, accumulate, lo, hi):
+    table_decode(table, payload, out, accumulate, lo, hi, 4)
+
+
+@jit
+def one_bit_decode(table, payload, out, accumulate, lo, hi):
+    table_decode(table, payload, out, accumulate, lo, hi, 8)
+
+
 # ------------------------------------------------------------------------- fp16
 # values per pass of the float16 casts: their three scratch arrays stay in L1 (host_jit.CHUNK)
 _CHUNK = 1024
@@ -271,6 +354,34 @@ def fp16_decode(half, scale, out, accumulate, lo, hi):
         if top >= _U32(0x7C00):
             return lo + at
         write_widened(wf, k, _TWO_112, scale, o, at, accumulate)  # exact, subnormals too
+    return -1
+
+
+@inline
+def widened_fp16(v):
+    """The float32 of float16 bits `v` (a uint32, not an inf or NaN): exact."""
+    bits = _U32(((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13)))
+    return bits.view(np.float32) * _TWO_112
+
+
+@jit
+def fp16_sum_two(a, b, out, lo, hi):
+    """out[lo:hi] = float32(a) + float32(b) for float16 bits (uint16) a and b, as NumPy's
+    add with dtype=float32. Returns -1, or the index where a chunk with an inf or NaN in
+    a or b starts (the chunk is left to NumPy, which keeps NaNs as it does)."""
+    o, xa, xb = out[lo:hi], a[lo:hi], b[lo:hi]
+    n = hi - lo
+    for c in range((n + _CHUNK - 1) // _CHUNK):
+        at = c * _CHUNK
+        k = min(_CHUNK, n - at)
+        ca, cb, oc = xa[at:at + k], xb[at:at + k], o[at:at + k]
+        top = _U32(0)
+        for i in range(k):
+            va, vb = _U32(ca[i]), _U32(cb[i])
+            top = max(top, max(va & _U32(0x7FFF), vb & _U32(0x7FFF)))
+            oc[i] = widened_fp16(va) + widened_fp16(vb)
+        if top >= _U32(0x7C00):
+            return lo + at
     return -1
 
 

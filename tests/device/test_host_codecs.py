@@ -138,6 +138,7 @@ def sum_rule(sources, tree):
     return total
 
 
+@pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
 @settings(max_examples=20, deadline=None)
 @given(straddling(np.float16), st.lists(st.booleans(), min_size=1, max_size=4),
        st.integers(0, 2**32 - 1), st.booleans())

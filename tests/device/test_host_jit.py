@@ -64,3 +64,11 @@ def test_a_malformed_setting_is_refused_when_compression_is_set(fresh):
     out = np.empty(8, np.float32)
     kv.pull("w", out=out)
     assert out.any()
+
+
+@pytest.mark.parametrize("name", ["device", "local"])
+def test_a_malformed_setting_is_refused_when_a_store_is_made(fresh, name):
+    """The host's float16 sums read it too, with or without compression."""
+    fresh.setenv(host_jit.ENV, "true")
+    with pytest.raises(ArgumentError, match="GPUKV_HOST_JIT='true'"):
+        gpukv.create(name)
