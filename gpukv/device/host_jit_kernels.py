@@ -9,12 +9,21 @@ compiled on their first call in a process and then kept in Numba's cache (next t
 file, or Numba's own cache directory where that is read-only)."""
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
+
+if sys.byteorder != "little":  # the sign encoder reads eight bytes as one word
+    raise ImportError("gpukv's compiled codecs assume a little-endian machine")
 
 _F32 = np.float32
 _TERNARY_CODE_BYTES = 26  # a ternary block's bytes of codes: five values to a byte
 _ZERO, _ONE, _SEVEN_TENTHS = _F32(0), _F32(1), _F32(0.7)
+# (eight bytes of 0 or 1 as a little-endian uint64) * _GATHER_BITS >> 56 is the byte of
+# their bits, the first byte's the most significant: the partial products that reach the
+# top byte are those eight bits, and those below it never carry into it.
+_GATHER_BITS, _SHIFT_56 = np.uint64(0x8040201008040201), np.uint64(56)
 #: (the decoders' `table`: as an argument rather than a global they run twice as fast)
 #: +1 or -1 for each of a byte's 8 bits, the most significant first
 SIGN_TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1) == 1,
@@ -32,34 +41,54 @@ inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="nump
 # Indices below count from 0 within slices taken on entry: Numba checks an index
 # that may be negative (it wraps), which stops LLVM from vectorising the loops.
 @inline
-def sign_block(g, r, at, count, x, p, bits, byte, plus_minus):
+def halves_from_eight(c):
+    """The last three levels of a sum by halves: of c[:8] (c[i] += c[i + h], h = 4, 2,
+    1), as scalars."""
+    d0, d1, d2, d3 = c[0] + c[4], c[1] + c[5], c[2] + c[6], c[3] + c[7]
+    return (d0 + d2) + (d1 + d3)
+
+
+@inline
+def halves_64(x, c):
+    """The sum of x[:64] by halves (x[i] += x[i + h], h = 32, ..., 1): the first three
+    levels as one pass of eight lanes into c[:8] (each lane the tree those levels make of
+    its eight values), then the last three. The same additions in the same order as
+    level by level, with no level stored and read back."""
+    for i in range(8):
+        c[i] = (((x[i] + x[i + 32]) + (x[i + 16] + x[i + 48]))
+                + ((x[i + 8] + x[i + 40]) + (x[i + 24] + x[i + 56])))
+    return halves_from_eight(c)
+
+
+@inline
+def halves_128(x, c):
+    """The sum of x[:128] by halves (h = 64, ..., 1), as halves_64 does it."""
+    for i in range(8):
+        c[i] = ((((x[i] + x[i + 64]) + (x[i + 32] + x[i + 96]))
+                 + ((x[i + 16] + x[i + 80]) + (x[i + 48] + x[i + 112])))
+                + (((x[i + 8] + x[i + 72]) + (x[i + 40] + x[i + 104]))
+                   + ((x[i + 24] + x[i + 88]) + (x[i + 56] + x[i + 120]))))
+    return halves_from_eight(c)
+
+
+@inline
+def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus):
     """One block of 64 values from g[at:], r[at:] (its first `count` real, zeros after
     them): r += g, the squares summed by halves (x[i] += x[i + h], h = 32, ..., 1)
     over `count`, square-rooted: the scale, returned; the signs into
-    bits[byte:byte + 8] (1 for >= 0); r -= +-scale."""
+    bits[byte:byte + 8] (1 for >= 0); r -= +-scale. e, x, c and p (`words`: p as
+    uint64) are scratch."""
     for i in range(64):
         v = r[at + i] + g[at + i]
-        r[at + i] = v
+        e[i] = v
         x[i] = v * v
         p[i] = 1 if v >= _ZERO else 0
-    for i in range(32):
-        x[i] = x[i] + x[i + 32]
-    for i in range(16):
-        x[i] = x[i] + x[i + 16]
-    for i in range(8):
-        x[i] = x[i] + x[i + 8]
-    for i in range(4):
-        x[i] = x[i] + x[i + 4]
-    for i in range(2):
-        x[i] = x[i] + x[i + 2]
-    s = _F32(np.sqrt((x[0] + x[1]) / _F32(count)))
-    for j in range(8):
-        q = 8 * j
-        bits[byte + j] = ((p[q] << 7) | (p[q + 1] << 6) | (p[q + 2] << 5) | (p[q + 3] << 4)
-                          | (p[q + 4] << 3) | (p[q + 5] << 2) | (p[q + 6] << 1) | p[q + 7])
+    s = _F32(np.sqrt(halves_64(x, c) / _F32(count)))
+    for j in range(8):  # eight 0/1 bytes to one byte, the first the most significant
+        bits[byte + j] = np.uint8((words[j] * _GATHER_BITS) >> _SHIFT_56)
     minus, plus = plus_minus[0] * s, plus_minus[1] * s  # -1 * s, +1 * s (sign_encode)
     for i in range(64):
-        r[at + i] = r[at + i] - (plus if p[i] else minus)
+        r[at + i] = e[i] - (plus if p[i] else minus)
     return s
 
 
@@ -69,11 +98,14 @@ def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
     `-1 * s` into `-s`: for a NaN scale the two differ in the NaN's sign."""
     g, r = grad[lo:hi], residual[lo:hi]
     sc, bt = scales[lo // 64:], bits[lo // 8:]
+    e = np.empty(64, np.float32)
     x = np.empty(64, np.float32)
+    c = np.empty(8, np.float32)
     p = np.empty(64, np.uint8)
+    words = p.view(np.uint64)
     whole = (hi - lo) // 64
     for b in range(whole):
-        sc[b] = sign_block(g, r, b * 64, 64, x, p, bt, b * 8, plus_minus)
+        sc[b] = sign_block(g, r, b * 64, 64, e, x, c, p, words, bt, b * 8, plus_minus)
     k = hi - lo - whole * 64
     if k:  # the array's last, short block: zeros after its values, its bits cleared
         g64 = np.zeros(64, np.float32)
@@ -81,7 +113,7 @@ def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
         g64[:k] = g[whole * 64:]
         r64[:k] = r[whole * 64:]
         b8 = np.zeros(8, np.uint8)
-        sc[whole] = sign_block(g64, r64, 0, k, x, p, b8, 0, plus_minus)
+        sc[whole] = sign_block(g64, r64, 0, k, e, x, c, p, words, b8, 0, plus_minus)
         r[whole * 64:] = r64[:k]
         full, rest = k // 8, k % 8
         for j in range(full):
@@ -108,24 +140,6 @@ def sign_decode(scales, bits, out, accumulate, lo, hi, table):
         o[i] = o[i] + v if accumulate else v
 
 
-@inline
-def halves_128(x, y):
-    """The sum of x[:128] by halves (x[i] += x[i + h], h = 64, ..., 1), y scratch."""
-    for i in range(64):
-        y[i] = x[i] + x[i + 64]
-    for i in range(32):
-        y[i] = y[i] + y[i + 32]
-    for i in range(16):
-        y[i] = y[i] + y[i + 16]
-    for i in range(8):
-        y[i] = y[i] + y[i + 8]
-    for i in range(4):
-        y[i] = y[i] + y[i + 4]
-    for i in range(2):
-        y[i] = y[i] + y[i + 2]
-    return y[0] + y[1]
-
-
 @jit
 def ternary_encode(grad, residual, scales, codes, lo, hi):
     """Per block of 128 values (the last may be short: zeros after its values, its
@@ -136,7 +150,7 @@ def ternary_encode(grad, residual, scales, codes, lo, hi):
     sc, cd = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:]
     e = np.empty(128, np.float32)
     a = np.empty(128, np.float32)
-    y = np.empty(64, np.float32)
+    y = np.empty(8, np.float32)
     d = np.zeros(130, np.uint8)  # (the last byte's two digits past 128 stay 0)
     for b in range((hi - lo + 127) // 128):
         at = b * 128
