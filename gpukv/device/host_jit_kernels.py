@@ -306,12 +306,24 @@ def write_widened(wide, k, widen, scale, o, at, accumulate):
         o[at + i] = o[at + i] + f if accumulate else f
 
 
+@inline
+def fp16_bits(x):
+    """(|x|'s float32 bits, the float16 bits of float32 x): see fp16_encode."""
+    u = np.float32(x).view(np.uint32)
+    v = u & _U32(0x7FFFFFFF)
+    a = _U32(min(v, _U32(0x47800000)))
+    m = _U32(max(a & _U32(0x7F800000), _U32(0x38800000)) + _U32(13 << 23))
+    rounded = np.float32(a.view(np.float32) + m.view(np.float32)).view(np.uint32)
+    h = _U32(_U32(rounded - m) + (m >> _U32(13)))
+    return v, np.uint16(((u >> _U32(16)) & _U32(0x8000)) + _U32(0x0800) + h)
+
+
 @jit
 def fp16_encode(x, scale, out, lo, hi):
     """out[lo:hi] = the float16 bits (uint16) of x[lo:hi] / scale (`scale` 1: x itself),
     rounded to nearest even, inf past float16's range, as NumPy's astype. Returns -1, or
-    the index where a chunk with a NaN starts, written no further (NumPy casts that chunk,
-    keeping a NaN's payload as it does).
+    the index where a chunk with a NaN starts, the last written (the caller has NumPy
+    cast that chunk again, keeping a NaN's payload as it does).
 
     The rounding is the NumPy twin's (host_codecs._cast_fp16_range): for a = |x| (at
     most 65536) with exponent e >= -14, M = 2**(e+13) has float16's ulp at a, so the
@@ -319,31 +331,24 @@ def fp16_encode(x, scale, out, lo, hi):
     the significand, and M's bits >> 13 add the exponent (plus 0x1F800, taken off with
     the sign)."""
     xs, o = x[lo:hi], out[lo:hi]
-    y = np.empty(_CHUNK, np.float32)
-    yu = y.view(np.uint32)
-    a = np.empty(_CHUNK, np.uint32)
-    af = a.view(np.float32)
-    m = np.empty(_CHUNK, np.uint32)
-    mf = m.view(np.float32)
     n = hi - lo
     for c in range((n + _CHUNK - 1) // _CHUNK):
         at = c * _CHUNK
         k = min(_CHUNK, n - at)
-        scaled_chunk(xs, at, k, scale, y)
+        xc, oc = xs[at:at + k], o[at:at + k]
         top = _U32(0)
-        for i in range(k):
-            v = yu[i] & _U32(0x7FFFFFFF)
-            top = max(top, v)
-            v = min(v, _U32(0x47800000))
-            a[i] = v
-            m[i] = max(v & _U32(0x7F800000), _U32(0x38800000)) + _U32(13 << 23)
+        if scale != 1:
+            for i in range(k):
+                v, h = fp16_bits(xc[i] / scale)
+                top = max(top, v)
+                oc[i] = h
+        else:
+            for i in range(k):
+                v, h = fp16_bits(xc[i])
+                top = max(top, v)
+                oc[i] = h
         if top > _U32(0x7F800000):
             return lo + at
-        for i in range(k):
-            af[i] = af[i] + mf[i]
-        for i in range(k):
-            h = (a[i] - m[i]) + (m[i] >> _U32(13))
-            o[at + i] = np.uint16(((yu[i] >> _U32(16)) & _U32(0x8000)) + _U32(0x0800) + h)
     return -1
 
 

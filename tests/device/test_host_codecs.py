@@ -93,6 +93,12 @@ def test_fp16_casts_of_every_float16_and_its_neighbours_are_numpys():
         bits = points.view(np.uint32)
         x = np.concatenate([bits - 1, bits, bits + 1]).view(np.float32)
         assert same_bits(twins.cast_fp16(x, 1.0), x.astype(np.float16))
+        # thrice those points, and neighbours: divided by 3 they land on and beside the
+        # ties, where the last bit of the division decides the rounding
+        thrice = (points * np.float32(3)).view(np.uint32)
+        x = np.concatenate([thrice - np.uint32(2), thrice - np.uint32(1), thrice,
+                            thrice + np.uint32(1), thrice + np.uint32(2)]).view(np.float32)
+        assert same_bits(twins.cast_fp16(x, 3.0), (x / np.float32(3)).astype(np.float16))
 
 
 @pytest.mark.usefixtures("host_codec_path")
