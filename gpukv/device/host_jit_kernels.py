@@ -177,22 +177,45 @@ def ternary_encode(grad, residual, scales, codes, lo, hi):
             r[at + i] = e[i] - step
 
 
+@inline
+def ternary_value(row, t, s):
+    """Digit t of a decoded byte (`row`: 0, +1 or -1) times the scale; 0 for 0 whatever
+    the scale (0 * inf would be NaN)."""
+    return _ZERO if row[t] == _ZERO else row[t] * s
+
+
+@inline
+def put(o, i, v, accumulate):
+    if accumulate:
+        o[i] += v
+    else:
+        o[i] = v
+
+
 @jit
 def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
     sc, cd, o = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:], out[lo:hi]
     n = hi - lo
-    for b in range((n + 127) // 128):
+    whole = n // 128
+    for b in range(whole):  # whole blocks: 25 bytes of five values and one of three
         s = sc[b]
-        for j in range(_TERNARY_CODE_BYTES):
-            row = table[cd[b * _TERNARY_CODE_BYTES + j]]
+        ob = o[b * 128:b * 128 + 128]
+        cb = cd[b * _TERNARY_CODE_BYTES:(b + 1) * _TERNARY_CODE_BYTES]
+        for j in range(25):
+            row = table[cb[j]]
             for t in range(5):
-                i = b * 128 + 5 * j + t
-                if 5 * j + t < 128 and i < n:
-                    v = _ZERO if row[t] == _ZERO else row[t] * s  # 0, also for inf
-                    if accumulate:
-                        o[i] += v
-                    else:
-                        o[i] = v
+                put(ob, 5 * j + t, ternary_value(row, t, s), accumulate)
+        row = table[cb[25]]
+        for t in range(3):
+            put(ob, 125 + t, ternary_value(row, t, s), accumulate)
+    if whole * 128 < n:  # a last, short block
+        s = sc[whole]
+        for j in range(_TERNARY_CODE_BYTES):
+            row = table[cd[whole * _TERNARY_CODE_BYTES + j]]
+            for t in range(5):
+                i = whole * 128 + 5 * j + t
+                if i < n:
+                    put(o, i, ternary_value(row, t, s), accumulate)
 
 
 # --------------------------------------------------------------- 2-bit and 1-bit
