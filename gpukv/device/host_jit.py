@@ -62,7 +62,7 @@ def one_bit_decode(table, payload, out, accumulate, lo, hi):
 
 def sign_encode(grad, residual, scales, bits, lo, hi):
     k = _kernels()
-    k.sign_encode(grad, residual, scales, bits, lo, hi, k.PLUS_MINUS)
+    k.sign_encode(grad, residual, scales, bits, lo, hi, k.PLUS_MINUS, k.LANES)
 
 
 def sign_decode(scales, bits, out, accumulate, lo, hi):
@@ -71,7 +71,8 @@ def sign_decode(scales, bits, out, accumulate, lo, hi):
 
 
 def ternary_encode(grad, residual, scales, codes, lo, hi):
-    _kernels().ternary_encode(grad, residual, scales, codes, lo, hi)
+    k = _kernels()
+    k.ternary_encode(grad, residual, scales, codes, lo, hi, k.LANES)
 
 
 def ternary_decode(scales, codes, out, accumulate, lo, hi):

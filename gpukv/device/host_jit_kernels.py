@@ -29,6 +29,9 @@ _GATHER_BITS, _SHIFT_56 = np.uint64(0x8040201008040201), np.uint64(56)
 SIGN_TABLE = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1) == 1,
                       _F32(1), _F32(-1)).astype(_F32)
 PLUS_MINUS = np.array([-1, 1], _F32)
+#: the lanes of the sums by halves (halves_64, halves_128), 8: as an argument, the loop
+#: over them is vectorised, where a constant 8 has it unrolled into scalar adds
+LANES = 8
 #: 0, +1 or -1 for each of a byte's five base-3 digits, the lowest first
 TERNARY_TABLE = np.array([0, 1, -1], _F32)[
     (np.arange(256)[:, None] // np.array([1, 3, 9, 27, 81])) % 3]
@@ -49,21 +52,21 @@ def halves_from_eight(c):
 
 
 @inline
-def halves_64(x, c):
+def halves_64(x, c, lanes):
     """The sum of x[:64] by halves (x[i] += x[i + h], h = 32, ..., 1): the first three
-    levels as one pass of eight lanes into c[:8] (each lane the tree those levels make of
-    its eight values), then the last three. The same additions in the same order as
-    level by level, with no level stored and read back."""
-    for i in range(8):
+    levels as one pass of eight lanes (`lanes`, LANES) into c[:8] (each lane the tree
+    those levels make of its eight values), then the last three. The same additions in
+    the same order as level by level, with no level stored and read back."""
+    for i in range(lanes):
         c[i] = (((x[i] + x[i + 32]) + (x[i + 16] + x[i + 48]))
                 + ((x[i + 8] + x[i + 40]) + (x[i + 24] + x[i + 56])))
     return halves_from_eight(c)
 
 
 @inline
-def halves_128(x, c):
+def halves_128(x, c, lanes):
     """The sum of x[:128] by halves (h = 64, ..., 1), as halves_64 does it."""
-    for i in range(8):
+    for i in range(lanes):
         c[i] = ((((x[i] + x[i + 64]) + (x[i + 32] + x[i + 96]))
                  + ((x[i + 16] + x[i + 80]) + (x[i + 48] + x[i + 112])))
                 + (((x[i + 8] + x[i + 72]) + (x[i + 40] + x[i + 104]))
@@ -72,7 +75,7 @@ def halves_128(x, c):
 
 
 @inline
-def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus):
+def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus, lanes):
     """One block of 64 values from g[at:], r[at:] (its first `count` real, zeros after
     them): r += g, the squares summed by halves (x[i] += x[i + h], h = 32, ..., 1)
     over `count`, square-rooted: the scale, returned; the signs into
@@ -83,7 +86,7 @@ def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus):
         e[i] = v
         x[i] = v * v
         p[i] = 1 if v >= _ZERO else 0
-    s = _F32(np.sqrt(halves_64(x, c) / _F32(count)))
+    s = _F32(np.sqrt(halves_64(x, c, lanes) / _F32(count)))
     for j in range(8):  # eight 0/1 bytes to one byte, the first the most significant
         bits[byte + j] = np.uint8((words[j] * _GATHER_BITS) >> _SHIFT_56)
     minus, plus = plus_minus[0] * s, plus_minus[1] * s  # -1 * s, +1 * s (sign_encode)
@@ -93,7 +96,7 @@ def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus):
 
 
 @jit
-def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
+def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus, lanes):
     """`plus_minus` is [-1, +1] (PLUS_MINUS), an argument so that LLVM cannot fold
     `-1 * s` into `-s`: for a NaN scale the two differ in the NaN's sign."""
     g, r = grad[lo:hi], residual[lo:hi]
@@ -105,7 +108,8 @@ def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
     words = p.view(np.uint64)
     whole = (hi - lo) // 64
     for b in range(whole):
-        sc[b] = sign_block(g, r, b * 64, 64, e, x, c, p, words, bt, b * 8, plus_minus)
+        sc[b] = sign_block(g, r, b * 64, 64, e, x, c, p, words, bt, b * 8, plus_minus,
+                           lanes)
     k = hi - lo - whole * 64
     if k:  # the array's last, short block: zeros after its values, its bits cleared
         g64 = np.zeros(64, np.float32)
@@ -113,7 +117,8 @@ def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus):
         g64[:k] = g[whole * 64:]
         r64[:k] = r[whole * 64:]
         b8 = np.zeros(8, np.uint8)
-        sc[whole] = sign_block(g64, r64, 0, k, e, x, c, p, words, b8, 0, plus_minus)
+        sc[whole] = sign_block(g64, r64, 0, k, e, x, c, p, words, b8, 0, plus_minus,
+                               lanes)
         r[whole * 64:] = r64[:k]
         full, rest = k // 8, k % 8
         for j in range(full):
@@ -141,7 +146,7 @@ def sign_decode(scales, bits, out, accumulate, lo, hi, table):
 
 
 @jit
-def ternary_encode(grad, residual, scales, codes, lo, hi):
+def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
     """Per block of 128 values (the last may be short: zeros after its values, its
     count dividing its sums): r += g; a value is sent when its magnitude exceeds 0.7
     times the block's mean magnitude; the scale is the mean magnitude of those sent;
@@ -159,14 +164,14 @@ def ternary_encode(grad, residual, scales, codes, lo, hi):
             v = r[at + i] + g[at + i] if i < k else _ZERO
             e[i] = v
             a[i] = abs(v)
-        threshold = halves_128(a, y) / _F32(k) * _SEVEN_TENTHS
+        threshold = halves_128(a, y, lanes) / _F32(k) * _SEVEN_TENTHS
         sent = 0
         for i in range(128):
             chosen = a[i] > threshold  # never a NaN's
             d[i] = (2 if e[i] < _ZERO else 1) if chosen else 0
             a[i] = a[i] if chosen else _ZERO
             sent += 1 if chosen else 0
-        s = halves_128(a, y) / _F32(sent) if sent else _ZERO
+        s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
         sc[b] = s
         for j in range(_TERNARY_CODE_BYTES):
             q = 5 * j
