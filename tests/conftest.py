@@ -42,7 +42,7 @@ def _no_user_calibration(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["numba", "numpy"])
 def host_codec_path(request):
-    """Runs a module's tests with the host's sign and ternary codecs compiled by Numba, then
+    """Runs a module's (or a test's) tests with the host's codecs compiled by Numba, then
     with their NumPy twins (GPUKV_HOST_JIT); modules take it with
     `pytestmark = pytest.mark.usefixtures("host_codec_path")`."""
     from gpukv.device import host_jit
