@@ -4,9 +4,9 @@ float16 sums of `host_sum` and PowerSGD's decoding; one pass over each block of 
 where the NumPy twins (`host_codecs`, `host_sum`, `powersgd.decode`) make several, with
 the same bytes and residuals, NaNs included (the tests hold both to the same rules).
 
-`host_codecs` and `host_sum` call these when `enabled()`: Numba imports (the `fast` extra; the test
-extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is imported on the first
-call, not with gpukv."""
+`host_codecs` and `host_sum` call these when `enabled()`: Numba imports (the `fast`
+extra; the test extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is
+imported on the first call, not with gpukv."""
 from __future__ import annotations
 
 import functools
@@ -99,7 +99,7 @@ def fp16_decode(half, scale, out, accumulate, lo, hi) -> int:
 
 def fp16_sum_two(a, b, out, lo, hi) -> int:
     """out[lo:hi] = float32(a) + float32(b), a and b float16; -1, or where the CHUNK with
-    an inf or NaN that stopped it starts (written, but not as NumPy would)."""
+    an inf or NaN that stopped it starts (written, for NumPy to write again)."""
     return _kernels().fp16_sum_two(a.view(np.uint16), b.view(np.uint16), out, lo, hi)
 
 

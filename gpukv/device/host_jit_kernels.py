@@ -1,10 +1,10 @@
-"""The compiled codecs of `host_jit` (Numba): importing this module
-imports Numba, which `host_jit` does on the first call that needs it.
+"""The compiled codecs of `host_jit` (Numba): importing this module imports Numba, which
+`host_jit` does on the first call that needs it.
 
 Each function works on the values [lo, hi) of flat, contiguous arrays, lo a multiple of
 the codec's block (host_codecs' SIGN_BLOCK, 64 values, TERNARY_BLOCK, 128 values, and a
-byte's values for the 2-bit and 1-bit codes), so
-that a long array can be cut over the host thread pool: they release the GIL. They are
+byte's values for the 2-bit and 1-bit codes), so that a long array can be cut over the
+host thread pool: they release the GIL. They are
 compiled on their first call in a process and then kept in Numba's cache (next to this
 file, or Numba's own cache directory where that is read-only)."""
 from __future__ import annotations
@@ -190,7 +190,8 @@ def ternary_value(row, t, s):
 
 
 @inline
-def put(o, i, v, accumulate):
+def put_or_add(o, i, v, accumulate):
+    """o[i] = v, or o[i] += v when `accumulate`."""
     if accumulate:
         o[i] += v
     else:
@@ -209,10 +210,10 @@ def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
         for j in range(25):
             row = table[cb[j]]
             for t in range(5):
-                put(ob, 5 * j + t, ternary_value(row, t, s), accumulate)
+                put_or_add(ob, 5 * j + t, ternary_value(row, t, s), accumulate)
         row = table[cb[25]]
         for t in range(3):
-            put(ob, 125 + t, ternary_value(row, t, s), accumulate)
+            put_or_add(ob, 125 + t, ternary_value(row, t, s), accumulate)
     if whole * 128 < n:  # a last, short block
         s = sc[whole]
         for j in range(_TERNARY_CODE_BYTES):
@@ -220,7 +221,7 @@ def ternary_decode(scales, codes, out, accumulate, lo, hi, table):
             for t in range(5):
                 i = whole * 128 + 5 * j + t
                 if i < n:
-                    put(o, i, ternary_value(row, t, s), accumulate)
+                    put_or_add(o, i, ternary_value(row, t, s), accumulate)
 
 
 # --------------------------------------------------------------- 2-bit and 1-bit
@@ -415,7 +416,8 @@ def widened_fp16(v):
 def fp16_sum_two(a, b, out, lo, hi):
     """out[lo:hi] = float32(a) + float32(b) for float16 bits (uint16) a and b, as NumPy's
     add with dtype=float32. Returns -1, or the index where a chunk with an inf or NaN in
-    a or b starts (the chunk is left to NumPy, which keeps NaNs as it does)."""
+    a or b starts, the last written (the caller has NumPy sum that chunk again, keeping
+    NaNs as it does)."""
     o, xa, xb = out[lo:hi], a[lo:hi], b[lo:hi]
     n = hi - lo
     for c in range((n + _CHUNK - 1) // _CHUNK):
