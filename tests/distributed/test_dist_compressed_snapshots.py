@@ -63,12 +63,15 @@ def _digests(out: str) -> set:
 @pytest.mark.parametrize("compression,updater,deterministic", [
     (SIGN, "optimizer", False), (SIGN, "assign", False),
     ({"type": "2bit", "threshold": 0.5}, "updater", False), (SIGN, "optimizer", True),
-], ids=["sign-optimizer", "sign-assign", "2bit-updater", "sign-optimizer-deterministic"])
+    ({"type": "powersgd", "rank": 2}, "optimizer", False),
+], ids=["sign-optimizer", "sign-assign", "2bit-updater", "sign-optimizer-deterministic",
+        "powersgd-optimizer"])
 def test_with_servers_a_resumed_job_continues_with_the_same_bits(
         tmp_path, compression, updater, deterministic):
     """With 2 workers and 2 servers: a job resumed from another's snapshot gets back the
-    workers' residuals and the servers' served values and pull residuals: its pulls and
-    stored values are the bits of the job that never stopped."""
+    workers' residuals (and PowerSGD's warm starts) and the servers' served values and
+    pull residuals: its pulls and stored values are the bits of the job that never
+    stopped."""
     args = (str(tmp_path), json.dumps(compression), updater)
     through = _digests(_job(4, "one_store", *args, "through", servers=2,
                             deterministic=deterministic))
@@ -77,10 +80,12 @@ def test_with_servers_a_resumed_job_continues_with_the_same_bits(
     assert len(through) == 1 and resumed == through
 
 
-def test_with_servers_the_residuals_make_the_difference(tmp_path):
+@pytest.mark.parametrize("compression", [SIGN, {"type": "powersgd", "rank": 2}],
+                         ids=["sign", "powersgd"])
+def test_with_servers_the_residuals_make_the_difference(tmp_path, compression):
     """What the test above checks is there to lose: a job that sets its compression
     again after the resume (every residual afresh) pulls other bits."""
-    args = (str(tmp_path), json.dumps(SIGN), "optimizer")
+    args = (str(tmp_path), json.dumps(compression), "optimizer")
     through = _digests(_job(4, "one_store", *args, "through", servers=2))
     fresh = _digests(_job(4, "one_store", *args, "fresh", servers=2))
     assert len(fresh) == 1 and fresh != through

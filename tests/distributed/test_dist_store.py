@@ -144,10 +144,13 @@ def test_compression_on_the_wire(n, servers, kind):
             n - servers)
 
 
-def test_powersgd_on_the_wire():
-    """PowerSGD's two allreduces with num_servers=0 give a one-process store's sums
-    (one source per worker), without and with an updater, split keys included."""
-    _passes(_scenario(3, 0, "compression", "powersgd", store="dist_device_sync"), 3)
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1), (4, 2)])
+def test_powersgd_on_the_wire(n, servers):
+    """PowerSGD's two allreduces among the workers give a one-process store's sums (one
+    source per worker), without and with an updater, split keys included: with
+    num_servers=0, and with servers, each taking the workers' shares of each sum."""
+    _passes(_scenario(n, servers, "compression", "powersgd", store="dist_device_sync"),
+            n - servers)
 
 
 def test_powersgd_is_refused_by_a_deterministic_store():
@@ -160,11 +163,12 @@ def test_powersgd_is_refused_by_a_deterministic_store():
     assert "have no canonical order" in result.stderr, result.stderr
 
 
-def test_powersgd_needs_num_servers_0():
-    """With servers, PowerSGD is refused when it is set, saying what to use."""
-    result = _scenario(3, 1, "compression", "powersgd", store="dist_device_sync")
+def test_powersgd_is_refused_by_dist_async():
+    """dist_async refuses PowerSGD when it is set (its workers push apart, where the
+    sums need them together), saying what to use."""
+    result = _scenario(3, 1, "compression", "powersgd", store="dist_async")
     assert result.returncode != 0
-    assert "use num_servers=0" in result.stderr, result.stderr
+    assert "use dist_sync" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])

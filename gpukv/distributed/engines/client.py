@@ -30,7 +30,7 @@ from ..mpi.transport import (
     Transport,
     worker_comm,
 )
-from . import residuals
+from . import low_rank, residuals
 from .control import WorkerControl
 from .layout import KeyLayout
 from .partials import check_partials
@@ -210,7 +210,7 @@ class ServerClient:
             layouts = [self.layouts[k] for k in keys]
             counts = check_partials(keys, grads, [(lay.size, lay.dtype) for lay in layouts],
                                     self.rank, self.workers.size,
-                                    [self._compresses(lay.dtype) for lay in layouts])
+                                    [self._compresses(lay) for lay in layouts])
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
@@ -218,14 +218,17 @@ class ServerClient:
             self._push_partials(keys, grads, counts)
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
+        shares = self._low_rank_shares(keys, grads, by_server)
         for key, grad in zip(keys, grads):
+            if key in shares:
+                continue
             layout = self.layouts[key]
             flat = grad.reshape(-1)
             for p in layout.pieces:
                 entries, data = by_server[p.server]
                 piece = flat[p.start:p.stop]
                 comp = None
-                if self._compresses(layout.dtype):
+                if self._compresses(layout):
                     piece, comp = self._compress(key, p, piece)
                 piece = np.ascontiguousarray(piece)
                 entries.append(PushPiece(key, piece.dtype, piece.size, comp))
@@ -236,6 +239,42 @@ class ServerClient:
             requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
+    def _low_rank_shares(self, keys, grads, by_server: dict) -> set:
+        """The keys a low-rank compressor sums (PowerSGD's matrices): their sums, made by
+        the workers together (`low_rank.sums`), each worker's share of every piece
+        queued in `by_server`; the set of those keys."""
+        comp = self.compressor
+        if comp is None or not comp.low_rank:
+            return set()
+        chosen = [(key, self.layouts[key], grad) for key, grad in zip(keys, grads)
+                  if self._low_rank(self.layouts[key])]
+        what = f"push of key {keys[0]!r}"
+        # every worker must take part in the allreduces of the same keys
+        self.agree.check(("low-rank push", tuple((k, lay.shape) for k, lay, _ in chosen)),
+                         what)
+        if not chosen:
+            return set()
+        totals = low_rank.sums(self.workers, comp, self.feedback,
+                               [(k, lay) for k, lay, _ in chosen],
+                               [g for _, _, g in chosen], [None] * len(chosen), what)
+        rank, workers = self.rank, self.workers.size
+        for (key, layout, _), total in zip(chosen, totals):
+            flat = total.reshape(-1)
+            for p in layout.pieces:
+                entries, data = by_server[p.server]
+                n = p.stop - p.start
+                lo, hi = p.start + n * rank // workers, p.start + n * (rank + 1) // workers
+                entries.append(PushPiece(key, flat.dtype, hi - lo, share=True))
+                data.append(flat[lo:hi])
+            self._pushed(key, layout)
+        return {key for key, _, _ in chosen}
+
+    def _low_rank(self, layout) -> bool:
+        """Whether a key of `layout` is summed by the low-rank compressor set."""
+        comp = self.compressor
+        return (comp is not None and comp.low_rank and compressible(layout.dtype)
+                and comp.compresses(layout.shape))
+
     def _push_partials(self, keys, grads, counts: list) -> None:
         """Send each piece's rows of this worker's node partials (or of its leaves'
         payloads, for a key it compresses), and their `counts` (the servers check every
@@ -245,7 +284,7 @@ class ServerClient:
             layout = self.layouts[key]
             for p in layout.pieces:
                 entries, data = by_server[p.server]
-                if self._compresses(layout.dtype):
+                if self._compresses(layout):
                     rows = [self._compress(key, p, grad.values[j, p.start:p.stop], j)
                             for j in range(count)]
                     payloads = np.stack([payload for payload, _ in rows])
@@ -271,9 +310,11 @@ class ServerClient:
                 and compressible(layout.dtype))
         self.served_by[key] = (comp, self.updating) if both else None
 
-    def _compresses(self, dtype) -> bool:
-        """Whether a key of `dtype` is compressed on the wire."""
-        return self.compressor is not None and compressible(dtype)
+    def _compresses(self, layout) -> bool:
+        """Whether a key of `layout` is compressed on the wire, payload by payload (a
+        low-rank compressor's keys cross as shares of their sums, or as they are)."""
+        comp = self.compressor
+        return comp is not None and not comp.low_rank and compressible(layout.dtype)
 
     def _compress(self, key, piece, grad, leaf: int | None = None):
         """(payload, (params, elements)) of one piece of a key (of its `leaf`-th value,
@@ -369,9 +410,7 @@ class ServerClient:
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:
-        if compressor is not None and compressor.low_rank:
-            raise ArgumentError(f"gradient compression {compressor.params()}: its two sums "
-                                f"per push run among the workers; use num_servers=0")
+        low_rank.refuse(compressor, self.deterministic, self.asynchronous)
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
 

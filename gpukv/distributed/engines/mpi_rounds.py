@@ -26,8 +26,9 @@ import numpy as np
 
 from ...canonical.arrays import node_ranges
 from ...encoding.compressors import Ctx, compressible
+from ...encoding.compressors.powersgd import PowerSGD
 from ..mpi.transport import as_bytes
-from . import exchange
+from . import exchange, low_rank
 from .layout import displacements, even
 from .partials import decode_leaves, sum_leaves
 from .protocol import RoundState
@@ -533,29 +534,19 @@ class MpiRounds:
             pulls.apply(payload, copy, assigns)
 
     def _low_rank(self, keys: list, by_key: dict, what: str) -> list:
-        """The keys a low-rank compressor sums (`keys`: (key, layout); PowerSGD, see its
-        module): every process's P, then Q, summed by one allreduce each, of every key
-        at once; every process decodes each key's sum P Q^T alike. Without an updater
-        that is the new value, written into every copy; else (key, piece of the sum) of
+        """The keys a low-rank compressor sums (`keys`: (key, layout); PowerSGD): their
+        sums, as `low_rank.sums` makes them in every process alike. Without an updater
+        each is the new value, written into every copy; else (key, piece of the sum) of
         the pieces owned here."""
         if not keys:
             return []
-        from ...encoding.compressors import powersgd
-        comp, feedback, rank = self.state.compressor, self.state.feedback, self.t.rank
-        assert isinstance(comp, powersgd.PowerSGD) and feedback is not None  # its round
-        ms = []
-        for key, layout in keys:
-            found = comp.matrix(layout.shape)
-            assert found is not None  # the plan has matrices only
-            m = feedback.residual((key,), layout.size)
-            m += by_key[key][0].reshape(-1)  # this process's M
-            ms.append([m.reshape(found)])
+        comp, rank = self.state.compressor, self.t.rank
+        assert isinstance(comp, PowerSGD)  # the only low-rank compressor
         # without an updater each sum is decoded straight into the copy it replaces
-        outs = [_decodable_into(by_key[key][1], m[0].shape) if self.state.assigns else None
-                for (key, _), m in zip(keys, ms)]
-        totals = powersgd.step(comp, [key for key, _ in keys], ms, lambda lists, name:
-                               self._summed([a for a, in lists], f"low-rank {name}", what),
-                               outs)
+        outs = [low_rank.decodable_into(by_key[key][1], comp.matrix(layout.shape))
+                if self.state.assigns else None for key, layout in keys]
+        totals = low_rank.sums(self.t, comp, self.state.feedback, keys,
+                               [by_key[key][0] for key, _ in keys], outs, what)
         merged = []
         for (key, layout), total, out in zip(keys, totals, outs):
             if self.state.assigns:
@@ -566,18 +557,6 @@ class MpiRounds:
                 merged.append((key, total.reshape(-1)[piece.start:piece.stop]
                                if layout.split else total.reshape(layout.shape)))
         return merged
-
-    def _summed(self, arrays: list, name: str, what: str) -> list:
-        """`arrays` (float32) summed over the processes by one allreduce: new arrays of
-        their shapes, the same bits in every process."""
-        flat = np.concatenate([a.reshape(-1) for a in arrays])
-        request = self.t.comm.Iallreduce(self.t.MPI.IN_PLACE, flat, op=self.t.MPI.SUM)
-        self.t.wait_all([request], f"{what}: allreduce of the {name}")
-        out, at = [], 0
-        for a in arrays:
-            out.append(flat[at:at + a.size].reshape(a.shape))
-            at += a.size
-        return out
 
     def _all_to_all(self, outgoing: list, per_source: int, name: str, what: str):
         """Every rank's payloads for each owner (`outgoing[owner]`: byte arrays) moved by
@@ -638,12 +617,3 @@ class MpiRounds:
         recv = plan.recv
         for key, offset, nbytes in plan.keys:
             as_bytes(by_key[key][1])[...] = recv[offset:offset + nbytes]
-
-
-def _decodable_into(copy, shape):
-    """`copy` seen as a float32 matrix of `shape` a sum can be decoded into, or None (its
-    sum is decoded apart, then written into it)."""
-    if (isinstance(copy, np.ndarray) and copy.dtype == np.float32
-            and copy.flags.c_contiguous and copy.size == int(np.prod(shape))):
-        return copy.reshape(shape)
-    return None

@@ -38,12 +38,15 @@ class InitPiece(NamedTuple):
 
 class PushPiece(NamedTuple):
     """A key's piece a push carries: `elements` of `dtype` per row, and its rows: one (a
-    sum), or one per node partial or per leaf payload of `pushed` values."""
+    sum), or one per node partial or per leaf payload of `pushed` values; or, `share`,
+    this worker's share of the round's whole sum, which every worker holds (a low-rank
+    sum, PowerSGD's): the piece's elements cut over the workers in worker order."""
     key: Any
     dtype: np.dtype
     elements: int
     comp: tuple | None = None  # (compressor params, elements) of a compressed payload
     pushed: int | None = None  # the values of a push of node partials or leaves, else None
+    share: bool = False
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,10 @@ class _Incoming:
     """One worker's push of one key's piece: its buffer, arriving chunk by chunk (node
     partials: a row each, every row's chunk by chunk)."""
 
-    def __init__(self, buffer: np.ndarray, comp, chunk: int, count=None, nodes=None):
+    def __init__(self, buffer: np.ndarray, comp, chunk: int, count=None, nodes=None,
+                 share: bool = False):
         self.buffer = buffer
+        self.share = share             # a share of the round's whole sum (PushPiece.share)
         self.comp = comp               # (compressor params, size) of a compressed payload
         self.count = count             # the values of a push of node partials (or of
         #                                leaves' payloads, when compressed), else None
@@ -268,7 +270,7 @@ class _Server:
                 nodes = [(worker * count + j, worker * count + j + 1) for j in range(count)]
             rows = len(nodes) if nodes else 1
             incoming = _Incoming(self.buffer(np.dtype(entry.dtype), n * rows), entry.comp,
-                                 self.chunk, count, nodes)
+                                 self.chunk, count, nodes, entry.share)
             for chunk, (lo, hi) in enumerate(incoming.ranges):
                 for row in range(rows):
                     self.receiving.append(self.t.recv_array(
@@ -463,6 +465,12 @@ class _Server:
         while not self.asynchronous and all(queues):
             heads = [q[0] for q in queues]
             same_counts(key, heads)
+            if any(h.share for h in heads):
+                if not all(h.complete for h in heads):
+                    break
+                self.serve_as(key, state, None)
+                self.assemble_shares(key, state, [q.popleft() for q in queues])
+                continue
             if any(h.comp is not None for h in heads):
                 if not all(h.complete for h in heads):
                     break
@@ -485,6 +493,24 @@ class _Server:
             state.since = None
         elif state.since is None or (state.version, state.summed) != before:
             state.since = time.monotonic()
+
+    def assemble_shares(self, key, state, heads: list) -> None:
+        """A round whose every worker sent its share of the whole sum (PushPiece.share):
+        the shares laid end to end in worker order are the sum, which the updater gets,
+        or which becomes the value."""
+        same_shares(key, heads, self.shard.stored(key).size)
+        stored = self.shard.stored(key).reshape(-1)
+        if self.updating:
+            if state.merged is None:
+                state.merged = np.empty(stored.size, accumulate_dtype(stored.dtype))
+            target = state.merged
+        else:
+            target = stored
+        at = 0
+        for h in heads:
+            target[at:at + h.buffer.size] = h.buffer
+            at += h.buffer.size
+        self.finish_round(key, state, heads)
 
     def sum_chunks(self, key, state, heads: list) -> bool:
         """Sum, in worker order, each next chunk of the oldest round that every worker's
@@ -726,6 +752,19 @@ def same_counts(key, heads: list) -> None:
                         f"{count} value(s)") for count, ws in by_count.items())
     raise PeerMismatchError(f"push of key {key!r}: workers pushed different numbers of "
                             f"values, where the canonical order needs the same: {told}")
+
+
+def same_shares(key, heads: list, size: int) -> None:
+    """PeerMismatchError unless every worker sent a share of `key`'s whole sum in the round
+    of `heads`, the shares together its piece's `size` elements."""
+    if all(h.share for h in heads) and sum(h.buffer.size for h in heads) == size:
+        return
+    told = "; ".join(
+        f"worker {w}: " + (f"a share of {h.buffer.size} of the whole sum" if h.share
+                           else "a sum of its own")
+        for w, h in enumerate(heads))
+    raise PeerMismatchError(f"push of key {key!r}: workers pushed it differently ({size} "
+                            f"elements here): {told}")
 
 
 def same_compression(key, heads: list) -> None:

@@ -22,7 +22,7 @@ from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
 from ..mpi.agree import refuse_split, to_rank0
 from ..mpi.transport import Transport
-from . import residuals
+from . import low_rank, residuals
 from .control import WorkerControl
 from .layout import KeyLayout
 from .mpi_rounds import MpiRounds
@@ -168,10 +168,7 @@ class ShardedRounds:
         """Compress on the wire from now on (every process must set the same: a push
         of processes that differ fails as a mismatch)."""
         self.rounds.refuse(compressor)
-        if compressor is not None and compressor.low_rank and self.deterministic:
-            raise ArgumentError(f"gradient compression {compressor.params()}: its sums "
-                                f"(two allreduces) have no canonical order; a deterministic "
-                                f"store takes another compressor")
+        low_rank.refuse(compressor, self.deterministic)
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
         self.pulls = (PullCodec(compressor) if compressor is not None
