@@ -66,21 +66,6 @@ def _blocks(fn, n: int, *args) -> None:
     host_sum.run_chunks(fn, [args + c for c in host_sum.chunk_ranges(n, 4, BLOCK)])
 
 
-def _compiled(kernel, twin):
-    """fn(*args, lo, hi): the compiled `kernel` over [lo, hi); a chunk it stops at (it
-    returns where one with an inf or NaN starts) goes to the NumPy `twin`, which keeps
-    NaNs as NumPy does, and the kernel goes on after it."""
-    def run(*args):
-        *rest, lo, hi = args
-        while lo < hi:
-            stopped = kernel(*rest, lo, hi)
-            if stopped < 0:
-                return
-            lo = min(stopped + host_jit.CHUNK, hi)
-            twin(*rest, stopped, lo)
-    return run
-
-
 def packed_nbytes(n: int, bits: int) -> int:
     """Bytes of the packed payload of `n` values at `bits` (1 or 2) bits each."""
     per_word = 32 // bits
@@ -306,7 +291,7 @@ def _cast_fp16_range(x, scale, out, lo, hi):
 
 def cast_fp16(x, scale):
     out = np.empty(x.size, np.float16)
-    fn = (_compiled(host_jit.fp16_encode, _cast_fp16_range) if host_jit.enabled()
+    fn = (host_jit.with_twin(host_jit.fp16_encode, _cast_fp16_range) if host_jit.enabled()
           else _cast_fp16_range)
     _blocks(fn, x.size, x, None if scale == 1.0 else np.float32(scale), out)
     return out
@@ -322,7 +307,7 @@ def _uncast_fp16_range(payload, scale, out, accumulate, lo, hi):
 
 
 def uncast_fp16(payload, scale, out, accumulate):
-    fn = (_compiled(host_jit.fp16_decode, _uncast_fp16_range) if host_jit.enabled()
+    fn = (host_jit.with_twin(host_jit.fp16_decode, _uncast_fp16_range) if host_jit.enabled()
           else _uncast_fp16_range)
     _blocks(fn, payload.size, payload.view(np.uint16),
             None if scale == 1.0 else np.float32(scale), out, accumulate)
@@ -372,7 +357,7 @@ def _uncast_bf16_range(payload, scale, out, accumulate, lo, hi):
 
 
 def uncast_bf16(payload, scale, out, accumulate):
-    fn = (_compiled(host_jit.bf16_decode, _uncast_bf16_range) if host_jit.enabled()
+    fn = (host_jit.with_twin(host_jit.bf16_decode, _uncast_bf16_range) if host_jit.enabled()
           else _uncast_bf16_range)
     _blocks(fn, payload.size, payload, None if scale == 1.0 else np.float32(scale), out,
             accumulate)

@@ -44,6 +44,21 @@ def _kernels():
     return host_jit_kernels
 
 
+def with_twin(kernel, twin):
+    """fn(*args, lo, hi): the compiled `kernel` over [lo, hi); a chunk it stops at (it
+    returns where one with an inf or NaN starts) goes to the NumPy `twin`, which keeps
+    NaNs as NumPy does, and the kernel goes on after it."""
+    def run(*args):
+        *rest, lo, hi = args
+        while lo < hi:
+            stopped = kernel(*rest, lo, hi)
+            if stopped < 0:
+                return
+            lo = min(stopped + CHUNK, hi)
+            twin(*rest, stopped, lo)
+    return run
+
+
 def two_bit_encode(grad, residual, t, out, lo, hi):
     _kernels().two_bit_encode(grad, residual, t, out, lo, hi)
 

@@ -248,30 +248,38 @@ def _sum_halves_range(out, sources, lo, hi) -> None:
             np.add(acc, _term(s[start:stop], tmp), acc)
 
 
+def _sum_two_halves_range(a, b, out, lo, hi) -> None:
+    _sum_halves_range(out, [a, b], lo, hi)
+
+
+def _widen_range(half, scale, out, accumulate, lo, hi) -> None:
+    """out[lo:hi] = float32(half[lo:hi]) (float16 bits; NumPy's cast, which keeps NaN
+    payloads), or added to it (`scale`, None: host_jit.fp16_decode's arguments)."""
+    wide = half[lo:hi].view(np.float16).astype(np.float32)
+    if accumulate:
+        np.add(out[lo:hi], wide, out[lo:hi])
+    else:
+        out[lo:hi] = wide
+
+
 def _sum_halves_compiled(out, sources, lo, hi) -> None:
     """`_sum_halves_range` compiled (host_jit), the same adds in the same order: two
-    float16 sources first summed in one pass (a chunk with an inf or NaN by NumPy), then
-    each next source widened and added by the float16 decoder, or added."""
-    from . import host_codecs
+    float16 sources first summed in one pass, then each next source widened and added
+    in one, or added; a chunk with an inf or NaN in a float16 source by NumPy."""
     first = 0
     if sources[0].dtype == _F16 and sources[1].dtype == _F16:
-        start = lo
-        while start < hi:
-            stopped = host_jit.fp16_sum_two(sources[0], sources[1], out, start, hi)
-            if stopped < 0:
-                break
-            start = min(stopped + host_jit.CHUNK, hi)
-            _sum_halves_range(out, sources[:2], stopped, start)
+        host_jit.with_twin(host_jit.fp16_sum_two, _sum_two_halves_range)(
+            sources[0], sources[1], out, lo, hi)
         first = 2
-    o = out[lo:hi]
+    widen = host_jit.with_twin(host_jit.fp16_decode, _widen_range)
     for i in range(first, len(sources)):
-        s = sources[i][lo:hi]
+        s = sources[i]
         if s.dtype == _F16:
-            host_codecs.uncast_fp16(s, 1.0, o, accumulate=i > 0)
+            widen(s.view(np.uint16), None, out, i > 0, lo, hi)
         elif i == 0:
-            np.copyto(o, s)
+            np.copyto(out[lo:hi], s[lo:hi])
         else:
-            np.add(o, s, o)
+            np.add(out[lo:hi], s[lo:hi], out[lo:hi])
 
 
 def host_sum(out: np.ndarray, sources: list) -> None:

@@ -145,16 +145,18 @@ def sum_rule(sources, tree):
 
 
 @pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(straddling(np.float16), st.lists(st.booleans(), min_size=1, max_size=4),
-       st.integers(0, 2**32 - 1), st.booleans())
-def test_float16_sums_across_chunk_edges_are_numpys(half, kinds, seed, tree):
+       st.integers(0, 2**32 - 1), st.booleans(), st.booleans())
+def test_float16_sums_across_chunk_edges_are_numpys(half, kinds, seed, tree, wide_first):
     """host_sum and host_tree_sum of float16 (and float32) sources into a float32 out,
     which widen the float16 blocks themselves, equal NumPy's float32 adds of the whole
     arrays."""
     rng = np.random.default_rng(seed)
     sources = [half] + [rng.permutation(half) if is_half
                         else rng.permutation(half).astype(np.float32) * 3 for is_half in kinds]
+    if wide_first:  # a float32 source first, float16 ones after it
+        sources.insert(0, rng.permutation(half).astype(np.float32) * 3)
     with np.errstate(all="ignore"):
         want = sum_rule(sources, tree)
         out = np.empty(half.size, np.float32)
