@@ -12,8 +12,9 @@ number of hosts N and link rate, one cluster is made and every way runs in it as
 each process in its host's namespace, one per host unless the layout says otherwise:
 
 - s0: gpukv, N workers that also serve a shard each (S = 0); 2bit, 1bit, sign, ternary,
-  fp16, bf16: the same with that gradient compression on the wire (sign-spn, ternary-spn:
-  in the spn layout);
+  powersgd, fp16, bf16: the same with that gradient compression on the wire (sign-spn,
+  ternary-spn, powersgd-spn: in the spn layout; powersgd's keys are matrices of 1024
+  columns);
 - spn: gpukv, one server and one worker per host (S = W = N; the first N ranks serve, and
   mpiexec places ranks round-robin over the hosts);
 - ded: gpukv, host 0 runs the one server, the other N - 1 hosts a worker each;
@@ -92,6 +93,8 @@ WAYS = {w.name: w for w in (
     Way("sign-spn", "gpukv", "spn", "sign", "gpukv server per host sign"),
     Way("ternary", "gpukv", "s0", "ternary", "gpukv S=0 ternary"),
     Way("ternary-spn", "gpukv", "spn", "ternary", "gpukv server per host ternary"),
+    Way("powersgd", "gpukv", "s0", "powersgd", "gpukv S=0 powersgd"),
+    Way("powersgd-spn", "gpukv", "spn", "powersgd", "gpukv server per host powersgd"),
     Way("fp16", "gpukv", "s0", "fp16", "gpukv S=0 fp16"),
     Way("bf16", "gpukv", "s0", "bf16", "gpukv S=0 bf16"),
     Way("mx-spn", "mxnet", "spn", text="MXNet server per host"),

@@ -103,6 +103,9 @@ class ServerClient:
         # whether an updater ran), for a pull to ask for the payload of one round.
         self.held: dict = {}
         self.served_by: dict = {}
+        # key -> the push whose low-rank sum, the key's value then, was decoded into its
+        # copy (PowerSGD without an updater): a pull of that round fetches nothing
+        self.decoded: dict = {}
         self.updating = False       # an optimizer or updater runs on the servers
         self.compressor = None
         self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start[, value])
@@ -218,7 +221,7 @@ class ServerClient:
             self._push_partials(keys, grads, counts)
             return
         by_server: dict = collections.defaultdict(lambda: ([], []))
-        shares = self._low_rank_shares(keys, grads, by_server)
+        shares = self._low_rank_shares(keys, grads, replicas, by_server)
         for key, grad in zip(keys, grads):
             if key in shares:
                 continue
@@ -239,26 +242,29 @@ class ServerClient:
             requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
-    def _low_rank_shares(self, keys, grads, by_server: dict) -> set:
+    def _low_rank_shares(self, keys, grads, replicas, by_server: dict) -> set:
         """The keys a low-rank compressor sums (PowerSGD's matrices): their sums, made by
         the workers together (`low_rank.sums`), each worker's share of every piece
-        queued in `by_server`; the set of those keys."""
+        queued in `by_server`; the set of those keys. Without an updater on the servers
+        each sum is the key's new value, which this worker then holds: it is decoded
+        into the key's copy (`replicas`), and the pull of this round fetches nothing."""
         comp = self.compressor
         if comp is None or not comp.low_rank:
             return set()
-        chosen = [(key, self.layouts[key], grad) for key, grad in zip(keys, grads)
+        chosen = [(key, self.layouts[key], grad, replica)
+                  for key, grad, replica in zip(keys, grads, replicas)
                   if self._low_rank(self.layouts[key])]
         what = f"push of key {keys[0]!r}"
         # every worker must take part in the allreduces of the same keys
-        self.agree.check(("low-rank push", tuple((k, lay.shape) for k, lay, _ in chosen)),
-                         what)
+        self.agree.check(("low-rank push", tuple((c[0], c[1].shape) for c in chosen)), what)
         if not chosen:
             return set()
+        holds = not self.updating
         totals = low_rank.sums(self.workers, comp, self.feedback,
-                               [(k, lay) for k, lay, _ in chosen],
-                               [g for _, _, g in chosen], [None] * len(chosen), what)
+                               [(c[0], c[1]) for c in chosen], [c[2] for c in chosen],
+                               [c[3] if holds else None for c in chosen], what)
         rank, workers = self.rank, self.workers.size
-        for (key, layout, _), total in zip(chosen, totals):
+        for (key, layout, _, _), total in zip(chosen, totals):
             flat = total.reshape(-1)
             for p in layout.pieces:
                 entries, data = by_server[p.server]
@@ -267,7 +273,9 @@ class ServerClient:
                 entries.append(PushPiece(key, flat.dtype, hi - lo, share=True))
                 data.append(flat[lo:hi])
             self._pushed(key, layout)
-        return {key for key, _, _ in chosen}
+            if holds:  # its copy holds this round's value, as the servers store it
+                self.held[key] = self.decoded[key] = self.pushes[key]
+        return {c[0] for c in chosen}
 
     def _low_rank(self, layout) -> bool:
         """Whether a key of `layout` is summed by the low-rank compressor set."""
@@ -335,6 +343,8 @@ class ServerClient:
         tags: dict = {}
         changes = []  # (payload buffer, piece of the copy, how it was served)
         for key, replica in zip(keys, replicas):
+            if self.decoded.get(key) == self.pushes[key] == self.held[key]:
+                continue  # its copy holds the round's low-rank sum, decoded here
             flat = replica.reshape(-1)
             served = self.served_by.get(key)
             if self.held[key] != self.pushes[key] - 1:
@@ -412,6 +422,7 @@ class ServerClient:
     def set_compression(self, compressor) -> None:
         low_rank.refuse(compressor, self.deterministic, self.asynchronous)
         self.compressor = compressor
+        self.decoded.clear()
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
 
     @property

@@ -26,22 +26,30 @@ def refuse(compressor, deterministic: bool, asynchronous: bool = False) -> None:
                             f"workers do not; use dist_sync")
 
 
-def sums(t: Transport, comp, feedback, keys: list, grads: list, outs: list, what: str) -> list:
+def sums(t: Transport, comp, feedback, keys: list, grads: list, copies: list,
+         what: str) -> list:
     """Each key's sum over the workers of `t` of its gradient (`grads`, one per key, of
-    `keys`: (key, layout)), as PowerSGD carries it: P Q^T, float32 rows x cols, decoded
-    into `outs[k]` where not None. Each worker's residual (`feedback`, slot (key,))
-    keeps what its own P Q_i^T missed."""
+    `keys`: (key, layout)), as PowerSGD carries it: P Q^T, float32 rows x cols. Where
+    `copies[k]` is given (not None) the sum is also that copy's new value: decoded
+    straight into it when it is a float32 contiguous array, else written into it after.
+    Each worker's residual (`feedback`, slot (key,)) keeps what its own P Q_i^T missed."""
     from ...encoding.compressors import powersgd
     assert isinstance(comp, powersgd.PowerSGD) and feedback is not None
-    ms = []
-    for (key, layout), grad in zip(keys, grads):
+    ms, outs = [], []
+    for (key, layout), grad, copy in zip(keys, grads, copies):
         found = comp.matrix(layout.shape)
         assert found is not None  # the callers pick the matrices
         m = feedback.residual((key,), layout.size)
         m += grad.reshape(-1)  # this worker's M
         ms.append([m.reshape(found)])
-    return powersgd.step(comp, [key for key, _ in keys], ms,
-                         lambda lists, name: summed(t, [a for a, in lists], name, what), outs)
+        outs.append(None if copy is None else _decodable_into(copy, found))
+    totals = powersgd.step(comp, [key for key, _ in keys], ms,
+                           lambda lists, name: summed(t, [a for a, in lists], name, what),
+                           outs)
+    for copy, out, total in zip(copies, outs, totals):
+        if copy is not None and out is None:
+            copy.reshape(-1)[...] = total.reshape(-1)
+    return totals
 
 
 def summed(t: Transport, arrays: list, name: str, what: str) -> list:
@@ -57,7 +65,7 @@ def summed(t: Transport, arrays: list, name: str, what: str) -> list:
     return out
 
 
-def decodable_into(copy, shape):
+def _decodable_into(copy, shape):
     """`copy` seen as a float32 matrix of `shape` a sum can be decoded into, or None (its
     sum is decoded apart, then written into it)."""
     if (isinstance(copy, np.ndarray) and copy.dtype == np.float32

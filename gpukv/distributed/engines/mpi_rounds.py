@@ -26,7 +26,6 @@ import numpy as np
 
 from ...canonical.arrays import node_ranges
 from ...encoding.compressors import Ctx, compressible
-from ...encoding.compressors.powersgd import PowerSGD
 from ..mpi.transport import as_bytes
 from . import exchange, low_rank
 from .layout import displacements, even
@@ -540,19 +539,14 @@ class MpiRounds:
         the pieces owned here."""
         if not keys:
             return []
-        comp, rank = self.state.compressor, self.t.rank
-        assert isinstance(comp, PowerSGD)  # the only low-rank compressor
-        # without an updater each sum is decoded straight into the copy it replaces
-        outs = [low_rank.decodable_into(by_key[key][1], comp.matrix(layout.shape))
-                if self.state.assigns else None for key, layout in keys]
-        totals = low_rank.sums(self.t, comp, self.state.feedback, keys,
-                               [by_key[key][0] for key, _ in keys], outs, what)
+        rank, assigns = self.t.rank, self.state.assigns
+        totals = low_rank.sums(self.t, self.state.compressor, self.state.feedback, keys,
+                               [by_key[key][0] for key, _ in keys],
+                               [by_key[key][1] if assigns else None for key, _ in keys], what)
+        if assigns:
+            return []
         merged = []
-        for (key, layout), total, out in zip(keys, totals, outs):
-            if self.state.assigns:
-                if out is None:
-                    by_key[key][1].reshape(-1)[...] = total.reshape(-1)
-                continue
+        for (key, layout), total in zip(keys, totals):
             for piece in layout.served_by(rank):
                 merged.append((key, total.reshape(-1)[piece.start:piece.stop]
                                if layout.split else total.reshape(layout.shape)))
