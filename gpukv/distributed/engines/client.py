@@ -5,7 +5,9 @@ reports ends the wait at once. A deterministic client sends each piece's node pa
 the canonical tree (`engine.Partials`), a row each, and their count: the server merges
 them as the tree does. A key it compresses goes as each of its values' payloads (of
 `engine.Leaves`, each compressed with its own residual), a row each, and their count:
-the server decodes and sums every worker's leaves as one process does.
+the server decodes and sums every worker's leaves as one process does. A key a low-rank
+compressor sums (PowerSGD's matrices) goes as this worker's share of the sum the workers
+made together (`low_rank`): the server lays the shares end to end.
 """
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ A key pushed with a compressor that compresses pulls too ('sign') is served as
 `gpukv.encoding.pulls` says: the server moves what its workers pull on by one payload
 after each round, from the updated value kept apart (with an updater) or from the sum;
 pulls are sent that served value (as float32: the payloads do not cross yet).
+
+A key a low-rank compressor sums (PowerSGD's) comes as every worker's share of a sum they
+made together (`low_rank`): once all are in, laid end to end in worker order, they are the
+round's sum, which the updater gets or which becomes the value.
 """
 from __future__ import annotations
 
