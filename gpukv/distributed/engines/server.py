@@ -498,18 +498,22 @@ class _Server:
         elif state.since is None or (state.version, state.summed) != before:
             state.since = time.monotonic()
 
+    def round_target(self, key, state) -> np.ndarray:
+        """Where a round's sum of `key` goes (flat): the stored value itself without an
+        updater, else the merge buffer the updater gets once the round is whole."""
+        stored = self.shard.stored(key).reshape(-1)
+        if not self.updating:
+            return stored
+        if state.merged is None:
+            state.merged = np.empty(stored.size, accumulate_dtype(stored.dtype))
+        return state.merged
+
     def assemble_shares(self, key, state, heads: list) -> None:
         """A round whose every worker sent its share of the whole sum (PushPiece.share):
         the shares laid end to end in worker order are the sum, which the updater gets,
         or which becomes the value."""
         same_shares(key, heads, self.shard.stored(key).size)
-        stored = self.shard.stored(key).reshape(-1)
-        if self.updating:
-            if state.merged is None:
-                state.merged = np.empty(stored.size, accumulate_dtype(stored.dtype))
-            target = state.merged
-        else:
-            target = stored
+        target = self.round_target(key, state)
         at = 0
         for h in heads:
             target[at:at + h.buffer.size] = h.buffer
@@ -524,13 +528,7 @@ class _Server:
         ranges = heads[0].ranges
         if state.summed == len(ranges):
             return True
-        stored = self.shard.stored(key).reshape(-1)
-        if self.updating:
-            if state.merged is None:
-                state.merged = np.empty(stored.size, accumulate_dtype(stored.dtype))
-            target = state.merged
-        else:
-            target = stored
+        target = self.round_target(key, state)
         first = state.summed
         while state.summed < len(ranges) and all(h.ready(state.summed) for h in heads):
             state.summed += 1
