@@ -13,8 +13,9 @@ Keys of one dimension, and matrices it would not cut at least 2x (R * (rows + co
 > rows * cols, as PyTorch's ``min_compression_rate``), are sent as they are,
 uncompressed.
 
-The sums are the engine's (a one-process store's home, or with num_servers=0 two
-allreduces of every key's P and Q), so nothing here is a payload on its own. The parts
+The sums are the engine's (a one-process store's home, or in a dist store two
+allreduces among the workers of every key's P and Q; with servers each worker then sends
+a share of the decoded sum), so nothing here is a payload on its own. The parts
 every process must compute to the same bits, the orthogonalisation and ``P Q^T``, use
 exact dot products (`math.fsum`) and elementwise float32 operations in a fixed order,
 never a BLAS reduction, whose order depends on the CPU: every worker decodes the sum
