@@ -575,7 +575,10 @@ class DistKVStore(KVStore):
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
         from ..encoding.compressors import make_compressor
         compressor = make_compressor(compression_params)
+        params = None if compressor is None else compressor.params()
         with self._lock:
+            # every worker sets the same, together: workers that differ are named on each
+            self._engine.control.collective(f"set_gradient_compression({params})")
             self._engine.set_compression(compressor)
 
     @property

@@ -365,6 +365,15 @@ def test_optimizers_that_differ_are_refused(n, servers):
     assert all("set_optimizer(sgd" in ln and "0.1" in ln and "0.2" in ln for ln in lines), lines
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_compressions_that_differ_are_refused(n, servers):
+    """Workers that set other compressions each get a PeerMismatchError naming both."""
+    result = _scenario(n, servers, "compression_mismatch", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers, result.stdout + result.stderr
+    assert all("'sign'" in ln and "'ternary'" in ln for ln in lines), lines
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count."""

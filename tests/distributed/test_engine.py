@@ -9,6 +9,7 @@ import inspect
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpukv
@@ -164,6 +165,37 @@ def test_every_server_command_has_one_request_and_a_handler():
                      asynchronous=False)
     assert set(server.handlers) == set(requests.Command) - {requests.Command.STOP}
     assert all(h.__self__ is server for h in server.handlers.values())
+
+
+@pytest.mark.parametrize("summed", [0, 1, 2, 3, 7])
+def test_a_pull_mid_round_gets_only_summed_elements_of_a_16_bit_key(summed):
+    """A pull waiting for a round of a float16 key (its pushes cross as float32, in
+    chunks of half the elements of the value's) is sent the value's chunks that end
+    within the elements summed so far, not as many chunks as were summed."""
+    from types import SimpleNamespace
+
+    from gpukv.distributed.engines.server import _Key, _Pull, _Server
+    from gpukv.distributed.mpi.chunks import chunk_ranges
+
+    server = _Server(SimpleNamespace(size=3, local_size=3), 1, StoreShard(),
+                     asynchronous=False)
+    server.chunk = 64 << 10
+    n = 100_000
+    server.shard.init("h", np.zeros(n, np.float16))
+    state = server.keys["h"] = _Key(server.workers)
+    state.initialised = True
+    pushed = chunk_ranges(n, 4, server.chunk)  # the float32 pushes' chunks
+    state.summed = summed
+    state.summed_to = pushed[summed - 1][1] if summed else 0
+    sent = []
+    server.t.send_array = lambda array, dest, tag: (dest, array.size)
+    server.send = lambda request, buffer: sent.append(request)
+    whole = server.send_ready(_Pull(worker=0, tag=5, wanted=[("h", 1)], changes=[]))
+    assert whole == (state.summed_to == n)
+    served = chunk_ranges(n, 2, server.chunk)
+    ends = [hi for _, hi in served[:len(sent)]]
+    assert all(end <= state.summed_to for end in ends), (sent, state.summed_to)
+    assert len(sent) == sum(hi <= state.summed_to for _, hi in served)
 
 
 @pytest.mark.parametrize("size,servers", [(1500, 3), (1_000_000, 7), (4096, 16), (511, 2)])

@@ -34,6 +34,7 @@ round's sum, which the updater gets or which becomes the value.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import pickle
@@ -109,6 +110,7 @@ class _Key:
         self.version = 0
         self.queues: list = [collections.deque() for _ in range(workers)]
         self.summed = 0                # chunks of the oldest round summed so far
+        self.summed_to = 0             # and the elements they end at
         self.merged = None             # where chunks are summed when an updater runs
         self.leaf_sum = None           # where compressed leaves are summed (float32)
         self.leaf_terms = None         # and their decoded terms, a row per leaf
@@ -490,7 +492,7 @@ class _Server:
                     break
                 for q in queues:
                     q.popleft()
-                state.summed = 0
+                state.summed = state.summed_to = 0
                 self.finish_round(key, state, heads)
         # the stall clock restarts only when the oldest round moved on
         if not any(queues):
@@ -534,6 +536,7 @@ class _Server:
             state.summed += 1
         if state.summed > first:
             lo, hi = ranges[first][0], ranges[state.summed - 1][1]
+            state.summed_to = hi
             if heads[0].nodes is None:
                 host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
             else:  # every worker's node partials, merged as the canonical tree does
@@ -586,7 +589,10 @@ class _Server:
             if self.asynchronous or state.version >= version:
                 ready = len(ranges)
             elif state.version == version - 1 and not self.updating:
-                ready = state.summed  # the round it waits for, summed this far
+                # the round it waits for, summed this far: the chunks of the value (of
+                # its dtype) that end within the elements summed (the pushes' chunks are
+                # of the wire's, for a 16-bit key twice as wide)
+                ready = bisect.bisect_right([hi for _, hi in ranges], state.summed_to)
             else:
                 return False
             if self.asynchronous:  # the next push may change it before it is sent

@@ -165,8 +165,8 @@ class ShardedRounds:
             raise
 
     def set_compression(self, compressor) -> None:
-        """Compress on the wire from now on (every process must set the same: a push
-        of processes that differ fails as a mismatch)."""
+        """Compress on the wire from now on (every process sets the same, together: the
+        store agrees on it first)."""
         self.rounds.refuse(compressor)
         low_rank.refuse(compressor, self.deterministic)
         self.compressor = compressor

@@ -437,6 +437,18 @@ def optimizer_mismatch() -> None:
     passed(kv)
 
 
+def compression_mismatch() -> None:
+    """Workers that set other compressions: PeerMismatchError everywhere, at the call."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    try:
+        kv.set_gradient_compression({"type": "sign" if kv.rank == 0 else "ternary"})
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
 def changing_options() -> None:
     """Options changed on the optimizer while training count, as in one process: a new
     learning rate, rescale_grad and a per-key multiplier (changed on every worker)."""
