@@ -381,6 +381,13 @@ def fp16_encode(x, scale, out, lo, hi):
     return -1
 
 
+@inline
+def fp16_shifted(v):
+    """Float16 bits `v` (a uint32) as float32 bits: its sign in bit 31, the rest 13 bits
+    up, which is the float32 of v / 2**112 for a finite v (subnormals too)."""
+    return _U32(((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13)))
+
+
 @jit
 def fp16_decode(half, scale, out, accumulate, lo, hi):
     """out[lo:hi] = float32(half[lo:hi] as float16 bits) * scale (`scale` 1: no
@@ -398,7 +405,7 @@ def fp16_decode(half, scale, out, accumulate, lo, hi):
         for i in range(k):
             v = _U32(hs[at + i])
             top = max(top, v & _U32(0x7FFF))
-            w[i] = ((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13))
+            w[i] = fp16_shifted(v)
         if top >= _U32(0x7C00):
             return lo + at
         write_widened(wf, k, _TWO_112, scale, o, at, accumulate)  # exact, subnormals too
@@ -408,8 +415,7 @@ def fp16_decode(half, scale, out, accumulate, lo, hi):
 @inline
 def widened_fp16(v):
     """The float32 of float16 bits `v` (a uint32, not an inf or NaN): exact."""
-    bits = _U32(((v & _U32(0x8000)) << _U32(16)) | ((v & _U32(0x7FFF)) << _U32(13)))
-    return bits.view(np.float32) * _TWO_112
+    return fp16_shifted(v).view(np.float32) * _TWO_112
 
 
 @jit
