@@ -1,6 +1,9 @@
 """Faults across emulated hosts, jobs started with `gpukv run`: a link cut mid-round ends
 the job on every rank within a bound, a short cut is ridden out, a dead host ends the
-job, and a straggler is slow but right. No checkpoint is damaged."""
+job, and a straggler is slow but right. No checkpoint is damaged. The cut is also tried
+with sign compression (compressed pulls) in both placements, and the cut and the dead
+host under PowerSGD with a server, whose rounds add two allreduces among the workers to
+the servers' pushes and pulls."""
 from __future__ import annotations
 
 import re
@@ -22,14 +25,18 @@ LR = 0.01
 
 # placement -> (processes, dedicated servers), on 3 hosts, one rank per host in turn
 PLACEMENTS = {"every worker serves": (3, 0), "a server host": (3, 1)}
+# (placement, gradient compression) of the tests of a cut link and a dead host
+FAILING = [(placement, "none") for placement in PLACEMENTS] + [("a server host", "powersgd")]
+CUT = FAILING + [(placement, "sign") for placement in PLACEMENTS]
 
 
 def _start(made, placement: str, rounds: int, checkpoint, launcher: str = "gpukv",
-           timeout: float = TIMEOUT) -> Watched:
+           timeout: float = TIMEOUT, compression: str = "none") -> Watched:
     n, servers = PLACEMENTS[placement]
     env = job_env(made, timeout=timeout, GPUKV_NUM_SERVERS=str(servers))
     job = start(made, n, host_list(made, slots=1),
-                program_command("rounds.py", str(rounds), str(ELEMENTS), str(checkpoint)),
+                program_command("rounds.py", str(rounds), str(ELEMENTS), str(checkpoint),
+                                compression),
                 env, launcher=launcher)
     return Watched(job)
 
@@ -38,17 +45,18 @@ def _value_after(rounds: int, workers: int) -> float:
     return float(np.float32(1 - LR * workers * (workers + 1) / 2 * rounds))
 
 
-def _check_checkpoint(path, workers: int) -> None:
+def _check_checkpoint(path, workers: int, compression: str = "none") -> None:
     """The file worker 0 saved after round 1 loads whole, with that round's value."""
     store = gpukv.create("local")
     store.load(path)
-    out = np.zeros(ELEMENTS, np.float32)
+    shape = (ELEMENTS // 1024, 1024) if compression == "powersgd" else (ELEMENTS,)  # rounds.py's
+    out = np.zeros(shape, np.float32)
     store.pull("w", out=out)
     assert np.allclose(out, _value_after(2, workers), atol=1e-4), out[:3]
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_link_cut_mid_round_ends_the_job_in_bounded_time(placement, tmp_path):
+@pytest.mark.parametrize("placement, compression", CUT)
+def test_a_link_cut_mid_round_ends_the_job_in_bounded_time(placement, compression, tmp_path):
     """Host 2's link goes down in the middle of the rounds: every worker still reachable
     raises PeerError naming the ranks it lost within twice the timeout, and `gpukv run`
     ends the whole job, non-zero, within twice the timeout plus its grace and a few
@@ -56,7 +64,7 @@ def test_a_link_cut_mid_round_ends_the_job_in_bounded_time(placement, tmp_path):
     n, servers = PLACEMENTS[placement]
     checkpoint = tmp_path / "store.gkv"
     with cluster(3, "1gbit") as made:
-        job = _start(made, placement, 10_000, checkpoint)
+        job = _start(made, placement, 10_000, checkpoint, compression=compression)
         job.wait_for("ROUND 5", count=n - servers)
         made.cut(2)
         cut = time.monotonic()
@@ -75,7 +83,7 @@ def test_a_link_cut_mid_round_ends_the_job_in_bounded_time(placement, tmp_path):
         assert (re.search(rf"rank\(s\) [\d, ]*\b{cut_rank}\b", line) or
                 re.search(rf"worker\(s\) [\d, ]*\b{cut_rank - servers}\b", line)), line
     assert "gpukv run: rank" in out, out
-    _check_checkpoint(checkpoint, n - servers)
+    _check_checkpoint(checkpoint, n - servers, compression)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -94,20 +102,20 @@ def test_a_link_cut_shorter_than_the_timeout_is_ridden_out(placement, tmp_path):
     _check_checkpoint(tmp_path / "store.gkv", n - servers)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_host_that_dies_ends_the_job(placement, tmp_path):
+@pytest.mark.parametrize("placement, compression", FAILING)
+def test_a_host_that_dies_ends_the_job(placement, compression, tmp_path):
     """Every process of host 2 killed mid-round, as when the machine dies: the job ends,
     non-zero, within the timeout plus the grace and a few seconds."""
     n, servers = PLACEMENTS[placement]
     with cluster(3, "1gbit") as made:
-        job = _start(made, placement, 10_000, tmp_path / "store.gkv")
+        job = _start(made, placement, 10_000, tmp_path / "store.gkv", compression=compression)
         job.wait_for("ROUND 5", count=n - servers)
         assert made.kill(2)
         killed = time.monotonic()
         status, ended = job.end(limit=2 * TIMEOUT + GRACE + 30)
     assert status != 0, job.text()
     assert ended - killed <= 2 * TIMEOUT + GRACE + 5, (ended - killed, job.text())
-    _check_checkpoint(tmp_path / "store.gkv", n - servers)
+    _check_checkpoint(tmp_path / "store.gkv", n - servers, compression)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

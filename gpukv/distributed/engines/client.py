@@ -95,7 +95,7 @@ class ServerClient:
         self.bound = bound
         self.chunk = chunk_bytes(transport)  # the servers cut the pieces alike
         self.workers = Transport(worker_comm(transport, servers), transport.timeout,
-                                 transport.local_size)
+                                 transport.local_size, first_rank=servers)
         self.control = WorkerControl(self.workers, self._settle, self._drain, self._reported)
         self.agree = self.control.agree
         self.layouts: dict = {}     # key -> KeyLayout
@@ -262,7 +262,7 @@ class ServerClient:
         if not chosen:
             return set()
         holds = not self.updating
-        totals = low_rank.sums(self.workers, comp, self.feedback,
+        totals = low_rank.sums(self.agree, comp, self.feedback,
                                [(c[0], c[1]) for c in chosen], [c[2] for c in chosen],
                                [c[3] if holds else None for c in chosen], what)
         rank, workers = self.rank, self.workers.size

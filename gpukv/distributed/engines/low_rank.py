@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._errors import ArgumentError
-from ..mpi.transport import Transport
+from ..mpi.agree import Agreement
 
 
 def refuse(compressor, deterministic: bool, asynchronous: bool = False) -> None:
@@ -26,9 +26,10 @@ def refuse(compressor, deterministic: bool, asynchronous: bool = False) -> None:
                             f"workers do not; use dist_sync")
 
 
-def sums(t: Transport, comp, feedback, keys: list, grads: list, copies: list,
+def sums(agree: Agreement, comp, feedback, keys: list, grads: list, copies: list,
          what: str) -> list:
-    """Each key's sum over the workers of `t` of its gradient (`grads`, one per key, of
+    """Each key's sum over the workers of `agree`'s communicator, which agreed on this
+    round, of its gradient (`grads`, one per key, of
     `keys`: (key, layout)), as PowerSGD carries it: P Q^T, float32 rows x cols. Where
     `copies[k]` is given (not None) the sum is also that copy's new value: decoded
     straight into it when it is a float32 contiguous array, else written into it after.
@@ -44,7 +45,7 @@ def sums(t: Transport, comp, feedback, keys: list, grads: list, copies: list,
         ms.append([m.reshape(found)])
         outs.append(None if copy is None else _decodable_into(copy, found))
     totals = powersgd.step(comp, [key for key, _ in keys], ms,
-                           lambda lists, name: summed(t, [a for a, in lists], name, what),
+                           lambda lists, name: summed(agree, [a for a, in lists], name, what),
                            outs)
     for copy, out, total in zip(copies, outs, totals):
         if copy is not None and out is None:
@@ -52,12 +53,14 @@ def sums(t: Transport, comp, feedback, keys: list, grads: list, copies: list,
     return totals
 
 
-def summed(t: Transport, arrays: list, name: str, what: str) -> list:
-    """`arrays` (float32) summed over the processes of `t` by one allreduce: new arrays
-    of their shapes, the same bits in every process."""
+def summed(agree: Agreement, arrays: list, name: str, what: str) -> list:
+    """`arrays` (float32) summed over the processes of `agree`'s communicator by one
+    allreduce: new arrays of their shapes, the same bits in every process. A process
+    that does not join it in time is named on every other (`Agreement.wait`)."""
+    t = agree.t
     flat = np.concatenate([a.reshape(-1) for a in arrays])
     request = t.comm.Iallreduce(t.MPI.IN_PLACE, flat, op=t.MPI.SUM)
-    t.wait_all([request], f"{what}: allreduce of the low-rank {name}")
+    agree.wait([request], f"{what}: allreduce of the low-rank {name}")
     out, at = [], 0
     for a in arrays:
         out.append(flat[at:at + a.size].reshape(a.shape))

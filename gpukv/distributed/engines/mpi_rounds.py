@@ -114,7 +114,7 @@ class MpiRounds:
     def share_values(self, pending, what: str) -> None:
         """Rank 0's value of each new key into every process's copy."""
         comm = self.t.comm
-        self.t.wait_all([comm.Ibcast(as_bytes(r), root=0) for _, r in pending], what)
+        self.state.agree.wait([comm.Ibcast(as_bytes(r), root=0) for _, r in pending], what)
 
     def opening(self, keys, by_key: dict):
         """What starts a push round's collectives beside its agreement (`Agreement.check`'s
@@ -389,7 +389,7 @@ class MpiRounds:
                 send[...] = grad.reshape(-1)
             splits.append(exchange.Split(send, out, counts, starts, scratch))
         exchange.allreduce(self.t, splits, f"{what}: allreduce")
-        self.t.wait_all(requests, f"{what}: allreduce")
+        self.state.agree.wait(requests, f"{what}: allreduce")
         for key, _, _, _, wire in plan.split:
             if wire is not None:
                 by_key[key][1].reshape(-1)[...] = wire[1]
@@ -418,7 +418,7 @@ class MpiRounds:
                 send[offset:offset + grad.size] = grad.reshape(-1)
             requests.append(comm.Ireduce_scatter(send, group.recv, group.counts, op=SUM))
         exchange.reduce_scatter(self.t, splits, f"{what}: reduce-scatter")
-        self.t.wait_all(requests, f"{what}: reduce-scatter")
+        self.state.agree.wait(requests, f"{what}: reduce-scatter")
         merged = [(key, recv) for key, _, _, recv, *_ in plan.big if recv.size]
         for group in plan.packed:
             for key, offset in group.mine:
@@ -524,7 +524,7 @@ class MpiRounds:
         recv = self._scratch("pull payloads", np.uint8, sum(counts))
         starts = displacements(counts)
         request = self.t.comm.Iallgatherv(send, [recv, counts, starts, self.t.MPI.BYTE])
-        self.t.wait_all([request], f"{what}: compressed all-gather")
+        self.state.agree.wait([request], f"{what}: compressed all-gather")
         at = list(starts)
         for key, p, copy in pieces:  # each owner's payloads, in the order it sent them
             dtype, nbytes = self._payload_format(p.stop - p.start)
@@ -540,7 +540,8 @@ class MpiRounds:
         if not keys:
             return []
         rank, assigns = self.t.rank, self.state.assigns
-        totals = low_rank.sums(self.t, self.state.compressor, self.state.feedback, keys,
+        state = self.state
+        totals = low_rank.sums(state.agree, state.compressor, state.feedback, keys,
                                [by_key[key][0] for key, _ in keys],
                                [by_key[key][1] if assigns else None for key, _ in keys], what)
         if assigns:
@@ -564,7 +565,7 @@ class MpiRounds:
         request = self.t.comm.Ialltoallv(
             [send, send_counts, displacements(send_counts), BYTE],
             [recv, [per_source] * size, [per_source * s for s in range(size)], BYTE])
-        self.t.wait_all([request], f"{what}: compressed all-to-all")
+        self.state.agree.wait([request], f"{what}: compressed all-to-all")
         return recv
 
     def _scratch(self, name, dtype, n: int) -> np.ndarray:
@@ -607,7 +608,7 @@ class MpiRounds:
             requests.append(comm.Iallgatherv(send, [plan.recv, plan.counts,
                                                     displacements(plan.counts), BYTE]))
         exchange.all_gather(self.t, splits, f"{what}: all-gather")
-        self.t.wait_all(requests, f"{what}: all-gather")
+        self.state.agree.wait(requests, f"{what}: all-gather")
         recv = plan.recv
         for key, offset, nbytes in plan.keys:
             as_bytes(by_key[key][1])[...] = recv[offset:offset + nbytes]

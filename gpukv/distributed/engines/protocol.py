@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ...encoding.compressors import Compressor, ErrorFeedback
     from ...encoding.pulls import PullCodec
     from ...optim import Optimizer
+    from ..mpi.agree import Agreement
     from ..mpi.transport import Transport
     from .control import WorkerControl
 
@@ -187,6 +188,7 @@ class RoundState(Protocol):
     """What the sharded engine's data paths (`mpi_rounds`, `nccl_rounds`) read of it: the
     keys, how they are updated and compressed, and the update of the pieces served here."""
     t: Transport
+    agree: Agreement          # of `t`: every round is agreed on first
     shard: Shard
     layouts: dict             # key -> layout.KeyLayout
     assigns: bool             # no updater: a round assigns the sum

@@ -20,7 +20,7 @@ from ..._errors import ArgumentError, CheckpointError, GpukvError, PeerError
 from ...encoding.compressors import Compressor, ErrorFeedback, compressible, make_compressor
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
-from ..mpi.agree import refuse_split, to_rank0
+from ..mpi.agree import Agreement, refuse_split, to_rank0
 from ..mpi.transport import Transport
 from . import low_rank, residuals
 from .control import WorkerControl
@@ -45,6 +45,7 @@ class ShardedRounds:
     control: WorkerControl
     # what its data paths read (`protocol.RoundState`)
     t: Transport
+    agree: Agreement
     shard: Shard
     layouts: dict
     assigns: bool

@@ -78,9 +78,19 @@ class Agreement:
         if self.t.size == 1:
             return values.copy()
         out = np.empty_like(values)
-        request = self.t.comm.Iallreduce(values, out, op=self.t.MPI.MAX)
-        self.t.wait_all([request], what)
+        self.wait([self.t.comm.Iallreduce(values, out, op=self.t.MPI.MAX)], what)
         return out
+
+    def wait(self, requests: list, what: str) -> None:
+        """Complete `requests`, a collective every rank started after this round's check:
+        when it does not finish in time, every rank raises a PeerError naming the ranks
+        that are not waiting in it (rank 0 calls the roll, as for an agreement)."""
+        if not requests:
+            return
+        if self.t.rank == 0:
+            self.t.wait_all(requests, what, on_timeout=lambda: self._roll_call(what))
+        else:
+            self._wait_or_hear(requests, what)
 
     # ------------------------------------------------ on the store's communicator
     def _together(self, digest, signature, what, alongside):
@@ -90,22 +100,21 @@ class Agreement:
         request = t.comm.Iallreduce(np.array([seq, crc, -seq, -crc], np.int64), extremes,
                                     op=t.MPI.MAX)
         started = alongside() if alongside is not None else None
-        if t.rank == 0:
-            t.wait_all([request], what, on_timeout=lambda: self._roll_call(what))
-        else:
-            self._wait_or_hear(request, what)
+        self.wait([request], what)
         high_seq, high_crc, low_seq, low_crc = extremes.tolist()
         if high_seq == -low_seq and high_crc == -low_crc:  # the largest is the smallest
             return started
         signatures = to_rank0(t, (self.seq, signature), what)  # every rank is here
         message = None
         if signatures is not None:
-            message = f"{what}: processes disagree: {_difference(dict(enumerate(signatures)))}"
+            message = (f"{what}: processes disagree: "
+                       f"{_difference(t, dict(enumerate(signatures)))}")
         raise t.fail(PeerMismatchError(from_rank0(t, message, what)))
 
     def _roll_call(self, what: str) -> PeerError:
-        """Rank 0, when the agreement did not finish in time: ask who is waiting in it;
-        the ranks that do not answer are the missing ones. The others hear the verdict."""
+        """Rank 0, when the agreement (or the collective after it) did not finish in time:
+        ask who is waiting in it; the ranks that do not answer are the missing ones. The
+        others hear the verdict."""
         t = self.t
         others = range(1, t.size)
         t.wait_all([t.send_object(self.seq, r, self.roll_tag) for r in others],
@@ -117,20 +126,20 @@ class Agreement:
         t.settle(answers, min(2.0, t.timeout / 4))
         late = [r for r in others if here[r] != self.seq]
         arrived = [0] + [r for r in others if here[r] == self.seq]
-        message = (f"{what}: rank(s) {_ranks(late)} did not arrive within {t.timeout:g} s "
-                   f"(GPUKV_DIST_TIMEOUT); rank(s) {_ranks(arrived)} did")
+        message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within {t.timeout:g} s "
+                   f"(GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
         self._tell(arrived[1:], ("peer", message))
         return PeerError(message)
 
-    def _wait_or_hear(self, request, what: str) -> None:
-        """A rank but 0: wait for the agreement, answering rank 0's roll call, until done
-        or rank 0's verdict (longer than rank 0 waits, so that its verdict comes first)."""
+    def _wait_or_hear(self, requests: list, what: str) -> None:
+        """A rank but 0: wait for `requests`, answering rank 0's roll call, until done or
+        rank 0's verdict (longer than rank 0 waits, so that its verdict comes first)."""
         t = self.t
-        test = request.Test
+        test_all = t.MPI.Request.Testall
         start = time.monotonic()
 
         def done():
-            if test():
+            if test_all(requests):
                 return True
             if time.monotonic() - start < _HEAR_AFTER:  # rank 0 calls only after a timeout
                 return None
@@ -146,7 +155,8 @@ class Agreement:
             return None
         patience = t.timeout * 1.5 + 2
         t.poll(done, what, timeout=patience,
-               on_timeout=lambda: PeerError(f"{what}: rank {t.rank} waited {patience:g} s "
+               on_timeout=lambda: PeerError(f"{what}: rank {t.job_rank(t.rank)} waited "
+                                            f"{patience:g} s "
                                             f"for the others and for rank 0's verdict "
                                             f"(GPUKV_DIST_TIMEOUT)"))
 
@@ -160,8 +170,8 @@ class Agreement:
         def missing():
             late = [r for r, req in requests.items() if not t.done([req], what)]
             arrived = [0] + [r for r in others if r not in late]
-            message = (f"{what}: rank(s) {_ranks(late)} did not arrive within "
-                       f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT); rank(s) {_ranks(arrived)} did")
+            message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within "
+                       f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
             self._tell(arrived[1:], ("peer", message))
             return PeerError(message)
         t.wait_all(list(requests.values()), what, on_timeout=missing)
@@ -171,8 +181,9 @@ class Agreement:
         self._tell(others, _MISMATCH)
         signatures = {0: (self.seq, signature)}
         for r in others:
-            signatures[r], _ = t.recv_object(r, self.signature_tag, f"{what}: rank {r}'s call")
-        message = f"{what}: processes disagree: {_difference(signatures)}"
+            signatures[r], _ = t.recv_object(r, self.signature_tag,
+                                             f"{what}: rank {t.job_rank(r)}'s call")
+        message = f"{what}: processes disagree: {_difference(t, signatures)}"
         self._tell(others, ("mismatch", message))
         raise t.fail(PeerMismatchError(message))
 
@@ -202,11 +213,7 @@ class Agreement:
         raise t.fail(error(message))
 
 
-def _ranks(ranks) -> str:
-    return ", ".join(map(str, ranks)) or "none"
-
-
-def _difference(signatures: dict) -> str:
+def _difference(t: Transport, signatures: dict) -> str:
     """What the ranks call, at the first place where some rank's call differs from rank
     0's, with the ranks grouped by what they call there."""
     first = signatures[0]
@@ -214,23 +221,24 @@ def _difference(signatures: dict) -> str:
     seq0, (op0, items0) = first
     seq, (op, items) = signatures[other]
     if seq != seq0:
-        return _grouped(signatures, lambda s: f"at collective call #{s[0]} ({_call(s[1])})")
+        return _grouped(t, signatures,
+                        lambda s: f"at collective call #{s[0]} ({_call(s[1])})")
     if op != op0:
-        return _grouped(signatures, lambda s: f"calls {_call(s[1])}")
+        return _grouped(t, signatures, lambda s: f"calls {_call(s[1])}")
     at = next((i for i, (a, b) in enumerate(zip(items0, items)) if a != b),
               min(len(items0), len(items)))
 
     def item(s):
         found = s[1][1]
         return f"has {_item(found[at])}" if at < len(found) else "has nothing more"
-    return f"{op0}: " + _grouped(signatures, item)
+    return f"{op0}: " + _grouped(t, signatures, item)
 
 
-def _grouped(signatures: dict, describe) -> str:
+def _grouped(t: Transport, signatures: dict, describe) -> str:
     groups: dict = {}
     for rank in sorted(signatures):
         groups.setdefault(describe(signatures[rank]), []).append(rank)
-    return "; ".join(f"rank(s) {_ranks(ranks)} {what}" for what, ranks in groups.items())
+    return "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
 
 
 def _call(signature) -> str:
@@ -300,6 +308,6 @@ def to_rank0(t: Transport, obj, what: str):
         return None
     got = [obj]
     for r in range(1, t.size):
-        got.append(t.recv_object(r, TAG_SHARE, f"{what}: waiting for rank {r}",
+        got.append(t.recv_object(r, TAG_SHARE, f"{what}: waiting for rank {t.job_rank(r)}",
                                  timeout=2 * t.timeout + 1)[0])
     return got

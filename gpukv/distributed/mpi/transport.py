@@ -84,7 +84,7 @@ class Transport:
     and marks the transport failed."""
 
     def __init__(self, comm, timeout: float, local_size: int = 1,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, first_rank: int = 0):
         self.MPI = mpi()
         self.comm = _Checked(comm, self)
         self.rank = comm.Get_rank()
@@ -99,8 +99,19 @@ class Transport:
         #: None: each layout's own
         self.chunk_bytes = chunk_bytes
         self.oversubscribed = local_size > _usable_cpus()
+        #: the job's rank of this communicator's rank 0 (the workers' own communicator
+        #: starts after the servers): a PeerError names the ranks `gpukv run` shows
+        self.first_rank = first_rank
         _short_naps()
         job_exit.install(self.MPI)
+
+    def job_rank(self, rank: int) -> int:
+        """The job's rank of `rank` of this communicator."""
+        return rank + self.first_rank
+
+    def ranks(self, ranks) -> str:
+        """`ranks` of this communicator as the job's ranks, for a message."""
+        return ", ".join(str(self.job_rank(r)) for r in ranks) or "none"
 
     # ------------------------------------------------------------------ failures
     def check(self) -> None:
@@ -122,8 +133,8 @@ class Transport:
         except Exception:  # noqa: BLE001 - the words are a courtesy; the failure is not
             detail = str(exc)
         return self.lost(PeerError(
-            f"rank {self.rank}: {what}: MPI failed, as it does when another process of the "
-            f"job died or a connection broke: {detail.strip()}"))
+            f"rank {self.job_rank(self.rank)}: {what}: MPI failed, as it does when another "
+            f"process of the job died or a connection broke: {detail.strip()}"))
 
     def lost(self, error: PeerError) -> PeerError:
         """`fail(error)` for a peer that is gone or silent, and word of it to every other
@@ -147,8 +158,9 @@ class Transport:
         notice = self._raw.improbe(source=self.MPI.ANY_SOURCE, tag=TAG_LOST, status=status)
         if notice is None:
             return None
-        return self.fail(PeerError(f"rank {self.rank}: {what}: rank {status.Get_source()} "
-                                   f"lost its peers: {notice.recv()}"))
+        return self.fail(PeerError(f"rank {self.job_rank(self.rank)}: {what}: rank "
+                                   f"{self.job_rank(status.Get_source())} lost its peers: "
+                                   f"{notice.recv()}"))
 
     def _checked(self, call, what: str):
         """`call()`, an MPI error in it raised as this transport's PeerError."""
@@ -200,8 +212,8 @@ class Transport:
             if waited > limit:
                 error = on_timeout() if on_timeout is not None else None
                 if error is None:
-                    error = PeerError(f"rank {self.rank}: {what}: no answer within "
-                                      f"{limit:g} s (GPUKV_DIST_TIMEOUT)")
+                    error = PeerError(f"rank {self.job_rank(self.rank)}: {what}: no answer "
+                                      f"within {limit:g} s (GPUKV_DIST_TIMEOUT)")
                 raise self.lost(error)
             pause(now - idle_since)
 

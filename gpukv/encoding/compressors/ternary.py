@@ -10,7 +10,7 @@ as ternary payloads too, with the owner's own error feedback (`gpukv.encoding.pu
 Where 'sign' moves every value by its block's scale each step, ternary leaves the small
 ones in the residual until they count, which keeps early training closer to
 uncompressed: on the accuracy benchmark's digits it is within 3 pp of uncompressed
-PyTorch after 5 epochs on the MLP and the CNN, where 'sign' loses 4-6
+PyTorch after 5 epochs on the MLP and the CNN, where 'sign' loses 4-10
 (benchmarks/bench_accuracy.py)."""
 from __future__ import annotations
 
