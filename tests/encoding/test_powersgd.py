@@ -94,6 +94,50 @@ def test_a_sum_of_rank_at_most_r_crosses_whole_at_once():
     assert np.abs(out - total).max() < 1e-5 * np.abs(total).max()
 
 
+def test_a_zero_push_leaves_the_next_ones_as_if_it_had_not_been():
+    """A push of zeros sums to zeros, and its Q' (all zeros) is not the next warm start:
+    the next push gives the bits a store that never saw the zeros gives."""
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((96, 64)).astype(np.float32)
+    after_zeros, fresh = _store((96, 64)), _store((96, 64))
+    after_zeros.push("w", [np.zeros((96, 64), np.float32)])
+    zeros = np.ones((96, 64), np.float32)
+    after_zeros.pull("w", out=zeros)
+    assert not zeros.any()
+    after_zeros.push("w", [g])
+    fresh.push("w", [g])
+    got, want = np.empty_like(g), np.empty_like(g)
+    after_zeros.pull("w", out=got)
+    fresh.pull("w", out=want)
+    assert got.tobytes() == want.tobytes() and np.abs(want).max() > 0
+
+
+def test_a_sum_of_one_row_does_not_lower_the_rank_of_later_ones():
+    """A gradient of one non-zero row leaves columns 2..R of P, and so of Q', zero;
+    those are drawn afresh, so a later random gradient's sum has rank R again."""
+    rng = np.random.default_rng(4)
+    kv = _store((96, 64), rank=4)
+    one_row = np.zeros((96, 64), np.float32)
+    one_row[7] = rng.standard_normal(64)
+    kv.push("w", [one_row])
+    kv.push("w", [rng.standard_normal((96, 64)).astype(np.float32)])
+    out = np.empty((96, 64), np.float32)
+    kv.pull("w", out=out)
+    assert np.linalg.matrix_rank(out) == 4
+
+
+def test_a_warm_start_column_that_is_zero_or_not_finite_is_drawn_afresh():
+    """keep_q keeps Q' but for its spent columns, which take the seed's (the first Q)."""
+    comp = make_compressor({"type": "powersgd", "rank": 3})
+    first = comp.warm_q("w", 10)
+    q = np.arange(30, dtype=np.float32).reshape(10, 3) + 1
+    q[:, 0], q[4, 2] = 0, np.inf
+    comp.keep_q("w", q)
+    kept = comp.warm_q("w", 10)
+    np.testing.assert_array_equal(kept[:, 1], q[:, 1])
+    np.testing.assert_array_equal(kept[:, [0, 2]], first[:, [0, 2]])
+
+
 @pytest.mark.parametrize("shape", [(1000,), (8, 8), (4, 3, 2)])
 def test_vectors_and_small_matrices_cross_as_they_are(shape):
     """A 1-D key, and a matrix PowerSGD would not cut 2x, is summed uncompressed."""
@@ -147,8 +191,9 @@ def test_decode_adds_the_rank_one_terms_in_order(rows, cols, rank, seed, scale):
 
 
 @pytest.mark.parametrize("rank,error", [(0, gpukv.ArgumentError), (2000, gpukv.ArgumentError),
-                                        (1.5, TypeError), (True, TypeError),
-                                        ("x", TypeError)])
+                                        ("-1", gpukv.ArgumentError), (1.5, TypeError),
+                                        (True, TypeError), ("x", TypeError),
+                                        ("+-2", TypeError)])
 def test_a_bad_rank_is_refused_and_changes_nothing(rank, error):
     """rank must be an int from 1 to 1024 (a string of one too, as MXNet passes
     options); anything else is a typed error naming it, and the store keeps its

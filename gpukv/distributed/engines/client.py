@@ -253,14 +253,16 @@ class ServerClient:
         comp = self.compressor
         if comp is None or not comp.low_rank:
             return set()
-        chosen = [(key, self.layouts[key], grad, replica)
-                  for key, grad, replica in zip(keys, grads, replicas)
-                  if self._low_rank(self.layouts[key])]
-        what = f"push of key {keys[0]!r}"
-        # every worker must take part in the allreduces of the same keys
-        self.agree.check(("low-rank push", tuple((c[0], c[1].shape) for c in chosen)), what)
-        if not chosen:
+        chosen = sorted(((key, self.layouts[key], grad, replica)
+                         for key, grad, replica in zip(keys, grads, replicas)
+                         if self._low_rank(self.layouts[key])), key=lambda c: c[0])
+        if not chosen:  # no sums among the workers: the push is the servers' alone
             return set()
+        what = f"push of key {keys[0]!r}"
+        # every worker must take part in the allreduces of the same keys (in key order,
+        # whatever the order of the call)
+        self.agree.check(("low-rank push", tuple((c[0], c[1].shape, np.dtype(c[1].dtype).name)
+                                                 for c in chosen)), what)
         holds = not self.updating
         totals = low_rank.sums(self.agree, comp, self.feedback,
                                [(c[0], c[1]) for c in chosen], [c[2] for c in chosen],

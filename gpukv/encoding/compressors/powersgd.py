@@ -6,7 +6,9 @@ A key of two or more dimensions is viewed as a matrix M of shape[0] rows. Each s
 adds its residual to its gradient (M_i), and one push is two sums:
 ``P = orth(sum_i M_i Q)``, then ``Q' = sum_i M_i^T P``; the key's sum is ``P Q'^T`` and
 each source keeps ``M_i - P Q_i^T`` as its residual. Q' is the next push's Q (warm
-start; the first comes from a seed of the key, the same in every process). P and Q cross
+start; the first comes from a seed of the key, the same in every process), but for its
+columns that are zero or not finite, drawn afresh from that seed: a sum of rank below R
+(all zeros, a single row) would otherwise leave them zero for good. P and Q cross
 instead of M: R * (rows + cols) values instead of rows * cols.
 
 Keys of one dimension, and matrices it would not cut at least 2x (R * (rows + cols) * 2
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 import zlib
 
 import numpy as np
@@ -57,7 +60,7 @@ class PowerSGD(Compressor):
     @classmethod
     def build(cls, kind: str, params: dict) -> Compressor:
         value = params.get("rank", 4)
-        if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             value = int(value)  # MXNet passes options as strings
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise ArgumentKindError(f"gradient compression {kind!r}: option 'rank' must be "
@@ -88,12 +91,22 @@ class PowerSGD(Compressor):
         of the key and its size (the same in every process)."""
         q = self._q.get(key)
         if q is None or q.shape != (cols, self.rank):
-            seed = zlib.crc32(repr((key, cols, self.rank)).encode())
-            q = np.random.default_rng(seed).standard_normal((cols, self.rank))
-            q = q.astype(np.float32)
+            q = self._seeded(key, cols)
         return q
 
+    def _seeded(self, key, cols: int) -> np.ndarray:
+        seed = zlib.crc32(repr((key, cols, self.rank)).encode())
+        return np.random.default_rng(seed).standard_normal((cols, self.rank)).astype(np.float32)
+
     def keep_q(self, key, q: np.ndarray) -> None:
+        """Keep `q` as `key`'s next warm start. A column of it that is zero (a sum of
+        rank below R: all zeros, one row) or not finite is drawn afresh from the key's
+        seed: kept, it would stay so in every later push, and the key would cross at a
+        lower rank, or as zeros, for good."""
+        spent = ~(np.isfinite(q).all(axis=0) & q.any(axis=0))
+        if spent.any():
+            q = q.copy()
+            q[:, spent] = self._seeded(key, q.shape[0])[:, spent]
         self._q[key] = q
 
     def warm_starts(self) -> dict:
