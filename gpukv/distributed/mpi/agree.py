@@ -128,6 +128,9 @@ class Agreement:
         arrived = [0] + [r for r in others if here[r] == self.seq]
         message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within {t.timeout:g} s "
                    f"(GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
+        if not late:  # (a transfer that stopped, all of its ranks waiting)
+            message = (f"{what}: every rank is in it, and it did not finish within "
+                       f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT)")
         self._tell(arrived[1:], ("peer", message))
         return PeerError(message)
 
