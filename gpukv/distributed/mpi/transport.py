@@ -123,7 +123,7 @@ class Transport:
         """Record `error` as this transport's failure and return it (to raise)."""
         if self.failure is None:
             self.failure = error
-            job_exit.failed(self.rank, error)
+            job_exit.failed(self.job_rank(self.rank), error)
         return error
 
     def broken(self, what: str, exc: Exception) -> PeerError:
