@@ -124,8 +124,13 @@ class Agreement:
         # A rank waiting in the agreement answers at once; the others wait a while longer
         # for the verdict than rank 0 waited for them (see `_wait_or_hear`).
         t.settle(answers, min(2.0, t.timeout / 4))
-        late = [r for r in others if here[r] != self.seq]
-        arrived = [0] + [r for r in others if here[r] == self.seq]
+        return self._absent([r for r in others if here[r] != self.seq], what)
+
+    def _absent(self, late: list, what: str) -> PeerError:
+        """Rank 0, after a timeout: the PeerError naming the `late` ranks, told to the
+        others."""
+        t = self.t
+        arrived = [r for r in range(t.size) if r not in late]
         message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within {t.timeout:g} s "
                    f"(GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
         if not late:  # (a transfer that stopped, all of its ranks waiting)
@@ -171,12 +176,8 @@ class Agreement:
         requests = {r: t.recv_array(digests[r], r, self.digest_tag) for r in others}
 
         def missing():
-            late = [r for r, req in requests.items() if not t.done([req], what)]
-            arrived = [0] + [r for r in others if r not in late]
-            message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within "
-                       f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
-            self._tell(arrived[1:], ("peer", message))
-            return PeerError(message)
+            return self._absent([r for r, req in requests.items() if not t.done([req], what)],
+                                what)
         t.wait_all(list(requests.values()), what, on_timeout=missing)
         if all(np.array_equal(d, digest) for d in digests.values()):
             self._tell(others, _OK)
