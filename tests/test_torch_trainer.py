@@ -2,6 +2,7 @@
 import copy
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -170,6 +171,109 @@ def test_weights_and_grads_stay_in_place(update_on_kvstore):
         ps = list(m.parameters())
         step = ps[0].element_size()
         assert all(b.data_ptr() == a.data_ptr() + a.numel() * step for a, b in zip(ps, ps[1:]))
+
+
+def write_between_steps(model, step):
+    """What a program may do to its weights between two steps: clamp them through
+    `.data` (as WGAN's weight clipping), load a layer's state, set a layer afresh."""
+    if step == 1:
+        for p in model.parameters():
+            p.data.clamp_(-0.2, 0.2)
+    elif step == 2:
+        model[2].load_state_dict(make_model(seed=7)[2].state_dict())
+    elif step == 3:
+        with torch.no_grad():
+            model[4].weight.fill_(0.05)
+
+
+def steps_with_writes(models, step):
+    """Four steps, with `write_between_steps` on every replica after each; `step()`
+    steps on the whole batch."""
+    x, y = make_data()
+    for i in range(4):
+        if models[0][0].weight.grad is not None:
+            for model in models:
+                model.zero_grad()
+        backward_shards(models, x, y)
+        step(len(x))
+        for model in models:
+            write_between_steps(model, i + 1)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("bucket_bytes", [gt.BUCKET_BYTES, 0])
+def test_writes_to_the_weights_between_steps_are_updated_with_update_on_kvstore_false(
+        replicas, bucket_bytes):
+    """update_on_kvstore=False updates the parameters in place, as a PyTorch optimizer:
+    what the program writes into them between steps is what the next step updates."""
+    base = make_model()
+    models = replicas_of(base, replicas)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore="local", update_on_kvstore=False, bucket_bytes=bucket_bytes)
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steps_with_writes(models, trainer.step)
+    x, y = make_data()
+    for i in range(4):
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        opt.step()
+        write_between_steps(ref, i + 1)
+    assert_same_weights(models, ref)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_write_between_steps_on_the_store_is_replaced_with_one_warning(replicas):
+    """With update_on_kvstore=True the store holds the weights: the step after a write
+    pulls the store's weights over it, warning (once) that it does, naming the
+    parameter; the weights are those of a run without the write."""
+    base = make_model()
+    written, plain = replicas_of(base, replicas), replicas_of(base, replicas)
+    x, y = make_data()
+    t1 = gt.Trainer(written, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    t2 = gt.Trainer(plain, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for models, trainer in ((written, t1), (plain, t2)):
+                trainer.zero_grad()
+                backward_shards(models, x, y)
+            with torch.no_grad():  # after backward: the gradients are those of `plain`
+                written[-1][2].bias.add_(1.0)
+            t1.step(len(x))
+            t2.step(len(x))
+    lost = [w for w in seen if issubclass(w.category, gt.WeightWritesLost)]
+    assert len(lost) == 1 and len(seen) == 1, [str(w.message) for w in seen]
+    assert f"parameter '2.bias' of replica {replicas - 1}" in str(lost[0].message)
+    assert_same_weights(written, plain[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_the_trainers_own_writes_warn_of_nothing(update_on_kvstore, tmp_path):
+    """Steps, a snapshot and a resume write the weights without a WeightWritesLost."""
+    models = replicas_of(make_model(), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                       kvstore="local", update_on_kvstore=update_on_kvstore,
+                       checkpoint_dir=tmp_path, checkpoint_every=2)
+        x, y = make_data()
+        for _ in range(3):
+            t.zero_grad()
+            backward_shards(models, x, y)
+            t.step(len(x))
+        t.finish_snapshots()
+        again = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                           kvstore="local", update_on_kvstore=update_on_kvstore,
+                           checkpoint_dir=tmp_path, checkpoint_every=2)
+        for _ in range(2):
+            again.zero_grad()
+            backward_shards(models, x, y)
+            again.step(len(x))
+        assert again.steps == 4
 
 
 def test_many_small_parameters_make_few_keys():

@@ -123,6 +123,35 @@ class _Entry:
         return self._merge
 
 
+def _without_values(groups: check.Groups, entries: list) -> tuple:
+    """(groups, entries) less every out that is its key's value itself (a store that
+    adopted the caller's array: see `adopt`), which holds the value already; the caller's
+    stream is ordered after the work that wrote it, as a copy into it would be."""
+    if not any(_same_memory(out, entry.value)
+               for entry, outs in zip(entries, groups.arrays) for out in outs):
+        return groups, entries
+    keys, arrays, kept = [], [], []
+    for key, entry, outs in zip(groups.keys, entries, groups.arrays):
+        others = [out for out in outs if not _same_memory(out, entry.value)]
+        if len(others) < len(outs):
+            entry.home.leave()
+        if others:
+            keys.append(key)
+            arrays.append(others)
+            kept.append(entry)
+    return groups._replace(keys=keys, arrays=arrays), kept
+
+
+def _same_memory(out, value) -> bool:
+    """Whether `out` is `value`'s memory, element for element (NumPy or CuPy)."""
+    if type(out) is not type(value) or out.shape != value.shape \
+            or out.strides != value.strides or out.dtype != value.dtype:
+        return False
+    if isinstance(out, np.ndarray):
+        return out.__array_interface__["data"][0] == value.__array_interface__["data"][0]
+    return out.data.ptr == value.data.ptr and out.device.id == value.device.id
+
+
 class LocalStore(KVStore):
     """The store of one process: its keys live on its devices (see `gpukv.create`).
 
@@ -156,6 +185,9 @@ class LocalStore(KVStore):
                                      host_only=not self._on_gpu and not self._route_host,
                                      host=host, canonical=self._deterministic)
         self._entries: dict = {}
+        #: whether some value is a caller's array (`adopt`): a pull looks for outs that
+        #: are values themselves
+        self._adopted = False
         self._key_kind: type | None = None
         self._updater: Any = None  # a pipeline.FunctionUpdater or an OptimizerUpdater, once set
         self._optimizer: Any = None  # the Optimizer set_optimizer installed (None otherwise)
@@ -328,6 +360,10 @@ class LocalStore(KVStore):
     def _write_outs(self, groups: check.Groups, entries: list, ignore_sparse) -> None:
         if groups.sparse:
             groups, entries = self._pull_sparse_outs(groups, entries, ignore_sparse)
+        if self._adopted:
+            groups, entries = _without_values(groups, entries)
+            if not groups.keys:
+                return
         if groups.all_host and self._route.host_only:  # as columns: no job per key
             self._route.host.broadcast_columns(map(_value_of, entries), groups.arrays)
             return
@@ -781,6 +817,7 @@ class LocalStore(KVStore):
         for key, array in zip(keys, arrays):
             entry = self._entries[key]
             entry.value, entry.home = array, device_of(array)
+        self._adopted = True
 
     def keep_apart(self, keys) -> None:
         """From now on the updater updates a copy of each of `keys`' values, and the

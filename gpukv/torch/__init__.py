@@ -36,5 +36,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .buckets import BUCKET_BYTES
 from .trainer import Trainer
+from .writes import WeightWritesLost
 
-__all__ = ["BUCKET_BYTES", "Trainer"]
+__all__ = ["BUCKET_BYTES", "Trainer", "WeightWritesLost"]

@@ -13,11 +13,14 @@ from typing import Protocol
 import torch
 
 from ..api.factory import create
+from ..device import adopt
 from ..optim import Optimizer
 from ..store.base import KVStore
+from ..store.local import LocalStore
 from .buckets import Bucket
 from .checkpoints import Checkpoints
 from .reduction import Reduction
+from .writes import WeightWrites
 
 
 class Update(Protocol):
@@ -51,7 +54,9 @@ class Update(Protocol):
 
 class StoreUpdate:
     """update_on_kvstore=True: a step pushes the gradients, the store sums them and runs
-    the Trainer's optimizer, and every replica pulls the weights."""
+    the Trainer's optimizer, and every replica pulls the weights. The store's weights are
+    the truth: a write to the parameters between steps is replaced by the next step's
+    pull, with a warning the first time (`WeightWrites`)."""
 
     def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket]) -> None:
         self.store = store
@@ -61,6 +66,7 @@ class StoreUpdate:
         self._buckets = buckets
         _start_from_replica_0(store, buckets)
         store.set_optimizer(optimizer)
+        self._writes = WeightWrites(buckets)
 
     @property
     def overlap_allowed(self) -> bool:
@@ -82,6 +88,7 @@ class StoreUpdate:
         return self.sums
 
     def step(self, reduction: Reduction) -> None:
+        self._writes.check()
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
@@ -107,7 +114,12 @@ class StoreUpdate:
 class ReplicaUpdate:
     """update_on_kvstore=False: the store sums the gradients into every replica's
     `.grad`, and each replica runs its own copy of the optimizer on a store of its own
-    (the same arithmetic on the same sums keeps the replicas equal)."""
+    (the same arithmetic on the same sums keeps the replicas equal).
+
+    A replica's store holds no copy of its weights: it updates the parameters in place
+    (`LocalStore.adopt`), as a PyTorch optimizer does, so what the program writes into
+    them between steps (clamping, a `load_state_dict`, a layer set afresh) is what the
+    next step updates."""
 
     def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket],
                  replicas: int) -> None:
@@ -120,8 +132,9 @@ class ReplicaUpdate:
         self.replica_optimizers: list[Optimizer] = []
         for r in range(replicas):
             local = create(kind)
+            assert isinstance(local, LocalStore)  # a store of this process alone
             if keys:
-                local.init(keys, [b.weights[r] for b in buckets])
+                local.adopt(keys, [adopt(b.weights[r]) for b in buckets])
             opt = copy.deepcopy(optimizer)
             local.set_optimizer(opt)
             self.replica_stores.append(local)
@@ -155,6 +168,8 @@ class ReplicaUpdate:
             return
         for r, local in enumerate(self.replica_stores):
             local.push(keys, [b.grads[r] for b in live])
+            # (the weights are the store's values: the pull orders the caller's stream
+            # after the update and tells PyTorch of the write, and copies nothing)
             local.pull(keys, out=[b.weights[r] for b in live])
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:

@@ -151,6 +151,25 @@ def test_gpu_updater_gets_gpu_arrays_on_device_store(cp):
     assert kinds == [("cupy", "cupy")]
 
 
+def test_gpu_pull_into_an_adopted_value(cp, devices):
+    """A 'device' store that adopted a GPU array updates it in place on its GPU; a pull
+    into it and another GPU's array writes the other, and leaves it as updated."""
+    kv = gpukv.create("device")
+    physical = devices[-1][0]
+    weight = on(cp, physical, lambda: cp.arange(6, dtype=cp.float32).reshape(SHAPE))
+    kv.adopt(["w"], [weight])
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.5))
+    kv.push("w", spread(cp, devices, 2, 1.0))
+    expected = np.arange(6, dtype=np.float32).reshape(SHAPE) - 1.0
+    np.testing.assert_array_equal(host(cp, weight), expected)
+    other = on(cp, devices[0][0], lambda: cp.full(SHAPE, -7.0, cp.float32))
+    kv.pull("w", out=[weight, other])
+    np.testing.assert_array_equal(host(cp, other), expected)
+    np.testing.assert_array_equal(host(cp, weight), expected)
+    kv.pull("w", out=weight)
+    np.testing.assert_array_equal(host(cp, weight), expected)
+
+
 def test_gpu_pushpull_in_place(cp, devices, name):
     """pushpull without out writes the reduced value back into every GPU array."""
     kv = gpukv.create(name)

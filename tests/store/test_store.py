@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gpukv
+from gpukv.comm.host import HostStrategy
 
 REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_reference.json").read_text())
 MX = REF["behaviours"]
@@ -817,3 +818,34 @@ def test_keys_len_and_contains():
     assert kv.keys() == [7, 3, 5] and len(kv) == 3
     assert 3 in kv and 4 not in kv and "3" not in kv and [3] not in kv and True not in kv
     assert np.int64(3) in kv
+
+
+# ------------------------------------------------------------------ adopted values
+@pytest.mark.parametrize("name", ["local", "device"])
+def test_a_pull_into_an_adopted_value_writes_the_other_outs_and_copies_nothing(
+        name, monkeypatch):
+    """A store that adopted the caller's arrays (`LocalStore.adopt`) updates them in
+    place; a pull whose outs include the value itself writes the others and leaves the
+    value as the update made it, and a pull into the value alone copies nothing."""
+    kv = gpukv.create(name)
+    weights = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
+    kv.adopt(list(weights), list(weights.values()))
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.5))
+    kv.push(["w", "b"], [np.ones((2, 3), np.float32), np.full(4, 2.0, np.float32)])
+    expected_w = np.arange(6, dtype=np.float32).reshape(2, 3) - 0.5
+    np.testing.assert_array_equal(weights["w"], expected_w)  # the update, in place
+    np.testing.assert_array_equal(weights["b"], np.zeros(4, np.float32))
+    other = np.full((2, 3), -7.0, np.float32)
+    kv.pull("w", out=[weights["w"], other])
+    np.testing.assert_array_equal(other, expected_w)
+    np.testing.assert_array_equal(weights["w"], expected_w)
+    copies: list = []
+    for method in ("broadcast_columns", "broadcast_many"):
+        real = getattr(HostStrategy, method)
+        monkeypatch.setattr(HostStrategy, method,
+                            lambda self, *a, real=real: (copies.append(a), real(self, *a)))
+    kv.pull(["w", "b"], out=[weights["w"], weights["b"][:]])
+    assert copies == []
+    np.testing.assert_array_equal(weights["b"], np.zeros(4, np.float32))
+    kv.pull("b", out=[weights["b"], np.empty(4, np.float32)])  # (the check above can fail)
+    assert len(copies) == 1
