@@ -224,6 +224,23 @@ def test_overlap_option():
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", overlap="yes")
 
 
+@pytest.mark.parametrize("update_on_kvstore, replicas, expected", [
+    (True, 1, False),   # the store's round waits for the step: nothing starts early
+    (True, 2, True),    # the sum of this process's replicas starts early
+    (False, 1, True),   # the store's sums start early
+    (False, 2, True)])
+def test_overlap_by_default_on_gpus_where_it_starts_work_early(
+        monkeypatch, update_on_kvstore, replicas, expected):
+    """overlap=None on GPU replicas: on, unless the store runs the optimizer for a process
+    of one replica (`torchrun`'s layout)."""
+    from gpukv.torch import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "_on_gpus", lambda buckets: True)
+    models = [copy.deepcopy(make_model()) for _ in range(replicas)]
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=update_on_kvstore)
+    assert trainer.overlap == expected
+
+
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
 @pytest.mark.parametrize("change", ["clip", "replace", "data", "numpy"])
 def test_gradients_changed_between_backward_and_step(update_on_kvstore, change):

@@ -50,7 +50,7 @@ class Trainer:
         PowerSGD (`compression_params={'type': 'powersgd', ...}`) every parameter of two
         or more dimensions has a key of its own, which it compresses as a matrix.
     overlap: start each bucket's gradient reduction from backward; None: on for replicas
-        on GPUs only.
+        on GPUs, unless the store runs the optimizer and this process has one replica.
     checkpoint_dir: a folder for numbered snapshots, taken after every `checkpoint_every`
         steps (None: only by `snapshot()`), the newest `checkpoint_keep` kept. resume:
         'auto' starts from the folder's newest complete snapshot, if any; 'never' starts
@@ -443,11 +443,17 @@ class Trainer:
                                 "replicas before the store; use update_on_kvstore=False")
         if overlap is not None:
             return overlap
-        return self._update.overlap_allowed and any(
-            p.is_cuda for b in self._buckets for p in b.params[0])
+        return (self._update.overlap_allowed
+                and self._update.overlap_pays(len(self._modules))
+                and _on_gpus(self._buckets))
 
 
 # ------------------------------------------------------------------------ helpers
+def _on_gpus(buckets: list[Bucket]) -> bool:
+    """Whether the replicas are on GPUs, where a reduction runs beside backward's kernels."""
+    return any(p.is_cuda for b in buckets for p in b.params[0])
+
+
 #: the environment variables that give a job's process count: MPICH's and Open MPI's
 #: mpiexec (`gpukv run` included) and torchrun
 _JOB_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")

@@ -35,6 +35,10 @@ class Update(Protocol):
     def overlap_allowed(self) -> bool:
         """Whether early reductions leave the sums the store makes as they would be."""
 
+    def overlap_pays(self, replicas: int) -> bool:
+        """Whether early reductions can start work the step would otherwise wait for,
+        with `replicas` replicas in this process."""
+
     @property
     def state_stores(self) -> list[KVStore]:
         """The stores whose optimizers hold the state (the first one is saved)."""
@@ -73,6 +77,11 @@ class StoreUpdate:
         # An early reduction pushes this process's sum, one value where the canonical
         # order needs each replica's own.
         return not self.store.deterministic
+
+    def overlap_pays(self, replicas: int) -> bool:
+        # The early reductions sum this process's replicas only (the store's own round
+        # runs the optimizer, so it waits for the step): one replica has nothing to sum.
+        return replicas > 1
 
     @property
     def state_stores(self) -> list[KVStore]:
@@ -143,6 +152,9 @@ class ReplicaUpdate:
     @property
     def overlap_allowed(self) -> bool:
         return True  # the early reductions push each replica's gradients to the store
+
+    def overlap_pays(self, replicas: int) -> bool:
+        return True  # the store's sums themselves start early
 
     @property
     def state_stores(self) -> list[KVStore]:

@@ -6,11 +6,10 @@ Both start from the same weights and see the same batches: an MLP trained with p
 sum loss, PyTorch's gradients scaled by 1/batch before `torch.optim.SGD.step()`, the
 Trainer's by `step(batch)`. Reported: the per-step time of the whole iteration (zero_grad,
 forward, backward, update) and of the update alone (CUDA events on PyTorch's stream; host
-time without CUDA), medians over the steps (with the Trainer's overlap, on by default for
-GPU replicas, its reduction starts during backward: its "update" is what is left after
-backward, and the iterations are what compare); and whether the weights agree after the last
-step (bit for bit, and within float32 rounding: PyTorch's CUDA kernels may fuse the
-multiply-add that gpukv's kernels round twice).
+time without CUDA), medians over the steps (one replica with the optimizer on the store:
+the Trainer's overlap is off, and its update is all of its step after backward); and
+whether the weights agree after the last step (bit for bit, and within float32 rounding:
+PyTorch's CUDA kernels may fuse the multiply-add that gpukv's kernels round twice).
 """
 from __future__ import annotations
 
