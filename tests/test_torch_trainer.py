@@ -130,6 +130,37 @@ def test_allreduce_then_update_equals_step():
     assert_same_weights(a, b[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_clipping_by_the_global_norm_between_allreduce_and_update_is_ddps(replicas):
+    """The recipe of docs/trainer.md: mean losses, `allreduce_grads()`, every replica
+    clipped at num_replicas x max_norm, `update()`: plain PyTorch's weights with the
+    gradient of the whole batch clipped at max_norm (the clip bites: the norm is larger)."""
+    base = make_model()
+    models = replicas_of(base, replicas)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore="local", update_on_kvstore=False)
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = make_data()
+    max_norm = 0.05
+    for _ in range(4):
+        trainer.zero_grad()
+        for model, xs, ys in zip(models, x.chunk(replicas), y.chunk(replicas)):
+            loss_fn(model(xs), ys).backward()
+        trainer.allreduce_grads()
+        for model in models:
+            torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                           max_norm * trainer.num_replicas)
+        trainer.update()
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        assert norm > 2 * max_norm
+        opt.step()
+    assert_same_weights(models, ref)
+
+
 def test_allreduce_needs_update_on_kvstore_false():
     """allreduce_grads and update are refused when the store runs the optimizer."""
     t = gt.Trainer(replicas_of(make_model(), 2), "sgd", kvstore="local")
