@@ -218,12 +218,83 @@ def test_export_writes_every_parameter_by_name_to_safetensors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "ckpt"),
                            str(cli)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "4 parameters" in done.stdout
+    assert "4 tensors" in done.stdout
     assert safetensors_torch.load_file(str(cli)).keys() == loaded.keys()
     bad = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "none"),
                           str(tmp_path / "x.safetensors")], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 1 and "no complete snapshot here" in bad.stderr
+
+
+def _batchnorm_model(width=8, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, width), nn.BatchNorm1d(width), nn.Tanh(),
+                         nn.Linear(width, 3))
+
+
+def _buffers(model):
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_resume_gives_every_replica_the_running_statistics_of_replica_0(
+        tmp_path, update_on_kvstore):
+    """BatchNorm's running statistics (buffers, which the store does not sum) are in a
+    snapshot as replica 0 had them, and a resume on fresh models gives them to every
+    replica; the run then ends as an uninterrupted one does (replica 0's weights and
+    statistics, bit for bit)."""
+    whole = [_batchnorm_model() for _ in range(2)]
+    _run(whole, STEPS, tmp_path / "whole", update_on_kvstore=update_on_kvstore)
+    first = [_batchnorm_model() for _ in range(2)]
+    _run(first, 4, tmp_path / "ckpt", every=2, update_on_kvstore=update_on_kvstore)
+    saved = _buffers(first[0])
+    assert not all(torch.equal(a, b) for a, b in zip(saved.values(),
+                                                     _buffers(first[1]).values()))
+    fresh = [_batchnorm_model(seed=5) for _ in range(2)]
+    trainer = gt.Trainer(fresh, "sgd", dict(PARAMS), kvstore="local",
+                         update_on_kvstore=update_on_kvstore, checkpoint_dir=tmp_path / "ckpt")
+    assert trainer.steps == 4
+    for model in fresh:
+        for name, b in _buffers(model).items():
+            assert torch.equal(b, saved[name]), name
+    _run(fresh, STEPS, tmp_path / "ckpt", update_on_kvstore=update_on_kvstore)
+    assert _bits(fresh[:1]) == _bits(whole[:1])
+    # replica 0's statistics went on as in the uninterrupted run
+    for name, b in _buffers(whole[0]).items():
+        assert torch.equal(b, _buffers(fresh[0])[name]), name
+
+
+def test_a_snapshot_of_other_buffers_is_refused_naming_them(tmp_path):
+    """A model whose buffers differ from the snapshot's (a wider BatchNorm) is refused
+    before anything changes, as PyTorch's load_state_dict names the mismatch."""
+    _run([_batchnorm_model()], 2, tmp_path, every=1)
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False),
+                          nn.Tanh(), nn.Linear(8, 3))
+    before = _bits([other])
+    with pytest.raises(gpukv.CheckpointError,
+                       match="buffer missing in the snapshot: 1.running_mean|buffer not in "
+                             "the model: 1.running_mean"):
+        gt.Trainer(other, "sgd", dict(PARAMS), kvstore="local", checkpoint_dir=tmp_path)
+    assert _bits([other]) == before
+
+
+def test_export_holds_the_buffers_for_a_strict_load(tmp_path):
+    """The export of a model with BatchNorm holds its running statistics: a fresh model
+    loads it with strict=True and computes as the trained one in eval mode."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    model = _batchnorm_model()
+    _run([model], 3, tmp_path / "ckpt", every=3)
+    out = tmp_path / "model.safetensors"
+    names = export_safetensors(tmp_path / "ckpt", out)
+    assert set(names) == set(model.state_dict())
+    fresh = _batchnorm_model(seed=9)
+    fresh.load_state_dict(safetensors_torch.load_file(str(out)), strict=True)
+    x = torch.randn(5, 6)
+    model.eval()
+    fresh.eval()
+    assert torch.equal(model(x), fresh(x))
 
 
 def test_close_takes_the_final_snapshot_once(tmp_path):

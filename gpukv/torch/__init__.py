@@ -21,7 +21,8 @@ and the store reads and writes the replicas' memory without copies. Keep those t
 seen by the trainer. `zero_grad()` zeroes the buffers in place; `model.zero_grad()` (which
 sets `.grad` to None) works too, at the cost of one copy per parameter into its view at the
 next step. Buffers (BatchNorm's running statistics) are not synchronised: each replica
-keeps its own, as in gluon.
+keeps its own, as in gluon; a snapshot keeps replica 0's of worker 0, and a resume gives
+them to every replica.
 
 Only this module imports PyTorch (`import gpukv` never does).
 """

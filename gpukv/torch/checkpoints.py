@@ -12,6 +12,7 @@ from .._errors import ArgumentError, CheckpointError
 from ..checkpoints import snapshots
 from ..distributed.store import DistKVStore
 from ..store.base import KVStore
+from . import buffers
 
 log = logging.getLogger("gpukv")
 
@@ -49,6 +50,9 @@ class Checkpoints:
         self.last_step: int | None = None  # the step of the last snapshot taken or resumed
         self.replicas = replicas
         self.resumed: snapshots.Snapshot | None = None
+        #: the replicas' modules, whose buffers (`buffers.module_buffers`) a snapshot
+        #: keeps (worker 0's replica 0's) and a resume gives to every replica
+        self.modules: list = []
 
     @staticmethod
     def check_resume(resume):
@@ -81,6 +85,8 @@ class Checkpoints:
                              "params": [[key, [[name, list(shape)] for name, shape in params]]
                                         for key, params in self.layout.items()]},
                  "user": user_state}
+        if self.modules and self.store.rank == 0:
+            saved["trainer"]["buffers"] = buffers.module_buffers(self.modules[0])
         if self.resume_from == "never":  # an earlier run's snapshots are not this one's
             folder = self._snapshot(steps, saved, None)
             self.taken.append(folder)
@@ -126,6 +132,9 @@ class Checkpoints:
             return None
         self.resumed = found
         self.last_step = found.step
+        saved_buffers = found.user_state(0)["trainer"].get("buffers")
+        if saved_buffers is not None:
+            buffers.restore(saved_buffers, self.modules)
         rank = self.store.rank
         user = found.user_state(rank).get("user", {}) if rank < found.workers else {}
         said = (f"resumed from {found.path} (step {found.step}, saved by {found.workers} "
@@ -157,6 +166,9 @@ class Checkpoints:
         if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
             raise CheckpointError(f"{found.path}: not a Trainer's snapshot (a bare store's "
                                   f"snapshot() made it: load it with kv.resume)")
+        if self.modules:
+            buffers.check_saved(trainer.get("buffers"), buffers.module_buffers(
+                self.modules[0]), found.path)
         if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
             layout = parameter_layout(saved, found.path)
             if layout == self.layout:

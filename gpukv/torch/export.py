@@ -1,8 +1,9 @@
 """`python -m gpukv export SNAPSHOT OUT.safetensors`: a Trainer's snapshot as a file other
 tools open, its model's parameters under their own names (`model.state_dict()`'s), in
 safetensors; `torch.load`-free: `safetensors.torch.load_file(OUT)` gives a dict that
-`model.load_state_dict(..., strict=False)` takes (buffers such as BatchNorm's running
-statistics are not in a snapshot: the store holds the trained parameters only).
+`model.load_state_dict(...)` takes: the trained parameters and the buffers (BatchNorm's
+running statistics, as worker 0's replica 0 had them), but not the parameters that were
+frozen when the Trainer was made, which the store does not hold (`strict=False` then).
 
 The snapshot records which parameters each store key holds (a bucket fuses several, in
 order, flat); the export cuts every key's value back into them. SNAPSHOT is a snapshot's
@@ -33,7 +34,8 @@ def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
             raise CheckpointError(f"{path}: no complete snapshot here (a snapshot's folder "
                                   f"is named step-<step>-<tag>)")
         path = found.path
-    layout = parameter_layout(snapshots.read_worker(path, 0)[1], path)
+    saved = snapshots.read_worker(path, 0)[1]
+    layout = parameter_layout(saved, path)
     contents = snapshots.read_store(path)
     values = dict(zip(contents.keys, contents.values))
     tensors: dict = {}
@@ -50,12 +52,15 @@ def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
                                       f"fewer than its parameters need")
             tensors[name] = torch.from_numpy(flat[offset:offset + n].reshape(shape).copy())
             offset += n
+    for name, tensor in (saved["trainer"].get("buffers") or {}).items():
+        tensors[name] = tensor.contiguous()
     return tensors, path
 
 
 def export_safetensors(snapshot, out) -> list[str]:
-    """Write the parameters of a Trainer's snapshot to `out` in safetensors (written
-    whole, then renamed: an interrupted export leaves no half file); their names."""
+    """Write the parameters and buffers of a Trainer's snapshot to `out` in safetensors
+    (written whole, then renamed: an interrupted export leaves no half file); their
+    names."""
     from safetensors.torch import save_file
     tensors, path = snapshot_tensors(snapshot)
     out = os.fspath(out)
@@ -83,5 +88,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpukv export: {exc}; pip install safetensors (the torch extra has it)",
               file=sys.stderr)
         return 1
-    print(f"gpukv export: {len(names)} parameters to {args.out}")
+    print(f"gpukv export: {len(names)} tensors to {args.out}")
     return 0

@@ -321,6 +321,7 @@ class Trainer:
         """Resume from the newest complete snapshot in `directory` ('auto'), or from
         the one `resume` names, or from none ('never')."""
         self._checkpoints = self._update.checkpoints(directory, every, keep, resume)
+        self._checkpoints.modules = self._modules
         resumed = self._checkpoints.resume()
         if resumed is None:
             return
