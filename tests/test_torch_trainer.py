@@ -273,12 +273,13 @@ def test_a_write_between_steps_on_the_store_is_replaced_with_one_warning(replica
                 trainer.zero_grad()
                 backward_shards(models, x, y)
             with torch.no_grad():  # after backward: the gradients are those of `plain`
-                written[-1][2].bias.add_(1.0)
+                for model in written:
+                    model[2].bias.add_(1.0)
             t1.step(len(x))
             t2.step(len(x))
     lost = [w for w in seen if issubclass(w.category, gt.WeightWritesLost)]
     assert len(lost) == 1 and len(seen) == 1, [str(w.message) for w in seen]
-    assert f"parameter '2.bias' of replica {replicas - 1}" in str(lost[0].message)
+    assert "parameter '2.bias' was written" in str(lost[0].message)
     assert_same_weights(written, plain[0], rtol=0, atol=0)
 
 
