@@ -109,13 +109,15 @@ def trainer_local_updates(root: str, until: str) -> None:
     import gpukv.torch as gt
     kv = _create()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7),
+                                torch.nn.Tanh(), torch.nn.Linear(7, 2))
     trainer = gt.Trainer([model], "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                          kvstore=kv, update_on_kvstore=False, checkpoint_dir=root,
                          checkpoint_every=3, checkpoint_keep=10)
     if trainer.resumed_from is not None:
         print(f"RESUMED worker {kv.rank} step {trainer.steps} saved by "
-              f"{trainer.resumed_from.workers} state {trainer.user_state}", flush=True)
+              f"{trainer.resumed_from.workers} state {trainer.user_state} buffers "
+              f"{_buffers_digest(model)}", flush=True)
     for step in range(trainer.steps, int(until)):
         g = torch.Generator().manual_seed(1000 * step + kv.rank)
         trainer.zero_grad()
@@ -126,7 +128,15 @@ def trainer_local_updates(root: str, until: str) -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     print(f"DIGEST worker {kv.rank} {digest}", flush=True)
+    print(f"BUFFERS worker {kv.rank} {_buffers_digest(model)}", flush=True)
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def _buffers_digest(model) -> str:
+    """A digest of the model's buffers (BatchNorm's running statistics: each worker's own,
+    from its own batches)."""
+    return hashlib.sha256(b"".join(b.numpy().tobytes()
+                                   for b in model.buffers())).hexdigest()[:16]
 
 
 def _late_writes() -> None:
