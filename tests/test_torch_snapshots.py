@@ -265,8 +265,9 @@ def test_a_resume_gives_every_replica_the_running_statistics_of_replica_0(
 
 
 def test_a_snapshot_of_other_buffers_is_refused_naming_them(tmp_path):
-    """A model whose buffers differ from the snapshot's (a wider BatchNorm) is refused
-    before anything changes, as PyTorch's load_state_dict names the mismatch."""
+    """A model whose buffers differ from the snapshot's (a BatchNorm keeping no running
+    statistics) is refused before anything changes, naming them as PyTorch's
+    load_state_dict does."""
     _run([_batchnorm_model()], 2, tmp_path, every=1)
     torch.manual_seed(0)
     other = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False),
