@@ -19,28 +19,17 @@ def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if name in names}
 
 
-def check_saved(saved, mine: dict[str, torch.Tensor], path) -> None:
-    """CheckpointError unless the buffers `saved` in the snapshot at `path` (None: it has
-    none) are this model's, by name and shape, as PyTorch's `load_state_dict` names them."""
-    if saved is None:
-        return
+def saved_shapes(saved, path) -> dict[str, tuple]:
+    """{name: shape} of the buffers a snapshot at `path` holds (`saved`: a dict of
+    tensors); CheckpointError when it is anything else."""
     if not isinstance(saved, dict) or not all(isinstance(t, torch.Tensor)
                                               for t in saved.values()):
         raise CheckpointError(f"{path}: the Trainer's buffers are damaged")
-    problems = [f"size mismatch for {name}: {list(saved[name].shape)} in the snapshot, "
-                f"{list(t.shape)} in the model"
-                for name, t in mine.items() if name in saved and saved[name].shape != t.shape]
-    problems += [f"buffer missing in the snapshot: {name}" for name in mine
-                 if name not in saved]
-    problems += [f"buffer not in the model: {name}" for name in saved if name not in mine]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"{path}: another model's snapshot: "
-                              f"{'; '.join(problems[:3])}{more}")
+    return {name: tuple(t.shape) for name, t in saved.items()}
 
 
 def restore(saved: dict[str, torch.Tensor], modules: list[torch.nn.Module]) -> None:
-    """Every module's buffers from `saved` (checked by `check_saved`)."""
+    """Every module's buffers from `saved` (checked to fit them first)."""
     with torch.no_grad():
         for module in modules:
             for name, tensor in module_buffers(module).items():

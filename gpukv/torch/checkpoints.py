@@ -166,9 +166,12 @@ class Checkpoints:
         if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
             raise CheckpointError(f"{found.path}: not a Trainer's snapshot (a bare store's "
                                   f"snapshot() made it: load it with kv.resume)")
-        if self.modules:
-            buffers.check_saved(trainer.get("buffers"), buffers.module_buffers(
-                self.modules[0]), found.path)
+        saved_buffers = trainer.get("buffers")
+        if self.modules and saved_buffers is not None:
+            mine = {name: tuple(t.shape)
+                    for name, t in buffers.module_buffers(self.modules[0]).items()}
+            _refuse_another_model(found.path, _mismatches(
+                buffers.saved_shapes(saved_buffers, found.path), mine, "buffer "))
         if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
             layout = parameter_layout(saved, found.path)
             if layout == self.layout:
@@ -176,24 +179,33 @@ class Checkpoints:
             saved_params = {name: shape for params in layout.values()
                             for name, shape in params}
             mine = {name: shape for params in self.layout.values() for name, shape in params}
-            problems = [f"size mismatch for {name}: {list(saved_params[name])} in the "
-                        f"snapshot, {list(shape)} in the model"
-                        for name, shape in mine.items()
-                        if name in saved_params and saved_params[name] != shape]
-            problems += [f"missing in the snapshot: {name}" for name in mine
-                         if name not in saved_params]
-            problems += [f"not in the model: {name}" for name in saved_params
-                         if name not in mine]
-            if problems:
-                more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-                raise CheckpointError(f"{found.path}: another model's snapshot: "
-                                      f"{'; '.join(problems[:3])}{more}")
+            _refuse_another_model(found.path, _mismatches(saved_params, mine))
         elif trainer.get("keys") == self.keys:
             return
         raise CheckpointError(
             f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
             f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes or "
             f"multipliers")
+
+
+def _mismatches(saved: dict, mine: dict, kind: str = "") -> list[str]:
+    """What differs between the {name: shape} of a snapshot and of the model, named as
+    PyTorch's `load_state_dict` names it (`kind`: a word before a missing name)."""
+    problems = [f"size mismatch for {name}: {list(saved[name])} in the snapshot, "
+                f"{list(shape)} in the model"
+                for name, shape in mine.items() if name in saved and saved[name] != shape]
+    problems += [f"{kind}missing in the snapshot: {name}" for name in mine
+                 if name not in saved]
+    problems += [f"{kind}not in the model: {name}" for name in saved if name not in mine]
+    return problems
+
+
+def _refuse_another_model(path, problems: list[str]) -> None:
+    """CheckpointError naming the first three `problems`, if any."""
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{path}: another model's snapshot: "
+                              f"{'; '.join(problems[:3])}{more}")
 
 
 def parameter_layout(saved: dict, path) -> dict:

@@ -539,8 +539,8 @@ class MpiRounds:
         the pieces owned here."""
         if not keys:
             return []
-        rank, assigns = self.t.rank, self.state.assigns
         state = self.state
+        rank, assigns = self.t.rank, state.assigns
         totals = low_rank.sums(state.agree, state.compressor, state.feedback, keys,
                                [by_key[key][0] for key, _ in keys],
                                [by_key[key][1] if assigns else None for key, _ in keys], what)
