@@ -26,7 +26,7 @@ from .._errors import ArgumentError, ArgumentKindError, BackendError, Checkpoint
 from ..canonical.tree import rank_nodes
 from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
-from ..encoding.compressors import compressible
+from ..encoding.compressors import compresses_key
 from ..store import check
 from ..store.base import KVStore
 from ..store.local import LocalStore, deterministic_option
@@ -437,10 +437,10 @@ class DistKVStore(KVStore):
         key's wire dtype, on the host; a lone host array of the wire dtype is used as it
         is. A key the engine compresses gets `Leaves` instead: each value on its own."""
         rank, workers = self.rank, self.num_workers
-        compressing = self._engine.compressor is not None
+        comp = self._engine.compressor
         out: list = []
         for key, arrays, entry in zip(groups.keys, groups.arrays, entries):
-            if compressing and compressible(entry.value.dtype):
+            if compresses_key(comp, entry.value.dtype, entry.value.shape):
                 out.append(self._leaves_of(key, arrays, entry.value))
                 continue
             wire = accumulate_dtype(entry.value.dtype)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..canonical.tree import leaves_sum
 from .compressors import Compressor, ErrorFeedback
 from .pulls import PullCodec
 
@@ -44,8 +45,10 @@ class GradientCompression:
     """A store's compressor plus what it keeps per (key, source device): the residuals
     of error feedback, and the buffers the sources' decoded values are written into."""
 
-    def __init__(self, compressor: Compressor):
+    def __init__(self, compressor: Compressor, canonical: bool = False):
         self.compressor = compressor
+        #: a deterministic store's: a low-rank compressor's sums follow the canonical tree
+        self.canonical = canonical
         self.feedback = ErrorFeedback(compressor)
         #: what the home does for compressed pulls (None: pulls read the values as they are)
         self.pulls = PullCodec(compressor) if compressor.compresses_pulls else None
@@ -140,8 +143,9 @@ class GradientCompression:
 
     def low_rank_sum(self, key, sources, devices, home, out) -> None:
         """A low-rank compressor's push of `key` (PowerSGD; see its module): both of its
-        sums over the sources, in source order, on the host; their decoded sum into the
-        float32 `out` at `home`, and each source's residual moved on."""
+        sums over the sources, in source order (a deterministic store's: the canonical
+        tree over them), on the host; their decoded sum into the float32 `out` at
+        `home`, and each source's residual moved on."""
         from .compressors import powersgd
         comp = self.compressor
         assert isinstance(comp, powersgd.PowerSGD)  # the one low-rank compressor
@@ -152,8 +156,9 @@ class GradientCompression:
             residual = self.residual(key, device, source.size)
             residual += device.to_host(source).reshape(-1)  # now the source's M
             ms.append(residual.reshape(found))
+        add = canonical_sum if self.canonical else sum_in_order
         (total,) = powersgd.step(comp, [key], [ms], lambda lists, _: [
-            sum_in_order(arrays) for arrays in lists])
+            add(arrays) for arrays in lists])
         home.copy(out, total.reshape(out.shape))
         home.leave()
 
@@ -206,6 +211,11 @@ class GradientCompression:
         with home.activate():
             comp.finish(out)
         home.leave()
+
+
+def canonical_sum(arrays: list) -> np.ndarray:
+    """The canonical tree's sum of `arrays` (`gpukv.canonical`), a new array."""
+    return leaves_sum(arrays, np.add).copy()
 
 
 def sum_in_order(arrays: list) -> np.ndarray:

@@ -714,7 +714,8 @@ class LocalStore(KVStore):
     def _compress_afresh(self, compressor) -> None:
         """Compress with `compressor` (None: not at all), every residual afresh, the
         served values' too: they become the values. The caller holds the lock."""
-        self._compression = None if compressor is None else GradientCompression(compressor)
+        self._compression = (None if compressor is None
+                             else GradientCompression(compressor, self._deterministic))
         self.rejoin()
 
     @property

@@ -2,8 +2,9 @@
 leaf compressed on its own (its own residual), and whoever sums decodes every leaf's
 payload and sums them as one process does, so 8 values split over 2, 4 or 8 workers,
 with 0 or 1 server, give the bits of one process given all 8 (programs/digest.py with
-DIGEST_COMPRESS=1: fp16 with a pre_divide, 2-bit, sign and ternary, three rounds each,
-with and without SGD)."""
+DIGEST_COMPRESS=1: fp16 with a pre_divide, 2-bit, sign, ternary and PowerSGD, three
+rounds each, with and without SGD). PowerSGD's leaves have their own residuals too, and
+its two sums follow the canonical tree."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,8 @@ from .mpirun import ok, run
 
 pytestmark = pytest.mark.mpi
 
-PHASES = ["fp16_sum", "twobit_sum", "sign_sum", "ternary_sum", "twobit_sgd", "fp16_sgd",
-          "sign_sgd", "ternary_sgd"]
+PHASES = ["fp16_sum", "twobit_sum", "sign_sum", "ternary_sum", "powersgd_sum", "twobit_sgd",
+          "fp16_sgd", "sign_sgd", "ternary_sgd", "powersgd_sgd"]
 
 
 def _env(gpus: bool = False) -> dict:
@@ -36,7 +37,7 @@ def one_process() -> dict:
                          ids=lambda v: str(v))
 def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, servers):
     """8 host gradients on 8 // workers per worker, compressed (fp16 with pre_divide 3,
-    2-bit with threshold 0.5, sign, ternary; residuals carried over rounds), without an
+    2-bit with threshold 0.5, sign, ternary, PowerSGD; residuals carried over rounds), without an
     updater and with SGD: every phase's values are the bits of one process."""
     env = _env()
     env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync")

@@ -1,6 +1,6 @@
 """The Trainer on deterministic stores: 50 Adam steps end with the same weights, bit for
 bit, on 1 process x 4 replicas, on 2 x 2 (without and with a server), and whatever the
-bucket size."""
+bucket size; with PowerSGD too."""
 from __future__ import annotations
 
 import re
@@ -68,3 +68,17 @@ def test_without_it_one_and_two_processes_differ():
     env.update(GPUKV_NUM_SERVERS="0", DIGEST_DEFAULT="1")
     out = ok(run("adam_digest.py", 2, "2", "4096", "dist_sync", env=env, timeout=300))
     assert _weights(out) != _one_process(4096, DIGEST_DEFAULT="1"), out
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_powersgd_gives_one_process_weights_on_two_processes(reference, servers):
+    """With PowerSGD (rank 2) compressing every weight matrix, 2 x 2 ends with 1 x 4's
+    weights, which differ from uncompressed training's."""
+    pytest.importorskip("torch")
+    alone = _one_process(0, DIGEST_POWERSGD="1")
+    assert alone != reference
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), DIGEST_POWERSGD="1")
+    out = ok(run("adam_digest.py", 2 + servers, "2", "0", "dist_sync", env=env,
+                 timeout=300))
+    assert _weights(out) == alone, out

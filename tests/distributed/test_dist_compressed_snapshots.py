@@ -65,8 +65,9 @@ def _digests(out: str) -> set:
     ({"type": "2bit", "threshold": 0.5}, "updater", False), (SIGN, "optimizer", True),
     ({"type": "powersgd", "rank": 2}, "optimizer", False),
     ({"type": "powersgd", "rank": 2}, "assign", False),
+    ({"type": "powersgd", "rank": 2}, "optimizer", True),
 ], ids=["sign-optimizer", "sign-assign", "2bit-updater", "sign-optimizer-deterministic",
-        "powersgd-optimizer", "powersgd-assign"])
+        "powersgd-optimizer", "powersgd-assign", "powersgd-optimizer-deterministic"])
 def test_with_servers_a_resumed_job_continues_with_the_same_bits(
         tmp_path, compression, updater, deterministic):
     """With 2 workers and 2 servers: a job resumed from another's snapshot gets back the

@@ -153,16 +153,6 @@ def test_powersgd_on_the_wire(n, servers):
             n - servers)
 
 
-def test_powersgd_is_refused_by_a_deterministic_store():
-    """A deterministic store refuses PowerSGD when it is set (its sums are allreduces, in
-    no fixed order), saying why."""
-    env = gpu_env.subprocess_env(gpus=False)
-    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="30", GPUKV_DETERMINISTIC="1")
-    result = run("scenarios.py", 2, "compression", "powersgd", env=env, timeout=120)
-    assert result.returncode != 0
-    assert "have no canonical order" in result.stderr, result.stderr
-
-
 def test_powersgd_is_refused_by_dist_async():
     """dist_async refuses PowerSGD when it is set (its workers push apart, where the
     sums need them together), saying what to use."""

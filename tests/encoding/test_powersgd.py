@@ -60,6 +60,37 @@ def test_a_push_is_the_rules_sum_push_after_push(rows, cols, rank, sources, push
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_deterministic_store_adds_the_sources_in_the_canonical_tree(deterministic):
+    """With 5 sources a store adds each of P's and Q's five terms in call order,
+    (((a + b) + c) + d) + e; a deterministic one as the canonical tree does,
+    ((a + b) + (c + d)) + e, so that any split of the sources over processes gives its
+    bits: both stores pull exactly the sums of `psgd.step` under that order."""
+    def in_order(t):
+        return (((t[0] + t[1]) + t[2]) + t[3]) + t[4]
+
+    def tree(t):
+        return ((t[0] + t[1]) + (t[2] + t[3])) + t[4]
+
+    add = tree if deterministic else in_order
+    shape, rng = (40, 50), np.random.default_rng(7)
+    kv = gpukv.create("device", deterministic=deterministic)
+    kv.set_gradient_compression({"type": "powersgd", "rank": 3})
+    kv.init("w", np.zeros(shape, np.float32))
+    comp = make_compressor({"type": "powersgd", "rank": 3})
+    ms = [np.zeros(shape, np.float32) for _ in range(5)]
+    for _ in range(3):
+        grads = [(rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape))
+                 .astype(np.float32) for _ in range(5)]
+        kv.push("w", grads)
+        for m, g in zip(ms, grads):
+            m += g
+        (want,) = psgd.step(comp, ["w"], [ms], lambda lists, _: [add(t) for t in lists])
+        got = np.empty(shape, np.float32)
+        kv.pull("w", out=got)
+        assert got.tobytes() == want.tobytes()
+
+
 def test_what_is_not_sent_comes_back_later():
     """Error feedback: after any number of pushes the pulled sums plus the residual left
     are the gradients pushed (to float32 rounding)."""

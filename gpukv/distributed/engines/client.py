@@ -215,15 +215,16 @@ class ServerClient:
             layouts = [self.layouts[k] for k in keys]
             counts = check_partials(keys, grads, [(lay.size, lay.dtype) for lay in layouts],
                                     self.rank, self.workers.size,
-                                    [self._compresses(lay) for lay in layouts])
+                                    [self._compresses(lay) or self._low_rank(lay)
+                                     for lay in layouts])
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
-        if counts is not None:
-            self._push_partials(keys, grads, counts)
-            return
         by_server: dict = collections.defaultdict(lambda: ([], []))
-        shares = self._low_rank_shares(keys, grads, replicas, by_server)
+        shares = self._low_rank_shares(keys, grads, replicas, by_server, counts)
+        if counts is not None:
+            self._push_partials(keys, grads, counts, shares, by_server)
+            return
         for key, grad in zip(keys, grads):
             if key in shares:
                 continue
@@ -244,17 +245,21 @@ class ServerClient:
             requests += self._request(server, Push(entries), in_chunks(data, self.chunk))
         self._wait(requests, f"push of key {keys[0]!r}")
 
-    def _low_rank_shares(self, keys, grads, replicas, by_server: dict) -> set:
+    def _low_rank_shares(self, keys, grads, replicas, by_server: dict,
+                         counts: list | None = None) -> set:
         """The keys a low-rank compressor sums (PowerSGD's matrices): their sums, made by
-        the workers together (`low_rank.sums`), each worker's share of every piece
+        the workers together (`low_rank.sums`; with `counts`, each key's values per
+        worker, a deterministic push of `Leaves`), each worker's share of every piece
         queued in `by_server`; the set of those keys. Without an updater on the servers
         each sum is the key's new value, which this worker then holds: it is decoded
         into the key's copy (`replicas`), and the pull of this round fetches nothing."""
         comp = self.compressor
         if comp is None or not comp.low_rank:
             return set()
-        chosen = sorted(((key, self.layouts[key], grad, replica)
-                         for key, grad, replica in zip(keys, grads, replicas)
+        if counts is None:
+            counts = [None] * len(keys)
+        chosen = sorted(((key, self.layouts[key], grad, replica, count)
+                         for key, grad, replica, count in zip(keys, grads, replicas, counts)
                          if self._low_rank(self.layouts[key])), key=lambda c: c[0])
         if not chosen:  # no sums among the workers: the push is the servers' alone
             return set()
@@ -264,11 +269,13 @@ class ServerClient:
         self.agree.check(("low-rank push", tuple((c[0], c[1].shape, np.dtype(c[1].dtype).name)
                                                  for c in chosen)), what)
         holds = not self.updating
+        leaves = [c[4] for c in chosen]
         totals = low_rank.sums(self.agree, comp, self.feedback,
                                [(c[0], c[1]) for c in chosen], [c[2] for c in chosen],
-                               [c[3] if holds else None for c in chosen], what)
+                               [c[3] if holds else None for c in chosen], what,
+                               None if leaves[0] is None else leaves)
         rank, workers = self.rank, self.workers.size
-        for (key, layout, _, _), total in zip(chosen, totals):
+        for (key, layout, *_), total in zip(chosen, totals):
             flat = total.reshape(-1)
             for p in layout.pieces:
                 entries, data = by_server[p.server]
@@ -287,12 +294,15 @@ class ServerClient:
         return (comp is not None and comp.low_rank and compressible(layout.dtype)
                 and comp.compresses(layout.shape))
 
-    def _push_partials(self, keys, grads, counts: list) -> None:
+    def _push_partials(self, keys, grads, counts: list, shares: set,
+                       by_server: dict) -> None:
         """Send each piece's rows of this worker's node partials (or of its leaves'
         payloads, for a key it compresses), and their `counts` (the servers check every
-        worker pushed the same)."""
-        by_server: dict = collections.defaultdict(lambda: ([], []))
+        worker pushed the same), beside what `by_server` holds: the `shares` of the
+        keys a low-rank compressor summed."""
         for key, grad, count in zip(keys, grads, counts):
+            if key in shares:
+                continue
             layout = self.layouts[key]
             for p in layout.pieces:
                 entries, data = by_server[p.server]
@@ -424,7 +434,7 @@ class ServerClient:
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:
-        low_rank.refuse(compressor, self.deterministic, self.asynchronous)
+        low_rank.refuse(compressor, self.asynchronous)
         self.compressor = compressor
         self.decoded.clear()
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...canonical.arrays import node_ranges
-from ...encoding.compressors import Ctx, compressible
+from ...encoding.compressors import Ctx, compresses_key
 from ..mpi.transport import as_bytes
 from . import exchange, low_rank
 from .layout import displacements, even
@@ -87,6 +87,7 @@ class _CanonicalPlan(NamedTuple):
     of the keys compressed on the wire (their leaves' payloads go to the owners)."""
     sums: list         # _Exchanged
     compressed: list   # (key, layout, count) of the keys compressed on the wire
+    low_rank: list     # (key, layout, count) of the keys a low-rank compressor sums
     gather: _Gather | None  # with an updater or compressed keys: the all-gather of the
     #                         new values (of every key, or of the compressed ones)
 
@@ -173,6 +174,8 @@ class MpiRounds:
                                          item.tree))
         merged = self._exchange_leaves(plan.compressed, by_key, what)
         sums = list(merged)  # of the compressed keys' pieces owned here
+        merged += self._low_rank([(key, layout) for key, layout, _ in plan.low_rank],
+                                 by_key, what, [count for _, _, count in plan.low_rank])
         served = [(key, layout) for key, layout, _ in plan.compressed]
         if self.state.assigns:  # no updater: the sums are the new values
             if splits:
@@ -216,15 +219,20 @@ class MpiRounds:
         """Every key's sum through the exchange: a split key in its pieces; without an
         updater, a key summed alone split evenly; the small keys of one wire dtype and
         count packed, each in the piece of its owner. Keys compressed on the wire go
-        their own way (`_exchange_leaves`), in their pieces."""
+        their own way (`_exchange_leaves`), in their pieces, and a low-rank compressor's
+        matrices theirs (`_low_rank`)."""
         rank, size = self.t.rank, self.t.size
-        sums, small, compressed = [], [], []
+        sums: list = []
+        small: list = []
+        compressed: list = []
+        low_rank: list = []
         comp = self.state.compressor
         for key, count in zip(keys, counts):
             layout = self.state.layouts[key]
             n, wire = layout.size, layout.wire
-            if comp is not None and compressible(layout.dtype):
-                compressed.append((key, layout, count))
+            if compresses_key(comp, layout.dtype, layout.shape):
+                assert comp is not None
+                (low_rank if comp.low_rank else compressed).append((key, layout, count))
                 continue
             if layout.split:
                 per, starts = layout.per_rank(size)
@@ -255,7 +263,7 @@ class MpiRounds:
         if self.state.pulls is not None:  # the compressed keys are served instead
             served = {k for k, _, _ in compressed}
             gathered = [k for k in gathered if k not in served]
-        return _CanonicalPlan(sums, compressed,
+        return _CanonicalPlan(sums, compressed, low_rank,
                               self._gather_plan(gathered) if gathered else None)
 
     def _plan(self, keys) -> _Round:
@@ -269,8 +277,8 @@ class MpiRounds:
             layout = self.state.layouts[key]
             if not layout.split:
                 small.append((layout.pieces[0].server, key, layout))
-            if (comp is not None and compressible(layout.dtype)
-                    and comp.compresses(layout.shape)):
+            if compresses_key(comp, layout.dtype, layout.shape):
+                assert comp is not None
                 (low_rank if comp.low_rank else compressed).append((key, layout))
             elif layout.split:
                 counts, starts = layout.per_rank(size)
@@ -532,9 +540,10 @@ class MpiRounds:
             at[p.server] += nbytes
             pulls.apply(payload, copy, assigns)
 
-    def _low_rank(self, keys: list, by_key: dict, what: str) -> list:
+    def _low_rank(self, keys: list, by_key: dict, what: str, counts=None) -> list:
         """The keys a low-rank compressor sums (`keys`: (key, layout); PowerSGD): their
-        sums, as `low_rank.sums` makes them in every process alike. Without an updater
+        sums, as `low_rank.sums` makes them in every process alike (`counts`: the
+        values per process of each, in a deterministic round). Without an updater
         each is the new value, written into every copy; else (key, piece of the sum) of
         the pieces owned here."""
         if not keys:
@@ -543,7 +552,8 @@ class MpiRounds:
         rank, assigns = self.t.rank, state.assigns
         totals = low_rank.sums(state.agree, state.compressor, state.feedback, keys,
                                [by_key[key][0] for key, _ in keys],
-                               [by_key[key][1] if assigns else None for key, _ in keys], what)
+                               [by_key[key][1] if assigns else None for key, _ in keys], what,
+                               counts)
         if assigns:
             return []
         merged = []

@@ -105,8 +105,8 @@ class Rounds(Protocol):
     def push(self, keys: list, grads: list, replicas: list) -> None:
         """Send this worker's summed `grads` of `keys`; their sum over workers updates them.
         An engine made deterministic gets a `Partials` per key instead, and continues
-        the canonical tree from them; with a compressor, `Leaves` for each key of a
-        floating-point dtype (the keys it compresses)."""
+        the canonical tree from them; with a compressor, `Leaves` for each key it
+        compresses (`compresses_key`: floating point, and for PowerSGD a matrix)."""
         ...
 
     def pull(self, keys: list, replicas: list) -> None:

@@ -1,7 +1,8 @@
 """Compression state in the snapshots of a dist store, as every engine keeps it.
 
 Each worker's file holds its residuals, one per (key, piece start[, leaf]) slot (records
-'residual' with the slot's rest in 'slot'; PowerSGD's per key: an empty 'slot'), and
+'residual' with the slot's rest in 'slot'; PowerSGD's per key: an empty 'slot', or per
+leaf in a deterministic store: [0, leaf], of the whole key's elements), and
 PowerSGD's warm starts (records 'q', the same in every process). Each shard's file holds
 what its owner keeps of compressed pulls for the pieces it serves: the residual of a
 piece (records 'pull', 'slot' [start]) and the served value of a piece kept apart from
@@ -99,6 +100,8 @@ def _unfit(record: dict, array, layouts: dict, shard: int | None) -> str | None:
             return None if array.size == layout.size else (
                 f"key {key!r} has {layout.size} elements, but its residual {array.size}")
         start = slot[0]
+        if shard is None and len(slot) == 2 and start == 0 and array.size == layout.size:
+            return None  # a leaf's residual of the whole key (PowerSGD's, deterministic)
     pieces = layout.pieces if shard is None else layout.served_by(shard)
     if not any(p.start == start and p.stop - p.start == array.size for p in pieces):
         where = "" if shard is None else f" of shard {shard}"

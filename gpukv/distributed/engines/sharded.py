@@ -17,12 +17,18 @@ import zlib
 import numpy as np
 
 from ..._errors import ArgumentError, CheckpointError, GpukvError, PeerError
-from ...encoding.compressors import Compressor, ErrorFeedback, compressible, make_compressor
+from ...encoding.compressors import (
+    Compressor,
+    ErrorFeedback,
+    compresses_key,
+    compressible,
+    make_compressor,
+)
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
 from ..mpi.agree import Agreement, refuse_split, to_rank0
 from ..mpi.transport import Transport
-from . import low_rank, residuals
+from . import residuals
 from .control import WorkerControl
 from .layout import KeyLayout
 from .mpi_rounds import MpiRounds
@@ -130,7 +136,7 @@ class ShardedRounds:
         comp = self.compressor
         counts = (check_partials(keys, grads, [(r.size, r.dtype) for r in replicas],
                                  self.t.rank, self.t.size,
-                                 [comp is not None and compressible(r.dtype) for r in replicas])
+                                 [compresses_key(comp, r.dtype, r.shape) for r in replicas])
                   if self.deterministic else None)
         self.flush(what)
         wire = None if comp is None else tuple(sorted(comp.params().items()))
@@ -169,7 +175,6 @@ class ShardedRounds:
         """Compress on the wire from now on (every process sets the same, together: the
         store agrees on it first)."""
         self.rounds.refuse(compressor)
-        low_rank.refuse(compressor, self.deterministic)
         self.compressor = compressor
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None
         self.pulls = (PullCodec(compressor) if compressor is not None

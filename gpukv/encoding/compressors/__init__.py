@@ -17,7 +17,7 @@ its tests; `gpukv info --kernels` and the option checks follow from the registry
 """
 # each module registers its types
 from . import cast, one_bit, powersgd, sign, ternary, two_bit  # noqa: F401
-from .base import Compressor, Ctx, KernelTraffic, compressible
+from .base import Compressor, Ctx, KernelTraffic, compresses_key, compressible
 from .cast import Cast
 from .feedback import ErrorFeedback
 from .one_bit import OneBit
@@ -27,6 +27,6 @@ from .sign import Sign
 from .ternary import Ternary
 from .two_bit import TwoBit
 
-__all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "Cast", "OneBit", "PowerSGD",
-           "Sign", "Ternary", "TwoBit",
+__all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "compresses_key", "Cast",
+           "OneBit", "PowerSGD", "Sign", "Ternary", "TwoBit",
            "ErrorFeedback", "make_compressor", "register", "registered", "type_names"]

@@ -192,3 +192,9 @@ def number(kind, option, value) -> float:
 def compressible(dtype) -> bool:
     """Whether values of `dtype` are compressed (floating point) or sent as they are."""
     return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
+def compresses_key(comp: Compressor | None, dtype, shape) -> bool:
+    """Whether `comp` (None: no compression set) compresses a key of `dtype` and `shape`:
+    a floating-point key of a shape it takes (PowerSGD: matrices it cuts)."""
+    return comp is not None and compressible(dtype) and comp.compresses(shape)

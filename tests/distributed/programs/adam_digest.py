@@ -3,7 +3,8 @@
 
 Every replica (global index: worker-major) trains on its own batches, the same in every
 layout; worker 0 prints `DIGEST weights <sha1>` of its weights after the last step.
-DIGEST_DEFAULT=1 makes the store in its default order instead.
+DIGEST_DEFAULT=1 makes the store in its default order instead; DIGEST_POWERSGD=1 has the
+Trainer compress with PowerSGD (rank 2: every weight matrix).
 """
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ def main(replicas: int, bucket_bytes: int, store: str, on_store: str = "1") -> N
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(),
                           nn.Linear(48, 10))
     modules = [model] + [_copy(model) for _ in range(replicas - 1)]
+    compression = ({"type": "powersgd", "rank": 2}
+                   if os.environ.get("DIGEST_POWERSGD") == "1" else None)
     trainer = gt.Trainer(modules, "adam", {"learning_rate": 0.01}, kvstore=kv,
-                         update_on_kvstore=on_store == "1", bucket_bytes=bucket_bytes)
+                         update_on_kvstore=on_store == "1", bucket_bytes=bucket_bytes,
+                         compression_params=compression)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     total = BATCH * replicas * workers
     for step in range(STEPS):

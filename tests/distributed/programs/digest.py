@@ -10,9 +10,10 @@ then for the values after three rounds of SGD with momentum. Run without MPI (pl
 With DIGEST_WIDE=1 every value is pushed as float32, into float16 keys too.
 
 With DIGEST_COMPRESS=1 the pushes are compressed (a one-process store: 'device'), in
-phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, sign, then
-ternary, without an updater; then, with SGD, 2-bit again, fp16, sign and ternary. Worker 0 prints
-`DIGEST <phase> <sha1>` after each phase.
+phases of three rounds each (see `PHASES`): fp16 with a pre_divide, 2-bit, sign, ternary,
+then PowerSGD (rank 4: 'big' is its one matrix), without an updater; then, with SGD,
+2-bit again, fp16, sign, ternary and PowerSGD. Worker 0 prints `DIGEST <phase> <sha1>`
+after each phase.
 """
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ FP16 = {"type": "fp16", "pre_divide": 3.0}
 TWO_BIT = {"type": "2bit", "threshold": 0.5}
 SIGN = {"type": "sign"}
 TERNARY = {"type": "ternary"}
+POWERSGD = {"type": "powersgd", "rank": 4}
 PHASES = [("fp16_sum", FP16, False), ("twobit_sum", TWO_BIT, False),
           ("sign_sum", SIGN, False), ("ternary_sum", TERNARY, False),
+          ("powersgd_sum", POWERSGD, False),
           ("twobit_sgd", TWO_BIT, True), ("fp16_sgd", FP16, True), ("sign_sgd", SIGN, True),
-          ("ternary_sgd", TERNARY, True)]
+          ("ternary_sgd", TERNARY, True), ("powersgd_sgd", POWERSGD, True)]
 
 
 def leaves(name: str, rounds: int = 1) -> list:
