@@ -47,6 +47,9 @@ class Shard:
     def keep_apart(self, keys) -> None:
         self.store.keep_apart(keys)
 
+    def keeps_momentum(self) -> bool:
+        return self.store.keeps_momentum()
+
     def rejoin(self, keys=None) -> None:
         self.store.rejoin(keys)
 

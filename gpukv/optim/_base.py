@@ -210,6 +210,15 @@ class Optimizer:
         return table.get(name, 1.0) if name is not None else 1.0
 
     # ---------------------------------------------------------------- the rule
+    @property
+    def keeps_momentum(self) -> bool:
+        """Whether each step carries the past gradients on: SGD's and NAG's `momentum`,
+        the Adam-like rules' `beta1`, centered RMSProp's `gamma2`, above 0. Compressed
+        pulls lean on it (`gpukv.encoding.pulls`)."""
+        if getattr(self, "momentum", 0) > 0 or getattr(self, "beta1", 0) > 0:
+            return True
+        return bool(getattr(self, "centered", False)) and getattr(self, "gamma2", 0) > 0
+
     def state_names(self) -> tuple:
         """Names of the per-key state arrays (each shaped and typed like the weight)."""
         return ()

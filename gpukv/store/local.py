@@ -85,8 +85,9 @@ class _Entry:
     """One key: its value on its home device, and a scratch buffer for merged pushes.
 
     With compressed pulls (`gpukv.encoding.pulls`) and an updater, `value` is the served
-    value, what pulls read, and `kept` the value the updater updates; otherwise `kept`
-    is None and `value` is both.
+    value, what pulls read, and `kept` the value the updater updates (with an optimizer
+    that keeps a momentum, the served value again after each push: `PullCodec.settle`);
+    otherwise `kept` is None and `value` is both.
     """
 
     __slots__ = ("value", "home", "narrow", "_merge", "seq", "kept")
@@ -826,6 +827,11 @@ class LocalStore(KVStore):
         with self._lock:
             for key in keys:
                 self._entries[key].keep()
+
+    def keeps_momentum(self) -> bool:
+        """Whether the updater is an optimizer that keeps a momentum (compressed pulls
+        then settle each value: `gpukv.encoding.pulls`)."""
+        return pipeline.keeps_momentum(self._updater)
 
     def rejoin(self, keys=None) -> None:
         """The value of `keys` (None: every key) is what workers hold again: the copies

@@ -130,6 +130,13 @@ def devices_of(arrays) -> list:
     return devices
 
 
+def keeps_momentum(updater) -> bool:
+    """Whether `updater` (None, a FunctionUpdater or an OptimizerUpdater) is an optimizer
+    that keeps a momentum (`Optimizer.keeps_momentum`)."""
+    optimizer = getattr(updater, "optimizer", None)
+    return optimizer is not None and optimizer.keeps_momentum
+
+
 class FunctionUpdater:
     """Adapts `fn(key, merged, stored)` to the batch protocol optimizers implement."""
 
@@ -306,7 +313,8 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         assigns = updater is None
         with timeline.span("serve"):  # what pulls read: moved on by one payload each
             for key, _, _, home, out, entry in plan.compressed:
-                comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns)
+                comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns,
+                           keeps_momentum(updater))
 
 
 def _apply(plan: PushPlan, updater) -> None:

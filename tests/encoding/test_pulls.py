@@ -1,7 +1,8 @@
 """Compressed pulls ('sign' compresses both ways): what a store's pulls return against a
-plain NumPy statement of the rule, with and without an updater; the served value within
-the owner's residual of the value; what setting the compression again, a checkpoint and
-MXNet's one-way codecs do."""
+plain NumPy statement of the rule, with and without an updater; with an updater without
+momentum, the served value within the owner's residual of the value; with an optimizer
+that keeps a momentum, the value settled to what workers hold; what setting the
+compression again, a checkpoint and MXNet's one-way codecs do."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,12 +84,13 @@ def test_with_an_updater_a_pull_follows_the_value_by_its_compressed_change(g, ro
 
 @pytest.mark.parametrize("scale", [1e-4, 1.0, 1e4])
 def test_the_served_value_stays_within_the_owners_residual(scale):
-    """Over 300 SGD steps of gradients of changing size, what workers hold differs from
-    the value by a bounded residual: under 4x the largest change of one step."""
+    """Over 300 steps of SGD without momentum, of gradients of changing size, what
+    workers hold differs from the value by a bounded residual: under 4x the largest
+    change of one step."""
     rng = np.random.default_rng(7)
     n = 2000
     kv = _store(n)
-    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=0.9))
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1))
     largest, worst = 0.0, 0.0
     before = kv.entries()["w"].stored.copy()
     for step in range(300):
@@ -99,6 +101,77 @@ def test_the_served_value_stays_within_the_owners_residual(scale):
         worst = max(worst, float(np.abs(value - _pulled(kv)).max()))
         before = value.copy()
     assert 0 < worst < 4 * largest, (worst, largest)
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"name": "sgd", "momentum": 0.9}, {"name": "nag", "momentum": 0.5},
+    {"name": "adam"}])
+def test_with_an_optimizer_that_keeps_momentum_the_value_takes_the_compressed_step(optimizer):
+    """With an optimizer that keeps a momentum, a pull returns the value before the push
+    moved on by D(C(step)), the optimizer's step compressed without a residual of the
+    home's own, and the value is that, bit for bit: the store takes the step workers
+    take. The steps come from a twin store without compression given the same sums
+    and set to the same value before each."""
+    rng = np.random.default_rng(5)
+    n = 700
+    kv, twin = _store(n), gpukv.create("device")
+    twin.init("w", np.zeros(n, np.float32))
+    for store in (kv, twin):
+        store.set_optimizer(gpukv.optim.create(learning_rate=0.1, **optimizer))
+    assert kv.keeps_momentum()
+    residuals = [np.zeros(n, np.float32) for _ in range(2)]
+    value = np.zeros(n, np.float32)
+    for _ in range(5):
+        grads = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+        kv.push("w", grads)
+        twin.entries()["w"].value[...] = value
+        twin.push("w", [_pushed(grads, residuals)])
+        step, _ = reference_step((twin.entries()["w"].value - value).astype(np.float32),
+                                 np.zeros(n, np.float32))
+        value = (value + step).astype(np.float32)
+        assert _pulled(kv).tobytes() == value.tobytes()
+        assert kv.entries()["w"].stored.tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("name,options,keeps", [
+    ("sgd", {}, False), ("sgd", {"momentum": 0.9}, True), ("nag", {"momentum": 0.9}, True),
+    ("adam", {}, True), ("adam", {"beta1": 0.0}, False), ("adamw", {}, True),
+    ("lamb", {}, True), ("adagrad", {}, False), ("rmsprop", {}, False),
+    ("rmsprop", {"centered": True}, True), ("rmsprop", {"centered": True, "gamma2": 0.0},
+                                            False)])
+def test_which_optimizers_keep_a_momentum(name, options, keeps):
+    """A momentum is SGD's and NAG's `momentum`, the Adam-like rules' `beta1`, centered
+    RMSProp's `gamma2`, above 0."""
+    assert gpukv.optim.create(name, **options).keeps_momentum is keeps
+
+
+def test_an_optimizer_without_momentum_keeps_the_value_apart():
+    """SGD without momentum has nothing to carry what a step's code did not send: the
+    home keeps the value apart, as with an updater function, and momentum settles it."""
+    rng = np.random.default_rng(6)
+    for momentum, apart in ((0.0, True), (0.9, False)):
+        kv = _store(500)
+        kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=momentum))
+        for _ in range(3):
+            kv.push("w", [rng.standard_normal(500).astype(np.float32)])
+        held = _pulled(kv)
+        assert (kv.entries()["w"].stored.tobytes() != held.tobytes()) == apart, momentum
+
+
+def test_with_momentum_what_workers_hold_is_the_value_step_after_step():
+    """Over 300 steps of SGD with momentum, of gradients of changing size, a pull
+    returns the value the optimizer updates, bit for bit, after every step, and the
+    steps move it."""
+    rng = np.random.default_rng(7)
+    n = 2000
+    kv = _store(n)
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=0.9))
+    first = kv.entries()["w"].stored.copy()
+    for step in range(300):
+        size = 1 + 9 * (step % 50 == 0)
+        kv.push("w", [(rng.standard_normal(n) * size).astype(np.float32)])
+        assert _pulled(kv).tobytes() == kv.entries()["w"].stored.tobytes(), step
+    assert np.abs(kv.entries()["w"].stored - first).max() > 1
 
 
 def test_setting_the_compression_again_serves_the_value_held():

@@ -233,6 +233,11 @@ class Shard(Protocol):
         copies kept apart are dropped)."""
         ...
 
+    def keeps_momentum(self) -> bool:
+        """Whether its updater is an optimizer that keeps a momentum (compressed pulls
+        then settle the value: `gpukv.encoding.pulls`)."""
+        ...
+
     def adopt(self, keys: list, arrays: list) -> None:
         """Serve `arrays` themselves (views of a worker's copies) as new `keys`' values."""
         ...

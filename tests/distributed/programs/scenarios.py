@@ -200,7 +200,8 @@ def _descend(key, merged, stored):
 def compression(kind: str = "2bit") -> None:
     """Compression on the wire gives what a one-process 'device' store with the same
     compression gives for the same sources (each worker one source, with its residual),
-    without and with an updater; a pull after a pull gives the same bits (with sign,
+    without an updater, with one, then with SGD with momentum (with sign, a value that
+    settles to what workers hold); a pull after a pull gives the same bits (with sign,
     the first of a round moved the worker's copy on by the round's payload). Odd workers
     list the keys of a push in reverse; with servers, in the last round, even workers
     push the matrices in one call and the others one call each."""
@@ -220,20 +221,24 @@ def compression(kind: str = "2bit") -> None:
         kv.init(key, np.zeros(shape, dtypes[key]))
         reference.init(key, np.zeros(shape, dtypes[key]))
     rng = np.random.default_rng(0)  # the same draws on every worker
-    for round_ in range(6):
+    for round_ in range(8):
         if round_ == 3:  # then with an updater on the store
             for store in (kv, reference):
                 store.set_updater(_descend)
+        if round_ == 6:  # then with an optimizer that keeps a momentum
+            for store in (kv, reference):
+                store.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=0.9))
         grads = {k: [(rng.standard_normal(s) * 2).astype(dtypes[k]) for _ in range(n)]
                  for k, s in shapes.items()}
-        order = list(shapes) if r % 2 == 0 else list(reversed(shapes))
+        live = [k for k in shapes if round_ < 6 or k != "i"]  # (SGD takes no ints)
+        order = live if r % 2 == 0 else list(reversed(live))
         calls = [order]
         if round_ == 5 and kv.num_servers and r % 2 == 0:  # (pushes are not collective)
             matrices = [k for k in order if k in ("m", "n")]  # (PowerSGD's are)
             calls = [matrices] + [[k] for k in order if k not in matrices]
         for keys in calls:
             kv.push(keys, [grads[k][r] for k in keys])
-        reference.push(list(shapes), [grads[k] for k in shapes])
+        reference.push(live, [grads[k] for k in live])
         for key, shape in shapes.items():
             got, want = np.zeros(shape, dtypes[key]), np.zeros(shape, dtypes[key])
             kv.pull(key, out=got)  # after a pull each round: sign's one payload
