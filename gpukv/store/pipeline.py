@@ -310,11 +310,11 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     with timeline.span("update" if updater is not None else "assign"):
         _apply(plan, updater)
     if plan.compressed and comp is not None and comp.pulls is not None:
-        assigns = updater is None
+        assigns, momentum = updater is None, keeps_momentum(updater)
         with timeline.span("serve"):  # what pulls read: moved on by one payload each
             for key, _, _, home, out, entry in plan.compressed:
                 comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns,
-                           keeps_momentum(updater))
+                           momentum)
 
 
 def _apply(plan: PushPlan, updater) -> None:

@@ -18,7 +18,13 @@ import pickle
 import numpy as np
 
 from ..._errors import ArgumentError, CheckpointError, PeerError, PeerMismatchError
-from ...encoding.compressors import Compressor, ErrorFeedback, compressible, make_compressor
+from ...encoding.compressors import (
+    Compressor,
+    ErrorFeedback,
+    compresses_key,
+    compressible,
+    make_compressor,
+)
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, merge
 from ..mpi.agree import refuse_split
@@ -215,7 +221,7 @@ class ServerClient:
             layouts = [self.layouts[k] for k in keys]
             counts = check_partials(keys, grads, [(lay.size, lay.dtype) for lay in layouts],
                                     self.rank, self.workers.size,
-                                    [self._compresses(lay) or self._low_rank(lay)
+                                    [compresses_key(self.compressor, lay.dtype, lay.shape)
                                      for lay in layouts])
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
@@ -256,10 +262,9 @@ class ServerClient:
         comp = self.compressor
         if comp is None or not comp.low_rank:
             return set()
-        if counts is None:
-            counts = [None] * len(keys)
+        per_key = counts if counts is not None else [None] * len(keys)
         chosen = sorted(((key, self.layouts[key], grad, replica, count)
-                         for key, grad, replica, count in zip(keys, grads, replicas, counts)
+                         for key, grad, replica, count in zip(keys, grads, replicas, per_key)
                          if self._low_rank(self.layouts[key])), key=lambda c: c[0])
         if not chosen:  # no sums among the workers: the push is the servers' alone
             return set()
@@ -269,11 +274,10 @@ class ServerClient:
         self.agree.check(("low-rank push", tuple((c[0], c[1].shape, np.dtype(c[1].dtype).name)
                                                  for c in chosen)), what)
         holds = not self.updating
-        leaves = [c[4] for c in chosen]
         totals = low_rank.sums(self.agree, comp, self.feedback,
                                [(c[0], c[1]) for c in chosen], [c[2] for c in chosen],
                                [c[3] if holds else None for c in chosen], what,
-                               None if leaves[0] is None else leaves)
+                               None if counts is None else [c[4] for c in chosen])
         rank, workers = self.rank, self.workers.size
         for (key, layout, *_), total in zip(chosen, totals):
             flat = total.reshape(-1)
@@ -291,8 +295,8 @@ class ServerClient:
     def _low_rank(self, layout) -> bool:
         """Whether a key of `layout` is summed by the low-rank compressor set."""
         comp = self.compressor
-        return (comp is not None and comp.low_rank and compressible(layout.dtype)
-                and comp.compresses(layout.shape))
+        return (comp is not None and comp.low_rank
+                and compresses_key(comp, layout.dtype, layout.shape))
 
     def _push_partials(self, keys, grads, counts: list, shares: set,
                        by_server: dict) -> None:

@@ -91,7 +91,8 @@ def canonical_summed(agree: Agreement, lists: list, counts: list, name: str,
                      what: str) -> list:
     """The canonical tree's sum of each list of `lists` (this worker's `counts[k]`
     float32 arrays of one shape, its leaves rank * count .. of the key's rank-major tree
-    over every worker's): new arrays, the same bits in every process and as one
+    over every worker's): arrays of this call's own (a lone node is a view of the
+    all-gather's buffer), the same bits in every process and as one
     process's `leaves_sum` of every leaf. Each worker sums its nodes of each tree, one
     all-gather moves them, and every worker merges them as the tree adds them."""
     t = agree.t
@@ -117,8 +118,7 @@ def canonical_summed(agree: Agreement, lists: list, counts: list, name: str,
             for node in nodes[r]:
                 parts[k].append((node, recv[at:at + n].reshape(shape)))
                 at += n
-    return [merge(found, size * count, np.add).copy()
-            for found, count in zip(parts, counts)]
+    return [merge(found, size * count, np.add) for found, count in zip(parts, counts)]
 
 
 def _decodable_into(copy, shape):
