@@ -112,8 +112,12 @@ def test_a_trainer_updating_locally_resumes_bit_for_bit(tmp_path):
     assert _digests(resumed) == _digests(whole), (whole, resumed)
     # every worker resumed with worker 0's running statistics, which then went on as in
     # the uninterrupted job on worker 0 (the others' had their own there)
-    assert len(set(re.findall(r"RESUMED worker \d .* buffers (\w+)", resumed))) == 1, resumed
-    buffers = [dict(re.findall(r"BUFFERS worker (\d) (\w+)", out)) for out in (whole, resumed)]
+    # (digests are matched by their 16 hex digits: the ranks' lines reach us through
+    # mpiexec, which has been seen to join one rank's line to the next rank's)
+    assert len(set(re.findall(r"RESUMED worker \d .* buffers ([0-9a-f]{16})", resumed))) == 1, \
+        resumed
+    buffers = [dict(re.findall(r"BUFFERS worker (\d) ([0-9a-f]{16})", out))
+               for out in (whole, resumed)]
     assert buffers[0]["0"] == buffers[1]["0"] and buffers[0]["1"] != buffers[1]["1"], buffers
     fewer = _job(2, 0, "trainer_local_updates", str(root), "8")
     for w in range(2):

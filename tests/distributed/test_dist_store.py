@@ -373,11 +373,12 @@ def test_optimizer_changes_reach_the_shards(n, servers):
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_python_runs_while_a_push_waits_for_a_peer(n, servers):
     """A push waiting on a late peer leaves the GIL to the process's other threads: a
-    thread's Python loop keeps most of its speed meanwhile."""
+    thread's Python loop keeps most of its speed meanwhile (about all of it on a quiet
+    machine; a wait holding the GIL would leave it near 0)."""
     out = _passes(_scenario(n, servers, "python_runs_while_waiting", timeout=20), n - servers)
     rate, waited = re.search(r"RATE ([\d.]+) waited (True|False)", out).groups()
     assert waited == "True", out  # the loop ran while the push waited
-    assert float(rate) > 0.7, out
+    assert float(rate) > 0.5, out
 
 
 def test_different_keys_in_one_round_are_refused():
