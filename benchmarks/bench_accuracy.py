@@ -4,13 +4,16 @@
     python benchmarks/bench_accuracy.py --models mlp --epochs 5 --seeds 1 --out /tmp/acc
     python benchmarks/bench_accuracy.py --ways torch,uncompressed,2bit,2bit-t0.5
     python benchmarks/bench_accuracy.py --quick --out /tmp/acc   # seconds: the tests' run
+    python benchmarks/bench_accuracy.py --optimizer adam          # Adam, lr 0.001 (nag, rmsprop)
 
 The data are scikit-learn's bundled digits (1797 8x8 images, 10 classes, no download):
 a stratified 80/20 split (seed 0), pixels scaled to [0, 1]. Two models: an MLP
 64-512-512-10 (301,066 parameters) and a small CNN on the 1x8x8 images (conv 1->32 and
 32->64, 3x3 pad 1, max-pool 2, 1024->116->10: 138,886 parameters). Every way trains with
-SGD, momentum 0.9, the same learning rate, batches and initial weights (per seed):
-- torch: plain PyTorch, one model on the whole batch, torch.optim.SGD, mean cross-entropy;
+the same optimizer (SGD with momentum 0.9, lr 0.05; or `--optimizer`: nag, the same with
+Nesterov's momentum; adam, betas 0.9 and 0.999, lr 0.001; rmsprop, centered, decay and
+momentum 0.9, lr 0.001), learning rate, batches and initial weights (per seed):
+- torch: plain PyTorch, one model on the whole batch, torch.optim's, mean cross-entropy;
 - uncompressed: `gpukv.torch.Trainer` over 4 CPU replicas (`--replicas`) on a 'device'
   store, each replica a quarter of the batch with a per-sample-sum loss and
   `step(batch_size)` rescaling by 1/batch: the same arithmetic as torch;
@@ -27,14 +30,17 @@ torch, the bytes against float32's, and the seconds per epoch (median over epoch
 seeds) against the uncompressed Trainer's in the same run; the ways of a seed are trained
 in turns. JSON with every curve, and a PNG of the curves (one panel per model, one line
 per way, the mean over seeds), go to --out DIR (default benchmarks/results/,
-accuracy_<machine>.json); the exit status is 1 when a way failed.
+accuracy_<machine>.json; with another optimizer, accuracy_adam_<machine>.json and so on);
+the exit status is 1 when a way failed.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,6 +68,38 @@ def _cnn() -> nn.Module:
 
 MODELS = {"mlp": _mlp, "cnn": _cnn}
 MOMENTUM = 0.9
+BETAS = (0.9, 0.999)
+DECAY = 0.9  # RMSProp's decay of its mean squares (and mean)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One optimizer on both sides: its default learning rate, its options (as the JSON
+    record says them), PyTorch's for (params, lr) and gpukv's (name, options) for lr."""
+    lr: float
+    options: dict
+    torch: Callable
+    gpukv: Callable
+
+
+OPTIMIZERS = {
+    "sgd": Rule(0.05, {"momentum": MOMENTUM},
+                lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=MOMENTUM),
+                lambda lr: ("sgd", {"learning_rate": lr, "momentum": MOMENTUM})),
+    "nag": Rule(0.05, {"momentum": MOMENTUM, "nesterov": True},
+                lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=MOMENTUM,
+                                                   nesterov=True),
+                lambda lr: ("nag", {"learning_rate": lr, "momentum": MOMENTUM})),
+    "adam": Rule(0.001, {"betas": BETAS},
+                 lambda params, lr: torch.optim.Adam(params, lr=lr, betas=BETAS),
+                 lambda lr: ("adam", {"learning_rate": lr, "beta1": BETAS[0],
+                                      "beta2": BETAS[1]})),
+    "rmsprop": Rule(0.001, {"alpha": DECAY, "momentum": MOMENTUM, "centered": True},
+                    lambda params, lr: torch.optim.RMSprop(params, lr=lr, alpha=DECAY,
+                                                           momentum=MOMENTUM, centered=True),
+                    lambda lr: ("rmsprop", {"learning_rate": lr, "gamma1": DECAY,
+                                            "gamma2": MOMENTUM, "centered": True})),
+}
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 EARLY_EPOCH = 5  # the accuracy reported besides the final one
@@ -95,11 +133,11 @@ def all_ways() -> dict:
 
 
 class TorchWay:
-    """Plain PyTorch: one model on the whole batch, torch.optim.SGD, mean loss."""
+    """Plain PyTorch: one model on the whole batch, torch.optim's optimizer, mean loss."""
 
-    def __init__(self, base: nn.Module, lr: float, replicas: int):
+    def __init__(self, base: nn.Module, lr: float, replicas: int, optimizer: str = "sgd"):
         self.model = copy.deepcopy(base)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=MOMENTUM)
+        self.opt = OPTIMIZERS[optimizer].torch(self.model.parameters(), lr)
         self.loss = nn.CrossEntropyLoss()
 
     def step(self, x, y) -> None:
@@ -115,13 +153,14 @@ class TrainerWay:
     """gpukv.torch.Trainer over CPU replicas (deep copies of the model), each a slice of
     the batch with a per-sample-sum loss; `step(batch)` rescales by 1/batch."""
 
-    def __init__(self, base: nn.Module, lr: float, replicas: int, compression=None):
+    def __init__(self, base: nn.Module, lr: float, replicas: int, compression=None,
+                 optimizer: str = "sgd"):
         self.replicas = [copy.deepcopy(base) for _ in range(replicas)]
         self.model = self.replicas[0]  # every replica holds the store's weights
         self.compression = compression
-        self.trainer = gpukv.torch.Trainer(
-            self.replicas, "sgd", {"learning_rate": lr, "momentum": MOMENTUM},
-            kvstore="device", compression_params=compression)
+        name, params = OPTIMIZERS[optimizer].gpukv(lr)
+        self.trainer = gpukv.torch.Trainer(self.replicas, name, params, kvstore="device",
+                                           compression_params=compression)
         self.loss = nn.CrossEntropyLoss(reduction="sum")
 
     def step(self, x, y) -> None:
@@ -168,10 +207,10 @@ def wire_bytes(key_shapes: dict, compression) -> dict:
             "both_ways": both}
 
 
-def make_way(name: str, compression, base, lr, replicas):
+def make_way(name: str, compression, base, lr, replicas, optimizer: str = "sgd"):
     if name == BASELINE:
-        return TorchWay(base, lr, replicas)
-    return TrainerWay(base, lr, replicas, compression)
+        return TorchWay(base, lr, replicas, optimizer)
+    return TrainerWay(base, lr, replicas, compression, optimizer)
 
 
 # ------------------------------------------------------------------------------ data
@@ -221,7 +260,8 @@ def train_seed(model_name, seed, ways, data, args, records) -> None:
         if "error" in rec:
             continue
         try:
-            live[name] = make_way(name, compression, base, args.lr, args.replicas)
+            live[name] = make_way(name, compression, base, args.lr, args.replicas,
+                                  args.optimizer)
             if "wire" not in rec:
                 rec["wire"] = live[name].wire()
         except Exception as exc:
@@ -324,7 +364,7 @@ def _pp(value):
     return None if value is None else round(value, 2)
 
 
-def plot(records: list[dict], models: list[str], path: Path) -> None:
+def plot(records: list[dict], models: list[str], path: Path, optimizer: str = "sgd") -> None:
     """One panel per model: the mean test accuracy over seeds after every epoch, a line
     per way."""
     plt = C.pyplot()
@@ -344,7 +384,7 @@ def plot(records: list[dict], models: list[str], path: Path) -> None:
         ax.set_ylabel("test accuracy (%), mean over seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle("digits: test accuracy of every gradient compressor")
+    fig.suptitle(f"digits: test accuracy of every gradient compressor ({optimizer})")
     C.save_figure(fig, path)
 
 
@@ -362,8 +402,13 @@ def build_parser():
     p.add_argument("--seeds", type=C.positive_int, default=None, metavar="N",
                    help="seeds 0..N-1, each its own initial weights and shuffles "
                         "(default 3; 1 with --quick)")
-    p.add_argument("--lr", type=float, default=0.05, metavar="LR",
-                   help="learning rate of every way (default 0.05)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
+                   help="every way's optimizer: sgd (momentum 0.9, the default), nag (the "
+                        "same, Nesterov's), adam (betas 0.9 and 0.999) or rmsprop "
+                        "(centered, decay 0.9, momentum 0.9)")
+    p.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help="learning rate of every way (default 0.05 with sgd and nag, 0.001 "
+                        "with adam and rmsprop)")
     p.add_argument("--batch", type=C.positive_int, default=64, metavar="N",
                    help="global batch size, split over the replicas (default 64)")
     p.add_argument("--replicas", type=C.positive_int, default=4, metavar="N",
@@ -381,6 +426,8 @@ def build_parser():
 def settings(args) -> None:
     """Fill in what --quick or the defaults decide."""
     quick = args.quick
+    if args.lr is None:
+        args.lr = OPTIMIZERS[args.optimizer].lr
     args.epochs = args.epochs or (QUICK["epochs"] if quick else 20)
     args.seeds = list(range(args.seeds or (QUICK["seeds"] if quick else 3)))
     args.train_limit = QUICK["train"] if quick else None
@@ -414,15 +461,17 @@ def main(argv=None) -> int:
                      "split_seed": SPLIT_SEED, "stratified": True, "scale": "pixels / 16"},
             "models": {m: sum(p.numel() for p in MODELS[m]().parameters())
                        for m in args.models},
-            "optimizer": {"name": "sgd", "learning_rate": args.lr, "momentum": MOMENTUM},
+            "optimizer": {"name": args.optimizer, "learning_rate": args.lr,
+                          **OPTIMIZERS[args.optimizer].options},
             "epochs": args.epochs, "seeds": args.seeds, "batch": args.batch,
             "replicas": args.replicas, "kvstore": "device", "threads": args.threads,
             "quick": args.quick, "early_epoch": early,
             "ways": args.way_params},
         "results": records, "machine": C.machine_info(),
         "libraries": C.library_versions("gpukv", "numpy", "torch", "scikit-learn")}
-    C.save_results(payload, args.out, C.result_name("accuracy"),
-                   plot=lambda png: plot(records, args.models, png))
+    prefix = "accuracy" if args.optimizer == "sgd" else f"accuracy_{args.optimizer}"
+    C.save_results(payload, args.out, C.result_name(prefix),
+                   plot=lambda png: plot(records, args.models, png, args.optimizer))
     return 1 if any("error" in r for r in records) else 0
 
 

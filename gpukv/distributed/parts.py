@@ -47,8 +47,8 @@ class Shard:
     def keep_apart(self, keys) -> None:
         self.store.keep_apart(keys)
 
-    def keeps_momentum(self) -> bool:
-        return self.store.keeps_momentum()
+    def settles_pulls(self) -> bool:
+        return self.store.settles_pulls()
 
     def rejoin(self, keys=None) -> None:
         self.store.rejoin(keys)

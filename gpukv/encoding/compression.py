@@ -127,11 +127,11 @@ class GradientCompression:
                     terms.append(comp.decompress(payload, ctx, decoded))
         return terms
 
-    def serve(self, key, value, served, home, assigns: bool, momentum: bool) -> None:
+    def serve(self, key, value, served, home, assigns: bool, settles: bool) -> None:
         """Compressed pulls: move `key`'s `served` value on at `home` after a push (see
         `gpukv.encoding.pulls`): from the float32 sum it `assigns`, else from `value`,
-        the updated value, which becomes the served value where the optimizer keeps a
-        `momentum`; the caller's current stream then sees it."""
+        the updated value, which becomes the served value where the optimizer `settles`
+        it; the caller's current stream then sees it."""
         pulls = self.pulls
         assert pulls is not None  # a compressor that compresses pulls
 
@@ -140,7 +140,7 @@ class GradientCompression:
         with home.activate():
             payload = pulls.payload(key, value, served, assigns, zeros)
             pulls.apply(payload, served, assigns)
-            pulls.settle(value, served, assigns, momentum)
+            pulls.settle(value, served, assigns, settles)
         home.leave()
 
     def low_rank_sum(self, key, sources, devices, home, out) -> None:

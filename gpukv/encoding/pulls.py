@@ -10,17 +10,19 @@ the served value stays the same bits:
 - with an updater on the store, the payload is C(value - served), the step compressed,
   and every worker adds its decoded value to the served value. What the codec did not
   send of a step must not be lost, and either of two things carries it:
-  - an optimizer that keeps a momentum (`Optimizer.keeps_momentum`) carries it in its
-    momentum, so the owner's value becomes the served value (`settle`): the store
-    takes the step every worker took, and every copy holds its value, bit for bit;
-  - otherwise (no momentum, an updater function) the owner keeps the value apart: the
-    served value follows it, and differs from it by what the codec has not sent yet
-    (the owner's residual: error feedback of its own, kept as that difference).
-  The served value trails a value kept apart by a few steps, and that staleness acts
-  as a momentum of its own: on top of the optimizer's it cost 'sign' 4.2 and 9.9 points
-  of accuracy after 5 epochs on the accuracy benchmark's MLP and CNN (10 seeds; 1.1
-  and 2.0 settled), where without momentum settling cost 0.8 and 1.3 points at the end
-  (`benchmarks/bench_accuracy.py`);
+  - a heavy-ball momentum on the step (SGD's, centered RMSProp's:
+    `Optimizer.settles_compressed_pulls`) carries it on, so the owner's value becomes
+    the served value (`settle`): the store takes the step every worker took, and every
+    copy holds its value, bit for bit;
+  - otherwise (Nesterov's momentum, the Adam-like rules, no momentum, an updater
+    function) the owner keeps the value apart: the served value follows it, and differs
+    from it by what the codec has not sent yet (the owner's residual: error feedback of
+    its own, kept as that difference).
+  The served value trails a value kept apart by a few steps. On top of SGD's momentum
+  that staleness cost 'sign' 4.2 and 9.9 points of accuracy after 5 epochs on the
+  accuracy benchmark's MLP and CNN (10 seeds; 1.1 and 2.0 settled); with the other
+  rules settling cost more than it saved (`benchmarks/bench_accuracy.py`, the table
+  in docs/optimizers.md);
 - without one (a push assigns the sum), the payload is C(sum + residual) and the served
   value becomes its decoded value; the residual of each piece is kept here, as a
   worker keeps the residual of what it pushes.

@@ -107,6 +107,10 @@ class SGD(Optimizer):
     def state_names(self):
         return ("mom",) if self.momentum > 0 else ()
 
+    @property
+    def settles_compressed_pulls(self) -> bool:
+        return self.momentum > 0
+
     def defines(self):
         return {**super().defines(), "HAS_MOM": int(self.momentum > 0)}
 
@@ -487,6 +491,10 @@ class RMSProp(Optimizer):
 
     def state_names(self):
         return ("n", "g", "delta") if self.centered else ("n",)
+
+    @property
+    def settles_compressed_pulls(self) -> bool:
+        return self.centered and self.gamma2 > 0
 
     def defines(self):
         return {**super().defines(), "CENTERED": int(self.centered),

@@ -86,7 +86,8 @@ class _Entry:
 
     With compressed pulls (`gpukv.encoding.pulls`) and an updater, `value` is the served
     value, what pulls read, and `kept` the value the updater updates (with an optimizer
-    that keeps a momentum, the served value again after each push: `PullCodec.settle`);
+    that settles compressed pulls, the served value again after each push:
+    `PullCodec.settle`);
     otherwise `kept` is None and `value` is both.
     """
 
@@ -828,10 +829,10 @@ class LocalStore(KVStore):
             for key in keys:
                 self._entries[key].keep()
 
-    def keeps_momentum(self) -> bool:
-        """Whether the updater is an optimizer that keeps a momentum (compressed pulls
-        then settle each value: `gpukv.encoding.pulls`)."""
-        return pipeline.keeps_momentum(self._updater)
+    def settles_pulls(self) -> bool:
+        """Whether the updater is an optimizer whose compressed pulls settle each value
+        (`Optimizer.settles_compressed_pulls`, `gpukv.encoding.pulls`)."""
+        return pipeline.settles_pulls(self._updater)
 
     def rejoin(self, keys=None) -> None:
         """The value of `keys` (None: every key) is what workers hold again: the copies

@@ -130,11 +130,11 @@ def devices_of(arrays) -> list:
     return devices
 
 
-def keeps_momentum(updater) -> bool:
+def settles_pulls(updater) -> bool:
     """Whether `updater` (None, a FunctionUpdater or an OptimizerUpdater) is an optimizer
-    that keeps a momentum (`Optimizer.keeps_momentum`)."""
+    whose compressed pulls settle the value (`Optimizer.settles_compressed_pulls`)."""
     optimizer = getattr(updater, "optimizer", None)
-    return optimizer is not None and optimizer.keeps_momentum
+    return optimizer is not None and optimizer.settles_compressed_pulls
 
 
 class FunctionUpdater:
@@ -310,11 +310,11 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
     with timeline.span("update" if updater is not None else "assign"):
         _apply(plan, updater)
     if plan.compressed and comp is not None and comp.pulls is not None:
-        assigns, momentum = updater is None, keeps_momentum(updater)
+        assigns, settles = updater is None, settles_pulls(updater)
         with timeline.span("serve"):  # what pulls read: moved on by one payload each
             for key, _, _, home, out, entry in plan.compressed:
                 comp.serve(key, out if assigns else entry.kept, entry.value, home, assigns,
-                           momentum)
+                           settles)
 
 
 def _apply(plan: PushPlan, updater) -> None:

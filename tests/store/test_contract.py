@@ -40,7 +40,7 @@ def test_the_contract_documents_every_call_of_each_store(cls):
     dist store's collective options."""
     beyond = {LocalStore: {"pin", "key_kind", "optimizer", "entries", "lookup",
                            "init_checked", "push_checked", "pull_checked", "adopt",
-                           "keep_apart", "keeps_momentum", "rejoin", "update_merged",
+                           "keep_apart", "settles_pulls", "rejoin", "update_merged",
                            "optimizer_updater", "write_part", "__repr__"},
               DistKVStore: {"nccl", "__repr__"}}[cls]
     assert _public(cls) - _public(KVStore) == beyond

@@ -110,3 +110,33 @@ def test_powersgd_pushes_p_and_q_of_its_matrices():
     wire = wire_bytes({"w": (512, 64), "b": (512,)}, {"type": "powersgd"})
     assert wire["push_bytes"] == 4 * 4 * (512 + 64) + 4 * 512
     assert wire["pull_bytes"] == 4 * (512 * 64 + 512)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "nag", "adam", "rmsprop"])
+def test_every_way_trains_with_the_optimizer_asked_for(optimizer):
+    """`--optimizer` sets both sides alike: plain PyTorch's torch.optim and the Trainer's
+    store optimizer, with the same learning rate and momentum, betas or decay."""
+    import torch
+
+    from gpukv.optim import NAG, SGD, Adam, RMSProp
+
+    bench = _load("bench_accuracy.py")
+    lr = bench.OPTIMIZERS[optimizer].lr
+    base = bench.MODELS["mlp"]()
+    plain = bench.make_way("torch", None, base, lr, 2, optimizer).opt
+    store = bench.make_way("uncompressed", None, base, lr, 2, optimizer).trainer.optimizer
+    group = plain.param_groups[0]
+    assert group["lr"] == store.learning_rate == lr
+    if optimizer in ("sgd", "nag"):
+        assert type(plain) is torch.optim.SGD
+        assert type(store) is (SGD if optimizer == "sgd" else NAG)
+        assert group["momentum"] == store.momentum == bench.MOMENTUM
+        assert group["nesterov"] == (optimizer == "nag")
+    elif optimizer == "adam":
+        assert type(plain) is torch.optim.Adam and type(store) is Adam
+        assert group["betas"] == (store.beta1, store.beta2) == bench.BETAS
+    else:
+        assert type(plain) is torch.optim.RMSprop and type(store) is RMSProp
+        assert group["centered"] and store.centered
+        assert group["alpha"] == store.gamma1 == bench.DECAY
+        assert group["momentum"] == store.gamma2 == bench.MOMENTUM

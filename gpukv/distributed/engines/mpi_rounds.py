@@ -516,7 +516,7 @@ class MpiRounds:
         assert pulls is not None  # a compressor that compresses pulls
         if not compressed:  # every process has the same plan: none calls the all-gather
             return
-        assigns, momentum = self.state.assigns, self.state.shard.keeps_momentum()
+        assigns, settles = self.state.assigns, self.state.shard.settles_pulls()
         pieces = [(key, p, by_key[key][1].reshape(-1)[p.start:p.stop])
                   for key, layout in compressed for p in layout.pieces]
         counts = [0] * size
@@ -540,7 +540,7 @@ class MpiRounds:
             at[p.server] += nbytes
             pulls.apply(payload, copy, assigns)
             if p.server == rank:
-                pulls.settle(self.state.shard.stored(key), copy, assigns, momentum)
+                pulls.settle(self.state.shard.stored(key), copy, assigns, settles)
 
     def _low_rank(self, keys: list, by_key: dict, what: str, counts=None) -> list:
         """The keys a low-rank compressor sums (`keys`: (key, layout); PowerSGD): their

@@ -233,9 +233,9 @@ class Shard(Protocol):
         copies kept apart are dropped)."""
         ...
 
-    def keeps_momentum(self) -> bool:
-        """Whether its updater is an optimizer that keeps a momentum (compressed pulls
-        then settle the value: `gpukv.encoding.pulls`)."""
+    def settles_pulls(self) -> bool:
+        """Whether its updater is an optimizer whose compressed pulls settle the value
+        (`Optimizer.settles_compressed_pulls`, `gpukv.encoding.pulls`)."""
         ...
 
     def adopt(self, keys: list, arrays: list) -> None:

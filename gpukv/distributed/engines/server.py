@@ -431,7 +431,7 @@ class _Server:
         served = self.shard.served(key)
         payload = codec.payload(key, value, served, assigns)
         codec.apply(payload, served, assigns)
-        codec.settle(value, served, assigns, self.shard.keeps_momentum())
+        codec.settle(value, served, assigns, self.shard.settles_pulls())
         # kept for the workers whose copy is one round behind (a new array each round:
         # a send of the last may still be on its way)
         state.change = (state.version + 1, np.ascontiguousarray(payload).copy())

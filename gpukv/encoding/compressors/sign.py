@@ -6,8 +6,8 @@ decoded value misses of gradient plus residual is the next push's residual.
 Unlike 2bit/1bit it has nothing to tune: the scale follows the gradient's own size, so
 the residual stays bounded whatever the gradients' scale, and 64 float32 values cross in
 12 bytes (a 21x cut). It compresses both ways: what workers pull crosses as sign
-payloads too (`gpukv.encoding.pulls`: with an optimizer that keeps a momentum on the
-store, its step is compressed, and the store takes the step the workers take).
+payloads too (`gpukv.encoding.pulls`: with an optimizer on the store, its step is
+compressed; with SGD's momentum the store then takes the step the workers take).
 
 The root mean square, rather than the paper's mean absolute value,
 sends a block's largest values sooner (the overshoot of the small ones comes back through

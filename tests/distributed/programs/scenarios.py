@@ -225,7 +225,7 @@ def compression(kind: str = "2bit") -> None:
         if round_ == 3:  # then with an updater on the store
             for store in (kv, reference):
                 store.set_updater(_descend)
-        if round_ == 6:  # then with an optimizer that keeps a momentum
+        if round_ == 6:  # then with an optimizer that settles compressed pulls
             for store in (kv, reference):
                 store.set_optimizer(gpukv.optim.SGD(learning_rate=0.1, momentum=0.9))
         grads = {k: [(rng.standard_normal(s) * 2).astype(dtypes[k]) for _ in range(n)]
