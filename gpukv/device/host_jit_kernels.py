@@ -145,6 +145,37 @@ def sign_decode(scales, bits, out, accumulate, lo, hi, table):
         o[i] = o[i] + v if accumulate else v
 
 
+@inline
+def ternary_block(g, r, at, count, e, a, y, d, codes, byte, lanes):
+    """One block of 128 values from g[at:], r[at:] (its first `count` real, zeros after
+    them): its codes into codes[byte:byte + 26], r -= the values sent; returns the scale.
+    e, a, y and d are scratch. The digits are found in the pass that moves the residual
+    on, from the magnitudes left after the threshold, which keeps the threshold's pass
+    free of byte stores (it then runs on vectors)."""
+    for i in range(128):
+        v = r[at + i] + g[at + i]
+        e[i] = v
+        a[i] = abs(v)
+    threshold = halves_128(a, y, lanes) / _F32(count) * _SEVEN_TENTHS
+    sent = 0
+    for i in range(128):
+        chosen = a[i] > threshold  # never a NaN's
+        a[i] = a[i] if chosen else _ZERO
+        sent += np.int32(chosen)
+    s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
+    minus = _F32(-1) * s
+    for i in range(128):  # (a value sent has a magnitude above 0: the threshold's >= 0)
+        on = a[i] != _ZERO
+        negative = e[i] < _ZERO
+        d[i] = np.uint8(on) + np.uint8(on and negative)
+        r[at + i] = e[i] - (_ZERO if not on else (minus if negative else s))
+    for j in range(_TERNARY_CODE_BYTES):
+        q = 5 * j
+        codes[byte + j] = (
+            (((d[q + 4] * 3 + d[q + 3]) * 3 + d[q + 2]) * 3 + d[q + 1]) * 3 + d[q])
+    return s
+
+
 @jit
 def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
     """Per block of 128 values (the last may be short: zeros after its values, its
@@ -157,29 +188,19 @@ def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
     a = np.empty(128, np.float32)
     y = np.empty(8, np.float32)
     d = np.zeros(130, np.uint8)  # (the last byte's two digits past 128 stay 0)
-    for b in range((hi - lo + 127) // 128):
-        at = b * 128
-        k = min(128, hi - lo - at)
-        for i in range(128):
-            v = r[at + i] + g[at + i] if i < k else _ZERO
-            e[i] = v
-            a[i] = abs(v)
-        threshold = halves_128(a, y, lanes) / _F32(k) * _SEVEN_TENTHS
-        sent = 0
-        for i in range(128):
-            chosen = a[i] > threshold  # never a NaN's
-            d[i] = (2 if e[i] < _ZERO else 1) if chosen else 0
-            a[i] = a[i] if chosen else _ZERO
-            sent += 1 if chosen else 0
-        s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
-        sc[b] = s
-        for j in range(_TERNARY_CODE_BYTES):
-            q = 5 * j
-            cd[b * _TERNARY_CODE_BYTES + j] = (
-                (((d[q + 4] * 3 + d[q + 3]) * 3 + d[q + 2]) * 3 + d[q + 1]) * 3 + d[q])
-        for i in range(k):
-            step = _ZERO if d[i] == 0 else (s if d[i] == 1 else _F32(-1) * s)
-            r[at + i] = e[i] - step
+    whole = (hi - lo) // 128
+    for b in range(whole):
+        sc[b] = ternary_block(g, r, b * 128, 128, e, a, y, d, cd, b * _TERNARY_CODE_BYTES,
+                              lanes)
+    k = hi - lo - whole * 128
+    if k:  # the array's last, short block: zeros after its values
+        g128 = np.zeros(128, np.float32)
+        r128 = np.zeros(128, np.float32)
+        g128[:k] = g[whole * 128:]
+        r128[:k] = r[whole * 128:]
+        sc[whole] = ternary_block(g128, r128, 0, k, e, a, y, d, cd,
+                                  whole * _TERNARY_CODE_BYTES, lanes)
+        r[whole * 128:] = r128[:k]
 
 
 @inline
