@@ -298,6 +298,61 @@ def test_export_holds_the_buffers_for_a_strict_load(tmp_path):
     assert torch.equal(model(x), fresh(x))
 
 
+def _fine_tuned_model(seed=0, bias=True):
+    """A body frozen before the Trainer is made (as a pretrained one is) and a head."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8, bias=bias), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    return model
+
+
+def _frozen(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()
+            if not p.requires_grad}
+
+
+def test_frozen_parameters_are_in_snapshots_resumes_and_exports(tmp_path):
+    """Parameters frozen when the Trainer was made, which the store does not hold, are in
+    a snapshot as replica 0 has them: a resume on fresh models (other frozen values)
+    gives them to every replica and then ends as the uninterrupted run, bit for bit; the
+    export holds the whole model, for a strict load that computes as the trained one."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    whole = [_fine_tuned_model() for _ in range(2)]
+    _run(whole, STEPS, tmp_path / "whole")
+    first = [_fine_tuned_model() for _ in range(2)]
+    _run(first, 4, tmp_path / "ckpt", every=2)
+    saved = _frozen(first[0])
+    fresh = [_fine_tuned_model(seed=5) for _ in range(2)]
+    assert not any(torch.equal(p, saved[n]) for n, p in _frozen(fresh[0]).items())
+    trainer = gt.Trainer(fresh, "sgd", dict(PARAMS), kvstore="local",
+                         checkpoint_dir=tmp_path / "ckpt")
+    assert trainer.steps == 4
+    for model in fresh:
+        for name, p in _frozen(model).items():
+            assert torch.equal(p, saved[name]) and not p.requires_grad, name
+    _run(fresh, STEPS, tmp_path / "ckpt")
+    assert _bits(fresh) == _bits(whole)
+    out = tmp_path / "model.safetensors"  # (of the newest snapshot: step 4's)
+    assert set(export_safetensors(tmp_path / "ckpt", out)) == set(first[0].state_dict())
+    loaded = _fine_tuned_model(seed=9)
+    loaded.load_state_dict(safetensors_torch.load_file(str(out)), strict=True)
+    x = torch.randn(5, 6)
+    assert torch.equal(loaded(x), first[0](x))
+
+
+def test_a_snapshot_of_other_frozen_parameters_is_refused_naming_them(tmp_path):
+    """A model whose frozen parameters differ from the snapshot's (a body without a
+    bias) is refused before anything changes, naming them as load_state_dict does."""
+    _run([_fine_tuned_model()], 2, tmp_path, every=1)
+    other = _fine_tuned_model(bias=False)
+    before = _bits([other])
+    with pytest.raises(gpukv.CheckpointError,
+                       match="frozen parameter not in the model: 0.bias"):
+        gt.Trainer(other, "sgd", dict(PARAMS), kvstore="local", checkpoint_dir=tmp_path)
+    assert _bits([other]) == before
+
+
 def test_close_takes_the_final_snapshot_once(tmp_path):
     """A run of 5 steps snapshotting every 2 ends, after close(), with a snapshot of step
     5; a close right after a snapshot of the last step takes none more."""

@@ -51,8 +51,11 @@ class Checkpoints:
         self.replicas = replicas
         self.resumed: snapshots.Snapshot | None = None
         #: the replicas' modules, whose buffers (`buffers.module_buffers`) a snapshot
-        #: keeps (worker 0's replica 0's) and a resume gives to every replica
+        #: keeps (worker 0's replica 0's) and a resume gives to every replica; and
+        #: (name, replica, tensor) of their parameters frozen when the Trainer was made,
+        #: kept and given back alike
         self.modules: list = []
+        self.frozen: list = []
 
     @staticmethod
     def check_resume(resume):
@@ -87,6 +90,7 @@ class Checkpoints:
                  "user": user_state}
         if self.modules and self.store.rank == 0:
             saved["trainer"]["buffers"] = buffers.module_buffers(self.modules[0])
+            saved["trainer"]["frozen"] = buffers.frozen_parameters(self.frozen)
         if self.resume_from == "never":  # an earlier run's snapshots are not this one's
             folder = self._snapshot(steps, saved, None)
             self.taken.append(folder)
@@ -132,9 +136,11 @@ class Checkpoints:
             return None
         self.resumed = found
         self.last_step = found.step
-        saved_buffers = found.user_state(0)["trainer"].get("buffers")
-        if saved_buffers is not None:
-            buffers.restore(saved_buffers, self.modules)
+        trainer = found.user_state(0)["trainer"]
+        if trainer.get("buffers") is not None:
+            buffers.restore(trainer["buffers"], self.modules)
+        if trainer.get("frozen") is not None:  # (a snapshot of before frozen ones: None)
+            buffers.restore_frozen(trainer["frozen"], self.frozen)
         rank = self.store.rank
         user = found.user_state(rank).get("user", {}) if rank < found.workers else {}
         said = (f"resumed from {found.path} (step {found.step}, saved by {found.workers} "
@@ -172,6 +178,13 @@ class Checkpoints:
                     for name, t in buffers.module_buffers(self.modules[0]).items()}
             _refuse_another_model(found.path, _mismatches(
                 buffers.saved_shapes(saved_buffers, found.path), mine, "buffer "))
+        saved_frozen = trainer.get("frozen")
+        if self.modules and saved_frozen is not None:
+            mine = {name: tuple(t.shape)
+                    for name, t in buffers.frozen_parameters(self.frozen).items()}
+            _refuse_another_model(found.path, _mismatches(
+                buffers.saved_shapes(saved_frozen, found.path, "frozen parameters"), mine,
+                "frozen parameter "))
         if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
             layout = parameter_layout(saved, found.path)
             if layout == self.layout:

@@ -1,9 +1,10 @@
 """`python -m gpukv export SNAPSHOT OUT.safetensors`: a Trainer's snapshot as a file other
 tools open, its model's parameters under their own names (`model.state_dict()`'s), in
 safetensors; `torch.load`-free: `safetensors.torch.load_file(OUT)` gives a dict that
-`model.load_state_dict(...)` takes: the trained parameters and the buffers (BatchNorm's
-running statistics, as worker 0's replica 0 had them), but not the parameters that were
-frozen when the Trainer was made, which the store does not hold (`strict=False` then).
+`model.load_state_dict(...)` takes: the trained parameters, the parameters frozen when
+the Trainer was made and the buffers (BatchNorm's running statistics), the last two as
+worker 0's replica 0 had them. (A snapshot taken before snapshots kept frozen parameters
+has none: `strict=False` then.)
 
 The snapshot records which parameters each store key holds (a bucket fuses several, in
 order, flat); the export cuts every key's value back into them. SNAPSHOT is a snapshot's
@@ -52,8 +53,9 @@ def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
                                       f"fewer than its parameters need")
             tensors[name] = torch.from_numpy(flat[offset:offset + n].reshape(shape).copy())
             offset += n
-    for name, tensor in (saved["trainer"].get("buffers") or {}).items():
-        tensors[name] = tensor.contiguous()
+    for kept in ("frozen", "buffers"):
+        for name, tensor in (saved["trainer"].get(kept) or {}).items():
+            tensors[name] = tensor.contiguous()
     return tensors, path
 
 

@@ -322,6 +322,7 @@ class Trainer:
         the one `resume` names, or from none ('never')."""
         self._checkpoints = self._update.checkpoints(directory, every, keep, resume)
         self._checkpoints.modules = self._modules
+        self._checkpoints.frozen = frozen(self._modules)
         resumed = self._checkpoints.resume()
         if resumed is None:
             return
