@@ -70,11 +70,12 @@ class PullCodec:
         codecs.write_f32(served, decoded, accumulate=not assigns)
 
     @staticmethod
-    def settle(value, served, assigns: bool, momentum: bool) -> None:
-        """The owner's value after a round, once its `served` value is moved on: with
-        an optimizer that keeps a `momentum`, that served value, the step every worker
-        took; else (a round that `assigns`, an updater without momentum) as it is."""
-        if momentum and not assigns:
+    def settle(value, served, assigns: bool, settles: bool) -> None:
+        """The owner's value after a round, once its `served` value is moved on: where
+        the optimizer `settles` compressed pulls (`Optimizer.settles_compressed_pulls`),
+        that served value, the step every worker took; else (a round that `assigns`,
+        any other updater) as it is."""
+        if settles and not assigns:
             value.reshape(-1)[...] = served.reshape(-1)
 
     def forget(self, slot: Hashable) -> None:
