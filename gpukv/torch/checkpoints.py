@@ -172,19 +172,14 @@ class Checkpoints:
         if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
             raise CheckpointError(f"{found.path}: not a Trainer's snapshot (a bare store's "
                                   f"snapshot() made it: load it with kv.resume)")
-        saved_buffers = trainer.get("buffers")
-        if self.modules and saved_buffers is not None:
-            mine = {name: tuple(t.shape)
-                    for name, t in buffers.module_buffers(self.modules[0]).items()}
-            _refuse_another_model(found.path, _mismatches(
-                buffers.saved_shapes(saved_buffers, found.path), mine, "buffer "))
-        saved_frozen = trainer.get("frozen")
-        if self.modules and saved_frozen is not None:
-            mine = {name: tuple(t.shape)
-                    for name, t in buffers.frozen_parameters(self.frozen).items()}
-            _refuse_another_model(found.path, _mismatches(
-                buffers.saved_shapes(saved_frozen, found.path, "frozen parameters"), mine,
-                "frozen parameter "))
+        if self.modules:  # what the snapshot keeps beside the store, by the model's names
+            for kept, tensors, what in (
+                    ("buffers", buffers.module_buffers(self.modules[0]), "buffer"),
+                    ("frozen", buffers.frozen_parameters(self.frozen), "frozen parameter")):
+                if trainer.get(kept) is not None:
+                    _refuse_another_model(found.path, _mismatches(
+                        buffers.saved_shapes(trainer[kept], found.path, f"{what}s"),
+                        {name: tuple(t.shape) for name, t in tensors.items()}, f"{what} "))
         if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
             layout = parameter_layout(saved, found.path)
             if layout == self.layout:

@@ -90,9 +90,10 @@ class Trainer:
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
-        # the parameters frozen now are left out for good
+        #: (name, replica, tensor) of the parameters frozen now: left out for good
+        self._frozen: list = frozen(self._modules)
         self._grads: GradientCollector = GradientCollector(
-            self._buckets, frozen(self._modules), len(self._modules))
+            self._buckets, self._frozen, len(self._modules))
         #: the buckets allreduce_grads() summed, for the update() that follows it
         self._reduced: list | None = None
         for bucket in self._buckets:
@@ -322,7 +323,7 @@ class Trainer:
         the one `resume` names, or from none ('never')."""
         self._checkpoints = self._update.checkpoints(directory, every, keep, resume)
         self._checkpoints.modules = self._modules
-        self._checkpoints.frozen = frozen(self._modules)
+        self._checkpoints.frozen = self._frozen
         resumed = self._checkpoints.resume()
         if resumed is None:
             return
