@@ -5,6 +5,7 @@
     python benchmarks/bench_accuracy.py --ways torch,uncompressed,2bit,2bit-t0.5
     python benchmarks/bench_accuracy.py --quick --out /tmp/acc   # seconds: the tests' run
     python benchmarks/bench_accuracy.py --optimizer adam          # Adam, lr 0.001 (nag, rmsprop)
+    python benchmarks/bench_accuracy.py --amp --ways torch,uncompressed,sign  # float16
 
 The data are scikit-learn's bundled digits (1797 8x8 images, 10 classes, no download):
 a stratified 80/20 split (seed 0), pixels scaled to [0, 1]. Two models: an MLP
@@ -32,6 +33,10 @@ in turns. JSON with every curve, and a PNG of the curves (one panel per model, o
 per way, the mean over seeds), go to --out DIR (default benchmarks/results/,
 accuracy_<machine>.json; with another optimizer, accuracy_adam_<machine>.json and so on);
 the exit status is 1 when a way failed.
+
+`--amp`: every way computes under `torch.autocast` with float16 and scales its loss with a
+`torch.amp.GradScaler` of its own (torch: `scaler.step(optimizer)`; the Trainer's ways:
+`scaler.step(trainer, batch)`), and the files are named accuracy_amp_<machine>.json.
 """
 from __future__ import annotations
 
@@ -132,18 +137,44 @@ def all_ways() -> dict:
     return {BASELINE: None, UNCOMPRESSED: None, **compression_ways()}
 
 
+class Precision:
+    """float32, or with `amp` float16 autocast and a GradScaler (one per way)."""
+
+    def __init__(self, amp: bool):
+        self.amp = amp
+        self.scaler = torch.amp.GradScaler("cpu") if amp else None
+
+    def loss(self, loss_fn, model, x, y):
+        if not self.amp:
+            return loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return loss_fn(model(x), y)
+
+    def backward(self, loss) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer, *args) -> None:
+        if self.scaler is None:
+            optimizer.step(*args)
+            return
+        self.scaler.step(optimizer, *args)
+        self.scaler.update()
+
+
 class TorchWay:
     """Plain PyTorch: one model on the whole batch, torch.optim's optimizer, mean loss."""
 
-    def __init__(self, base: nn.Module, lr: float, replicas: int, optimizer: str = "sgd"):
+    def __init__(self, base: nn.Module, lr: float, replicas: int, optimizer: str = "sgd",
+                 amp: bool = False):
         self.model = copy.deepcopy(base)
         self.opt = OPTIMIZERS[optimizer].torch(self.model.parameters(), lr)
         self.loss = nn.CrossEntropyLoss()
+        self.precision = Precision(amp)
 
     def step(self, x, y) -> None:
         self.opt.zero_grad()
-        self.loss(self.model(x), y).backward()
-        self.opt.step()
+        self.precision.backward(self.precision.loss(self.loss, self.model, x, y))
+        self.precision.step(self.opt)
 
     def wire(self):
         return None
@@ -154,7 +185,7 @@ class TrainerWay:
     the batch with a per-sample-sum loss; `step(batch)` rescales by 1/batch."""
 
     def __init__(self, base: nn.Module, lr: float, replicas: int, compression=None,
-                 optimizer: str = "sgd"):
+                 optimizer: str = "sgd", amp: bool = False):
         self.replicas = [copy.deepcopy(base) for _ in range(replicas)]
         self.model = self.replicas[0]  # every replica holds the store's weights
         self.compression = compression
@@ -162,13 +193,14 @@ class TrainerWay:
         self.trainer = gpukv.torch.Trainer(self.replicas, name, params, kvstore="device",
                                            compression_params=compression)
         self.loss = nn.CrossEntropyLoss(reduction="sum")
+        self.precision = Precision(amp)
 
     def step(self, x, y) -> None:
         n = len(self.replicas)
         self.trainer.zero_grad()
         for model, xs, ys in zip(self.replicas, x.tensor_split(n), y.tensor_split(n)):
-            self.loss(model(xs), ys).backward()
-        self.trainer.step(len(x))
+            self.precision.backward(self.precision.loss(self.loss, model, xs, ys))
+        self.precision.step(self.trainer, len(x))
 
     def key_sizes(self) -> dict:
         """Store key -> its shape (a parameter's own, or the flat size of a bucket)."""
@@ -207,10 +239,11 @@ def wire_bytes(key_shapes: dict, compression) -> dict:
             "both_ways": both}
 
 
-def make_way(name: str, compression, base, lr, replicas, optimizer: str = "sgd"):
+def make_way(name: str, compression, base, lr, replicas, optimizer: str = "sgd",
+             amp: bool = False):
     if name == BASELINE:
-        return TorchWay(base, lr, replicas, optimizer)
-    return TrainerWay(base, lr, replicas, compression, optimizer)
+        return TorchWay(base, lr, replicas, optimizer, amp)
+    return TrainerWay(base, lr, replicas, compression, optimizer, amp)
 
 
 # ------------------------------------------------------------------------------ data
@@ -261,7 +294,7 @@ def train_seed(model_name, seed, ways, data, args, records) -> None:
             continue
         try:
             live[name] = make_way(name, compression, base, args.lr, args.replicas,
-                                  args.optimizer)
+                                  args.optimizer, args.amp)
             if "wire" not in rec:
                 rec["wire"] = live[name].wire()
         except Exception as exc:
@@ -413,6 +446,8 @@ def build_parser():
                    help="global batch size, split over the replicas (default 64)")
     p.add_argument("--replicas", type=C.positive_int, default=4, metavar="N",
                    help="CPU replicas of the Trainer's ways (default 4)")
+    p.add_argument("--amp", action="store_true",
+                   help="float16 autocast and a torch.amp.GradScaler in every way")
     p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
                    help="torch.set_num_threads (default 1)")
     p.add_argument("--quick", action="store_true",
@@ -465,13 +500,16 @@ def main(argv=None) -> int:
                           **OPTIMIZERS[args.optimizer].options},
             "epochs": args.epochs, "seeds": args.seeds, "batch": args.batch,
             "replicas": args.replicas, "kvstore": "device", "threads": args.threads,
-            "quick": args.quick, "early_epoch": early,
+            "quick": args.quick, "early_epoch": early, "amp": args.amp,
             "ways": args.way_params},
         "results": records, "machine": C.machine_info(),
         "libraries": C.library_versions("gpukv", "numpy", "torch", "scikit-learn")}
     prefix = "accuracy" if args.optimizer == "sgd" else f"accuracy_{args.optimizer}"
+    if args.amp:
+        prefix += "_amp"
     C.save_results(payload, args.out, C.result_name(prefix),
-                   plot=lambda png: plot(records, args.models, png, args.optimizer))
+                   plot=lambda png: plot(records, args.models, png, args.optimizer
+                                         + (", float16 autocast" if args.amp else "")))
     return 1 if any("error" in r for r in records) else 0
 
 

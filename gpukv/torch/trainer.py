@@ -17,6 +17,7 @@ from ..checkpoints.snapshots import Snapshot
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
 from ..store.base import KVStore
+from . import scaling
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
 from .checkpoints import Checkpoints
 from .gradients import GradientCollector
@@ -58,7 +59,15 @@ class Trainer:
         from that one.
     deterministic: sum every gradient in the canonical order, the same bits for any
         layout; None: the store's default (GPUKV_DETERMINISTIC).
+
+    With a `torch.amp.GradScaler`, `scaler.step(trainer)` takes the step (see
+    `gpukv.torch.scaling`): skipped on every worker when one found an inf or NaN.
     """
+
+    #: `torch.amp.GradScaler.step(trainer)` calls `step` with `grad_scale` and `found_inf`
+    #: set on the Trainer (the protocol of torch's fused optimizers), instead of skipping
+    #: the step on this worker alone
+    _step_supports_amp_scaling = True
 
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=True, *,
@@ -70,7 +79,6 @@ class Trainer:
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         self._scale = self._optimizer.rescale_grad
         self._kv = _make_store(kvstore, deterministic)
-        self._total_replicas: int | None = None  # every worker's replicas, once checked
         on_store = _check_flag("update_on_kvstore", update_on_kvstore)
         if overlap is not None:
             _check_flag("overlap", overlap)
@@ -114,6 +122,9 @@ class Trainer:
         self._checkpoints: Checkpoints | None = None
         if checkpoints is not None:
             self._start_checkpoints(*checkpoints)
+        #: the fewest and the most replicas of a worker: asked of every worker here, where
+        #: all of them are (a step's early reductions may be under way on a dist store)
+        self._replicas_per_worker: tuple[int, int] = self._count_replicas()
         self._early: EarlyReduction | None = None
         if self._wants_overlap(overlap):
             target = self._update.early_store()
@@ -173,6 +184,13 @@ class Trainer:
         for opt in self._update.replica_optimizers:
             opt.set_learning_rate(lr)
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every replica's trainable parameters, as one torch optimizer group: where a
+        `torch.amp.GradScaler` looks for infinities and NaN, and takes the scale off."""
+        return [{"params": [p for bucket in self._buckets for params in bucket.params
+                            for p in params]}]
+
     # ------------------------------------------------------------------- training
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -220,6 +238,14 @@ class Trainer:
         is left out of the step when it has its own key (in a fused key it gets a zero
         gradient); on a dist store every worker passes the same flag.
         """
+        scaled = scaling.set_on(self)
+        if scaled is not None:
+            try:
+                self._scaled_step(scaled, batch_size, ignore_stale_grad)
+            except BaseException:
+                scaling.forget(self)
+                raise
+            return
         with timeline.span("Trainer.step", "trainer", step=self._steps):
             scale = self._scale_for(batch_size)
             self._check_multipliers()
@@ -259,6 +285,57 @@ class Trainer:
         self._set_scale(scale)
         replicas.apply(live)
         self._stepped()
+
+    def _scaled_step(self, scaled: scaling.Scaled, batch_size,
+                     ignore_stale_grad: bool) -> None:
+        """`step` called by `GradScaler.step`: every worker skips it when one found an
+        inf or NaN; else it takes the scale off before the optimizer (`scaling`)."""
+        with timeline.span("Trainer.step", "trainer", step=self._steps, scaled=True):
+            scale = self._scale_for(batch_size)
+            self._check_multipliers()
+            if isinstance(self._update, ReplicaUpdate):
+                self._scaled_replica_step(self._update, scaled, scale, ignore_stale_grad)
+                return
+            reduction = self._gather(ignore_stale_grad)
+            if scaling.found_anywhere(self._kv, scaled.found_inf):
+                self._skipped()
+                return
+            self._set_scale(scale)
+            with timeline.span("reduce and update", "trainer"):
+                self._update.step(reduction, scaled.inverse)
+            self._stepped()
+
+    def _scaled_replica_step(self, replicas: ReplicaUpdate, scaled: scaling.Scaled,
+                             scale: float, ignore_stale_grad: bool) -> None:
+        """A scaled step with update_on_kvstore=False: the sums (made now, or by
+        `allreduce_grads`) lose the scale, and the replicas update them unless GradScaler
+        found an inf or NaN (in the sums, the same on every worker, or with one worker in
+        its replicas' gradients)."""
+        scaling.check_replica_scaling(self._kv, self._reduced is not None)
+        if self._reduced is None:
+            reduction = self._gather(ignore_stale_grad)
+            if scaled.found_inf:
+                self._skipped()
+                return
+            self._set_scale(scale)
+            replicas.step(reduction, scaled.inverse)
+        else:
+            self._grads.check_trainable()
+            if scaled.found_inf:
+                self._skipped()
+                return
+            self._grads.adopt_replaced()
+            live = self._reduced
+            scaling.unscale([g for b in live for g in b.grads], scaled.inverse)
+            self._set_scale(scale)
+            replicas.apply(live)
+        self._stepped()
+
+    def _skipped(self) -> None:
+        """A scaled step with an inf or NaN: nothing updated and no step counted; the
+        gradients are used up, as by a step."""
+        self._grads.stepped()
+        self._reduced = None
 
     # ---------------------------------------------------------------- checkpoints
     def snapshot(self) -> str:
@@ -357,20 +434,23 @@ class Trainer:
         """The replicas of every worker together: what `step()` averages over, and the
         `num_replicas` of a `torch.utils.data.DistributedSampler` that gives each replica
         its own share of the data (with `rank=replica_index(r)`). Every worker must have
-        as many replicas (on a dist store, the first call checks it on every worker)."""
-        if self._total_replicas is None:
-            mine = len(self._modules)
-            workers = self._kv.num_workers
-            if workers > 1:
-                most, fewest = self._kv.workers_max(np.array([mine, -mine]),
-                                                    "Trainer: replicas per worker")
-                if most != -fewest:
-                    raise ArgumentError(
-                        f"num_replicas: the workers have between {-fewest} and {most} "
-                        f"replicas each; averaging over every replica (step() without a "
-                        f"batch size) needs as many on every worker: pass step(batch_size)")
-            self._total_replicas = mine * workers
-        return self._total_replicas
+        as many replicas (a Trainer on a dist store asks every worker when it is made)."""
+        fewest, most = self._replicas_per_worker
+        if fewest != most:
+            raise ArgumentError(
+                f"num_replicas: the workers have between {fewest} and {most} replicas "
+                f"each; averaging over every replica (step() without a batch size) needs "
+                f"as many on every worker: pass step(batch_size)")
+        return most * self._kv.num_workers
+
+    def _count_replicas(self) -> tuple[int, int]:
+        """The fewest and the most replicas a worker has (one collective call)."""
+        mine = len(self._modules)
+        if self._kv.num_workers == 1:
+            return mine, mine
+        most, fewest = self._kv.workers_max(np.array([mine, -mine]),
+                                            "Trainer: replicas per worker")
+        return int(-fewest), int(most)
 
     def replica_index(self, replica: int) -> int:
         """The index among `num_replicas` of this process's replica `replica` (workers in

@@ -20,6 +20,7 @@ from ..store.local import LocalStore
 from .buckets import Bucket
 from .checkpoints import Checkpoints
 from .reduction import Reduction
+from .scaling import unscale
 from .writes import WeightWrites
 
 
@@ -46,8 +47,9 @@ class Update(Protocol):
     def early_store(self) -> KVStore:
         """The store, running no optimizer, that the early reductions push to."""
 
-    def step(self, reduction: Reduction) -> None:
-        """Sum the live buckets' gradients, update, and bring the weights to every replica."""
+    def step(self, reduction: Reduction, inverse: float | None = None) -> None:
+        """Sum the live buckets' gradients, update, and bring the weights to every replica;
+        `inverse`: the factor that takes a loss scale off the gradients (`scaling`)."""
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         """The snapshots of the stores that hold the weights and the optimizer's state."""
@@ -96,17 +98,19 @@ class StoreUpdate:
         self.sums.init([b.key for b in self._buckets], [b.summed for b in self._buckets])
         return self.sums
 
-    def step(self, reduction: Reduction) -> None:
+    def step(self, reduction: Reduction, inverse: float | None = None) -> None:
         self._writes.check()
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
         if self.sums is None:
+            unscale([g for b in live for g in b.grads], inverse)
             self.store.push(keys, [b.grads for b in live])
-        else:
+        else:  # (the early reductions summed the scaled gradients: unscale their sums)
             reduction.push(self.sums)
-            summed = [b.summed for b in live]
+            summed: list = [b.summed for b in live]  # (early_store made every one)
             self.sums.pull(keys, out=summed)
+            unscale(summed, inverse)
             self.store.push(keys, summed)
         self.store.pull(keys, out=[b.weights for b in live])
 
@@ -163,8 +167,9 @@ class ReplicaUpdate:
     def early_store(self) -> KVStore:
         return self.store
 
-    def step(self, reduction: Reduction) -> None:
+    def step(self, reduction: Reduction, inverse: float | None = None) -> None:
         self.allreduce(reduction)
+        unscale([g for b in reduction.live for g in b.grads], inverse)  # (the sums)
         self.apply(reduction.live)
 
     def allreduce(self, reduction: Reduction) -> None:

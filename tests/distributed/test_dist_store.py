@@ -203,6 +203,28 @@ def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):
     _passes(_scenario(n, servers, "trainer", "sgd", on_store, "on", passes), n - servers)
 
 
+def test_torch_trainer_with_uneven_replicas_needs_a_batch_size():
+    """Workers with 1 and 2 replicas: num_replicas is refused on both, step(batch_size)
+    trains."""
+    pytest.importorskip("torch")
+    _passes(_scenario(2, 0, "trainer_uneven"), 2)
+
+
+@pytest.mark.parametrize("n,servers,on_store,overlap", [
+    (2, 0, "1", "off"), (2, 0, "1", "on"), (2, 0, "0", "off"), (2, 0, "0", "on"),
+    (3, 1, "1", "off"), (3, 1, "0", "on")])
+def test_torch_trainer_under_grad_scaler_on_a_dist_store(n, servers, on_store, overlap):
+    """torch.amp.GradScaler's `scaler.step(trainer)`: an inf on one worker skips the step
+    on every worker, and the weights are one process's over all replicas that skips it.
+    On the store each worker's scale follows its own gradients (worker 1's backs off);
+    with update_on_kvstore=False it follows the sums, the same on every worker."""
+    pytest.importorskip("torch")
+    out = _passes(_scenario(n, servers, "trainer_scaled", on_store, overlap), 2)
+    scales = dict(re.findall(r"SCALE worker (\d) (\d+)", out))
+    want = {"0": "1024", "1": "512"} if on_store == "1" else {"0": "512", "1": "512"}
+    assert scales == want, out
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("on_store", ["0", "1"])
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])

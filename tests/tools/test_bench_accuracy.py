@@ -140,3 +140,24 @@ def test_every_way_trains_with_the_optimizer_asked_for(optimizer):
         assert group["centered"] and store.centered
         assert group["alpha"] == store.gamma1 == bench.DECAY
         assert group["momentum"] == store.gamma2 == bench.MOMENTUM
+
+
+def test_amp_runs_every_way_under_float16_autocast_and_a_scaler(monkeypatch):
+    """`--amp`: plain PyTorch and the Trainer both compute in float16 under autocast and
+    step through a GradScaler of their own (which then holds a scale)."""
+    import torch
+
+    bench = _load("bench_accuracy.py")
+    base = bench.MODELS["mlp"]()
+    x, y = torch.rand(8, 64), torch.arange(8) % 10
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *a, **k: seen.append(linear(*a, **k).dtype) or linear(*a, **k))
+    for name in ("torch", "uncompressed"):
+        way = bench.make_way(name, None, base, 0.05, 2, "sgd", amp=True)
+        before = [p.detach().clone() for p in way.model.parameters()]
+        way.step(x, y)
+        assert way.precision.scaler.get_scale() > 0
+        assert not all(torch.equal(a, b) for a, b in zip(before, way.model.parameters()))
+    assert seen and set(seen) == {torch.float16}, seen

@@ -589,6 +589,93 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     passed(kv)
 
 
+def trainer_scaled(update_on_kvstore: str = "1", overlap: str = "off") -> None:
+    """gpukv.torch.Trainer under torch.amp.GradScaler on a dist store, two replicas per
+    worker, mean losses: an inf in worker 1's gradients at step 1 skips that step on every
+    worker, and the weights are those of one process over every replica without a scale
+    that skips it too. With update_on_kvstore=False, scaler.step before allreduce_grads
+    is refused, changing nothing, and the scale comes off the sums (every worker's scaler
+    backs off); on the store, each worker's scaler sees its own gradients."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import gpukv.torch as gt
+    kv = create(bigarray_bound=60)
+    n, r = kv.num_workers, kv.rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    on_store = update_on_kvstore == "1"
+    options = {"overlap": True, "bucket_bytes": 300} if overlap == "on" else {}
+    mine = [copy.deepcopy(model) for _ in range(2)]
+    everyone = [copy.deepcopy(model) for _ in range(2 * n)]
+    sgd = {"learning_rate": 0.5, "momentum": 0.9}
+    dist = gt.Trainer(mine, "sgd", dict(sgd), kvstore=kv, update_on_kvstore=on_store,
+                      **options)
+    local = gt.Trainer(everyone, "sgd", dict(sgd), kvstore="local",
+                       update_on_kvstore=on_store, overlap=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(4):
+        x, y = torch.randn(8 * n, 6, generator=g), torch.randint(0, 3, (8 * n,), generator=g)
+        shards = list(zip(x.chunk(2 * n), y.chunk(2 * n)))
+        for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
+            trainer.zero_grad()
+            for m, (xs, ys) in zip(models, shards[first:first + len(models)]):
+                loss = loss_fn(m(xs), ys)
+                (scaler.scale(loss) if trainer is dist else loss).backward()
+        if step == 1 and r == 1:
+            with torch.no_grad():
+                mine[1][0].weight.grad[0, 0] = float("inf")
+        if not on_store:
+            if step == 0:
+                before = [p.detach().clone() for p in mine[0].parameters()]
+                try:
+                    scaler.step(dist)
+                except gpukv.ArgumentError as exc:
+                    assert "allreduce_grads" in str(exc), exc
+                else:
+                    raise AssertionError("scaler.step before allreduce_grads was taken")
+                assert all(torch.equal(a, b) for a, b in zip(before, mine[0].parameters()))
+            dist.allreduce_grads()
+        scaler.step(dist)
+        scaler.update()
+        if step != 1:
+            local.step()
+    for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    assert dist.steps == local.steps == 3, (dist.steps, local.steps)
+    sys.stdout.write(f"SCALE worker {r} {scaler.get_scale():g}\n")  # (one write: whole)
+    sys.stdout.flush()
+    passed(kv)
+
+
+def trainer_uneven() -> None:
+    """Worker r has r + 1 replicas: num_replicas (and so step() without a batch size) is
+    refused on every worker, naming the counts; step(batch_size) trains."""
+    import torch
+    from torch import nn
+
+    import gpukv.torch as gt
+    kv = create()
+    r = kv.rank
+    models = [nn.Linear(3, 2) for _ in range(r + 1)]
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    try:
+        print(trainer.num_replicas)
+    except gpukv.ArgumentError as exc:
+        assert "between 1 and 2 replicas" in str(exc), exc
+    else:
+        raise AssertionError("num_replicas was given")
+    for model in models:
+        model(torch.ones(4, 3)).sum().backward()
+    trainer.step(4 * 3)
+    assert trainer.steps == 1
+    passed(kv)
+
+
 def trainer_stale(update_on_kvstore: str = "1", overlap: str = "off") -> None:
     """gpukv.torch.Trainer on a dist store with ignore_stale_grad, one key per parameter,
     and one parameter without a gradient on worker 1 only: every worker still pushes the
