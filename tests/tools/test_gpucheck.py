@@ -62,6 +62,8 @@ def test_quick_run_on_the_emulation_writes_every_section(quick_run):
     assert all(r["copy_fraction"] > 0 for r in record["bandwidth"]["rows"])
     assert {r["operation"] for r in record["store"]["small"]} == {"push", "pull", "pushpull"}
     assert record["trainer"]["weights_close"] is True
+    assert record["trainer"]["loss_scaling_bitwise"] is True
+    assert record["trainer"]["loss_scaling_scale"] == 512
 
 
 def test_quick_run_keeps_to_its_budget(quick_run):

@@ -9,7 +9,10 @@ forward, backward, update) and of the update alone (CUDA events on PyTorch's str
 time without CUDA), medians over the steps (one replica with the optimizer on the store:
 the Trainer's overlap is off, and its update is all of its step after backward); and
 whether the weights agree after the last step (bit for bit, and within float32 rounding:
-PyTorch's CUDA kernels may fuse the multiply-add that gpukv's kernels round twice).
+PyTorch's CUDA kernels may fuse the multiply-add that gpukv's kernels round twice). Then
+loss scaling: a few steps of `scaler.step(trainer)` under a `torch.amp.GradScaler`, one
+with an inf in a gradient, must give the weights of the unscaled steps without that one,
+bit for bit (the scale is a power of two), and halve the scale once.
 """
 from __future__ import annotations
 
@@ -129,6 +132,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
             "the CUDA emulation has no PyTorch device" if emulated
             else "PyTorch has no CUDA here"))
     _compare(section, torch, plain, replica)
+    _check_loss_scaling(section, torch, gtorch, device)
     if "gpukv_iteration_ms" in medians and "torch_iteration_ms" in medians:
         ratio = medians["gpukv_iteration_ms"] / medians["torch_iteration_ms"]
         section.data["iteration_ratio"] = ratio
@@ -159,3 +163,42 @@ def _compare(section: Section, torch, plain, replica) -> None:
                         weights="bit for bit equal" if bitwise else (
                             f"equal within rtol {RTOL} (max |difference| {worst:.2g})"
                             if close else "different"))
+
+
+def _check_loss_scaling(section: Section, torch, gtorch, device) -> None:
+    """`scaler.step(trainer)` against unscaled steps that leave the bad one out."""
+    def train(scaled: bool):
+        torch.manual_seed(1)
+        model = _model(torch, (16, 32, 4)).to(device)
+        trainer = gtorch.Trainer([model], "sgd", {"learning_rate": LR, "momentum": 0.9},
+                                 kvstore="device")
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10) if scaled else None
+        g = torch.Generator().manual_seed(2)
+        for step in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            trainer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.grad[0, 0] = float("inf")
+            if scaler is not None:
+                scaler.step(trainer)
+                scaler.update()
+            elif step != 1:
+                trainer.step()
+        return [p.detach().cpu() for p in model.parameters()], scaler
+    try:
+        want, _ = train(False)
+        got, scaler = train(True)
+    except Exception as exc:  # noqa: BLE001 - reported as this check's failure
+        section.fail(f"loss scaling: {type(exc).__name__}: {exc}")
+        return
+    same = all(torch.equal(a, b) for a, b in zip(want, got))
+    section.data.update(loss_scaling_bitwise=same, loss_scaling_scale=scaler.get_scale())
+    if not same:
+        section.fail("loss scaling: scaler.step(trainer) gave other weights than the "
+                     "unscaled steps without the one with an inf")
+    elif scaler.get_scale() != 2.0 ** 9:
+        section.fail(f"loss scaling: the scale is {scaler.get_scale():g} after one step "
+                     f"with an inf, not 512")
