@@ -257,3 +257,40 @@ def test_autocast_float16_trains_like_pytorch_with_its_scaler():
     assert scalers[0].get_scale() == scalers[1].get_scale()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_snapshot_taken_after_the_update_resumes_the_scale(tmp_path):
+    """docs/trainer.md's recipe: the scaler's state in user_state, a snapshot after
+    scaler.update(); a resumed run ends with the uninterrupted run's weights and scale
+    (a step with an inf on each side of the snapshot)."""
+    batches = make_batches(6)
+
+    def run(steps, folder):
+        base = make_model()
+        models = [copy.deepcopy(base) for _ in range(2)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                             kvstore="local", checkpoint_dir=folder)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        first = 0
+        if trainer.resumed_from is not None:
+            scaler.load_state_dict(trainer.user_state["scaler"])
+            first = trainer.user_state["batch"]
+        for i in range(first, steps):
+            x, y = batches[i]
+            trainer.zero_grad()
+            backward(models, x, y, scaler)
+            if i in (1, 4):
+                poison(models)
+            scaler.step(trainer)
+            scaler.update()
+            trainer.user_state.update(scaler=scaler.state_dict(), batch=i + 1)
+            if i == 2:
+                trainer.snapshot()
+        trainer.finish_snapshots()
+        return weights(models[0]), scaler.get_scale(), trainer.steps
+
+    want = run(6, tmp_path / "whole")
+    run(3, tmp_path / "cut")
+    got = run(6, tmp_path / "cut")
+    assert_bits(got[0], want[0])
+    assert got[1:] == want[1:] == (256.0, 4)
