@@ -161,6 +161,39 @@ def test_clipping_by_the_global_norm_between_allreduce_and_update_is_ddps(replic
     assert_same_weights(models, ref)
 
 
+def test_sums_of_allreduce_grads_are_not_summed_again():
+    """After allreduce_grads(), step() and a second allreduce_grads() would sum the sums:
+    refused, changing nothing; update() applies them as the step would have; zero_grad()
+    drops them."""
+    base = make_model()
+    models, ref = replicas_of(base, 2), replicas_of(base, 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False)
+    stepped = gt.Trainer(ref, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    backward_shards(ref, x, y)
+    trainer.allreduce_grads()
+    sums = [p.grad.clone() for p in models[0].parameters()]
+    before = [p.detach().clone() for p in models[0].parameters()]
+    for call in (lambda: trainer.step(len(x)), trainer.allreduce_grads):
+        with pytest.raises(gpukv.ArgumentError, match="sum them again"):
+            call()
+        assert all(torch.equal(p.grad, s) for p, s in zip(models[0].parameters(), sums))
+        assert all(torch.equal(p, b) for p, b in zip(models[0].parameters(), before))
+    trainer.update(len(x))
+    stepped.step(len(x))
+    assert_same_weights(models, ref[0], rtol=0, atol=0)
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    trainer.allreduce_grads()
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    trainer.step(len(x))  # the sums dropped: a step of fresh gradients
+    assert trainer.steps == 2
+
+
 def test_allreduce_needs_update_on_kvstore_false():
     """allreduce_grads and update are refused when the store runs the optimizer."""
     t = gt.Trainer(replicas_of(make_model(), 2), "sgd", kvstore="local")
@@ -849,8 +882,9 @@ def test_update_applies_a_gradient_replaced_after_allreduce_grads():
 
 
 def test_a_failed_allreduce_grads_leaves_no_sums_for_update():
-    """allreduce_grads() refused (stale) after an earlier one with no update between:
-    the update() that follows checks the gradients again rather than take the old sums."""
+    """allreduce_grads() refused (stale) after an earlier one whose sums zero_grad()
+    dropped: the update() that follows checks the gradients again rather than take the
+    old sums."""
     models = replicas_of(make_model(), 2)
     t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
                    update_on_kvstore=False)
@@ -860,6 +894,8 @@ def test_a_failed_allreduce_grads_leaves_no_sums_for_update():
     t.zero_grad()
     backward_shards(models[:1], *make_data(24))
     t.allreduce_grads(ignore_stale_grad=True)
+    t.zero_grad()
+    backward_shards(models[:1], *make_data(24))
     with pytest.raises(gpukv.ArgumentError, match="stale gradient"):
         t.allreduce_grads()
     before = weights(models)

@@ -206,7 +206,9 @@ class Trainer:
             yield
 
     def zero_grad(self) -> None:
-        """Zero every replica's gradients in place (the views stay the `.grad` tensors)."""
+        """Zero every replica's gradients in place (the views stay the `.grad` tensors),
+        and drop the sums of an `allreduce_grads` that no update applied."""
+        self._reduced = None
         try:
             if self._early is not None:
                 self._early.finish()  # they read the gradients: wait for them
@@ -246,6 +248,7 @@ class Trainer:
                 scaling.forget(self)
                 raise
             return
+        self._refuse_summed("step()", "a step")
         with timeline.span("Trainer.step", "trainer", step=self._steps):
             scale = self._scale_for(batch_size)
             self._check_multipliers()
@@ -262,7 +265,7 @@ class Trainer:
         gradients are refused, or with `ignore_stale_grad` left out, as by `step`; the
         `update` that follows takes the sums as they are."""
         replicas = self._replica_update("allreduce_grads")
-        self._reduced = None  # a failed call leaves no earlier sums for update() to take
+        self._refuse_summed("allreduce_grads() again", "another allreduce")
         reduction = self._gather(ignore_stale_grad)
         replicas.allreduce(reduction)
         self._reduced = reduction.live
@@ -330,6 +333,15 @@ class Trainer:
             self._set_scale(scale)
             replicas.apply(live)
         self._stepped()
+
+    def _refuse_summed(self, call: str, what: str) -> None:
+        """ArgumentError for `call` while the gradients hold the sums of an
+        `allreduce_grads` that no update applied: `what` would sum them again."""
+        if self._reduced is not None:
+            raise ArgumentError(
+                f"{call} after allreduce_grads(): the gradients hold their sums already, "
+                f"and {what} would sum them again; call update() to apply them (under "
+                f"GradScaler, scaler.step(trainer)), or zero_grad() to drop them")
 
     def _skipped(self) -> None:
         """A scaled step with an inf or NaN: nothing updated and no step counted; the
