@@ -299,9 +299,10 @@ class Trainer:
             if isinstance(self._update, ReplicaUpdate):
                 self._scaled_replica_step(self._update, scaled, scale, ignore_stale_grad)
                 return
+            assert isinstance(self._update, StoreUpdate)  # (the two ways there are)
             reduction = self._gather(ignore_stale_grad)
             if scaling.found_anywhere(self._kv, scaled.found_inf):
-                self._skipped()
+                self._gradients_used()
                 return
             self._set_scale(scale)
             with timeline.span("reduce and update", "trainer"):
@@ -315,23 +316,22 @@ class Trainer:
         found an inf or NaN (in the sums, the same on every worker, or with one worker in
         its replicas' gradients)."""
         scaling.check_replica_scaling(self._kv, self._reduced is not None)
-        if self._reduced is None:
+        live = self._reduced
+        if live is None:
             reduction = self._gather(ignore_stale_grad)
-            if scaled.found_inf:
-                self._skipped()
-                return
-            self._set_scale(scale)
-            replicas.step(reduction, scaled.inverse)
+            if not scaled.found_inf:
+                replicas.allreduce(reduction)
+            live = reduction.live
         else:
             self._grads.check_trainable()
-            if scaled.found_inf:
-                self._skipped()
-                return
+        if scaled.found_inf:
+            self._gradients_used()
+            return
+        if self._reduced is not None:  # a .grad replaced since (clipping out of place)
             self._grads.adopt_replaced()
-            live = self._reduced
-            scaling.unscale([g for b in live for g in b.grads], scaled.inverse)
-            self._set_scale(scale)
-            replicas.apply(live)
+        scaling.unscale([g for b in live for g in b.grads], scaled.inverse)
+        self._set_scale(scale)
+        replicas.apply(live)
         self._stepped()
 
     def _refuse_summed(self, call: str, what: str) -> None:
@@ -343,9 +343,9 @@ class Trainer:
                 f"and {what} would sum them again; call update() to apply them (under "
                 f"GradScaler, scaler.step(trainer)), or zero_grad() to drop them")
 
-    def _skipped(self) -> None:
-        """A scaled step with an inf or NaN: nothing updated and no step counted; the
-        gradients are used up, as by a step."""
+    def _gradients_used(self) -> None:
+        """A step, an update or a scaled step skipped for an inf or NaN used the
+        gradients: none is fresh any more, and no sums wait for an update."""
         self._grads.stepped()
         self._reduced = None
 
@@ -523,10 +523,9 @@ class Trainer:
         return [b for b, yes in zip(self._buckets, steps) if yes]
 
     def _stepped(self) -> None:
-        """A step or an update used the gradients: none is fresh any more. One step
-        more is done: a snapshot when one is due."""
-        self._grads.stepped()
-        self._reduced = None
+        """A step or an update is done (`_gradients_used`), one step more: a snapshot
+        when one is due."""
+        self._gradients_used()
         self._steps += 1
         if self._checkpoints is not None and self._checkpoints.due(self._steps):
             self._checkpoints.take(self._steps, self.user_state)

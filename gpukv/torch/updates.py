@@ -47,9 +47,8 @@ class Update(Protocol):
     def early_store(self) -> KVStore:
         """The store, running no optimizer, that the early reductions push to."""
 
-    def step(self, reduction: Reduction, inverse: float | None = None) -> None:
-        """Sum the live buckets' gradients, update, and bring the weights to every replica;
-        `inverse`: the factor that takes a loss scale off the gradients (`scaling`)."""
+    def step(self, reduction: Reduction) -> None:
+        """Sum the live buckets' gradients, update, and bring the weights to every replica."""
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         """The snapshots of the stores that hold the weights and the optimizer's state."""
@@ -99,6 +98,8 @@ class StoreUpdate:
         return self.sums
 
     def step(self, reduction: Reduction, inverse: float | None = None) -> None:
+        """`Update.step`; `inverse`: the factor that takes a loss scale off the gradients
+        before they leave this process (`scaling`)."""
         self._writes.check()
         keys, live = reduction.keys, reduction.live
         if not keys:
@@ -167,9 +168,8 @@ class ReplicaUpdate:
     def early_store(self) -> KVStore:
         return self.store
 
-    def step(self, reduction: Reduction, inverse: float | None = None) -> None:
+    def step(self, reduction: Reduction) -> None:
         self.allreduce(reduction)
-        unscale([g for b in reduction.live for g in b.grads], inverse)  # (the sums)
         self.apply(reduction.live)
 
     def allreduce(self, reduction: Reduction) -> None:
