@@ -18,7 +18,8 @@ all-reduce of the gradients, 2(N-1)/N of them, over its link. The ways:
 - compute: forward, backward and torch.optim.SGD on the process's shard, no communication:
   the floor of an iteration;
 - ddp: DistributedDataParallel over gloo (buckets of 25 MB, the first 1 MB, whose
-  allreduces overlap backward) with torch.optim.SGD;
+  allreduces overlap backward; `--bucket-mb` sets its buckets and the Trainer's alike)
+  with torch.optim.SGD;
 - trainer: `Trainer(update_on_kvstore=False, overlap=False)`: the store sums the gradients
   at the step (one allreduce per bucket), every process runs SGD;
 - trainer overlap: the same with `overlap=True`: each bucket's allreduce starts from
@@ -208,13 +209,15 @@ def child(args) -> int:
         compute_opt = torch_sgd(compute_model, LR / batch)
         models["compute"] = compute_model
         steps["compute"] = (compute_opt.zero_grad, compute_model, compute_opt.step)
-        ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                        bucket_cap_mb=args.bucket_mb)
         ddp_opt = torch_sgd(ddp_model, LR * size / batch)  # DDP averages the gradients
         models["ddp"] = ddp_model.module
         steps["ddp"] = (ddp_opt.zero_grad, ddp_model, ddp_opt.step)
         ways = ["compute", "ddp", *args.ways]
         if POWERSGD_WAY in args.ways:
-            hooked = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            hooked = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                         bucket_cap_mb=args.bucket_mb)
             hooked.register_comm_hook(powerSGD.PowerSGDState(process_group=None, **POWERSGD),
                                       in_order(powerSGD.powerSGD_hook))
             hooked_opt = torch_sgd(hooked, LR * size / batch)  # the hook averages too
@@ -224,7 +227,8 @@ def child(args) -> int:
             kw = TRAINER_WAYS[way]
             model = copy.deepcopy(base)
             trainer = gt.Trainer(model, "sgd", {"learning_rate": LR},
-                                 kvstore=gpukv.create("dist_sync"), **kw)
+                                 kvstore=gpukv.create("dist_sync"),
+                                 bucket_bytes=args.bucket_mb << 20, **kw)
             models[way] = model
             steps[way] = (trainer.zero_grad, model,
                           lambda trainer=trainer: trainer.step(batch))
@@ -299,7 +303,7 @@ def run_case(processes: int, args) -> list[dict]:
                     "--master", master, "--port", str(free_port()),
                     "--models", ",".join(args.models), "--batch", str(args.batch),
                     "--threads", str(args.threads), "--warmup", str(args.warmup),
-                    "--iters", str(args.iters),
+                    "--iters", str(args.iters), "--bucket-mb", str(args.bucket_mb),
                     "--ways", ",".join(n for n, w in WAY_NAMES.items() if w in args.ways)]
         run = {"capture_output": True, "text": True, "timeout": args.timeout,
                "cwd": HERE.parent}
@@ -342,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cluster: each host's link rate (default 1gbit)")
     p.add_argument("--batch", type=C.positive_int, default=256, metavar="N",
                    help="global batch size, split over the processes (default 256)")
+    p.add_argument("--bucket-mb", type=C.positive_int, default=25, metavar="MB",
+                   help="bucket capacity of the Trainer (bucket_bytes) and of DDP "
+                        "(bucket_cap_mb) alike, in MiB; the first bucket stays 1 MiB "
+                        "(default 25, DDP's)")
     p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
                    help="torch.set_num_threads in every process (default 1)")
     p.add_argument("--timeout", type=C.positive_int, default=900, metavar="SECONDS",
@@ -417,6 +425,7 @@ def main(argv=None) -> int:
     C.print_table(["model", "processes", "way", "iteration", "sync", "iter/ddp", "backward",
                    "bwd/alone", "diff vs ddp"], rows)
     payload = {"processes": args.devices, "batch": args.batch, "threads": args.threads,
+               "bucket_mb": args.bucket_mb,
                "warmup": args.warmup, "iters": args.iters,
                "cluster": args.cluster and {"hosts": args.cluster, "rate": args.rate},
                "results": records, "machine": C.machine_info(),

@@ -602,17 +602,21 @@ def test_bad_push_is_refused_before_anything_moves():
 
 
 def test_trainer_benchmark_against_ddp(tmp_path):
-    """benchmarks/bench_trainer_dist.py runs its ways on 2 processes, and every Trainer
-    way ends with DDP's weights (the benchmark's own check; it exits 1 otherwise)."""
+    """benchmarks/bench_trainer_dist.py runs its ways on 2 processes, with buckets of 1 MiB
+    (--bucket-mb: the Trainer's and DDP's), and every Trainer way ends with DDP's weights
+    (the benchmark's own check; it exits 1 otherwise)."""
     pytest.importorskip("torch")
     require_mpi()
     script = Path(__file__).parents[2] / "benchmarks" / "bench_trainer_dist.py"
     proc = subprocess.run([sys.executable, str(script), "--models", "mlp,1000-params",
-                           "--warmup", "0", "--iters", "2", "--out", str(tmp_path)],
+                           "--warmup", "0", "--iters", "2", "--bucket-mb", "1",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (result,) = tmp_path.glob("trainer_dist_*.json")
-    records = json.loads(result.read_text())["results"]
+    payload = json.loads(result.read_text())
+    assert payload["bucket_mb"] == 1
+    records = payload["results"]
     assert [r["model"] for r in records] == ["mlp", "1000-params"]
     for record in records:
         assert record["mpi_allreduce_s"] > 0

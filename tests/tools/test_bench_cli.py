@@ -200,6 +200,7 @@ def test_bench_strategies_script_help_names_the_script():
     ("bench_trainer.py", "--models", "resnet"),
     ("bench_trainer_dist.py", "--models", "resnet"),
     ("bench_trainer_dist.py", "--devices", "2,x"),
+    ("bench_trainer_dist.py", "--bucket-mb", "0"),
 ])
 def test_benchmark_script_bad_value_is_an_argument_error(script, option, value):
     """A malformed size, count or name given to a benchmark script is an argparse error

@@ -74,6 +74,8 @@ class _Checked:
                 return attr(*args, **kwargs)
             except transport.MPI.Exception as exc:
                 raise transport.broken(f"MPI {name}", exc) from exc
+        # kept: the next call finds it without __getattr__ (a round makes several)
+        setattr(self, name, checked)
         return checked
 
 
