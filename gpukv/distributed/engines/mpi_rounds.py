@@ -345,7 +345,11 @@ class MpiRounds:
                               exchange.scratch_for(counts, self.t.rank, layout.wire), wire))
             elif self._alone(key):
                 alone.append(key)
-        for wire, run in itertools.groupby(small, key=lambda k: self.state.layouts[k].wire):
+        for wire, group in itertools.groupby(small, key=lambda k: self.state.layouts[k].wire):
+            run = list(group)
+            if len(run) == 1 and self.state.layouts[run[0]].dtype == wire:
+                alone.append(run[0])  # nothing to pack: straight into its copy
+                continue
             placed, offset = [], 0
             for key in run:
                 n = int(np.prod(self.state.layouts[key].shape, dtype=np.int64))

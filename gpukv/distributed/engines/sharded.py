@@ -127,10 +127,13 @@ class ShardedRounds:
         if not keys:
             self.flush("push")
             return
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        keys = tuple(keys[i] for i in order)
-        grads = [grads[i] for i in order]
-        replicas = [replicas[i] for i in order]
+        if len(keys) > 1:
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            keys = tuple(keys[i] for i in order)
+            grads = [grads[i] for i in order]
+            replicas = [replicas[i] for i in order]
+        else:
+            keys = tuple(keys)
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
         what = f"push of key {keys[0]!r}{more}"
         comp = self.compressor

@@ -30,6 +30,8 @@ _MISMATCH = ("mismatch", "")
 #: seconds an agreement waits before it also listens for rank 0's roll call and verdict
 #: (which come only once rank 0 has waited out its timeout)
 _HEAR_AFTER = 0.01
+#: signatures whose checksums an agreement keeps (beyond them, each is computed anew)
+_CHECKSUMS_KEPT = 4096
 
 
 class Agreement:
@@ -43,6 +45,12 @@ class Agreement:
         # `tags`
         self.digest_tag, self.verdict_tag, self.signature_tag, self.roll_tag = (
             TAG_DIGEST + tags, TAG_VERDICT + tags, TAG_SIGNATURE + tags, TAG_ROLL + tags)
+        #: the checksums of the signatures met so far (a training loop repeats a few)
+        self._checksums: dict = {}
+        # the buffers of the collective agreement, reused: each call waits for its own
+        # collective to finish before it returns, and a failed transport is never used
+        self._extremes = np.empty(4, np.int64)
+        self._mine = np.empty(4, np.int64)
 
     def check(self, signature: tuple, what: str, alongside=None):
         """Return once every rank called the same thing (`signature`, a tuple of plain
@@ -62,14 +70,29 @@ class Agreement:
         self.seq += 1
         if t.size == 1:
             return alongside() if alongside is not None else None
-        digest = np.array([self.seq, zlib.crc32(repr(signature).encode())], dtype=np.int64)
+        crc = self._checksum(signature)
         if self.collective:
-            return self._together(digest, signature, what, alongside)
+            return self._together(crc, signature, what, alongside)
+        digest = np.array([self.seq, crc], dtype=np.int64)
         if t.rank == 0:
             self._coordinate(digest, signature, what)
         else:
             self._follow(digest, signature, what)
         return alongside() if alongside is not None else None
+
+    def _checksum(self, signature: tuple) -> int:
+        """CRC-32 of the signature's repr, the same on every rank for the same call. (Every
+        earlier call agreed, so every rank met the same signatures in the same order and
+        keeps the same checksums.)"""
+        try:
+            crc = self._checksums.get(signature)
+        except TypeError:  # not hashable: computed each time
+            return zlib.crc32(repr(signature).encode())
+        if crc is None:
+            crc = zlib.crc32(repr(signature).encode())
+            if len(self._checksums) < _CHECKSUMS_KEPT:
+                self._checksums[signature] = crc
+        return crc
 
     def maximum(self, values: np.ndarray, what: str) -> np.ndarray:
         """The elementwise maximum of `values` (int64, one shape) over every rank, each
@@ -93,12 +116,11 @@ class Agreement:
             self._wait_or_hear(requests, what)
 
     # ------------------------------------------------ on the store's communicator
-    def _together(self, digest, signature, what, alongside):
+    def _together(self, crc: int, signature, what, alongside):
         t = self.t
-        extremes = np.empty(4, np.int64)
-        seq, crc = digest.tolist()
-        request = t.comm.Iallreduce(np.array([seq, crc, -seq, -crc], np.int64), extremes,
-                                    op=t.MPI.MAX)
+        seq, mine, extremes = self.seq, self._mine, self._extremes
+        mine[0], mine[1], mine[2], mine[3] = seq, crc, -seq, -crc
+        request = t.comm.Iallreduce(mine, extremes, op=t.MPI.MAX)
         started = alongside() if alongside is not None else None
         self.wait([request], what)
         high_seq, high_crc, low_seq, low_crc = extremes.tolist()

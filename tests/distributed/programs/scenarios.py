@@ -427,9 +427,13 @@ def key_mismatch() -> None:
     """Workers that push different keys in one round (num_servers=0), of other sizes: a
     PeerMismatchError naming both calls on every worker, instead of mixed data (the
     round's allreduce starts beside its agreement, and is never waited on when the
-    agreement fails), and the next call a PeerError at once."""
+    agreement fails), and the next call a PeerError at once. Rounds that agreed on both
+    keys come first (the agreements keep the checksums of the calls they met)."""
     kv = create()
     kv.init(["a", "b"], [np.ones(4, np.float32), np.ones(7, np.float32)])
+    for _ in range(3):
+        kv.push("a", np.ones(4, np.float32))
+        kv.push("b", np.ones(7, np.float32))
     try:
         kv.push("a" if kv.rank == 0 else "b", np.ones(4 if kv.rank == 0 else 7, np.float32))
     except gpukv.PeerMismatchError as exc:

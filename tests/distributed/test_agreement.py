@@ -1,0 +1,46 @@
+"""The checksums an agreement sends for a call's signature: CRC-32 of its repr, kept for
+the signatures a training loop repeats (every rank met the same ones, in the same order,
+or an earlier agreement failed), computed each time for any other."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpukv.distributed.mpi import agree
+
+signatures = st.tuples(
+    st.sampled_from(["push assigning the sum", "push updating with sgd", "pull", "init"]),
+    st.tuples(st.one_of(st.integers(-5, 5), st.text(max_size=4)),
+              st.tuples(st.integers(0, 9), st.integers(0, 9)),
+              st.sampled_from(["float32", "float16", "int64"])))
+
+
+def _agreement() -> agree.Agreement:
+    return agree.Agreement(transport=None)  # (the checksums need no communicator)
+
+
+@given(st.lists(signatures, max_size=20))
+def test_a_checksum_is_the_crc_of_the_signature_first_and_every_later_time(calls):
+    a = _agreement()
+    for signature in calls + calls:
+        assert a._checksum(signature) == zlib.crc32(repr(signature).encode())
+
+
+def test_an_unhashable_signature_is_checked_each_time():
+    a = _agreement()
+    signature = ("maximum", [np.int64(3)], {"keys": 2})
+    assert a._checksum(signature) == zlib.crc32(repr(signature).encode())
+    signature[1].append(4)  # a list may change: nothing of it was kept
+    assert a._checksum(signature) == zlib.crc32(repr(signature).encode())
+    assert not a._checksums
+
+
+def test_the_checksums_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(agree, "_CHECKSUMS_KEPT", 3)
+    a = _agreement()
+    for i in range(10):
+        assert a._checksum(("push", (i,))) == zlib.crc32(repr(("push", (i,))).encode())
+    assert list(a._checksums) == [("push", (0,)), ("push", (1,)), ("push", (2,))]
