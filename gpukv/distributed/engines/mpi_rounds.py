@@ -365,16 +365,17 @@ class MpiRounds:
         return summed
 
     def _alone(self, key) -> bool:
-        """Whether a key is summed by an allreduce of its own, straight into its copy."""
+        """Whether a key is summed by an allreduce of its own, straight into its copy,
+        whatever else the round holds (a big key of its wire dtype)."""
         layout = self.state.layouts[key]
         return (layout.wire == layout.dtype
                 and int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
                 >= _ALONE_BYTES)
 
     def _start_allreduce(self, plan: _SumPlan, by_key: dict) -> list:
-        """The allreduces of a round without an updater: one per big key, from the
-        gradient into this process's copy, and one per dtype of the small keys, packed;
-        their requests."""
+        """The allreduces of a round without an updater: one per big key (and per small
+        key alone of its dtype in the round), from the gradient into this process's
+        copy, and one per dtype of the other small keys, packed; their requests."""
         comm, SUM = self.t.comm, self.t.MPI.SUM
         requests = []
         for key in plan.alone:
