@@ -50,6 +50,22 @@ class OnDLPackDevice:
         raise AssertionError("an array on a device gpukv cannot use is never read")
 
 
+class RefusingDLPack:
+    """A DLPack array its own library will not hand over, as JAX's: sharded over several
+    devices ('sharded': BufferError) or deleted ('deleted': TypeError)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __dlpack_device__(self):
+        if self.why == "sharded":
+            raise BufferError("__dlpack__ only supported for unsharded arrays.")
+        raise TypeError("object of type 'NoneType' has no len()")
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("never reached: __dlpack_device__ refuses first")
+
+
 def torch_cuda_tensor(array):
     """A PyTorch CUDA tensor holding the CuPy array `array`: the real thing where PyTorch
     has CUDA, else a `torch.Tensor` that says it lives on `array`'s GPU and hands out

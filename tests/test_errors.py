@@ -12,7 +12,7 @@ import pytest
 
 import gpukv
 
-from .foreign import OnDLPackDevice
+from .foreign import OnDLPackDevice, RefusingDLPack
 
 MX = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())[
     "behaviours"]
@@ -199,6 +199,15 @@ CASES = [
     ("init-list-unsupported-dlpack-device",
      lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5), OnDLPackDevice(14)]),
      gpukv.DeviceError, ValueError, "fresh2", ("fresh", "fresh2")),
+    # an array whose library refuses to hand it over: its error, typed and naming the key
+    ("push-refused-dlpack", lambda w: w.kv.push(w.k1, [ones(5), RefusingDLPack("sharded")]),
+     gpukv.ArgumentKindError, TypeError, "k1", ()),
+    ("pull-refused-dlpack-deleted",
+     lambda w: w.kv.pull([w.k1, w.k2], out=[w.outs[0], RefusingDLPack("deleted")]),
+     gpukv.ArgumentKindError, TypeError, "k2", ()),
+    ("init-list-refused-dlpack",
+     lambda w: w.kv.init([w.fresh, w.fresh2], [ones(5), RefusingDLPack("sharded")]),
+     gpukv.ArgumentKindError, TypeError, "fresh2", ("fresh", "fresh2")),
 ]
 
 

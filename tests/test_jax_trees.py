@@ -120,6 +120,45 @@ def test_a_tree_whose_structure_changed_is_refused_and_changes_nothing(change):
     _same(gjax.pull_tree(kv, params), params)
 
 
+def test_a_second_init_tree_on_one_prefix_is_refused_and_changes_nothing():
+    """A second tree on a prefix would orphan the first one's keys: refused before any
+    key is made; another prefix takes it."""
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"a": jnp.ones(2)})
+    with pytest.raises(gpukv.ArgumentError, match="prefix '' holds a tree already"):
+        gjax.init_tree(kv, {"b": jnp.ones(2)})
+    assert kv.keys() == ["['a']"]
+    gjax.push_tree(kv, [{"a": jnp.full(2, 3.0)}])
+    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"a": jnp.ones(2)})["a"]),
+                                  np.full(2, 3.0))
+    gjax.init_tree(kv, {"b": jnp.ones(2)}, prefix="other/")
+    assert kv.keys() == ["['a']", "other/['b']"]
+
+
+def test_a_single_device_leaf_with_a_leading_axis_of_one_is_a_shape_error():
+    """Only a shard of a sharded leaf may drop a leading axis of 1: a whole leaf of
+    shape (1, 3) for a key of (3,) is refused, and nothing changes."""
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"b": jnp.zeros(3)})
+    for leaf in (jnp.ones((1, 3)), np.ones((1, 3), np.float32)):
+        with pytest.raises(gpukv.ShapeError, match=r"\['b'\]\": .*shape \(1, 3\)"):
+            gjax.pushpull_tree(kv, [{"b": leaf}])
+    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"b": jnp.zeros(3)})["b"]),
+                                  np.zeros(3))
+
+
+def test_a_leaf_stacked_on_a_mesh_of_one_device_gives_its_row():
+    """shard_map's stacked gradient on a one-device mesh: shape (1, *key's shape), laid
+    out by a sharding, so its leading axis goes as a sharded leaf's does."""
+    one = Mesh(np.array(jax.devices()[:1]), ("i",))
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"b": jnp.zeros(3)})
+    row = np.arange(3, dtype=np.float32)
+    gjax.push_tree(kv, [{"b": jax.device_put(row[None], NamedSharding(one, P("i")))}])
+    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"b": jnp.zeros(3)})["b"]),
+                                  row)
+
+
 def test_calls_before_init_tree_say_to_call_it():
     kv = gpukv.create("local")
     kv.init("['w']", np.zeros(3, np.float32))
@@ -136,6 +175,18 @@ def test_a_leaf_of_another_dtype_in_a_shared_key_is_a_dtype_error():
     with pytest.raises(gpukv.DTypeError, match=r"\['b'\]"):
         gjax.push_tree(kv, [grads])
     _same(gjax.pull_tree(kv, params), params)
+
+
+def test_a_sharding_that_cannot_lay_out_a_leaf_is_a_shape_error_naming_it(mesh):
+    """pull_tree(devices=[sharding]) whose sharding splits a leaf's axis more ways than
+    it is long: a ShapeError naming that leaf, not JAX's own error."""
+    kv = gpukv.create("local")
+    tree = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+    gjax.init_tree(kv, tree)
+    with pytest.raises(gpukv.ShapeError, match=r"\['b'\]\": its shape \(2,\) cannot be laid"):
+        gjax.pull_tree(kv, tree, devices=[NamedSharding(mesh, P("i"))])
+    (got,) = gjax.pull_tree(kv, tree, devices=[NamedSharding(mesh, P())])  # replicated
+    _same(got, tree)
 
 
 def test_a_template_of_another_shape_is_a_shape_error():
@@ -164,6 +215,13 @@ def test_small_leaves_share_keys_by_dtype_and_a_large_one_keeps_its_own():
     assert [k for k in kv.keys() if k.startswith("big/")] == [
         "big/['a']..big/['b']", "big/['c']", "big/['d']..big/['f']", "big/['g']",
         "big/['h']..big/['i']"]
+
+
+def test_bucket_bytes_0_gives_every_leaf_its_own_key_an_empty_one_too():
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"a": jnp.zeros(0), "b": jnp.zeros((0, 4)), "c": jnp.ones(3)},
+                   bucket_bytes=0)
+    assert kv.keys() == ["['a']", "['b']", "['c']"]
 
 
 @settings(max_examples=25, deadline=None)
@@ -268,6 +326,24 @@ def test_mean_tree_is_pmean_bit_for_bit(mesh, dtype):
         for x, *leaves in zip(_values(got), *[_values(g) for g in grads]):
             total = leaves_sum([leaf.astype(np.float32) for leaf in leaves], np.add)
             assert x.tobytes() == (total.astype(np.float16) / np.float16(4)).tobytes()
+
+
+@pytest.mark.parametrize("updates", ["optimizer", "updater"])
+def test_mean_tree_refuses_a_store_with_an_optimizer_or_updater(updates):
+    """A push there would update the values, not keep their sum: refused, nothing
+    changes (the refusal comes before any push)."""
+    kv = gpukv.create("local")
+    assert not kv.has_updater
+    gjax.init_tree(kv, {"w": jnp.ones(3)})
+    if updates == "optimizer":
+        kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.1))
+    else:
+        kv.set_updater(lambda key, merged, stored: None)
+    assert kv.has_updater
+    with pytest.raises(gpukv.ArgumentError, match="mean_tree: the store has an optimizer"):
+        gjax.mean_tree(kv, [{"w": jnp.full(3, 2.0)}])
+    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"w": jnp.ones(3)})["w"]),
+                                  np.ones(3))
 
 
 def test_mean_tree_refuses_integer_leaves_naming_one():

@@ -553,6 +553,10 @@ class DistKVStore(KVStore):
             self._has_optimizer, self._checker = False, None  # the function replaces it
             self._refresh()
 
+    @property
+    def has_updater(self) -> bool:
+        return self._has_optimizer or self._has_updater
+
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run `optimizer` where the keys are served. Every worker calls it, with
         optimizers of the same kind and options (else PeerMismatchError). Later changes

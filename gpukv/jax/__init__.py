@@ -67,6 +67,7 @@ def init_tree(kv: KVStore, tree, prefix: str = "", bucket_bytes: int = BUCKET_BY
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
             or bucket_bytes < 0:
         raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
+    trees.check_unused(kv, prefix)
     keys, leaves, treedef = trees.flatten(tree, prefix)
     values = [whole(key, leaf, "init_tree") for key, leaf in zip(keys, leaves)]
     shapes = [tuple(v.shape) for v in values]
@@ -132,6 +133,11 @@ def mean_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
     (optax). `kv` must have no optimizer set, so that a push stores the sum; `prefix`
     names the tree as in `init_tree`; every leaf must be floating-point."""
     outside_transforms("mean_tree")
+    if kv.has_updater:  # a push would update the values, not store the sum
+        raise ArgumentError("gpukv.jax.mean_tree: the store has an optimizer or updater, so "
+                            "a push would update its values rather than store their sum; "
+                            "use a store without one (push_tree and pull_tree run the "
+                            "store's optimizer)")
     layout = trees.layout_of(kv, prefix, "mean_tree")
     for key, dtype in zip(layout.keys, layout.dtypes):
         if dtype.kind != "f" and dtype.name != "bfloat16":

@@ -65,7 +65,8 @@ def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _count(shape) * dtype.itemsize
         alone = nbytes >= ALONE_BYTES
-        if group and (alone or dtype != dtypes[group[0]] or size + nbytes > capacity):
+        if group and (alone or dtype != dtypes[group[0]] or capacity == 0
+                      or size + nbytes > capacity):  # (0: alone, even when empty)
             close()
             group, size = [], 0
         group.append(i)

@@ -56,6 +56,13 @@ def device_values(key: str, leaf, call: str) -> list:
     return [(None, store_array(key, leaf))]
 
 
+def sharded(leaf) -> bool:
+    """Whether `leaf` is a JAX array laid out by a sharding (over one device or more),
+    whose shards may be slices of a per-device stack."""
+    return isinstance(leaf, jax.Array) and not isinstance(
+        leaf.sharding, jax.sharding.SingleDeviceSharding)
+
+
 def whole(key: str, leaf, call: str):
     """The whole value of `leaf` (a sharded array gathered, a replicated one read once),
     as an array the store takes."""
@@ -86,13 +93,14 @@ def store_array(key: str, value):
     return array
 
 
-def as_key_shape(key: str, value, shape: tuple):
-    """A device's value of a leaf whose key holds `shape`: of that shape, or with a
-    leading axis of 1 more (a shard of an array stacked per device), dropped."""
+def as_key_shape(key: str, value, shape: tuple, stacked: bool):
+    """A device's value of a leaf whose key holds `shape`: of that shape, or, when
+    `stacked` (a shard of an array sharded over devices), with a leading axis of 1 more,
+    dropped."""
     got = tuple(value.shape)
     if got == shape:
         return value
-    if got == (1, *shape):
+    if stacked and got == (1, *shape):
         return value.reshape(shape)
     raise ShapeError(f"leaf {key!r}: a device's value has shape {got}, the key holds "
                      f"{shape} (a sharded leaf gives one value per shard)")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from .._errors import ShapeError
 from ..device import gpu_devices
 from .buckets import Bucket, unpack
 from .trees import TreeLayout
@@ -36,6 +37,7 @@ def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> li
     with `divide_by` divided by it (in each buffer, as `x / n` rounds in its dtype)."""
     of_leaf = {i: (b, k) for b, bucket in enumerate(layout.buckets)
                for k, i in enumerate(bucket.leaves)}
+    _check_fits(layout, rows)
     resolved: dict = {}   # id(place) -> its devices; a place is often shared by leaves
     rows = [[_resolved(place, resolved) for place in row] for row in rows]
     wanted = {(of_leaf[i][0], device) for row in rows for i, (_, devices) in enumerate(row)
@@ -51,6 +53,20 @@ def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> li
     made = _Made(layout, buffers, of_leaf)
     made.place(sorted(wanted, key=lambda pair: (pair[0], str(pair[1]))))
     return [[made.leaf(i, place) for i, place in enumerate(row)] for row in rows]
+
+
+def _check_fits(layout: TreeLayout, rows: list) -> None:
+    """A ShapeError naming the leaf, before anything is pulled, where a sharding cannot
+    lay out a leaf's shape (an axis it splits more ways than it is long)."""
+    for row in rows:
+        for i, place in enumerate(row):
+            if isinstance(place, jax.sharding.Sharding):
+                try:
+                    place.shard_shape(layout.shapes[i])
+                except Exception as exc:  # JAX's IndivisibleError, an IndexError, ...
+                    raise ShapeError(f"leaf {layout.keys[i]!r}: its shape "
+                                     f"{layout.shapes[i]} cannot be laid out by {place}: "
+                                     f"{exc}") from exc
 
 
 class _Made:

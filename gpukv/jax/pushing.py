@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .._errors import ArgumentError, ArgumentKindError
 from .buckets import pack
-from .leaves import as_key_shape, device_values, store_array
+from .leaves import as_key_shape, device_values, sharded, store_array
 from .trees import TreeLayout, check_dtype, leaves
 
 
@@ -26,7 +26,8 @@ def _rows(layout: TreeLayout, found: list, call: str) -> list:
     spread = [i for i, values in enumerate(per_leaf) if len(values) > 1]
     if not spread:  # single-device leaves: the tree is one device's
         return [(per_leaf[0][0][0] if per_leaf else None,
-                 [_value(layout, i, values[0][1]) for i, values in enumerate(per_leaf)])]
+                 [_value(layout, i, values[0][1], sharded(found[i]))
+                  for i, values in enumerate(per_leaf)])]
     devices = [device for device, _ in per_leaf[spread[0]]]
     by_device = [dict(values) for values in per_leaf]
     for i, mine in enumerate(by_device):
@@ -34,12 +35,12 @@ def _rows(layout: TreeLayout, found: list, call: str) -> list:
             raise ArgumentError(f"leaf {layout.keys[i]!r} is on {_devices(mine)}, leaf "
                                 f"{layout.keys[spread[0]]!r} on {_devices(devices)}: a "
                                 f"tree's leaves must be on the same devices")
-    return [(device, [_value(layout, i, mine[device]) for i, mine in enumerate(by_device)])
+    return [(device, [_value(layout, i, mine[device], True) for i, mine in enumerate(by_device)])
             for device in devices]
 
 
-def _value(layout: TreeLayout, i: int, value):
-    return as_key_shape(layout.keys[i], value, layout.shapes[i])
+def _value(layout: TreeLayout, i: int, value, stacked: bool):
+    return as_key_shape(layout.keys[i], value, layout.shapes[i], stacked)
 
 
 def columns(layout: TreeLayout, rows: list) -> list:

@@ -43,6 +43,15 @@ def check_prefix(prefix) -> None:
         raise ArgumentKindError(f"prefix: expected a str, got {type(prefix).__name__}")
 
 
+def check_unused(kv, prefix: str) -> None:
+    """An ArgumentError where `init_tree` already gave `prefix` a tree in `kv`: a second
+    would leave the first one's keys in the store with no tree to reach them."""
+    check_prefix(prefix)
+    if prefix in _LAYOUTS.get(kv, {}):
+        raise ArgumentError(f"gpukv.jax.init_tree: prefix {prefix!r} holds a tree already "
+                            f"in this store; give the new tree a prefix of its own")
+
+
 def remember(kv, prefix: str, layout: TreeLayout) -> None:
     _LAYOUTS.setdefault(kv, {})[prefix] = layout
 

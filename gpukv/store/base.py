@@ -196,6 +196,12 @@ class KVStore(ABC):
         """MXNet's name of `set_updater`."""
         self.set_updater(updater)
 
+    @property
+    @abstractmethod
+    def has_updater(self) -> bool:
+        """Whether a push runs an updater or an optimizer (`set_updater`, `set_optimizer`);
+        False: a push stores the sum."""
+
     @abstractmethod
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.

@@ -414,6 +414,10 @@ class LocalStore(KVStore):
             self._updater = pipeline.FunctionUpdater(updater)
             self._optimizer = None
 
+    @property
+    def has_updater(self) -> bool:
+        return self._updater is not None
+
     def set_optimizer(self, optimizer: Optimizer) -> None:
         from ..optim import Optimizer, OptimizerUpdater
         if not isinstance(optimizer, Optimizer):
