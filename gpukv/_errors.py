@@ -57,6 +57,10 @@ class CheckpointError(GpukvError, ValueError):
     """A checkpoint file that is missing, damaged or does not match the store."""
 
 
+class CheckpointPathKindError(CheckpointError, TypeError):
+    """A checkpoint path that is no path at all: not a str, bytes or os.PathLike."""
+
+
 class PeerError(GpukvError, RuntimeError):
     """Another process of a `dist_*` store that died, stalled or failed: the store is
     broken from then on (every later call raises this again)."""

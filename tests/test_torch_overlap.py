@@ -224,6 +224,39 @@ def test_overlap_option():
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local", overlap="yes")
 
 
+TWO_BIT = {"type": "2bit", "threshold": 0.5}
+
+
+def test_overlap_with_compression_on_the_store_is_refused():
+    """With the optimizer on the store, an early reduction pushes the replicas' sum,
+    where a compressor takes each replica's gradient with its own residual."""
+    models = [copy.deepcopy(make_model()) for _ in range(2)]
+    with pytest.raises(gpukv.ArgumentError, match="on a deterministic store or with "
+                                                  "compression"):
+        gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="device", overlap=True,
+                   compression_params=TWO_BIT)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_overlap_keeps_each_replicas_gradient_for_compression(update_on_kvstore):
+    """Compression set on the store after the Trainer was made, overlap on: the weights of
+    the same steps without the overlap (each replica's gradient compressed alone)."""
+    weights = {}
+    for overlap in (False, True):
+        models = [copy.deepcopy(make_model()) for _ in range(3)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 1.0}, kvstore="device",
+                             update_on_kvstore=update_on_kvstore, bucket_bytes=256,
+                             overlap=overlap)
+        trainer.kvstore.set_gradient_compression(TWO_BIT)
+        x, y = make_data()
+        for _ in range(3):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            trainer.step(len(x))
+        weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
+    assert_equal(weights[True], weights[False])
+
+
 @pytest.mark.parametrize("update_on_kvstore, replicas, expected", [
     (True, 1, False),   # the store's round waits for the step: nothing starts early
     (True, 2, True),    # the sum of this process's replicas starts early

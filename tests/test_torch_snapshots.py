@@ -423,3 +423,47 @@ def test_resume_from_a_chosen_snapshot(tmp_path):
                        resume=bad)
     with pytest.raises(gpukv.ArgumentError, match="needs a checkpoint_dir"):
         gt.Trainer(nn.Linear(4, 2), "sgd", kvstore="local", resume="never")
+
+
+def test_a_trainer_refused_for_its_snapshot_leaves_the_store_as_it_was(tmp_path):
+    """A snapshot of another model in checkpoint_dir: the Trainer is refused before it
+    touches the store it was given (no key, no optimizer), which another Trainer can
+    then take."""
+    _run([_model()], 2, tmp_path, 1)
+    kv = gpukv.create("local")
+    other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    with pytest.raises(gpukv.CheckpointError, match="another model's snapshot"):
+        gt.Trainer(other, "sgd", dict(PARAMS), kvstore=kv, checkpoint_dir=tmp_path)
+    assert kv.keys() == [] and not kv.has_updater
+    trainer = gt.Trainer(other, "sgd", dict(PARAMS), kvstore=kv)
+    assert kv.keys() == list(trainer.buckets) and kv.has_updater
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_user_state_a_due_snapshot_cannot_save_is_refused_before_the_step(
+        tmp_path, update_on_kvstore):
+    """The step a snapshot is due after checks that it can save user_state first: an
+    ArgumentError naming the place, the weights and `steps` unchanged, and the same step
+    taken once the state is fixed."""
+    model = _model()
+    trainer = gt.Trainer(model, "sgd", dict(PARAMS), kvstore="local",
+                         update_on_kvstore=update_on_kvstore, checkpoint_dir=tmp_path,
+                         checkpoint_every=2)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    trainer.user_state = {"epoch_of": {3: "x"}}  # an int key: JSON keeps str keys only
+    for expected_steps in (1, 2):
+        trainer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if expected_steps == 1:  # no snapshot due: the state is not checked yet
+            trainer.step()
+            continue
+        before = _bits([model])
+        with pytest.raises(gpukv.ArgumentError,
+                           match=r"trainer.user_state\['epoch_of'\]: key 3"):
+            trainer.step()
+        assert _bits([model]) == before and trainer.steps == 1
+    trainer.user_state = {"epoch_of": {"3": "x"}}
+    trainer.step()
+    trainer.finish_snapshots()
+    assert trainer.steps == 2
+    assert snapshots.latest_snapshot(tmp_path).step == 2

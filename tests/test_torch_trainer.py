@@ -524,10 +524,14 @@ def test_bad_modules(modules, error):
 
 
 def test_bad_batch_size():
-    """A batch size that is not a positive number is an ArgumentError."""
+    """A batch size that is not a positive number is an ArgumentError; one that is no
+    number at all (a str, a bool) an ArgumentKindError, a TypeError."""
     t = gt.Trainer(make_model(), "sgd", kvstore="local")
     with pytest.raises(gpukv.ArgumentError, match="batch_size"):
         t.step(0)
+    for bad in ("4", True):
+        with pytest.raises(gpukv.ArgumentKindError, match=r"batch_size=.*got (str|bool)"):
+            t.step(bad)
 
 
 def test_import_gpukv_does_not_import_torch():

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointPathKindError
 
 __all__ = ["atomic_write", "write_archive", "read_archive", "checkpoint_path",
            "StoreSnapshot", "StoreFile", "LoadPlan", "save_store", "read_store", "plan_load",
@@ -73,8 +73,8 @@ def checkpoint_path(path) -> str:
     try:
         text = os.fsdecode(os.fspath(path))
     except TypeError as exc:
-        raise CheckpointError(f"checkpoint path {_show(path)}: expected a str or an "
-                              f"os.PathLike, got {type(path).__name__}") from exc
+        raise CheckpointPathKindError(f"checkpoint path {_show(path)}: expected a str or "
+                                      f"an os.PathLike, got {type(path).__name__}") from exc
     if not text:
         raise CheckpointError("checkpoint path '': an empty path names no file")
     if "\0" in text:

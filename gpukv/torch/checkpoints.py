@@ -10,6 +10,7 @@ import time
 
 from .._errors import ArgumentError, CheckpointError
 from ..checkpoints import snapshots
+from ..checkpoints.user_state import encode as encode_user_state
 from ..distributed.store import DistKVStore
 from ..store.base import KVStore
 from . import buffers
@@ -152,14 +153,28 @@ class Checkpoints:
             sys.stderr.flush()
         return found.step, user
 
+    def check_ahead(self) -> None:
+        """The snapshot the resume would start from, checked to be this Trainer's before
+        the store is touched, so that a Trainer refused for it leaves the store as it was
+        (the resume checks the one it loads again)."""
+        if self.resume_from == "never":
+            return
+        if self.resume_from == "auto":
+            found = snapshots.latest_snapshot(self.directory)
+        else:
+            found = _complete(self.resume_from)
+        if found is not None:
+            self._fits(found)
+
+    def check_user_state(self, steps: int, user_state: dict) -> None:
+        """ArgumentError, before a step changes anything, where the snapshot due after it
+        (at `steps`) could not save `user_state`."""
+        if self.due(steps):
+            encode_user_state(user_state, "trainer.user_state")
+
     def _chosen(self, path: str) -> snapshots.Snapshot:
         """Load the snapshot at `path` (checked to be complete and this Trainer's)."""
-        parent = os.path.dirname(os.path.normpath(path))
-        found = next((s for s in snapshots.complete_snapshots(parent)
-                      if os.path.normpath(s.path) == os.path.normpath(path)), None)
-        if found is None:
-            raise CheckpointError(f"resume={path!r}: not a complete snapshot (a part is "
-                                  f"missing)")
+        found = _complete(path)
         self._fits(found)
         for store in [self.store] if self.replicas is None else self.replicas:
             store.load(found)
@@ -194,6 +209,17 @@ class Checkpoints:
             f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
             f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes or "
             f"multipliers")
+
+
+def _complete(path: str) -> snapshots.Snapshot:
+    """The complete snapshot at `path`; CheckpointError when a part is missing."""
+    parent = os.path.dirname(os.path.normpath(path))
+    found = next((s for s in snapshots.complete_snapshots(parent)
+                  if os.path.normpath(s.path) == os.path.normpath(path)), None)
+    if found is None:
+        raise CheckpointError(f"resume={path!r}: not a complete snapshot (a part is "
+                              f"missing)")
+    return found
 
 
 def _mismatches(saved: dict, mine: dict, kind: str = "") -> list[str]:

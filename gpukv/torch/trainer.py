@@ -23,7 +23,7 @@ from .checkpoints import Checkpoints
 from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
-from .updates import ReplicaUpdate, StoreUpdate, Update
+from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
 #: the float32 limits the optimizers' rescale must keep to
 _F32 = np.finfo(np.float32)
@@ -106,6 +106,11 @@ class Trainer:
         self._reduced: list | None = None
         for bucket in self._buckets:
             flatten(bucket, len(self._modules))
+        if checkpoints is not None:  # (before the store is touched)
+            ahead = Checkpoints(*checkpoints[:3], self._kv, layout_of(self._buckets),
+                                resume=checkpoints[3])
+            ahead.modules, ahead.frozen = self._modules, self._frozen
+            ahead.check_ahead()
         if compression_params is not None:
             self._kv.set_gradient_compression(compression_params)
         self._update: Update
@@ -249,6 +254,7 @@ class Trainer:
                 raise
             return
         self._refuse_summed("step()", "a step")
+        self._check_user_state()
         with timeline.span("Trainer.step", "trainer", step=self._steps):
             scale = self._scale_for(batch_size)
             self._check_multipliers()
@@ -277,6 +283,7 @@ class Trainer:
         `allreduce_grads` it updates what that summed; else stale gradients are checked
         as by `step` (`ignore_stale_grad`: as `step`'s)."""
         replicas = self._replica_update("update")
+        self._check_user_state()
         scale = self._scale_for(batch_size)
         self._grads.check_trainable()
         self._check_multipliers()
@@ -293,6 +300,7 @@ class Trainer:
                      ignore_stale_grad: bool) -> None:
         """`step` called by `GradScaler.step`: every worker skips it when one found an
         inf or NaN; else it takes the scale off before the optimizer (`scaling`)."""
+        self._check_user_state()
         with timeline.span("Trainer.step", "trainer", step=self._steps, scaled=True):
             scale = self._scale_for(batch_size)
             self._check_multipliers()
@@ -480,7 +488,8 @@ class Trainer:
         if batch_size is None:
             return self._scale / self.num_replicas
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real):
-            raise ArgumentError(f"batch_size={batch_size!r}: expected a number > 0")
+            raise ArgumentKindError(f"batch_size={batch_size!r}: expected a number > 0, "
+                                    f"got {type(batch_size).__name__}")
         try:
             size = float(batch_size)
         except OverflowError:
@@ -530,11 +539,19 @@ class Trainer:
         if self._checkpoints is not None and self._checkpoints.due(self._steps):
             self._checkpoints.take(self._steps, self.user_state)
 
+    def _check_user_state(self) -> None:
+        """ArgumentError before a step changes anything, where the snapshot due after it
+        could not save `user_state` (a step done and counted, but not saved, could not be
+        taken again)."""
+        if self._checkpoints is not None:
+            self._checkpoints.check_user_state(self._steps + 1, self.user_state)
+
     def _wants_overlap(self, overlap: bool | None) -> bool:
         if overlap and not self._update.overlap_allowed:
-            raise ArgumentError("overlap=True with a deterministic store and "
-                                "update_on_kvstore=True: the early reduction would sum the "
-                                "replicas before the store; use update_on_kvstore=False")
+            raise ArgumentError("overlap=True with update_on_kvstore=True on a "
+                                "deterministic store or with compression: the early "
+                                "reduction would sum the replicas before the store, which "
+                                "needs each replica's gradient; use update_on_kvstore=False")
         if overlap is not None:
             return overlap
         return (self._update.overlap_allowed

@@ -76,8 +76,12 @@ class StoreUpdate:
     @property
     def overlap_allowed(self) -> bool:
         # An early reduction pushes this process's sum, one value where the canonical
-        # order needs each replica's own.
-        return not self.store.deterministic
+        # order, and a compressor's residual per replica, need each replica's own.
+        return not (self.store.deterministic or self._compressed)
+
+    @property
+    def _compressed(self) -> bool:
+        return self.store.gradient_compression is not None
 
     def overlap_pays(self, replicas: int) -> bool:
         # The early reductions sum this process's replicas only (the store's own round
@@ -104,7 +108,9 @@ class StoreUpdate:
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
-        if self.sums is None:
+        if self.sums is None or self._compressed:
+            # (compression set on the store after the Trainer was made: each replica's
+            # gradient goes to the store, and the early reductions' sums go unused)
             unscale([g for b in live for g in b.grads], inverse)
             self.store.push(keys, [b.grads for b in live])
         else:  # (the early reductions summed the scaled gradients: unscale their sums)

@@ -72,9 +72,11 @@ def test_save_to_an_empty_path(tmp_path, monkeypatch, door):
 @pytest.mark.parametrize("door", SAVES)
 @pytest.mark.parametrize("path", [None, 3, 2.5, ["ck.npz"]], ids=repr)
 def test_save_to_something_not_a_path(door, path):
-    """None or any other object that is not a path is a CheckpointError, not a TypeError."""
-    with pytest.raises(gpukv.CheckpointError, match="expected a str or an os.PathLike"):
+    """None or any other object that is not a path is a CheckpointError that is also a
+    TypeError (a wrong kind), naming what it got; not Python's own error."""
+    with pytest.raises(gpukv.CheckpointError, match="expected a str or an os.PathLike") as info:
         SAVES[door](_store(), path)
+    assert isinstance(info.value, TypeError)
 
 
 @pytest.mark.parametrize("door", SAVES)
