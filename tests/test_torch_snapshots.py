@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import subprocess
 import sys
 
@@ -353,6 +354,133 @@ def test_a_snapshot_of_other_frozen_parameters_is_refused_naming_them(tmp_path):
     assert _bits([other]) == before
 
 
+class _TiedModel(nn.Module):
+    """An embedding tied to the output layer, as in a language model: `state_dict()`
+    holds the one parameter under two names."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def test_tied_parameters_are_named_beside_the_first():
+    """A parameter under several names: each name after the first, to the first (the
+    one `named_parameters()` and the Trainer keep)."""
+    from gpukv.torch import buffers
+    assert buffers.tied_parameters(_TiedModel()) == {"out.weight": "emb.weight"}
+    assert buffers.tied_parameters(_model()) == {}
+
+
+def _with_tied_names(folder, into, tied: dict) -> None:
+    """A copy in `into` of the newest snapshot in `folder` whose Trainer's record names
+    the tied parameters `tied` ({name: the name it is tied to})."""
+    kv = gpukv.create("local")
+    found = kv.resume(folder)
+    saved = found.user_state(0)
+    saved["trainer"]["tied"] = tied
+    kv.snapshot(into, found.step, user_state=saved)
+    kv.finish_snapshots()
+
+
+def test_export_writes_a_tied_parameter_under_each_of_its_names(tmp_path):
+    """A snapshot that records tied names: the export holds the parameter under each of
+    them (copies: safetensors refuses shared memory), so that the model loads it with
+    strict=True, and the file's metadata names the tie as safetensors' save_model does."""
+    safetensors = pytest.importorskip("safetensors")
+    from gpukv.torch.export import export_safetensors
+    model = _TiedModel()
+    with gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                    checkpoint_dir=tmp_path / "ckpt") as trainer:
+        trainer.zero_grad()
+        model(torch.arange(4)).sum().backward()
+        trainer.step(4)
+    _with_tied_names(tmp_path / "ckpt", tmp_path / "tied", {"out.weight": "emb.weight"})
+    out = tmp_path / "model.safetensors"
+    assert export_safetensors(tmp_path / "tied", out) == ["emb.weight", "out.weight"]
+    loaded = _TiedModel(seed=9)
+    loaded.load_state_dict(safetensors.torch.load_file(str(out)), strict=True)
+    assert torch.equal(loaded.out.weight, model.emb.weight)
+    with safetensors.safe_open(str(out), "pt") as f:
+        assert f.metadata()["out.weight"] == "emb.weight"
+
+
+def _exported(folder):
+    """A Trainer's snapshot in `folder`, to export."""
+    with _trained(folder, nn.Linear(4, 2), steps=1):
+        pass
+
+
+@pytest.mark.parametrize("out,says", [
+    ("missing/model.safetensors", "its folder .*missing does not exist"),
+    ("afile/model.safetensors", "its folder .*afile is not a folder"),
+    ("ckpt", "is a folder; name the .safetensors file to write"),
+], ids=["missing folder", "under a file", "a folder"])
+def test_an_export_that_cannot_be_written_is_refused_naming_it(tmp_path, out, says):
+    """OUT in a missing folder, under a file, or a folder itself: a CheckpointError naming
+    OUT, before anything is written."""
+    pytest.importorskip("safetensors")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+    (tmp_path / "afile").write_text("not a folder")
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(gpukv.CheckpointError, match=f"^{re.escape(str(tmp_path / out))}: "
+                                                     f".*{says}"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / out)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_export_command_refuses_a_folder_in_one_line(tmp_path):
+    """`gpukv export SNAPSHOT FOLDER`: one line naming it, status 1, no traceback."""
+    pytest.importorskip("safetensors")
+    _exported(tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "ckpt"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [f"gpukv export: {tmp_path}: is a folder; name the "
+                                        f".safetensors file to write"], done.stderr
+
+
+@pytest.mark.parametrize("error,raised,says", [
+    (OSError(28, "No space left on device"), gpukv.CheckpointError,
+     "{out}: cannot write the export: [Errno 28] No space left on device"),
+    (KeyboardInterrupt(), KeyboardInterrupt, ""),
+], ids=["disk full", "interrupted"])
+def test_a_failed_export_leaves_no_file_behind(tmp_path, monkeypatch, error, raised, says):
+    """A write that fails half way (a full disk; an OS error is a CheckpointError naming
+    OUT) or is interrupted leaves neither OUT nor a temporary file."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+
+    def half_written(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise error
+    monkeypatch.setattr(safetensors_torch, "save_file", half_written)
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(raised) as caught:
+        export_safetensors(tmp_path / "ckpt", out)
+    assert str(caught.value) == says.format(out=out)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_export_is_reachable_from_gpukv_torch_without_safetensors():
+    """After `import gpukv.torch`, `gpukv.torch.export.export_safetensors` (as the docs
+    spell it) is there, and safetensors, optional, is not imported yet."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, gpukv.torch\n"
+         "print(callable(gpukv.torch.export.export_safetensors), 'safetensors' in "
+         "sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
+
+
 def test_close_takes_the_final_snapshot_once(tmp_path):
     """A run of 5 steps snapshotting every 2 ends, after close(), with a snapshot of step
     5; a close right after a snapshot of the last step takes none more."""
@@ -467,3 +595,35 @@ def test_a_user_state_a_due_snapshot_cannot_save_is_refused_before_the_step(
     trainer.finish_snapshots()
     assert trainer.steps == 2
     assert snapshots.latest_snapshot(tmp_path).step == 2
+
+
+def test_auto_resumes_the_last_run_not_an_earlier_runs_higher_step(tmp_path):
+    """A run started afresh (resume='never') in the folder of a run that reached a
+    higher step, then restarted with resume='auto': it resumes its own newest snapshot."""
+    folder = tmp_path / "ckpt"
+    _trained(folder, nn.Linear(4, 2), steps=6, checkpoint_every=1).close()
+    torch.manual_seed(7)
+    model = nn.Linear(4, 2)
+    _trained(folder, model, steps=2, checkpoint_every=1, resume="never").close()
+    again = gt.Trainer(nn.Linear(4, 2), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       checkpoint_dir=folder)
+    assert again.steps == 2 and again.resumed_from.run == 2
+    assert _bits([again._modules[0]]) == _bits([model])
+
+
+def test_a_run_resumed_from_an_older_snapshot_keeps_its_own(tmp_path):
+    """resume=PATH of an older snapshot, then steps: pruning keeps the new snapshots (the
+    newest, though an earlier run reached higher steps), and 'auto' resumes them."""
+    folder = tmp_path / "ckpt"
+    _trained(folder, nn.Linear(4, 2), steps=4, checkpoint_every=1, checkpoint_keep=4).close()
+    older = snapshots.complete_snapshots(folder)[0]
+    model = nn.Linear(4, 2)
+    trainer = _trained(folder, model, steps=1, checkpoint_every=1, resume=older.path)
+    trainer.close()
+    assert trainer.steps == older.step + 1
+    newest = gpukv.latest_snapshot(folder)
+    assert (newest.run, newest.step) == (2, older.step + 1)
+    again = gt.Trainer(nn.Linear(4, 2), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       checkpoint_dir=folder)
+    assert again.resumed_from.path == newest.path
+    assert _bits([again._modules[0]]) == _bits([model])

@@ -1,6 +1,6 @@
 """Numbered snapshots of a store, written in the background; complete once every part is.
 
-A snapshot is a folder `ROOT/step-<step>-<tag>/` holding
+A snapshot is a folder `ROOT/step-<step>-<tag>-r<run>/` holding
 - `shard-<i>-of-<n>.npz`: the keys (or pieces of keys) shard i of n serves, their values
   and optimizer state: a one-process store is one shard; a dist store has one per process
   with num_servers=0, one per server otherwise (or one per worker, each with every n-th
@@ -14,7 +14,11 @@ residuals of error feedback, the served values of compressed pulls and PowerSGD'
 starts were, as named arrays `compression/<j>` and a header field `compression`
 (absent from snapshots written before they held it, which still load).
 `tag` is random, picked once per store, so that a job restarted after a failure never
-mixes its files with those an earlier attempt left at the same step.
+mixes its files with those an earlier attempt left at the same step. `run` counts the
+runs that wrote into ROOT: a store's first snapshot there takes one more than any folder
+holds (`next_run`), and keeps it. Snapshots are ordered by run, then step: the newest is
+the last run's last step, whatever steps an earlier run reached (a run started afresh, or
+from an older snapshot). Folders written before runs were counted are run 0.
 
 Writing: the caller's step copies the state into host buffers (`PartWriter.stage`, two
 sets used in turn), and one background thread per process writes the files, so at most
@@ -48,7 +52,8 @@ from . import user_state
 from .checkpoint import StoreFile, _show, checkpoint_path, read_archive, write_archive
 from .checkpoint import read_store as checkpoint_read_store
 
-__all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "prune", "is_snapshot",
+__all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "next_run", "prune",
+           "is_snapshot",
            "read_store", "read_any", "read_worker", "PartWriter", "Staging", "checked",
            "folder_name", "shard_file", "worker_file", "SHARD_KIND", "WORKER_KIND",
            "Compression", "compression_section", "read_compression"]
@@ -57,12 +62,12 @@ SHARD_KIND = "gpukv.snapshot.shard"
 WORKER_KIND = "gpukv.snapshot.worker"
 VERSION = 1
 
-_FOLDER = re.compile(r"step-(\d{9,})-([0-9a-f]{8})")
+_FOLDER = re.compile(r"step-(\d{9,})-([0-9a-f]{8})(?:-r(\d+))?")
 _FILE = re.compile(r"(shard|worker)-(\d{5,})-of-(\d{5,})\.npz")
 
 
-def folder_name(step: int, tag: str) -> str:
-    return f"step-{step:09d}-{tag}"
+def folder_name(step: int, tag: str, run: int) -> str:
+    return f"step-{step:09d}-{tag}-r{run}"
 
 
 def shard_file(index: int, count: int) -> str:
@@ -76,12 +81,15 @@ def worker_file(rank: int, count: int) -> str:
 # ---------------------------------------------------------------------------- finding
 @dataclass(frozen=True)
 class Snapshot:
-    """A complete snapshot: its folder, step, and how many shards and workers wrote it.
-    It is a path (`os.fspath`), so `kv.load(snapshot)` loads it."""
+    """A complete snapshot: its folder, step, how many shards and workers wrote it, and
+    the run they were part of. It is a path (`os.fspath`), so `kv.load(snapshot)` loads
+    it."""
     path: str
     step: int
     shards: int
     workers: int
+    #: the run that wrote it (see the module's docstring): 0 for an older gpukv's
+    run: int = 0
 
     def __fspath__(self) -> str:
         return self.path
@@ -115,8 +123,9 @@ def _completeness(folder: str) -> tuple[int, int] | None:
     return counts[0], counts[1]
 
 
-def _folders(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every snapshot folder under `root`, complete or not, oldest first."""
+def _folders(root: str) -> list[tuple[int, int, str]]:
+    """(run, step, path) of every snapshot folder under `root`, complete or not, oldest
+    first: by run, then step (then time, for a step two attempts of a run wrote)."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -128,8 +137,8 @@ def _folders(root: str) -> list[tuple[int, str]]:
         match = _FOLDER.fullmatch(name)
         path = os.path.join(root, name)
         if match and os.path.isdir(path):
-            found.append((int(match[1]), path))
-    return sorted(found, key=lambda f: (f[0], _mtime(f[1])))
+            found.append((int(match[3] or 0), int(match[1]), path))
+    return sorted(found, key=lambda f: (f[0], f[1], _mtime(f[2])))
 
 
 def _mtime(path: str) -> float:
@@ -143,10 +152,10 @@ def complete_snapshots(root) -> list[Snapshot]:
     """Every complete snapshot under `root`, oldest first (none if `root` is missing)."""
     root = checkpoint_path(root)
     out = []
-    for step, path in _folders(root):
+    for run, step, path in _folders(root):
         counts = _completeness(path)
         if counts is not None:
-            out.append(Snapshot(path, step, *counts))
+            out.append(Snapshot(path, step, *counts, run=run))
     return out
 
 
@@ -156,26 +165,34 @@ def latest_snapshot(root) -> Snapshot | None:
     return found[-1] if found else None
 
 
+def next_run(root: str) -> int:
+    """The run a store's first snapshot under `root` counts as: one more than any folder
+    there (complete or not) holds, so that its snapshots are the newest."""
+    return 1 + max((run for run, _, _ in _folders(checkpoint_path(root))), default=0)
+
+
 def prune(root: str, keep: int) -> None:
     """Remove all but the `keep` newest complete snapshots, and the incomplete ones older
     than the newest complete one (their writers have all moved past them)."""
     folders = _folders(root)
-    complete = [(step, path) for step, path in folders if _completeness(path) is not None]
+    complete = [(run, step, path) for run, step, path in folders
+                if _completeness(path) is not None]
     if not complete:
         return
-    kept = {path for _, path in complete[-keep:]}
-    newest = complete[-1][0]
+    kept = {path for _, _, path in complete[-keep:]}
+    newest = complete[-1][:2]
     # judged by what was complete above: a newer folder another process completes
     # meanwhile is the newest snapshot now, not one to remove
-    was_complete = {path for _, path in complete}
-    for step, path in folders:
-        if path not in kept and (step < newest or path in was_complete):
+    was_complete = {path for _, _, path in complete}
+    for run, step, path in folders:
+        if path not in kept and ((run, step) < newest or path in was_complete):
             shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- reading
 def is_snapshot(path) -> bool:
-    """Whether `path` names a snapshot's folder (known by its name, `step-<step>-<tag>`)."""
+    """Whether `path` names a snapshot's folder (known by its name,
+    `step-<step>-<tag>-r<run>`, or `step-<step>-<tag>` from an older gpukv)."""
     try:
         path = checkpoint_path(path)
     except CheckpointError:

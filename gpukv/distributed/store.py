@@ -245,6 +245,7 @@ class DistKVStore(KVStore):
         self._stale: list = []  # keys whose device copies wait for rank 0's value
         self._writer: Any = None  # writes this worker's snapshot files, once made
         self._tag: str | None = None  # the folder tag of this store's snapshots
+        self._runs: dict = {}  # root -> the run this store's snapshots there count as
         self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
         self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
         self._pruning: dict = {}  # root -> keep of the snapshots taken since the last finish
@@ -553,6 +554,25 @@ class DistKVStore(KVStore):
             self._has_optimizer, self._checker = False, None  # the function replaces it
             self._refresh()
 
+    def _run_in(self, root: str) -> int:
+        """The run this store's snapshots under `root` count as: worker 0's
+        `snapshots.next_run` at the first one, on every worker (each calls this at the
+        same snapshot)."""
+        from ..checkpoints import snapshots
+        run = self._runs.get(root)
+        if run is None:
+            found: int | str = 0
+            if self.rank == 0:
+                try:
+                    found = snapshots.next_run(root)
+                except CheckpointError as exc:
+                    found = str(exc)
+            found = self._engine.control.share(found, "snapshot: its run")
+            if isinstance(found, str):
+                raise CheckpointError(found)
+            run = self._runs[root] = found
+        return run
+
     @property
     def has_updater(self) -> bool:
         return self._has_optimizer or self._has_updater
@@ -686,7 +706,8 @@ class DistKVStore(KVStore):
             self._engine.control.collective("snapshot")  # agreed before anything moves
             if self._tag is None:
                 self._tag = self._engine.control.share(secrets.token_hex(4), "snapshot")
-            folder = os.path.join(root, snapshots.folder_name(step, self._tag))
+            folder = os.path.join(root, snapshots.folder_name(step, self._tag,
+                                                              self._run_in(root)))
             try:
                 worker = snapshots.worker_files(folder, step, self.rank, self.num_workers,
                                                 user_state)

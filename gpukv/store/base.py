@@ -279,8 +279,10 @@ class KVStore(ABC):
 
         The values and state are copied into host buffers now; a background thread
         writes them (see `gpukv.checkpoints.snapshots`), at most one snapshot at a time, into
-        `root/step-<step>-<tag>/`, which is complete once every file is on disk, and then
-        keeps the `keep` newest complete snapshots (None: removes none). `user_state`: a
+        `root/step-<step>-<tag>-r<run>/`, which is complete once every file is on disk,
+        and then keeps the `keep` newest complete snapshots (None: removes none). The
+        newest is the last step of the last run that wrote under `root` (a store's first
+        snapshot there counts one run more than the folder holds). `user_state`: a
         dict of JSON values, tuples and arrays saved beside it (see
         `gpukv.latest_snapshot`). The folder's path is returned; `finish_snapshots()`
         waits for it. A failed write (a full disk) is

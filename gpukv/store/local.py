@@ -201,6 +201,7 @@ class LocalStore(KVStore):
         self._said_sparse = False
         self._snapshots: snapshots.PartWriter | None = None  # made by the first snapshot
         self._tag: str | None = None  # the folder tag of this store's snapshots
+        self._runs: dict = {}  # root -> the run this store's snapshots there count as
         self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
 
     # ----------------------------------------------------------------- properties
@@ -466,7 +467,10 @@ class LocalStore(KVStore):
                  user_state: dict | None = None, keep: int | None = 2) -> str:
         root, step, keep = snapshots.checked(root, step, keep, self._last_step)
         with self._lock:
-            folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag()))
+            run = self._runs.get(root)
+            if run is None:
+                run = self._runs[root] = snapshots.next_run(root)
+            folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag(), run))
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
             then = None if keep is None else (lambda: snapshots.prune(root, keep))

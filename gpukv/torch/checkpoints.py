@@ -69,7 +69,7 @@ class Checkpoints:
         path = os.fspath(resume)
         if not snapshots.is_snapshot(path):
             raise CheckpointError(f"resume={path!r}: not a snapshot's folder (named "
-                                  f"step-<step>-<tag>)")
+                                  f"step-<step>-<tag>-r<run>)")
         return path
 
     @staticmethod

@@ -242,16 +242,52 @@ def test_incomplete_snapshots_older_than_the_newest_complete_are_pruned(tmp_path
     kv = _store("local")
     first = kv.snapshot(tmp_path, 1, keep=2)
     kv.finish_snapshots()
-    stale = tmp_path / snapshots.folder_name(2, "0badc0de")
+    stale = tmp_path / snapshots.folder_name(2, "0badc0de", 1)  # kv's run, 1
     shutil.copytree(first, stale)
     _drop_worker(stale)
-    pending = tmp_path / snapshots.folder_name(9, "0badc0de")
+    pending = tmp_path / snapshots.folder_name(9, "0badc0de", 1)
     shutil.copytree(first, pending)
     _drop_shard(pending)
     kept = [kv.snapshot(tmp_path, step, keep=2) for step in (3, 4)]
     kv.finish_snapshots()
     assert _folders(tmp_path) == sorted(os.path.basename(p) for p in [*kept, pending])
     assert gpukv.latest_snapshot(tmp_path).step == 4
+
+
+def test_a_later_runs_snapshots_are_newer_than_an_earlier_runs_higher_steps(tmp_path):
+    """A store's first snapshot under a root counts one more run than the root holds and
+    keeps it: its snapshots are the newest, whatever steps an earlier run reached, and
+    pruning keeps them."""
+    first = _store("local")
+    for step in (5, 6):
+        first.snapshot(tmp_path, step, keep=2)
+    first.finish_snapshots()
+    assert snapshots.next_run(tmp_path) == 2
+    later = _store("local", seed=1)
+    names = [os.path.basename(later.snapshot(tmp_path, step, keep=2)) for step in (1, 2)]
+    later.finish_snapshots()
+    assert all(name.endswith("-r2") for name in names)
+    assert [(s.run, s.step) for s in snapshots.complete_snapshots(tmp_path)] == [(2, 1), (2, 2)]
+    newest = gpukv.latest_snapshot(tmp_path)
+    assert (newest.run, newest.step, os.path.basename(newest.path)) == (2, 2, names[-1])
+
+
+def test_folders_of_an_older_gpukv_are_run_0(tmp_path):
+    """`step-<step>-<tag>` without a run: a snapshot of run 0, older than any counted run
+    however high its step, and still read."""
+    kv = _store("local")
+    old = kv.snapshot(tmp_path, 9, keep=None)
+    kv.finish_snapshots()
+    legacy = os.path.join(tmp_path, os.path.basename(old).rsplit("-", 1)[0])
+    os.rename(old, legacy)
+    assert snapshots.is_snapshot(legacy)
+    (found,) = snapshots.complete_snapshots(tmp_path)
+    assert (found.run, found.step, found.path) == (0, 9, legacy)
+    assert snapshots.next_run(tmp_path) == 1
+    fresh = _store("local", seed=1)
+    fresh.snapshot(tmp_path, 1, keep=None)
+    fresh.finish_snapshots()
+    assert [(s.run, s.step) for s in snapshots.complete_snapshots(tmp_path)] == [(0, 9), (1, 1)]
 
 
 def test_a_mutation_after_snapshot_returns_is_not_written(tmp_path, monkeypatch):
@@ -280,9 +316,9 @@ def test_a_mutation_after_snapshot_returns_is_not_written(tmp_path, monkeypatch)
 
 
 def _block_folder(root, folder, step):
-    """A file where the folder of `step` will go (the same tag as `folder`)."""
-    tag = os.path.basename(folder).rsplit("-", 1)[1]
-    with open(os.path.join(root, snapshots.folder_name(step, tag)), "w") as f:
+    """A file where the folder of `step` will go (the same tag and run as `folder`)."""
+    _, _, tag, run = os.path.basename(folder).split("-")
+    with open(os.path.join(root, snapshots.folder_name(step, tag, int(run[1:]))), "w") as f:
         f.write("in the way")
 
 
