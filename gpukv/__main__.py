@@ -81,6 +81,11 @@ def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv[:1])  # the command name (or --help / --version)
     module_name, _ = _COMMANDS[args.command]
+    if args.command == "run":
+        # Under GPUKV_TIMELINE the ranks write the traces; the launcher calls no store,
+        # and an empty trace of its own, named rank 0 (no rank is set here), would mislead.
+        from . import timeline
+        timeline.discard()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -8,7 +8,11 @@ round and every wait on other processes), snapshot writes (on their own thread) 
 Trainer's steps, nested as they ran, one row per thread. R is the MPI or torchrun rank
 (PMI_RANK, OMPI_COMM_WORLD_RANK or RANK), else 0. The file is written at exit, by
 `flush()`, and every `FLUSH_EVERY` events on the way, whole each time (a crash loses
-only the events since the last write).
+only the events since the last write). A GPUKV_TIMELINE where no folder can be made (a
+file's path, a folder that cannot be created) records nothing and says so in one
+RuntimeWarning: a diagnostic never stops the program it watches; nor does a write that
+fails on the way or at exit (one RuntimeWarning; the events are kept for the next).
+`gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do.
 
 While it runs, in a process that imported PyTorch, each span is also a
 `torch.profiler.record_function` (named gpukv.<span>), so while `torch.profiler` records,
@@ -19,17 +23,20 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 ENV = "GPUKV_TIMELINE"
 #: events written out every this many (the whole file again, atomically)
 FLUSH_EVERY = 50_000
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # gpukv/
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +62,7 @@ class _Recorder:
         self.spans: list = []
         self.threads: dict = {}  # native thread id -> its name
         self.written = 0
+        self.warned = False  # about a write nobody asked for that failed
 
     def add(self, name: str, cat: str, start_ns: int, end_ns: int, args: dict) -> None:
         tid = threading.get_native_id()
@@ -62,7 +70,17 @@ class _Recorder:
             self.threads[tid] = threading.current_thread().name
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
         if len(self.spans) - self.written >= FLUSH_EVERY:
+            self.write_or_warn()
+
+    def write_or_warn(self) -> None:
+        """`write()` for the writes nobody asked for (on the way, at exit): a failure is a
+        RuntimeWarning, once, not an error in the store call or at exit."""
+        try:
             self.write()
+        except OSError as exc:
+            if not self.warned:
+                self.warned = True
+                _warn(f"cannot write {self.path} ({exc})")
 
     def write(self) -> str:
         """Write every event so far (atomically: a reader never sees half a file)."""
@@ -92,12 +110,47 @@ class _Recorder:
 _active: _Recorder | None = None
 
 
+def _warn(message: str) -> None:
+    """A RuntimeWarning about GPUKV_TIMELINE, shown at the program's line that led here
+    (its `import gpukv`, its store call) rather than at gpukv's own."""
+    frame = inspect.currentframe()
+    assert frame is not None  # (CPython has frames)
+    while frame.f_back is not None and _in_gpukv_or_import(frame.f_code.co_filename):
+        frame = frame.f_back
+    warnings.warn_explicit(f"{ENV}: {message}", RuntimeWarning, frame.f_code.co_filename,
+                           frame.f_lineno)
+
+
+def _in_gpukv_or_import(filename: str) -> bool:
+    return filename.startswith((_PACKAGE, "<frozen importlib"))
+
+
 def start(folder: str | os.PathLike) -> None:
     """Record from now on into `folder` (what GPUKV_TIMELINE=folder does at import)."""
     global _active
     if _active is not None:
         _active.write()
     _active = _Recorder(os.fspath(folder))
+
+
+def _start_from_environment(environ) -> None:
+    """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one; a folder
+    that cannot be made is a RuntimeWarning (naming the variable, the path and the OS
+    error) and nothing is recorded: a diagnostic never stops an import."""
+    folder = environ.get(ENV)
+    if not folder:
+        return
+    try:
+        start(folder)
+    except OSError as exc:
+        _warn(f"cannot make the folder {folder!r} ({exc}): recording nothing")
+
+
+def discard() -> None:
+    """Stop recording without writing: the events so far are dropped (`gpukv run`'s
+    launcher, whose ranks write the traces that matter)."""
+    global _active
+    _active = None
 
 
 def stop() -> str | None:
@@ -187,8 +240,7 @@ def traced(name: str, cat: str = "store") -> Callable[[F], F]:
 @atexit.register
 def _at_exit() -> None:
     if _active is not None:
-        _active.write()
+        _active.write_or_warn()
 
 
-if os.environ.get(ENV):
-    start(os.environ[ENV])
+_start_from_environment(os.environ)

@@ -1,5 +1,6 @@
 """GPUKV_TIMELINE: a Chrome trace per process of the store's calls and their phases, nested
-as they ran; nothing when off."""
+as they ran; nothing when off; a folder it cannot write is a warning, never an error;
+under `gpukv run`, the ranks' traces only."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ import pytest
 
 import gpukv
 from gpukv import timeline
+
+from .distributed.mpirun import require_mpi
+from .launcher.test_launch import _finish
 
 
 @pytest.fixture
@@ -102,3 +106,60 @@ def test_spans_show_in_torch_profiler(recording):
         kv.push("w", np.ones(8, np.float32))
     names = {e.key for e in prof.key_averages()}
     assert {"gpukv.push", "gpukv.reduce"} <= names, names
+
+
+def _python(program: str, folder, cwd) -> subprocess.CompletedProcess:
+    """`python -c program` with GPUKV_TIMELINE=folder, in `cwd`."""
+    env = dict(os.environ, GPUKV_TIMELINE=str(folder))
+    return subprocess.run([sys.executable, "-c", program], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _runtime_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "RuntimeWarning" in line]
+
+
+@pytest.mark.parametrize("folder", ["afile", "afile/sub"], ids=["a file", "under a file"])
+def test_a_folder_that_cannot_be_made_warns_once_and_records_nothing(tmp_path, folder):
+    """GPUKV_TIMELINE naming a file, or a folder that cannot be made: `import gpukv` and
+    the store work, one RuntimeWarning names the variable, the path and the OS error, and
+    nothing is recorded."""
+    (tmp_path / "afile").write_text("not a folder")
+    done = _python("import numpy as np, gpukv\n"
+                   "kv = gpukv.create('local')\n"
+                   "kv.init(0, np.zeros(3))\n"
+                   "print(gpukv.timeline.enabled())\n", folder, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+    (warning,) = _runtime_warnings(done.stderr)
+    assert f"GPUKV_TIMELINE: cannot make the folder {folder!r} ([Errno " in warning, warning
+    assert os.listdir(tmp_path) == ["afile"]
+
+
+def test_a_timeline_that_cannot_be_written_at_exit_warns(tmp_path):
+    """A timeline folder gone by the exit: the process ends as it would have, with one
+    RuntimeWarning naming the file it could not write."""
+    done = _python("import shutil, gpukv\n"
+                   "shutil.rmtree('tl')\n", "tl", tmp_path)
+    assert done.returncode == 0, done.stderr
+    (warning,) = _runtime_warnings(done.stderr)
+    assert "GPUKV_TIMELINE: cannot write " in warning and "gpukv-timeline-rank" in warning
+
+
+@pytest.mark.mpi
+def test_gpukv_run_writes_the_ranks_timelines_only(tmp_path):
+    """Under `gpukv run -n 2`, the ranks write a timeline each; the launcher, which
+    imports gpukv too, writes none of its own."""
+    require_mpi()
+    (tmp_path / "prog.py").write_text("import gpukv\n")
+    env = dict(os.environ, GPUKV_TIMELINE=str(tmp_path / "tl"))
+    launcher = subprocess.Popen([sys.executable, "-m", "gpukv", "run", "-n", "2",
+                                 str(tmp_path / "prog.py")], env=env, text=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    status, _, err, _ = _finish(launcher, 120)  # (which ends the job if it overruns)
+    assert status == 0, err
+    names = sorted(os.listdir(tmp_path / "tl"))
+    assert [name.split("-pid")[0] for name in names] == [
+        "gpukv-timeline-rank0", "gpukv-timeline-rank1"], names
+    assert not any(f"-pid{launcher.pid}." in name for name in names), names

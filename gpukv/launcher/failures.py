@@ -139,6 +139,29 @@ def of_report(report: Report, started: dict[int, Started]) -> Failure:
     return Failure(words, report.status)
 
 
+def of_reports(reports: list[Report], started: dict[int, Started]) -> list[Failure]:
+    """One line per rank of the ranks' own reports, in the order the ranks first spoke.
+
+    A rank can report one failure twice: its transport's `PeerError` when it happens, and
+    the same exception again (`uncaught PeerError`, with its status) when it ends the
+    program. The line is the later report when it is the same exception, as it says more
+    (that it ended the rank, and how); otherwise the first, the cause, with the status of
+    the rank's end where a later report gives one."""
+    kept: dict[object, Report] = {}  # rank -> its report (without a rank: the report)
+    for report in reports:
+        who = report if report.rank is None else report.rank
+        first = kept.get(who)
+        kept[who] = report if first is None else _one_of_two(first, report)
+    return [of_report(report, started) for report in kept.values()]
+
+
+def _one_of_two(first: Report, later: Report) -> Report:
+    """What a rank's line says of its two reports (`of_reports`)."""
+    if later.what == f"uncaught {first.what}" and later.message == first.message:
+        return later
+    return first if first.status is not None else first._replace(status=later.status)
+
+
 def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
                ended: list[Ended]) -> Failure:
     """The line of the first failure mpiexec told of: a rank's MPI_Abort, or a process that

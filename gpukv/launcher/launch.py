@@ -602,8 +602,7 @@ class Job:
         elif isinstance(self.first, str):  # _BOX: mpiexec's word
             lines = [failures.of_mpiexec(self.said, self.started, self.ended)]
         else:
-            lines = [failures.of_report(r, self.started) for r in self.first]
-        lines = list(dict.fromkeys(lines))
+            lines = failures.of_reports(self.first, self.started)
         self._say([line.words for line in lines])
         known = [line.status for line in lines if line.status]
         return (known[0] if known else 1) & 0xFF or 1

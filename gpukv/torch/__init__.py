@@ -35,6 +35,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise BackendError("gpukv.torch needs PyTorch: pip install torch") from exc
 
+# gpukv.torch.export.export_safetensors, as the docs spell it (safetensors, optional, is
+# imported by an export only)
+from . import export  # noqa: F401
 from .buckets import BUCKET_BYTES
 from .trainer import Trainer
 from .writes import WeightWritesLost

@@ -8,7 +8,9 @@ keeps those of worker 0's replica 0 (as DDP's `broadcast_buffers` spreads rank 0
 a resume gives them to every replica of every worker, so a model resumed, or exported for
 inference, has running statistics, not a fresh BatchNorm's. Frozen parameters go the same
 way, so that a resumed or exported model is whole (a fine-tuned head and the frozen body
-it was trained on), as DDP's `model.state_dict()` is."""
+it was trained on), as DDP's `model.state_dict()` is. The names a parameter is tied under
+beside its first (an embedding shared with the output layer) are kept too, so that an
+export holds every name `state_dict` has."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +23,19 @@ def module_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     names = {name for name, _ in module.named_buffers(remove_duplicate=False)}
     return {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
             if name in names}
+
+
+def tied_parameters(module: torch.nn.Module) -> dict[str, str]:
+    """{name: the name it is tied to} of each parameter `module.state_dict()` holds under
+    several names (an embedding tied to the output layer): the Trainer, as
+    `named_parameters()`, keeps the first name only; the others are these."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name:
+            tied[name] = kept
+    return tied
 
 
 def frozen_parameters(frozen: list) -> dict[str, torch.Tensor]:

@@ -92,6 +92,9 @@ class Checkpoints:
         if self.modules and self.store.rank == 0:
             saved["trainer"]["buffers"] = buffers.module_buffers(self.modules[0])
             saved["trainer"]["frozen"] = buffers.frozen_parameters(self.frozen)
+            # the names after the first of a tied parameter, which the layout leaves out,
+            # for an export that holds every name state_dict has
+            saved["trainer"]["tied"] = buffers.tied_parameters(self.modules[0])
         if self.resume_from == "never":  # an earlier run's snapshots are not this one's
             folder = self._snapshot(steps, saved, None)
             self.taken.append(folder)

@@ -7,9 +7,15 @@ worker 0's replica 0 had them. (A snapshot taken before snapshots kept frozen pa
 has none: `strict=False` then.)
 
 The snapshot records which parameters each store key holds (a bucket fuses several, in
-order, flat); the export cuts every key's value back into them. SNAPSHOT is a snapshot's
-folder (`step-<step>-<tag>`) or a Trainer's `checkpoint_dir`, whose newest complete
-snapshot is taken.
+order, flat); the export cuts every key's value back into them. A parameter the model
+holds under several names (an embedding tied to the output layer) is written under each
+of them, as a copy of its own: safetensors refuses tensors that share memory, and
+`load_state_dict` copies each into the one parameter again. The names beside the first
+are also in the file's metadata (`{name: the name it is tied to}`, as
+`safetensors.torch.save_model` records the names it leaves out). A snapshot taken before
+snapshots recorded tied names has the first name only: `strict=False` then.
+SNAPSHOT is a snapshot's folder (`step-<step>-<tag>-r<run>`) or a Trainer's
+`checkpoint_dir`, whose newest complete snapshot is taken.
 """
 from __future__ import annotations
 
@@ -26,16 +32,32 @@ from .checkpoints import parameter_layout
 
 def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
     """({parameter name: torch tensor}, the snapshot read) of a Trainer's snapshot (a
-    folder, a Snapshot, or a checkpoint_dir: its newest)."""
-    import torch
+    folder, a Snapshot, or a checkpoint_dir: its newest); a tied parameter under each of
+    its names."""
     path = os.fspath(snapshot)
     if not snapshots.is_snapshot(path):
         found = snapshots.latest_snapshot(path)
         if found is None:
             raise CheckpointError(f"{path}: no complete snapshot here (a snapshot's folder "
-                                  f"is named step-<step>-<tag>)")
+                                  f"is named step-<step>-<tag>-r<run>)")
         path = found.path
     saved = snapshots.read_worker(path, 0)[1]
+    tensors = _stored_parameters(saved, path)
+    for kept in ("frozen", "buffers"):
+        for name, tensor in (saved["trainer"].get(kept) or {}).items():
+            tensors[name] = tensor.contiguous()
+    for name, first in _tied_names(saved, path).items():
+        if first not in tensors:
+            raise CheckpointError(f"{path}: the tied parameter {name!r} names "
+                                  f"{first!r}, which the snapshot does not hold")
+        tensors[name] = tensors[first]
+    return tensors, path
+
+
+def _stored_parameters(saved: dict, path) -> dict:
+    """{name: torch tensor} of the trainable parameters, cut out of the store's keys
+    (`saved`: worker 0's user_state)."""
+    import torch
     layout = parameter_layout(saved, path)
     contents = snapshots.read_store(path)
     values = dict(zip(contents.keys, contents.values))
@@ -53,23 +75,84 @@ def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
                                       f"fewer than its parameters need")
             tensors[name] = torch.from_numpy(flat[offset:offset + n].reshape(shape).copy())
             offset += n
-    for kept in ("frozen", "buffers"):
-        for name, tensor in (saved["trainer"].get(kept) or {}).items():
-            tensors[name] = tensor.contiguous()
-    return tensors, path
+    return tensors
+
+
+def _tied_names(saved: dict, path) -> dict[str, str]:
+    """{name: the name it is tied to} of the parameters a Trainer's snapshot records under
+    several names (`saved`: its worker 0's user_state); {} for a snapshot taken before
+    they were recorded."""
+    tied = saved["trainer"].get("tied") or {}
+    if not isinstance(tied, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointError(f"{path}: the Trainer's tied parameter names are damaged")
+    return dict(tied)
 
 
 def export_safetensors(snapshot, out) -> list[str]:
     """Write the parameters and buffers of a Trainer's snapshot to `out` in safetensors
-    (written whole, then renamed: an interrupted export leaves no half file); their
-    names."""
+    (written whole, then renamed: an interrupted or failed export leaves no half file
+    and no temporary one); their names. CheckpointError, naming `out`, when it cannot be
+    written (checked before the snapshot is read where it can be: a missing folder, a
+    folder in its place)."""
     from safetensors.torch import save_file
+    out = _checked_out(os.fspath(out))
     tensors, path = snapshot_tensors(snapshot)
-    out = os.fspath(out)
-    temp = f"{out}.tmp{os.getpid()}"
-    save_file(tensors, temp, metadata={"gpukv.snapshot": os.fspath(path)})
-    os.replace(temp, out)
+    apart = _apart(tensors)
+    metadata = {"gpukv.snapshot": os.fspath(path), **_tied_in_file(tensors)}
+    _write_whole(out, lambda temp: save_file(apart, temp, metadata=metadata))
     return list(tensors)
+
+
+def _checked_out(out: str) -> str:
+    """`out`, when an export can be written there; else CheckpointError naming it."""
+    folder = os.path.dirname(out) or "."
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out}: is a folder; name the .safetensors file to write")
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise CheckpointError(f"{out}: cannot write the export: its folder {folder} {what}")
+    return out
+
+
+def _write_whole(out: str, write) -> None:
+    """`write(temp)` a temporary file beside `out`, then rename it to `out`; on any
+    failure the temporary file is removed, and an OS or safetensors error is a
+    CheckpointError naming `out`."""
+    from safetensors import SafetensorError
+    temp = f"{out}.tmp{os.getpid()}"
+    try:
+        write(temp)
+        os.replace(temp, out)
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"{out}: cannot write the export: {exc}") from None
+    finally:
+        if os.path.lexists(temp):
+            os.remove(temp)
+
+
+def _apart(tensors: dict) -> dict:
+    """`tensors` with no two sharing memory (safetensors refuses those): a tensor whose
+    memory an earlier one holds is written as a copy of its own."""
+    seen: set = set()
+    apart = {}
+    for name, tensor in tensors.items():
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        apart[name] = tensor.clone() if tensor.numel() and storage in seen else tensor
+        seen.add(storage)
+    return apart
+
+
+def _tied_in_file(tensors: dict) -> dict[str, str]:
+    """{name: the first name of the same tensor} of the names after the first of each
+    tensor held under several (safetensors' `save_model` records the names it drops so)."""
+    first: dict = {}
+    tied = {}
+    for name, tensor in tensors.items():
+        kept = first.setdefault(id(tensor), name)
+        if kept != name:
+            tied[name] = kept
+    return tied
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """`gpukv run` in torchrun's conventions (gpukv/launcher/): one line per failed rank naming
-its rank, local rank, host, pid and what happened (a `kill -9` included); torchrun's
-RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE in every rank; each whole line of a rank's output
-after `[R] `, and with --log-dir in a file per rank and attempt; mpiexec's box, MPI's Abort
-banner, wrapper frames and KeyboardInterrupt tracebacks kept back unless --verbose; -n's
-default (this machine's GPUs); a bare `python` PROG is this interpreter. The jobs are tiny
-programs written to tmp_path.
+its rank, local rank, host, pid and what happened (a `kill -9` included, and a failure the
+rank reported twice); torchrun's RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE in every rank;
+each whole line of a rank's output after `[R] `, and with --log-dir in a file per rank and
+attempt; mpiexec's box, MPI's Abort banner, wrapper frames and KeyboardInterrupt tracebacks
+kept back unless --verbose; -n's default (this machine's GPUs); a bare `python` PROG is this
+interpreter. The jobs are tiny programs written to tmp_path.
 """
 from __future__ import annotations
 
@@ -458,6 +458,27 @@ def test_a_silent_failure_names_the_rank_that_ended_first():
         "mpiexec ended with status 4", 4)
     assert failures.of_silence(255, started, []) == failures.Failure(
         "mpiexec ended with status 255", 255)
+
+
+def test_a_rank_that_reports_twice_gets_one_line():
+    """A rank's transport reports its PeerMismatchError, and the same exception then ends
+    the program (`uncaught PeerMismatchError`, status 1): one line for the rank, the one
+    that says it ended the rank. A rank whose end is another report (a PeerError caught,
+    then `exit status 3`) keeps the first, the cause, with the status of its end."""
+    started = {r: _started(r, r) for r in range(3)}
+    words = "pull of key 'w': processes disagree"
+    uncaught = run_report.Report(0, 1, "uncaught PeerMismatchError", words)
+    reports = [run_report.Report(0, None, "PeerMismatchError", words),
+               run_report.Report(1, None, "PeerMismatchError", words), uncaught,
+               run_report.Report(2, None, "PeerError", "rank 0 is lost"),
+               run_report.Report(2, 3, "exit status 3", ""), uncaught]
+    assert failures.of_reports(reports, started) == [
+        failures.Failure(f"rank 0 (local rank 0) on host vm, pid 9000: uncaught "
+                         f"PeerMismatchError: {words}", 1),
+        failures.Failure(f"rank 1 (local rank 1) on host vm, pid 9001: PeerMismatchError: "
+                         f"{words}", None),
+        failures.Failure("rank 2 (local rank 2) on host vm, pid 9002: PeerError: rank 0 is "
+                         "lost", 3)]
 
 
 def test_start_and_end_reports_arrive_on_one_line(monkeypatch):
