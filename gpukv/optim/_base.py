@@ -107,6 +107,21 @@ def check_bool(name, value):
     return bool(value)
 
 
+def _checked_names(param_idx2name) -> dict:
+    """`param_idx2name` as a dict of key -> parameter name (str); else
+    ArgumentKindError."""
+    if param_idx2name is None:
+        return {}
+    if not isinstance(param_idx2name, dict):
+        raise ArgumentKindError(f"optimizer option param_idx2name: expected a dict of key "
+                                f"-> parameter name, got {type(param_idx2name).__name__}")
+    for key, name in param_idx2name.items():
+        if not isinstance(name, str):
+            raise ArgumentKindError(f"optimizer option param_idx2name[{key!r}]: expected a "
+                                    f"parameter name (str), got {type(name).__name__}")
+    return dict(param_idx2name)
+
+
 class Optimizer:
     """Base of every optimizer (MXNet's `mx.optimizer.Optimizer` arguments).
 
@@ -149,9 +164,9 @@ class Optimizer:
         if lr_scheduler is None and learning_rate is None:
             learning_rate = 0.01
         if lr_scheduler is not None and learning_rate is not None:
+            # as MXNet: the rate after warm-up; the warm-up still rises to the base_lr
+            # the schedule was made with (its warmup_final_lr)
             lr_scheduler.base_lr = learning_rate
-            if hasattr(lr_scheduler, "warmup_final_lr"):
-                lr_scheduler.warmup_final_lr = learning_rate
         self.lr = learning_rate
         self.wd = check_number("wd", wd, low=0)
         self.rescale_grad = check_number("rescale_grad", rescale_grad, low=0, low_open=True)
@@ -167,9 +182,10 @@ class Optimizer:
         self.begin_num_update: int = int(begin_num_update)
         self.num_update: int = self.begin_num_update
         self.multi_precision = check_bool("multi_precision", multi_precision)
-        self.idx2name: dict = dict(param_idx2name or {})
+        self.idx2name: dict = _checked_names(param_idx2name)
         self.lr_mult: dict = {}
         self.wd_mult: dict = {}
+        self.set_wd_mult({})
         self._index_update_count: dict = {}
 
     # ------------------------------------------------------------- MXNet's interface
@@ -193,8 +209,13 @@ class Optimizer:
 
     def set_wd_mult(self, args_wd_mult: dict) -> None:
         """Per-key weight-decay multipliers: `args_wd_mult` is {key or parameter name:
-        multiplier}, and replaces those set before."""
-        self.wd_mult = self._mults("wd_mult", args_wd_mult)
+        multiplier}, and replaces those set before. As in MXNet, every name of
+        `param_idx2name` that ends neither in `_weight` nor in `_gamma` (a bias, a
+        BatchNorm's beta) gets 0 unless `args_wd_mult` says otherwise."""
+        mults = self._mults("wd_mult", args_wd_mult)
+        self.wd_mult = {name: 0.0 for name in self.idx2name.values()
+                        if not name.endswith(("_weight", "_gamma"))}
+        self.wd_mult.update(mults)
 
     @staticmethod
     def _mults(name, mults) -> dict:
@@ -233,12 +254,29 @@ class Optimizer:
         count, and the schedule is asked for that.
         """
         count = self._index_update_count.get(key, self.begin_num_update) + 1
-        self._index_update_count[key] = count
-        self.num_update = max(self.num_update, count)
-        lr = self.lr_scheduler(self.num_update) if self.lr_scheduler is not None else self.lr
+        num_update = max(self.num_update, count)
+        lr = self.lr_scheduler(num_update) if self.lr_scheduler is not None else self.lr
+        self._index_update_count[key] = count  # (counted once the schedule answered)
+        self.num_update = num_update
         lr *= self._mult(self.lr_mult, key)
         wd = self.wd * self._mult(self.wd_mult, key)
         return self._scalars(lr, wd, count)
+
+    def scalars_of(self, keys) -> list:
+        """`next_scalars` of each of `keys` in turn; when one raises (a schedule of one's
+        own), no key's count has moved."""
+        before = [(key, self._index_update_count.get(key)) for key in keys]
+        num_update = self.num_update
+        try:
+            return [self.next_scalars(key) for key in keys]
+        except BaseException:
+            for key, count in reversed(before):
+                if count is None:
+                    self._index_update_count.pop(key, None)
+                else:
+                    self._index_update_count[key] = count
+            self.num_update = num_update
+            raise
 
     def _scalars(self, lr, wd, t) -> tuple:
         return (f32(lr), f32(wd))

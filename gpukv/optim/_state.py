@@ -81,10 +81,12 @@ def export_state(opt: Optimizer, states: dict, dump_optimizer: bool = False,
         header["lr_mult"] = _mults(opt.lr_mult)
         header["wd_mult"] = _mults(opt.wd_mult)
         sched = opt.lr_scheduler
-        if sched is not None and not hasattr(sched, "state"):
+        saved = sched is not None and _sched.restorable(sched)
+        if sched is not None and not saved:  # a function, a schedule of one's own
             log.warning("gpukv: lr_scheduler %r cannot be saved; only its learning "
-                        "rate is", sched)
-        header["lr_scheduler"] = sched.state() if hasattr(sched, "state") else None
+                        "rate is (the optimizer a file is loaded into keeps its own)",
+                        sched)
+        header["lr_scheduler"] = sched.state() if saved else None
     return header, arrays
 
 

@@ -183,9 +183,9 @@ class OptimizerUpdater:
         states = self.states
         host: list = []
         gpu: dict = {}
-        for key, m, s, home in zip(keys, merged, stored, homes):
+        for key, m, s, home, scalars in zip(keys, merged, stored, homes,
+                                            opt.scalars_of(keys)):
             state = states[key]
-            scalars = opt.next_scalars(key)
             if home.host_memory:
                 host.append((s, m, state, scalars))
             else:
@@ -413,9 +413,9 @@ class OptimizerUpdater:
         host_rows: list = []
         gpu: dict = {}
         gpu_rows: dict = {}
-        for key, m, s, home in zip(keys, merged, stored, homes):
+        for key, m, s, home, scalars in zip(keys, merged, stored, homes,
+                                            opt.scalars_of(keys)):
             state = self.states[key]
-            scalars = opt.next_scalars(key)
             on_gpu = not home.host_memory
             if lazy:
                 item = (s, m, state, scalars)

@@ -43,7 +43,8 @@ def _int(name, value, low):
 class LRScheduler:
     """Base class: warm-up handling and the `__call__(num_update) -> lr` protocol.
 
-    base_lr: the rate after warm-up (an optimizer given a `learning_rate` sets it);
+    base_lr: the rate after warm-up (an optimizer given a `learning_rate` sets it, and
+    the warm-up still rises to the base_lr given here, as in MXNet);
     warmup_steps: how many updates the warm-up lasts (0: none); warmup_begin_lr: the rate
     it starts from; warmup_mode: 'linear' (rising to base_lr) or 'constant'. Each schedule
     below takes these options beside its own.
@@ -144,6 +145,9 @@ class _DecayScheduler(LRScheduler):
         self.max_update = _int("max_update", max_update, 1)
         self.base_lr_orig = self.base_lr
         self.final_lr = _number("final_lr", final_lr, low=0)
+        if self.warmup_steps >= self.max_update:  # (nothing left to decay over)
+            raise ArgumentError(f"warmup_steps={warmup_steps!r} must be below "
+                                f"max_update={max_update!r}")
         self.max_steps = self.max_update - self.warmup_steps
 
     def _decay(self, steps):
@@ -180,6 +184,12 @@ class CosineScheduler(_DecayScheduler):
 
 _CLASSES = {c.__name__: c for c in
             (FactorScheduler, MultiFactorScheduler, PolyScheduler, CosineScheduler)}
+
+
+def restorable(schedule) -> bool:
+    """Whether `from_state` restores `schedule` (one of the classes defined here, not a
+    subclass of one, whose state it would not know)."""
+    return _CLASSES.get(type(schedule).__name__) is type(schedule)
 
 
 def from_state(state: dict) -> LRScheduler:

@@ -282,6 +282,105 @@ def test_schedulers_follow_mxnet():
     assert w(2) == pytest.approx(0.6)
 
 
+def _rates(opt, updates: int) -> list:
+    """The learning rate of each of `updates` updates of one key (SGD: lr as it is)."""
+    return [float(opt.next_scalars(0)[0]) for _ in range(updates)]
+
+
+def test_an_optimizers_rate_replaces_the_schedules_after_warm_up_only():
+    """As MXNet's Optimizer: a learning_rate given beside a schedule becomes its base_lr,
+    the rate after warm-up; the warm-up still rises to the base_lr the schedule was made
+    with (MXNet 1.9.1: 0.025, 0.05, 0.075, 0.1, then the cosine from 0.1)."""
+    cosine = optim.CosineScheduler(max_update=8, base_lr=0.1, final_lr=0.0, warmup_steps=4)
+    rates = _rates(optim.SGD(learning_rate=0.3, lr_scheduler=cosine), 6)
+    assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.0853553, 0.05], rel=1e-6)
+    factor = optim.FactorScheduler(step=100, base_lr=0.01, warmup_steps=4)
+    rates = _rates(optim.SGD(learning_rate=0.001, lr_scheduler=factor), 5)
+    assert rates == pytest.approx([0.0025, 0.005, 0.0075, 0.001, 0.001], rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [optim.PolyScheduler, optim.CosineScheduler])
+def test_a_warm_up_as_long_as_the_schedule_is_refused(schedule):
+    """Nothing would be left to decay over (a division by zero at the first update)."""
+    with pytest.raises(gpukv.ArgumentError, match="warmup_steps=3 must be below max_update=3"):
+        schedule(max_update=3, base_lr=0.1, warmup_steps=3)
+
+
+def test_a_schedule_that_raises_counts_no_update_of_the_push():
+    """A schedule's error reaches the push; no key of it is counted as updated (their
+    counts and num_update stay as they were), so later updates keep MXNet's counts."""
+    calls = []
+
+    def schedule(num_update):
+        calls.append(num_update)
+        if len(calls) == 4:  # the second key of the second push
+            raise RuntimeError("schedule failed")
+        return 0.1
+
+    kv = gpukv.create("local")
+    kv.init([1, 2], [np.ones(2, np.float32), np.ones(2, np.float32)])
+    opt = optim.SGD(lr_scheduler=schedule)
+    kv.set_optimizer(opt)
+    grads = [np.ones(2, np.float32), np.ones(2, np.float32)]
+    kv.push([1, 2], grads)
+    with pytest.raises(RuntimeError, match="schedule failed"):
+        kv.push([1, 2], grads)
+    assert opt._index_update_count == {1: 1, 2: 1} and opt.num_update == 1
+    kv.push([1, 2], grads)
+    assert opt._index_update_count == {1: 2, 2: 2} and opt.num_update == 2
+
+
+def test_param_idx2name_gives_biases_no_weight_decay_as_mxnet():
+    """MXNet: with param_idx2name, a parameter whose name ends neither in _weight nor in
+    _gamma gets a weight-decay multiplier of 0, unless set_wd_mult says otherwise."""
+    names = {0: "fc_bias", 1: "fc_weight", 2: "bn_gamma", 3: "bn_beta"}
+    opt = optim.SGD(learning_rate=0.1, wd=0.1, param_idx2name=names)
+    assert opt.wd_mult == {"fc_bias": 0.0, "bn_beta": 0.0}
+    assert [float(opt.next_scalars(k)[1]) for k in range(4)] == \
+        pytest.approx([0.0, 0.1, 0.1, 0.0])
+    opt.set_wd_mult({"fc_bias": 0.5})
+    assert opt.wd_mult == {"fc_bias": 0.5, "bn_beta": 0.0}
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(3, np.float32))
+    kv.set_optimizer(optim.SGD(learning_rate=0.1, wd=0.1, param_idx2name=names))
+    kv.push(0, np.zeros(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    assert np.all(out == 1.0)
+
+
+@pytest.mark.parametrize("bad", [[1], "ab", 5, {0: 7}])
+def test_a_bad_param_idx2name_is_an_argument_kind_error(bad):
+    with pytest.raises(ArgumentKindError, match="param_idx2name"):
+        optim.SGD(param_idx2name=bad)
+
+
+class _Halving(optim.lr_scheduler.LRScheduler):
+    """A schedule of one's own: halves every update."""
+
+    def __call__(self, num_update):
+        return self.base_lr / 2 ** num_update
+
+
+def test_a_schedule_of_ones_own_is_not_saved_and_the_file_loads(tmp_path, caplog):
+    """Only gpukv's own schedules are saved: a subclass of LRScheduler is left out with a
+    warning, as a function is, and the optimizer the file is loaded into keeps its own."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(2, np.float32))
+    kv.set_optimizer(optim.SGD(lr_scheduler=_Halving(base_lr=1.0)))
+    kv.push(0, np.ones(2, np.float32))
+    with caplog.at_level("WARNING", logger="gpukv"):
+        kv.save_optimizer_states(tmp_path / "s", dump_optimizer=True)
+    assert "cannot be saved" in caplog.text
+    other = gpukv.create("local")
+    other.init(0, np.ones(2, np.float32))
+    mine = _Halving(base_lr=1.0)
+    opt = optim.SGD(lr_scheduler=mine)
+    other.set_optimizer(opt)
+    other.load_optimizer_states(tmp_path / "s")
+    assert opt.lr_scheduler is mine and opt.num_update == 1
+
+
 # ----------------------------------------------------------------- save and load
 ROUND_TRIP = ["sgd_mom_clip_rescale", "nag_fp16_mp", "adam_cosine", "adamw_all",
               "adagrad_all", "rmsprop_centered_all", "lamb_all", "sgd_mom_fp16_mp",
