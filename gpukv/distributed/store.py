@@ -142,6 +142,12 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
     return num_servers, float(timeout), bigarray_bound, chosen_chunk_bytes()
 
 
+def _sum_buffer(value) -> np.ndarray:
+    """What a key's sums over one process's devices start from: zeros of its shape, in
+    the dtype its sums are made in (on the host: the store copies it where it sums)."""
+    return np.zeros(value.shape, accumulate_dtype(value.dtype))
+
+
 def _attempt(action, keep: bool = False):
     """Run `action()`: its CheckpointError (to share with the other workers), else None
     (or, with `keep`, what it returned)."""
@@ -403,7 +409,9 @@ class DistKVStore(KVStore):
             self._to_devices(keys, [self._host[k] for k in keys])
 
     def _local_sums(self, groups, entries) -> list:
-        """Each key's sum over this process's devices, of the key's dtype, where the
+        """Each key's sum over this process's devices, in the dtype sums of the key's are
+        made in (float32 for 16-bit floats, which the engines send: rounding it to the
+        key's would overflow where the sum over every process does not), where the
         engine reads it (the host, or the NCCL GPU); a lone array of the key's dtype
         already there is used as it is (read, never kept)."""
         sums: list = [None] * len(groups.keys)
@@ -424,7 +432,7 @@ class DistKVStore(KVStore):
             new = [k for k in sub.keys if k not in summed]
             if new:  # a key's first push that needs a sum here: its buffer, made now
                 values = self._values.entries()
-                grads.init(new, [values[k].value for k in new])
+                grads.init(new, [_sum_buffer(values[k].value) for k in new])
             grads.push_checked(sub, [summed[k] for k in sub.keys])
             for i in rest:
                 entry = summed[groups.keys[i]]

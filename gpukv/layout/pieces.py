@@ -30,8 +30,8 @@ def key_hash(key) -> int:
 def pieces(key, size: int, servers: int, bound: int) -> tuple:
     """The pieces of a key of `size` elements over `servers` servers.
 
-    A split key is cut every `piece_length` elements, a multiple of PIECE_ALIGN but for
-    tiny keys (the last pieces may be shorter, or empty and left out), so that a
+    A split key is cut every `piece_length` elements, a multiple of CODEC_BLOCK (the
+    last pieces may be shorter, or empty and left out), so that a
     collective with equal counts per rank (NCCL's reduce-scatter and all-gather, over a
     buffer padded to `servers * piece_length`) hands each rank exactly its piece."""
     if size >= bound and size >= servers > 1:
@@ -41,14 +41,18 @@ def pieces(key, size: int, servers: int, bound: int) -> tuple:
     return (Piece(key_hash(key) % servers, 0, size),)
 
 
-#: pieces of at least this many values start at multiples of it: a codec that works in
-#: blocks of values (sign's 64, ternary's 128) then cuts each piece where it cuts the
-#: whole key
+#: pieces start at multiples of this: a codec that works in blocks of values (sign's
+#: 64, ternary's 128) then cuts each piece where it cuts the whole key, and compressed
+#: pieces give the bits of the whole key compressed in one process
+CODEC_BLOCK = 128
+#: shares of at least this many values are rounded to multiples of it
 PIECE_ALIGN = 256
 
 
 def piece_length(size: int, servers: int) -> int:
     """The length of every full piece of a split key: an even share, rounded up to a
-    multiple of PIECE_ALIGN when it is at least that long."""
+    multiple of PIECE_ALIGN when it is at least that long, else of CODEC_BLOCK (a key of
+    at most CODEC_BLOCK values is one piece)."""
     share = -(-size // servers)
-    return share if share < PIECE_ALIGN else -(-share // PIECE_ALIGN) * PIECE_ALIGN
+    align = PIECE_ALIGN if share >= PIECE_ALIGN else CODEC_BLOCK
+    return -(-share // align) * align

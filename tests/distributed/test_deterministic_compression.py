@@ -45,6 +45,16 @@ def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, se
     assert digests.digests(out) == one_process, out
 
 
+def test_pieces_shorter_than_a_codecs_blocks_apart_give_the_bits_of_one_process(one_process):
+    """bigarray_bound=100 on 4 workers: 'small' (1000 values) is split in shares of 250,
+    which pieces cut at multiples of 128, where sign's and ternary's blocks fall in the
+    whole key: one process's bits still."""
+    env = _env()
+    env.update(GPUKV_NUM_SERVERS="0", STORE="dist_sync", DIGEST_BOUND="100")
+    out = ok(run("digest.py", 4, "2", env=env, timeout=240))
+    assert digests.digests(out) == one_process, out
+
+
 @pytest.mark.gpu
 def test_gpu_values_give_the_bits_of_one_process(one_process):
     """dist_device_sync with each worker's 4 values on its (emulated) GPUs, compressed:

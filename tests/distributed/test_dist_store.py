@@ -524,6 +524,13 @@ def test_bfloat16_keys(n, servers):
     _passes(_scenario(n, servers, "bfloat16"), n - servers)
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 0), (3, 1)])
+def test_a_process_sums_16_bit_values_in_float32(n, servers):
+    """SPEC: a narrow type never silently overflows: a process's own sum past float16's
+    range is not rounded to it before the other processes' are added."""
+    _passes(_scenario(n, servers, "narrow_local_sums"), n - servers)
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_a_push_the_optimizer_refuses_changes_nothing(n, servers):
     out = _passes(_scenario(n, servers, "refused_by_the_optimizer"), n - servers)

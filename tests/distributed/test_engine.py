@@ -211,9 +211,11 @@ def test_split_keys_are_cut_at_multiples_of_the_codecs_block(size, servers):
     assert len({p.server for p in cut}) == len(cut) > 1
 
 
-def test_tiny_split_keys_keep_one_piece_per_process():
-    """Shares under 256 values are not rounded: a key of 4 values on 4 processes is 4
-    pieces of 1."""
+def test_short_shares_are_cut_at_the_codecs_longest_block():
+    """Shares under 256 values are rounded up to 128 (ternary's block, two of sign's): a
+    key of 300 values on 3 processes is 128, 128 and 44; one of 165 on 2 is 128 and 37;
+    a key of 4 values on 4 processes is one piece."""
     from gpukv.layout.pieces import pieces
-    cut = [(p.start, p.stop) for p in pieces("k", 4, 4, 1)]
-    assert cut == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for size, servers, want in ((300, 3, [(0, 128), (128, 256), (256, 300)]),
+                                (165, 2, [(0, 128), (128, 165)]), (4, 4, [(0, 4)])):
+        assert [(p.start, p.stop) for p in pieces("k", size, servers, 1)] == want

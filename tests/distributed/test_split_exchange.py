@@ -30,9 +30,10 @@ def _split_sums(n: int, dtype: str, sizes: str, updater: bool, chunk_bytes: int)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_short_chunks_sum_in_rank_order(n, dtype, updater):
-    """Keys of 1 element per process, and of lengths that neither the processes nor the
-    10-element chunks divide, are summed in rank order, bit for bit, on every worker."""
-    _split_sums(n, dtype, f"{n},7,1001,3001", updater, 40)
+    """Keys whose last piece is 1 element (pieces start at multiples of 128) or 7, and
+    of lengths that neither the processes nor the 10-element chunks divide, are summed
+    in rank order, bit for bit, on every worker."""
+    _split_sums(n, dtype, f"{128 * (n - 1) + 1},263,1001,3001", updater, 40)
 
 
 @pytest.mark.parametrize("updater", [False, True], ids=["sum", "updater"])

@@ -79,7 +79,9 @@ def say(line: str) -> None:
 def main() -> None:
     per_worker = int(sys.argv[1])
     store = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("STORE", "dist_sync")
-    options = {"bigarray_bound": BOUND} if store.startswith("dist") else {}
+    # DIGEST_BOUND: another bigarray_bound ('small' split too, in pieces under 256 values)
+    bound = int(os.environ.get("DIGEST_BOUND", BOUND))
+    options = {"bigarray_bound": bound} if store.startswith("dist") else {}
     if len(sys.argv) > 3:
         options["strategy"] = sys.argv[3]
     # DIGEST_DEFAULT=1: the store's default order, to show that layouts differ there

@@ -950,6 +950,28 @@ def bfloat16() -> None:
     passed(kv)
 
 
+def narrow_local_sums(dtype: str = "float16") -> None:
+    """Worker 0 pushes three values of a 16-bit float key whose sum there (120000) is past
+    float16's range, the others -60000 / (n - 1) each: the sum over every process fits,
+    and comes out as one process gives it (the sums of a process's values are made in
+    float32, as one process makes them), for a small key and a split one."""
+    dt = _dtype(dtype)
+    kv = create(bigarray_bound=1000)
+    n, r = kv.num_workers, kv.rank
+    shapes = {"s": (2,), "big": (1500,)}
+    kv.init(list(shapes), [np.zeros(shape, dt) for shape in shapes.values()])
+    if r == 0:
+        mine = [[np.full(shape, v, dt) for v in (60000, 60000, 0)] for shape in shapes.values()]
+    else:
+        mine = [np.full(shape, -60000 / (n - 1), dt) for shape in shapes.values()]
+    kv.push(list(shapes), mine)
+    outs = [np.zeros(shape, dt) for shape in shapes.values()]
+    kv.pull(list(shapes), out=outs)
+    for o in outs:
+        assert np.all(o.astype(np.float32) == 60000), o[:4]
+    passed(kv)
+
+
 def refused_by_the_optimizer() -> None:
     """A push the optimizer refuses (an int key) is a DTypeError on every worker before
     anything is sent; the store goes on."""
