@@ -59,6 +59,9 @@ class NcclStrategy(Strategy):
 
     def reduce_many(self, jobs: list) -> None:
         nccl, mine, other = self._split(jobs, lambda j: [j.out], lambda j: j.out.dtype)
+        # One value has nothing to sum: the home copies its bits (NCCL's 0 + -0.0 is +0.0)
+        other += [j for j in mine if len(j.sources) == 1]
+        mine = [j for j in mine if len(j.sources) != 1]
         self._home.reduce_many(other)
         if not mine:
             return

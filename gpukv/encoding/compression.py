@@ -185,7 +185,11 @@ class GradientCompression:
     def restore_residual(self, key, device, saved: np.ndarray) -> None:
         """Make `saved` (a flat float32 host array) the residual of `key` on `device`."""
         residual = self.residual(key, device, saved.size)
-        if residual is not None:
+        if residual is None:
+            return
+        if self.compressor.low_rank:  # kept on the host, whatever device pushed
+            np.copyto(residual, saved)
+        else:
             device.copy(residual, saved)
 
     def restore_pull(self, key, home, saved: np.ndarray) -> None:

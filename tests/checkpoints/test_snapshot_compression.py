@@ -211,11 +211,13 @@ def test_a_snapshot_whose_state_does_not_fit_loads_and_starts_afresh(
 
 
 @pytest.mark.multi_gpu(2)
-@pytest.mark.parametrize("compression", [{"type": "sign"}, {"type": "2bit"}],
+@pytest.mark.parametrize("compression", [{"type": "sign"}, {"type": "2bit"},
+                                         {"type": "powersgd", "rank": 2}],
                          ids=lambda c: c["type"])
 def test_residuals_on_gpus_resume_bit_for_bit(tmp_path, monkeypatch, compression):
     """Residuals, served values and pull residuals that live on GPUs are staged and
-    written like the values, and resume onto the GPUs, bit for bit."""
+    written like the values, and resume onto the GPUs, bit for bit (PowerSGD's, of GPU
+    values, live on the host, where its sums run, and resume there)."""
     from gpukv.device import gpu_devices
     gpus = gpu_devices()[:2]
     want = _uninterrupted_and_snapshot(tmp_path, compression, "updater", 2, monkeypatch,

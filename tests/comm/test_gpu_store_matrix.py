@@ -387,3 +387,21 @@ def test_nccl_store_runs_grouped_collectives(cp, monkeypatch, nccl_calls, virtua
         for g, h in zip(outs[k], host_outs[k]):
             got = cp.asnumpy(g)
             assert got.dtype == h.dtype and got.tobytes() == h.tobytes(), k
+
+
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("name", STRATEGIES + ("nccl store",))
+def test_one_source_is_stored_bit_for_bit(cp, name):
+    """A push of one array, from another GPU than the key's home, stores its bits as
+    'local' assigns them: -0.0, a NaN's payload and a subnormal kept (with nothing to
+    sum, NCCL's reduction would add it to 0 and make -0.0 +0.0)."""
+    values = np.array([0x80000000, 0x7FC00001, 0x00000001, 0x3F800000],
+                      np.uint32).view(np.float32)
+    kv = gpukv.create("nccl") if name == "nccl store" else _store(name)
+    with cp.cuda.Device(1):
+        kv.init("k", cp.zeros(4, cp.float32))
+    with cp.cuda.Device(3):  # (NCCL's root, the home, is then its first rank)
+        kv.push("k", cp.asarray(values))
+    out = np.full(4, 7, np.float32)
+    kv.pull("k", out=out)
+    assert out.view(np.uint32).tolist() == values.view(np.uint32).tolist()

@@ -177,3 +177,89 @@ def test_gpu_tree_sum_keeps_subnormals(gpus):
     want = _reference(values, np.float32)
     assert np.count_nonzero(want) > 1000
     assert cp.asnumpy(out).tobytes() == want.tobytes()
+
+
+def _about_float32_subnormals(k: int, n: int, seed: int) -> list:
+    """k float64 arrays of values from 2**-149 to 2**-118 (all 53 bits, both signs):
+    float32 subnormals, and small normals, once converted."""
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, n) * 2.0 ** rng.integers(-148, -118, n) for _ in range(k)]
+
+
+def _subnormals(a) -> int:
+    return int(np.count_nonzero((a != 0) & (np.abs(a) < np.finfo(a.dtype).tiny)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_gpu_tree_sum_of_float64_leaves_keeps_float32_subnormals(gpus, k):
+    """float64 leaves into a float32 out (deterministic=True's sum): each leaf read as
+    float32 keeping its subnormals (explicit PTX; -ftz=true's conversion would flush
+    them), then the tree's adds: the host's bits."""
+    import cupy as cp
+    home = gpus[0]
+    values = _about_float32_subnormals(k, 3000, seed=k)
+    with home.cuda_device:
+        arrays = [cp.asarray(v) for v in values]
+        out = cp.empty(3000, np.float32)
+    home.tree_sum_into([(out, arrays)])
+    want = _reference(values, np.float32)
+    assert _subnormals(want) > 500
+    assert cp.asnumpy(out).tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+def test_gpu_tree_sum_of_mixed_leaves_keeps_float32_subnormals(gpus):
+    """Leaves of float64 and float32 into float32: the float64 ones converted by the copy
+    kernel first, keeping float32 subnormals as the host's conversion does."""
+    import cupy as cp
+    home = gpus[0]
+    values = [v.astype(np.float32) if i % 2 else v
+              for i, v in enumerate(_about_float32_subnormals(5, 3000, seed=7))]
+    with home.cuda_device:
+        arrays = [cp.asarray(v) for v in values]
+        out = cp.empty(3000, np.float32)
+    home.tree_sum_into([(out, arrays)])
+    want = np.empty(3000, np.float32)
+    host_tree_sum(want, values)
+    assert _subnormals(want) > 500
+    assert cp.asnumpy(out).tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_tree_sum_of_float32_leaves_into_float64_keeps_subnormals(gpus, k):
+    """float32 subnormal leaves into a float64 out are widened exactly, as NumPy widens
+    them (explicit PTX; -ftz=true's conversion would make them zeros)."""
+    import cupy as cp
+    home = gpus[0]
+    values = [v.astype(np.float32) for v in _about_float32_subnormals(k, 3000, seed=11)]
+    assert _subnormals(values[0]) > 1000
+    with home.cuda_device:
+        arrays = [cp.asarray(v) for v in values]
+        out = cp.empty(3000, np.float64)
+    home.tree_sum_into([(out, arrays)])
+    assert cp.asnumpy(out).tobytes() == _reference(values, np.float64).tobytes()
+
+
+@pytest.mark.gpu
+def test_gpu_tree_sum_of_one_float64_leaf_into_float16_rounds_once(gpus):
+    """One float64 leaf into a float16 out is NumPy's cast, rounded once: values a hair
+    off the midpoints between float16 values, which rounding through float32 would
+    round to even instead."""
+    import cupy as cp
+    home = gpus[0]
+    grid = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    mid = (grid[:-1] + grid[1:]) / 2
+    sign = np.random.default_rng(4).choice([-1.0, 1.0], mid.size)
+    value = (mid + mid * 2.0 ** -40 * sign) * np.resize([1.0, -1.0, -1.0], mid.size)
+    want = value.astype(np.float16)
+    assert np.count_nonzero(value.astype(np.float32).astype(np.float16) != want) > 10000
+    with home.cuda_device:
+        leaf = cp.asarray(value)
+        out = cp.empty(value.size, np.float16)
+    home.tree_sum_into([(out, [leaf])])
+    assert cp.asnumpy(out).tobytes() == want.tobytes()
+    host = np.empty(value.size, np.float16)
+    host_tree_sum(host, [value])
+    assert host.tobytes() == want.tobytes()

@@ -31,12 +31,13 @@ _STREAM_TESTS = "tests/emulation/test_emulated_streams.py::"
 
 MUTATIONS = (
     Mutation(
-        "wait_for without the wait on the previous stream", _DEVICE,
-        """            with self._cuda_device:
-                mine.wait_event(last[0])""",
-        """            pass""",
-        (_DEVICE_TESTS + "test_wait_for_covers_work_queued_under_a_stream_no_longer_"
-         "current",)),
+        "slot 0 without the wait on the stream its last work went to", _DEVICE,
+        """                    with self._cuda_device:
+                        current.wait_event(ordering_event(used))""",
+        """                    pass""",
+        (_DEVICE_TESTS + "test_calls_from_other_current_streams_stay_in_call_order",
+         _DEVICE_TESTS + "test_wait_for_covers_work_queued_under_a_stream_no_longer_"
+         "current")),
     Mutation(
         "wait_for without the cross-stream wait_event", _DEVICE,
         """            event = other.record()

@@ -32,9 +32,13 @@ extern "C" __global__ void float_to_half(const float* in, unsigned short* out,
     ptx[i] = h;
 }
 
-extern "C" __global__ void double_to_half(const double* in, unsigned short* out, long long n) {
+extern "C" __global__ void double_to_half(const double* in, unsigned short* out,
+                                          unsigned short* ptx, long long n) {
     EACH
     out[i] = __half_as_ushort(__double2half(in[i]));
+    unsigned short h; double d = in[i];
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(d));
+    ptx[i] = h;
 }
 
 extern "C" __global__ void bfloat16_to_float(const unsigned short* in, float* out,
@@ -115,7 +119,8 @@ def test_float_to_half_rounds_as_numpy(module):
 
 def test_double_to_half_rounds_once(module):
     """A double converts to float16 directly, not through a float that could round twice
-    (ties nudged by far less than a float's precision)."""
+    (ties nudged by far less than a float's precision), through __double2half and
+    through the rewritten cvt.rn.f16.f64 PTX."""
     grid = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
     ahead = np.append(grid[1:], 65536.0)
     ties = (grid + ahead) / 2
@@ -127,8 +132,9 @@ def test_double_to_half_rounds_once(module):
     x = np.concatenate([x, -x])
     with np.errstate(over="ignore", invalid="ignore"):
         want = x.astype(np.float16).view(np.uint16)
-    (got,) = _run(module, "double_to_half", x, np.uint16)
+    got, ptx = _run(module, "double_to_half", x, np.uint16, np.uint16)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ptx, want)
 
 
 def test_bfloat16_to_float_over_every_pattern(module):

@@ -1,6 +1,7 @@
 """Flush-to-zero in the emulation, where CuPy's -ftz=true has a GPU flush: float32
 subnormals read or produced by gpukv's kernels and by CuPy's elementwise built-ins and
-float32 <-> float64 casts are (signed) zeros; copies, bit views and copysign keep them."""
+float32 <-> float64 casts are (signed) zeros; copies, bit views, copysign and explicit PTX
+without .ftz keep them."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,6 +45,50 @@ def test_project_kernel_flushes_float32_subnormals(out, term, want):
     """gpukv's float32 sum kernel, run by the emulation, reads and writes float32
     subnormals as signed zeros, as on a GPU (CuPy compiles it with -ftz=true)."""
     assert _bits(_run_sum(out, term)) == _bits(want)
+
+
+_CONVERSIONS = r"""
+extern "C" __global__ void convert(const double* wide, const float* narrow, float* narrowed,
+                                   float* narrowed_cast, double* widened,
+                                   double* widened_cast, unsigned short* half,
+                                   long long n) {
+    const long long i = threadIdx.x;
+    if (i >= n) return;
+    const double w = wide[i];
+    const float x = narrow[i];
+    float f; double d; unsigned short h;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(w));
+    narrowed[i] = f;
+    narrowed_cast[i] = (float)w;  /* after the PTX: the launch's flush is back */
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(x));
+    widened[i] = d;
+    widened_cast[i] = (double)x;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(w));
+    half[i] = h;
+}
+"""
+
+
+def test_explicit_ptx_conversions_keep_subnormals_and_c_casts_flush():
+    """cvt.rn.f32.f64, cvt.f64.f32 and cvt.rn.f16.f64 (PTX without .ftz) give NumPy's
+    casts, float32 subnormals kept, in a launch that flushes; the C casts beside them
+    flush (-ftz=true makes them cvt.rn.ftz.f32.f64 and cvt.ftz.f64.f32)."""
+    wide = np.array([1e-40, -3e-39, 2.0 ** -149, -(2.0 ** -150) * 1.5, 2.5,
+                     1 + 2.0 ** -11 + 2.0 ** -40, 2.0 ** -25 * (1 + 2.0 ** -52), 1e-300])
+    narrow = wide.astype(F32)
+    n = wide.size
+    outs = [device(np.zeros(n, d)) for d in (F32, F32, np.float64, np.float64, np.uint16)]
+    kernel = kernels.RawKernel(_CONVERSIONS, "convert", options=_kernels.COMPILE_OPTIONS)
+    kernel((1,), (32,), (device(wide), device(narrow), *outs, np.int64(n)))
+    narrowed, narrowed_cast, widened, widened_cast, half = (o.host for o in outs)
+    tiny = np.abs(narrow) < TINY
+    assert _bits(narrowed) == _bits(narrow) and tiny.sum() == 5
+    assert _bits(narrowed_cast) == _bits(np.where(tiny, np.copysign(F32(0), narrow), narrow))
+    assert widened.tobytes() == narrow.astype(np.float64).tobytes()
+    assert widened_cast.tobytes() == \
+        np.where(tiny, np.copysign(0.0, narrow), narrow).astype(np.float64).tobytes()
+    assert half.tolist() == wide.astype(np.float16).view(np.uint16).tolist()
+    assert half[5:7].tolist() == [0x3C01, 0x0001]  # rounded once: not 0x3C00, 0x0000
 
 
 def test_launch_restores_the_callers_float_mode():

@@ -45,7 +45,7 @@ class CudaDevice(Device):
         self._cuda_device = self._cp.cuda.Device(physical)
         self._stream = None
         self._stream_lock = threading.Lock()  # devices are shared by every thread
-        self._last = None  # (event, stream) recorded after the last work queued here
+        self._used = None  # slot 0: the current stream its last work was queued on
 
     @property
     def xp(self):
@@ -56,20 +56,25 @@ class CudaDevice(Device):
         return self._cuda_device
 
     @property
-    def last_work(self):
-        """(event, stream) that `record` made after the work last queued here, or None:
-        what another device's `wait_for` may wait on without recording anew."""
-        return self._last
-
-    @property
     def stream(self):
         """The stream this device's work is queued on.
 
         Slot 0 uses CuPy's current stream on the GPU, so results are ordered with the
         caller's own work; other slots (virtual GPUs) each own a non-blocking stream.
+        When the current stream is another than the one slot 0's work last went to (the
+        caller switched streams, or another thread calls with its own), the new one
+        first waits for everything queued on the old one: the store's arrays on this GPU
+        are read and written in call order, whatever stream each call comes from.
         """
         if self.slot == 0:
-            return self._cp.cuda.get_current_stream(self.physical)
+            current = self._cp.cuda.get_current_stream(self.physical)
+            used = self._used
+            if used is not current:
+                if used is not None and used.ptr != current.ptr:
+                    with self._cuda_device:
+                        current.wait_event(ordering_event(used))
+                self._used = current
+            return current
         if self._stream is None:
             with self._stream_lock:  # one stream, whichever thread asks first
                 if self._stream is None:
@@ -84,32 +89,24 @@ class CudaDevice(Device):
             yield
 
     def record(self):
-        """An event recorded now on this device's stream (also kept as its last work)."""
+        """An event recorded now on this device's stream."""
         stream = self.stream
         with self._cuda_device:
-            event = ordering_event(stream)
-        self._last = (event, stream)
-        return event
+            return ordering_event(stream)
 
     def wait_for(self, other: Device) -> None:
         """Order this device's stream after the work queued so far on `other`'s stream."""
         if not isinstance(other, CudaDevice):
             return
         mine = self.stream
-        theirs = other.stream
-        last = other.last_work
+        theirs = other.stream  # (ordered after the work `other` queued on an earlier one)
         # One stream object may stand for a stream of every GPU: CuPy's default
         # `Stream.null` (and `Stream.ptds`) is a single object for all devices, so the
         # same object on two GPUs is two streams.
-        same_gpu = other.physical == self.physical
-        if theirs is not mine or not same_gpu:
+        if theirs is not mine or other.physical != self.physical:
             event = other.record()
             with self._cuda_device:
                 mine.wait_event(event)
-        if last is not None and last[1] is not theirs and not (same_gpu and last[1] is mine):
-            # Work queued on `other` under a stream that is no longer current.
-            with self._cuda_device:
-                mine.wait_event(last[0])
 
     def wait_event(self, event) -> None:
         """Order this device's stream after `event` (None: nothing to wait for)."""

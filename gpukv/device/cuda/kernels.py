@@ -42,7 +42,11 @@ _CTYPES = {
 }
 
 # Conversions of 16-bit floats without any header: PTX for fp16, bit arithmetic for
-# bf16 (round to nearest even, NaN kept quiet).
+# bf16 (round to nearest even, NaN kept quiet). float64 <-> float32 in explicit PTX too:
+# CuPy compiles with -ftz=true, under which a C cast is cvt.rn.ftz.f32.f64 (or
+# cvt.ftz.f64.f32) and flushes float32 subnormals; PTX without .ftz keeps them, as NumPy's
+# casts do. float64 -> float16 in one rounding (cvt.rn.f16.f64), as NumPy casts: through
+# float32 it would round twice (1 + 2**-11 + 2**-40 would become 1.0, not 1 + 2**-10).
 _PRELUDE = r"""
 __device__ __forceinline__ float gpukv_h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
@@ -59,6 +63,15 @@ __device__ __forceinline__ unsigned short gpukv_f2b(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
+__device__ __forceinline__ float gpukv_d2f(double d) {
+    float f; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(d)); return f;
+}
+__device__ __forceinline__ double gpukv_f2d(float f) {
+    double d; asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f)); return d;
+}
+__device__ __forceinline__ unsigned short gpukv_d2h(double d) {
+    unsigned short h; asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(d)); return h;
+}
 """
 
 
@@ -74,13 +87,31 @@ def ctype(dtype) -> str:
 
 
 def load_expr(dtype, ptr: str, index: str, acc: str) -> str:
-    """C expression reading `ptr[index]` (of `dtype`) as the accumulator type `acc`."""
+    """C expression reading `ptr[index]` (of `dtype`) as the accumulator C type `acc`
+    (a name of `_CTYPES`' values: float64 <-> float32 go through `gpukv_d2f` /
+    `gpukv_f2d`, which keep float32 subnormals under -ftz=true)."""
     name = np.dtype(dtype).name
     if name == "float16":
         return f"(({acc})gpukv_h2f({ptr}[{index}]))"
     if name == "bfloat16":
         return f"(({acc})gpukv_b2f({ptr}[{index}]))"
+    if name == "float64" and acc == "float":
+        return f"gpukv_d2f({ptr}[{index}])"
+    if name == "float32" and acc == "double":
+        return f"gpukv_f2d({ptr}[{index}])"
     return f"(({acc}){ptr}[{index}])"
+
+
+def one_term_expr(t_dtype, u_dtype, ptr: str, index: str) -> str | None:
+    """C expression converting one T, `ptr[index]`, straight to U's storage where going
+    through the accumulator (`load_expr`, then `store_stmt`) would round twice, else None.
+
+    Only float64 -> float16: rounded once, as NumPy casts (float64 -> bfloat16 goes
+    through float32, as ml_dtypes' cast does)."""
+    t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
+    if (t, u) == ("float64", "float16"):
+        return f"gpukv_d2h({ptr}[{index}])"
+    return None
 
 
 def store_stmt(dtype, ptr: str, index: str, value: str) -> str:
@@ -244,18 +275,29 @@ def sum_source(t_dtype, u_dtype) -> tuple[str, str]:
 
     The sum starts from its first term, never from zero: a sum of one term is then a copy
     (with a cast when T is not U) that keeps -0.0, and when T is U the kernel copies the
-    raw bits, so no arithmetic can flush a subnormal or change a NaN payload.
+    raw bits, so no arithmetic can flush a subnormal or change a NaN payload. A cast
+    rounds once, as NumPy's does: a float64 term into a float16 out is converted straight
+    (`one_term_expr`), and float64 <-> float32 conversions keep float32 subnormals
+    (`load_expr`); sums of more terms add in the accumulator (compiler-made float32 adds,
+    which -ftz=true flushes).
     """
     t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
     acc = _CTYPES[accumulate_name(u)]
     name = f"gpukv_multi_sum_{t}_{u}"
-    bit_copy = ""
+    one_term = ""
+    direct = one_term_expr(t, u, "a[0]", "i")
     if t == u:
-        bit_copy = """
+        one_term = """
         if (na + nb == 1) {  /* one term of the out's own dtype: a bit copy */
             out[i] = na ? (U)a[0][i] : bb[0][i];
             continue;
         }"""
+    elif direct is not None:
+        one_term = f"""
+        if (na + nb == 1) {{  /* one term: converted in one rounding, as NumPy casts */
+            out[i] = na ? {direct} : bb[0][i];
+            continue;
+        }}"""
     source = _PRELUDE + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
@@ -265,10 +307,10 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
     const int nb = (int)m[5];
     const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
     for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
-         i += stride) {{{bit_copy}
-        A s = na ? {load_expr(t, "a[0]", "i", "A")} : {load_expr(u, "bb[0]", "i", "A")};
-        for (int j = 1; j < na; ++j) s += {load_expr(t, "a[j]", "i", "A")};
-        for (int j = na ? 0 : 1; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", "A")};
+         i += stride) {{{one_term}
+        A s = na ? {load_expr(t, "a[0]", "i", acc)} : {load_expr(u, "bb[0]", "i", acc)};
+        for (int j = 1; j < na; ++j) s += {load_expr(t, "a[j]", "i", acc)};
+        for (int j = na ? 0 : 1; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", acc)};
         {store_stmt(u, "out", "i", "s")}
     }}
 }}
@@ -349,19 +391,27 @@ def tree_sum_source(t_dtype, u_dtype) -> tuple[str, str]:
     is merged with the levels below the lowest zero bit of j, and the levels left are
     added from the lowest up at the end. The loops over levels are unrolled, so the
     partial sums stay in registers. Sums are in the accumulation type of U (float32 adds
-    keep subnormals, as NumPy's do) and rounded into the out once; one leaf of the out's
-    own dtype is a bit copy.
+    keep subnormals, as NumPy's do, and so do float64 leaves read as float32) and rounded
+    into the out once; one leaf of the out's own dtype is a bit copy, and one float64 leaf
+    into a float16 out is rounded once, as NumPy casts it.
     """
     t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
     acc = _CTYPES[accumulate_name(u)]
     name = f"gpukv_tree_sum_{t}_{u}"
-    bit_copy = ""
+    one_term = ""
+    direct = one_term_expr(t, u, "a[0]", "i")
     if t == u:
-        bit_copy = """
+        one_term = """
         if (na == 1) {  /* one leaf of the out's own dtype: a bit copy */
             out[i] = (U)a[0][i];
             continue;
         }"""
+    elif direct is not None:
+        one_term = f"""
+        if (na == 1) {{  /* one leaf: converted in one rounding, as NumPy casts */
+            out[i] = {direct};
+            continue;
+        }}"""
     source = _PRELUDE + _TREE_ADD + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
@@ -369,10 +419,10 @@ typedef {acc} A;
 extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
 {_TABLE_KEY}    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
     for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
-         i += stride) {{{bit_copy}
+         i += stride) {{{one_term}
         A level[{TREE_LEVELS}];
         for (int j = 0; j < na; ++j) {{
-            A v = {load_expr(t, "a[j]", "i", "A")};
+            A v = {load_expr(t, "a[j]", "i", acc)};
             bool carry = true;  /* merging: bits 0 .. L-1 of j + 1 are zeros */
 #pragma unroll
             for (int L = 0; L < {TREE_LEVELS}; ++L) {{
@@ -445,8 +495,8 @@ extern "C" __global__ void {name}(const T* __restrict__ data,
         const long long run = i / width, c = i - run * width;
         const long long end = starts[run + 1];
         long long r = starts[run];
-        A s = {load_expr(t, "data", "r * width + c", "A")};
-        for (++r; r < end; ++r) s += {load_expr(t, "data", "r * width + c", "A")};
+        A s = {load_expr(t, "data", "r * width + c", _CTYPES[a])};
+        for (++r; r < end; ++r) s += {load_expr(t, "data", "r * width + c", _CTYPES[a])};
         out[i] = s;
     }}
 }}

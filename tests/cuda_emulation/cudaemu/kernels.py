@@ -20,7 +20,9 @@ Two hooks connect the memory side: `register_array_type(cls)` (instances pass as
 Kernels run with float32 subnormals flushed to zero, inputs and results (the CPU's DAZ and
 FTZ switches, set for the launch): CuPy adds -ftz=true to every module it compiles
 (`_compile_with_cache_cuda` in cupy/cuda/compiler.py), whatever its options. The CPU's
-switches flush float64 subnormals too, which a GPU does not.
+switches flush float64 subnormals too, which a GPU does not. Explicit PTX without `.ftz`
+(the float32 add and the float64 <-> float32 and float64 -> float16 conversions of
+PTX_EMULATION) keeps subnormals on a GPU: its emulation turns the switches off around it.
 
 Not emulated: fused multiply-add (sources are compiled with -ffp-contract=off, which is
 what --fmad=false asks for), warp-level primitives, grid-wide synchronisation, and C++
@@ -191,6 +193,9 @@ PTX_EMULATION = {
     "cvt.rn.f16.f32 %0, %1": (("=h",), ("f",), "gpukv_emu_cvt_rn_f16_f32"),
     # explicit PTX without .ftz: subnormal operands and results kept, whatever -ftz says
     "add.rn.f32 %0, %1, %2": (("=f",), ("f", "f"), "gpukv_emu_add_rn_f32"),
+    "cvt.rn.f32.f64 %0, %1": (("=f",), ("d",), "gpukv_emu_cvt_rn_f32_f64"),
+    "cvt.f64.f32 %0, %1": (("=d",), ("f",), "gpukv_emu_cvt_f64_f32"),
+    "cvt.rn.f16.f64 %0, %1": (("=h",), ("d",), "gpukv_emu_cvt_rn_f16_f64"),
 }
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)

@@ -286,6 +286,41 @@ def test_push_pull_ordered_on_current_stream(strategy):
 
 
 @pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("strategy", ["home", "tree", "nccl"])
+def test_calls_from_other_current_streams_stay_in_call_order(strategy):
+    """A push under one current stream of the home GPU, a pull under another, a second
+    push under a third: each call sees the ones before it (the store's arrays are read
+    and written in call order whatever stream a call comes from)."""
+    import cupy
+
+    from gpukv.device.cuda.device import gpu_devices
+    devs = gpu_devices()[:2]
+    kv = gpukv.create("device", strategy=strategy)
+    n = 1 << 14
+    with cupy.cuda.Device(devs[0].physical):
+        kv.init("w", cupy.zeros(n, cupy.float32))
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+    grads = []
+    for i, d in enumerate(devs):
+        with cupy.cuda.Device(d.physical):
+            grads.append(cupy.full(n, float(i + 1), cupy.float32))
+            cupy.cuda.get_current_stream().synchronize()
+    with cupy.cuda.Device(devs[0].physical):
+        out = cupy.empty(n, cupy.float32)
+        cupy.cuda.get_current_stream().synchronize()
+        with streams[0]:
+            kv.push("w", grads)
+        with streams[1]:
+            kv.pull("w", out=out)
+            got = float(out[0]), float(out[-1])
+        with streams[2]:
+            kv.push("w", [g * 2 for g in grads])
+            kv.pull("w", out=out)
+            again = float(out[0]), float(out[-1])
+    assert got == (3.0, 3.0) and again == (6.0, 6.0)
+
+
+@pytest.mark.multi_gpu(2)
 def test_host_source_into_gpu_home():
     """A NumPy source pushed to a GPU-homed key is staged onto the home GPU."""
     import cupy

@@ -3,6 +3,8 @@ host_kernels.py), pointer tables, and the CUDA sources (compiled with NVRTC, for
 dtype pair, in tests/device/cuda/test_cuda_compile.py)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -153,6 +155,20 @@ def test_sources_are_distinct_per_dtype_pair():
             assert name not in seen
             seen.add(name)
             assert f"typedef {K.ctype(_dtype(t))} T;" in src
+
+
+@pytest.mark.parametrize("make", [K.sum_source, K.tree_sum_source])
+@pytest.mark.parametrize(("t", "u"), [("float64", "float16"), ("float64", "bfloat16"),
+                                      ("float64", "float32"), ("float32", "float64")])
+def test_float64_float32_conversions_are_explicit_ptx(make, t, u):
+    """Between float64 and float32 the kernels convert with PTX without .ftz (a C cast
+    compiles to cvt.rn.ftz.f32.f64 or cvt.ftz.f64.f32 under CuPy's -ftz=true, flushing
+    float32 subnormals), and one float64 term into float16 is rounded once."""
+    _, src = make(_dtype(t), _dtype(u))
+    assert not re.search(r"\((?:float|double|A)\)a\[", src)  # no C cast of a term
+    helper = "gpukv_d2f(a[j][i])" if t == "float64" else "gpukv_f2d(a[j][i])"
+    assert helper in src
+    assert ("gpukv_d2h(a[0][i])" in src) == (u == "float16")
 
 
 # ----------------------------------------------------------------------- GPU
@@ -331,6 +347,85 @@ def test_one_term_cast_keeps_negative_zero():
     K.multi_sum_gpu([K.SumItem(dst, (cupy.asarray(src),), ())],
                     cupy.cuda.get_current_stream())
     assert cupy.asnumpy(dst).tobytes() == src.astype(np.float32).tobytes()
+
+
+def _float64_edges(seed: int = 0) -> np.ndarray:
+    """float64 values where converting them can go wrong: a hair (2**-40 of the value)
+    off the midpoints between neighbouring float16 and between neighbouring bfloat16
+    values, where rounding once (as NumPy casts to float16) and rounding through float32
+    differ; values about float32's subnormals, with all 53 bits; zeros, infinities and
+    the edges of float16's range. Both signs."""
+    rng = np.random.default_rng(seed)
+    ties = []
+    for dtype, top in ((np.float16, 0x7C00), (_dtype("bfloat16"), 0x7F80)):
+        grid = np.arange(top, dtype=np.uint16).view(dtype).astype(np.float64)
+        ties.append((grid[:-1] + grid[1:]) / 2)
+    mid = np.concatenate(ties)
+    hair = np.maximum(mid, 2.0 ** -140) * 2.0 ** -40 * rng.choice([-1.0, 1.0], mid.size)
+    tiny = rng.uniform(-1, 1, 4000) * 2.0 ** rng.integers(-148, -118, 4000)
+    x = np.concatenate([mid + hair, tiny, [0.0, np.inf, 65504.0, 65519.99, 65520.0, 1e300]])
+    return x * rng.choice([-1.0, 1.0], x.size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("u", ["float16", "bfloat16", "float32"])
+def test_one_float64_term_is_cast_as_numpy_casts(u):
+    """A float64 term copied into a narrower float (the copy kernel, and a one-term sum)
+    gives the twin's bits, NumPy's cast: float16 rounded once (through float32 it would
+    round twice), bfloat16 through float32 as ml_dtypes casts, float32 and bfloat16
+    subnormals kept (explicit PTX, which -ftz=true does not flush)."""
+    import cupy
+    u = _dtype(u)
+    x = _float64_edges()
+    want = np.empty(x.size, u)
+    with np.errstate(over="ignore"):
+        HK.multi_copy_host([(want, x)])
+        assert want.tobytes() == x.astype(u).tobytes()
+        if u == np.float16:  # the edges are where rounding twice goes wrong
+            assert np.count_nonzero(x.astype(np.float32).astype(u) != want) > 10000
+    bits = want.view(f"u{u.itemsize}") & ((1 << (8 * u.itemsize - 1)) - 1)
+    assert np.count_nonzero((bits > 0) & (bits < (0x80 if u.itemsize == 2 else 0x800000))) \
+        > (1000 if u != np.float16 else 0)  # subnormals of the out's dtype
+    copied, summed = cupy.zeros(x.size, u), cupy.zeros(x.size, u)
+    src = cupy.asarray(x)
+    stream = cupy.cuda.get_current_stream()
+    K.multi_copy_gpu([(copied, src)], stream)
+    K.multi_sum_gpu([K.SumItem(summed, (src,), ())], stream)
+    assert cupy.asnumpy(copied).tobytes() == want.tobytes()
+    assert cupy.asnumpy(summed).tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+def test_float64_terms_sum_into_float16_like_the_twin():
+    """Two or more float64 terms into float16 add in float32, as the twin does: the same
+    bits on the rounding edges (one term is a cast, rounded once; more are not). Values
+    of float32's subnormal range left out: sums of several terms flush them."""
+    import cupy
+    x, y = _float64_edges(), _float64_edges(seed=1)
+    normal = (np.abs(x) > 2.0 ** -100) & (np.abs(y) > 2.0 ** -100)
+    x, y = x[normal], y[normal]
+    host = [np.empty(x.size, np.float16) for _ in range(2)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        HK.multi_sum_host([K.SumItem(host[0], (x, y), ()), K.SumItem(host[1], (x, y, x), ())])
+    gpu = [cupy.empty(x.size, cupy.float16) for _ in range(2)]
+    gx, gy = cupy.asarray(x), cupy.asarray(y)
+    K.multi_sum_gpu([K.SumItem(gpu[0], (gx, gy), ()), K.SumItem(gpu[1], (gx, gy, gx), ())],
+                    cupy.cuda.get_current_stream())
+    for h, g in zip(host, gpu):
+        assert cupy.asnumpy(g).tobytes() == h.tobytes()
+
+
+@pytest.mark.gpu
+def test_float32_subnormals_widen_to_float64_kept():
+    """A float32 term copied into float64 keeps its subnormals and their signs, as NumPy
+    casts (explicit PTX: -ftz=true's cvt.ftz.f64.f32 would give zeros)."""
+    import cupy
+    rng = np.random.default_rng(2)
+    x = (rng.uniform(-1, 1, 5000) * 2.0 ** rng.integers(-149, -118, 5000)).astype(np.float32)
+    assert np.count_nonzero(np.abs(x) < np.finfo(np.float32).tiny) > 3000
+    out = cupy.zeros(x.size, cupy.float64)
+    K.multi_copy_gpu([(out, cupy.asarray(x))], cupy.cuda.get_current_stream())
+    assert cupy.asnumpy(out).tobytes() == x.astype(np.float64).tobytes()
 
 
 @pytest.mark.gpu

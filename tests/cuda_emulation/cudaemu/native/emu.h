@@ -460,27 +460,72 @@ static inline float gpukv_emu_cvt_f32_f16(unsigned short h) {
 static inline unsigned short gpukv_emu_cvt_rn_f16_f32(float f) {
     return gpukv_emu_float_to_half_bits(f);
 }
-// add.rn.f32 (no .ftz) keeps subnormals, while launches run with the CPU's flush-to-zero
-// switches on (as -ftz=true has compiler-made arithmetic do): they are off for this add.
-static inline float gpukv_emu_add_rn_f32(float a, float b) {
-    volatile float x = a, y = b, r;
+// Explicit PTX without .ftz (add.rn.f32, cvt.rn.f32.f64, cvt.f64.f32, cvt.rn.f16.f64)
+// keeps float32 subnormals, operands and results, while launches run with the CPU's
+// flush-to-zero switches on (as -ftz=true has compiler-made arithmetic do): they are off
+// between gpukv_emu_unflushed_begin() and gpukv_emu_unflushed_end(saved). The operands
+// go through volatiles, so the operation stays between the two.
 #if defined(__x86_64__) || defined(__i386__)
+typedef unsigned int gpukv_emu_float_control;
+static inline gpukv_emu_float_control gpukv_emu_unflushed_begin() {
     unsigned int saved, plain;
     asm volatile("stmxcsr %0" : "=m"(saved) : : "memory");
     plain = saved & ~((1u << 15) | (1u << 6));  // FTZ, DAZ
     asm volatile("ldmxcsr %0" : : "m"(plain) : "memory");
-    r = x + y;
+    return saved;
+}
+static inline void gpukv_emu_unflushed_end(gpukv_emu_float_control saved) {
     asm volatile("ldmxcsr %0" : : "m"(saved) : "memory");
+}
 #elif defined(__aarch64__)
+typedef unsigned long long gpukv_emu_float_control;
+static inline gpukv_emu_float_control gpukv_emu_unflushed_begin() {
     unsigned long long saved, plain;
     asm volatile("mrs %0, fpcr" : "=r"(saved) : : "memory");
     plain = saved & ~(1ull << 24);  // FPCR.FZ
     asm volatile("msr fpcr, %0" : : "r"(plain) : "memory");
-    r = x + y;
+    return saved;
+}
+static inline void gpukv_emu_unflushed_end(gpukv_emu_float_control saved) {
     asm volatile("msr fpcr, %0" : : "r"(saved) : "memory");
-#else
-    r = x + y;
+}
+#else  // elsewhere launches do not flush (runtime.cpp)
+typedef int gpukv_emu_float_control;
+static inline gpukv_emu_float_control gpukv_emu_unflushed_begin() { return 0; }
+static inline void gpukv_emu_unflushed_end(gpukv_emu_float_control) {}
 #endif
+
+static inline float gpukv_emu_add_rn_f32(float a, float b) {
+    volatile float x = a, y = b, r;
+    const gpukv_emu_float_control saved = gpukv_emu_unflushed_begin();
+    r = x + y;
+    gpukv_emu_unflushed_end(saved);
+    return r;
+}
+static inline float gpukv_emu_cvt_rn_f32_f64(double d) {
+    volatile double x = d;
+    volatile float r;
+    const gpukv_emu_float_control saved = gpukv_emu_unflushed_begin();
+    r = (float)x;
+    gpukv_emu_unflushed_end(saved);
+    return r;
+}
+static inline double gpukv_emu_cvt_f64_f32(float f) {
+    volatile float x = f;
+    volatile double r;
+    const gpukv_emu_float_control saved = gpukv_emu_unflushed_begin();
+    r = (double)x;
+    gpukv_emu_unflushed_end(saved);
+    return r;
+}
+// float64 -> float16 rounded once (round to odd into float, then to nearest even), as
+// NumPy casts; unflushed, as the GPU's conversion has no float32 step that could flush.
+static inline unsigned short gpukv_emu_cvt_rn_f16_f64(double d) {
+    volatile double x = d;
+    volatile unsigned short r;
+    const gpukv_emu_float_control saved = gpukv_emu_unflushed_begin();
+    r = gpukv_emu_double_to_half_bits(x);
+    gpukv_emu_unflushed_end(saved);
     return r;
 }
 
