@@ -227,14 +227,17 @@ def test_overlap_option():
 TWO_BIT = {"type": "2bit", "threshold": 0.5}
 
 
-def test_overlap_with_compression_on_the_store_is_refused():
+def test_overlap_with_compression_on_the_store_is_refused_for_several_replicas():
     """With the optimizer on the store, an early reduction pushes the replicas' sum,
-    where a compressor takes each replica's gradient with its own residual."""
+    where a compressor takes each replica's gradient with its own residual; a lone
+    replica's sum is its gradient, so one replica per process may overlap."""
     models = [copy.deepcopy(make_model()) for _ in range(2)]
-    with pytest.raises(gpukv.ArgumentError, match="on a deterministic store or with "
-                                                  "compression"):
+    with pytest.raises(gpukv.ArgumentError, match="with compression and several replicas"):
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="device", overlap=True,
                    compression_params=TWO_BIT)
+    alone = gt.Trainer(models[:1], "sgd", {"learning_rate": 0.1}, kvstore="device",
+                       overlap=True, compression_params=TWO_BIT)
+    assert alone.overlap
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])

@@ -549,9 +549,10 @@ class Trainer:
     def _wants_overlap(self, overlap: bool | None) -> bool:
         if overlap and not self._update.overlap_allowed:
             raise ArgumentError("overlap=True with update_on_kvstore=True on a "
-                                "deterministic store or with compression: the early "
-                                "reduction would sum the replicas before the store, which "
-                                "needs each replica's gradient; use update_on_kvstore=False")
+                                "deterministic store, or with compression and several "
+                                "replicas in a process: the early reduction would sum the "
+                                "replicas before the store, which needs each replica's "
+                                "gradient; use update_on_kvstore=False")
         if overlap is not None:
             return overlap
         return (self._update.overlap_allowed

@@ -76,8 +76,10 @@ class StoreUpdate:
     @property
     def overlap_allowed(self) -> bool:
         # An early reduction pushes this process's sum, one value where the canonical
-        # order, and a compressor's residual per replica, need each replica's own.
-        return not (self.store.deterministic or self._compressed)
+        # order, and a compressor's residual per replica, need each replica's own (a lone
+        # replica's sum is its own gradient, bit for bit).
+        several = bool(self._buckets) and len(self._buckets[0].grads) > 1
+        return not (self.store.deterministic or (self._compressed and several))
 
     @property
     def _compressed(self) -> bool:
