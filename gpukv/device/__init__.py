@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES
-from .._errors import ArgumentKindError, DeviceError, DTypeError
+from .._errors import ArgumentKindError, DeviceError, DTypeError, GpukvError
 from .base import Device, virtual_gpus
 from .host import HostDevice, host_device
 from .outs import announce_writes, write_refusal
@@ -34,13 +34,26 @@ def adopt(obj):
     are wrapped without a copy wherever the protocol allows it. An array on a device
     this process cannot use (a GPU it does not see, a PyTorch 'meta' tensor, a DLPack
     device other than the CPU and CUDA) is a DeviceError; a NumPy scalar, which cannot
-    be written in place, comes back read-only.
+    be written in place, comes back read-only. An array its own library will not hand
+    over (JAX's deleted or sharded arrays, a tracer) is an ArgumentKindError quoting
+    that library's error.
     """
     if type(obj) is np.ndarray:
         return obj
     cupy_cls = _cupy_ndarray()
     if cupy_cls is not None and isinstance(obj, cupy_cls):
         return obj
+    try:
+        return _adopt_other(obj)
+    except (GpukvError, MemoryError):
+        raise
+    except Exception as exc:  # the object's own protocol refused
+        raise ArgumentKindError(f"cannot be read as an array: {type(exc).__name__}: "
+                                f"{exc}") from exc
+
+
+def _adopt_other(obj):
+    """`adopt` of anything but a NumPy or CuPy array."""
     if isinstance(obj, np.ndarray):  # subclasses (np.matrix, memmap)
         return obj
     if isinstance(obj, np.generic):  # a NumPy scalar (even np.float64): immutable, never an out

@@ -83,11 +83,8 @@ def store_array(key: str, value):
     for anything JAX or the store refuses."""
     try:
         array = adopt(value)
-    except GpukvError as exc:
+    except GpukvError as exc:  # (JAX's own refusals among them: see `adopt`)
         raise type(exc)(f"leaf {key!r}: {exc}") from exc
-    except Exception as exc:  # JAX's own (BufferError, TypeError, ...)
-        raise ArgumentKindError(f"leaf {key!r}: cannot be read as an array: "
-                                f"{type(exc).__name__}: {exc}") from exc
     if array is None:
         raise ArgumentKindError(f"leaf {key!r}: expected an array, got {type(value).__name__}")
     return array

@@ -92,12 +92,9 @@ def _adopt(key, obj, name, foreign):
         return obj
     try:
         array = adopt(obj)
-    except GpukvError as exc:  # a device or dtype the store cannot take: name the key
+    except GpukvError as exc:  # a device or dtype the store cannot take, an array its
+        # own library will not hand over: name the key
         raise type(exc)(f"key {key!r}: {name}: {exc}") from None
-    except Exception as exc:  # the array's own library refused (JAX: a deleted or sharded
-        # array, a tracer): its error, named and typed
-        raise ArgumentKindError(f"key {key!r}: {name} cannot be read as an array: "
-                                f"{type(exc).__name__}: {exc}") from exc
     if array is None:
         raise ArgumentKindError(
             f"key {key!r}: {name} must be an array (NumPy, CuPy or any array protocol), "

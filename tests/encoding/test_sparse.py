@@ -497,3 +497,17 @@ def test_row_ids_on_a_device_gpukv_cannot_use_name_the_key():
     with pytest.raises(gpukv.DeviceError, match="key 'w': row_ids: .*'meta'"):
         kv.row_sparse_pull("w", out=out, row_ids=torch.zeros(2, dtype=torch.int64, device="meta"))
     assert out.indices.tolist() == [4]
+
+
+@pytest.mark.parametrize("why", ["sharded", "deleted"])
+def test_row_ids_their_library_will_not_hand_over_name_the_key(why):
+    """row_ids whose own library refuses to hand them over (JAX's sharded or deleted
+    arrays): an ArgumentKindError naming the key, quoting that error; nothing changes."""
+    from ..foreign import RefusingDLPack
+    kv = mxnet_store()
+    out = rsp([4], [[7, 7]])
+    with pytest.raises(gpukv.ArgumentKindError,
+                       match="key 'w': row_ids: cannot be read as an array: "
+                             "(BufferError|TypeError)"):
+        kv.row_sparse_pull("w", out=out, row_ids=RefusingDLPack(why))
+    assert out.indices.tolist() == [4]
