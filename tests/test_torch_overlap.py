@@ -27,12 +27,17 @@ def record_pushes(store):
 
 
 def train(overlap, update_on_kvstore=True, optimizer=SGD, replicas=3, steps=4, passes=1,
-          no_sync=False, set_to_none=False, bucket_bytes=256, model=None, **step_kw):
-    """Weights of replica 0 after `steps` steps, the trainer, and its models."""
+          no_sync=False, set_to_none=False, bucket_bytes=256, model=None, compression=None,
+          **step_kw):
+    """Weights of replica 0 after `steps` steps, the trainer, and its models.
+    `compression`: set on the Trainer's store (a 'device' one) after it was made."""
     models = [copy.deepcopy(model or make_model()) for _ in range(replicas)]
-    trainer = gt.Trainer(models, optimizer[0], dict(optimizer[1]), kvstore="local",
+    trainer = gt.Trainer(models, optimizer[0], dict(optimizer[1]),
+                         kvstore="local" if compression is None else "device",
                          update_on_kvstore=update_on_kvstore, bucket_bytes=bucket_bytes,
                          overlap=overlap)
+    if compression is not None:
+        trainer.kvstore.set_gradient_compression(compression)
     x, y = make_data()
     for _ in range(steps):
         if set_to_none:
@@ -244,20 +249,12 @@ def test_overlap_with_compression_on_the_store_is_refused_for_several_replicas()
 def test_overlap_keeps_each_replicas_gradient_for_compression(update_on_kvstore):
     """Compression set on the store after the Trainer was made, overlap on: the weights of
     the same steps without the overlap (each replica's gradient compressed alone)."""
-    weights = {}
-    for overlap in (False, True):
-        models = [copy.deepcopy(make_model()) for _ in range(3)]
-        trainer = gt.Trainer(models, "sgd", {"learning_rate": 1.0}, kvstore="device",
-                             update_on_kvstore=update_on_kvstore, bucket_bytes=256,
-                             overlap=overlap)
-        trainer.kvstore.set_gradient_compression(TWO_BIT)
-        x, y = make_data()
-        for _ in range(3):
-            trainer.zero_grad()
-            backward_shards(models, x, y)
-            trainer.step(len(x))
-        weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
-    assert_equal(weights[True], weights[False])
+    kw = dict(update_on_kvstore=update_on_kvstore, optimizer=("sgd", {"learning_rate": 1.0}),
+              compression=TWO_BIT)
+    want, _, _ = train(False, **kw)
+    got, trainer, _ = train(True, **kw)
+    assert trainer.overlap
+    assert_equal(got, want)
 
 
 @pytest.mark.parametrize("update_on_kvstore, replicas, expected", [
