@@ -30,10 +30,10 @@ from ..checkpoints import snapshots
 from .checkpoints import parameter_layout
 
 
-def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
-    """({parameter name: torch tensor}, the snapshot read) of a Trainer's snapshot (a
-    folder, a Snapshot, or a checkpoint_dir: its newest); a tied parameter under each of
-    its names."""
+def snapshot_tensors(snapshot) -> tuple[dict, dict, snapshots.Snapshot | str]:
+    """({parameter name: torch tensor}, {tied name: the name it is tied to}, the snapshot
+    read) of a Trainer's snapshot (a folder, a Snapshot, or a checkpoint_dir: its
+    newest); a tied parameter is under each of its names, the same tensor."""
     path = os.fspath(snapshot)
     if not snapshots.is_snapshot(path):
         found = snapshots.latest_snapshot(path)
@@ -46,12 +46,13 @@ def snapshot_tensors(snapshot) -> tuple[dict, snapshots.Snapshot | str]:
     for kept in ("frozen", "buffers"):
         for name, tensor in (saved["trainer"].get(kept) or {}).items():
             tensors[name] = tensor.contiguous()
-    for name, first in _tied_names(saved, path).items():
+    tied = _tied_names(saved, path)
+    for name, first in tied.items():
         if first not in tensors:
             raise CheckpointError(f"{path}: the tied parameter {name!r} names "
                                   f"{first!r}, which the snapshot does not hold")
         tensors[name] = tensors[first]
-    return tensors, path
+    return tensors, tied, path
 
 
 def _stored_parameters(saved: dict, path) -> dict:
@@ -97,9 +98,10 @@ def export_safetensors(snapshot, out) -> list[str]:
     folder in its place)."""
     from safetensors.torch import save_file
     out = _checked_out(os.fspath(out))
-    tensors, path = snapshot_tensors(snapshot)
+    tensors, tied, path = snapshot_tensors(snapshot)
     apart = _apart(tensors)
-    metadata = {"gpukv.snapshot": os.fspath(path), **_tied_in_file(tensors)}
+    # the tied names, as safetensors' `save_model` records the names it drops
+    metadata = {"gpukv.snapshot": os.fspath(path), **tied}
     _write_whole(out, lambda temp: save_file(apart, temp, metadata=metadata))
     return list(tensors)
 
@@ -141,18 +143,6 @@ def _apart(tensors: dict) -> dict:
         apart[name] = tensor.clone() if tensor.numel() and storage in seen else tensor
         seen.add(storage)
     return apart
-
-
-def _tied_in_file(tensors: dict) -> dict[str, str]:
-    """{name: the first name of the same tensor} of the names after the first of each
-    tensor held under several (safetensors' `save_model` records the names it drops so)."""
-    first: dict = {}
-    tied = {}
-    for name, tensor in tensors.items():
-        kept = first.setdefault(id(tensor), name)
-        if kept != name:
-            tied[name] = kept
-    return tied
 
 
 def main(argv: list[str] | None = None) -> int:
