@@ -87,6 +87,7 @@ class Device(ABC):
     def __init__(self, physical: int = 0, slot: int = 0):
         self.physical = physical
         self.slot = slot
+        self._hash = hash((self.kind, physical, slot))  # devices key the calls' dicts
 
     # ---------------------------------------------------------------- memory
     @property
@@ -233,7 +234,7 @@ class Device(ABC):
                 and self.slot == other.slot)
 
     def __hash__(self):
-        return hash((self.kind, self.physical, self.slot))
+        return self._hash
 
     def __repr__(self):
         slot = f".{self.slot}" if self.slot else ""

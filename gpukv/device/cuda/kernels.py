@@ -19,6 +19,8 @@ called, so `import gpukv` stays light.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import threading
 
 import numpy as np
@@ -75,15 +77,22 @@ __device__ __forceinline__ unsigned short gpukv_d2h(double d) {
 """
 
 
+@functools.cache
+def dtype_name(dtype) -> str:
+    """NumPy's name of `dtype` (a dtype, type or name), remembered: every launch asks
+    for it, and NumPy works it out anew each time."""
+    return np.dtype(dtype).name
+
+
 def accumulate_name(out_dtype) -> str:
     """The dtype sums into `out_dtype` are accumulated in (float32 for 16-bit floats)."""
-    name = np.dtype(out_dtype).name
+    name = dtype_name(out_dtype)
     return "float32" if name in NARROW_FLOATS else name
 
 
 def ctype(dtype) -> str:
     """The C storage type of a supported dtype."""
-    return _CTYPES[np.dtype(dtype).name]
+    return _CTYPES[dtype_name(dtype)]
 
 
 def load_expr(dtype, ptr: str, index: str, acc: str) -> str:
@@ -192,20 +201,28 @@ _TABLES = _PinnedTables()
 
 
 def upload_table(cupy, table: np.ndarray, stream):
-    """`table` (int64) as a device array, copied on `stream` (the launching stream).
+    """`table` (int64) as a device array, copied on `stream` (see `upload`)."""
+    return upload(cupy, np.ascontiguousarray(table, dtype=np.int64), stream)
+
+
+def upload(cupy, table: np.ndarray, stream):
+    """Host array `table` as a device array of its dtype, copied on `stream` (the
+    launching stream).
 
     The copy is asynchronous, from a pinned staging buffer that is reused only after an
     event recorded behind the copy has completed, so a launch never waits for the host
-    nor the host for it. Must run with the stream's GPU current. The device array comes
-    from CuPy's pool while `stream` is current, so when it is freed the pool hands it
-    out again only to later work on the same stream.
+    nor the host for it (a copy from pageable memory would first wait for the stream's
+    work). Must run with the stream's GPU current. The device array comes from CuPy's
+    pool while `stream` is current, so when it is freed the pool hands it out again only
+    to later work on the same stream.
     """
-    table = np.ascontiguousarray(table, dtype=np.int64)
+    table = np.ascontiguousarray(table)
     with stream:
-        dev = cupy.empty(table.shape, np.int64)
+        dev = cupy.empty(table.shape, table.dtype)
     if table.size:
-        host = _TABLES.take(cupy, table.size)
-        host[:table.size] = table
+        words = -(-table.nbytes // 8)
+        host = _TABLES.take(cupy, words)
+        host.view(np.uint8)[:table.nbytes] = table.reshape(-1).view(np.uint8)
         dev.data.copy_from_host_async(host.ctypes.data, table.nbytes, stream)
         from .runtime import ordering_event
         _TABLES.give(host, ordering_event(stream))
@@ -216,8 +233,21 @@ def upload_table(cupy, table: np.ndarray, stream):
 
 THREADS = 256          # threads per block
 PER_THREAD = 4         # elements per thread before a key is given another block
-MAX_BLOCKS = 4096      # blocks per key; larger keys loop (grid-stride within the key)
+MAX_BLOCKS = 16384     # blocks per key; larger keys loop (grid-stride within the key)
 META = 6               # int64 words per key: out, n, a_offset, n_a, b_offset, n_b
+#: terms a thread loads all at once, for two elements, before adding them: loads waited
+#: for one by one left an H200 at 0.65 (2 terms of 256 MiB) to 0.75 (8) of the copy's
+#: speed, the canonical tree at 0.25; loaded so, 2 to 4 terms or leaves ran at 0.98 to
+#: 1.01 of it
+PREFETCH = 8
+
+# The sum kernels' loop: each thread takes two elements a stride apart (i0 and i1; `two`:
+# whether i1 is in the key), so that twice the loads are in flight.
+_TWO_AT_A_TIME = """\
+    const long long first = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x;
+    for (long long i0 = first; i0 < n; i0 += 2 * stride) {
+        const long long i1 = i0 + stride;
+        const bool two = i1 < n;"""
 
 
 def plan_blocks(sizes, threads: int = THREADS, per_thread: int = PER_THREAD,
@@ -281,21 +311,32 @@ def sum_source(t_dtype, u_dtype) -> tuple[str, str]:
     (`load_expr`); sums of more terms add in the accumulator (compiler-made float32 adds,
     which -ftz=true flushes).
     """
-    t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
+    return _sum_source(dtype_name(t_dtype), dtype_name(u_dtype))
+
+
+@functools.cache
+def _sum_source(t: str, u: str) -> tuple[str, str]:
     acc = _CTYPES[accumulate_name(u)]
     name = f"gpukv_multi_sum_{t}_{u}"
     one_term = ""
-    direct = one_term_expr(t, u, "a[0]", "i")
     if t == u:
         one_term = """
         if (na + nb == 1) {  /* one term of the out's own dtype: a bit copy */
-            out[i] = na ? (U)a[0][i] : bb[0][i];
+            const U* src = na ? (const U*)a[0] : bb[0];
+            const U x0 = src[i0];
+            const U x1 = two ? src[i1] : x0;
+            out[i0] = x0;
+            if (two) out[i1] = x1;
             continue;
         }"""
-    elif direct is not None:
+    elif one_term_expr(t, u, "a[0]", "i") is not None:
+        first, second = (one_term_expr(t, u, "a[0]", i) for i in ("i0", "i1"))
         one_term = f"""
         if (na + nb == 1) {{  /* one term: converted in one rounding, as NumPy casts */
-            out[i] = na ? {direct} : bb[0][i];
+            const U x0 = na ? {first} : bb[0][i0];
+            const U x1 = two ? (na ? {second} : bb[0][i1]) : x0;
+            out[i0] = x0;
+            if (two) out[i1] = x1;
             continue;
         }}"""
     source = _PRELUDE + f"""
@@ -306,12 +347,31 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
 {_TABLE_KEY}    const U* const* bb = (const U* const*)(ptrs + m[4]);
     const int nb = (int)m[5];
     const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
-    for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
-         i += stride) {{{one_term}
-        A s = na ? {load_expr(t, "a[0]", "i", acc)} : {load_expr(u, "bb[0]", "i", acc)};
-        for (int j = 1; j < na; ++j) s += {load_expr(t, "a[j]", "i", acc)};
-        for (int j = na ? 0 : 1; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", acc)};
-        {store_stmt(u, "out", "i", "s")}
+{_TWO_AT_A_TIME}{one_term}
+        if (nb == 0 && na >= 1 && na <= {PREFETCH}) {{  /* every load first, then the adds */
+            A v[{PREFETCH}][2];
+#pragma unroll
+            for (int j = 0; j < {PREFETCH}; ++j) {{
+                if (j < na) {{
+                    v[j][0] = {load_expr(t, "a[j]", "i0", acc)};
+                    v[j][1] = two ? {load_expr(t, "a[j]", "i1", acc)} : (A)0;
+                }}
+            }}
+            A s0 = v[0][0], s1 = v[0][1];
+#pragma unroll
+            for (int j = 1; j < {PREFETCH}; ++j) if (j < na) {{ s0 += v[j][0]; s1 += v[j][1]; }}
+            {store_stmt(u, "out", "i0", "s0")}
+            if (two) {store_stmt(u, "out", "i1", "s1")}
+            continue;
+        }}
+        for (int e = 0; e < 2; ++e) {{  /* more terms, or terms of U: one at a time */
+            const long long i = e ? i1 : i0;
+            if (i >= n) break;
+            A s = na ? {load_expr(t, "a[0]", "i", acc)} : {load_expr(u, "bb[0]", "i", acc)};
+            for (int j = 1; j < na; ++j) s += {load_expr(t, "a[j]", "i", acc)};
+            for (int j = na ? 0 : 1; j < nb; ++j) s += {load_expr(u, "bb[j]", "i", acc)};
+            {store_stmt(u, "out", "i", "s")}
+        }}
     }}
 }}
 """
@@ -332,7 +392,7 @@ def _launch_order(items) -> list:
         wave = seen.get(ptr, 0)
         seen[ptr] = wave + 1
         t = item.a[0].dtype if item.a else item.out.dtype
-        waves.setdefault((wave, np.dtype(t).name, item.out.dtype.name), []).append(item)
+        waves.setdefault((wave, dtype_name(t), dtype_name(item.out.dtype)), []).append(item)
     return [((t, u), group) for (_, t, u), group in sorted(
         waves.items(), key=lambda kv: kv[0][0])]
 
@@ -347,15 +407,54 @@ def multi_sum_gpu(items, stream) -> None:
     import cupy
 
     for (t, u), group in _launch_order(items):
-        table, blocks = build_table(
-            [it.out.data.ptr for it in group], [it.out.size for it in group],
-            [[x.data.ptr for x in it.a] for it in group],
-            [[x.data.ptr for x in it.b] for it in group])
+        outs = tuple((it.out.data.ptr, it.out.size) for it in group)
+        # Terms of U, where T is U, join the T terms after them (the same adds in the same
+        # order), so that the kernel's fast path, for T terms alone, takes them too.
+        same = t == u
+        a_lists = tuple(tuple(x.data.ptr for x in (tuple(it.a) + tuple(it.b) if same else it.a))
+                        for it in group)
+        b_lists = tuple(() if same else tuple(x.data.ptr for x in it.b) for it in group)
+        key = (cupy.cuda.runtime.getDevice(), stream.ptr, outs, a_lists, b_lists)
+        found = _SUM_TABLES.get(key)
+        if found is None:
+            table, blocks = build_table([o[0] for o in outs], [o[1] for o in outs],
+                                        a_lists, b_lists)
+            found = (upload_table(cupy, table, stream), blocks)
+            _SUM_TABLES.put(key, found)
+        dev_table, blocks = found
         name, source = sum_source(t, u)
         kernel = compiled(cupy, name, source)
-        dev_table = upload_table(cupy, table, stream)
         with stream:
             kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+
+
+class TableCache:
+    """The uploaded sum tables of the latest launches, by what they hold: a training
+    loop pushes the same arrays step after step, and a table made once is only read.
+    Keyed by GPU and stream too, so a table is read only on the stream that uploaded it
+    (after its copy). Addresses freed and handed out again hold the same table: a table
+    names addresses, not arrays."""
+
+    def __init__(self, keep: int = 256):
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.tables: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        with self.lock:
+            found = self.tables.get(key)
+            if found is not None:
+                self.tables.move_to_end(key)
+            return found
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.tables[key] = value
+            while len(self.tables) > self.keep:
+                self.tables.popitem(last=False)
+
+
+_SUM_TABLES = TableCache()
 
 
 #: levels of the tree kernel's partial sums: it takes up to 2**TREE_LEVELS - 1 leaves
@@ -389,60 +488,119 @@ def tree_sum_source(t_dtype, u_dtype) -> tuple[str, str]:
     summed in the tree of `gpukv.canonical` by a binary counter: level L holds the sum
     of the last complete block of 2**L leaves (while bit L of the count is set); leaf j
     is merged with the levels below the lowest zero bit of j, and the levels left are
-    added from the lowest up at the end. The loops over levels are unrolled, so the
-    partial sums stay in registers. Sums are in the accumulation type of U (float32 adds
-    keep subnormals, as NumPy's do, and so do float64 leaves read as float32) and rounded
-    into the out once; one leaf of the out's own dtype is a bit copy, and one float64 leaf
-    into a float16 out is rounded once, as NumPy casts it.
+    added from the lowest up at the end. Up to PREFETCH leaves, that tree is written out
+    as one expression per count (`tree_expression`) over leaves loaded all at once; past
+    it, the loops over levels are unrolled, so the partial sums stay in registers. Sums
+    are in the accumulation type of U (float32 adds keep subnormals, as NumPy's do, and
+    so do float64 leaves read as float32) and rounded into the out once; one leaf of the
+    out's own dtype is a bit copy, and one float64 leaf into a float16 out is rounded
+    once, as NumPy casts it.
     """
-    t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
+    return _tree_sum_source(dtype_name(t_dtype), dtype_name(u_dtype))
+
+
+@functools.cache
+def _tree_sum_source(t: str, u: str) -> tuple[str, str]:
     acc = _CTYPES[accumulate_name(u)]
     name = f"gpukv_tree_sum_{t}_{u}"
     one_term = ""
-    direct = one_term_expr(t, u, "a[0]", "i")
     if t == u:
         one_term = """
         if (na == 1) {  /* one leaf of the out's own dtype: a bit copy */
-            out[i] = (U)a[0][i];
+            const U x0 = (U)a[0][i0];
+            const U x1 = two ? (U)a[0][i1] : x0;
+            out[i0] = x0;
+            if (two) out[i1] = x1;
             continue;
         }"""
-    elif direct is not None:
+    elif one_term_expr(t, u, "a[0]", "i") is not None:
+        first, second = (one_term_expr(t, u, "a[0]", i) for i in ("i0", "i1"))
         one_term = f"""
         if (na == 1) {{  /* one leaf: converted in one rounding, as NumPy casts */
-            out[i] = {direct};
+            const U x0 = {first};
+            const U x1 = two ? {second} : x0;
+            out[i0] = x0;
+            if (two) out[i1] = x1;
             continue;
         }}"""
+    cases = "".join(
+        f"""
+                case {na}: s0 = {tree_expression(na, lambda j: f"v[{j}][0]")};
+                        s1 = {tree_expression(na, lambda j: f"v[{j}][1]")}; break;"""
+        for na in range(2, PREFETCH + 1))
     source = _PRELUDE + _TREE_ADD + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
 typedef {acc} A;
 extern "C" __global__ void {name}(const long long* __restrict__ table, const int nkeys) {{
 {_TABLE_KEY}    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
-    for (long long i = (b - starts[lo]) * (long long)blockDim.x + threadIdx.x; i < n;
-         i += stride) {{{one_term}
-        A level[{TREE_LEVELS}];
-        for (int j = 0; j < na; ++j) {{
-            A v = {load_expr(t, "a[j]", "i", acc)};
-            bool carry = true;  /* merging: bits 0 .. L-1 of j + 1 are zeros */
+{_TWO_AT_A_TIME}{one_term}
+        if (na <= {PREFETCH}) {{  /* every leaf loaded first, then the tree written out */
+            A v[{PREFETCH}][2];
 #pragma unroll
-            for (int L = 0; L < {TREE_LEVELS}; ++L) {{
-                if (carry) {{
-                    if (((j + 1) >> L) & 1) {{ level[L] = v; carry = false; }}
-                    else v = gpukv_tree_add(level[L], v);
+            for (int j = 0; j < {PREFETCH}; ++j) {{
+                if (j < na) {{
+                    v[j][0] = {load_expr(t, "a[j]", "i0", acc)};
+                    v[j][1] = two ? {load_expr(t, "a[j]", "i1", acc)} : (A)0;
                 }}
             }}
+            A s0 = v[0][0], s1 = v[0][1];
+            switch (na) {{{cases}
+                default: break;  /* one leaf: itself */
+            }}
+            {store_stmt(u, "out", "i0", "s0")}
+            if (two) {store_stmt(u, "out", "i1", "s1")}
+            continue;
         }}
-        A s = (A)0;
-        bool have = false;
+        for (int e = 0; e < 2; ++e) {{  /* more leaves: a binary counter, leaf by leaf */
+            const long long i = e ? i1 : i0;
+            if (i >= n) break;
+            A level[{TREE_LEVELS}];
+            for (int j = 0; j < na; ++j) {{
+                A v = {load_expr(t, "a[j]", "i", acc)};
+                bool carry = true;  /* merging: bits 0 .. L-1 of j + 1 are zeros */
 #pragma unroll
-        for (int L = 0; L < {TREE_LEVELS}; ++L) {{
-            if ((na >> L) & 1) {{ s = have ? gpukv_tree_add(level[L], s) : level[L]; have = true; }}
+                for (int L = 0; L < {TREE_LEVELS}; ++L) {{
+                    if (carry) {{
+                        if (((j + 1) >> L) & 1) {{ level[L] = v; carry = false; }}
+                        else v = gpukv_tree_add(level[L], v);
+                    }}
+                }}
+            }}
+            A s = (A)0;
+            bool have = false;
+#pragma unroll
+            for (int L = 0; L < {TREE_LEVELS}; ++L) {{
+                if ((na >> L) & 1) {{
+                    s = have ? gpukv_tree_add(level[L], s) : level[L];
+                    have = true;
+                }}
+            }}
+            {store_stmt(u, "out", "i", "s")}
         }}
-        {store_stmt(u, "out", "i", "s")}
     }}
 }}
 """
     return name, source
+
+
+def tree_expression(leaves: int, leaf) -> str:
+    """The C expression of the canonical tree over `leaves` leaves (`leaf(j)`: the j-th),
+    written out as the kernel's binary counter merges them: leaf j joins the levels
+    below the lowest zero bit of j + 1, and the levels left are added from the lowest."""
+    level: dict = {}
+    for j in range(leaves):
+        x, L = leaf(j), 0
+        while not ((j + 1) >> L) & 1:
+            x = f"gpukv_tree_add({level[L]}, {x})"
+            L += 1
+        level[L] = x
+    total = None
+    for L in range(leaves.bit_length()):
+        if (leaves >> L) & 1:
+            total = level[L] if total is None else f"gpukv_tree_add({level[L]}, {total})"
+    assert total is not None
+    return total
 
 
 def multi_tree_sum_gpu(items, stream) -> None:
@@ -457,14 +615,21 @@ def multi_tree_sum_gpu(items, stream) -> None:
             raise ValueError(f"the tree kernel sums at most {(1 << TREE_LEVELS) - 1} "
                              f"arrays, got {len(leaves)}")
         if out.size:
-            groups.setdefault((leaves[0].dtype.name, out.dtype.name), []).append((out, leaves))
+            groups.setdefault((dtype_name(leaves[0].dtype), dtype_name(out.dtype)),
+                              []).append((out, leaves))
     for (t, u), group in groups.items():
-        table, blocks = build_table(
-            [out.data.ptr for out, _ in group], [out.size for out, _ in group],
-            [[x.data.ptr for x in leaves] for _, leaves in group], [[] for _ in group])
+        outs = tuple((out.data.ptr, out.size) for out, _ in group)
+        a_lists = tuple(tuple(x.data.ptr for x in leaves) for _, leaves in group)
+        key = ("tree", cupy.cuda.runtime.getDevice(), stream.ptr, outs, a_lists)
+        found = _SUM_TABLES.get(key)
+        if found is None:
+            table, blocks = build_table([o[0] for o in outs], [o[1] for o in outs],
+                                        a_lists, [() for _ in group])
+            found = (upload_table(cupy, table, stream), blocks)
+            _SUM_TABLES.put(key, found)
+        dev_table, blocks = found
         name, source = tree_sum_source(t, u)
         kernel = compiled(cupy, name, source)
-        dev_table = upload_table(cupy, table, stream)
         with stream:
             kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
 

@@ -24,6 +24,8 @@ import functools
 
 import numpy as np
 
+from .kernels import TableCache, dtype_name, upload
+
 BLOCK = 256
 CHUNK = 8192
 NPTR = 6
@@ -146,16 +148,20 @@ def kernel_source(optimizer, wdtype, phase: int = 0, body: str | None = None) ->
 
     `body` replaces the rule's `cuda_body` (e.g. its `sparse_cuda_body`).
     """
-    name = np.dtype(wdtype).name
+    return _source(tuple(optimizer.defines().items()), tuple(optimizer.hyper_names),
+                   optimizer.cuda_body if body is None else body, dtype_name(wdtype), phase)
+
+
+@functools.cache
+def _source(switches: tuple, hyper_names: tuple, body: str, name: str, phase: int) -> str:
     wkind = {"float16": 1, "bfloat16": 2}.get(name, 0)
     ct = "double" if name == "float64" else "float"
     defines = {"CT_TYPE": ct, "WKIND": wkind, "PHASE": phase, "CHUNK_SIZE": CHUNK,
                "BLOCK_SIZE": BLOCK, "HAS_LB": 0, "HAS_UB": 0}
-    defines.update(optimizer.defines())
+    defines.update(switches)
     decls = "\n".join(f"    const ct {h} = (ct)hp[{2 + j}];"
-                      for j, h in enumerate(optimizer.hyper_names))
+                      for j, h in enumerate(hyper_names))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    body = optimizer.cuda_body if body is None else body
     return head + _PRELUDE.replace("HYPER_DECLS", decls).replace("BODY", body)
 
 
@@ -165,26 +171,52 @@ def _compiled(source: str):
     return cupy_module().RawKernel(source, "gpukv_optim_step", options=("--fmad=false",))
 
 
+_STEP_TABLES = TableCache()
+
+
+def _unused(cp, ct) -> tuple:
+    """Stand-ins for LAMB's sums and scratch arguments, one pair per GPU and dtype (never
+    read nor written outside LAMB's phases)."""
+    key = (cp.cuda.runtime.getDevice(), np.dtype(ct).name)
+    found = _UNUSED.get(key)
+    if found is None:
+        found = _UNUSED.setdefault(key, (cp.zeros(2, np.float64), cp.zeros(1, ct)))
+    return found
+
+
+_UNUSED: dict = {}
+
+
 def hyper_vector(optimizer, hp: dict) -> np.ndarray:
     return np.array([hp["rescale"], hp["clip"]]
                     + [hp[h] for h in optimizer.hyper_names], np.float32)
 
 
+def addresses(items) -> tuple:
+    """Per item of `items` [(stored, grad, master, states, scalars)]: its NPTR addresses
+    (0 for none) and its size, as plain ints (what the tables are made and found by)."""
+    rows = []
+    for stored, grad, master, states, _ in items:
+        row = [stored.data.ptr, grad.data.ptr, 0 if master is None else master.data.ptr]
+        row += [a.data.ptr for a in states]
+        rows.append(tuple(row + [0] * (NPTR - len(row))) + (stored.size,))
+    return tuple(rows)
+
+
+def scalars_of(items) -> np.ndarray:
+    """The per-key scalars (lr, wd, two extras) of `items`, float32, NSCALAR per key."""
+    scal = np.zeros((len(items), NSCALAR), np.float32)
+    for j, item in enumerate(items):
+        scal[j, :len(item[4])] = item[4]
+    return scal
+
+
 def plan(items) -> tuple:
     """Host-side tables for `items` [(stored, grad, master, states, scalars)]."""
     n = len(items)
-    ptrs = np.zeros((n, NPTR), np.uint64)
-    sizes = np.empty(n, np.int64)
-    scal = np.zeros((n, NSCALAR), np.float32)
-    for j, (stored, grad, master, states, scalars) in enumerate(items):
-        ptrs[j, 0] = stored.data.ptr
-        ptrs[j, 1] = grad.data.ptr
-        if master is not None:
-            ptrs[j, 2] = master.data.ptr
-        for s, arr in enumerate(states):
-            ptrs[j, 3 + s] = arr.data.ptr
-        sizes[j] = stored.size
-        scal[j, :len(scalars)] = scalars
+    rows = np.array(addresses(items), np.uint64).reshape(n, NPTR + 1)
+    ptrs, sizes = np.ascontiguousarray(rows[:, :NPTR]), rows[:, NPTR].astype(np.int64)
+    scal = scalars_of(items)
     nchunks = (sizes + CHUNK - 1) // CHUNK
     chunk_tensor = np.repeat(np.arange(n, dtype=np.int32), nchunks)
     first = np.concatenate(([0], np.cumsum(nchunks)[:-1]))
@@ -208,26 +240,37 @@ def step(optimizer, home, items, hp: dict, body: str | None = None) -> None:
     if not items:
         return
     wdtype = items[0][0].dtype
-    ptrs, sizes, chunk_start, toff, chunk_tensor, scal = plan(items)
-    ints = cp.asarray(np.concatenate([ptrs.view(np.int64).reshape(-1), sizes, chunk_start,
-                                      toff]))
-    n, nc = len(items), len(chunk_tensor)
+    stream = cp.cuda.get_current_stream()
+    # The tables of the keys' addresses and chunks stay the same step after step: they
+    # are made and uploaded once (by content, per GPU and stream); the scalars go every
+    # step. Each upload is asynchronous: the host never waits here for the GPU's work.
+    key = (cp.cuda.runtime.getDevice(), stream.ptr, addresses(items))
+    tables = _STEP_TABLES.get(key)
+    if tables is None:
+        ptrs, sizes, chunk_start, toff, chunk_tensor, _ = plan(items)
+        tables = (upload(cp, np.concatenate([ptrs.view(np.int64).reshape(-1), sizes,
+                                             chunk_start, toff]), stream),
+                  upload(cp, chunk_tensor, stream), int(sizes.sum()))
+        _STEP_TABLES.put(key, tables)
+    ints, d_ct, total = tables
+    scal = scalars_of(items)
+    n, nc = len(items), len(d_ct)
     d_ptrs = ints[:NPTR * n]
     d_sizes = ints[NPTR * n:NPTR * n + n]
     d_start = ints[NPTR * n + n:NPTR * n + n + nc]
     d_toff = ints[NPTR * n + n + nc:]
-    d_ct = cp.asarray(chunk_tensor)
-    floats = cp.asarray(np.concatenate([scal.reshape(-1), hyper_vector(optimizer, hp)]))
+    floats = upload(cp, np.concatenate([scal.reshape(-1), hyper_vector(optimizer, hp)]),
+                    stream)
     d_scal, d_hp = floats[:NSCALAR * n], floats[NSCALAR * n:]
     ct = np.float64 if wdtype == np.float64 else np.float32
     grid, block = (nc,), (BLOCK,)
     if optimizer.name != "lamb" or body is not None:
         kernel = _compiled(kernel_source(optimizer, wdtype, 0, body))
-        kernel(grid, block, (d_ptrs, d_sizes, d_start, d_toff, d_ct, d_scal, d_hp,
-                             cp.zeros(2, np.float64), cp.zeros(1, ct)))
+        unused = _unused(cp, ct)  # the phase-0 step reads neither LAMB argument
+        kernel(grid, block, (d_ptrs, d_sizes, d_start, d_toff, d_ct, d_scal, d_hp) + unused)
         return
     sums = cp.zeros(2 * n, np.float64)
-    tmp = cp.empty(int(sizes.sum()), ct)
+    tmp = cp.empty(total, ct)
     args = (d_ptrs, d_sizes, d_start, d_toff, d_ct, d_scal, d_hp, sums, tmp)
     _compiled(kernel_source(optimizer, wdtype, 1))(grid, block, args)
     _compiled(kernel_source(optimizer, wdtype, 2))(grid, block, args)

@@ -279,7 +279,15 @@ def _codec_case(codec: str) -> KernelCase:
             outs["payload (bfloat16 bits)" if codec.startswith("bf16") else "payload"] = \
                 payload
             outs.update(decoded=decoded, added=added)
-        return fetch(device, outs)
+        result = fetch(device, outs)
+        if codec in ("sign", "ternary"):  # the scales as floats: NaN payloads apart
+            from ...device.host_codecs import SIGN_BLOCK, TERNARY_BLOCK
+            block = SIGN_BLOCK if codec == "sign" else TERNARY_BLOCK
+            head = 4 * -(-N // block)
+            payload = result.pop("payload")
+            result["payload scales"] = payload[:head].view(np.float32)
+            result["payload"] = payload[head:]
+        return result
 
     return KernelCase(name, "compression", run)
 
