@@ -21,14 +21,12 @@ from gpukv import RowSparse
 
 
 def devices():
-    """(array module, device id) per device: every GPU, else 4 host devices."""
-    try:
+    """(array module, device id) per device: every GPU gpukv sees (logical ones included,
+    GPUKV_VIRTUAL_GPUS), else 4 host devices."""
+    from gpukv.device.cuda.device import gpu_count, gpu_devices
+    if gpu_count() > 0:
         import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        n = 0
-    if n:
-        return [(cupy, i) for i in range(n)], "device"
+        return [(cupy, d.physical) for d in gpu_devices()], "device"
     return [(np, None)] * 4, "local"
 
 
@@ -44,7 +42,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.2,
+                        help="learning rate of the mean of the devices' gradients")
     parser.add_argument("--every", type=int, default=20, help="print the loss every N steps")
     args = parser.parse_args(argv)
 
@@ -56,7 +55,7 @@ def main(argv=None):
     kv = gpukv.create(store)
     kv.init("emb", (rng.standard_normal((args.vocab, args.dim)) * 0.01).astype(np.float32))
     kv.init("w", (rng.standard_normal(args.dim) * 0.1).astype(np.float32))
-    lr = args.lr
+    lr = args.lr / len(devs)  # the store sums the devices' gradients: step by their mean
 
     def sgd(key, grad, weight):
         if isinstance(grad, RowSparse):  # touch only the rows present

@@ -107,7 +107,13 @@ def torch_cuda_tensor(array):
 def cuda_tensor_values(tensor):
     """The values of a tensor made by `torch_cuda_tensor`, as a NumPy array."""
     backing = getattr(tensor, "backing", None)
-    return backing.get() if backing is not None else tensor.cpu().numpy()
+    if backing is not None:
+        return backing.get()
+    import torch
+    if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own: by the bits
+        import ml_dtypes
+        return tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.cpu().numpy()
 
 
 class ArrayMethodCopy:

@@ -36,7 +36,9 @@ def test_a_pull_onto_a_gpu_hands_over_the_gpus_own_buffer(bucket_bytes, monkeypa
     tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
     gjax.init_tree(kv, tree, bucket_bytes=bucket_bytes)
     layout = trees.layout_of(kv, "", "pull_tree")
-    gpu = _JaxGpu(1)
+    from gpukv.device.cuda.device import gpu_count
+    last = gpu_count() - 1  # another GPU than the current one where there are several
+    gpu = _JaxGpu(last)
     assert placing._is_gpu(gpu)
     buffers = [placing._buffers(bucket, {gpu}) for bucket in layout.buckets]
     kv.pull(layout.bucket_keys, out=[list(b.values()) for b in buffers])
@@ -47,6 +49,6 @@ def test_a_pull_onto_a_gpu_hands_over_the_gpus_own_buffer(bucket_bytes, monkeypa
     leaves = [made.on(i, gpu) for i in range(len(layout.keys))]
     assert len(handed) == len(layout.buckets)
     for buffer in handed:
-        assert isinstance(buffer, cupy.ndarray) and buffer.device.id == 1
+        assert isinstance(buffer, cupy.ndarray) and buffer.device.id == last
     for got, want in zip(leaves, jax.tree_util.tree_leaves(tree)):
         np.testing.assert_array_equal(np.asarray(got), want)

@@ -99,6 +99,21 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
     return gpu
 
 
+def _own_gpu(local_comm, gpu, nccl: bool | None):
+    """`gpu` where no other process of this machine joins NCCL with the same one, else
+    None (the host path): NCCL refuses two ranks on one GPU. Collective over the
+    machine's processes (those without a GPU take part with None)."""
+    bus = gpu.cuda_device.pci_bus_id if gpu is not None else None
+    buses = local_comm.allgather(bus)
+    if gpu is None or buses.count(bus) == 1:
+        return gpu
+    if nccl:
+        raise BackendError(f"nccl=True: {buses.count(bus)} processes of this machine would "
+                           f"join NCCL on its GPU {bus}, which NCCL refuses: start at most "
+                           f"one process per GPU, or leave nccl unset (the host path)")
+    return None
+
+
 def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tuple:
     """(servers, timeout, bound, chunk bytes or None) from the options or their
     environment variables, each checked (as is everything `create` is given) before any
@@ -212,11 +227,12 @@ class DistKVStore(KVStore):
         job_exit.end_together(comm, TAG_EXIT, timeout)
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()
+        gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
+        gpu = _own_gpu(local_comm, gpu, nccl)
         local_comm.Free()
         # The ranks on this machine share its CPUs: each sums and copies with its share.
         share_cpus(local_size)
         transport = Transport(comm, timeout, local_size, chunk)
-        gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
         Agreement(transport, tags=_CREATE_TAGS).check(
             ("engine", ("nccl" if gpu is not None else "host",)),
             f"gpukv.create({name!r}): the path across processes")

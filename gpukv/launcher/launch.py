@@ -261,6 +261,18 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("mpiexec")
 
 
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether `mpiexec` is Open MPI's (whose options are not MPICH's Hydra's), by what
+    its --version prints."""
+    try:
+        said = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                              timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    text = said.stdout + said.stderr
+    return "Open MPI" in text or "OpenRTE" in text
+
+
 def report_address(hosts: list[str] | None) -> str:
     """The address of this machine the ranks can reach: the one that routes to the first
     remote host, else the loopback."""
@@ -345,6 +357,10 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             parser.error(f"--log-dir {str(args.log_dir)!r} cannot be made: "
                          f"{exc.strerror or exc}")
+    if is_open_mpi(mpiexec):  # asked last: the other usage errors need no process
+        parser.error(f"{mpiexec} is Open MPI's mpiexec; gpukv run drives MPICH's (pip "
+                     f"install mpich into this environment, with mpi4py built for it), or "
+                     f"start the job with Open MPI's mpiexec yourself")
     plan = restarts.Plan(args.n, hosts, args.ppn, min_workers, args.max_restarts)
     threads = thread_env(args.ppn or -(-args.n // (len(hosts) if hosts else 1)))
     if threads and verbose:  # quiet otherwise, as the rest of the launcher's own words

@@ -6,6 +6,7 @@ they fail: a run that was meant to test several processes cannot pass without th
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.launcher.launch import find_mpiexec
+from gpukv.launcher.launch import find_mpiexec, is_open_mpi
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
@@ -57,6 +58,7 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
         path = Path(program)
         target = [str(path if path.is_absolute() else PROGRAMS / path)]
     full_env = dict(os.environ)
+    full_env.update(_launcher_env(launcher))
     full_env.update(env or {})
     full_env.setdefault("GPUKV_DIST_TIMEOUT", "30")
     python = [sys.executable] + ([] if bare else ["-m", "mpi4py"])
@@ -67,6 +69,15 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
                                start_new_session=True)
     stdout, stderr = communicate(process, timeout, " ".join(command))
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@functools.cache
+def _launcher_env(launcher: str) -> dict:
+    """What `launcher` needs in the environment here: Open MPI's mpiexec refuses to run
+    as root (a container's user) unless told it may; MPICH's needs nothing."""
+    if os.geteuid() == 0 and is_open_mpi(launcher):
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}
 
 
 def communicate(process: subprocess.Popen, timeout: float, what: str) -> tuple:

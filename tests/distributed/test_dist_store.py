@@ -16,6 +16,7 @@ import pytest
 from gpukv.distributed.mpi.chunks import CHUNK_BYTES
 
 from .. import gpu_env
+from ..gpu_gate import hardware_missing
 from .mpirun import ok, require_mpi, run
 
 pytestmark = pytest.mark.mpi
@@ -25,8 +26,9 @@ PLACEMENTS = [(2, 0), (3, 0), (3, 1), (4, 2)]
 
 
 def _scenario(n: int, servers: int, *args: str, store: str = "dist_sync", timeout: float = 30,
-              gpus: bool = False, limit: float = 120) -> subprocess.CompletedProcess:
-    env = gpu_env.subprocess_env(gpus=gpus)
+              gpus: bool = False, limit: float = 120,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**gpu_env.subprocess_env(gpus=gpus), **(env or {})}
     env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT=str(timeout), STORE=store)
     return run("scenarios.py", n, *args, env=env, timeout=limit)
 
@@ -108,12 +110,40 @@ NCCL_SCENARIOS = [("sync_sgd", "float32"), ("sync_sgd", "float16"), ("sync_assig
                   ("calls",), ("changing_options",), ("updater_function",), ("lamb_split",)]
 
 
+def _gpu_per_process(n: int) -> None:
+    """NCCL's tests need a GPU of their own for each of the `n` processes."""
+    from gpukv.device.cuda.device import gpu_count
+    if gpu_count() < n:
+        hardware_missing(f"NCCL needs a GPU per process: {n} processes, {gpu_count()} "
+                         f"GPU(s) here")
+
+
+@pytest.mark.gpu
+def test_processes_sharing_a_gpu_take_the_host_path():
+    """Two processes on one GPU: NCCL refuses them, so the store crosses on the host (and
+    nccl=True says why instead of NCCL's 'invalid usage')."""
+    env = {"CUDAEMU_GPUS": "1"} if gpu_env.EMULATED else {}
+    from gpukv.device.cuda.device import gpu_count
+    if not gpu_env.EMULATED and gpu_count() != 1:
+        pytest.skip("the test's processes share the one GPU of a machine or an emulation")
+    result = _scenario(2, 0, "device_init", "0", store="dist_device_sync", gpus=True,
+                       env=env)
+    out = _passes(result, 2)
+    assert "(NCCL)" not in out, out
+    refused = _scenario(2, 0, "device_init", "1", store="dist_device_sync", gpus=True,
+                        env=env)
+    assert refused.returncode != 0
+    assert "nccl=True: 2 processes of this machine would join NCCL on its GPU" in \
+        refused.stdout + refused.stderr, refused.stdout + refused.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("scenario", NCCL_SCENARIOS, ids="-".join)
 def test_nccl_rounds(n, scenario):
     """dist_device_sync with num_servers=0 on GPUs: every key on each process's GPU and
     the rounds through NCCL (bootstrapped over MPI), with the host path's results."""
+    _gpu_per_process(n)
     out = _passes(_scenario(n, 0, *scenario, store="dist_device_sync", gpus=True), n)
     assert out.count("(NCCL)") == n, out
 
@@ -121,6 +151,7 @@ def test_nccl_rounds(n, scenario):
 @pytest.mark.gpu
 def test_nccl_checkpoint_loads_on_the_host_path(tmp_path):
     """A checkpoint a store on NCCL wrote loads into a host dist_sync store, exactly."""
+    _gpu_per_process(3)
     path = str(tmp_path / "ckpt")
     out = _passes(_scenario(3, 0, "save", path, store="dist_device_sync", gpus=True), 3)
     env = gpu_env.subprocess_env(gpus=False)
@@ -131,6 +162,7 @@ def test_nccl_checkpoint_loads_on_the_host_path(tmp_path):
 
 @pytest.mark.gpu
 def test_nccl_refuses_compression_and_says_what_to_do():
+    _gpu_per_process(2)
     result = _scenario(2, 0, "compression", "2bit", store="dist_device_sync", gpus=True)
     assert result.returncode != 0
     assert "create the dist_device_sync store with nccl=False" in result.stderr
@@ -415,6 +447,8 @@ def test_different_keys_in_one_round_are_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("nccl", ["0", "1"])
 def test_device_store_pull_after_init_gives_rank0s_value(nccl):
+    if nccl == "1":
+        _gpu_per_process(3)
     _passes(_scenario(3, 0, "device_init", nccl, store="dist_device_sync", gpus=True), 3)
 
 

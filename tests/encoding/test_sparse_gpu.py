@@ -96,7 +96,8 @@ def test_pushes_from_four_gpus_equal_local(cp, devs):
     keys = sorted(KEYS)
     init = [_rows(rng, *KEYS[k], 5) for k in keys]
     host, gpu = _stores(cp, devs, keys, init)
-    assert {gpu._entries[k].home.physical for k in keys} == {0, 1, 2, 3}
+    homes = {(gpu._entries[k].home.physical, gpu._entries[k].home.slot) for k in keys}
+    assert homes == {(d.physical, d.slot) for d in devs}
     for step in range(3):
         pushes = _pushes(rng, step)
         host.push(keys, [pushes[k] for k in keys])

@@ -219,6 +219,21 @@ def test_no_mpiexec_is_a_usage_error(capsys, nothing_starts, tmp_path, monkeypat
     assert "no mpiexec found" in capsys.readouterr().err
 
 
+def test_open_mpis_mpiexec_is_a_usage_error(capsys, tmp_path, monkeypatch):
+    """Open MPI's mpiexec (found on PATH) takes other flags than MPICH's: status 2, naming
+    it, before the job starts (asking its version is all it runs)."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.6'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        launch.main(["-n", "2", "/bin/true"])
+    assert exc.value.code == 2
+    assert f"{fake} is Open MPI's mpiexec; gpukv run drives MPICH's" in \
+        capsys.readouterr().err
+
+
 def test_mpiexec_options_before_prog_pass_through():
     """Options of mpiexec (with their values) stay before PROG; PROG's own go after it."""
     argv = ["-n", "2", "-genv", "A", "1", "-l", "--grace=1", "train.py", "-n", "5"]

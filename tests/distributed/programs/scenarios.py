@@ -725,9 +725,9 @@ def device_init(nccl: str) -> None:
     r = kv.rank
     with cupy.cuda.Device(0):
         kv.init("w", cupy.full(5, 10.0 * (r + 1), cupy.float32))
-    outs = []
+    outs, gpus = [], cupy.cuda.runtime.getDeviceCount()
     for d in range(2):
-        with cupy.cuda.Device(d):
+        with cupy.cuda.Device(d % gpus):
             outs.append(cupy.zeros(5, cupy.float32))
     kv.pull("w", out=outs)
     for o in outs:
