@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
@@ -32,9 +33,14 @@ def _env(**extra):
 
 # ------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def quick_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpucheck")
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_out):
     """One `gpucheck --quick` on the CUDA emulation: (exit status, output, JSON, seconds)."""
-    out = tmp_path_factory.mktemp("gpucheck")
+    out = quick_out
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck", "--quick", "--out",
                            str(out)], capture_output=True, text=True, timeout=300,
@@ -61,7 +67,7 @@ def test_quick_run_on_the_emulation_writes_every_section(quick_run):
             "2bit encode", "adam step", "lamb step"} <= kernels
     assert all(r["copy_fraction"] > 0 for r in record["bandwidth"]["rows"])
     assert {r["operation"] for r in record["store"]["small"]} == {"push", "pull", "pushpull"}
-    assert record["trainer"]["weights_close"] is True
+    assert record["trainer"]["first_update_max_rounding_steps"] <= 2
     assert record["trainer"]["loss_scaling_bitwise"] is True
     assert record["trainer"]["loss_scaling_scale"] == 512
 
@@ -70,6 +76,24 @@ def test_quick_run_keeps_to_its_budget(quick_run):
     """--quick on the emulation has a 90 s budget and ends within it."""
     _, _, record, _ = quick_run
     assert record["gpucheck"]["elapsed_s"] <= record["gpucheck"]["budget_s"] == 90
+
+
+def _files_under(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def test_out_holds_the_record_the_summary_and_one_archive(quick_run, quick_out):
+    """A copy that takes back only a few files gets them all: --out holds the JSON, the
+    text and one archive of the sections' logs, whose folder is gone."""
+    _, output, record, _ = quick_run
+    files = _files_under(quick_out)
+    assert len(files) == 3 and "gpucheck-work.tar.gz" in files, files  # 8 come back
+    with tarfile.open(quick_out / "gpucheck-work.tar.gz") as tar:
+        names = tar.getnames()
+    for name in ("kernels.log", "trainer.json", "tests/collect.jsonl", "tests/shard-0.log"):
+        assert f"gpucheck-work/{name}" in names, names
+    assert record["tests"]["logs"].endswith("gpucheck-work.tar.gz: gpucheck-work/tests/")
+    assert "gpucheck-work.tar.gz" in output
 
 
 def test_goals_on_the_emulation_are_listed_but_not_judged(quick_run):
@@ -290,6 +314,7 @@ FAKE_TESTS = {
 
         @pytest.mark.gpu
         def test_fails():
+            print("adding one and one")
             assert 1 + 1 == 3, "arithmetic is broken"
 
         @pytest.mark.multi_gpu(4)
@@ -317,7 +342,7 @@ FAKE_TESTS = {
 
         @pytest.mark.gpu
         def test_crashes():
-            os._exit(3)
+            os.abort()  # faulthandler prints where, the process ends
 
         @pytest.mark.gpu
         def test_after_the_crash():
@@ -349,12 +374,47 @@ def test_test_section_names_failures_crashes_and_what_the_deadline_cut(fake_chec
     failed = "\n".join(section.failed)
     assert "tests/test_one.py::test_fails: call: AssertionError: arithmetic is broken" in failed
     assert "tests/test_three.py::test_crashes: the process running it ended" in failed
-    assert "exited with status 3" in failed
+    assert "exited with status -6" in failed
     assert "test_hangs" not in failed
     assert "1 collected tests never ran" in failed  # the one after the crash
     assert data["skip_reasons"] == [{"reason": "needs NCCL", "tests": 1}]
     assert "1 cut while running (tests/test_two.py::test_hangs)" in section.cut
     assert section.ok is False
+    # the record alone says why: the traceback's tail and what the test printed
+    details = {f["id"]: f["details"] for f in data["failures"]}
+    fails = details["tests/test_one.py::test_fails"]
+    assert "assert 1 + 1 == 3" in fails and "test_one.py:11: AssertionError" in fails
+    assert "Captured stdout call -----\nadding one and one" in fails
+    assert "Fatal Python error: Aborted" in details["tests/test_three.py::test_crashes"]
+    assert data["details_cut"] is None
+
+
+def test_failure_details_stop_at_their_cap():
+    """Past MAX_DETAILS_CHARS in all, failures keep their message and the record says
+    how many lost their details."""
+    entry = {"outcome": "failed", "message": "call: boom", "details": "x" * 6000}
+    bad = [(f"t{i}", entry) for i in range(40)]
+    records, note = suite.failure_records(bad, {})
+    kept = [r for r in records if r["details"]]
+    assert len(records) == 40 and len(kept) == suite.MAX_DETAILS_CHARS // 6000
+    assert sum(len(r["details"]) for r in records) <= suite.MAX_DETAILS_CHARS
+    assert all(r["message"] == "call: boom" for r in records)
+    assert note.startswith(f"the details of {40 - len(kept)} failures left out")
+
+
+def test_details_keep_the_end_of_a_long_traceback_and_output():
+    """A long traceback keeps its last lines, a long captured output its end, and the
+    whole stays within the per-failure cap."""
+    from types import SimpleNamespace
+
+    from gpukv.tools.gpucheck import pytest_plugin
+    report = SimpleNamespace(
+        longreprtext="\n".join(f"frame {i}" for i in range(500)) + "\nE   AssertionError",
+        sections=[("Captured stderr call", "noise\n" * 5000 + "the last words\n")])
+    text = pytest_plugin.details(report)
+    assert len(text) <= pytest_plugin._DETAIL_CHARS + 20
+    assert "frame 0\n" not in text and "frame 499\nE   AssertionError" in text
+    assert text.count("[... cut]") == 2 and text.endswith("the last words")
 
 
 def test_test_section_without_a_checkout_is_skipped_not_failed():
@@ -428,13 +488,14 @@ def test_sigterm_while_a_section_starts_still_ends_that_section(monkeypatch):
 def test_sigterm_ends_the_run_and_its_children_and_keeps_the_record(tmp_path):
     """SIGTERM during a run (a harness's timeout) ends every process it started and
     writes the record of the sections done, marked interrupted."""
-    out = tmp_path / "out"
+    out, work = tmp_path / "out", tmp_path / "tmp"
+    work.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "gpukv", "gpucheck", "--quick", "--out",
                              str(out), "--sections", "trainer,tests"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(GPUKV_CUDA_EMULATION="1"))
+                            env=_env(GPUKV_CUDA_EMULATION="1", TMPDIR=str(work)))
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list((out / "gpucheck-work").glob("*.log")):
+    while time.monotonic() < deadline and not list(work.glob("*/trainer.log")):
         time.sleep(0.1)  # a section's process has started
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
@@ -443,8 +504,14 @@ def test_sigterm_ends_the_run_and_its_children_and_keeps_the_record(tmp_path):
     head = json.loads(path.read_text())["gpucheck"]
     assert head["ok"] is False and head["interrupted"].startswith("Interrupted SIGTERM")
     assert "INTERRUPTED" in output
-    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == ""
+    # the logs so far are packed beside the record, the temporary folder gone
+    assert _files_under(out) == sorted([path.name, path.with_suffix(".txt").name,
+                                        "gpucheck-work.tar.gz"])
+    with tarfile.open(out / "gpucheck-work.tar.gz") as tar:
+        assert "gpucheck-work/trainer.log" in tar.getnames()
+    assert list(work.iterdir()) == []
 
 
 # ---------------------------------------------------------------------- sections

@@ -11,11 +11,19 @@ tests take whatever remains):
 - tests: the checkout's gpu-marked tests, multi-GPU ones on virtual GPUs (suite.py).
 The four measuring sections each run in a process of their own (isolated.py), so a hang, a
 crash or a sticky CUDA error costs one section; SIGTERM ends every process the run started
-and keeps the record of what finished. With --out DIR it writes gpucheck_<device>.json
-(rewritten after every section, so a run stopped from outside keeps what it found) and
-gpucheck_<device>.txt, the summary printed at the end. Exit status: 0 when no section
-failed, 1 when one did or the run was interrupted, 2 when there is no GPU (and no
-emulation asked for with GPUKV_CUDA_EMULATION=1) or an option is wrong.
+and keeps the record of what finished. Exit status: 0 when no section failed, 1 when one
+did or the run was interrupted, 2 when there is no GPU (and no emulation asked for with
+GPUKV_CUDA_EMULATION=1) or an option is wrong.
+
+With --out DIR it writes three files there, and no more (a copy that takes back only a
+few files gets them all):
+- gpucheck_<device>.json: the record, rewritten after every section, so a run stopped
+  from outside, even by SIGKILL, keeps what it found; each failed test with the tail of
+  its traceback and captured output;
+- gpucheck_<device>.txt: the summary printed at the end;
+- gpucheck-work.tar.gz: the sections' logs and results (gpucheck-work/<section>.log and
+  .json; tests/: each pytest process's log, test ids and event lines), packed at the end
+  from a temporary folder, which is then removed (a run killed outright leaves it there).
 """
 from __future__ import annotations
 
@@ -23,8 +31,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -41,6 +51,8 @@ DEFAULT_BUDGET_S = 480.0
 QUICK_BUDGET_S = 90.0
 #: seconds the tests leave at the end of the budget, to stop their processes and write
 TESTS_KEEP_S = 15.0
+#: the sections' logs, packed into one file under --out
+WORK_ARCHIVE = "gpucheck-work.tar.gz"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,8 +114,12 @@ def main(argv=None) -> int:
         record.interrupted = f"{type(exc).__name__} {exc}".strip()
     finally:
         processes.stop_all()
+    # the run is over: a second signal must not cut the record's last writes short
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     print(record.summary())
     record.write(final=True)
+    record.pack_work()
     if record.interrupted:
         return 1
     return 1 if any(s.ok is False for s in record.sections) else 0
@@ -129,6 +145,7 @@ def _run_sections(record: Record, machine, args, budget: Budget) -> None:
             section = suite.run(machine.root, machine.emulated, deadline, quick=args.quick,
                                 jobs=args.jobs or default_jobs(machine.emulated),
                                 work_dir=work / "tests")
+            section.data["logs"] = record.logs_of("tests")
         else:
             deadline = budget.share(SHARES[name], keep=isolated.GRACE_S)
             section = isolated.run(name, deadline, quick=args.quick, work=work)
@@ -144,6 +161,7 @@ class Record:
         self.sections: list[Section] = []
         self.current: str | None = None  # the section running now
         self.interrupted: str | None = None
+        self.work: Path | None = None
         self.created = datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ")
         stem = f"gpucheck_{benchutil.slug(machine.name)}"
@@ -151,11 +169,35 @@ class Record:
         self.text_path = out / f"{stem}.txt" if out else None
 
     def work_dir(self) -> Path:
-        """Where the sections' processes keep their logs: beside the record, or a
-        temporary folder without --out."""
-        if self.out is not None:
-            return self.out / "gpucheck-work"
-        return Path(tempfile.mkdtemp(prefix="gpukv-gpucheck-"))
+        """Where the sections' processes keep their logs: a temporary folder, packed into
+        WORK_ARCHIVE under --out at the end, so that --out holds three files at most."""
+        if self.work is None:
+            self.work = Path(tempfile.mkdtemp(prefix="gpukv-gpucheck-"))
+        return self.work
+
+    def logs_of(self, name: str) -> str:
+        """Where section `name`'s logs are once the run has ended."""
+        if self.out is None:
+            return str(self.work_dir() / name)
+        return f"{self.out / WORK_ARCHIVE}: gpucheck-work/{name}/"
+
+    def pack_work(self) -> None:
+        """With --out, pack the work folder into WORK_ARCHIVE there and remove it."""
+        if self.out is None or self.work is None or not self.work.exists():
+            return
+        archive = self.out / WORK_ARCHIVE
+        tmp = archive.with_name(archive.name + ".tmp")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(tmp, "w:gz") as tar:
+                tar.add(self.work, arcname="gpucheck-work")
+            os.replace(tmp, archive)
+        except OSError as exc:  # the record is written already: the logs stay where they are
+            tmp.unlink(missing_ok=True)
+            print(f"gpukv gpucheck: could not write {archive} ({exc}); the logs are in "
+                  f"{self.work}")
+            return
+        shutil.rmtree(self.work, ignore_errors=True)
 
     def add(self, section: Section) -> None:
         self.sections.append(section)
@@ -218,7 +260,8 @@ class Record:
                 lines.append(f"    {mark:<6} {g['goal']}: {value} (goal {sign} "
                              f"{g['target']:g}{g['unit']})")
         if self.json_path:
-            lines.append(f"  written: {self.json_path}, {self.text_path}")
+            lines.append(f"  written: {self.json_path}, {self.text_path}"
+                         + (f", {self.json_path.with_name(WORK_ARCHIVE)}" if self.work else ""))
         return "\n".join(lines)
 
 

@@ -4,7 +4,9 @@
 pytest processes can share one run's tests. `GPUCHECK_REPORT=FILE` appends one JSON line
 per event as it happens (flushed at once): the ids collected, each test's start, each
 phase's outcome with its message, and the end, so a run killed at its deadline still
-says which tests passed, failed, or were running.
+says which tests passed, failed, or were running. A failed phase also carries `details`:
+the tail of its traceback and of the output pytest captured, enough to diagnose it from
+the record alone.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import json
 import os
 
 _MESSAGE_CHARS = 400
+#: how much of a failure's traceback, and of each captured output, `details` keeps
+_DETAIL_LINES, _DETAIL_CHARS = 60, 6000
+_CAPTURED_LINES, _CAPTURED_CHARS = 20, 1500
 
 
 def _write(event: dict) -> None:
@@ -36,6 +41,25 @@ def message(report) -> str:
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
 
 
+def tail(text: str, lines: int, chars: int) -> str:
+    """The last `lines` lines of `text`, at most `chars` characters, saying when cut."""
+    kept = text.rstrip().splitlines()
+    short = "\n".join(kept[-lines:])[-chars:]
+    return short if len(short) == len("\n".join(kept)) else "[... cut]\n" + short
+
+
+def details(report) -> str:
+    """The tail of a failed phase's traceback, then of what the test printed: the end of
+    each says most about why it failed."""
+    captured = [f"----- {title} -----\n" + tail(content, _CAPTURED_LINES, _CAPTURED_CHARS)
+                for title, content in report.sections  # stdout, stderr and log, per phase
+                if content.strip()]
+    # the traceback keeps at least half the room, whatever the tests printed
+    room = max(_DETAIL_CHARS // 2, _DETAIL_CHARS - len("\n".join(captured)))
+    text = "\n".join([tail(report.longreprtext, _DETAIL_LINES, room), *captured])
+    return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "\n[... cut]"
+
+
 def pytest_collection_modifyitems(config, items):
     path = os.environ.get("GPUCHECK_SELECT")
     if not path:
@@ -58,9 +82,12 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_runtest_logreport(report):
-    _write({"event": "report", "id": report.nodeid, "when": report.when,
-            "outcome": report.outcome, "seconds": round(report.duration, 3),
-            "message": message(report) if report.outcome != "passed" else ""})
+    event = {"event": "report", "id": report.nodeid, "when": report.when,
+             "outcome": report.outcome, "seconds": round(report.duration, 3),
+             "message": message(report) if report.outcome != "passed" else ""}
+    if report.failed:
+        event["details"] = details(report)
+    _write(event)
 
 
 def pytest_sessionfinish(session, exitstatus):

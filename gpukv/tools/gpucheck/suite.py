@@ -7,7 +7,9 @@ emulation). A `multi_gpu(n)` test on a machine with fewer GPUs runs on n virtual
 the ones there are (the test suite's gate sets `GPUKV_VIRTUAL_GPUS`). The tests are shared
 out, file by file, between a few pytest processes that run side by side; a plugin
 (`pytest_plugin.py`) records every outcome as it happens, so a run stopped at its deadline
-still names what passed, what failed and what never ran.
+still names what passed, what failed and what never ran. Each failure keeps the tail of
+its traceback and captured output in the record (`details`), and a test that took its
+process down the tail of that process's log, so the record alone shows why.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from . import processes
 from .budget import Deadline
+from .pytest_plugin import tail
 from .section import Section
 
 PLUGIN = "gpukv.tools.gpucheck.pytest_plugin"
@@ -33,6 +36,10 @@ QUICK_PATHS = ("tests/device",)
 OWN_TESTS = "tests/tools/test_gpucheck.py"
 COLLECT_TIMEOUT_S = 120
 MAX_FAILURES_LISTED = 50
+#: the failures' details in the record, all together: past it, only their messages stay
+MAX_DETAILS_CHARS = 200_000
+#: how much of a crashed process's log a test it took down keeps
+LOG_LINES, LOG_CHARS = 60, 6000
 
 
 def pytest_command(paths) -> list:
@@ -79,20 +86,22 @@ def shards(ids: list, jobs: int) -> list:
 
 
 def outcomes(events: list) -> dict:
-    """Per test id: {'outcome': passed|failed|error|skipped|interrupted, 'message'}."""
+    """Per test id: {'outcome': passed|failed|error|skipped|interrupted, 'message',
+    'details'} (details: the failure's traceback tail, else empty)."""
     found: dict = {}
     for e in events:
         if e.get("event") == "start":
             found.setdefault(e["id"], {"outcome": "interrupted", "message": "",
-                                       "phases": set()})
+                                       "details": "", "phases": set()})
         elif e.get("event") == "report":
             entry = found.setdefault(e["id"], {"outcome": "interrupted", "message": "",
-                                               "phases": set()})
+                                               "details": "", "phases": set()})
             entry["phases"].add(e["when"])
             bad = {"failed": "failed" if e["when"] == "call" else "error"}
             if e["outcome"] in bad and entry["outcome"] not in ("failed", "error"):
                 entry["outcome"] = bad[e["outcome"]]
                 entry["message"] = f"{e['when']}: {e['message']}"
+                entry["details"] = e.get("details", "")
             elif e["outcome"] == "skipped" and entry["outcome"] == "interrupted":
                 entry["outcome"] = "skipped"
                 entry["message"] = e["message"]
@@ -119,12 +128,15 @@ class _Shard:
             self.proc = processes.start(pytest_command(files), cwd=root, env=env,
                                         stdout=log, stderr=subprocess.STDOUT)
 
-    def log_tail(self, lines: int = 3) -> str:
+    def log_text(self) -> str:
         try:
-            text = self.log.read_text(encoding="utf-8", errors="replace")
+            return self.log.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 3) -> str:
+        last = self.log_text().strip().splitlines()[-lines:]
+        return " | ".join(line.strip() for line in last)
 
 
 def collect(root: Path, env: dict, paths, work: Path, deadline: Deadline) -> tuple:
@@ -203,23 +215,48 @@ def _judge(section: Section, ids: list, found: dict, running: list, stopped: lis
     if orphans:
         section.fail(f"{len(orphans)} collected tests never ran (first {orphans[0]})")
     if stopped:
-        running = [i for i in cut_short if found.get(i, {}).get("outcome") == "interrupted"]
+        midway = [i for i in cut_short if found.get(i, {}).get("outcome") == "interrupted"]
         never = [i for i in cut_short if i not in found]
         section.cut = (f"the budget ran out: {len(never)} of {len(ids)} tests never ran, "
-                       f"{len(running)} cut while running"
-                       + (f" ({', '.join(sorted(running)[:4])})" if running else ""))
+                       f"{len(midway)} cut while running"
+                       + (f" ({', '.join(sorted(midway)[:4])})" if midway else ""))
     skipped = Counter(found[i]["message"] for i in ids
                       if i in found and found[i]["outcome"] == "skipped")
     section.data.update(
         passed=counts["passed"], failed=counts["failed"] + counts["error"],
         skipped=counts["skipped"], interrupted=counts["interrupted"],
         not_run=counts["not run"],
-        skip_reasons=[{"reason": r, "tests": n} for r, n in skipped.most_common(10)],
-        failures=[{"id": i, "outcome": e["outcome"], "message": e["message"]}
-                  for i, e in bad[:MAX_FAILURES_LISTED]])
+        skip_reasons=[{"reason": r, "tests": n} for r, n in skipped.most_common(10)])
+    listed = bad[:MAX_FAILURES_LISTED]
+    section.data["failures"], section.data["details_cut"] = failure_records(
+        listed, _crash_logs(listed, running))
     section.line = (f"{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
                     f"{counts['skipped']} skipped"
                     + (f", {counts['not run'] + counts['interrupted']} not run"
                        if counts["not run"] + counts["interrupted"] else "")
                     + f" of {len(ids)} ({len(running)} pytest process"
                     + ("es" if len(running) != 1 else "") + ")")
+
+
+def _crash_logs(bad: list, running: list) -> dict:
+    """Per test that took its process down: the tail of that process's log (faulthandler's
+    frames, the last output), the only trace such a test leaves."""
+    shard_of = {i: s for s in running for i in s.ids}
+    return {i: tail(shard_of[i].log_text(), LOG_LINES, LOG_CHARS) for i, e in bad
+            if e["outcome"] == "interrupted" and i in shard_of}
+
+
+def failure_records(bad: list, logs: dict) -> tuple:
+    """(the record's failures, each with its details, a note of what was left out or None):
+    details stop at MAX_DETAILS_CHARS in all, so a run with many failures stays readable."""
+    records, used, left_out = [], 0, 0
+    for nodeid, entry in bad:
+        text = entry.get("details") or logs.get(nodeid, "")
+        if used + len(text) > MAX_DETAILS_CHARS:
+            text, left_out = "", left_out + 1
+        used += len(text)
+        records.append({"id": nodeid, "outcome": entry["outcome"],
+                        "message": entry["message"], "details": text})
+    note = (f"the details of {left_out} failures left out: over {MAX_DETAILS_CHARS} "
+            "characters in all" if left_out else None)
+    return records, note
