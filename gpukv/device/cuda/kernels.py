@@ -349,14 +349,7 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
     const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
 {_TWO_AT_A_TIME}{one_term}
         if (nb == 0 && na >= 1 && na <= {PREFETCH}) {{  /* every load first, then the adds */
-            A v[{PREFETCH}][2];
-#pragma unroll
-            for (int j = 0; j < {PREFETCH}; ++j) {{
-                if (j < na) {{
-                    v[j][0] = {load_expr(t, "a[j]", "i0", acc)};
-                    v[j][1] = two ? {load_expr(t, "a[j]", "i1", acc)} : (A)0;
-                }}
-            }}
+{_load_all(t, acc)}
             A s0 = v[0][0], s1 = v[0][1];
 #pragma unroll
             for (int j = 1; j < {PREFETCH}; ++j) if (j < na) {{ s0 += v[j][0]; s1 += v[j][1]; }}
@@ -376,6 +369,19 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
 }}
 """
     return name, source
+
+
+def _load_all(t: str, acc: str) -> str:
+    """The sum kernels' loads of the first PREFETCH `a` terms at elements i0 and i1 into
+    v[j][0] and v[j][1] (0 for an i1 past the key), all issued before any add."""
+    return f"""            A v[{PREFETCH}][2];
+#pragma unroll
+            for (int j = 0; j < {PREFETCH}; ++j) {{
+                if (j < na) {{
+                    v[j][0] = {load_expr(t, "a[j]", "i0", acc)};
+                    v[j][1] = two ? {load_expr(t, "a[j]", "i1", acc)} : (A)0;
+                }}
+            }}"""
 
 
 def _launch_order(items) -> list:
@@ -536,14 +542,7 @@ extern "C" __global__ void {name}(const long long* __restrict__ table, const int
 {_TABLE_KEY}    const long long stride = (starts[lo + 1] - starts[lo]) * (long long)blockDim.x;
 {_TWO_AT_A_TIME}{one_term}
         if (na <= {PREFETCH}) {{  /* every leaf loaded first, then the tree written out */
-            A v[{PREFETCH}][2];
-#pragma unroll
-            for (int j = 0; j < {PREFETCH}; ++j) {{
-                if (j < na) {{
-                    v[j][0] = {load_expr(t, "a[j]", "i0", acc)};
-                    v[j][1] = two ? {load_expr(t, "a[j]", "i1", acc)} : (A)0;
-                }}
-            }}
+{_load_all(t, acc)}
             A s0 = v[0][0], s1 = v[0][1];
             switch (na) {{{cases}
                 default: break;  /* one leaf: itself */
