@@ -420,26 +420,32 @@ def multi_sum_gpu(items, stream) -> None:
         a_lists = tuple(tuple(x.data.ptr for x in (tuple(it.a) + tuple(it.b) if same else it.a))
                         for it in group)
         b_lists = tuple(() if same else tuple(x.data.ptr for x in it.b) for it in group)
-        key = (cupy.cuda.runtime.getDevice(), stream.ptr, outs, a_lists, b_lists)
-        found = _SUM_TABLES.get(key)
-        if found is None:
-            table, blocks = build_table([o[0] for o in outs], [o[1] for o in outs],
-                                        a_lists, b_lists)
-            found = (upload_table(cupy, table, stream), blocks)
-            _SUM_TABLES.put(key, found)
-        dev_table, blocks = found
-        name, source = sum_source(t, u)
-        kernel = compiled(cupy, name, source)
-        with stream:
-            kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+        _launch_table(cupy, stream, sum_source(t, u), outs, a_lists, b_lists)
+
+
+def _launch_table(cupy, stream, kernel_source: tuple, outs, a_lists, b_lists) -> None:
+    """Launch the table kernel (name, source) on `stream` for `outs` [(address, size)]
+    and their terms' addresses, with the table of those (see `build_table`) uploaded
+    once and then found in `_SUM_TABLES`."""
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr, outs, a_lists, b_lists)
+    found = _SUM_TABLES.get(key)
+    if found is None:
+        table, blocks = build_table([o[0] for o in outs], [o[1] for o in outs],
+                                    a_lists, b_lists)
+        found = (upload_table(cupy, table, stream), blocks)
+        _SUM_TABLES.put(key, found)
+    dev_table, blocks = found
+    kernel = compiled(cupy, *kernel_source)
+    with stream:
+        kernel((blocks,), (THREADS,), (dev_table, np.int32(len(outs))))
 
 
 class TableCache:
-    """The uploaded sum tables of the latest launches, by what they hold: a training
-    loop pushes the same arrays step after step, and a table made once is only read.
-    Keyed by GPU and stream too, so a table is read only on the stream that uploaded it
-    (after its copy). Addresses freed and handed out again hold the same table: a table
-    names addresses, not arrays."""
+    """Uploaded kernel tables of the latest launches, by what they hold: a training loop
+    pushes the same arrays step after step, and a table made once is only read. Keyed by
+    GPU and stream too, so a table is read only on the stream that uploaded it (after its
+    copy). Addresses freed and handed out again hold the same table: a table names
+    addresses, not arrays."""
 
     def __init__(self, keep: int = 256):
         self.keep = keep
@@ -619,18 +625,8 @@ def multi_tree_sum_gpu(items, stream) -> None:
     for (t, u), group in groups.items():
         outs = tuple((out.data.ptr, out.size) for out, _ in group)
         a_lists = tuple(tuple(x.data.ptr for x in leaves) for _, leaves in group)
-        key = ("tree", cupy.cuda.runtime.getDevice(), stream.ptr, outs, a_lists)
-        found = _SUM_TABLES.get(key)
-        if found is None:
-            table, blocks = build_table([o[0] for o in outs], [o[1] for o in outs],
-                                        a_lists, [() for _ in group])
-            found = (upload_table(cupy, table, stream), blocks)
-            _SUM_TABLES.put(key, found)
-        dev_table, blocks = found
-        name, source = tree_sum_source(t, u)
-        kernel = compiled(cupy, name, source)
-        with stream:
-            kernel((blocks,), (THREADS,), (dev_table, np.int32(len(group))))
+        _launch_table(cupy, stream, tree_sum_source(t, u), outs, a_lists,
+                      tuple(() for _ in group))
 
 
 # ============================================ 3. row sums of sorted row-sparse values

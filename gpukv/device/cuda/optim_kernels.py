@@ -177,7 +177,7 @@ _STEP_TABLES = TableCache()
 def _unused(cp, ct) -> tuple:
     """Stand-ins for LAMB's sums and scratch arguments, one pair per GPU and dtype (never
     read nor written outside LAMB's phases)."""
-    key = (cp.cuda.runtime.getDevice(), np.dtype(ct).name)
+    key = (cp.cuda.runtime.getDevice(), dtype_name(ct))
     found = _UNUSED.get(key)
     if found is None:
         found = _UNUSED.setdefault(key, (cp.zeros(2, np.float64), cp.zeros(1, ct)))
