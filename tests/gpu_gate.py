@@ -16,6 +16,13 @@ def gpu_unavailable(reason: str):
     pytest.skip(reason)
 
 
+def physical_gpus(n: int, reason: str) -> None:
+    """`hardware_missing(reason)` where fewer than `n` physical GPUs are visible."""
+    from gpukv.device.cuda.device import gpu_count
+    if gpu_count() < n:
+        hardware_missing(reason)
+
+
 def hardware_missing(reason: str):
     """For a test that needs more of the machine than a GPU (several physical GPUs, peer
     access, NCCL): the CUDA emulation always provides it, so there its absence fails the

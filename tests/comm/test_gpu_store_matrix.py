@@ -16,7 +16,7 @@ import gpukv
 from gpukv.comm import nccl as nccl_mod
 from gpukv.device.cuda import sums as _sums
 
-from ..gpu_gate import hardware_missing
+from ..gpu_gate import hardware_missing, physical_gpus
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -395,9 +395,8 @@ def test_one_source_is_stored_bit_for_bit(cp, name):
     """A push of one array, from another GPU than the key's home, stores its bits as
     'local' assigns them: -0.0, a NaN's payload and a subnormal kept (with nothing to
     sum, NCCL's reduction would add it to 0 and make -0.0 +0.0)."""
-    from gpukv.device.cuda.device import gpu_count
-    if gpu_count() < 4:  # logical GPUs on one physical one hold their arrays on GPU 0
-        hardware_missing("needs 4 physical GPUs (the home on GPU 1, the push from GPU 3)")
+    # (logical GPUs on one physical one hold their arrays on GPU 0)
+    physical_gpus(4, "needs 4 physical GPUs (the home on GPU 1, the push from GPU 3)")
     values = np.array([0x80000000, 0x7FC00001, 0x00000001, 0x3F800000],
                       np.uint32).view(np.float32)
     kv = gpukv.create("nccl") if name == "nccl store" else _store(name)

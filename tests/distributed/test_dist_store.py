@@ -16,7 +16,7 @@ import pytest
 from gpukv.distributed.mpi.chunks import CHUNK_BYTES
 
 from .. import gpu_env
-from ..gpu_gate import hardware_missing
+from ..gpu_gate import physical_gpus
 from .mpirun import ok, require_mpi, run
 
 pytestmark = pytest.mark.mpi
@@ -112,10 +112,7 @@ NCCL_SCENARIOS = [("sync_sgd", "float32"), ("sync_sgd", "float16"), ("sync_assig
 
 def _gpu_per_process(n: int) -> None:
     """NCCL's tests need a GPU of their own for each of the `n` processes."""
-    from gpukv.device.cuda.device import gpu_count
-    if gpu_count() < n:
-        hardware_missing(f"NCCL needs a GPU per process: {n} processes, {gpu_count()} "
-                         f"GPU(s) here")
+    physical_gpus(n, f"NCCL needs a GPU per process: {n} processes")
 
 
 @pytest.mark.gpu

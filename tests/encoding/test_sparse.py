@@ -12,7 +12,7 @@ import pytest
 import gpukv
 from gpukv import RowSparse
 
-from ..gpu_gate import hardware_missing
+from ..gpu_gate import physical_gpus
 
 REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_sparse_reference.json")
                  .read_text())
@@ -314,12 +314,6 @@ def _reads_of_other_gpus_raise():
         yield
 
 
-def _physical_gpus(n):
-    from gpukv.device.cuda.device import gpu_count
-    if gpu_count() < n:
-        hardware_missing(f"needs {n} physical GPUs")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32",
                                    "int64", "uint64", "bool", "float16", "bfloat16",
@@ -369,7 +363,7 @@ def test_gpu_rowsparse_work_runs_on_its_own_device(name, gpu):
     no other GPU's memory (the emulation gives GPU 0 peer access to GPU 1, not to GPU 3),
     and its results live there, with the host's values."""
     import cupy
-    _physical_gpus(gpu + 1)
+    physical_gpus(gpu + 1, f"needs {gpu + 1} physical GPUs")
     idx, data = np.array([3, 0, 3], np.int64), np.array([[1, 1], [2, 2], [3, 3]], np.float32)
     value = RowSparse.trusted(_on_gpu(gpu, idx), _on_gpu(gpu, data), (4, 2))
     with cupy.cuda.Device(0), _reads_of_other_gpus_raise():
@@ -389,7 +383,7 @@ def test_gpu_rowsparse_work_runs_on_its_own_device(name, gpu):
 @pytest.mark.gpu
 def test_gpu_rowsparse_refuses_row_ids_of_another_gpu():
     """from_dense and retain take row ids on the data's GPU or the host, not another GPU."""
-    _physical_gpus(2)
+    physical_gpus(2, "needs 2 physical GPUs")
     value = RowSparse.trusted(_on_gpu(1, np.array([1])),
                               _on_gpu(1, np.ones((1, 2), np.float32)), (4, 2))
     ids = _on_gpu(0, np.array([1]))
