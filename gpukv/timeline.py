@@ -100,10 +100,17 @@ class _Recorder:
                     event["args"] = args
                 events.append(event)
             temp = f"{self.path}.tmp"
-            with open(temp, "w") as f:
-                json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                           "otherData": {"rank": self.rank, "pid": self.pid}}, f)
-            os.replace(temp, self.path)
+            try:
+                with open(temp, "w") as f:
+                    json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                               "otherData": {"rank": self.rank, "pid": self.pid}}, f)
+                os.replace(temp, self.path)
+            except BaseException:  # (a full disk, an unwritable path): no half file left
+                try:
+                    os.unlink(temp)
+                except OSError:
+                    pass
+                raise
         return self.path
 
 

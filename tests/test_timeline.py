@@ -53,6 +53,25 @@ def test_store_calls_and_their_phases_are_nested_spans(recording):
     assert all(e["dur"] >= 0 and e["pid"] == os.getpid() for e in events)
 
 
+def test_a_write_that_fails_leaves_no_temporary_file(recording, monkeypatch):
+    """A timeline write that fails half way (a full disk) raises, and leaves neither a
+    half file nor its temporary one; the next write that succeeds writes the file."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(3))
+
+    def full_disk(obj, f):
+        f.write('{"traceEvents": [')
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(timeline.json, "dump", full_disk)
+    with pytest.raises(OSError):
+        timeline.flush()
+    assert os.listdir(recording) == []
+    monkeypatch.undo()
+    path = timeline.flush()
+    assert os.listdir(recording) == [os.path.basename(path)]
+    assert [e["name"] for e in _events(path)][:1] == ["init"]
+
+
 def test_off_records_nothing_and_a_span_is_a_shared_null(tmp_path):
     assert not timeline.enabled()
     assert timeline.span("x") is timeline.span("y")

@@ -69,16 +69,17 @@ def _payload(like, nbytes: int, out):
 
 
 def _quantize(bits, host_fn, kernel, grad, residual, threshold, out):
-    """`host_fn` on host arrays, else the CUDA `kernel` (one thread per byte it writes);
-    the payload's bytes past the last value are zero."""
+    """`host_fn` on host arrays, else the CUDA `kernel` (2bit: a thread per byte it
+    writes; 1bit: a thread per value); the payload's bytes past the last value are zero."""
     n = grad.size
     out = _payload(grad, packed_nbytes(n, bits), out)
     if _is_host(grad):
         return host_fn(grad, residual, threshold, out)
-    used = -(-n * bits // 8)
-    out[used:] = 0
-    _launch(kernel, used,
-            (grad, residual, out, np.int64(n), np.int64(used), np.float32(threshold)))
+    nbytes = min(out.size, packed_nbytes(n, bits))  # the kernel zeroes the padding too
+    if out.size > nbytes:
+        out[nbytes:] = 0
+    _launch(kernel, nbytes if bits == 2 else n,
+            (grad, residual, out, np.int64(n), np.int64(nbytes), np.float32(threshold)))
     return out
 
 
@@ -121,7 +122,8 @@ def quantize_sign(grad, residual, out=None):
     if _is_host(grad):
         return host.quantize_sign(grad, residual, out)
     blocks = -(-n // host.SIGN_BLOCK)
-    _launch("gpukv_quantize_sign", n, (grad, residual, out, np.int64(n), np.int64(blocks)))
+    _launch("gpukv_quantize_sign", 32 * blocks,  # a warp per block
+            (grad, residual, out, np.int64(n), np.int64(blocks)))
     return out
 
 
@@ -144,7 +146,8 @@ def quantize_ternary(grad, residual, out=None):
     if _is_host(grad):
         return host.quantize_ternary(grad, residual, out)
     blocks = -(-n // host.TERNARY_BLOCK)
-    _launch("gpukv_quantize_ternary", n, (grad, residual, out, np.int64(n), np.int64(blocks)))
+    _launch("gpukv_quantize_ternary", 32 * blocks,  # a warp per block
+            (grad, residual, out, np.int64(n), np.int64(blocks)))
     return out
 
 
@@ -206,59 +209,74 @@ def scale_in_place(out, factor: float):
     return out
 
 
-def _write(xp, out, value, scale: float, accumulate: bool):
-    """out = value * scale, or out += value * scale (`value` is a temporary, scaled in place)."""
-    if scale != 1.0:
-        xp.multiply(value, xp.float32(scale), out=value)
-    if accumulate:
-        xp.add(out, value, out=out)
-    else:
-        out[...] = value
-    return out
-
-
 def _host_vectors(payload, dtype, out) -> bool:
     """Whether the NumPy twin decodes `payload` into `out`: 1-D host arrays of one length."""
     return (_is_host(payload) and _is_host(out) and payload.dtype == dtype
             and out.dtype == _F32 and payload.ndim == 1 and out.shape == payload.shape)
 
 
+def _aligned(*pairs) -> int:
+    """1 when every (GPU array, bytes) pair's data starts on a multiple of those bytes
+    (the 16-bit kernels then move four values at a time), else 0."""
+    return int(all(a.data.ptr % nbytes == 0 for a, nbytes in pairs))
+
+
+def _cast16(kernel: str, host_fn, x, scale: float):
+    """`x / scale` as 16-bit codes (uint16 on the host for bf16, float16 for fp16), in
+    `x`'s shape: the NumPy twin, or one CUDA kernel for any GPU array."""
+    if _is_host(x) and x.dtype == _F32:
+        return host_fn(x.reshape(-1), scale).reshape(x.shape)
+    if _is_host(x):  # other host dtypes: through float32, as the GPU reads them
+        return host_fn(x.astype(_F32).reshape(-1), scale).reshape(x.shape)
+    import cupy
+    flat = flat_f32(x)
+    out = cupy.empty(flat.size, np.float16 if kernel.endswith("fp16") else np.uint16)
+    _launch(kernel, -(-flat.size // 4),
+            (flat, out, np.int64(flat.size), np.float32(scale), np.int32(scale != 1.0),
+             np.int32(_aligned((flat, 16), (out, 8)))))
+    return out.reshape(x.shape)
+
+
+def _uncast16(kernel: str, host_fn, dtype, payload, scale: float, out, accumulate: bool):
+    """float32(payload) * scale written into `out`, or added to it: the NumPy twin, or one
+    CUDA kernel (decoding into a float32 temporary first for an out of another dtype or
+    layout)."""
+    if _host_vectors(payload, dtype, out):
+        return host_fn(payload, scale, out, accumulate)
+    if _is_host(payload):
+        wide = np.empty(payload.size, _F32)
+        host_fn(payload.reshape(-1), scale, wide, False)
+        write_f32(out, wide, accumulate)
+        return out
+    import cupy
+    codes = cupy.ascontiguousarray(payload).reshape(-1)
+    direct = out.dtype == _F32 and out.flags.c_contiguous and out.size == codes.size
+    target = out.reshape(-1) if direct else cupy.empty(codes.size, _F32)
+    _launch(kernel, -(-codes.size // 4),
+            (codes, target, np.int64(codes.size), np.float32(scale), np.int32(scale != 1.0),
+             np.int32(bool(accumulate and direct)), np.int32(_aligned((codes, 8), (target, 16)))))
+    if not direct:
+        write_f32(out, target, accumulate)
+    return out
+
+
 def cast_fp16(x, scale: float):
     """`x / scale` rounded to float16 (round to nearest even); `scale` 1 divides nothing."""
-    if _is_host(x) and x.dtype == _F32:
-        return host.cast_fp16(x.reshape(-1), scale).reshape(x.shape)
-    xp = _xp(x)
-    if scale != 1.0:
-        x = xp.divide(x, xp.float32(scale))
-    if xp is np:
-        with np.errstate(over="ignore"):  # beyond float16's range: inf, as on the GPU
-            return x.astype(np.float16)
-    return x.astype(xp.float16)
+    return _cast16("gpukv_cast_fp16", host.cast_fp16, x, scale)
 
 
 def uncast_fp16(payload, scale: float, out, accumulate=False):
     """float32(payload) * scale written into `out`, or added to it."""
-    if _host_vectors(payload, np.float16, out):
-        return host.uncast_fp16(payload, scale, out, accumulate)
-    xp = _xp(payload)
-    return _write(xp, out, payload.astype(xp.float32), scale, accumulate)
+    return _uncast16("gpukv_uncast_fp16", host.uncast_fp16, np.float16, payload, scale, out,
+                     accumulate)
 
 
 def cast_bf16(x, scale: float):
     """`x / scale` as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
-    if _is_host(x) and x.dtype == _F32:
-        return host.cast_bf16(x.reshape(-1), scale).reshape(x.shape)
-    xp = _xp(x)
-    if scale != 1.0:
-        x = xp.divide(x, xp.float32(scale))
-    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    return host.bf16_bits(u, xp).astype(xp.uint16)
+    return _cast16("gpukv_cast_bf16", host.cast_bf16, x, scale)
 
 
 def uncast_bf16(payload, scale: float, out, accumulate=False):
     """The float32 value of bfloat16 bit patterns, times `scale`, into `out` (or added)."""
-    if _host_vectors(payload, np.uint16, out):
-        return host.uncast_bf16(payload, scale, out, accumulate)
-    xp = _xp(payload)
-    return _write(xp, out, (payload.astype(xp.uint32) << 16).view(xp.float32), scale,
-                  accumulate)
+    return _uncast16("gpukv_uncast_bf16", host.uncast_bf16, np.uint16, payload, scale, out,
+                     accumulate)

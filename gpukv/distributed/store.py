@@ -99,16 +99,43 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
     return gpu
 
 
-def _own_gpu(local_comm, gpu, nccl: bool | None):
+def _first_rank_of(MPI, local_comm, comm) -> int:
+    """The rank in `comm` of `local_comm`'s first process (no message: a lookup)."""
+    local_group, group = local_comm.Get_group(), comm.Get_group()
+    try:
+        return int(MPI.Group.Translate_ranks(local_group, [0], group)[0])
+    finally:
+        local_group.Free()
+        group.Free()
+
+
+#: bytes of a PCI bus id in `_own_gpu`'s records ("0000:3b:00.0" needs 12)
+_BUS_BYTES = 64
+
+
+def _own_gpu(agreement, machine: int, gpu, nccl: bool | None, name: str):
     """`gpu` where no other process of this machine joins NCCL with the same one, else
-    None (the host path): NCCL refuses two ranks on one GPU. Collective over the
-    machine's processes (those without a GPU take part with None)."""
-    bus = gpu.cuda_device.pci_bus_id if gpu is not None else None
-    buses = local_comm.allgather(bus)
-    if gpu is None or buses.count(bus) == 1:
+    None (the host path): NCCL refuses two ranks on one GPU. Every process of the store
+    says which machine it is on (`machine`: the job rank of that machine's first process)
+    and its GPU's PCI bus id, in one collective checked and bounded like the store's
+    others (a process that does not come is named on every rank)."""
+    t = agreement.t
+    bus = gpu.cuda_device.pci_bus_id if gpu is not None else ""
+    record = np.zeros(8 + _BUS_BYTES, np.uint8)
+    record[:8].view(np.int64)[0] = machine
+    encoded = bus.encode()[:_BUS_BYTES]
+    record[8:8 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+    everyone = np.empty((t.size, record.size), np.uint8)
+    what = f"gpukv.create({name!r}): the GPUs of each machine's processes"
+    requests = agreement.check(("gpus", _BUS_BYTES), what,
+                               alongside=lambda: [t.comm.Iallgather(record, everyone)])
+    agreement.wait(requests, what)
+    sharing = sum(1 for row in everyone
+                  if row[:8].view(np.int64)[0] == machine and bytes(row[8:]) == bytes(record[8:]))
+    if gpu is None or sharing == 1:
         return gpu
     if nccl:
-        raise BackendError(f"nccl=True: {buses.count(bus)} processes of this machine would "
+        raise BackendError(f"nccl=True: {sharing} processes of this machine would "
                            f"join NCCL on its GPU {bus}, which NCCL refuses: start at most "
                            f"one process per GPU, or leave nccl unset (the host path)")
     return None
@@ -227,15 +254,16 @@ class DistKVStore(KVStore):
         job_exit.end_together(comm, TAG_EXIT, timeout)
         local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_size, local_rank = local_comm.Get_size(), local_comm.Get_rank()
-        gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
-        gpu = _own_gpu(local_comm, gpu, nccl)
+        machine = _first_rank_of(MPI, local_comm, comm)
         local_comm.Free()
         # The ranks on this machine share its CPUs: each sums and copies with its share.
         share_cpus(local_size)
         transport = Transport(comm, timeout, local_size, chunk)
-        Agreement(transport, tags=_CREATE_TAGS).check(
-            ("engine", ("nccl" if gpu is not None else "host",)),
-            f"gpukv.create({name!r}): the path across processes")
+        agreement = Agreement(transport, tags=_CREATE_TAGS)
+        gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
+        gpu = _own_gpu(agreement, machine, gpu, nccl, name)
+        agreement.check(("engine", ("nccl" if gpu is not None else "host",)),
+                        f"gpukv.create({name!r}): the path across processes")
         local = "device" if name == "dist_device_sync" else "local"
         self._type = name
         self._num_servers = servers

@@ -171,9 +171,20 @@ class Checkpoints:
 
     def check_user_state(self, steps: int, user_state: dict) -> None:
         """ArgumentError, before a step changes anything, where the snapshot due after it
-        (at `steps`) could not save `user_state`."""
-        if self.due(steps):
+        (at `steps`) could not save `user_state`: on every worker of a dist store at
+        once, when any one's cannot be saved (agreed, so that none waits in the step
+        for the one that stopped)."""
+        if not self.due(steps):
+            return
+        try:
             encode_user_state(user_state, "trainer.user_state")
+            problem = None
+        except ArgumentError as exc:
+            problem = exc
+        if self.store.workers_max([problem is not None], "Trainer.step: checking user_state")[0]:
+            raise problem or ArgumentError(
+                f"trainer.user_state: another worker's cannot be saved by the snapshot due "
+                f"after step {steps}; no worker took the step")
 
     def _chosen(self, path: str) -> snapshots.Snapshot:
         """Load the snapshot at `path` (checked to be complete and this Trainer's)."""

@@ -90,6 +90,23 @@ def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
     assert "another worker's user_state" in messages["0"], out
 
 
+def test_a_trainer_user_state_one_worker_cannot_save_fails_everywhere_at_once(tmp_path):
+    """A Trainer whose one worker's user_state the due snapshot cannot save: step()
+    raises ArgumentError on every worker at once (no worker waits out the timeout in a
+    step the others never took), and the mended step goes ahead everywhere."""
+    pytest.importorskip("torch")
+    out = _job(3, 0, "trainer_bad_user_state", str(tmp_path / "snaps"))
+    caught = re.findall(r"CAUGHT ArgumentError on worker (\d) after ([\d.]+) s: "
+                        r"(.*?)(?=CAUGHT|PASS|$)", out, re.M | re.S)
+    assert sorted(int(w) for w, _, _ in caught) == [0, 1, 2], out
+    assert all(float(took) < 5 for _, took, _ in caught), out
+    messages = {w: m for w, _, m in caught}
+    assert "user_state['bad']: a set cannot be saved" in messages["1"], out
+    assert "another worker's cannot be saved" in messages["0"], out
+    for w in range(3):
+        assert f"PASS worker {w} of 3" in out, out
+
+
 def test_a_trainer_updating_locally_resumes_bit_for_bit(tmp_path):
     """A Trainer with update_on_kvstore=False on a dist store snapshots (each worker a
     share of its replica's store): a job resumed from the step-3 snapshot ends as the

@@ -339,6 +339,20 @@ def test_stalled_worker_is_named_on_every_rank(n, servers):
     assert took < 60, took
 
 
+@pytest.mark.parametrize("servers", [0, 1])
+def test_a_process_stalled_in_create_is_named_on_every_rank(servers):
+    """A process that does not come to create's GPU check (slow to find its GPU): the
+    others raise PeerError from create naming it, instead of waiting for it."""
+    start = time.monotonic()
+    result = _scenario(3, servers, "stall_at_create", "1", timeout=3, limit=90)
+    took = time.monotonic() - start
+    lines = _caught(result.stdout, "PeerError")
+    others = [ln for ln in lines if "rank(s) 1 did not arrive" in ln]
+    assert len(others) == 2, result.stdout + result.stderr
+    assert all("the GPUs of each machine's processes" in ln for ln in others), others
+    assert took < 60, took
+
+
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_stalled_worker_is_named_with_the_call_the_others_are_in(n, servers):
     """Keys made before the call the others wait in are agreed on first: the PeerError

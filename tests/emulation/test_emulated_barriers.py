@@ -60,6 +60,30 @@ def test_barrier_votes_count_over_a_two_dimensional_block(flags):
     assert (got[:, 2] == int(any(flags))).all()
 
 
+_WARP_SUMS = r"""
+extern "C" __global__ void warp_sums(const float* in, float* out) {
+    __shared__ float part[256];
+    const int lane = threadIdx.x & 31, first = threadIdx.x - lane;
+    part[threadIdx.x] = in[threadIdx.x];
+    __syncwarp();
+    for (int h = 16; h > 0; h >>= 1) {
+        if (lane < h) part[threadIdx.x] += part[threadIdx.x + h];
+        __syncwarp();
+    }
+    out[threadIdx.x] = part[first];
+}
+"""
+
+
+def test_syncwarp_orders_a_warps_shared_memory():
+    """After __syncwarp() a lane reads what the other lanes of its warp wrote before it:
+    a tree over each warp of 256 threads gives every lane its warp's sum."""
+    values = np.arange(256, dtype=np.float32)
+    out = device(np.zeros(256, np.float32))
+    kernels.RawKernel(_WARP_SUMS, "warp_sums")((1,), (256,), (device(values), out))
+    np.testing.assert_array_equal(out.host, np.repeat(values.reshape(8, 32).sum(axis=1), 32))
+
+
 _DIVERGENT = r"""
 extern "C" __global__ void divergent(float* out) {
     if (threadIdx.x < 128) {

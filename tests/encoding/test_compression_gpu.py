@@ -144,26 +144,59 @@ _SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, -7e4, 1e5, np.inf, 
 
 # Values past float32's range after the scale overflow to inf, with NumPy's warning.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", [1.0, 4.0, 0.3])
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_cast_kernels_give_the_twins_bits(cp, kind, scale, n):
+def test_cast_kernels_give_the_twins_bits(cp, kind, scale, n, offset):
     """float32 -> fp16 / bf16 (with a pre-divide scale) and back, written or added into
-    an out, give the twin's bits: ties to even, overflow to inf, fp16 subnormals kept."""
+    an out, give the twin's bits: ties to even, overflow to inf, fp16 subnormals kept.
+    With `offset` 1 every GPU array starts one element into its allocation, so the
+    kernels take the values one at a time instead of four."""
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * 3).astype(np.float32)
     x[:min(n, _SPECIAL.size)] = _SPECIAL[:min(n, _SPECIAL.size)]
     cast, uncast = ((K.cast_fp16, K.uncast_fp16) if kind == "fp16"
                     else (K.cast_bf16, K.uncast_bf16))
+
+    def on_gpu(a):
+        padded = cp.empty(a.size + offset, a.dtype)
+        padded[offset:] = cp.asarray(a)
+        return padded[offset:]
+
     want = cast(x, scale)
-    got = cast(cp.asarray(x), scale)
+    got = cast(on_gpu(x), scale)
     assert_same_bits(got.get(), want, "payload")
     for accumulate in (False, True):
         base = f32_without_subnormals(rng.standard_normal(n))
-        host_out, gpu_out = base.copy(), cp.asarray(base)
+        host_out, gpu_out = base.copy(), on_gpu(base)
         uncast(want, scale, host_out, accumulate)
-        uncast(got, scale, gpu_out, accumulate)
+        uncast(on_gpu(got.get()), scale, gpu_out, accumulate)
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+
+
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_cast_decoders_write_outs_of_other_dtypes_and_layouts(cp, kind, out_dtype):
+    """A decoded payload goes into an out of another dtype, or a strided one, as on the
+    host: the float32 value (times the scale) rounded once into it, or added to it (in
+    float32, or float64 for a float64 out)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(37) * 3).astype(np.float32)
+    cast, uncast = ((K.cast_fp16, K.uncast_fp16) if kind == "fp16"
+                    else (K.cast_bf16, K.uncast_bf16))
+    payload = cast(x, 2.0)
+    for accumulate in (False, True):
+        base = rng.standard_normal(37).astype(out_dtype)
+        host_out, gpu_out = base.copy(), cp.asarray(base)
+        uncast(payload, 2.0, host_out, accumulate)
+        uncast(cp.asarray(payload), 2.0, gpu_out, accumulate)
+        assert_same_bits(gpu_out.get(), host_out, f"accumulate={accumulate}")
+        wide = np.zeros((37, 2), np.float32)
+        host_strided, gpu_wide = wide[:, 0], cp.asarray(wide)
+        uncast(payload, 2.0, host_strided, accumulate)
+        uncast(cp.asarray(payload), 2.0, gpu_wide[:, 0], accumulate)
+        assert_same_bits(gpu_wide.get(), wide, f"strided, accumulate={accumulate}")
 
 
 def test_cast_payload_dtypes(cp):

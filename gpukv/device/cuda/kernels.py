@@ -49,7 +49,8 @@ _CTYPES = {
 # cvt.ftz.f64.f32) and flushes float32 subnormals; PTX without .ftz keeps them, as NumPy's
 # casts do. float64 -> float16 in one rounding (cvt.rn.f16.f64), as NumPy casts: through
 # float32 it would round twice (1 + 2**-11 + 2**-40 would become 1.0, not 1 + 2**-10).
-_PRELUDE = r"""
+#: the 16-bit and float64 conversions every kernel source of gpukv starts with
+CONVERSIONS = r"""
 __device__ __forceinline__ float gpukv_h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
@@ -339,7 +340,7 @@ def _sum_source(t: str, u: str) -> tuple[str, str]:
             if (two) out[i1] = x1;
             continue;
         }}"""
-    source = _PRELUDE + f"""
+    source = CONVERSIONS + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
 typedef {acc} A;
@@ -540,7 +541,7 @@ def _tree_sum_source(t: str, u: str) -> tuple[str, str]:
                 case {na}: s0 = {tree_expression(na, lambda j: f"v[{j}][0]")};
                         s1 = {tree_expression(na, lambda j: f"v[{j}][1]")}; break;"""
         for na in range(2, PREFETCH + 1))
-    source = _PRELUDE + _TREE_ADD + f"""
+    source = CONVERSIONS + _TREE_ADD + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[u]} U;
 typedef {acc} A;
@@ -642,7 +643,7 @@ def segment_sum_source(t_dtype) -> tuple[str, str]:
     t = np.dtype(t_dtype).name
     a = accumulate_name(t)
     name = f"gpukv_segment_sum_{t}"
-    source = _PRELUDE + f"""
+    source = CONVERSIONS + f"""
 typedef {_CTYPES[t]} T;
 typedef {_CTYPES[a]} A;
 extern "C" __global__ void {name}(const T* __restrict__ data,

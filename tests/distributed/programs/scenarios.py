@@ -339,6 +339,24 @@ def stall(victim: str = "1", made_before: str = "") -> None:
     passed(kv)
 
 
+def stall_at_create(victim: str = "1") -> None:
+    """Process `victim` is slow to find its GPU at create (it sleeps past the timeout):
+    every other process gets a PeerError from create naming it, in bounded time."""
+    from gpukv.distributed import store
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if rank == int(victim):
+        found = store._nccl_gpu
+
+        def slow(*args):
+            time.sleep(float(os.environ["GPUKV_DIST_TIMEOUT"]) * 4)
+            return found(*args)
+        store._nccl_gpu = slow
+    try:
+        create()
+    except gpukv.PeerError as exc:
+        caught(rank, exc)
+
+
 def _worker_grad(worker: int, size: int, dtype) -> np.ndarray:
     """Worker `worker`'s gradient: values of many magnitudes, whose float sum depends on
     the order it is taken in."""

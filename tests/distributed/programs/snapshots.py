@@ -99,6 +99,39 @@ def bad_user_state(root: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
+def trainer_bad_user_state(root: str) -> None:
+    """A Trainer whose worker 1 has a user_state the snapshot due after the step cannot
+    save: ArgumentError from step() on every worker at once (worker 1's names where), no
+    step taken anywhere; with user_state mended, the step and its snapshot go ahead."""
+    import torch
+
+    import gpukv.torch as gt
+    kv = _create()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    trainer = gt.Trainer([model], "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                         checkpoint_dir=root, checkpoint_every=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 3)).sum().backward()
+    trainer.user_state = {"bad": {1, 2}} if kv.rank == 1 else {"fine": 1}
+    start = time.monotonic()
+    try:
+        trainer.step(2)
+    except gpukv.ArgumentError as exc:
+        print(f"CAUGHT ArgumentError on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s: {exc}", flush=True)
+    else:
+        raise AssertionError("the step was taken")
+    assert trainer.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    trainer.user_state = {"fine": kv.rank}
+    trainer.step(2)
+    trainer.finish_snapshots()
+    found = gpukv.latest_snapshot(root)
+    assert found is not None and found.step == 1, found
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
 def trainer_local_updates(root: str, until: str) -> None:
     """A Trainer on a dist store with update_on_kvstore=False (each worker updates its
     replica) takes `until` steps from where its snapshots left off, one every 3 steps;

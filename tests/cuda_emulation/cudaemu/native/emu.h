@@ -148,6 +148,10 @@ static inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) {
 #define __syncthreads_and(p) \
     (gpukv_emu_barrier(__LINE__, (p) ? 1 : 0) == (int)(blockDim.x * blockDim.y * blockDim.z))
 #define __syncthreads_or(p) (gpukv_emu_barrier(__LINE__, (p) ? 1 : 0) != 0)
+// __syncwarp() orders a warp's shared-memory accesses. Here it is the whole block's
+// barrier: stricter than CUDA's (every thread of the block must reach it, not only the
+// warp's), which gpukv's kernels satisfy by running their warps in step.
+#define __syncwarp(...) ((void)gpukv_emu_barrier(__LINE__, 0))
 // One OS thread runs a launch, and launches are serialised: memory is always coherent.
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
