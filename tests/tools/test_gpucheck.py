@@ -70,6 +70,34 @@ def test_quick_run_on_the_emulation_writes_every_section(quick_run):
     assert record["trainer"]["first_update_max_rounding_steps"] <= 2
     assert record["trainer"]["loss_scaling_bitwise"] is True
     assert record["trainer"]["loss_scaling_scale"] == 512
+    for found in (record["store"]["pushpull_host_profile"],
+                  record["trainer"]["gpukv_update_host_profile"],
+                  record["trainer"]["torch_update_host_profile"]):
+        assert found["python_calls_per_call"] > 0 and found["top"], found
+    assert record["store"]["pushpull_host_profile"]["own_us_per_call"]["gpukv"] > 0
+    assert "pushpull's host time:" in record["store"]["summary"]
+
+
+def test_a_host_profile_gives_calls_and_own_time_per_call_by_library():
+    """The profile of a call counts its Python calls per call exactly, puts the time of
+    gpukv's functions under gpukv and lists the functions that took the most."""
+    from gpukv.device.codecs import packed_nbytes
+    from gpukv.tools.gpucheck import host_profile
+
+    def call():
+        for n in range(3):
+            packed_nbytes(n, 2)
+    found = host_profile.profile(call, 7)
+    assert found["calls"] == 7
+    assert found["python_calls_per_call"] == 1 + 3  # call() and its three calls
+    assert set(found["own_us_per_call"]) <= {*host_profile.LIBRARIES, "other"}
+    assert found["own_us_per_call"]["gpukv"] > 0
+    (row,) = [r for r in found["top"] if r["function"].endswith(" packed_nbytes")]
+    assert row["function"].startswith("gpukv/device/host_codecs.py:")
+    assert row["calls_per_call"] == 3
+    assert "4 Python calls per call (" in host_profile.summary(found)
+    assert host_profile.library("/x/site-packages/cupy/_core/core.py") == "cupy"
+    assert host_profile.library("/x/y/z.py") == "other"
 
 
 def test_quick_run_keeps_to_its_budget(quick_run):

@@ -7,13 +7,15 @@ array, copy it into the four outs). The calls are timed in turns, medians of a f
 rounds. Large keys: push + pull of four values, CUDA events, as a fraction of the
 device-to-device copy bandwidth measured in the same run (bytes = read + written: a push
 reads four values and writes the stored one, a pull reads it and writes four).
-Goal (on a real GPU): the 4 KB pushpull within 1.5x the bare loop.
+Goal (on a real GPU): the 4 KB pushpull within 1.5x the bare loop. Then a profile of the
+4 KB pushpull's host time (`host_profile`): where a small call's time goes.
 """
 from __future__ import annotations
 
 import statistics
 import time
 
+from . import host_profile
 from .budget import Deadline
 from .section import Section
 from .timing import seconds_per_call
@@ -99,6 +101,9 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
     if large:
         parts.append(f"{large['bytes'] >> 20} MiB push+pull at "
                      f"{large['copy_fraction']:.0%} of the copy")
+    if "pushpull_host_profile" in section.data:
+        parts.append("pushpull's host time: "
+                     + host_profile.summary(section.data["pushpull_host_profile"]))
     section.line = "; ".join(parts) or "; ".join(section.failed)
     return section
 
@@ -131,6 +136,10 @@ def _small(section: Section, device, deadline: Deadline, quick: bool) -> list:
                      "gpukv_us": mine * 1e6, "cupy_us": bare * 1e6, "ratio": mine / bare})
     if not _sums_right(cp, small, lambda: kv.pushpull("small", small)):
         section.fail(f"the 4 KB key's pushpull did not give {SUM} in every value")
+    if not deadline.passed():  # where the host time of a small call goes
+        section.data["pushpull_host_profile"] = host_profile.profile(
+            lambda: kv.pushpull("small", small), 5 if quick else 100)
+        sync()
     return rows
 
 

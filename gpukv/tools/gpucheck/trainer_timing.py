@@ -15,7 +15,8 @@ twice); after the last step their difference is reported, not judged, as such ro
 differences grow through training as any perturbation of the weights does. Then
 loss scaling: a few steps of `scaler.step(trainer)` under a `torch.amp.GradScaler`, one
 with an inf in a gradient, must give the weights of the unscaled steps without that one,
-bit for bit (the scale is a power of two), and halve the scale once.
+bit for bit (the scale is a power of two), and halve the scale once. And a profile of
+the update's host time (`host_profile`): where it goes.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from . import host_profile
 from .budget import Deadline
 from .section import Section
 
@@ -137,6 +139,16 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
             "the CUDA emulation has no PyTorch device" if emulated
             else "PyTorch has no CUDA here"))
     _compare(section, torch, plain, replica)
+    if not deadline.passed():  # where the update's host time goes (steps not compared)
+        x, y = batches[-1]
+        for name, (model, zero, update) in ways.items():
+            def backward(model=model, zero=zero):
+                zero()
+                loss_fn(model(x), y).backward()
+            section.data[f"{name}_update_host_profile"] = host_profile.profile(
+                update, 2 if quick else 10, before=backward)
+        if cuda:
+            torch.cuda.synchronize()
     _check_loss_scaling(section, torch, gtorch, device)
     if "gpukv_iteration_ms" in medians and "torch_iteration_ms" in medians:
         ratio = medians["gpukv_iteration_ms"] / medians["torch_iteration_ms"]
@@ -149,6 +161,10 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
                         f"{medians['gpukv_update_ms']:.2f} against "
                         f"{medians['torch_update_ms']:.2f} ms; weights "
                         f"{section.data['weights']}")
+        if "gpukv_update_host_profile" in section.data:
+            section.line += "; the update's host time: " + "; ".join(
+                f"{name} " + host_profile.summary(section.data[f"{name}_update_host_profile"])
+                for name in ways)
     return section
 
 
