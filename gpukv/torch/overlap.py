@@ -21,6 +21,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -102,6 +103,14 @@ class EarlyReduction:
         self._reduce(bucket, snapshots)
 
     # ------------------------------------------------------------------ the step
+    def wait(self) -> None:
+        """Wait for the reductions started so far to end, forgetting nothing (their
+        errors are `finish`'s to raise): a collective call of the step may then follow
+        their pushes in the same order on every process."""
+        with self._lock:
+            started = list(self._started.values())
+        futures.wait(started)
+
     def finish(self) -> tuple[set[int], set[int]]:
         """Wait for the started reductions and start afresh. Returns the buckets whose
         reduction started, and those of them that reduced their gradients as they are now.

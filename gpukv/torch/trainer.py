@@ -543,8 +543,11 @@ class Trainer:
         """ArgumentError before a step changes anything, where the snapshot due after it
         could not save `user_state` (a step done and counted, but not saved, could not be
         taken again)."""
-        if self._checkpoints is not None:
-            self._checkpoints.check_user_state(self._steps + 1, self.user_state)
+        if self._checkpoints is None or not self._checkpoints.due(self._steps + 1):
+            return
+        if self._early is not None:  # the check's collective follows their pushes everywhere
+            self._early.wait()
+        self._checkpoints.check_user_state(self._steps + 1, self.user_state)
 
     def _wants_overlap(self, overlap: bool | None) -> bool:
         if overlap and not self._update.overlap_allowed:

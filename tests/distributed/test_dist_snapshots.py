@@ -90,12 +90,15 @@ def test_a_user_state_one_worker_cannot_save_fails_everywhere(tmp_path):
     assert "another worker's user_state" in messages["0"], out
 
 
-def test_a_trainer_user_state_one_worker_cannot_save_fails_everywhere_at_once(tmp_path):
+@pytest.mark.parametrize("overlap", ["", "overlap"])
+def test_a_trainer_user_state_one_worker_cannot_save_fails_everywhere_at_once(tmp_path,
+                                                                              overlap):
     """A Trainer whose one worker's user_state the due snapshot cannot save: step()
     raises ArgumentError on every worker at once (no worker waits out the timeout in a
-    step the others never took), and the mended step goes ahead everywhere."""
+    step the others never took), and the mended step goes ahead everywhere; with the
+    reductions started by backward too."""
     pytest.importorskip("torch")
-    out = _job(3, 0, "trainer_bad_user_state", str(tmp_path / "snaps"))
+    out = _job(3, 0, "trainer_bad_user_state", str(tmp_path / "snaps"), overlap)
     caught = re.findall(r"CAUGHT ArgumentError on worker (\d) after ([\d.]+) s: "
                         r"(.*?)(?=CAUGHT|PASS|$)", out, re.M | re.S)
     assert sorted(int(w) for w, _, _ in caught) == [0, 1, 2], out

@@ -99,18 +99,22 @@ def bad_user_state(root: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
-def trainer_bad_user_state(root: str) -> None:
+def trainer_bad_user_state(root: str, overlap: str = "") -> None:
     """A Trainer whose worker 1 has a user_state the snapshot due after the step cannot
     save: ArgumentError from step() on every worker at once (worker 1's names where), no
-    step taken anywhere; with user_state mended, the step and its snapshot go ahead."""
+    step taken anywhere; with user_state mended, the step and its snapshot go ahead. With
+    `overlap`, each replica updates itself and backward starts the buckets' reductions on
+    the store (collectives the check must come after on every worker)."""
     import torch
 
     import gpukv.torch as gt
     kv = _create()
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    options = dict(update_on_kvstore=False, overlap=True, bucket_bytes=64) if overlap else {}
     trainer = gt.Trainer([model], "sgd", {"learning_rate": 0.1}, kvstore=kv,
-                         checkpoint_dir=root, checkpoint_every=1)
+                         checkpoint_dir=root, checkpoint_every=1, **options)
+    assert trainer.overlap == bool(overlap)
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.ones(2, 3)).sum().backward()
     trainer.user_state = {"bad": {1, 2}} if kv.rank == 1 else {"fine": 1}
