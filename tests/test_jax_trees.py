@@ -159,6 +159,25 @@ def test_a_leaf_stacked_on_a_mesh_of_one_device_gives_its_row():
                                   row)
 
 
+def test_a_leaf_sharded_over_one_device_comes_back_with_its_sharding_and_shape():
+    """On a one-device mesh (one GPU, or a plain CPU run) as on several: pushpull_tree
+    and mean_tree give a stacked leaf back with its NamedSharding and shape, and pull_tree
+    lays a value out as a one-device template's sharding says."""
+    one = Mesh(np.array(jax.devices()[:1]), ("i",))
+    kv = gpukv.create("device")
+    gjax.init_tree(kv, {"g": jnp.zeros(3)})
+    row = np.arange(3, dtype=np.float32)
+    pushed = {"g": jax.device_put(row[None], NamedSharding(one, P("i")))}
+    for call in (gjax.pushpull_tree, gjax.mean_tree):
+        (out,) = call(kv, [pushed])
+        assert out["g"].sharding == pushed["g"].sharding and out["g"].shape == (1, 3), call
+        np.testing.assert_array_equal(np.asarray(out["g"]), row[None])
+    template = {"g": jax.device_put(np.zeros(3, np.float32), NamedSharding(one, P()))}
+    got = gjax.pull_tree(kv, template)
+    assert got["g"].sharding == template["g"].sharding
+    np.testing.assert_array_equal(np.asarray(got["g"]), row)
+
+
 def test_calls_before_init_tree_say_to_call_it():
     kv = gpukv.create("local")
     kv.init("['w']", np.zeros(3, np.float32))

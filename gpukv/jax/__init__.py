@@ -179,11 +179,12 @@ def _host(value) -> np.ndarray:
 
 
 def _returned_place(leaf):
-    """Where `pushpull_tree` puts a leaf's new value: as the pushed leaf was."""
+    """Where `pushpull_tree` puts a leaf's new value: as the pushed leaf was (a leaf laid
+    out by a sharding, on one device or several, with that sharding and shape)."""
     if isinstance(leaf, jax.Array):
-        if len(leaf.sharding.device_set) > 1:
-            return placing.PerShard(leaf)
-        return leaf.sharding
+        if isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
+            return leaf.sharding
+        return placing.PerShard(leaf)
     return None
 
 

@@ -118,7 +118,10 @@ class _Made:
                       for s in leaf.addressable_shards]
             return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
         if devices:
-            return self.on(i, devices[0])
+            value = self.on(i, devices[0])
+            if isinstance(place, jax.sharding.Sharding) and value.sharding != place:
+                value = jax.device_put(value, place)  # a sharding of one device: as it says
+            return value
         return jax.device_put(self.host(i), place)   # a sharding over several devices
 
     def on(self, i: int, device):
