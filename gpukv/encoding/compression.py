@@ -117,9 +117,9 @@ class GradientCompression:
         seen: dict = {}
         for source, device in zip(sources, devices):
             nth = seen[device] = seen.get(device, -1) + 1
-            residual = self.residual(key, device, source.size)
-            with device.activate():
-                payload, ctx = comp.compress(source, residual)
+            self.residual(key, device, source.size)  # (made where its kernels use it)
+            with device.activate():  # through the feedback: it watches the residual too
+                payload, ctx = self.feedback.compress((key, device), source)
                 if comp.sums_payload:
                     terms.append(payload.reshape(ctx.shape))
                 else:

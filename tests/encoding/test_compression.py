@@ -747,3 +747,20 @@ def test_gpu_finish_scales_on_the_home_stream_then_leaves(monkeypatch):
     for comp in (Cast("fp16"), Cast("bf16", 4), TwoBit(0.5)):
         GradientCompression(comp).finish("k", out, home)
     assert log == [] and out.tolist() == [4, -10]
+
+
+@pytest.mark.parametrize("params", [{"type": "2bit", "threshold": 0.1},
+                                    {"type": "1bit", "threshold": 0.5}])
+def test_a_one_process_store_warns_once_of_a_residual_past_its_bound(params, caplog):
+    """A 'device' store's pushes go through the same watch of the residual as a dist
+    store's: gradients the rule cannot keep up with log one warning naming the key, however
+    many pushes follow (and none for a key whose gradients it keeps up with)."""
+    kv = gpukv.create("device")
+    kv.set_gradient_compression(params)
+    kv.init(["big", "small"], [np.zeros(64, np.float32), np.zeros(64, np.float32)])
+    with caplog.at_level("WARNING", logger="gpukv"):
+        for _ in range(40):
+            kv.push(["big", "small"], [[np.full(64, 5.0, np.float32)] * 2,
+                                       [np.full(64, 0.01, np.float32)] * 2])
+    named = [r.getMessage() for r in caplog.records if "residual of key" in r.getMessage()]
+    assert len(named) == 1 and "residual of key 'big'" in named[0], named
