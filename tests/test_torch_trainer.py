@@ -442,6 +442,32 @@ def test_frozen_parameters_are_left_out():
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_frozen_parameters_start_as_replica_0s(update_on_kvstore):
+    """Replicas made one by one (each its own random init): every replica's frozen
+    parameters start as replica 0's, as its trainable ones do, so the replicas run one
+    model and train as plain PyTorch does on the whole batch."""
+    models = [make_model(seed) for seed in range(3)]
+    for m in models:
+        m[0].requires_grad_(False)
+    reference = copy.deepcopy(models[0])
+    plain = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   update_on_kvstore=update_on_kvstore)
+    for m in models:
+        assert torch.equal(m[0].weight, reference[0].weight)
+        assert torch.equal(m[0].bias, reference[0].bias)
+    x, y = make_data()
+    for _ in range(3):
+        t.zero_grad()
+        backward_shards(models, x, y)
+        t.step(len(x))
+        plain.zero_grad()
+        (nn.CrossEntropyLoss(reduction="sum")(reference(x), y) / len(x)).backward()
+        plain.step()
+    assert_same_weights(models, reference)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
 def test_save_and_load_states_round_trip(tmp_path, update_on_kvstore):
     """Optimizer state saved after some steps and loaded back continues exactly where a
     trainer that never stopped goes."""

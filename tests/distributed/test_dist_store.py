@@ -435,6 +435,22 @@ def test_optimizer_changes_reach_the_shards(n, servers):
     _passes(_scenario(n, servers, "changing_options"), n - servers)
 
 
+@pytest.mark.parametrize("seeds", ["same", "own"])
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_frozen_parameters_start_as_worker_0s(n, servers, seeds):
+    """Frozen parameters (float32 and bfloat16) start as worker 0's replica 0's on every
+    replica of every worker, as trainable ones do: workers made alike agree at once
+    (nothing said); workers seeded apart get worker 0's, with one warning each."""
+    pytest.importorskip("torch")
+    result = _scenario(n, servers, "trainer_frozen", seeds)
+    out = ok(result)
+    found = re.findall(r"FROZEN worker (\d) (\w+) (\w+) worker0 (\w+) warned (\d)", out)
+    assert len(found) == n - servers, out
+    for _, first, second, worker0, warned in found:
+        assert first == second == worker0, out
+        assert warned == ("0" if seeds == "same" else "1"), out
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_python_runs_while_a_push_waits_for_a_peer(n, servers):
     """A push waiting on a late peer leaves the GIL to the process's other threads: a

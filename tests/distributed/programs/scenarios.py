@@ -674,6 +674,48 @@ def trainer_scaled(update_on_kvstore: str = "1", overlap: str = "off") -> None:
     passed(kv)
 
 
+def trainer_frozen(seeds: str) -> None:
+    """Each worker makes its two replicas with `seeds` ('same': one seed everywhere;
+    else its own), a frozen float32 layer and a frozen bfloat16 one ahead of a trainable
+    head: after Trainer() every replica of every worker holds worker 0's replica 0's
+    frozen values (prints FROZEN with their digest and with worker 0's own)."""
+    import hashlib
+    import logging
+
+    import torch
+
+    import gpukv.torch as gt
+
+    class Seen(logging.Handler):
+        said: list = []
+
+        def emit(self, record):
+            self.said.append(record.getMessage())
+    logging.getLogger("gpukv").addHandler(Seen())
+
+    def model(seed: int):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4),
+                                torch.nn.Linear(4, 2))
+        m[1].to(torch.bfloat16).requires_grad_(False)
+        m[0].requires_grad_(False)
+        return m
+
+    def digest(m) -> str:
+        frozen = [p for p in m.parameters() if not p.requires_grad]
+        return hashlib.sha256(b"".join(p.detach().view(torch.uint8).numpy().tobytes()
+                                       for p in frozen)).hexdigest()[:16]
+    kv = create()
+    seed = 0 if seeds == "same" else 10 * kv.rank
+    replicas = [model(seed), model(seed + 1)]
+    gt.Trainer(replicas, "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    worker0 = digest(model(0))
+    print(f"FROZEN worker {kv.rank} {digest(replicas[0])} {digest(replicas[1])} worker0 "
+          f"{worker0} warned {sum('differed between workers' in m for m in Seen.said)}",
+          flush=True)
+    passed(kv)
+
+
 def trainer_uneven() -> None:
     """Worker r has r + 1 replicas: num_replicas (and so step() without a batch size) is
     refused on every worker, naming the counts; step(batch_size) trains."""
