@@ -26,8 +26,9 @@ from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
-#: the float32 limits the optimizers' rescale must keep to
-_F32 = np.finfo(np.float32)
+#: the float32 limits the optimizers' rescale must keep to (as Python floats: compared
+#: with a NumPy float32, a float beyond its range would be cast first, with a warning)
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 class Trainer:
@@ -502,7 +503,7 @@ class Trainer:
         # float32 subnormal (flushed to zero on a GPU) or infinity there.
         for what, value in (("1/batch_size", 1.0 / size),
                             ("rescale_grad/batch_size", self._scale / size)):
-            if not (math.isfinite(value) and _F32.tiny <= abs(value) <= _F32.max):
+            if not (math.isfinite(value) and _F32_TINY <= abs(value) <= _F32_MAX):
                 raise ArgumentError(f"batch_size={batch_size!r}: {what} is {value!r}, not a "
                                     f"finite normal number; it would turn the weights into "
                                     f"NaN, infinities or leave them unchanged")
