@@ -64,6 +64,9 @@ class Shard:
         entry = self.store.entries()[key]
         entry.home.copy(entry.value, value.reshape(entry.value.shape))
         self.store.rejoin([key])  # what workers hold is that value too
+        if self.store.optimizer is not None:  # its master copy follows (a state loaded
+            # with the value replaces it after)
+            self.store.optimizer_updater("load").value_replaced(key, entry.value, entry.home)
 
     def export_state(self, dump: bool):
         """The optimizer's state, as `save_optimizer_states` writes it; None without one."""

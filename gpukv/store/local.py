@@ -615,10 +615,15 @@ class LocalStore(KVStore):
                                        f"was changed ({exc})") from exc
             touched = set()
             entries = self._entries
+            # an optimizer's master copies follow (a state the file brought is its own)
+            replaced = (getattr(self._updater, "value_replaced", None)
+                        if plan.optimizer is None else None)
             for key, value in plan.updates:
                 entry = entries[key]
                 entry.home.copy(entry.value, value)
                 entry.kept = None  # what workers hold is the file's value
+                if replaced is not None:
+                    replaced(key, entry.value, entry.home)
                 touched.add(entry.home)
             for key, entry, value in created:
                 entry.home.copy(entry.value, value)

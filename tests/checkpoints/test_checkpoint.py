@@ -133,6 +133,24 @@ def test_saved_after_pushes_and_usable_after_load(tmp_path):
     assert np.array_equal(_pull(fresh, 3, np.zeros(shape)), np.full(shape, 5.0))
 
 
+@pytest.mark.parametrize("store", ["local", "device"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_loaded_16_bit_value_is_what_the_next_step_starts_from(tmp_path, store, dtype):
+    """A 16-bit key already stepped by an optimizer (which keeps a float32 master copy)
+    then loaded from a file without optimizer state: the next step starts from the
+    loaded value, not from the master copy of before."""
+    source = gpukv.create("local")
+    source.init(0, np.full(4, 100, _dtype(dtype)))
+    source.save(tmp_path / "values.npz")
+    kv = gpukv.create(store)
+    kv.init(0, np.ones(4, _dtype(dtype)))
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.5))
+    kv.push(0, np.ones(4, _dtype(dtype)))  # 1 -> 0.5, and a master copy of 0.5
+    kv.load(tmp_path / "values.npz")
+    kv.push(0, np.ones(4, _dtype(dtype)))
+    assert _pull(kv, 0, np.zeros(4, _dtype(dtype))).astype(np.float32).tolist() == [99.5] * 4
+
+
 @pytest.mark.parametrize("kind", [int, str])
 def test_empty_store(tmp_path, kind):
     """An empty store saves and loads to an empty store that still takes either key kind,

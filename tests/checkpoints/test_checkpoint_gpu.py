@@ -176,3 +176,20 @@ def test_optimizer_states_file_restores_gpu_states(cp, devices, tmp_path):
     _train(cp, other, devices, 2, first=2)
     after = _values(cp, kv)
     assert all(_same(after[k], v) for k, v in _values(cp, other).items())
+
+
+def test_a_loaded_16_bit_value_on_a_gpu_is_what_the_next_step_starts_from(cp, tmp_path):
+    """On a GPU too: a loaded value replaces the float32 master copy of a key an
+    optimizer stepped before, so the next step starts from it."""
+    source = gpukv.create("local")
+    source.init(0, np.full(4, 100, np.float16))
+    source.save(tmp_path / "values.npz")
+    kv = gpukv.create("device")
+    kv.init(0, cp.ones(4, cp.float16))
+    kv.set_optimizer(optim.SGD(learning_rate=0.5))
+    kv.push(0, cp.ones(4, cp.float16))
+    kv.load(tmp_path / "values.npz")
+    kv.push(0, cp.ones(4, cp.float16))
+    out = cp.zeros(4, cp.float16)
+    kv.pull(0, out=out)
+    assert cp.asnumpy(out).tolist() == [99.5] * 4

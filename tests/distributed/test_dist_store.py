@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import gpukv
 from gpukv.distributed.mpi.chunks import CHUNK_BYTES
 
 from .. import gpu_env
@@ -433,6 +435,17 @@ def test_compressions_that_differ_are_refused(n, servers):
 def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count."""
     _passes(_scenario(n, servers, "changing_options"), n - servers)
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_loaded_16_bit_value_is_what_the_next_step_starts_from(n, servers, tmp_path):
+    """The shards' float32 master copies follow a loaded value: the step after a load
+    starts from it, not from the master copy of before."""
+    path = tmp_path / "values.npz"
+    source = gpukv.create("local")
+    source.init("w", np.full(32, 100, np.float16))
+    source.save(path)
+    _passes(_scenario(n, servers, "load_16_bit", str(path)), n - servers)
 
 
 @pytest.mark.parametrize("seeds", ["same", "own"])

@@ -716,6 +716,23 @@ def trainer_frozen(seeds: str) -> None:
     passed(kv)
 
 
+def load_16_bit(path: str) -> None:
+    """A float16 key stepped once by SGD on the store (which keeps a float32 master copy),
+    then loaded from `path` (100 everywhere, no optimizer state): the next step starts
+    from the loaded value on every worker."""
+    kv = create(bigarray_bound=8)  # the key split over the shards
+    kv.init("w", np.ones(32, np.float16))
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.5))
+    kv.push("w", np.ones(32, np.float16))
+    kv.load(path)
+    kv.push("w", np.ones(32, np.float16))
+    out = np.zeros(32, np.float16)
+    kv.pull("w", out=out)
+    want = 100 - 0.5 * kv.num_workers
+    assert (out == want).all(), (out, want)
+    passed(kv)
+
+
 def trainer_uneven() -> None:
     """Worker r has r + 1 replicas: num_replicas (and so step() without a batch size) is
     refused on every worker, naming the counts; step(batch_size) trains."""
