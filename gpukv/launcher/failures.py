@@ -28,6 +28,8 @@ _ABORT = re.compile(r"^Abort\((-?\d+)\) on node \d+ \(rank (\d+) in comm \d+\): 
                     r"(?: - process \d+)?$")
 _CODES = re.compile(r"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
 _HOST_CODES = re.compile(r"\[([^\]]+)\]\s*(-?\d+(?:\s*,\s*-?\d+)*)")
+# each further host's codes, on a line of its own right after the first host's
+_MORE_CODES = re.compile(r"^\s*\[[^\]]+\]\s*-?\d+(?:\s*,\s*-?\d+)*\s*$")
 
 
 class Box(NamedTuple):
@@ -63,6 +65,7 @@ class MpiexecWords:
         self.codes: dict[str, list[int]] = {}
         self._who: tuple[int | None, int, str] | None = None
         self._in_box = False
+        self._in_codes = False  # the last line of mpiexec's was one of its exit codes
 
     def read(self, text: str) -> bool:
         """Take in one of mpiexec's lines; whether it was the first word of a failure (the
@@ -75,8 +78,8 @@ class MpiexecWords:
             return self.box is None
         codes = _CODES.match(text)
         if codes:
-            for host, numbers in _HOST_CODES.findall(codes[1]):
-                self.codes[host] = [int(n) for n in numbers.split(",")]
+            self._take_codes(codes[1])
+            self._in_codes = True
             return False
         if _BOX_START.search(text):
             self._in_box, self._who = True, None
@@ -95,6 +98,19 @@ class MpiexecWords:
                 self.box = Box(host, pid, rank, int(how[2]), how[1] == "KILLED BY SIGNAL")
                 return self.abort is None
         return False
+
+    def more_codes(self, text: str) -> bool:
+        """Whether a line of mpiexec's own (not a rank's) is one more host's exit codes,
+        which follow the first host's a line each; if so they are taken in."""
+        if self._in_codes and _MORE_CODES.match(text):
+            self._take_codes(text)
+            return True
+        self._in_codes = False
+        return False
+
+    def _take_codes(self, text: str) -> None:
+        for host, numbers in _HOST_CODES.findall(text):
+            self.codes[host] = [int(n) for n in numbers.split(",")]
 
     def status_of(self, started: Started | None) -> int | None:
         """The wait status mpiexec gives the rank of `started`, if it gave one."""

@@ -563,11 +563,12 @@ class Job:
     def _write(self, lines: list[output.Line], number: int) -> None:
         for line in lines:
             text = line.text.decode(errors="replace")
-            if output.about_the_ends(text) and self.said.read(text) \
+            codes = line.rank is None and self.said.more_codes(text)
+            if not codes and output.about_the_ends(text) and self.said.read(text) \
                     and self._failing(_BOX):
                 self._end_soon()
             self.console.write(line, number, self.first is not None or self.signal is not None
-                               or self.exited_badly)
+                               or self.exited_badly, about_ends=codes)
 
     def _finish_output(self) -> None:
         for number, demux in self._streams.values():
@@ -617,8 +618,8 @@ class Job:
                                          self.started, self.ended)]
         elif isinstance(self.first, str):  # _BOX: mpiexec's word
             lines = [failures.of_mpiexec(self.said, self.started, self.ended)]
-        else:
-            lines = failures.of_reports(self.first, self.started)
+        else:  # every report, the first ones first: the later ones of the grace too
+            lines = failures.of_reports(self.failures, self.started)
         self._say([line.words for line in lines])
         known = [line.status for line in lines if line.status]
         return (known[0] if known else 1) & 0xFF or 1

@@ -168,11 +168,13 @@ class Console:
         self.log_dir = log_dir
         self._files: dict[str, BinaryIO] = {}
 
-    def write(self, line: Line, stream: int, ending: bool) -> None:
+    def write(self, line: Line, stream: int, ending: bool, about_ends: bool = False) -> None:
         """Write `line` of mpiexec's stream `stream` (1 or 2); `ending`: the launcher is
-        ending the job (mpiexec's complaints are then its consequences)."""
+        ending the job (mpiexec's complaints are then its consequences); `about_ends`: a
+        line of mpiexec's about the ends that only what came before tells (more exit
+        codes)."""
         text = line.text.decode(errors="replace")
-        if about_the_ends(text) or (line.rank is None and (
+        if about_ends or about_the_ends(text) or (line.rank is None and (
                 (from_mpiexec(text) and ending) or not line.text.strip())):
             self._log("mpiexec", line.text + line.end)
             if self.verbose:

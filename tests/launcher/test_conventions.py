@@ -93,6 +93,25 @@ def test_a_rank_killed_by_signal_9_is_named_with_its_pid_and_signal(tmp_path, ho
 
 
 @pytest.mark.mpi
+def test_a_job_over_two_host_names_keeps_mpiexecs_exit_codes_out(tmp_path):
+    """Two names of this machine as two hosts: mpiexec writes each further host's exit
+    codes on a line of its own; none of them shows, on a clean end or a failed one, and
+    the failed rank's status is the one those codes give."""
+    prog = _program(tmp_path, "import os, sys\n"
+                              "print('rank', os.environ['RANK'], flush=True)\n"
+                              "sys.exit(3 if os.environ['RANK'] == '3' else 0)\n")
+    code, out, err, _ = _finish(_start("-n", "4", "--hosts", "localhost,127.0.0.1",
+                                       str(prog)), 60)
+    assert code == 3, err
+    assert not re.search(r"^\s*\[[^\]]+\]\s*-?\d+", out + err, re.M), out + err
+    assert sorted(re.findall(r"rank \d", out)) == [f"rank {r}" for r in range(4)], out
+    lines = _said(err)
+    assert len(lines) == 1 and lines[0].startswith("gpukv run: rank 3 (local rank 1) on "
+                                                   "host 127.0.0.1") \
+        and lines[0].endswith("exit status 3"), err
+
+
+@pytest.mark.mpi
 def test_a_crashed_rank_is_named_with_its_signal(tmp_path):
     """A rank that dies of SIGSEGV (no word of its own) is named with SIGSEGV, the others,
     which mpiexec kills, are not named."""
@@ -423,13 +442,18 @@ def test_the_failed_rank_is_the_first_that_ended_not_the_one_the_box_names():
 
 
 def test_exit_codes_are_read_per_host_in_local_rank_order():
-    """Several hosts' exit codes: each rank's by its host and local rank; a rank that
-    ended 0 before the failed one is passed over."""
+    """Several hosts' exit codes (the first host's on mpiexec's line, each further host's
+    on a line of its own, as Hydra writes them): each rank's by its host and local rank;
+    a rank that ended 0 before the failed one is passed over."""
     said = failures.MpiexecWords()
     for line in ["=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
                  "=   PID 9000 RUNNING AT a", "=   EXIT CODE: 9",
-                 "[mpiexec@vm] Exit codes: [a] 0,9 [b] 9,11"]:
+                 "[mpiexec@vm] Exit codes: [a] 0,9"]:
+        assert not said.more_codes(line)
         said.read(line)
+    assert said.more_codes("[b] 9,11")
+    assert not said.more_codes("[c] 0 and more words")
+    assert not said.more_codes("[d] 0")  # not right after the codes any more
     started = {0: _started(0, 0, "a"), 1: _started(1, 1, "a"), 2: _started(2, 0, "b"),
                3: _started(3, 1, "b")}
     ended = [run_report.Ended(0, 9000), run_report.Ended(3, 9003), run_report.Ended(2, 9002)]

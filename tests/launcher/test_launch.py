@@ -118,6 +118,31 @@ def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, say
 
 
 @pytest.mark.mpi
+def test_a_peer_error_then_raised_uncaught_is_one_line_saying_so(tmp_path):
+    """A rank's transport reports its PeerError, and the rank ends on it, uncaught, half
+    a second later (its second report comes in a later read): one line, the one that
+    says the exception ended the rank."""
+    code, _, err, _ = _finish(_launch("late-uncaught", tmp_path, n=2,
+                                      env={"GPUKV_DIST_TIMEOUT": "2"}))
+    assert code == 1, err
+    lines = _said(err)
+    assert len(lines) == 1 and _names(tmp_path, 0) + "uncaught PeerError: " in lines[0], err
+    assert not _left(tmp_path, 2)
+
+
+@pytest.mark.mpi
+def test_every_rank_that_fails_within_the_grace_has_its_line(tmp_path):
+    """Two ranks end on exceptions 0.3 s apart: a line for each, the first first."""
+    code, _, err, _ = _finish(_launch("two-raise", tmp_path))
+    assert code == 1, err
+    lines = _said(err)
+    assert len(lines) == 2, err
+    assert _names(tmp_path, 0) + "uncaught ValueError: rank 0 fails first" in lines[0], err
+    assert _names(tmp_path, 2) + "uncaught TypeError: rank 2 fails next" in lines[1], err
+    assert not _left(tmp_path, 3)
+
+
+@pytest.mark.mpi
 def test_a_peer_error_ends_a_job_mpiexec_cannot_end(tmp_path):
     """Rank 1 stops its MPI proxy (as if its host were cut off) and ignores SIGTERM; rank 0
     reports its PeerError and then waits forever: mpiexec would never end this job, the

@@ -13,6 +13,9 @@ and `kill` on the first attempt of a `gpukv run --max-restarts` job and `clean` 
 ones. A rank of a later attempt A writes its pid to DIR/attempt-A-rank-R.pid instead, and
 rank 0 of every attempt the time it starts to DIR/attempt-A-started; `clean` lines say the
 attempt and the most restarts (GPUKV_RUN_ATTEMPT, GPUKV_RUN_MAX_RESTARTS).
+`late-uncaught`: rank 0's store reports a PeerError (rank 1 never comes), which rank 0
+catches and raises again, uncaught, half a second later. `two-raise`: rank 0 ends on an
+uncaught ValueError, rank 2 on a TypeError 0.3 s later.
 """
 from __future__ import annotations
 
@@ -71,6 +74,26 @@ def main(mode: str, folder: Path) -> None:
         except gpukv.PeerError as exc:
             failing(folder)
             print(f"CAUGHT PeerError: {exc}", flush=True)
+        wait_forever()
+    if mode == "late-uncaught":
+        world.Barrier()
+        if rank == 0:
+            import gpukv
+            try:
+                gpukv.create("dist_sync")
+            except gpukv.PeerError:
+                failing(folder)
+                time.sleep(0.5)  # its report and the uncaught one reach the launcher apart
+                raise
+        wait_forever()
+    if mode == "two-raise":
+        world.Barrier()
+        if rank == 0:
+            failing(folder)
+            raise ValueError("rank 0 fails first")
+        if rank == 2:
+            time.sleep(0.3)
+            raise TypeError("rank 2 fails next")
         wait_forever()
     if mode in ("raise", "exit", "kill"):
         world.Barrier()  # every rank has written its pid file: none is killed before it
