@@ -156,7 +156,9 @@ class GradientCompression:
         ms = []
         for source, device in zip(sources, devices):
             residual = self.residual(key, device, source.size)
-            residual += device.to_host(source).reshape(-1)  # now the source's M
+            # now the source's M: the residual plus the source read as float32, as every
+            # codec reads its values (and a dist store's leaves are)
+            residual += device.to_host(source).reshape(-1).astype(np.float32, copy=False)
             ms.append(residual.reshape(found))
         add = canonical_sum if self.canonical else sum_in_order
         (total,) = powersgd.step(comp, [key], [ms], lambda lists, _: [

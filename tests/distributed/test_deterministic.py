@@ -26,11 +26,13 @@ LAYOUTS = [(w, s) for w in (1, 2, 4, 8) for s in (0, 1, 2)]
 
 
 def reference_sum() -> str:
-    """The canonical tree's sum of each key's 8 leaves, in float32, rounded once."""
+    """The canonical tree's sum of each key's 8 leaves, in float32 (float64 for a float64
+    key), rounded once."""
     names = sorted(digest_program.KEYS)
     sums = []
     for name in names:
-        values = [v.astype(np.float32) for v in digest_program.leaves(name)]
+        wide = np.float64 if digest_program.KEYS[name][0] == "float64" else np.float32
+        values = [v.astype(wide) for v in digest_program.leaves(name)]
         total = leaves_sum(values, np.add)
         sums.append(total.astype(digest_program.KEYS[name][0]))
     return digest_program.digest(sums)

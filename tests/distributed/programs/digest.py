@@ -27,9 +27,11 @@ import gpukv
 
 LEAVES = 8
 #: name -> (dtype, shape): a key split over processes or servers (with the bound below),
-#: small keys packed together, and a 16-bit key summed in float32
+#: small keys packed together, a 16-bit key summed in float32, and a float64 matrix (its
+#: values read as float32 by every compressor, PowerSGD's matrices too)
 KEYS = {"big": ("float32", (512, 512)), "small": ("float32", (1000,)),
-        "tiny": ("float32", (3, 7)), "half": ("float16", (4096,))}
+        "tiny": ("float32", (3, 7)), "half": ("float16", (4096,)),
+        "double": ("float64", (64, 48))}
 BOUND = 100_000
 #: (name, compression, whether SGD runs): three rounds each, in order; the compression is
 #: set only when it changes (setting it starts fresh residuals)
