@@ -75,6 +75,24 @@ def test_a_compressed_trainer_resumes_to_the_bit(tmp_path, compression):
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_resume_says_when_compression_residuals_start_afresh(tmp_path, caplog,
+                                                               update_on_kvstore):
+    """A compressed Trainer that updates its replicas itself does not keep the residuals
+    of the store that sums its gradients: its resume says so at INFO; one that updates
+    on the store keeps them and says nothing of the kind."""
+    base = _model()
+    options = {"kvstore": "device", "compression_params": {"type": "2bit", "threshold": 0.1}}
+    _run([copy.deepcopy(base) for _ in range(2)], 2, tmp_path, 2, update_on_kvstore,
+         **options)
+    with caplog.at_level("INFO", logger="gpukv"):
+        resumed = _run([copy.deepcopy(base) for _ in range(2)], 0, tmp_path, 2,
+                       update_on_kvstore, **options)
+    assert resumed.resumed_from is not None
+    said = [r.getMessage() for r in caplog.records if "start afresh" in r.getMessage()]
+    assert len(said) == (0 if update_on_kvstore else 1), said
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
 @pytest.mark.parametrize("stop,every", [(4, 2), (3, 1), (5, 2)])
 def test_a_new_trainer_resumes_and_ends_as_an_uninterrupted_run(tmp_path, capfd, stop,
                                                                 every, update_on_kvstore):

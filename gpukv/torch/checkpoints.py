@@ -37,7 +37,7 @@ class Checkpoints:
     """
 
     def __init__(self, directory, every, keep, store: KVStore, layout: dict,
-                 replicas: list | None = None, resume="auto"):
+                 replicas: list | None = None, resume="auto", residuals_kept: bool = True):
         self.directory, self.every, self.keep = self.check(directory, every, keep)
         #: 'auto': the newest snapshot in the folder; 'never': none, and only this run's
         #: snapshots are removed; else the path of the one to start from
@@ -50,6 +50,9 @@ class Checkpoints:
         self.keys = list(layout)
         self.last_step: int | None = None  # the step of the last snapshot taken or resumed
         self.replicas = replicas
+        #: whether the snapshots keep the compression residuals (not those of a store
+        #: that sums gradients beside the stores saved)
+        self.residuals_kept = residuals_kept
         self.resumed: snapshots.Snapshot | None = None
         #: the replicas' modules, whose buffers (`buffers.module_buffers`) a snapshot
         #: keeps (worker 0's replica 0's) and a resume gives to every replica; and
@@ -138,6 +141,11 @@ class Checkpoints:
             found = self._chosen(self.resume_from)
         if found is None:
             return None
+        if not self.residuals_kept:
+            log.info("gpukv: worker %d: compression residuals start afresh: a Trainer with "
+                     "update_on_kvstore=False keeps its replicas' optimizers in snapshots, "
+                     "not the residuals of the store that sums its gradients",
+                     self.store.rank)
         self.resumed = found
         self.last_step = found.step
         trainer = found.user_state(0)["trainer"]

@@ -202,7 +202,8 @@ class ReplicaUpdate:
         # each of its workers write a share of it.
         store = self.replica_stores[0] if self.store.num_workers == 1 else self.store
         return Checkpoints(directory, every, keep, store, layout_of(self._buckets),
-                           self.replica_stores, resume)
+                           self.replica_stores, resume,
+                           residuals_kept=self.store.gradient_compression is None)
 
     def pull_weights(self) -> None:
         keys = [b.key for b in self._buckets]
