@@ -536,9 +536,9 @@ class OptimizerUpdater:
         return _state.check_state(self.optimizer, header, arrays, weights, path=path)
 
     def value_replaced(self, key, stored, home) -> None:
-        """`key`'s value on `home` was replaced (a load): its float32 master copy, if it
-        has one, becomes the new value, as at the key's first step (else the next step
-        would start from the old weights and write them over the new)."""
+        """`key`'s value on `home` was replaced by `stored` (a load): its float32 master
+        copy, if it has one, becomes `stored`, as at the key's first step (else the next
+        step would start from the old weights and write them over the new)."""
         state = self.states.get(key)
         if state is not None and state.master is not None:
             home.copy(state.master, stored)
