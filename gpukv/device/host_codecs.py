@@ -314,11 +314,11 @@ def uncast_fp16(payload, scale, out, accumulate):
     return out
 
 
-def bf16_bits(u, xp=np):
+def bf16_bits(u):
     """bfloat16 bits (uint32) of float32 bits `u`: round to nearest even, NaN quieted."""
-    rounded = (u + (xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1)))) >> 16
-    quiet = (u >> 16) | xp.uint32(0x0040)
-    return xp.where(xp.isnan(u.view(xp.float32)), quiet, rounded)
+    rounded = (u + (_U32(0x7FFF) + ((u >> 16) & _U32(1)))) >> 16
+    quiet = (u >> 16) | _U32(0x0040)
+    return np.where(np.isnan(u.view(_F32)), quiet, rounded)
 
 
 def _cast_bf16_range(x, scale, out, lo, hi):

@@ -47,6 +47,13 @@ extern "C" __global__ void gpukv_dequantize_2bit(
     }
 }
 
+/* Eight 0/1 bytes as one byte of bits, the first the most significant (1bit's and sign's
+   layout). */
+__device__ __forceinline__ unsigned char gpukv_pack8(const unsigned char* b) {
+    return (unsigned char)((b[0] << 7) | (b[1] << 6) | (b[2] << 5) | (b[3] << 4)
+                           | (b[4] << 3) | (b[5] << 2) | (b[6] << 1) | b[7]);
+}
+
 /* 1bit: a thread per value, a CUDA block's 256 values at a time; their bits meet in
    shared memory (one of two halves, taken in turn, so one barrier a round keeps a round's
    writes from the bytes the last round is still packing) and 32 threads pack them. */
@@ -70,9 +77,7 @@ extern "C" __global__ void gpukv_quantize_1bit(
         __syncthreads();
         long long byte = g * 32 + lane;
         if (lane < 32 && byte < nbytes) {
-            const unsigned char* b = bits[turn] + 8 * lane;
-            out[byte] = (unsigned char)((b[0] << 7) | (b[1] << 6) | (b[2] << 5) | (b[3] << 4)
-                                        | (b[4] << 3) | (b[5] << 2) | (b[6] << 1) | b[7]);
+            out[byte] = gpukv_pack8(bits[turn] + 8 * lane);
         }
     }
 }
@@ -154,9 +159,7 @@ extern "C" __global__ void gpukv_quantize_sign(
         __syncwarp();
         long long byte = b * 8 + lane;
         if (lane < 8 && byte < nbits_bytes) {
-            const unsigned char* v = bits[warp] + 8 * lane;
-            packed[byte] = (unsigned char)((v[0] << 7) | (v[1] << 6) | (v[2] << 5) | (v[3] << 4)
-                                           | (v[4] << 3) | (v[5] << 2) | (v[6] << 1) | v[7]);
+            packed[byte] = gpukv_pack8(bits[warp] + 8 * lane);
         }
         if (lane == 0 && b < nblocks) scales[b] = scale;
         __syncwarp();  /* bits are the next block's */
