@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._errors import ArgumentError, ArgumentKindError
+from .._errors import ArgumentError, ArgumentKindError, KeyKindError
 
 _REGISTRY: dict = {}
 #: a learning-rate schedule: any callable `schedule(num_update) -> lr`, such as those of
@@ -47,11 +47,17 @@ def registered() -> list:
 def create(name, **options: Any) -> Optimizer:
     """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop',
     'lamb') made with `options`, its keyword parameters (see its class); an option it
-    does not have is an ArgumentKindError naming the ones it has::
+    does not have is an ArgumentKindError naming the ones it has. An Optimizer given as
+    `name` is returned as it is (options beside it are an ArgumentKindError)::
 
         gpukv.optim.create('sgd', learning_rate=0.1, momentum=0.9, wd=1e-4)
     """
     if isinstance(name, Optimizer):
+        if options:
+            raise ArgumentKindError(
+                f"optimizer {name.name!r}: options {', '.join(sorted(options))} given with "
+                f"an optimizer already made; set them on it, or give its name "
+                f"(create({name.name!r}, ...))")
         return name
     if not isinstance(name, str):
         raise ArgumentKindError(f"optimizer name: expected a str, got {type(name).__name__}")
@@ -70,6 +76,17 @@ BASE_OPTIONS = ("learning_rate", "wd", "rescale_grad", "clip_gradient", "lr_sche
 def base_options(given: dict) -> dict:
     """The base options among a subclass constructor's `locals()`, for the base class."""
     return {name: given[name] for name in BASE_OPTIONS}
+
+
+def _mult_key(table: str, key):
+    """A multiplier's `key` as the store names keys: a str, or an int (NumPy's as int);
+    anything else a KeyKindError naming it (it could neither match a key nor be saved)."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
+        return int(key)
+    raise KeyKindError(f"{table}: key {key!r}: expected a key (an int or a str) or a "
+                       f"parameter name, got {type(key).__name__}")
 
 
 def f32(x) -> float:
@@ -222,7 +239,8 @@ class Optimizer:
         if not isinstance(mults, dict):
             raise ArgumentKindError(f"{name}: expected a dict of key -> number, "
                                     f"got {type(mults).__name__}")
-        return {k: check_number(f"{name}[{k!r}]", v, low=0) for k, v in mults.items()}
+        return {_mult_key(name, k): check_number(f"{name}[{k!r}]", v, low=0)
+                for k, v in mults.items()}
 
     def _mult(self, table, key) -> float:
         if key in table:
@@ -265,18 +283,26 @@ class Optimizer:
     def scalars_of(self, keys) -> list:
         """`next_scalars` of each of `keys` in turn; when one raises (a schedule of one's
         own), no key's count has moved."""
-        before = [(key, self._index_update_count.get(key)) for key in keys]
-        num_update = self.num_update
+        mark = self.counts_mark(keys)
         try:
             return [self.next_scalars(key) for key in keys]
         except BaseException:
-            for key, count in reversed(before):
-                if count is None:
-                    self._index_update_count.pop(key, None)
-                else:
-                    self._index_update_count[key] = count
-            self.num_update = num_update
+            self.rewind_counts(mark)
             raise
+
+    def counts_mark(self, keys) -> tuple:
+        """The update counts of `keys` and `num_update` now, for `rewind_counts`."""
+        return ([(key, self._index_update_count.get(key)) for key in keys], self.num_update)
+
+    def rewind_counts(self, mark: tuple) -> None:
+        """Put back the counts `counts_mark` took: a step that failed counts for nothing."""
+        before, num_update = mark
+        for key, count in reversed(before):
+            if count is None:
+                self._index_update_count.pop(key, None)
+            else:
+                self._index_update_count[key] = count
+        self.num_update = num_update
 
     def _scalars(self, lr, wd, t) -> tuple:
         return (f32(lr), f32(wd))

@@ -567,6 +567,10 @@ class LAMB(Optimizer):
 
     beta1, beta2, epsilon: Adam's; bias_correction: divide the moments by
     1 - beta1**t and 1 - beta2**t.
+
+    With multi_precision, ||w|| is the norm of the stored float16 (or bfloat16) weight,
+    not of its float32 master copy: MXNet 1.9.1's optimizer steps float16 keys through
+    `multi_mp_lamb_update`, which sums the squares of the weights it is given.
     """
 
     hyper_names = ("beta1", "beta2", "epsilon", "lower_bound", "upper_bound")
@@ -654,7 +658,7 @@ class LAMB(Optimizer):
 
     def host_step(self, w, g, states, sc, hp, stored=None):
         """`Optimizer.host_step`, with ||w|| taken of `stored` when given (the key's
-        stored value, of which `w` may be the float32 master copy)."""
+        stored value, of which `w` may be the float32 master copy), as MXNet does."""
         d = self.host_direction(w, g, states, sc, hp)
         ref = w if stored is None else stored
         sumsq_w = float(np.sum(np.square(ref, dtype=np.float64)))

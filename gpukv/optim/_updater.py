@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._dtypes import NARROW_FLOATS
-from .._errors import DTypeError
+from .._errors import ArgumentError, DTypeError
 from . import _state
 from ._base import Optimizer
 from ._state import FLOATS, KeyState, StatePlan, compute_dtype
@@ -86,6 +86,8 @@ class OptimizerUpdater:
         self.states: dict = {}
         self._scratch: dict = {}
         self._typed: tuple = (None, {})
+        #: the optimizer's state_names() at the first push: what the states are made of
+        self._layout: tuple | None = None
 
     # ------------------------------------------------------------------ states
     def _new_state(self, stored, home) -> KeyState:
@@ -153,6 +155,23 @@ class OptimizerUpdater:
             if not ok:
                 raise DTypeError(f"key {key!r}: optimizer {self.optimizer.name!r} needs a "
                                  f"floating-point value, the key holds {s.dtype}")
+        if keys:
+            self._check_layout(keys[0])
+
+    def _check_layout(self, key) -> None:
+        """ArgumentError (naming `key`) when the optimizer's options have changed which
+        state arrays it keeps since the first push (SGD's momentum turned on, RMSProp's
+        `centered`): the keys' states were made of the others."""
+        names = self.optimizer.state_names()
+        if self._layout is None:
+            self._layout = names
+        elif names != self._layout:
+            raise ArgumentError(
+                f"key {key!r}: optimizer {self.optimizer.name!r} now keeps the states "
+                f"{list(names)}, but the keys' states were made as {list(self._layout)}: "
+                f"an option that decides them (momentum turned on or off, centered) cannot "
+                f"change after the first push; set it before, or call set_optimizer with a "
+                f"new optimizer (its states start afresh)")
 
     def _hyper(self, hp: dict, ct) -> dict:
         """`hp` with every value as a `ct` scalar (cached while `hp` stays the same)."""
@@ -183,6 +202,7 @@ class OptimizerUpdater:
         states = self.states
         host: list = []
         gpu: dict = {}
+        mark = opt.counts_mark(keys)
         for key, m, s, home, scalars in zip(keys, merged, stored, homes,
                                             opt.scalars_of(keys)):
             state = states[key]
@@ -191,10 +211,14 @@ class OptimizerUpdater:
             else:
                 gpu.setdefault((home, s.dtype), []).append(
                     (s, m, state.master, state.arrays, scalars))
-        if host:
-            self._host(host, hp)
-        if gpu:
-            self._gpu(gpu, hp)
+        try:  # a step that fails has not counted
+            if host:
+                self._host(host, hp)
+            if gpu:
+                self._gpu(gpu, hp)
+        except BaseException:
+            opt.rewind_counts(mark)
+            raise
 
     def _gpu(self, gpu, hp, body=None) -> None:
         """Update the keys of device homes, one multi-tensor step per (home, dtype)."""
@@ -413,31 +437,36 @@ class OptimizerUpdater:
         host_rows: list = []
         gpu: dict = {}
         gpu_rows: dict = {}
-        for key, m, s, home, scalars in zip(keys, merged, stored, homes,
-                                            opt.scalars_of(keys)):
-            state = self.states[key]
-            on_gpu = not home.host_memory
-            if lazy:
-                item = (s, m, state, scalars)
-                if on_gpu:
-                    gpu_rows.setdefault((home, s.dtype), []).append(item)
+        mark = opt.counts_mark(keys)
+        per_key = opt.scalars_of(keys)
+        try:  # a step that fails (a gradient that cannot densify, ...) has not counted
+            for key, m, s, home, scalars in zip(keys, merged, stored, homes, per_key):
+                state = self.states[key]
+                on_gpu = not home.host_memory
+                if lazy:
+                    item = (s, m, state, scalars)
+                    if on_gpu:
+                        gpu_rows.setdefault((home, s.dtype), []).append(item)
+                    else:
+                        host_rows.append(item)
+                elif on_gpu:
+                    with home.activate():
+                        dense = m.todense()
+                    gpu.setdefault((home, s.dtype), []).append(
+                        (s, dense, state.master, state.arrays, scalars))
                 else:
-                    host_rows.append(item)
-            elif on_gpu:
-                with home.activate():
-                    dense = m.todense()
-                gpu.setdefault((home, s.dtype), []).append(
-                    (s, dense, state.master, state.arrays, scalars))
-            else:
-                host.append((s, m.todense(), state, scalars))
-        if host:
-            self._host(host, hp, chunk_fn=opt.sparse_chunk)
-        if gpu:
-            self._gpu(gpu, hp, body=opt.sparse_cuda_body)
-        if host_rows:
-            self._host_rows(host_rows, hp)
-        if gpu_rows:
-            self._gpu_rows(gpu_rows, hp)
+                    host.append((s, m.todense(), state, scalars))
+            if host:
+                self._host(host, hp, chunk_fn=opt.sparse_chunk)
+            if gpu:
+                self._gpu(gpu, hp, body=opt.sparse_cuda_body)
+            if host_rows:
+                self._host_rows(host_rows, hp)
+            if gpu_rows:
+                self._gpu_rows(gpu_rows, hp)
+        except BaseException:
+            opt.rewind_counts(mark)
+            raise
 
     def _host_rows(self, items, hp) -> None:
         """Gather the gradient's rows of weights and states, update them, scatter back."""
@@ -552,3 +581,4 @@ class OptimizerUpdater:
         states = _state.loaded_states(plan, homes)
         _state.apply_plan(self.optimizer, plan)
         self.states = states
+        self._layout = self.optimizer.state_names()  # what the loaded states hold

@@ -433,7 +433,8 @@ def test_compressions_that_differ_are_refused(n, servers):
 
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_optimizer_changes_reach_the_shards(n, servers):
-    """set_learning_rate, rescale_grad and lr_mult changed between pushes count."""
+    """set_learning_rate, rescale_grad and lr_mult changed between pushes count; momentum
+    turned on after the first push is an ArgumentError on every worker, changing nothing."""
     _passes(_scenario(n, servers, "changing_options"), n - servers)
 
 

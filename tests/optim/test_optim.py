@@ -330,6 +330,77 @@ def test_a_schedule_that_raises_counts_no_update_of_the_push():
     assert opt._index_update_count == {1: 2, 2: 2} and opt.num_update == 2
 
 
+@pytest.mark.parametrize("store", ["local", "device"])
+@pytest.mark.parametrize("name,option,value", [("sgd", "momentum", 0.9),
+                                               ("nag", "momentum", 0.5),
+                                               ("rmsprop", "centered", True)])
+def test_an_option_that_changes_the_states_after_a_push_is_refused(store, name, option,
+                                                                   value):
+    """The keys' states were made for the options of the first push: turning momentum
+    on (or RMSProp's centered) afterwards is an ArgumentError naming the key, and the
+    values, states and counts stay; set back, the next push steps as if it never was."""
+    kv = gpukv.create(store)
+    kv.init([0, 1], [np.ones(3, np.float32), np.ones(5000, np.float32)])
+    opt = optim.create(name, learning_rate=0.1)
+    kv.set_optimizer(opt)
+    grads = [np.full(3, 0.5, np.float32), np.full(5000, 0.5, np.float32)]
+    kv.push([0, 1], grads)
+    before = [np.zeros(3, np.float32), np.zeros(5000, np.float32)]
+    kv.pull([0, 1], out=before)
+    old = getattr(opt, option)
+    setattr(opt, option, value)
+    with pytest.raises(ArgumentError, match=rf"key 0: optimizer '{name}' now keeps the states"):
+        kv.push([0, 1], grads)
+    after = [np.zeros(3, np.float32), np.zeros(5000, np.float32)]
+    kv.pull([0, 1], out=after)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert dict(opt.update_counts) == {0: 1, 1: 1} and opt.num_update == 1
+    setattr(opt, option, old)
+    kv.push([0, 1], grads)
+    twin = gpukv.create(store)
+    twin.init([0, 1], [np.ones(3, np.float32), np.ones(5000, np.float32)])
+    twin.set_optimizer(optim.create(name, learning_rate=0.1))
+    twin.push([0, 1], grads)
+    twin.push([0, 1], grads)
+    want = [np.zeros(3, np.float32), np.zeros(5000, np.float32)]
+    twin.pull([0, 1], out=want)
+    kv.pull([0, 1], out=after)
+    assert all(np.array_equal(a, b) for a, b in zip(after, want))
+
+
+def test_an_option_that_changes_the_states_before_the_first_push_counts():
+    """Before any push no state exists yet: momentum turned on then is simply used."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(3, np.float32))
+    opt = optim.SGD(learning_rate=0.1)
+    kv.set_optimizer(opt)
+    opt.momentum = 0.9
+    for _ in range(2):
+        kv.push(0, np.ones(3, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    np.testing.assert_allclose(out, 1 - 0.1 - (0.9 * 0.1 + 0.1), rtol=1e-6)
+
+
+def test_a_step_that_fails_counts_no_update(monkeypatch):
+    """An error inside the step itself (here the host step raising) leaves every key's
+    count and num_update as they were, as a schedule's error does."""
+    kv = gpukv.create("local")
+    kv.init([1, 2], [np.ones(2, np.float32), np.ones(2, np.float32)])
+    opt = optim.Adam()
+    kv.set_optimizer(opt)
+    grads = [np.ones(2, np.float32), np.ones(2, np.float32)]
+    kv.push([1, 2], grads)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(kv._updater, "_host", fail)
+    with pytest.raises(MemoryError):
+        kv.push([1, 2], grads)
+    assert dict(opt.update_counts) == {1: 1, 2: 1} and opt.num_update == 1
+
+
 def test_param_idx2name_gives_biases_no_weight_decay_as_mxnet():
     """MXNet: with param_idx2name, a parameter whose name ends neither in _weight nor in
     _gamma gets a weight-decay multiplier of 0, unless set_wd_mult says otherwise."""
@@ -988,3 +1059,52 @@ def test_update_counts_stay_a_live_view_across_a_restore():
     assert dict(counts) == {3: 7, "w": 2} and opt.num_update == 7
     with pytest.raises(TypeError):
         counts[3] = 1  # type: ignore[index]
+
+
+def test_multi_precision_lamb_takes_the_norm_of_the_stored_weight():
+    """A float16 key's trust ratio comes from ||stored float16 weight||, as MXNet 1.9.1's
+    multi_mp_lamb_update: its master copies stay within a few float32 ulps of MXNet's
+    (the norm of the master copy instead puts them 2-4x further off)."""
+    case = CASES["lamb_fp16_mp"]
+    kv, dtype, shapes = _store("local", case)
+    for step in range(REFERENCE["steps"]):
+        _push_step(kv, case, step, dtype, shapes)
+    for key, shape in zip(case["keys"], shapes):
+        master = kv._updater.states[key].master
+        want = _array(case["states"][str(key)]["master"], shape, np.float32)
+        np.testing.assert_allclose(master, want, rtol=0, atol=1.5e-6, err_msg=str(key))
+
+
+def test_create_refuses_options_beside_an_optimizer_already_made():
+    """Options given with an Optimizer instance would be dropped: an ArgumentKindError
+    naming them, and the optimizer unchanged; alone, the instance comes back as it is."""
+    sgd = optim.SGD(learning_rate=0.1)
+    assert optim.create(sgd) is sgd
+    with pytest.raises(ArgumentKindError, match="options learning_rate, momentum given with"):
+        optim.create(sgd, momentum=0.9, learning_rate=5.0)
+    assert sgd.lr == 0.1 and sgd.momentum == 0.0
+
+
+@pytest.mark.parametrize("setter", ["set_lr_mult", "set_wd_mult"])
+def test_multiplier_keys_are_the_stores_keys(setter, tmp_path):
+    """A NumPy integer key is its int (it matches the key and saves); a key of another
+    kind is a KeyKindError naming it, and the multipliers set before stay."""
+    opt = optim.SGD(learning_rate=1.0)
+    getattr(opt, setter)({np.int64(3): 0.5, "fc_weight": 2.0})
+    table = opt.lr_mult if setter == "set_lr_mult" else opt.wd_mult
+    assert table == {3: 0.5, "fc_weight": 2.0} and type(next(iter(table))) is int
+    with pytest.raises(gpukv.KeyKindError, match=r"key 1\.5: expected a key"):
+        getattr(opt, setter)({1.5: 0.5})
+    assert (opt.lr_mult if setter == "set_lr_mult" else opt.wd_mult) == table
+    kv = gpukv.create("local")
+    kv.init(3, np.ones(2, np.float32))
+    kv.set_optimizer(opt)
+    kv.push(3, np.ones(2, np.float32))
+    path = tmp_path / "states"
+    kv.save_optimizer_states(str(path), dump_optimizer=True)
+    again = gpukv.create("local")
+    again.init(3, np.ones(2, np.float32))
+    again.set_optimizer(optim.SGD(learning_rate=1.0))
+    again.load_optimizer_states(str(path))
+    assert (again._optimizer.lr_mult if setter == "set_lr_mult"
+            else again._optimizer.wd_mult) == table

@@ -507,6 +507,17 @@ def changing_options() -> None:
             out = np.zeros(3)
             kv.pull(key, out=out)
             assert np.allclose(out, expect[key]), (key, lr, rescale, out, expect[key])
+    sgd.momentum = 0.9  # the shards' states were made without: refused on every worker
+    try:
+        kv.push(["a", "b"], [np.full(3, r + 1.0), np.full(3, r + 1.0)])
+        raise AssertionError("momentum turned on after the first push was taken")
+    except gpukv.ArgumentError as exc:
+        assert "key 'a': optimizer 'sgd' now keeps the states ['mom']" in str(exc), exc
+    sgd.momentum = 0.0
+    kv.push(["a", "b"], [np.full(3, r + 1.0), np.full(3, r + 1.0)])
+    out = np.zeros(3)
+    kv.pull("a", out=out)
+    assert np.allclose(out, expect["a"] - 0.01 * 0.5 * s), out
     passed(kv)
 
 
