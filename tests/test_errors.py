@@ -332,10 +332,22 @@ def test_mxnet_raises_on_the_same_misuses():
     (gpukv.DeviceError, ValueError), (gpukv.BackendError, RuntimeError),
     (gpukv.OutOfMemoryError, MemoryError), (gpukv.CheckpointError, ValueError),
     (gpukv.PeerError, RuntimeError), (gpukv.PeerMismatchError, ValueError),
-    (gpukv.PeerMismatchError, gpukv.PeerError)])
+    (gpukv.PeerMismatchError, gpukv.PeerError), (gpukv.CheckpointPathKindError, TypeError),
+    (gpukv.CheckpointPathKindError, gpukv.CheckpointError)])
 def test_error_classes_subclass_base_and_builtin(cls, builtin):
     """Every gpukv error class is both a GpukvError and the built-in a user would catch."""
     assert issubclass(cls, gpukv.GpukvError) and issubclass(cls, builtin)
+
+
+def test_every_error_class_is_importable_from_gpukv():
+    """The errors page promises each of gpukv._errors' classes under `gpukv`."""
+    import inspect
+
+    from gpukv import _errors
+    defined = {name for name, obj in inspect.getmembers(_errors, inspect.isclass)
+               if obj.__module__ == _errors.__name__}
+    assert defined and defined <= set(gpukv.__all__)
+    assert all(getattr(gpukv, name) is getattr(_errors, name) for name in defined)
 
 
 def test_failed_first_init_does_not_fix_the_key_kind():

@@ -226,7 +226,7 @@ class DistKVStore(KVStore):
                  timeout: float | None = None, bigarray_bound: int | None = None,
                  nccl: bool | None = None, deterministic: bool | None = None,
                  **local_options):
-        from .mpi.agree import Agreement
+        from .mpi.agree import Agreement, Setting
         from .mpi.transport import TAG_EXIT, Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
@@ -247,7 +247,11 @@ class DistKVStore(KVStore):
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
-            ("create", (name, servers, bound, deterministic, _PROCESS.made, chunk)),
+            ("create", (Setting("type", name), Setting("num_servers", servers),
+                        Setting("bigarray_bound", bound),
+                        Setting("deterministic", deterministic),
+                        Setting("stores made before", _PROCESS.made),
+                        Setting("GPUKV_DIST_CHUNK_BYTES", chunk))),
             f"gpukv.create({name!r})")
         _PROCESS.made += 1
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart

@@ -295,7 +295,8 @@ class Optimizer:
         return ([(key, self._index_update_count.get(key)) for key in keys], self.num_update)
 
     def rewind_counts(self, mark: tuple) -> None:
-        """Put back the counts `counts_mark` took: a step that failed counts for nothing."""
+        """Put back the counts `counts_mark` returned as `mark`: a step that failed counts
+        for nothing."""
         before, num_update = mark
         for key, count in reversed(before):
             if count is None:

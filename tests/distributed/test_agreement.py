@@ -44,3 +44,25 @@ def test_the_checksums_kept_are_bounded(monkeypatch):
     for i in range(10):
         assert a._checksum(("push", (i,))) == zlib.crc32(repr(("push", (i,))).encode())
     assert list(a._checksums) == [("push", (0,)), ("push", (1,)), ("push", (2,))]
+
+
+class _Ranks:
+    """The one thing `_difference` asks of a transport: ranks named for a message."""
+
+    @staticmethod
+    def ranks(ranks) -> str:
+        return ", ".join(map(str, ranks))
+
+
+def test_a_setting_that_differs_is_named_as_a_setting_not_a_key():
+    """create's agreement names the option that differs (bigarray_bound=1000), where
+    keys are named as keys."""
+    def create(bound):
+        return (0, ("create", (agree.Setting("type", "dist_sync"),
+                               agree.Setting("bigarray_bound", bound))))
+    said = agree._difference(_Ranks(), {0: create(1000), 1: create(2000), 2: create(1000)})
+    assert said == ("create: rank(s) 0, 2 has bigarray_bound=1000; "
+                    "rank(s) 1 has bigarray_bound=2000")
+    pushes = {0: (3, ("push", ("w",))), 1: (3, ("push", ("v",)))}
+    assert agree._difference(_Ranks(), pushes) == \
+        "push: rank(s) 0 has key 'w'; rank(s) 1 has key 'v'"

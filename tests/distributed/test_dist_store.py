@@ -194,7 +194,8 @@ def test_powersgd_is_refused_by_dist_async():
 
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_updater_function_runs_where_keys_are_served(n, servers):
-    _passes(_scenario(n, servers, "updater_function"), n - servers)
+    out = _passes(_scenario(n, servers, "updater_function"), n - servers)
+    assert len(_caught(out, "ArgumentError")) == (n - servers if servers else 0), out
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (4, 2)])  # one server splits nothing

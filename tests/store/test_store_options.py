@@ -106,7 +106,7 @@ def test_strategy_neither_name_nor_object_is_a_kind_error(bad):
 # ---------------------------------------------------------------- logging
 def test_host_fallback_notice_is_silent_without_logging_config():
     """A program that configured no logging sees nothing on stderr from a 'device' store
-    with host arrays (the package's logger has a NullHandler)."""
+    with host arrays (the notice is INFO: only warnings reach logging's last resort)."""
     code = textwrap.dedent("""
         import numpy as np, gpukv
         kv = gpukv.create('device')
@@ -123,3 +123,23 @@ def test_host_fallback_notice_is_silent_without_logging_config():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert done.stderr == ""
+
+
+def test_a_warning_reaches_stderr_without_logging_config():
+    """What the docs call a warning is seen by a program that configured no logging:
+    saving a function schedule with dump_optimizer says on stderr that it is left out."""
+    code = textwrap.dedent("""
+        import os, tempfile, numpy as np, gpukv
+        kv = gpukv.create('local')
+        kv.init(1, np.ones(3))
+        kv.set_optimizer(gpukv.optim.SGD(lr_scheduler=lambda n: 0.1))
+        kv.push(1, np.ones(3))
+        kv.save_optimizer_states(os.path.join(tempfile.mkdtemp(), 's'), dump_optimizer=True)
+        print('ok')
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUKV_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert "lr_scheduler" in done.stderr and "cannot be saved" in done.stderr, done.stderr

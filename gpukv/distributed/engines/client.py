@@ -428,13 +428,22 @@ class ServerClient:
         every worker returns once all servers have it."""
         op = request.command.value
         self._flush_servers(what, op=op)
+        refused = None
         if self.rank == 0:
             requests = []
             for server in range(self.servers):
                 requests += self._request(server, request)
             self._wait(requests, what)
             for server in range(self.servers):
-                self._reply(server, what)
+                reply = self._reply(server, what)
+                if reply != "ok" and refused is None:
+                    refused = reply
+        refused = self.control.share(refused, what)  # every worker raises alike
+        if refused is not None:
+            raise ArgumentError(
+                f"{what}: the servers cannot load what worker 0 sent ({refused}); a server "
+                f"runs the script only up to gpukv.create, so define the function or class "
+                f"at module level before gpukv.create, or in a module the script imports")
         self.agree.check((op + " done", ()), what)
 
     def set_compression(self, compressor) -> None:

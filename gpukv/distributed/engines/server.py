@@ -628,15 +628,28 @@ class _Server:
         self.reply(worker, "ok", request.tag)
 
     def op_set_optimizer(self, worker, source, request: SetOptimizer) -> None:
-        self.shard.set_optimizer(pickle.loads(request.optimizer))
-        self.updating = True
-        self.reply(worker, "ok")
+        loaded, optimizer = self._loaded(worker, request.optimizer)
+        if loaded:
+            self.shard.set_optimizer(optimizer)
+            self.updating = True
+            self.reply(worker, "ok")
 
     def op_set_updater(self, worker, source, request: SetUpdater) -> None:
-        updater = pickle.loads(request.updater)
-        self.shard.set_updater(updater)
-        self.updating = updater is not None
-        self.reply(worker, "ok")
+        loaded, updater = self._loaded(worker, request.updater)
+        if loaded:
+            self.shard.set_updater(updater)
+            self.updating = updater is not None
+            self.reply(worker, "ok")
+
+    def _loaded(self, worker, blob: bytes) -> tuple[bool, Any]:
+        """(True, the object pickled in `blob`); (False, None) when this process cannot
+        load it (a function the script defines after `gpukv.create`, which a server never
+        passes), the error sent to `worker` as the reply: a refusal that changes nothing."""
+        try:
+            return True, pickle.loads(blob)
+        except Exception as exc:
+            self.reply(worker, f"{type(exc).__name__}: {exc}")
+            return False, None
 
     def op_optimizer_state(self, worker, source, request: OptimizerState) -> None:
         """This server's optimizer state (None without one), each key's start marked."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import typing
 import zlib
 
 import numpy as np
@@ -32,6 +33,12 @@ _MISMATCH = ("mismatch", "")
 _HEAR_AFTER = 0.01
 #: signatures whose checksums an agreement keeps (beyond them, each is computed anew)
 _CHECKSUMS_KEPT = 4096
+
+
+class Setting(typing.NamedTuple):
+    """An item of a call that is an option, not a key: named `name`=`value` in errors."""
+    name: str
+    value: typing.Any
 
 
 class Agreement:
@@ -277,7 +284,10 @@ def _call(signature) -> str:
 
 
 def _item(item) -> str:
-    """An item of a call: a key, (key, shape, dtype), or (key, values pushed of it)."""
+    """An item of a call: a key, (key, shape, dtype), (key, values pushed of it), or a
+    Setting."""
+    if isinstance(item, Setting):
+        return f"{item.name}={item.value!r}"
     if isinstance(item, tuple) and len(item) == 2:
         key, count = item
         return f"key {key!r} with {count} value(s) pushed"

@@ -540,9 +540,22 @@ def lamb_split() -> None:
 
 def updater_function() -> None:
     """set_updater with a function defined at module level runs where the keys are
-    served (pickled to dedicated servers), once per round with the workers' sum."""
+    served (pickled to dedicated servers), once per round with the workers' sum; one
+    made after create, which servers cannot load, is an ArgumentError on every worker
+    there, and the store goes on."""
     kv = create()
     kv.init(9, np.zeros(3))
+
+    def late_updater(key, merged, stored):  # made after create: no server has it
+        stored += merged
+    late_updater.__qualname__ = "late_updater"  # at module level, as a script's
+    globals()["late_updater"] = late_updater
+    try:
+        kv.set_updater(late_updater)
+        assert not kv.num_servers, "servers loaded a function made after create"
+    except gpukv.ArgumentError as exc:
+        assert kv.num_servers and "before gpukv.create" in str(exc), exc
+        caught(kv.rank, exc)
     kv.set_updater(double_and_add)
     kv.push(9, np.ones(3))
     out = np.zeros(3)
