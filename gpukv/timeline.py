@@ -6,12 +6,16 @@ object whose "traceEvents" are complete events, "ph": "X") that Perfetto
 their phases (check, plan, reduce, update; in a dist store the agreements, the engine's
 round and every wait on other processes), snapshot writes (on their own thread) and the
 Trainer's steps, nested as they ran, one row per thread. R is the MPI or torchrun rank
-(PMI_RANK, OMPI_COMM_WORLD_RANK or RANK), else 0. The file is written at exit, by
-`flush()`, and every `FLUSH_EVERY` events on the way, whole each time (a crash loses
-only the events since the last write). A GPUKV_TIMELINE where no folder can be made (a
-file's path, a folder that cannot be created) records nothing and says so in one
-RuntimeWarning: a diagnostic never stops the program it watches; nor does a write that
-fails on the way or at exit (one RuntimeWarning; the events are kept for the next).
+(PMI_RANK, OMPI_COMM_WORLD_RANK or RANK), else 0, and also the trace's "pid", so that
+the files of a job's ranks can be put together; "ts" counts microseconds since the Unix
+epoch, so that those of several hosts line up (as far as their clocks agree). The file
+is made when recording starts and written on at exit (a job that aborts included), by
+`flush()`, and every `FLUSH_EVERY` events or `FLUSH_SECONDS` on the way, the new events
+only (a crash loses only those since the last write). A GPUKV_TIMELINE where no file can
+be made (a file's path, a folder that cannot be created or written) records nothing and
+says so in one RuntimeWarning: a diagnostic never stops the program it watches; nor does
+a write that fails on the way or at exit (one RuntimeWarning; the events are kept for
+the next), nor a span argument JSON cannot hold (written as its str).
 `gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do.
 
 While it runs, in a process that imported PyTorch, each span is also a
@@ -22,6 +26,7 @@ default), a span is one global read: nothing measurable (benchmarks/bench_timeli
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import inspect
 import json
@@ -34,8 +39,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 ENV = "GPUKV_TIMELINE"
-#: events written out every this many (the whole file again, atomically)
+#: events written out every this many, or every FLUSH_SECONDS (the new ones only)
 FLUSH_EVERY = 50_000
+FLUSH_SECONDS = 5.0
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # gpukv/
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,8 +55,27 @@ def _rank() -> int:
     return 0
 
 
+def _plain(value) -> Any:
+    """A span argument JSON has no form for, as one it has: a NumPy scalar's value, or
+    else its str (a diagnostic never fails on what it was shown)."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            found = item()
+            json.dumps(found)
+            return found
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
 class _Recorder:
-    """The events of this process, and where they go."""
+    """The events of this process, and the file they go to.
+
+    The file is a Chrome trace, valid JSON after every write: the first write makes it
+    (which shows at once whether the folder takes it), each later one writes the events
+    since the last over the closing part and puts it back after them, in one system
+    call. A write costs the new events alone, and written events leave memory."""
 
     def __init__(self, folder: str):
         os.makedirs(folder, exist_ok=True)
@@ -61,15 +86,24 @@ class _Recorder:
         # keep; list.append is atomic, so spans of several threads need no lock
         self.spans: list = []
         self.threads: dict = {}  # native thread id -> its name
-        self.written = 0
+        self.named: set = set()  # the threads whose names the file holds
+        self.size = 0  # the file's bytes once written (0: not yet)
+        # ts in microseconds since the Unix epoch, so the files of several hosts line up
+        self.epoch_ns = time.time_ns() - time.perf_counter_ns()
+        self.last_write_ns = time.perf_counter_ns()
         self.warned = False  # about a write nobody asked for that failed
+        self.tail = json.dumps({"displayTimeUnit": "ms", "otherData": {
+            "rank": self.rank, "pid": self.pid, "ts": "microseconds since the Unix epoch"}})
+        self.tail = "]," + self.tail[1:]
+        self.write()
 
     def add(self, name: str, cat: str, start_ns: int, end_ns: int, args: dict) -> None:
         tid = threading.get_native_id()
         if tid not in self.threads:
             self.threads[tid] = threading.current_thread().name
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
-        if len(self.spans) - self.written >= FLUSH_EVERY:
+        if (len(self.spans) >= FLUSH_EVERY
+                or end_ns - self.last_write_ns >= FLUSH_SECONDS * 1e9):
             self.write_or_warn()
 
     def write_or_warn(self) -> None:
@@ -82,35 +116,60 @@ class _Recorder:
                 self.warned = True
                 _warn(f"cannot write {self.path} ({exc})")
 
+    def _events(self, spans: list) -> tuple[list, list]:
+        """(The trace events of `spans`, after the names the file does not hold yet; the
+        threads those name)."""
+        events: list = []
+        if self.size == 0:
+            events += [{"name": "process_name", "ph": "M", "pid": self.rank,
+                        "args": {"name": f"rank {self.rank} (pid {self.pid})"}},
+                       {"name": "process_sort_index", "ph": "M", "pid": self.rank,
+                        "args": {"sort_index": self.rank}}]
+        naming = [(tid, name) for tid, name in list(self.threads.items())
+                  if tid not in self.named]
+        events += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                    "args": {"name": name}} for tid, name in naming]
+        epoch = self.epoch_ns
+        for name, cat, start, end, tid, args in spans:
+            event = {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
+                     "ts": (start + epoch) / 1000, "dur": (end - start) / 1000}
+            if args:
+                event["args"] = args
+            events.append(event)
+        return events, [tid for tid, _ in naming]
+
     def write(self) -> str:
-        """Write every event so far (atomically: a reader never sees half a file)."""
+        """Write the events since the last write (a reader never sees half a file: a
+        write that fails puts the file back as it was)."""
         with self.lock:
-            spans, threads = list(self.spans), dict(self.threads)
-            self.written = len(spans)
-            events: list = [{"name": "process_name", "ph": "M", "pid": self.pid,
-                             "args": {"name": f"rank {self.rank}"}},
-                            {"name": "process_sort_index", "ph": "M", "pid": self.pid,
-                             "args": {"sort_index": self.rank}}]
-            events += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
-                        "args": {"name": name}} for tid, name in threads.items()]
-            for name, cat, start, end, tid, args in spans:
-                event = {"name": name, "cat": cat, "ph": "X", "pid": self.pid, "tid": tid,
-                         "ts": start / 1000, "dur": (end - start) / 1000}
-                if args:
-                    event["args"] = args
-                events.append(event)
-            temp = f"{self.path}.tmp"
+            taken = len(self.spans)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
             try:
-                with open(temp, "w") as f:
-                    json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                               "otherData": {"rank": self.rank, "pid": self.pid}}, f)
-                os.replace(temp, self.path)
-            except BaseException:  # (a full disk, an unwritable path): no half file left
+                if os.fstat(fd).st_size != self.size:  # removed (or cut) since: anew
+                    self.size, self.named = 0, set()
+                events, naming = self._events(self.spans[:taken])
+                if not events:
+                    return self.path
+                body = ",".join(json.dumps(e, default=_plain) for e in events)
+                tail = self.tail.encode()
+                at = 0 if self.size == 0 else self.size - len(tail)
+                data = (('{"traceEvents":[' if self.size == 0 else ",") + body).encode() + tail
                 try:
-                    os.unlink(temp)
-                except OSError:
-                    pass
-                raise
+                    if os.pwrite(fd, data, at) != len(data):
+                        raise OSError(errno.ENOSPC, "a short write")
+                except BaseException:  # (a full disk): the file as it was, or none
+                    if self.size:
+                        os.pwrite(fd, tail, at)
+                        os.ftruncate(fd, self.size)
+                    else:
+                        os.unlink(self.path)
+                    raise
+            finally:
+                os.close(fd)
+            self.size = at + len(data)
+            self.named.update(naming)
+            del self.spans[:taken]  # (other threads only append after them)
+            self.last_write_ns = time.perf_counter_ns()
         return self.path
 
 
@@ -142,22 +201,27 @@ def start(folder: str | os.PathLike) -> None:
 
 def _start_from_environment(environ) -> None:
     """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one; a folder
-    that cannot be made is a RuntimeWarning (naming the variable, the path and the OS
-    error) and nothing is recorded: a diagnostic never stops an import."""
+    or file that cannot be made is a RuntimeWarning (naming the variable, the path and the
+    OS error) and nothing is recorded: a diagnostic never stops an import."""
     folder = environ.get(ENV)
     if not folder:
         return
     try:
         start(folder)
     except OSError as exc:
-        _warn(f"cannot make the folder {folder!r} ({exc}): recording nothing")
+        _warn(f"cannot write in the folder {folder!r} ({exc}): recording nothing")
 
 
 def discard() -> None:
-    """Stop recording without writing: the events so far are dropped (`gpukv run`'s
-    launcher, whose ranks write the traces that matter)."""
+    """Stop recording, and remove the file begun: the events so far are dropped (`gpukv
+    run`'s launcher, whose ranks write the traces that matter)."""
     global _active
-    _active = None
+    recorder, _active = _active, None
+    if recorder is not None:
+        try:
+            os.unlink(recorder.path)
+        except OSError:
+            pass
 
 
 def stop() -> str | None:
@@ -244,10 +308,14 @@ def traced(name: str, cat: str = "store") -> Callable[[F], F]:
     return wrap
 
 
-@atexit.register
-def _at_exit() -> None:
+def write_before_exit() -> None:
+    """Write the events so far, a failure a RuntimeWarning: at exit, and before an abort
+    of the MPI job, which ends the process before exit's handlers run."""
     if _active is not None:
         _active.write_or_warn()
+
+
+atexit.register(write_before_exit)
 
 
 _start_from_environment(os.environ)

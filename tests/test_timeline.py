@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -50,26 +51,104 @@ def test_store_calls_and_their_phases_are_nested_spans(recording):
     push = next(e for e in events if e["name"] == "push")
     for phase in ("plan", "reduce", "update"):
         assert any(_inside(e, push) for e in events if e["name"] == phase), phase
-    assert all(e["dur"] >= 0 and e["pid"] == os.getpid() for e in events)
+    assert all(e["dur"] >= 0 and e["pid"] == 0 for e in events)  # (the rank)
+    with open(path) as f:
+        trace = json.load(f)
+    assert trace["otherData"] == {"rank": 0, "pid": os.getpid(),
+                                  "ts": "microseconds since the Unix epoch"}
+    assert abs(push["ts"] / 1e6 - time.time()) < 60  # on the wall clock, not the boot's
 
 
-def test_a_write_that_fails_leaves_no_temporary_file(recording, monkeypatch):
-    """A timeline write that fails half way (a full disk) raises, and leaves neither a
-    half file nor its temporary one; the next write that succeeds writes the file."""
+def test_a_write_that_fails_leaves_the_file_as_it_was(recording, monkeypatch):
+    """A timeline write that fails half way (a full disk) raises, and leaves the file as
+    the write before left it (valid JSON, no temporary file); the next write that
+    succeeds writes the events of both."""
     kv = gpukv.create("local")
     kv.init(0, np.zeros(3))
+    path = timeline.flush()
+    before = open(path, "rb").read()
+    kv.push(0, np.ones(3))
+    real = os.pwrite
 
-    def full_disk(obj, f):
-        f.write('{"traceEvents": [')
+    def full_disk(fd, data, offset):  # bytes over those the file has: no room
+        room = os.fstat(fd).st_size - offset
+        if len(data) <= room:
+            return real(fd, data, offset)
+        real(fd, data[:room + (len(data) - room) // 2], offset)
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(timeline.json, "dump", full_disk)
+    monkeypatch.setattr(timeline.os, "pwrite", full_disk)
     with pytest.raises(OSError):
         timeline.flush()
-    assert os.listdir(recording) == []
+    assert open(path, "rb").read() == before and os.listdir(recording) == [
+        os.path.basename(path)]
     monkeypatch.undo()
+    timeline.flush()
+    names = [e["name"] for e in _events(path)]
+    assert names[0] == "init" and names.count("push") == 1
+
+
+def test_each_write_adds_the_new_events_only(recording):
+    """A write keeps what the file holds and adds the events since the last one, which
+    leave memory: a long run's writes cost its new events, not the whole trace again."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(3))
     path = timeline.flush()
-    assert os.listdir(recording) == [os.path.basename(path)]
-    assert [e["name"] for e in _events(path)][:1] == ["init"]
+    first = open(path, "rb").read()
+    recorder = timeline._active
+    assert recorder is not None and recorder.spans == []
+    kv.push(0, np.ones(3))
+    timeline.flush()
+    second = open(path, "rb").read()
+    tail = len(recorder.tail)
+    assert second[:len(first) - tail] == first[:len(first) - tail]
+    assert second.endswith(first[-tail:])
+    assert recorder.spans == []
+    names = [e["name"] for e in _events(path)]
+    assert names.count("init") == 1 and names.count("push") == 1
+
+
+def test_writes_come_by_count_and_by_time(recording, monkeypatch):
+    """Every FLUSH_EVERY events, and once FLUSH_SECONDS have passed since the last write,
+    the events go to the file on their own."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(3))
+    recorder = timeline._active
+    timeline.flush()
+    monkeypatch.setattr(timeline, "FLUSH_EVERY", 3)
+    kv.pull(0, out=np.zeros(3))
+    assert recorder.spans  # (a pull's spans: fewer than 3)
+    for _ in range(3):
+        kv.pull(0, out=np.zeros(3))
+    assert len(recorder.spans) < 3
+    monkeypatch.setattr(timeline, "FLUSH_EVERY", 10**9)
+    monkeypatch.setattr(timeline, "FLUSH_SECONDS", 0.0)
+    kv.pull(0, out=np.zeros(3))
+    assert recorder.spans == []
+    assert [e["name"] for e in _events(recorder.path)].count("pull") == 5
+
+
+def test_a_span_argument_json_cannot_hold_is_written_as_its_value_or_str(recording):
+    """A diagnostic never fails on what it is shown: NumPy scalars keep their value,
+    anything else JSON has no form for is its str."""
+    with timeline.span("step", step=np.int64(7), ratio=np.float32(0.5), where=recording):
+        pass
+    (event,) = [e for e in _events(timeline.flush()) if e["name"] == "step"]
+    assert event["args"] == {"step": 7, "ratio": 0.5, "where": str(recording)}
+
+
+def test_a_folder_that_cannot_be_written_is_known_when_recording_starts(tmp_path,
+                                                                        monkeypatch):
+    """The file is made when recording starts: a folder that refuses it is start()'s
+    OSError, and GPUKV_TIMELINE's one RuntimeWarning at import, not a surprise at exit."""
+    def refused(path, *args):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(timeline.os, "open", refused)
+    with pytest.raises(PermissionError):
+        timeline.start(tmp_path)
+    assert not timeline.enabled()
+    with pytest.warns(RuntimeWarning, match=r"cannot write in the folder .*Permission denied"):
+        timeline._start_from_environment({"GPUKV_TIMELINE": str(tmp_path)})
+    assert not timeline.enabled()
 
 
 def test_off_records_nothing_and_a_span_is_a_shared_null(tmp_path):
@@ -151,7 +230,7 @@ def test_a_folder_that_cannot_be_made_warns_once_and_records_nothing(tmp_path, f
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
     (warning,) = _runtime_warnings(done.stderr)
-    assert f"GPUKV_TIMELINE: cannot make the folder {folder!r} ([Errno " in warning, warning
+    assert f"GPUKV_TIMELINE: cannot write in the folder {folder!r} ([Errno " in warning, warning
     assert os.listdir(tmp_path) == ["afile"]
 
 
@@ -182,3 +261,32 @@ def test_gpukv_run_writes_the_ranks_timelines_only(tmp_path):
     assert [name.split("-pid")[0] for name in names] == [
         "gpukv-timeline-rank0", "gpukv-timeline-rank1"], names
     assert not any(f"-pid{launcher.pid}." in name for name in names), names
+
+
+@pytest.mark.mpi
+def test_a_job_that_aborts_leaves_each_ranks_timeline(tmp_path):
+    """A rank's uncaught exception aborts the MPI job: that rank writes its events before
+    the abort, and the rank the abort kills leaves the file it made at the start (each
+    valid JSON): the run that failed is the one whose timeline is wanted."""
+    require_mpi()
+    (tmp_path / "prog.py").write_text(
+        "import numpy as np, gpukv\n"
+        "kv = gpukv.create('dist_sync')\n"
+        "kv.init('w', np.zeros(4))\n"
+        "for _ in range(3):\n"
+        "    kv.push('w', np.ones(4))\n"
+        "kv.barrier()\n"
+        "if kv.rank == 1:\n"
+        "    raise RuntimeError('rank 1 fails')\n"
+        "kv.barrier()\n")
+    env = dict(os.environ, GPUKV_TIMELINE=str(tmp_path / "tl"), GPUKV_DIST_TIMEOUT="30")
+    launcher = subprocess.Popen([sys.executable, "-m", "gpukv", "run", "-n", "2",
+                                 str(tmp_path / "prog.py")], env=env, text=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    status, _, err, _ = _finish(launcher, 120)
+    assert status != 0 and "rank 1 fails" in err, err
+    (failed,) = (tmp_path / "tl").glob("gpukv-timeline-rank1-pid*.json")
+    assert [e["name"] for e in _events(failed)].count("push") == 3
+    (killed,) = (tmp_path / "tl").glob("gpukv-timeline-rank0-pid*.json")
+    _events(killed)  # (valid JSON)

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+from ... import timeline
 from ...launcher import run_report
 
 #: seconds a failed rank waits at exit before it aborts the job
@@ -169,4 +170,5 @@ def _abort(world) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.alarm(ABORT_BOUND)
+    timeline.write_before_exit()  # (the abort ends the process before exit's handlers)
     world.Abort(1)
