@@ -43,6 +43,7 @@ def test_store_calls_and_their_phases_are_nested_spans(recording):
     kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1))
     kv.push("w", [np.ones(1000, np.float32), np.ones(1000, np.float32)])
     kv.pull("w", out=np.zeros(1000, np.float32))
+    kv.pushpull("w", [np.ones(1000, np.float32)] * 2, out=np.zeros(1000, np.float32))
     path = timeline.stop()
     assert path is not None and os.path.basename(path).startswith("gpukv-timeline-rank0-")
     events = _events(path)
@@ -51,6 +52,12 @@ def test_store_calls_and_their_phases_are_nested_spans(recording):
     push = next(e for e in events if e["name"] == "push")
     for phase in ("plan", "reduce", "update"):
         assert any(_inside(e, push) for e in events if e["name"] == phase), phase
+    pull = next(e for e in events if e["name"] == "pull")
+    for phase in ("check", "broadcast"):
+        assert any(_inside(e, pull) for e in events if e["name"] == phase), phase
+    pushpull = next(e for e in events if e["name"] == "pushpull")
+    for phase in ("check", "plan", "reduce", "update", "broadcast"):
+        assert any(_inside(e, pushpull) for e in events if e["name"] == phase), phase
     assert all(e["dur"] >= 0 and e["pid"] == 0 for e in events)  # (the rank)
     with open(path) as f:
         trace = json.load(f)

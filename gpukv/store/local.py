@@ -346,11 +346,14 @@ class LocalStore(KVStore):
     @timeline.traced("pull")
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
-        groups = check.pull_outs(key, out, priority)
+        with timeline.span("check"):
+            groups = check.pull_outs(key, out, priority)
         with self._lock:
-            entries = self.lookup(groups, "pull")
-            check.all_outs(groups, entries)
-            self._pull_groups(groups, entries, ignore_sparse)
+            with timeline.span("check"):
+                entries = self.lookup(groups, "pull")
+                check.all_outs(groups, entries)
+            with timeline.span("broadcast"):
+                self._pull_groups(groups, entries, ignore_sparse)
 
     def _pull_groups(self, groups: check.Groups, entries: list, ignore_sparse=True) -> None:
         """Write each key's value into its outs; then tell the outs' libraries of it."""
@@ -379,16 +382,21 @@ class LocalStore(KVStore):
     @timeline.traced("pushpull")
     def pushpull(self, key: Keys, value: Values, out: Values | None = None,
                  priority: int = 0) -> None:
-        groups, out_groups = check.pushpull_groups(key, value, out, priority)
+        with timeline.span("check"):
+            groups, out_groups = check.pushpull_groups(key, value, out, priority)
         with self._lock:
-            entries = self.lookup(groups, "pushpull")
-            out_entries = entries if out is None else self.lookup(out_groups, "pushpull")
-            exact = check.all_sources(groups, entries, "pushpull")
-            check.all_outs(out_groups, out_entries)
-            if out_groups.sparse:
-                check.refuse_sparse_outs(out_groups, out is None)
-            self._run_push(self._plan_push(groups, entries, cast=not exact))
-            self._pull_groups(out_groups, out_entries)
+            with timeline.span("check"):
+                entries = self.lookup(groups, "pushpull")
+                out_entries = entries if out is None else self.lookup(out_groups, "pushpull")
+                exact = check.all_sources(groups, entries, "pushpull")
+                check.all_outs(out_groups, out_entries)
+                if out_groups.sparse:
+                    check.refuse_sparse_outs(out_groups, out is None)
+            with timeline.span("plan"):
+                plan = self._plan_push(groups, entries, cast=not exact)
+            self._run_push(plan)
+            with timeline.span("broadcast"):
+                self._pull_groups(out_groups, out_entries)
 
     @timeline.traced("broadcast")
     def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
