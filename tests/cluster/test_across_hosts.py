@@ -34,11 +34,19 @@ def _run(made, placement: str, *args: str, store: str = "dist_sync",
     return passes(*finish(job, 120)[:3], workers=n - servers)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("scenario", [["sync_sgd"], ["sync_sgd", "float16"], ["calls"],
-                                      ["compression", "2bit"]])
+_TWO_ALL, _FOUR_ALL, _TWO_SERVERS, _SERVER_HOST = PLACEMENTS
+# MXNet's dist_sync on every placement; the other scenarios (each also run on one
+# machine's processes) on one placement with servers and one without.
+_SYNC_CASES = [*((["sync_sgd"], p) for p in PLACEMENTS),
+               (["sync_sgd", "float16"], _FOUR_ALL), (["sync_sgd", "float16"], _TWO_SERVERS),
+               (["calls"], _TWO_ALL), (["calls"], _SERVER_HOST),
+               (["compression", "2bit"], _FOUR_ALL), (["compression", "2bit"], _TWO_SERVERS)]
+
+
+@pytest.mark.parametrize("scenario,placement", _SYNC_CASES,
+                         ids=[f"{' '.join(s)}-{p}" for s, p in _SYNC_CASES])
 def test_dist_sync_across_hosts(hosts, placement, scenario):
-    """MXNet's dist_sync expectations, every call, and compression, on every placement."""
+    """MXNet's dist_sync expectations, every call, and compression, across hosts."""
     _run(hosts, placement, *scenario)
 
 
