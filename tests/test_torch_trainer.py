@@ -1034,3 +1034,122 @@ def test_snapshots_of_a_one_process_store_in_a_job_of_several_are_refused(
     gt.Trainer(make_model(), "sgd", kvstore="local")
     monkeypatch.setenv(variable, "1")
     gt.Trainer(make_model(), "sgd", kvstore="local", checkpoint_dir=folder)
+
+
+# ----------------------------------------------------- what a DDP user tries in week one
+@pytest.mark.parametrize("on_store", [True, False])
+def test_a_trainer_that_fails_to_start_leaves_the_running_one_its_parameters(on_store):
+    """A second Trainer refused late in its making (here: the first one's keys already
+    in the store) puts every parameter back: the first Trainer goes on training as if
+    the second had never been tried."""
+    base = make_model()
+    models, twins = replicas_of(base, 2), replicas_of(base, 2)
+    kv = gpukv.create("local")
+    params = {"learning_rate": 0.1, "momentum": 0.9}
+    first = gt.Trainer(models, "sgd", params, kvstore=kv, update_on_kvstore=on_store)
+    with pytest.raises(gpukv.DuplicateKeyError):
+        gt.Trainer(models, "sgd", params, kvstore=kv, update_on_kvstore=on_store)
+    twin = gt.Trainer(twins, "sgd", params, kvstore="local", update_on_kvstore=on_store)
+    x, y = make_data()
+    for trainer, group in ((first, models), (twin, twins)):
+        for _ in range(3):
+            trainer.zero_grad()
+            backward_shards(group, x, y)
+            trainer.step(len(x))
+    assert_same_weights(models, twins[0], rtol=0, atol=0)
+    assert not torch.equal(models[0][0].weight, base[0].weight)
+
+
+def test_a_trainer_whose_modules_a_newer_one_took_refuses_to_step():
+    """A newer Trainer on the same modules holds their parameters: the older one's step
+    (which would move nothing) is an ArgumentError saying so."""
+    models = replicas_of(make_model(), 2)
+    old = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    new = gt.Trainer(models, "adam", {"learning_rate": 0.01}, kvstore="local")
+    x, y = make_data()
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError, match="taken over by a newer Trainer"):
+        old.step(len(x))
+    new.step(len(x))
+
+
+def test_replicas_that_share_a_parameter_among_themselves_are_refused():
+    """Replicas 1 and 2 sharing a layer (replica 0 apart) would train wrong: refused,
+    naming both replicas and the parameter."""
+    models = replicas_of(make_model(), 3)
+    models[2][2] = models[1][2]
+    with pytest.raises(gpukv.ArgumentError,
+                       match=r"replica 2 shares parameters with replica 1 \('2.weight'\)"):
+        gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sparse_embedding_trains_after_model_zero_grad(overlap):
+    """nn.Embedding(sparse=True) with `.grad` set to None by model.zero_grad(): backward
+    makes a sparse gradient, which the Trainer takes as its dense sum, as torch.optim.SGD
+    takes it."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 1))
+    models, reference = replicas_of(base, 2), copy.deepcopy(base)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False, overlap=overlap)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ids = torch.tensor([[1, 2, 3], [3, 4, 5], [1, 1, 9], [0, 2, 2]])
+    for _ in range(3):
+        for model in models:
+            model.zero_grad()
+        for model, part in zip(models, ids.chunk(2)):
+            model(part).sum().backward()
+        trainer.step(1)
+        opt.zero_grad()
+        reference(ids).sum().backward()
+        opt.step()
+    assert_same_weights(models, reference)
+
+
+@pytest.mark.parametrize("on_store", [True, False])
+def test_learning_rate_and_option_changes_hold_with_either_update(on_store):
+    """trainer.learning_rate follows the schedule by the Trainer's steps, and an option
+    changed on trainer.optimizer counts, whichever optimizer copies do the updates."""
+    models = replicas_of(make_model(), 2)
+    schedule = gpukv.optim.MultiFactorScheduler(step=[2, 4], factor=0.1, base_lr=0.1)
+    trainer = gt.Trainer(models, "sgd", {"lr_scheduler": schedule}, kvstore="local",
+                         update_on_kvstore=on_store)
+    x, y = make_data()
+    seen = []
+    for _ in range(5):
+        seen.append(trainer.learning_rate)
+        trainer.zero_grad()
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+    assert seen == pytest.approx([0.1, 0.1, 0.1, 0.01, 0.01])  # (MXNet: past step 2, 4)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=on_store)
+    trainer.optimizer.set_learning_rate(0.0)  # on the optimizer, not the Trainer
+    before = [p.detach().clone() for p in models[0].parameters()]
+    trainer.zero_grad()
+    backward_shards(models, x, y)
+    trainer.step(len(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+
+
+def test_a_multiplier_naming_no_parameter_is_refused():
+    """A multiplier under a name no parameter has (a typo, DDP's 'module.' prefix,
+    torch.compile's '_orig_mod.') would do nothing: refused at the step, naming it."""
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    trainer.optimizer.set_lr_mult({"module.0.weight": 0.5})
+    x, y = make_data()
+    backward_shards(models, x, y)
+    before = [p.detach().clone() for p in models[0].parameters()]
+    with pytest.raises(gpukv.ArgumentError, match="'module.0.weight' names no parameter"):
+        trainer.step(len(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+
+
+@pytest.mark.parametrize("bad", ["no", None, 1])
+def test_ignore_stale_grad_is_a_bool(bad):
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    with pytest.raises(gpukv.ArgumentKindError, match="ignore_stale_grad: expected True or"):
+        trainer.step(8, ignore_stale_grad=bad)

@@ -63,9 +63,14 @@ def trainable(modules) -> tuple[list, list]:
                 raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
                                  f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
             row.append(p)
-        if len({id(p) for p in row} & {id(p) for p in params[0]}):
-            raise ArgumentError(f"replica {r} shares parameters with replica 0; give "
-                                f"each device its own copy (copy.deepcopy)")
+        for other, theirs in enumerate(params):
+            shared = [name for name, p, q in zip(names, row, theirs) if p is q] or (
+                {id(p) for p in row} & {id(q) for q in theirs})
+            if shared:
+                named = f" ({shared[0]!r})" if isinstance(shared, list) else ""
+                raise ArgumentError(f"replica {r} shares parameters with replica {other}"
+                                    f"{named}; give each device its own copy "
+                                    f"(copy.deepcopy)")
         params.append(row)
     return names, params
 

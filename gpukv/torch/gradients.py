@@ -99,8 +99,15 @@ def _refuse_frozen(stale: list) -> None:
 
 def _adopt(p, view, grad) -> None:
     """A .grad replaced by a new tensor goes into its bucket view, the .grad again."""
-    view.copy_(grad)
+    copy_gradient(view, grad)
     p.grad = view
+
+
+def copy_gradient(view, grad) -> None:
+    """`view` = `grad`, a sparse one (nn.Embedding(sparse=True) after `.grad` was set to
+    None) made dense: the buckets hold dense gradients, and later sparse gradients add
+    into them as backward does."""
+    view.copy_(grad.to_dense() if grad.is_sparse else grad)
 
 
 def _stale_message(stale: list) -> str:

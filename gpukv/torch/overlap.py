@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .buckets import Bucket
+from .gradients import copy_gradient
 
 
 class EarlyReduction:
@@ -73,7 +74,7 @@ class EarlyReduction:
             grad = param.grad
             if grad is not None and grad is not view:  # new since set_to_none: adopt it
                 with torch.no_grad():
-                    view.copy_(grad)
+                    copy_gradient(view, grad)
                 param.grad = view
             if b in self._started or self._paused:  # stale (finish sees it), or not yet
                 return

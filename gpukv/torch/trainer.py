@@ -5,6 +5,7 @@ import contextlib
 import math
 import numbers
 import os
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +26,9 @@ from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
+
+#: the attribute naming, by weak reference, the Trainer that holds a parameter
+_TRAINER = "_gpukv_trainer"
 
 #: the float32 limits the optimizers' rescale must keep to (as Python floats: compared
 #: with a NumPy float32, a float beyond its range would be cast first, with a warning)
@@ -100,14 +104,37 @@ class Trainer:
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
+        #: every parameter's name and every key: what a multiplier may name
+        self._names: set = {n for b in self._buckets for n in b.names} | set(self.keys) | {
+            name for name, _, _ in frozen(self._modules)}
         #: (name, replica, tensor) of the parameters frozen now: left out for good
         self._frozen: list = frozen(self._modules)
         self._grads: GradientCollector = GradientCollector(
             self._buckets, self._frozen, len(self._modules))
         #: the buckets allreduce_grads() summed, for the update() that follows it
         self._reduced: list | None = None
-        for bucket in self._buckets:
-            flatten(bucket, len(self._modules))
+        # what every parameter was: put back should the Trainer fail to start, so that a
+        # Trainer already running on these modules keeps them (a refusal changes nothing)
+        before = [(p, p.data, p.grad, getattr(p, OWNER, None), getattr(p, _TRAINER, None))
+                  for bucket in self._buckets for params in bucket.params for p in params]
+        try:
+            for bucket in self._buckets:
+                flatten(bucket, len(self._modules))
+            self._start(checkpoints, compression_params, on_store, overlap)
+        except BaseException:
+            with torch.no_grad():
+                for p, data, grad, early, trainer in before:
+                    p.data, p.grad = data, grad
+                    setattr(p, OWNER, early)
+                    setattr(p, _TRAINER, trainer)
+            raise
+        me = weakref.ref(self)
+        for p, *_ in before:  # an earlier Trainer on these modules steps them no more
+            setattr(p, _TRAINER, me)
+
+    def _start(self, checkpoints: tuple | None, compression_params, on_store: bool,
+               overlap: bool | None) -> None:
+        """The rest of `__init__`, once the buckets hold the parameters."""
         if checkpoints is not None:  # (before the store is touched)
             ahead = Checkpoints(*checkpoints[:3], self._kv, layout_of(self._buckets),
                                 resume=checkpoints[3])
@@ -182,8 +209,13 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float:
-        """The optimizer's learning rate (its schedule's, if it has one)."""
-        return self._optimizer.learning_rate
+        """The optimizer's learning rate (its schedule's, if it has one), for the next
+        step: counted by the Trainer's steps, the same on every worker whichever keys its
+        optimizer updates (or replicas' copies of it, with update_on_kvstore=False)."""
+        opt = self._optimizer
+        if opt.lr_scheduler is None:
+            return opt.lr
+        return opt.lr_scheduler(max(opt.num_update, opt.begin_num_update + self._steps))
 
     def set_learning_rate(self, lr) -> None:
         """Set the optimizer's learning rate to `lr` (not with an lr_scheduler, as in
@@ -248,6 +280,8 @@ class Trainer:
         is left out of the step when it has its own key (in a fused key it gets a zero
         gradient); on a dist store every worker passes the same flag.
         """
+        self._check_owner()
+        _check_flag("ignore_stale_grad", ignore_stale_grad)
         scaled = scaling.set_on(self)
         if scaled is not None:
             try:
@@ -273,6 +307,8 @@ class Trainer:
         replica's `.grad` (with update_on_kvstore=False only, as in gluon). Stale
         gradients are refused, or with `ignore_stale_grad` left out, as by `step`; the
         `update` that follows takes the sums as they are."""
+        self._check_owner()
+        _check_flag("ignore_stale_grad", ignore_stale_grad)
         replicas = self._replica_update("allreduce_grads")
         self._refuse_summed("allreduce_grads() again", "another allreduce")
         reduction = self._gather(ignore_stale_grad)
@@ -285,6 +321,8 @@ class Trainer:
         `step`; with update_on_kvstore=False only, as in gluon). After
         `allreduce_grads` it updates what that summed; else stale gradients are checked
         as by `step` (`ignore_stale_grad`: as `step`'s)."""
+        self._check_owner()
+        _check_flag("ignore_stale_grad", ignore_stale_grad)
         replicas = self._replica_update("update")
         self._check_user_state()
         scale = self._scale_for(batch_size)
@@ -430,6 +468,17 @@ class Trainer:
         self._steps, self.user_state = resumed
         self._update.pull_weights()
 
+    def _check_owner(self) -> None:
+        """ArgumentError when a newer Trainer made on these modules holds their
+        parameters: this one's buffers are no longer the parameters', and its steps would
+        move nothing."""
+        for bucket in self._buckets:
+            owner = getattr(bucket.params[0][0], _TRAINER, None)
+            if owner is None or owner() is not self:
+                raise ArgumentError(
+                    f"this Trainer's parameters (key {bucket.key!r}) were taken over by a "
+                    f"newer Trainer made on the same modules: step that one")
+
     def _replica_update(self, op: str) -> ReplicaUpdate:
         if not isinstance(self._update, ReplicaUpdate):
             raise ArgumentError(f"{op}() runs the optimizer on each replica; create the "
@@ -437,11 +486,17 @@ class Trainer:
         return self._update
 
     def _check_multipliers(self) -> None:
-        """ArgumentError if a multiplier names a parameter that shares its key (it would
-        apply to no key, silently); else the replicas' optimizers take them too."""
+        """ArgumentError if a multiplier names no parameter of the modules, or one that
+        shares its key (it would apply to no key, silently); else the replicas'
+        optimizers take them, and every option changed on `optimizer`, too."""
         opt = self._optimizer
         for table, setter in ((opt.lr_mult, "set_lr_mult"), (opt.wd_mult, "set_wd_mult")):
             for name in table:
+                if name not in self._names:
+                    raise ArgumentError(
+                        f"{setter}: {name!r} names no parameter of the Trainer's modules "
+                        f"(named as model.named_parameters() names them, e.g. "
+                        f"{next(iter(self._names))!r})")
                 key = self._fused.get(name)
                 if key is not None:
                     raise ArgumentError(
@@ -449,8 +504,11 @@ class Trainer:
                         f"others, and a multiplier applies to whole keys: set multipliers "
                         f"before making the Trainer (their parameters then get keys of "
                         f"their own), or make it with bucket_bytes=0")
-        for local in self._update.replica_optimizers:
-            local.lr_mult, local.wd_mult = dict(opt.lr_mult), dict(opt.wd_mult)
+        if self._update.replica_optimizers:
+            settings = opt.settings()
+            for local in self._update.replica_optimizers:
+                if local.settings() != settings:
+                    local.apply_settings(settings)
 
     @property
     def num_replicas(self) -> int:
