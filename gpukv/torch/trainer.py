@@ -136,8 +136,9 @@ class Trainer:
                overlap: bool | None) -> None:
         """The rest of `__init__`, once the buckets hold the parameters."""
         if checkpoints is not None:  # (before the store is touched)
-            ahead = Checkpoints(*checkpoints[:3], self._kv, layout_of(self._buckets),
-                                resume=checkpoints[3])
+            directory, every, keep, resume = checkpoints
+            ahead = Checkpoints(directory, every, keep, self._kv, layout_of(self._buckets),
+                                resume=resume)
             ahead.modules, ahead.frozen = self._modules, self._frozen
             ahead.check_ahead()
         if compression_params is not None:
