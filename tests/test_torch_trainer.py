@@ -1153,3 +1153,19 @@ def test_ignore_stale_grad_is_a_bool(bad):
     trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
     with pytest.raises(gpukv.ArgumentKindError, match="ignore_stale_grad: expected True or"):
         trainer.step(8, ignore_stale_grad=bad)
+
+
+def test_a_parameter_added_after_the_trainer_is_refused_at_the_step():
+    """A layer added to the replicas after the Trainer was made has no key: the step is
+    an ArgumentError saying so, before anything changes, not a layer left untrained."""
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    for model in models:
+        model.append(nn.Linear(3, 3))
+    x, y = make_data()
+    backward_shards(models, x, y)
+    before = [p.detach().clone() for p in models[0].parameters()]
+    with pytest.raises(gpukv.ArgumentError, match="replica 0 has 8 trainable parameters, "
+                                                  "the Trainer was made with 6"):
+        trainer.step(len(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))

@@ -18,10 +18,13 @@ class GradientCollector:
     which have no key.
     """
 
-    def __init__(self, buckets: list[Bucket], frozen: list, replicas: int) -> None:
+    def __init__(self, buckets: list[Bucket], frozen: list, modules: list) -> None:
         self._buckets = buckets
         self._frozen = frozen
-        self._replicas = replicas
+        self._modules = modules
+        self._replicas = len(modules)
+        #: trainable parameters of each replica when the Trainer was made
+        self._trainable = sum(len(b.names) for b in buckets)
         self._fresh = FreshGrads(buckets)
 
     def check_trainable(self) -> None:
@@ -35,6 +38,14 @@ class GradientCollector:
                 f"was made and is trainable now: the Trainer leaves out the parameters "
                 f"frozen when it is made; make a new Trainer after unfreezing it "
                 f"({len(thawed)} such parameter(s) in all)")
+        for r, module in enumerate(self._modules):
+            count = sum(1 for p in module.parameters() if p.requires_grad)
+            if count > self._trainable:  # (fewer: frozen since, which collect names)
+                raise ArgumentError(
+                    f"replica {r} has {count} trainable parameters, the Trainer was made "
+                    f"with {self._trainable}: a parameter added (or replaced) since has no "
+                    f"key, and nothing would update it; make a new Trainer after changing "
+                    f"the model")
 
     def collect(self, ignore_stale_grad: bool) -> list[Bucket]:
         """Put every replica's gradient into its bucket view; return the buckets to step.

@@ -110,7 +110,7 @@ class Trainer:
         #: (name, replica, tensor) of the parameters frozen now: left out for good
         self._frozen: list = frozen(self._modules)
         self._grads: GradientCollector = GradientCollector(
-            self._buckets, self._frozen, len(self._modules))
+            self._buckets, self._frozen, self._modules)
         #: the buckets allreduce_grads() summed, for the update() that follows it
         self._reduced: list | None = None
         # what every parameter was: put back should the Trainer fail to start, so that a
