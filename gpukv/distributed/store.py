@@ -9,6 +9,7 @@ call is checked here, whole, before any message leaves the process.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -16,13 +17,21 @@ import secrets
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import timeline
 from .._env import positive_int, restart_note
-from .._errors import ArgumentError, ArgumentKindError, BackendError, CheckpointError
+from .._errors import (
+    ArgumentError,
+    ArgumentKindError,
+    BackendError,
+    CheckpointError,
+    GpukvError,
+    PeerError,
+)
 from ..canonical.tree import rank_nodes
 from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
@@ -408,12 +417,30 @@ class DistKVStore(KVStore):
         """Push every worker's value(s) of each key; see `KVStore.push`. In dist_sync a
         server (or the owner, with num_servers=0) applies the updater once per key per
         round, to the sum over every worker; in dist_async on every push."""
-        if type(priority) is not int:
-            check.check_priority(key, priority)
-        groups = check.group(key, value, "value")
         with self._lock:
-            entries = self._checked_push(groups, "push")
+            with self._refusals_agreed("push"):
+                if type(priority) is not int:
+                    check.check_priority(key, priority)
+                groups = check.group(key, value, "value")
+                entries = self._checked_push(groups, "push")
             self._push(groups, entries)
+
+    @contextlib.contextmanager
+    def _refusals_agreed(self, op: str) -> Iterator[None]:
+        """A push's checks: an error of theirs (not a peer's) is made known to the engine
+        before it is raised, so that workers refusing unlike fail together (the others
+        with a PeerMismatchError naming the refusal; this worker with its own error,
+        which says why)."""
+        try:
+            yield
+        except PeerError:
+            raise
+        except GpukvError as exc:
+            try:
+                self._engine.refused(op, exc)
+            except PeerError:
+                pass
+            raise
 
     def _checked_push(self, groups, op: str) -> list:
         self._engine.control.check()
@@ -560,22 +587,33 @@ class DistKVStore(KVStore):
     @timeline.traced("pushpull")
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push then pull (into `value` itself when `out` is None); both checked first."""
-        groups, out_groups = check.pushpull_groups(key, value, out, priority)
         with self._lock:
-            entries = self._checked_push(groups, "pushpull")
-            out_entries = (entries if out is None
-                           else self._values.lookup(out_groups, "pushpull"))
-            check.all_outs(out_groups, out_entries)
-            if out_groups.sparse:
-                check.refuse_sparse_outs(out_groups, out is None)
+            with self._refusals_agreed("pushpull"):
+                groups, out_groups = check.pushpull_groups(key, value, out, priority)
+                entries = self._checked_push(groups, "pushpull")
+                out_entries = (entries if out is None
+                               else self._values.lookup(out_groups, "pushpull"))
+                check.all_outs(out_groups, out_entries)
+                if out_groups.sparse:
+                    check.refuse_sparse_outs(out_groups, out is None)
             self._push(groups, entries)
             self._fetch(out_groups.keys)
             self._values.pull_checked(out_groups, out_entries)
 
     @timeline.traced("broadcast")
     def broadcast(self, key, value, out, priority: int = 0) -> None:
-        """init (rank 0's value wins) then pull into `out`."""
+        """init (rank 0's value wins) then pull into `out`; the outs are checked against
+        the values first, so that a refused call initialises nothing."""
+        groups = check.group(key, value, "value")
         out_groups = check.group(key, out, "out", written=True)
+        with self._lock:
+            check.init_values(groups, self._values.entries(), self._values.key_kind)
+            check.key_kind(out_groups.key_kind, self._values.key_kind, out_groups.keys)
+            shapes = dict(zip(groups.keys, (a[0].shape for a in groups.arrays)))
+            for k, arrays in zip(out_groups.keys, out_groups.arrays):
+                if k not in shapes:
+                    raise ArgumentError(f"key {k!r}: broadcast has an out but no value for it")
+                check.outs(k, shapes[k], arrays)
         self.init(key, value)
         with self._lock:
             entries = self._values.lookup(out_groups, "broadcast")

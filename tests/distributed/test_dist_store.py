@@ -431,6 +431,24 @@ def test_compressions_that_differ_are_refused(n, servers):
     assert all("'sign'" in ln and "'ternary'" in ln for ln in lines), lines
 
 
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
+    """Refused alike everywhere, a push changes nothing; refused by worker 1 alone
+    (num_servers=0), worker 1 raises its ShapeError and every other worker a
+    PeerMismatchError naming the refusal, at once."""
+    result = _scenario(n, servers, "refusals")
+    if servers:
+        out = _passes(result, n - servers)
+    else:  # the store failed on every worker: the job ends non-zero
+        out = result.stdout + result.stderr
+        assert result.returncode != 0 and all(
+            f"PASS worker {w} of {n}" in result.stdout for w in range(n)), out
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == (0 if servers else n - 1), out
+    assert all("rank(s) 1 calls push refused (ShapeError)" in ln for ln in lines), lines
+    assert len(_caught(result.stdout, "ShapeError")) == (0 if servers else 1), out
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count; momentum

@@ -414,6 +414,10 @@ class ServerClient:
             self._wait(requests, "sending the optimizer's options")
             self._sent_settings = settings
 
+    def refused(self, op: str, error: Exception) -> None:
+        """Pushes to servers are no collective call: nothing to agree on (docs/limits.md
+        says what a push refused on one worker alone does)."""
+
     def set_updater(self, updater) -> None:
         try:
             blob = pickle.dumps(updater)

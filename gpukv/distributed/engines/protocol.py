@@ -113,6 +113,13 @@ class Rounds(Protocol):
         """Bring the current values of `keys` into `replicas`."""
         ...
 
+    def refused(self, op: str, error: Exception) -> None:
+        """This worker refused a push (`op`) before it reached the engine (`error`): where
+        pushes are collective, every worker learns it, so that one worker refusing alone
+        fails on every rank rather than matching its next push with the others' refused
+        one; where they are not (servers), nothing."""
+        ...
+
 
 @runtime_checkable
 class Settings(Protocol):

@@ -163,6 +163,15 @@ class ShardedRounds:
         self.rounds.canonical_round(keys, tuple(counts),
                                     dict(zip(keys, zip(grads, replicas))), what)
 
+    def refused(self, op: str, error: Exception) -> None:
+        """Every process agrees on the refusal as on a push: all refusing alike changes
+        nothing; one alone is a PeerMismatchError on every rank naming it (the push's
+        collectives never start)."""
+        what = f"{op} (refused by rank {self.t.job_rank(self.t.rank)}: " \
+               f"{type(error).__name__}: {error})"
+        self.flush(what)
+        self.agree.check((f"{op} refused ({type(error).__name__})", ()), what)
+
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""
         if not merged:

@@ -521,6 +521,42 @@ def changing_options() -> None:
     passed(kv)
 
 
+def refusals() -> None:
+    """A push (or a broadcast) every worker refuses alike (a wrong shape) changes nothing
+    and the store goes on; with num_servers=0, one refused by worker 1 alone is its own
+    ShapeError there and a PeerMismatchError naming the refusal on every other worker,
+    never a later push summed with the others' refused one."""
+    kv = create()
+    r = kv.rank
+    kv.init(1, np.zeros(3, np.float32))
+    try:
+        kv.pushpull(1, np.ones(4, np.float32))
+        raise AssertionError("a wrong shape on every worker was taken")
+    except gpukv.ShapeError as exc:
+        assert "key 1" in str(exc), exc
+    kv.push(1, np.full(3, r + 1.0, np.float32))
+    out = np.zeros(3, np.float32)
+    kv.pull(1, out=out)
+    assert np.all(out == kv.num_workers * (kv.num_workers + 1) / 2), out
+    try:  # an out of another shape: checked before the key is made
+        kv.broadcast(6, np.ones(3, np.float32), out=np.zeros(4, np.float32))
+        raise AssertionError("a broadcast into a wrong out was taken")
+    except gpukv.ShapeError:
+        assert 6 not in kv
+    kv.broadcast(6, np.full(3, 7.0, np.float32), out=out)
+    assert np.all(out == 7.0), out
+    if kv.num_servers:  # (pushes to servers are no collective: docs/limits.md)
+        passed(kv)
+        return
+    try:
+        kv.push(1, np.ones(4 if r == 1 else 3, np.float32))
+        raise AssertionError("a push refused by worker 1 alone went through")
+    except (gpukv.PeerMismatchError, gpukv.ShapeError) as exc:  # (worker 1: its own)
+        assert isinstance(exc, gpukv.ShapeError) == (r == 1), exc
+        caught(r, exc)
+    passed(kv)
+
+
 def lamb_split() -> None:
     """LAMB needs whole keys: a key split over servers is refused at set_optimizer, on
     every worker, naming the key; the store goes on with SGD."""
