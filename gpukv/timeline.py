@@ -141,6 +141,8 @@ class _Recorder:
     def write(self) -> str:
         """Write the events since the last write (a reader never sees half a file: a
         write that fails puts the file back as it was)."""
+        if os.getpid() != self.pid:  # a forked child: the file is its parent's
+            return self.path
         with self.lock:
             taken = len(self.spans)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)

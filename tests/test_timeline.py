@@ -297,3 +297,20 @@ def test_a_job_that_aborts_leaves_each_ranks_timeline(tmp_path):
     assert [e["name"] for e in _events(failed)].count("push") == 3
     (killed,) = (tmp_path / "tl").glob("gpukv-timeline-rank0-pid*.json")
     _events(killed)  # (valid JSON)
+
+
+def test_a_forked_child_leaves_its_parents_file_alone(recording):
+    """A process forked while recording (a data loader's worker) does not write into the
+    file its parent writes on."""
+    kv = gpukv.create("local")
+    kv.init(0, np.zeros(3))
+    path = timeline.flush()
+    before = open(path, "rb").read()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        with timeline.span("in the child"):
+            pass
+        timeline.flush()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert open(path, "rb").read() == before
