@@ -449,6 +449,16 @@ def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
     assert len(_caught(result.stdout, "ShapeError")) == (0 if servers else 1), out
 
 
+def test_an_updater_error_on_a_keys_owner_reaches_every_process_at_once():
+    """num_servers=0: the owner of the key raises the updater's ValueError, the others a
+    PeerError carrying it, well within their 20 s timeout."""
+    result = _scenario(3, 0, "updater_raises", timeout=20, limit=90)
+    raised = re.findall(r"RAISED (\w+) on worker \d after ([\d.]+) s", result.stdout)
+    assert sorted(kind for kind, _ in raised) == ["PeerError", "PeerError", "ValueError"], (
+        result.stdout + result.stderr)
+    assert all(float(took) < 10 for _, took in raised), raised
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count; momentum

@@ -178,8 +178,8 @@ class ShardedRounds:
             return
         try:
             self.shard.update([k for k, _ in merged], [m for _, m in merged])
-        except Exception as exc:  # the updater's: the others wait for this process
-            self.t.fail(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
+        except Exception as exc:  # the updater's: word of it to the others, waiting here
+            self.t.lost(PeerError(f"rank {self.t.rank}: the update of {what} failed: "
                                   f"{type(exc).__name__}: {exc}"))
             raise
 

@@ -1337,5 +1337,29 @@ def double_and_add(key, merged, stored):
     stored += 2 * merged
 
 
+def refuse_key_2(key, merged, stored):
+    if key == 2:
+        raise ValueError("updater refuses key 2")
+    stored += merged
+
+
+def updater_raises() -> None:
+    """With num_servers=0, an updater that raises on a key's owner: the owner raises the
+    updater's error, and every other process a PeerError saying so, at once (not after
+    their timeout)."""
+    kv = create()
+    kv.set_updater(refuse_key_2)
+    kv.init([1, 2, 3], [np.zeros(2, np.float32)] * 3)
+    start = time.monotonic()
+    try:
+        kv.push([1, 2, 3], [np.ones(2, np.float32)] * 3)
+        kv.pull([1, 2, 3], out=[np.zeros(2, np.float32) for _ in range(3)])
+        raise AssertionError("the updater's error reached no process")
+    except (ValueError, gpukv.PeerError) as exc:
+        assert "updater refuses key 2" in str(exc), exc
+        print(f"RAISED {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
