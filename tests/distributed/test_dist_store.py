@@ -449,6 +449,15 @@ def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
     assert len(_caught(result.stdout, "ShapeError")) == (0 if servers else 1), out
 
 
+def test_with_servers_an_init_one_worker_never_made_is_named():
+    """The servers name the key whose init worker 1 never made, on every worker, rather
+    than the push that waits behind worker 0's init of it."""
+    result = _scenario(3, 1, "init_missing", timeout=2, limit=60)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert all("init of key 3: worker(s) 1 did not init it" in ln for ln in lines), lines
+
+
 def test_an_updater_error_on_a_keys_owner_reaches_every_process_at_once():
     """num_servers=0: the owner of the key raises the updater's ValueError, the others a
     PeerError carrying it, well within their 20 s timeout."""

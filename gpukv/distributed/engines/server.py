@@ -732,7 +732,10 @@ class _Server:
     def check_stalls(self, now: float) -> None:
         if self.failure is not None:
             return
-        for key, state in self.keys.items():
+        # An init some worker never made holds up that worker's requests after it, so
+        # its keys are named first: the key at fault, not one waiting behind it.
+        in_order = sorted(self.keys.items(), key=lambda item: item[1].initialised)
+        for key, state in in_order:
             if state.since is None or now - state.since <= self.t.timeout:
                 continue
             if not state.initialised:

@@ -1337,6 +1337,21 @@ def double_and_add(key, merged, stored):
     stored += 2 * merged
 
 
+def init_missing() -> None:
+    """Worker 1 never inits key 3, which worker 0 does; both then push key 1. With servers
+    the PeerError names the init worker 1 did not make, not the push waiting behind it."""
+    kv = create()
+    kv.init(1, np.zeros(3, np.float32))
+    if kv.rank != 1:
+        kv.init(3, np.zeros(4, np.float32))
+    try:
+        kv.push(1, np.ones(3, np.float32))
+        kv.pull(1, out=np.zeros(3, np.float32))
+        raise AssertionError("a key one worker never made went unnoticed")
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+
+
 def refuse_key_2(key, merged, stored):
     if key == 2:
         raise ValueError("updater refuses key 2")
