@@ -1165,7 +1165,22 @@ def test_a_parameter_added_after_the_trainer_is_refused_at_the_step():
     x, y = make_data()
     backward_shards(models, x, y)
     before = [p.detach().clone() for p in models[0].parameters()]
-    with pytest.raises(gpukv.ArgumentError, match="replica 0 has 8 trainable parameters, "
-                                                  "the Trainer was made with 6"):
+    with pytest.raises(gpukv.ArgumentError, match="parameter '5.weight' of replica 0 is not "
+                                                  "one the Trainer was made with"):
         trainer.step(len(x))
     assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+
+
+def test_a_layer_replaced_after_the_trainer_is_named_at_the_step():
+    """load_state_dict(assign=True) replaces the Parameter objects the Trainer holds: the
+    step names the first new one, rather than calling the old ones' gradients stale."""
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    fresh = make_model(seed=3)
+    for model in models:
+        model.load_state_dict(fresh.state_dict(), assign=True)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError, match="parameter '0.weight' of replica 0 is not "
+                                                  "one the Trainer was made with"):
+        trainer.step(len(x))

@@ -23,8 +23,8 @@ class GradientCollector:
         self._frozen = frozen
         self._modules = modules
         self._replicas = len(modules)
-        #: trainable parameters of each replica when the Trainer was made
-        self._trainable = sum(len(b.names) for b in buckets)
+        #: the parameters the Trainer was made with (the buckets keep them alive)
+        self._known = {id(p) for b in buckets for params in b.params for p in params}
         self._fresh = FreshGrads(buckets)
 
     def check_trainable(self) -> None:
@@ -39,13 +39,13 @@ class GradientCollector:
                 f"frozen when it is made; make a new Trainer after unfreezing it "
                 f"({len(thawed)} such parameter(s) in all)")
         for r, module in enumerate(self._modules):
-            count = sum(1 for p in module.parameters() if p.requires_grad)
-            if count > self._trainable:  # (fewer: frozen since, which collect names)
-                raise ArgumentError(
-                    f"replica {r} has {count} trainable parameters, the Trainer was made "
-                    f"with {self._trainable}: a parameter added (or replaced) since has no "
-                    f"key, and nothing would update it; make a new Trainer after changing "
-                    f"the model")
+            for name, p in module.named_parameters():
+                if p.requires_grad and id(p) not in self._known:
+                    raise ArgumentError(
+                        f"parameter {name!r} of replica {r} is not one the Trainer was "
+                        f"made with (a layer added or replaced since, or "
+                        f"load_state_dict(assign=True)): it has no key, and nothing would "
+                        f"update it; make a new Trainer after changing the model")
 
     def collect(self, ignore_stale_grad: bool) -> list[Bucket]:
         """Put every replica's gradient into its bucket view; return the buckets to step.
