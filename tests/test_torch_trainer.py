@@ -1184,3 +1184,23 @@ def test_a_layer_replaced_after_the_trainer_is_named_at_the_step():
     with pytest.raises(gpukv.ArgumentError, match="parameter '0.weight' of replica 0 is not "
                                                   "one the Trainer was made with"):
         trainer.step(len(x))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero_grad_set_to_none_trains_as_torch(overlap):
+    """trainer.zero_grad(set_to_none=True), torch.optim's spelling: every .grad is None
+    after it, and the training gives torch.optim.SGD's weights."""
+    base = make_model()
+    models, reference = replicas_of(base, 2), copy.deepcopy(base)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                         kvstore="local", update_on_kvstore=False, overlap=overlap)
+    x, y = make_data()
+    for _ in range(3):
+        trainer.zero_grad(set_to_none=True)
+        assert all(p.grad is None for m in models for p in m.parameters())
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+    with pytest.raises(gpukv.ArgumentKindError, match="set_to_none: expected True or False"):
+        trainer.zero_grad(set_to_none="yes")
+    train_torch(reference, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=3)
+    assert_same_weights(models, reference)

@@ -246,15 +246,24 @@ class Trainer:
         with self._early.paused():
             yield
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every replica's gradients in place (the views stay the `.grad` tensors),
-        and drop the sums of an `allreduce_grads` that no update applied."""
+        and drop the sums of an `allreduce_grads` that no update applied. `set_to_none`
+        (torch.optim's option): leave every `.grad` None instead, as
+        `model.zero_grad()` does; backward's new gradients go into the buckets at the
+        step."""
+        _check_flag("set_to_none", set_to_none)
         self._reduced = None
         try:
             if self._early is not None:
                 self._early.finish()  # they read the gradients: wait for them
         finally:
             self._zero_grads()
+        if set_to_none:
+            for bucket in self._buckets:
+                for params in bucket.params:
+                    for p in params:
+                        p.grad = None
 
     def _zero_grads(self) -> None:
         with torch.no_grad():

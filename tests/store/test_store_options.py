@@ -117,12 +117,7 @@ def test_host_fallback_notice_is_silent_without_logging_config():
         assert (out == 2).all()
         print('ok')
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUKV_")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
-    assert done.stderr == ""
+    assert _unconfigured(code) == ""
 
 
 def test_a_warning_reaches_stderr_without_logging_config():
@@ -137,9 +132,16 @@ def test_a_warning_reaches_stderr_without_logging_config():
         kv.save_optimizer_states(os.path.join(tempfile.mkdtemp(), 's'), dump_optimizer=True)
         print('ok')
     """)
+    stderr = _unconfigured(code)
+    assert "lr_scheduler" in stderr and "cannot be saved" in stderr, stderr
+
+
+def _unconfigured(code: str) -> str:
+    """The stderr of `code` (which prints 'ok' at its end) run in a fresh Python that
+    configures no logging and sets no GPUKV_ variable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUKV_")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
-    assert "lr_scheduler" in done.stderr and "cannot be saved" in done.stderr, done.stderr
+    return done.stderr
