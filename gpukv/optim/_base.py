@@ -14,10 +14,11 @@ bias corrections) are computed in Python floats and rounded to float32 once.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -280,30 +281,23 @@ class Optimizer:
         wd = self.wd * self._mult(self.wd_mult, key)
         return self._scalars(lr, wd, count)
 
-    def scalars_of(self, keys) -> list:
-        """`next_scalars` of each of `keys` in turn; when one raises (a schedule of one's
-        own), no key's count has moved."""
-        mark = self.counts_mark(keys)
+    @contextlib.contextmanager
+    def counted(self, keys) -> Iterator[list]:
+        """`next_scalars` of each of `keys` in turn, for a step run inside the block: when
+        one of them (a schedule of one's own) or the step raises, no key's count has
+        moved, and num_update is as it was."""
+        before = [(key, self._index_update_count.get(key)) for key in keys]
+        num_update = self.num_update
         try:
-            return [self.next_scalars(key) for key in keys]
+            yield [self.next_scalars(key) for key in keys]
         except BaseException:
-            self.rewind_counts(mark)
+            for key, count in reversed(before):
+                if count is None:
+                    self._index_update_count.pop(key, None)
+                else:
+                    self._index_update_count[key] = count
+            self.num_update = num_update
             raise
-
-    def counts_mark(self, keys) -> tuple:
-        """The update counts of `keys` and `num_update` now, for `rewind_counts`."""
-        return ([(key, self._index_update_count.get(key)) for key in keys], self.num_update)
-
-    def rewind_counts(self, mark: tuple) -> None:
-        """Put back the counts `counts_mark` returned as `mark`: a step that failed counts
-        for nothing."""
-        before, num_update = mark
-        for key, count in reversed(before):
-            if count is None:
-                self._index_update_count.pop(key, None)
-            else:
-                self._index_update_count[key] = count
-        self.num_update = num_update
 
     def _scalars(self, lr, wd, t) -> tuple:
         return (f32(lr), f32(wd))

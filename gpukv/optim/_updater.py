@@ -202,23 +202,18 @@ class OptimizerUpdater:
         states = self.states
         host: list = []
         gpu: dict = {}
-        mark = opt.counts_mark(keys)
-        for key, m, s, home, scalars in zip(keys, merged, stored, homes,
-                                            opt.scalars_of(keys)):
-            state = states[key]
-            if home.host_memory:
-                host.append((s, m, state, scalars))
-            else:
-                gpu.setdefault((home, s.dtype), []).append(
-                    (s, m, state.master, state.arrays, scalars))
-        try:  # a step that fails has not counted
+        with opt.counted(keys) as per_key:  # a step that fails has not counted
+            for key, m, s, home, scalars in zip(keys, merged, stored, homes, per_key):
+                state = states[key]
+                if home.host_memory:
+                    host.append((s, m, state, scalars))
+                else:
+                    gpu.setdefault((home, s.dtype), []).append(
+                        (s, m, state.master, state.arrays, scalars))
             if host:
                 self._host(host, hp)
             if gpu:
                 self._gpu(gpu, hp)
-        except BaseException:
-            opt.rewind_counts(mark)
-            raise
 
     def _gpu(self, gpu, hp, body=None) -> None:
         """Update the keys of device homes, one multi-tensor step per (home, dtype)."""
@@ -437,9 +432,8 @@ class OptimizerUpdater:
         host_rows: list = []
         gpu: dict = {}
         gpu_rows: dict = {}
-        mark = opt.counts_mark(keys)
-        per_key = opt.scalars_of(keys)
-        try:  # a step that fails (a gradient that cannot densify, ...) has not counted
+        # a step that fails (a gradient that cannot densify, ...) has not counted
+        with opt.counted(keys) as per_key:
             for key, m, s, home, scalars in zip(keys, merged, stored, homes, per_key):
                 state = self.states[key]
                 on_gpu = not home.host_memory
@@ -464,9 +458,6 @@ class OptimizerUpdater:
                 self._host_rows(host_rows, hp)
             if gpu_rows:
                 self._gpu_rows(gpu_rows, hp)
-        except BaseException:
-            opt.rewind_counts(mark)
-            raise
 
     def _host_rows(self, items, hp) -> None:
         """Gather the gradient's rows of weights and states, update them, scatter back."""
