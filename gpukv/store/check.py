@@ -372,6 +372,19 @@ def init_values(groups: Groups, entries: Mapping, held) -> None:
                                  f"{first.dtype} and {a.dtype}")
 
 
+def broadcast_args(groups: Groups, out_groups: Groups, entries: Mapping, held) -> None:
+    """`init_values` of a broadcast's values, then its outs against them: an out for a
+    key without a value is an ArgumentError, one of another shape a ShapeError, each
+    naming the key (checked whole, before the broadcast makes any key)."""
+    init_values(groups, entries, held)
+    key_kind(out_groups.key_kind, held, out_groups.keys)
+    shapes = dict(zip(groups.keys, (a[0].shape for a in groups.arrays)))
+    for k, arrays in zip(out_groups.keys, out_groups.arrays):
+        if k not in shapes:
+            raise ArgumentError(f"key {k!r}: broadcast has an out but no value for it")
+        outs(k, shapes[k], arrays)
+
+
 def refuse_sparse_outs(groups: Groups, in_place: bool) -> None:
     """ArgumentKindError naming the key if pushpull would have to pull into a RowSparse."""
     for key, arrays in zip(groups.keys, groups.arrays):

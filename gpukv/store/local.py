@@ -405,13 +405,7 @@ class LocalStore(KVStore):
         groups = check.group(key, value, "value")
         out_groups = check.group(key, out, "out", written=True)
         with self._lock:
-            check.init_values(groups, self._entries, self._key_kind)
-            check.key_kind(out_groups.key_kind, self._key_kind, out_groups.keys)
-            shapes = dict(zip(groups.keys, (a[0].shape for a in groups.arrays)))
-            for k, arrays in zip(out_groups.keys, out_groups.arrays):
-                if k not in shapes:
-                    raise ArgumentError(f"key {k!r}: broadcast has an out but no value for it")
-                check.outs(k, shapes[k], arrays)
+            check.broadcast_args(groups, out_groups, self._entries, self._key_kind)
             self._init_groups(groups)
             self._pull_groups(out_groups, self.lookup(out_groups, "broadcast"))
 
