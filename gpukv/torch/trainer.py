@@ -104,11 +104,11 @@ class Trainer:
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
-        #: every parameter's name and every key: what a multiplier may name
-        self._names: set = {n for b in self._buckets for n in b.names} | set(self.keys) | {
-            name for name, _, _ in frozen(self._modules)}
         #: (name, replica, tensor) of the parameters frozen now: left out for good
         self._frozen: list = frozen(self._modules)
+        #: every parameter's name and every key: what a multiplier may name
+        self._names: set = {n for b in self._buckets for n in b.names} | set(self.keys) | {
+            name for name, _, _ in self._frozen}
         self._grads: GradientCollector = GradientCollector(
             self._buckets, self._frozen, self._modules)
         #: the buckets allreduce_grads() summed, for the update() that follows it
