@@ -7,6 +7,7 @@ import torch
 from .._errors import ArgumentError
 from .buckets import Bucket
 from .fresh import FreshGrads
+from .registrations import registrations
 
 
 class GradientCollector:
@@ -25,6 +26,8 @@ class GradientCollector:
         self._replicas = len(modules)
         #: the parameters the Trainer was made with (the buckets keep them alive)
         self._known = {id(p) for b in buckets for params in b.params for p in params}
+        #: `registrations()` when the replicas' parameters were last found all known
+        self._walked = registrations()
         self._fresh = FreshGrads(buckets)
 
     def check_trainable(self) -> None:
@@ -38,6 +41,9 @@ class GradientCollector:
                 f"was made and is trainable now: the Trainer leaves out the parameters "
                 f"frozen when it is made; make a new Trainer after unfreezing it "
                 f"({len(thawed)} such parameter(s) in all)")
+        now = registrations()
+        if now == self._walked:  # nothing registered anywhere: nothing new to find
+            return
         for r, module in enumerate(self._modules):
             for name, p in module.named_parameters():
                 if p.requires_grad and id(p) not in self._known:
@@ -46,6 +52,7 @@ class GradientCollector:
                         f"made with (a layer added or replaced since, or "
                         f"load_state_dict(assign=True)): it has no key, and nothing would "
                         f"update it; make a new Trainer after changing the model")
+        self._walked = now
 
     def collect(self, ignore_stale_grad: bool) -> list[Bucket]:
         """Put every replica's gradient into its bucket view; return the buckets to step.
