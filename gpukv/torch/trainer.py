@@ -106,6 +106,8 @@ class Trainer:
         self._fused: dict = {n: b.key for b in self._buckets if b.fused for n in b.names}
         #: (name, replica, tensor) of the parameters frozen now: left out for good
         self._frozen: list = frozen(self._modules)
+        #: the optimizer's settings() its replica copies last took (update_on_kvstore=False)
+        self._replica_settings: tuple | None = None
         #: every parameter's name and every key: what a multiplier may name
         self._names: set = {n for b in self._buckets for n in b.names} | set(self.keys) | {
             name for name, _, _ in self._frozen}
@@ -516,9 +518,10 @@ class Trainer:
                         f"their own), or make it with bucket_bytes=0")
         if self._update.replica_optimizers:
             settings = opt.settings()
-            for local in self._update.replica_optimizers:
-                if local.settings() != settings:
+            if settings != self._replica_settings:
+                for local in self._update.replica_optimizers:
                     local.apply_settings(settings)
+                self._replica_settings = settings
 
     @property
     def num_replicas(self) -> int:
