@@ -25,6 +25,7 @@ from .frozen import start_alike as frozen_start_alike
 from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
+from .torch_optimizer import TorchOptimizer
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
 #: the attribute naming, by weak reference, the Trainer that holds a parameter
@@ -108,6 +109,9 @@ class Trainer:
         self._frozen: list = frozen(self._modules)
         #: the optimizer's settings() its replica copies last took (update_on_kvstore=False)
         self._replica_settings: tuple | None = None
+        #: `torch_optimizer`, once asked for, and the options last taken from its group
+        self._torch_view: TorchOptimizer | None = None
+        self._viewed: dict = {}
         #: every parameter's name and every key: what a multiplier may name
         self._names: set = {n for b in self._buckets for n in b.names} | set(self.keys) | {
             name for name, _, _ in self._frozen}
@@ -216,6 +220,8 @@ class Trainer:
         step: counted by the Trainer's steps, the same on every worker whichever keys its
         optimizer updates (or replicas' copies of it, with update_on_kvstore=False)."""
         opt = self._optimizer
+        if self._torch_view is not None:
+            return self._torch_view.scheduled()["learning_rate"]
         if opt.lr_scheduler is None:
             return opt.lr
         return opt.lr_scheduler(max(opt.num_update, opt.begin_num_update + self._steps))
@@ -226,6 +232,27 @@ class Trainer:
         self._optimizer.set_learning_rate(lr)
         for opt in self._update.replica_optimizers:
             opt.set_learning_rate(lr)
+        if self._torch_view is not None:
+            self._torch_view.param_groups[0]["lr"] = self._viewed["learning_rate"] = \
+                self._optimizer.lr
+
+    @property
+    def torch_optimizer(self) -> TorchOptimizer:
+        """This Trainer as a `torch.optim.Optimizer`, for torch's learning-rate
+        schedulers: `torch.optim.lr_scheduler.OneCycleLR(trainer.torch_optimizer, ...)`.
+        Its one parameter group's 'lr' (and 'momentum' or 'betas', where the optimizer
+        has them) set the next step's; its `step()` and `zero_grad()` are the Trainer's.
+        ArgumentError when the optimizer follows a gpukv lr_scheduler (two schedules
+        would fight over the rate)."""
+        if self._torch_view is None:
+            if self._optimizer.lr_scheduler is not None:
+                raise ArgumentError(
+                    "torch_optimizer: the optimizer follows a gpukv lr_scheduler already; "
+                    "make the Trainer without one to drive the rate from torch")
+            self._torch_view = TorchOptimizer(self, self.param_groups[0]["params"],
+                                              self._optimizer)
+            self._viewed = self._torch_view.scheduled()
+        return self._torch_view
 
     @property
     def param_groups(self) -> list[dict]:
@@ -292,16 +319,16 @@ class Trainer:
         is left out of the step when it has its own key (in a fused key it gets a zero
         gradient); on a dist store every worker passes the same flag.
         """
-        self._check_owner()
-        _check_flag("ignore_stale_grad", ignore_stale_grad)
         scaled = scaling.set_on(self)
         if scaled is not None:
             try:
+                self._start_step(ignore_stale_grad)
                 self._scaled_step(scaled, batch_size, ignore_stale_grad)
             except BaseException:
                 scaling.forget(self)
                 raise
             return
+        self._start_step(ignore_stale_grad)
         self._refuse_summed("step()", "a step")
         self._check_user_state()
         with timeline.span("Trainer.step", "trainer", step=self._steps):
@@ -336,6 +363,7 @@ class Trainer:
         self._check_owner()
         _check_flag("ignore_stale_grad", ignore_stale_grad)
         replicas = self._replica_update("update")
+        self._take_scheduled()
         self._check_user_state()
         scale = self._scale_for(batch_size)
         self._grads.check_trainable()
@@ -610,8 +638,32 @@ class Trainer:
         when one is due."""
         self._gradients_used()
         self._steps += 1
+        if self._torch_view is not None:
+            self._torch_view.stepped()
         if self._checkpoints is not None and self._checkpoints.due(self._steps):
             self._checkpoints.take(self._steps, self.user_state)
+
+    def _start_step(self, ignore_stale_grad) -> None:
+        """What every step checks and takes first: the modules are still this Trainer's,
+        the flag is a bool, and a torch scheduler's rate."""
+        self._check_owner()
+        _check_flag("ignore_stale_grad", ignore_stale_grad)
+        self._take_scheduled()
+
+    def _take_scheduled(self) -> None:
+        """The options a torch scheduler wrote into `torch_optimizer`'s group since the
+        last step, all checked before this step changes anything."""
+        if self._torch_view is None:
+            return
+        options = self._torch_view.scheduled()
+        if options == self._viewed:
+            return
+        for name, value in options.items():
+            if name == "learning_rate":
+                self.set_learning_rate(value)
+            else:  # (the replicas' copies take it at the update, with every setting)
+                setattr(self._optimizer, name, value)
+        self._viewed = options
 
     def _check_user_state(self) -> None:
         """ArgumentError before a step changes anything, where the snapshot due after it
