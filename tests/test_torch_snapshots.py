@@ -245,6 +245,74 @@ def test_export_writes_every_parameter_by_name_to_safetensors(tmp_path):
     assert bad.returncode == 1 and "no complete snapshot here" in bad.stderr
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_export_keeps_a_narrow_dtype_bit_for_bit(tmp_path, dtype):
+    """A model trained in bfloat16 (which NumPy has through ml_dtypes only) or float16
+    is exported in its own dtype, the trained bits, to a file safetensors loads."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(dtype)
+    trainer = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         checkpoint_dir=tmp_path / "ckpt")
+    with trainer:
+        trainer.zero_grad()
+        model(torch.randn(8, 4, dtype=dtype)).float().sum().backward()
+        trainer.step()
+    out = tmp_path / "model.safetensors"
+    export_safetensors(tmp_path / "ckpt", out)
+    loaded = safetensors_torch.load_file(str(out))
+    for name, p in model.named_parameters():
+        assert loaded[name].dtype == dtype
+        assert torch.equal(loaded[name].view(torch.int16), p.detach().view(torch.int16))
+
+
+def test_a_failed_snapshot_write_is_raised_after_the_next_steps_snapshot_started(
+        tmp_path, monkeypatch):
+    """A snapshot whose write fails (a full disk) raises at the next due snapshot, in a
+    step that was taken: the error says so (taking it again would apply it twice), and
+    that step's snapshot is taken all the same."""
+    import errno
+
+    import gpukv.checkpoints.checkpoint as checkpoint
+    from gpukv.checkpoints import snapshots
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    trainer = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         checkpoint_dir=tmp_path, checkpoint_every=1, checkpoint_keep=10)
+    write, failing = checkpoint._write_member, [False]
+
+    def full_disk(*args):
+        if failing[0]:
+            failing[0] = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(*args)
+    monkeypatch.setattr(checkpoint, "_write_member", full_disk)
+
+    def step():
+        trainer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        trainer.step()
+    step()
+    trainer.finish_snapshots()
+    failing[0] = True
+    step()  # its snapshot fails in the background
+    raised = None
+    while raised is None:  # step 3 or, once step 2's buffers are needed again, step 4
+        assert trainer.steps < 4
+        try:
+            step()
+        except gpukv.CheckpointError as exc:
+            raised = exc
+    steps = trainer.steps
+    assert str(raised).startswith(f"step {steps} was taken (do not take it again) and its "
+                                  f"snapshot started, but an earlier one failed: ")
+    assert "No space left on device" in str(raised)
+    trainer.finish_snapshots()
+    assert [found.step for found in snapshots.complete_snapshots(tmp_path)] == [
+        1, *range(3, steps + 1)]
+
+
 def _batchnorm_model(width=8, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, width), nn.BatchNorm1d(width), nn.Tanh(),

@@ -470,12 +470,15 @@ def test_frozen_parameters_start_as_replica_0s(update_on_kvstore):
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
 def test_save_and_load_states_round_trip(tmp_path, update_on_kvstore):
     """Optimizer state saved after some steps and loaded back continues exactly where a
-    trainer that never stopped goes."""
+    trainer that never stopped goes, its schedule and the learning_rate it reports too."""
     base = make_model()
-    params = {"learning_rate": 0.01}
     x, y = make_data()
     a = replicas_of(base, 2)
-    ta = gt.Trainer(a, "adam", dict(params), kvstore="local",
+
+    def params():
+        return {"learning_rate": 0.01,
+                "lr_scheduler": gpukv.optim.FactorScheduler(step=2, factor=0.5)}
+    ta = gt.Trainer(a, "adam", params(), kvstore="local",
                     update_on_kvstore=update_on_kvstore)
 
     def run(trainer, models, steps):
@@ -488,11 +491,13 @@ def test_save_and_load_states_round_trip(tmp_path, update_on_kvstore):
     path = tmp_path / "states.bin"
     ta.save_states(path)
     b = [copy.deepcopy(m) for m in a]
-    tb = gt.Trainer(b, "adam", dict(params), kvstore="local",
+    tb = gt.Trainer(b, "adam", params(), kvstore="local",
                     update_on_kvstore=update_on_kvstore)
     tb.load_states(path)
+    assert tb.learning_rate == ta.learning_rate == 0.005
     run(ta, a, 2)
     run(tb, b, 2)
+    assert tb.learning_rate == ta.learning_rate == 0.0025
     assert_same_weights(b, a[0], rtol=0, atol=0)
 
 

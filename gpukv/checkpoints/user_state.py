@@ -244,7 +244,7 @@ def decode(obj, arrays: dict):
     if _ARRAY in obj:
         array = np.array(arrays[obj[_ARRAY]], copy=True)  # writable, not a mapped file
         if obj.get("torch"):
-            return _tensor(array)
+            return torch_tensor(array)
         return array
     out = {}
     for key, item in obj.items():
@@ -252,8 +252,9 @@ def decode(obj, arrays: dict):
     return out
 
 
-def _tensor(array: np.ndarray):
-    """The torch tensor `_tensor_values` saved as `array`."""
+def torch_tensor(array: np.ndarray):
+    """The torch tensor `_tensor_values` saved as `array` (bfloat16 and the other dtypes
+    NumPy has through ml_dtypes only, as torch's own)."""
     import torch
     name = array.dtype.name
     if name not in _THROUGH_ML_DTYPES:

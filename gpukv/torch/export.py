@@ -27,6 +27,7 @@ import numpy as np
 
 from .._errors import ArgumentError, CheckpointError
 from ..checkpoints import snapshots
+from ..checkpoints.user_state import torch_tensor
 from .checkpoints import parameter_layout
 
 
@@ -58,7 +59,6 @@ def snapshot_tensors(snapshot) -> tuple[dict, dict, snapshots.Snapshot | str]:
 def _stored_parameters(saved: dict, path) -> dict:
     """{name: torch tensor} of the trainable parameters, cut out of the store's keys
     (`saved`: worker 0's user_state)."""
-    import torch
     layout = parameter_layout(saved, path)
     contents = snapshots.read_store(path)
     values = dict(zip(contents.keys, contents.values))
@@ -74,7 +74,7 @@ def _stored_parameters(saved: dict, path) -> dict:
             if offset + n > flat.size:
                 raise CheckpointError(f"{path}: key {key!r} holds {flat.size} values, "
                                       f"fewer than its parameters need")
-            tensors[name] = torch.from_numpy(flat[offset:offset + n].reshape(shape).copy())
+            tensors[name] = torch_tensor(flat[offset:offset + n].reshape(shape).copy())
             offset += n
     return tensors
 
@@ -92,8 +92,9 @@ def _tied_names(saved: dict, path) -> dict[str, str]:
 
 def export_safetensors(snapshot, out) -> list[str]:
     """Write the parameters and buffers of a Trainer's snapshot to `out` in safetensors
-    (written whole, then renamed: an interrupted or failed export leaves no half file
-    and no temporary one); their names. CheckpointError, naming `out`, when it cannot be
+    (written whole, then renamed: a failed or interrupted export leaves no half file and
+    no temporary one; a killed one, at worst a hidden `.<name>.<pid>.tmp` beside it);
+    their names. CheckpointError, naming `out`, when it cannot be
     written (checked before the snapshot is read where it can be: a missing folder, a
     folder in its place)."""
     from safetensors.torch import save_file
@@ -122,7 +123,9 @@ def _write_whole(out: str, write) -> None:
     failure the temporary file is removed, and an OS or safetensors error is a
     CheckpointError naming `out`."""
     from safetensors import SafetensorError
-    temp = f"{out}.tmp{os.getpid()}"
+    folder, name = os.path.split(out)
+    # hidden, and named as `atomic_write` names its own: what a killed export leaves
+    temp = os.path.join(folder, f".{name[:100]}.{os.getpid()}.tmp")
     try:
         write(temp)
         os.replace(temp, out)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import timeline
-from .._errors import ArgumentError, ArgumentKindError
+from .._errors import ArgumentError, ArgumentKindError, CheckpointError
 from ..api.factory import create
 from ..checkpoints.snapshots import Snapshot
 from ..optim import LAMB, Optimizer
@@ -216,14 +216,18 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float:
-        """The optimizer's learning rate (its schedule's, if it has one), for the next
-        step: counted by the Trainer's steps, the same on every worker whichever keys its
-        optimizer updates (or replicas' copies of it, with update_on_kvstore=False)."""
-        opt = self._optimizer
+        """The optimizer's learning rate. With a gpukv lr_scheduler, the schedule's at the
+        updates counted so far, as MXNet's `learning_rate`: the last step's (the next
+        one's differs where the schedule moves at it), counted by the Trainer's steps,
+        the same on every worker whichever keys its optimizer updates (or replicas'
+        copies of it, with update_on_kvstore=False, after `load_states` too). With
+        `torch_optimizer`, its group's: the next step's."""
         if self._torch_view is not None:
             return self._torch_view.scheduled()["learning_rate"]
-        if opt.lr_scheduler is None:
-            return opt.lr
+        if self._optimizer.lr_scheduler is None:
+            return self._optimizer.lr
+        # the copy that counts the updates (a replica's, whose counts load_states restores)
+        opt = (self._update.replica_optimizers or [self._optimizer])[0]
         return opt.lr_scheduler(max(opt.num_update, opt.begin_num_update + self._steps))
 
     def set_learning_rate(self, lr) -> None:
@@ -641,7 +645,26 @@ class Trainer:
         if self._torch_view is not None:
             self._torch_view.stepped()
         if self._checkpoints is not None and self._checkpoints.due(self._steps):
-            self._checkpoints.take(self._steps, self.user_state)
+            self._take_due_snapshot(self._checkpoints)
+
+    def _take_due_snapshot(self, checkpoints: Checkpoints) -> None:
+        """The snapshot due after the step just taken. Where an earlier snapshot failed
+        to be written, its CheckpointError comes once this step's snapshot has started
+        all the same (every worker meets that error at once, so every one starts it
+        again), and says that the step was taken: taking it again would apply it twice."""
+        try:
+            checkpoints.take(self._steps, self.user_state)
+            return
+        except CheckpointError as exc:
+            earlier = exc
+        try:
+            checkpoints.take(self._steps, self.user_state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"step {self._steps} was taken (do not take it again), "
+                                  f"but its snapshot could not be: {exc}") from exc
+        raise CheckpointError(f"step {self._steps} was taken (do not take it again) and "
+                              f"its snapshot started, but an earlier one failed: "
+                              f"{earlier}") from earlier
 
     def _start_step(self, ignore_stale_grad) -> None:
         """What every step checks and takes first: the modules are still this Trainer's,
