@@ -125,6 +125,42 @@ def check_bool(name, value):
     return bool(value)
 
 
+def _number(name: str, **limits):
+    return lambda value: check_number(name, value, **limits)
+
+
+def _flag(name: str):
+    return lambda value: check_bool(name, value)
+
+
+_FRACTION = {"low": 0, "high": 1, "high_open": True}  # [0, 1)
+_POSITIVE = {"low": 0, "low_open": True}  # (0, inf)
+#: {attribute: its check}: every option of every rule, checked whenever it is set, in
+#: the constructor or later (`opt.clip_gradient = -1` would reverse the gradient); one
+#: name has the same range in every rule that has it
+OPTION_CHECKS = {
+    "lr": _number("learning_rate", low=0, none_ok=True),  # (None: the schedule's)
+    "wd": _number("wd", low=0),
+    "rescale_grad": _number("rescale_grad", **_POSITIVE),
+    "clip_gradient": _number("clip_gradient", **_POSITIVE, none_ok=True),
+    "multi_precision": _flag("multi_precision"),
+    "momentum": _number("momentum", **_FRACTION),
+    "beta1": _number("beta1", **_FRACTION),
+    "beta2": _number("beta2", **_FRACTION),
+    "gamma1": _number("gamma1", **_FRACTION),
+    "gamma2": _number("gamma2", **_FRACTION),
+    "epsilon": _number("epsilon", **_POSITIVE),
+    "eps": _number("eps", **_POSITIVE),
+    "clip_weights": _number("clip_weights", **_POSITIVE, none_ok=True),
+    "lower_bound": _number("lower_bound", **_POSITIVE, none_ok=True),
+    "upper_bound": _number("upper_bound", **_POSITIVE, none_ok=True),
+    "lazy_update": _flag("lazy_update"),
+    "correct_bias": _flag("correct_bias"),
+    "centered": _flag("centered"),
+    "bias_correction": _flag("bias_correction"),
+}
+
+
 def _checked_names(param_idx2name) -> dict:
     """`param_idx2name` as a dict of key -> parameter name (str); else
     ArgumentKindError."""
@@ -186,10 +222,9 @@ class Optimizer:
             # the schedule was made with (its warmup_final_lr)
             lr_scheduler.base_lr = learning_rate
         self.lr = learning_rate
-        self.wd = check_number("wd", wd, low=0)
-        self.rescale_grad = check_number("rescale_grad", rescale_grad, low=0, low_open=True)
-        self.clip_gradient = check_number("clip_gradient", clip_gradient, low=0,
-                                          low_open=True, none_ok=True)
+        self.wd = wd
+        self.rescale_grad = rescale_grad
+        self.clip_gradient = clip_gradient
         if isinstance(begin_num_update, bool) or not isinstance(begin_num_update,
                                                                 numbers.Integral):
             raise ArgumentKindError("optimizer option begin_num_update: expected an int, got "
@@ -199,12 +234,16 @@ class Optimizer:
                                 f"must be >= 0")
         self.begin_num_update: int = int(begin_num_update)
         self.num_update: int = self.begin_num_update
-        self.multi_precision = check_bool("multi_precision", multi_precision)
+        self.multi_precision = multi_precision
         self.idx2name: dict = _checked_names(param_idx2name)
         self.lr_mult: dict = {}
         self.wd_mult: dict = {}
         self.set_wd_mult({})
         self._index_update_count: dict = {}
+
+    def __setattr__(self, name: str, value) -> None:
+        check = OPTION_CHECKS.get(name)
+        object.__setattr__(self, name, value if check is None else check(value))
 
     # ------------------------------------------------------------- MXNet's interface
     @property

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from .._errors import ArgumentError
-from ._base import Optimizer, Schedule, base_options, check_bool, check_number, f32, register
+from ._base import Optimizer, Schedule, base_options, f32, register
 
 
 def _clip(x, c):
@@ -53,10 +53,11 @@ def _decay_step(w, g, lr, wd, hp, clip: bool, t):
 
 
 def _set_moment_options(opt, beta1, beta2, epsilon) -> None:
-    """Check and set the options of Adam-like rules: beta1, beta2 in [0, 1), epsilon > 0."""
-    opt.beta1 = check_number("beta1", beta1, low=0, high=1, high_open=True)
-    opt.beta2 = check_number("beta2", beta2, low=0, high=1, high_open=True)
-    opt.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
+    """Set the options of Adam-like rules (checked as set): beta1, beta2 in [0, 1),
+    epsilon > 0."""
+    opt.beta1 = beta1
+    opt.beta2 = beta2
+    opt.epsilon = epsilon
 
 
 def _moments(mean, var, r, s, hp, square_first: bool):
@@ -99,8 +100,8 @@ class SGD(Optimizer):
                  lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
                  multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
-        self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
-        self.lazy_update = check_bool("lazy_update", lazy_update)
+        self.momentum = momentum
+        self.lazy_update = lazy_update
 
     option_names = Optimizer.option_names + ("momentum", "lazy_update")
 
@@ -195,7 +196,7 @@ class NAG(Optimizer):
                  lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
                  multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
-        self.momentum = check_number("momentum", momentum, low=0, high=1, high_open=True)
+        self.momentum = momentum
 
     option_names = Optimizer.option_names + ("momentum",)
 
@@ -276,7 +277,7 @@ class Adam(Optimizer):
                  param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
-        self.lazy_update = check_bool("lazy_update", lazy_update)
+        self.lazy_update = lazy_update
 
     option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "lazy_update")
 
@@ -358,7 +359,7 @@ class AdamW(Optimizer):
                  param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
-        self.correct_bias = check_bool("correct_bias", correct_bias)
+        self.correct_bias = correct_bias
 
     option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "correct_bias")
 
@@ -417,7 +418,7 @@ class AdaGrad(Optimizer):
                  lr_scheduler: Schedule | None = None, begin_num_update: int = 0,
                  multi_precision: bool = False, param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
-        self.eps = check_number("eps", eps, low=0, low_open=True)
+        self.eps = eps
 
     option_names = Optimizer.option_names + ("eps",)
 
@@ -479,12 +480,11 @@ class RMSProp(Optimizer):
                  begin_num_update: int = 0, multi_precision: bool = False,
                  param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
-        self.gamma1 = check_number("gamma1", gamma1, low=0, high=1, high_open=True)
-        self.gamma2 = check_number("gamma2", gamma2, low=0, high=1, high_open=True)
-        self.epsilon = check_number("epsilon", epsilon, low=0, low_open=True)
-        self.centered = check_bool("centered", centered)
-        self.clip_weights = check_number("clip_weights", clip_weights, low=0, low_open=True,
-                                         none_ok=True)
+        self.gamma1 = gamma1
+        self.gamma2 = gamma2
+        self.epsilon = epsilon
+        self.centered = centered
+        self.clip_weights = clip_weights
 
     option_names = Optimizer.option_names + ("gamma1", "gamma2", "epsilon", "centered",
                                              "clip_weights")
@@ -587,15 +587,13 @@ class LAMB(Optimizer):
                  param_idx2name: dict | None = None) -> None:
         super().__init__(**base_options(locals()))
         _set_moment_options(self, beta1, beta2, epsilon)
-        self.lower_bound = check_number("lower_bound", lower_bound, low=0, low_open=True,
-                                        none_ok=True)
-        self.upper_bound = check_number("upper_bound", upper_bound, low=0, low_open=True,
-                                        none_ok=True)
+        self.lower_bound = lower_bound
+        self.upper_bound = upper_bound
         if (self.lower_bound is not None and self.upper_bound is not None
                 and self.lower_bound > self.upper_bound):
             raise ArgumentError(f"optimizer option lower_bound={lower_bound!r} is above "
                                 f"upper_bound={upper_bound!r}")
-        self.bias_correction = check_bool("bias_correction", bias_correction)
+        self.bias_correction = bias_correction
 
     option_names = Optimizer.option_names + ("beta1", "beta2", "epsilon", "lower_bound",
                                              "upper_bound", "bias_correction")

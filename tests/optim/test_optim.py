@@ -233,6 +233,37 @@ def test_options_out_of_range(make, option):
     assert isinstance(info.value, ValueError) and isinstance(info.value, GpukvError)
 
 
+@pytest.mark.parametrize("rule,attribute,value,error", [
+    ("sgd", "clip_gradient", -1.0, ArgumentError),  # would reverse the gradient
+    ("sgd", "wd", -3.0, ArgumentError),
+    ("sgd", "rescale_grad", -1.0, ArgumentError),
+    ("sgd", "rescale_grad", "abc", ArgumentKindError),
+    ("sgd", "momentum", 1.0, ArgumentError),
+    ("sgd", "lazy_update", "yes", ArgumentKindError),
+    ("adam", "beta2", 1.0, ArgumentError),
+    ("adam", "epsilon", 0.0, ArgumentError),
+    ("rmsprop", "clip_weights", -1.0, ArgumentError),
+    ("sgd", "lr", float("inf"), ArgumentError),
+])
+def test_an_option_set_as_an_attribute_is_checked_as_the_constructor_checks_it(
+        rule, attribute, value, error):
+    """`opt.clip_gradient = -1` after set_optimizer is refused, naming the option, and
+    the store's next push updates as before."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(3, np.float32))
+    opt = optim.create(rule, learning_rate=0.1, momentum=0.5) if rule == "sgd" else \
+        optim.create(rule, learning_rate=0.1)
+    kv.set_optimizer(opt)
+    before = getattr(opt, attribute)
+    with pytest.raises(error, match=attribute if attribute != "lr" else "learning_rate"):
+        setattr(opt, attribute, value)
+    assert getattr(opt, attribute) == before
+    kv.push(0, np.full(3, 5.0, np.float32))
+    out = np.empty(3, np.float32)
+    kv.pull(0, out=out)
+    assert (out < 1).all()  # a step down the gradient
+
+
 @pytest.mark.parametrize("make", [
     lambda: optim.SGD(learning_rate="0.1"),
     lambda: optim.SGD(lazy_update="yes"),
