@@ -134,6 +134,8 @@ CASES = [
      gpukv.DTypeError, ValueError, "k1", ()),
     ("pull-bool-out", lambda w: w.kv.pull(w.k1, out=np.zeros(SHAPE, bool)),
      gpukv.DTypeError, ValueError, "k1", ()),
+    ("init-list-of-floats", lambda w: w.kv.init(w.fresh, [1.0, 2.0]),
+     gpukv.ArgumentKindError, TypeError, "fresh", ("fresh",)),
     ("push-nested-too-deep", lambda w: w.kv.push(w.k1, [[ones(5)]]),
      gpukv.ArgumentKindError, TypeError, "k1", ()),
     ("push-list-nested-too-deep", lambda w: w.kv.push([w.k1, w.k2], [ones(5), [[ones(5)]]]),

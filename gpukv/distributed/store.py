@@ -620,7 +620,7 @@ class DistKVStore(KVStore):
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
         """The rows `row_ids` of each key into RowSparse `out`(s) (see KVStore's)."""
         if type(priority) is not int:
-            check.check_priority(key, priority)
+            check.check_priority(key, priority, check.ROW_SPARSE_ORDER)
         pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             self._engine.control.check()

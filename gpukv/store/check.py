@@ -117,10 +117,11 @@ def _one_key(key, value, name, groups_by_key, keys, arrays, foreign):
         objs = (value,)
     adopted = []
     for obj in objs:
-        if isinstance(obj, _SEQ):
+        if isinstance(obj, _SEQ) or (objs is value and type(obj) in (int, float, bool)):
             raise ArgumentKindError(
-                f"key {key!r}: {name} is nested too deeply: expected an array or a list of "
-                f"arrays, got a list containing a {type(obj).__name__}")
+                f"key {key!r}: {name} is a list containing a {type(obj).__name__}: a list "
+                f"holds one array per device; make a list of numbers an array first "
+                f"(np.asarray)")
         adopted.append(_adopt(key, obj, name, foreign))
     index = groups_by_key.get(key)
     if index is None:
@@ -240,11 +241,17 @@ def pushpull_groups(key, value, out, priority) -> tuple[Groups, Groups]:
     return groups, groups if out is None else group(key, out, "out", written=True)
 
 
-def check_priority(key, priority) -> None:
-    """An ArgumentKindError unless `priority` is an int (as MXNet, which takes a C int)."""
+#: what a priority that is no int says in row_sparse_pull, where MXNet's order differs
+ROW_SPARSE_ORDER = ("; row_sparse_pull takes (key, out, row_ids, priority), where "
+                    "MXNet's takes priority before row_ids: pass row_ids=...")
+
+
+def check_priority(key, priority, hint: str = "") -> None:
+    """An ArgumentKindError unless `priority` is an int (as MXNet, which takes a C int);
+    `hint` ends its message."""
     if type(priority) is not int and not isinstance(priority, numbers.Integral):
         raise ArgumentKindError(
-            f"key {key!r}: priority must be an int, got {type(priority).__name__}")
+            f"key {key!r}: priority must be an int, got {type(priority).__name__}{hint}")
 
 
 # ------------------------------------------------------------- against the store
@@ -477,6 +484,8 @@ def _is_id_list(row_ids) -> bool:
 def _row_sparse_one(key, out, row_ids) -> list:
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     if _is_id_list(row_ids):
+        if len(row_ids) == 1:  # as MXNet: one id array for every out
+            return [(key, o, row_ids[0]) for o in outs]
         if len(row_ids) != len(outs):
             raise ArgumentError(f"key {key!r}: {len(outs)} outs but {len(row_ids)} row_ids")
         return [(key, o, r) for o, r in zip(outs, row_ids)]

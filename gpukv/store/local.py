@@ -769,7 +769,7 @@ class LocalStore(KVStore):
     def row_sparse_pull(self, key: Keys, out: Values | None = None, row_ids: Any = None,
                         priority: int = 0) -> None:
         if type(priority) is not int:
-            check.check_priority(key, priority)
+            check.check_priority(key, priority, check.ROW_SPARSE_ORDER)
         pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
             for entry, o, ids in check.row_sparse_pulls(pairs, self._entries, self._key_kind):

@@ -131,13 +131,15 @@ def test_pull_ignore_sparse(ignore_sparse):
         assert out.todense().tolist() == REF["dense_pull_after_push"]
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared", ["one array", "a list of one", False])
 def test_row_ids_shared_or_one_per_out(shared):
-    """One row_ids array may serve several outs, or each out gets its own."""
+    """One row_ids array may serve several outs (given bare, or as MXNet also takes it,
+    as a list of one), or each out gets its own."""
     kv = mxnet_store()
     outs = [RowSparse.zeros(SHAPE) for _ in range(2)]
     ids = np.array(REF["shared_row_ids"]["row_ids"])
-    kv.row_sparse_pull("w", out=outs, row_ids=ids if shared else [ids, np.array([5, 0])])
+    row_ids = {"one array": ids, "a list of one": [ids]}.get(shared, [ids, np.array([5, 0])])
+    kv.row_sparse_pull("w", out=outs, row_ids=row_ids)
     assert outs[0].indices.tolist() == REF["shared_row_ids"]["indices"][0]
     assert outs[1].indices.tolist() == (REF["shared_row_ids"]["indices"][1] if shared
                                         else [0, 5])
@@ -268,6 +270,10 @@ def test_dense_updater_gets_rows_made_dense_on_the_key_stream(monkeypatch):
      gpukv.KeyKindError, "key 7"),
     (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[0], priority="high"),
      gpukv.ArgumentKindError, "'w'.*priority"),
+    # MXNet's order, (key, out, priority, row_ids): the message says gpukv's
+    (lambda kv, o: kv.row_sparse_pull("w", o, 0, np.array([1])),
+     gpukv.ArgumentKindError, r"'w'.*got ndarray; row_sparse_pull takes \(key, out, "
+                              r"row_ids, priority\), where MXNet's takes priority before"),
 ])
 def test_errors_change_nothing(call, error, words):
     """Bad row_ids, out kinds, shapes and unknown keys raise typed errors; nothing changes."""
