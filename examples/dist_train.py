@@ -4,7 +4,8 @@ mpiexec -n 4 python examples/dist_train.py --num-servers 1
 Data-parallel training across processes with a dist store. The first line runs 4 workers
 that also serve a shard of the keys each; the second makes rank 0 a dedicated server and
 ranks 1-3 workers (`--store dist_async --num-servers 1` applies each push as it arrives).
-Needs mpi4py and an MPI: `pip install 'gpukv[mpi]'` brings both, mpiexec included.
+Needs mpi4py and an MPI: `pip install '.[mpi]'` (in a gpukv checkout) brings both,
+mpiexec included.
 
 Each worker holds its own shard of a synthetic data set and its own copy of a small NumPy
 MLP's weights. A step: compute the gradient of the shard, push it (the store sums the

@@ -86,12 +86,16 @@ def _run(argv: list[str] | None) -> int:
         # and an empty trace of its own, named rank 0 (no rank is set here), would mislead.
         from . import timeline
         timeline.discard()
+    from ._errors import BackendError
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
         print(f"gpukv {args.command}: not available in this installation", file=sys.stderr)
+        return 2
+    except BackendError as exc:  # a library the command needs is missing (PyTorch)
+        print(f"gpukv {args.command}: {exc}", file=sys.stderr)
         return 2
     status = module.main(argv[1:])
     return 0 if status is None else int(status)

@@ -242,7 +242,10 @@ def test_export_writes_every_parameter_by_name_to_safetensors(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "none"),
                           str(tmp_path / "x.safetensors")], capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode == 1 and "no complete snapshot here" in bad.stderr
+    assert bad.returncode == 1 and f"{tmp_path / 'none'}: does not exist" in bad.stderr
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(gpukv.CheckpointError, match="no complete snapshot here"):
+        export_safetensors(tmp_path / "empty", tmp_path / "x.safetensors")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -76,7 +76,7 @@ def make_strategy(name: str | Strategy | None = None, *, on_gpu: bool = True,
             f" or a gpukv.comm.Strategy instance, got {type(name).__name__}")
     explicit = name is not None
     if name is None:
-        env = _env_strategy() if on_gpu else None
+        env = env_strategy() if on_gpu else None
         if env:
             name, explicit = env, True
         elif on_gpu:
@@ -98,7 +98,7 @@ def make_strategy(name: str | Strategy | None = None, *, on_gpu: bool = True,
     return strategy
 
 
-def _env_strategy() -> str | None:
+def env_strategy() -> str | None:
     """`$GPUKV_STRATEGY` lower-cased, None when unset or blank; an ArgumentError naming
     the variable when it names no strategy."""
     raw = os.environ.get("GPUKV_STRATEGY", "").strip()

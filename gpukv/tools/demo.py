@@ -699,6 +699,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_dist(args)
     if args.num_servers is not None:
         parser.error("--num-servers needs --dist")
+    try:
+        return run_local(args)
+    except gpukv.ArgumentError as exc:  # a malformed setting (GPUKV_DETERMINISTIC=maybe)
+        print(f"gpukv demo: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_local(args) -> int:
+    """`gpukv demo`: the tutorial and the training on this process's devices; the exit
+    status."""
     place = _pick_devices(args)
     print(f"gpukv {gpukv.__version__} demo on {place.describe()}")
     ok = True

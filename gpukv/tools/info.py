@@ -28,7 +28,8 @@ RESIZABLE = ("nvswitch", "pcie")  # simulations whose GPU count --gpus sets (dgx
 # The planner's time grows steeply with the GPU count (about 0.4 s at 32, 8 s at 64).
 MAX_SIMULATED_GPUS = 32
 # gpukv is installed from its source tree, so the CUDA extra is named by path, not by name.
-INSTALL_HINT = "in a gpukv checkout: pip install '.[cuda12]' (or '.[cuda13]')"
+INSTALL_HINT = ("pip install cupy-cuda12x (or cupy-cuda13x); in a gpukv checkout, "
+                "pip install '.[cuda12]' (or '.[cuda13]')")
 
 
 def _err(exc: BaseException) -> str:
@@ -165,10 +166,19 @@ def mpi_info() -> dict:
 
 def strategy_info(on_gpu: bool) -> dict:
     """The strategy a GPU store uses by default, and what the names resolve to here."""
-    from ..comm.registry import STRATEGIES, make_strategy
+    from .._env import flag
+    from .._errors import ArgumentError
+    from ..comm.registry import STRATEGIES, env_strategy, make_strategy
     env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
     out = {"names": list(STRATEGIES), "env": env, "default": env or "auto",
            "deterministic": os.environ.get("GPUKV_DETERMINISTIC", "").strip() == "1"}
+    # a malformed setting the stores refuse, named here even where no GPU reads it
+    for name, check in (("env_error", env_strategy),
+                        ("deterministic_error", lambda: flag("GPUKV_DETERMINISTIC"))):
+        try:
+            check()
+        except ArgumentError as exc:
+            out[name] = str(exc)
     try:
         chosen = make_strategy(None, on_gpu=on_gpu)
         out["resolves_to"] = chosen.name
@@ -320,12 +330,16 @@ def render(info: dict) -> str:
     lines.append(f"default strategy: {s['default']}"
                  + (" (from GPUKV_STRATEGY)" if s.get("env") else "")
                  + (f" -> {s['resolves_to']}" if s.get("resolves_to") else "")
+                 + (f" -> error: {s['resolves_to_error']}" if s.get("resolves_to_error")
+                    else "")
                  + (f"; {s['note']}" if s.get("note") else ""))
     lines.append(f"strategies: {', '.join(s['names'])}")
     lines.append("sum order: " + ("canonical, the same bits for every layout "
                                   "(GPUKV_DETERMINISTIC=1)" if s.get("deterministic") else
                                   "each strategy's own (deterministic=True or "
                                   "GPUKV_DETERMINISTIC=1: the canonical order)"))
+    lines += [f"malformed setting (stores refuse it): {s[name]}"
+              for name in ("env_error", "deterministic_error") if s.get(name)]
     c = info.get("calibration")
     if c:
         if c["in_use"]:

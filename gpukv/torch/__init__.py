@@ -33,7 +33,8 @@ from .._errors import BackendError
 try:
     import torch  # noqa: F401 - fail here, with the install hint, when PyTorch is missing
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise BackendError("gpukv.torch needs PyTorch: pip install torch") from exc
+    raise BackendError("gpukv.torch needs PyTorch: pip install torch (and for exports "
+                       "safetensors and ml_dtypes: pip install 'gpukv[torch]')") from exc
 
 # gpukv.torch.export.export_safetensors, as the docs spell it (safetensors, optional, is
 # imported by an export only)

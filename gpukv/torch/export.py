@@ -36,6 +36,9 @@ def snapshot_tensors(snapshot) -> tuple[dict, dict, snapshots.Snapshot | str]:
     read) of a Trainer's snapshot (a folder, a Snapshot, or a checkpoint_dir: its
     newest); a tied parameter is under each of its names, the same tensor."""
     path = os.fspath(snapshot)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: does not exist (name a snapshot's folder or a "
+                              f"Trainer's checkpoint_dir)")
     if not snapshots.is_snapshot(path):
         found = snapshots.latest_snapshot(path)
         if found is None:

@@ -127,6 +127,29 @@ def test_demo_bad_learning_rate_is_a_usage_error(lr, capsys):
     assert "argument --lr" in line and repr(lr) in line
 
 
+def test_a_malformed_setting_is_one_line_and_status_2(monkeypatch, capsys):
+    """GPUKV_DETERMINISTIC=maybe: `gpukv demo` says so in one line (exit 2), as
+    `gpukv demo --dist` does, rather than with a traceback."""
+    monkeypatch.setenv("GPUKV_DETERMINISTIC", "maybe")
+    assert cli.main(["demo", "--cpu", "--skip-tutorial", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "gpukv demo: GPUKV_DETERMINISTIC='maybe': expected 1 (on) or 0 (off)\n")
+
+
+def test_a_command_whose_library_is_missing_says_what_to_install():
+    """`gpukv export --help` without PyTorch: one line with the install hint, exit 2."""
+    done = _run(code=textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # makes `import torch` fail
+        from gpukv.__main__ import main
+        sys.exit(main(["export", "--help"]))
+    """))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpukv export: gpukv.torch needs PyTorch: pip install torch (and for exports "
+        "safetensors and ml_dtypes: pip install 'gpukv[torch]')"]
+
+
 def test_help():
     """`python -m gpukv --help` lists the commands and exits 0."""
     done = _run("--help")

@@ -71,3 +71,18 @@ def test_info_without_cupy_says_how_to_install_from_a_checkout():
     assert done.returncode == 0, done.stderr
     assert "pip install '.[cuda12]'" in done.stdout
     assert "gpukv[" not in done.stdout
+
+
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "host"])
+def test_info_names_a_malformed_setting_the_stores_refuse(on_gpu, monkeypatch):
+    """A GPUKV_STRATEGY or GPUKV_DETERMINISTIC that stores refuse is named by `info`,
+    the diagnosis command, on a machine with GPUs and on one without."""
+    monkeypatch.setenv("GPUKV_STRATEGY", "bogus")
+    monkeypatch.setenv("GPUKV_DETERMINISTIC", "maybe")
+    strategy = _info.strategy_info(on_gpu=on_gpu)
+    text = _info.render({**_info.collect(), "strategy": strategy})
+    assert "malformed setting (stores refuse it): GPUKV_STRATEGY='bogus': unknown" in text
+    assert ("malformed setting (stores refuse it): GPUKV_DETERMINISTIC='maybe': expected "
+            "1 (on) or 0 (off)") in text
+    if on_gpu:
+        assert "-> error: ArgumentError: GPUKV_STRATEGY='bogus'" in text

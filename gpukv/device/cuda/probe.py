@@ -162,7 +162,8 @@ def no_gpu_reason() -> str:
             warnings.simplefilter("ignore")
             runtime = _runtime()
     except Exception:
-        return "CuPy is not installed (in a gpukv checkout: pip install '.[cuda12]')"
+        return ("CuPy is not installed (pip install cupy-cuda12x; in a gpukv checkout, "
+                "pip install '.[cuda12]')")
     try:
         n = runtime.getDeviceCount()
     except Exception as exc:

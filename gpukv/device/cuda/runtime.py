@@ -15,8 +15,9 @@ def cupy_module():
     try:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise BackendError("GPU arrays need CuPy: in a gpukv checkout, "
-                           "pip install '.[cuda12]' (or '.[cuda13]')") from exc
+        raise BackendError("GPU arrays need CuPy: pip install cupy-cuda12x (or "
+                           "cupy-cuda13x); in a gpukv checkout, pip install '.[cuda12]' "
+                           "(or '.[cuda13]')") from exc
     return cupy
 
 
