@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pathlib
 import re
 import subprocess
 import sys
@@ -314,6 +315,43 @@ def test_a_failed_snapshot_write_is_raised_after_the_next_steps_snapshot_started
     trainer.finish_snapshots()
     assert [found.step for found in snapshots.complete_snapshots(tmp_path)] == [
         1, *range(3, steps + 1)]
+
+
+@pytest.mark.parametrize("why", ["a file in the way", "not writable"])
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_when_the_trainer_is_made(
+        tmp_path, monkeypatch, why):
+    """Not at the first snapshot, hours later: a CheckpointError naming the folder, and
+    the modules keep their parameters."""
+    import os
+
+    (tmp_path / "file").write_text("")
+    folder = tmp_path / "file" / "ckpt"
+    if why == "not writable":  # (as root, only a read-only file system refuses)
+        folder = tmp_path / "ckpt"
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: False if os.fspath(path) == str(
+            tmp_path) else real(path, mode))
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(gpukv.CheckpointError) as raised:
+        gt.Trainer(model, "sgd", dict(PARAMS), kvstore="local", checkpoint_dir=folder)
+    assert str(raised.value).startswith(f"{folder}: cannot write snapshots there: ")
+    assert ("is a file" if why == "a file in the way" else "is not writable") in str(
+        raised.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    gt.Trainer(model, "sgd", dict(PARAMS), kvstore="local")  # the modules are free
+
+
+def test_a_damaged_newest_snapshot_says_how_to_start_from_an_older_one(tmp_path):
+    with _trained(tmp_path, nn.Linear(4, 2), steps=2, checkpoint_every=1):
+        pass
+    newest = gpukv.latest_snapshot(tmp_path)
+    for shard in pathlib.Path(newest.path).glob("shard-*"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(gpukv.CheckpointError, match=r"make the Trainer with "
+                       r"resume=<its folder>, or move this one out of "):
+        gt.Trainer(nn.Linear(4, 2), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   checkpoint_dir=tmp_path)
 
 
 def _batchnorm_model(width=8, seed=0):

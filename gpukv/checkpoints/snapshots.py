@@ -644,6 +644,20 @@ def checked(root, step, keep, last: int = 0) -> tuple[str, int, int | None]:
     return root, int(step), None if keep is None else int(keep)
 
 
+def unwritable(root: str) -> str | None:
+    """Why snapshots cannot be written into folder `root` (or into the folder that would
+    make it, when it does not exist yet), or None when they can."""
+    folder = os.path.abspath(root)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{root}: cannot write snapshots there: {folder} is a file"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (f"{root}: cannot write snapshots there: {folder} is not writable "
+                f"(a read-only file system, or permissions)")
+    return None
+
+
 def shard_header(step: int, store_type: str, key_kind, pieces: list, export) -> dict:
     """The header of a shard file; `pieces`: {"key", "index", "home", "shape", "start",
     "stop"} of each piece in the file, whose values are `value/<j>`; `export`: the

@@ -136,7 +136,14 @@ class Checkpoints:
         if self.resume_from == "never":
             return None
         if self.resume_from == "auto":
-            found = self.store.resume(self.directory, check=self._fits, into=self.replicas)
+            try:
+                found = self.store.resume(self.directory, check=self._fits,
+                                          into=self.replicas)
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{exc} (to start from an older snapshot, make the Trainer with "
+                    f"resume=<its folder>, or move this one out of {self.directory})"
+                ) from exc
         else:
             found = self._chosen(self.resume_from)
         if found is None:
@@ -164,10 +171,21 @@ class Checkpoints:
             sys.stderr.flush()
         return found.step, user
 
+    def _check_writable(self) -> None:
+        """CheckpointError on every worker at once when one cannot write snapshots into
+        the folder (or make it): found when the Trainer is made, rather than at its first
+        snapshot, hours later."""
+        problem = snapshots.unwritable(self.directory)
+        if self.store.workers_max([problem is not None],
+                                  "Trainer: whether checkpoint_dir can be written")[0]:
+            raise CheckpointError(problem or f"{self.directory}: another worker cannot "
+                                             f"write snapshots there")
+
     def check_ahead(self) -> None:
         """The snapshot the resume would start from, checked to be this Trainer's before
         the store is touched, so that a Trainer refused for it leaves the store as it was
-        (the resume checks the one it loads again)."""
+        (the resume checks the one it loads again); and that the folder can be written."""
+        self._check_writable()
         if self.resume_from == "never":
             return
         if self.resume_from == "auto":
