@@ -160,8 +160,9 @@ class Transport:
         notice = self._raw.improbe(source=self.MPI.ANY_SOURCE, tag=TAG_LOST, status=status)
         if notice is None:
             return None
+        # (the notice says why: a peer gone or silent, or an update that failed there)
         return self.fail(PeerError(f"rank {self.job_rank(self.rank)}: {what}: rank "
-                                   f"{self.job_rank(status.Get_source())} lost its peers: "
+                                   f"{self.job_rank(status.Get_source())} stopped the job: "
                                    f"{notice.recv()}"))
 
     def _checked(self, call, what: str):
