@@ -418,7 +418,7 @@ class DistKVStore(KVStore):
         server (or the owner, with num_servers=0) applies the updater once per key per
         round, to the sum over every worker; in dist_async on every push."""
         with self._lock:
-            with self._refusals_agreed("push"):
+            with self.refusals_agreed("push"):
                 if type(priority) is not int:
                     check.check_priority(key, priority)
                 groups = check.group(key, value, "value")
@@ -426,20 +426,22 @@ class DistKVStore(KVStore):
             self._push(groups, entries)
 
     @contextlib.contextmanager
-    def _refusals_agreed(self, op: str) -> Iterator[None]:
-        """A push's checks: an error of theirs (not a peer's) is made known to the engine
-        before it is raised, so that workers refusing unlike fail together (the others
-        with a PeerMismatchError naming the refusal; this worker with its own error,
-        which says why)."""
+    def refusals_agreed(self, op: str) -> Iterator[None]:
+        """A push's checks (the store's own, or a layer's above it: gpukv.jax's): an
+        error of theirs (not a peer's) is made known to the engine before it is raised,
+        so that workers refusing unlike fail together (the others with a
+        PeerMismatchError naming the refusal; this worker with its own error, which says
+        why)."""
         try:
             yield
         except PeerError:
             raise
         except GpukvError as exc:
-            try:
-                self._engine.refused(op, exc)
-            except PeerError:
-                pass
+            with self._lock:
+                try:
+                    self._engine.refused(op, exc)
+                except PeerError:
+                    pass
             raise
 
     def _checked_push(self, groups, op: str) -> list:
@@ -588,7 +590,7 @@ class DistKVStore(KVStore):
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Push then pull (into `value` itself when `out` is None); both checked first."""
         with self._lock:
-            with self._refusals_agreed("pushpull"):
+            with self.refusals_agreed("pushpull"):
                 groups, out_groups = check.pushpull_groups(key, value, out, priority)
                 entries = self._checked_push(groups, "pushpull")
                 out_entries = (entries if out is None

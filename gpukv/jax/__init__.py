@@ -85,12 +85,14 @@ def push_tree(kv: KVStore, trees_per_device, prefix: str = "") -> None:
 
     `trees_per_device`: a list of trees of `init_tree`'s structure under `prefix`, one
     per device, or trees of sharded leaves, each shard a device's value."""
-    outside_transforms("push_tree")
-    layout = trees.layout_of(kv, prefix, "push_tree")
-    rows = [row for rows in pushing.rows_of(layout, trees_per_device, prefix, "push_tree")
-            for row in rows]
+    with kv.refusals_agreed("gpukv.jax.push_tree"):  # a worker refusing alone is named
+        outside_transforms("push_tree")
+        layout = trees.layout_of(kv, prefix, "push_tree")
+        rows = [row for rows in pushing.rows_of(layout, trees_per_device, prefix,
+                                                "push_tree") for row in rows]
+        columns = pushing.columns(layout, rows)
     if layout.buckets:
-        kv.push(layout.bucket_keys, pushing.columns(layout, rows))
+        kv.push(layout.bucket_keys, columns)
 
 
 def pull_tree(kv: KVStore, like_tree, devices=None, prefix: str = ""):
@@ -120,9 +122,10 @@ def pushpull_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
     """Push `trees_per_device` into `kv` under `prefix` as `push_tree` does, then pull:
     one tree of new arrays per tree given, each leaf placed as that tree's leaf was (a
     sharded leaf: every shard holds the whole value)."""
-    outside_transforms("pushpull_tree")
-    layout = trees.layout_of(kv, prefix, "pushpull_tree")
-    per_tree = pushing.rows_of(layout, trees_per_device, prefix, "pushpull_tree")
+    with kv.refusals_agreed("gpukv.jax.pushpull_tree"):
+        outside_transforms("pushpull_tree")
+        layout = trees.layout_of(kv, prefix, "pushpull_tree")
+        per_tree = pushing.rows_of(layout, trees_per_device, prefix, "pushpull_tree")
     return _push_pull(kv, layout, per_tree, trees_per_device)
 
 
@@ -132,18 +135,19 @@ def mean_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
     tree given, placed as `pushpull_tree` places them, for an optimizer beside the store
     (optax). `kv` must have no optimizer set, so that a push stores the sum; `prefix`
     names the tree as in `init_tree`; every leaf must be floating-point."""
-    outside_transforms("mean_tree")
-    if kv.has_updater:  # a push would update the values, not store the sum
-        raise ArgumentError("gpukv.jax.mean_tree: the store has an optimizer or updater, so "
-                            "a push would update its values rather than store their sum; "
-                            "use a store without one (push_tree and pull_tree run the "
-                            "store's optimizer)")
-    layout = trees.layout_of(kv, prefix, "mean_tree")
-    for key, dtype in zip(layout.keys, layout.dtypes):
-        if dtype.kind != "f" and dtype.name != "bfloat16":
-            raise DTypeError(f"leaf {key!r}: mean_tree averages floating-point leaves, "
-                             f"not {dtype}")
-    per_tree = pushing.rows_of(layout, trees_per_device, prefix, "mean_tree")
+    with kv.refusals_agreed("gpukv.jax.mean_tree"):
+        outside_transforms("mean_tree")
+        if kv.has_updater:  # a push would update the values, not store the sum
+            raise ArgumentError("gpukv.jax.mean_tree: the store has an optimizer or "
+                                "updater, so a push would update its values rather than "
+                                "store their sum; use a store without one (push_tree and "
+                                "pull_tree run the store's optimizer)")
+        layout = trees.layout_of(kv, prefix, "mean_tree")
+        for key, dtype in zip(layout.keys, layout.dtypes):
+            if dtype.kind != "f" and dtype.name != "bfloat16":
+                raise DTypeError(f"leaf {key!r}: mean_tree averages floating-point leaves, "
+                                 f"not {dtype}")
+        per_tree = pushing.rows_of(layout, trees_per_device, prefix, "mean_tree")
     count = sum(len(rows) for rows in per_tree)
     counts = kv.workers_max(np.array([count, -count], np.int64), "mean_tree: devices")
     if counts[0] != -counts[1]:

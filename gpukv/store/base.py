@@ -8,6 +8,7 @@ derives from the other.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -103,6 +104,16 @@ class KVStore(ABC):
         shape), as an int64 array. Every worker calls it at the same point: `what` names
         that point in the PeerError of a dist store whose workers do not. One process:
         the values themselves (ArgumentKindError if they are not integers)."""
+
+    def refusals_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """`with kv.refusals_agreed('push'): ...checks...`: for a layer above the store
+        that checks a push (or pushpull) of its own before making it, `op` naming that
+        call in the others' PeerMismatchError. On a dist store, a
+        gpukv error raised inside is made known to the other workers before it goes on,
+        as the store's own refusals are: a worker refusing alone makes the others raise
+        a PeerMismatchError naming it, rather than sum its next push with theirs. One
+        process: nothing to tell."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the calls
     @abstractmethod

@@ -754,9 +754,17 @@ def test_trainer_benchmark_against_ddp(tmp_path):
 def test_jax_trees_on_a_dist_store(n, servers):
     """gpukv.jax across workers of 2 JAX devices each: mean_tree is the mean over every
     device of every worker, and a tree sharded over a worker's devices pushes one value
-    per shard."""
+    per shard; without servers, a push_tree one worker refuses alone fails on every
+    worker at once (the job then ends non-zero, its store failed)."""
     pytest.importorskip("jax")
     env = gpu_env.subprocess_env()
     env.update(GPUKV_NUM_SERVERS=str(servers),
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    _passes(run("jax_trees.py", n, env=env, timeout=120), n - servers)
+    result = run("jax_trees.py", n, env=env, timeout=120)
+    if servers:
+        _passes(result, n - servers)
+    else:
+        assert result.returncode != 0 and all(
+            f"PASS worker {w} of {n}" in result.stdout for w in range(n)), (
+            result.stdout + result.stderr)
+        assert "rank(s) 1 calls gpukv.jax.push_tree refused (ShapeError)" in result.stderr

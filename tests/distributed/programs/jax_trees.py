@@ -1,7 +1,8 @@
 """gpukv.jax on a dist store: every worker holds 2 JAX host devices (XLA_FLAGS), pushes
 a tree per device, then a tree sharded over its devices, and takes the mean over every
-device of every worker. Each worker checks the results against NumPy and prints
-`PASS worker R of N`."""
+device of every worker; then, without servers, one worker's push_tree is refused where
+the others' is not, and every worker says so at once. Each worker checks the results
+against NumPy and prints `PASS worker R of N`."""
 import sys
 
 import jax
@@ -51,7 +52,27 @@ def main() -> None:
         want = params[k] - LR * sum(g[k] for g in every)
         np.testing.assert_allclose(np.asarray(pulled[k]), want, rtol=1e-5, atol=1e-5)
     kv.barrier()
+    if kv.num_servers == 0:  # (with servers a push is no collective: docs/limits.md)
+        refused_alone(kv, params, rank, workers)
     print(f"PASS worker {rank} of {workers}", flush=True)
+
+
+def refused_alone(kv, params, rank: int, workers: int) -> None:
+    """The last worker's push_tree is refused (a leaf of another shape) where the others'
+    is not: it raises its own ShapeError and every other worker a PeerMismatchError
+    naming the refusal, at once, rather than summing that worker's next push with this
+    one (the store is broken after it: the last thing done here)."""
+    last = rank == workers - 1
+    tree = {k: np.ones((5,) if last and k == "b" else v.shape, np.float32)
+            for k, v in params.items()}
+    try:
+        gjax.push_tree(kv, [tree, tree], prefix="params/")
+    except gpukv.ShapeError as exc:
+        assert last and "'b'" in str(exc), exc
+    except gpukv.PeerMismatchError as exc:
+        assert not last and "gpukv.jax.push_tree refused (ShapeError)" in str(exc), exc
+    else:
+        raise AssertionError("the push was not refused")
 
 
 if __name__ == "__main__":
