@@ -219,8 +219,9 @@ def test_a_resumed_schedule_goes_on_bit_for_bit(tmp_path):
         scheduler = lr_scheduler.OneCycleLR(trainer.torch_optimizer, max_lr=0.4,
                                             total_steps=STEPS + 1)
         if trainer.resumed_from is not None:
-            trainer.torch_optimizer.load_state_dict(trainer.user_state["optimizer"])
-            scheduler.load_state_dict(trainer.user_state["scheduler"])
+            saved = trainer.saved_user_state(0)
+            trainer.torch_optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
         for x, y in make_batches()[trainer.steps:stop]:
             trainer.zero_grad()
             backward([model], x, y)
@@ -237,3 +238,19 @@ def test_a_resumed_schedule_goes_on_bit_for_bit(tmp_path):
     run(tmp_path / "parts", STEPS // 2 + 1)  # stops after the snapshot of step 4
     resumed = run(tmp_path / "parts", STEPS)
     assert all(torch.equal(p, q) for p, q in zip(whole, resumed))
+
+
+def test_saved_user_state_is_a_workers_own_and_refuses_what_it_cannot_give(tmp_path):
+    model = make_model()
+    trainer = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         checkpoint_dir=tmp_path)
+    with pytest.raises(gpukv.ArgumentError, match="resumed from no snapshot"):
+        trainer.saved_user_state()
+    trainer.user_state["position"] = 7
+    trainer.close()
+    again = gt.Trainer(make_model(), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       checkpoint_dir=tmp_path)
+    assert again.saved_user_state(0) == {"position": 7} == again.user_state
+    for bad in (1, -1, True, "0"):
+        with pytest.raises(gpukv.ArgumentError, match="the snapshot has workers 0 to 0"):
+            again.saved_user_state(bad)

@@ -214,6 +214,20 @@ class Trainer:
         """The snapshot the Trainer started from (its `path`, `step`, `workers`), or None."""
         return None if self._checkpoints is None else self._checkpoints.resumed
 
+    def saved_user_state(self, worker: int = 0) -> dict:
+        """The `user_state` worker `worker` saved in the snapshot this Trainer resumed
+        from: for state every worker keeps alike (a torch scheduler's), which a worker
+        the snapshot did not have (a resume on more workers) takes from worker 0's.
+        ArgumentError without a resume, or for a worker the snapshot does not have."""
+        found = self.resumed_from
+        if found is None:
+            raise ArgumentError("saved_user_state: this Trainer resumed from no snapshot")
+        if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) \
+                or not 0 <= worker < found.workers:
+            raise ArgumentError(f"saved_user_state: worker={worker!r}; the snapshot has "
+                                f"workers 0 to {found.workers - 1}")
+        return found.user_state(int(worker)).get("user", {})
+
     @property
     def learning_rate(self) -> float:
         """The optimizer's learning rate. With a gpukv lr_scheduler, the schedule's at the
