@@ -27,6 +27,8 @@ from . import failures, host_probe, hostfile, output, process_tree, restarts, ru
 GRACE = 3.0
 #: seconds between SIGTERM and SIGKILL to every process of the job
 TERM_WAIT = 1.0
+#: seconds a rank's end may come before its program's word on it (`run_report.Done`)
+WORD_WAIT = 0.5
 #: seconds a host has to answer before a restart
 PROBE_TIMEOUT = 5.0
 #: seconds `nvidia-smi -L` has to list the GPUs (for -n's default)
@@ -35,6 +37,9 @@ GPU_QUERY_TIMEOUT = 10.0
 PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
+#: what the line of a rank that ended without its program's word says
+_WORDLESS = ("its process ended past Python's own exit (os._exit, or a crash in native "
+             "code)")
 
 DESCRIPTION = f"""\
 Run PROG on N processes with MPICH's mpiexec, as torchrun runs a training script, and make
@@ -447,6 +452,10 @@ class Job:
         self.failures: list[run_report.Report] = []  # every rank's report of a failure
         self.started: dict[int, run_report.Started] = {}
         self.ended: list[run_report.Ended] = []  # in the order they came
+        self.says: set[int] = set()  # ranks whose program says how it ends
+        self.done: set[int] = set()  # ranks whose program said it ended cleanly
+        #: rank -> when its process's end came without its program's word yet
+        self.unsaid: dict[int, float] = {}
         self.said = failures.MpiexecWords()
         self.first: list[run_report.Report] | str | None = None  # what failed first
         self.exited_badly = False  # mpiexec ended non-zero (its words may still come)
@@ -455,6 +464,7 @@ class Job:
         self.deadline: float | None = None  # when the job is ended by force
         self.process: subprocess.Popen | None = None
         self._streams: dict[int, tuple[int, output.Demux]] = {}  # fd -> (1 or 2, demux)
+        self._reports: socket.socket | None = None  # the ranks' reports, while they come
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -463,6 +473,7 @@ class Job:
         with socket.socket(family, socket.SOCK_DGRAM) as reports:
             reports.bind((self.address, 0))
             reports.setblocking(False)
+            self._reports = reports
             port = reports.getsockname()[1]
             where = f"[{self.address}]" if family == socket.AF_INET6 else self.address
             env = {**os.environ, **self.extra_env, run_report.ENV: f"{where}:{port}"}
@@ -483,6 +494,7 @@ class Job:
                     # under load may come after mpiexec's exit): read before concluding
                     self._drain(TERM_WAIT)
                 self._finish_output()
+                self._reports = None  # (closed with this block)
                 for s, handler in handlers.items():
                     signal.signal(s, handler)
         return self._conclude(status)
@@ -501,6 +513,7 @@ class Job:
                         self._read_reports(reports)
                     elif not self._forward(key.fd):
                         selector.unregister(key.fd)
+                self._check_unsaid()
                 status = self.process.poll()
                 if status is not None:
                     break
@@ -510,6 +523,7 @@ class Job:
         if status is not None:
             self._drain(TERM_WAIT)  # mpiexec's box and exit codes may follow its exit
         self._read_reports(reports)  # those that came with mpiexec's exit
+        self._check_unsaid(0.0)  # (mpiexec may have ended a job a rank left wordless)
         if status and self.first is None:  # ended badly, no word yet on why
             self._await_ends(reports, TERM_WAIT)
         self.exited_badly = bool(status)
@@ -528,7 +542,10 @@ class Job:
                 if selector.select(timeout=left):
                     self._read_reports(reports)
 
-    def _read_reports(self, reports: socket.socket) -> None:
+    def _read_reports(self, reports: socket.socket | None = None) -> None:
+        reports = reports or self._reports
+        if reports is None:
+            return
         found = []
         while True:
             try:
@@ -540,13 +557,37 @@ class Job:
             report = run_report.parse(data)
             if isinstance(report, run_report.Started):
                 self.started[report.rank] = report
+            elif isinstance(report, run_report.Says):
+                self.says.add(report.rank)
+            elif isinstance(report, run_report.Done):
+                self.done.add(report.rank)
             elif isinstance(report, run_report.Ended):
                 self.ended.append(report)
+                if report.rank in self.says:
+                    self.unsaid.setdefault(report.rank, time.monotonic())
             elif report is not None:
                 found.append(report)
         self.failures += found
         if found and self._failing(found):
             self._end_soon()
+
+    def _check_unsaid(self, wait: float = WORD_WAIT) -> None:
+        """A rank whose program said it would say how it ends, whose process ended
+        without a word after `wait` seconds (`os._exit`, a crash in native code) has
+        failed: mpiexec may leave the others waiting on it until their timeout, or end
+        them and say nothing (the rank's status 0)."""
+        now = time.monotonic()
+        for rank, since in list(self.unsaid.items()):
+            if self.first is not None or self.signal is not None:
+                return  # the job is being ended: its ranks end without a word
+            if rank in self.done or any(r.rank == rank for r in self.failures):
+                del self.unsaid[rank]
+            elif now - since >= wait:
+                del self.unsaid[rank]
+                report = run_report.Report(rank, None, "ended without a word", _WORDLESS)
+                self.failures.append(report)
+                if self._failing([report]):
+                    self._end_soon()
 
     def _forward(self, fd: int) -> bool:
         """Write the lines of what mpiexec wrote to `fd`; whether there may be more."""
@@ -564,9 +605,10 @@ class Job:
         for line in lines:
             text = line.text.decode(errors="replace")
             codes = line.rank is None and self.said.more_codes(text)
-            if not codes and output.about_the_ends(text) and self.said.read(text) \
-                    and self._failing(_BOX):
-                self._end_soon()
+            if not codes and output.about_the_ends(text) and self.said.read(text):
+                self._read_reports()  # (an end without a word may be what mpiexec saw)
+                if self._failing(_BOX):
+                    self._end_soon()
             self.console.write(line, number, self.first is not None or self.signal is not None
                                or self.exited_badly, about_ends=codes)
 
@@ -617,7 +659,10 @@ class Job:
             lines = [failures.of_silence(status if status > 0 else 128 - status,
                                          self.started, self.ended)]
         elif isinstance(self.first, str):  # _BOX: mpiexec's word
-            lines = [failures.of_mpiexec(self.said, self.started, self.ended)]
+            wordless = {e.rank for e in self.ended if e.rank in self.says
+                        and e.rank not in self.done
+                        and not any(r.rank == e.rank for r in self.failures)}
+            lines = [failures.of_mpiexec(self.said, self.started, self.ended, wordless)]
         else:  # every report, the first ones first: the later ones of the grace too
             lines = failures.of_reports(self.failures, self.started)
         self._say([line.words for line in lines])

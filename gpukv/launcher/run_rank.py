@@ -216,12 +216,16 @@ def main(argv: list[str]) -> None:
     program = "" if script[0] == "-m" else os.path.abspath(script[0])
     if not verbose():
         sys.excepthook = _printing_hook(program)
+    if rank is not None:  # how it ends is said below: an end without a word is a failure
+        run_report.send_says(run_report.Says(rank))
     try:
         _run_python(argv)
     except SystemExit as exc:
         status = exit_status(exc.code)
         if status:
             run_report.send(f"exit status {status}", status=status)
+        elif rank is not None:
+            run_report.send_done(run_report.Done(rank))
         raise
     except KeyboardInterrupt:
         if verbose():
@@ -230,6 +234,8 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         run_report.send(f"uncaught {type(exc).__name__}", str(exc), status=1)
         raise
+    if rank is not None:
+        run_report.send_done(run_report.Done(rank))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ kinds of datagram go there, one line each:
   rank, local rank, host and pid, which the launcher's failure lines name;
 - an end (`Ended`): the watcher `run_rank` leaves beside each rank says when the rank's
   process has ended, however it ended (kill -9 included), before mpiexec learns of it: the
-  first of these tells which rank a process that "ended badly" was.
+  first of these tells which rank a process that "ended badly" was;
+- a word on the end (`Says`, `Done`): a Python program run in the rank's own process says
+  at its start that it will say how it ends, and at a clean end that it is done (a failed
+  end is a `Report`): its process ending without either (`os._exit`, a crash in native
+  code) is a failure the launcher acts on at once, where mpiexec may not.
 Sending never blocks nor raises; nothing is sent when the variable is unset.
 """
 from __future__ import annotations
@@ -22,6 +26,8 @@ ENV = "GPUKV_RUN_REPORT"
 _TAG = "gpukv-run-report"
 _STARTED = "gpukv-run-started"
 _ENDED = "gpukv-run-ended"
+_SAYS = "gpukv-run-says-its-end"
+_DONE = "gpukv-run-done"
 _LIMIT = 1024  # bytes: small enough to cross any link in one piece
 # where MPI launchers put a process's rank in the world (MPICH's Hydra, Open MPI, PMIx)
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -49,6 +55,16 @@ class Ended(NamedTuple):
     """A rank's process that ended, told by the watcher beside it: its rank and pid."""
     rank: int
     pid: int
+
+
+class Says(NamedTuple):
+    """A rank whose program will say how it ends (`Done`, or a failure `Report`)."""
+    rank: int
+
+
+class Done(NamedTuple):
+    """A rank whose program ended cleanly (status 0), said before its process ends."""
+    rank: int
 
 
 def world_rank(default: int | None = None) -> int | None:
@@ -100,11 +116,22 @@ def send_ended(ended: Ended) -> bool:
     return _send([_ENDED, ended.rank, ended.pid])
 
 
+def send_says(says: Says) -> bool:
+    """Tell the launcher a rank's program will say how it ends; whether it was sent."""
+    return _send([_SAYS, says.rank])
+
+
+def send_done(done: Done) -> bool:
+    """Tell the launcher a rank's program ended cleanly; whether it was sent (twice: a
+    lost one would make a clean end look like a failure)."""
+    return any([_send([_DONE, done.rank]) for _ in range(2)])
+
+
 def _number(text: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
-def parse(data: bytes) -> Report | Started | Ended | None:
+def parse(data: bytes) -> Report | Started | Ended | Says | Done | None:
     """The report in a datagram, or None when it is not one."""
     fields = data.decode(errors="replace").rstrip("\n").split("\t")
     if len(fields) == 5 and fields[0] == _TAG:
@@ -117,4 +144,6 @@ def parse(data: bytes) -> Report | Started | Ended | None:
     if len(fields) == 3 and fields[0] == _ENDED and fields[1].isdigit() \
             and fields[2].isdigit():
         return Ended(int(fields[1]), int(fields[2]))
+    if len(fields) == 2 and fields[1].isdigit() and fields[0] in (_SAYS, _DONE):
+        return (Says if fields[0] == _SAYS else Done)(int(fields[1]))
     return None

@@ -103,11 +103,13 @@ def test_a_clean_job_returns_zero_and_its_output(tmp_path):
     ("raise", 1, "uncaught ValueError: rank 1 fails on purpose"),
     ("exit", 3, "exit status 3"),
     ("kill", 9, "killed by signal 9 (SIGKILL)"),
+    ("os-exit", 1, "ended without a word: its process ended past Python's own exit"),
 ])
 def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, says):
-    """A rank that raises, exits non-zero or is SIGKILLed while the others wait forever:
-    one line names it, and every process is gone with the rank's status (1 for an
-    exception) within the grace and a few seconds of the failure."""
+    """A rank that raises, exits non-zero, is SIGKILLed or ends by os._exit (even with
+    status 0, which mpiexec takes for no failure) while the others wait forever: one line
+    names it, and every process is gone with the rank's status (1 for an exception, or
+    when none was said) within the grace and a few seconds of the failure."""
     code, _, err, ended = _finish(_launch(mode, tmp_path))
     failed_at = float((tmp_path / "failed-at").read_text())
     assert code == status, err

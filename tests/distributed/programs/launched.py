@@ -4,7 +4,8 @@ Every rank first writes its pid to DIR/rank-R.pid (once its signal handlers are 
 the test can check that no process of the job is left. A rank that fails on purpose writes
 the time it does to DIR/failed-at first. The ranks that do not fail wait forever.
 Modes: `clean` (each rank prints a line and ends), `raise` (rank 1 ends on an uncaught
-ValueError), `exit` (rank 1 calls sys.exit(3)), `kill` (rank 1 is SIGKILLed), `stuck`
+ValueError), `exit` (rank 1 calls sys.exit(3)), `kill` (rank 1 is SIGKILLed), `os-exit`
+(rank 1 calls os._exit(0), past Python's exit and its reports), `stuck`
 (rank 1 ignores SIGTERM and stops its MPI proxy, so mpiexec can never end the job, and
 rank 0 gets a PeerError from the store it creates), `interrupt` and `deaf` (each rank
 writes a line to DIR/rank-R.signals for each SIGINT or SIGTERM it gets, and ends; in `deaf`
@@ -95,14 +96,16 @@ def main(mode: str, folder: Path) -> None:
             time.sleep(0.3)
             raise TypeError("rank 2 fails next")
         wait_forever()
-    if mode in ("raise", "exit", "kill"):
+    if mode in ("raise", "exit", "kill", "os-exit"):
         world.Barrier()  # every rank has written its pid file: none is killed before it
-    if rank == 1 and mode in ("raise", "exit", "kill"):
+    if rank == 1 and mode in ("raise", "exit", "kill", "os-exit"):
         failing(folder)
         if mode == "raise":
             raise ValueError("rank 1 fails on purpose")
         if mode == "exit":
             sys.exit(3)
+        if mode == "os-exit":
+            os._exit(0)  # no word on its end, and a status that says nothing went wrong
         os.kill(os.getpid(), signal.SIGKILL)
     wait_forever()
 
