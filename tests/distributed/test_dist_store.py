@@ -456,6 +456,8 @@ def test_with_servers_an_init_one_worker_never_made_is_named():
     lines = _caught(result.stdout, "PeerError")
     assert len(lines) == 2, result.stdout + result.stderr
     assert all("init of key 3: worker(s) 1 did not init it" in ln for ln in lines), lines
+    # (gpukv run's lines number the job's ranks, the servers first)
+    assert all("(worker W is rank 1+W of the job)" in ln for ln in lines), lines
 
 
 def test_an_updater_error_on_a_keys_owner_reaches_every_process_at_once():

@@ -752,7 +752,11 @@ class _Server:
             return
 
     def fail(self, error: PeerError) -> None:
-        """Tell every worker, and answer everything from now on with the same failure."""
+        """Tell every worker, and answer everything from now on with the same failure
+        (which says how its worker numbers map to the job's ranks, which `gpukv run`'s
+        lines name: the servers are the first ranks)."""
+        if "worker" in str(error):
+            error = type(error)(f"{error} (worker W is rank {self.servers}+W of the job)")
         self.failure = error
         for w in range(self.workers):
             self.tell(w, error)
