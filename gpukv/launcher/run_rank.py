@@ -228,6 +228,7 @@ def main(argv: list[str]) -> None:
             run_report.send_done(run_report.Done(rank))
         raise
     except KeyboardInterrupt:
+        run_report.send("interrupted (KeyboardInterrupt)", status=130)
         if verbose():
             raise
         raise SystemExit(130) from None  # the launcher says it in one line
