@@ -315,7 +315,8 @@ class Optimizer:
         num_update = max(self.num_update, count)
         lr = self.lr_scheduler(num_update) if self.lr_scheduler is not None else self.lr
         self._index_update_count[key] = count  # (counted once the schedule answered)
-        self.num_update = num_update
+        if num_update != self.num_update:  # (a set costs a call of __setattr__ a key)
+            self.num_update = num_update
         lr *= self._mult(self.lr_mult, key)
         wd = self.wd * self._mult(self.wd_mult, key)
         return self._scalars(lr, wd, count)
