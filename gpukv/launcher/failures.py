@@ -182,8 +182,8 @@ def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
                ended: list[Ended], wordless: set | frozenset = frozenset()) -> Failure:
     """The line of the first failure mpiexec told of: a rank's MPI_Abort, or a process that
     ended badly (the first rank whose end was reported and whose status, where mpiexec
-    gave them, is not 0, or which ended without its program's word: `wordless`, an
-    `os._exit(0)` that mpiexec then ends the others for)."""
+    gave them, is not 0, or which ended without its program's word: `wordless`, a C-level
+    `_exit(0)` that mpiexec then ends the others for)."""
     if said.abort is not None:
         abort = said.abort
         words = abort.words or f"called MPI_Abort with error code {abort.code}"
@@ -200,7 +200,7 @@ def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
         status = said.status_of(started[first])
         if status == 0:  # wordless
             return Failure(f"{who(first, started)}: ended without a word: its process "
-                           f"ended past Python's own exit (os._exit), with status 0", 1)
+                           f"ended past Python's own exit, with status 0", 1)
         how = how_it_ended(status) if status is not None else _how_of_box(box)
         return Failure(f"{who(first, started)}: {how.words}", how.status)
     how = _how_of_box(box)

@@ -38,8 +38,7 @@ PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
 #: what the line of a rank that ended without its program's word says
-_WORDLESS = ("its process ended past Python's own exit (os._exit, or a crash in native "
-             "code)")
+_WORDLESS = "its process ended past Python's own exit (a crash in native code, or C's _exit)"
 
 DESCRIPTION = f"""\
 Run PROG on N processes with MPICH's mpiexec, as torchrun runs a training script, and make
@@ -561,6 +560,8 @@ class Job:
                 self.says.add(report.rank)
             elif isinstance(report, run_report.Done):
                 self.done.add(report.rank)
+            elif isinstance(report, run_report.Execs):
+                self.says.discard(report.rank)
             elif isinstance(report, run_report.Ended):
                 self.ended.append(report)
                 if report.rank in self.says:

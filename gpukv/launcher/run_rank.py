@@ -216,27 +216,73 @@ def main(argv: list[str]) -> None:
     program = "" if script[0] == "-m" else os.path.abspath(script[0])
     if not verbose():
         sys.excepthook = _printing_hook(program)
-    if rank is not None:  # how it ends is said below: an end without a word is a failure
-        run_report.send_says(run_report.Says(rank))
+    ends = _EndWords(rank)
     try:
         _run_python(argv)
     except SystemExit as exc:
-        status = exit_status(exc.code)
-        if status:
-            run_report.send(f"exit status {status}", status=status)
-        elif rank is not None:
-            run_report.send_done(run_report.Done(rank))
+        ends.ended(exit_status(exc.code), "exit status {}")
         raise
     except KeyboardInterrupt:
-        run_report.send("interrupted (KeyboardInterrupt)", status=130)
+        ends.said("interrupted (KeyboardInterrupt)", 130)
         if verbose():
             raise
         raise SystemExit(130) from None  # the launcher says it in one line
     except BaseException as exc:
-        run_report.send(f"uncaught {type(exc).__name__}", str(exc), status=1)
+        ends.said(f"uncaught {type(exc).__name__}", 1, str(exc))
         raise
-    if rank is not None:
-        run_report.send_done(run_report.Done(rank))
+    ends.ended(0, "")
+
+
+class _EndWords:
+    """How this rank's Python program ends, said to the launcher: that it will say so (at
+    its start), then a clean end (`Done`) or a failure (a report). `os._exit` says it too,
+    and an `os.exec*` that replaces the program withdraws the promise (the program run
+    then says nothing). Only this process speaks for the rank: a forked child (a data
+    loader's worker) that ends, by `os._exit` or through this module, says nothing."""
+
+    def __init__(self, rank: int | None):
+        self.rank, self.pid = rank, os.getpid()
+        if rank is None or not os.environ.get(run_report.ENV):
+            return
+        run_report.send_says(run_report.Says(rank))
+        real_exit, real_execv, real_execve = os._exit, os.execv, os.execve
+
+        def _exit(status):
+            self.ended(status if isinstance(status, int) else 1, "exit status {} (os._exit)")
+            real_exit(status)
+
+        def execv(path, args):
+            self.withdrawn()
+            real_execv(path, args)
+
+        def execve(path, args, env):
+            self.withdrawn()
+            real_execve(path, args, env)
+        # (os.execl*, execvp* and execvpe go through these two)
+        os._exit, os.execv, os.execve = _exit, execv, execve
+
+    def _mine(self) -> int | None:
+        """The rank, when this process speaks for it (else None)."""
+        return self.rank if os.getpid() == self.pid else None
+
+    def ended(self, status: int, words: str) -> None:
+        """The program ends with `status` (words: its report's, `{}` the status)."""
+        rank = self._mine()
+        if rank is None:
+            return
+        if status:
+            run_report.send(words.format(status), status=status)
+        else:
+            run_report.send_done(run_report.Done(rank))
+
+    def said(self, what: str, status: int, message: str = "") -> None:
+        if self._mine() is not None:
+            run_report.send(what, message, status=status)
+
+    def withdrawn(self) -> None:
+        rank = self._mine()
+        if rank is not None:
+            run_report.send_execs(run_report.Execs(rank))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ kinds of datagram go there, one line each:
 - an end (`Ended`): the watcher `run_rank` leaves beside each rank says when the rank's
   process has ended, however it ended (kill -9 included), before mpiexec learns of it: the
   first of these tells which rank a process that "ended badly" was;
-- a word on the end (`Says`, `Done`): a Python program run in the rank's own process says
-  at its start that it will say how it ends, and at a clean end that it is done (a failed
-  end is a `Report`): its process ending without either (`os._exit`, a crash in native
-  code) is a failure the launcher acts on at once, where mpiexec may not.
+- a word on the end (`Says`, `Done`, `Execs`): a Python program run in the rank's own
+  process says at its start that it will say how it ends, and at a clean end that it is
+  done (a failed end is a `Report`; `os._exit` says either), or, replacing itself by
+  `os.exec*`, that it will not: its process ending without a word (a crash in native code,
+  a C-level `_exit`) is a failure the launcher acts on at once, where mpiexec may not.
 Sending never blocks nor raises; nothing is sent when the variable is unset.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ _STARTED = "gpukv-run-started"
 _ENDED = "gpukv-run-ended"
 _SAYS = "gpukv-run-says-its-end"
 _DONE = "gpukv-run-done"
+_EXECS = "gpukv-run-execs"
 _LIMIT = 1024  # bytes: small enough to cross any link in one piece
 # where MPI launchers put a process's rank in the world (MPICH's Hydra, Open MPI, PMIx)
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -64,6 +66,11 @@ class Says(NamedTuple):
 
 class Done(NamedTuple):
     """A rank whose program ended cleanly (status 0), said before its process ends."""
+    rank: int
+
+
+class Execs(NamedTuple):
+    """A rank whose program replaced itself (`os.exec*`): its end will not be said."""
     rank: int
 
 
@@ -127,11 +134,16 @@ def send_done(done: Done) -> bool:
     return any([_send([_DONE, done.rank]) for _ in range(2)])
 
 
+def send_execs(execs: Execs) -> bool:
+    """Tell the launcher a rank's program is replacing itself; whether it was sent."""
+    return _send([_EXECS, execs.rank])
+
+
 def _number(text: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
-def parse(data: bytes) -> Report | Started | Ended | Says | Done | None:
+def parse(data: bytes) -> Report | Started | Ended | Says | Done | Execs | None:
     """The report in a datagram, or None when it is not one."""
     fields = data.decode(errors="replace").rstrip("\n").split("\t")
     if len(fields) == 5 and fields[0] == _TAG:
@@ -144,6 +156,12 @@ def parse(data: bytes) -> Report | Started | Ended | Says | Done | None:
     if len(fields) == 3 and fields[0] == _ENDED and fields[1].isdigit() \
             and fields[2].isdigit():
         return Ended(int(fields[1]), int(fields[2]))
-    if len(fields) == 2 and fields[1].isdigit() and fields[0] in (_SAYS, _DONE):
-        return (Says if fields[0] == _SAYS else Done)(int(fields[1]))
+    if len(fields) == 2 and fields[1].isdigit():
+        number = int(fields[1])
+        if fields[0] == _SAYS:
+            return Says(number)
+        if fields[0] == _DONE:
+            return Done(number)
+        if fields[0] == _EXECS:
+            return Execs(number)
     return None

@@ -522,10 +522,12 @@ def test_start_and_end_reports_arrive_on_one_line(monkeypatch):
         assert run_report.send_done(run_report.Done(3))  # twice: one may be lost
         assert [run_report.parse(sock.recv(4096)) for _ in range(2)] == [
             run_report.Done(3)] * 2
+        assert run_report.send_execs(run_report.Execs(3))
+        assert run_report.parse(sock.recv(4096)) == run_report.Execs(3)
 
 
 def test_a_rank_that_ended_without_a_word_is_the_failed_one_even_with_status_0():
-    """mpiexec's box names rank 0, which it killed after rank 1 ended by os._exit(0):
+    """mpiexec's box names rank 0, which it killed after rank 1 ended by C's _exit(0):
     rank 1, whose end came first and without its program's word, is the failed one."""
     said = failures.MpiexecWords()
     for line in ["=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
@@ -538,7 +540,7 @@ def test_a_rank_that_ended_without_a_word_is_the_failed_one_even_with_status_0()
         "rank 0 (local rank 0) on host vm, pid 9000: killed by signal 9 (SIGKILL)", 9)
     assert failures.of_mpiexec(said, started, ended, wordless={1}) == failures.Failure(
         "rank 1 (local rank 1) on host vm, pid 9001: ended without a word: its process "
-        "ended past Python's own exit (os._exit), with status 0", 1)
+        "ended past Python's own exit, with status 0", 1)
 
 
 def test_help_speaks_torchrun():

@@ -103,13 +103,15 @@ def test_a_clean_job_returns_zero_and_its_output(tmp_path):
     ("raise", 1, "uncaught ValueError: rank 1 fails on purpose"),
     ("exit", 3, "exit status 3"),
     ("kill", 9, "killed by signal 9 (SIGKILL)"),
-    ("os-exit", 1, "ended without a word: its process ended past Python's own exit"),
+    ("os-exit", 3, "exit status 3 (os._exit)"),
+    ("native-exit", 1, "ended without a word: its process ended past Python's own exit"),
 ])
 def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, says):
-    """A rank that raises, exits non-zero, is SIGKILLed or ends by os._exit (even with
-    status 0, which mpiexec takes for no failure) while the others wait forever: one line
-    names it, and every process is gone with the rank's status (1 for an exception, or
-    when none was said) within the grace and a few seconds of the failure."""
+    """A rank that raises, exits non-zero (by sys.exit or os._exit), is SIGKILLed or ends
+    past Python's exit (C's _exit, even with status 0, which mpiexec takes for no
+    failure) while the others wait forever: one line names it, and every process is gone
+    with the rank's status (1 for an exception, or when none was said) within the grace
+    and a few seconds of the failure."""
     code, _, err, ended = _finish(_launch(mode, tmp_path))
     failed_at = float((tmp_path / "failed-at").read_text())
     assert code == status, err
@@ -117,6 +119,23 @@ def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, say
     assert len(lines) == 1 and _names(tmp_path, 1) + says in lines[0], err
     assert ended - failed_at < GRACE + launch.TERM_WAIT + SLACK, err
     assert not _left(tmp_path, 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["os-exit", "exec"])
+def test_a_clean_end_past_pythons_exit_is_no_failure(mode):
+    """Ranks that end by os._exit(0) (to skip a slow teardown) or by exec'ing another
+    program that ends well: status 0, no line of ours."""
+    require_mpi()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "gpukv", "run", "-n", "3", "--grace", str(GRACE),
+         str(PROGRAMS / "ends_past_python.py"), mode], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    status, out, err, _ = _finish(launcher)
+    assert status == 0, err
+    assert sorted(re.findall(r"rank \d of 3 ran", out)) == [
+        f"rank {r} of 3 ran" for r in range(3)], out
+    assert not _said(err), err
 
 
 @pytest.mark.mpi

@@ -5,7 +5,8 @@ the test can check that no process of the job is left. A rank that fails on purp
 the time it does to DIR/failed-at first. The ranks that do not fail wait forever.
 Modes: `clean` (each rank prints a line and ends), `raise` (rank 1 ends on an uncaught
 ValueError), `exit` (rank 1 calls sys.exit(3)), `kill` (rank 1 is SIGKILLed), `os-exit`
-(rank 1 calls os._exit(0), past Python's exit and its reports), `stuck`
+(rank 1 calls os._exit(3)), `native-exit` (rank 1 calls C's _exit(0), past Python's exit
+and its reports), `stuck`
 (rank 1 ignores SIGTERM and stops its MPI proxy, so mpiexec can never end the job, and
 rank 0 gets a PeerError from the store it creates), `interrupt` and `deaf` (each rank
 writes a line to DIR/rank-R.signals for each SIGINT or SIGTERM it gets, and ends; in `deaf`
@@ -20,6 +21,7 @@ uncaught ValueError, rank 2 on a TypeError 0.3 s later.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -96,16 +98,19 @@ def main(mode: str, folder: Path) -> None:
             time.sleep(0.3)
             raise TypeError("rank 2 fails next")
         wait_forever()
-    if mode in ("raise", "exit", "kill", "os-exit"):
+    failures = ("raise", "exit", "kill", "os-exit", "native-exit")
+    if mode in failures:
         world.Barrier()  # every rank has written its pid file: none is killed before it
-    if rank == 1 and mode in ("raise", "exit", "kill", "os-exit"):
+    if rank == 1 and mode in failures:
         failing(folder)
         if mode == "raise":
             raise ValueError("rank 1 fails on purpose")
         if mode == "exit":
             sys.exit(3)
         if mode == "os-exit":
-            os._exit(0)  # no word on its end, and a status that says nothing went wrong
+            os._exit(3)
+        if mode == "native-exit":  # no word on its end, and a status saying nothing failed
+            ctypes.CDLL(None)._exit(0)
         os.kill(os.getpid(), signal.SIGKILL)
     wait_forever()
 
