@@ -135,7 +135,7 @@ def _flag(name: str):
 
 _FRACTION = {"low": 0, "high": 1, "high_open": True}  # [0, 1)
 _POSITIVE = {"low": 0, "low_open": True}  # (0, inf)
-#: {attribute: its check}: every option of every rule, checked whenever it is set, in
+#: {attribute: its check}: every option of gpukv's rules, checked whenever it is set, in
 #: the constructor or later (`opt.clip_gradient = -1` would reverse the gradient); one
 #: name has the same range in every rule that has it
 OPTION_CHECKS = {
@@ -159,6 +159,12 @@ OPTION_CHECKS = {
     "centered": _flag("centered"),
     "bias_correction": _flag("bias_correction"),
 }
+
+
+def _checked(option_names) -> frozenset:
+    """The attributes of `option_names` that OPTION_CHECKS checks (learning_rate is `lr`)."""
+    return frozenset({"lr" if name == "learning_rate" else name for name in option_names}
+                     & OPTION_CHECKS.keys())
 
 
 def _checked_names(param_idx2name) -> dict:
@@ -241,9 +247,15 @@ class Optimizer:
         self.set_wd_mult({})
         self._index_update_count: dict = {}
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("gpukv."):  # (a user's rule keeps its base's checks)
+            cls.checked_options = _checked(cls.option_names)
+
     def __setattr__(self, name: str, value) -> None:
-        check = OPTION_CHECKS.get(name)
-        object.__setattr__(self, name, value if check is None else check(value))
+        if name in type(self).checked_options:
+            value = OPTION_CHECKS[name](value)
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------- MXNet's interface
     @property
@@ -402,6 +414,10 @@ class Optimizer:
     option_names: ClassVar[tuple[str, ...]] = (
         "learning_rate", "wd", "rescale_grad", "clip_gradient", "begin_num_update",
         "multi_precision")
+    #: the attributes `__setattr__` checks (`OPTION_CHECKS`): a gpukv rule's own options;
+    #: a rule defined outside gpukv checks those of the gpukv rule it derives from, and
+    #: attributes of its own, whatever their names, are its own business
+    checked_options: ClassVar[frozenset] = _checked(option_names)
 
     def options(self) -> dict:
         """The constructor arguments that rebuild this optimizer (plain JSON values)."""

@@ -264,6 +264,26 @@ def test_an_option_set_as_an_attribute_is_checked_as_the_constructor_checks_it(
     assert (out < 1).all()  # a step down the gradient
 
 
+def test_a_users_rule_keeps_its_own_attributes_whatever_their_names():
+    """The attribute checks are gpukv's rules' own: a rule defined outside gpukv may give
+    `momentum`, `eps` or `beta1` meanings of its own (None for off, 0, 1), and keeps the
+    checks of the gpukv rule it derives from (the base's, or SGD's)."""
+    class Mine(optim.Optimizer):
+        def __init__(self, momentum=None, eps=0.0, beta1=1.0, learning_rate=0.1):
+            super().__init__(learning_rate=learning_rate)
+            self.momentum, self.eps, self.beta1 = momentum, eps, beta1
+
+    mine = Mine()
+    assert (mine.momentum, mine.eps, mine.beta1) == (None, 0.0, 1.0)
+    with pytest.raises(ArgumentError, match="clip_gradient"):
+        mine.clip_gradient = -1.0
+
+    class MySGD(optim.SGD):
+        pass
+    with pytest.raises(ArgumentError, match="momentum"):
+        MySGD(momentum=1.5)
+
+
 @pytest.mark.parametrize("make", [
     lambda: optim.SGD(learning_rate="0.1"),
     lambda: optim.SGD(lazy_update="yes"),
