@@ -254,3 +254,26 @@ def test_saved_user_state_is_a_workers_own_and_refuses_what_it_cannot_give(tmp_p
     for bad in (1, -1, True, "0"):
         with pytest.raises(gpukv.ArgumentError, match="the snapshot has workers 0 to 0"):
             again.saved_user_state(bad)
+
+
+def test_an_option_set_on_the_optimizer_itself_counts_beside_the_view():
+    """With the view made, options set on trainer.optimizer still count (docs/trainer.md):
+    learning_rate says so, the group shows them, and a scheduler that moves only the
+    rate leaves a momentum set by hand as it is (each option apart: the last change
+    wins)."""
+    trainer, models = _trained_view()
+    view = trainer.torch_optimizer
+    trainer.optimizer.set_learning_rate(0.02)
+    trainer.optimizer.momentum = 0.5
+    assert trainer.learning_rate == 0.02
+    scheduler = lr_scheduler.StepLR(trainer.torch_optimizer, step_size=1, gamma=0.5)
+    assert view.param_groups[0]["lr"] == 0.02  # the scheduler started from the new rate
+    view.step()
+    scheduler.step()
+    assert (trainer.optimizer.lr, trainer.optimizer.momentum) == (0.02, 0.5)
+    assert trainer.learning_rate == 0.01  # the next step's, the scheduler's
+    trainer.zero_grad()
+    backward(models, *make_batches()[0])
+    view.step()
+    assert (trainer.optimizer.lr, trainer.optimizer.momentum) == (0.01, 0.5)
+    assert view.param_groups[0]["momentum"] == 0.5

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import ArgumentError
+from .._errors import ArgumentError, ArgumentKindError
 from ..optim import Optimizer
 from ..optim._base import check_number
 from . import scaling
@@ -32,6 +32,13 @@ def group_options(optimizer: Optimizer) -> dict:
     if "beta1" in options and "beta2" in options:
         group[_BETAS] = (options["beta1"], options["beta2"])
     return group
+
+
+def optimizer_values(optimizer: Optimizer, names) -> dict:
+    """{option: `optimizer`'s value} of `names` ('learning_rate', 'momentum', 'beta1',
+    'beta2': the keys of `TorchOptimizer.scheduled`)."""
+    return {name: optimizer.lr if name == "learning_rate" else vars(optimizer)[name]
+            for name in names}
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -87,6 +94,17 @@ class TorchOptimizer(torch.optim.Optimizer):
                                 "trainer.optimizer.set_lr_mult")
         super().add_param_group(param_group)
 
+    def show(self, name: str, value: float) -> None:
+        """Put `value` of option `name` (a key of `scheduled`) into the group."""
+        group = self.param_groups[0]
+        if name == "learning_rate":
+            group[_LR] = value
+        elif name == "momentum":
+            group[_MOMENTUM] = value
+        else:
+            beta1, beta2 = group[_BETAS]
+            group[_BETAS] = (value, beta2) if name == "beta1" else (beta1, value)
+
     def scheduled(self) -> dict:
         """{optimizer option: value} as the group holds them now ('learning_rate',
         'momentum', 'beta1', 'beta2'); ArgumentError for one out of the optimizer's
@@ -113,8 +131,8 @@ def _number(name: str, value, **limits) -> float:
         value = value.item()
     try:
         return check_number(name, value, **limits)
-    except ArgumentError as exc:
-        raise ArgumentError(f"trainer.torch_optimizer.param_groups[0]: {exc} (momentum "
-                            f"cannot reach 0: it decides the optimizer's states)"
-                            if name == "momentum" else
-                            f"trainer.torch_optimizer.param_groups[0]: {exc}") from exc
+    except (ArgumentError, ArgumentKindError) as exc:
+        raise type(exc)(f"trainer.torch_optimizer.param_groups[0]: {exc} (momentum "
+                        f"cannot reach 0: it decides the optimizer's states)"
+                        if name == "momentum" else
+                        f"trainer.torch_optimizer.param_groups[0]: {exc}") from exc

@@ -25,7 +25,7 @@ from .frozen import start_alike as frozen_start_alike
 from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
-from .torch_optimizer import TorchOptimizer
+from .torch_optimizer import TorchOptimizer, optimizer_values
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
 #: the attribute naming, by weak reference, the Trainer that holds a parameter
@@ -236,8 +236,9 @@ class Trainer:
         the same on every worker whichever keys its optimizer updates (or replicas'
         copies of it, with update_on_kvstore=False, after `load_states` too). With
         `torch_optimizer`, its group's: the next step's."""
-        if self._torch_view is not None:
-            return self._torch_view.scheduled()["learning_rate"]
+        if self._torch_view is not None:  # what the scheduler wrote, else the optimizer's
+            lr = self._torch_view.scheduled()["learning_rate"]
+            return lr if lr != self._viewed["learning_rate"] else self._optimizer.lr
         if self._optimizer.lr_scheduler is None:
             return self._optimizer.lr
         # the copy that counts the updates (a replica's, whose counts load_states restores)
@@ -270,6 +271,8 @@ class Trainer:
             self._torch_view = TorchOptimizer(self, self.param_groups[0]["params"],
                                               self._optimizer)
             self._viewed = self._torch_view.scheduled()
+        else:  # (a scheduler made now starts from what the optimizer has)
+            self._sync_view(take=False)
         return self._torch_view
 
     @property
@@ -689,18 +692,34 @@ class Trainer:
 
     def _take_scheduled(self) -> None:
         """The options a torch scheduler wrote into `torch_optimizer`'s group since the
-        last step, all checked before this step changes anything."""
-        if self._torch_view is None:
-            return
-        options = self._torch_view.scheduled()
-        if options == self._viewed:
+        last step, all checked before this step changes anything; an option set on
+        `trainer.optimizer` itself since then shows in the group instead (each option
+        apart: the last change wins)."""
+        if self._torch_view is not None:
+            self._sync_view(take=True)
+
+    def _sync_view(self, take: bool) -> None:
+        """`_take_scheduled`'s work; without `take`, only the group's catching up with
+        options set on the optimizer (nothing a scheduler wrote is taken)."""
+        view = self._torch_view
+        assert view is not None
+        options = view.scheduled()
+        current = optimizer_values(self._optimizer, options)
+        if options == self._viewed == current:
             return
         for name, value in options.items():
-            if name == "learning_rate":
-                self.set_learning_rate(value)
-            else:  # (the replicas' copies take it at the update, with every setting)
-                setattr(self._optimizer, name, value)
-        self._viewed = options
+            if value != self._viewed[name]:  # a scheduler wrote it
+                if not take:
+                    continue
+                if name == "learning_rate":
+                    self.set_learning_rate(value)
+                else:  # (the replicas' copies take it at the update, with every setting)
+                    setattr(self._optimizer, name, value)
+            elif current[name] != value:  # set on the optimizer itself
+                view.show(name, current[name])
+                self._viewed[name] = current[name]
+        if take:
+            self._viewed = view.scheduled()
 
     def _check_user_state(self) -> None:
         """ArgumentError before a step changes anything, where the snapshot due after it
