@@ -250,9 +250,10 @@ def _caches() -> dict:
 
 
 def library_versions(*names: str) -> dict:
-    """Installed versions of the named distributions (None when one is missing)."""
+    """Installed versions of gpukv and of the named distributions (None when one is
+    missing)."""
     versions = {"python": platform.python_version()}
-    for name in names:
+    for name in ("gpukv", *names):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common  # noqa: E402
 
+from gpukv.device import host_jit  # noqa: E402
 from gpukv.encoding.compressors import Cast, OneBit, Sign, Ternary, TwoBit  # noqa: E402
 
 KINDS = {"2bit": lambda: TwoBit(0.5), "1bit": lambda: OneBit(0.0), "sign": Sign,
@@ -213,7 +214,9 @@ def main(argv=None) -> int:
           f"{limit['median_Bps'] / 1e9:.2f} GB/s")
     payload = {"benchmark": "compression", "machine": _common.machine_info(),
                "versions": {"python": sys.version.split()[0],
-                            **_common.library_versions("numpy", "cupy-cuda12x")},
+                            **_common.library_versions("numpy", "numba", "cupy-cuda12x")},
+               # which host codecs ran: the compiled ones, or their NumPy twins
+               "host_codecs": "numba" if host_jit.enabled() else "numpy",
                "host_copy_bandwidth": limit, "units": "GB/s of float32 values",
                "results": records, "sums": sums}
     _common.save_results(payload, args.out, _common.result_name("compression"))

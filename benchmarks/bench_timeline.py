@@ -123,7 +123,9 @@ def main(argv=None) -> int:
                         round(noise, 4)]])
         print(f"(spans per step recorded: {spans / 2:.0f}; {args.replicas} replicas, "
               f"{len(trainer.keys)} keys, {args.rounds} rounds)")
-        payload = {"machine": C.machine_info(), "replicas": args.replicas,
+        payload = {"machine": C.machine_info(),
+                   "libraries": C.library_versions("numpy", "torch"),
+                   "replicas": args.replicas,
                    "rounds": args.rounds, "keys": len(trainer.keys),
                    "median_step_s": medians, "on_over_off": ratio, "noise_ratio": noise,
                    "spans_per_step": spans / 2}

@@ -196,7 +196,11 @@ def table_row(rec: dict) -> list:
 
 def main(argv=None) -> int:
     """Returns 1 when a case failed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch < max(args.devices):  # (a replica without samples has no gradient)
+        parser.error(f"--batch {args.batch}: each of the {max(args.devices)} replicas "
+                     f"needs a sample at least")
     torch.set_num_threads(args.threads)
     records = []
     for replicas in args.devices:

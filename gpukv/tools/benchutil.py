@@ -200,12 +200,20 @@ def _distribution_version(dist: str) -> str | None:
         return None
 
 
+def command_line() -> str:
+    """The command that runs this process again: `python -m gpukv ...` for the `gpukv`
+    command (whose argv[0] is its __main__.py, which cannot run as a file)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py":
+        argv[0:1] = ["-m", Path(argv[0]).parent.name]
+    return " ".join([Path(sys.executable).name] + argv)
+
+
 def write_record(path: Path, payload: dict, created_utc: str) -> Path:
     """Write `payload` after its creation time and the command line as pretty JSON,
     through a temporary file renamed over `path`. Returns `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"created_utc": created_utc,
-              "command": " ".join([Path(sys.executable).name] + sys.argv)}
+    record = {"created_utc": created_utc, "command": command_line()}
     record.update(payload)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -215,6 +215,28 @@ def test_benchmark_script_bad_value_is_an_argument_error(script, option, value):
     assert bad in proc.stderr
 
 
+@pytest.mark.parametrize("script, argv", [
+    ("bench_trainer.py", ["--batch", "3", "--devices", "4"]),
+    ("bench_accuracy.py", ["--quick", "--batch", "2", "--replicas", "4"]),
+])
+def test_a_batch_smaller_than_the_replicas_is_a_usage_error(script, argv):
+    """A replica without samples has no gradient: a usage error (exit 2), not failed
+    cases or meaningless accuracies."""
+    pytest.importorskip("torch")
+    proc = _script(script, *argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "replicas needs a sample at least" in proc.stderr
+
+
+def test_the_recorded_command_of_the_gpukv_command_runs_again(monkeypatch):
+    """`python -m gpukv bench ...` is recorded as that, not as the path of gpukv's
+    __main__.py (which cannot run as a file)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "gpukv" / "__main__.py"), "bench", "--host"])
+    assert benchutil.command_line().endswith(" -m gpukv bench --host")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench_dist.py", "--sizes", "4K"])
+    assert benchutil.command_line().endswith(" benchmarks/bench_dist.py --sizes 4K")
+
+
 @pytest.mark.parametrize("text, sizes", [
     ("4K", [4096]), ("4KB,1MiB", [4096, 1 << 20]), ("300", [300]), ("2b", [2]),
     ("4K..64K", [4096, 16384, 65536]),
