@@ -48,6 +48,8 @@ _PREFIX = "gpukv"
 #: `ip netns exec NS` mounts the files of /etc/netns/NS over those of /etc
 _ETC = Path("/etc/netns")
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
+#: a cluster's temporary folder: its tag, then mkdtemp's own letters
+_FOLDER = re.compile(rf"^{_PREFIX}-(\d+)-([0-9a-f]{{6}})-")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)(bit|bps)$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
@@ -119,7 +121,8 @@ def _alive(pid: int) -> bool:
 
 def sweep() -> list[str]:
     """Remove the namespaces of emulated clusters whose process is gone (a run that was
-    killed before it could clean up); the names removed."""
+    killed before it could clean up), and their launcher's temporary folders; the
+    namespaces removed."""
     removed = []
     for namespace in _namespaces():
         match = _NAME.match(namespace)
@@ -128,6 +131,10 @@ def sweep() -> list[str]:
             _ip("netns", "delete", namespace, check=False)
             shutil.rmtree(_ETC / namespace, ignore_errors=True)
             removed.append(namespace)
+    for folder in Path(tempfile.gettempdir()).glob(f"{_PREFIX}-*-*-*"):
+        match = _FOLDER.match(folder.name)  # (named after its cluster's tag)
+        if match and (folder / "netns-ssh").is_file() and not _alive(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 

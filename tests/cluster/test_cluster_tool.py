@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -177,10 +179,14 @@ def test_sweep_removes_what_a_killed_run_left():
     assert left in _namespaces()
     with cluster(2):
         assert left in _namespaces()  # its owner lives
+    tag = left.rsplit("-", 1)[0]
+    folders = list(Path(tempfile.gettempdir()).glob(f"{tag}-*"))
+    assert [f.name for f in folders if (f / "netns-ssh").is_file()], folders
     owner.kill()
     owner.wait()
     tool.sweep()  # (another cluster's start, in a run beside this one, may sweep first)
-    assert not [n for n in _namespaces() if n.startswith(left.rsplit("-", 1)[0])]
+    assert not [n for n in _namespaces() if n.startswith(tag)]
+    assert not [f for f in folders if f.exists()]  # its launcher's folder too
 
 
 @pytest.mark.parametrize("argv, words", [
