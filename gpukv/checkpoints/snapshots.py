@@ -37,6 +37,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import threading
 import weakref
 from dataclasses import dataclass
@@ -655,6 +656,11 @@ def unwritable(root: str) -> str | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return (f"{root}: cannot write snapshots there: {folder} is not writable "
                 f"(a read-only file system, or permissions)")
+    try:  # a file made and removed: what permissions allow root, a file system may not
+        with tempfile.TemporaryFile(dir=folder, prefix=".gpukv-write-check-"):
+            pass
+    except OSError as exc:
+        return f"{root}: cannot write snapshots there: {folder}: {exc.strerror or exc}"
     return None
 
 
