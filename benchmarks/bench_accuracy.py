@@ -31,7 +31,8 @@ torch, the bytes against float32's, and the seconds per epoch (median over epoch
 seeds) against the uncompressed Trainer's in the same run; the ways of a seed are trained
 in turns. JSON with every curve, and a PNG of the curves (one panel per model, one line
 per way, the mean over seeds), go to --out DIR (default benchmarks/results/,
-accuracy_<machine>.json; with another optimizer, accuracy_adam_<machine>.json and so on);
+accuracy_<machine>.json; with another optimizer, accuracy_adam_<machine>.json and so on;
+a --quick run, accuracy_quick_<machine>.json, never a published full run's name);
 the exit status is 1 when a way failed.
 
 `--amp`: every way computes under `torch.autocast` with float16 and scales its loss with a
@@ -511,6 +512,8 @@ def main(argv=None) -> int:
     prefix = "accuracy" if args.optimizer == "sgd" else f"accuracy_{args.optimizer}"
     if args.amp:
         prefix += "_amp"
+    if args.quick:  # (never under the name of a published full run)
+        prefix += "_quick"
     C.save_results(payload, args.out, C.result_name(prefix),
                    plot=lambda png: plot(records, args.models, png, args.optimizer
                                          + (", float16 autocast" if args.amp else "")))

@@ -24,7 +24,7 @@ def quick_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_accuracy.py"), "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=gpu_env.subprocess_env(gpus=False))
-    paths = list(out.glob("accuracy_*.json"))
+    paths = list(out.glob("accuracy_quick_*.json"))
     record = json.loads(paths[0].read_text()) if len(paths) == 1 else None
     return proc, record, out
 
@@ -34,7 +34,8 @@ def _results(record) -> dict:
 
 
 def test_quick_run_succeeds_and_writes_one_record(quick_run):
-    """--quick exits 0, prints the table and writes one accuracy_<machine>.json."""
+    """--quick exits 0, prints the table and writes one accuracy_quick_<machine>.json
+    (not the name of a published full run)."""
     proc, record, _ = quick_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert record is not None, proc.stdout
