@@ -572,6 +572,10 @@ class Job:
         if found and self._failing(found):
             self._end_soon()
 
+    def _said_its_end(self, rank: int) -> bool:
+        """Whether `rank`'s program said how it ended: done, or a failure report."""
+        return rank in self.done or any(r.rank == rank for r in self.failures)
+
     def _check_unsaid(self, wait: float = WORD_WAIT) -> None:
         """A rank whose program said it would say how it ends, whose process ended
         without a word after `wait` seconds (`os._exit`, a crash in native code) has
@@ -581,7 +585,7 @@ class Job:
         for rank, since in list(self.unsaid.items()):
             if self.first is not None or self.signal is not None:
                 return  # the job is being ended: its ranks end without a word
-            if rank in self.done or any(r.rank == rank for r in self.failures):
+            if self._said_its_end(rank):
                 del self.unsaid[rank]
             elif now - since >= wait:
                 del self.unsaid[rank]
@@ -660,9 +664,8 @@ class Job:
             lines = [failures.of_silence(status if status > 0 else 128 - status,
                                          self.started, self.ended)]
         elif isinstance(self.first, str):  # _BOX: mpiexec's word
-            wordless = {e.rank for e in self.ended if e.rank in self.says
-                        and e.rank not in self.done
-                        and not any(r.rank == e.rank for r in self.failures)}
+            wordless = {e.rank for e in self.ended
+                        if e.rank in self.says and not self._said_its_end(e.rank)}
             lines = [failures.of_mpiexec(self.said, self.started, self.ended, wordless)]
         else:  # every report, the first ones first: the later ones of the grace too
             lines = failures.of_reports(self.failures, self.started)

@@ -252,8 +252,8 @@ class Trainer:
         for opt in self._update.replica_optimizers:
             opt.set_learning_rate(lr)
         if self._torch_view is not None:
-            self._torch_view.param_groups[0]["lr"] = self._viewed["learning_rate"] = \
-                self._optimizer.lr
+            self._torch_view.show("learning_rate", self._optimizer.lr)
+            self._viewed["learning_rate"] = self._optimizer.lr
 
     @property
     def torch_optimizer(self) -> TorchOptimizer:
@@ -381,10 +381,8 @@ class Trainer:
         `step`; with update_on_kvstore=False only, as in gluon). After
         `allreduce_grads` it updates what that summed; else stale gradients are checked
         as by `step` (`ignore_stale_grad`: as `step`'s)."""
-        self._check_owner()
-        _check_flag("ignore_stale_grad", ignore_stale_grad)
         replicas = self._replica_update("update")
-        self._take_scheduled()
+        self._start_step(ignore_stale_grad)
         self._check_user_state()
         scale = self._scale_for(batch_size)
         self._grads.check_trainable()
