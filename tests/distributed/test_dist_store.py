@@ -327,12 +327,13 @@ def test_bad_checkpoint_fails_on_every_worker_and_changes_nothing(tmp_path):
 
 
 # ---------------------------------------------------------------------------- failures
-@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
-def test_stalled_worker_is_named_on_every_rank(n, servers):
+@pytest.mark.parametrize("n,servers,rounds_first", [(3, 0, "0"), (3, 1, "0"), (3, 0, "5")])
+def test_stalled_worker_is_named_on_every_rank(n, servers, rounds_first):
     """A worker that stops answering: the others raise PeerError naming it within a few
-    timeouts, and the job ends (non-zero) instead of hanging."""
+    timeouts, and the job ends (non-zero) instead of hanging. After five rounds the
+    others wait in a sum that carries its agreement: the same."""
     start = time.monotonic()
-    result = _scenario(n, servers, "stall", "1", timeout=3, limit=90)
+    result = _scenario(n, servers, "stall", "1", "", rounds_first, timeout=3, limit=90)
     took = time.monotonic() - start
     assert result.returncode != 0
     lines = _caught(result.stdout, "PeerError")
@@ -383,11 +384,12 @@ def test_an_uncaught_error_ends_the_job_at_once(servers):
     assert took < 10, (took, out)
 
 
-@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
-def test_killed_worker_ends_the_job(n, servers):
+@pytest.mark.parametrize("n,servers,at", [(3, 0, "1"), (3, 1, "1"), (3, 0, "5")])
+def test_killed_worker_ends_the_job(n, servers, at):
     """A worker killed mid-training ends the whole job with a non-zero status and
-    mpiexec's message naming the dead rank, in bounded time (mpiexec aborts the job)."""
-    result = _scenario(n, servers, "kill", "1", timeout=5, limit=90)
+    mpiexec's message naming the dead rank, in bounded time (mpiexec aborts the job);
+    at step 5 the others wait in a sum that carries its agreement."""
+    result = _scenario(n, servers, "kill", "1", at, timeout=5, limit=90)
     assert result.returncode != 0, result.stdout
     assert "PASS" not in result.stdout
     assert "BAD TERMINATION" in result.stdout + result.stderr, result.stdout + result.stderr
@@ -512,6 +514,19 @@ def test_python_runs_while_a_push_waits_for_a_peer(n, servers):
     rate, waited = re.search(r"RATE ([\d.]+) waited (True|False)", out).groups()
     assert waited == "True", out  # the loop ran while the push waited
     assert float(rate) > 0.5, out
+
+
+def test_small_sums_carry_their_agreement_and_a_call_of_ones_own_is_still_named():
+    """Loops of small pushpulls sum right with their agreement inside the sum (most
+    rounds one allreduce: counted in the program), through changes of key, packing,
+    a barrier and a new key; a worker making a key alone before a foretold round is a
+    PeerMismatchError naming both calls on every worker, not mixed data or a hang."""
+    result = _scenario(3, 0, "fused_rounds", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == 3, result.stdout + result.stderr
+    assert all("rank(s) 0 calls init of key 'z'" in ln
+               and "rank(s) 1, 2 calls push assigning the sum of key 'a'" in ln
+               for ln in lines), lines
 
 
 def test_different_keys_in_one_round_are_refused():

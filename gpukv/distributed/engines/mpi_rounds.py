@@ -26,6 +26,7 @@ import numpy as np
 
 from ...canonical.arrays import node_ranges
 from ...encoding.compressors import Ctx, compresses_key
+from ..mpi.fused import FusedSum, fusible
 from ..mpi.transport import as_bytes
 from . import exchange, low_rank
 from .layout import displacements, even
@@ -126,6 +127,39 @@ class MpiRounds:
         if not (summed.alone or summed.packed):
             return None
         return lambda: self._start_allreduce(summed, by_key)
+
+    def fused(self, keys, by_key: dict) -> FusedSum | None:
+        """A round without an updater that is one small allreduce, as a sum that may carry
+        its agreement (`Agreement.check`'s `fused`); None for the others."""
+        if not (self.state.assigns and self.state.compressor is None):
+            return None
+        summed = self._sum_plan_of(keys)
+        if summed.split or len(summed.alone) + len(summed.packed) != 1:
+            return None
+        if summed.packed:
+            placed, send, recv = summed.packed[0]
+
+            def fill(buffer):
+                for key, offset, n in placed:
+                    buffer[offset:offset + n] = by_key[key][0].reshape(-1)
+
+            def take(sums):
+                recv[...] = sums  # (the round unpacks it into the keys' copies)
+                return []
+            dtype, count = recv.dtype, recv.size
+        else:
+            grad, replica = by_key[summed.alone[0]]
+
+            def fill(buffer):
+                buffer[...] = grad.reshape(-1)
+
+            def take(sums):
+                replica.reshape(-1)[...] = sums
+                return []
+            dtype, count = replica.dtype, replica.size
+        if not fusible(dtype, count):
+            return None
+        return FusedSum((np.dtype(dtype), int(count)), fill, take)
 
     def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key (in canonical order) to

@@ -140,6 +140,10 @@ class NcclRounds:
         """Nothing starts beside the agreement: NCCL's calls follow it."""
         return None
 
+    def fused(self, keys, by_key: dict) -> None:
+        """No sum carries its agreement: NCCL's calls follow it."""
+        return None
+
     def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key to (this process's sum,
         its copy of the value)."""

@@ -154,7 +154,8 @@ class ShardedRounds:
         if counts is None:
             by_key = dict(zip(keys, zip(grads, replicas)))
             started = self.agree.check((op, keys), what,
-                                       alongside=self.rounds.opening(keys, by_key))
+                                       alongside=self.rounds.opening(keys, by_key),
+                                       fused=self.rounds.fused(keys, by_key))
             self.rounds.round(keys, by_key, what, started)
             return
         # the count of values each process pushes shapes the tree: every one must agree

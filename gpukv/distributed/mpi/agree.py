@@ -7,7 +7,8 @@ are named in the PeerError every rank raises. On a store's own communicator the 
 one nonblocking allreduce (MAX) of each rank's digest and its negation: all agree when the
 maximum is also the minimum. Only when it does not finish in time does rank 0 call the
 roll (the ranks waiting answer; the others are named), and only when digests differ do
-the whole descriptions travel to rank 0. On a communicator the program shares (the
+the whole descriptions travel to rank 0. A small sum every rank can foretell carries
+its agreement inside itself instead (`fused`). On a communicator the program shares (the
 agreement of `create`, on COMM_WORLD) no collective is issued: each rank sends rank 0 its
 digest and waits for the verdict.
 """
@@ -22,6 +23,7 @@ import numpy as np
 
 from ... import timeline
 from ..._errors import ArgumentError, PeerError, PeerMismatchError
+from .fused import STAMP, Buffers, Forecast, FusedSum, Stamps
 from .transport import TAG_DIGEST, TAG_ROLL, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
 
 _OK = ("ok", "")
@@ -58,8 +60,13 @@ class Agreement:
         # collective to finish before it returns, and a failed transport is never used
         self._extremes = np.empty(4, np.int64)
         self._mine = np.empty(4, np.int64)
+        #: the next call, foretold alike on every rank (when it is a fused sum)
+        self._forecast = Forecast()
+        self._fused_buffers = Buffers()
+        self._stamps = Stamps(transport.size if transport is not None else 1)
 
-    def check(self, signature: tuple, what: str, alongside=None):
+    def check(self, signature: tuple, what: str, alongside=None,
+              fused: FusedSum | None = None):
         """Return once every rank called the same thing (`signature`, a tuple of plain
         values naming the call); else raise PeerError/PeerMismatchError on every rank.
 
@@ -67,11 +74,15 @@ class Agreement:
         (their requests) is returned. On the store's communicator it runs right after
         the agreement's own collective is posted, so that both travel together (every
         rank posts them in the same order; when the agreement fails, the failure is
-        raised and the transport, failed, never waits on them)."""
-        with timeline.span("agree", "mpi", call=what):
-            return self._check(signature, what, alongside)
+        raised and the transport, failed, never waits on them).
 
-    def _check(self, signature: tuple, what: str, alongside):
+        `fused`, if given, is the call's sum when it is small (`fused.FusedSum`): once the
+        ranks' calls foretell it, the agreement travels inside it, and what `fused.take`
+        returns is returned instead (`alongside` is not called)."""
+        with timeline.span("agree", "mpi", call=what):
+            return self._check(signature, what, alongside, fused)
+
+    def _check(self, signature: tuple, what: str, alongside, fused=None):
         t = self.t
         t.check()
         self.seq += 1
@@ -79,7 +90,16 @@ class Agreement:
             return alongside() if alongside is not None else None
         crc = self._checksum(signature)
         if self.collective:
-            return self._together(crc, signature, what, alongside)
+            spec = fused.spec if fused is not None else None
+            guess = self._forecast.guess()
+            if guess is not None:
+                taken = self._fused(crc, guess, fused, what)
+                if taken is not None:
+                    self._forecast.learn(crc, spec)
+                    return taken
+            started = self._together(crc, signature, what, alongside)
+            self._forecast.learn(crc, spec)
+            return started
         digest = np.array([self.seq, crc], dtype=np.int64)
         if t.rank == 0:
             self._coordinate(digest, signature, what)
@@ -123,6 +143,27 @@ class Agreement:
             self._wait_or_hear(requests, what)
 
     # ------------------------------------------------ on the store's communicator
+    def _fused(self, crc: int, guess: tuple, fused: FusedSum | None, what: str):
+        """The foretold sum, stamped with each rank's checksum (`fused`): what
+        `fused.take` returns when every rank made the foretold call, else None, on every
+        rank alike (they then agree the usual way). A rank whose call is another still
+        posts the foretold sum, stamped as no rank making that call stamps."""
+        t = self.t
+        foretold = guess[0]
+        made = fused if fused is not None and crc == foretold and fused.spec == guess[1] \
+            else None
+        stamped = foretold if made is not None else foretold ^ 0xFFFFFFFF
+        send, sums = self._fused_buffers.of(guess[1])
+        self._stamps.write(send, stamped)
+        if made is not None:
+            made.fill(send[STAMP:])
+        else:
+            send[STAMP:] = 0
+        self.wait([t.comm.Iallreduce(send, sums, op=t.MPI.SUM)], what)
+        if made is not None and self._stamps.sent_by_all(sums, stamped):
+            return made.take(sums[STAMP:])
+        return None
+
     def _together(self, crc: int, signature, what, alongside):
         t = self.t
         seq, mine, extremes = self.seq, self._mine, self._extremes

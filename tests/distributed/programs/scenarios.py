@@ -319,12 +319,17 @@ def _checksum(kv) -> list:
 
 
 # ----------------------------------------------------------------------------- failures
-def stall(victim: str = "1", made_before: str = "") -> None:
+def stall(victim: str = "1", made_before: str = "", rounds_first: str = "0") -> None:
     """Worker `victim` stops answering (sleeps past the timeout): every other worker gets
     a PeerError naming it, in bounded time. With `made_before`, every worker first makes
-    a key of that name (agreed on at the next collective call, a push)."""
+    a key of that name (agreed on at the next collective call, a push). With
+    `rounds_first`, every worker first pushes and pulls that many times (past three, the
+    others wait in a round whose sum carries its agreement)."""
     kv = create()
     kv.init("w", np.ones(4, np.float32))
+    for _ in range(int(rounds_first)):
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w", out=np.zeros(4, np.float32))
     if made_before:
         kv.init(made_before, np.ones(3, np.float32))
     if kv.rank == int(victim):
@@ -415,15 +420,68 @@ def stop_mid_push(victim: str = "1") -> None:
     passed(kv)
 
 
-def kill(victim: str = "1") -> None:
-    """Worker `victim` dies (SIGKILL) in the middle of training."""
+def kill(victim: str = "1", at: str = "1") -> None:
+    """Worker `victim` dies (SIGKILL) in the middle of training, at step `at`."""
     kv = create()
     kv.init("w", np.ones(4, np.float32))
-    for step in range(3):
-        if step == 1 and kv.rank == int(victim):
+    for step in range(int(at) + 2):
+        if step == int(at) and kv.rank == int(victim):
             os.kill(os.getpid(), signal.SIGKILL)
         kv.push("w", np.ones(4, np.float32))
         kv.pull("w", out=np.zeros(4, np.float32))
+    passed(kv)
+
+
+def fused_rounds() -> None:
+    """Small sums whose agreement travels inside them (`gpukv.distributed.mpi.fused`):
+    loops of pushpulls of one key, of another, of two keys packed together, and the two
+    in turn, with a barrier and a key made by every worker between them. Every sum is
+    right, and most of the loops' rounds were one allreduce each (counted). Then worker 0
+    makes a key alone before a round the others foretold: a PeerMismatchError naming
+    both calls on every worker."""
+    from gpukv.distributed.mpi import agree
+    fused_sums = [0]
+    fused = agree.Agreement._fused
+
+    def counted(self, *args):
+        taken = fused(self, *args)
+        fused_sums[0] += taken is not None
+        return taken
+    agree.Agreement._fused = counted
+    kv = create()
+    sizes = {"a": 5, "b": 300, "c": 3, "d": 7, "e": 2}
+    kv.init(["a", "b", "c", "d"], [np.zeros(sizes[k], np.float32) for k in "abcd"])
+    workers = kv.num_workers
+    total = workers * (workers + 1) // 2  # of every worker's rank + 1
+    step = 0
+
+    def round_of(keys: str) -> None:
+        nonlocal step
+        step += 1
+        grads = [np.full(sizes[k], (kv.rank + 1) * step, np.float32) for k in keys]
+        outs = [np.zeros(sizes[k], np.float32) for k in keys]
+        kv.pushpull(list(keys), grads, out=outs)
+        for key, out in zip(keys, outs):
+            assert np.all(out == total * step), (key, step, out)
+
+    for keys in ["a"] * 6 + ["b"] * 6 + ["cd"] * 6 + ["a", "cd"] * 4:
+        round_of(keys)
+    kv.barrier()
+    kv.init("e", np.zeros(2, np.float32))
+    for keys in ["a", "e", "a", "a", "e", "a", "a", "a"]:
+        round_of(keys)
+    # the forecast's rule: the last three rounds of each loop of six, and the last four
+    # of the eight in turn
+    assert fused_sums[0] == 13, fused_sums
+    for _ in range(4):
+        round_of("a")
+    try:
+        if kv.rank == 0:
+            kv.init("z", np.zeros(3, np.float32))
+        round_of("a")
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
     passed(kv)
 
 
