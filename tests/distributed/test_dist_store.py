@@ -342,6 +342,15 @@ def test_stalled_worker_is_named_on_every_rank(n, servers, rounds_first):
     assert took < 60, took
 
 
+def test_a_stalled_rank_0_is_named_by_the_others():
+    """Rank 0 names the ranks that did not arrive; when rank 0 itself stops answering,
+    the others name it after waiting longer than it would have."""
+    result = _scenario(3, 0, "stall", "0", "", "5", timeout=3, limit=90)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert all("rank 0 did not arrive, or cannot be reached" in ln for ln in lines), lines
+
+
 @pytest.mark.parametrize("servers", [0, 1])
 def test_a_process_stalled_in_create_is_named_on_every_rank(servers):
     """A process that does not come to create's GPU check (slow to find its GPU): the

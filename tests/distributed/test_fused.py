@@ -73,6 +73,20 @@ def test_a_repeated_call_is_foretold_from_its_fourth_time_and_a_change_stops_it(
     assert seen == [None, None, None, ("a", spec), ("a", spec), None, None]
 
 
+def test_a_full_forecast_starts_afresh_and_learns_the_loop_again(monkeypatch):
+    """A job that makes ever new calls (a new key each step) fills the forecast: it is
+    emptied, alike on every rank, so a loop after them is foretold again."""
+    monkeypatch.setattr(fused, "_KEPT", 3)
+    forecast, spec = fused.Forecast(), (np.dtype(np.float32), 4)
+    for call in range(10):
+        forecast.learn(call, spec)
+    seen = []
+    for _ in range(5):
+        seen.append(forecast.guess())
+        forecast.learn("loop", spec)
+    assert seen[3:] == [("loop", spec), ("loop", spec)], seen
+
+
 def test_only_small_sums_of_exact_dtypes_are_fused():
     assert fused.fusible(np.float32, 1024)
     assert fused.fusible(np.int64, fused.FUSE_BYTES // 8)

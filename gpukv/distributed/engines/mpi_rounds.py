@@ -435,7 +435,8 @@ class MpiRounds:
                 send, out = wire
                 send[...] = grad.reshape(-1)
             splits.append(exchange.Split(send, out, counts, starts, scratch))
-        exchange.allreduce(self.t, splits, f"{what}: allreduce")
+        if splits:
+            exchange.allreduce(self.t, splits, f"{what}: allreduce")
         self.state.agree.wait(requests, f"{what}: allreduce")
         for key, _, _, _, wire in plan.split:
             if wire is not None:

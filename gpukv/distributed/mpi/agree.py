@@ -233,10 +233,12 @@ class Agreement:
             return None
         patience = t.timeout * 1.5 + 2
         t.poll(done, what, timeout=patience,
-               on_timeout=lambda: PeerError(f"{what}: rank {t.job_rank(t.rank)} waited "
-                                            f"{patience:g} s "
-                                            f"for the others and for rank 0's verdict "
-                                            f"(GPUKV_DIST_TIMEOUT)"))
+               on_timeout=lambda: PeerError(
+                   f"{what}: rank {t.job_rank(t.rank)} waited {patience:g} s for the "
+                   f"others, and rank {t.job_rank(0)}, which names the ranks that did not "
+                   f"arrive once its own {t.timeout:g} s have passed, said nothing: rank "
+                   f"{t.job_rank(0)} did not arrive, or cannot be reached "
+                   f"(GPUKV_DIST_TIMEOUT)"))
 
     # ----------------------------------------------------------------- rank 0
     def _coordinate(self, digest, signature, what) -> None:

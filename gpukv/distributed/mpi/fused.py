@@ -73,11 +73,13 @@ class Forecast:
     def learn(self, crc: int, spec: tuple | None) -> None:
         """Every rank agreed on the call of checksum `crc` (its fused spec, or None)."""
         seen = self._after.get(self._last)
-        if seen is not None and seen[0] == crc:
-            seen[2] += 1
-        elif spec is None:
+        if spec is None:
             self._after.pop(self._last, None)
-        elif seen is not None or len(self._after) < _KEPT:
+        elif seen is not None and seen[0] == crc and seen[1] == spec:
+            seen[2] += 1
+        else:
+            if seen is None and len(self._after) >= _KEPT:
+                self._after.clear()  # (every rank alike: a loop is learned again)
             self._after[self._last] = [crc, spec, 1]
         self._last = crc
 
