@@ -98,8 +98,11 @@ def plot(trace_path: Path, png: Path) -> None:
 
 def main(argv=None) -> int:
     p = C.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=C.positive_int, default=4)
-    p.add_argument("--rounds", type=C.positive_int, default=300)
+    p.add_argument("--replicas", type=C.positive_int, default=4,
+                   help="CPU replicas of the Trainer (default 4)")
+    p.add_argument("--rounds", type=C.positive_int, default=300,
+                   help="rounds of four Trainer steps, each timing one step with the "
+                        "timeline off and one with it on (default 300)")
     C.add_out_option(p, "the JSON and the PNG")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no COMMAND given")
+    if shutil.which(command[0]) is None:  # (as a shell says it, before any host is made)
+        print(f"gpukv cluster: {command[0]}: command not found", file=sys.stderr)
+        return 127
     rates = {}
     for item in args.host_rate:
         host, _, rate = item.partition("=")

@@ -206,6 +206,14 @@ def test_the_command_refuses_bad_options_before_making_anything(argv, words, cap
         assert _namespaces(os.getpid()) == set()
 
 
+def test_a_command_that_does_not_exist_is_127_before_any_host_is_made(capsys):
+    """As a shell answers it: status 127 and the command named, with no cluster made
+    (a typo costs no set-up)."""
+    assert tool.main(["--hosts", "2", "--", "no-such-command-here", "x"]) == 127
+    assert "no-such-command-here: command not found" in capsys.readouterr().err
+    assert _namespaces(os.getpid()) == set()
+
+
 def test_the_command_runs_in_host_0_and_cleans_up_on_sigterm():
     """`gpukv cluster -- CMD` gives CMD host 0's network and the hosts' list, returns its
     status; SIGTERM to it removes the hosts."""
