@@ -367,10 +367,13 @@ def pyplot():
 
 
 def save_figure(fig, path: Path) -> Path:
-    """Lay out `fig`, write it as `path` (its folder made if need be) and free it."""
+    """Lay out `fig`, write it as `path` (its folder made if need be) and free it. The
+    command that made it is written under it, so that a plot met alone says how to make
+    it again."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
+    fig.text(0.005, -0.005, command_line(), fontsize=6, color="0.35", ha="left", va="top")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -237,6 +237,23 @@ def test_the_recorded_command_of_the_gpukv_command_runs_again(monkeypatch):
     assert benchutil.command_line().endswith(" benchmarks/bench_dist.py --sizes 4K")
 
 
+def test_a_plot_carries_the_command_that_made_it(monkeypatch, tmp_path):
+    """A PNG met alone says how to make it again: the command is written under it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench_dist.py", "--sizes", "4K"])
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    written = []
+    monkeypatch.setattr(fig, "savefig", lambda path, **kw: written.append(
+        ([t.get_text() for t in fig.texts], kw)))
+    benchutil.save_figure(fig, tmp_path / "plot.png")
+    (texts, options), = written
+    assert any(t.endswith(" benchmarks/bench_dist.py --sizes 4K") for t in texts), texts
+    assert options.get("bbox_inches") == "tight"  # (the text under the axes is kept)
+
+
 @pytest.mark.parametrize("text, sizes", [
     ("4K", [4096]), ("4KB,1MiB", [4096, 1 << 20]), ("300", [300]), ("2b", [2]),
     ("4K..64K", [4096, 16384, 65536]),
