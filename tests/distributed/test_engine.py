@@ -219,3 +219,23 @@ def test_short_shares_are_cut_at_the_codecs_longest_block():
     for size, servers, want in ((300, 3, [(0, 128), (128, 256), (256, 300)]),
                                 (165, 2, [(0, 128), (128, 165)]), (4, 4, [(0, 4)])):
         assert [(p.start, p.stop) for p in pieces("k", size, servers, 1)] == want
+
+
+def test_a_job_pushing_ever_other_key_sets_keeps_a_bounded_number_of_plans(monkeypatch):
+    """Each set of keys a round pushes gets a plan (with its packed buffers); a job whose
+    rounds push ever other sets (the keys that had gradients) keeps at most
+    `_PLANS_KEPT`, and a plan is reused while it is kept."""
+    from gpukv.distributed.engines import mpi_rounds
+    monkeypatch.setattr(mpi_rounds, "_PLANS_KEPT", 3)
+    rounds = MpiRounds.__new__(MpiRounds)  # (the cache needs no communicator)
+    rounds._plans = {}
+    made = []
+
+    def plan_of(name):
+        return rounds._planned(name, lambda: made.append(name) or object())
+    first = plan_of(("a",))
+    assert plan_of(("a",)) is first and made == [("a",)]
+    for i in range(10):
+        plan_of((f"k{i}",))
+        assert len(rounds._plans) <= 3
+    assert len(made) == 11

@@ -95,6 +95,8 @@ class _CanonicalPlan(NamedTuple):
 
 #: keys of at least this many bytes (and no narrow type) are summed on their own
 _ALONE_BYTES = 64 << 10
+#: round plans kept (a training loop repeats a few sets of keys)
+_PLANS_KEPT = 256
 
 
 class MpiRounds:
@@ -173,9 +175,7 @@ class MpiRounds:
             self._allreduce(summed, by_key, started, what)
             return
         wire = None if comp is None else tuple(sorted(comp.params().items()))
-        plan = self._plans.get((keys, wire))
-        if plan is None:
-            plan = self._plans[keys, wire] = self._plan(keys)
+        plan = self._planned((keys, wire), lambda: self._plan(keys))
         sums = self._exchange_compressed(plan, by_key, what)
         merged = sums + self._reduce_scatter(plan, by_key, what)
         merged += self._low_rank(plan.low_rank, by_key, what)
@@ -191,10 +191,8 @@ class MpiRounds:
         ranks' node partials, or the owner's of every leaf's decoded payload."""
         comp = self.state.compressor
         wire = None if comp is None else tuple(sorted(comp.params().items()))
-        plan = self._plans.get((keys, counts, wire, "canonical"))
-        if plan is None:
-            plan = self._canonical_plan(keys, counts)
-            self._plans[keys, counts, wire, "canonical"] = plan
+        plan = self._planned((keys, counts, wire, "canonical"),
+                             lambda: self._canonical_plan(keys, counts))
         splits = []
         for item in plan.sums:
             send = item.send
@@ -393,10 +391,18 @@ class MpiRounds:
         return _SumPlan(alone, split, packed)
 
     def _sum_plan_of(self, keys) -> _SumPlan:
-        summed = self._plans.get((keys, "sum"))
-        if summed is None:
-            summed = self._plans[keys, "sum"] = self._sum_plan(keys)
-        return summed
+        return self._planned((keys, "sum"), lambda: self._sum_plan(keys))
+
+    def _planned(self, name: tuple, make):
+        """The plan of `name` (a round's keys and what shapes it), made by `make()` the
+        first time. A job whose rounds push ever other sets of keys does not keep a plan
+        (and its buffers) for each: past `_PLANS_KEPT` the plans start afresh."""
+        plan = self._plans.get(name)
+        if plan is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[name] = make()
+        return plan
 
     def _alone(self, key) -> bool:
         """Whether a key is summed by an allreduce of its own, straight into its copy,

@@ -94,8 +94,8 @@ class Stamps:
         self._made: dict = {}
 
     def of(self, crc: int) -> tuple:
-        """(`crc`'s stamp as int64 digits and their squares, the bytes of every rank's
-        stamps summed in `dtype`), by dtype on demand (see `sent_by_all`)."""
+        """(`crc`'s stamp: its int64 digits, then their squares; {dtype: the bytes of N
+        ranks' stamps summed in it}, filled as `sent_by_all` meets each dtype)."""
         made = self._made.get(crc)
         if made is None:
             digits = np.array([(crc >> (4 * i)) & 15 for i in range(_DIGITS)], np.int64)
