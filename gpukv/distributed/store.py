@@ -294,6 +294,8 @@ class DistKVStore(KVStore):
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
         self._values = pinned_store(local, gpu, deterministic=deterministic, **local_options)
         self._grads = pinned_store(local, gpu, deterministic=deterministic, **local_options)
+        self._values.speak_as(name)  # (what the parts have to say is the dist store's)
+        self._grads.speak_as(None)
         #: the canonical order (gpukv.canonical) for every sum, here and between processes
         self._deterministic = deterministic
         self._partials: dict = {}  # key -> this process's node sums (deterministic)

@@ -197,6 +197,7 @@ class LocalStore(KVStore):
         self._pinned: Device | None = None  # where every new key lives, if set (`pin`)
         self._lock = threading.RLock()
         self._said_host = False
+        self._speaks_as: str | None = name  # the store its notices name (`speak_as`)
         self._compression: GradientCompression | None = None
         self._said_sparse = False
         self._snapshots: snapshots.PartWriter | None = None  # made by the first snapshot
@@ -263,10 +264,10 @@ class LocalStore(KVStore):
         if self._pinned is not None:
             return [self._pinned]
         if not self._on_gpu or all(isinstance(a, np.ndarray) for a in arrays):
-            if self._on_gpu and not self._said_host:
+            if self._on_gpu and not self._said_host and self._speaks_as is not None:
                 self._said_host = True
                 log.info("gpukv %r store: only host arrays, so keys are reduced on the host",
-                         self._type)
+                         self._speaks_as)
             return [_HOST]
         return gpu_devices()
 
@@ -787,6 +788,11 @@ class LocalStore(KVStore):
     def pin(self, device: Device) -> None:
         """Make every key from now on on `device` (a dist store's NCCL GPU)."""
         self._pinned = device
+
+    def speak_as(self, name: str | None) -> None:
+        """Name the store the notices this one logs are of: a store kept inside another
+        speaks as that one, once (`name`), or not at all (None)."""
+        self._speaks_as = name
 
     @property
     def key_kind(self) -> type | None:

@@ -108,6 +108,12 @@ def test_device_sync_on_gpus(n, servers):
             n - servers)
 
 
+def test_dist_device_sync_says_once_that_host_arrays_are_reduced_on_the_host():
+    out = _passes(_scenario(2, 0, "host_arrays_said_once", store="dist_device_sync"), 2)
+    said = re.findall(r"NOTICE gpukv '(\w+)' store: only host arrays", out)
+    assert said == ["dist_device_sync"] * 2, out
+
+
 NCCL_SCENARIOS = [("sync_sgd", "float32"), ("sync_sgd", "float16"), ("sync_assign",),
                   ("calls",), ("changing_options",), ("updater_function",), ("lamb_split",)]
 

@@ -192,6 +192,20 @@ def device_sync() -> None:
     passed(kv, f"on {gpus} GPUs")
 
 
+def host_arrays_said_once() -> None:
+    """dist_device_sync given host arrays only: its INFO notice that keys are reduced on
+    the host comes once per worker, naming the store the user made (the one-process
+    stores it keeps its values and sums in say nothing of their own)."""
+    import logging
+    logging.basicConfig(level=logging.INFO, format="NOTICE %(message)s", stream=sys.stdout)
+    kv = create()
+    kv.init(["w", "v"], [np.zeros(4, np.float32), np.zeros(3, np.float32)])
+    for _ in range(2):
+        kv.pushpull(["w", "v"], [np.ones(4, np.float32), np.ones(3, np.float32)],
+                    out=[np.zeros(4, np.float32), np.zeros(3, np.float32)])
+    passed(kv)
+
+
 def _descend(key, merged, stored):
     """An updater for keys of any dtype (servers run it: defined at module level)."""
     stored -= (np.float32(0.1) * merged).astype(stored.dtype)
