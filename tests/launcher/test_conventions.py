@@ -128,6 +128,25 @@ def test_a_crashed_rank_is_named_with_its_signal(tmp_path):
         r"signal 11 \(SIGSEGV\)", lines[0]), err
 
 
+@pytest.mark.mpi
+def test_a_rank_that_refused_a_push_alone_is_named_with_its_own_error(tmp_path):
+    """A worker whose push is refused (a wrong shape) where the others push: its line is
+    its own ShapeError, the cause, not the PeerMismatchError the refusal brings on its
+    transport; the others' lines name the disagreement."""
+    prog = _program(tmp_path, "import numpy as np, gpukv\n"
+                              "kv = gpukv.create('dist_sync', num_servers=0)\n"
+                              "kv.init('w', np.zeros(4, np.float32))\n"
+                              "kv.push('w', np.ones(4 if kv.rank == 0 else 5, np.float32))\n")
+    code, _, err, _ = _finish(_start("-n", "2", sys.executable, str(prog),
+                                     env={"GPUKV_DIST_TIMEOUT": "10"}), 60)
+    assert code == 1, err
+    lines = _said(err)
+    refusing = [ln for ln in lines if ln.startswith("gpukv run: rank 1 ")]
+    assert len(refusing) == 1 and refusing[0].endswith(
+        "uncaught ShapeError: key 'w': push expects shape (4,), got (5,)"), err
+    assert all("PeerMismatchError" in ln for ln in lines if ln not in refusing), err
+
+
 # ----------------------------------------------------------- torchrun's variables
 @pytest.mark.mpi
 @pytest.mark.parametrize("how", ["script.py", "python script.py", "sh -c"])

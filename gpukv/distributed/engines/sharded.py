@@ -170,8 +170,9 @@ class ShardedRounds:
         collectives never start)."""
         what = f"{op} (refused by rank {self.t.job_rank(self.t.rank)}: " \
                f"{type(error).__name__}: {error})"
-        self.flush(what)
-        self.agree.check((f"{op} refused ({type(error).__name__})", ()), what)
+        with self.t.caused_by(error):
+            self.flush(what)
+            self.agree.check((f"{op} refused ({type(error).__name__})", ()), what)
 
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""

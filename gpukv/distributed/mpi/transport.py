@@ -13,8 +13,10 @@ otherwise wait out its own timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -95,6 +97,7 @@ class Transport:
         self.failure: PeerError | None = None
         self._raw = comm
         self._telling: list = []  # the notices of a failure, on their way to the others
+        self._cause: Exception | None = None  # this rank's own error behind a failure
         #: the ranks on this machine (they share its cores)
         self.local_size = local_size
         #: the chunk size every process agreed on (GPUKV_DIST_CHUNK_BYTES at `create`);
@@ -125,8 +128,20 @@ class Transport:
         """Record `error` as this transport's failure and return it (to raise)."""
         if self.failure is None:
             self.failure = error
-            job_exit.failed(self.job_rank(self.rank), error)
+            job_exit.failed(self.job_rank(self.rank), error if self._cause is None
+                            else self._cause)
         return error
+
+    @contextlib.contextmanager
+    def caused_by(self, error: Exception) -> Iterator[None]:
+        """A failure met inside is this rank's own `error`'s doing (a call it refused
+        where the others did not): the launcher is told of `error`, the cause, not of
+        the PeerError it brings."""
+        self._cause = error
+        try:
+            yield
+        finally:
+            self._cause = None
 
     def broken(self, what: str, exc: Exception) -> PeerError:
         """Record MPI's error `exc` (met in `what`) as this transport's failure."""
