@@ -533,8 +533,9 @@ class Staging:
 
 
 class PartWriter:
-    """The files of one process's snapshots, written by one background thread: one
-    snapshot being written and one staged behind it, each in its own set of buffers."""
+    """The files of one process's snapshots, written by one background thread while
+    there is something to write: one snapshot being written and one staged behind it,
+    each in its own set of buffers."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -591,8 +592,9 @@ class PartWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
+                if not self._queue:  # done: the next `submit` starts another thread, and
+                    self._thread = None  # a store dropped meanwhile frees its buffers
+                    return
                 turn, files, then = self._queue[0]
             try:
                 os.makedirs(os.path.dirname(files[0][0]), exist_ok=True)

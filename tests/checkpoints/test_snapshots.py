@@ -152,6 +152,35 @@ def test_resume_logs_the_snapshot_or_that_there_is_none(tmp_path, caplog):
                     f"gpukv: no complete snapshot under {tmp_path / 'missing'} to resume from"]
 
 
+def test_a_dropped_store_leaves_no_writer_thread_nor_buffers(tmp_path):
+    """The writer's thread ends once its snapshots are written, so that a store made
+    and dropped (a new Trainer after a change, many times in a long job) leaves no
+    thread behind, and its staging buffers go with it."""
+    import gc
+    import threading
+    import weakref
+
+    def writers() -> list:
+        return [t for t in threading.enumerate() if t.name == "gpukv-snapshots"]
+    before, writing = len(writers()), len(snapshots._WRITERS)
+    kept = []
+    for i in range(3):
+        kv = gpukv.create("local")
+        kv.init("w", np.arange(1 << 16, dtype=np.float32))
+        kv.snapshot(tmp_path / f"run{i}", keep=2)
+        kv.finish_snapshots()
+        kept.append(weakref.ref(kv))
+        del kv
+    gc.collect()
+    for _ in range(100):  # (a thread's end after its last write is a moment away)
+        if len(writers()) == before:
+            break
+        threading.Event().wait(0.01)
+    assert len(writers()) == before
+    assert all(ref() is None for ref in kept)
+    assert len(snapshots._WRITERS) <= writing  # (each writer, with its buffers, freed)
+
+
 def test_a_snapshot_without_a_step_takes_the_next_one(tmp_path):
     """snapshot(root) numbers its snapshots 1, 2, ... on from the last one the store took
     (an explicit step included), and a store that resumed goes on from the step it

@@ -221,21 +221,46 @@ def test_short_shares_are_cut_at_the_codecs_longest_block():
         assert [(p.start, p.stop) for p in pieces("k", size, servers, 1)] == want
 
 
+def _plan_cache(layouts: dict) -> MpiRounds:
+    """An MpiRounds with only what its plan cache needs (no communicator)."""
+    from gpukv.distributed.engines.layout import KeyLayout
+    rounds = MpiRounds.__new__(MpiRounds)
+    rounds._plans, rounds._plan_bytes, rounds._plan_limit = {}, {}, None
+    rounds.state = typing.cast(RoundState, type("State", (), {"layouts": {
+        key: KeyLayout.of(key, shape, np.float32, 2, 1 << 30)
+        for key, shape in layouts.items()}})())
+    return rounds
+
+
 def test_a_job_pushing_ever_other_key_sets_keeps_a_bounded_number_of_plans(monkeypatch):
     """Each set of keys a round pushes gets a plan (with its packed buffers); a job whose
     rounds push ever other sets (the keys that had gradients) keeps at most
     `_PLANS_KEPT`, and a plan is reused while it is kept."""
     from gpukv.distributed.engines import mpi_rounds
     monkeypatch.setattr(mpi_rounds, "_PLANS_KEPT", 3)
-    rounds = MpiRounds.__new__(MpiRounds)  # (the cache needs no communicator)
-    rounds._plans = {}
+    rounds = _plan_cache({"a": (1000,)})
     made = []
 
     def plan_of(name):
-        return rounds._planned(name, lambda: made.append(name) or object())
+        return rounds._planned(name, lambda: made.append(name) or (name,))
     first = plan_of(("a",))
     assert plan_of(("a",)) is first and made == [("a",)]
     for i in range(10):
         plan_of((f"k{i}",))
         assert len(rounds._plans) <= 3
     assert len(made) == 11
+
+
+def test_the_plans_kept_hold_a_few_times_the_bytes_of_the_keys():
+    """Plans whose buffers would hold more than 8x the bytes of every key of the store
+    go, the oldest first; a loop over every key, a plan per bucket, keeps them all."""
+    rounds = _plan_cache({k: (250,) for k in "abcd"})  # 4 keys of 1000 bytes
+    buckets = [np.empty(2 * 250, np.float32) for _ in range(4)]  # 2x each key's bytes
+    for _ in range(3):  # a loop over its buckets: every plan stays, made once
+        plans = [rounds._planned((i,), lambda i=i: [buckets[i]]) for i in range(4)]
+        assert [p[0] for p in plans] == buckets
+    assert list(rounds._plans) == [(0,), (1,), (2,), (3,)]
+    for i in range(4, 20):  # ever other sets: at most 32,000 bytes of plans
+        rounds._planned((i,), lambda: [np.empty(4 * 250, np.float32)])
+        assert sum(rounds._plan_bytes.values()) <= 8 * 4000
+    assert (3,) not in rounds._plans and (19,) in rounds._plans

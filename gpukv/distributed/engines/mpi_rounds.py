@@ -95,8 +95,19 @@ class _CanonicalPlan(NamedTuple):
 
 #: keys of at least this many bytes (and no narrow type) are summed on their own
 _ALONE_BYTES = 64 << 10
-#: round plans kept (a training loop repeats a few sets of keys)
+#: round plans kept (a training loop repeats a few sets of keys), and the bytes their
+#: buffers may hold, per byte of every key the store has
 _PLANS_KEPT = 256
+_PLAN_BYTES_PER_KEY_BYTE = 8
+
+
+def _bytes_held(plan) -> int:
+    """The bytes of the arrays a plan holds (in its fields, lists and tuples)."""
+    if isinstance(plan, np.ndarray):
+        return plan.nbytes
+    if isinstance(plan, (list, tuple)):
+        return sum(_bytes_held(item) for item in plan)
+    return 0
 
 
 class MpiRounds:
@@ -106,11 +117,15 @@ class MpiRounds:
         self.state = state
         self.t = state.t
         self._plans: dict = {}      # (keys in canonical order, compression) -> plan
+        self._plan_bytes: dict = {}  # the same -> the bytes its buffers hold
+        self._plan_limit: int | None = None  # the bytes the plans kept may hold
         self._buffers: dict = {}    # scratch buffers of compressed rounds
 
     def forget(self) -> None:
         """Drop the plans made so far (new keys, another updater or compression)."""
         self._plans.clear()
+        self._plan_bytes.clear()
+        self._plan_limit = None
 
     def refuse(self, compressor) -> None:
         """Any compressor goes: its payloads travel as bytes."""
@@ -395,13 +410,23 @@ class MpiRounds:
 
     def _planned(self, name: tuple, make):
         """The plan of `name` (a round's keys and what shapes it), made by `make()` the
-        first time. A job whose rounds push ever other sets of keys does not keep a plan
-        (and its buffers) for each: past `_PLANS_KEPT` the plans start afresh."""
+        first time. A job whose rounds push ever other sets of keys (those that had
+        gradients) does not keep a plan and its buffers for each: the oldest go once the
+        plans kept would hold more than a few times the bytes of every key (the plans of
+        a loop over all its keys, bucket by bucket, stay), or number `_PLANS_KEPT`."""
         plan = self._plans.get(name)
         if plan is None:
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.clear()
-            plan = self._plans[name] = make()
+            plan = make()
+            held = _bytes_held(plan)
+            if self._plan_limit is None:
+                self._plan_limit = _PLAN_BYTES_PER_KEY_BYTE * sum(
+                    layout.size * layout.wire.itemsize
+                    for layout in self.state.layouts.values())
+            while self._plans and (len(self._plans) >= _PLANS_KEPT or
+                                   sum(self._plan_bytes.values()) + held > self._plan_limit):
+                oldest = next(iter(self._plans))
+                del self._plans[oldest], self._plan_bytes[oldest]
+            self._plans[name], self._plan_bytes[name] = plan, held
         return plan
 
     def _alone(self, key) -> bool:
