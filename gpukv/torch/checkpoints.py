@@ -42,7 +42,7 @@ class Checkpoints:
         #: 'auto': the newest snapshot in the folder; 'never': none, and only this run's
         #: snapshots are removed; else the path of the one to start from
         self.resume_from = resume
-        self.taken: list = []  # this run's snapshot folders, oldest first
+        self.taken: list = []  # this run's snapshot folders not yet pruned, oldest first (worker 0)
         self.store = store
         #: {key: [(parameter name, shape)]}: the parameters each key holds, flat, in order
         self.layout = {key: [(name, tuple(shape)) for name, shape in params]
@@ -100,7 +100,8 @@ class Checkpoints:
             saved["trainer"]["tied"] = buffers.tied_parameters(self.modules[0])
         if self.resume_from == "never":  # an earlier run's snapshots are not this one's
             folder = self._snapshot(steps, saved, None)
-            self.taken.append(folder)
+            if self.store.rank == 0:  # (the worker that prunes them)
+                self.taken.append(folder)
             self._prune_own()
             return folder
         return self._snapshot(steps, saved, self.keep)
