@@ -15,7 +15,6 @@ import math
 import os
 import secrets
 import sys
-import threading
 import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from ..store import check
 from ..store.base import KVStore
 from ..store.local import LocalStore, deterministic_option
 from ..store.pipeline import cast_to_keys
+from .call_lock import CallLock
 from .engines.protocol import Leaves, Partials
 from .mpi import job_exit
 from .mpi.chunks import chosen_chunk_bytes
@@ -280,7 +280,7 @@ class DistKVStore(KVStore):
         local = "device" if name == "dist_device_sync" else "local"
         self._type = name
         self._num_servers = servers
-        self._lock = threading.RLock()
+        self._lock = CallLock()
         #: where the engine reads the sums and writes the values: the host, or this
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
@@ -426,6 +426,14 @@ class DistKVStore(KVStore):
                 groups = check.group(key, value, "value")
                 entries = self._checked_push(groups, "push")
             self._push(groups, entries)
+
+    def settle_before_calls(self, wait, background) -> None:
+        """Make every call of this store from a thread for which `background()` is
+        False first `wait()` for the work a layer above handed to its own threads (the
+        Trainer's reductions started from backward push from such a thread): the pushes
+        started before a call come first in every process alike. Both are bound methods,
+        held weakly."""
+        self._lock.settle_before_calls(wait, background)
 
     @contextlib.contextmanager
     def refusals_agreed(self, op: str) -> Iterator[None]:

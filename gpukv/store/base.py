@@ -115,6 +115,15 @@ class KVStore(ABC):
         process: nothing to tell."""
         return contextlib.nullcontext()
 
+    def settle_before_calls(self, wait, background) -> None:
+        """For a layer above that pushes from a thread of its own (the Trainer's
+        reductions started from backward): on a dist store, every call from another
+        thread (for which `background()` is False) first runs `wait()`, so that the
+        pushes started before it come first in every process alike; `wait` and
+        `background` are bound methods, held weakly. One process: its calls are no
+        collective, nothing to wait for."""
+        return None
+
     # ------------------------------------------------------------------ the calls
     @abstractmethod
     def init(self, key: Keys, value: Values) -> None:

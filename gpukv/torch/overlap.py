@@ -29,6 +29,9 @@ import torch
 from .buckets import Bucket
 from .gradients import copy_gradient
 
+#: marks the threads that run reductions (their pushes need no wait for themselves)
+_REDUCING = threading.local()
+
 
 class EarlyReduction:
     """The hooks and the background thread of one Trainer."""
@@ -93,6 +96,7 @@ class EarlyReduction:
             self._next += 1
 
     def _run(self, b: int, events: list) -> None:
+        _REDUCING.active = True  # (this pool's one thread runs reductions only)
         for event in events:
             event.synchronize()
         bucket, snapshots = self._buckets[b], self._snapshots[b]
@@ -104,6 +108,10 @@ class EarlyReduction:
         self._reduce(bucket, snapshots)
 
     # ------------------------------------------------------------------ the step
+    def reducing(self) -> bool:
+        """Whether the calling thread is one that runs reductions."""
+        return getattr(_REDUCING, "active", False)
+
     def wait(self) -> None:
         """Wait for the reductions started so far to end, forgetting nothing (their
         errors are `finish`'s to raise): a collective call of the step may then follow

@@ -172,6 +172,9 @@ class Trainer:
             target = self._update.early_store()
             self._early = EarlyReduction(
                 self._buckets, lambda bucket, grads: target.push(bucket.key, grads))
+            # the program's own calls on the store (a barrier after backward, a
+            # snapshot) come after the reductions backward started, on every worker
+            target.settle_before_calls(self._early.wait, self._early.reducing)
         else:
             for bucket in self._buckets:
                 for params in bucket.params:

@@ -242,6 +242,15 @@ def test_torch_trainer_overlap_on_a_dist_store(n, servers, passes, on_store):
     _passes(_scenario(n, servers, "trainer", "sgd", on_store, "on", passes), n - servers)
 
 
+@pytest.mark.parametrize("on_store", ["0", "1"])
+def test_the_programs_own_calls_follow_the_reductions_backward_started(on_store):
+    """With the overlap, a barrier, workers_max, an init and a pushpull the program makes
+    between backward and step come after the reductions in flight on every worker: no
+    PeerMismatchError, the same weights."""
+    pytest.importorskip("torch")
+    _passes(_scenario(2, 0, "trainer", "sgd", on_store, "on", "1calls"), 2)
+
+
 def test_torch_trainer_with_uneven_replicas_needs_a_batch_size():
     """Workers with 1 and 2 replicas: num_replicas is refused on both, step(batch_size)
     trains."""

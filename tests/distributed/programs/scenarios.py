@@ -682,7 +682,10 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     from backward); passes: backward passes per step, the earlier ones outside
     no_sync ('2') or inside ('2nosync'); '1halve0': after backward, worker 0 alone halves
     its gradients through `.data` (stale on one process only); '1mean': DDP's convention,
-    mean losses and step() without a batch size (averaged over every worker's replicas)."""
+    mean losses and step() without a batch size (averaged over every worker's replicas);
+    '1calls': between backward and step, the program's own calls on the dist store (a
+    barrier, workers_max, an init and a pushpull of a metric), which come after the
+    reductions backward started on every worker."""
     import contextlib
     import copy
 
@@ -727,6 +730,14 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
                         else contextlib.nullcontext():
                     for m, (xs, ys) in zip(models, shards):
                         loss_fn(m(xs), ys).backward()
+            if "calls" in passes and trainer is dist:
+                kv.barrier()
+                kv.workers_max([step], "step")
+                if step == 0:
+                    kv.init("metric", np.zeros(1, np.float32))
+                metric = np.ones(1, np.float32)
+                kv.pushpull("metric", metric)
+                assert on_store or metric[0] == n, metric  # (the store's SGD steps it)
             if "halve0" in passes and first == 0:  # worker 0's replicas
                 for m in models[:2]:
                     for p in m.parameters():
