@@ -78,8 +78,16 @@ class FakeGpu(gpukv.device.Device):
         if other.kind == "gpu" and other is not self:
             self.log.append(("wait_for", self.name, other.name))
 
-    def enter(self) -> None:
+    def enter(self, marks=None) -> None:
         self.log.append(("enter", self.name))
+
+    def record(self):
+        self.log.append(("record", self.name))
+        return self.name  # (the event: which device's work it marks)
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            self.log.append(("wait_event", self.name, event))
 
     def leave(self) -> None:
         self.log.append(("leave", self.name))

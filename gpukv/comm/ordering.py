@@ -19,8 +19,9 @@ def unique(devices) -> list:
 
 def begin(devices) -> None:
     """Order every device's later work after the caller's work on its current stream."""
+    marks: dict = {}  # (the virtual GPUs of one GPU wait for one event of its stream)
     for d in unique(devices):
-        d.enter()
+        d.enter(marks)
 
 
 def wait_all(device, others) -> None:
@@ -37,15 +38,23 @@ def finish(devices, home) -> None:
 
     Afterwards a source may be overwritten, a temporary freed to the stream it was
     allocated on, and the caller's current stream of every GPU sees the result. Only
-    devices that queue their work take part: the others are done already.
+    devices that queue their work take part: the others are done already. One event
+    of the hub, recorded once it has waited for every device, stands for the whole
+    call: each other device waits for it, and the caller's current stream of each GPU
+    follows it through a device whose work is queued there, or else one `leave`.
     """
     queued = [d for d in unique(list(devices) + [home]) if d.asynchronous]
     if not queued:
         return
     hub = home if home.asynchronous else queued[0]
     wait_all(hub, queued)
+    if len(queued) > 1:
+        done = hub.record()
+        for d in queued:
+            if d is not hub:
+                d.wait_event(done)
+    followed = {d.physical for d in queued if d.on_current_stream}
     for d in queued:
-        if d is not hub:
-            d.wait_for(hub)
-    for d in queued:
-        d.leave()
+        if d.physical not in followed:
+            followed.add(d.physical)
+            d.leave()

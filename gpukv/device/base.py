@@ -187,8 +187,15 @@ class Device(ABC):
         queued inside it (a device without streams: nothing to make current)."""
         return contextlib.nullcontext()
 
-    def enter(self) -> None:  # noqa: B027 (a device without streams orders nothing)
-        """Order this device's later work after the caller's work on its current stream."""
+    @property
+    def on_current_stream(self) -> bool:
+        """Whether the caller's later work follows the work queued here without `leave`
+        (it is queued on the caller's current stream)."""
+        return False
+
+    def enter(self, marks: dict | None = None) -> None:  # noqa: B027 (nothing to order)
+        """Order this device's later work after the caller's work on its current stream.
+        `marks`: what one call's `enter`s recorded so far, which they may share."""
 
     def leave(self) -> None:  # noqa: B027
         """Order the caller's later work on its current stream after the work queued here."""

@@ -103,8 +103,8 @@ def test_finish_joins_on_a_gpu_when_the_home_is_the_host():
     a, b = FakeGpu(0, log, current), FakeGpu(1, log, current)
     ordering.finish([host_device(0), a, b], host_device(0))
     assert ("synchronize", a.name) not in log and ("synchronize", b.name) not in log
-    assert log == [("wait_for", a.name, b.name), ("wait_for", b.name, a.name),
-                   ("leave", a.name), ("leave", b.name)]
+    assert log == [("wait_for", a.name, b.name), ("record", a.name),
+                   ("wait_event", b.name, a.name), ("leave", a.name), ("leave", b.name)]
 
 
 def test_finish_of_host_devices_does_nothing():

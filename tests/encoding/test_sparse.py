@@ -417,9 +417,9 @@ def test_gpu_merge_orders_after_and_before_source_devices(monkeypatch):
     assert merged.indices.tolist() == [1, 2]
     assert merged.data.tolist() == [[3, 3], [3, 3]]
     assert ("wait_for", home.name, other.name) in log
-    assert ("wait_for", other.name, home.name) in log
+    assert ("wait_event", other.name, home.name) in log  # (home's event for the call)
     assert log.index(("wait_for", home.name, other.name)) < log.index(
-        ("wait_for", other.name, home.name))
+        ("record", home.name)) < log.index(("wait_event", other.name, home.name))
 
 
 def _gpu_entry(log, current):
@@ -511,3 +511,43 @@ def test_row_ids_their_library_will_not_hand_over_name_the_key(why):
                              "(BufferError|TypeError)"):
         kv.row_sparse_pull("w", out=out, row_ids=RefusingDLPack(why))
     assert out.indices.tolist() == [4]
+
+
+def _add_into(key, merged, stored):
+    stored += merged.todense()
+
+
+@pytest.mark.parametrize("updater", [None, "sgd", "fn"])
+@pytest.mark.parametrize("rows", [(1, 4), (1, 1), (1,), (1, 3, 1)])
+def test_rows_replaced_by_rows_of_another_shape_are_refused_before_anything(updater, rows):
+    """A RowSparse whose `data` was replaced after it was built (a gradient object
+    reused) by rows of another shape is a ShapeError naming the key: no rows that
+    NumPy would broadcast, and no key of the call changed."""
+    kv = gpukv.create("device")
+    kv.init([1, 2], [np.zeros((5, 3), np.float32)] * 2)
+    if updater == "sgd":
+        kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.5))
+    elif updater == "fn":
+        kv._set_updater(_add_into)
+    good = RowSparse(np.array([0]), np.ones((1, 3), np.float32), (5, 3))
+    bad = RowSparse(np.array([0]), np.ones((1, 3), np.float32), (5, 3))
+    bad.data = np.full(rows, 7, np.float32)
+    with pytest.raises(gpukv.ShapeError, match=r"key 2: push: RowSparse data .* must have "
+                                               r"shape \(1, 3\)"):
+        kv.push([1, 2], [good, bad])
+    for key in (1, 2):
+        out = np.ones((5, 3), np.float32)
+        kv.pull(key, out=out)
+        np.testing.assert_array_equal(out, 0)
+    with pytest.raises(gpukv.ShapeError, match="key 3: init"):
+        kv.init(3, bad)
+
+
+def test_row_sparse_zeros_takes_an_int_shape_and_refuses_a_bool():
+    """`RowSparse.zeros(5)` is one dimension of 5, as NumPy's `zeros(5)`; a bool is no
+    row count."""
+    assert RowSparse.zeros(5).shape == (5,)
+    with pytest.raises(gpukv.ArgumentKindError, match="non-negative ints"):
+        RowSparse.zeros((True, 2))
+    with pytest.raises(gpukv.ArgumentKindError, match="an int or a tuple"):
+        RowSparse.zeros("5")

@@ -115,20 +115,34 @@ class CudaDevice(Device):
         with self._cuda_device:
             self.stream.wait_event(event)
 
-    def enter(self) -> None:
-        """Order this device's stream after the caller's work on CuPy's current stream."""
-        if self.slot:
-            current = self._cp.cuda.get_current_stream(self.physical)
-            with self._cuda_device:
-                self.stream.wait_event(ordering_event(current))
+    @property
+    def on_current_stream(self) -> bool:
+        """Slot 0 queues its work on CuPy's current stream of the GPU."""
+        return self.slot == 0
+
+    def enter(self, marks: dict | None = None) -> None:
+        """Order this device's stream after the caller's work on CuPy's current stream
+        (slot 0's stream is that stream). `marks`: the events of the current streams
+        recorded so far for one call, by GPU, which the virtual GPUs of a GPU share."""
+        if not self.slot:
+            return
+        with self._cuda_device:
+            event = marks.get(self.physical) if marks is not None else None
+            if event is None:
+                event = ordering_event(self._cp.cuda.get_current_stream(self.physical))
+                if marks is not None:
+                    marks[self.physical] = event
+            self.stream.wait_event(event)
 
     def leave(self) -> None:
-        """Make CuPy's current stream of this GPU wait for the work queued here."""
+        """Make CuPy's current stream of this GPU wait for the work queued here (slot 0's
+        work is queued there already)."""
+        if not self.slot:
+            return
         event = self.record()
-        if self.slot:
-            current = self._cp.cuda.get_current_stream(self.physical)
-            with self._cuda_device:
-                current.wait_event(event)
+        current = self._cp.cuda.get_current_stream(self.physical)
+        with self._cuda_device:
+            current.wait_event(event)
 
     def empty(self, shape, dtype):
         # Allocated under this device's stream: CuPy's pool gives a freed block back

@@ -488,7 +488,7 @@ class _FakeGpu(cuda_mod.CudaDevice):
         if isinstance(other, _FakeGpu):
             self.wait_event(other.record())
 
-    def enter(self):
+    def enter(self, marks=None):
         pass
 
     def leave(self):
@@ -959,6 +959,66 @@ def test_ordering_events_are_made_without_timing(strategy, monkeypatch):
     before = timed()
     kv.pushpull("w", values)
     assert timed() == before
+
+
+def _events_made(monkeypatch):
+    """A function counting the CUDA events made so far (the emulation counts every one;
+    on a real GPU, those gpukv makes)."""
+    import cupy
+    if gpu_env.EMULATED:
+        from cudaemu import runtime
+        return lambda: runtime.created["event"]
+    made = []
+    real = cupy.cuda.Event
+    monkeypatch.setattr(cupy.cuda, "Event", lambda *a, **k: made.append(1) or real(*a, **k))
+    return lambda: len(made)
+
+
+def _events_of_a_pushpull(monkeypatch, values) -> int:
+    kv = gpukv.create("device", strategy="home")
+    kv.init("w", values[0])
+    kv.pushpull("w", values)  # (warm: plans, pools)
+    made = _events_made(monkeypatch)
+    before = made()
+    kv.pushpull("w", values)
+    return made() - before
+
+
+@pytest.mark.gpu
+def test_a_pushpull_on_one_gpu_makes_no_event(monkeypatch):
+    """One value on one GPU: the work goes to the caller's current stream, in order,
+    and nothing needs an event (each costs a few microseconds of a small call)."""
+    import cupy
+    assert _events_of_a_pushpull(monkeypatch, [cupy.ones(1024, cupy.float32)]) == 0
+
+
+@pytest.mark.gpu
+def test_virtual_gpus_of_one_gpu_share_the_events_of_a_call(monkeypatch):
+    """Four values on one GPU (four virtual GPUs, each with its stream): per call, one
+    event of the caller's stream that the three others wait for, one of each as the
+    home waits for it before and after the sum or copies, and one of the home that
+    stands for the whole call: at most 2 * (2 * 3 + 2) for a pushpull."""
+    import cupy
+    values = [cupy.full(1024, float(i), cupy.float32) for i in range(4)]
+    assert _events_of_a_pushpull(monkeypatch, values) <= 16
+
+
+@pytest.mark.multi_gpu(2)
+def test_a_pushpull_over_two_gpus_makes_few_events(monkeypatch):
+    """One value on each of two GPUs with peer access: per call, one event of the other
+    GPU as the home waits for it before and after the sum or copy, and one of the
+    home's for the whole call, which the other GPU's current stream then follows: at
+    most 2 * 3 for a pushpull."""
+    import cupy
+
+    from gpukv.device.cuda.device import can_access_peer, gpu_count
+    if gpu_count() < 2 or not (can_access_peer(0, 1) and can_access_peer(1, 0)):
+        hardware_missing("needs two physical GPUs with peer access")
+    values = []
+    for i in range(2):
+        with cupy.cuda.Device(i):
+            values.append(cupy.full(1024, float(i), cupy.float32))
+    assert _events_of_a_pushpull(monkeypatch, values) <= 6
 
 
 @pytest.mark.multi_gpu(4)
