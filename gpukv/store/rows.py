@@ -29,10 +29,23 @@ def densified(groups: check.Groups) -> check.Groups:
 
 def assign_rows(entry, merged: RowSparse) -> None:
     """The stored value becomes `merged` (rows not in it become zero), as MXNet assigns."""
-    value, home = entry.value, entry.home
+    value, home = entry.stored, entry.home
     with home.activate():
         value.fill(0)
         value[merged.indices] = merged.data.astype(value.dtype, copy=False)
+
+
+def serve_rows(entry, merged: RowSparse, lazy: bool) -> None:
+    """A key whose pulls read a served value kept apart (compressed pulls): after a
+    row-sparse push, which is not compressed, the rows it changed cross as they are,
+    the rows of `merged` when the update was `lazy`, else every row."""
+    home = entry.home
+    with home.activate():
+        if lazy:
+            entry.value[merged.indices] = entry.kept[merged.indices]
+        else:
+            entry.value[...] = entry.kept
+    home.leave()
 
 
 def dense_gradient(merged: RowSparse, home):

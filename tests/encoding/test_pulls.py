@@ -240,3 +240,41 @@ def test_keys_of_other_float_dtypes_pull_the_rule_rounded_to_their_dtype(dtype):
     out = np.empty(256, dtype)
     kv.pull("w", out=out)
     assert out.tobytes() == change.astype(dtype).tobytes()
+
+
+@pytest.mark.parametrize("compression", [SIGN, {"type": "ternary"}])
+@pytest.mark.parametrize("optimizer", [
+    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}),  # the value settled by the pulls
+    ("adam", {"learning_rate": 0.1}),  # the value kept apart, lazily updated rows
+    ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "lazy_update": False}),  # every row
+    (None, {})])  # row-sparse pushes assign
+def test_a_row_sparse_push_reaches_the_pulls_of_a_compressed_key(compression, optimizer):
+    """Row-sparse pushes are not compressed: after the key's compressed dense pushes,
+    what they change is pulled as it is, the same as without compression."""
+    name, options = optimizer
+    n, d = 8, 64
+    pulled = []
+    for comp in (compression, None):
+        kv = gpukv.create("device")
+        if comp is not None:
+            kv.set_gradient_compression(comp)
+        kv.init("emb", np.zeros((n, d), np.float32))
+        if name is not None:
+            kv.set_optimizer(gpukv.optim.create(name, **options))
+        kv.push("emb", np.full((n, d), 0.01, np.float32))
+        dense = np.zeros((n, d), np.float32)
+        kv.pull("emb", out=dense)
+        for _ in range(3):
+            kv.push("emb", gpukv.RowSparse(np.array([5, 2]), np.ones((2, d), np.float32),
+                                           (n, d)))
+        out = np.zeros((n, d), np.float32)
+        kv.pull("emb", out=out)
+        rows = gpukv.RowSparse.zeros((n, d), np.float32)
+        kv.row_sparse_pull("emb", out=rows, row_ids=np.array([2, 5]))
+        np.testing.assert_array_equal(rows.data, out[[2, 5]])
+        if comp is not None and name == "adam":  # lazily: the other rows pull as before
+            untouched = [r for r in range(n) if r not in (2, 5)]
+            np.testing.assert_array_equal(out[untouched], dense[untouched])
+        pulled.append(out)
+    # (the dense push is a constant, which both codecs send exactly)
+    np.testing.assert_allclose(pulled[0], pulled[1], rtol=1e-6)
