@@ -433,6 +433,7 @@ class DistKVStore(KVStore):
         Trainer's reductions started from backward push from such a thread): the pushes
         started before a call come first in every process alike. Both are bound methods,
         held weakly."""
+        super().settle_before_calls(wait, background)  # (checks them)
         self._lock.settle_before_calls(wait, background)
 
     @contextlib.contextmanager

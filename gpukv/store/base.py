@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import check
+
 if TYPE_CHECKING:
     from ..checkpoints.snapshots import Snapshot
     from ..optim import Optimizer
@@ -121,8 +123,8 @@ class KVStore(ABC):
         thread (for which `background()` is False) first runs `wait()`, so that the
         pushes started before it come first in every process alike; `wait` and
         `background` are bound methods, held weakly. One process: its calls are no
-        collective, nothing to wait for."""
-        return None
+        collective, nothing to wait for (the two are checked alike)."""
+        check.bound_methods("settle_before_calls", wait=wait, background=background)
 
     # ------------------------------------------------------------------ the calls
     @abstractmethod

@@ -10,6 +10,7 @@ counts as more devices). The functions after it check Groups against the store's
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 import sys
 from collections.abc import Mapping
@@ -503,3 +504,12 @@ def worker_values(values, what: str) -> np.ndarray:
         raise ArgumentKindError(f"workers_max ({what}): expected integers of one "
                                 f"shape, got {array.dtype}")
     return array.astype(np.int64)
+
+
+def bound_methods(call: str, **methods) -> None:
+    """ArgumentKindError naming the first of `methods` (name -> value) that is not a bound
+    method: `call` holds them weakly, through their object."""
+    for name, method in methods.items():
+        if not inspect.ismethod(method):
+            raise ArgumentKindError(f"{call}: {name} must be a bound method (held weakly, "
+                                    f"through its object), got {type(method).__name__}")

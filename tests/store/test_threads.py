@@ -136,3 +136,55 @@ def test_concurrent_duplicate_init_only_one_wins(name):
     out = np.zeros(SHAPE, np.float32)
     kv.pull("k", out=out)
     assert (out == wins[0]).all()
+
+
+def test_settle_before_calls_takes_bound_methods_only(name):
+    """A registration the store could not hold weakly is an ArgumentKindError naming
+    the argument, on a one-process store too (where it waits for nothing)."""
+    kv = gpukv.create(name)
+    owner = _Settler()
+    with pytest.raises(gpukv.ArgumentKindError, match="wait must be a bound method"):
+        kv.settle_before_calls(lambda: None, owner.background)
+    with pytest.raises(gpukv.ArgumentKindError, match="background must be a bound method"):
+        kv.settle_before_calls(owner.wait, lambda: False)
+    kv.settle_before_calls(owner.wait, owner.background)
+
+
+class _Settler:
+    """A layer's background work as CallLock sees it: `wait` counts the waits."""
+
+    def __init__(self, background: bool = False):
+        self.waits = 0
+        self.in_background = background
+
+    def wait(self) -> None:
+        self.waits += 1
+
+    def background(self) -> bool:
+        return self.in_background
+
+
+def test_call_lock_waits_once_per_outermost_call_from_the_program():
+    """A dist store's lock waits for the registered work before a call from the
+    program's thread, once however deeply the call nests, never before a call from the
+    background thread, and not after the owner of the work is dropped."""
+    from gpukv.distributed.call_lock import CallLock
+    lock, settler = CallLock(), _Settler()
+    lock.settle_before_calls(settler.wait, settler.background)
+    with lock:
+        with lock:
+            pass
+    assert settler.waits == 1
+    settler.in_background = True
+    with lock:
+        pass
+    assert settler.waits == 1
+    settler.in_background = False
+    del settler
+    with lock:  # (a dropped owner's registration waits for nothing)
+        pass
+    later = _Settler()
+    lock.settle_before_calls(later.wait, later.background)
+    with lock:
+        pass
+    assert later.waits == 1 and len(lock._settlers) == 1  # (the dropped one is gone)

@@ -135,24 +135,24 @@ class MpiRounds:
         comm = self.t.comm
         self.state.agree.wait([comm.Ibcast(as_bytes(r), root=0) for _, r in pending], what)
 
-    def opening(self, keys, by_key: dict):
-        """What starts a push round's collectives beside its agreement (`Agreement.check`'s
-        `alongside`): the allreduces of a round without an updater; None for the others."""
+    def openers(self, keys, by_key: dict) -> tuple:
+        """What starts with a push round's agreement (`Agreement.check`'s `alongside`
+        and `fused`), for a round without an updater whose sums are allreduces: the
+        call that starts them, and the round as a sum that may carry its agreement when
+        it is one small allreduce; (None, None) for the others."""
         if not (self.state.assigns and self.state.compressor is None):
-            return None
+            return None, None
         summed = self._sum_plan_of(keys)
         if not (summed.alone or summed.packed):
-            return None
-        return lambda: self._start_allreduce(summed, by_key)
+            return None, None
+        fused = (self._fused_sum(summed, by_key)
+                 if not summed.split and len(summed.alone) + len(summed.packed) == 1
+                 else None)
+        return (lambda: self._start_allreduce(summed, by_key)), fused
 
-    def fused(self, keys, by_key: dict) -> FusedSum | None:
-        """A round without an updater that is one small allreduce, as a sum that may carry
-        its agreement (`Agreement.check`'s `fused`); None for the others."""
-        if not (self.state.assigns and self.state.compressor is None):
-            return None
-        summed = self._sum_plan_of(keys)
-        if summed.split or len(summed.alone) + len(summed.packed) != 1:
-            return None
+    @staticmethod
+    def _fused_sum(summed: _SumPlan, by_key: dict) -> FusedSum | None:
+        """The one small allreduce of `summed` as a FusedSum, or None if too big."""
         if summed.packed:
             placed, send, recv = summed.packed[0]
 
@@ -181,7 +181,7 @@ class MpiRounds:
     def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key (in canonical order) to
         (this process's sum, its copy of the value); `started`: the requests of what
-        `opening` started."""
+        `openers` started."""
         comp = self.state.compressor
         if self.state.assigns and comp is None:  # the sum is the new value, everywhere
             summed = self._sum_plan_of(keys)

@@ -136,13 +136,10 @@ class NcclRounds:
         self.device.copy(buf, flat)
         return buf
 
-    def opening(self, keys, by_key: dict) -> None:
-        """Nothing starts beside the agreement: NCCL's calls follow it."""
-        return None
-
-    def fused(self, keys, by_key: dict) -> None:
-        """No sum carries its agreement: NCCL's calls follow it."""
-        return None
+    def openers(self, keys, by_key: dict) -> tuple[None, None]:
+        """Nothing starts with the agreement, and no sum carries it: NCCL's calls
+        follow it."""
+        return None, None
 
     def round(self, keys, by_key: dict, what: str, started=None) -> None:
         """A push round once agreed on: `by_key` maps each key to (this process's sum,

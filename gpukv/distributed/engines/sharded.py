@@ -153,9 +153,8 @@ class ShardedRounds:
                                    and self.layouts[k].served_by(rank)])
         if counts is None:
             by_key = dict(zip(keys, zip(grads, replicas)))
-            started = self.agree.check((op, keys), what,
-                                       alongside=self.rounds.opening(keys, by_key),
-                                       fused=self.rounds.fused(keys, by_key))
+            alongside, fused = self.rounds.openers(keys, by_key)
+            started = self.agree.check((op, keys), what, alongside=alongside, fused=fused)
             self.rounds.round(keys, by_key, what, started)
             return
         # the count of values each process pushes shapes the tree: every one must agree

@@ -731,6 +731,11 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
                     for m, (xs, ys) in zip(models, shards):
                         loss_fn(m(xs), ys).backward()
             if "calls" in passes and trainer is dist:
+                try:  # (a registration the store cannot hold weakly)
+                    kv.settle_before_calls(lambda: None, dist._early.reducing)
+                    raise AssertionError("settle_before_calls took a lambda")
+                except gpukv.ArgumentKindError as exc:
+                    assert "wait must be a bound method" in str(exc), exc
                 kv.barrier()
                 kv.workers_max([step], "step")
                 if step == 0:
