@@ -15,6 +15,7 @@ from .. import timeline
 from .._errors import ArgumentError, ArgumentKindError, CheckpointError
 from ..api.factory import create
 from ..checkpoints.snapshots import Snapshot
+from ..distributed.store import DistKVStore
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
 from ..store.base import KVStore
@@ -25,6 +26,7 @@ from .frozen import start_alike as frozen_start_alike
 from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
+from .rows import TouchedRows, sparse_gradient_names, warn_made_dense
 from .torch_optimizer import TorchOptimizer, optimizer_values
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
@@ -99,7 +101,9 @@ class Trainer:
         if checkpoints is not None:
             _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
-        alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult)
+        #: the parameters with sparse gradients whose steps push the rows touched
+        rows = self._sparse_rows(names, on_store)
+        alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | rows
         if _low_rank(compression_params):  # PowerSGD compresses a parameter's own matrix
             alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
@@ -126,6 +130,8 @@ class Trainer:
         try:
             for bucket in self._buckets:
                 flatten(bucket, len(self._modules))
+            self._rows: TouchedRows = TouchedRows(
+                [b for b in self._buckets if b.names[0] in rows])
             self._start(checkpoints, compression_params, on_store, overlap)
         except BaseException:
             with torch.no_grad():
@@ -151,7 +157,7 @@ class Trainer:
             self._kv.set_gradient_compression(compression_params)
         self._update: Update
         if on_store:
-            self._update = StoreUpdate(self._kv, self._optimizer, self._buckets)
+            self._update = StoreUpdate(self._kv, self._optimizer, self._buckets, self._rows)
         else:
             self._update = ReplicaUpdate(self._kv, self._optimizer, self._buckets,
                                          len(self._modules))
@@ -180,6 +186,22 @@ class Trainer:
                 for params in bucket.params:
                     for p in params:
                         setattr(p, OWNER, None)  # an earlier Trainer's hooks stop here
+
+    def _sparse_rows(self, names: list, on_store: bool) -> set:
+        """The trainable parameters with sparse gradients (`rows.SPARSE_MODULES`) whose
+        steps push the rows backward touched: with the optimizer on a store that takes
+        row-sparse pushes (one process's); the others are warned of, pushed dense."""
+        sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in set(names)]
+        if not sparse:
+            return set()
+        if not on_store:
+            warn_made_dense(sparse, "with update_on_kvstore=False (each replica's "
+                                    "optimizer updates the summed gradients)")
+            return set()
+        if isinstance(self._kv, DistKVStore):
+            warn_made_dense(sparse, "to a dist store, which takes dense pushes only")
+            return set()
+        return set(sparse)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -307,6 +329,7 @@ class Trainer:
         step."""
         _check_flag("set_to_none", set_to_none)
         self._reduced = None
+        self._rows.clear()
         try:
             if self._early is not None:
                 self._early.finish()  # they read the gradients: wait for them
@@ -458,6 +481,7 @@ class Trainer:
         """A step, an update or a scaled step skipped for an inf or NaN used the
         gradients: none is fresh any more, and no sums wait for an update."""
         self._grads.stepped()
+        self._rows.clear()
         self._reduced = None
 
     # ---------------------------------------------------------------- checkpoints
@@ -728,8 +752,6 @@ class Trainer:
         taken again)."""
         if self._checkpoints is None or not self._checkpoints.due(self._steps + 1):
             return
-        if self._early is not None:  # the check's collective follows their pushes everywhere
-            self._early.wait()
         self._checkpoints.check_user_state(self._steps + 1, self.user_state)
 
     def _wants_overlap(self, overlap: bool | None) -> bool:

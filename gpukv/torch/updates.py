@@ -20,6 +20,7 @@ from ..store.local import LocalStore
 from .buckets import Bucket
 from .checkpoints import Checkpoints
 from .reduction import Reduction
+from .rows import TouchedRows
 from .scaling import unscale
 from .writes import WeightWrites
 
@@ -63,12 +64,15 @@ class StoreUpdate:
     the truth: a write to the parameters between steps is replaced by the next step's
     pull, with a warning the first time (`WeightWrites`)."""
 
-    def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket]) -> None:
+    def __init__(self, store: KVStore, optimizer: Optimizer, buckets: list[Bucket],
+                 rows: TouchedRows) -> None:
         self.store = store
         self.replica_optimizers: list[Optimizer] = []  # the store runs the Trainer's own
         #: with overlap: the store of this process that sums the early reductions
         self.sums: KVStore | None = None
         self._buckets = buckets
+        self._optimizer = optimizer
+        self._rows = rows  # the buckets whose gradients go as the rows backward touched
         _start_from_replica_0(store, buckets)
         store.set_optimizer(optimizer)
         self._writes = WeightWrites(buckets)
@@ -110,18 +114,29 @@ class StoreUpdate:
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
+        rows = self._rows
+        as_rows = {id(b) for b in live if rows.pushes_rows(b)}
         if self.sums is None or self._compressed:
             # (compression set on the store after the Trainer was made: each replica's
             # gradient goes to the store, and the early reductions' sums go unused)
             unscale([g for b in live for g in b.grads], inverse)
-            self.store.push(keys, [b.grads for b in live])
+            self.store.push(keys, [rows.values(b) if id(b) in as_rows else b.grads
+                                   for b in live])
         else:  # (the early reductions summed the scaled gradients: unscale their sums)
             reduction.push(self.sums)
             summed: list = [b.summed for b in live]  # (early_store made every one)
             self.sums.pull(keys, out=summed)
             unscale(summed, inverse)
-            self.store.push(keys, summed)
-        self.store.pull(keys, out=[b.weights for b in live])
+            self.store.push(keys, [rows.value_of_sum(b, s) if id(b) in as_rows else s
+                                   for b, s in zip(live, summed)])
+        if not self._optimizer.lazy_rows():  # (every row of every key moved)
+            as_rows = set()
+        whole = [b for b in live if id(b) not in as_rows]
+        if whole:
+            self.store.pull([b.key for b in whole], out=[b.weights for b in whole])
+        for b in live:
+            if id(b) in as_rows:  # a lazy update changed the rows pushed only
+                rows.pull(self.store, b)
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets),

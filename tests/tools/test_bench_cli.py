@@ -217,6 +217,7 @@ def test_benchmark_script_bad_value_is_an_argument_error(script, option, value):
 
 @pytest.mark.parametrize("script, argv", [
     ("bench_trainer.py", ["--batch", "3", "--devices", "4"]),
+    ("bench_embedding.py", ["--batch", "3", "--devices", "4"]),
     ("bench_accuracy.py", ["--quick", "--batch", "2", "--replicas", "4"]),
 ])
 def test_a_batch_smaller_than_the_replicas_is_a_usage_error(script, argv):
@@ -273,13 +274,14 @@ def test_shared_size_parser_errors_are_value_errors():
 # ------------------------------------------------------------ the shared convention
 SCRIPTS = ("bench_host.py", "bench_compression.py", "bench_optimizers.py",
            "bench_checkpoint.py", "bench_trainer.py", "bench_trainer_dist.py", "bench_dist.py",
-           "bench_cluster.py", "bench_deterministic.py", "simulate_topologies.py")
+           "bench_cluster.py", "bench_deterministic.py", "simulate_topologies.py",
+           "bench_embedding.py")
 OLD_FLAGS = ("--json", "--no-json", "--plot", "--no-plot", "--png", "--replicas")
 
 
 def _load(name):
     """benchmarks/<name> imported as a module (benchmarks/ on sys.path while it loads)."""
-    if name == "bench_trainer.py":
+    if name in ("bench_trainer.py", "bench_embedding.py"):
         pytest.importorskip("torch")
     saved = list(sys.path)
     sys.path.insert(0, str(BENCHMARKS))
@@ -496,3 +498,21 @@ def test_simulation_writes_json_and_png_into_out(tmp_path, capsys):
     assert {r["bytes"] for r in record["results"]} == {4096}
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "simulated_topologies.png").exists()
+
+
+def test_embedding_benchmark_records_every_way(tmp_path):
+    """bench_embedding.py, a small table and one timed step: a record per optimizer and
+    way, each with its times and its ratios to the Trainer's rows."""
+    pytest.importorskip("torch")
+    proc = _script("bench_embedding.py", "--vocab", "500", "--batch", "16", "--warmup", "0",
+                   "--iters", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (found,) = tmp_path.glob("embedding_*.json")
+    records = json.loads(found.read_text())["results"]
+    assert {(r["optimizer"], r["way"]) for r in records} == {
+        (o, w) for o in ("sgd", "adam") for w in ("rows", "dense", "torch")}
+    for r in records:
+        assert r["step_s"] > 0 and r["iteration_s"] >= r["step_s"]
+        assert r["step_over_rows"] == pytest.approx(
+            r["step_s"] / next(x["step_s"] for x in records
+                               if x["way"] == "rows" and x["optimizer"] == r["optimizer"]))

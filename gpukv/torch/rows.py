@@ -1,0 +1,139 @@
+"""Sparse gradients pushed as rows: the weights of nn.Embedding and nn.EmbeddingBag with
+sparse=True. A step pushes the rows backward touched (`gpukv.RowSparse`), so that the
+store's optimizer updates those rows only (its `lazy_update`), as gluon's Trainer does
+with Embedding(sparse_grad=True); a store that takes dense pushes only (a dist store)
+gets them dense, every row.
+
+Backward still leaves such a gradient in its bucket view, dense, as any other: the
+Trainer's checks, GradScaler and the program's clipping see one tensor. A hook on each
+replica's parameter notes the rows of every sparse gradient backward makes for it; the
+step takes those rows of the view, and the notes start afresh.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from ..encoding.sparse import RowSparse
+from .buckets import Bucket
+
+#: the modules whose weight gets sparse gradients when made with sparse=True
+SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def sparse_gradient_names(module) -> list[str]:
+    """The names of `module`'s parameters whose gradients come sparse."""
+    return [f"{prefix}.weight" if prefix else "weight"
+            for prefix, m in module.named_modules()
+            if isinstance(m, SPARSE_MODULES) and m.sparse]
+
+
+class SparseGradientsMadeDense(UserWarning):
+    """Parameters with sparse gradients that a Trainer sums and updates densely."""
+
+
+def warn_made_dense(names: list, why: str) -> None:
+    """Warn that the parameters `names`, whose gradients come sparse, are pushed dense,
+    every row at every step (`why`: where that is so)."""
+    warnings.warn(
+        f"parameter(s) {', '.join(repr(n) for n in names)}: sparse gradients (sparse=True) "
+        f"are pushed dense {why}: every row is summed and updated at every step, as with "
+        f"sparse=False (lazy_update has no effect); a one-process store with "
+        f"update_on_kvstore=True updates the rows a batch touched only",
+        SparseGradientsMadeDense, stacklevel=4)
+
+
+class TouchedRows:
+    """The rows backward touched in each replica's parameter of each bucket of `buckets`
+    (each a bucket of one parameter with sparse gradients) since the last `clear`."""
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        #: id(bucket) -> per replica: the row ids of each sparse gradient backward made,
+        #: or None once backward made a dense one (then the bucket is pushed dense)
+        self._noted: dict = {id(b): [[] for _ in b.params] for b in buckets}
+        handles = []
+        for bucket in buckets:
+            notes = self._noted[id(bucket)]
+            for r, params in enumerate(bucket.params):
+                handles.append(params[0].register_hook(_note(notes, r)))
+        # The hooks hold the notes only: a Trainer dropped takes its hooks with it.
+        weakref.finalize(self, _unhook, handles)
+
+    def pushes_rows(self, bucket: Bucket) -> bool:
+        """Whether `bucket`'s gradients go as rows (each replica's backward made sparse
+        gradients only, or none)."""
+        notes = self._noted.get(id(bucket))
+        return notes is not None and all(n is not None for n in notes)
+
+    def values(self, bucket: Bucket) -> list[RowSparse]:
+        """Each replica's touched rows of its gradient (`pushes_rows` must hold)."""
+        shape = tuple(bucket.params[0][0].shape)
+        return [_rows_of(grad.view(shape), _unique(ids, grad.device), shape)
+                for grad, ids in zip(bucket.grads, self._noted[id(bucket)])]
+
+    def value_of_sum(self, bucket: Bucket, summed: torch.Tensor) -> RowSparse:
+        """The rows of `summed` (the replicas' gradients summed) any replica touched."""
+        shape = tuple(bucket.params[0][0].shape)
+        ids = [i for noted in self._noted[id(bucket)] for i in noted]
+        return _rows_of(summed.view(shape), _unique(ids, summed.device), shape)
+
+    def pull(self, store, bucket: Bucket) -> None:
+        """Every replica's weights of `bucket` take the rows of the store's value that
+        any replica touched: after a lazy update, the only rows that changed."""
+        shape = tuple(bucket.params[0][0].shape)
+        ids = [i for noted in self._noted[id(bucket)] for i in noted]
+        rows = [_unique(ids, w.device) for w in bucket.weights]
+        outs = [RowSparse(torch.zeros(0, dtype=torch.int64, device=w.device),
+                          torch.zeros((0,) + shape[1:], dtype=w.dtype, device=w.device),
+                          shape) for w in bucket.weights]
+        store.row_sparse_pull(bucket.key, out=outs, row_ids=rows)
+        with torch.no_grad():
+            for w, r, out in zip(bucket.weights, rows, outs):
+                w.view(shape).index_copy_(0, r, _as_torch(out.data, w))
+
+    def clear(self) -> None:
+        """The gradients were used (or dropped): note afresh."""
+        for notes in self._noted.values():
+            notes[:] = [[] for _ in notes]
+
+
+def _unique(ids: list, device) -> torch.Tensor:
+    """The row ids of `ids` (tensors), sorted, without repeats, on `device`."""
+    if not ids:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.cat([i.to(device) for i in ids]).unique()
+
+
+def _rows_of(grad: torch.Tensor, rows: torch.Tensor, shape: tuple) -> RowSparse:
+    return RowSparse(rows, grad.index_select(0, rows), shape)
+
+
+def _as_torch(array, like: torch.Tensor) -> torch.Tensor:
+    """`array` (NumPy or CuPy, of `like`'s dtype and device) as a torch tensor, sharing
+    its memory: a GPU array through DLPack, which orders torch's stream after CuPy's
+    work; bfloat16 through its bits (NumPy has it through ml_dtypes only, CuPy not)."""
+    if isinstance(array, np.ndarray):
+        if array.dtype.name == "bfloat16":
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    tensor = torch.from_dlpack(array)
+    return tensor if tensor.dtype == like.dtype else tensor.view(like.dtype)
+
+
+def _note(notes: list, r: int):
+    def hook(grad: torch.Tensor) -> None:
+        if notes[r] is None:
+            return
+        if grad.is_sparse:
+            notes[r].append(grad.coalesce().indices()[0])
+        else:
+            notes[r] = None
+    return hook
+
+
+def _unhook(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

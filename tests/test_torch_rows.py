@@ -1,0 +1,170 @@
+"""gpukv.torch.Trainer with nn.Embedding(sparse=True): a step pushes the rows backward
+touched, and the store's optimizer updates those rows only (its lazy_update), as gluon's
+Trainer does with Embedding(sparse_grad=True); where it cannot, the rows go dense, with a
+warning."""
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import gpukv  # noqa: E402
+import gpukv.torch as gt  # noqa: E402
+from gpukv.torch.rows import SparseGradientsMadeDense  # noqa: E402
+
+VOCAB, DIM = 12, 4
+
+
+class Bag(nn.Module):
+    """An embedding table (sparse gradients unless `dense`) and a linear layer on it."""
+
+    def __init__(self, dense: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM, sparse=not dense)
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).sum()
+
+
+def replicas(n=2, dense=False):
+    torch.manual_seed(0)
+    base = Bag(dense)
+    return [copy.deepcopy(base) for _ in range(n)]
+
+
+def backward(models, batches):
+    for model, ids in zip(models, batches):
+        model(torch.tensor(ids)).backward()
+
+
+def table(model) -> np.ndarray:
+    return model.emb.weight.detach().numpy().copy()
+
+
+OPTIMIZERS = [("sgd", {"learning_rate": 0.1, "momentum": 0.9}),
+              ("sgd", {"learning_rate": 0.1, "wd": 0.1}),
+              ("adam", {"learning_rate": 0.1}),
+              ("adagrad", {"learning_rate": 0.1})]
+
+
+@pytest.mark.parametrize("kvstore", ["local", "device"])
+@pytest.mark.parametrize("optimizer,options", OPTIMIZERS)
+def test_a_step_updates_the_rows_the_batches_touched_only(kvstore, optimizer, options):
+    """Rows no replica's batch touched stay as they are, momentum, weight decay and
+    Adam's moments notwithstanding, and the rows touched are what the store's lazy rule
+    makes of each replica's rows pushed as RowSparse."""
+    models = replicas()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SparseGradientsMadeDense)
+        trainer = gt.Trainer(models, optimizer, dict(options), kvstore=kvstore)
+    reference = gpukv.create("local")
+    reference.init("w", table(models[0]))
+    reference.set_optimizer(gpukv.optim.create(optimizer, **options))
+    for batches in ([[1, 2, 2], [2, 3]], [[7], [7, 8]], [[7], [8]]):
+        trainer.zero_grad()
+        before = table(models[0])
+        backward(models, batches)
+        grads = [m.emb.weight.grad.detach().numpy() for m in models]
+        trainer.step(1)
+        reference.push("w", [gpukv.RowSparse(np.unique(ids), g[np.unique(ids)], (VOCAB, DIM))
+                             for ids, g in zip(batches, grads)])
+        expected = np.empty((VOCAB, DIM), np.float32)
+        reference.pull("w", out=expected)
+        touched = sorted({i for ids in batches for i in ids})
+        others = [r for r in range(VOCAB) if r not in touched]
+        for model in models:
+            np.testing.assert_array_equal(table(model)[others], before[others])
+            np.testing.assert_array_equal(table(model), expected)
+
+
+def test_without_lazy_updates_every_row_moves_as_with_dense_gradients():
+    """With lazy_update=False the store's standard rule updates every row, the rows no
+    batch touched with a zero gradient: the same weights as the dense Embedding's."""
+    options = {"learning_rate": 0.1, "momentum": 0.9, "lazy_update": False}
+    sparse, dense = replicas(), replicas(dense=True)
+    trainers = [gt.Trainer(ms, "sgd", dict(options), kvstore="local") for ms in (sparse, dense)]
+    for batches in ([[1, 2], [2, 3]], [[7], [8]]):
+        for trainer, models in zip(trainers, (sparse, dense)):
+            trainer.zero_grad()
+            backward(models, batches)
+            trainer.step(1)
+    np.testing.assert_allclose(table(sparse[0]), table(dense[0]), rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(table(sparse[0])[1], table(replicas()[0])[1])
+
+
+def test_the_overlap_sums_the_rows_as_the_step_does():
+    """With overlap the replicas' gradients are summed during backward; the step pushes
+    the rows of the sum any replica touched: the weights of the Trainer without it."""
+    options = {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.1}
+    results = []
+    for overlap in (False, True):
+        models = replicas()
+        trainer = gt.Trainer(models, "sgd", dict(options), kvstore="local", overlap=overlap)
+        assert trainer.overlap == overlap
+        for batches in ([[1, 2], [2, 3]], [[7], [8]], [[7], [8]]):
+            trainer.zero_grad()
+            backward(models, batches)
+            trainer.step(1)
+        results.append(table(models[0]))
+        assert np.array_equal(results[-1][5], table(replicas()[0])[5])  # untouched
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_zero_grad_forgets_the_rows_of_the_gradients_it_drops():
+    """A backward whose gradients zero_grad dropped leaves its rows out of the step."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1}, kvstore="local")
+    before = table(models[0])
+    backward(models, [[1], [1]])
+    trainer.zero_grad()
+    backward(models, [[4], [5]])
+    trainer.step(1)
+    np.testing.assert_array_equal(table(models[0])[1], before[1])
+    assert not np.array_equal(table(models[0])[4], before[4])
+
+
+def test_a_replica_that_did_not_use_the_table_pushes_no_rows():
+    """With ignore_stale_grad, a replica whose batch left the table alone adds nothing:
+    the rows the other touched move, the others stay."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1}, kvstore="local")
+    before = table(models[0])
+    models[0](torch.tensor([3])).backward()
+    models[1].out(torch.ones(1, DIM)).sum().backward()  # (the table is left alone)
+    trainer.step(1, ignore_stale_grad=True)
+    changed = np.flatnonzero((table(models[0]) != before).any(axis=1)).tolist()
+    assert changed == [3]
+    np.testing.assert_array_equal(table(models[1]), table(models[0]))
+
+
+def test_a_gradient_made_dense_by_backward_is_pushed_dense():
+    """A step after a backward that made the table's gradient dense (the functional
+    embedding, without sparse=True) pushes it dense: every row is updated."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1}, kvstore="local")
+    before = table(models[0])
+    for model, ids in zip(models, ([1], [2])):
+        x = nn.functional.embedding(torch.tensor(ids), model.emb.weight)
+        model.out(x).sum().backward()
+    trainer.step(1)
+    assert (table(models[0]) != before).all(axis=1).all()  # (weight decay moves every row)
+
+
+@pytest.mark.parametrize("why,options", [
+    ("update_on_kvstore=False", {"update_on_kvstore": False})])
+def test_where_rows_cannot_go_the_trainer_warns_and_pushes_dense(why, options):
+    """With update_on_kvstore=False (each replica's optimizer updates the sums) the
+    table's gradients are summed and updated dense, every row, with a warning naming
+    the parameter and why."""
+    models = replicas()
+    with pytest.warns(SparseGradientsMadeDense, match=rf"'emb.weight'.*{why}"):
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1},
+                             kvstore="local", **options)
+    before = table(models[0])
+    backward(models, [[1], [2]])
+    trainer.step(1)
+    assert (table(models[0]) != before).all(axis=1).all()
