@@ -393,7 +393,7 @@ def test_test_section_names_failures_crashes_and_what_the_deadline_cut(fake_chec
     """Each failure is listed with its test id and message, a skip with its reason, a
     test that took its process down as a failure and the tests that never ran after it;
     at the deadline the hanging test is cut while running and the section is cut."""
-    section = suite.run(fake_checkout, False, Budget(30).share(1.0), quick=False, jobs=3,
+    section = suite.run(fake_checkout, False, Budget(15).share(1.0), quick=False, jobs=3,
                         work_dir=tmp_path / "work")
     data = section.data
     assert data["collected"] == 7 and data["jobs"] == 3
