@@ -154,8 +154,93 @@ def test_a_gradient_made_dense_by_backward_is_pushed_dense():
     assert (table(models[0]) != before).all(axis=1).all()  # (weight decay moves every row)
 
 
+def test_rows_of_a_backward_the_program_dropped_are_not_pushed():
+    """Rows whose gradient the program dropped (`model.zero_grad()`, with or without
+    set_to_none) or never accumulated (`torch.autograd.grad`) stay as they are."""
+    for drop in ("none", "zero", "grad"):
+        models = replicas()
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1},
+                             kvstore="local")
+        before = table(models[0])
+        for model in models:
+            loss = model(torch.tensor([9, 10]))
+            if drop == "grad":
+                torch.autograd.grad(loss, model.emb.weight)
+            else:
+                loss.backward()
+                model.zero_grad(set_to_none=drop == "none")
+        backward(models, [[1], [2]])
+        trainer.step(1)
+        changed = np.flatnonzero((table(models[0]) != before).any(axis=1)).tolist()
+        assert changed == [1, 2], (drop, changed)
+
+
+def test_a_write_to_the_table_between_steps_is_replaced_by_the_stores():
+    """A write to a replica's table between steps (a pretrained table loaded into
+    replica 0 only) is replaced at the next step by the store's whole table, as for
+    any parameter, so every replica holds the store's weights, untouched rows too."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    with torch.no_grad():
+        models[0].emb.weight.add_(1.0)
+    with pytest.warns(gt.WeightWritesLost):
+        backward(models, [[1], [2]])
+        trainer.step(1)
+    stored = np.empty((VOCAB, DIM), np.float32)
+    trainer.kvstore.pull("emb.weight", out=stored)
+    for model in models:
+        np.testing.assert_array_equal(table(model), stored)
+
+
+def test_a_gradient_the_program_assigned_is_pushed_dense():
+    """A `.grad` the program set to a dense tensor of its own is taken whole."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    before = table(models[0])
+    for model in models:
+        model.emb.weight.grad = torch.ones(VOCAB, DIM)
+        model.out(torch.ones(1, DIM)).sum().backward()
+    trainer.step(1)
+    np.testing.assert_allclose(table(models[0]), before - 0.2, rtol=1e-6)
+
+
+def test_an_older_trainer_kept_alive_notes_nothing():
+    """A new Trainer on the same modules takes their rows over: the older one's hooks,
+    while it lives, note no more."""
+    models = replicas()
+    old = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    new = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    backward(models, [[1], [2]])
+    assert all(notes == [[]] * 2 for notes in old._rows._noted.values())
+    new.step(1)
+
+
+def test_a_snapshot_resumes_whichever_way_the_table_is_pushed(tmp_path):
+    """The table has a key of its own with rows pushed or dense: a snapshot taken with
+    update_on_kvstore=True resumes with update_on_kvstore=False, and back."""
+    for first, then in ((True, False), (False, True)):
+        folder = tmp_path / f"{first}-{then}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SparseGradientsMadeDense)
+            models = replicas()
+            trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                                 update_on_kvstore=first, checkpoint_dir=str(folder),
+                                 checkpoint_every=1)
+            backward(models, [[1], [2]])
+            trainer.step(1)
+            trainer.finish_snapshots()
+            saved = table(models[0])
+            resumed = replicas()
+            again = gt.Trainer(resumed, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                               update_on_kvstore=then, checkpoint_dir=str(folder),
+                               checkpoint_every=1)
+        assert again.steps == 1
+        np.testing.assert_array_equal(table(resumed[0]), saved)
+
+
 @pytest.mark.parametrize("why,options", [
-    ("update_on_kvstore=False", {"update_on_kvstore": False})])
+    ("update_on_kvstore=False", {"update_on_kvstore": False}),
+    ("deterministic store", {"deterministic": True})])
 def test_where_rows_cannot_go_the_trainer_warns_and_pushes_dense(why, options):
     """With update_on_kvstore=False (each replica's optimizer updates the sums) the
     table's gradients are summed and updated dense, every row, with a warning naming

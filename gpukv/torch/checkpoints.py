@@ -248,8 +248,8 @@ class Checkpoints:
             return
         raise CheckpointError(
             f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
-            f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes or "
-            f"multipliers")
+            f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes, "
+            f"multipliers or embeddings' sparse=True")
 
 
 def _complete(path: str) -> snapshots.Snapshot:

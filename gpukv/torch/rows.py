@@ -48,44 +48,93 @@ def warn_made_dense(names: list, why: str) -> None:
 
 class TouchedRows:
     """The rows backward touched in each replica's parameter of each bucket of `buckets`
-    (each a bucket of one parameter with sparse gradients) since the last `clear`."""
+    (each a bucket of one parameter with sparse gradients) since the last `clear`.
+
+    A row noted whose gradient is zero at the step (its backward's gradient dropped by
+    `model.zero_grad()`, or never accumulated: `torch.autograd.grad`) is not pushed. A
+    replica's gradient that is dense (backward made one, or the program assigned one)
+    sends the bucket dense for that step.
+    """
 
     def __init__(self, buckets: list[Bucket]) -> None:
         #: id(bucket) -> per replica: the row ids of each sparse gradient backward made,
-        #: or None once backward made a dense one (then the bucket is pushed dense)
+        #: or None once a gradient was dense (then the bucket is pushed dense)
         self._noted: dict = {id(b): [[] for _ in b.params] for b in buckets}
+        #: id(bucket) -> per replica: the rows the last `values` pushed
+        self._pushed: dict = {}
+        self._versions = {id(b): _versions(b) for b in buckets}
+        self._buckets = buckets
+        # The newest Trainer's notes only (`take_over`): an older one kept alive notes
+        # nothing.
+        self._token = token = object()
         handles = []
         for bucket in buckets:
             notes = self._noted[id(bucket)]
             for r, params in enumerate(bucket.params):
-                handles.append(params[0].register_hook(_note(notes, r)))
+                handles.append(params[0].register_hook(_note(notes, r, params[0], token)))
         # The hooks hold the notes only: a Trainer dropped takes its hooks with it.
         weakref.finalize(self, _unhook, handles)
 
+    def take_over(self, params) -> None:
+        """From now on, backward's gradients of `params` (every parameter of the Trainer
+        made) are noted here, for those of `buckets`, and by no older Trainer's hooks."""
+        mine = {id(p[0]) for b in self._buckets for p in b.params}
+        for p in params:
+            setattr(p, NOTER, self._token if id(p) in mine else None)
+
     def pushes_rows(self, bucket: Bucket) -> bool:
-        """Whether `bucket`'s gradients go as rows (each replica's backward made sparse
-        gradients only, or none)."""
+        """Whether `bucket`'s gradients go as rows (each replica's were sparse, or
+        none)."""
         notes = self._noted.get(id(bucket))
         return notes is not None and all(n is not None for n in notes)
 
+    def check_assigned(self) -> None:
+        """Before the gradients are gathered: a replica whose `.grad` the program set to
+        a dense tensor of its own sends its bucket dense."""
+        for bucket in self._buckets:
+            notes = self._noted[id(bucket)]
+            for r, (params, views) in enumerate(zip(bucket.params, bucket.views)):
+                grad = params[0].grad
+                if grad is not None and grad is not views[0] and not grad.is_sparse:
+                    notes[r] = None
+
     def values(self, bucket: Bucket) -> list[RowSparse]:
-        """Each replica's touched rows of its gradient (`pushes_rows` must hold)."""
+        """Each replica's touched rows of its gradient, those not zero (`pushes_rows`
+        must hold)."""
         shape = tuple(bucket.params[0][0].shape)
-        return [_rows_of(grad.view(shape), _unique(ids, grad.device), shape)
-                for grad, ids in zip(bucket.grads, self._noted[id(bucket)])]
+        found, rows = [], []
+        for grad, ids in zip(bucket.grads, self._noted[id(bucket)]):
+            value = _rows_of(grad.view(shape), _unique(ids, grad.device), shape)
+            found.append(value[0])
+            rows.append(value[1])
+        self._pushed[id(bucket)] = rows
+        return found
 
     def value_of_sum(self, bucket: Bucket, summed: torch.Tensor) -> RowSparse:
-        """The rows of `summed` (the replicas' gradients summed) any replica touched."""
+        """The rows of `summed` (the replicas' gradients summed) any replica touched,
+        those not zero."""
         shape = tuple(bucket.params[0][0].shape)
         ids = [i for noted in self._noted[id(bucket)] for i in noted]
-        return _rows_of(summed.view(shape), _unique(ids, summed.device), shape)
+        value, rows = _rows_of(summed.view(shape), _unique(ids, summed.device), shape)
+        self._pushed[id(bucket)] = [rows]
+        return value
+
+    def written(self, bucket: Bucket) -> bool:
+        """Whether the program wrote a replica's weights in place since the last ask
+        (a `load_state_dict`, an embedding's `max_norm` in a forward): then the whole
+        table comes back from the store, not the rows pushed alone."""
+        now = _versions(bucket)
+        moved = now != self._versions[id(bucket)]
+        self._versions[id(bucket)] = now
+        return moved
 
     def pull(self, store, bucket: Bucket) -> None:
         """Every replica's weights of `bucket` take the rows of the store's value that
-        any replica touched: after a lazy update, the only rows that changed."""
+        the last `values` pushed for any replica: after a lazy update, the only rows that
+        changed."""
         shape = tuple(bucket.params[0][0].shape)
-        ids = [i for noted in self._noted[id(bucket)] for i in noted]
-        rows = [_unique(ids, w.device) for w in bucket.weights]
+        pushed = self._pushed[id(bucket)]
+        rows = [_unique(pushed, w.device) for w in bucket.weights]
         outs = [RowSparse(torch.zeros(0, dtype=torch.int64, device=w.device),
                           torch.zeros((0,) + shape[1:], dtype=w.dtype, device=w.device),
                           shape) for w in bucket.weights]
@@ -98,6 +147,16 @@ class TouchedRows:
         """The gradients were used (or dropped): note afresh."""
         for notes in self._noted.values():
             notes[:] = [[] for _ in notes]
+        self._pushed.clear()
+
+
+#: the attribute of a parameter naming the notes its hooks keep (the newest Trainer's)
+NOTER = "_gpukv_rows_noter"
+
+
+def _versions(bucket: Bucket) -> list[int]:
+    # (`_version` is how PyTorch shows a tensor's counter of in-place writes)
+    return [params[0]._version for params in bucket.params]  # noqa: SLF001
 
 
 def _unique(ids: list, device) -> torch.Tensor:
@@ -107,8 +166,13 @@ def _unique(ids: list, device) -> torch.Tensor:
     return torch.cat([i.to(device) for i in ids]).unique()
 
 
-def _rows_of(grad: torch.Tensor, rows: torch.Tensor, shape: tuple) -> RowSparse:
-    return RowSparse(rows, grad.index_select(0, rows), shape)
+def _rows_of(grad: torch.Tensor, rows: torch.Tensor, shape: tuple) -> tuple:
+    """(RowSparse of the rows `rows` of `grad` that are not all zero, those rows)."""
+    data = grad.index_select(0, rows)
+    kept = data.ne(0).flatten(1).any(dim=1) if data.dim() > 1 else data.ne(0)
+    if not bool(kept.all()):
+        rows, data = rows[kept], data[kept]
+    return RowSparse(rows, data, shape), rows
 
 
 def _as_torch(array, like: torch.Tensor) -> torch.Tensor:
@@ -123,9 +187,9 @@ def _as_torch(array, like: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == like.dtype else tensor.view(like.dtype)
 
 
-def _note(notes: list, r: int):
+def _note(notes: list, r: int, param, token):
     def hook(grad: torch.Tensor) -> None:
-        if notes[r] is None:
+        if notes[r] is None or getattr(param, NOTER, None) is not token:
             return
         if grad.is_sparse:
             notes[r].append(grad.coalesce().indices()[0])

@@ -101,9 +101,11 @@ class Trainer:
         if checkpoints is not None:
             _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
-        #: the parameters with sparse gradients whose steps push the rows touched
-        rows = self._sparse_rows(names, on_store)
-        alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | rows
+        # the parameters with sparse gradients (a key each, whichever way they go), and
+        # those whose steps push the rows touched
+        sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in set(names)]
+        rows = self._pushed_as_rows(sparse, on_store)
+        alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | set(sparse)
         if _low_rank(compression_params):  # PowerSGD compresses a parameter's own matrix
             alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
@@ -141,6 +143,7 @@ class Trainer:
                     setattr(p, _TRAINER, trainer)
             raise
         me = weakref.ref(self)
+        self._rows.take_over([p for p, *_ in before])
         for p, *_ in before:  # an earlier Trainer on these modules steps them no more
             setattr(p, _TRAINER, me)
 
@@ -187,11 +190,11 @@ class Trainer:
                     for p in params:
                         setattr(p, OWNER, None)  # an earlier Trainer's hooks stop here
 
-    def _sparse_rows(self, names: list, on_store: bool) -> set:
-        """The trainable parameters with sparse gradients (`rows.SPARSE_MODULES`) whose
-        steps push the rows backward touched: with the optimizer on a store that takes
-        row-sparse pushes (one process's); the others are warned of, pushed dense."""
-        sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in set(names)]
+    def _pushed_as_rows(self, sparse: list, on_store: bool) -> set:
+        """The parameters of `sparse` (sparse gradients: `rows.SPARSE_MODULES`) whose
+        steps push the rows backward touched: with the optimizer on a one-process store
+        that does not promise the bits of every layout; the others are warned of, pushed
+        dense."""
         if not sparse:
             return set()
         if not on_store:
@@ -200,6 +203,10 @@ class Trainer:
             return set()
         if isinstance(self._kv, DistKVStore):
             warn_made_dense(sparse, "to a dist store, which takes dense pushes only")
+            return set()
+        if self._kv.deterministic:
+            warn_made_dense(sparse, "to a deterministic store, so that every layout (a "
+                                    "dist store takes dense pushes) gives the same bits")
             return set()
         return set(sparse)
 
@@ -663,6 +670,7 @@ class Trainer:
         """The gradients to sum: the buckets to step, checked (see
         `GradientCollector.collect`), less what the early reductions pushed."""
         self._grads.check_trainable()
+        self._rows.check_assigned()  # (before the collector takes them into the buckets)
         live = self._grads.collect(ignore_stale_grad)
         started, current = (set(), set()) if self._early is None else self._early.finish()
         if ignore_stale_grad:

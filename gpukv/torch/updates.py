@@ -129,14 +129,15 @@ class StoreUpdate:
             unscale(summed, inverse)
             self.store.push(keys, [rows.value_of_sum(b, s) if id(b) in as_rows else s
                                    for b, s in zip(live, summed)])
-        if not self._optimizer.lazy_rows():  # (every row of every key moved)
-            as_rows = set()
-        whole = [b for b in live if id(b) not in as_rows]
+        # A lazy update changed the rows pushed only, which are all a replica needs
+        # unless the program wrote its weights since the last step.
+        lazy = self._optimizer.lazy_rows()
+        by_rows = [b for b in live if id(b) in as_rows and not rows.written(b) and lazy]
+        whole = [b for b in live if b not in by_rows]
         if whole:
             self.store.pull([b.key for b in whole], out=[b.weights for b in whole])
-        for b in live:
-            if id(b) in as_rows:  # a lazy update changed the rows pushed only
-                rows.pull(self.store, b)
+        for b in by_rows:
+            rows.pull(self.store, b)
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets),
