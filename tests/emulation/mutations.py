@@ -47,13 +47,14 @@ MUTATIONS = (
         (_DEVICE_TESTS + "test_wait_for_orders_streams_without_host_sync",)),
     Mutation(
         "enter without its wait", _DEVICE,
-        """                self.stream.wait_event(ordering_event(current))""",
-        """                ordering_event(current)""",
+        """                    marks[self.physical] = event
+            self.stream.wait_event(event)""",
+        """                    marks[self.physical] = event""",
         ("tests/store/test_gpu_store.py::test_tutorial_several_arrays_on_one_gpu",)),
     Mutation(
         "leave without its wait", _DEVICE,
-        """                current.wait_event(event)""",
-        """                pass""",
+        """            current.wait_event(event)""",
+        """            pass""",
         (_DEVICE_TESTS + "test_wait_for_orders_streams_without_host_sync",)),
     Mutation(
         "wait_event a no-op", _DEVICE,
