@@ -76,6 +76,10 @@ def test_quick_run_on_the_emulation_writes_every_section(quick_run):
         assert found["python_calls_per_call"] > 0 and found["top"], found
     assert record["store"]["pushpull_host_profile"]["own_us_per_call"]["gpukv"] > 0
     assert "pushpull's host time:" in record["store"]["summary"]
+    # four values on one GPU: per call one event of the caller's stream, one of each
+    # other as the home waits for it before and after, one for the whole call
+    events = record["store"]["events_per_call"]
+    assert 0 < events["pushpull"] <= 16 and events["push"] + events["pull"] <= 16, events
 
 
 def test_a_host_profile_gives_calls_and_own_time_per_call_by_library():

@@ -7,8 +7,9 @@ array, copy it into the four outs). The calls are timed in turns, medians of a f
 rounds. Large keys: push + pull of four values, CUDA events, as a fraction of the
 device-to-device copy bandwidth measured in the same run (bytes = read + written: a push
 reads four values and writes the stored one, a pull reads it and writes four).
-Goal (on a real GPU): the 4 KB pushpull within 1.5x the bare loop. Then a profile of the
-4 KB pushpull's host time (`host_profile`): where a small call's time goes.
+Goal (on a real GPU): the 4 KB pushpull within 1.5x the bare loop. Then the CUDA events each
+small call makes (the host pays for each), and a profile of the 4 KB pushpull's host time
+(`host_profile`): where a small call's time goes.
 """
 from __future__ import annotations
 
@@ -73,6 +74,22 @@ def small_ways(cp, kv, key, values) -> dict:
             ("pushpull", "cupy"): bare_pushpull}
 
 
+def events_made(cp, call) -> int:
+    """The CUDA events one `call()` makes (gpukv makes one per ordering event)."""
+    made = []
+    real = cp.cuda.Event
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+    cp.cuda.Event = counted
+    try:
+        call()
+    finally:
+        cp.cuda.Event = real
+    return len(made)
+
+
 def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
     from ...device.cuda.device import cuda_device
     from ...device.cuda.probe import release_cached_memory
@@ -101,6 +118,9 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
     if large:
         parts.append(f"{large['bytes'] >> 20} MiB push+pull at "
                      f"{large['copy_fraction']:.0%} of the copy")
+    if "events_per_call" in section.data:
+        parts.append(f"{section.data['events_per_call']['pushpull']} CUDA events a "
+                     f"pushpull")
     if "pushpull_host_profile" in section.data:
         parts.append("pushpull's host time: "
                      + host_profile.summary(section.data["pushpull_host_profile"]))
@@ -136,6 +156,9 @@ def _small(section: Section, device, deadline: Deadline, quick: bool) -> list:
                      "gpukv_us": mine * 1e6, "cupy_us": bare * 1e6, "ratio": mine / bare})
     if not _sums_right(cp, small, lambda: kv.pushpull("small", small)):
         section.fail(f"the 4 KB key's pushpull did not give {SUM} in every value")
+    # each CUDA event made costs the host an event's creation, record and destruction
+    section.data["events_per_call"] = {op: events_made(cp, ways[(op, "gpukv")])
+                                       for op in ("push", "pull", "pushpull")}
     if not deadline.passed():  # where the host time of a small call goes
         section.data["pushpull_host_profile"] = host_profile.profile(
             lambda: kv.pushpull("small", small), 5 if quick else 100)
