@@ -57,6 +57,13 @@ MUTATIONS = (
         """            pass""",
         (_DEVICE_TESTS + "test_wait_for_orders_streams_without_host_sync",)),
     Mutation(
+        "leave of slot 0 without following a new current stream", _DEVICE,
+        """            self.stream  # noqa: B018 (the property orders a new current stream)
+            return""",
+        """            return""",
+        ("tests/store/test_gpu_store.py::test_a_pull_into_the_adopted_value_under_another_"
+         "stream_follows_the_push",)),
+    Mutation(
         "wait_event a no-op", _DEVICE,
         """        with self._cuda_device:
             self.stream.wait_event(event)""",

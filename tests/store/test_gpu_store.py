@@ -170,6 +170,23 @@ def test_gpu_pull_into_an_adopted_value(cp, devices):
     np.testing.assert_array_equal(host(cp, weight), expected)
 
 
+def test_a_pull_into_the_adopted_value_under_another_stream_follows_the_push(cp):
+    """A pull whose out is the key's adopted value itself copies nothing, but still
+    orders the caller's current stream after the push that wrote the value, when the
+    push ran under another stream (the race checker sees a read that overtakes it)."""
+    kv = gpukv.create("device", strategy="home")
+    value = cp.zeros(1 << 12, cp.float32)
+    kv.adopt(["w"], [value])
+    first, second = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with first:
+        kv.push("w", cp.ones(1 << 12, cp.float32))
+    with second:
+        kv.pull("w", out=value)
+        doubled = value * 2
+        second.synchronize()
+    np.testing.assert_array_equal(host(cp, doubled), 2.0)
+
+
 def test_gpu_pushpull_in_place(cp, devices, name):
     """pushpull without out writes the reduced value back into every GPU array."""
     kv = gpukv.create(name)

@@ -136,8 +136,10 @@ class CudaDevice(Device):
 
     def leave(self) -> None:
         """Make CuPy's current stream of this GPU wait for the work queued here (slot 0's
-        work is queued there already)."""
+        work is queued there already, once `stream` has made a current stream other than
+        the one it last used wait for that one)."""
         if not self.slot:
+            self.stream  # noqa: B018 (the property orders a new current stream)
             return
         event = self.record()
         current = self._cp.cuda.get_current_stream(self.physical)
