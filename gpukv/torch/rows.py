@@ -1,13 +1,14 @@
 """Sparse gradients pushed as rows: the weights of nn.Embedding and nn.EmbeddingBag with
 sparse=True. A step pushes the rows backward touched (`gpukv.RowSparse`), so that the
 store's optimizer updates those rows only (its `lazy_update`), as gluon's Trainer does
-with Embedding(sparse_grad=True); a store that takes dense pushes only (a dist store)
-gets them dense, every row.
+with Embedding(sparse_grad=True). With update_on_kvstore=False, and to a dist or a
+deterministic store, they go dense, every row (the Trainer warns).
 
-Backward still leaves such a gradient in its bucket view, dense, as any other: the
-Trainer's checks, GradScaler and the program's clipping see one tensor. A hook on each
-replica's parameter notes the rows of every sparse gradient backward makes for it; the
-step takes those rows of the view, and the notes start afresh.
+The gradient stays in its bucket view, dense, as any other (backward adds into it, or
+the step copies in the sparse `.grad` backward made after `.grad` was set to None): the
+Trainer's checks see one tensor. A hook on each replica's parameter notes the rows of
+every sparse gradient backward makes for it; the step takes those rows of the view, and
+the notes start afresh.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class TouchedRows:
             notes = self._noted[id(bucket)]
             for r, params in enumerate(bucket.params):
                 handles.append(params[0].register_hook(_note(notes, r, params[0], token)))
-        # The hooks hold the notes only: a Trainer dropped takes its hooks with it.
+        # The hooks hold the notes, not this object: a Trainer dropped takes them with it.
         weakref.finalize(self, _unhook, handles)
 
     def take_over(self, params) -> None:
