@@ -109,8 +109,13 @@ def test_the_overlap_sums_the_rows_as_the_step_does():
             trainer.zero_grad()
             backward(models, batches)
             trainer.step(1)
+        trainer.zero_grad()  # gradients of row 4 that cancel in the sum: still pushed
+        models[0](torch.tensor([4])).backward()
+        (-models[1](torch.tensor([4]))).backward()
+        trainer.step(1)
         results.append(table(models[0]))
         assert np.array_equal(results[-1][5], table(replicas()[0])[5])  # untouched
+        assert not np.array_equal(results[-1][4], table(replicas()[0])[4])  # decayed
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -208,11 +213,15 @@ def test_an_older_trainer_kept_alive_notes_nothing():
     """A new Trainer on the same modules takes their rows over: the older one's hooks,
     while it lives, note no more."""
     models = replicas()
-    old = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
-    new = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    old = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1}, kvstore="local")
+    new = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1}, kvstore="local")
+    before = table(models[0])
     backward(models, [[1], [2]])
-    assert all(notes == [[]] * 2 for notes in old._rows._noted.values())
+    assert list(old._rows._noted.values()) == [[[], []]]
+    assert [len(n) for notes in new._rows._noted.values() for n in notes] == [1, 1]
     new.step(1)
+    changed = np.flatnonzero((table(models[0]) != before).any(axis=1)).tolist()
+    assert changed == [1, 2]
 
 
 def test_a_snapshot_resumes_whichever_way_the_table_is_pushed(tmp_path):
@@ -242,9 +251,10 @@ def test_a_snapshot_resumes_whichever_way_the_table_is_pushed(tmp_path):
     ("update_on_kvstore=False", {"update_on_kvstore": False}),
     ("deterministic store", {"deterministic": True})])
 def test_where_rows_cannot_go_the_trainer_warns_and_pushes_dense(why, options):
-    """With update_on_kvstore=False (each replica's optimizer updates the sums) the
-    table's gradients are summed and updated dense, every row, with a warning naming
-    the parameter and why."""
+    """With update_on_kvstore=False (each replica's optimizer updates the sums), and to
+    a deterministic store (whose bits must not depend on the layout), the table's
+    gradients are summed and updated dense, every row, with a warning naming the
+    parameter and why."""
     models = replicas()
     with pytest.warns(SparseGradientsMadeDense, match=rf"'emb.weight'.*{why}"):
         trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1},

@@ -77,6 +77,25 @@ def _ids_like(ids, like, what: str):
     return ids
 
 
+def _checked_shape(shape, what: str) -> tuple:
+    """`shape` as a tuple of ints; ArgumentKindError unless it is a non-empty tuple (or
+    list) of non-negative ints."""
+    if not isinstance(shape, (tuple, list)) or not shape or not all(
+            isinstance(s, numbers.Integral) and not isinstance(s, (bool, np.bool_))
+            and int(s) >= 0 for s in shape):
+        raise ArgumentKindError(
+            f"{what}: shape must be a non-empty tuple of non-negative ints, got {shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _check_rows(data, rows: int, shape: tuple, what: str) -> None:
+    """ShapeError unless `data` holds `rows` rows of a value of `shape`."""
+    expected = (rows,) + shape[1:]
+    if tuple(data.shape) != expected:
+        raise ShapeError(f"{what}: RowSparse of shape {shape}: data for {rows} row(s) must "
+                         f"have shape {expected}, got {tuple(data.shape)}")
+
+
 def _same_device(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
@@ -120,20 +139,12 @@ class RowSparse:
     def __init__(self, indices, data, shape):
         data = _as_array(data)
         indices = _as_array(indices, like=data)
-        if not isinstance(shape, (tuple, list)) or not shape or not all(
-                isinstance(s, numbers.Integral) and not isinstance(s, (bool, np.bool_))
-                and s >= 0 for s in shape):
-            raise ArgumentKindError(
-                f"RowSparse: shape must be a non-empty tuple of non-negative ints, got {shape!r}")
-        shape = tuple(int(s) for s in shape)
+        shape = _checked_shape(shape, "RowSparse")
         if not _same_device(indices, data):
             raise ArgumentError("RowSparse: indices and data live on different devices")
         if indices.ndim != 1:
             raise ShapeError(f"RowSparse: indices must be 1-D, got shape {indices.shape}")
-        expected = (indices.shape[0],) + shape[1:]
-        if tuple(data.shape) != expected:
-            raise ShapeError(f"RowSparse: data of {indices.shape[0]} rows of shape {shape} "
-                             f"must have shape {expected}, got {tuple(data.shape)}")
+        _check_rows(data, indices.shape[0], shape, "RowSparse")
         self.indices = _own(check_row_ids(indices, shape[0], "RowSparse"))
         self.data = data
         self.shape = shape
@@ -148,11 +159,7 @@ class RowSparse:
         if ids.ndim != 1 or ids.shape[0] != data.shape[0]:
             raise ShapeError(f"{what}: RowSparse indices of shape {ids.shape} for "
                              f"{data.shape[0]} rows of data")
-        expected = (ids.shape[0],) + self.shape[1:]
-        if tuple(data.shape) != expected:  # (rows of another shape would broadcast)
-            raise ShapeError(f"{what}: RowSparse data of {ids.shape[0]} rows of shape "
-                             f"{self.shape} must have shape {expected}, got "
-                             f"{tuple(data.shape)}")
+        _check_rows(data, ids.shape[0], self.shape, what)  # (others would broadcast)
         ids = _own(check_row_ids(ids, self.shape[0], what))
         return RowSparse.trusted(ids, data, self.shape)
 
@@ -198,10 +205,7 @@ class RowSparse:
         or the current GPU (`xp`=cupy): the `out` of a `row_sparse_pull`. `shape`: a
         tuple of ints, or one int (one dimension), as NumPy's `zeros` takes it."""
         shape = (shape,) if isinstance(shape, numbers.Integral) else shape
-        if not isinstance(shape, (tuple, list)):
-            raise ArgumentKindError(f"RowSparse.zeros: shape must be an int or a tuple of "
-                                    f"ints, got {type(shape).__name__}")
-        shape = tuple(shape)
+        shape = _checked_shape(shape, "RowSparse.zeros")
         return cls(xp.zeros(0, xp.int64), xp.zeros((0,) + shape[1:], dtype), shape)
 
     @classmethod

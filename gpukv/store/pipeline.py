@@ -311,7 +311,7 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         _apply(plan, updater)
     served_apart = [(entry, merged) for _, entry, merged in plan.rows if entry.kept is not None]
     if served_apart:
-        lazy = _takes_rows(updater) and updater.optimizer.lazy_rows()
+        lazy = _optimizer_takes_rows(updater) and updater.optimizer.lazy_rows()
         for entry, merged in served_apart:
             rows.serve_rows(entry, merged, lazy)
     if plan.compressed and comp is not None and comp.pulls is not None:
@@ -322,7 +322,7 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
                            settles)
 
 
-def _takes_rows(updater) -> bool:
+def _optimizer_takes_rows(updater) -> bool:
     """Whether `updater` (not None) takes row-sparse gradients as rows (an optimizer's:
     its rule then updates the rows only, or every row)."""
     return type(updater) is not FunctionUpdater and hasattr(updater, "update_rows")
@@ -351,7 +351,7 @@ def _apply(plan: PushPlan, updater) -> None:
         rank = ((lambda u: u[0]) if type(updates[0][0]) is int else (lambda u: u[1].seq))
         updates = sorted(updates, key=rank)
     # Runs of one kind go to the updater together (optimizers batch them).
-    takes_rows = _takes_rows(updater)
+    rows_to_optimizer = _optimizer_takes_rows(updater)
     for is_rows, group in itertools.groupby(updates, key=lambda u: u[2] is _ROWS):
         run = list(group)
         keys = [u[0] for u in run]
@@ -359,7 +359,7 @@ def _apply(plan: PushPlan, updater) -> None:
         homes = [u[1].home for u in run]
         if not is_rows:
             updater.update(keys, [u[2] for u in run], stored, homes)
-        elif takes_rows:
+        elif rows_to_optimizer:
             updater.update_rows(keys, [merged_rows[k] for k in keys], stored, homes)
         else:  # fn(key, RowSparse, stored), or an updater taking dense gradients only
             updater.update(keys, [merged_rows[k] for k in keys], stored, homes)

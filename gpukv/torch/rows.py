@@ -42,8 +42,8 @@ def warn_made_dense(names: list, why: str) -> None:
     warnings.warn(
         f"parameter(s) {', '.join(repr(n) for n in names)}: sparse gradients (sparse=True) "
         f"are pushed dense {why}: every row is summed and updated at every step, as with "
-        f"sparse=False (lazy_update has no effect); a one-process store with "
-        f"update_on_kvstore=True updates the rows a batch touched only",
+        f"sparse=False (lazy_update has no effect); the rows a batch touched alone are "
+        f"pushed with the optimizer on a one-process store that is not deterministic",
         SparseGradientsMadeDense, stacklevel=4)
 
 
@@ -61,7 +61,7 @@ class TouchedRows:
         #: id(bucket) -> per replica: the row ids of each sparse gradient backward made,
         #: or None once a gradient was dense (then the bucket is pushed dense)
         self._noted: dict = {id(b): [[] for _ in b.params] for b in buckets}
-        #: id(bucket) -> per replica: the rows the last `values` pushed
+        #: id(bucket) -> the rows the step pushed (`kept`)
         self._pushed: dict = {}
         self._versions = {id(b): _versions(b) for b in buckets}
         self._buckets = buckets
@@ -100,30 +100,38 @@ class TouchedRows:
                     notes[r] = None
 
     def values(self, bucket: Bucket) -> list[RowSparse]:
-        """Each replica's touched rows of its gradient, those not zero (`pushes_rows`
-        must hold)."""
+        """Each replica's gradient at the rows to push (`kept`), the same rows for every
+        replica (`pushes_rows` must hold)."""
         shape = tuple(bucket.params[0][0].shape)
-        found, rows = [], []
-        for grad, ids in zip(bucket.grads, self._noted[id(bucket)]):
-            value = _rows_of(grad.view(shape), _unique(ids, grad.device), shape)
-            found.append(value[0])
-            rows.append(value[1])
-        self._pushed[id(bucket)] = rows
-        return found
+        rows = self.kept(bucket)
+        return [RowSparse(rows.to(grad.device),
+                          grad.view(shape).index_select(0, rows.to(grad.device)), shape)
+                for grad in bucket.grads]
 
     def value_of_sum(self, bucket: Bucket, summed: torch.Tensor) -> RowSparse:
-        """The rows of `summed` (the replicas' gradients summed) any replica touched,
-        those not zero."""
+        """`summed` (the replicas' gradients summed) at the rows to push (`kept`)."""
         shape = tuple(bucket.params[0][0].shape)
-        ids = [i for noted in self._noted[id(bucket)] for i in noted]
-        value, rows = _rows_of(summed.view(shape), _unique(ids, summed.device), shape)
-        self._pushed[id(bucket)] = [rows]
-        return value
+        rows = self.kept(bucket).to(summed.device)
+        return RowSparse(rows, summed.view(shape).index_select(0, rows), shape)
 
-    def written(self, bucket: Bucket) -> bool:
-        """Whether the program wrote a replica's weights in place since the last ask
-        (a `load_state_dict`, an embedding's `max_norm` in a forward): then the whole
-        table comes back from the store, not the rows pushed alone."""
+    def kept(self, bucket: Bucket) -> torch.Tensor:
+        """The rows a step pushes (kept for `pull`): those any replica touched, less the
+        rows where every replica's gradient is zero (a backward whose gradients the
+        program dropped, or that never reached `.grad`); on replica 0's device."""
+        shape = tuple(bucket.params[0][0].shape)
+        device = bucket.grads[0].device
+        rows = _unique([i for noted in self._noted[id(bucket)] for i in noted], device)
+        nonzero = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        for grad in bucket.grads:
+            at = grad.view(shape).index_select(0, rows.to(grad.device))
+            nonzero |= at.ne(0).flatten(1).any(dim=1).to(device)
+        self._pushed[id(bucket)] = rows = rows[nonzero]
+        return rows
+
+    def written_since_last_step(self, bucket: Bucket) -> bool:
+        """Whether the program wrote a replica's weights in place since the last step
+        asked (a `load_state_dict`, an embedding's `max_norm` in a forward): then the
+        whole table comes back from the store, not the rows pushed alone."""
         now = _versions(bucket)
         moved = now != self._versions[id(bucket)]
         self._versions[id(bucket)] = now
@@ -131,11 +139,10 @@ class TouchedRows:
 
     def pull(self, store, bucket: Bucket) -> None:
         """Every replica's weights of `bucket` take the rows of the store's value that
-        the last `values` pushed for any replica: after a lazy update, the only rows that
-        changed."""
+        the step pushed (`kept`): after a lazy update, the only rows that changed."""
         shape = tuple(bucket.params[0][0].shape)
         pushed = self._pushed[id(bucket)]
-        rows = [_unique(pushed, w.device) for w in bucket.weights]
+        rows = [pushed.to(w.device) for w in bucket.weights]
         outs = [RowSparse(torch.zeros(0, dtype=torch.int64, device=w.device),
                           torch.zeros((0,) + shape[1:], dtype=w.dtype, device=w.device),
                           shape) for w in bucket.weights]
@@ -151,7 +158,8 @@ class TouchedRows:
         self._pushed.clear()
 
 
-#: the attribute of a parameter naming the notes its hooks keep (the newest Trainer's)
+#: the attribute of a parameter holding the token of the TouchedRows whose hooks note
+#: its rows (the newest Trainer's)
 NOTER = "_gpukv_rows_noter"
 
 
@@ -165,15 +173,6 @@ def _unique(ids: list, device) -> torch.Tensor:
     if not ids:
         return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat([i.to(device) for i in ids]).unique()
-
-
-def _rows_of(grad: torch.Tensor, rows: torch.Tensor, shape: tuple) -> tuple:
-    """(RowSparse of the rows `rows` of `grad` that are not all zero, those rows)."""
-    data = grad.index_select(0, rows)
-    kept = data.ne(0).flatten(1).any(dim=1) if data.dim() > 1 else data.ne(0)
-    if not bool(kept.all()):
-        rows, data = rows[kept], data[kept]
-    return RowSparse(rows, data, shape), rows
 
 
 def _as_torch(array, like: torch.Tensor) -> torch.Tensor:

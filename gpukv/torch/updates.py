@@ -114,30 +114,32 @@ class StoreUpdate:
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
-        rows = self._rows
-        as_rows = {id(b) for b in live if rows.pushes_rows(b)}
+        touched = self._rows
+        as_rows = {id(b) for b in live if touched.pushes_rows(b)}
         if self.sums is None or self._compressed:
             # (compression set on the store after the Trainer was made: each replica's
             # gradient goes to the store, and the early reductions' sums go unused)
             unscale([g for b in live for g in b.grads], inverse)
-            self.store.push(keys, [rows.values(b) if id(b) in as_rows else b.grads
+            self.store.push(keys, [touched.values(b) if id(b) in as_rows else b.grads
                                    for b in live])
         else:  # (the early reductions summed the scaled gradients: unscale their sums)
             reduction.push(self.sums)
             summed: list = [b.summed for b in live]  # (early_store made every one)
             self.sums.pull(keys, out=summed)
             unscale(summed, inverse)
-            self.store.push(keys, [rows.value_of_sum(b, s) if id(b) in as_rows else s
+            self.store.push(keys, [touched.value_of_sum(b, s) if id(b) in as_rows else s
                                    for b, s in zip(live, summed)])
         # A lazy update changed the rows pushed only, which are all a replica needs
         # unless the program wrote its weights since the last step.
+        written = {id(b) for b in live if id(b) in as_rows
+                   and touched.written_since_last_step(b)}
         lazy = self._optimizer.lazy_rows()
-        by_rows = [b for b in live if id(b) in as_rows and not rows.written(b) and lazy]
+        by_rows = [b for b in live if lazy and id(b) in as_rows and id(b) not in written]
         whole = [b for b in live if b not in by_rows]
         if whole:
             self.store.pull([b.key for b in whole], out=[b.weights for b in whole])
         for b in by_rows:
-            rows.pull(self.store, b)
+            touched.pull(self.store, b)
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         return Checkpoints(directory, every, keep, self.store, layout_of(self._buckets),
