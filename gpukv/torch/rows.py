@@ -100,13 +100,16 @@ class TouchedRows:
                     notes[r] = None
 
     def values(self, bucket: Bucket) -> list[RowSparse]:
-        """Each replica's gradient at the rows to push (`kept`), the same rows for every
-        replica (`pushes_rows` must hold)."""
+        """Each replica's gradient at the rows it touched among those to push (`kept`:
+        their sum is the summed gradient at every row kept; `pushes_rows` must hold)."""
         shape = tuple(bucket.params[0][0].shape)
-        rows = self.kept(bucket)
-        return [RowSparse(rows.to(grad.device),
-                          grad.view(shape).index_select(0, rows.to(grad.device)), shape)
-                for grad in bucket.grads]
+        kept = self.kept(bucket)
+        found = []
+        for grad, noted in zip(bucket.grads, self._noted[id(bucket)]):
+            mine = _unique(noted, grad.device)
+            mine = mine[torch.isin(mine, kept.to(grad.device))]
+            found.append(RowSparse(mine, grad.view(shape).index_select(0, mine), shape))
+        return found
 
     def value_of_sum(self, bucket: Bucket, summed: torch.Tensor) -> RowSparse:
         """`summed` (the replicas' gradients summed) at the rows to push (`kept`)."""
