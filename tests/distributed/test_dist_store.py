@@ -220,6 +220,13 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
     _passes(_scenario(n, servers, "trainer", optimizer, on_store), n - servers)
 
 
+def test_a_sparse_table_goes_dense_to_a_dist_store_with_a_warning():
+    """An nn.Embedding(sparse=True) trained on a dist store: warned of, pushed dense,
+    and the weights of one process training every replica densely."""
+    pytest.importorskip("torch")
+    _passes(_scenario(2, 0, "trainer_sparse_table"), 2)
+
+
 @pytest.mark.parametrize("n,servers,on_store", [(2, 0, "0"), (3, 1, "1")])
 def test_torch_trainer_mean_losses_on_a_dist_store(n, servers, on_store):
     """DDP's convention on a dist store: mean losses and step() average over every

@@ -759,6 +759,44 @@ def trainer(optimizer: str = "sgd", update_on_kvstore: str = "1", overlap: str =
     passed(kv)
 
 
+def trainer_sparse_table() -> None:
+    """gpukv.torch.Trainer with an nn.Embedding(sparse=True) on a dist store: a warning
+    naming the table says it goes dense, and every worker ends with the weights of one
+    process training every worker's replicas densely (lazy_update=False)."""
+    import copy
+    import warnings
+
+    import torch
+    from torch import nn
+
+    import gpukv.torch as gt
+    from gpukv.torch.rows import SparseGradientsMadeDense
+    kv = create()
+    n, r = kv.num_workers, kv.rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 1))
+    mine = [copy.deepcopy(model) for _ in range(2)]
+    everyone = [copy.deepcopy(model) for _ in range(2 * n)]
+    params = {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.01}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        dist = gt.Trainer(mine, "sgd", dict(params), kvstore=kv)
+    assert [w.category for w in said] == [SparseGradientsMadeDense], said
+    assert "'0.weight'" in str(said[0].message) and "dist store" in str(said[0].message)
+    local = gt.Trainer(everyone, "sgd", dict(params, lazy_update=False), kvstore="local")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 10, (2 * n, 2), generator=g)
+        for trainer, models, first in ((dist, mine, 2 * r), (local, everyone, 0)):
+            trainer.zero_grad()
+            for m, row in zip(models, ids[first:first + len(models)]):
+                m(row[None]).sum().backward()
+            trainer.step(1)
+    for a, b in zip(mine[0].parameters(), everyone[0].parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    passed(kv)
+
+
 def trainer_scaled(update_on_kvstore: str = "1", overlap: str = "off") -> None:
     """gpukv.torch.Trainer under torch.amp.GradScaler on a dist store, two replicas per
     worker, mean losses: an inf in worker 1's gradients at step 1 skips that step on every
