@@ -81,6 +81,14 @@ def link_rates(text: str) -> list[str]:
     return list(dict.fromkeys(rates))
 
 
+def check_batch(parser, batch: int, replicas: int) -> None:
+    """A usage error (exit 2) when a batch of `batch` samples leaves one of `replicas`
+    replicas without a sample: it would have no gradient."""
+    if batch < replicas:
+        parser.error(f"--batch {batch}: each of the {replicas} replicas needs a sample at "
+                     f"least")
+
+
 def add_out_option(p, files: str = "the JSON") -> None:
     """--out DIR, default benchmarks/results/ ('-' writes nothing)."""
     _util.add_out_option(p, RESULTS_TEXT, files)

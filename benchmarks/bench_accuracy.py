@@ -477,9 +477,7 @@ def main(argv=None) -> int:
     """Returns 1 when a way failed."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.batch < args.replicas:  # (a replica without samples has no gradient)
-        parser.error(f"--batch {args.batch}: each of the {args.replicas} replicas needs "
-                     f"a sample at least")
+    C.check_batch(parser, args.batch, args.replicas)
     settings(args)
     torch.set_num_threads(args.threads)
     data = load_data(args.train_limit)

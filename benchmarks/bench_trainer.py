@@ -198,9 +198,7 @@ def main(argv=None) -> int:
     """Returns 1 when a case failed."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.batch < max(args.devices):  # (a replica without samples has no gradient)
-        parser.error(f"--batch {args.batch}: each of the {max(args.devices)} replicas "
-                     f"needs a sample at least")
+    C.check_batch(parser, args.batch, max(args.devices))
     torch.set_num_threads(args.threads)
     records = []
     for replicas in args.devices:
