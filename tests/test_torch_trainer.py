@@ -1088,16 +1088,22 @@ def test_replicas_that_share_a_parameter_among_themselves_are_refused():
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
 
 
+@pytest.mark.parametrize("on_store", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_sparse_embedding_trains_after_model_zero_grad(overlap):
+def test_a_sparse_embedding_trains_after_model_zero_grad(overlap, on_store):
     """nn.Embedding(sparse=True) with `.grad` set to None by model.zero_grad(): backward
-    makes a sparse gradient, which the Trainer takes as its dense sum, as torch.optim.SGD
-    takes it."""
+    makes a sparse gradient, which the Trainer takes as its rows (on the store) or, with
+    a warning, as its dense sum, and plain SGD steps as torch.optim.SGD does."""
+    from gpukv.torch.rows import SparseGradientsMadeDense
     torch.manual_seed(0)
     base = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 1))
     models, reference = replicas_of(base, 2), copy.deepcopy(base)
-    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
-                         update_on_kvstore=False, overlap=overlap)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                             update_on_kvstore=on_store, overlap=overlap)
+    dense = [w for w in said if w.category is SparseGradientsMadeDense]
+    assert len(dense) == (0 if on_store else 1)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     ids = torch.tensor([[1, 2, 3], [3, 4, 5], [1, 1, 9], [0, 2, 2]])
     for _ in range(3):
