@@ -103,7 +103,8 @@ class Trainer:
         names, params = trainable(self._modules)
         # the parameters with sparse gradients (a key each, whichever way they go), and
         # those whose steps push the rows touched
-        sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in set(names)]
+        trainable_names = set(names)
+        sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in trainable_names]
         rows = self._pushed_as_rows(sparse, on_store)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | set(sparse)
         if _low_rank(compression_params):  # PowerSGD compresses a parameter's own matrix
