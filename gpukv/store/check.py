@@ -437,7 +437,13 @@ def row_ids_array(key, ids):
     """The row ids of one out as an array (any integer dtype; `check_row_ids` checks it).
 
     A list is taken as it is, never cast: [1, 2.7] is a DTypeError, not rows 1 and 2.
+    A lone int (Python's or NumPy's) is refused: in MXNet's order it is the priority.
     """
+    if isinstance(ids, (numbers.Number, np.generic)):
+        number = f"{str(ids):.40}"
+        raise ArgumentKindError(f"key {key!r}: row_ids must be an integer array or a list "
+                                f"of ints, got the number {number} (one row is [{number}])"
+                                + ROW_SPARSE_ORDER)
     if not isinstance(ids, (list, tuple)):
         try:
             array = adopt(ids)

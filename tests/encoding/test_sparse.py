@@ -265,6 +265,11 @@ def test_dense_updater_gets_rows_made_dense_on_the_key_stream(monkeypatch):
      gpukv.ArgumentKindError, "'w'"),
     (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=[1, [2]]),
      gpukv.ArgumentKindError, "'w'"),
+    # a lone number, Python's or NumPy's: in MXNet's order it is the priority
+    (lambda kv, o: kv.row_sparse_pull("w", o, 0), gpukv.ArgumentKindError,
+     r"'w'.*got the number 0 \(one row is \[0\]\).*MXNet's takes priority"),
+    (lambda kv, o: kv.row_sparse_pull("w", out=o, row_ids=np.int32(3)),
+     gpukv.ArgumentKindError, "'w'.*got the number 3"),
     (lambda kv, o: kv.row_sparse_pull(7, out=o, row_ids=[0]), gpukv.KeyKindError, "key 7"),
     (lambda kv, o: kv.row_sparse_pull(["w", 7], out=[o, o], row_ids=[[0], [0]]),
      gpukv.KeyKindError, "key 7"),
