@@ -132,6 +132,102 @@ def test_zero_grad_forgets_the_rows_of_the_gradients_it_drops():
     assert not np.array_equal(table(models[0])[4], before[4])
 
 
+def _grads_of_the_table(models) -> list:
+    return [m.emb.weight.grad for m in models]
+
+
+def _add_to_row_5(models):
+    with torch.no_grad():
+        for grad in _grads_of_the_table(models):
+            grad[5] += 1.0
+
+
+def _scale(models):
+    with torch.no_grad():
+        for grad in _grads_of_the_table(models):
+            grad.mul_(0.5)
+
+
+def _clip(models):
+    for model in models:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+def _dense_backward(models):
+    for model, ids in zip(models, ([6], [7])):
+        model.out(nn.functional.embedding(torch.tensor(ids), model.emb.weight)).sum().backward()
+
+
+#: what a program may do to the gradients between backward and the Trainer's zero_grad
+BETWEEN = {"nothing": lambda models: None,
+           "a second backward": lambda models: backward(models, [[9], [1, 10]]),
+           "an add of its own to an untouched row": _add_to_row_5,
+           "a scaling in place": _scale,
+           "clipping": _clip,
+           "a dense backward": _dense_backward,
+           "model.zero_grad() then backward": lambda models: (
+               [m.zero_grad() for m in models], backward(models, [[3], [11]]))}
+
+
+@pytest.mark.parametrize("step", [True, False])
+@pytest.mark.parametrize("between", list(BETWEEN))
+def test_zero_grad_leaves_every_gradient_zero(between, step):
+    """Whatever wrote the table's gradients since the last zero_grad (backward alone, or
+    the program too), the Trainer's zero_grad leaves every row of every replica's
+    gradient 0, with or without a step in between, round after round."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    for batches in ([[1, 2], [2, 3]], [[4], [8, 4]], [[0], [11]]):
+        trainer.zero_grad()
+        for grad in _grads_of_the_table(models):
+            assert grad is not None and not grad.any()
+        backward(models, batches)
+        BETWEEN[between](models)
+        if step:
+            trainer.step(1, ignore_stale_grad=True)
+    trainer.zero_grad()
+    for grad in _grads_of_the_table(models):
+        assert not grad.any(), between
+
+
+def test_zero_grad_zeroes_the_rows_backward_wrote_alone():
+    """Where backward alone wrote the table's gradient since the last zero_grad, the
+    next one zeroes the rows it wrote, not the whole table (a write no counter sees,
+    through `.data`, shows which); after a write of the program's own, the whole."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    trainer.zero_grad()
+    unseen = models[0].emb.weight.grad.data
+    unseen[5] = 7.0
+    backward(models, [[1, 2], [3]])
+    trainer.step(1)
+    trainer.zero_grad()
+    assert unseen[5].tolist() == [7.0] * DIM
+    assert not unseen[[1, 2, 3]].any()
+    backward(models, [[1], [3]])
+    _add_to_row_5(models[1:])  # (replica 1's own write: replica 0's rows alone again)
+    trainer.zero_grad()
+    assert unseen[5].tolist() == [7.0] * DIM
+    assert not models[1].emb.weight.grad.any()
+    backward(models, [[1], [3]])
+    _scale(models)
+    trainer.zero_grad()
+    assert not unseen.any()
+
+
+def test_a_write_of_the_programs_own_before_backward_is_zeroed_too():
+    """A write into the table's gradient after zero_grad and before backward (which
+    then writes the gradient again) is zeroed by the next zero_grad."""
+    models = replicas()
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    trainer.zero_grad()
+    _add_to_row_5(models)
+    backward(models, [[1], [3]])
+    trainer.zero_grad()
+    for grad in _grads_of_the_table(models):
+        assert not grad.any()
+
+
 def test_a_replica_that_did_not_use_the_table_pushes_no_rows():
     """With ignore_stale_grad, a replica whose batch left the table alone adds nothing:
     the rows the other touched move, the others stay."""

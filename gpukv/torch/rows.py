@@ -9,6 +9,10 @@ the step copies in the sparse `.grad` backward made after `.grad` was set to Non
 Trainer's checks see one tensor. A hook on each replica's parameter notes the rows of
 every sparse gradient backward makes for it; the step takes those rows of the view, and
 the notes start afresh.
+
+`Trainer.zero_grad()` zeroes those rows of the view alone, not the whole table, while
+the view's counter of in-place writes shows that backward alone wrote it since: a
+write of the program's own (clipping, unscaling, an add) has it zeroed whole.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ class TouchedRows:
         #: id(bucket) -> the rows the step pushed (`kept`)
         self._pushed: dict = {}
         self._versions = {id(b): _versions(b) for b in buckets}
+        #: id(bucket) -> per replica: where its gradient view may be nonzero (`zero`)
+        self._written: dict = {id(b): [_Written() for _ in b.params] for b in buckets}
         self._buckets = buckets
         # The newest Trainer's notes only (`take_over`): an older one kept alive notes
         # nothing.
@@ -71,8 +77,12 @@ class TouchedRows:
         handles = []
         for bucket in buckets:
             notes = self._noted[id(bucket)]
-            for r, params in enumerate(bucket.params):
-                handles.append(params[0].register_hook(_note(notes, r, params[0], token)))
+            for r, (params, views, written) in enumerate(
+                    zip(bucket.params, bucket.views, self._written[id(bucket)])):
+                p = params[0]
+                handles.append(p.register_hook(_note(notes, r, p, views[0], written, token)))
+                handles.append(p.register_post_accumulate_grad_hook(
+                    _settled(p, views[0], written, token)))
         # The hooks hold the notes, not this object: a Trainer dropped takes them with it.
         weakref.finalize(self, _unhook, handles)
 
@@ -127,7 +137,7 @@ class TouchedRows:
         nonzero = torch.zeros(len(rows), dtype=torch.bool, device=device)
         for grad in bucket.grads:
             at = grad.view(shape).index_select(0, rows.to(grad.device))
-            nonzero |= at.ne(0).flatten(1).any(dim=1).to(device)
+            nonzero |= _nonzero_rows(at).to(device)
         self._pushed[id(bucket)] = rows = rows[nonzero]
         return rows
 
@@ -154,6 +164,23 @@ class TouchedRows:
             for w, r, out in zip(bucket.weights, rows, outs):
                 w.view(shape).index_copy_(0, r, _as_torch(out.data, w))
 
+    def tracks(self, bucket: Bucket) -> bool:
+        """Whether `bucket` is one of a sparse table's (its `zero` may be cheaper)."""
+        return id(bucket) in self._written
+
+    def zero(self, bucket: Bucket) -> None:
+        """Zero every replica's gradient of `bucket` (`tracks` must hold): the rows
+        backward wrote since the last zero alone, where backward alone wrote it (its
+        counter of in-place writes says so); else the whole view."""
+        shape = tuple(bucket.params[0][0].shape)
+        for grad, written in zip(bucket.grads, self._written[id(bucket)]):
+            if written.rows is None or grad._version != written.version:  # noqa: SLF001
+                grad.zero_()
+            elif written.rows:
+                rows = _unique(written.rows, grad.device)
+                grad.view(shape).index_fill_(0, rows, 0)
+            written.rows, written.version = [], grad._version  # noqa: SLF001
+
     def clear(self) -> None:
         """The gradients were used (or dropped): note afresh."""
         for notes in self._noted.values():
@@ -164,6 +191,28 @@ class TouchedRows:
 #: the attribute of a parameter holding the token of the TouchedRows whose hooks note
 #: its rows (the newest Trainer's)
 NOTER = "_gpukv_rows_noter"
+
+
+class _Written:
+    """Where one replica's gradient view of a sparse table may be nonzero since the
+    Trainer last zeroed it: `rows`, the row ids of backward's sparse gradients, or None
+    for anywhere; `version`, the view's counter of in-place writes after backward's last
+    write (the hooks keep both)."""
+
+    __slots__ = ("rows", "version")
+
+    def __init__(self) -> None:
+        self.rows: list | None = None  # (the view's first contents are the program's)
+        self.version = -1
+
+
+def _nonzero_rows(at: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `at` has an element other than 0 (a NaN counts)."""
+    flat = at.flatten(1)
+    if flat.shape[1] == 0:
+        return torch.zeros(flat.shape[0], dtype=torch.bool, device=at.device)
+    # (a NaN's amax is NaN, which is not 0: ten times faster than ne(0).any(dim=1))
+    return flat.abs().amax(dim=1).ne(0)
 
 
 def _versions(bucket: Bucket) -> list[int]:
@@ -190,14 +239,32 @@ def _as_torch(array, like: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == like.dtype else tensor.view(like.dtype)
 
 
-def _note(notes: list, r: int, param, token):
+def _note(notes: list, r: int, param, view, written: _Written, token):
+    """Before backward adds a gradient into `param.grad`: its rows into `notes[r]` (the
+    rows to push) and `written` (the rows to zero), or, for a dense gradient or after
+    a write of the program's own into `view`, None (all of them)."""
     def hook(grad: torch.Tensor) -> None:
-        if notes[r] is None or getattr(param, NOTER, None) is not token:
+        if getattr(param, NOTER, None) is not token:
             return
-        if grad.is_sparse:
-            notes[r].append(grad.coalesce().indices()[0])
-        else:
-            notes[r] = None
+        if not grad.is_sparse:
+            notes[r] = written.rows = None
+            return
+        if written.rows is not None and param.grad is view and \
+                view._version != written.version:  # noqa: SLF001
+            written.rows = None
+        rows = grad.coalesce().indices()[0]
+        for noted in (notes[r], written.rows):
+            if noted is not None:
+                noted.append(rows)
+    return hook
+
+
+def _settled(param, view, written: _Written, token):
+    """After backward added a gradient into `param.grad`: `view`'s counter of writes,
+    where that gradient is `view`."""
+    def hook(_param) -> None:
+        if getattr(param, NOTER, None) is token and param.grad is view:
+            written.version = view._version  # noqa: SLF001
     return hook
 
 

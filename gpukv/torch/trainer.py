@@ -352,8 +352,12 @@ class Trainer:
     def _zero_grads(self) -> None:
         with torch.no_grad():
             for bucket in self._buckets:
-                for r, grad in enumerate(bucket.grads):
-                    grad.zero_()
+                if self._rows.tracks(bucket):
+                    self._rows.zero(bucket)  # the rows backward wrote, where it alone did
+                else:
+                    for grad in bucket.grads:
+                        grad.zero_()
+                for r in range(len(bucket.grads)):
                     for p, view in zip(bucket.params[r], bucket.views[r]):
                         if p.grad is not view:  # set to None or replaced since
                             p.grad = view
