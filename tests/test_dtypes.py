@@ -180,3 +180,22 @@ def test_init_device_lists_may_differ_in_byte_order_only(kv):
     assert pulled(kv, 1, "float32").tolist() == full(2, "float32").tolist()
     with pytest.raises(gpukv.DTypeError, match="key 2"):
         kv.init(2, [full(2, ">f4"), full(2, "<f8")])
+
+
+@pytest.mark.parametrize("call", ["push", "pull", "init"])
+def test_a_torch_dtype_numpy_has_not_is_a_dtype_error_that_changes_nothing(kv, call):
+    """A float8 PyTorch tensor is refused as any unsupported dtype is: a DTypeError (a
+    ValueError) naming the key and the dtypes gpukv takes; the call's other key keeps its
+    value."""
+    torch = pytest.importorskip("torch")
+    eight = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    kv.init(["a", "w"], [np.zeros(2, np.float32)] * 2)
+    calls = {"push": lambda: kv.push(["a", "w"], [np.ones(2, np.float32), eight]),
+             "pull": lambda: kv.pull(["a", "w"], out=[np.ones(2, np.float32), eight]),
+             "init": lambda: kv.init(["b", "x"], [np.ones(2, np.float32), eight])}
+    with pytest.raises(gpukv.DTypeError, match=r"key '[wx]'.*float8_e4m3fn.*supported: "
+                                               r"bfloat16, float16"):
+        calls[call]()
+    out = np.full(2, 5, np.float32)
+    kv.pull("a", out=out)
+    assert out.tolist() == [0, 0] and "b" not in kv.keys()

@@ -202,7 +202,11 @@ def _torch_cpu(torch, tensor):
         except ImportError:
             raise DTypeError("bfloat16 tensors need ml_dtypes (pip install ml_dtypes)") from None
         return tensor.view(torch.int16).numpy().view(bfloat16)
-    return tensor.numpy()  # shares memory, stays writable
+    try:
+        return tensor.numpy()  # shares memory, stays writable
+    except TypeError as exc:  # a dtype NumPy has not (float8)
+        raise DTypeError(f"unsupported dtype {tensor.dtype} (a PyTorch tensor NumPy cannot "
+                         f"hold); supported: {', '.join(sorted(SUPPORTED_DTYPES))}") from exc
 
 
 def _cupy():
