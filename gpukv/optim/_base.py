@@ -161,6 +161,23 @@ OPTION_CHECKS = {
 }
 
 
+def _keyword_options(cls) -> list[str]:
+    """The options `cls(...)` takes by keyword: its `__init__`'s named parameters, and
+    where that takes **kwargs too (to hand on to its base, as MXNet's optimizers do),
+    those of the next `__init__` up its bases, in turn."""
+    names: list = []
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.name != "self" and p.name not in names
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
 def _checked(option_names) -> frozenset:
     """The attributes of `option_names` that OPTION_CHECKS checks (learning_rate is `lr`)."""
     return frozenset({"lr" if name == "learning_rate" else name for name in option_names}
@@ -204,7 +221,7 @@ class Optimizer:
     def __new__(cls, *args, **options):
         # An option the class does not have: a gpukv error naming those it has (Python's
         # own would be a bare TypeError from __init__).
-        accepted = inspect.signature(cls).parameters
+        accepted = _keyword_options(cls)
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise ArgumentKindError(f"{cls.__name__}: unknown option(s) "
@@ -246,6 +263,20 @@ class Optimizer:
         self.wd_mult: dict = {}
         self.set_wd_mult({})
         self._index_update_count: dict = {}
+
+    def check_rule(self) -> None:
+        """ArgumentKindError unless this optimizer's class defines an update rule
+        (`host_chunk`): MXNet's `create_state` and `update` are not gpukv's interface,
+        and a class with those alone would fail at its first push."""
+        if type(self).host_chunk is Optimizer.host_chunk:
+            mxnet = [m for m in ("create_state", "update") if hasattr(self, m)]
+            said = (f" (it has MXNet's {' and '.join(mxnet)}, which gpukv does not call)"
+                    if mxnet else "")
+            raise ArgumentKindError(
+                f"{type(self).__name__}: no update rule{said}: a gpukv optimizer defines "
+                f"host_chunk (its rule on NumPy arrays; cuda_body for keys on GPUs), "
+                f"state_names and option_names; see 'Writing an optimizer' in "
+                f"docs/optimizers.md")
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

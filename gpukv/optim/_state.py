@@ -77,7 +77,7 @@ def export_state(opt: Optimizer, states: dict, dump_optimizer: bool = False,
     header = {"kind": STATE_KIND, "version": STATE_VERSION, "optimizer": opt.name,
               "num_update": opt.num_update, "keys": keys, "counts": counts}
     if dump_optimizer:
-        header["options"] = opt.options()
+        options = header["options"] = opt.options()
         header["lr_mult"] = _mults(opt.lr_mult)
         header["wd_mult"] = _mults(opt.wd_mult)
         sched = opt.lr_scheduler
@@ -86,6 +86,8 @@ def export_state(opt: Optimizer, states: dict, dump_optimizer: bool = False,
             log.warning("gpukv: lr_scheduler %r cannot be saved; only its learning "
                         "rate is (the optimizer a file is loaded into keeps its own)",
                         sched)
+            # the rate it gives the next update, where the rule's own `lr` is None
+            options["learning_rate"] = float(opt.learning_rate)
         header["lr_scheduler"] = sched.state() if saved else None
     return header, arrays
 

@@ -82,6 +82,7 @@ class OptimizerUpdater:
     keys of a push, keeping each key's state (`states`) on the key's home device."""
 
     def __init__(self, optimizer: Optimizer):
+        optimizer.check_rule()
         self.optimizer = optimizer
         self.states: dict = {}
         self._scratch: dict = {}

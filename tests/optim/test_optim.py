@@ -1159,3 +1159,81 @@ def test_multiplier_keys_are_the_stores_keys(setter, tmp_path):
     again.load_optimizer_states(str(path))
     assert (again._optimizer.lr_mult if setter == "set_lr_mult"
             else again._optimizer.wd_mult) == table
+
+
+class _Forwarding(optim.SGD):
+    """MXNet's habit: its own option, the rest handed on through **kwargs."""
+
+    def __init__(self, nesterovish: float = 0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.nesterovish = nesterovish
+
+    option_names = optim.SGD.option_names + ("nesterovish",)
+
+
+def test_a_subclass_that_hands_its_options_on_takes_its_bases(tmp_path):
+    """A rule whose __init__ takes **kwargs for its base takes the base's options, and
+    refuses unknown ones naming every option it has; a file saved with its options
+    loads back into it."""
+    opt = _Forwarding(learning_rate=0.2, momentum=0.9, nesterovish=0.25)
+    assert (opt.lr, opt.momentum, opt.nesterovish) == (0.2, 0.9, 0.25)
+    with pytest.raises(ArgumentKindError, match=r"unknown option\(s\) lr; its options are "
+                                                r"nesterovish, momentum, lazy_update, "
+                                                r"learning_rate"):
+        _Forwarding(lr=0.2)
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(2, np.float32))
+    kv.set_optimizer(opt)
+    kv.push(0, np.ones(2, np.float32))
+    kv.save_optimizer_states(tmp_path / "s", dump_optimizer=True)
+    other = gpukv.create("local")
+    other.init(0, np.ones(2, np.float32))
+    loaded = _Forwarding()
+    other.set_optimizer(loaded)
+    other.load_optimizer_states(tmp_path / "s")
+    assert (loaded.lr, loaded.momentum, loaded.nesterovish) == (0.2, 0.9, 0.25)
+
+
+class _MXNetStyle(optim.Optimizer):
+    """MXNet's interface, which gpukv does not call."""
+
+    def create_state(self, index, weight):
+        return np.zeros_like(weight)
+
+    def update(self, index, weight, grad, state):
+        weight -= self.learning_rate * grad
+
+
+@pytest.mark.parametrize("kind", ["local", "device"])
+def test_a_rule_without_host_chunk_is_refused_at_set_optimizer(kind):
+    """A subclass with MXNet's create_state/update alone is an ArgumentKindError naming
+    what gpukv calls, at set_optimizer, not a bare NotImplementedError at the first
+    push; the store keeps its optimizer."""
+    kv = gpukv.create(kind)
+    kv.init(0, np.ones(2, np.float32))
+    kv.set_optimizer(optim.SGD(learning_rate=0.5))
+    with pytest.raises(ArgumentKindError, match=r"_MXNetStyle: no update rule \(it has "
+                                                r"MXNet's create_state and update.*host_chunk"):
+        kv.set_optimizer(_MXNetStyle(learning_rate=0.1))
+    kv.push(0, np.ones(2, np.float32))
+    out = np.empty(2, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [0.5, 0.5]
+
+
+def test_a_function_schedule_saves_the_rate_it_gives_next(tmp_path):
+    """With dump_optimizer=True a function schedule is left out and its rate saved: an
+    optimizer without a schedule of its own takes the rate the function gives the next
+    update (not the default 0.01)."""
+    kv = gpukv.create("local")
+    kv.init(0, np.ones(2, np.float32))
+    kv.set_optimizer(optim.SGD(lr_scheduler=lambda n: 0.1 / (1 + n)))
+    for _ in range(4):
+        kv.push(0, np.ones(2, np.float32))
+    kv.save_optimizer_states(tmp_path / "s", dump_optimizer=True)
+    other = gpukv.create("local")
+    other.init(0, np.ones(2, np.float32))
+    loaded = optim.SGD(learning_rate=7.0)
+    other.set_optimizer(loaded)
+    other.load_optimizer_states(tmp_path / "s")
+    assert loaded.lr == pytest.approx(0.1 / 5) and loaded.lr_scheduler is None
