@@ -10,9 +10,12 @@ everywhere, as DDP's reductions are queued before a later collective of the same
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from .._errors import ArgumentError
 
 
 class CallLock:
@@ -23,6 +26,7 @@ class CallLock:
         self._lock = threading.RLock()
         self._depth = threading.local()
         self._settlers: list = []  # (weak wait, weak background) of the live registrations
+        self._updating = threading.local()
 
     def settle_before_calls(self, wait: Callable[[], None],
                             background: Callable[[], bool]) -> None:
@@ -31,7 +35,23 @@ class CallLock:
         self._settlers = [s for s in self._settlers if s[0]() is not None]
         self._settlers.append((weakref.WeakMethod(wait), weakref.WeakMethod(background)))
 
+    @contextlib.contextmanager
+    def running_updater(self) -> Iterator[None]:
+        """While the program's updater runs inside a call: a call it makes of the store
+        is an ArgumentError (it would start a collective call inside another)."""
+        self._updating.on = True
+        try:
+            yield
+        finally:
+            self._updating.on = False
+
     def __enter__(self) -> CallLock:
+        if getattr(self._updating, "on", False):
+            raise ArgumentError(
+                "a dist store's updater called the store: its calls are collective, and "
+                "one started inside another would cross the messages of both; an updater "
+                "on a dist store updates the values it is given only (as MXNet's, which "
+                "runs on its servers)")
         depth = getattr(self._depth, "value", 0)
         if depth == 0:
             self._settle()

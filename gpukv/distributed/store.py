@@ -646,10 +646,14 @@ class DistKVStore(KVStore):
         """Run `updater(key, merged, stored)` where the keys are served: on this process's
         shard (num_servers=0), or on the servers (which receive it pickled: a function
         defined at module level). Pieces of split keys are updated piece by piece, as
-        MXNet's servers do."""
+        MXNet's servers do. An exception it raises ends the store (the others get a
+        PeerError carrying it, and so do later calls); a call of this store from inside
+        it is an ArgumentError (the calls are collective)."""
         if not callable(updater):
             raise ArgumentKindError(
                 f"updater: expected a callable, got {type(updater).__name__}")
+        if not self._num_servers:  # (servers run it in processes of their own)
+            updater = _Guarded(updater, self._lock)
         with self._lock:
             self._engine.set_updater(updater)
             self._has_updater = True
@@ -689,6 +693,7 @@ class DistKVStore(KVStore):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+        optimizer.check_rule()  # (before any worker's engine takes it)
         from ..optim import OptimizerUpdater
         with self._lock:
             self._engine.set_optimizer(optimizer)
@@ -981,3 +986,17 @@ class DistKVStore(KVStore):
         return (f"<gpukv.DistKVStore type={self._type!r} rank={self.rank} "
                 f"workers={self.num_workers} servers={self._num_servers} "
                 f"keys={len(self._values)}>")
+
+
+class _Guarded:
+    """The program's updater, run with its store's calls refused (`CallLock`)."""
+
+    def __init__(self, updater, lock: CallLock) -> None:
+        self.updater, self._lock = updater, lock
+
+    def __call__(self, key, merged, stored):
+        with self._lock.running_updater():
+            return self.updater(key, merged, stored)
+
+    def __repr__(self) -> str:
+        return repr(self.updater)

@@ -503,6 +503,15 @@ def test_an_updater_error_on_a_keys_owner_reaches_every_process_at_once():
     assert all(float(took) < 10 for _, took in raised), raised
 
 
+def test_an_updater_that_calls_the_store_is_refused_on_every_process():
+    """num_servers=0: a push from inside the updater is an ArgumentError on the key's
+    owner and a PeerError carrying it on the others (before, the two pushes' messages
+    crossed: garbage values on one process, a timeout on the other)."""
+    result = _scenario(2, 0, "updater_calls_the_store", timeout=20, limit=90)
+    raised = re.findall(r"RAISED (\w+) on worker \d", result.stdout)
+    assert sorted(raised) == ["ArgumentError", "PeerError"], result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count; momentum

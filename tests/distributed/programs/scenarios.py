@@ -1502,5 +1502,24 @@ def updater_raises() -> None:
               f"{time.monotonic() - start:.1f} s", flush=True)
 
 
+def updater_calls_the_store() -> None:
+    """With num_servers=0, an updater that pushes another key from inside a push: the
+    owner of the key raises an ArgumentError saying why, the others a PeerError carrying
+    it (the two calls' messages would cross)."""
+    kv = create()
+
+    def push_inside(key, merged, stored):
+        kv.push(2, np.ones(2, np.float32))
+
+    kv.init([1, 2], [np.zeros(2, np.float32)] * 2)
+    kv.set_updater(push_inside)
+    try:
+        kv.push(1, np.ones(2, np.float32))
+        raise AssertionError("the push inside the updater went through")
+    except (gpukv.ArgumentError, gpukv.PeerError) as exc:
+        assert "a dist store's updater called the store" in str(exc), exc
+        print(f"RAISED {type(exc).__name__} on worker {kv.rank}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
