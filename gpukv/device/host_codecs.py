@@ -582,6 +582,10 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
             np.multiply(threshold, TERNARY_THRESHOLD, out=threshold)
         chosen = _scratch("ternary_chosen", np.bool_, e.size).reshape(shape)
         np.greater(size, threshold[:, None], out=chosen)  # never a NaN's, nor padding's
+        poisoned = ~np.isfinite(threshold)  # an inf or NaN in the block: it crosses as NaN
+        if poisoned.any():
+            chosen[poisoned] = True
+            chosen.reshape(-1)[k:] = False  # (padding)
         kept = _scratch("ternary_kept", _F32, e.size).reshape(shape)
         with np.errstate(invalid="ignore"):
             np.multiply(size, chosen, out=kept)
@@ -596,6 +600,9 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         negative = _scratch("ternary_negative", np.bool_, e.size).reshape(shape)
         np.less(e, 0, out=negative)
         np.logical_and(negative, chosen, out=negative)
+        if poisoned.any():
+            sc[poisoned] = np.nan
+            negative[poisoned] = False
         digits = _scratch("ternary_digits", _U8, blocks * 5 * TERNARY_CODE_BYTES)
         digits = digits.reshape(blocks, 5 * TERNARY_CODE_BYTES)
         digits[:, TERNARY_BLOCK:] = 0

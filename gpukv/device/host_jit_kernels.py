@@ -19,7 +19,7 @@ if sys.byteorder != "little":  # the sign encoder reads eight bytes as one word
 
 _F32 = np.float32
 _TERNARY_CODE_BYTES = 26  # a ternary block's bytes of codes: five values to a byte
-_ZERO, _ONE, _SEVEN_TENTHS = _F32(0), _F32(1), _F32(0.7)
+_ZERO, _ONE, _SEVEN_TENTHS, _NAN = _F32(0), _F32(1), _F32(0.7), _F32(np.nan)
 # (eight bytes of 0 or 1 as a little-endian uint64) * _GATHER_BITS >> 56 is the byte of
 # their bits, the first byte's the most significant: the partial products that reach the
 # top byte are those eight bits, and those below it never carry into it.
@@ -157,6 +157,8 @@ def ternary_block(g, r, at, count, e, a, y, d, codes, byte, lanes):
         e[i] = v
         a[i] = abs(v)
     threshold = halves_128(a, y, lanes) / _F32(count) * _SEVEN_TENTHS
+    if not np.isfinite(threshold):  # an inf or NaN in the block: it crosses as NaN
+        return poisoned_block(r, at, count, e, d, codes, byte)
     sent = 0
     for i in range(128):
         chosen = a[i] > threshold  # never a NaN's
@@ -169,11 +171,30 @@ def ternary_block(g, r, at, count, e, a, y, d, codes, byte, lanes):
         negative = e[i] < _ZERO
         d[i] = np.uint8(on) + np.uint8(on and negative)
         r[at + i] = e[i] - (_ZERO if not on else (minus if negative else s))
+    pack_digits(d, codes, byte)
+    return s
+
+
+@inline
+def poisoned_block(r, at, count, e, d, codes, byte):
+    """`ternary_block` of a block with an inf or NaN: its `count` values sent as +NaN
+    (code 1, the scale NaN), r = e - NaN; returns the scale."""
+    s = _NAN
+    for i in range(128):
+        d[i] = np.uint8(i < count)
+        r[at + i] = e[i] - s
+    pack_digits(d, codes, byte)
+    return s
+
+
+@inline
+def pack_digits(d, codes, byte):
+    """A block's 128 digits d (0, 1 or 2) into codes[byte:byte + 26], five a byte, the
+    first the lowest."""
     for j in range(_TERNARY_CODE_BYTES):
         q = 5 * j
         codes[byte + j] = (
             (((d[q + 4] * 3 + d[q + 3]) * 3 + d[q + 2]) * 3 + d[q + 1]) * 3 + d[q])
-    return s
 
 
 @jit

@@ -115,6 +115,40 @@ def test_blockwise_kernels_give_the_twins_bytes_and_residuals(cp, codec, n):
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
 
 
+def assert_same_values(got, want, what=""):
+    """`assert_same_bits`, a NaN matching any NaN (a GPU's arithmetic makes its own NaN
+    bits, where the host's keeps an operand's)."""
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all(), f"{what}: NaNs differ"
+    assert_same_bits(np.where(nan, 0, got), np.where(nan, 0, want), what)
+
+
+@pytest.mark.parametrize("n", [5, 128, 129, 300])
+@pytest.mark.parametrize("codec", ["sign", "ternary"])
+def test_blockwise_kernels_send_a_block_with_an_inf_or_nan_as_the_twin(cp, codec, n):
+    """A block holding an inf or a NaN (ternary: it crosses as NaN, every value code 1;
+    sign: its scale NaN): the kernel's codes are the twin's, and its scales, residual and
+    decoded values too, NaN for NaN."""
+    quantize, dequantize = getattr(K, f"quantize_{codec}"), getattr(K, f"dequantize_{codec}")
+    g, r = _grad_and_residual(n, n)
+    g[1], g[-1] = np.inf, np.nan
+    r_gpu = cp.asarray(r)
+    with np.errstate(invalid="ignore"):
+        want = quantize(g, r)
+    got = quantize(cp.asarray(g), r_gpu).get()
+    blocks = -(-n // (64 if codec == "sign" else 128))  # a float32 scale each, first
+    assert got[4 * blocks:].tobytes() == want[4 * blocks:].tobytes(), "codes"
+    assert_same_values(got[:4 * blocks].view(np.float32), want[:4 * blocks].view(np.float32),
+                       "scales")
+    assert_same_values(r_gpu.get(), r, "residual")
+    host_out, gpu_out = np.zeros(n, np.float32), cp.zeros(n, cp.float32)
+    with np.errstate(invalid="ignore"):
+        dequantize(want, n, host_out, False)
+    dequantize(cp.asarray(got), n, gpu_out, False)
+    assert_same_values(gpu_out.get(), host_out, "decoded")
+    assert not np.isfinite(host_out[:min(n, 64)]).any()  # the first block shows it
+
+
 @pytest.mark.parametrize("bits", [2, 1])
 @pytest.mark.parametrize("n", [1, 17, 33])
 def test_dequantize_kernels_write_only_n_values(cp, bits, n):

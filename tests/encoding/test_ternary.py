@@ -36,7 +36,8 @@ def ternary_rule(grad: np.ndarray,
     mean * 0.7; the scale is the sent magnitudes summed by halves over their count (0
     with none); code 1 (+scale) for a sent value > 0, 2 (-scale) for the other sent
     ones, 0 (+0) for the rest; five codes a byte, base 3, the first the lowest digit,
-    26 bytes a block; the decoded value taken out of e."""
+    26 bytes a block; the decoded value taken out of e. A block whose mean is no finite
+    number (an inf or NaN in it) crosses as NaN: every value code 1, the scale NaN."""
     e = residual + grad
     n = e.size
     blocks = -(-n // BLOCK)
@@ -47,15 +48,18 @@ def ternary_rule(grad: np.ndarray,
         counts[-1] = n % BLOCK
     with np.errstate(invalid="ignore", over="ignore"):
         mean = _by_halves(size.reshape(blocks, BLOCK)) / counts
-        sent = size > np.repeat(mean * np.float32(0.7), BLOCK)
+        bar = mean * np.float32(0.7)
+        poisoned = np.repeat(~np.isfinite(bar), BLOCK)
+        sent = (size > np.repeat(bar, BLOCK)) | poisoned
     sent[n:] = False
     kept = np.where(sent, size, np.float32(0)).reshape(blocks, BLOCK)
     how_many = sent.reshape(blocks, BLOCK).sum(1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         scales = np.where(how_many > 0, _by_halves(kept) / how_many.astype(np.float32),
                           np.float32(0)).astype(np.float32)
-    positive = np.zeros(blocks * BLOCK, bool)
-    positive[:n] = e > 0
+    scales[~np.isfinite(bar)] = np.float32(np.nan)
+    positive = poisoned.copy()
+    positive[:n] |= e > 0
     codes = np.where(sent, np.where(positive, 1, 2), 0).reshape(blocks, BLOCK)
     digits = np.zeros((blocks, 130), np.int64)
     digits[:, :BLOCK] = codes

@@ -209,12 +209,13 @@ extern "C" __global__ void gpukv_quantize_ternary(
         long long left = n - first;
         float mean = left > 0 ? __fdiv_rn(total, (float)(left < 128 ? left : 128)) : 0.0f;
         float bar = __fmul_rn(mean, 0.7f);
+        const bool poisoned = !isfinite(bar);  /* an inf or NaN: the block crosses as NaN */
         bool chosen[4];
         float kept[4];
         int count = 0;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            chosen[k] = first + lane + 32 * k < n && size[k] > bar;
+            chosen[k] = first + lane + 32 * k < n && (poisoned || size[k] > bar);
             kept[k] = chosen[k] ? size[k] : 0.0f;
             count += chosen[k] ? 1 : 0;
         }
@@ -222,11 +223,12 @@ extern "C" __global__ void gpukv_quantize_ternary(
             sums[warp], lane,
             __fadd_rn(__fadd_rn(kept[0], kept[2]), __fadd_rn(kept[1], kept[3])));
         count = gpukv_warp_count(counts[warp], lane, count);
-        float scale = count > 0 ? __fdiv_rn(sent_sum, (float)count) : 0.0f;
+        float scale = poisoned ? __int_as_float(0x7fc00000)
+                    : (count > 0 ? __fdiv_rn(sent_sum, (float)count) : 0.0f);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             long long i = first + lane + 32 * k;
-            unsigned char code = chosen[k] ? (r[k] > 0.0f ? 1 : 2) : 0;
+            unsigned char code = chosen[k] ? (poisoned || r[k] > 0.0f ? 1 : 2) : 0;
             codes[warp][lane + 32 * k] = code;
             float sent = code == 0 ? 0.0f : (code == 1 ? scale : -scale);
             if (i < n) residual[i] = __fsub_rn(r[k], sent);
