@@ -764,3 +764,4 @@ def test_a_one_process_store_warns_once_of_a_residual_past_its_bound(params, cap
                                        [np.full(64, 0.01, np.float32)] * 2])
     named = [r.getMessage() for r in caplog.records if "residual of key" in r.getMessage()]
     assert len(named) == 1 and "residual of key 'big'" in named[0], named
+    assert str(params) in named[0]  # its threshold as given (0.1, not 0.10000000149...)

@@ -67,7 +67,9 @@ class ErrorFeedback:
         largest = float(abs(residual).max())
         if largest > bound:
             self._warned.add(key)
-            params = self.compressor.params()
+            # (float32 options as the user wrote them: 0.01, not 0.009999999776482582)
+            params = {k: float(f"{v:.7g}") if isinstance(v, float) else v
+                      for k, v in self.compressor.params().items()}
             log.warning("gradient compression %s: the residual of key %r reached %.4g, "
                         "past %.4g: its gradients outgrow what the rule sends each push, "
                         "and accuracy suffers; {'type': 'sign'} keeps accuracy without "
