@@ -547,6 +547,7 @@ def test_optimizer_instance_and_store_instance():
     ([], gpukv.ArgumentKindError),
     ("model", gpukv.ArgumentKindError),
     ([nn.Linear(2, 2), nn.Linear(3, 2)], gpukv.ShapeError),
+    ([nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16)], gpukv.DTypeError),
 ])
 def test_bad_modules(modules, error):
     """Modules that are not one architecture per device are typed errors."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import ArgumentError, ShapeError
+from .._errors import ArgumentError, DTypeError, ShapeError
 
 #: bucket capacity in bytes (PyTorch DDP's default)
 BUCKET_BYTES = 25 << 20
@@ -60,8 +60,9 @@ def trainable(modules) -> tuple[list, list]:
                 raise ArgumentError(f"parameter {name!r}: trainable in replica 0 but "
                                     f"missing in replica {r}")
             if p.shape != p0.shape or p.dtype != p0.dtype:
-                raise ShapeError(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
-                                 f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
+                error = ShapeError if p.shape != p0.shape else DTypeError
+                raise error(f"parameter {name!r}: replica 0 holds {tuple(p0.shape)} "
+                            f"{p0.dtype}, replica {r} {tuple(p.shape)} {p.dtype}")
             row.append(p)
         for other, theirs in enumerate(params):
             shared = [name for name, p, q in zip(names, row, theirs) if p is q] or (
