@@ -236,9 +236,11 @@ def _checked_keys(opt, infos, arrays, weights, names, where) -> list:
                 f"(different options?)")
         narrow = name_of in NARROW_FLOATS
         if info.get("master") is not narrow:
-            raise CheckpointError(f"{where}key {_brief(key)}: the file's master copy "
-                                  f"({_brief(info.get('master'))}) does not fit a "
-                                  f"{dtype} weight")
+            held = {True: "holds a float32 master copy, kept for 16-bit weights",
+                    False: "holds no float32 master copy, which 16-bit weights keep"}.get(
+                info.get("master"), f"has a damaged master entry ({_brief(info.get('master'))})")
+            raise CheckpointError(f"{where}key {_brief(key)}: the file {held}; the key is "
+                                  f"{dtype} (saved from a key of another dtype?)")
         count = _checked_count(info.get("count"), f"the update count of key "
                                f"{_brief(key)}", where)
         shape = tuple(weight.shape)

@@ -1237,3 +1237,24 @@ def test_a_function_schedule_saves_the_rate_it_gives_next(tmp_path):
     other.set_optimizer(loaded)
     other.load_optimizer_states(tmp_path / "s")
     assert loaded.lr == pytest.approx(0.1 / 5) and loaded.lr_scheduler is None
+
+
+@pytest.mark.parametrize("saved,loaded,words", [
+    (np.float16, np.float32, "holds a float32 master copy, kept for 16-bit weights; the key "
+                             "is float32"),
+    (np.float32, np.float16, "holds no float32 master copy, which 16-bit weights keep; the "
+                             "key is float16")])
+def test_states_of_a_key_of_another_width_name_the_master_copy(tmp_path, saved, loaded, words):
+    """Momentum saved from a float16 key, loaded into a float32 one (or back): a
+    CheckpointError saying what the master copy is, and the store unchanged."""
+    kv = gpukv.create("local")
+    kv.init("w", np.ones(2, saved))
+    kv.set_optimizer(optim.SGD(learning_rate=0.1, momentum=0.9))
+    kv.push("w", np.ones(2, saved))
+    kv.save_optimizer_states(tmp_path / "s")
+    other = gpukv.create("local")
+    other.init("w", np.ones(2, loaded))
+    other.set_optimizer(optim.SGD(learning_rate=0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match=f"key 'w': the file {words}"):
+        other.load_optimizer_states(tmp_path / "s")
+    assert other._optimizer.num_update == 0
