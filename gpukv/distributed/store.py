@@ -976,7 +976,12 @@ class DistKVStore(KVStore):
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
             state = _raise(self._engine.control.share(state, "load_optimizer_states"))
-            self._engine.restore({}, state)
+            try:
+                self._engine.restore({}, state)
+            except CheckpointError as exc:  # (each shard checks its part: name the file)
+                if str(path) in str(exc):
+                    raise
+                raise CheckpointError(f"{path}: {exc}") from exc
 
     def _need_optimizer(self, op: str) -> None:
         if not self._has_optimizer:

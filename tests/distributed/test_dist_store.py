@@ -340,6 +340,15 @@ def test_checkpoint_loads_into_a_local_store(tmp_path):
     assert result.stdout.strip() == "['a', 'b']"
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_states_of_another_optimizer_name_the_file_on_every_worker(n, servers, tmp_path):
+    path = str(tmp_path / "ckpt")
+    out = _passes(_scenario(n, servers, "load_states_of_another_optimizer", path), n - servers)
+    lines = _caught(out, "CheckpointError")
+    assert len(lines) == n - servers, out
+    assert all(f"{path}.adam: holds the state of optimizer 'adam'" in ln for ln in lines), out
+
+
 def test_bad_checkpoint_fails_on_every_worker_and_changes_nothing(tmp_path):
     path = str(tmp_path / "ckpt")
     _passes(_scenario(2, 0, "save", path), 2)

@@ -313,6 +313,22 @@ def load_bad(path: str) -> None:
     passed(kv)
 
 
+def load_states_of_another_optimizer(path: str) -> None:
+    """An optimizer-state file of Adam loaded into SGD: a CheckpointError naming the file
+    on every worker, and the store still usable."""
+    kv = create()
+    kv.init("a", np.ones(8, np.float32))
+    kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.1))
+    kv.push("a", np.ones(8, np.float32))
+    kv.save_optimizer_states(path + ".adam")
+    kv.set_optimizer(gpukv.optim.SGD(learning_rate=0.1))
+    try:
+        kv.load_optimizer_states(path + ".adam")
+    except gpukv.CheckpointError as exc:
+        caught(kv.rank, exc)
+    kv.push("a", np.ones(8, np.float32))
+    passed(kv)
+
 def _keys(kv, fill: float = 1.0) -> None:
     kv.init(["a", "b"], [np.full((2, 3), fill, np.float32), np.full((1100,), fill, np.float32)])
 
