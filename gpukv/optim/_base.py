@@ -268,7 +268,8 @@ class Optimizer:
         """ArgumentKindError unless this optimizer's class defines an update rule
         (`host_chunk`): MXNet's `create_state` and `update` are not gpukv's interface,
         and a class with those alone would fail at its first push."""
-        if type(self).host_chunk is Optimizer.host_chunk:
+        if type(self).host_chunk is Optimizer.host_chunk and not getattr(
+                self, "per_key_norms", False):  # (LAMB's rule is in two parts, per key)
             mxnet = [m for m in ("create_state", "update") if hasattr(self, m)]
             said = (f" (it has MXNet's {' and '.join(mxnet)}, which gpukv does not call)"
                     if mxnet else "")

@@ -1204,6 +1204,11 @@ class _MXNetStyle(optim.Optimizer):
         weight -= self.learning_rate * grad
 
 
+@pytest.mark.parametrize("cls", optim.registered(), ids=lambda cls: cls.__name__)
+def test_every_rule_of_gpukv_has_an_update_rule(cls):
+    cls().check_rule()
+
+
 @pytest.mark.parametrize("kind", ["local", "device"])
 def test_a_rule_without_host_chunk_is_refused_at_set_optimizer(kind):
     """A subclass with MXNet's create_state/update alone is an ArgumentKindError naming
