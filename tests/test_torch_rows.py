@@ -359,3 +359,20 @@ def test_where_rows_cannot_go_the_trainer_warns_and_pushes_dense(why, options):
     backward(models, [[1], [2]])
     trainer.step(1)
     assert (table(models[0]) != before).all(axis=1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_tables_of_every_float_width_step_as_dense_ones(dtype):
+    """Plain SGD moves the rows touched alone either way: a table of float32, float16 or
+    bfloat16 pushed as rows ends with the bits of the same table pushed dense."""
+    weights = []
+    for dense in (False, True):
+        models = [m.to(dtype) for m in replicas(dense=dense)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.5}, kvstore="local")
+        for batches in ([[1, 2, 2], [2, 3]], [[7], [7, 8]], [[0], [11]]):
+            trainer.zero_grad()
+            backward(models, batches)
+            trainer.step(1)
+        weights.append([m.emb.weight.detach().clone() for m in models])
+    for rows, dense in zip(*weights):
+        assert torch.equal(rows, dense) and rows.dtype == dtype

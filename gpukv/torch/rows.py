@@ -162,7 +162,7 @@ class TouchedRows:
         store.row_sparse_pull(bucket.key, out=outs, row_ids=rows)
         with torch.no_grad():
             for w, r, out in zip(bucket.weights, rows, outs):
-                w.view(shape).index_copy_(0, r, _as_torch(out.data, w))
+                _put_rows(w.view(shape), r, out.data)
 
     def tracks(self, bucket: Bucket) -> bool:
         """Whether `bucket` is one of a sparse table's (its `zero` may be cheaper)."""
@@ -225,6 +225,17 @@ def _unique(ids: list, device) -> torch.Tensor:
     if not ids:
         return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat([i.to(device) for i in ids]).unique()
+
+
+def _put_rows(w: torch.Tensor, rows: torch.Tensor, data) -> None:
+    """w[rows] = data (NumPy or CuPy rows of w's dtype, on w's device); on the host by
+    NumPy's indexing, which takes a third of the time of torch's index_copy_ there."""
+    if w.device.type != "cpu":
+        w.index_copy_(0, rows, _as_torch(data, w))
+        return
+    if w.dtype == torch.bfloat16:  # (NumPy holds it through ml_dtypes, torch not)
+        w, data = w.view(torch.int16), data.view(np.int16)
+    w.numpy()[rows.numpy()] = data
 
 
 def _as_torch(array, like: torch.Tensor) -> torch.Tensor:
