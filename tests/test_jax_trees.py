@@ -347,6 +347,28 @@ def test_mean_tree_is_pmean_bit_for_bit(mesh, dtype):
             assert x.tobytes() == (total.astype(np.float16) / np.float16(4)).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("count", [2, 3])
+def test_mean_tree_is_pmean_bit_for_bit_on_any_number_of_devices(count, dtype):
+    """On 3 devices too (where x / 3 and x * (1/3) round apart): XLA makes a division
+    by the constant n a multiplication by 1/n (bfloat16's in float32), and mean_tree
+    does the same."""
+    from jax import shard_map
+    devices = jax.devices()[:count]
+    mesh = Mesh(np.array(devices), ("i",))
+    kv = gpukv.create("device")
+    grads = [_tree(seed, dtype) for seed in range(count)]
+    gjax.init_tree(kv, grads[0])
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *grads)
+    on_mesh = jax.device_put(stacked, NamedSharding(mesh, P("i")))
+    pmean = shard_map(lambda t: jax.tree_util.tree_map(
+        lambda x: jax.lax.pmean(x, "i"), t), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    want = jax.tree_util.tree_map(lambda x: x[0], jax.jit(pmean)(on_mesh))
+    by_device = [jax.device_put(g, d) for g, d in zip(grads, devices)]
+    for got in gjax.mean_tree(kv, by_device):
+        _same(got, want)
+
+
 @pytest.mark.parametrize("updates", ["optimizer", "updater"])
 def test_mean_tree_refuses_a_store_with_an_optimizer_or_updater(updates):
     """A push there would update the values, not keep their sum: refused, nothing
@@ -410,3 +432,41 @@ def test_optax_beside_the_store_trains_as_pmean_does(mesh):
     assert not np.allclose(_values(theirs)[0], _values(params)[0])
     for p in mine:
         _same(p, theirs)
+
+
+def test_leaves_committed_to_no_device_come_back_so():
+    """pull_tree and pushpull_tree of leaves on JAX's default device, committed to none
+    (jnp.zeros), give leaves committed to none: the next jitted step mixes them with a
+    batch on another device, as it did with the leaves it started from."""
+    kv = gpukv.create("local")
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    assert not params["w"].committed
+    gjax.init_tree(kv, params)
+    pulled = gjax.pull_tree(kv, params)
+    (summed,) = gjax.pushpull_tree(kv, [params])
+    batch = jax.device_put(np.ones(3, np.float32), jax.devices()[1])
+    for tree in (pulled, summed):
+        assert not any(leaf.committed for leaf in jax.tree_util.tree_leaves(tree))
+        out = jax.jit(lambda p, x: p["w"] * x + p["b"])(tree, batch)
+        assert out.devices() == {jax.devices()[1]}
+    committed = jax.device_put(params, jax.devices()[2])
+    assert gjax.pull_tree(kv, committed)["w"].committed
+    assert gjax.pull_tree(kv, committed)["w"].devices() == {jax.devices()[2]}
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, None])
+@pytest.mark.parametrize("pushed", [jnp.float32, jnp.int32])
+def test_a_leaf_of_another_dtype_is_refused_whatever_the_buckets(bucket_bytes, pushed):
+    """A leaf pushed in another dtype than init_tree's is a DTypeError naming it, with
+    leaves in keys of their own or sharing one alike; nothing changes."""
+    kv = gpukv.create("local")
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    params = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros(2, jnp.bfloat16)}
+    gjax.init_tree(kv, params, **options)
+    grads = {"a": jnp.ones(3, pushed), "b": jnp.ones(2, jnp.bfloat16)}
+    with pytest.raises(gpukv.DTypeError, match=r"leaf \"\['a'\]\": dtype .*, the key "
+                                               r"holds bfloat16"):
+        gjax.push_tree(kv, [grads])
+    pulled = gjax.pull_tree(kv, params)
+    assert not any(np.asarray(leaf, np.float32).any()
+                   for leaf in jax.tree_util.tree_leaves(pulled))

@@ -110,7 +110,7 @@ def pull_tree(kv: KVStore, like_tree, devices=None, prefix: str = ""):
     likes = trees.leaves(layout, like_tree, prefix, "like_tree")
     trees.check_like(layout, likes)
     if devices is None:
-        rows = [[getattr(like, "sharding", None) for like in likes]]
+        rows = [[_returned_place(like, whole=True) for like in likes]]
     else:
         rows = [[device] * len(likes) for device in _device_list(devices)]
     made = [jax.tree_util.tree_unflatten(layout.treedef, leaves)
@@ -182,14 +182,19 @@ def _host(value) -> np.ndarray:
     return value.get() if hasattr(value, "get") else np.asarray(value)
 
 
-def _returned_place(leaf):
-    """Where `pushpull_tree` puts a leaf's new value: as the pushed leaf was (a leaf laid
-    out by a sharding, on one device or several, with that sharding and shape)."""
+def _returned_place(leaf, whole: bool = False):
+    """Where a leaf's new value goes: as `leaf` is (`pushpull_tree`'s pushed leaf, laid
+    out by a sharding, on one device or several, with that sharding and shape; with
+    `whole`, `pull_tree`'s template, the whole value laid out by its sharding). A leaf
+    on JAX's default device and committed to none comes back so too: the next jitted
+    step may then mix it with arrays of any one device, as it did."""
     if isinstance(leaf, jax.Array):
-        if isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
+        if not leaf.committed:
+            return None
+        if whole or isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
             return leaf.sharding
         return placing.PerShard(leaf)
-    return None
+    return getattr(leaf, "sharding", None) if whole else None
 
 
 def _device_list(devices) -> list:

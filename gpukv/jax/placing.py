@@ -34,7 +34,7 @@ class PerShard(NamedTuple):
 
 def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> list:
     """The leaves of every row of places (a list of places, one per leaf), pulled, and
-    with `divide_by` divided by it (in each buffer, as `x / n` rounds in its dtype)."""
+    with `divide_by` divided by it as XLA divides by a constant (`_divided`)."""
     of_leaf = {i: (b, k) for b, bucket in enumerate(layout.buckets)
                for k, i in enumerate(bucket.leaves)}
     _check_fits(layout, rows)
@@ -49,10 +49,20 @@ def pull(kv, layout: TreeLayout, rows: list, divide_by: int | None = None) -> li
     if divide_by is not None:
         for found in buffers:
             for buffer in found.values():
-                buffer /= divide_by
+                _divided(buffer, divide_by)
     made = _Made(layout, buffers, of_leaf)
     made.place(sorted(wanted, key=lambda pair: (pair[0], str(pair[1]))))
     return [[made.leaf(i, place) for i, place in enumerate(row)] for row in rows]
+
+
+def _divided(buffer, n: int) -> None:
+    """buffer /= n as XLA computes `x / n` for a constant n on host devices, and so
+    `jax.lax.pmean`: times 1/n rounded to the buffer's dtype, bfloat16 widened to float32
+    for it (1/n a float32 too), then rounded back."""
+    if buffer.dtype.name == "bfloat16":
+        buffer[...] = (buffer.astype(np.float32) * np.float32(1.0 / n)).astype(buffer.dtype)
+    else:
+        buffer *= buffer.dtype.type(1.0 / n)
 
 
 def _check_fits(layout: TreeLayout, rows: list) -> None:

@@ -6,10 +6,12 @@ changes nothing.
 """
 from __future__ import annotations
 
-from .._errors import ArgumentError, ArgumentKindError
+import numpy as np
+
+from .._errors import ArgumentError, ArgumentKindError, DTypeError
 from .buckets import pack
 from .leaves import as_key_shape, device_values, sharded, store_array
-from .trees import TreeLayout, check_dtype, leaves
+from .trees import TreeLayout, leaves
 
 
 def rows_of(layout: TreeLayout, trees_per_device, prefix: str, call: str) -> list:
@@ -40,6 +42,10 @@ def _rows(layout: TreeLayout, found: list, call: str) -> list:
 
 
 def _value(layout: TreeLayout, i: int, value, stacked: bool):
+    dtype = np.dtype(value.dtype)
+    if dtype != layout.dtypes[i]:  # (one rule, whichever leaves share a key)
+        raise DTypeError(f"leaf {layout.keys[i]!r}: dtype {dtype}, the key holds "
+                         f"{layout.dtypes[i]} (init_tree's); cast it first")
     return as_key_shape(layout.keys[i], value, layout.shapes[i], stacked)
 
 
@@ -52,9 +58,6 @@ def columns(layout: TreeLayout, rows: list) -> list:
             if not bucket.fused:
                 (i,) = bucket.leaves
                 out[b].append(store_array(layout.keys[i], row[i]))
-        for b in fused:
-            for i in layout.buckets[b].leaves:
-                check_dtype(layout.buckets[b], layout.keys[i], row[i])
         groups = [[row[i] for i in layout.buckets[b].leaves] for b in fused]
         for b, flat in zip(fused, pack(groups, device)):
             out[b].append(store_array(layout.buckets[b].key, flat))

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
-from .buckets import Bucket
 
 #: store -> {prefix: TreeLayout}, for as long as the store lives
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -88,13 +87,6 @@ def check_like(layout: TreeLayout, likes: list) -> None:
         if np.dtype(got_dtype) != dtype:
             raise DTypeError(f"leaf {key!r} of like_tree: dtype {np.dtype(got_dtype)}, the "
                              f"key holds {dtype}")
-
-
-def check_dtype(bucket: Bucket, key: str, value) -> None:
-    """A leaf packed into a fused bucket has the bucket's dtype."""
-    dtype = np.dtype(value.dtype)
-    if bucket.fused and dtype != bucket.dtype:
-        raise DTypeError(f"leaf {key!r}: dtype {dtype}, the key holds {bucket.dtype}")
 
 
 def _difference(layout: TreeLayout, keys: list, treedef, where: str) -> str:
