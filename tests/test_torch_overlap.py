@@ -304,3 +304,29 @@ def test_gradients_changed_between_backward_and_step(update_on_kvstore, change):
             trainer.step(len(x))
         weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
     assert_equal(weights[True], weights[False])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_gradient_penalty_through_grad_trains_as_without_the_overlap(update_on_kvstore):
+    """backward(create_graph=True) leaves a `.grad` with a graph, which the program
+    differentiates again (a penalty on the gradient's norm): the overlap leaves it as it
+    is (the step takes it then), so the penalty counts as without the overlap."""
+    x, y = make_data()
+    results = []
+    for overlap in (False, True):
+        models = [copy.deepcopy(make_model()) for _ in range(2)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                             update_on_kvstore=update_on_kvstore, overlap=overlap)
+        for _ in range(3):
+            trainer.zero_grad(set_to_none=True)
+            for model, xs, ys in zip(models, x.chunk(2), y.chunk(2)):
+                params = list(model.parameters())
+                nn.functional.cross_entropy(model(xs), ys).backward(create_graph=True,
+                                                                    inputs=params)
+                penalty = sum((p.grad ** 2).sum() for p in params)
+                assert penalty.requires_grad
+                (0.5 * penalty).backward(inputs=params)
+            trainer.step(len(x))
+        results.append([p.detach().clone() for p in models[0].parameters()])
+    assert_equal(results[1], results[0])

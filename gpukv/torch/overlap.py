@@ -76,6 +76,8 @@ class EarlyReduction:
         with self._lock:
             grad = param.grad
             if grad is not None and grad is not view:  # new since set_to_none: adopt it
+                if grad.requires_grad:  # backward(create_graph=True): the program may
+                    return  # differentiate through it; the step takes it as it is then
                 with torch.no_grad():
                     copy_gradient(view, grad)
                 param.grad = view
