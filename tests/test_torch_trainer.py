@@ -882,6 +882,36 @@ def test_a_parameter_frozen_after_the_trainer_is_refused(ignore_stale_grad):
     assert_unchanged(models, before)
 
 
+@pytest.mark.parametrize("dropped_by", ["zero_grad", "a refused step"])
+def test_gradients_dropped_by_zero_grad_are_stale(dropped_by):
+    """A backward whose gradients zero_grad dropped (a skipped batch, or a step refused
+    and then zero_grad) makes nothing fresh: a parameter frozen since, or a replica
+    backward skipped after it, is refused at the next step, and nothing changes."""
+    models = replicas_of(make_model(), 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "wd": 0.1, "momentum": 0.9},
+                   kvstore="local")
+    step_once(t, models)
+    backward_shards(models, *make_data())
+    if dropped_by == "a refused step":
+        with pytest.raises(gpukv.ArgumentError, match="batch_size"):
+            t.step(0)
+    t.zero_grad()
+    for m in models:
+        m[0].weight.requires_grad_(False)
+    backward_shards(models, *make_data())
+    before = weights(models)
+    with pytest.raises(gpukv.ArgumentError, match=r"'0\.weight' of replica 0.*frozen now"):
+        t.step(48)
+    assert_unchanged(models, before)
+    for m in models:
+        m[0].weight.requires_grad_(True)
+    t.zero_grad()
+    backward_shards(models[:1], *make_data())  # replica 1 skipped
+    with pytest.raises(gpukv.ArgumentError, match=r"of replica 1: stale gradient"):
+        t.step(48)
+    assert_unchanged(models, before)
+
+
 @pytest.mark.parametrize("update_on_kvstore", [True, False])
 def test_a_new_trainer_knows_the_gradients_its_predecessor_stepped(update_on_kvstore):
     """A new Trainer on the same modules (to change the optimizer) takes the gradients a

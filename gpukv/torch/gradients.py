@@ -100,7 +100,8 @@ class GradientCollector:
                 _adopt(p, view, grad)
 
     def stepped(self) -> None:
-        """A step or an update used the gradients: none is fresh any more."""
+        """A step or an update used the gradients, or zero_grad dropped them: none is
+        fresh any more."""
         self._fresh.clear()
 
 

@@ -338,6 +338,7 @@ class Trainer:
         _check_flag("set_to_none", set_to_none)
         self._reduced = None
         self._rows.clear()
+        self._grads.stepped()  # the gradients backward made are gone: none is fresh
         try:
             if self._early is not None:
                 self._early.finish()  # they read the gradients: wait for them
