@@ -1246,3 +1246,20 @@ def test_zero_grad_set_to_none_trains_as_torch(overlap):
         trainer.zero_grad(set_to_none="yes")
     train_torch(reference, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=3)
     assert_same_weights(models, reference)
+
+
+def test_buffers_start_as_replica_0s():
+    """Replicas built apart (spectral_norm's random vectors; running statistics loaded
+    into replica 0 alone) hold replica 0's buffers once the Trainer is made, as DDP's
+    constructor gives every rank rank 0's."""
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(6, 8)), nn.BatchNorm1d(8),
+                             nn.Linear(8, 3))
+    models = [build(seed) for seed in range(3)]
+    with torch.no_grad():
+        models[0][1].running_mean.fill_(0.5)
+    gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    for model in models[1:]:
+        for (name, mine), theirs in zip(model.named_buffers(), models[0].buffers()):
+            assert torch.equal(mine, theirs), name

@@ -3,7 +3,8 @@ running statistics and every other tensor its `state_dict` holds that is not a
 parameter) and the parameters frozen when the Trainer was made, which the store does not
 hold.
 
-The store sums gradients, not buffers: each replica keeps its own, as in gluon. A snapshot
+The store sums gradients, not buffers: they start as replica 0's (`frozen.start_alike`),
+then each replica keeps its own, as in gluon. A snapshot
 keeps those of worker 0's replica 0 (as DDP's `broadcast_buffers` spreads rank 0's), and
 a resume gives them to every replica of every worker, so a model resumed, or exported for
 inference, has running statistics, not a fresh BatchNorm's. Frozen parameters go the same

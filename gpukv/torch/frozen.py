@@ -1,12 +1,13 @@
-"""Frozen parameters start alike everywhere, as trainable ones do.
+"""Frozen parameters and buffers start alike everywhere, as trainable parameters do.
 
 The store starts every replica's trainable weights from worker 0's replica 0; frozen
-parameters (requires_grad=False when the Trainer is made) are not in the store, so a
-Trainer copies them here: replica 0's to the other replicas of its process, then, on a
-dist store, worker 0's to every worker where they differ (as DDP's constructor broadcasts
-rank 0's parameters). Workers compare a checksum of each frozen parameter first, so
-values that already agree (the same seed, the same pretrained file) cost one small
-collective; only the ones that differ travel, as their bits, through `workers_max`.
+parameters (requires_grad=False when the Trainer is made) and buffers (BatchNorm's
+running statistics, spectral_norm's vectors) are not in the store, so a Trainer copies
+them here: replica 0's to the other replicas of its process, then, on a dist store,
+worker 0's to every worker where they differ (as DDP's constructor broadcasts rank 0's
+parameters and buffers). Workers compare a checksum of each tensor first, so values that
+already agree (the same seed, the same pretrained file) cost one small collective; only
+the ones that differ travel, as their bits, through `workers_max`.
 """
 from __future__ import annotations
 
@@ -41,14 +42,24 @@ def checksum(tensor: torch.Tensor, chunk: int = 1 << 24) -> int:
     return (total * 1000003 + bits.numel()) % (1 << 62)
 
 
+def replica_buffers(modules) -> list:
+    """(name, replica, tensor) of every buffer of every replica that replica 0 has too,
+    alike in shape and dtype (a replica's own extra buffers are left as they are)."""
+    first = dict(modules[0].named_buffers())
+    return [(name, r, b) for r, module in enumerate(modules)
+            for name, b in module.named_buffers()
+            if name in first and b.shape == first[name].shape
+            and b.dtype == first[name].dtype and b.element_size() in _BITS]
+
+
 def start_alike(kv: KVStore, frozen: list) -> list[str]:
-    """Every replica's frozen parameters (`frozen`: (name, replica, tensor), replica 0's
-    first for each name) set to replica 0's, and on a dist store to worker 0's; the
-    names whose values differed between workers."""
+    """Every replica's frozen parameters and buffers (`frozen`: (name, replica,
+    tensor)) set to replica 0's, and on a dist store to worker 0's; the names whose
+    values differed between workers."""
     first = {name: tensor for name, replica, tensor in frozen if replica == 0}
     with torch.no_grad():
         for name, replica, tensor in frozen:
-            if replica:
+            if replica and tensor is not first[name]:
                 tensor.copy_(first[name])
     if kv.num_workers == 1 or not first:
         return []
@@ -71,6 +82,7 @@ def start_alike(kv: KVStore, frozen: list) -> list[str]:
             for n, _, tensor in frozen:
                 if n == name:
                     tensor.copy_(whole)
-    log.warning("gpukv Trainer: frozen parameter(s) %s differed between workers; every "
-                "worker now has worker 0's (as DDP broadcasts rank 0's)", ", ".join(differ))
+    log.warning("gpukv Trainer: frozen parameter(s) or buffer(s) %s differed between "
+                "workers; every worker now has worker 0's (as DDP broadcasts rank 0's)",
+                ", ".join(differ))
     return differ

@@ -22,7 +22,7 @@ from ..store.base import KVStore
 from . import scaling
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
 from .checkpoints import Checkpoints
-from .frozen import start_alike as frozen_start_alike
+from .frozen import replica_buffers, start_alike
 from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
@@ -165,7 +165,8 @@ class Trainer:
         else:
             self._update = ReplicaUpdate(self._kv, self._optimizer, self._buckets,
                                          len(self._modules))
-        frozen_start_alike(self._kv, self._frozen)  # as the store starts trainable ones
+        # as the store starts trainable ones
+        start_alike(self._kv, self._frozen + replica_buffers(self._modules))
         #: steps (and updates) done, counted on from a snapshot resumed from
         self._steps: int = 0
         #: what the user keeps current for a resume (a data loader's position, RNG

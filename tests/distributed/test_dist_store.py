@@ -540,10 +540,10 @@ def test_a_loaded_16_bit_value_is_what_the_next_step_starts_from(n, servers, tmp
 
 
 @pytest.mark.parametrize("n,servers,seeds", [(3, 0, "own"), (3, 1, "same"), (3, 1, "own")])
-def test_frozen_parameters_start_as_worker_0s(n, servers, seeds):
-    """Frozen parameters (float32 and bfloat16) start as worker 0's replica 0's on every
-    replica of every worker, as trainable ones do: workers made alike agree at once
-    (nothing said); workers seeded apart get worker 0's, with one warning each."""
+def test_frozen_parameters_and_buffers_start_as_worker_0s(n, servers, seeds):
+    """Frozen parameters (float32 and bfloat16) and buffers start as worker 0's replica
+    0's on every replica of every worker, as trainable ones do: workers made alike agree
+    at once (nothing said); workers seeded apart get worker 0's, one warning each."""
     pytest.importorskip("torch")
     result = _scenario(n, servers, "trainer_frozen", seeds)
     out = ok(result)

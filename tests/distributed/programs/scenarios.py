@@ -329,6 +329,7 @@ def load_states_of_another_optimizer(path: str) -> None:
     kv.push("a", np.ones(8, np.float32))
     passed(kv)
 
+
 def _keys(kv, fill: float = 1.0) -> None:
     kv.init(["a", "b"], [np.full((2, 3), fill, np.float32), np.full((1100,), fill, np.float32)])
 
@@ -879,8 +880,9 @@ def trainer_scaled(update_on_kvstore: str = "1", overlap: str = "off") -> None:
 def trainer_frozen(seeds: str) -> None:
     """Each worker makes its two replicas with `seeds` ('same': one seed everywhere;
     else its own), a frozen float32 layer and a frozen bfloat16 one ahead of a trainable
-    head: after Trainer() every replica of every worker holds worker 0's replica 0's
-    frozen values (prints FROZEN with their digest and with worker 0's own)."""
+    head, and two buffers: after Trainer() every replica of every worker holds worker 0's
+    replica 0's frozen parameters and buffers (prints FROZEN with their digest and with
+    worker 0's own)."""
     import hashlib
     import logging
 
@@ -901,12 +903,14 @@ def trainer_frozen(seeds: str) -> None:
                                 torch.nn.Linear(4, 2))
         m[1].to(torch.bfloat16).requires_grad_(False)
         m[0].requires_grad_(False)
+        m.register_buffer("u", torch.randn(3))  # (spectral_norm's vector, say)
+        m[2].register_buffer("count", torch.tensor(seed))
         return m
 
     def digest(m) -> str:
-        frozen = [p for p in m.parameters() if not p.requires_grad]
-        return hashlib.sha256(b"".join(p.detach().view(torch.uint8).numpy().tobytes()
-                                       for p in frozen)).hexdigest()[:16]
+        frozen = [p for p in m.parameters() if not p.requires_grad] + list(m.buffers())
+        return hashlib.sha256(b"".join(p.detach().reshape(-1).view(torch.uint8).numpy()
+                                       .tobytes() for p in frozen)).hexdigest()[:16]
     kv = create()
     seed = 0 if seeds == "same" else 10 * kv.rank
     replicas = [model(seed), model(seed + 1)]
