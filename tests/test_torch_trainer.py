@@ -1263,3 +1263,29 @@ def test_buffers_start_as_replica_0s():
     for model in models[1:]:
         for (name, mine), theirs in zip(model.named_buffers(), models[0].buffers()):
             assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("how", ["double", "channels_last", "data"])
+def test_a_parameter_given_new_memory_after_the_trainer_is_refused(how):
+    """model.double(), a memory format set, or a `.data` assigned after the Trainer was
+    made leave the parameter outside the buffers the steps update: the step is an
+    ArgumentError naming it (before, nothing trained any more, silently), nothing
+    changes."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    models = replicas_of(base, 2)
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    convert = {"double": lambda m: m.double(),
+               "channels_last": lambda m: m.to(memory_format=torch.channels_last),
+               "data": lambda m: setattr(m[2].bias, "data", m[2].bias.data.clone())}[how]
+    for m in models:
+        convert(m)
+    dtype = next(models[0].parameters()).dtype
+    for m in models:
+        m(torch.ones(2, 3, 6, 6, dtype=dtype)).sum().backward()
+    before = weights(models)
+    name = "2.bias" if how == "data" else "0.weight"
+    with pytest.raises(gpukv.ArgumentError, match=rf"'{name}' of replica 0 no longer holds "
+                                                  rf"the weights the Trainer updates"):
+        t.step(4)
+    assert_unchanged(models, before)

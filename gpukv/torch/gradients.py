@@ -29,6 +29,14 @@ class GradientCollector:
         #: `registrations()` when the replicas' parameters were last found all known
         self._walked = registrations()
         self._fresh = FreshGrads(buckets)
+        #: [bucket][replica][i]: where each parameter's weights are (`note_weights`)
+        self._where: list = []
+
+    def note_weights(self) -> None:
+        """Note where every parameter's weights are, once they are views of the buckets'
+        buffers (`buckets.flatten`): a step refuses a parameter moved elsewhere since."""
+        self._where = [[[p.data_ptr() for p in params] for params in bucket.params]
+                       for bucket in self._buckets]
 
     def check_trainable(self) -> None:
         """ArgumentError naming the parameters frozen when the Trainer was made and
@@ -66,7 +74,10 @@ class GradientCollector:
         for b, bucket in enumerate(self._buckets):
             for r, (params, views) in enumerate(zip(bucket.params, bucket.views)):
                 fresh = self._fresh.marks(b, r)
+                where = self._where[b][r]
                 for i, (p, view) in enumerate(zip(params, views)):
+                    if p.data_ptr() != where[i]:
+                        raise ArgumentError(_moved_message(bucket.names[i], r))
                     grad = p.grad  # one read: a Parameter's .grad is not a cheap attribute
                     if grad is view:
                         if not fresh[i]:
@@ -103,6 +114,14 @@ class GradientCollector:
         """A step or an update used the gradients, or zero_grad dropped them: none is
         fresh any more."""
         self._fresh.clear()
+
+
+def _moved_message(name: str, r: int) -> str:
+    return (f"parameter {name!r} of replica {r} no longer holds the weights the Trainer "
+            f"updates: a model.to(...) (another dtype or memory format), .double(), "
+            f".half() or a .data set since the Trainer was made gave it new memory, which "
+            f"no step would update; convert the model first, then make the Trainer (or "
+            f"make a new one)")
 
 
 def _refuse_frozen(stale: list) -> None:

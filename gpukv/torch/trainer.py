@@ -133,6 +133,7 @@ class Trainer:
         try:
             for bucket in self._buckets:
                 flatten(bucket, len(self._modules))
+            self._grads.note_weights()
             self._rows: TouchedRows = TouchedRows(
                 [b for b in self._buckets if b.names[0] in rows])
             self._start(checkpoints, compression_params, on_store, overlap)
