@@ -1289,3 +1289,40 @@ def test_a_parameter_given_new_memory_after_the_trainer_is_refused(how):
                                                   rf"the weights the Trainer updates"):
         t.step(4)
     assert_unchanged(models, before)
+
+
+def test_a_multiplier_on_a_tied_name_says_which_name_to_use():
+    """An output layer tied to the embedding is one parameter under two names: a
+    multiplier set on the second is an ArgumentError naming the first."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+            self.out = nn.Linear(4, 5, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.out(self.emb(ids)).sum()
+    models = [Tied(), Tied()]
+    t = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    for m in models:
+        m(torch.tensor([1, 2])).backward()
+    t.optimizer.set_lr_mult({"out.weight": 0.5})
+    with pytest.raises(gpukv.ArgumentError, match=r"'out.weight' is parameter 'emb.weight' "
+                                                  r"under a second name.*name it 'emb.weight'"):
+        t.step(2)
+
+
+def test_modules_without_a_trainable_parameter_are_refused():
+    model = make_model().requires_grad_(False)
+    with pytest.raises(gpukv.ArgumentError, match="no trainable parameter"):
+        gt.Trainer([model], "sgd", kvstore="local")
+
+
+def test_a_second_trainer_on_one_store_says_to_give_it_its_own():
+    """Two Trainers (a GAN's two models) on one store object: the second is a
+    DuplicateKeyError saying to give each Trainer a store of its own."""
+    kv = gpukv.create("local")
+    gt.Trainer([make_model()], "sgd", kvstore=kv)
+    with pytest.raises(gpukv.DuplicateKeyError, match="give each Trainer a store of its own"):
+        gt.Trainer([make_model(1)], "sgd", kvstore=kv)

@@ -21,6 +21,7 @@ from ..optim import create as create_optimizer
 from ..store.base import KVStore
 from . import scaling
 from .buckets import BUCKET_BYTES, Bucket, flatten, frozen, make_buckets, trainable
+from .buffers import tied_parameters
 from .checkpoints import Checkpoints
 from .frozen import replica_buffers, start_alike
 from .gradients import GradientCollector
@@ -101,6 +102,10 @@ class Trainer:
         if checkpoints is not None:
             _refuse_shared_snapshots(self._kv)
         names, params = trainable(self._modules)
+        if not names:
+            raise ArgumentError("the modules have no trainable parameter (requires_grad is "
+                                "False for every one): the Trainer would update nothing "
+                                "(as DDP, it refuses)")
         # the parameters with sparse gradients (a key each, whichever way they go), and
         # those whose steps push the rows touched
         trainable_names = set(names)
@@ -594,10 +599,16 @@ class Trainer:
         for table, setter in ((opt.lr_mult, "set_lr_mult"), (opt.wd_mult, "set_wd_mult")):
             for name in table:
                 if name not in self._names:
+                    tied = tied_parameters(self._modules[0]).get(name)
+                    if tied is not None:
+                        raise ArgumentError(
+                            f"{setter}: {name!r} is parameter {tied!r} under a second "
+                            f"name (tied to it); name it {tied!r}, as "
+                            f"model.named_parameters() does")
                     raise ArgumentError(
                         f"{setter}: {name!r} names no parameter of the Trainer's modules "
                         f"(named as model.named_parameters() names them, e.g. "
-                        f"{next(iter(self._names))!r})")
+                        f"{self._buckets[0].names[0]!r})")
                 key = self._fused.get(name)
                 if key is not None:
                     raise ArgumentError(

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from .._errors import DuplicateKeyError
 from ..api.factory import create
 from ..device import adopt
 from ..optim import Optimizer
@@ -240,6 +241,13 @@ def layout_of(buckets: list[Bucket]) -> dict:
 def _start_from_replica_0(store: KVStore, buckets: list[Bucket]) -> None:
     """The store starts from replica 0's weights, and every replica from the store."""
     keys = [b.key for b in buckets]
-    if keys:
-        store.init(keys, [b.weights[0] for b in buckets])
-        store.pull(keys, out=[b.weights for b in buckets])
+    if not keys:
+        return
+    held = [k for k in keys if k in store]
+    if held:  # (a second Trainer on one store: a GAN's generator and discriminator)
+        raise DuplicateKeyError(
+            f"key {held[0]!r}: the store already holds it, from another Trainer or the "
+            f"program: give each Trainer a store of its own (gpukv.create(...) for each; "
+            f"on a dist store, made in the same order on every worker)")
+    store.init(keys, [b.weights[0] for b in buckets])
+    store.pull(keys, out=[b.weights for b in buckets])
