@@ -240,6 +240,7 @@ def flush() -> str | None:
 
 
 def enabled() -> bool:
+    """Whether a timeline is being recorded."""
     return _active is not None
 
 
@@ -291,14 +292,16 @@ _OFF = _Off()
 
 
 def span(name: str, cat: str = "gpukv", **args):
-    """A context manager timing `name` (with `args` shown beside it) on the timeline."""
+    """A context manager timing `name` (with `args` shown beside it) on the timeline,
+    in the trace's category `cat`."""
     if _active is None:
         return _OFF
     return _Span(name, cat, args)
 
 
 def traced(name: str, cat: str = "store") -> Callable[[F], F]:
-    """Decorator: every call of the function is a span `name` on the timeline."""
+    """Decorator: every call of the function is a span `name` (in the trace's category
+    `cat`) on the timeline."""
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def call(*a, **k):

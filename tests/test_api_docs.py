@@ -13,7 +13,8 @@ import pytest
 
 #: the modules the reference documents (docs/api/), with the library each needs
 MODULES = {"gpukv": None, "gpukv.optim": None, "gpukv.optim.lr_scheduler": None,
-           "gpukv._errors": None, "gpukv.torch": "torch", "gpukv.jax": "jax"}
+           "gpukv._errors": None, "gpukv.torch": "torch", "gpukv.jax": "jax",
+           "gpukv.timeline": None}
 
 
 def _public_names(module: types.ModuleType) -> list[str]:

@@ -40,7 +40,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 # imported by an export only)
 from . import export  # noqa: F401
 from .buckets import BUCKET_BYTES
+from .export import export_safetensors
+from .rows import SparseGradientsMadeDense
 from .trainer import Trainer
 from .writes import WeightWritesLost
 
-__all__ = ["BUCKET_BYTES", "Trainer", "WeightWritesLost"]
+__all__ = ["BUCKET_BYTES", "SparseGradientsMadeDense", "Trainer", "WeightWritesLost",
+           "export_safetensors"]

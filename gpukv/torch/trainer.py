@@ -79,6 +79,12 @@ class Trainer:
     #: the step on this worker alone
     _step_supports_amp_scaling = True
 
+    #: What the program keeps current for a resume (a data loader's position, RNG
+    #: states): saved in every snapshot, each worker's own, and given back by a resume
+    #: (empty for a worker the snapshot did not have). Plain values: numbers, strings,
+    #: lists, dicts, NumPy arrays and tensors.
+    user_state: dict
+
     def __init__(self, modules, optimizer, optimizer_params=None, kvstore="device",
                  compression_params=None, update_on_kvstore=True, *,
                  bucket_bytes: int = BUCKET_BYTES, overlap: bool | None = None,
