@@ -359,6 +359,41 @@ def all_outs(groups: Groups, entries: list) -> None:
             break
 
 
+def distinct_outs(groups: Groups) -> Groups:
+    """The outs of a call that writes GPU arrays (`groups`, not all on the host), each
+    written once: an out given twice for one key (the same memory, shape and strides:
+    the same value either way) is dropped the second time, since two copies into one
+    array on two streams would race. ArgumentError naming both keys where two keys have
+    one out: which value lands last is not defined on GPUs (on the host, the later key's,
+    as in call order)."""
+    if groups.sparse or sum(len(outs) for outs in groups.arrays) < 2:
+        return groups
+    owner: dict = {}  # where -> the key whose out it is
+    arrays = []
+    for key, outs in zip(groups.keys, groups.arrays):
+        kept, places = [], set()
+        for a in outs:
+            where = _memory_of(a)
+            first = owner.setdefault(where, key)
+            if first != key:
+                raise ArgumentError(
+                    f"key {key!r}: its out is key {first!r}'s out too in this call; which "
+                    f"value lands last is not defined on GPUs: pull them into arrays of "
+                    f"their own")
+            if where not in places:
+                places.add(where)
+                kept.append(a)
+        arrays.append(kept)
+    return groups._replace(arrays=arrays)
+
+
+def _memory_of(a) -> tuple:
+    """Where array `a` (NumPy or CuPy) keeps its elements: device, address, layout."""
+    if isinstance(a, np.ndarray):
+        return ("host", a.ctypes.data, a.shape, a.strides, a.dtype.str)
+    return (a.device.id, a.data.ptr, a.shape, a.strides, a.dtype.str)
+
+
 def init_values(groups: Groups, entries: Mapping, held) -> None:
     """DuplicateKeyError, DTypeError or ShapeError naming the key unless every key of an
     init is new and its values agree."""

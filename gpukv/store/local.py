@@ -353,6 +353,8 @@ class LocalStore(KVStore):
             with timeline.span("check"):
                 entries = self.lookup(groups, "pull")
                 check.all_outs(groups, entries)
+                if not groups.all_host:
+                    groups = check.distinct_outs(groups)
             with timeline.span("broadcast"):
                 self._pull_groups(groups, entries, ignore_sparse)
 
@@ -393,6 +395,8 @@ class LocalStore(KVStore):
                 check.all_outs(out_groups, out_entries)
                 if out_groups.sparse:
                     check.refuse_sparse_outs(out_groups, out is None)
+                if not out_groups.all_host:
+                    out_groups = check.distinct_outs(out_groups)
             with timeline.span("plan"):
                 plan = self._plan_push(groups, entries, cast=not exact)
             self._run_push(plan)

@@ -294,6 +294,37 @@ def test_gpu_strategies_agree(cp, devices, strategy):
     assert all((host(cp, o) == n).all() for o in outs[1])
 
 
+@pytest.mark.parametrize("strategy", ["home", "tree", "ring", "cpu", "auto"])
+@pytest.mark.parametrize("call", ["pull", "repeated key", "pushpull in place"])
+def test_one_out_given_twice_for_a_key_is_written_once(cp, devices, strategy, call):
+    """An out given twice for one key (one array twice in `out`, or in a pushpull's
+    values) is written once: two copies into it on two streams would race (the race
+    checker named them), for the same value."""
+    kv = gpukv.create("device", strategy=strategy)
+    kv.init(0, on(cp, devices[0][0], lambda: cp.full(SHAPE, 3, cp.float32)))
+    y = on(cp, devices[-1][0], lambda: cp.ones(SHAPE, cp.float32))
+    if call == "pull":
+        kv.pull(0, out=[y, y])
+    elif call == "repeated key":
+        kv.pull([0, 0], out=[y, y])
+    else:
+        kv.pushpull(0, [y, y])
+    assert (host(cp, y) == (2 if call == "pushpull in place" else 3)).all()
+
+
+def test_two_keys_pulled_into_one_gpu_array_are_refused(cp, devices):
+    """Which of two keys' values would land last in one GPU out is not defined (on the
+    host the later key's does, as in call order): an ArgumentError naming both keys,
+    before anything is written."""
+    kv = gpukv.create("device")
+    kv.init([0, 1], [on(cp, devices[0][0], lambda: cp.full(SHAPE, 3, cp.float32)),
+                     on(cp, devices[-1][0], lambda: cp.full(SHAPE, 5, cp.float32))])
+    y = on(cp, devices[-1][0], lambda: cp.ones(SHAPE, cp.float32))
+    with pytest.raises(gpukv.ArgumentError, match="key 1: its out is key 0's out too"):
+        kv.pull([0, 1], out=[y, y])
+    assert (host(cp, y) == 1).all()
+
+
 def test_gpu_errors_change_nothing(cp, name):
     """A shape mismatch among GPU arrays is a ShapeError and the key keeps its value."""
     kv = gpukv.create(name)
