@@ -126,6 +126,19 @@ def test_the_legacy_default_stream_orders_blocking_streams(cp, schedule):
     assert not second.done
 
 
+@pytest.mark.parametrize("name", ["adversarial", "issue"])
+def test_a_kernel_run_at_once_on_a_blocking_stream_orders_the_default_streams_work(
+        cp, schedule, name):
+    """A CuPy kernel on a blocking stream (which the emulation runs at once, queueing
+    nothing) writes an array the default stream then reads: CUDA's legacy default stream
+    orders them, and the checker finds no race."""
+    schedule(name)
+    with cp.cuda.Stream():  # blocking
+        x = cp.zeros(64, cp.float32)
+        x += 1
+    assert float((x * 2).get()[0]) == 2.0
+
+
 # ------------------------------------------------------------------ the checker
 def test_unordered_write_and_read_are_a_race_naming_both(cp, schedule):
     """A read on stream B of memory stream A wrote, with no event between them, is a

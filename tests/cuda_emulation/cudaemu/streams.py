@@ -150,11 +150,14 @@ def _legacy_deps(target: Lane) -> list:
     if not (target.legacy or target.blocking):
         return deps
     for other in _blocking.get(target.device, ()):
-        if other is target or other.last is None:
+        if other is target:
             continue
         if (target.legacy and other.blocking) or (other.legacy and target.blocking):
-            deps.append(other.last)
-            join(target.clock, other.last.clock)
+            if other.last is not None:
+                deps.append(other.last)
+            # the lane's clock, not its last node's: work run at once (CuPy's own
+            # kernels, `eager`) moves the clock and queues no node
+            join(target.clock, other.clock)
     return deps
 
 

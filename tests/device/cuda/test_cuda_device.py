@@ -1121,12 +1121,13 @@ def test_cpu_strategy_keeps_no_pinned_buffer_after_its_copies(monkeypatch):
     monkeypatch.setattr(cuda_mod, "_alive", collections.deque())
     kv = gpukv.create("device", strategy="cpu")
     devs = gpu_devices()[:2]
-    values = []
+    values, others = [], []  # (one out per key and device: two keys share none)
     for d in devs:
         with cupy.cuda.Device(d.physical):
             values.append(cupy.ones(1 << 16, cupy.float32))
+            others.append(cupy.ones(1 << 16, cupy.float32))
     kv.init([0, 1], [values[0], values[1]])
-    kv.pushpull([0, 1], [values, values])
+    kv.pushpull([0, 1], [values, others])
     for d in devs:
         d.synchronize()
     earlier = [buffer for _, buffer in cuda_mod._alive]
