@@ -117,7 +117,8 @@ def one_term_expr(t_dtype, u_dtype, ptr: str, index: str) -> str | None:
     through the accumulator (`load_expr`, then `store_stmt`) would round twice, else None.
 
     Only float64 -> float16: rounded once, as NumPy casts (float64 -> bfloat16 goes
-    through float32, as ml_dtypes' cast does)."""
+    through float32, as ml_dtypes' cast does before 0.7, which gpukv requires: 0.7
+    rounds it once, and the host's casts would part from the kernels')."""
     t, u = np.dtype(t_dtype).name, np.dtype(u_dtype).name
     if (t, u) == ("float64", "float16"):
         return f"gpukv_d2h({ptr}[{index}])"
