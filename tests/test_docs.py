@@ -35,6 +35,9 @@ def test_the_guides_have_examples():
 @pytest.mark.parametrize("page,index,block", BLOCKS, ids=[f"{p}-{i}" for p, i, _ in BLOCKS])
 def test_a_guide_example_runs_on_its_own(page, index, block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files an example writes land in a scratch folder
+    # (an optimizer an example registers stays in this page's example alone)
+    from gpukv.optim import _base
+    monkeypatch.setattr(_base, "_REGISTRY", dict(_base._REGISTRY))
     missing = [lib for lib in _needs(block) if importlib.util.find_spec(lib) is None]
     if missing:
         pytest.skip(f"{page} block {index} needs {', '.join(missing)}")
