@@ -373,6 +373,9 @@ def distinct_outs(groups: Groups) -> Groups:
     for key, outs in zip(groups.keys, groups.arrays):
         kept, places = [], set()
         for a in outs:
+            if not a.size:  # (no memory to share: empty arrays may all have address 0)
+                kept.append(a)
+                continue
             where = _memory_of(a)
             first = owner.setdefault(where, key)
             if first != key:

@@ -323,6 +323,8 @@ def test_two_keys_pulled_into_one_gpu_array_are_refused(cp, devices):
     with pytest.raises(gpukv.ArgumentError, match="key 1: its out is key 0's out too"):
         kv.pull([0, 1], out=[y, y])
     assert (host(cp, y) == 1).all()
+    kv.init([2, 3], [cp.zeros(0, cp.float32), cp.zeros(0, cp.float32)])
+    kv.pull([2, 3], out=[cp.zeros(0, cp.float32), cp.zeros(0, cp.float32)])  # (no memory)
 
 
 def test_gpu_errors_change_nothing(cp, name):
