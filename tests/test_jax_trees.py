@@ -322,20 +322,26 @@ def test_leaves_on_different_devices_in_one_sharded_tree_are_refused(mesh):
 
 
 # ------------------------------------------------------------------ an optimizer beside
+def _pmean(grads: list, mesh):
+    """What jitted shard_map + jax.lax.pmean gives each device of `mesh` for `grads`
+    (one tree per device)."""
+    from jax import shard_map
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *grads)
+    on_mesh = jax.device_put(stacked, NamedSharding(mesh, P("i")))
+    pmean = shard_map(lambda t: jax.tree_util.tree_map(
+        lambda x: jax.lax.pmean(x, "i"), t), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    return jax.tree_util.tree_map(lambda x: x[0], jax.jit(pmean)(on_mesh))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_mean_tree_is_pmean_bit_for_bit(mesh, dtype):
     """mean_tree over 4 devices gives shard_map + pmean's bits; in float16 the sum
     rounded once from float32, then divided (XLA's psum on host devices rounds float16
     after each add, and may end an ulp or two away)."""
-    from jax import shard_map
     kv = gpukv.create("device")
     grads = [_tree(seed, dtype) for seed in range(4)]
     gjax.init_tree(kv, grads[0])
-    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *grads)
-    on_mesh = jax.device_put(stacked, NamedSharding(mesh, P("i")))
-    pmean = shard_map(lambda t: jax.tree_util.tree_map(
-        lambda x: jax.lax.pmean(x, "i"), t), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    want = jax.tree_util.tree_map(lambda x: x[0], jax.jit(pmean)(on_mesh))
+    want = _pmean(grads, mesh)
     by_device = [jax.device_put(g, d) for g, d in zip(grads, jax.devices()[:4])]
     for got in gjax.mean_tree(kv, by_device):
         if dtype != jnp.float16:
@@ -353,17 +359,11 @@ def test_mean_tree_is_pmean_bit_for_bit_on_any_number_of_devices(count, dtype):
     """On 3 devices too (where x / 3 and x * (1/3) round apart): XLA makes a division
     by the constant n a multiplication by 1/n (bfloat16's in float32), and mean_tree
     does the same."""
-    from jax import shard_map
     devices = jax.devices()[:count]
-    mesh = Mesh(np.array(devices), ("i",))
     kv = gpukv.create("device")
     grads = [_tree(seed, dtype) for seed in range(count)]
     gjax.init_tree(kv, grads[0])
-    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *grads)
-    on_mesh = jax.device_put(stacked, NamedSharding(mesh, P("i")))
-    pmean = shard_map(lambda t: jax.tree_util.tree_map(
-        lambda x: jax.lax.pmean(x, "i"), t), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    want = jax.tree_util.tree_map(lambda x: x[0], jax.jit(pmean)(on_mesh))
+    want = _pmean(grads, Mesh(np.array(devices), ("i",)))
     by_device = [jax.device_put(g, d) for g, d in zip(grads, devices)]
     for got in gjax.mean_tree(kv, by_device):
         _same(got, want)
