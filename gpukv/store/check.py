@@ -368,33 +368,34 @@ def distinct_outs(groups: Groups) -> Groups:
     as in call order)."""
     if groups.sparse or sum(len(outs) for outs in groups.arrays) < 2:
         return groups
-    owner: dict = {}  # where -> the key whose out it is
+    owner: dict = {}  # memory_of(out) -> the key whose out it is
     arrays = []
     for key, outs in zip(groups.keys, groups.arrays):
-        kept, places = [], set()
+        kept = []
         for a in outs:
             if not a.size:  # (no memory to share: empty arrays may all have address 0)
                 kept.append(a)
                 continue
-            where = _memory_of(a)
-            first = owner.setdefault(where, key)
-            if first != key:
+            where = memory_of(a)
+            first = owner.get(where)  # (keys are ints or strs, never None)
+            if first is None:
+                owner[where] = key
+                kept.append(a)
+            elif first != key:  # (another key's out; the same key's is written once)
                 raise ArgumentError(
                     f"key {key!r}: its out is key {first!r}'s out too in this call; which "
                     f"value lands last is not defined on GPUs: pull them into arrays of "
                     f"their own")
-            if where not in places:
-                places.add(where)
-                kept.append(a)
         arrays.append(kept)
     return groups._replace(arrays=arrays)
 
 
-def _memory_of(a) -> tuple:
-    """Where array `a` (NumPy or CuPy) keeps its elements: device, address, layout."""
+def memory_of(a) -> tuple:
+    """Where array `a` (NumPy or CuPy) keeps its elements, element for element: device,
+    address, shape, strides and dtype (equal for two views of the same elements)."""
     if isinstance(a, np.ndarray):
-        return ("host", a.ctypes.data, a.shape, a.strides, a.dtype.str)
-    return (a.device.id, a.data.ptr, a.shape, a.strides, a.dtype.str)
+        return ("host", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype)
+    return (a.device.id, a.data.ptr, a.shape, a.strides, a.dtype)
 
 
 def init_values(groups: Groups, entries: Mapping, held) -> None:

@@ -146,12 +146,7 @@ def _without_values(groups: check.Groups, entries: list) -> tuple:
 
 def _same_memory(out, value) -> bool:
     """Whether `out` is `value`'s memory, element for element (NumPy or CuPy)."""
-    if type(out) is not type(value) or out.shape != value.shape \
-            or out.strides != value.strides or out.dtype != value.dtype:
-        return False
-    if isinstance(out, np.ndarray):
-        return out.__array_interface__["data"][0] == value.__array_interface__["data"][0]
-    return out.data.ptr == value.data.ptr and out.device.id == value.device.id
+    return type(out) is type(value) and check.memory_of(out) == check.memory_of(value)
 
 
 class LocalStore(KVStore):
