@@ -9,12 +9,17 @@ extra; the test extra installs it too) and `GPUKV_HOST_JIT` is not '0'. Numba is
 imported on the first call, not with gpukv."""
 from __future__ import annotations
 
+import atexit
 import functools
+import logging
+import shutil
+import tempfile
 
 import numpy as np
 
 from .._env import flag
 
+log = logging.getLogger("gpukv")
 ENV = "GPUKV_HOST_JIT"
 #: values per pass of the float16 casts: one with an inf or NaN is left to NumPy
 CHUNK = 1024
@@ -41,6 +46,29 @@ def _kernels():
         from . import host_jit_kernels
     except ImportError:
         return None
+    except RuntimeError as exc:  # Numba finds no folder to cache compiled code in
+        return _kernels_cached_apart(exc)
+    return host_jit_kernels
+
+
+def _kernels_cached_apart(exc: RuntimeError):
+    """Numba caches compiled code beside the module or under the home folder, and refuses
+    to compile at all where it can write in neither (an installed package run by another
+    user whose home is not writable). Cache in a folder of this process's own then
+    (compiled anew in each process), or, failing that, run the NumPy twins."""
+    from numba.core import config  # (read when each function is compiled)
+    try:
+        folder = tempfile.mkdtemp(prefix="gpukv-numba-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        config.CACHE_DIR = folder  # type: ignore[attr-defined]  # (set from the environment)
+        from . import host_jit_kernels
+    except (OSError, RuntimeError) as again:
+        log.warning("gpukv: Numba cannot cache the host's compiled codecs (%s): they run "
+                    "as NumPy, slower; set NUMBA_CACHE_DIR to a writable folder", again)
+        return None
+    log.info("gpukv: Numba cannot cache in gpukv's folder or the home folder (%s): it "
+             "compiles the host's codecs in each process, into %s; set NUMBA_CACHE_DIR to "
+             "a writable folder to keep them", exc, folder)
     return host_jit_kernels
 
 

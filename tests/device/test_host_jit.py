@@ -2,6 +2,7 @@
 '0', else the NumPy twins (both are held to the codecs' rules in tests/encoding)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -72,3 +73,61 @@ def test_a_malformed_setting_is_refused_when_a_store_is_made(fresh, name):
     fresh.setenv(host_jit.ENV, "true")
     with pytest.raises(ArgumentError, match="GPUKV_HOST_JIT='true'"):
         gpukv.create(name)
+
+
+# Numba refusing to cache, as where gpukv is installed in a folder the user cannot write in
+# and their home is not writable either: every folder Numba tries fails its write test,
+# except (with "temp") the folder NUMBA_CACHE_DIR names.
+_NO_CACHE = """
+import hashlib, logging, os, sys
+import numba.core.caching as caching
+from numba import config
+
+def ensure_cache_path(self):
+    path = self.get_cache_path()
+    if not (sys.argv[1] == "temp" and config.CACHE_DIR and path.startswith(config.CACHE_DIR)):
+        raise OSError("not writable")
+    os.makedirs(path, exist_ok=True)
+
+caching._CacheLocator.ensure_cache_path = ensure_cache_path
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+import numpy as np
+import gpukv
+from gpukv.device import host_jit
+
+kv = gpukv.create("device")
+kv.init("w", np.zeros(1000, np.float32))
+kv.set_gradient_compression({"type": "sign"})
+rng = np.random.default_rng(0)
+kv.push("w", [rng.standard_normal(1000).astype(np.float32) for _ in range(2)])
+out = np.empty(1000, np.float32)
+kv.pull("w", out=out)
+cached = sorted(os.listdir(config.CACHE_DIR)) if config.CACHE_DIR else []
+print("enabled", host_jit.enabled(), "cached", bool(cached))
+print("pulled", hashlib.sha256(out.tobytes()).hexdigest())
+"""
+
+
+def _without_a_cache(where: str):
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", host_jit.ENV)}
+    done = subprocess.run([sys.executable, "-c", _NO_CACHE, where], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines(), done.stderr
+
+
+def test_numba_without_a_folder_to_cache_in_compiles_into_one_of_the_process():
+    """Where Numba can cache nowhere, it refuses to compile at import (a RuntimeError):
+    the codecs are compiled into a temporary folder of the process's own, and say so;
+    where even that fails, the NumPy twins run, with a warning. Both pull the same
+    bits."""
+    pytest.importorskip("numba")
+    (state, pulled), log = _without_a_cache("temp")
+    assert state == "enabled True cached True"
+    assert "compiles the host's codecs in each process, into" in log
+    (state, pulled_numpy), log = _without_a_cache("nowhere")
+    assert state == "enabled False cached False"
+    assert "WARNING gpukv: Numba cannot cache the host's compiled codecs" in log
+    assert "NUMBA_CACHE_DIR" in log
+    assert pulled == pulled_numpy
