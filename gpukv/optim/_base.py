@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,7 @@ import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError, KeyKindError
 
+log = logging.getLogger("gpukv")
 _REGISTRY: dict = {}
 #: a learning-rate schedule: any callable `schedule(num_update) -> lr`, such as those of
 #: `gpukv.optim.lr_scheduler` (whose `base_lr` the optimizer sets, and whose state it saves)
@@ -199,10 +201,25 @@ def _checked_names(param_idx2name) -> dict:
     return dict(param_idx2name)
 
 
+def _warn_if_ignored(schedule, learning_rate: float) -> None:
+    """Log that `learning_rate` will not be the rate: MXNet's Poly and Cosine schedules
+    decay from the base_lr they were made with, whatever an optimizer sets."""
+    if getattr(schedule, "takes_optimizer_rate", True):
+        return
+    made_with = schedule.base_lr_orig
+    if made_with != learning_rate:
+        log.warning("gpukv: learning_rate=%r has no effect beside %s: it decays from the "
+                    "base_lr it was made with (%r), as MXNet's does; give the schedule "
+                    "base_lr=%r instead", learning_rate, type(schedule).__name__,
+                    made_with, learning_rate)
+
+
 class Optimizer:
     """Base of every optimizer (MXNet's `mx.optimizer.Optimizer` arguments).
 
-    learning_rate: the rate (None: the schedule's, else 0.01). wd: L2 weight decay.
+    learning_rate: the rate (None: the schedule's, else the optimizer's default: 0.01;
+    0.001 for Adam, AdamW, RMSProp and LAMB); given beside an `lr_scheduler`, the schedule's
+    `base_lr` (see `lr_scheduler.LRScheduler`). wd: L2 weight decay.
     rescale_grad: multiplies the gradient first (often 1/batch_size). clip_gradient: clip
     the (rescaled) gradient to [-c, c] (None: no clipping). lr_scheduler: an object with
     `__call__(num_update) -> lr`. begin_num_update: the update count keys start from.
@@ -217,6 +234,8 @@ class Optimizer:
     hyper_names: ClassVar[tuple[str, ...]] = ()
     #: the rule's name in files and messages
     name = "optimizer"
+    #: the rate of an optimizer made with neither a learning_rate nor an lr_scheduler
+    default_learning_rate: ClassVar[float] = 0.01
 
     def __new__(cls, *args, **options):
         # An option the class does not have: a gpukv error naming those it has (Python's
@@ -239,10 +258,11 @@ class Optimizer:
         self.lr_scheduler: Any = lr_scheduler
         learning_rate = check_number("learning_rate", learning_rate, low=0, none_ok=True)
         if lr_scheduler is None and learning_rate is None:
-            learning_rate = 0.01
+            learning_rate = self.default_learning_rate
         if lr_scheduler is not None and learning_rate is not None:
             # as MXNet: the rate after warm-up; the warm-up still rises to the base_lr
             # the schedule was made with (its warmup_final_lr)
+            _warn_if_ignored(lr_scheduler, learning_rate)
             lr_scheduler.base_lr = learning_rate
         self.lr = learning_rate
         self.wd = wd

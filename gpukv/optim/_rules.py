@@ -268,8 +268,9 @@ class Adam(Optimizer):
 
     hyper_names = ("beta1", "beta2", "epsilon")
     name = "adam"
+    default_learning_rate = 0.001
 
-    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+    def __init__(self, learning_rate: float | None = None, beta1: float = 0.9,
                  beta2: float = 0.999, epsilon: float = 1e-8, lazy_update: bool = True, *,
                  wd: float = 0.0, rescale_grad: float = 1.0,
                  clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
@@ -350,8 +351,9 @@ class AdamW(Optimizer):
 
     hyper_names = ("beta1", "beta2", "epsilon")
     name = "adamw"
+    default_learning_rate = 0.001
 
-    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+    def __init__(self, learning_rate: float | None = None, beta1: float = 0.9,
                  beta2: float = 0.999, epsilon: float = 1e-6, correct_bias: bool = True, *,
                  wd: float = 0.0, rescale_grad: float = 1.0,
                  clip_gradient: float | None = None, lr_scheduler: Schedule | None = None,
@@ -471,8 +473,9 @@ class RMSProp(Optimizer):
 
     hyper_names = ("gamma1", "gamma2", "epsilon", "clip_weights")
     name = "rmsprop"
+    default_learning_rate = 0.001
 
-    def __init__(self, learning_rate: float | None = 0.001, gamma1: float = 0.9,
+    def __init__(self, learning_rate: float | None = None, gamma1: float = 0.9,
                  gamma2: float = 0.9, epsilon: float = 1e-8, centered: bool = False,
                  clip_weights: float | None = None, *,
                  wd: float = 0.0, rescale_grad: float = 1.0,
@@ -575,10 +578,11 @@ class LAMB(Optimizer):
 
     hyper_names = ("beta1", "beta2", "epsilon", "lower_bound", "upper_bound")
     name = "lamb"
+    default_learning_rate = 0.001
     #: the step needs whole-key norms: the updater runs it key by key
     per_key_norms = True
 
-    def __init__(self, learning_rate: float | None = 0.001, beta1: float = 0.9,
+    def __init__(self, learning_rate: float | None = None, beta1: float = 0.9,
                  beta2: float = 0.999, epsilon: float = 1e-6, lower_bound: float | None = None,
                  upper_bound: float | None = None, bias_correction: bool = True, *,
                  wd: float = 0.0, rescale_grad: float = 1.0,

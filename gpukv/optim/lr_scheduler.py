@@ -43,12 +43,17 @@ def _int(name, value, low):
 class LRScheduler:
     """Base class: warm-up handling and the `__call__(num_update) -> lr` protocol.
 
-    base_lr: the rate after warm-up (an optimizer given a `learning_rate` sets it, and
-    the warm-up still rises to the base_lr given here, as in MXNet);
+    base_lr: the rate after warm-up (an optimizer given a `learning_rate` sets it, except
+    for Poly and Cosine, and the warm-up still rises to the base_lr given here, as in
+    MXNet);
     warmup_steps: how many updates the warm-up lasts (0: none); warmup_begin_lr: the rate
     it starts from; warmup_mode: 'linear' (rising to base_lr) or 'constant'. Each schedule
     below takes these options beside its own.
     """
+
+    #: whether an optimizer's `learning_rate` becomes the rate after warm-up (MXNet's Poly
+    #: and Cosine schedules decay from the base_lr they were made with instead)
+    takes_optimizer_rate = True
 
     def __init__(self, base_lr=0.01, warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
         self.base_lr = _number("base_lr", base_lr, low=0)
@@ -83,7 +88,9 @@ class LRScheduler:
 
 
 class FactorScheduler(LRScheduler):
-    """`base_lr * factor ** floor(num_update / step)`, never below `stop_factor_lr`."""
+    """`base_lr * factor ** k`, never below `stop_factor_lr`, k the number of positive
+    multiples of `step` below num_update, as MXNet counts (with step=10, updates 1-10
+    take base_lr, 11-20 one factor)."""
 
     def __init__(self, step, factor=1, stop_factor_lr=1e-8, base_lr=0.01,
                  warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
@@ -137,7 +144,11 @@ class _DecayScheduler(LRScheduler):
     """After warm-up, `final_lr + (base_lr - final_lr) * decay(steps)` up to `max_update`.
 
     `decay(steps)` (steps: updates since warm-up) goes from 1 to 0; subclasses give it.
+    The base_lr it was made with is the one it decays from (`base_lr_orig`), whatever an
+    optimizer's `learning_rate` sets, as MXNet's: the optimizer logs a warning then.
     """
+
+    takes_optimizer_rate = False
 
     def __init__(self, max_update, base_lr=0.01, final_lr=0,
                  warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
@@ -163,7 +174,9 @@ class _DecayScheduler(LRScheduler):
 
 
 class PolyScheduler(_DecayScheduler):
-    """`final_lr + (base_lr - final_lr) * (1 - nup / max_update) ** pwr` after warm-up."""
+    """`final_lr + (base_lr - final_lr) * (1 - s / (max_update - warmup_steps)) ** pwr`,
+    s = num_update - warmup_steps (the updates since warm-up); past max_update it keeps
+    the last rate it gave (final_lr, once it gave update max_update's)."""
 
     def __init__(self, max_update, base_lr=0.01, pwr=2, final_lr=0,
                  warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
@@ -176,7 +189,9 @@ class PolyScheduler(_DecayScheduler):
 
 
 class CosineScheduler(_DecayScheduler):
-    """`final_lr + (base_lr - final_lr) * (1 + cos(pi * nup / max_update)) / 2`."""
+    """`final_lr + (base_lr - final_lr) * (1 + cos(pi * s / (max_update - warmup_steps)))
+    / 2`, s = num_update - warmup_steps (the updates since warm-up); past max_update it
+    keeps the last rate it gave (final_lr, once it gave update max_update's)."""
 
     def _decay(self, steps):
         return (1 + math.cos(math.pi * steps / self.max_steps)) / 2

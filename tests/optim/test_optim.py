@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -348,6 +349,36 @@ def test_an_optimizers_rate_replaces_the_schedules_after_warm_up_only():
     factor = optim.FactorScheduler(step=100, base_lr=0.01, warmup_steps=4)
     rates = _rates(optim.SGD(learning_rate=0.001, lr_scheduler=factor), 5)
     assert rates == pytest.approx([0.0025, 0.005, 0.0075, 0.001, 0.001], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "rmsprop", "lamb", "sgd", "adagrad"])
+def test_a_schedule_sets_the_rate_unless_a_learning_rate_is_given(name):
+    """An optimizer's own default rate (0.001 for the Adam family, RMSProp and LAMB) is
+    for an optimizer without a schedule: beside one, the schedule's base_lr is the rate,
+    as the docs say (MXNet's Adam put its default over the schedule's, with a printed
+    warning); a learning_rate given is the rate."""
+    default = 0.001 if name in ("adam", "adamw", "rmsprop", "lamb") else 0.01
+    assert optim.create(name).learning_rate == default
+    factor = optim.FactorScheduler(step=5, base_lr=0.5)
+    assert optim.create(name, lr_scheduler=factor).learning_rate == 0.5
+    factor = optim.FactorScheduler(step=5, base_lr=0.5)
+    assert optim.create(name, learning_rate=0.2, lr_scheduler=factor).learning_rate == 0.2
+
+
+@pytest.mark.parametrize("schedule", [optim.PolyScheduler, optim.CosineScheduler])
+def test_a_learning_rate_a_decaying_schedule_ignores_is_a_warning(schedule, caplog):
+    """Poly and Cosine decay from the base_lr they were made with, whatever an optimizer
+    sets (MXNet's rates, kept): a learning_rate that differs from it is a warning naming
+    both; one equal to it, or none, says nothing."""
+    with caplog.at_level(logging.WARNING, logger="gpukv"):
+        optim.SGD(learning_rate=0.1, lr_scheduler=schedule(max_update=10, base_lr=0.1))
+        optim.SGD(lr_scheduler=schedule(max_update=10, base_lr=0.1))
+        assert not caplog.records
+        opt = optim.SGD(learning_rate=0.3, lr_scheduler=schedule(max_update=10, base_lr=0.1))
+    (record,) = caplog.records
+    assert (f"learning_rate=0.3 has no effect beside {schedule.__name__}: it decays from "
+            f"the base_lr it was made with (0.1)") in record.getMessage()
+    assert _rates(opt, 1) == pytest.approx([schedule(max_update=10, base_lr=0.1)(1)])
 
 
 @pytest.mark.parametrize("schedule", [optim.PolyScheduler, optim.CosineScheduler])
