@@ -386,7 +386,7 @@ class DistKVStore(KVStore):
     def init(self, key, value) -> None:
         """Create key(s) on every worker; every worker must init the same keys (in any
         order) before its next call that talks to the others, and rank 0's value wins."""
-        groups = check.group(key, value, "value")
+        groups = check.init_group(key, value)
         with self._lock:
             self._engine.control.check()
             check.init_values(groups, self._values.entries(), self._values.key_kind)
@@ -582,7 +582,7 @@ class DistKVStore(KVStore):
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy each key's value into `out`; in dist_sync a pull returns the value after
         every push of this worker that came before it, summed with the other workers'."""
-        groups = check.pull_outs(key, out, priority)
+        groups = check.pull_outs(key, out, priority, ignore_sparse)
         with self._lock:
             self._engine.control.check()
             entries = self._values.lookup(groups, "pull")
@@ -617,7 +617,7 @@ class DistKVStore(KVStore):
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """init (rank 0's value wins) then pull into `out`; the outs are checked against
         the values first, so that a refused call initialises nothing."""
-        groups = check.group(key, value, "value")
+        groups = check.init_group(key, value)
         out_groups = check.group(key, out, "out", written=True)
         with self._lock:
             check.broadcast_args(groups, out_groups, self._values.entries(),

@@ -223,13 +223,16 @@ def group(keys, values, name: str = "value", written: bool = False) -> Groups:
     return Groups(out_keys, arrays, all_host, kind, sparse, tuple(foreign or ()))
 
 
-def pull_outs(key, out, priority) -> Groups:
-    """A pull's `out` grouped by key and checked (after its priority): an ArgumentError
-    without outs to write into."""
+def pull_outs(key, out, priority, ignore_sparse=True) -> Groups:
+    """A pull's `out` grouped by key and checked (after its priority and ignore_sparse):
+    an ArgumentError without outs to write into."""
     if out is None:
         raise ArgumentError(f"key {key!r}: pull needs `out` arrays to write into")
     if type(priority) is not int:
         check_priority(key, priority)
+    if type(ignore_sparse) is not bool and not isinstance(ignore_sparse, np.bool_):
+        raise ArgumentKindError(f"key {key!r}: ignore_sparse: expected True or False, got "
+                                f"{type(ignore_sparse).__name__}")
     return group(key, out, "out", written=True)
 
 
@@ -396,6 +399,22 @@ def memory_of(a) -> tuple:
     if isinstance(a, np.ndarray):
         return ("host", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype)
     return (a.device.id, a.data.ptr, a.shape, a.strides, a.dtype)
+
+
+def init_group(keys, values) -> Groups:
+    """`group` of an init's (or a broadcast's) keys and values, each key once: a key given
+    twice is a DuplicateKeyError naming it (init takes one value per key, where a push
+    sums a repeated key as more devices; MXNet refuses it too)."""
+    if isinstance(keys, _SEQ) and len(keys) > 1:
+        seen: set = set()
+        for raw in keys:
+            key, _ = check_key(raw)
+            if key in seen:
+                raise DuplicateKeyError(f"key {key!r}: given twice in one call; init takes "
+                                        f"one value per key (a list of arrays for one key "
+                                        f"gives one per device)")
+            seen.add(key)
+    return group(keys, values, "value")
 
 
 def init_values(groups: Groups, entries: Mapping, held) -> None:

@@ -282,7 +282,7 @@ class LocalStore(KVStore):
     # ------------------------------------------------------------------ the API
     @timeline.traced("init")
     def init(self, key: Keys, value: Values) -> None:
-        groups = check.group(key, value, "value")
+        groups = check.init_group(key, value)
         with self._lock:
             self._init_groups(groups)
 
@@ -343,7 +343,7 @@ class LocalStore(KVStore):
     def pull(self, key: Keys, out: Values | None = None, priority: int = 0,
              ignore_sparse: bool = True) -> None:
         with timeline.span("check"):
-            groups = check.pull_outs(key, out, priority)
+            groups = check.pull_outs(key, out, priority, ignore_sparse)
         with self._lock:
             with timeline.span("check"):
                 entries = self.lookup(groups, "pull")
@@ -402,7 +402,7 @@ class LocalStore(KVStore):
     def broadcast(self, key: Keys, value: Values, out: Values, priority: int = 0) -> None:
         if type(priority) is not int:
             check.check_priority(key, priority)
-        groups = check.group(key, value, "value")
+        groups = check.init_group(key, value)
         out_groups = check.group(key, out, "out", written=True)
         with self._lock:
             check.broadcast_args(groups, out_groups, self._entries, self._key_kind)

@@ -413,6 +413,32 @@ def test_broadcast_of_an_existing_key_fails(kv):
     assert value_of(kv, 3)[0, 0] == 2 and (out == -1).all()
 
 
+@pytest.mark.parametrize("call", ["init", "broadcast"])
+def test_a_key_given_twice_in_one_init_is_refused_whole(kv, call):
+    """init takes one value per key: a key repeated in the list (which a push sums as
+    more devices) is a DuplicateKeyError naming it, and no key of the call is made (MXNet
+    refuses it too, after making the keys before it)."""
+    out = [np.full(SHAPE, -1, np.float32) for _ in range(3)]
+    args = ([5, 6, 5], [ones(1), ones(2), ones(3)])
+    with pytest.raises(gpukv.DuplicateKeyError, match="key 5: given twice"):
+        getattr(kv, call)(*args, **({"out": out} if call == "broadcast" else {}))
+    assert 5 not in kv and 6 not in kv
+    assert all((o == -1).all() for o in out)
+    kv.init(5, [ones(1), ones(2)])  # a list of arrays for one key: one per device
+    assert value_of(kv, 5)[0, 0] == 1
+
+
+def test_ignore_sparse_is_a_bool(kv):
+    """A string would be taken as true: refused, naming the key, before any out changes."""
+    kv.init(3, ones(2))
+    out = np.zeros(SHAPE, np.float32)
+    with pytest.raises(gpukv.ArgumentKindError, match="key 3: ignore_sparse"):
+        kv.pull(3, out=out, ignore_sparse="no")
+    assert not out.any()
+    kv.pull(3, out=out, ignore_sparse=np.bool_(False))
+    assert out[0, 0] == 2
+
+
 # -------------------------------------------------------------------------- updaters
 @pytest.mark.parametrize("method", ["set_updater", "_set_updater"])
 def test_updater_sees_key_merged_and_stored(kv, keys, method):
