@@ -34,8 +34,19 @@ def create(name: str = "local", **options: Any) -> KVStore:
     values in the order they are given), so the result is the same bits whatever the
     strategy, the devices the values lie on or the slicing of a key; None (the default)
     reads the environment variable GPUKV_DETERMINISTIC ('1' on, '0' off; unset: off),
-    and `kv.deterministic` says which. Dist stores also take
-    `num_servers`, `timeout`, `bigarray_bound` and `nccl` (see `DistKVStore`).
+    and `kv.deterministic` says which.
+
+    Dist stores also take: `num_servers`, an int from 0 (the default: every process is a
+    worker that also serves a shard of the keys) to N - 1 (that many dedicated server
+    processes, which serve inside `create` and then end; 'dist_async' needs at least 1);
+    `timeout`, the seconds every wait on another process is bounded by (default 120)
+    before a PeerError names the ranks that did not answer; `bigarray_bound`, the
+    elements from which a key is split over the servers (default 1,000,000); `nccl`,
+    for 'dist_device_sync' with num_servers=0: True to carry GPU data between processes
+    with NCCL (a BackendError without it), False for the host path, None (the default)
+    NCCL where the process has a GPU of its own and CuPy finds NCCL, else the host path.
+    Their environment variables
+    (GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND) give the defaults.
     """
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")

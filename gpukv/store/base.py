@@ -78,7 +78,8 @@ class KVStore(ABC):
 
     @abstractmethod
     def is_capable(self, capability: str) -> bool:
-        """Whether this store supports `capability` ('optimizer', 'gradient_compression')."""
+        """Whether this store supports `capability` ('optimizer', 'gradient_compression');
+        another name is an ArgumentError, as in MXNet."""
 
     @abstractmethod
     def keys(self) -> list[Key]:
@@ -131,12 +132,15 @@ class KVStore(ABC):
     def init(self, key: Keys, value: Values) -> None:
         """Create key(s) with a copy of `value`.
 
-        `key`: an int or a str, or a list of them; `value`: per key, an array, or a list of
-        arrays (one per device) that agree in shape and dtype, the first one being copied.
-        The store keeps its own copy on the key's home device::
+        `key`: an int or a str, or a list of them, each key once; `value`: per key, an
+        array, or a list of arrays (one per device) that agree in shape and dtype, the
+        first one being copied. A store's keys are all ints or all strs (the first key
+        decides; another kind is a KeyKindError), and a key already in the store, or
+        given twice in one call, is a DuplicateKeyError. The store keeps its own copy on
+        the key's home device::
 
             kv.init('w', np.zeros((2, 3)))
-            kv.init([1, 2], [np.zeros(4), np.ones(4)])
+            kv.init(['b', 'c'], [np.zeros(4), np.ones(4)])
         """
 
     @abstractmethod
@@ -163,11 +167,13 @@ class KVStore(ABC):
              ignore_sparse: bool = True) -> None:
         """Copy the value of each key into every array of `out` (written in place).
 
-        `out` takes the forms of `push`'s `value`: for one key an array or a list of arrays
-        (one per device), for a list of keys one of those per key. Another dtype is
-        converted; RowSparse outs are skipped (`ignore_sparse`, as MXNet; use
-        `row_sparse_pull`). `priority` is accepted for MXNet's sake (calls run in order).
-        An out is written as `out.copy_(value)` would write it: a PyTorch tensor that
+        `out` is required (None is an ArgumentError, as MXNet asserts it). It takes the
+        forms of `push`'s `value`: for one key an array or a list of arrays (one per
+        device), for a list of keys one of those per key. Another dtype is converted;
+        RowSparse outs are skipped (`ignore_sparse=True`, as MXNet; use
+        `row_sparse_pull`); with `ignore_sparse=False` they get every row of the value.
+        `ignore_sparse` is a bool. `priority` is accepted for MXNet's sake (calls run in
+        order). An out is written as `out.copy_(value)` would write it: a PyTorch tensor that
         requires grad only under `torch.no_grad()`, its version counter moved; an out that
         cannot be written in place (read-only, or an object whose `__array__` returns a
         copy) is a ReadOnlyError::
@@ -195,11 +201,14 @@ class KVStore(ABC):
                         priority: int = 0) -> None:
         """Write the rows `row_ids` of each key into RowSparse `out`(s), as MXNet does.
 
-        `row_ids`: an integer array (any shape) or list of ints, shared by every out of
-        the key, or a list with one such array per out. Each out receives exactly the
-        requested rows, deduplicated and sorted (its other rows are zero), on the device
-        its arrays are on. Works for any key: every key is stored dense-backed. `priority`
-        is accepted for MXNet's sake (calls run in order).
+        `out` and `row_ids` are both required (None is an ArgumentError). The order of
+        the arguments is not MXNet's, whose third is `priority`: pass `row_ids` by name
+        (``kv.row_sparse_pull(k, out=rs, row_ids=ids)``); a lone int third is refused
+        rather than taken as rows. `row_ids`: an integer array (any shape) or list of
+        ints, shared by every out of the key, or a list with one such array per out. Each
+        out receives exactly the requested rows, deduplicated and sorted (its other rows
+        are zero), on the device its arrays are on. Works for any key: every key is stored
+        dense-backed. `priority` is accepted for MXNet's sake (calls run in order).
         """
 
     # ------------------------------------------------- updaters and compression
@@ -236,9 +245,13 @@ class KVStore(ABC):
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress every pushed source on its way home (see `gpukv.encoding.compressors`).
 
-        `compression_params`: ``{'type': '2bit', 'threshold': t}``, ``{'type': '1bit',
-        'threshold': t}``, ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``, or None /
-        ``{'type': 'none'}`` to turn it off. Setting it again starts fresh residuals.
+        `compression_params`: MXNet's ``{'type': '2bit', 'threshold': t}``, ``{'type':
+        '1bit', 'threshold': t}`` and ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``;
+        gpukv's ``{'type': 'sign'}``, ``{'type': 'ternary'}`` and ``{'type': 'powersgd',
+        'rank': r}``, which compress pulls too (each compressor's options are in
+        `gpukv.encoding.compressors`); or None / ``{'type': 'none'}`` to turn it off.
+        Setting it again starts fresh residuals. The 'device', 'nccl' and dist stores
+        take it; a 'local' store refuses it with an ArgumentError, as MXNet's does.
         """
 
     @property
@@ -255,13 +268,14 @@ class KVStore(ABC):
         A versioned archive (JSON header, one array per state tensor, no pickle), written
         to a temporary file and renamed over `fname`: a crash leaves the old file whole.
         A bad path, a folder, a folder that cannot be written or a full disk raise
-        CheckpointError and leave the old file whole, with no temporary file behind.
+        CheckpointError and leave the old file whole, with no temporary file behind; a
+        store without an optimizer raises ArgumentError.
         """
 
     @abstractmethod
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
         """Restore the state `save_optimizer_states` wrote to `fname`; CheckpointError if
-        it does not fit.
+        it does not fit, ArgumentError if the store has no optimizer.
 
         The file, every key's state, and the options, multipliers and schedule it may
         hold are all checked before anything changes: a failed load changes nothing.
