@@ -38,6 +38,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._errors import ArgumentError
+
 ENV = "GPUKV_TIMELINE"
 #: events written out every this many, or every FLUSH_SECONDS (the new ones only)
 FLUSH_EVERY = 50_000
@@ -194,11 +196,19 @@ def _in_gpukv_or_import(filename: str) -> bool:
 
 
 def start(folder: str | os.PathLike) -> None:
-    """Record from now on into `folder` (what GPUKV_TIMELINE=folder does at import)."""
+    """Record from now on into `folder`, made if missing (what GPUKV_TIMELINE=folder does
+    at import). A folder that cannot be made or written in is an ArgumentError naming it
+    and the OS error, where the variable only warns; a recording already running goes on
+    into its own file then."""
     global _active
+    path = os.fspath(folder)
+    try:
+        recorder = _Recorder(path)
+    except OSError as exc:
+        raise ArgumentError(f"timeline folder {path!r}: cannot write in it ({exc})") from exc
     if _active is not None:
         _active.write()
-    _active = _Recorder(os.fspath(folder))
+    _active = recorder
 
 
 def _start_from_environment(environ) -> None:
@@ -210,8 +220,8 @@ def _start_from_environment(environ) -> None:
         return
     try:
         start(folder)
-    except OSError as exc:
-        _warn(f"cannot write in the folder {folder!r} ({exc}): recording nothing")
+    except ArgumentError as exc:
+        _warn(f"cannot write in the folder {folder!r} ({exc.__cause__}): recording nothing")
 
 
 def discard() -> None:

@@ -146,16 +146,36 @@ def test_a_span_argument_json_cannot_hold_is_written_as_its_value_or_str(recordi
 def test_a_folder_that_cannot_be_written_is_known_when_recording_starts(tmp_path,
                                                                         monkeypatch):
     """The file is made when recording starts: a folder that refuses it is start()'s
-    OSError, and GPUKV_TIMELINE's one RuntimeWarning at import, not a surprise at exit."""
+    ArgumentError naming it and the OS error, and GPUKV_TIMELINE's one RuntimeWarning at
+    import, not a surprise at exit."""
     def refused(path, *args):
         raise PermissionError(13, "Permission denied", path)
     monkeypatch.setattr(timeline.os, "open", refused)
-    with pytest.raises(PermissionError):
+    with pytest.raises(gpukv.ArgumentError,
+                       match=f"timeline folder '{tmp_path}'.*Permission denied"):
         timeline.start(tmp_path)
     assert not timeline.enabled()
     with pytest.warns(RuntimeWarning, match=r"cannot write in the folder .*Permission denied"):
         timeline._start_from_environment({"GPUKV_TIMELINE": str(tmp_path)})
     assert not timeline.enabled()
+
+
+def test_a_start_that_fails_leaves_the_recording_running(tmp_path):
+    """A path that is a file cannot be a folder: an ArgumentError, and the recording
+    already running goes on into its own file."""
+    (tmp_path / "first").mkdir()
+    timeline.start(tmp_path / "first")
+    try:
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(gpukv.ArgumentError, match="a-file"):
+            timeline.start(tmp_path / "a-file")
+        with timeline.span("after"):
+            pass
+        path = timeline.flush()
+        assert os.path.dirname(path) == str(tmp_path / "first")
+        assert [e["name"] for e in _events(path)] == ["after"]
+    finally:
+        timeline.stop()
 
 
 def test_off_records_nothing_and_a_span_is_a_shared_null(tmp_path):
