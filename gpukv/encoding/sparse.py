@@ -293,8 +293,8 @@ class RowSparse:
             raise ArgumentKindError("a GPU RowSparse has no implicit NumPy form; use "
                                     ".todense().get()")
         if copy is False:  # (NumPy 2's protocol: a dense form is always a new array)
-            raise ValueError("a RowSparse has no dense array to share: its NumPy form is "
-                             "always a copy (np.asarray, or copy=None)")
+            raise ArgumentError("a RowSparse has no dense array to share: its NumPy form "
+                                "is always a copy (np.asarray, or copy=None)")
         dense = self.todense()
         return dense if dtype is None else dense.astype(dtype)
 
