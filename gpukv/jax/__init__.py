@@ -44,7 +44,8 @@ from .._errors import ArgumentError, ArgumentKindError, BackendError, DTypeError
 try:
     import jax
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise BackendError("gpukv.jax needs JAX: pip install jax") from exc
+    raise BackendError("gpukv.jax needs JAX: pip install 'gpukv[jax]' (JAX, and optax for "
+                       "the update beside the store)") from exc
 
 from ..store.base import KVStore
 from . import placing, pushing, trees

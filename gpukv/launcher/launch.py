@@ -326,7 +326,7 @@ def main(argv: list[str]) -> int:
     mpiexec = find_mpiexec()
     if mpiexec is None:
         parser.error("no mpiexec found beside this Python nor on PATH "
-                     "(pip install mpich, or install MPICH)")
+                     "(pip install 'gpukv[mpi]', which brings MPICH's, or install MPICH)")
     try:
         command = resolve_program(command)
     except ArgumentError as exc:
