@@ -360,8 +360,8 @@ def test_big_parameters_get_own_keys_named_after_them():
 
 
 def test_buckets_fill_in_backward_order_the_first_up_to_1mb():
-    """As DDP's: the parameters backward reaches first (the last layers) make a bucket of
-    at most 1 MB, the rest buckets of up to bucket_bytes, every one in parameter order."""
+    """The parameters backward reaches first (the last layers) make a bucket of at most
+    1 MiB, the rest buckets of up to bucket_bytes, every one in parameter order."""
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                           nn.Linear(512, 10))  # 1.6 MB of float32 parameters
     t = gt.Trainer(model, "sgd", kvstore="local")

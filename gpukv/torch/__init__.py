@@ -12,8 +12,9 @@ One `torch.nn.Module` per device (same architecture), or a single module. Every 
 parameter takes part; parameters with `requires_grad=False` when the Trainer is made are
 left out (one unfrozen later is refused at the step: make a new Trainer). Parameters are
 grouped in buckets (consecutive parameters of one dtype, up to `bucket_bytes`; filled in
-backward's order, the first one up to 1 MB, as DDP's), one store key per bucket: a key
-holding one parameter is named after it, a fused one ``'<first>..<last>'``. In every
+backward's order, the first one up to 1 MiB; DDP's first bucket also takes the parameter
+that passes 1 MiB), one store key per bucket: a key holding one parameter is named after
+it, a fused one ``'<first>..<last>'``. In every
 replica the weights and the gradients of a bucket are views of one flat buffer each (as
 PyTorch DDP's ``gradient_as_bucket_view``), so a step pushes and pulls a handful of keys,
 and the store reads and writes the replicas' memory without copies. Keep those tensors:

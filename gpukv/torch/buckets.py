@@ -92,9 +92,12 @@ def make_buckets(names, params, capacity: int, alone=frozenset(),
     the parameters named in `alone` each in a bucket of its own. Returned in parameter
     order.
 
-    As DDP, buckets are filled in the order backward produces gradients (the reverse of
-    the parameters'), and the first one of each kind holds at most `first_capacity`
-    bytes, so that a reduction started from backward can start early in it.
+    As DDP's, buckets are filled in the order backward produces gradients (the reverse
+    of the parameters'), and the first one of each kind holds at most `first_capacity`
+    bytes, so that a reduction started from backward can start early in it. (DDP closes a
+    bucket once it holds its capacity or more, the parameter that passes it included; a
+    parameter that would pass it starts the next bucket here, so no bucket but a lone
+    parameter's holds more than its capacity.)
     """
     buckets: list[tuple[int, Bucket]] = []  # (first parameter index, bucket)
     open_: dict = {}  # signature -> (indices, bytes)
