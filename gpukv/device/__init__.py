@@ -29,9 +29,10 @@ def _cupy_ndarray():
 def adopt(obj):
     """`obj` as a NumPy or CuPy array sharing its memory, or None if it is no array.
 
-    NumPy and CuPy arrays come back as they are. PyTorch tensors, JAX arrays and any
-    object with `__cuda_array_interface__`, `__dlpack__` or the buffer/array interface
-    are wrapped without a copy wherever the protocol allows it. An array on a device
+    NumPy and CuPy arrays come back as they are, a subclass of NumPy's as a plain view
+    of its elements (a masked array is an ArgumentKindError). PyTorch tensors, JAX
+    arrays and any object with `__cuda_array_interface__`, `__dlpack__` or the
+    buffer/array interface are wrapped without a copy wherever the protocol allows it. An array on a device
     this process cannot use (a GPU it does not see, a PyTorch 'meta' tensor, a DLPack
     device other than the CPU and CUDA) is a DeviceError; a NumPy scalar, which cannot
     be written in place, comes back read-only. An array its own library will not hand
@@ -54,8 +55,12 @@ def adopt(obj):
 
 def _adopt_other(obj):
     """`adopt` of anything but a NumPy or CuPy array."""
-    if isinstance(obj, np.ndarray):  # subclasses (np.matrix, memmap)
-        return obj
+    if isinstance(obj, np.ndarray):  # subclasses (np.matrix, memmap): their elements
+        masked = sys.modules.get("numpy.ma")
+        if masked is not None and isinstance(obj, masked.MaskedArray):
+            raise ArgumentKindError("a masked array: gpukv reads and writes every element, "
+                                    "masked or not; pass a.filled(fill) or a.data")
+        return obj.view(np.ndarray)  # (the sums are NumPy's, whatever the subclass's are)
     if isinstance(obj, np.generic):  # a NumPy scalar (even np.float64): immutable, never an out
         array = np.asarray(obj)
         array.flags.writeable = False

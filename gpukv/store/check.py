@@ -266,8 +266,8 @@ _DTYPE_OK: dict = {}
 def supported(dtype) -> bool:
     """Whether the store takes `dtype` (memoised: `dtype.name` is slow in NumPy)."""
     ok = _DTYPE_OK.get(dtype)
-    if ok is None:
-        ok = _DTYPE_OK[dtype] = dtype.name in SUPPORTED_DTYPES
+    if ok is None:  # (a dtype with named fields may be named as its base: float32)
+        ok = _DTYPE_OK[dtype] = dtype.name in SUPPORTED_DTYPES and dtype.names is None
     return ok
 
 

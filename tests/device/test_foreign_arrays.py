@@ -349,3 +349,55 @@ def test_bfloat16_over_dlpack_is_a_typed_error_naming_the_key():
     out = np.zeros(3, ml_dtypes.bfloat16)
     kv.pull("w", out=out)
     assert out.astype(np.float32).tolist() == [2.0, 2.0, 2.0]
+
+
+class _NoUfuncs(np.ndarray):
+    __array_ufunc__ = None  # NumPy's arithmetic refuses it
+
+
+class _TimesTen(np.ndarray):
+    """A subclass whose arithmetic is its own: it multiplies its operands by ten."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = [i.view(np.ndarray) * 10 if isinstance(i, _TimesTen) else i for i in inputs]
+        kwargs["out"] = tuple(o.view(np.ndarray) for o in kwargs.get("out", ()))
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_NoUfuncs, _TimesTen, np.matrix])
+def test_numpy_subclasses_are_summed_and_written_as_their_elements(kv, cls):
+    """A subclass of NumPy's array is its elements: its own arithmetic (none, or another
+    sum) plays no part in the store's sums, on one device or several, and an out of the
+    class is written in place."""
+    kv.init(["a", "b"], [np.zeros((1, 3), np.float32)] * 2)
+    ones = np.ones((1, 3), np.float32)
+    kv.push(["b", "a"], [ones, [ones.view(cls), ones.view(cls)]])
+    kv.push("b", ones.view(cls))
+    out = np.zeros((1, 3), np.float32).view(cls)
+    kv.pull("a", out=out)
+    assert np.asarray(out.view(np.ndarray)).tolist() == [[2, 2, 2]]
+    assert pulled(kv, "b", (1, 3)).tolist() == [[1, 1, 1]]
+
+
+@pytest.mark.parametrize("role", ["value", "out"])
+def test_a_masked_array_is_refused_naming_the_key(kv, role):
+    """The store reads and writes every element: a mask would be ignored (masked
+    elements summed, a pulled value hidden), so a masked array is refused before
+    anything changes."""
+    kv.init(["a", "b"], [np.zeros(3, np.float32)] * 2)
+    masked = np.ma.array([1, 2, 3], mask=[0, 1, 0], dtype=np.float32)
+    with pytest.raises(gpukv.ArgumentKindError, match="key 'b'.*masked array"):
+        if role == "value":
+            kv.push(["a", "b"], [np.ones(3, np.float32), masked])
+        else:
+            kv.pull(["a", "b"], out=[np.zeros(3, np.float32), masked])
+    assert pulled(kv, "a", (3,)).tolist() == [0, 0, 0]
+
+
+def test_a_dtype_with_named_fields_is_refused_naming_the_key(kv):
+    """float32 with a named field calls itself float32 but saves as a structured dtype
+    no store loads: a DTypeError, as structured dtypes are."""
+    aliased = np.dtype(("f4", {"re": ("f4", 0)}))
+    with pytest.raises(gpukv.DTypeError, match="key 7: unsupported dtype"):
+        kv.init(7, np.ones(3, np.float32).astype(aliased))
+    assert 7 not in kv
