@@ -545,6 +545,7 @@ class PartWriter:
         self._queue: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pid = os.getpid()
         _WRITERS.add(self)
 
     def stage(self) -> tuple[int, Staging]:
@@ -578,7 +579,11 @@ class PartWriter:
             self._cond.notify_all()
 
     def finish(self) -> None:
-        """Wait until every submitted snapshot is written; raise a failed write's error."""
+        """Wait until every submitted snapshot is written; raise a failed write's error.
+        In a forked child there is nothing to wait for: the writes, and the thread that
+        makes them, are its parent's (and its lock may have been held at the fork)."""
+        if os.getpid() != self._pid:
+            return
         with self._cond:
             while self._queue or any(self._busy):
                 self._cond.wait()

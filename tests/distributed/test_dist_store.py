@@ -578,6 +578,16 @@ def test_frozen_parameters_and_buffers_start_as_worker_0s(n, servers, seeds):
         assert warned == ("0" if seeds == "same" else "1"), out
 
 
+def test_a_forked_child_leaves_the_job_alone_at_its_end():
+    """A child forked from a worker (a data loader's) runs the exit handlers: they neither
+    wait for the job's other processes nor for the parent's snapshot writes (which
+    would never end in the child), and the parent's store goes on."""
+    out = _passes(_scenario(2, 0, "a_forked_child_ends", timeout=10), 2)
+    code, seconds = re.search(r"CHILD ended (-?\d+) after ([\d.]+) s", out).groups()
+    assert code == "0" and float(seconds) < 5, out
+    assert re.findall(r"SUM worker \d (\S+)", out) == ["2", "2"], out
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_python_runs_while_a_push_waits_for_a_peer(n, servers):
     """A push waiting on a late peer leaves the GIL to the process's other threads: a

@@ -27,6 +27,7 @@ ends at once, where a barrier's later rounds would wait on processes already in
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import sys
 import threading
@@ -46,6 +47,14 @@ _failed: list = []  # (rank, failure) of each transport that failed
 _mpi: list = []  # mpi4py's MPI module, once installed
 _together: list = []  # [communicator, its tag for the words at exit, the longest timeout
 #                        of a dist store's], once one was made
+_pid: list = []  # the process that installed them: a child it forks is no rank of the job
+
+
+def _forked() -> bool:
+    """Whether this process is a child forked from the rank that installed the handlers
+    (a data loader's worker): the job's MPI state is its parent's, so at its exit it
+    neither waits for the others nor aborts the job."""
+    return bool(_pid) and os.getpid() != _pid[0]
 
 
 def install(MPI) -> None:
@@ -53,6 +62,7 @@ def install(MPI) -> None:
     if _mpi:
         return
     _mpi.append(MPI)
+    _pid.append(os.getpid())
     atexit.register(_abort_if_failed)
     if MPI.COMM_WORLD.Get_size() > 1:
         sys.excepthook = _aborting(sys.excepthook, MPI)
@@ -73,7 +83,7 @@ def _wait_for_the_others() -> None:
     """Each other process's word that it reached its exit, tested until all are in or the
     timeout passes (then MPI_Finalize waits as it would have; a failed process aborts the
     job instead)."""
-    if _failed or not _mpi or _mpi[0].Is_finalized():
+    if _failed or not _mpi or _forked() or _mpi[0].Is_finalized():
         return
     MPI = _mpi[0]
     comm, tag, timeout = _together
@@ -118,7 +128,7 @@ def failed(rank: int, failure) -> None:
 def _abort_if_failed() -> None:
     """At exit, after a moment's grace in which the other ranks (told of the same
     failure) report it too."""
-    if not _failed or not _mpi:
+    if not _failed or not _mpi or _forked():
         return
     MPI = _mpi[0]
     # The world communicator as MPI made it (no transport's wrapper, which could turn an
@@ -140,9 +150,9 @@ def _aborting(previous, MPI):
             run_report.send(f"uncaught {kind.__name__}", str(value), status=1)
         previous(kind, value, traceback)
         # A thread's uncaught exception (should a program send it here) does not end the
-        # process; and once MPI is finalized, or the interpreter torn down past it, there
-        # is no job left to abort.
-        if threading.current_thread() is not threading.main_thread():
+        # process, nor does a forked child's end the job; and once MPI is finalized, or
+        # the interpreter torn down past it, there is no job left to abort.
+        if threading.current_thread() is not threading.main_thread() or _forked():
             return
         try:
             if not MPI.Is_initialized() or MPI.Is_finalized():

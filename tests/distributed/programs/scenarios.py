@@ -1541,5 +1541,42 @@ def updater_calls_the_store() -> None:
         print(f"RAISED {type(exc).__name__} on worker {kv.rank}", flush=True)
 
 
+def a_forked_child_ends() -> None:
+    """Worker 0 forks a child (as a data loader's worker is) while a snapshot is being
+    written; the child runs the exit handlers a normal end runs (then os._exit, as such
+    workers end): they return at once, leaving the parent's store and the job alone, and
+    the workers go on pushing. Prints the child's seconds and the sums."""
+    import atexit
+    import tempfile
+    from gpukv.checkpoints import snapshots
+
+    kv = create()
+    kv.init(3, np.zeros(4, np.float32))
+    write = snapshots.write_archive
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.0)  # (the fork lands while the write is in flight)
+        return write(*args, **kwargs)
+
+    snapshots.write_archive = slow_write
+    kv.snapshot(tempfile.mkdtemp())
+    if kv.rank == 0:
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            atexit._run_exitfuncs()  # what sys.exit would run, MPI_Finalize aside
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(f"CHILD ended {os.waitstatus_to_exitcode(status)} after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+    kv.finish_snapshots()
+    for _ in range(3):
+        kv.push(3, np.ones(4, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull(3, out=out)
+    print(f"SUM worker {kv.rank} {out[0]:g}", flush=True)
+    passed(kv)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
