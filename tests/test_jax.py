@@ -166,5 +166,6 @@ def test_import_gpukv_does_not_import_jax():
     code = ("import sys, gpukv; assert 'jax' not in sys.modules\n"
             "sys.modules['jax'] = None\n"
             "try:\n    import gpukv.jax\nexcept gpukv.BackendError as e:\n"
-            "    assert \"pip install 'gpukv[jax]'\" in str(e), e\nelse:\n    raise SystemExit(1)\n")
+            "    assert \"pip install 'gpukv[jax]'\" in str(e), e\n"
+            "else:\n    raise SystemExit(1)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -32,12 +32,12 @@ def adopt(obj):
     NumPy and CuPy arrays come back as they are, a subclass of NumPy's as a plain view
     of its elements (a masked array is an ArgumentKindError). PyTorch tensors, JAX
     arrays and any object with `__cuda_array_interface__`, `__dlpack__` or the
-    buffer/array interface are wrapped without a copy wherever the protocol allows it. An array on a device
-    this process cannot use (a GPU it does not see, a PyTorch 'meta' tensor, a DLPack
-    device other than the CPU and CUDA) is a DeviceError; a NumPy scalar, which cannot
-    be written in place, comes back read-only. An array its own library will not hand
-    over (JAX's deleted or sharded arrays, a tracer) is an ArgumentKindError quoting
-    that library's error.
+    buffer/array interface are wrapped without a copy wherever the protocol allows it.
+    An array on a device this process cannot use (a GPU it does not see, a PyTorch
+    'meta' tensor, a DLPack device other than the CPU and CUDA) is a DeviceError; a
+    NumPy scalar, which cannot be written in place, comes back read-only. An array its
+    own library will not hand over (JAX's deleted or sharded arrays, a tracer) is an
+    ArgumentKindError quoting that library's error.
     """
     if type(obj) is np.ndarray:
         return obj
