@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,18 @@ def _first_rank_of(MPI, local_comm, comm) -> int:
     finally:
         local_group.Free()
         group.Free()
+
+
+def _free_communicator(MPI, comm, transport) -> None:
+    """Free a dropped store's communicator, unless the job's end waits on it (the first
+    store's), its transport failed (the job aborts at exit) or MPI is done. Freeing is
+    local to the process: the others free theirs when they drop their store."""
+    if transport.failure is not None or job_exit.waits_on(comm) or MPI.Is_finalized():
+        return
+    try:
+        comm.Free()
+    except MPI.Exception:
+        pass  # a peer gone meanwhile: MPI_Finalize, or the abort, takes it
 
 
 #: bytes of a PCI bus id in `_own_gpu`'s records ("0000:3b:00.0" needs 12)
@@ -272,6 +285,9 @@ class DistKVStore(KVStore):
         # The ranks on this machine share its CPUs: each sums and copies with its share.
         share_cpus(local_size)
         transport = Transport(comm, timeout, local_size, chunk)
+        if not servers:  # a store dropped gives its communicator back (MPI has a few
+            # thousand); dedicated servers (one store per job) are stopped on it at exit
+            weakref.finalize(self, _free_communicator, MPI, comm, transport).atexit = False
         agreement = Agreement(transport, tags=_CREATE_TAGS)
         gpu = None if deterministic else _nccl_gpu(name, servers, nccl, local_rank)
         gpu = _own_gpu(agreement, machine, gpu, nccl, name)

@@ -79,6 +79,11 @@ def end_together(comm, tag: int, timeout: float) -> None:
     _together[2] = max(_together[2], timeout)
 
 
+def waits_on(comm) -> bool:
+    """Whether the words at exit travel on `comm` (a store's, which it must not free)."""
+    return bool(_together) and _together[0] is comm
+
+
 def _wait_for_the_others() -> None:
     """Each other process's word that it reached its exit, tested until all are in or the
     timeout passes (then MPI_Finalize waits as it would have; a failed process aborts the

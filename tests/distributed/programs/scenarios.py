@@ -1548,6 +1548,7 @@ def a_forked_child_ends() -> None:
     the workers go on pushing. Prints the child's seconds and the sums."""
     import atexit
     import tempfile
+
     from gpukv.checkpoints import snapshots
 
     kv = create()
@@ -1576,6 +1577,28 @@ def a_forked_child_ends() -> None:
     kv.pull(3, out=out)
     print(f"SUM worker {kv.rank} {out[0]:g}", flush=True)
     passed(kv)
+
+
+def stores_made_and_dropped(count: str = "2100") -> None:
+    """A store made, used and dropped `count` times beside one kept the whole time (a
+    store per trial of a search): each dropped store gives its communicator back, so
+    more stores than MPI has communicators (2048 in MPICH) come and go; the first store
+    works after them."""
+    import gc
+    kept = create()
+    kept.init(1, np.zeros(2, np.float32))
+    for i in range(int(count)):
+        kv = create()
+        kv.init(1, np.zeros(2, np.float32))
+        kv.push(1, np.full(2, i, np.float32))
+        del kv
+        if i % 100 == 99:
+            gc.collect()  # (a store's parts refer to each other: the collector frees them)
+    kept.push(1, np.ones(2, np.float32))
+    out = np.zeros(2, np.float32)
+    kept.pull(1, out=out)
+    print(f"KEPT worker {kept.rank} {out[0]:g}", flush=True)
+    passed(kept)
 
 
 if __name__ == "__main__":
