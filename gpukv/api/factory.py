@@ -45,8 +45,8 @@ def create(name: str = "local", **options: Any) -> KVStore:
     for 'dist_device_sync' with num_servers=0: True to carry GPU data between processes
     with NCCL (a BackendError without it), False for the host path, None (the default)
     NCCL where the process has a GPU of its own and CuPy finds NCCL, else the host path.
-    Their environment variables
-    (GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND) give the defaults.
+    Their environment variables (GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT,
+    GPUKV_BIGARRAY_BOUND) give the defaults.
     """
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
