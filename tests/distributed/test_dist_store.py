@@ -578,6 +578,16 @@ def test_frozen_parameters_and_buffers_start_as_worker_0s(n, servers, seeds):
         assert warned == ("0" if seeds == "same" else "1"), out
 
 
+def test_a_rank_that_ended_is_named_as_ended():
+    """A rank whose program ended (its exit's word is there) is named as ended without
+    making the call, not as one that did not arrive in time."""
+    result = _scenario(3, 0, "ends_early", "1", timeout=3, limit=60)
+    lines = _caught(result.stdout, "PeerError")
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert all("rank(s) 1 ended (reached the program's end or sys.exit) without making "
+               "this call; rank(s) 0, 2 did" in ln for ln in lines), lines
+
+
 def test_dropped_stores_give_their_communicators_back():
     """More stores than MPI has communicators (2048 in MPICH) made, used and dropped one
     after another beside a store kept throughout, which still sums right after them."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from ... import timeline
 from ..._errors import ArgumentError, PeerError, PeerMismatchError
+from . import job_exit
 from .fused import STAMP, Buffers, Forecast, FusedSum, Stamps
 from .transport import TAG_DIGEST, TAG_ROLL, TAG_SHARE, TAG_SIGNATURE, TAG_VERDICT, Transport
 
@@ -201,8 +202,14 @@ class Agreement:
         others."""
         t = self.t
         arrived = [r for r in range(t.size) if r not in late]
-        message = (f"{what}: rank(s) {t.ranks(late)} did not arrive within {t.timeout:g} s "
-                   f"(GPUKV_DIST_TIMEOUT); rank(s) {t.ranks(arrived)} did")
+        ended = [r for r in late if job_exit.ended(t.job_rank(r))]
+        missing = [f"rank(s) {t.ranks(ended)} ended (reached the program's end or "
+                   f"sys.exit) without making this call"] if ended else []
+        waited = [r for r in late if r not in ended]
+        if waited:
+            missing.append(f"rank(s) {t.ranks(waited)} did not arrive within "
+                           f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT)")
+        message = f"{what}: {'; '.join(missing)}; rank(s) {t.ranks(arrived)} did"
         if not late:  # (a transfer that stopped, all of its ranks waiting)
             message = (f"{what}: every rank is in it, and it did not finish within "
                        f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT)")

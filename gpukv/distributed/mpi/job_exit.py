@@ -84,6 +84,18 @@ def waits_on(comm) -> bool:
     return bool(_together) and _together[0] is comm
 
 
+def ended(rank: int) -> bool:
+    """Whether the job's process `rank` has said it reached its exit (the end of the
+    program, or `sys.exit`): its word is waiting here (looked at, left for the exit)."""
+    if not _together or _forked():
+        return False
+    comm, tag, _ = _together
+    try:
+        return bool(comm.Iprobe(source=rank, tag=tag))
+    except _mpi[0].Exception:
+        return False
+
+
 def _wait_for_the_others() -> None:
     """Each other process's word that it reached its exit, tested until all are in or the
     timeout passes (then MPI_Finalize waits as it would have; a failed process aborts the

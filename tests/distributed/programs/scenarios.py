@@ -1579,6 +1579,19 @@ def a_forked_child_ends() -> None:
     passed(kv)
 
 
+def ends_early(victim: str = "1") -> None:
+    """Rank `victim` reaches the end of the program once the store is made, while the
+    others push on: they raise PeerError saying that it ended, not that it is late."""
+    kv = create()
+    kv.init(1, np.zeros(2, np.float32))
+    if kv.rank == int(victim):
+        return
+    try:
+        kv.push(1, np.ones(2, np.float32))
+    except gpukv.PeerError as exc:
+        caught(kv.rank, exc)
+
+
 def stores_made_and_dropped(count: str = "2100") -> None:
     """A store made, used and dropped `count` times beside one kept the whole time (a
     store per trial of a search): each dropped store gives its communicator back, so
