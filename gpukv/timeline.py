@@ -161,6 +161,8 @@ class _Recorder:
                 try:
                     if os.pwrite(fd, data, at) != len(data):
                         raise OSError(errno.ENOSPC, "a short write")
+                    if at == 0:  # begun anew: nothing of a file there before stays after it
+                        os.ftruncate(fd, len(data))
                 except BaseException:  # (a full disk): the file as it was, or none
                     if self.size:
                         os.pwrite(fd, tail, at)
@@ -197,9 +199,10 @@ def _in_gpukv_or_import(filename: str) -> bool:
 
 def start(folder: str | os.PathLike) -> None:
     """Record from now on into `folder`, made if missing (what GPUKV_TIMELINE=folder does
-    at import). A folder that cannot be made or written in is an ArgumentError naming it
-    and the OS error, where the variable only warns; a recording already running goes on
-    into its own file then."""
+    at import). This process's file there, from an earlier recording, is begun anew. A
+    folder that cannot be made or written in is an ArgumentError naming it and the OS
+    error, where the variable only warns; a recording already running goes on into its
+    own file then."""
     global _active
     path = os.fspath(folder)
     try:

@@ -160,6 +160,25 @@ def test_a_folder_that_cannot_be_written_is_known_when_recording_starts(tmp_path
     assert not timeline.enabled()
 
 
+def test_recording_again_into_the_same_folder_writes_the_file_anew(tmp_path):
+    """A process that stops and starts again into one folder writes the same file name:
+    the file is begun anew, valid JSON with the new recording's spans alone (before, the
+    longer first file's end stayed after the new one's)."""
+    timeline.start(tmp_path)
+    for _ in range(50):
+        with timeline.span("first"):
+            pass
+    timeline.stop()
+    timeline.start(tmp_path)
+    try:
+        with timeline.span("second"):
+            pass
+        path = timeline.flush()
+    finally:
+        timeline.stop()
+    assert [e["name"] for e in _events(path)] == ["second"]
+
+
 def test_a_start_that_fails_leaves_the_recording_running(tmp_path):
     """A path that is a file cannot be a folder: an ArgumentError, and the recording
     already running goes on into its own file."""
