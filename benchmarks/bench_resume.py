@@ -32,7 +32,8 @@ from gpukv.tools import benchutil as U  # noqa: E402
 from gpukv.tools import cluster as emulated  # noqa: E402
 
 _RESUMED = re.compile(r"gpukv: resumed from \S+ \(step (\d+),.* in ([0-9.]+) s")
-_STEP = re.compile(r"^step (\d+) of (\d+) workers")
+#: a worker's step line, as `gpukv run` shows it: after its rank, "[R] "
+_STEP = re.compile(r"^(?:\[\d+\] )?step (\d+) of (\d+) workers")
 
 
 # ------------------------------------------------------------------------ the worker
@@ -109,7 +110,7 @@ def measure(args, folder: Path) -> dict:
                          stdin=subprocess.DEVNULL, text=True, start_new_session=True)
         lines = Lines(job)
         try:
-            _wait(lines, rf"^step {args.every + 2} of", 0, 600, job)
+            _wait(lines, rf"^(?:\[\d+\] )?step {args.every + 2} of", 0, 600, job)
             before = [int(m[1]) for _, line in list(lines.lines)
                       if (m := _STEP.match(line))]
             made.power_off(hosts - 1)
@@ -117,9 +118,11 @@ def measure(args, folder: Path) -> dict:
             last = max(int(m[1]) for _, line in list(lines.lines) if (m := _STEP.match(line)))
             ended, _ = _wait(lines, r"gpukv run: attempt 0 .*ended", struck, 120, job)
             resumed, match = _wait(lines, _RESUMED.pattern, struck, 300, job)
-            first, _ = _wait(lines, rf"^step \d+ of {hosts - 1} workers", resumed, 300, job)
+            first, _ = _wait(lines, rf"^(?:\[\d+\] )?step \d+ of {hosts - 1} workers",
+                             resumed, 300, job)
         finally:
-            os.killpg(job.pid, 9)
+            if job.poll() is None:  # (a job that ended by itself has no group left)
+                os.killpg(job.pid, 9)
             job.wait()
     return {"hosts": hosts, "rate": args.rate, "params": args.params,
             "every": args.every, "timeout_s": args.timeout,

@@ -516,3 +516,35 @@ def test_embedding_benchmark_records_every_way(tmp_path):
         assert r["step_over_rows"] == pytest.approx(
             r["step_s"] / next(x["step_s"] for x in records
                                if x["way"] == "rows" and x["optimizer"] == r["optimizer"]))
+
+
+def test_timeline_benchmark_times_steps_with_it_on_and_off(tmp_path):
+    """bench_timeline.py, a few rounds: it starts and stops the timeline into the same
+    folders again and again, reads a trace back, and writes its JSON and picture."""
+    pytest.importorskip("torch")
+    proc = _script("bench_timeline.py", "--replicas", "2", "--rounds", "3",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (found,) = tmp_path.glob("timeline_*.json")
+    record = json.loads(found.read_text())
+    assert set(record["median_step_s"]) == {"off", "on", "off again", "off first"}
+    assert record["on_over_off"] == pytest.approx(
+        record["median_step_s"]["on"] / record["median_step_s"]["off"])
+    assert record["spans_per_step"] > 0
+    assert list(tmp_path.glob("timeline_*.png"))
+
+
+def test_jax_benchmark_records_every_way(tmp_path):
+    """bench_jax.py on two of JAX's host devices: each way's median, and optax's steps
+    beside the store equal to pmean's."""
+    pytest.importorskip("jax")
+    proc = _script("bench_jax.py", "--devices", "2", "--leaves", "6", "--steps", "2",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (found,) = tmp_path.glob("jax_*.json")
+    record = json.loads(found.read_text())
+    assert record["leaves"]["leaves"] == 6
+    assert all(ms > 0 for ms in record["leaves"]["median_ms"].values())
+    assert all(ms > 0 for ms in record["mlp"]["median_ms"].values())
+    assert record["mlp"]["optax_10_steps_largest_difference"][
+        "against pmean then the same update"] == 0

@@ -147,3 +147,23 @@ def test_trainer_benchmark_compressed_ways_across_two_hosts(tmp_path):
         assert ways[way]["iteration_over_ddp"] == pytest.approx(
             ways[way]["iteration_s"] / ways["ddp"]["iteration_s"])
     assert "(lossy)" in proc.stdout
+
+
+def test_resume_benchmark_times_a_host_powered_off(tmp_path):
+    """bench_resume.py on 3 emulated hosts: one host powered off after the snapshot of step
+    2 (step lines come prefixed by their rank), the job ended, resumed on 2 workers from
+    the last snapshot, and the times of each stage recorded."""
+    require_cluster()
+    require_mpi()
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_resume.py"), "--hosts", "3", "--params",
+         "10000", "--every", "2", "--timeout", "5", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env=gpu_env.subprocess_env(gpus=False))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    (found,) = tmp_path.glob("resume_*.json")
+    result = json.loads(found.read_text())["result"]
+    assert result["steps_before_fault"] >= 4 and result["resumed_step"] % 2 == 0
+    assert result["steps_lost"] == result["last_step_seen"] - result["resumed_step"] >= 0
+    assert 0 < result["fault_to_job_ended_s"] < result["fault_to_resumed_s"] \
+        <= result["fault_to_first_step_s"] < result["goal_s"]
