@@ -622,8 +622,9 @@ _WRITERS: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _finish_all() -> None:
-    """A program that ends normally leaves its last snapshot written."""
+def finish_writes() -> None:
+    """Wait for every snapshot write of this process (a failed one's error was raised, or
+    had nobody left to tell): a program that ends normally leaves its snapshots written."""
     for writer in list(_WRITERS):
         try:
             writer.finish()

@@ -45,6 +45,7 @@ from .engines.protocol import Leaves, Partials
 from .mpi import job_exit
 from .mpi.chunks import chosen_chunk_bytes
 from .parts import SavedState, Shard, leaf_values, node_sums, pinned_store, share_of
+from .snapshots_at_exit import ExitPrune
 
 if TYPE_CHECKING:
     from ..optim import Optimizer
@@ -329,7 +330,8 @@ class DistKVStore(KVStore):
         self._runs: dict = {}  # root -> the run this store's snapshots there count as
         self._last_step = 0  # the step of its last snapshot, or of the one it resumed from
         self._replicated: list = []  # the stores snapshot(replicated=) wrote shares of
-        self._pruning: dict = {}  # root -> keep of the snapshots taken since the last finish
+        #: the folders of the snapshots taken since the last finish_snapshots, to prune
+        self._pruning = ExitPrune(self._engine.control, timeout)
         engine = type(self._engine).__name__
         if gpu is not None:
             engine += " (NCCL)"
@@ -870,12 +872,13 @@ class DistKVStore(KVStore):
                 # snapshots (never removing one of the `keep` newest complete): this one
                 # and the one before may not be complete yet (other processes' files
                 # land later), so more than `keep` may stay until a later prune;
-                # finish_snapshots prunes once every snapshot is known complete.
+                # finish_snapshots prunes once every snapshot is known complete, and so
+                # does a normal exit without it (`snapshots_at_exit`).
                 then = (lambda: snapshots.prune(root, keep)) if (
                     self.rank == 0 and keep is not None) else None
                 self._writer.submit(turn, [worker], then)
                 if keep is not None:
-                    self._pruning[root] = keep
+                    self._pruning.note(root, keep, folder)
             error = self._agreed_error(mine, "snapshot") or error
             if error is not None:
                 raise CheckpointError(error)
@@ -953,7 +956,7 @@ class DistKVStore(KVStore):
                 raise CheckpointError(error)
             # Only here is every snapshot taken known complete, on every worker and
             # shard: the prune that leaves exactly `keep` of them (see snapshot()).
-            pruning, self._pruning = self._pruning, {}
+            pruning = self._pruning.take()
             if pruning:
                 mine = None
                 if self.rank == 0:

@@ -588,6 +588,18 @@ def test_a_rank_that_ended_is_named_as_ended():
                "this call; rank(s) 0, 2 did" in ln for ln in lines), lines
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_normal_exit_leaves_keep_snapshots(tmp_path, n, servers):
+    """Snapshots still being written when the program ends (no finish_snapshots): every
+    process's writes end, and worker 0 prunes once the newest is complete, leaving the
+    `keep` newest, as finish_snapshots would (it used to leave one more)."""
+    from gpukv.checkpoints import snapshots
+    _passes(_scenario(n, servers, "snapshots_left_at_exit", str(tmp_path), timeout=10),
+            n - servers)
+    assert [s.step for s in snapshots.complete_snapshots(tmp_path)] == [2, 3]
+    assert len(list(tmp_path.iterdir())) == 2
+
+
 def test_dropped_stores_give_their_communicators_back():
     """More stores than MPI has communicators (2048 in MPICH) made, used and dropped one
     after another beside a store kept throughout, which still sums right after them."""

@@ -43,6 +43,10 @@ class WorkerControl:
     def num_workers(self) -> int:
         return self.workers.size
 
+    def failed(self) -> bool:
+        """Whether an earlier call met a failure (its transport's, which stays)."""
+        return self.workers.failure is not None
+
     def check(self) -> None:
         """Raise the failure an earlier call met (or a peer reported), if any."""
         self.workers.check()

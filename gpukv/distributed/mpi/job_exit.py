@@ -50,7 +50,7 @@ _together: list = []  # [communicator, its tag for the words at exit, the longes
 _pid: list = []  # the process that installed them: a child it forks is no rank of the job
 
 
-def _forked() -> bool:
+def forked() -> bool:
     """Whether this process is a child forked from the rank that installed the handlers
     (a data loader's worker): the job's MPI state is its parent's, so at its exit it
     neither waits for the others nor aborts the job."""
@@ -87,7 +87,7 @@ def waits_on(comm) -> bool:
 def ended(rank: int) -> bool:
     """Whether the job's process `rank` has said it reached its exit (the end of the
     program, or `sys.exit`): its word is waiting here (looked at, left for the exit)."""
-    if not _together or _forked():
+    if not _together or forked():
         return False
     comm, tag, _ = _together
     try:
@@ -100,7 +100,7 @@ def _wait_for_the_others() -> None:
     """Each other process's word that it reached its exit, tested until all are in or the
     timeout passes (then MPI_Finalize waits as it would have; a failed process aborts the
     job instead)."""
-    if _failed or not _mpi or _forked() or _mpi[0].Is_finalized():
+    if _failed or not _mpi or forked() or _mpi[0].Is_finalized():
         return
     MPI = _mpi[0]
     comm, tag, timeout = _together
@@ -145,7 +145,7 @@ def failed(rank: int, failure) -> None:
 def _abort_if_failed() -> None:
     """At exit, after a moment's grace in which the other ranks (told of the same
     failure) report it too."""
-    if not _failed or not _mpi or _forked():
+    if not _failed or not _mpi or forked():
         return
     MPI = _mpi[0]
     # The world communicator as MPI made it (no transport's wrapper, which could turn an
@@ -169,7 +169,7 @@ def _aborting(previous, MPI):
         # A thread's uncaught exception (should a program send it here) does not end the
         # process, nor does a forked child's end the job; and once MPI is finalized, or
         # the interpreter torn down past it, there is no job left to abort.
-        if threading.current_thread() is not threading.main_thread() or _forked():
+        if threading.current_thread() is not threading.main_thread() or forked():
             return
         try:
             if not MPI.Is_initialized() or MPI.Is_finalized():

@@ -1592,6 +1592,29 @@ def ends_early(victim: str = "1") -> None:
         caught(kv.rank, exc)
 
 
+def snapshots_left_at_exit(folder: str) -> None:
+    """Three snapshots with keep=2, and the program ends without finish_snapshots: the
+    exit leaves the two newest (the test counts them). Every process but worker 0 (whose
+    world rank is the number of servers) writes slowly, so that the prune worker 0 makes
+    once its own files are written finds the newest snapshot incomplete."""
+    from gpukv.checkpoints import snapshots
+
+    write = snapshots.write_archive
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.5)
+        return write(*args, **kwargs)
+
+    if os.environ["PMI_RANK"] != os.environ["GPUKV_NUM_SERVERS"]:
+        snapshots.write_archive = slow_write
+    kv = create()
+    kv.init(1, np.zeros(4, np.float32))
+    for step in (1, 2, 3):
+        kv.push(1, np.full(4, step, np.float32))
+        kv.snapshot(folder, step=step, keep=2)
+    passed(kv)
+
+
 def stores_made_and_dropped(count: str = "2100") -> None:
     """A store made, used and dropped `count` times beside one kept the whole time (a
     store per trial of a search): each dropped store gives its communicator back, so
