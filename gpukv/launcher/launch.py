@@ -8,9 +8,11 @@ the job, ends every process it can reach in bounded time, and says which rank fa
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -106,7 +108,19 @@ _MPIEXEC_VALUES.update(dict.fromkeys(
     ["-genvlist", "-envlist", "-f", "-hostfile", "-machinefile", "-launcher",
      "-launcher-exec", "-iface", "-bind-to", "-binding", "-map-by", "-wdir", "-configfile",
      "-rmk", "-demux", "-outfile-pattern", "-errfile-pattern", "-gpus-per-proc",
-     "-prepend-pattern"], 1))
+     "-prepend-pattern", "-rankmap", "-topolib", "-membind", "-localhost", "-nameserver",
+     "-order-nodes", "-usize", "-memory-alloc-kinds"], 1))
+#: torchrun's options, and what gpukv run takes instead
+_TORCHRUN = {"--nproc-per-node": "-n N (processes; with --hosts, --ppn K per host)",
+             "--nproc_per_node": "-n N (processes; with --hosts, --ppn K per host)",
+             "--nnodes": "--hosts H1,H2,... (or a host file, -f FILE)",
+             "--node-rank": "one gpukv run for every host (it starts them all)",
+             "--node_rank": "one gpukv run for every host (it starts them all)",
+             "--master-addr": "nothing: gpukv's processes meet through MPI",
+             "--master_addr": "nothing: gpukv's processes meet through MPI",
+             "--master-port": "nothing: gpukv's processes meet through MPI",
+             "--master_port": "nothing: gpukv's processes meet through MPI",
+             "--standalone": "nothing: one machine is the default"}
 
 
 def _count(text: str) -> int:
@@ -185,6 +199,27 @@ def _parser() -> argparse.ArgumentParser:
                         metavar="S", help=f"seconds a host has to answer before a restart "
                                           f"(default {PROBE_TIMEOUT:g})")
     return parser
+
+
+def _mistaken_option(theirs: list[str]) -> str | None:
+    """What is wrong with an option meant for this command that would go to mpiexec (a
+    typo of one of ours, torchrun's own, `-n4` for `-n 4`), or None. Other options go
+    to mpiexec as they are, which judges them."""
+    ours = ["--hosts", "--ppn", "--grace", "--max-restarts", "--min-workers",
+            "--probe-timeout", "--log-dir", "--verbose", "--help"]
+    for word in theirs:
+        name = word.split("=")[0]
+        if not name.startswith("-") or name in _MPIEXEC_VALUES:
+            continue
+        instead = _TORCHRUN.get(name)
+        if instead is not None:
+            return f"{name} is torchrun's option; gpukv run takes {instead}"
+        if re.fullmatch(r"-n(p)?\d+", word):
+            return f"{word}: write -n {word.lstrip('-np')} (a space between)"
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.8)
+        if close and name.startswith("--"):
+            return f"unknown option {name}: did you mean {close[0]}?"
+    return None
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -320,6 +355,9 @@ def main(argv: list[str]) -> int:
     """Parse, check, start and watch; the exit status."""
     parser = _parser()
     ours, theirs, command = split(list(argv))
+    mistaken = _mistaken_option(theirs)
+    if mistaken:
+        parser.error(mistaken)
     args = parser.parse_args(ours)
     if not command:
         parser.error("PROG missing: name the program to run")
@@ -443,6 +481,7 @@ class Job:
         if log_dir is not None:
             try:
                 log_dir.mkdir(parents=True, exist_ok=True)
+                output.start_logs(log_dir, processes)
             except OSError as exc:
                 sys.stderr.write(f"gpukv run: --log-dir: {log_dir}: {exc.strerror or exc}\n")
                 log_dir = None

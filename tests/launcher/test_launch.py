@@ -217,6 +217,13 @@ def nothing_starts(monkeypatch):
     (["-n", "2", "no-such-file.py"], "PROG 'no-such-file.py': no such file"),
     (["-n", "2", "no-such-program-of-gpukv"], "PROG 'no-such-program-of-gpukv': no such"),
     (["-n", "2", "--hosts", "a,,b", "prog.py"], "expected H1,H2,..., got 'a,,b'"),
+    (["--max-restart", "1", "-n", "2", "prog.py"],
+     "unknown option --max-restart: did you mean --max-restarts?"),
+    (["--verbos", "-n", "2", "prog.py"], "unknown option --verbos: did you mean --verbose?"),
+    (["--nproc-per-node", "2", "prog.py"],
+     "--nproc-per-node is torchrun's option; gpukv run takes -n N"),
+    (["--nproc_per_node=2", "prog.py"], "--nproc_per_node is torchrun's option"),
+    (["-n2", "prog.py"], "-n2: write -n 2 (a space between)"),
     (["-n", "2", "--grace", "-1", "prog.py"], "expected seconds >= 0, got '-1'"),
     (["-n", "2", "--max-restarts", "-1", "prog.py"],
      "argument --max-restarts: expected a whole number >= 0, got '-1'"),
@@ -285,6 +292,16 @@ def test_mpiexec_options_before_prog_pass_through():
     argv = ["-n", "2", "-genv", "A", "1", "-l", "--grace=1", "train.py", "-n", "5"]
     assert launch.split(argv) == (["-n", "2", "--grace=1"], ["-genv", "A", "1", "-l"],
                                   ["train.py", "-n", "5"])
+
+
+@pytest.mark.parametrize("option", ["-usize", "-localhost", "-membind", "-topolib",
+                                    "-nameserver", "-rankmap", "-order-nodes",
+                                    "-memory-alloc-kinds"])
+def test_every_mpiexec_option_with_a_value_keeps_it(option):
+    """MPICH's mpiexec options that take a value (`mpiexec -h`) take it along: the value
+    is not taken for PROG."""
+    assert launch.split(["-n", "2", option, "x", "train.py"]) == (
+        ["-n", "2"], [option, "x"], ["train.py"])
 
 
 def test_help_says_what_is_watched_and_the_bound():
