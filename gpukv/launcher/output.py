@@ -159,6 +159,16 @@ def aborting(text: str) -> bool:
     return bool(_ABORTING.match(text))
 
 
+def start_logs(folder: Path, ranks: int | None) -> None:
+    """An attempt's folder of logs with an empty file for each of its `ranks` (one that
+    prints nothing has its file too; None: unknown, none made), and none left of an
+    earlier run's, which would mix with these when the folder is used again."""
+    for old in [*folder.glob("rank*.log"), *folder.glob("mpiexec.log")]:
+        old.unlink()
+    for rank in range(ranks or 0):
+        open(folder / f"rank{rank}.log", "wb").close()
+
+
 class Console:
     """Where the lines go: the launcher's stdout and stderr (the ranks' lines after `[R] `),
     and with `log_dir` the files of the attempt."""

@@ -258,6 +258,27 @@ def test_log_dir_keeps_a_file_per_rank_and_attempt(tmp_path):
     assert "Exit codes" in (logs / "attempt0" / "mpiexec.log").read_text()
 
 
+def test_log_dir_used_again_holds_this_runs_files_alone(tmp_path):
+    """A log folder used again: the earlier run's files of the attempt go (a rank of the
+    earlier run that this one lacks left none behind to mix in), and a rank that prints
+    nothing has its file, empty."""
+    logs = tmp_path / "logs"
+    prog = _program(tmp_path, "print('first', flush=True)\n")
+    code, _, err, _ = _finish(_start("-n", "2", "--log-dir", str(logs), str(prog)), 30)
+    assert code == 0, err
+    quiet = _program(tmp_path, "import os\n"
+                               "if os.environ['RANK'] == '1':\n"
+                               "    print('second', flush=True)\n", "quiet.py")
+    code, _, err, _ = _finish(_start("-n", "2", "--log-dir", str(logs), str(quiet)), 30)
+    assert code == 0, err
+    folder = logs / "attempt0"
+    assert (folder / "rank0.log").read_text() == ""
+    assert (folder / "rank1.log").read_text() == "second\n"
+    code, _, err, _ = _finish(_start("-n", "1", "--log-dir", str(logs), str(prog)), 30)
+    assert code == 0, err
+    assert sorted(p.name for p in folder.glob("rank*.log")) == ["rank0.log"]
+
+
 def test_log_dir_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     """--log-dir under a file: status 2, the folder named."""
     (tmp_path / "file").write_text("")
