@@ -75,6 +75,26 @@ parse_size = benchutil.parse_size
 parse_ints = benchutil.parse_ints
 
 
+def parse_key_size(text: str) -> int:
+    """A key's bytes: at least one float32."""
+    size = parse_size(text)
+    if size < np.dtype(DTYPE).itemsize:
+        raise benchutil.BadArgument(f"size {text.strip()!r}: below one "
+                                    f"{np.dtype(DTYPE).name} ({np.dtype(DTYPE).itemsize} "
+                                    f"bytes)")
+    return size
+
+
+def parse_copy_size(text: str) -> int:
+    """The bytes of the copy-bandwidth measurement: at least 4K, or it times the call
+    rather than the copy."""
+    size = parse_size(text)
+    if size < 4096:
+        raise benchutil.BadArgument(f"size {text.strip()!r}: below 4K, which times the "
+                                    f"copy's call rather than its bandwidth")
+    return size
+
+
 def parse_sizes(text: str) -> list[int]:
     """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included);
     at least 4 bytes each (one float32)."""
@@ -728,18 +748,18 @@ def build_parser(prog: str = "gpukv bench",
                                  note="one step is a push+pull of every key")
     p.add_argument("--small-keys", type=benchutil.positive_int, default=1000, metavar="N",
                    help="keys of the small case (default 1000)")
-    p.add_argument("--small-size", type=parse_size, default=parse_size("4K"), metavar="BYTES",
+    p.add_argument("--small-size", type=parse_key_size, default=parse_size("4K"), metavar="BYTES",
                    help="bytes per key of the small case (default 4K)")
     p.add_argument("--small-devices", type=benchutil.positive_int, default=4, metavar="N",
                    help="devices of the small case (default 4)")
-    p.add_argument("--goal-size", type=parse_size, default=None, metavar="BYTES",
+    p.add_argument("--goal-size", type=parse_key_size, default=None, metavar="BYTES",
                    help="bytes per device of the large-key case (default GPU 256M, host 16M)")
     p.add_argument("--goal-devices", type=parse_ints, default=parse_ints("4,8"),
                    metavar="COUNTS",
                    help="device counts of the large-key case (default 4,8)")
     p.add_argument("--goal-strategy", type=parse_strategy, default="auto", metavar="NAME",
                    help="strategy of the small and large-key cases (default auto; host: local)")
-    p.add_argument("--copy-size", type=parse_size, default=None, metavar="BYTES",
+    p.add_argument("--copy-size", type=parse_copy_size, default=None, metavar="BYTES",
                    help="bytes of the copy-bandwidth measurement (default GPU 256M, host 64M)")
     p.add_argument("--torch-threads", type=benchutil.positive_int, default=None, metavar="N",
                    help="torch.set_num_threads for the CPU baselines (default: 1 on host "

@@ -675,7 +675,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress", choices=["auto", "tqdm", "rich", "plain"], default="auto",
                         help="progress display (default: a bar on a terminal when tqdm or "
                              "rich is installed)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of the synthetic data (an int >= 0)")
     parser.add_argument("--skip-tutorial", action="store_true", help="only train")
     parser.add_argument("--dist", action="store_true",
                         help="train across the processes of an MPI job on a dist_sync store "

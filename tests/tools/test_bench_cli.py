@@ -92,6 +92,19 @@ def test_bench_negative_size_says_what_is_wrong_with_it(argv):
     assert f"argument {argv[0].split('=')[0]}" in err and "is negative" in err
 
 
+@pytest.mark.parametrize("option, size, says", [
+    ("--small-size", "1", "below one float32 (4 bytes)"),
+    ("--goal-size", "0", "below one float32 (4 bytes)"),
+    ("--copy-size", "1", "below 4K"), ("--copy-size", "0", "below 4K")])
+def test_bench_sizes_too_small_to_measure_are_argument_errors(option, size, says):
+    """A key smaller than one float32, or a copy too small to time a bandwidth (which
+    divided by zero, and with --calibrate wrote that bandwidth into the file the
+    strategies read; 0 took the default silently): exit 2 naming the option."""
+    status, out, err = _bench_main(["--host", option, size, "--out", "-"])
+    assert status == 2 and out == ""
+    assert f"argument {option}: size {size!r}: {says}" in err
+
+
 @pytest.mark.parametrize("below", [False, True], ids=["file", "below-a-file"])
 def test_bench_out_that_cannot_be_a_folder_is_a_usage_error(tmp_path, below):
     """--out naming a file (or a path below one) is an argparse error at once (exit 2),

@@ -107,7 +107,8 @@ def test_demo_fails_when_loss_does_not_fall(capsys):
     assert "the loss did not fall" in out and "demo: FAILED" in out
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--devices", "-1"], ["--nope"]])
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--devices", "-1"], ["--nope"],
+                                 ["--seed", "-1"]])
 def test_demo_bad_options(bad, capsys):
     """Bad demo options are usage errors (exit status 2)."""
     with pytest.raises(SystemExit) as exc:

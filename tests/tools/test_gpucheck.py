@@ -160,6 +160,17 @@ def test_bad_options_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    """--out naming a file stops before anything runs (it was a FileExistsError once the
+    first section had run)."""
+    file = tmp_path / "results"
+    file.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--quick", "--out", str(file)])
+    assert exc.value.code == 2
+    assert f"--out {file}: is a file" in capsys.readouterr().err
+
+
 # -------------------------------------------------------------------- the goldens
 def test_every_case_has_one_golden_and_no_golden_is_stale():
     """The goldens file holds exactly the cases gpucheck runs."""

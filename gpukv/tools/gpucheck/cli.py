@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         build_parser().error(f"--jobs {args.jobs}: expected 1 or more")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        build_parser().error(f"--out {args.out}: is a file; the results need a folder")
     budget = Budget(args.budget if args.budget is not None
                     else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S))
     found = _machine.open_machine()
