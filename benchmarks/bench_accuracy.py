@@ -2,7 +2,7 @@
 
     python benchmarks/bench_accuracy.py                      # both models, every way, 3 seeds
     python benchmarks/bench_accuracy.py --models mlp --epochs 5 --seeds 1 --out /tmp/acc
-    python benchmarks/bench_accuracy.py --ways torch,uncompressed,2bit,2bit-t0.5
+    python benchmarks/bench_accuracy.py --ways torch,uncompressed,2bit,sign
     python benchmarks/bench_accuracy.py --quick --out /tmp/acc   # seconds: the tests' run
     python benchmarks/bench_accuracy.py --optimizer adam          # Adam, lr 0.001 (nag, rmsprop)
     python benchmarks/bench_accuracy.py --amp --ways torch,uncompressed,sign  # float16
@@ -20,7 +20,8 @@ momentum 0.9, lr 0.001), learning rate, batches and initial weights (per seed):
   `step(batch_size)` rescaling by 1/batch: the same arithmetic as torch;
 - one way per compressor type the registry offers (`type_names()`), at its default
   options (a type registered later is picked up with no change here), and MXNet's 2bit
-  and 1bit at threshold 0.5 where their default differs ('2bit-t0.5', '1bit-t0.5').
+  and 1bit at threshold 0.5 ('2bit-t0.5', '1bit-t0.5') should their default threshold
+  differ from it (today it does not: no such way is made).
 Measured per way, model and seed: the test accuracy after every epoch, the seconds of
 every epoch's training (wall), and the bytes a replica sends per step each way: push,
 every key's compressed payload (float32 without compression); pull, the float32 weights
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -422,6 +424,17 @@ def plot(records: list[dict], models: list[str], path: Path, optimizer: str = "s
     C.save_figure(fig, path)
 
 
+def _learning_rate(text: str) -> float:
+    """A finite learning rate above 0 (argparse names the option in the error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise C.BadArgument(f"expected a finite number above 0, got {text.strip()!r}")
+    return value
+
+
 def build_parser():
     ways = all_ways()
     p = C.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n")[0])
@@ -440,7 +453,7 @@ def build_parser():
                    help="every way's optimizer: sgd (momentum 0.9, the default), nag (the "
                         "same, Nesterov's), adam (betas 0.9 and 0.999) or rmsprop "
                         "(centered, decay 0.9, momentum 0.9)")
-    p.add_argument("--lr", type=float, default=None, metavar="LR",
+    p.add_argument("--lr", type=_learning_rate, default=None, metavar="LR",
                    help="learning rate of every way (default 0.05 with sgd and nag, 0.001 "
                         "with adam and rmsprop)")
     p.add_argument("--batch", type=C.positive_int, default=64, metavar="N",

@@ -605,7 +605,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    python = args.mxnet_python
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        parser.error(f"--mxnet-python {python}: no such interpreter (it, or MXNET_PYTHON, "
+                     f"names a Python with mxnet 1.9.1)")
+    named = any(a.split("=")[0] == "--libs" for a in (sys.argv[1:] if argv is None else argv))
+    if "mxnet" in args.libs and named and not python:  # (the default, all, skips it)
+        parser.error("--libs mxnet needs an interpreter with mxnet 1.9.1: --mxnet-python "
+                     "PATH or MXNET_PYTHON")
+    return args
 
 
 def run_all(args, layouts, sizes, tmp: Path) -> dict:

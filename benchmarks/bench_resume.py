@@ -133,6 +133,31 @@ def measure(args, folder: Path) -> dict:
             "goal_s": args.timeout + 10}
 
 
+def _rate(text: str) -> str:
+    """A link rate `tc` takes (argparse names the option in the error)."""
+    try:
+        emulated.rate_bits(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _hosts(text: str) -> int:
+    """2 hosts or more: one is powered off, and a job of one goes on (see `gpukv.tools.cluster`
+    for the most it makes)."""
+    value = U.positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = U.nonnegative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be above 0, got 0")
+    return value
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -140,14 +165,18 @@ def main(argv=None) -> int:
         worker(folder, int(steps), int(every), int(params))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=3)
-    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--hosts", type=_hosts, default=3, metavar="N",
+                   help="emulated hosts, one worker each; the last is powered off, and the "
+                        "job goes on with the others (default 3)")
+    p.add_argument("--rate", type=_rate, default="1gbit",
+                   help="each host's link rate, e.g. 100mbit, 1gbit (default 1gbit)")
     p.add_argument("--params", type=U.parse_size, default=25_557_032,
                    help="parameters of the model (default ResNet-50's 25.6M)")
-    p.add_argument("--every", type=int, default=5)
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="GPUKV_DIST_TIMEOUT of the job (seconds)")
-    U.add_out_option(p, str(HERE / "results"), "resume_<machine>.json")
+    p.add_argument("--every", type=U.positive_int, default=5, metavar="STEPS",
+                   help="the Trainer's checkpoint_every (default 5)")
+    p.add_argument("--timeout", type=_seconds, default=10.0,
+                   help="GPUKV_DIST_TIMEOUT of the job, seconds > 0 (default 10)")
+    U.add_out_option(p, "benchmarks/results/", "resume_<machine>.json")
     args = p.parse_args(argv)
     why = emulated.unavailable()
     if why:

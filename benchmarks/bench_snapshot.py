@@ -207,7 +207,9 @@ def limits(nbytes: int, folder: str, buffers: tuple) -> dict:
 def spread(samples: list) -> dict | None:
     if not samples:
         return None
-    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    # (inclusive: the quartiles of the samples themselves, never outside their range)
+    q = (statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1
+         else [samples[0]] * 3)
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
             "q1": q[0], "q3": q[2], "n": len(samples)}
 

@@ -398,6 +398,7 @@ def main(argv=None) -> int:
         if args.cluster < 2:
             parser.error(f"argument --cluster: {args.cluster}: expected 2 hosts or more")
         args.devices = [args.cluster]
+    C.check_batch(parser, args.batch, max(args.devices))
     if POWERSGD_WAY in args.ways and args.warmup < POWERSGD_WARMUP:
         print(f"--warmup {args.warmup} raised to {POWERSGD_WARMUP}: the PowerSGD hook's "
               f"first iterations are not timed", file=sys.stderr)

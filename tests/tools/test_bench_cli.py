@@ -561,3 +561,22 @@ def test_jax_benchmark_records_every_way(tmp_path):
     assert all(ms > 0 for ms in record["mlp"]["median_ms"].values())
     assert record["mlp"]["optax_10_steps_largest_difference"][
         "against pmean then the same update"] == 0
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("bench_resume.py", ["--hosts", "1"], "argument --hosts: must be at least 2, got 1"),
+    ("bench_resume.py", ["--rate", "1zbit"], "argument --rate: link rate '1zbit'"),
+    ("bench_resume.py", ["--every", "0"], "argument --every: must be at least 1"),
+    ("bench_resume.py", ["--timeout", "0"], "argument --timeout: must be above 0"),
+    ("bench_accuracy.py", ["--lr", "0"], "argument --lr: expected a finite number above 0"),
+    ("bench_dist.py", ["--libs", "mxnet"], "--libs mxnet needs an interpreter"),
+    ("bench_host.py", ["--mxnet-python", "/nonexistent/python"], "no such interpreter"),
+    ("bench_trainer_dist.py", ["--devices", "4", "--batch", "2"],
+     "--batch 2: each of the 4 replicas needs a sample at least"),
+])
+def test_benchmark_usage_errors_are_one_line(script, argv, says):
+    """A value a benchmark cannot run with is a usage error (exit 2) naming the option,
+    before anything runs: no traceback, no emulated hosts built, no run that fails."""
+    proc = _script(script, *argv, "--out", "-")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

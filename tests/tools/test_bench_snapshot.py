@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from .. import gpu_env
@@ -54,3 +55,14 @@ def test_quick_run_records_every_way_and_the_limits(tmp_path):
     assert record["limits"]["memcpy_s"]["median"] > 0
     assert record["limits"]["disk_write_s"]["median"] > 0
     assert record["file_system"]["type"] and record["threads"] == 1
+
+
+@pytest.mark.parametrize("samples", [[0.0553, 0.1404], [3.0, 1.0, 2.0], [5.0]])
+def test_the_quartiles_lie_within_the_samples(samples):
+    """The record's quartiles are the samples' own (NumPy's 'linear'), never outside
+    their range, as the exclusive method put them for two samples."""
+    pytest.importorskip("torch")
+    found = _load("bench_snapshot.py").spread(samples)
+    assert found["min"] <= found["q1"] <= found["median"] <= found["q3"] <= found["max"]
+    assert found["q1"] == pytest.approx(float(np.percentile(samples, 25)))
+    assert found["q3"] == pytest.approx(float(np.percentile(samples, 75)))
