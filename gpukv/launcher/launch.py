@@ -110,6 +110,11 @@ _MPIEXEC_VALUES.update(dict.fromkeys(
      "-rmk", "-demux", "-outfile-pattern", "-errfile-pattern", "-gpus-per-proc",
      "-prepend-pattern", "-rankmap", "-topolib", "-membind", "-localhost", "-nameserver",
      "-order-nodes", "-usize", "-memory-alloc-kinds"], 1))
+#: this command's own options: those that take a value, and flags
+_OURS_WITH_VALUE = frozenset({"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn", "--grace",
+                              "--max-restarts", "--min-workers", "--probe-timeout",
+                              "--log-dir"})
+_OURS_FLAGS = frozenset({"-h", "--help", "--verbose"})
 #: torchrun's options, and what gpukv run takes instead
 _TORCHRUN = {"--nproc-per-node": "-n N (processes; with --hosts, --ppn K per host)",
              "--nproc_per_node": "-n N (processes; with --hosts, --ppn K per host)",
@@ -205,8 +210,7 @@ def _mistaken_option(theirs: list[str]) -> str | None:
     """What is wrong with an option meant for this command that would go to mpiexec (a
     typo of one of ours, torchrun's own, `-n4` for `-n 4`), or None. Other options go
     to mpiexec as they are, which judges them."""
-    ours = ["--hosts", "--ppn", "--grace", "--max-restarts", "--min-workers",
-            "--probe-timeout", "--log-dir", "--verbose", "--help"]
+    ours = sorted(o for o in _OURS_WITH_VALUE | _OURS_FLAGS if o.startswith("--"))
     for word in theirs:
         name = word.split("=")[0]
         if not name.startswith("-") or name in _MPIEXEC_VALUES:
@@ -224,9 +228,7 @@ def _mistaken_option(theirs: list[str]) -> str | None:
 
 def split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """`argv` as (this command's options, mpiexec's other options, PROG and its ARGS)."""
-    ours_with_value = {"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn", "--grace",
-                       "--max-restarts", "--min-workers", "--probe-timeout", "--log-dir"}
-    ours_flags = {"-h", "--help", "--verbose"}
+    ours_with_value, ours_flags = _OURS_WITH_VALUE, _OURS_FLAGS
     ours: list[str] = []
     theirs: list[str] = []
     i = 0
