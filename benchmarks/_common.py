@@ -89,6 +89,13 @@ def check_batch(parser, batch: int, replicas: int) -> None:
                      f"least")
 
 
+def check_mxnet_python(parser, python: str | None) -> None:
+    """A usage error (exit 2) when --mxnet-python (or MXNET_PYTHON) names no interpreter."""
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        parser.error(f"--mxnet-python {python}: no such interpreter (it, or MXNET_PYTHON, "
+                     f"names a Python with mxnet 1.9.1)")
+
+
 def add_out_option(p, files: str = "the JSON") -> None:
     """--out DIR, default benchmarks/results/ ('-' writes nothing)."""
     _util.add_out_option(p, RESULTS_TEXT, files)

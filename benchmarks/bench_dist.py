@@ -608,9 +608,7 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     python = args.mxnet_python
-    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        parser.error(f"--mxnet-python {python}: no such interpreter (it, or MXNET_PYTHON, "
-                     f"names a Python with mxnet 1.9.1)")
+    C.check_mxnet_python(parser, python)
     named = any(a.split("=")[0] == "--libs" for a in (sys.argv[1:] if argv is None else argv))
     if "mxnet" in args.libs and named and not python:  # (the default, all, skips it)
         parser.error("--libs mxnet needs an interpreter with mxnet 1.9.1: --mxnet-python "

@@ -92,10 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    python = args.mxnet_python
-    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        parser.error(f"--mxnet-python {python}: no such interpreter (it, or MXNET_PYTHON, "
-                     f"names a Python with mxnet 1.9.1)")
+    _common.check_mxnet_python(parser, args.mxnet_python)
     return args
 
 
