@@ -75,24 +75,12 @@ parse_size = benchutil.parse_size
 parse_ints = benchutil.parse_ints
 
 
-def parse_key_size(text: str) -> int:
-    """A key's bytes: at least one float32."""
-    size = parse_size(text)
-    if size < np.dtype(DTYPE).itemsize:
-        raise benchutil.BadArgument(f"size {text.strip()!r}: below one "
-                                    f"{np.dtype(DTYPE).name} ({np.dtype(DTYPE).itemsize} "
-                                    f"bytes)")
-    return size
-
-
-def parse_copy_size(text: str) -> int:
-    """The bytes of the copy-bandwidth measurement: at least 4K, or it times the call
-    rather than the copy."""
-    size = parse_size(text)
-    if size < 4096:
-        raise benchutil.BadArgument(f"size {text.strip()!r}: below 4K, which times the "
-                                    f"copy's call rather than its bandwidth")
-    return size
+#: a key's bytes: at least one value
+parse_key_size = benchutil.size_at_least(
+    np.dtype(DTYPE).itemsize, f"one {np.dtype(DTYPE).name} ({np.dtype(DTYPE).itemsize} bytes)")
+#: the bytes of the copy-bandwidth measurement: less would time the call, not the copy
+parse_copy_size = benchutil.size_at_least(
+    4096, "4K, which times the copy's call rather than its bandwidth")
 
 
 def parse_sizes(text: str) -> list[int]:

@@ -38,6 +38,18 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * SUFFIX[match.group(2)]
 
 
+def size_at_least(minimum: int, what: str):
+    """An argparse type: a size (`parse_size`) of at least `minimum` bytes, else an error
+    saying it is below `what` (argparse names the option)."""
+    def parse(text: str) -> int:
+        size = parse_size(text)
+        if size < minimum:
+            raise BadArgument(f"size {text.strip()!r}: below {what}")
+        return size
+    parse.__name__ = f"size >= {minimum}"
+    return parse
+
+
 def parse_sizes(text: str, minimum: int = 1) -> list[int]:
     """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included).
     Every size must be at least `minimum`, and there must be one."""
