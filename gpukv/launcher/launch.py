@@ -115,16 +115,13 @@ _OURS_WITH_VALUE = frozenset({"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn",
                               "--max-restarts", "--min-workers", "--probe-timeout",
                               "--log-dir"})
 _OURS_FLAGS = frozenset({"-h", "--help", "--verbose"})
-#: torchrun's options, and what gpukv run takes instead
+#: torchrun's options (which it takes with '_' for '-' too), and what gpukv run takes
+#: instead
 _TORCHRUN = {"--nproc-per-node": "-n N (processes; with --hosts, --ppn K per host)",
-             "--nproc_per_node": "-n N (processes; with --hosts, --ppn K per host)",
              "--nnodes": "--hosts H1,H2,... (or a host file, -f FILE)",
              "--node-rank": "one gpukv run for every host (it starts them all)",
-             "--node_rank": "one gpukv run for every host (it starts them all)",
              "--master-addr": "nothing: gpukv's processes meet through MPI",
-             "--master_addr": "nothing: gpukv's processes meet through MPI",
              "--master-port": "nothing: gpukv's processes meet through MPI",
-             "--master_port": "nothing: gpukv's processes meet through MPI",
              "--standalone": "nothing: one machine is the default"}
 
 
@@ -215,7 +212,7 @@ def _mistaken_option(theirs: list[str]) -> str | None:
         name = word.split("=")[0]
         if not name.startswith("-") or name in _MPIEXEC_VALUES:
             continue
-        instead = _TORCHRUN.get(name)
+        instead = _TORCHRUN.get(name.replace("_", "-"))
         if instead is not None:
             return f"{name} is torchrun's option; gpukv run takes {instead}"
         if re.fullmatch(r"-n(p)?\d+", word):
