@@ -577,6 +577,8 @@ def test_jax_benchmark_records_every_way(tmp_path):
 def test_benchmark_usage_errors_are_one_line(script, argv, says):
     """A value a benchmark cannot run with is a usage error (exit 2) naming the option,
     before anything runs: no traceback, no emulated hosts built, no run that fails."""
+    if script in ("bench_accuracy.py", "bench_trainer_dist.py"):  # (they import it)
+        pytest.importorskip("torch")
     proc = _script(script, *argv, "--out", "-")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
