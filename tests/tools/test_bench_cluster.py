@@ -153,6 +153,7 @@ def test_resume_benchmark_times_a_host_powered_off(tmp_path):
     """bench_resume.py on 3 emulated hosts: one host powered off after the snapshot of step
     2 (step lines come prefixed by their rank), the job ended, resumed on 2 workers from
     the last snapshot, and the times of each stage recorded."""
+    pytest.importorskip("torch")  # (its workers train a Trainer)
     require_cluster()
     require_mpi()
     proc = subprocess.run(
