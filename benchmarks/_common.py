@@ -48,6 +48,7 @@ parse_sizes = _util.parse_sizes
 parse_ints = _util.parse_ints
 positive_int = _util.positive_int
 nonnegative_int = _util.nonnegative_int
+nonnegative_float = _util.nonnegative_float
 name_list = _util.name_list
 add_sizes_option = _util.add_sizes_option
 add_devices_option = _util.add_devices_option

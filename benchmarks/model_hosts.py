@@ -201,12 +201,13 @@ def _needed(hosts: int, nbytes: int, link: float, target: float) -> float | None
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.ArgumentParser(description=__doc__.split("\n\n")[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="?", help="a bench_cluster.py JSON with ways s0 and mpi on "
                    "2 hosts, a key under 64 KB and one of 64 KB or more")
-    p.add_argument("--message-us", type=float, default=None, metavar="US",
-                   help="the software cost of one exchange message (default: measured)")
+    p.add_argument("--message-us", type=C.nonnegative_float, default=None, metavar="US",
+                   help="the software cost of one exchange message, in microseconds "
+                        "(default: measured on this machine)")
     C.add_out_option(p, "hosts_model_<machine>.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -232,8 +233,15 @@ def main(argv=None) -> int:
              for r in rows]
     C.print_table(["hosts", "Gb/s", "size", "gpukv S=0", "of it messages", "NCCL (best)",
                    "x NCCL", "per message to match"], table)
+    # The fits come from the runs' machine; the message cost, unless given, from this one.
     C.save_results({"benchmark": "model_hosts", "runs": str(args.runs),
-                    "machine": record.get("machine"), "fits": fits, "predictions": rows,
+                    "runs_machine": record.get("machine"),
+                    "machine": C.machine_info(),
+                    "versions": C.library_versions("gpukv", "numpy", "mpi4py"),
+                    "message_us": {"value": message_s * 1e6,
+                                   "how": "given" if args.message_us is not None
+                                   else "measured on this machine"},
+                    "fits": fits, "predictions": rows,
                     "nccl_model": {"ring_simple": NCCL_RING_SIMPLE, "ring_ll": NCCL_RING_LL,
                                    "tree_simple": NCCL_TREE_SIMPLE, "tree_ll": NCCL_TREE_LL,
                                    "ring_plateau": NCCL_RING_PLATEAU}},

@@ -77,7 +77,8 @@ parse_ints = benchutil.parse_ints
 
 #: a key's bytes: at least one value
 parse_key_size = benchutil.size_at_least(
-    np.dtype(DTYPE).itemsize, f"one {np.dtype(DTYPE).name} ({np.dtype(DTYPE).itemsize} bytes)")
+    np.dtype(DTYPE).itemsize, f"one {np.dtype(DTYPE).name} ({np.dtype(DTYPE).itemsize} bytes)",
+    item=np.dtype(DTYPE).itemsize)
 #: the bytes of the copy-bandwidth measurement: less would time the call, not the copy
 parse_copy_size = benchutil.size_at_least(
     4096, "4K, which times the copy's call rather than its bandwidth")
@@ -85,7 +86,7 @@ parse_copy_size = benchutil.size_at_least(
 
 def parse_sizes(text: str) -> list[int]:
     """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included);
-    at least 4 bytes each (one float32)."""
+    whole float32 values, at least one each."""
     return benchutil.parse_sizes(text, minimum=np.dtype(DTYPE).itemsize)
 
 

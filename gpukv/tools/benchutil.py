@@ -38,13 +38,17 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * SUFFIX[match.group(2)]
 
 
-def size_at_least(minimum: int, what: str):
+def size_at_least(minimum: int, what: str, item: int = 1):
     """An argparse type: a size (`parse_size`) of at least `minimum` bytes, else an error
-    saying it is below `what` (argparse names the option)."""
+    saying it is below `what`, and a whole number of `item`-byte items (argparse names
+    the option)."""
     def parse(text: str) -> int:
         size = parse_size(text)
         if size < minimum:
             raise BadArgument(f"size {text.strip()!r}: below {what}")
+        if size % item:
+            raise BadArgument(f"size {text.strip()!r}: not a whole number of {item}-byte "
+                              f"items; give a multiple of {item}")
         return size
     parse.__name__ = f"size >= {minimum}"
     return parse
@@ -52,7 +56,8 @@ def size_at_least(minimum: int, what: str):
 
 def parse_sizes(text: str, minimum: int = 1) -> list[int]:
     """'4K,1M' -> [4096, 1048576]; 'A..B' -> A, 4A, 16A, ... up to B (both included).
-    Every size must be at least `minimum`, and there must be one."""
+    There must be one, and every size a whole number of `minimum`-byte items (a float32
+    key's sizes: minimum 4), so that the size timed is the size asked for."""
     sizes: list[int] = []
     for part in (p.strip() for p in text.split(",")):
         if ".." in part:
@@ -64,6 +69,10 @@ def parse_sizes(text: str, minimum: int = 1) -> list[int]:
     small = [s for s in sizes if s < minimum]
     if small:
         raise BadArgument(f"sizes {text!r}: {small[0]} is below the smallest size, {minimum}")
+    odd = [s for s in sizes if s % minimum]
+    if odd:
+        raise BadArgument(f"sizes {text!r}: {odd[0]} is not a whole number of "
+                          f"{minimum}-byte items; give a multiple of {minimum}")
     return sizes
 
 

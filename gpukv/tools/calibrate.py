@@ -186,6 +186,24 @@ def write(record: dict, path) -> Path:
     return path
 
 
+def _check_writable(path: Path) -> None:
+    """SystemExit unless `write` can make or replace the file `path`: it is no folder,
+    nothing on the way to it is a file, and the nearest folder that exists is writable."""
+    why = None
+    if path.is_dir():
+        why = "it is a folder; give a file's path"
+    else:
+        place = path.parent
+        while not place.exists() and place != place.parent:
+            place = place.parent
+        if not place.is_dir():
+            why = f"{str(place)!r} is a file, not a folder"
+        elif not os.access(place, os.W_OK | os.X_OK):
+            why = f"the folder {str(place)!r} is not writable"
+    if why is not None:
+        raise SystemExit(f"gpukv bench --calibrate: cannot write {path}: {why}")
+
+
 def _defaults() -> dict:
     """name -> the model's default value, for the report."""
     from ..comm.plan import simulate
@@ -225,6 +243,7 @@ def main(args) -> int:
     if path is None:
         raise SystemExit("gpukv bench --calibrate: GPUKV_CALIBRATION is off; pass "
                          "--calibration-file PATH")
+    _check_writable(Path(path).expanduser())  # before the measuring, not after it
     record = calibrate(host_only=args.host, warmup=max(1, args.warmup),
                        iters=max(5, args.iters), nbytes=args.copy_size)
     if not args.quiet:

@@ -72,6 +72,12 @@ def rate_bits(rate: str) -> float:
     return bits
 
 
+def burst_bytes(rate: str) -> int:
+    """The bytes a link shaped to `rate` passes at once, unshaped, from a full token
+    bucket: 2 ms at the rate, at least 64 KiB (one segment the kernel may send whole)."""
+    return max(65536, int(rate_bits(rate) / 8 * 0.002))
+
+
 def unavailable() -> str | None:
     """Why hosts cannot be emulated here, or None when they can."""
     if os.name != "posix" or not sys.platform.startswith("linux"):
@@ -270,7 +276,7 @@ class EmulatedCluster:
         queue behind it, as in a switch's port buffer, before any is dropped."""
         self._check_host(host)
         bits = rate_bits(rate)
-        burst = max(65536, int(bits / 8 * 0.002))
+        burst = burst_bytes(rate)
         for namespace, device in ((self.namespaces[host], IFACE), (self.switch, f"h{host}")):
             subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace",
                             "dev", device, "root", "tbf", "rate", f"{int(bits)}bit",
@@ -479,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         with cluster:
-            print(f"gpukv cluster {cluster.tag}: {args.hosts} hosts, links "
+            hosts = f"{args.hosts} host{'s' if args.hosts != 1 else ''}"
+            print(f"gpukv cluster {cluster.tag}: {hosts}, links "
                   f"{', '.join(sorted(set(cluster.rates)))}", file=sys.stderr)
             for host, (address, namespace) in enumerate(zip(cluster.addresses,
                                                             cluster.namespaces)):

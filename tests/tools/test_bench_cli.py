@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,16 @@ def test_bench_sizes_too_small_to_measure_are_argument_errors(option, size, says
     status, out, err = _bench_main(["--host", option, size, "--out", "-"])
     assert status == 2 and out == ""
     assert f"argument {option}: size {size!r}: {says}" in err
+
+
+@pytest.mark.parametrize("option, size", [("--sizes", "5"), ("--sizes", "4K,6"),
+                                          ("--small-size", "6"), ("--goal-size", "4097")])
+def test_bench_key_sizes_of_no_whole_number_of_float32_are_argument_errors(option, size):
+    """A key size of 5 bytes timed one float32 (4 bytes) and called it 5: a size that
+    is not a whole number of float32 values is an argparse error naming the option."""
+    status, out, err = _bench_main(["--host", option, size, "--out", "-"])
+    assert status == 2 and out == ""
+    assert f"argument {option}: size" in err and "not a whole number of 4-byte items" in err
 
 
 @pytest.mark.parametrize("below", [False, True], ids=["file", "below-a-file"])
@@ -545,6 +556,11 @@ def test_timeline_benchmark_times_steps_with_it_on_and_off(tmp_path):
         record["median_step_s"]["on"] / record["median_step_s"]["off"])
     assert record["spans_per_step"] > 0
     assert list(tmp_path.glob("timeline_*.png"))
+    # the noise ratio's table rows show both of its medians, as the JSON has them
+    first, again = (benchutil.format_seconds(record["median_step_s"][k])
+                    for k in ("off first", "off again"))
+    assert re.search(rf"noise run: off +{re.escape(first)} ", proc.stdout), proc.stdout
+    assert re.search(rf"noise run: off again +{re.escape(again)} ", proc.stdout)
 
 
 def test_jax_benchmark_records_every_way(tmp_path):

@@ -168,3 +168,23 @@ def test_resume_benchmark_times_a_host_powered_off(tmp_path):
     assert result["steps_lost"] == result["last_step_seen"] - result["resumed_step"] >= 0
     assert 0 < result["fault_to_job_ended_s"] < result["fault_to_resumed_s"] \
         <= result["fault_to_first_step_s"] < result["goal_s"]
+
+
+def test_rounds_within_a_links_burst_are_noted_as_not_held_to_the_rate():
+    """tbf passes its bucket (64 KiB, or 2 ms at the rate) unshaped: a round whose
+    bytes per host fit in it can pass 100% of the limit, and the report says why, for
+    those sizes only."""
+    m = _load("bench_cluster.py")
+    assert cluster.burst_bytes("100mbit") == 65536
+    assert cluster.burst_bytes("10gbit") == int(10e9 / 8 * 0.002)
+
+    def case(hosts, rate, size, nbytes, ok=True):
+        return {"hosts": hosts, "rate": rate, "size": size, "bytes": nbytes, "ok": ok}
+    notes = m.burst_notes([case(16, "100mbit", "4 KB", 4096),
+                           case(2, "100mbit", "32 KB", 32768),   # 32 KB each way: fits
+                           case(2, "100mbit", "64 KB", 65537),   # just over
+                           case(2, "10gbit", "4 MB", 4 << 20),   # 2.5 MB bucket: over
+                           case(2, "1gbit", "4 KB", 4096, ok=False)])
+    assert len(notes) == 2
+    assert notes[0].startswith("32 KB at 100mbit: ") and "(64K)" in notes[0]
+    assert notes[1].startswith("4 KB at 100mbit: ") and "can pass 100%" in notes[1]

@@ -90,6 +90,23 @@ def test_bench_calibrate_defaults_to_the_env_file_then_the_user_cache(tmp_path, 
     assert S.calibration_status()["path"] == str(env)
 
 
+@pytest.mark.parametrize("where", ["folder", "below-a-file"])
+def test_bench_calibrate_refuses_a_path_it_cannot_write_before_measuring(tmp_path,
+                                                                         monkeypatch, where):
+    """--calibration-file naming a folder, or a path below a file, fails at once, before
+    the measuring (which it used to do first, to fail only when writing)."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    path = tmp_path if where == "folder" else file / "calibration.json"
+
+    def measured(**_):
+        raise AssertionError("measured before checking where it writes")
+    monkeypatch.setattr(_calibrate, "calibrate", measured)
+    with pytest.raises(SystemExit, match=f"cannot write {path}: "):
+        _bench.main(FAST + ["--calibration-file", str(path)])
+    assert file.read_text() == ""
+
+
 def test_bench_calibrate_with_calibration_off_needs_a_path(monkeypatch):
     """GPUKV_CALIBRATION=off and no --calibration-file: an error, nothing written."""
     monkeypatch.setenv("GPUKV_CALIBRATION", "off")

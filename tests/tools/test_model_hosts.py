@@ -2,7 +2,9 @@
 figures from a bench_cluster record, and its per-message measurement over MPI."""
 from __future__ import annotations
 
+import json
 import math
+import socket
 
 import pytest
 
@@ -75,3 +77,29 @@ def test_the_message_cost_is_measured_over_mpi():
     m = _load("model_hosts.py")
     seconds = m.measure_message_s()
     assert 0 < seconds < 0.01  # a message's software: microseconds, not a stall
+
+
+def test_a_negative_message_cost_is_a_usage_error(capsys):
+    """--message-us below zero would predict faster than free: exit 2 naming it."""
+    m = _load("model_hosts.py")
+    with pytest.raises(SystemExit) as exit_:
+        m.main(["runs.json", "--message-us", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --message-us: must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_the_record_names_this_machine_and_the_runs_machine_apart(tmp_path, monkeypatch):
+    """The fits come from the runs' machine, the message cost from this one: the record
+    keeps both machines, the versions, and how the message cost was had."""
+    m = _load("model_hosts.py")
+    runs = {"machine": {"hostname": "the-runs-host"},
+            "cases": [_case(2, "s0", 4096, 400e-6), _case(2, "mpi", 4096, 100e-6),
+                      _case(4, "s0", 4 * MB, 0.8), _case(4, "mpi", 4 * MB, 0.9)]}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(runs))
+    assert m.main([str(path), "--message-us", "3", "--out", str(tmp_path)]) == 0
+    record = json.loads(next(tmp_path.glob("hosts_model_*.json")).read_text())
+    assert record["runs_machine"] == {"hostname": "the-runs-host"}
+    assert record["machine"]["hostname"] == socket.gethostname()
+    assert record["versions"]["gpukv"]
+    assert record["message_us"] == {"value": pytest.approx(3.0), "how": "given"}
