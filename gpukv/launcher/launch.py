@@ -23,7 +23,17 @@ import time
 from pathlib import Path
 
 from .._errors import ArgumentError
-from . import failures, host_probe, hostfile, output, process_tree, restarts, run_rank, run_report
+from . import (
+    failures,
+    host_probe,
+    hostfile,
+    leftovers,
+    output,
+    process_tree,
+    restarts,
+    run_rank,
+    run_report,
+)
 
 #: seconds mpiexec has to end the job itself after a failure or a signal
 GRACE = 3.0
@@ -476,6 +486,7 @@ class Job:
         if verbose:
             self.extra_env[run_rank.VERBOSE_ENV] = "1"
         self.announce = announce
+        self.verbose = verbose
         self.processes = processes
         if log_dir is not None:
             try:
@@ -516,6 +527,7 @@ class Job:
             env = {**os.environ, **self.extra_env, run_report.ENV: f"{where}:{port}"}
             handlers = {s: signal.signal(s, self._on_signal)
                         for s in (signal.SIGINT, signal.SIGTERM)}
+            left_before = leftovers.present()
             try:
                 self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE,
@@ -530,6 +542,11 @@ class Job:
                     # what the job's processes wrote as they ended (a rank's abort banner
                     # under load may come after mpiexec's exit): read before concluding
                     self._drain(TERM_WAIT)
+                    removed = leftovers.remove_new(left_before)
+                    if removed and self.verbose:
+                        _note(f"removed {len(removed)} file(s) MPICH left on this host "
+                              f"(shared memory and topology of ranks that ended without "
+                              f"MPI_Finalize)")
                 self._finish_output()
                 self._reports = None  # (closed with this block)
                 for s, handler in handlers.items():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gpukv.launcher import leftovers
 from gpukv.launcher.launch import find_mpiexec, is_open_mpi
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -64,10 +65,15 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     python = [sys.executable] + ([] if bare else ["-m", "mpi4py"])
     command = [launcher, *options, "-n", str(n), *python, *target, *args]
     # A session of its own: on timeout the whole job (mpiexec and every rank) is killed.
+    before = leftovers.present()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True, env=full_env,
                                start_new_session=True)
-    stdout, stderr = communicate(process, timeout, " ".join(command))
+    try:
+        stdout, stderr = communicate(process, timeout, " ".join(command))
+    finally:  # (many tests end ranks on purpose: what MPICH leaves of them goes, as
+        # `gpukv run` removes it)
+        leftovers.remove_new(before)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 

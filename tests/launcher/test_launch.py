@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from gpukv._errors import ArgumentError
-from gpukv.launcher import host_probe, hostfile, launch, process_tree, restarts, run_report
+from gpukv.launcher import (
+    host_probe,
+    hostfile,
+    launch,
+    leftovers,
+    process_tree,
+    restarts,
+    run_report,
+)
 
 from ..distributed.mpirun import PROGRAMS, require_mpi, run
 
@@ -73,10 +81,18 @@ def _left(folder: Path, n: int, attempt: int = 0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+def _made_before(path: Path, when: float) -> bool:
+    try:
+        return path.stat().st_ctime <= when
+    except OSError:  # removed meanwhile
+        return False
+
+
 def _said(err: str) -> list[str]:
-    """The launcher's lines about the job (without --verbose's note on math threads)."""
+    """The launcher's lines about the job (without --verbose's notes on math threads and
+    on the files MPICH left)."""
     return [line for line in err.splitlines() if line.startswith("gpukv run:")
-            and "_NUM_THREADS=1" not in line]
+            and "_NUM_THREADS=1" not in line and "MPICH left on this host" not in line]
 
 
 def _names(folder: Path, rank: int, attempt: int = 0) -> str:
@@ -84,6 +100,43 @@ def _names(folder: Path, rank: int, attempt: int = 0) -> str:
     name = f"rank-{rank}.pid" if attempt == 0 else f"attempt-{attempt}-rank-{rank}.pid"
     pid = (folder / name).read_text()
     return f"rank {rank} (local rank {rank}) on host {socket.gethostname()}, pid {pid}: "
+
+
+def test_leftovers_removed_are_the_new_ones_no_process_holds(tmp_path, monkeypatch):
+    """Of the files in MPICH's places, an attempt removes those that appeared while it ran
+    and that no process has open or mapped: a running job's are held, older ones kept."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(leftovers, "PLACES", ((shm, "mpich_shm_*"),
+                                              (tmp, "hydra_hwloc_xmlfile_*")))
+    old = shm / "mpich_shm_old_0"
+    old.write_bytes(b"\0" * 4096)
+    before = leftovers.present()
+    assert before == {old}
+    left = [shm / "mpich_shm_ab_0", tmp / "hydra_hwloc_xmlfile_Ab12Cd"]
+    opened, mapped = shm / "mpich_shm_cd_0", shm / "mpich_shm_ef_0"
+    for path in (*left, opened, mapped):
+        path.write_bytes(b"\0" * 4096)
+    (shm / "other_file").write_bytes(b"")
+    # one process holds a file open, another only has one mapped (its fd closed)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, sys, time\n"
+         "f = open(sys.argv[1], 'rb')\n"
+         "g = open(sys.argv[2], 'r+b'); m = mmap.mmap(g.fileno(), 0); g.close()\n"
+         "print('ready', flush=True); time.sleep(60)", str(opened), str(mapped)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        removed = leftovers.remove_new(before)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(removed) == sorted(left)
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_cd_0", "mpich_shm_ef_0",
+                                                     "mpich_shm_old_0", "other_file"]
+    assert not list(tmp.iterdir())
+    assert leftovers.remove_new(leftovers.present()) == []
 
 
 @pytest.mark.mpi
@@ -112,6 +165,7 @@ def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, say
     failure) while the others wait forever: one line names it, and every process is gone
     with the rank's status (1 for an exception, or when none was said) within the grace
     and a few seconds of the failure."""
+    before = leftovers.present()
     code, _, err, ended = _finish(_launch(mode, tmp_path))
     failed_at = float((tmp_path / "failed-at").read_text())
     assert code == status, err
@@ -119,6 +173,11 @@ def test_a_failed_rank_ends_the_job_within_the_grace(tmp_path, mode, status, say
     assert len(lines) == 1 and _names(tmp_path, 1) + says in lines[0], err
     assert ended - failed_at < GRACE + launch.TERM_WAIT + SLACK, err
     assert not _left(tmp_path, 3)
+    # what MPICH left of the ended ranks (shared memory, the proxy's topology file) is
+    # gone: a new file made before the launcher ended is another job's, held by it
+    busy = leftovers.held()
+    assert not [p for p in leftovers.present() - before
+                if str(p) not in busy and _made_before(p, ended)]
 
 
 @pytest.mark.mpi
