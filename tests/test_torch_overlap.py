@@ -237,12 +237,50 @@ def test_overlap_with_compression_on_the_store_is_refused_for_several_replicas()
     where a compressor takes each replica's gradient with its own residual; a lone
     replica's sum is its gradient, so one replica per process may overlap."""
     models = [copy.deepcopy(make_model()) for _ in range(2)]
-    with pytest.raises(gpukv.ArgumentError, match="with compression and several replicas"):
+    with pytest.raises(gpukv.ArgumentError, match="with several replicas in a process and "
+                                                  "compression"):
         gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="device", overlap=True,
                    compression_params=TWO_BIT)
     alone = gt.Trainer(models[:1], "sgd", {"learning_rate": 0.1}, kvstore="device",
                        overlap=True, compression_params=TWO_BIT)
     assert alone.overlap
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_replicas_sum_in_float32_with_the_store_updating_whatever_the_overlap(dtype):
+    """With the optimizer on the store, the store sums 16-bit replicas' gradients in
+    float32: an early reduction would sum them in their own dtype first (2 x 40000 is inf
+    in float16, and rounded in bfloat16). So overlap stays off for them, and
+    overlap=True is refused; update_on_kvstore=False overlaps, pushing each replica's
+    gradient, with the same result as without the overlap."""
+    def replicas():
+        made = [torch.nn.Linear(4, 1, bias=False).to(dtype) for _ in range(2)]
+        for m in made:
+            torch.nn.init.ones_(m.weight)
+        return made
+
+    def step(models, trainer):
+        trainer.zero_grad()
+        for m in models:
+            m(torch.full((1, 4), 40000.0, dtype=dtype)).sum().backward()
+        trainer.step()
+        return models[0].weight.detach().float()
+
+    models = replicas()
+    with pytest.raises(gpukv.ArgumentError, match="float16/bfloat16 parameters"):
+        gt.Trainer(models, "sgd", {"learning_rate": 1e-6}, kvstore="device", overlap=True)
+    default = gt.Trainer(models, "sgd", {"learning_rate": 1e-6}, kvstore="device")
+    assert not default.overlap
+    expected = torch.tensor(1 - 1e-6 * 40000.0, dtype=dtype).float()  # the mean, 40000
+    torch.testing.assert_close(step(models, default), expected.expand(1, 4))
+    results = []
+    for overlap in (False, True):
+        models = replicas()
+        on_replicas = gt.Trainer(models, "sgd", {"learning_rate": 1e-6}, kvstore="device",
+                                 update_on_kvstore=False, overlap=overlap)
+        assert on_replicas.overlap == overlap
+        results.append(step(models, on_replicas))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])

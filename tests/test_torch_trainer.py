@@ -290,6 +290,47 @@ def test_writes_to_the_weights_between_steps_are_updated_with_update_on_kvstore_
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_writes_to_16_bit_weights_between_steps_reach_their_master_copies(dtype, replicas):
+    """16-bit parameters update through float32 master copies: with
+    update_on_kvstore=False a write between steps (load_state_dict, fill_ under
+    no_grad) is what the next step updates, element by element, on every replica; an
+    element written with the value it holds keeps the master's precision, so rewriting
+    the weights as they are changes no bit of the run."""
+    def run(write):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 3)).to(dtype)
+        models = replicas_of(base, replicas)
+        trainer = gt.Trainer(models, "adam", {"learning_rate": 0.01}, kvstore="local",
+                             update_on_kvstore=False)
+        x = torch.randn(8, 8).to(dtype)
+        for i in range(5):
+            trainer.zero_grad()
+            for m in models:
+                m(x).square().sum().backward()
+            trainer.step()
+            if i == 2:
+                for m in models:
+                    write(m)
+        return [m[0].weight.detach().clone() for m in models], [
+            m[0].bias.detach().clone() for m in models]
+
+    kept, _ = run(lambda m: None)
+    same, _ = run(lambda m: m.load_state_dict(copy.deepcopy(m.state_dict())))
+    for a, b in zip(kept, same):
+        assert torch.equal(a, b)
+
+    def clamp_bias(m):
+        with torch.no_grad():
+            m[0].bias.fill_(5.0)
+    weights, biases = run(clamp_bias)
+    for b in biases:  # two Adam steps of at most about lr each from 5, not from the old bias
+        assert (b.float() - 5.0).abs().max() < 0.05, b
+    for w in weights[1:]:
+        assert torch.equal(w, weights[0])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_a_write_between_steps_on_the_store_is_replaced_with_one_warning(replicas):
     """With update_on_kvstore=True the store holds the weights: the step after a write
     pulls the store's weights over it, warning (once) that it does, naming the
@@ -531,6 +572,44 @@ def test_device_store_and_compression(compression):
         backward_shards(models, x, y)
         t.step(len(x))
     assert_same_weights(a, b[0], rtol=1e-3, atol=1e-4)
+
+
+def test_powersgd_on_the_store_given_keys_every_matrix_and_set_later_is_refused():
+    """PowerSGD compresses a key's own matrix: a store given with it set gives the
+    Trainer the keys compression_params would (the same weights), and PowerSGD set on
+    the store after the Trainer was made, whose buckets hold flattened matrices it would
+    send uncompressed, is an ArgumentError at the next step, which changes nothing."""
+    powersgd = {"type": "powersgd", "rank": 2}
+    x, y = make_data()
+    base = make_model()
+
+    def trained(**options):
+        models = replicas_of(base, 2)
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, **options)
+        for _ in range(3):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            trainer.step(len(x))
+        return trainer, models
+
+    given, a = trained(compression_params=powersgd)
+    kv = gpukv.create("device")
+    kv.set_gradient_compression(powersgd)
+    on_store, b = trained(kvstore=kv)
+    assert on_store.keys == given.keys and "0.weight" in on_store.keys
+    assert_same_weights(a, b[0], rtol=0, atol=0)
+
+    models = replicas_of(base, 2)
+    late = gt.Trainer(models, "sgd", {"learning_rate": 0.1})
+    late.kvstore.set_gradient_compression(powersgd)
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError, match="PowerSGD, set after this Trainer was "
+                                                  "made: its buckets hold parameter "
+                                                  "'0.weight' flattened"):
+        late.step(len(x))
+    assert late.steps == 0
+    for p, q in zip(models[0].parameters(), base.parameters()):
+        assert torch.equal(p.detach(), q.detach())
 
 
 def test_optimizer_instance_and_store_instance():

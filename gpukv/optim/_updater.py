@@ -564,6 +564,24 @@ class OptimizerUpdater:
         if state is not None and state.master is not None:
             home.copy(state.master, stored)
 
+    def value_written(self, key, stored, home) -> None:
+        """The program wrote some elements of `key`'s value `stored` on `home` in place:
+        its float32 master copy, if it has one, takes the elements that no longer are
+        the master's rounded (the others keep the master's precision, so that writing
+        the weights they hold changes nothing)."""
+        state = self.states.get(key)
+        if state is None or state.master is None:
+            return
+        master = state.master
+        rounded = home.empty(stored.shape, stored.dtype)
+        home.copy(rounded, master)
+        widened = home.empty(master.shape, master.dtype)
+        home.copy(widened, stored)
+        bits = f"uint{8 * stored.dtype.itemsize}"  # (NaNs compare by their bits too)
+        written = rounded.reshape(-1).view(bits) != stored.reshape(-1).view(bits)
+        flat = master.reshape(-1)
+        flat[written] = widened.reshape(-1)[written]
+
     def apply_state(self, plan: StatePlan, homes: dict) -> None:
         """Install a plan `check_state` made; `homes`: {key: its home device}.
 

@@ -843,6 +843,21 @@ class LocalStore(KVStore):
             entry.value, entry.home = array, device_of(array)
         self._adopted = True
 
+    def values_written(self, keys) -> None:
+        """The program wrote `keys`' adopted values in place (between two updates): an
+        optimizer's float32 master copies of 16-bit values take the elements written
+        (else the next update would start from the old weights and write them over the
+        new). The caller orders its writes before this call."""
+        written = getattr(self._updater, "value_written", None)
+        if written is None:
+            return
+        with self._lock:
+            for key in keys:
+                entry = self._entries[key]
+                with entry.home.activate():
+                    written(key, entry.value, entry.home)
+                entry.home.synchronize()
+
     def keep_apart(self, keys) -> None:
         """From now on the updater updates a copy of each of `keys`' values, and the
         values themselves are what workers hold (compressed pulls; see `_Entry`)."""

@@ -67,11 +67,13 @@ def found_anywhere(store: KVStore, found: bool) -> bool:
                                                 "worker's gradients hold an inf or NaN")[0])
 
 
-def check_replica_scaling(store: KVStore, summed: bool) -> None:
+def check_replica_scaling(store: KVStore, summed: bool, float16_sums: bool) -> None:
     """ArgumentError where `update_on_kvstore=False` cannot take a scaled step: compressed
-    pushes (their residuals would keep scaled values, and an inf or NaN for good), or a
-    store of several workers whose sums were not made before GradScaler looked (`summed`:
-    `allreduce_grads()` made them)."""
+    pushes (their residuals would keep scaled values, and an inf or NaN for good), or sums
+    not made before GradScaler looked (`summed`: `allreduce_grads()` made them) where they
+    may hold what it did not see: on a store of several workers, or where the step would
+    sum several replicas' float16 gradients in float16 (`float16_sums`), which overflows
+    with the scale on where each replica's gradient does not."""
     if store.gradient_compression is not None:
         raise ArgumentError(
             "GradScaler with update_on_kvstore=False and gradient compression: the "
@@ -84,3 +86,11 @@ def check_replica_scaling(store: KVStore, summed: bool) -> None:
             "scale comes off the summed gradients, as with DDP, so that every worker keeps "
             "the same scale; call trainer.allreduce_grads() before scaler.step(trainer) "
             "(and scaler.unscale_(trainer) between them to clip)")
+    if float16_sums and not summed:
+        raise ArgumentError(
+            "GradScaler with update_on_kvstore=False and float16 parameters on several "
+            "replicas: the sums of the scaled gradients are made in float16, and may "
+            "overflow where no replica's gradient did, after GradScaler looked; call "
+            "trainer.allreduce_grads() before scaler.step(trainer), so that it looks at "
+            "the sums (or keep float32 parameters under autocast, or update_on_kvstore=True, "
+            "which sums in float32)")

@@ -118,7 +118,10 @@ class Trainer:
         sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in trainable_names]
         rows = self._pushed_as_rows(sparse, on_store)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | set(sparse)
-        if _low_rank(compression_params):  # PowerSGD compresses a parameter's own matrix
+        # PowerSGD (given, or already set on the store given) compresses a parameter's
+        # own matrix
+        if _low_rank(compression_params if compression_params is not None
+                     else self._kv.gradient_compression):
             alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
@@ -421,6 +424,7 @@ class Trainer:
         `update` that follows takes the sums as they are."""
         self._check_owner()
         _check_flag("ignore_stale_grad", ignore_stale_grad)
+        self._check_low_rank_keys()
         replicas = self._replica_update("allreduce_grads")
         self._refuse_summed("allreduce_grads() again", "another allreduce")
         reduction = self._gather(ignore_stale_grad)
@@ -475,7 +479,9 @@ class Trainer:
         `allreduce_grads`) lose the scale, and the replicas update them unless GradScaler
         found an inf or NaN (in the sums, the same on every worker, or with one worker in
         its replicas' gradients)."""
-        scaling.check_replica_scaling(self._kv, self._reduced is not None)
+        float16_sums = self.num_replicas > 1 and any(
+            b.grads[0].dtype == torch.float16 for b in self._buckets)
+        scaling.check_replica_scaling(self._kv, self._reduced is not None, float16_sums)
         live = self._reduced
         if live is None:
             reduction = self._gather(ignore_stale_grad)
@@ -746,7 +752,24 @@ class Trainer:
         the flag is a bool, and a torch scheduler's rate."""
         self._check_owner()
         _check_flag("ignore_stale_grad", ignore_stale_grad)
+        self._check_low_rank_keys()
         self._take_scheduled()
+
+    def _check_low_rank_keys(self) -> None:
+        """ArgumentError where PowerSGD, set on the store after the Trainer was made,
+        would find its matrices flattened into buckets, which it sends uncompressed."""
+        comp = self._kv.gradient_compression
+        if comp is None or comp.get("type") != "powersgd":
+            return
+        fused = [n for b in self._buckets if b.fused
+                 for n, p in zip(b.names, b.params[0]) if p.dim() >= 2]
+        if fused:
+            raise ArgumentError(
+                f"the store compresses with PowerSGD, set after this Trainer was made: "
+                f"its buckets hold parameter {fused[0]!r} flattened with others, which "
+                f"PowerSGD would send uncompressed ({len(fused)} such matrices); make the "
+                f"Trainer with compression_params={comp!r}, which gives every matrix a "
+                f"key of its own")
 
     def _take_scheduled(self) -> None:
         """The options a torch scheduler wrote into `torch_optimizer`'s group since the
@@ -790,10 +813,12 @@ class Trainer:
     def _wants_overlap(self, overlap: bool | None) -> bool:
         if overlap and not self._update.overlap_allowed:
             raise ArgumentError("overlap=True with update_on_kvstore=True on a "
-                                "deterministic store, or with compression and several "
-                                "replicas in a process: the early reduction would sum the "
-                                "replicas before the store, which needs each replica's "
-                                "gradient; use update_on_kvstore=False")
+                                "deterministic store, or with several replicas in a "
+                                "process and compression or float16/bfloat16 parameters: "
+                                "the early reduction would sum the replicas before the "
+                                "store, which needs each replica's gradient (or, for "
+                                "16-bit ones, sums them in float32); use "
+                                "update_on_kvstore=False")
         if overlap is not None:
             return overlap
         return (self._update.overlap_allowed

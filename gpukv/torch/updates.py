@@ -23,7 +23,7 @@ from .checkpoints import Checkpoints
 from .reduction import Reduction
 from .rows import TouchedRows
 from .scaling import unscale
-from .writes import WeightWrites
+from .writes import ReplicaWrites, WeightWrites
 
 
 class Update(Protocol):
@@ -82,9 +82,13 @@ class StoreUpdate:
     def overlap_allowed(self) -> bool:
         # An early reduction pushes this process's sum, one value where the canonical
         # order, and a compressor's residual per replica, need each replica's own (a lone
-        # replica's sum is its own gradient, bit for bit).
+        # replica's sum is its own gradient, bit for bit). It is made in the gradients'
+        # dtype: a 16-bit sum would be rounded (or overflow) where the store sums in float32.
         several = bool(self._buckets) and len(self._buckets[0].grads) > 1
-        return not (self.store.deterministic or (self._compressed and several))
+        narrow = any(b.grads[0].dtype in (torch.float16, torch.bfloat16)
+                     for b in self._buckets)
+        return not (self.store.deterministic
+                    or (several and (self._compressed or narrow)))
 
     @property
     def _compressed(self) -> bool:
@@ -180,6 +184,7 @@ class ReplicaUpdate:
             local.set_optimizer(opt)
             self.replica_stores.append(local)
             self.replica_optimizers.append(opt)
+        self._writes = ReplicaWrites(buckets)
 
     @property
     def overlap_allowed(self) -> bool:
@@ -210,11 +215,20 @@ class ReplicaUpdate:
         keys = [b.key for b in live]
         if not keys:
             return
+        written = self._writes.written()
+        if written:  # 16-bit weights the program wrote: their master copies follow
+            if written[0][0].weights[0].is_cuda:
+                torch.cuda.synchronize()  # (the writes, on PyTorch's streams, come first)
+            for bucket, r in written:
+                local = self.replica_stores[r]
+                assert isinstance(local, LocalStore)  # (made so above)
+                local.values_written([bucket.key])
         for r, local in enumerate(self.replica_stores):
             local.push(keys, [b.grads[r] for b in live])
             # (the weights are the store's values: the pull orders the caller's stream
             # after the update and tells PyTorch of the write, and copies nothing)
             local.pull(keys, out=[b.weights[r] for b in live])
+        self._writes.seen()
 
     def checkpoints(self, directory, every, keep, resume="auto") -> Checkpoints:
         # Replica 0's store holds the state (alike on every worker); a dist store has
@@ -230,6 +244,7 @@ class ReplicaUpdate:
             return
         for r, local in enumerate(self.replica_stores):
             local.pull(keys, out=[b.weights[r] for b in self._buckets])
+        self._writes.seen()  # (the stores' own weights, master copies and all)
 
 
 def layout_of(buckets: list[Bucket]) -> dict:

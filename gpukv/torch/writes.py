@@ -1,9 +1,12 @@
-"""Writes a program makes to the parameters between two steps of a Trainer whose store
-holds the weights (update_on_kvstore=True): the step replaces them by the store's
-weights, so the first one seen gets a warning that says so."""
+"""Writes a program makes to the parameters between two steps. Where the store holds the
+weights (update_on_kvstore=True) the step replaces them by the store's weights, so the
+first one seen gets a warning that says so; where the replicas update in place, a 16-bit
+parameter's float32 master copy follows the write."""
 from __future__ import annotations
 
 import warnings
+
+import torch
 
 from .buckets import Bucket
 
@@ -46,3 +49,34 @@ class WeightWrites:
             f"update_on_kvstore=False to write the parameters between steps (its "
             f"optimizer updates them in place, as a PyTorch optimizer does)",
             WeightWritesLost, stacklevel=4)
+
+
+class ReplicaWrites:
+    """Writes a program makes to 16-bit parameters between two steps of a Trainer whose
+    replicas update in place (update_on_kvstore=False): their optimizer keeps a float32
+    master copy of each, which must follow a write. Seen through the version counters of
+    every replica's float16/bfloat16 parameters (a write through `.data` or NumPy does not
+    move them)."""
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        #: (bucket, replica, its parameters) of every 16-bit bucket
+        self._watched = [(bucket, r, params) for bucket in buckets
+                         if bucket.grads[0].dtype in (torch.float16, torch.bfloat16)
+                         for r, params in enumerate(bucket.params)]
+        self._seen = self._versions()
+
+    def _versions(self) -> list[tuple[int, ...]]:
+        return [tuple(p._version for p in params)  # noqa: SLF001
+                for _, _, params in self._watched]
+
+    def written(self) -> list[tuple[Bucket, int]]:
+        """(bucket, replica) of each 16-bit bucket written since `seen`."""
+        if not self._watched:
+            return []
+        return [(bucket, r) for (bucket, r, _), now, then
+                in zip(self._watched, self._versions(), self._seen) if now != then]
+
+    def seen(self) -> None:
+        """The parameters as they are now are the optimizer's (after an update)."""
+        if self._watched:
+            self._seen = self._versions()

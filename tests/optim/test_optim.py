@@ -184,6 +184,42 @@ def test_narrow_weights_keep_a_float32_master(dtype):
     assert float(out[0]) < 1.0
 
 
+def _written_master_case(xp, dt):
+    """An adopted 16-bit value 8 steps of SGD in, then 3 elements written in place (one
+    with the value it holds): the master takes the 2 changed, keeps the rest."""
+    value = xp.asarray(np.linspace(1, 2, 8).astype(np.float32).astype(dt))
+    kv = gpukv.create("local" if xp is np else "device")
+    kv.adopt(["w"], [value])
+    kv.set_optimizer(optim.SGD(learning_rate=1e-4))
+    for _ in range(8):  # each step below half an ulp: only the master moves
+        kv.push("w", xp.asarray(np.ones(8, dt)))
+    before = xp.asnumpy(kv._updater.states["w"].master) if xp is not np else \
+        kv._updater.states["w"].master.copy()
+    value[0] = xp.asarray(np.array(5, dt))
+    value[3] = value[3]  # written, the same bits
+    value[7] = xp.asarray(np.array(np.nan, dt))
+    kv.values_written(["w"])
+    master = kv._updater.states["w"].master
+    after = xp.asnumpy(master) if xp is not np else master
+    assert after[0] == 5 and np.isnan(after[7])
+    np.testing.assert_array_equal(after[1:7], before[1:7])
+    assert not np.array_equal(before[1:7], np.linspace(1, 2, 8).astype(np.float32)[1:7])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_values_written_in_place_reach_the_master_element_by_element(dtype):
+    dt = np.dtype(getattr(__import__("ml_dtypes"), dtype)) if dtype == "bfloat16" else \
+        np.dtype(dtype)
+    _written_master_case(np, dt)
+
+
+@pytest.mark.gpu
+def test_gpu_values_written_in_place_reach_the_master_element_by_element():
+    import cupy as cp
+    with cp.cuda.Device(0):
+        _written_master_case(cp, np.dtype("float16"))
+
+
 def test_float64_weights_compute_in_float64():
     """float64 keys keep float64 states and no master copy."""
     kv = gpukv.create("local")
