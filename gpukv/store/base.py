@@ -247,9 +247,10 @@ class KVStore(ABC):
 
         `compression_params`: MXNet's ``{'type': '2bit', 'threshold': t}``, ``{'type':
         '1bit', 'threshold': t}`` and ``{'type': 'fp16' or 'bf16', 'pre_divide': f}``;
-        gpukv's ``{'type': 'sign'}``, ``{'type': 'ternary'}`` and ``{'type': 'powersgd',
-        'rank': r}``, which compress pulls too (each compressor's options are in
-        `gpukv.encoding.compressors`); or None / ``{'type': 'none'}`` to turn it off.
+        gpukv's ``{'type': 'sign'}`` and ``{'type': 'ternary'}``, which compress pulls
+        too, and ``{'type': 'powersgd', 'rank': r}``, whose pulls cross as float32 with an
+        updater (each compressor's options are in `gpukv.encoding.compressors`); or None /
+        ``{'type': 'none'}`` to turn it off.
         Setting it again starts fresh residuals. The 'device', 'nccl' and dist stores
         take it; a 'local' store refuses it with an ArgumentError, as MXNet's does.
         """

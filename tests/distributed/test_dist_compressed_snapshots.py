@@ -102,3 +102,17 @@ def test_a_snapshot_without_servers_resumed_with_them_says_why(tmp_path):
            "{'type': 'sign'} on 2 workers and 1 shards")
     for w in range(2):
         assert out.count(f"LOG worker {w}: {NOT_RESTORED}: {why}") == 1, out
+
+
+def test_compression_set_again_starts_the_servers_pull_residuals_afresh_too():
+    """'sign' set again mid-run starts every residual afresh, on workers and servers
+    alike: the pulls of 2 workers with a server are those without one, before and after
+    the second set, with and without SGD on the store (a server kept its pull residuals
+    when the compression set was the one it already served)."""
+    pulls = {}
+    for servers in (0, 1):
+        out = ok(run("compression_again.py", 2 + servers,
+                     env={"GPUKV_NUM_SERVERS": str(servers)}, timeout=120))
+        pulls[servers] = re.findall(r"PULL (w\d \d) ([0-9a-f]+)", out)
+        assert len(pulls[servers]) == 12, out
+    assert pulls[1] == pulls[0]

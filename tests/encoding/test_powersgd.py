@@ -3,6 +3,8 @@ rule (two sums, warm start, error feedback), its error-feedback invariant, keys 
 as they are, its bytes, and its option checked."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,6 +169,21 @@ def test_a_warm_start_column_that_is_zero_or_not_finite_is_drawn_afresh():
     kept = comp.warm_q("w", 10)
     np.testing.assert_array_equal(kept[:, 1], q[:, 1])
     np.testing.assert_array_equal(kept[:, [0, 2]], first[:, [0, 2]])
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_an_inf_or_nan_makes_its_matrix_nan_without_numpys_warnings(bad):
+    """An inf or NaN in a pushed matrix: its sum is NaN throughout (the documented
+    rule), and NumPy's RuntimeWarnings of the arithmetic on the way stay inside."""
+    kv = _store((16, 16))
+    g = np.ones((16, 16), np.float32)
+    g[3, 5] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kv.push("w", g)
+    out = np.zeros((16, 16), np.float32)
+    kv.pull("w", out=out)
+    assert np.isnan(out).all()
 
 
 @pytest.mark.parametrize("shape", [(1000,), (8, 8), (4, 3, 2)])

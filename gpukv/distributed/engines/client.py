@@ -52,6 +52,7 @@ from .requests import (
     Pull,
     Push,
     PushPiece,
+    ResetCompression,
     Restore,
     RestoreCompression,
     SetOptimizer,
@@ -452,6 +453,8 @@ class ServerClient:
 
     def set_compression(self, compressor) -> None:
         low_rank.refuse(compressor, self.asynchronous)
+        # the servers' pull residuals start afresh too, whatever the compression was
+        self._to_servers(ResetCompression(), "set_gradient_compression")
         self.compressor = compressor
         self.decoded.clear()
         self.feedback = ErrorFeedback(compressor) if compressor is not None else None

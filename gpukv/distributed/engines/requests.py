@@ -24,6 +24,7 @@ class Command(enum.Enum):
     CHECK_STATE = "check_state"
     RESTORE = "restore"
     RESTORE_COMPRESSION = "restore_compression"
+    RESET_COMPRESSION = "reset_compression"
     STOP = "stop"
 
 
@@ -148,6 +149,14 @@ class RestoreCompression:
     index: int
     count: int
     params: tuple
+
+
+@dataclass(frozen=True)
+class ResetCompression:
+    """The workers set their compression (again, maybe the same): every key's pulls
+    start afresh, as a worker's store does, its served value what workers hold and its
+    pull residual gone; answer "ok"."""
+    command: ClassVar[Command] = Command.RESET_COMPRESSION
 
 
 @dataclass(frozen=True)

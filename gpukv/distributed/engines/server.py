@@ -65,6 +65,7 @@ from .requests import (
     OptimizerState,
     Pull,
     Push,
+    ResetCompression,
     Restore,
     RestoreCompression,
     SetOptimizer,
@@ -166,7 +167,8 @@ class _Server:
             Command.WRITE_SNAPSHOT: self.op_write_snapshot,
             Command.FINISH_SNAPSHOTS: self.op_finish_snapshots,
             Command.CHECK_STATE: self.op_check_state, Command.RESTORE: self.op_restore,
-            Command.RESTORE_COMPRESSION: self.op_restore_compression}
+            Command.RESTORE_COMPRESSION: self.op_restore_compression,
+            Command.RESET_COMPRESSION: self.op_reset_compression}
 
     def worker_rank(self, w: int) -> int:
         return self.servers + w
@@ -724,6 +726,16 @@ class _Server:
                 served.reshape(-1)[...] = array.reshape(-1)
             state.serving, state.change = params, None
         self.reply(worker, None)
+
+    def op_reset_compression(self, worker, source, request: ResetCompression) -> None:
+        """Every key served compressed is served its value again, its residual afresh
+        (the payload of its last round stays, for a worker a round behind)."""
+        for key, state in self.keys.items():
+            if state.serving is not None:
+                self.shard.rejoin([key])
+                self.pull_codecs[state.serving].forget(key)
+                state.serving = None
+        self.reply(worker, "ok")
 
     def reply(self, worker, obj, tag: int = TAG_REPLY) -> None:
         self.send(self.t.send_object(obj, self.worker_rank(worker), tag))

@@ -64,7 +64,8 @@ class PowerSGD(Compressor):
             value = int(value)  # MXNet passes options as strings
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise ArgumentKindError(f"gradient compression {kind!r}: option 'rank' must be "
-                                    f"an int, got {type(value).__name__}")
+                                    f"an int (or its digits, as MXNet passes options), got "
+                                    f"{type(value).__name__} {short(value)}")
         rank = int(value)
         if not 1 <= rank <= MAX_RANK:
             raise ArgumentError(f"gradient compression {kind!r}: option 'rank' must be "
@@ -169,7 +170,13 @@ def step(comp: PowerSGD, keys: list, sources: list, summed, outs=None) -> list:
     each list's sum over every source (in this process, or across processes), `name`
     saying which ('P', then 'Q'). Returns each
     key's sum P Q'^T, decoded in a fixed order: the same bits wherever P and Q' are;
-    into `outs[k]` (float32, rows x cols, contiguous) where given and not None."""
+    into `outs[k]` (float32, rows x cols, contiguous) where given and not None. An inf
+    or NaN makes its matrix's sum NaN, without NumPy's warnings on the way."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return _step(comp, keys, sources, summed, outs)
+
+
+def _step(comp: PowerSGD, keys: list, sources: list, summed, outs) -> list:
     ps = summed([[m @ comp.warm_q(key, m.shape[1]) for m in ms]
                  for key, ms in zip(keys, sources)], "P")
     for p in ps:
