@@ -285,6 +285,24 @@ def test_a_sharded_push_counts_each_shard_as_a_device(mesh):
     np.testing.assert_array_equal(np.asarray(got["r"]), np.full(3, 4.0))
 
 
+@pytest.mark.parametrize("spec", [P("i"), P()], ids=["sharded", "replicated"])
+def test_a_plain_call_given_an_array_over_several_devices_points_to_the_tree_calls(mesh,
+                                                                                   spec):
+    """A jax.Array laid over 4 devices, given to a plain store call, is refused by JAX's
+    own protocol: the error also says what takes it (the tree calls, or its shards as a
+    list), and the call changes nothing."""
+    kv = gpukv.create("local")
+    kv.init("w", np.ones(2, np.float32))
+    spread = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, spec))
+    with pytest.raises(gpukv.ArgumentKindError,
+                       match=r"key 'w': .*a jax\.Array over 4 devices: gpukv\.jax's push_tree"
+                             r".*\[s\.data for s in a\.addressable_shards\]"):
+        kv.push("w", spread)
+    out = np.zeros(2, np.float32)
+    kv.pull("w", out=out)
+    np.testing.assert_array_equal(out, np.ones(2, np.float32))
+
+
 def test_sharded_arrays_init_whole_and_pull_into_the_templates_sharding(mesh):
     """init_tree takes a sharded or replicated leaf's whole value; pull_tree lays the
     value out as the template's sharding says."""
@@ -382,6 +400,19 @@ def test_mean_tree_refuses_a_store_with_an_optimizer_or_updater(updates):
         kv.set_updater(lambda key, merged, stored: None)
     assert kv.has_updater
     with pytest.raises(gpukv.ArgumentError, match="mean_tree: the store has an optimizer"):
+        gjax.mean_tree(kv, [{"w": jnp.full(3, 2.0)}])
+    np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"w": jnp.ones(3)})["w"]),
+                                  np.ones(3))
+
+
+def test_mean_tree_on_dist_async_says_to_use_dist_sync(monkeypatch):
+    """dist_async keeps no sum (it needs an optimizer, which mean_tree refuses): the
+    error says which store mean_tree takes, rather than to set an optimizer. (A store
+    that calls itself dist_async stands in: a real one needs servers, several processes.)"""
+    kv = gpukv.create("local")
+    gjax.init_tree(kv, {"w": jnp.ones(3)})
+    monkeypatch.setattr(type(kv), "type", property(lambda self: "dist_async"))
+    with pytest.raises(gpukv.ArgumentError, match="a dist_async store .* use dist_sync"):
         gjax.mean_tree(kv, [{"w": jnp.full(3, 2.0)}])
     np.testing.assert_array_equal(np.asarray(gjax.pull_tree(kv, {"w": jnp.ones(3)})["w"]),
                                   np.ones(3))

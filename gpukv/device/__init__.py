@@ -50,7 +50,24 @@ def adopt(obj):
         raise
     except Exception as exc:  # the object's own protocol refused
         raise ArgumentKindError(f"cannot be read as an array: {type(exc).__name__}: "
-                                f"{exc}") from exc
+                                f"{exc}{_sharded_hint(obj)}") from exc
+
+
+def _sharded_hint(obj) -> str:
+    """What to do instead with a JAX array laid over several devices, which no array
+    protocol hands over whole; '' for anything else."""
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(obj, jax.Array):
+        return ""
+    try:
+        devices = len(obj.sharding.device_set)
+    except Exception:  # a deleted array, a tracer: its own error says enough
+        return ""
+    if devices < 2:
+        return ""
+    return (f" (a jax.Array over {devices} devices: gpukv.jax's push_tree, pull_tree "
+            f"and pushpull_tree take sharded arrays, or pass its shards as a list, "
+            f"[s.data for s in a.addressable_shards])")
 
 
 def _adopt_other(obj):

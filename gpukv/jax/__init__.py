@@ -138,6 +138,11 @@ def mean_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
     names the tree as in `init_tree`; every leaf must be floating-point."""
     with kv.refusals_agreed("gpukv.jax.mean_tree"):
         outside_transforms("mean_tree")
+        if kv.type == "dist_async":  # (which applies each push as it comes, never a sum)
+            raise ArgumentError("gpukv.jax.mean_tree: a dist_async store applies every "
+                                "push with its optimizer as it comes, and keeps no sum; "
+                                "use dist_sync (or push_tree and pull_tree, which run the "
+                                "store's optimizer)")
         if kv.has_updater:  # a push would update the values, not store the sum
             raise ArgumentError("gpukv.jax.mean_tree: the store has an optimizer or "
                                 "updater, so a push would update its values rather than "
