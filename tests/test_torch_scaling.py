@@ -301,34 +301,27 @@ def test_float16_replicas_summed_by_the_step_are_refused_and_summed_first_are_sk
     gradients in float16 after GradScaler looked at each replica's (1.25 x 4 x 32768 each
     fits; their sum does not): refused, nothing changed. Summed first by allreduce_grads,
     GradScaler sees the inf in the sums: the step is skipped and the scale lowered."""
-    def replicas():
+    def backward_of_new_replicas():
+        """(replicas, their Trainer, the scaler) after one scaled backward each."""
         made = [nn.Linear(4, 1, bias=False).half() for _ in range(2)]
         for m in made:
             nn.init.ones_(m.weight)
-        return made
-
-    def backward(models, scaler):
-        for m in models:
+        trainer = gt.Trainer(made, "sgd", {"learning_rate": 1e-5}, kvstore="local",
+                             update_on_kvstore=False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15)
+        trainer.zero_grad()
+        for m in made:
             scaler.scale(m(torch.full((1, 4), 1.25, dtype=torch.half)).sum()).backward()
+        return made, trainer, scaler
 
-    models = replicas()
-    trainer = gt.Trainer(models, "sgd", {"learning_rate": 1e-5}, kvstore="local",
-                         update_on_kvstore=False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15)
-    trainer.zero_grad()
-    backward(models, scaler)
+    models, trainer, scaler = backward_of_new_replicas()
     with pytest.raises(gpukv.ArgumentError, match="call trainer.allreduce_grads"):
         scaler.step(trainer)
     assert trainer.steps == 0
     for m in models:
         assert torch.equal(m.weight, torch.ones(1, 4, dtype=torch.half))
 
-    models = replicas()
-    trainer = gt.Trainer(models, "sgd", {"learning_rate": 1e-5}, kvstore="local",
-                         update_on_kvstore=False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 15)
-    trainer.zero_grad()
-    backward(models, scaler)
+    models, trainer, scaler = backward_of_new_replicas()
     trainer.allreduce_grads()
     scaler.step(trainer)
     scaler.update()
