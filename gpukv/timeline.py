@@ -215,11 +215,12 @@ def start(folder: str | os.PathLike) -> None:
 
 
 def _start_from_environment(environ) -> None:
-    """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one; a folder
+    """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one (blank
+    or '0' names none: off); a folder
     or file that cannot be made is a RuntimeWarning (naming the variable, the path and the
     OS error) and nothing is recorded: a diagnostic never stops an import."""
-    folder = environ.get(ENV)
-    if not folder:
+    folder = environ.get(ENV, "")
+    if not folder.strip() or folder.strip() == "0":  # (blank or 0: off, as other flags)
         return
     try:
         start(folder)

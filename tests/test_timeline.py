@@ -160,6 +160,16 @@ def test_a_folder_that_cannot_be_written_is_known_when_recording_starts(tmp_path
     assert not timeline.enabled()
 
 
+@pytest.mark.parametrize("value", ["", " ", "0", " 0 "])
+def test_a_blank_or_zero_variable_records_nothing(tmp_path, monkeypatch, value):
+    """GPUKV_TIMELINE blank or 0 is off, as other flags' 0: no folder named ' ' or '0'
+    is made in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    timeline._start_from_environment({"GPUKV_TIMELINE": value})
+    assert not timeline.enabled()
+    assert not list(tmp_path.iterdir())
+
+
 def test_recording_again_into_the_same_folder_writes_the_file_anew(tmp_path):
     """A process that stops and starts again into one folder writes the same file name:
     the file is begun anew, valid JSON with the new recording's spans alone (before, the

@@ -126,7 +126,9 @@ class TreeStrategy(Strategy):
 
     def _bound_now(self) -> int | None:
         from .plan import topology
-        return self._bound if self._bound is not None else topology.tree_options()["array_bound"]
+        if self._bound is not None:
+            return self._bound
+        return topology.tree_options("array_bound")["array_bound"]
 
     def _groups(self, jobs):
         """Jobs by their node set; jobs the tree cannot take go to the fallback list."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import os
 import secrets
 import sys
 import traceback
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -91,6 +92,27 @@ def _serve_or_client(transport, servers: int, bound: int, name: str,
         sys.exit(0)
     return ServerClient(transport, servers, bound, deterministic=deterministic,
                         asynchronous=asynchronous)
+
+
+def _refuse_together(world, name: str, refused: GpukvError) -> NoReturn:
+    """This process refused its options (a malformed environment variable of its own):
+    the others hear it at once, in the agreement on the store they wait in, each with a
+    PeerMismatchError naming the refusal, rather than after their timeout; then raise
+    `refused` here (every process refusing alike: each its own error)."""
+    from .mpi.agree import Agreement, Setting
+    from .mpi.transport import Transport
+    if _PROCESS.served is not None:  # the job's servers serve: they make no more stores
+        raise refused
+    transport = Transport(world, DEFAULT_TIMEOUT)
+    try:
+        with transport.caused_by(refused):  # (the launcher names `refused`, the cause)
+            Agreement(transport, tags=_CREATE_TAGS, collective=False).check(
+                ("create", (Setting("type", name),
+                            Setting("refused", f"{type(refused).__name__}: {refused}"))),
+                f"gpukv.create({name!r})")
+    except PeerError:
+        pass
+    raise refused
 
 
 def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
@@ -176,9 +198,11 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
         except ValueError:
             raise ArgumentError(f"GPUKV_NUM_SERVERS={raw!r}: expected an integer >= 0"
                                 ) from None
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int):
+    if isinstance(num_servers, (bool, np.bool_)) or not isinstance(num_servers,
+                                                                   numbers.Integral):
         raise ArgumentKindError(f"num_servers: expected an int, got "
                                 f"{type(num_servers).__name__}")
+    num_servers = int(num_servers)
     if not 0 <= num_servers < size:
         raise ArgumentError(f"num_servers={num_servers}: expected 0 (every process serves) "
                             f"up to {size - 1}, so that a worker is left among the {size} "
@@ -195,16 +219,22 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
             timeout = -1.0
         if not 0 < timeout < math.inf:
             raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected finite seconds > 0")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not 0 < timeout < math.inf:  # every wait is bounded: by a finite time
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
+        raise ArgumentKindError(f"timeout: expected seconds (a number), got "
+                                f"{type(timeout).__name__}")
+    timeout = float(timeout)
+    if not 0 < timeout < math.inf:  # every wait is bounded: by a finite time
         raise ArgumentError(f"timeout={timeout!r}: expected finite seconds > 0")
     if bigarray_bound is None:
         bigarray_bound = positive_int("GPUKV_BIGARRAY_BOUND") or DEFAULT_BIGARRAY_BOUND
-    if isinstance(bigarray_bound, bool) or not isinstance(bigarray_bound, int) \
-            or bigarray_bound < 1:
-        raise ArgumentError(f"bigarray_bound={bigarray_bound!r}: expected a positive int "
+    if isinstance(bigarray_bound, (bool, np.bool_)) or not isinstance(bigarray_bound,
+                                                                      numbers.Integral):
+        raise ArgumentKindError(f"bigarray_bound: expected an int (elements), got "
+                                f"{type(bigarray_bound).__name__}")
+    if bigarray_bound < 1:
+        raise ArgumentError(f"bigarray_bound={int(bigarray_bound)}: expected a positive int "
                             f"(elements)")
-    return num_servers, float(timeout), bigarray_bound, chosen_chunk_bytes()
+    return num_servers, float(timeout), int(bigarray_bound), chosen_chunk_bytes()
 
 
 def _sum_buffer(value) -> np.ndarray:
@@ -253,25 +283,29 @@ class DistKVStore(KVStore):
         from .mpi.transport import TAG_EXIT, Transport, mpi
         MPI = mpi()
         world = MPI.COMM_WORLD
-        servers, timeout, bound, chunk = _options(name, num_servers, timeout,
-                                                  bigarray_bound, world.Get_size())
-        if nccl is not None and not isinstance(nccl, bool):
-            raise ArgumentKindError(f"nccl: expected True, False or None, got "
-                                    f"{type(nccl).__name__}")
-        deterministic = deterministic_option(deterministic)
-        if deterministic and nccl:
-            raise ArgumentError("nccl=True with deterministic=True: NCCL's sums have no "
-                                "fixed order; a deterministic store sums between processes "
-                                "through MPI (leave nccl unset)")
-        if servers and _PROCESS.served is not None:
-            raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of this "
-                                f"job serve one store, made already; make one store with "
-                                f"dedicated servers per job (num_servers=0 allows several)")
+        try:
+            servers, timeout, bound, chunk = _options(name, num_servers, timeout,
+                                                      bigarray_bound, world.Get_size())
+            if nccl is not None and not isinstance(nccl, bool):
+                raise ArgumentKindError(f"nccl: expected True, False or None, got "
+                                        f"{type(nccl).__name__}")
+            deterministic = deterministic_option(deterministic)
+            if deterministic and nccl:
+                raise ArgumentError("nccl=True with deterministic=True: NCCL's sums have "
+                                    "no fixed order; a deterministic store sums between "
+                                    "processes through MPI (leave nccl unset)")
+            if servers and _PROCESS.served is not None:
+                raise ArgumentError(f"{name!r} with num_servers={servers}: the servers of "
+                                    f"this job serve one store, made already; make one "
+                                    f"store with dedicated servers per job (num_servers=0 "
+                                    f"allows several)")
+        except GpukvError as exc:
+            _refuse_together(world, name, exc)
         # Every process makes the same store, or each hears who did not, before any
         # collective call that would wait for them without a bound.
         Agreement(Transport(world, timeout), tags=_CREATE_TAGS, collective=False).check(
             ("create", (Setting("type", name), Setting("num_servers", servers),
-                        Setting("bigarray_bound", bound),
+                        Setting("bigarray_bound", bound), Setting("timeout", timeout),
                         Setting("deterministic", deterministic),
                         Setting("stores made before", _PROCESS.made),
                         Setting("GPUKV_DIST_CHUNK_BYTES", chunk))),

@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -189,6 +190,35 @@ def strategy_info(on_gpu: bool) -> dict:
     return out
 
 
+def settings_errors() -> dict:
+    """{variable: why the stores refuse it} for each malformed GPUKV_* setting the
+    stores read beyond the strategy's (those are in `strategy_info`), checked by the
+    parsers the stores use, so that `info` names what `create` would refuse."""
+    from .._env import positive_int
+    from .._errors import GpukvError
+    from ..comm.plan import topology
+    from ..device import host_jit
+    from ..device.base import virtual_gpus
+    from ..distributed.mpi.chunks import chosen_chunk_bytes
+    from ..distributed.store import _options
+    checks: dict[str, Callable[[], object]] = {
+        "GPUKV_HOST_JIT": host_jit.check_setting,
+        "GPUKV_HOST_THREADS": lambda: positive_int("GPUKV_HOST_THREADS"),
+        "GPUKV_VIRTUAL_GPUS": virtual_gpus,
+        "GPUKV_TREE_*": topology.tree_options,
+        "GPUKV_DIST_CHUNK_BYTES": chosen_chunk_bytes,
+        # (the dist stores' own: as a job of many processes would read them)
+        "GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND":
+            lambda: _options("dist_sync", None, None, None, 1 << 30)}
+    errors = {}
+    for name, check in checks.items():
+        try:
+            check()
+        except GpukvError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 def calibration_info() -> dict:
     """Whether the cost model uses a calibration file (which, when measured) or defaults."""
     from ..comm.plan import simulate
@@ -215,6 +245,7 @@ def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
         "mpi": mpi_info(),
         "strategy": strategy_info(gpus["count"] > 0),
         "calibration": calibration_info(),
+        "setting_errors": settings_errors(),
     }
     torch = _module_version("torch")
     if torch is not None:
@@ -340,6 +371,8 @@ def render(info: dict) -> str:
                                   "GPUKV_DETERMINISTIC=1: the canonical order)"))
     lines += [f"malformed setting (stores refuse it): {s[name]}"
               for name in ("env_error", "deterministic_error") if s.get(name)]
+    lines += [f"malformed setting (stores refuse it): {why}"
+              for why in info.get("setting_errors", {}).values()]
     c = info.get("calibration")
     if c:
         if c["in_use"]:

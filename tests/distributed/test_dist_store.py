@@ -658,11 +658,30 @@ def test_device_store_pull_after_init_gives_rank0s_value(nccl):
     _passes(_scenario(3, 0, "device_init", nccl, store="dist_device_sync", gpus=True), 3)
 
 
-def test_create_with_other_settings_is_refused():
-    result = _scenario(2, 0, "settings_differ", timeout=10)
+@pytest.mark.parametrize("setting", ["bigarray_bound", "timeout"])
+def test_create_with_other_settings_is_refused(setting):
+    result = _scenario(2, 0, "settings_differ", setting, timeout=10)
     lines = _caught(result.stdout, "PeerMismatchError")
-    assert len(lines) == 2 and all("create" in ln and "8" in ln and "1000" in ln
-                                   for ln in lines), result.stdout + result.stderr
+    assert len(lines) == 2 and all("create" in ln and setting in ln and "8" in ln
+                                   and "1000" in ln for ln in lines), \
+        result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_setting_one_process_refuses_is_heard_by_the_others_at_once(n, servers):
+    """A malformed GPUKV_BIGARRAY_BOUND in one process's environment: that process
+    raises its ArgumentError, and every other one a PeerMismatchError naming it, at
+    once rather than after the timeout (20 s here)."""
+    result = _scenario(n, servers, "setting_refused_on_one", "1", timeout=20, limit=60)
+    out = result.stdout
+    own = _caught(out, "ArgumentError")
+    assert len(own) == 1 and "GPUKV_BIGARRAY_BOUND='-1'" in own[0], out + result.stderr
+    others = _caught(out, "PeerMismatchError")
+    assert len(others) == n - 1, out + result.stderr
+    assert all("rank(s) 1 has refused=" in ln and "GPUKV_BIGARRAY_BOUND" in ln
+               for ln in others), others
+    took = [float(t) for t in re.findall(r"TOOK ([\d.]+) s", out)]
+    assert len(took) == n and max(took) < 10, out
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
@@ -810,6 +829,13 @@ def test_one_process_is_a_whole_job():
     ("gpukv.create('dist_sync', timeout=0)", "ArgumentError", "timeout=0"),
     ("gpukv.create('dist_sync', timeout=float('inf'))", "ArgumentError", "timeout=inf"),
     ("gpukv.create('dist_sync', bigarray_bound=0)", "ArgumentError", "bigarray_bound=0"),
+    ("gpukv.create('dist_sync', timeout='5')", "ArgumentKindError", "timeout: expected"),
+    ("gpukv.create('dist_sync', bigarray_bound='10')", "ArgumentKindError",
+     "bigarray_bound: expected an int"),
+    ("gpukv.create('dist_sync', bigarray_bound=np.int64(0))", "ArgumentError",
+     "bigarray_bound=0"),
+    ("print(gpukv.create('dist_sync', num_servers=np.int64(0), bigarray_bound=np.int64(10), "
+     "timeout=np.float32(5)).num_servers)", "0", ""),
     ("gpukv.create('dist_sync', servers=2)", "ArgumentKindError", "'servers': unknown"),
     ("gpukv.create('dist_sync', nccl=True)", "ArgumentError", "nccl=True"),
     ("gpukv.create('dist_device_sync', nccl='yes')", "ArgumentKindError", "nccl"),

@@ -86,3 +86,22 @@ def test_info_names_a_malformed_setting_the_stores_refuse(on_gpu, monkeypatch):
             "1 (on) or 0 (off)") in text
     if on_gpu:
         assert "-> error: ArgumentError: GPUKV_STRATEGY='bogus'" in text
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("GPUKV_HOST_JIT", "yes", "expected 1 (on) or 0 (off)"),
+    ("GPUKV_HOST_THREADS", "0", "expected a positive integer"),
+    ("GPUKV_VIRTUAL_GPUS", "-3", "expected a positive integer"),
+    ("GPUKV_TREE_ARRAY_BOUND", "-1", "expected a positive integer"),
+    ("GPUKV_DIST_CHUNK_BYTES", "x", "expected a positive number of bytes"),
+    ("GPUKV_NUM_SERVERS", "x", "expected an integer >= 0"),
+    ("GPUKV_DIST_TIMEOUT", "-5", "expected finite seconds > 0"),
+    ("GPUKV_BIGARRAY_BOUND", "-1", "expected a positive integer")])
+def test_info_names_every_malformed_setting_a_store_would_refuse(name, value, says,
+                                                                 monkeypatch):
+    """Each GPUKV_* setting a store refuses at create is named by `info` with its value,
+    as the store's own parser words it; with none set, none is named."""
+    assert "malformed setting" not in _info.render(_info.collect())
+    monkeypatch.setenv(name, value)
+    text = _info.render(_info.collect())
+    assert f"malformed setting (stores refuse it): {name}={value!r}: {says}" in text

@@ -296,8 +296,8 @@ def tree_slice_plan(nelems: int, machine_or_matrix, home: int, *, itemsize: int 
         raise ArgumentError(f"tree_slice_plan: nelems {nelems}: expected >= 0")
     if not 0 <= home < n:
         raise ArgumentError(f"tree_slice_plan: home {home} outside 0..{n - 1}")
-    opts = topology.tree_options()
-    bound = opts["array_bound"] if array_bound is None else array_bound
+    bound = (topology.tree_options("array_bound")["array_bound"] if array_bound is None
+             else array_bound)
     if bound is not None:
         return topology.slice_plan(nelems, n, home, array_bound=bound)
     itemsize = costs.itemsize if itemsize is None else int(itemsize)
@@ -306,6 +306,7 @@ def tree_slice_plan(nelems: int, machine_or_matrix, home: int, *, itemsize: int 
     nbytes = float(nelems * itemsize)
     if n == 1 or nelems < 2 or nbytes < 2 * min_slice:
         return whole
+    opts = topology.tree_options("penalty", "backtrack")
     key = (repr(m), m.matrix.tobytes(), nelems, itemsize, home, min_slice, costs,
            opts["penalty"], opts["backtrack"])
     plan = _SLICE_CACHE.get(key)
@@ -435,7 +436,7 @@ def best_strategy(nbytes: float, n_devices: int, machine_or_matrix="dgx1-v100",
         raise ArgumentError("best_strategy: no strategies to choose from")
     m = machine(machine_or_matrix, n_devices)
     if array_bound is None:
-        array_bound = topology.tree_options()["array_bound"]
+        array_bound = topology.tree_options("array_bound")["array_bound"]
     key = (repr(m), m.matrix.tobytes(), float(nbytes), strategies, home, array_bound, costs)
     best = _BEST_CACHE.get(key)
     if best is None:

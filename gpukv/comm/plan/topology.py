@@ -230,29 +230,45 @@ def tree_depth(n: int) -> int:
     return max(0, math.ceil(math.log2(n))) if n > 0 else 0
 
 
-def tree_options() -> dict:
-    """Planner settings from the environment (GPUKV_TREE_*, else MXNET_KVSTORE_TREE_*).
+def tree_options(*names: str) -> dict:
+    """Planner settings from the environment (GPUKV_TREE_*, else MXNET_KVSTORE_TREE_*):
+    `names` among 'penalty', 'backtrack' and 'array_bound' (none: all of them), each
+    checked with the variable it came from named in the error (a setting not asked for is
+    not read: an option given in its place wins even over a malformed variable).
 
     ``array_bound`` is None unless a bound is set: the cost model then decides slicing.
     """
-    def env(name, default, cast):
+    def env(name, default, parse, expected):
         for prefix in ("GPUKV_TREE_", "MXNET_KVSTORE_TREE_"):
             raw = os.environ.get(prefix + name, "").strip()
             if raw:
                 try:
-                    return cast(raw)
+                    return parse(raw)
                 except ValueError:
-                    raise ArgumentError(f"{prefix + name}={raw!r}: expected a number") from None
+                    raise ArgumentError(f"{prefix + name}={raw!r}: expected {expected}"
+                                        ) from None
         return default
 
-    penalty = env("LINK_USAGE_PENALTY", DEFAULT_PENALTY, float)
-    if not 0 < penalty <= 1:
-        raise ArgumentError(f"tree link usage penalty {penalty}: expected 0 < penalty <= 1")
-    bound = env("ARRAY_BOUND", DEFAULT_ARRAY_BOUND, int)
-    if bound is not None and bound < 1:
-        raise ArgumentError(f"tree array bound {bound}: expected a positive element count")
-    return {"penalty": penalty, "backtrack": bool(env("BACKTRACK", 0, int)),
-            "array_bound": bound}
+    def penalty_of(raw: str) -> float:
+        value = float(raw)
+        if not 0 < value <= 1:
+            raise ValueError
+        return value
+
+    def bound_of(raw: str) -> int:
+        value = int(raw)
+        if value < 1:
+            raise ValueError
+        return value
+
+    readers = {
+        "penalty": lambda: env("LINK_USAGE_PENALTY", DEFAULT_PENALTY, penalty_of,
+                               "a number with 0 < penalty <= 1"),
+        "backtrack": lambda: env("BACKTRACK", False, lambda raw: int(raw) != 0,
+                                 "an integer (0: off, else on)"),
+        "array_bound": lambda: env("ARRAY_BOUND", DEFAULT_ARRAY_BOUND, bound_of,
+                                   "a positive integer (elements)")}
+    return {name: readers[name]() for name in (names or readers)}
 
 
 def plan_trees(matrix, *, penalty: float | None = None,
@@ -264,9 +280,9 @@ def plan_trees(matrix, *, penalty: float | None = None,
     trees spread over different links when the topology allows. Never fails: missing
     links become staged edges. `penalty`/`backtrack` default to `tree_options()`.
     """
-    opts = tree_options()
-    penalty = opts["penalty"] if penalty is None else float(penalty)
-    backtrack = opts["backtrack"] if backtrack is None else bool(backtrack)
+    penalty = tree_options("penalty")["penalty"] if penalty is None else float(penalty)
+    backtrack = (tree_options("backtrack")["backtrack"] if backtrack is None
+                 else bool(backtrack))
     w = as_link_matrix(matrix)
     return list(_plan_trees_cached(w.tobytes(), w.shape[0], penalty, backtrack))
 
@@ -578,7 +594,8 @@ def slice_plan(nelems: int, n_trees: int, home: int, *, array_bound: int | None 
         if nelems == 0:
             return [(home, 0, 0)]
     else:
-        bound = tree_options()["array_bound"] if array_bound is None else array_bound
+        bound = (tree_options("array_bound")["array_bound"] if array_bound is None
+                 else array_bound)
         bound = MXNET_ARRAY_BOUND if bound is None else bound
         if nelems <= bound or n_trees == 1:
             return [(home, 0, nelems)]

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import gpukv
 from gpukv.comm.plan import topology as T
 from gpukv.device.cuda import driver as D
 from gpukv.device.cuda import probe
@@ -246,6 +247,26 @@ def test_tree_options_from_environment(monkeypatch, env, expected):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert T.tree_options() == expected
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("GPUKV_TREE_ARRAY_BOUND", "-1", "a positive integer"),
+    ("MXNET_KVSTORE_TREE_ARRAY_BOUND", "1.5", "a positive integer"),
+    ("GPUKV_TREE_LINK_USAGE_PENALTY", "5", "a number with 0 < penalty <= 1"),
+    ("GPUKV_TREE_BACKTRACK", "yes", "an integer")])
+def test_a_bad_tree_variable_is_named_with_its_value(monkeypatch, name, value, expected):
+    """Each malformed setting is an ArgumentError naming the variable it came from, its
+    value and what it takes; a setting not asked for is not read, so an option given in
+    its place (array_bound=) wins even over a malformed variable."""
+    for other in ("LINK_USAGE_PENALTY", "BACKTRACK", "ARRAY_BOUND"):
+        monkeypatch.delenv("GPUKV_TREE_" + other, raising=False)
+        monkeypatch.delenv("MXNET_KVSTORE_TREE_" + other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(gpukv.ArgumentError, match=f"{name}={value!r}: expected {expected}"):
+        T.tree_options()
+    asked = {"ARRAY_BOUND": "array_bound", "PENALTY": "penalty", "BACKTRACK": "backtrack"}
+    other = [v for k, v in asked.items() if not name.endswith(k)]
+    assert set(T.tree_options(*other)) == set(other)
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "x"])

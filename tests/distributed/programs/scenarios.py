@@ -1018,13 +1018,29 @@ def device_init(nccl: str) -> None:
     passed(kv)
 
 
-def settings_differ() -> None:
-    """Processes that make a store with other settings (here bigarray_bound) get a
-    PeerMismatchError from create, naming what differs."""
+def settings_differ(setting: str = "bigarray_bound") -> None:
+    """Processes that make a store with other settings (bigarray_bound 8 and 1000, or
+    timeout) get a PeerMismatchError from create, naming what differs."""
+    first = int(os.environ.get("PMI_RANK", "0")) == 0
     try:
-        create(bigarray_bound=8 if int(os.environ.get("PMI_RANK", "0")) == 0 else 1000)
+        create(**{setting: 8 if first else 1000})
     except gpukv.PeerMismatchError as exc:
         caught(os.environ.get("PMI_RANK"), exc)
+
+
+def setting_refused_on_one(victim: str = "1") -> None:
+    """One process whose own environment holds a malformed setting refuses it at create
+    (ArgumentError), and the others hear of it at once (PeerMismatchError naming it),
+    not after their timeout; each prints how long its create took."""
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if rank == int(victim):
+        os.environ["GPUKV_BIGARRAY_BOUND"] = "-1"
+    start = time.monotonic()
+    try:
+        create()
+    except gpukv.GpukvError as exc:
+        print(f"TOOK {time.monotonic() - start:.1f} s on rank {rank}", flush=True)
+        caught(rank, exc)
 
 
 def absent(victim: str = "1") -> None:
