@@ -159,6 +159,7 @@ def test_the_registry_forgets_freed_memory(cp):
     """Freed arrays leave the registry (their bytes no longer count as in use)."""
     from cudaemu import memory
     gc.collect()
+    cp.cuda.Device(0).synchronize()  # (an earlier test's frees come back first)
     before = memory.used_bytes(0)
     arrays = [cp.empty(1000, cp.float32) for _ in range(10)]
     assert memory.used_bytes(0) == before + 40000

@@ -41,7 +41,8 @@ def test_the_contract_documents_every_call_of_each_store(cls):
     beyond = {LocalStore: {"pin", "key_kind", "optimizer", "entries", "lookup",
                            "init_checked", "push_checked", "pull_checked", "adopt",
                            "keep_apart", "settles_pulls", "rejoin", "update_merged",
-                           "optimizer_updater", "write_part", "speak_as", "__repr__"},
+                           "optimizer_updater", "write_part", "speak_as", "values_written",
+                           "__repr__"},
               DistKVStore: {"nccl", "__repr__"}}[cls]
     assert _public(cls) - _public(KVStore) == beyond
     for name in _public(KVStore) - {"__len__", "__contains__"}:
