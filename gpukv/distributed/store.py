@@ -234,7 +234,14 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
     if bigarray_bound < 1:
         raise ArgumentError(f"bigarray_bound={int(bigarray_bound)}: expected a positive int "
                             f"(elements)")
-    return num_servers, float(timeout), int(bigarray_bound), chosen_chunk_bytes()
+    return num_servers, timeout, int(bigarray_bound), chosen_chunk_bytes()
+
+
+def check_environment() -> None:
+    """ArgumentError for a malformed GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT or
+    GPUKV_BIGARRAY_BOUND, as `create` reads them (for a job of any size), changing
+    nothing (`gpukv info`)."""
+    _options("dist_sync", None, None, None, 1 << 30)
 
 
 def _sum_buffer(value) -> np.ndarray:

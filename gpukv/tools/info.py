@@ -200,16 +200,14 @@ def settings_errors() -> dict:
     from ..device import host_jit
     from ..device.base import virtual_gpus
     from ..distributed.mpi.chunks import chosen_chunk_bytes
-    from ..distributed.store import _options
+    from ..distributed.store import check_environment
     checks: dict[str, Callable[[], object]] = {
         "GPUKV_HOST_JIT": host_jit.check_setting,
         "GPUKV_HOST_THREADS": lambda: positive_int("GPUKV_HOST_THREADS"),
         "GPUKV_VIRTUAL_GPUS": virtual_gpus,
         "GPUKV_TREE_*": topology.tree_options,
         "GPUKV_DIST_CHUNK_BYTES": chosen_chunk_bytes,
-        # (the dist stores' own: as a job of many processes would read them)
-        "GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND":
-            lambda: _options("dist_sync", None, None, None, 1 << 30)}
+        "GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND": check_environment}
     errors = {}
     for name, check in checks.items():
         try:

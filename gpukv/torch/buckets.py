@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dtypes import NARROW_FLOATS
 from .._errors import ArgumentError, DTypeError, ShapeError
 
 #: bucket capacity in bytes (PyTorch DDP's default)
@@ -32,6 +33,12 @@ class Bucket:
     @property
     def fused(self) -> bool:
         return len(self.names) > 1
+
+    @property
+    def narrow(self) -> bool:
+        """Whether its parameters are float16 or bfloat16: the stores sum and update
+        them in float32 (a master copy of the weights)."""
+        return str(self.params[0][0].dtype).removeprefix("torch.") in NARROW_FLOATS
 
 
 def trainable(modules) -> tuple[list, list]:

@@ -759,7 +759,7 @@ class Trainer:
         """ArgumentError where PowerSGD, set on the store after the Trainer was made,
         would find its matrices flattened into buckets, which it sends uncompressed."""
         comp = self._kv.gradient_compression
-        if comp is None or comp.get("type") != "powersgd":
+        if comp is None or not _low_rank(comp):
             return
         fused = [n for b in self._buckets if b.fused
                  for n, p in zip(b.names, b.params[0]) if p.dim() >= 2]

@@ -85,8 +85,7 @@ class StoreUpdate:
         # replica's sum is its own gradient, bit for bit). It is made in the gradients'
         # dtype: a 16-bit sum would be rounded (or overflow) where the store sums in float32.
         several = bool(self._buckets) and len(self._buckets[0].grads) > 1
-        narrow = any(b.grads[0].dtype in (torch.float16, torch.bfloat16)
-                     for b in self._buckets)
+        narrow = any(b.narrow for b in self._buckets)
         return not (self.store.deterministic
                     or (several and (self._compressed or narrow)))
 

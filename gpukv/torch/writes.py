@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from .buckets import Bucket
 
 
@@ -60,8 +58,7 @@ class ReplicaWrites:
 
     def __init__(self, buckets: list[Bucket]) -> None:
         #: (bucket, replica, its parameters) of every 16-bit bucket
-        self._watched = [(bucket, r, params) for bucket in buckets
-                         if bucket.grads[0].dtype in (torch.float16, torch.bfloat16)
+        self._watched = [(bucket, r, params) for bucket in buckets if bucket.narrow
                          for r, params in enumerate(bucket.params)]
         self._seen = self._versions()
 
