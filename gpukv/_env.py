@@ -2,9 +2,50 @@
 (named instead where they only annotate a log line)."""
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 
 from ._errors import ArgumentError
+
+#: every GPUKV_* variable gpukv reads, each described in docs/settings.md
+SETTINGS = (
+    # the stores
+    "GPUKV_STRATEGY", "GPUKV_DETERMINISTIC", "GPUKV_VIRTUAL_GPUS", "GPUKV_HOST_THREADS",
+    "GPUKV_HOST_JIT", "GPUKV_CALIBRATION", "GPUKV_TREE_ARRAY_BOUND",
+    "GPUKV_TREE_LINK_USAGE_PENALTY", "GPUKV_TREE_BACKTRACK", "GPUKV_TIMELINE",
+    # several processes
+    "GPUKV_NUM_SERVERS", "GPUKV_DIST_TIMEOUT", "GPUKV_BIGARRAY_BOUND",
+    "GPUKV_DIST_CHUNK_BYTES",
+    # set by `gpukv run` and `gpukv cluster` for the processes they start
+    "GPUKV_RUN_VERBOSE", "GPUKV_RUN_ATTEMPT", "GPUKV_RUN_MAX_RESTARTS", "GPUKV_RUN_REPORT",
+    "GPUKV_CLUSTER", "GPUKV_CLUSTER_HOSTS",
+    # the GPU tools (`gpukv gpucheck`, the kernels' resource check)
+    "GPUKV_CUDA_EMULATION", "GPUKV_NVRTC_LIB", "GPUKV_PTXAS",
+)
+#: the test suite's own switches (docs/testing.md)
+TEST_PREFIXES = ("GPUKV_TEST_", "GPUKV_EMU_")
+
+
+def unknown_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{variable: the setting it most resembles, or ''} for each GPUKV_* variable in
+    `environ` (default os.environ) that gpukv does not read: a misspelled setting is
+    otherwise silently without effect."""
+    environ = os.environ if environ is None else environ
+    unknown = {}
+    for name in sorted(environ):
+        if (name.startswith("GPUKV_") and name not in SETTINGS
+                and not name.startswith(TEST_PREFIXES)):
+            close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.75)
+            unknown[name] = close[0] if close else ""
+    return unknown
+
+
+def name_unknown(unknown: Mapping[str, str]) -> str:
+    """`unknown_settings()`'s dict in words: each name, with '(did you mean ...?)' after
+    those that resemble a setting, joined by '; '."""
+    return "; ".join(f"{name} (did you mean {close}?)" if close else name
+                     for name, close in unknown.items())
 
 
 def positive_int(name: str, error: type = ArgumentError) -> int | None:

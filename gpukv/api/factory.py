@@ -5,7 +5,7 @@ import inspect
 import logging
 from typing import Any
 
-from .._env import restart_note
+from .._env import name_unknown, restart_note, unknown_settings
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
 from ..device import host_jit
@@ -16,6 +16,7 @@ log = logging.getLogger("gpukv")
 
 # Several processes (gpukv.distributed.store, imported when asked for: it needs MPI).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
+_UNKNOWN_SAID: set[str] = set()  # the unknown GPUKV_* variables warned of in this process
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -51,6 +52,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
     if not isinstance(name, str):
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
+    _warn_of_unknown_settings()
     host_jit.check_setting()  # read by the host's float16 sums as well as by compression
     if lowered in _DIST_TYPES:
         from ..distributed.store import DistKVStore
@@ -68,6 +70,17 @@ def create(name: str = "local", **options: Any) -> KVStore:
     log.info("gpukv %r store made: one process, strategy %s%s%s", store.type, store.strategy,
              ", deterministic" if store.deterministic else "", f", {note}" if note else "")
     return store
+
+
+def _warn_of_unknown_settings() -> None:
+    """One warning per process for each GPUKV_* variable gpukv does not read (a misspelled
+    setting would otherwise be without effect, unsaid)."""
+    unknown = {name: close for name, close in unknown_settings().items()
+               if name not in _UNKNOWN_SAID}
+    if unknown:
+        _UNKNOWN_SAID.update(unknown)
+        log.warning("gpukv reads no such setting, so it has no effect: %s (the "
+                    "Settings page lists those it reads)", name_unknown(unknown))
 
 
 def _check_options(options: dict, accepted: set) -> None:

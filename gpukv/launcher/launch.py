@@ -378,7 +378,10 @@ def main(argv: list[str]) -> int:
         command = resolve_program(command)
     except ArgumentError as exc:
         parser.error(str(exc))
-    verbose = args.verbose or run_rank.verbose()
+    try:
+        verbose = run_rank.verbose() or args.verbose
+    except ArgumentError as exc:
+        parser.error(str(exc))
     prefixed = [o for o in theirs if o in output.PREFIXING_OPTIONS]
     if args.log_dir is not None and prefixed:
         parser.error(f"--log-dir needs the ranks' lines, which {prefixed[0]} leaves to "

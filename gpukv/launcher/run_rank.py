@@ -32,6 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .._env import flag
 from . import run_report
 
 #: set to 1 for whole tracebacks (gpukv's frames included) and Ctrl-C's
@@ -68,7 +69,9 @@ def torchrun_env(env) -> dict[str, str]:
 
 
 def verbose() -> bool:
-    return os.environ.get(VERBOSE_ENV, "").strip() not in ("", "0")
+    """Whether $GPUKV_RUN_VERBOSE asks for every line; anything but blank, 1 or 0 is an
+    ArgumentError naming it (`gpukv run` refuses it before starting a process)."""
+    return bool(flag(VERBOSE_ENV))
 
 
 # ------------------------------------------------------------------ the watcher

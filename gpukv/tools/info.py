@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._env import name_unknown, unknown_settings
+
 SIMULATED = ("dgx1", "nvswitch", "pcie")
 RESIZABLE = ("nvswitch", "pcie")  # simulations whose GPU count --gpus sets (dgx1 has 8)
 # The planner's time grows steeply with the GPU count (about 0.4 s at 32, 8 s at 64).
@@ -244,6 +246,7 @@ def collect(simulate: str | None = None, simulate_n: int | None = None) -> dict:
         "strategy": strategy_info(gpus["count"] > 0),
         "calibration": calibration_info(),
         "setting_errors": settings_errors(),
+        "unknown_settings": unknown_settings(),
     }
     torch = _module_version("torch")
     if torch is not None:
@@ -371,6 +374,9 @@ def render(info: dict) -> str:
               for name in ("env_error", "deterministic_error") if s.get(name)]
     lines += [f"malformed setting (stores refuse it): {why}"
               for why in info.get("setting_errors", {}).values()]
+    if info.get("unknown_settings"):
+        lines.append("not a setting gpukv reads (without effect): "
+                     + name_unknown(info["unknown_settings"]))
     c = info.get("calibration")
     if c:
         if c["in_use"]:

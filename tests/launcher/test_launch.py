@@ -321,6 +321,21 @@ def test_usage_errors_start_nothing(argv, says, capsys, nothing_starts, tmp_path
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["false", "yes", "2"])
+def test_a_malformed_verbose_setting_is_a_usage_error(value, capsys, nothing_starts,
+                                                      tmp_path, monkeypatch):
+    """GPUKV_RUN_VERBOSE takes 1 or 0: 'false' must not turn every line on, nor any other
+    word be guessed at. Status 2, naming it, with or without --verbose."""
+    monkeypatch.setenv("GPUKV_RUN_VERBOSE", value)
+    (tmp_path / "prog.py").write_text("")
+    for verbose in ([], ["--verbose"]):
+        with pytest.raises(SystemExit) as exc:
+            launch.main([*verbose, "-n", "2", str(tmp_path / "prog.py")])
+        assert exc.value.code == 2
+        assert f"GPUKV_RUN_VERBOSE={value!r}: expected 1 (on) or 0 (off)" in \
+            capsys.readouterr().err
+
+
 def test_no_mpiexec_is_a_usage_error(capsys, nothing_starts, tmp_path, monkeypatch):
     """Without an mpiexec beside this Python nor on PATH: status 2, saying how to get one."""
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))

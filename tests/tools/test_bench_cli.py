@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -260,6 +261,23 @@ def test_the_recorded_command_of_the_gpukv_command_runs_again(monkeypatch):
     assert benchutil.command_line().endswith(" -m gpukv bench --host")
     monkeypatch.setattr(sys, "argv", ["benchmarks/bench_dist.py", "--sizes", "4K"])
     assert benchutil.command_line().endswith(" benchmarks/bench_dist.py --sizes 4K")
+
+
+def test_a_record_names_the_settings_it_ran_with(monkeypatch, tmp_path):
+    """A result is read against what changed it: GPUKV_* (and MXNet's MXNET_KVSTORE_*)
+    variables set are recorded, others not."""
+    for name in [n for n in dict(os.environ)
+                 if n.startswith(("GPUKV_", "MXNET_KVSTORE_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GPUKV_DETERMINISTIC", "1")
+    monkeypatch.setenv("GPUKV_HOST_THREADS", "2")
+    monkeypatch.setenv("MXNET_KVSTORE_TREE_ARRAY_BOUND", "9")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = benchutil.write_record(tmp_path / "r.json", {"x": 1}, "now")
+    record = json.loads(path.read_text())
+    assert record["settings"] == {"GPUKV_DETERMINISTIC": "1", "GPUKV_HOST_THREADS": "2",
+                                  "MXNET_KVSTORE_TREE_ARRAY_BOUND": "9"}
+    assert record["x"] == 1
 
 
 def test_a_plot_carries_the_command_that_made_it(monkeypatch, tmp_path):
