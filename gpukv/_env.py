@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from ._errors import ArgumentError
+from ._errors import ArgumentError, GpukvError
 
 #: every GPUKV_* variable gpukv reads, each described in docs/settings.md
 SETTINGS = (
@@ -36,9 +36,46 @@ def unknown_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]
     for name in sorted(environ):
         if (name.startswith("GPUKV_") and name not in SETTINGS
                 and not name.startswith(TEST_PREFIXES)):
-            close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.75)
+            close = difflib.get_close_matches(name.upper(), SETTINGS, n=1, cutoff=0.75)
             unknown[name] = close[0] if close else ""
     return unknown
+
+
+def malformed(checks: Mapping[str, Callable[[], object]]) -> dict[str, GpukvError]:
+    """{variable: the typed error its reader raises} for each of `checks` (a variable and
+    a call reading it) whose value is malformed."""
+    errors = {}
+    for name, check in checks.items():
+        try:
+            check()
+        except GpukvError as exc:
+            errors[name] = exc
+    return errors
+
+
+def refuse_malformed(checks: Mapping[str, Callable[[], object]]) -> None:
+    """Raise the reader's own error when one of `checks` is malformed, an ArgumentError
+    naming each when several are: all are said at once, not one per try."""
+    errors = list(malformed(checks).values())
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ArgumentError("malformed settings: " + "; ".join(map(str, errors)))
+
+
+#: where a launched process finds its rank: torchrun's (and `gpukv run`'s) variable, then
+#: those of MPI launchers (MPICH's Hydra, Open MPI, PMIx)
+RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def first_process() -> bool:
+    """Whether this process is a job's rank 0, or runs alone (no launcher's rank set):
+    where a word said alike by every rank is said once."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) == 0
+    return True
 
 
 def name_unknown(unknown: Mapping[str, str]) -> str:

@@ -5,10 +5,10 @@ import inspect
 import logging
 from typing import Any
 
-from .._env import name_unknown, restart_note, unknown_settings
+from .._env import first_process, name_unknown, refuse_malformed, restart_note, unknown_settings
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
-from ..device import host_jit
+from ..store import settings as store_settings
 from ..store.base import KVStore
 from ..store.local import _TYPES, LocalStore
 
@@ -53,8 +53,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
         raise ArgumentKindError(f"store name: expected a str, got {type(name).__name__}")
     lowered = name.lower()
     _warn_of_unknown_settings()
-    host_jit.check_setting()  # read by the host's float16 sums as well as by compression
-    if lowered in _DIST_TYPES:
+    if lowered in _DIST_TYPES:  # (which checks the settings with the other processes)
         from ..distributed.store import DistKVStore
         accepted = _store_options() | _own_options(DistKVStore)
         _check_options(options, accepted)
@@ -63,6 +62,8 @@ def create(name: str = "local", **options: Any) -> KVStore:
         valid = sorted(_TYPES) + sorted(_DIST_TYPES)
         raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
     _check_options(options, _store_options())
+    given = store_settings.given(options)
+    refuse_malformed(store_settings.setting_checks(given, on_gpu=_TYPES[lowered]))
     store = LocalStore(lowered, **options)
     # Said here, not by LocalStore: dist stores keep their keys in LocalStores of their own.
     # Its devices are not named: a key's home is chosen when the key is made.
@@ -73,8 +74,11 @@ def create(name: str = "local", **options: Any) -> KVStore:
 
 
 def _warn_of_unknown_settings() -> None:
-    """One warning per process for each GPUKV_* variable gpukv does not read (a misspelled
-    setting would otherwise be without effect, unsaid)."""
+    """One warning for each GPUKV_* variable gpukv does not read (a misspelled setting
+    would otherwise be without effect, unsaid), by a job's rank 0 alone: the ranks of a
+    job share an environment."""
+    if not first_process():
+        return
     unknown = {name: close for name, close in unknown_settings().items()
                if name not in _UNKNOWN_SAID}
     if unknown:

@@ -18,13 +18,13 @@ import secrets
 import sys
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from .. import timeline
-from .._env import positive_int, restart_note
+from .._env import positive_int, refuse_malformed, restart_note
 from .._errors import (
     ArgumentError,
     ArgumentKindError,
@@ -38,6 +38,7 @@ from ..device import host_device
 from ..device.host_sum import accumulate_dtype, share_cpus
 from ..encoding.compressors import compresses_key
 from ..store import check
+from ..store import settings as store_settings
 from ..store.base import KVStore
 from ..store.local import LocalStore, deterministic_option
 from ..store.pipeline import cast_to_keys
@@ -191,34 +192,25 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
     environment variables, each checked (as is everything `create` is given) before any
     message is sent."""
     from ..layout.pieces import DEFAULT_BIGARRAY_BOUND
-    if num_servers is None:
-        raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
-        try:
-            num_servers = int(raw) if raw else 0
-        except ValueError:
-            raise ArgumentError(f"GPUKV_NUM_SERVERS={raw!r}: expected an integer >= 0"
-                                ) from None
+    servers_from_env = num_servers is None
+    if servers_from_env:
+        num_servers = env_num_servers() or 0
     if isinstance(num_servers, (bool, np.bool_)) or not isinstance(num_servers,
                                                                    numbers.Integral):
         raise ArgumentKindError(f"num_servers: expected an int, got "
                                 f"{type(num_servers).__name__}")
     num_servers = int(num_servers)
     if not 0 <= num_servers < size:
-        raise ArgumentError(f"num_servers={num_servers}: expected 0 (every process serves) "
-                            f"up to {size - 1}, so that a worker is left among the {size} "
+        given = "GPUKV_NUM_SERVERS" if servers_from_env else "num_servers"
+        raise ArgumentError(f"{given}={num_servers}: expected 0 (every process serves) up to "
+                            f"{size - 1}, so that a worker is left among the {size} "
                             f"processes of this MPI job")
     if name == "dist_async" and num_servers == 0:
         raise ArgumentError("dist_async applies each push as it arrives, which needs "
                             "dedicated servers: pass num_servers >= 1 (or set "
                             "GPUKV_NUM_SERVERS)")
     if timeout is None:
-        raw = os.environ.get("GPUKV_DIST_TIMEOUT", "").strip()
-        try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout < math.inf:
-            raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected finite seconds > 0")
+        timeout = env_timeout() or DEFAULT_TIMEOUT
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
         raise ArgumentKindError(f"timeout: expected seconds (a number), got "
                                 f"{type(timeout).__name__}")
@@ -226,7 +218,7 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
     if not 0 < timeout < math.inf:  # every wait is bounded: by a finite time
         raise ArgumentError(f"timeout={timeout!r}: expected finite seconds > 0")
     if bigarray_bound is None:
-        bigarray_bound = positive_int("GPUKV_BIGARRAY_BOUND") or DEFAULT_BIGARRAY_BOUND
+        bigarray_bound = env_bigarray_bound() or DEFAULT_BIGARRAY_BOUND
     if isinstance(bigarray_bound, (bool, np.bool_)) or not isinstance(bigarray_bound,
                                                                       numbers.Integral):
         raise ArgumentKindError(f"bigarray_bound: expected an int (elements), got "
@@ -237,11 +229,54 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
     return num_servers, timeout, int(bigarray_bound), chosen_chunk_bytes()
 
 
-def check_environment() -> None:
-    """ArgumentError for a malformed GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT or
-    GPUKV_BIGARRAY_BOUND, as `create` reads them (for a job of any size), changing
-    nothing (`gpukv info`)."""
-    _options("dist_sync", None, None, None, 1 << 30)
+def env_num_servers() -> int | None:
+    """GPUKV_NUM_SERVERS as an int >= 0, None when unset or blank (whether the job has
+    enough processes for it is checked by `create`)."""
+    raw = os.environ.get("GPUKV_NUM_SERVERS", "").strip()
+    try:
+        servers = int(raw) if raw else None
+    except ValueError:
+        servers = -1
+    if servers is not None and servers < 0:
+        raise ArgumentError(f"GPUKV_NUM_SERVERS={raw!r}: expected an integer >= 0")
+    return servers
+
+
+def env_timeout() -> float | None:
+    """GPUKV_DIST_TIMEOUT as finite seconds > 0, None when unset or blank."""
+    raw = os.environ.get("GPUKV_DIST_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout < math.inf:
+        raise ArgumentError(f"GPUKV_DIST_TIMEOUT={raw!r}: expected finite seconds > 0")
+    return timeout
+
+
+def env_bigarray_bound() -> int | None:
+    """GPUKV_BIGARRAY_BOUND as a positive int (elements), else MXNet's
+    MXNET_KVSTORE_BIGARRAY_BOUND; None when neither is set."""
+    return (positive_int("GPUKV_BIGARRAY_BOUND")
+            or positive_int("MXNET_KVSTORE_BIGARRAY_BOUND"))
+
+
+#: the `create` option that wins over each variable: given, the variable is not read
+OPTIONS = {"GPUKV_NUM_SERVERS": "num_servers", "GPUKV_DIST_TIMEOUT": "timeout",
+           "GPUKV_BIGARRAY_BOUND": "bigarray_bound"}
+
+
+def setting_checks(given: Collection[str] = ()) -> dict[str, Callable[[], object]]:
+    """{variable: a call that reads it, raising its typed error when it is malformed}: the
+    settings of a dist store beyond every store's (gpukv.store.settings), less those
+    whose option (OPTIONS) is among the `given` options of `create`."""
+    checks: dict[str, Callable[[], object]] = {
+        "GPUKV_NUM_SERVERS": env_num_servers, "GPUKV_DIST_TIMEOUT": env_timeout,
+        "GPUKV_BIGARRAY_BOUND": env_bigarray_bound,
+        "GPUKV_DIST_CHUNK_BYTES": chosen_chunk_bytes}
+    return {name: check for name, check in checks.items() if OPTIONS.get(name) not in given}
 
 
 def _sum_buffer(value) -> np.ndarray:
@@ -291,6 +326,12 @@ class DistKVStore(KVStore):
         MPI = mpi()
         world = MPI.COMM_WORLD
         try:
+            given = store_settings.given({
+                **local_options, "num_servers": num_servers, "timeout": timeout,
+                "bigarray_bound": bigarray_bound, "deterministic": deterministic})
+            on_gpu = name == "dist_device_sync"  # (whose keys a 'device' store holds)
+            refuse_malformed({**store_settings.setting_checks(given, on_gpu),
+                              **setting_checks(given)})
             servers, timeout, bound, chunk = _options(name, num_servers, timeout,
                                                       bigarray_bound, world.Get_size())
             if nccl is not None and not isinstance(nccl, bool):

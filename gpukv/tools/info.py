@@ -19,12 +19,11 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from .._env import name_unknown, unknown_settings
+from .._env import malformed, name_unknown, unknown_settings
 
 SIMULATED = ("dgx1", "nvswitch", "pcie")
 RESIZABLE = ("nvswitch", "pcie")  # simulations whose GPU count --gpus sets (dgx1 has 8)
@@ -169,19 +168,10 @@ def mpi_info() -> dict:
 
 def strategy_info(on_gpu: bool) -> dict:
     """The strategy a GPU store uses by default, and what the names resolve to here."""
-    from .._env import flag
-    from .._errors import ArgumentError
-    from ..comm.registry import STRATEGIES, env_strategy, make_strategy
+    from ..comm.registry import STRATEGIES, make_strategy
     env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
     out = {"names": list(STRATEGIES), "env": env, "default": env or "auto",
            "deterministic": os.environ.get("GPUKV_DETERMINISTIC", "").strip() == "1"}
-    # a malformed setting the stores refuse, named here even where no GPU reads it
-    for name, check in (("env_error", env_strategy),
-                        ("deterministic_error", lambda: flag("GPUKV_DETERMINISTIC"))):
-        try:
-            check()
-        except ArgumentError as exc:
-            out[name] = str(exc)
     try:
         chosen = make_strategy(None, on_gpu=on_gpu)
         out["resolves_to"] = chosen.name
@@ -192,31 +182,25 @@ def strategy_info(on_gpu: bool) -> dict:
     return out
 
 
+def refused_by(name: str) -> str:
+    """Who refuses GPUKV_* setting `name` when it is malformed, in words."""
+    from ..launcher.run_rank import VERBOSE_ENV
+    from ..store.settings import GPU_ONLY
+    if name == VERBOSE_ENV:
+        return "gpukv run refuses it"
+    return "GPU stores refuse it" if name in GPU_ONLY else "stores refuse it"
+
+
 def settings_errors() -> dict:
-    """{variable: why the stores refuse it} for each malformed GPUKV_* setting the
-    stores read beyond the strategy's (those are in `strategy_info`), checked by the
-    parsers the stores use, so that `info` names what `create` would refuse."""
-    from .._env import positive_int
-    from .._errors import GpukvError
-    from ..comm.plan import topology
-    from ..device import host_jit
-    from ..device.base import virtual_gpus
-    from ..distributed.mpi.chunks import chosen_chunk_bytes
-    from ..distributed.store import check_environment
-    checks: dict[str, Callable[[], object]] = {
-        "GPUKV_HOST_JIT": host_jit.check_setting,
-        "GPUKV_HOST_THREADS": lambda: positive_int("GPUKV_HOST_THREADS"),
-        "GPUKV_VIRTUAL_GPUS": virtual_gpus,
-        "GPUKV_TREE_*": topology.tree_options,
-        "GPUKV_DIST_CHUNK_BYTES": chosen_chunk_bytes,
-        "GPUKV_NUM_SERVERS, GPUKV_DIST_TIMEOUT, GPUKV_BIGARRAY_BOUND": check_environment}
-    errors = {}
-    for name, check in checks.items():
-        try:
-            check()
-        except GpukvError as exc:
-            errors[name] = str(exc)
-    return errors
+    """{variable: why it is refused} for each malformed GPUKV_* setting, checked by the
+    readers the stores (and `gpukv run`) use, so that `info` names each one `create`
+    would refuse."""
+    from ..distributed import store as dist_store
+    from ..launcher import run_rank
+    from ..store import settings as store_settings
+    checks = {**store_settings.setting_checks(), **dist_store.setting_checks(),
+              run_rank.VERBOSE_ENV: run_rank.verbose}
+    return {name: str(exc) for name, exc in malformed(checks).items()}
 
 
 def calibration_info() -> dict:
@@ -370,10 +354,8 @@ def render(info: dict) -> str:
                                   "(GPUKV_DETERMINISTIC=1)" if s.get("deterministic") else
                                   "each strategy's own (deterministic=True or "
                                   "GPUKV_DETERMINISTIC=1: the canonical order)"))
-    lines += [f"malformed setting (stores refuse it): {s[name]}"
-              for name in ("env_error", "deterministic_error") if s.get(name)]
-    lines += [f"malformed setting (stores refuse it): {why}"
-              for why in info.get("setting_errors", {}).values()]
+    lines += [f"malformed setting ({refused_by(name)}): {why}"
+              for name, why in info.get("setting_errors", {}).items()]
     if info.get("unknown_settings"):
         lines.append("not a setting gpukv reads (without effect): "
                      + name_unknown(info["unknown_settings"]))

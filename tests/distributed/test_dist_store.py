@@ -667,19 +667,22 @@ def test_create_with_other_settings_is_refused(setting):
         result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
-def test_a_setting_one_process_refuses_is_heard_by_the_others_at_once(n, servers):
-    """A malformed GPUKV_BIGARRAY_BOUND in one process's environment: that process
-    raises its ArgumentError, and every other one a PeerMismatchError naming it, at
-    once rather than after the timeout (20 s here)."""
-    result = _scenario(n, servers, "setting_refused_on_one", "1", timeout=20, limit=60)
+@pytest.mark.parametrize("n,servers,name,value", [
+    (2, 0, "GPUKV_BIGARRAY_BOUND", "-1"), (3, 1, "GPUKV_BIGARRAY_BOUND", "-1"),
+    (2, 0, "GPUKV_HOST_JIT", "x"), (2, 0, "GPUKV_HOST_THREADS", "0")])
+def test_a_setting_one_process_refuses_is_heard_by_the_others_at_once(n, servers, name,
+                                                                      value):
+    """A malformed GPUKV_* setting in one process's environment (a dist store's own, or
+    one every store reads): that process raises its ArgumentError, and every other one a
+    PeerMismatchError naming it, at once rather than after the timeout (20 s here)."""
+    result = _scenario(n, servers, "setting_refused_on_one", "1", name, value, timeout=20,
+                       limit=60)
     out = result.stdout
     own = _caught(out, "ArgumentError")
-    assert len(own) == 1 and "GPUKV_BIGARRAY_BOUND='-1'" in own[0], out + result.stderr
+    assert len(own) == 1 and f"{name}={value!r}" in own[0], out + result.stderr
     others = _caught(out, "PeerMismatchError")
     assert len(others) == n - 1, out + result.stderr
-    assert all("rank(s) 1 has refused=" in ln and "GPUKV_BIGARRAY_BOUND" in ln
-               for ln in others), others
+    assert all("rank(s) 1 has refused=" in ln and name in ln for ln in others), others
     took = [float(t) for t in re.findall(r"TOOK ([\d.]+) s", out)]
     assert len(took) == n and max(took) < 10, out
 

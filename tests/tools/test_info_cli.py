@@ -81,7 +81,7 @@ def test_info_names_a_malformed_setting_the_stores_refuse(on_gpu, monkeypatch):
     monkeypatch.setenv("GPUKV_DETERMINISTIC", "maybe")
     strategy = _info.strategy_info(on_gpu=on_gpu)
     text = _info.render({**_info.collect(), "strategy": strategy})
-    assert "malformed setting (stores refuse it): GPUKV_STRATEGY='bogus': unknown" in text
+    assert "malformed setting (GPU stores refuse it): GPUKV_STRATEGY='bogus': unknown" in text
     assert ("malformed setting (stores refuse it): GPUKV_DETERMINISTIC='maybe': expected "
             "1 (on) or 0 (off)") in text
     if on_gpu:
@@ -104,4 +104,6 @@ def test_info_names_every_malformed_setting_a_store_would_refuse(name, value, sa
     assert "malformed setting" not in _info.render(_info.collect())
     monkeypatch.setenv(name, value)
     text = _info.render(_info.collect())
-    assert f"malformed setting (stores refuse it): {name}={value!r}: {says}" in text
+    who = ("GPU stores" if name in ("GPUKV_VIRTUAL_GPUS", "GPUKV_TREE_ARRAY_BOUND")
+           else "stores")
+    assert f"malformed setting ({who} refuse it): {name}={value!r}: {says}" in text

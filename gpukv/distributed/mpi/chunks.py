@@ -32,7 +32,7 @@ def chunk_bytes(transport) -> int:
 
 def chosen_chunk_bytes() -> int | None:
     """GPUKV_DIST_CHUNK_BYTES, or None when it is not set."""
-    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES")
+    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES", "").strip()
     if not chosen:
         return None
     try:

@@ -1028,13 +1028,15 @@ def settings_differ(setting: str = "bigarray_bound") -> None:
         caught(os.environ.get("PMI_RANK"), exc)
 
 
-def setting_refused_on_one(victim: str = "1") -> None:
-    """One process whose own environment holds a malformed setting refuses it at create
-    (ArgumentError), and the others hear of it at once (PeerMismatchError naming it),
-    not after their timeout; each prints how long its create took."""
+def setting_refused_on_one(victim: str = "1", name: str = "GPUKV_BIGARRAY_BOUND",
+                           value: str = "-1") -> None:
+    """One process whose own environment holds a malformed setting (`name`=`value`)
+    refuses it at create (ArgumentError), and the others hear of it at once
+    (PeerMismatchError naming it), not after their timeout; each prints how long its
+    create took."""
     rank = int(os.environ.get("PMI_RANK", "0"))
     if rank == int(victim):
-        os.environ["GPUKV_BIGARRAY_BOUND"] = "-1"
+        os.environ[name] = value
     start = time.monotonic()
     try:
         create()
