@@ -24,6 +24,10 @@ _COMMANDS = {
                "write a Trainer snapshot's parameters to a safetensors file, by name"),
 }
 
+#: the commands that call no store in their own process (`run`'s ranks, `cluster`'s
+#: command and `gpucheck`'s sections do, in processes of their own)
+_CALLING_NO_STORE = frozenset(["run", "info", "cluster", "gpucheck", "export"])
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -81,9 +85,9 @@ def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv[:1])  # the command name (or --help / --version)
     module_name, _ = _COMMANDS[args.command]
-    if args.command == "run":
-        # Under GPUKV_TIMELINE the ranks write the traces; the launcher calls no store,
-        # and an empty trace of its own, named rank 0 (no rank is set here), would mislead.
+    if args.command in _CALLING_NO_STORE:
+        # Under GPUKV_TIMELINE the processes they start write the traces; they call no
+        # store, and an empty trace of their own, named rank 0, would mislead.
         from . import timeline
         timeline.discard()
     from ._errors import BackendError

@@ -16,7 +16,8 @@ be made (a file's path, a folder that cannot be created or written) records noth
 says so in one RuntimeWarning: a diagnostic never stops the program it watches; nor does
 a write that fails on the way or at exit (one RuntimeWarning; the events are kept for
 the next), nor a span argument JSON cannot hold (written as its str).
-`gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do.
+`gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do; nor do the
+other commands that call no store (`gpukv info`, `cluster`, `gpucheck`, `export`).
 
 While it runs, in a process that imported PyTorch, each span is also a
 `torch.profiler.record_function` (named gpukv.<span>), so while `torch.profiler` records,
@@ -230,7 +231,8 @@ def _start_from_environment(environ) -> None:
 
 def discard() -> None:
     """Stop recording, and remove the file begun: the events so far are dropped (`gpukv
-    run`'s launcher, whose ranks write the traces that matter)."""
+    run`'s launcher, whose ranks write the traces that matter, and the other commands
+    that call no store)."""
     global _active
     recorder, _active = _active, None
     if recorder is not None:
