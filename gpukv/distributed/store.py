@@ -356,7 +356,7 @@ class DistKVStore(KVStore):
                         Setting("bigarray_bound", bound), Setting("timeout", timeout),
                         Setting("deterministic", deterministic),
                         Setting("stores made before", _PROCESS.made),
-                        Setting("GPUKV_DIST_CHUNK_BYTES", chunk))),
+                        Setting("GPUKV_DIST_CHUNK_BYTES", "unset" if chunk is None else chunk))),
             f"gpukv.create({name!r})")
         _PROCESS.made += 1
         comm = world.Dup()  # its own messages: the program's MPI traffic stays apart

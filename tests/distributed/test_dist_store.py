@@ -658,12 +658,13 @@ def test_device_store_pull_after_init_gives_rank0s_value(nccl):
     _passes(_scenario(3, 0, "device_init", nccl, store="dist_device_sync", gpus=True), 3)
 
 
-@pytest.mark.parametrize("setting", ["bigarray_bound", "timeout"])
-def test_create_with_other_settings_is_refused(setting):
+@pytest.mark.parametrize("setting,other", [("bigarray_bound", "1000"), ("timeout", "1000"),
+                                           ("GPUKV_DIST_CHUNK_BYTES", "unset")])
+def test_create_with_other_settings_is_refused(setting, other):
     result = _scenario(2, 0, "settings_differ", setting, timeout=10)
     lines = _caught(result.stdout, "PeerMismatchError")
     assert len(lines) == 2 and all("create" in ln and setting in ln and "8" in ln
-                                   and "1000" in ln for ln in lines), \
+                                   and other in ln for ln in lines), \
         result.stdout + result.stderr
 
 

@@ -1020,10 +1020,17 @@ def device_init(nccl: str) -> None:
 
 def settings_differ(setting: str = "bigarray_bound") -> None:
     """Processes that make a store with other settings (bigarray_bound 8 and 1000, or
-    timeout) get a PeerMismatchError from create, naming what differs."""
+    timeout; or GPUKV_DIST_CHUNK_BYTES 8 on rank 0 and unset on the others) get a
+    PeerMismatchError from create, naming what differs."""
     first = int(os.environ.get("PMI_RANK", "0")) == 0
     try:
-        create(**{setting: 8 if first else 1000})
+        if setting == "GPUKV_DIST_CHUNK_BYTES":
+            os.environ.pop(setting, None)
+            if first:
+                os.environ[setting] = "8"
+            create()
+        else:
+            create(**{setting: 8 if first else 1000})
     except gpukv.PeerMismatchError as exc:
         caught(os.environ.get("PMI_RANK"), exc)
 
