@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 from ._errors import ArgumentError
 
 ENV = "GPUKV_TIMELINE"
+#: the values of GPUKV_TIMELINE that name no folder (stripped, lower-cased): off
+OFF = ("", "0", "off", "none")
 #: events written out every this many, or every FLUSH_SECONDS (the new ones only)
 FLUSH_EVERY = 50_000
 FLUSH_SECONDS = 5.0
@@ -216,12 +218,12 @@ def start(folder: str | os.PathLike) -> None:
 
 
 def _start_from_environment(environ) -> None:
-    """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one (blank
-    or '0' names none: off); a folder
+    """Record into the folder `environ` names in GPUKV_TIMELINE, if it names one (blank,
+    '0', 'off' or 'none', in any case, name none: off, as GPUKV_CALIBRATION's); a folder
     or file that cannot be made is a RuntimeWarning (naming the variable, the path and the
     OS error) and nothing is recorded: a diagnostic never stops an import."""
     folder = environ.get(ENV, "")
-    if not folder.strip() or folder.strip() == "0":  # (blank or 0: off, as other flags)
+    if folder.strip().lower() in OFF:
         return
     try:
         start(folder)

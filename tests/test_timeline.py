@@ -160,10 +160,10 @@ def test_a_folder_that_cannot_be_written_is_known_when_recording_starts(tmp_path
     assert not timeline.enabled()
 
 
-@pytest.mark.parametrize("value", ["", " ", "0", " 0 "])
+@pytest.mark.parametrize("value", ["", " ", "0", " 0 ", "off", "OFF", "none"])
 def test_a_blank_or_zero_variable_records_nothing(tmp_path, monkeypatch, value):
-    """GPUKV_TIMELINE blank or 0 is off, as other flags' 0: no folder named ' ' or '0'
-    is made in the working folder."""
+    """GPUKV_TIMELINE blank, 0, off or none is off, as GPUKV_CALIBRATION's: no folder
+    named ' ', '0' or 'off' is made in the working folder."""
     monkeypatch.chdir(tmp_path)
     timeline._start_from_environment({"GPUKV_TIMELINE": value})
     assert not timeline.enabled()
