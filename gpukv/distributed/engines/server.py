@@ -26,7 +26,9 @@ sums its sources' (`partials.sum_leaves`), then updates.
 A key pushed with a compressor that compresses pulls too ('sign') is served as
 `gpukv.encoding.pulls` says: the server moves what its workers pull on by one payload
 after each round, from the updated value kept apart (with an updater) or from the sum;
-pulls are sent that served value (as float32: the payloads do not cross yet).
+a pull from a worker that holds the version before is sent that round's payload alone
+(`send_change`), which it decodes as every worker does; one further behind is sent the
+served value whole, as float32.
 
 A key a low-rank compressor sums (PowerSGD's) comes as every worker's share of a sum they
 made together (`low_rank`): once all are in, laid end to end in worker order, they are the
