@@ -92,22 +92,38 @@ def test_info_lists_unknown_settings(monkeypatch):
             "GPUKV_STRATEGY?)") in text
 
 
-GPU_SETTINGS = [("GPUKV_TREE_ARRAY_BOUND", "abc"), ("GPUKV_TREE_BACKTRACK", "x"),
-                ("GPUKV_TREE_LINK_USAGE_PENALTY", "2"), ("GPUKV_STRATEGY", "bogus"),
-                ("GPUKV_VIRTUAL_GPUS", "0")]
-EVERY_STORES_SETTINGS = [("GPUKV_HOST_JIT", "yes"), ("GPUKV_HOST_THREADS", "0"),
-                         ("GPUKV_DETERMINISTIC", "x")]
+TREE_SETTINGS = [("GPUKV_TREE_ARRAY_BOUND", "abc"), ("GPUKV_TREE_BACKTRACK", "x"),
+                 ("GPUKV_TREE_LINK_USAGE_PENALTY", "2"),
+                 ("MXNET_KVSTORE_TREE_ARRAY_BOUND", "-1")]
+GPU_SETTINGS = [("GPUKV_STRATEGY", "bogus"), ("GPUKV_VIRTUAL_GPUS", "0")]
+# (GPUKV_HOST_THREADS too, but once a process: the first store's pool of threads stays)
+EVERY_STORES_SETTINGS = [("GPUKV_HOST_JIT", "yes"), ("GPUKV_DETERMINISTIC", "x")]
 
 
-@pytest.mark.parametrize("name,value", GPU_SETTINGS + EVERY_STORES_SETTINGS)
-@pytest.mark.parametrize("store", ["device", "nccl"])
-def test_a_gpu_store_refuses_a_malformed_setting_when_made(store, name, value, monkeypatch):
-    """A GPU store checks every setting it reads when it is made, not at the first call
-    that happens to read it (a tree variable at the first push over several devices, on
-    a GPU only)."""
+def _round_trip(kv):
+    kv.init(0, np.ones(2, np.float32))
+    kv.push(0, [np.ones(2, np.float32)] * 3)
+    out = np.zeros(2, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("name,value", TREE_SETTINGS + GPU_SETTINGS + EVERY_STORES_SETTINGS)
+def test_a_gpu_store_refuses_a_malformed_setting_when_made(name, value, monkeypatch):
+    """A 'device' store (its default strategy 'auto' plans trees) refuses every setting it
+    reads when it is made, not at the first call that happens to read it (a tree
+    variable at the first push over several devices, on a GPU only)."""
     monkeypatch.setenv(name, value)
     with pytest.raises(gpukv.GpukvError, match=f"{name}={value!r}"):
-        gpukv.create(store)
+        gpukv.create("device")
+
+
+@pytest.mark.parametrize("name,value", TREE_SETTINGS)
+def test_a_host_store_given_the_tree_refuses_a_malformed_tree_setting(name, value,
+                                                                      monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(gpukv.GpukvError, match=f"{name}={value!r}"):
+        gpukv.create("local", strategy="tree")
 
 
 @pytest.mark.parametrize("name,value", EVERY_STORES_SETTINGS)
@@ -117,16 +133,18 @@ def test_a_host_store_refuses_a_malformed_setting_it_reads(name, value, monkeypa
         gpukv.create("local")
 
 
-@pytest.mark.parametrize("name,value", GPU_SETTINGS)
-def test_a_host_store_ignores_the_gpu_settings(name, value, monkeypatch):
-    """A 'local' store sums on the host: no strategy, tree or virtual GPU concerns it."""
+@pytest.mark.parametrize("store,options,name,value", [
+    *[("local", {}, name, value) for name, value in TREE_SETTINGS + GPU_SETTINGS],
+    *[(store, options, name, value) for name, value in TREE_SETTINGS + GPU_SETTINGS[:1]
+      for store, options in (("nccl", {}), ("device", {"strategy": "ring"}))]])
+def test_a_store_that_does_not_read_a_setting_leaves_it_alone(store, options, name, value,
+                                                              monkeypatch):
+    """A host store sums on the host, 'nccl' and a ring plan no tree: a setting they do
+    not read does not concern them, malformed or not (GPUKV_STRATEGY with a strategy
+    named: 'nccl' names its own). Every GPU store deals its devices by
+    GPUKV_VIRTUAL_GPUS."""
     monkeypatch.setenv(name, value)
-    kv = gpukv.create("local")
-    kv.init(0, np.ones(2, np.float32))
-    kv.push(0, [np.ones(2, np.float32)] * 3)
-    out = np.zeros(2, np.float32)
-    kv.pull(0, out=out)
-    assert out.tolist() == [3, 3]
+    _round_trip(gpukv.create(store, **options))
 
 
 @pytest.mark.parametrize("name,value,options", [
@@ -136,22 +154,31 @@ def test_a_host_store_ignores_the_gpu_settings(name, value, monkeypatch):
 def test_an_option_given_wins_over_its_variable_malformed_or_not(name, value, options,
                                                                  monkeypatch):
     monkeypatch.setenv(name, value)
-    kv = gpukv.create("device", **options)
-    kv.init(0, np.ones(3, np.float32))
-    kv.push(0, [np.ones(3, np.float32)] * 2)
-    out = np.zeros(3, np.float32)
-    kv.pull(0, out=out)
-    assert out.tolist() == [2, 2, 2]
+    _round_trip(gpukv.create("device", **options))
 
 
-def test_several_malformed_settings_are_refused_in_one_error(monkeypatch):
+def test_a_strategy_made_with_its_bound_wins_over_the_variable(monkeypatch):
+    from gpukv.comm.tree import TreeStrategy
     monkeypatch.setenv("GPUKV_TREE_ARRAY_BOUND", "abc")
-    monkeypatch.setenv("GPUKV_HOST_THREADS", "0")
+    _round_trip(gpukv.create("device", strategy=TreeStrategy(array_bound=100)))
+    with pytest.raises(gpukv.ArgumentError, match="GPUKV_TREE_ARRAY_BOUND='abc'"):
+        TreeStrategy()
+
+
+def test_several_malformed_settings_are_refused_in_one_error():
+    """What a dist store says when a process's environment holds several (all at once,
+    rather than one per try)."""
+    def bad(name):
+        def check():
+            raise gpukv.ArgumentError(f"{name}='x': malformed")
+        return check
     with pytest.raises(gpukv.ArgumentError) as caught:
-        gpukv.create("device")
-    said = str(caught.value)
-    assert said.startswith("malformed settings: ")
-    assert "GPUKV_TREE_ARRAY_BOUND='abc'" in said and "GPUKV_HOST_THREADS='0'" in said
+        _env.refuse_malformed({"GPUKV_A": bad("GPUKV_A"), "GPUKV_B": bad("GPUKV_B"),
+                               "GPUKV_C": lambda: None})
+    assert str(caught.value) == ("malformed settings: GPUKV_A='x': malformed; "
+                                 "GPUKV_B='x': malformed")
+    with pytest.raises(gpukv.ArgumentError, match="^GPUKV_A='x': malformed$"):
+        _env.refuse_malformed({"GPUKV_A": bad("GPUKV_A")})
 
 
 def test_info_names_each_malformed_setting_once(monkeypatch):
@@ -169,8 +196,10 @@ def test_info_names_each_malformed_setting_once(monkeypatch):
     assert sorted(ln.split("): ", 1)[1].split("=")[0] for ln in lines) == sorted(bad)
     assert ("malformed setting (gpukv run refuses it): GPUKV_RUN_VERBOSE='x': expected 1 "
             "(on) or 0 (off)") in lines
-    assert ("malformed setting (GPU stores refuse it): GPUKV_TREE_BACKTRACK='x': expected "
-            "an integer (0: off, else on)") in lines
+    assert ("malformed setting (the tree and auto strategies refuse it): "
+            "GPUKV_TREE_BACKTRACK='x': expected an integer (0: off, else on)") in lines
+    assert ("malformed setting (dist stores refuse it): GPUKV_DIST_TIMEOUT='x': expected "
+            "finite seconds > 0") in lines
 
 
 def test_too_many_servers_from_the_environment_name_the_variable(monkeypatch):

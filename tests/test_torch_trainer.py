@@ -110,6 +110,26 @@ def test_update_on_kvstore_false_matches_true(optimizer):
                                        atol=1e-7)
 
 
+@pytest.mark.parametrize("kvstore", ["local", "device"])
+def test_deterministic_given_wins_over_a_malformed_variable(kvstore, monkeypatch):
+    """Trainer(deterministic=True) reads no GPUKV_DETERMINISTIC, in the stores it makes for
+    itself too (each replica's, and the early sums'): the same weights as with the
+    variable unset."""
+    base = make_model()
+    a, b = replicas_of(base, 2), replicas_of(base, 2)
+    for models, value in ((a, None), (b, "x")):
+        if value is not None:
+            monkeypatch.setenv("GPUKV_DETERMINISTIC", value)
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore=kvstore,
+                             update_on_kvstore=False, deterministic=True)
+        x, y = make_data()
+        for _ in range(3):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            trainer.step(len(x))
+    assert_same_weights(b, a[0], rtol=0, atol=0)
+
+
 def test_allreduce_then_update_equals_step():
     """allreduce_grads() then update(batch_size) is step(batch_size), and allreduce leaves
     the summed gradient in every replica's .grad."""

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from typing import Any
 
-from .._env import first_process, name_unknown, refuse_malformed, restart_note, unknown_settings
+from .._env import first_process, name_unknown, restart_note, unknown_settings
 from .._errors import ArgumentError, ArgumentKindError
 from ..comm.registry import all_strategy_options
-from ..store import settings as store_settings
+from ..device import host_jit
 from ..store.base import KVStore
 from ..store.local import _TYPES, LocalStore
 
@@ -17,6 +18,7 @@ log = logging.getLogger("gpukv")
 # Several processes (gpukv.distributed.store, imported when asked for: it needs MPI).
 _DIST_TYPES = frozenset(["dist_sync", "dist_async", "dist_device_sync"])
 _UNKNOWN_SAID: set[str] = set()  # the unknown GPUKV_* variables warned of in this process
+_UNKNOWN_LOCK = threading.Lock()  # (stores made by several threads at once say each once)
 
 
 def create(name: str = "local", **options: Any) -> KVStore:
@@ -62,8 +64,7 @@ def create(name: str = "local", **options: Any) -> KVStore:
         valid = sorted(_TYPES) + sorted(_DIST_TYPES)
         raise ArgumentError(f"store name {name!r}: unknown; valid names are {', '.join(valid)}")
     _check_options(options, _store_options())
-    given = store_settings.given(options)
-    refuse_malformed(store_settings.setting_checks(given, on_gpu=_TYPES[lowered]))
+    host_jit.check_setting()  # read by the host's float16 sums as well as by compression
     store = LocalStore(lowered, **options)
     # Said here, not by LocalStore: dist stores keep their keys in LocalStores of their own.
     # Its devices are not named: a key's home is chosen when the key is made.
@@ -79,10 +80,11 @@ def _warn_of_unknown_settings() -> None:
     job share an environment."""
     if not first_process():
         return
-    unknown = {name: close for name, close in unknown_settings().items()
-               if name not in _UNKNOWN_SAID}
-    if unknown:
+    with _UNKNOWN_LOCK:
+        unknown = {name: close for name, close in unknown_settings().items()
+                   if name not in _UNKNOWN_SAID}
         _UNKNOWN_SAID.update(unknown)
+    if unknown:
         log.warning("gpukv reads no such setting, so it has no effect: %s (the "
                     "Settings page lists those it reads)", name_unknown(unknown))
 

@@ -73,6 +73,8 @@ class AutoStrategy(Strategy):
         self._strategies = dict(strategies or {})
         self._cache: dict = {}
         self._said: set = set()
+        from .plan import topology
+        topology.tree_options()  # read by its model and its trees: malformed, refused now
 
     def strategy(self, name: str) -> Strategy:
         """The strategy object of `name` this auto strategy delegates to."""

@@ -104,6 +104,11 @@ class TreeStrategy(Strategy):
         self._min_slice = _positive_int_or_none("min_slice_bytes", min_slice_bytes)
         self._plans: dict = {}
         self._fallback = HomeStrategy()
+        # the variables it reads on its first plan, refused now if malformed (the bound's
+        # only when it is not given)
+        from .plan import topology
+        topology.tree_options("penalty", "backtrack",
+                              *(["array_bound"] if self._bound is None else []))
 
     # --------------------------------------------------------------- planning
     def _plan(self, nodes) -> _Plan:

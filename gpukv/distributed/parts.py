@@ -23,8 +23,10 @@ class Shard:
     `gpukv.distributed` (their `Shard` protocol): a host `LocalStore` they sum into and
     read back, driven through its public surface."""
 
-    def __init__(self):
-        self.store = LocalStore("local")
+    def __init__(self, deterministic: bool = False):
+        # (its sums in the canonical order as the dist store's: never the environment's
+        # GPUKV_DETERMINISTIC, which the dist store's option wins over)
+        self.store = LocalStore("local", deterministic=deterministic)
 
     def init(self, key, value) -> None:
         self.store.init(key, value)

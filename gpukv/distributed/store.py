@@ -85,7 +85,7 @@ def _serve_or_client(transport, servers: int, bound: int, name: str,
     asynchronous = name == "dist_async"
     if transport.rank < servers:
         try:
-            serve(transport, servers, Shard(), asynchronous=asynchronous)
+            serve(transport, servers, Shard(deterministic), asynchronous=asynchronous)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
@@ -330,7 +330,9 @@ class DistKVStore(KVStore):
                 **local_options, "num_servers": num_servers, "timeout": timeout,
                 "bigarray_bound": bigarray_bound, "deterministic": deterministic})
             on_gpu = name == "dist_device_sync"  # (whose keys a 'device' store holds)
-            refuse_malformed({**store_settings.setting_checks(given, on_gpu),
+            tree = (store_settings.tree_checks(local_options.get("strategy"), given)
+                    if on_gpu else {})
+            refuse_malformed({**store_settings.setting_checks(given, on_gpu), **tree,
                               **setting_checks(given)})
             servers, timeout, bound, chunk = _options(name, num_servers, timeout,
                                                       bigarray_bound, world.Get_size())
@@ -386,7 +388,7 @@ class DistKVStore(KVStore):
         self._engine: Engine
         if servers == 0:  # NCCL's rounds when `gpu` is one
             from .engines.sharded import ShardedRounds
-            self._engine = ShardedRounds(transport, Shard(), bound,
+            self._engine = ShardedRounds(transport, Shard(deterministic), bound,
                                          deterministic=deterministic, device=gpu)
         else:
             _PROCESS.served = name

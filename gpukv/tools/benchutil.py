@@ -221,7 +221,7 @@ def _distribution_version(dist: str) -> str | None:
         return None
 
 
-def settings() -> dict[str, str]:
+def environment_settings() -> dict[str, str]:
     """The GPUKV_* (and MXNet's MXNET_KVSTORE_*) environment variables set: what a store
     made by the measured run read, e.g. GPUKV_DETERMINISTIC or GPUKV_HOST_THREADS."""
     return {name: value for name, value in sorted(os.environ.items())
@@ -238,11 +238,12 @@ def command_line() -> str:
 
 
 def write_record(path: Path, payload: dict, created_utc: str) -> Path:
-    """Write `payload` after its creation time, the command line and the settings it ran
-    with as pretty JSON, through a temporary file renamed over `path`. Returns `path`."""
+    """Write `payload` after its creation time, the command line and the environment's
+    settings it ran with (under "environment_variables": a payload's "settings" are its options) as
+    pretty JSON, through a temporary file renamed over `path`. Returns `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"created_utc": created_utc, "command": command_line(),
-              "settings": settings()}
+              "environment_variables": environment_settings()}
     record.update(payload)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -184,11 +184,18 @@ def strategy_info(on_gpu: bool) -> dict:
 
 def refused_by(name: str) -> str:
     """Who refuses GPUKV_* setting `name` when it is malformed, in words."""
+    from ..distributed import store as dist_store
     from ..launcher.run_rank import VERBOSE_ENV
-    from ..store.settings import GPU_ONLY
+    from ..store.settings import GPU_ONLY, TREE_CHECKS
     if name == VERBOSE_ENV:
         return "gpukv run refuses it"
-    return "GPU stores refuse it" if name in GPU_ONLY else "stores refuse it"
+    if name in TREE_CHECKS:
+        return "the tree and auto strategies refuse it"
+    if name in GPU_ONLY:
+        return "GPU stores refuse it"
+    if name in dist_store.setting_checks():
+        return "dist stores refuse it"
+    return "stores refuse it"
 
 
 def settings_errors() -> dict:
@@ -198,8 +205,8 @@ def settings_errors() -> dict:
     from ..distributed import store as dist_store
     from ..launcher import run_rank
     from ..store import settings as store_settings
-    checks = {**store_settings.setting_checks(), **dist_store.setting_checks(),
-              run_rank.VERBOSE_ENV: run_rank.verbose}
+    checks = {**store_settings.setting_checks(), **store_settings.TREE_CHECKS,
+              **dist_store.setting_checks(), run_rank.VERBOSE_ENV: run_rank.verbose}
     return {name: str(exc) for name, exc in malformed(checks).items()}
 
 

@@ -105,7 +105,8 @@ class StoreUpdate:
     def early_store(self) -> KVStore:
         """One more store of this process, without optimizer: it sums the replicas'
         gradients during backward, and the step pushes its sums to the store."""
-        self.sums = create("local" if self.store.type == "local" else "device")
+        self.sums = create("local" if self.store.type == "local" else "device",
+                           deterministic=self.store.deterministic)
         for bucket in self._buckets:
             bucket.summed = torch.zeros_like(bucket.grads[0])
         self.sums.init([b.key for b in self._buckets], [b.summed for b in self._buckets])
@@ -175,7 +176,7 @@ class ReplicaUpdate:
         self.replica_stores: list[KVStore] = []
         self.replica_optimizers: list[Optimizer] = []
         for r in range(replicas):
-            local = create(kind)
+            local = create(kind, deterministic=store.deterministic)
             assert isinstance(local, LocalStore)  # a store of this process alone
             if keys:
                 local.adopt(keys, [adopt(b.weights[r]) for b in buckets])

@@ -688,6 +688,14 @@ def test_a_setting_one_process_refuses_is_heard_by_the_others_at_once(n, servers
     assert len(took) == n and max(took) < 10, out
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_an_option_given_wins_over_a_malformed_setting_on_every_process(n, servers):
+    result = _scenario(n, servers, "option_wins_over_a_malformed_setting", "1",
+                       timeout=20, limit=60)
+    assert result.stdout.count("PASS worker") == n - servers and \
+        result.stdout.count("True") == n - servers, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_a_process_that_never_creates_is_named(n, servers):
     result = _scenario(n, servers, "absent", "1", timeout=3, limit=60)

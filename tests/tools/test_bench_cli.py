@@ -273,11 +273,13 @@ def test_a_record_names_the_settings_it_ran_with(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUKV_HOST_THREADS", "2")
     monkeypatch.setenv("MXNET_KVSTORE_TREE_ARRAY_BOUND", "9")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    path = benchutil.write_record(tmp_path / "r.json", {"x": 1}, "now")
+    payload = {"settings": {"sizes": [4096]}, "x": 1}  # (gpukv bench's options, say)
+    path = benchutil.write_record(tmp_path / "r.json", payload, "now")
     record = json.loads(path.read_text())
-    assert record["settings"] == {"GPUKV_DETERMINISTIC": "1", "GPUKV_HOST_THREADS": "2",
-                                  "MXNET_KVSTORE_TREE_ARRAY_BOUND": "9"}
-    assert record["x"] == 1
+    assert record["environment_variables"] == {
+        "GPUKV_DETERMINISTIC": "1", "GPUKV_HOST_THREADS": "2",
+        "MXNET_KVSTORE_TREE_ARRAY_BOUND": "9"}
+    assert record["settings"] == {"sizes": [4096]} and record["x"] == 1
 
 
 def test_a_plot_carries_the_command_that_made_it(monkeypatch, tmp_path):

@@ -104,6 +104,7 @@ def test_info_names_every_malformed_setting_a_store_would_refuse(name, value, sa
     assert "malformed setting" not in _info.render(_info.collect())
     monkeypatch.setenv(name, value)
     text = _info.render(_info.collect())
-    who = ("GPU stores" if name in ("GPUKV_VIRTUAL_GPUS", "GPUKV_TREE_ARRAY_BOUND")
-           else "stores")
+    who = {"GPUKV_VIRTUAL_GPUS": "GPU stores", "GPUKV_HOST_JIT": "stores",
+           "GPUKV_HOST_THREADS": "stores", "GPUKV_TREE_ARRAY_BOUND": "the tree and auto "
+           "strategies"}.get(name, "dist stores")
     assert f"malformed setting ({who} refuse it): {name}={value!r}: {says}" in text

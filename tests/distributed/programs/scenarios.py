@@ -1052,6 +1052,21 @@ def setting_refused_on_one(victim: str = "1", name: str = "GPUKV_BIGARRAY_BOUND"
         caught(rank, exc)
 
 
+def option_wins_over_a_malformed_setting(victim: str = "1") -> None:
+    """deterministic=True given, and a malformed GPUKV_DETERMINISTIC in one process's
+    environment: the option wins there too (nothing of the store reads the variable),
+    and a round sums as usual."""
+    if os.environ.get("PMI_RANK") == victim:
+        os.environ["GPUKV_DETERMINISTIC"] = "x"
+    kv = create(deterministic=True)
+    kv.init("w", np.zeros(4, np.float32))
+    kv.push("w", np.full(4, kv.rank + 1, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull("w", out=out)
+    assert out.tolist() == [sum(range(1, kv.num_workers + 1))] * 4, out
+    passed(kv, kv.deterministic)
+
+
 def absent(victim: str = "1") -> None:
     """A process that never makes the store: the others' create raises PeerError
     naming it, in bounded time. (Every process starts MPI: MPI_Init itself waits for
