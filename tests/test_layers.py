@@ -89,12 +89,13 @@ def test_the_import_reader_resolves_every_form(source, reaches):
 
 def test_the_launcher_imports_no_store_nor_engine():
     """gpukv/launcher/ (the supervisor of `gpukv run`) imports nothing of gpukv but its
-    own modules and the error types: the ranks reach it only through `run_report`."""
+    own modules, the error types and the environment's readers (which import nothing
+    but the error types): the ranks reach it only through `run_report`."""
     files = _files("launcher")
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {module}" for path in files
              for line, module in imported_modules(path.read_text(), _package_of(path))
-             if module.startswith("gpukv.") and not module.startswith(("gpukv.launcher",
-                                                                       "gpukv._errors"))]
+             if module.startswith("gpukv.") and not module.startswith(
+                 ("gpukv.launcher", "gpukv._errors", "gpukv._env"))]
     assert files
     assert not found, "\n".join(found)
 
