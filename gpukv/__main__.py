@@ -85,9 +85,10 @@ def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv[:1])  # the command name (or --help / --version)
     module_name, _ = _COMMANDS[args.command]
-    if args.command in _CALLING_NO_STORE:
-        # Under GPUKV_TIMELINE the processes they start write the traces; they call no
-        # store, and an empty trace of their own, named rank 0, would mislead.
+    if args.command in _CALLING_NO_STORE or {"-h", "--help"} & set(argv[1:]):
+        # Under GPUKV_TIMELINE the processes they start write the traces; they (and a
+        # command asked for its help) call no store, and an empty trace of their own,
+        # named rank 0, would mislead.
         from . import timeline
         timeline.discard()
     from ._errors import BackendError

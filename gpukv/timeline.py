@@ -17,7 +17,8 @@ says so in one RuntimeWarning: a diagnostic never stops the program it watches; 
 a write that fails on the way or at exit (one RuntimeWarning; the events are kept for
 the next), nor a span argument JSON cannot hold (written as its str).
 `gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do; nor do the
-other commands that call no store (`gpukv info`, `cluster`, `gpucheck`, `export`).
+other commands that call no store (`gpukv info`, `cluster`, `gpucheck`, `export`, and any
+command asked for its `--help`).
 
 While it runs, in a process that imported PyTorch, each span is also a
 `torch.profiler.record_function` (named gpukv.<span>), so while `torch.profiler` records,

@@ -208,7 +208,7 @@ def test_too_many_servers_from_the_environment_name_the_variable(monkeypatch):
     from gpukv.distributed import store as dist_store
     monkeypatch.setenv("GPUKV_NUM_SERVERS", "2")
     assert "GPUKV_NUM_SERVERS" not in _info.settings_errors()
-    with pytest.raises(gpukv.ArgumentError, match=r"^GPUKV_NUM_SERVERS=2: expected 0 "
+    with pytest.raises(gpukv.ArgumentError, match=r"^GPUKV_NUM_SERVERS='2': expected 0 "
                                                   r"\(every process serves\) up to 1"):
         dist_store._options("dist_sync", None, None, None, 2)
     with pytest.raises(gpukv.ArgumentError, match=r"^num_servers=3: expected 0"):

@@ -300,10 +300,11 @@ def test_a_timeline_that_cannot_be_written_at_exit_warns(tmp_path):
     assert "GPUKV_TIMELINE: cannot write " in warning and "gpukv-timeline-rank" in warning
 
 
-@pytest.mark.parametrize("argv", [["info"], ["cluster", "--help"]])
+@pytest.mark.parametrize("argv", [["info"], ["cluster", "--help"], ["bench", "--help"]])
 def test_a_command_that_calls_no_store_writes_no_timeline(argv, tmp_path):
-    """`gpukv info` (or `export`, `cluster`, `gpucheck`) calls no store in its own process:
-    an empty trace named rank 0 would only mislead."""
+    """`gpukv info` (or `export`, `cluster`, `gpucheck`, or any command asked for its
+    help) calls no store in its own process: an empty trace named rank 0 would only
+    mislead."""
     env = dict(os.environ, GPUKV_TIMELINE=str(tmp_path / "tl"))
     done = subprocess.run([sys.executable, "-m", "gpukv", *argv], env=env, text=True,
                           capture_output=True, timeout=120)

@@ -201,8 +201,9 @@ def _options(name: str, num_servers, timeout, bigarray_bound, size: int) -> tupl
                                 f"{type(num_servers).__name__}")
     num_servers = int(num_servers)
     if not 0 <= num_servers < size:
-        given = "GPUKV_NUM_SERVERS" if servers_from_env else "num_servers"
-        raise ArgumentError(f"{given}={num_servers}: expected 0 (every process serves) up to "
+        given = (f"GPUKV_NUM_SERVERS='{num_servers}'" if servers_from_env
+                 else f"num_servers={num_servers}")
+        raise ArgumentError(f"{given}: expected 0 (every process serves) up to "
                             f"{size - 1}, so that a worker is left among the {size} "
                             f"processes of this MPI job")
     if name == "dist_async" and num_servers == 0:
