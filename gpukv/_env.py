@@ -63,19 +63,26 @@ def refuse_malformed(checks: Mapping[str, Callable[[], object]]) -> None:
         raise ArgumentError("malformed settings: " + "; ".join(map(str, errors)))
 
 
-#: where a launched process finds its rank: torchrun's (and `gpukv run`'s) variable, then
-#: those of MPI launchers (MPICH's Hydra, Open MPI, PMIx)
-RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+#: where an MPI launcher puts a process's rank (MPICH's Hydra, Open MPI, PMIx)
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+#: where a launched process finds its rank: an MPI launcher's variables, then torchrun's
+#: (which `gpukv run` sets too)
+RANK_VARIABLES = (*MPI_RANK_VARIABLES, "RANK")
+
+
+def launched_rank() -> int | None:
+    """This process's rank as its launcher set it (RANK_VARIABLES), None when none is."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def first_process() -> bool:
     """Whether this process is a job's rank 0, or runs alone (no launcher's rank set):
     where a word said alike by every rank is said once."""
-    for name in RANK_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value) == 0
-    return True
+    return launched_rank() in (None, 0)
 
 
 def name_unknown(unknown: Mapping[str, str]) -> str:
@@ -85,8 +92,10 @@ def name_unknown(unknown: Mapping[str, str]) -> str:
                      for name, close in unknown.items())
 
 
-def positive_int(name: str, error: type = ArgumentError) -> int | None:
-    """`$name` as a positive int, None when unset or blank; `error` names it when malformed."""
+def positive_int(name: str, error: type = ArgumentError,
+                 expected: str = "a positive integer") -> int | None:
+    """`$name` as a positive int, None when unset or blank; `error` names it when malformed,
+    saying what is `expected`."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
@@ -95,7 +104,7 @@ def positive_int(name: str, error: type = ArgumentError) -> int | None:
     except ValueError:
         n = 0
     if n < 1:
-        raise error(f"{name}={raw!r}: expected a positive integer")
+        raise error(f"{name}={raw!r}: expected {expected}")
     return n
 
 

@@ -6,7 +6,7 @@ object whose "traceEvents" are complete events, "ph": "X") that Perfetto
 their phases (check, plan, reduce, update; in a dist store the agreements, the engine's
 round and every wait on other processes), snapshot writes (on their own thread) and the
 Trainer's steps, nested as they ran, one row per thread. R is the MPI or torchrun rank
-(PMI_RANK, OMPI_COMM_WORLD_RANK or RANK), else 0, and also the trace's "pid", so that
+(PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK or RANK), else 0, and also the trace's "pid", so that
 the files of a job's ranks can be put together; "ts" counts microseconds since the Unix
 epoch, so that those of several hosts line up (as far as their clocks agree). The file
 is made when recording starts and written on at exit (a job that aborts included), by
@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._env import launched_rank
 from ._errors import ArgumentError
 
 ENV = "GPUKV_TIMELINE"
@@ -51,14 +52,6 @@ FLUSH_SECONDS = 5.0
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # gpukv/
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _rank() -> int:
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def _plain(value) -> Any:
@@ -85,7 +78,7 @@ class _Recorder:
 
     def __init__(self, folder: str):
         os.makedirs(folder, exist_ok=True)
-        self.rank, self.pid = _rank(), os.getpid()
+        self.rank, self.pid = launched_rank() or 0, os.getpid()
         self.path = os.path.join(folder, f"gpukv-timeline-rank{self.rank}-pid{self.pid}.json")
         self.lock = threading.Lock()
         # (name, category, start ns, end ns, thread, args): a tuple is the cheapest to

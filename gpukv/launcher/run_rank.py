@@ -32,14 +32,14 @@ import time
 import traceback
 from pathlib import Path
 
-from .._env import RANK_VARIABLES, flag
+from .._env import MPI_RANK_VARIABLES, flag
 from . import run_report
 
 #: set to 1 for whole tracebacks (gpukv's frames included) and Ctrl-C's
 VERBOSE_ENV = "GPUKV_RUN_VERBOSE"
 #: torchrun's variables, each from where an MPI launcher puts it (MPICH's Hydra, Open MPI)
 TORCHRUN_VARIABLES = {
-    "RANK": RANK_VARIABLES[1:],  # (those after torchrun's own)
+    "RANK": MPI_RANK_VARIABLES,
     "LOCAL_RANK": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"),
     "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
     "LOCAL_WORLD_SIZE": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),

@@ -8,9 +8,7 @@ alone, so a receiver's receives match a sender's sends one for one.
 """
 from __future__ import annotations
 
-import os
-
-from ..._errors import ArgumentError
+from ..._env import positive_int
 
 #: bytes per chunk: large enough that a message's fixed cost is small against its bytes,
 #: small enough that summing and sending overlap the transfer of the rest
@@ -32,17 +30,7 @@ def chunk_bytes(transport) -> int:
 
 def chosen_chunk_bytes() -> int | None:
     """GPUKV_DIST_CHUNK_BYTES, or None when it is not set."""
-    chosen = os.environ.get("GPUKV_DIST_CHUNK_BYTES", "").strip()
-    if not chosen:
-        return None
-    try:
-        value = int(chosen)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ArgumentError(f"GPUKV_DIST_CHUNK_BYTES={chosen!r}: expected a positive "
-                            f"number of bytes")
-    return value
+    return positive_int("GPUKV_DIST_CHUNK_BYTES", expected="a positive number of bytes")
 
 
 def chunk_ranges(n: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list:
