@@ -188,7 +188,8 @@ def test_info_names_each_malformed_setting_once(monkeypatch):
            "GPUKV_HOST_THREADS": "x", "GPUKV_HOST_JIT": "x", "GPUKV_TREE_ARRAY_BOUND": "x",
            "GPUKV_TREE_LINK_USAGE_PENALTY": "x", "GPUKV_TREE_BACKTRACK": "x",
            "GPUKV_NUM_SERVERS": "x", "GPUKV_DIST_TIMEOUT": "x", "GPUKV_BIGARRAY_BOUND": "x",
-           "GPUKV_DIST_CHUNK_BYTES": "x", "GPUKV_RUN_VERBOSE": "x"}
+           "GPUKV_DIST_CHUNK_BYTES": "x", "GPUKV_RUN_VERBOSE": "x",
+           "GPUKV_CUDA_EMULATION": "x"}
     for name, value in bad.items():
         monkeypatch.setenv(name, value)
     lines = [ln for ln in _info.render(_info.collect()).splitlines()
@@ -196,6 +197,8 @@ def test_info_names_each_malformed_setting_once(monkeypatch):
     assert sorted(ln.split("): ", 1)[1].split("=")[0] for ln in lines) == sorted(bad)
     assert ("malformed setting (gpukv run refuses it): GPUKV_RUN_VERBOSE='x': expected 1 "
             "(on) or 0 (off)") in lines
+    assert ("malformed setting (gpukv gpucheck refuses it): GPUKV_CUDA_EMULATION='x': "
+            "expected 1 (on) or 0 (off)") in lines
     assert ("malformed setting (the tree and auto strategies refuse it): "
             "GPUKV_TREE_BACKTRACK='x': expected an integer (0: off, else on)") in lines
     assert ("malformed setting (dist stores refuse it): GPUKV_DIST_TIMEOUT='x': expected "

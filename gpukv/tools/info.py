@@ -187,8 +187,11 @@ def refused_by(name: str) -> str:
     from ..distributed import store as dist_store
     from ..launcher.run_rank import VERBOSE_ENV
     from ..store.settings import GPU_ONLY, TREE_CHECKS
+    from .gpucheck.machine import EMULATION_ENV
     if name == VERBOSE_ENV:
         return "gpukv run refuses it"
+    if name == EMULATION_ENV:
+        return "gpukv gpucheck refuses it"
     if name in TREE_CHECKS:
         return "the tree and auto strategies refuse it"
     if name in GPU_ONLY:
@@ -205,8 +208,10 @@ def settings_errors() -> dict:
     from ..distributed import store as dist_store
     from ..launcher import run_rank
     from ..store import settings as store_settings
+    from .gpucheck import machine
     checks = {**store_settings.setting_checks(), **store_settings.TREE_CHECKS,
-              **dist_store.setting_checks(), run_rank.VERBOSE_ENV: run_rank.verbose}
+              **dist_store.setting_checks(), run_rank.VERBOSE_ENV: run_rank.verbose,
+              machine.EMULATION_ENV: machine.wants_emulation}
     return {name: str(exc) for name, exc in malformed(checks).items()}
 
 

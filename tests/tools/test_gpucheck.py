@@ -154,6 +154,15 @@ def test_without_any_gpu_it_says_so_in_one_line():
     assert "GPUKV_CUDA_EMULATION=1" in lines[0]
 
 
+def test_a_malformed_emulation_choice_is_named_not_read_as_off():
+    """'yes' is neither 1 nor 0: refused in one line, nothing measured."""
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck"], capture_output=True,
+                          text=True, timeout=120, env=_env(GPUKV_CUDA_EMULATION="yes"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == ("gpukv gpucheck: GPUKV_CUDA_EMULATION='yes': expected 1 "
+                                   "(on) or 0 (off)"), proc.stdout
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--jobs", "0"], "--jobs 0"),
     (["--sections", "tests,bogus"], "bogus"),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._errors import ArgumentError
 from .budget import Deadline
 from .kernel_cases import KernelCase, all_cases, bfloat16, needs_bfloat16
 from .section import Section
@@ -225,7 +226,12 @@ def write(path: Path = GOLDENS) -> Path:
 
 def main(argv: list | None = None) -> int:
     from .machine import open_machine, wants_emulation
-    if not wants_emulation():
+    try:
+        emulated = wants_emulation()
+    except ArgumentError as exc:
+        print(f"gpukv goldens: {exc}", file=sys.stderr)
+        return 2
+    if not emulated:
         print("goldens are made on the CUDA emulation: run with GPUKV_CUDA_EMULATION=1 "
               "from a checkout", file=sys.stderr)
         return 2

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._env import flag
+from ..._errors import ArgumentError
 from .section import Section
 
 
@@ -39,14 +41,23 @@ class Machine:
         return self.gpus[0]["name"] if self.gpus else "no GPU"
 
 
+EMULATION_ENV = "GPUKV_CUDA_EMULATION"
+
+
 def wants_emulation() -> bool:
-    return os.environ.get("GPUKV_CUDA_EMULATION", "") == "1"
+    """Whether GPUKV_CUDA_EMULATION=1 asks for the emulation; an ArgumentError names any
+    value but 1, 0 or unset (a misspelled 'yes' must not measure the real GPU unasked,
+    nor 'no' a stand-in)."""
+    return bool(flag(EMULATION_ENV))
 
 
 def open_machine() -> Machine | str:
     """The machine to check, or one line saying why there is none."""
     root = checkout_root()
-    emulated = wants_emulation()
+    try:
+        emulated = wants_emulation()
+    except ArgumentError as exc:
+        return str(exc)
     if emulated:
         if root is None:
             return ("GPUKV_CUDA_EMULATION=1, but the CUDA emulation lives in a checkout's "
