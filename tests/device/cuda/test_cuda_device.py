@@ -300,10 +300,11 @@ def test_calls_from_other_current_streams_stay_in_call_order(strategy):
     with cupy.cuda.Device(devs[0].physical):
         kv.init("w", cupy.zeros(n, cupy.float32))
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
-    grads = []
+    grads, doubled = [], []
     for i, d in enumerate(devs):
-        with cupy.cuda.Device(d.physical):
+        with cupy.cuda.Device(d.physical):  # (each on its own GPU, as a user makes them)
             grads.append(cupy.full(n, float(i + 1), cupy.float32))
+            doubled.append(grads[-1] * 2)
             cupy.cuda.get_current_stream().synchronize()
     with cupy.cuda.Device(devs[0].physical):
         out = cupy.empty(n, cupy.float32)
@@ -314,7 +315,7 @@ def test_calls_from_other_current_streams_stay_in_call_order(strategy):
             kv.pull("w", out=out)
             got = float(out[0]), float(out[-1])
         with streams[2]:
-            kv.push("w", [g * 2 for g in grads])
+            kv.push("w", doubled)
             kv.pull("w", out=out)
             again = float(out[0]), float(out[-1])
     assert got == (3.0, 3.0) and again == (6.0, 6.0)
