@@ -129,7 +129,8 @@ def _nccl_gpu(name: str, servers: int, nccl: bool | None, local_rank: int):
     gpu = nccl_device(local_rank)
     if gpu is None and nccl:
         raise BackendError("nccl=True: this process sees no GPU, or CuPy finds no NCCL "
-                           "(pip install 'nvidia-nccl-cu12>=2.18')")
+                           "(pip install 'nvidia-nccl-cu12>=2.18', or nvidia-nccl-cu13 "
+                           "with cupy-cuda13x)")
     return gpu
 
 

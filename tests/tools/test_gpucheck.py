@@ -65,6 +65,8 @@ def test_quick_run_on_the_emulation_writes_every_section(quick_run):
         assert record[name]["summary"], name
         assert f"  {name}" in output
     assert record["tests"]["passed"] == record["tests"]["collected"] > 100
+    assert record["environment"]["first_compile"]["ok"] is True
+    assert record["environment"]["ml_dtypes"]["installed"] is True
     assert record["kernels"]["identical"] == record["kernels"]["cases"] == len(
         kernel_cases.all_cases())
     kernels = {r["kernel"] for r in record["bandwidth"]["rows"]}
@@ -152,6 +154,43 @@ def test_without_any_gpu_it_says_so_in_one_line():
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and "no GPU here" in lines[0], proc.stdout
     assert "GPUKV_CUDA_EMULATION=1" in lines[0]
+
+
+def test_a_cupy_that_cannot_compile_is_named_in_the_environment(monkeypatch):
+    """The first kernel's compile error (CuPy 14 without CUDA headers, no NVRTC) fails the
+    environment section with CuPy's words, once."""
+    import contextlib
+    import types
+
+    from gpukv.device.cuda import kernels, runtime
+    from gpukv.tools.gpucheck import machine
+
+    class Uncompilable:
+        def compile(self):
+            raise RuntimeError("Failed to find CUDA headers")
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda physical: contextlib.nullcontext()))
+    monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
+    monkeypatch.setattr(kernels, "compiled", lambda cupy, name, source: Uncompilable())
+    section = Section("environment")
+    assert machine.first_compile(section, 0) == {
+        "ok": False, "error": "RuntimeError: Failed to find CUDA headers"}
+    assert section.ok is False
+    assert "cannot compile gpukv's kernels: RuntimeError: Failed to find CUDA headers" in str(
+        section.to_dict())
+
+
+@pytest.mark.parametrize("version, flagged", [("0.5.1", False), ("0.6.0", False),
+                                              ("0.7.0", True), ("1.0", True)])
+def test_ml_dtypes_from_0_7_is_flagged(monkeypatch, version, flagged):
+    import types
+
+    from gpukv.tools.gpucheck import machine
+    monkeypatch.setitem(sys.modules, "ml_dtypes", types.SimpleNamespace(__version__=version))
+    facts = machine.ml_dtypes_facts()
+    assert facts["installed"] and facts["version"] == version
+    assert ("below 0.7" in facts.get("note", "")) is flagged
 
 
 def test_a_malformed_emulation_choice_is_named_not_read_as_off():

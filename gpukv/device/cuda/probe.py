@@ -162,8 +162,8 @@ def no_gpu_reason() -> str:
             warnings.simplefilter("ignore")
             runtime = _runtime()
     except Exception:
-        return ("CuPy is not installed (pip install cupy-cuda12x; in a gpukv checkout, "
-                "pip install '.[cuda12]')")
+        return ("CuPy is not installed (pip install cupy-cuda12x, or cupy-cuda13x for "
+                "CUDA 13; in a gpukv checkout, pip install '.[cuda12]' or '.[cuda13]')")
     try:
         n = runtime.getDeviceCount()
     except Exception as exc:
@@ -255,7 +255,8 @@ def nccl_versions() -> dict:
         return {"available": False, "reason": _error_text(exc)}
     if not getattr(nccl, "available", False):
         return {"available": False,
-                "reason": "CuPy cannot load libnccl (pip install 'nvidia-nccl-cu12')"}
+                "reason": "CuPy cannot load libnccl (pip install 'nvidia-nccl-cu12', or "
+                          "nvidia-nccl-cu13 with cupy-cuda13x)"}
     out: dict[str, object] = {"available": True}
     try:
         out["version"] = _nccl_version(nccl.get_version())

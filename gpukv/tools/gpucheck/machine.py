@@ -100,10 +100,54 @@ def describe(machine: Machine) -> Section:
     except Exception as exc:
         section.fail(f"gpukv's devices: {type(exc).__name__}: {exc}")
     data["torch"] = torch_facts()
+    data["ml_dtypes"] = ml_dtypes_facts()
     if data["cupy"].get("error"):
         section.fail(f"CuPy: {data['cupy']['error']}")
+    else:
+        data["first_compile"] = first_compile(section, physical[0])
     section.line = environment_line(data, machine)
     return section
+
+
+def first_compile(section: Section, physical: int) -> dict:
+    """One of gpukv's kernels compiled on GPU `physical`, timed: a CuPy that cannot compile
+    (no NVRTC, no CUDA headers where CuPy 14 looks for them) is named here once, before
+    every kernel case fails with the same error."""
+    import time
+
+    from ...device.cuda import kernels, runtime
+    cupy = runtime.cupy_module()
+    name, source = kernels.sum_source(np.float32, np.float32)
+    start = time.perf_counter()
+    try:
+        with cupy.cuda.Device(physical):
+            kernels.compiled(cupy, name, source).compile()
+    except Exception as exc:
+        section.fail(f"CuPy cannot compile gpukv's kernels: {type(exc).__name__}: {exc}")
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "kernel": name, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def ml_dtypes_facts() -> dict:
+    """Whether NumPy has bfloat16 here (ml_dtypes): without it the bfloat16 kernel cases
+    and tests skip; 0.7 and later round float64 to bfloat16 unlike the kernels."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return {"installed": False, "note": "bfloat16 kernel cases and tests skip"}
+    version = getattr(ml_dtypes, "__version__", "?")
+    out = {"installed": True, "version": version}
+    if _at_least(version, (0, 7)):
+        out["note"] = "gpukv needs ml_dtypes below 0.7 (docs/limits.md)"
+    return out
+
+
+def _at_least(version: str, bound: tuple) -> bool:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= bound
 
 
 def torch_facts() -> dict:
@@ -134,6 +178,10 @@ def environment_line(data: dict, machine: Machine) -> str:
                         else " (no CUDA)"))
     else:
         parts.append("no torch")
+    if not data["ml_dtypes"]["installed"]:
+        parts.append("no ml_dtypes (bfloat16 cases skip)")
+    elif data["ml_dtypes"].get("note"):
+        parts.append(f"ml_dtypes {data['ml_dtypes']['version']}: {data['ml_dtypes']['note']}")
     access = data.get("peer_access")
     if access is not None and len(access) > 1:
         pairs = sum(a for i, row in enumerate(access) for j, a in enumerate(row) if i != j)
