@@ -159,20 +159,13 @@ def test_without_any_gpu_it_says_so_in_one_line():
 def test_a_cupy_that_cannot_compile_is_named_in_the_environment(monkeypatch):
     """The first kernel's compile error (CuPy 14 without CUDA headers, no NVRTC) fails the
     environment section with CuPy's words, once."""
-    import contextlib
-    import types
-
-    from gpukv.device.cuda import kernels, runtime
+    from gpukv.device.cuda import probe
     from gpukv.tools.gpucheck import machine
 
-    class Uncompilable:
-        def compile(self):
-            raise RuntimeError("Failed to find CUDA headers")
+    def uncompilable(physical):
+        raise RuntimeError("Failed to find CUDA headers")
 
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=lambda physical: contextlib.nullcontext()))
-    monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
-    monkeypatch.setattr(kernels, "compiled", lambda cupy, name, source: Uncompilable())
+    monkeypatch.setattr(probe, "first_compile", uncompilable)
     section = Section("environment")
     assert machine.first_compile(section, 0) == {
         "ok": False, "error": "RuntimeError: Failed to find CUDA headers"}

@@ -12,7 +12,10 @@ import ctypes
 import itertools
 import logging
 import platform
+import time
 import warnings
+
+import numpy as np
 
 from . import device as _device
 from . import nccl as _nccl
@@ -25,7 +28,7 @@ from .driver import (
 log = logging.getLogger("gpukv")
 
 __all__ = ["p2p_ranks", "peer_access", "gpu_properties", "gpu_names", "no_gpu_reason",
-           "cupy_versions", "gpu_versions", "nccl_versions", "cpu_model",
+           "cupy_versions", "first_compile", "gpu_versions", "nccl_versions", "cpu_model",
            "free_memory", "release_cached_memory", "synchronize"]
 
 
@@ -227,6 +230,18 @@ def cupy_versions() -> dict:
             out[key] = None
             out.setdefault("error", _error_text(exc))
     return out
+
+
+def first_compile(physical: int) -> tuple[str, float]:
+    """(name, seconds) of one of gpukv's kernels (the float32 sum) compiled on GPU
+    `physical`; raises what CuPy raises when it cannot compile."""
+    from . import kernels
+    cupy = _device.cupy_module()
+    name, source = kernels.sum_source(np.float32, np.float32)
+    start = time.perf_counter()
+    with cupy.cuda.Device(physical):
+        kernels.compiled(cupy, name, source).compile()
+    return name, time.perf_counter() - start
 
 
 def gpu_versions(cp=None) -> dict:

@@ -113,19 +113,13 @@ def first_compile(section: Section, physical: int) -> dict:
     """One of gpukv's kernels compiled on GPU `physical`, timed: a CuPy that cannot compile
     (no NVRTC, no CUDA headers where CuPy 14 looks for them) is named here once, before
     every kernel case fails with the same error."""
-    import time
-
-    from ...device.cuda import kernels, runtime
-    cupy = runtime.cupy_module()
-    name, source = kernels.sum_source(np.float32, np.float32)
-    start = time.perf_counter()
+    from ...device.cuda import probe
     try:
-        with cupy.cuda.Device(physical):
-            kernels.compiled(cupy, name, source).compile()
+        name, seconds = probe.first_compile(physical)
     except Exception as exc:
         section.fail(f"CuPy cannot compile gpukv's kernels: {type(exc).__name__}: {exc}")
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"ok": True, "kernel": name, "seconds": round(time.perf_counter() - start, 3)}
+    return {"ok": True, "kernel": name, "seconds": round(seconds, 3)}
 
 
 def ml_dtypes_facts() -> dict:
