@@ -49,7 +49,8 @@ GPU_QUERY_TIMEOUT = 10.0
 PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
-#: what the line of a rank that ended without its program's word says
+#: what a rank that ended without its program's word failed of, and the words of its line
+_ENDED_WORDLESS = "ended without a word"
 _WORDLESS = "its process ended past Python's own exit (a crash in native code, or C's _exit)"
 
 DESCRIPTION = f"""\
@@ -647,7 +648,7 @@ class Job:
                 del self.unsaid[rank]
             elif now - since >= wait:
                 del self.unsaid[rank]
-                report = run_report.Report(rank, None, "ended without a word", _WORDLESS)
+                report = run_report.Report(rank, None, _ENDED_WORDLESS, _WORDLESS)
                 self.failures.append(report)
                 if self._failing([report]):
                     self._end_soon()
@@ -721,15 +722,28 @@ class Job:
             # lines too): its exit status, and the rank that ended first
             lines = [failures.of_silence(status if status > 0 else 128 - status,
                                          self.started, self.ended)]
-        elif isinstance(self.first, str):  # _BOX: mpiexec's word
+        elif isinstance(self.first, str) or (
+                self._first_was_wordless() and self.said.abort is not None):
+            # mpiexec's word; or a rank ended without one, then MPI's banner named the rank
+            # that called MPI_Abort (the proxy ends every rank at once on an abort: the one
+            # that aborted may not be the first whose end was reported)
             wordless = {e.rank for e in self.ended
                         if e.rank in self.says and not self._said_its_end(e.rank)}
             lines = [failures.of_mpiexec(self.said, self.started, self.ended, wordless)]
+        elif self._first_was_wordless() and status and status > 0:
+            # a rank ended without a word and mpiexec ended the job itself with a status
+            # of its own (an MPI_Abort's code, its banner lost with the proxy): that status
+            lines = [failures.of_silence(status, self.started, self.ended)]
         else:  # every report, the first ones first: the later ones of the grace too
             lines = failures.of_reports(self.failures, self.started)
         self._say([line.words for line in lines])
         known = [line.status for line in lines if line.status]
         return (known[0] if known else 1) & 0xFF or 1
+
+    def _first_was_wordless(self) -> bool:
+        """Whether what failed first was only ranks' ends without a word (`_check_unsaid`)."""
+        return isinstance(self.first, list) and all(
+            r.what == _ENDED_WORDLESS for r in self.first)
 
     def _say(self, lines: list[str]) -> None:
         self.reason = "; ".join(lines)

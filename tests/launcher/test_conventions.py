@@ -467,6 +467,40 @@ def _started(rank: int, local: int, host: str = "vm") -> run_report.Started:
     return run_report.Started(rank, local, host, 9000 + rank)
 
 
+def _job_with_a_wordless_end() -> launch.Job:
+    """A job of 2 ranks whose programs would say how they end; rank 0's process ended
+    first and rank 1's after it, neither said a word, and the launcher has called rank
+    0's silence its failure (the proxy ends every rank at once on an MPI_Abort)."""
+    job = launch.Job(["true"], "127.0.0.1", 1.0, announce=False)
+    job.started = {0: _started(0, 0), 1: _started(1, 1)}
+    job.says = {0, 1}
+    job.ended = [run_report.Ended(0, 9000), run_report.Ended(1, 9001)]
+    job.unsaid = {0: 0.0, 1: 0.0}
+    job._check_unsaid(0.0)
+    assert [r.rank for r in job.first] == [0]
+    return job
+
+
+@pytest.mark.parametrize("banner, status, code, line", [
+    # the abort's banner came after rank 0's silence was called a failure: the abort
+    (True, 4, 4, "rank 1 (local rank 1) on host vm, pid 9001: called MPI_Abort with "
+                 "error code 4"),
+    # no banner (the proxy ended first), but mpiexec's own status is the abort's code
+    (False, 4, 4, "rank 0 (local rank 0) on host vm, pid 9000: ended first, without a "
+                  "word; mpiexec ended with status 4"),
+    # mpiexec ended by force after the grace (a C _exit(0) it took for no failure)
+    (False, None, 1, "rank 0 (local rank 0) on host vm, pid 9000: ended without a word: "
+                     "its process ended past Python's own exit (a crash in native code, "
+                     "or C's _exit)"),
+])
+def test_what_mpiexec_says_after_a_wordless_end_wins(banner, status, code, line):
+    job = _job_with_a_wordless_end()
+    if banner:
+        job.said.read("Abort(4) on node 1 (rank 1 in comm 0): ")
+    assert job._conclude(status) == code
+    assert job.reason == line
+
+
 def test_the_failed_rank_is_the_first_that_ended_not_the_one_the_box_names():
     """mpiexec's box names rank 0's pid (its cleanup killed it too); the watchers said
     rank 2 ended first, and the exit codes say how: rank 2, SIGKILL."""
