@@ -9,13 +9,15 @@ import pytest
 
 import gpukv
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-BF16 = np.dtype(ml_dtypes.bfloat16)
+from .bfloat16 import BF16, needs_bfloat16
+
 MX = json.loads((pathlib.Path(__file__).parent / "data" / "mxnet_reference.json").read_text())[
     "behaviours"]
 SHAPE = (2, 3)
-DTYPES = ["float16", BF16, "float32", "float64", "uint8", "int8", "int32", "int64"]
-NARROW = ["float16", BF16]
+#: bfloat16 as a case: it skips without ml_dtypes
+BF16_CASE = pytest.param(BF16, id="bfloat16", marks=needs_bfloat16)
+DTYPES = ["float16", BF16_CASE, "float32", "float64", "uint8", "int8", "int32", "int64"]
+NARROW = ["float16", BF16_CASE]
 
 
 @pytest.fixture(params=["local", "device"])
@@ -102,7 +104,9 @@ def test_narrow_updater_sees_float32(kv, dtype, n):
     assert (pulled(kv, 0, np.float32) == 1 + 2 * n).all()
 
 
-@pytest.mark.parametrize("dtype,big,step", [("float16", 2048, 1), (BF16, 256, 1)], ids=str)
+@pytest.mark.parametrize("dtype,big,step", [
+    ("float16", 2048, 1), pytest.param(BF16, 256, 1, id="bfloat16-256-1", marks=needs_bfloat16)],
+    ids=str)
 def test_narrow_sum_keeps_small_terms(kv, dtype, big, step):
     """Small terms are not lost to rounding: big + 4 * step is exact after fp32 accumulation."""
     kv.init(0, full(0, dtype))
@@ -131,6 +135,7 @@ def test_narrow_pull_into_float32(kv, dtype):
     assert (pulled(kv, 0, np.float32) == 1.5).all()
 
 
+@needs_bfloat16
 def test_bfloat16_keys_from_ml_dtypes(kv):
     """bfloat16 arrays made with ml_dtypes are a supported dtype end to end."""
     kv.init(["w", "b"], [full(1, BF16), full(2, BF16)])

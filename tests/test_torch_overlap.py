@@ -11,6 +11,7 @@ from torch import nn  # noqa: E402
 import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
 
+from .bfloat16 import needs_bfloat16  # noqa: E402
 from .test_torch_trainer import backward_shards, make_data, make_model  # noqa: E402
 
 WORKER = "gpukv-reduce"
@@ -246,7 +247,8 @@ def test_overlap_with_compression_on_the_store_is_refused_for_several_replicas()
     assert alone.overlap
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16,
+                                   pytest.param(torch.bfloat16, marks=needs_bfloat16)])
 def test_16_bit_replicas_sum_in_float32_with_the_store_updating_whatever_the_overlap(dtype):
     """With the optimizer on the store, the store sums 16-bit replicas' gradients in
     float32: an early reduction would sum them in their own dtype first (2 x 40000 is inf

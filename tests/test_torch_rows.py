@@ -15,6 +15,8 @@ import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
 from gpukv.torch.rows import SparseGradientsMadeDense  # noqa: E402
 
+from .bfloat16 import needs_bfloat16  # noqa: E402
+
 VOCAB, DIM = 12, 4
 
 
@@ -361,7 +363,8 @@ def test_where_rows_cannot_go_the_trainer_warns_and_pushes_dense(why, options):
     assert (table(models[0]) != before).all(axis=1).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=needs_bfloat16)], ids=str)
 def test_tables_of_every_float_width_step_as_dense_ones(dtype):
     """Plain SGD moves the rows touched alone either way: a table of float32, float16 or
     bfloat16 pushed as rows ends with the bits of the same table pushed dense."""

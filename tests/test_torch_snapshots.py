@@ -20,6 +20,8 @@ import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
 from gpukv.checkpoints import snapshots  # noqa: E402
 
+from .bfloat16 import needs_bfloat16  # noqa: E402
+
 STEPS = 6
 PARAMS = {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}
 
@@ -249,7 +251,8 @@ def test_export_writes_every_parameter_by_name_to_safetensors(tmp_path):
         export_safetensors(tmp_path / "empty", tmp_path / "x.safetensors")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bfloat16),
+                                   torch.float16], ids=str)
 def test_export_keeps_a_narrow_dtype_bit_for_bit(tmp_path, dtype):
     """A model trained in bfloat16 (which NumPy has through ml_dtypes only) or float16
     is exported in its own dtype, the trained bits, to a file safetensors loads."""

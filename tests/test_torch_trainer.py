@@ -13,6 +13,8 @@ from torch import nn  # noqa: E402
 import gpukv  # noqa: E402
 import gpukv.torch as gt  # noqa: E402
 
+from .bfloat16 import needs_bfloat16  # noqa: E402
+
 
 def make_model(seed=0):
     torch.manual_seed(seed)
@@ -310,7 +312,8 @@ def test_writes_to_the_weights_between_steps_are_updated_with_update_on_kvstore_
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16,
+                                   pytest.param(torch.bfloat16, marks=needs_bfloat16)])
 def test_writes_to_16_bit_weights_between_steps_reach_their_master_copies(dtype, replicas):
     """16-bit parameters update through float32 master copies: with
     update_on_kvstore=False a write between steps (load_state_dict, fill_ under

@@ -18,17 +18,18 @@ import pytest
 import gpukv
 from gpukv.checkpoints.checkpoint import read_archive, write_archive
 
+from ..bfloat16 import BF16, needs_bfloat16
 from .failing_file import FailingFile
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 REPO = Path(__file__).resolve().parents[2]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "uint8", "int8", "int32", "int64"]
+#: DTYPES as cases: bfloat16's skips without ml_dtypes
+DTYPE_PARAMS = [pytest.param(d, marks=needs_bfloat16) if d == "bfloat16" else d for d in DTYPES]
 
 
 def _dtype(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _value(shape, dtype, seed=0):
@@ -85,7 +86,7 @@ def test_round_trip_keys(tmp_path, keys):
         fresh.init(other, np.zeros(1, np.float32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("shape", [(), (0, 3), (7,), (2, 3, 5)], ids=str)
 def test_round_trip_dtypes(tmp_path, dtype, shape):
     """Every supported dtype and shape (scalars and empty arrays too) round-trips exactly."""
@@ -96,6 +97,7 @@ def test_round_trip_dtypes(tmp_path, dtype, shape):
     assert _same(_pull(fresh, 9, value), value)
 
 
+@needs_bfloat16
 def test_round_trip_special_floats(tmp_path):
     """NaN, inf, -0.0 and subnormals survive bit for bit in fp16, bf16 and fp32."""
     for i, name in enumerate(["float16", "bfloat16", "float32"]):
@@ -107,6 +109,7 @@ def test_round_trip_special_floats(tmp_path):
         assert _same(_pull(fresh, i, value), value)
 
 
+@needs_bfloat16  # a key of every dtype
 def test_mixed_dtypes_one_file(tmp_path):
     """One store with keys of several dtypes round-trips in one file."""
     keys = list(range(len(DTYPES)))
@@ -134,7 +137,7 @@ def test_saved_after_pushes_and_usable_after_load(tmp_path):
 
 
 @pytest.mark.parametrize("store", ["local", "device"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_bfloat16)])
 def test_a_loaded_16_bit_value_is_what_the_next_step_starts_from(tmp_path, store, dtype):
     """A 16-bit key already stepped by an optimizer (which keeps a float32 master copy)
     then loaded from a file without optimizer state: the next step starts from the
@@ -169,11 +172,12 @@ def test_empty_store(tmp_path, kind):
         fresh.init(other, np.zeros(2))
 
 
+@needs_bfloat16
 def test_file_is_plain_npz_without_pickle(tmp_path):
     """The file opens with numpy.load(allow_pickle=False) and carries a versioned JSON header."""
     kv = gpukv.create("local")
     kv.init([2**70, 1], [np.arange(3, dtype=np.float32),
-                         np.ones(2, ml_dtypes.bfloat16)])
+                         np.ones(2, BF16)])
     kv.save(tmp_path / "ck.npz")
     with np.load(tmp_path / "ck.npz", allow_pickle=False) as npz:
         meta = json.loads(npz["__gpukv__"].tobytes())
@@ -187,9 +191,10 @@ def test_file_is_plain_npz_without_pickle(tmp_path):
         assert npz["value/1"].dtype == np.uint16
 
 
+@needs_bfloat16
 def test_archive_round_trip(tmp_path):
     """write_archive / read_archive keep the header and every array (bf16 included)."""
-    arrays = {"a": np.arange(5, dtype=np.int64), "m/0": np.ones((2, 2), ml_dtypes.bfloat16),
+    arrays = {"a": np.arange(5, dtype=np.int64), "m/0": np.ones((2, 2), BF16),
               "big.endian": np.arange(3, dtype=">f4")}
     header = {"kind": "test", "lr": 0.1, "nested": {"steps": [1, 2]}}
     write_archive(tmp_path / "a.npz", header, arrays)
@@ -267,7 +272,7 @@ def test_checkpoint_error_is_a_value_error():
 @pytest.fixture
 def saved(tmp_path):
     kv = gpukv.create("local")
-    kv.init([1, 2], [np.arange(1000, dtype=np.float32), np.ones(10, ml_dtypes.bfloat16)])
+    kv.init([1, 2], [np.arange(1000, dtype=np.float32), np.ones(10, BF16)])
     path = tmp_path / "ck.npz"
     kv.save(path)
     return path
@@ -287,6 +292,7 @@ def test_missing_file(tmp_path):
     _assert_load_fails_cleanly(tmp_path / "nope.npz", match="nope.npz")
 
 
+@needs_bfloat16  # `saved` holds a bfloat16 key
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 0.9, 0.999])
 def test_truncated_file(saved, fraction):
     """A file cut short anywhere raises CheckpointError and changes nothing."""
@@ -295,6 +301,7 @@ def test_truncated_file(saved, fraction):
     _assert_load_fails_cleanly(saved)
 
 
+@needs_bfloat16  # `saved` holds a bfloat16 key
 @pytest.mark.parametrize("where", ["header", "value"])
 def test_corrupt_bytes(saved, where):
     """A flipped byte inside the header or a value is detected (checksums), not loaded."""
@@ -520,13 +527,14 @@ def test_snapshot_lists_keys_in_init_order(tmp_path):
     assert read_archive(tmp_path / "ck.npz")[0]["keys"] == ["b", "a", "c"]
 
 
+@needs_bfloat16
 def test_archive_members_are_read_from_a_map_of_the_file(tmp_path, monkeypatch):
     """Members as write_archive writes them are read straight from the file: zipfile opens
     only the JSON header, however many arrays there are (opening each member through
     numpy.load scanned its list of names per member, so loads grew with the square of the
     number of keys)."""
     arrays = {f"a/{i}": np.full((i % 3, 2), i, np.float32) for i in range(200)}
-    arrays.update({"bf16": np.arange(5, dtype=np.float32).astype(ml_dtypes.bfloat16),
+    arrays.update({"bf16": np.arange(5, dtype=np.float32).astype(BF16),
                    "scalar": np.array(2.5), "empty": np.zeros((0, 4), np.int8),
                    "bool": np.array([True, False]), "complex": np.array([1 + 2j], np.complex64),
                    "swapped": np.arange(3, dtype=">i4"), "fortran": np.asfortranarray(

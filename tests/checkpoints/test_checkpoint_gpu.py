@@ -9,7 +9,8 @@ import pytest
 import gpukv
 from gpukv.checkpoints.checkpoint import read_archive
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from ..bfloat16 import BF16, needs_bfloat16
+
 optim = pytest.importorskip("gpukv.optim")
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +30,7 @@ LOGICAL_GPUS = (pytest.param(4, id="4gpus"), pytest.param(8, id="8gpus"))
 
 
 def _dtype(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _adam(**options):
@@ -113,6 +114,7 @@ def _assert_same_states(a, b):
         assert _same(a[1][name], b[1][name]), name
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.parametrize("devices", LOGICAL_GPUS, indirect=True)
 def test_round_trip_into_device_and_local_stores(cp, devices, tmp_path):
     """A trained GPU store saved and loaded into a fresh 'device' store (keys back on
@@ -148,6 +150,7 @@ def test_round_trip_into_device_and_local_stores(cp, devices, tmp_path):
     assert all(_same(after[k], v) for k, v in _values(cp, fresh).items())
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.parametrize("devices", LOGICAL_GPUS, indirect=True)
 def test_optimizer_states_file_restores_gpu_states(cp, devices, tmp_path):
     """load_optimizer_states on a GPU store (keys on other GPUs than the saver's, other

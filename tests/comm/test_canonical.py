@@ -20,6 +20,7 @@ from gpukv.comm.home import HomeStrategy
 from gpukv.comm.staged import StagedStrategy
 from gpukv.encoding.sparse import RowSparse
 
+from ..bfloat16 import needs_bfloat16
 from ..gpu_gate import hardware_missing
 
 SIZE = 256 * 1024
@@ -109,7 +110,8 @@ def test_a_key_in_four_slices_gives_the_bits_of_the_whole(kind, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["home", "tree", "ring", "auto"])
-@pytest.mark.parametrize("compression", [{"type": "bf16"}, {"type": "fp16"}])
+@pytest.mark.parametrize("compression", [pytest.param({"type": "bf16"}, marks=needs_bfloat16),
+                                         {"type": "fp16"}])
 def test_decoded_payloads_follow_the_tree(strategy, compression):
     """With compression, the terms (bf16's decoded values, fp16's payloads) are summed in
     the tree: the reference over the values as they travel."""

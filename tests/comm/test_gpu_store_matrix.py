@@ -16,9 +16,8 @@ import gpukv
 from gpukv.comm import nccl as nccl_mod
 from gpukv.device.cuda import sums as _sums
 
+from ..bfloat16 import BF16, needs_bfloat16
 from ..gpu_gate import hardware_missing, physical_gpus
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +56,7 @@ KEYS = {
 
 
 def _dtype(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _is_float(dtype):
@@ -162,6 +161,7 @@ def _sources(cp, devices, seed):
     return gpu, host
 
 
+@needs_bfloat16  # keys of KEYS are bfloat16
 @pytest.mark.parametrize("machine", LOGICAL_GPUS, indirect=True)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_push_then_pull(cp, machine, name):
@@ -184,6 +184,7 @@ def test_push_then_pull(cp, machine, name):
         _assert_same_bits(cp, g, h, k)
 
 
+@needs_bfloat16  # keys of KEYS are bfloat16
 @pytest.mark.parametrize("machine", LOGICAL_GPUS, indirect=True)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_pushpull(cp, machine, name):
@@ -203,6 +204,7 @@ def test_pushpull(cp, machine, name):
         _assert_same_bits(cp, g, h, k)
 
 
+@needs_bfloat16  # keys of KEYS are bfloat16
 @pytest.mark.parametrize("machine", LOGICAL_GPUS, indirect=True)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_broadcast(cp, machine, name):
@@ -222,6 +224,7 @@ def test_broadcast(cp, machine, name):
     assert len({kv._entries[k].home for k in keys}) == n
 
 
+@needs_bfloat16  # keys of KEYS are bfloat16
 @pytest.mark.parametrize("machine", LOGICAL_GPUS, indirect=True)
 @pytest.mark.parametrize("name", ["tree", "ring", "home"])
 def test_large_keys_take_the_sliced_paths(cp, monkeypatch, machine, name):
@@ -331,6 +334,7 @@ _SUM_TYPE = {"float16": "NCCL_FLOAT32", "bfloat16": "NCCL_FLOAT32", "float32": "
 _OWN_TYPE = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16"}
 
 
+@needs_bfloat16  # a key of NCCL_KEYS is bfloat16
 @pytest.mark.parametrize("virtual", [None, 8], ids=["physical", "8virtual"])
 def test_nccl_store_runs_grouped_collectives(cp, monkeypatch, nccl_calls, virtual):
     """The 'nccl' store reduces every key of a push with one NCCL reduce per physical GPU

@@ -18,6 +18,7 @@ import gpukv
 from gpukv.distributed.mpi.chunks import CHUNK_BYTES
 
 from .. import gpu_env
+from ..bfloat16 import needs_bfloat16
 from ..gpu_gate import physical_gpus
 from .mpirun import ok, require_mpi, run
 
@@ -789,9 +790,9 @@ def test_failed_load_makes_no_key(tmp_path, n, servers):
     assert len(lines) == n - servers and all("CheckpointError" not in ln for ln in lines), out
 
 
+@needs_bfloat16
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1), (4, 2)])
 def test_bfloat16_keys(n, servers):
-    pytest.importorskip("ml_dtypes")
     _passes(_scenario(n, servers, "bfloat16"), n - servers)
 
 

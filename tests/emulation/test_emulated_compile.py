@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.device.cuda.test_cuda_compile import _ENTRY, VARIANTS
+from tests.device.cuda.test_cuda_compile import _ENTRY, VARIANT_PARAMS, VARIANTS
 
 from .support import device, kernels
 
@@ -33,11 +33,11 @@ def compiled_variants(request):
             return vid, exc
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(pool.map(build, selected))
+        return dict(pool.map(build, [v for v in selected if VARIANTS[v].source is not None]))
 
 
 @pytest.mark.compile_all
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANT_PARAMS)
 def test_every_gpukv_kernel_source_compiles_for_the_emulation(variant, compiled_variants):
     """The source compiles through emu.h with its own options, and every extern "C"
     kernel it declares can be launched (its parameters are known)."""

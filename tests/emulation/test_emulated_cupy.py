@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from .. import gpu_env
+from ..bfloat16 import needs_bfloat16
 
 pytestmark = pytest.mark.skipif(not gpu_env.EMULATED, reason="tests of the CUDA emulation")
 
@@ -170,6 +171,7 @@ def test_the_registry_forgets_freed_memory(cp):
 
 
 # -------------------------------------------------------------------------- DLPack
+@needs_bfloat16
 def test_dlpack_round_trip_keeps_bfloat16_and_memory(cp):
     """A DLPack capsule carries bfloat16 as bfloat16 and the same memory; the CUDA array
     interface publishes it as raw 2-byte voids, as CuPy does."""

@@ -5,7 +5,6 @@ import json
 import math
 import pathlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,6 +19,7 @@ from gpukv.device import host_device
 from gpukv.encoding.compression import GradientCompression
 from gpukv.encoding.compressors import Cast, Ctx, OneBit, TwoBit, make_compressor
 
+from ..bfloat16 import BF16, needs_bfloat16
 from ..strategies import float32_bits, gradient_steps
 
 REF = json.loads((pathlib.Path(__file__).parents[1] / "data"
@@ -271,7 +271,8 @@ def test_decompress_accumulate(comp, accumulate):
 
 
 @pytest.mark.usefixtures("host_codec_path")  # compiled, then NumPy
-@pytest.mark.parametrize("kind,dtype", [("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)])
+@pytest.mark.parametrize("kind,dtype", [
+    ("fp16", np.float16), pytest.param("bf16", BF16, id="bf16-bfloat16", marks=needs_bfloat16)])
 @pytest.mark.parametrize("pre_divide", [1.0, 4.0])
 def test_casts_round_to_nearest_even(kind, dtype, pre_divide):
     """fp16/bf16 payloads are the round-to-nearest-even cast of x / pre_divide, NaN kept."""

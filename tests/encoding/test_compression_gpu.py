@@ -2,13 +2,14 @@
 stores pushing from every GPU against the same store on host arrays, bit for bit."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import gpukv
 from gpukv.device import codecs as K
 from gpukv.device import host_device
+
+from ..bfloat16 import BF16, needs_bfloat16
 
 pytestmark = pytest.mark.gpu
 
@@ -233,6 +234,7 @@ def test_cast_decoders_write_outs_of_other_dtypes_and_layouts(cp, kind, out_dtyp
         assert_same_bits(gpu_wide.get(), wide, f"strided, accumulate={accumulate}")
 
 
+@needs_bfloat16
 def test_cast_payload_dtypes(cp):
     """An fp16 payload is float16, a bf16 payload holds bfloat16 bit patterns (uint16),
     on the GPU as on the host."""
@@ -240,8 +242,7 @@ def test_cast_payload_dtypes(cp):
     assert K.cast_fp16(cp.asarray(x), 1.0).dtype == np.float16 == K.cast_fp16(x, 1.0).dtype
     bits = K.cast_bf16(cp.asarray(x), 2.0)
     assert bits.dtype == np.uint16
-    assert_same_bits(bits.get().view(ml_dtypes.bfloat16),
-                     (x / np.float32(2)).astype(ml_dtypes.bfloat16))
+    assert_same_bits(bits.get().view(BF16), (x / np.float32(2)).astype(BF16))
 
 
 # ------------------------------------------------------------------------- the store
@@ -249,7 +250,7 @@ KEYS = {  # name: (shape, dtype); one push carries all of them
     "a": ((4099,), np.dtype(np.float32)),
     "b": ((33, 3), np.dtype(np.float16)),
     "c": ((17,), np.dtype(np.float64)),
-    "d": ((31,), np.dtype(ml_dtypes.bfloat16)),
+    "d": ((31,), BF16),
     "e": ((5,), np.dtype(np.int32)),          # travels uncompressed
     "f": ((1,), np.dtype(np.float32)),
 }
@@ -305,6 +306,7 @@ def _gradient(rng, shape, dtype, params):
     return (rng.integers(-256, 257, shape) * step).astype(dtype)
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.parametrize("gpus", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
                                   pytest.param(8, marks=pytest.mark.multi_gpu(8))])
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
@@ -345,6 +347,7 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
         assert KEYS[k][1].kind == "i" or np.isfinite(o.get().astype(np.float64)).all()
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.multi_gpu(8)
 @pytest.mark.parametrize("strategy", ["auto", "tree", "ring", "cpu"])
 @pytest.mark.parametrize("name", EXACT_IN_ANY_ORDER)
@@ -378,6 +381,7 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
                              f"residual of key {k!r} on {d!r}")
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", *BOTH_WAYS])
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):

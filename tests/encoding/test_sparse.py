@@ -12,6 +12,7 @@ import pytest
 import gpukv
 from gpukv import RowSparse
 
+from ..bfloat16 import needs_bfloat16
 from ..gpu_gate import physical_gpus
 
 REF = json.loads((pathlib.Path(__file__).parents[1] / "data" / "mxnet_sparse_reference.json")
@@ -327,7 +328,8 @@ def _reads_of_other_gpus_raise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32",
-                                   "int64", "uint64", "bool", "float16", "bfloat16",
+                                   "int64", "uint64", "bool", "float16",
+                                   pytest.param("bfloat16", marks=needs_bfloat16),
                                    "float32", "float64"])
 def test_gpu_coalesce_sums_every_dtype(dtype):
     """The GPU row sum works for every dtype, those with no kernel of their own too (summed

@@ -3,16 +3,15 @@ lazy optimizer updates give a 'local' store's bits; repeated rows are summed in 
 16-bit floats in float32, the same on the GPU as on the host."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import gpukv
 from gpukv import RowSparse, optim
 
-pytestmark = pytest.mark.multi_gpu(4)
+from ..bfloat16 import BF16, needs_bfloat16
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+pytestmark = pytest.mark.multi_gpu(4)
 
 
 @pytest.fixture
@@ -88,6 +87,7 @@ def _stores(cp, devs, keys, init):
     return host, gpu
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 def test_pushes_from_four_gpus_equal_local(cp, devs):
     """Row-sparse pushes from four GPUs, with rows repeated inside each source and
     across them, store a 'local' store's bits after every push (16-bit floats summed in
@@ -114,6 +114,7 @@ def _ids(cp, kind, dev, ids):
     return ids if kind == "host" else ids.tolist()
 
 
+@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.parametrize("ids_kind", ["gpu", "host", "list"])
 def test_row_sparse_pull_into_gpu_outs_equals_local(cp, devs, ids_kind):
     """row_sparse_pull of every key into RowSparse outs on each GPU (float32 outs for
@@ -168,9 +169,12 @@ CASES = {  # rows of id 1 and 4 interleaved, where the order or width of a sum s
     "float32": ([1.0, 3.0, 2 ** -24, 2 ** -23, 2 ** -24, 2 ** -23, 0.5, 2 ** -22, 0.25,
                  -3.0], np.float32),
 }
+#: the names of CASES as cases: bfloat16's skips without ml_dtypes
+CASE_NAMES = [pytest.param(n, marks=needs_bfloat16) if n == "bfloat16" else n
+              for n in sorted(CASES)]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_repeated_rows_are_summed_in_order_on_gpu_and_host(cp, devs, name):
     """Coalescing repeated rows adds them one after the other in their order (16-bit
     floats in float32, then rounded once): the GPU and the host give those bits, and
@@ -194,7 +198,7 @@ def test_repeated_rows_are_summed_in_order_on_gpu_and_host(cp, devs, name):
     assert_same_bits(runs[1], runs[0], "second GPU run")
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_repeated_rows_across_gpus_store_the_in_order_sum(cp, devs, name):
     """Rows of one id pushed from four GPUs are summed in source order, 16-bit floats in
     float32: the GPU store holds the same bits as a 'local' store and the in-order sum."""
@@ -234,8 +238,9 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16],
-                         ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", [
+    np.dtype(np.float32), np.dtype(np.float16),
+    pytest.param(BF16, id="bfloat16", marks=needs_bfloat16)], ids=lambda d: d.name)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_on_row_sparse_pushes_equals_local(cp, devs, name, dtype):
     """Three row-sparse pushes from four GPUs (rows repeated) through an optimizer: the

@@ -18,6 +18,8 @@ import gpukv
 from gpukv import optim
 from gpukv._errors import ArgumentError, ArgumentKindError, CheckpointError, DTypeError, GpukvError
 
+from ..bfloat16 import needs_bfloat16
+
 DATA = Path(__file__).parents[1] / "data" / "mxnet_optimizer_reference.json"
 REFERENCE = json.loads(DATA.read_text())
 CASES = {c["name"]: c for c in REFERENCE["cases"]}
@@ -164,7 +166,7 @@ def test_update_count_is_per_key():
 
 
 # ------------------------------------------------------------------ multi-precision
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_bfloat16)])
 def test_narrow_weights_keep_a_float32_master(dtype):
     """16-bit weights are updated through a float32 master; the stored value is its cast."""
     dt = np.dtype(getattr(__import__("ml_dtypes"), dtype)) if dtype == "bfloat16" else \
@@ -206,7 +208,7 @@ def _written_master_case(xp, dt):
     assert not np.array_equal(before[1:7], np.linspace(1, 2, 8).astype(np.float32)[1:7])
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_bfloat16)])
 def test_values_written_in_place_reach_the_master_element_by_element(dtype):
     dt = np.dtype(getattr(__import__("ml_dtypes"), dtype)) if dtype == "bfloat16" else \
         np.dtype(dtype)
@@ -1031,7 +1033,8 @@ def test_multi_tensor_plan_covers_every_element_once():
 
 
 @pytest.mark.parametrize("name", ["sgd", "nag", "adam", "adamw", "adagrad", "rmsprop", "lamb"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_bfloat16),
+                                   "float32", "float64"])
 def test_kernel_sources_are_complete(name, dtype):
     """Every rule yields CUDA source with every hyper-parameter and switch defined."""
     from gpukv.device.cuda import optim_kernels as K

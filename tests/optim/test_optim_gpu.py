@@ -3,7 +3,6 @@ copies and states bit for bit (LAMB's weights within float32's last bits), for e
 option set and weight dtype, several keys per launch, with a learning-rate schedule."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -12,10 +11,13 @@ from gpukv import optim
 from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim import lr_scheduler as sched
 
+from ..bfloat16 import BF16, needs_bfloat16
+
 pytestmark = pytest.mark.gpu
 
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
-          np.dtype(ml_dtypes.bfloat16)]
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
+#: DTYPES as cases: bfloat16's skips without ml_dtypes
+DTYPE_PARAMS = DTYPES[:3] + [pytest.param(BF16, id="bfloat16", marks=needs_bfloat16)]
 
 # Sizes around the kernels' CHUNK (8192 elements per block): a key over three blocks, one
 # of exactly one block, a 2-D key over two, and keys far smaller than a block.
@@ -165,7 +167,7 @@ def _compare(host, gpu, name, dtype, step, keys=KEYS):
             assert_same_bits(got_w, got.astype(dtype), f"{what} weight from master")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS, ids=lambda d: d.name)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_gpu_steps_equal_the_host_twin(name, dtype, launches, monkeypatch):
     """Three pushes of five keys (one over three kernel blocks, one a single element)
@@ -186,6 +188,7 @@ def test_gpu_steps_equal_the_host_twin(name, dtype, launches, monkeypatch):
     assert gpu._optimizer.num_update == host._optimizer.num_update == len(PUSHES)
 
 
+@needs_bfloat16  # one of the four dtypes
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("name", ["sgd_mom_wd_clip", "adam_clip", "lamb_bounds"])
 def test_gpu_keys_of_every_dtype_over_four_gpus(name, launches):

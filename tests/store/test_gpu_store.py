@@ -11,6 +11,7 @@ import pytest
 
 import gpukv
 
+from ..bfloat16 import needs_bfloat16
 from ..foreign import CudaInterfaceOnly, DLPackOnly, cuda_tensor_values, torch_cuda_tensor
 from ..gpu_gate import hardware_missing
 
@@ -379,6 +380,7 @@ def test_torch_cuda_tensors_in_place(cp, name):
     assert all((cuda_tensor_values(g) == 3.0).all() for g in grads)
 
 
+@needs_bfloat16
 def test_torch_cuda_bfloat16_adopted_through_dlpack(cp, name):
     """A bfloat16 CUDA tensor keeps its dtype and memory: it is adopted through DLPack,
     not through the CUDA array interface, where bfloat16 is a raw 2-byte void."""

@@ -13,16 +13,19 @@ from hypothesis import strategies as st
 from gpukv.device import host_kernels as HK
 from gpukv.device.cuda import kernels as K
 
+from ...bfloat16 import BF16, needs_bfloat16
 from ...gpu_gate import hardware_missing
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 
 
 def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def _cases(names):
+    """`names` as cases: bfloat16's skips without ml_dtypes."""
+    return [pytest.param(n, marks=needs_bfloat16) if n == "bfloat16" else n for n in names]
 
 
 def _rand(rng, n, dtype):
@@ -37,7 +40,7 @@ def _reference(a, b, out_dtype):
     return total.astype(out_dtype)
 
 
-@pytest.mark.parametrize("t", DTYPES + ["bfloat16"])
+@pytest.mark.parametrize("t", _cases(DTYPES + ["bfloat16"]))
 def test_multi_sum_host_matches_reference(t):
     """The host twin sums sources of T into U, accumulating 16-bit floats in float32."""
     rng = np.random.default_rng(1)
@@ -146,6 +149,7 @@ def test_plan_blocks_caps_blocks_per_key():
     assert counts.tolist() == [0, 1, K.MAX_BLOCKS, 1, 2]
 
 
+@needs_bfloat16
 def test_sources_are_distinct_per_dtype_pair():
     """Each (T, U) pair gets its own kernel name and typedefs."""
     seen = set()
@@ -158,7 +162,8 @@ def test_sources_are_distinct_per_dtype_pair():
 
 
 @pytest.mark.parametrize("make", [K.sum_source, K.tree_sum_source])
-@pytest.mark.parametrize(("t", "u"), [("float64", "float16"), ("float64", "bfloat16"),
+@pytest.mark.parametrize(("t", "u"), [("float64", "float16"),
+                                      pytest.param("float64", "bfloat16", marks=needs_bfloat16),
                                       ("float64", "float32"), ("float32", "float64")])
 def test_float64_float32_conversions_are_explicit_ptx(make, t, u):
     """Between float64 and float32 the kernels convert with PTX without .ftz (a C cast
@@ -325,7 +330,7 @@ def _awkward_bits(dtype, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES + ["bfloat16"])
+@pytest.mark.parametrize("dtype", _cases(DTYPES + ["bfloat16"]))
 @pytest.mark.parametrize("n", [4, 1000, (4 << 20) // 2 + 3])
 def test_multi_copy_is_a_bit_copy(dtype, n):
     """A copy (a sum of one term) keeps every bit, -0.0 and NaN payloads included, at
@@ -357,8 +362,9 @@ def _float64_edges(seed: int = 0) -> np.ndarray:
     the edges of float16's range. Both signs."""
     rng = np.random.default_rng(seed)
     ties = []
-    for dtype, top in ((np.float16, 0x7C00), (_dtype("bfloat16"), 0x7F80)):
-        grid = np.arange(top, dtype=np.uint16).view(dtype).astype(np.float64)
+    # bfloat16's finite values are float32's with their low 16 bits zero
+    for grid in (np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64),
+                 (np.arange(0x7F80, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)):
         ties.append((grid[:-1] + grid[1:]) / 2)
     mid = np.concatenate(ties)
     hair = np.maximum(mid, 2.0 ** -140) * 2.0 ** -40 * rng.choice([-1.0, 1.0], mid.size)
@@ -368,7 +374,7 @@ def _float64_edges(seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("u", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("u", _cases(["float16", "bfloat16", "float32"]))
 def test_one_float64_term_is_cast_as_numpy_casts(u):
     """A float64 term copied into a narrower float (the copy kernel, and a one-term sum)
     gives the twin's bits, NumPy's cast: float16 rounded once (through float32 it would
@@ -457,8 +463,8 @@ _ALL = sorted(K._CTYPES)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("u", _ALL)
-@pytest.mark.parametrize("t", _ALL)
+@pytest.mark.parametrize("u", _cases(_ALL))
+@pytest.mark.parametrize("t", _cases(_ALL))
 def test_every_dtype_pair_sums_like_the_twin(t, u):
     """The sum kernel of every (source, out) dtype pair gives the twin's bytes: two terms
     of T and the out itself (U), and a one-term cast of T into U."""
