@@ -254,6 +254,8 @@ KEYS = {  # name: (shape, dtype); one push carries all of them
     "e": ((5,), np.dtype(np.int32)),          # travels uncompressed
     "f": ((1,), np.dtype(np.float32)),
 }
+if BF16 is None:  # no ml_dtypes (a GPU machine may lack it): the other keys still run
+    del KEYS["d"]
 COMPRESSIONS = {
     "2bit-0.5": {"type": "2bit", "threshold": 0.5},
     "2bit-0.25": {"type": "2bit", "threshold": 0.25},
@@ -306,7 +308,6 @@ def _gradient(rng, shape, dtype, params):
     return (rng.integers(-256, 257, shape) * step).astype(dtype)
 
 
-@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.parametrize("gpus", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
                                   pytest.param(8, marks=pytest.mark.multi_gpu(8))])
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
@@ -347,7 +348,6 @@ def test_store_on_gpus_equals_the_host_store(cp, name, gpus):
         assert KEYS[k][1].kind == "i" or np.isfinite(o.get().astype(np.float64)).all()
 
 
-@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.multi_gpu(8)
 @pytest.mark.parametrize("strategy", ["auto", "tree", "ring", "cpu"])
 @pytest.mark.parametrize("name", EXACT_IN_ANY_ORDER)
@@ -381,7 +381,6 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
                              f"residual of key {k!r} on {d!r}")
 
 
-@needs_bfloat16  # a key of KEYS is bfloat16
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", *BOTH_WAYS])
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
