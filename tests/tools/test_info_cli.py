@@ -108,3 +108,19 @@ def test_info_names_every_malformed_setting_a_store_would_refuse(name, value, sa
            "GPUKV_HOST_THREADS": "stores", "GPUKV_TREE_ARRAY_BOUND": "the tree and auto "
            "strategies"}.get(name, "dist stores")
     assert f"malformed setting ({who} refuse it): {name}={value!r}: {says}" in text
+
+
+def test_a_dist_store_after_info_in_the_same_process_starts_mpi():
+    """`gpukv info` asks for the MPI library's version without starting MPI; a dist store
+    made later in the same process still starts it (before, MPICH ended the process:
+    'Attempting to use an MPI routine before initializing')."""
+    pytest.importorskip("mpi4py")
+    program = ("import gpukv\n"
+               "from gpukv.tools import info\n"
+               "assert info.mpi_info()['available']\n"
+               "kv = gpukv.create('dist_sync')\n"
+               "assert (kv.rank, kv.num_workers) == (0, 1)\n"
+               "print('made', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "made\n", proc.stdout + proc.stderr

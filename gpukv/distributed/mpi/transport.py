@@ -13,6 +13,7 @@ otherwise wait out its own timeout.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import time
@@ -55,7 +56,17 @@ def mpi():
                            "'gpukv[mpi]' (mpi4py and the mpich wheel, which brings "
                            f"mpiexec), then launch with `mpiexec -n N python prog.py` ({exc})"
                            ) from exc
+    if not MPI.Is_initialized() and not MPI.Is_finalized():
+        # imported without starting MPI (`gpukv info` asks for the library's version so,
+        # in a process that may make a dist store later): started as mpi4py would
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize, MPI)
     return MPI
+
+
+def _finalize(MPI) -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 class _Checked:
