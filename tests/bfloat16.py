@@ -19,3 +19,13 @@ BF16 = None if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
 
 needs_bfloat16 = pytest.mark.skipif(ml_dtypes is None,
                                     reason="bfloat16 needs ml_dtypes, which is not installed")
+
+
+def dtype_named(name: str):
+    """np.dtype(name), ml_dtypes' bfloat16 for 'bfloat16' (None without ml_dtypes)."""
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def marked(names) -> list:
+    """`names` as test cases, 'bfloat16' marked `needs_bfloat16`."""
+    return [pytest.param(n, marks=needs_bfloat16) if n == "bfloat16" else n for n in names]

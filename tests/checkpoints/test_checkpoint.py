@@ -18,18 +18,15 @@ import pytest
 import gpukv
 from gpukv.checkpoints.checkpoint import read_archive, write_archive
 
-from ..bfloat16 import BF16, needs_bfloat16
+from ..bfloat16 import BF16, marked, needs_bfloat16
+from ..bfloat16 import dtype_named as _dtype
 from .failing_file import FailingFile
 
 REPO = Path(__file__).resolve().parents[2]
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "uint8", "int8", "int32", "int64"]
 #: DTYPES as cases: bfloat16's skips without ml_dtypes
-DTYPE_PARAMS = [pytest.param(d, marks=needs_bfloat16) if d == "bfloat16" else d for d in DTYPES]
-
-
-def _dtype(name):
-    return BF16 if name == "bfloat16" else np.dtype(name)
+DTYPE_PARAMS = marked(DTYPES)
 
 
 def _value(shape, dtype, seed=0):

@@ -9,7 +9,8 @@ import pytest
 import gpukv
 from gpukv.checkpoints.checkpoint import read_archive
 
-from ..bfloat16 import BF16, needs_bfloat16
+from ..bfloat16 import dtype_named as _dtype
+from ..bfloat16 import needs_bfloat16
 
 optim = pytest.importorskip("gpukv.optim")
 
@@ -27,10 +28,6 @@ KEYS = {
 TRAINED = [k for k, (d, _) in KEYS.items() if d.startswith(("float", "bfloat"))]
 #: Logical GPUs dealt onto the physical ones (GPUKV_VIRTUAL_GPUS, set by each test).
 LOGICAL_GPUS = (pytest.param(4, id="4gpus"), pytest.param(8, id="8gpus"))
-
-
-def _dtype(name):
-    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _adam(**options):

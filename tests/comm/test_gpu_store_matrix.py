@@ -17,6 +17,7 @@ from gpukv.comm import nccl as nccl_mod
 from gpukv.device.cuda import sums as _sums
 
 from ..bfloat16 import BF16
+from ..bfloat16 import dtype_named as _dtype
 from ..gpu_gate import hardware_missing, physical_gpus
 
 pytestmark = pytest.mark.gpu
@@ -55,10 +56,6 @@ KEYS = {
 }
 if BF16 is None:  # no ml_dtypes (a GPU machine may lack it): the other keys still run
     KEYS = {k: spec for k, spec in KEYS.items() if spec.dtype != "bfloat16"}
-
-
-def _dtype(name):
-    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _is_float(dtype):

@@ -21,6 +21,7 @@ from gpukv.comm.tree import TreeStrategy
 from gpukv.device import host_device
 
 from ..bfloat16 import BF16, needs_bfloat16
+from ..bfloat16 import dtype_named as _dtype
 
 # 'tree-model': the tree strategy slicing by its cost model, on a latency-free machine
 # where slicing pays at every size, so tiny keys are cut into uneven slices.
@@ -29,10 +30,6 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"
 #: the DTYPES drawn by the property tests: bfloat16 only with ml_dtypes
 DRAWN_DTYPES = tuple(d for d in DTYPES if d != "bfloat16" or BF16 is not None)
 SHAPES = st.sampled_from([(), (1,), (5,), (2, 3), (7, 5), (3, 1, 4), (1000,)])
-
-
-def _dtype(name):
-    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def _acc(dtype):

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import gpukv
 from gpukv.device import host_sum as host
 
-from ..bfloat16 import BF16, needs_bfloat16
+from ..bfloat16 import BF16, marked
+from ..bfloat16 import dtype_named as narrow
 
 EXACT_DTYPES = [np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8]
 
@@ -94,12 +95,7 @@ def test_chunks_cover_the_range_once_in_whole_blocks(monkeypatch):
 NARROW_CASES = {"float16": ([60000, 60000, -60000, 1], 60001.0),
                 "bfloat16": ([256, 1, 1], 258.0)}
 #: the dtypes of NARROW_CASES as cases: bfloat16's skips without ml_dtypes
-NARROW_NAMES = [pytest.param(d, marks=needs_bfloat16) if d == "bfloat16" else d
-                for d in sorted(NARROW_CASES)]
-
-
-def narrow(dtype):
-    return BF16 if dtype == "bfloat16" else np.dtype(dtype)
+NARROW_NAMES = marked(sorted(NARROW_CASES))
 
 
 @pytest.mark.parametrize("dtype", NARROW_NAMES)

@@ -9,7 +9,7 @@ import pytest
 import gpukv
 from gpukv import RowSparse, optim
 
-from ..bfloat16 import BF16, needs_bfloat16
+from ..bfloat16 import BF16, marked, needs_bfloat16
 
 pytestmark = pytest.mark.multi_gpu(4)
 
@@ -170,8 +170,7 @@ CASES = {  # rows of id 1 and 4 interleaved, where the order or width of a sum s
                  -3.0], np.float32),
 }
 #: the names of CASES as cases: bfloat16's skips without ml_dtypes
-CASE_NAMES = [pytest.param(n, marks=needs_bfloat16) if n == "bfloat16" else n
-              for n in sorted(CASES)]
+CASE_NAMES = marked(sorted(CASES))
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

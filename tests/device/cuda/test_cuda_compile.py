@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import NamedTuple
 
-import numpy as np
 import pytest
 
 from gpukv import optim
@@ -34,7 +33,8 @@ from gpukv.device.cuda import optim_kernels as _optim_kernels
 from gpukv.optim import _base as optim_base
 
 from ... import nvrtc
-from ...bfloat16 import BF16, needs_bfloat16
+from ...bfloat16 import dtype_named as _dtype
+from ...bfloat16 import needs_bfloat16
 from ...gpu_gate import gpu_unavailable
 
 REQUIRED = os.environ.get("GPUKV_TEST_NVRTC", "") == "1"
@@ -57,10 +57,6 @@ class Variant(NamedTuple):
 
 
 # ------------------------------------------------------------------ the sources
-def _dtype(name: str):
-    """The dtype `name`; None for bfloat16 without ml_dtypes (its sources cannot be made)."""
-    return BF16 if name == "bfloat16" else np.dtype(name)
-
 
 def _sum_variants():
     """Every (T, U) pair: sums read T and U, and `multi_copy` casts any T to any U; the

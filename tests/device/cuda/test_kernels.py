@@ -13,19 +13,11 @@ from hypothesis import strategies as st
 from gpukv.device import host_kernels as HK
 from gpukv.device.cuda import kernels as K
 
-from ...bfloat16 import BF16, needs_bfloat16
+from ...bfloat16 import dtype_named as _dtype
+from ...bfloat16 import marked, needs_bfloat16
 from ...gpu_gate import hardware_missing
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
-
-
-def _dtype(name):
-    return BF16 if name == "bfloat16" else np.dtype(name)
-
-
-def _cases(names):
-    """`names` as cases: bfloat16's skips without ml_dtypes."""
-    return [pytest.param(n, marks=needs_bfloat16) if n == "bfloat16" else n for n in names]
 
 
 def _rand(rng, n, dtype):
@@ -40,7 +32,7 @@ def _reference(a, b, out_dtype):
     return total.astype(out_dtype)
 
 
-@pytest.mark.parametrize("t", _cases(DTYPES + ["bfloat16"]))
+@pytest.mark.parametrize("t", marked(DTYPES + ["bfloat16"]))
 def test_multi_sum_host_matches_reference(t):
     """The host twin sums sources of T into U, accumulating 16-bit floats in float32."""
     rng = np.random.default_rng(1)
@@ -330,7 +322,7 @@ def _awkward_bits(dtype, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", _cases(DTYPES + ["bfloat16"]))
+@pytest.mark.parametrize("dtype", marked(DTYPES + ["bfloat16"]))
 @pytest.mark.parametrize("n", [4, 1000, (4 << 20) // 2 + 3])
 def test_multi_copy_is_a_bit_copy(dtype, n):
     """A copy (a sum of one term) keeps every bit, -0.0 and NaN payloads included, at
@@ -374,7 +366,7 @@ def _float64_edges(seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("u", _cases(["float16", "bfloat16", "float32"]))
+@pytest.mark.parametrize("u", marked(["float16", "bfloat16", "float32"]))
 def test_one_float64_term_is_cast_as_numpy_casts(u):
     """A float64 term copied into a narrower float (the copy kernel, and a one-term sum)
     gives the twin's bits, NumPy's cast: float16 rounded once (through float32 it would
@@ -463,8 +455,8 @@ _ALL = sorted(K._CTYPES)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("u", _cases(_ALL))
-@pytest.mark.parametrize("t", _cases(_ALL))
+@pytest.mark.parametrize("u", marked(_ALL))
+@pytest.mark.parametrize("t", marked(_ALL))
 def test_every_dtype_pair_sums_like_the_twin(t, u):
     """The sum kernel of every (source, out) dtype pair gives the twin's bytes: two terms
     of T and the out itself (U), and a one-term cast of T into U."""
