@@ -54,28 +54,15 @@ def host_codec_path(request):
         yield request.param
 
 
-def _timer_slack(nanoseconds: int = 0) -> int:
-    """This process's timer slack (Linux's prctl), set to `nanoseconds` when > 0; 0 where
-    it cannot be asked."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        before = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
-        if nanoseconds > 0:
-            libc.prctl(29, nanoseconds, 0, 0, 0)  # PR_SET_TIMERSLACK
-        return max(before, 0)
-    except (OSError, AttributeError):
-        return 0
-
-
 @pytest.fixture(autouse=True)
 def _timer_slack_kept():
     """A dist store's transport sets this process's timer slack to 1 us for its naps:
     put back after each test, so that later tests wait as they would alone (with that
     slack, test_threads' GIL switches every 1 us took 100x longer)."""
-    before = _timer_slack()
+    from gpukv.distributed.mpi.transport import timer_slack
+    before = timer_slack()
     yield
-    _timer_slack(before)
+    timer_slack(before)
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -351,12 +352,30 @@ def _usable_cpus() -> int:
 def _short_naps() -> None:
     """Let a sleep of tens of microseconds last about that (Linux's default timer slack
     of 50 us would stretch each one): the waits above nap that short."""
+    timer_slack(1000)  # (not Linux: naps are what the system makes them)
+
+
+@functools.cache
+def _libc():
     try:
         import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK: 1 us
-    except (OSError, AttributeError):
-        pass  # not Linux: naps are what the system makes them
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def timer_slack(nanoseconds: int = 0) -> int:
+    """This process's timer slack in ns (Linux's prctl), first set to `nanoseconds` when
+    that is > 0, which a transport does (1 us, for its naps) for the whole process; the
+    slack before; 0 where it cannot be asked."""
+    libc = _libc()
+    try:
+        before = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+        if nanoseconds > 0:
+            libc.prctl(29, nanoseconds, 0, 0, 0)  # PR_SET_TIMERSLACK
+    except AttributeError:  # no libc, or one without prctl
+        return 0
+    return max(before, 0)
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
