@@ -59,7 +59,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
+import faulthandler
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -164,7 +167,16 @@ def end_gloo() -> None:
     dist.destroy_process_group()
 
 
+def said(line: str) -> None:
+    """A milestone on stderr, which the driver shows when the job fails."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def child(args) -> int:
+    # A stalled peer fails the job with the words of gloo or gpukv (their own timeouts
+    # end before the driver's limit); a job that hangs elsewhere in Python still says
+    # where: every thread's stack, shortly before the driver ends it.
+    faulthandler.dump_traceback_later(args.timeout * 0.9)
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -177,9 +189,11 @@ def child(args) -> int:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    said(f"rank {rank} of {size}: MPI started")
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
-                            rank=rank, world_size=size)
+                            rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=args.timeout / 3))
 
     def slowest(call) -> float:
         """Seconds of `call()` on the slowest process, all starting together."""
@@ -279,6 +293,7 @@ def child(args) -> int:
     ddp_model = hooked = None  # noqa: F841 (DDP's reducers hold the group)
     steps.clear()
     end_gloo()
+    said(f"rank {rank}: done; Python and MPI end next")  # (beyond faulthandler's sight)
     return 0
 
 
@@ -296,22 +311,33 @@ def run_case(processes: int, args) -> list[dict]:
             spread = ["-hosts", ",".join(f"{h}:1" for h in hosts)] if hosts else []
             # NumPy's BLAS gets the threads torch gets: a thread per core in every
             # process oversubscribes the cores (PowerSGD's matrix products)
-            threads = ["-genv", "OPENBLAS_NUM_THREADS", str(args.threads),
-                       "-genv", "OMP_NUM_THREADS", str(args.threads)]
-            return [mpiexec, *spread, *threads, "-n", str(processes), sys.executable,
+            settings = ["-genv", "OPENBLAS_NUM_THREADS", str(args.threads),
+                        "-genv", "OMP_NUM_THREADS", str(args.threads)]
+            if not os.environ.get("GPUKV_DIST_TIMEOUT", "").strip():  # a stall: words
+                settings += ["-genv", "GPUKV_DIST_TIMEOUT", str(args.timeout / 3)]
+            return [mpiexec, *spread, *settings, "-n", str(processes), sys.executable,
                     str(Path(__file__).resolve()), "--child", "--result", str(result),
                     "--master", master, "--port", str(free_port()),
                     "--models", ",".join(args.models), "--batch", str(args.batch),
                     "--threads", str(args.threads), "--warmup", str(args.warmup),
+                    "--timeout", str(args.timeout),
                     "--iters", str(args.iters), "--bucket-mb", str(args.bucket_mb),
                     "--ways", ",".join(n for n, w in WAY_NAMES.items() if w in args.ways)]
         run = {"capture_output": True, "text": True, "timeout": args.timeout,
                "cwd": HERE.parent}
-        if args.cluster:
-            with emulated.EmulatedCluster(processes, args.rate) as cluster:
-                job = cluster.run(0, command(cluster.addresses[0], cluster.addresses), **run)
-        else:
-            job = subprocess.run(command("127.0.0.1", []), **run)
+        try:
+            if args.cluster:
+                with emulated.EmulatedCluster(processes, args.rate) as cluster:
+                    job = cluster.run(0, command(cluster.addresses[0], cluster.addresses),
+                                      **run)
+            else:
+                job = subprocess.run(command("127.0.0.1", []), **run)
+        except subprocess.TimeoutExpired as exc:
+            said = exc.stderr or ""  # bytes: what came before the time limit
+            said = said.decode(errors="replace") if isinstance(said, bytes) else said
+            raise RuntimeError(f"the job did not end within {args.timeout} s; what its "
+                               f"processes said (their stacks at 90% of it):\n"
+                               f"{said[-6000:]}") from None
         if job.returncode != 0 or not result.exists():
             raise RuntimeError(f"exit {job.returncode}: {job.stdout[-1500:]}"
                                f"{job.stderr[-1500:]}")
@@ -353,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=C.positive_int, default=1, metavar="N",
                    help="torch.set_num_threads in every process (default 1)")
     p.add_argument("--timeout", type=C.positive_int, default=900, metavar="SECONDS",
-                   help="time limit of one MPI job (default 900)")
+                   help="time limit of one MPI job (default 900); gloo's timeout and "
+                        "GPUKV_DIST_TIMEOUT (unless set) are a third of it, so that a "
+                        "stalled process is named")
     C.add_timing_options(p, 3, 20, unit="iteration",
                          note="every way takes one iteration per round, in turns")
     C.add_out_option(p, "trainer_dist_<machine>.json")
@@ -409,8 +437,8 @@ def main(argv=None) -> int:
             case = run_case(processes, args)
         except Exception as exc:  # one broken case must not end the run
             failed = True
-            error = f"{type(exc).__name__}: {exc}"[-600:]
-            records.append({"processes": processes, "error": error})
+            error = f"{type(exc).__name__}: {exc}"
+            records.append({"processes": processes, "error": error[-600:]})
             print(f"FAILED on {processes} processes: {error}", file=sys.stderr)
             continue
         for record in case:
