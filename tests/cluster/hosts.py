@@ -17,7 +17,7 @@ import pytest
 
 from gpukv.tools.cluster import EmulatedCluster, unavailable
 
-from ..distributed.mpirun import PROGRAMS, communicate, require_mpi
+from ..distributed.mpirun import NUMPY_CODECS, PROGRAMS, communicate, require_mpi
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -62,6 +62,7 @@ def job_env(made: EmulatedCluster, timeout: float = 30, **extra: str) -> dict:
     env = made.env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["GPUKV_DIST_TIMEOUT"] = str(timeout)
+    env.setdefault(*NUMPY_CODECS)
     env.update(extra)
     return env
 

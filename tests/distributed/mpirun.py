@@ -20,6 +20,12 @@ from gpukv.launcher import leftovers
 from gpukv.launcher.launch import find_mpiexec, is_open_mpi
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+#: The host's codecs run as their NumPy twins in every process of a job, unless a test
+#: asks for Numba's (GPUKV_HOST_JIT=1): Numba's start takes each process about a second,
+#: which the jobs' processes would spend on a few kilobytes. The twins are held to
+#: Numba's bytes in one process (tests/encoding, tests/device/test_host_codecs.py), and
+#: test_deterministic_compression's jobs to the bits of one process that compiles them.
+NUMPY_CODECS = ("GPUKV_HOST_JIT", "0")
 
 
 def mpiexec() -> str | None:
@@ -62,6 +68,7 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     full_env.update(_launcher_env(launcher))
     full_env.update(env or {})
     full_env.setdefault("GPUKV_DIST_TIMEOUT", "30")
+    full_env.setdefault(*NUMPY_CODECS)
     python = [sys.executable] + ([] if bare else ["-m", "mpi4py"])
     command = [launcher, *options, "-n", str(n), *python, *target, *args]
     # A session of its own: on timeout the whole job (mpiexec and every rank) is killed.

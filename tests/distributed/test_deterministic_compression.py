@@ -33,14 +33,20 @@ def one_process() -> dict:
     return found
 
 
-@pytest.mark.parametrize("workers,servers", [(2, 0), (8, 0), (2, 1)],
+@pytest.mark.parametrize("workers,servers,codecs",
+                         [(2, 0, "numba"), (8, 0, "numpy"), (2, 1, "numpy")],
                          ids=lambda v: str(v))
-def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, servers):
+def test_compressed_leaves_give_the_bits_of_one_process(one_process, workers, servers,
+                                                        codecs):
     """8 host gradients on 8 // workers per worker, compressed (fp16 with pre_divide 3,
     2-bit with threshold 0.5, sign, ternary, PowerSGD; residuals carried over rounds), without an
-    updater and with SGD: every phase's values are the bits of one process."""
+    updater and with SGD: every phase's values are the bits of one process (Numba's
+    codecs where it is installed), the workers' codecs Numba's or their NumPy twins."""
+    if codecs == "numba":
+        pytest.importorskip("numba", reason="the compiled codecs need Numba (the test extra)")
     env = _env()
-    env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync")
+    env.update(GPUKV_NUM_SERVERS=str(servers), STORE="dist_sync",
+               GPUKV_HOST_JIT="1" if codecs == "numba" else "0")
     out = ok(run("digest.py", workers + servers, str(8 // workers), env=env, timeout=240))
     assert digests.digests(out) == one_process, out
 
