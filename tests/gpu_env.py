@@ -25,10 +25,11 @@ def _real_gpus() -> int:
 
 
 def _wants_emulation() -> bool:
-    choice = os.environ.get("GPUKV_CUDA_EMULATION", "")
-    if choice in ("0", "1"):
-        return choice == "1"
-    return _real_gpus() == 0
+    """GPUKV_CUDA_EMULATION read as gpukv reads it (a malformed value is an
+    ArgumentError naming it, never taken for "unset"); unset: where no GPU is."""
+    from gpukv._env import flag
+    choice = flag("GPUKV_CUDA_EMULATION")
+    return _real_gpus() == 0 if choice is None else choice
 
 
 EMULATED = _wants_emulation()

@@ -1,6 +1,8 @@
-"""The test command collects every test file of the tree."""
+"""The test command collects every test file of the tree, and refuses a malformed setting
+of where its GPUs come from."""
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -26,3 +28,15 @@ def test_every_test_file_is_collected(request):
     # a test's id, or (a file skipped whole: a missing optional library) its skip line
     missed = sorted(f for f in files if f not in listing.stdout)
     assert not missed, missed
+
+
+def test_a_malformed_emulation_setting_stops_the_run_naming_it():
+    """GPUKV_CUDA_EMULATION=yes is neither 1 (the emulation) nor 0 (a real GPU): the run
+    stops before collecting, naming it, rather than taking it for unset."""
+    env = {**os.environ, "GPUKV_CUDA_EMULATION": "yes"}
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                              "-p", "no:cacheprovider", "tests/test_collection.py"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert listing.returncode != 0, listing.stdout
+    assert "GPUKV_CUDA_EMULATION='yes': expected 1 (on) or 0 (off)" in (
+        listing.stdout + listing.stderr), listing.stdout + listing.stderr
