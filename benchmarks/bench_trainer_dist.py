@@ -62,7 +62,6 @@ import copy
 import datetime
 import faulthandler
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -77,6 +76,7 @@ sys.path.insert(0, str(HERE.parent))
 import _common as C  # noqa: E402
 from bench_dist import find_mpiexec, free_port  # noqa: E402
 
+from gpukv.distributed.store import env_timeout  # noqa: E402
 from gpukv.tools import cluster as emulated  # noqa: E402
 
 MODELS = ("mlp", "wide-mlp", "resnet50-mlp", "1000-params")
@@ -313,7 +313,7 @@ def run_case(processes: int, args) -> list[dict]:
             # process oversubscribes the cores (PowerSGD's matrix products)
             settings = ["-genv", "OPENBLAS_NUM_THREADS", str(args.threads),
                         "-genv", "OMP_NUM_THREADS", str(args.threads)]
-            if not os.environ.get("GPUKV_DIST_TIMEOUT", "").strip():  # a stall: words
+            if env_timeout() is None:  # (read as the stores read it) a stall: words
                 settings += ["-genv", "GPUKV_DIST_TIMEOUT", str(args.timeout / 3)]
             return [mpiexec, *spread, *settings, "-n", str(processes), sys.executable,
                     str(Path(__file__).resolve()), "--child", "--result", str(result),
@@ -333,11 +333,12 @@ def run_case(processes: int, args) -> list[dict]:
             else:
                 job = subprocess.run(command("127.0.0.1", []), **run)
         except subprocess.TimeoutExpired as exc:
-            said = exc.stderr or ""  # bytes: what came before the time limit
-            said = said.decode(errors="replace") if isinstance(said, bytes) else said
+            printed = exc.stderr or ""  # bytes: what came before the time limit
+            if isinstance(printed, bytes):
+                printed = printed.decode(errors="replace")
             raise RuntimeError(f"the job did not end within {args.timeout} s; what its "
                                f"processes said (their stacks at 90% of it):\n"
-                               f"{said[-6000:]}") from None
+                               f"{printed[-6000:]}") from None
         if job.returncode != 0 or not result.exists():
             raise RuntimeError(f"exit {job.returncode}: {job.stdout[-1500:]}"
                                f"{job.stderr[-1500:]}")
