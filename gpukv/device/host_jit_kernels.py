@@ -146,81 +146,76 @@ def sign_decode(scales, bits, out, accumulate, lo, hi, table):
 
 
 @inline
-def ternary_block(g, r, at, count, e, a, y, d, codes, byte, lanes):
-    """One block of 128 values from g[at:], r[at:] (its first `count` real, zeros after
-    them): its codes into codes[byte:byte + 26], r -= the values sent; returns the scale.
-    e, a, y and d are scratch. The digits are found in the pass that moves the residual
-    on, from the magnitudes left after the threshold, which keeps the threshold's pass
-    free of byte stores (it then runs on vectors)."""
-    for i in range(128):
-        v = r[at + i] + g[at + i]
-        e[i] = v
-        a[i] = abs(v)
-    threshold = halves_128(a, y, lanes) / _F32(count) * _SEVEN_TENTHS
-    if not np.isfinite(threshold):  # an inf or NaN in the block: it crosses as NaN
-        return poisoned_block(r, at, count, e, d, codes, byte)
-    sent = 0
-    for i in range(128):
-        chosen = a[i] > threshold  # never a NaN's
-        a[i] = a[i] if chosen else _ZERO
-        sent += np.int32(chosen)
-    s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
-    minus = _F32(-1) * s
-    for i in range(128):  # (a value sent has a magnitude above 0: the threshold's >= 0)
-        on = a[i] != _ZERO
-        negative = e[i] < _ZERO
-        d[i] = np.uint8(on) + np.uint8(on and negative)
-        r[at + i] = e[i] - (_ZERO if not on else (minus if negative else s))
-    pack_digits(d, codes, byte)
-    return s
-
-
-@inline
-def poisoned_block(r, at, count, e, d, codes, byte):
-    """`ternary_block` of a block with an inf or NaN: its `count` values sent as +NaN
-    (code 1, the scale NaN), r = e - NaN; returns the scale."""
-    s = _NAN
-    for i in range(128):
-        d[i] = np.uint8(i < count)
-        r[at + i] = e[i] - s
-    pack_digits(d, codes, byte)
-    return s
-
-
-@inline
-def pack_digits(d, codes, byte):
-    """A block's 128 digits d (0, 1 or 2) into codes[byte:byte + 26], five a byte, the
-    first the lowest."""
-    for j in range(_TERNARY_CODE_BYTES):
-        q = 5 * j
-        codes[byte + j] = (
-            (((d[q + 4] * 3 + d[q + 3]) * 3 + d[q + 2]) * 3 + d[q + 1]) * 3 + d[q])
+def five_digits(d0, d1, d2, d3, d4):
+    """The byte of five base-3 digits (0, 1 or 2), the first the lowest."""
+    return (((d4 * 3 + d3) * 3 + d2) * 3 + d1) * 3 + d0
 
 
 @jit
-def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
-    """Per block of 128 values (the last may be short: zeros after its values, its
-    count dividing its sums): r += g; a value is sent when its magnitude exceeds 0.7
-    times the block's mean magnitude; the scale is the mean magnitude of those sent;
-    codes five to a byte, the first value the lowest digit; r -= the value sent."""
-    g, r = grad[lo:hi], residual[lo:hi]
-    sc, cd = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:]
+def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
+    """Blocks of 128 values from g and r, the first `count` of each real (zeros after
+    them): r += g; a value is sent when its magnitude exceeds 0.7 times the block's mean
+    magnitude; the block's scale (scales[b]) is the mean magnitude of those sent; codes
+    five to a byte (codes[26 b:26 b + 26]); r -= the values sent. A block with an inf
+    or NaN sends its values as +NaN (code 1, the scale NaN): r = r + g - NaN.
+
+    One function rather than a call per block: Numba counts the references of each
+    array an inlined function takes, and a block's worth of those cost a quarter of the
+    encoder's time. The digits are found in the pass that moves the residual on, from
+    the magnitudes left after the threshold, which keeps the threshold's pass free of
+    byte stores (it then runs on vectors)."""
     e = np.empty(128, np.float32)
     a = np.empty(128, np.float32)
     y = np.empty(8, np.float32)
     d = np.zeros(130, np.uint8)  # (the last byte's two digits past 128 stay 0)
+    for b in range(blocks):
+        at = b * 128
+        for i in range(128):
+            v = r[at + i] + g[at + i]
+            e[i] = v
+            a[i] = abs(v)
+        threshold = halves_128(a, y, lanes) / _F32(count) * _SEVEN_TENTHS
+        if np.isfinite(threshold):
+            sent = 0
+            for i in range(128):
+                chosen = a[i] > threshold  # never a NaN's
+                a[i] = a[i] if chosen else _ZERO
+                sent += np.int32(chosen)
+            s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
+            minus = _F32(-1) * s
+            for i in range(128):  # (a value sent has a magnitude above 0: threshold >= 0)
+                on = a[i] != _ZERO
+                negative = e[i] < _ZERO
+                d[i] = np.uint8(on) + np.uint8(on and negative)
+                r[at + i] = e[i] - (_ZERO if not on else (minus if negative else s))
+        else:  # an inf or NaN in the block: it crosses as NaN
+            s = _NAN
+            for i in range(128):
+                d[i] = np.uint8(i < count)
+                r[at + i] = e[i] - s
+        byte = b * _TERNARY_CODE_BYTES
+        for j in range(_TERNARY_CODE_BYTES):
+            q = 5 * j
+            codes[byte + j] = five_digits(d[q], d[q + 1], d[q + 2], d[q + 3], d[q + 4])
+        scales[b] = s
+
+
+@jit
+def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
+    """`ternary_blocks` over [lo, hi); the last block may be short (zeros after its
+    values, its count dividing its sums)."""
+    g, r = grad[lo:hi], residual[lo:hi]
+    sc, cd = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:]
     whole = (hi - lo) // 128
-    for b in range(whole):
-        sc[b] = ternary_block(g, r, b * 128, 128, e, a, y, d, cd, b * _TERNARY_CODE_BYTES,
-                              lanes)
+    ternary_blocks(g, r, sc, cd, whole, 128, lanes)
     k = hi - lo - whole * 128
     if k:  # the array's last, short block: zeros after its values
         g128 = np.zeros(128, np.float32)
         r128 = np.zeros(128, np.float32)
         g128[:k] = g[whole * 128:]
         r128[:k] = r[whole * 128:]
-        sc[whole] = ternary_block(g128, r128, 0, k, e, a, y, d, cd,
-                                  whole * _TERNARY_CODE_BYTES, lanes)
+        ternary_blocks(g128, r128, sc[whole:], cd[whole * _TERNARY_CODE_BYTES:], 1, k,
+                       lanes)
         r[whole * 128:] = r128[:k]
 
 
