@@ -160,7 +160,7 @@ def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
     or NaN sends its values as +NaN (code 1, the scale NaN): r = r + g - NaN.
 
     One function rather than a call per block: Numba counts the references of each
-    array an inlined function takes, and a block's worth of those cost a quarter of the
+    array an inlined function takes, and a block's worth of those cost a fifth of the
     encoder's time. The digits are found in the pass that moves the residual on, from
     the magnitudes left after the threshold, which keeps the threshold's pass free of
     byte stores (it then runs on vectors)."""
