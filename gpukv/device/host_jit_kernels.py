@@ -64,13 +64,14 @@ def halves_64(x, c, lanes):
 
 
 @inline
-def halves_128(x, c, lanes):
-    """The sum of x[:128] by halves (h = 64, ..., 1), as halves_64 does it."""
+def halves_128(x, at, c, lanes):
+    """The sum of x[at:at + 128] by halves (h = 64, ..., 1), as halves_64 does it."""
     for i in range(lanes):
-        c[i] = ((((x[i] + x[i + 64]) + (x[i + 32] + x[i + 96]))
-                 + ((x[i + 16] + x[i + 80]) + (x[i + 48] + x[i + 112])))
-                + (((x[i + 8] + x[i + 72]) + (x[i + 40] + x[i + 104]))
-                   + ((x[i + 24] + x[i + 88]) + (x[i + 56] + x[i + 120]))))
+        j = at + i
+        c[i] = ((((x[j] + x[j + 64]) + (x[j + 32] + x[j + 96]))
+                 + ((x[j + 16] + x[j + 80]) + (x[j + 48] + x[j + 112])))
+                + (((x[j + 8] + x[j + 72]) + (x[j + 40] + x[j + 104]))
+                   + ((x[j + 24] + x[j + 88]) + (x[j + 56] + x[j + 120]))))
     return halves_from_eight(c)
 
 
@@ -151,72 +152,108 @@ def five_digits(d0, d1, d2, d3, d4):
     return (((d4 * 3 + d3) * 3 + d2) * 3 + d1) * 3 + d0
 
 
+#: the blocks `ternary_blocks` takes through each pass together: a block's two sums and
+#: divisions wait on each other, and those of four blocks run side by side
+TERNARY_GROUP = 4
+
+
 @jit
 def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
-    """Blocks of 128 values from g and r, the first `count` of each real (zeros after
-    them): r += g; a value is sent when its magnitude exceeds 0.7 times the block's mean
-    magnitude; the block's scale (scales[b]) is the mean magnitude of those sent; codes
-    five to a byte (codes[26 b:26 b + 26]); r -= the values sent. A block with an inf
-    or NaN sends its values as +NaN (code 1, the scale NaN): r = r + g - NaN.
+    """`blocks` blocks of 128 values from g and r: r += g; a value is sent when its
+    magnitude exceeds 0.7 times the block's mean magnitude; the block's scale (scales[b])
+    is the mean magnitude of those sent; codes five to a byte (codes[26 b:26 b + 26]);
+    r -= the values sent. A block with an inf or NaN sends its values as +NaN (code 1,
+    the scale NaN): r = r + g - NaN. The last block has `count` real values (zeros after
+    them), the others 128.
 
-    One function rather than a call per block: Numba counts the references of each
-    array an inlined function takes, and a block's worth of those cost a fifth of the
-    encoder's time. The digits are found in the pass that moves the residual on, from
-    the magnitudes left after the threshold, which keeps the threshold's pass free of
-    byte stores (it then runs on vectors)."""
-    e = np.empty(128, np.float32)
-    a = np.empty(128, np.float32)
+    The blocks go through each pass TERNARY_GROUP at a time, and the arrays must hold
+    whole groups (the caller pads the last). One function rather than a call per block:
+    Numba counts the references of each array an inlined function takes, which cost a
+    fifth of the encoder's time at every block. The digits are found in the pass that
+    moves the residual on, from the magnitudes left after the threshold, which keeps the
+    threshold's pass free of byte stores (it then runs on vectors)."""
+    e = np.empty(TERNARY_GROUP * 128, np.float32)
+    a = np.empty(TERNARY_GROUP * 128, np.float32)
     y = np.empty(8, np.float32)
-    d = np.zeros(130, np.uint8)  # (the last byte's two digits past 128 stay 0)
-    for b in range(blocks):
-        at = b * 128
-        for i in range(128):
+    threshold = np.empty(TERNARY_GROUP, np.float32)
+    sent = np.empty(TERNARY_GROUP, np.int32)
+    s = np.empty(TERNARY_GROUP, np.float32)
+    # (the last byte of each block's codes has two digits past 128, which stay 0)
+    d = np.zeros(TERNARY_GROUP * 130, np.uint8)
+    for p in range((blocks + TERNARY_GROUP - 1) // TERNARY_GROUP):
+        first = p * TERNARY_GROUP
+        at = first * 128
+        for i in range(TERNARY_GROUP * 128):
             v = r[at + i] + g[at + i]
             e[i] = v
             a[i] = abs(v)
-        threshold = halves_128(a, y, lanes) / _F32(count) * _SEVEN_TENTHS
-        if np.isfinite(threshold):
-            sent = 0
+        for k in range(TERNARY_GROUP):
+            real = count if first + k == blocks - 1 else 128
+            threshold[k] = halves_128(a, k * 128, y, lanes) / _F32(real) * _SEVEN_TENTHS
+        for k in range(TERNARY_GROUP):
+            t = threshold[k]
+            chosen = 0
             for i in range(128):
-                chosen = a[i] > threshold  # never a NaN's
-                a[i] = a[i] if chosen else _ZERO
-                sent += np.int32(chosen)
-            s = halves_128(a, y, lanes) / _F32(sent) if sent else _ZERO
-            minus = _F32(-1) * s
+                over = a[k * 128 + i] > t  # never when t or the value is NaN
+                a[k * 128 + i] = a[k * 128 + i] if over else _ZERO
+                chosen += np.int32(over)
+            sent[k] = chosen
+        for k in range(TERNARY_GROUP):
+            s[k] = halves_128(a, k * 128, y, lanes) / _F32(sent[k]) if sent[k] else _ZERO
+        for k in range(TERNARY_GROUP):
+            sk = s[k]
+            minus = _F32(-1) * sk
             for i in range(128):  # (a value sent has a magnitude above 0: threshold >= 0)
-                on = a[i] != _ZERO
-                negative = e[i] < _ZERO
-                d[i] = np.uint8(on) + np.uint8(on and negative)
-                r[at + i] = e[i] - (_ZERO if not on else (minus if negative else s))
-        else:  # an inf or NaN in the block: it crosses as NaN
-            s = _NAN
-            for i in range(128):
-                d[i] = np.uint8(i < count)
-                r[at + i] = e[i] - s
-        byte = b * _TERNARY_CODE_BYTES
-        for j in range(_TERNARY_CODE_BYTES):
+                on = a[k * 128 + i] != _ZERO
+                negative = e[k * 128 + i] < _ZERO
+                d[k * 130 + i] = np.uint8(on) + np.uint8(on and negative)
+                r[at + k * 128 + i] = e[k * 128 + i] - (
+                    _ZERO if not on else (minus if negative else sk))
+        # the thresholds' sum: finite unless one is (none overflows it: only a short
+        # block's may pass 1/128 of float32's largest)
+        every = _ZERO
+        for k in range(TERNARY_GROUP):
+            every += threshold[k]
+        if not np.isfinite(every):
+            for k in range(TERNARY_GROUP):  # a block with an inf or NaN crosses as NaN
+                if not np.isfinite(threshold[k]):
+                    s[k] = _NAN
+                    real = count if first + k == blocks - 1 else 128
+                    for i in range(128):
+                        d[k * 130 + i] = np.uint8(i < real)
+                        r[at + k * 128 + i] = e[k * 128 + i] - _NAN
+        byte = first * _TERNARY_CODE_BYTES
+        for j in range(TERNARY_GROUP * _TERNARY_CODE_BYTES):
             q = 5 * j
             codes[byte + j] = five_digits(d[q], d[q + 1], d[q + 2], d[q + 3], d[q + 4])
-        scales[b] = s
+        for k in range(TERNARY_GROUP):
+            scales[first + k] = s[k]
 
 
 @jit
 def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
-    """`ternary_blocks` over [lo, hi); the last block may be short (zeros after its
-    values, its count dividing its sums)."""
+    """`ternary_blocks` over [lo, hi): whole groups of blocks in place, then what is
+    left (fewer than TERNARY_GROUP blocks, the last of them maybe short) through padded
+    copies."""
     g, r = grad[lo:hi], residual[lo:hi]
     sc, cd = scales[lo // 128:], codes[lo // 128 * _TERNARY_CODE_BYTES:]
-    whole = (hi - lo) // 128
-    ternary_blocks(g, r, sc, cd, whole, 128, lanes)
-    k = hi - lo - whole * 128
-    if k:  # the array's last, short block: zeros after its values
-        g128 = np.zeros(128, np.float32)
-        r128 = np.zeros(128, np.float32)
-        g128[:k] = g[whole * 128:]
-        r128[:k] = r[whole * 128:]
-        ternary_blocks(g128, r128, sc[whole:], cd[whole * _TERNARY_CODE_BYTES:], 1, k,
-                       lanes)
-        r[whole * 128:] = r128[:k]
+    n = hi - lo
+    grouped = n // (128 * TERNARY_GROUP) * TERNARY_GROUP  # blocks in whole groups
+    ternary_blocks(g, r, sc, cd, grouped, 128, lanes)
+    rest = n - grouped * 128
+    if rest:
+        blocks = (rest + 127) // 128
+        g_pad = np.zeros(TERNARY_GROUP * 128, np.float32)
+        r_pad = np.zeros(TERNARY_GROUP * 128, np.float32)
+        sc_pad = np.empty(TERNARY_GROUP, np.float32)
+        cd_pad = np.empty(TERNARY_GROUP * _TERNARY_CODE_BYTES, np.uint8)
+        g_pad[:rest] = g[grouped * 128:]
+        r_pad[:rest] = r[grouped * 128:]
+        ternary_blocks(g_pad, r_pad, sc_pad, cd_pad, blocks, rest - (blocks - 1) * 128, lanes)
+        r[grouped * 128:] = r_pad[:rest]
+        sc[grouped:grouped + blocks] = sc_pad[:blocks]
+        byte = grouped * _TERNARY_CODE_BYTES
+        cd[byte:byte + blocks * _TERNARY_CODE_BYTES] = cd_pad[:blocks * _TERNARY_CODE_BYTES]
 
 
 @inline
