@@ -115,12 +115,14 @@ def sign_encode(grad, residual, scales, bits, lo, hi, plus_minus, lanes):
     if k:  # the array's last, short block: zeros after its values, its bits cleared
         g64 = np.zeros(64, np.float32)
         r64 = np.zeros(64, np.float32)
-        g64[:k] = g[whole * 64:]
-        r64[:k] = r[whole * 64:]
+        for i in range(k):  # (loops: slice assignments take Numba 2-3 s more to compile)
+            g64[i] = g[whole * 64 + i]
+            r64[i] = r[whole * 64 + i]
         b8 = np.zeros(8, np.uint8)
         sc[whole] = sign_block(g64, r64, 0, k, e, x, c, p, words, b8, 0, plus_minus,
                                lanes)
-        r[whole * 64:] = r64[:k]
+        for i in range(k):
+            r[whole * 64 + i] = r64[i]
         full, rest = k // 8, k % 8
         for j in range(full):
             bt[whole * 8 + j] = b8[j]
@@ -247,13 +249,18 @@ def ternary_encode(grad, residual, scales, codes, lo, hi, lanes):
         r_pad = np.zeros(TERNARY_GROUP * 128, np.float32)
         sc_pad = np.empty(TERNARY_GROUP, np.float32)
         cd_pad = np.empty(TERNARY_GROUP * _TERNARY_CODE_BYTES, np.uint8)
-        g_pad[:rest] = g[grouped * 128:]
-        r_pad[:rest] = r[grouped * 128:]
+        at = grouped * 128
+        for i in range(rest):  # (loops: slice assignments take Numba 2-4 s more to compile)
+            g_pad[i] = g[at + i]
+            r_pad[i] = r[at + i]
         ternary_blocks(g_pad, r_pad, sc_pad, cd_pad, blocks, rest - (blocks - 1) * 128, lanes)
-        r[grouped * 128:] = r_pad[:rest]
-        sc[grouped:grouped + blocks] = sc_pad[:blocks]
+        for i in range(rest):
+            r[at + i] = r_pad[i]
+        for k in range(blocks):
+            sc[grouped + k] = sc_pad[k]
         byte = grouped * _TERNARY_CODE_BYTES
-        cd[byte:byte + blocks * _TERNARY_CODE_BYTES] = cd_pad[:blocks * _TERNARY_CODE_BYTES]
+        for j in range(blocks * _TERNARY_CODE_BYTES):
+            cd[byte + j] = cd_pad[j]
 
 
 @inline
