@@ -93,9 +93,11 @@ def test_ternary_is_its_rule_push_after_push(g, pushes, scale):
         assert residual.tobytes() == want_r.tobytes()
 
 
-@pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 640, 70_001, 600_000])
+@pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 389, 512, 640, 1024, 70_001, 600_000])
 def test_ternary_of_long_keys_is_its_rule(n):
-    """Keys across the twin's chunks (and its thread pool's, past 2**19 values), with
+    """Keys across the twin's chunks (and its thread pool's, past 2**19 values), and
+    across the compiled encoder's groups of four blocks (389: three whole blocks and a
+    short one, all in the padded rest; 512 and 1024: whole groups, no rest), with
     infinities and NaNs in some blocks: the rule's bytes and residual."""
     rng = np.random.default_rng(n)
     g = rng.standard_normal(n).astype(np.float32)
