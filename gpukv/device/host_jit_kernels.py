@@ -211,19 +211,13 @@ def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
                 d[k * 130 + i] = np.uint8(on) + np.uint8(on and negative)
                 r[at + k * 128 + i] = e[k * 128 + i] - (
                     _ZERO if not on else (minus if negative else sk))
-        # the thresholds' sum: finite unless one is (none overflows it: only a short
-        # block's may pass 1/128 of float32's largest)
-        every = _ZERO
-        for k in range(TERNARY_GROUP):
-            every += threshold[k]
-        if not np.isfinite(every):
-            for k in range(TERNARY_GROUP):  # a block with an inf or NaN crosses as NaN
-                if not np.isfinite(threshold[k]):
-                    s[k] = _NAN
-                    real = count if first + k == blocks - 1 else 128
-                    for i in range(128):
-                        d[k * 130 + i] = np.uint8(i < real)
-                        r[at + k * 128 + i] = e[k * 128 + i] - _NAN
+        for k in range(TERNARY_GROUP):  # a block with an inf or NaN crosses as NaN
+            if not np.isfinite(threshold[k]):
+                s[k] = _NAN
+                real = count if first + k == blocks - 1 else 128
+                for i in range(128):
+                    d[k * 130 + i] = np.uint8(i < real)
+                    r[at + k * 128 + i] = e[k * 128 + i] - _NAN
         byte = first * _TERNARY_CODE_BYTES
         for j in range(TERNARY_GROUP * _TERNARY_CODE_BYTES):
             q = 5 * j
