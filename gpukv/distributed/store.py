@@ -540,13 +540,27 @@ class DistKVStore(KVStore):
         super().settle_before_calls(wait, background)  # (checks them)
         self._lock.settle_before_calls(wait, background)
 
-    @contextlib.contextmanager
-    def refusals_agreed(self, op: str) -> Iterator[None]:
+    def refusals_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:
         """A push's checks (the store's own, or a layer's above it: gpukv.jax's): an
         error of theirs (not a peer's) is made known to the engine before it is raised,
         so that workers refusing unlike fail together (the others with a
         PeerMismatchError naming the refusal; this worker with its own error, which says
         why)."""
+        return self._refusal_told(op, self._engine.refused)
+
+    def _settings_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """A settings call's own checks (`set_gradient_compression`'s options, ...): as
+        a push's, but agreed on where pushes are not collective too (servers), since
+        the call itself is: a worker refusing alone makes the others raise a
+        PeerMismatchError naming it at once, rather than wait for it in the call's
+        agreement. Refused alike everywhere, the call changes nothing."""
+        return self._refusal_told(op, lambda op, exc: self._engine.control.collective(
+            f"{op} refused ({type(exc).__name__})"))
+
+    @contextlib.contextmanager
+    def _refusal_told(self, op: str, tell: Callable[[str, Exception], None]) -> Iterator[None]:
+        """Raise what the checks inside raise; a gpukv error of theirs (not a peer's) is
+        first told to the others with `tell(op, error)`."""
         try:
             yield
         except PeerError:
@@ -554,7 +568,7 @@ class DistKVStore(KVStore):
         except GpukvError as exc:
             with self._lock:
                 try:
-                    self._engine.refused(op, exc)
+                    tell(op, exc)
                 except PeerError:
                     pass
             raise
@@ -753,9 +767,10 @@ class DistKVStore(KVStore):
         MXNet's servers do. An exception it raises ends the store (the others get a
         PeerError carrying it, and so do later calls); a call of this store from inside
         it is an ArgumentError (the calls are collective)."""
-        if not callable(updater):
-            raise ArgumentKindError(
-                f"updater: expected a callable, got {type(updater).__name__}")
+        with self._settings_agreed("set_updater"):
+            if not callable(updater):
+                raise ArgumentKindError(
+                    f"updater: expected a callable, got {type(updater).__name__}")
         if not self._num_servers:  # (servers run it in processes of their own)
             updater = _Guarded(updater, self._lock)
         with self._lock:
@@ -794,10 +809,12 @@ class DistKVStore(KVStore):
         process: made on every worker with num_servers=0 (each runs its own on its
         shard), on worker 0's optimizer with dedicated servers (it is sent to them)."""
         from ..optim import Optimizer
-        if not isinstance(optimizer, Optimizer):
-            raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
-                                    f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
-        optimizer.check_rule()  # (before any worker's engine takes it)
+        with self._settings_agreed("set_optimizer"):
+            if not isinstance(optimizer, Optimizer):
+                raise ArgumentKindError(
+                    f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
+                    f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+            optimizer.check_rule()  # (before any worker's engine takes it)
         from ..optim import OptimizerUpdater
         with self._lock:
             self._engine.set_optimizer(optimizer)
@@ -809,7 +826,8 @@ class DistKVStore(KVStore):
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
         from ..encoding.compressors import make_compressor
-        compressor = make_compressor(compression_params)
+        with self._settings_agreed("set_gradient_compression"):
+            compressor = make_compressor(compression_params)
         params = None if compressor is None else compressor.params()
         with self._lock:
             # every worker sets the same, together: workers that differ are named on each

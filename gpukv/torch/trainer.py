@@ -14,6 +14,7 @@ import torch
 from .. import timeline
 from .._errors import ArgumentError, ArgumentKindError, CheckpointError
 from ..api.factory import create
+from ..checkpoints import snapshots
 from ..checkpoints.snapshots import Snapshot
 from ..distributed.store import DistKVStore
 from ..optim import LAMB, Optimizer
@@ -534,8 +535,10 @@ class Trainer:
     def close(self) -> None:
         """The end of training: with a checkpoint_dir, a snapshot of the last step (unless
         one of it was taken already), then every snapshot written. On a dist store every
-        worker calls it. `with Trainer(...) as trainer:` calls it at the end of the block
-        (not after an exception: a failed step's state is not snapshotted)."""
+        worker calls it. `with Trainer(...) as trainer:` calls it at the end of the block;
+        after an exception, the block's end only waits for this process's snapshot
+        writes (a failed step's state is not snapshotted, and nothing is asked of the
+        other workers, who may be in a step: the exception goes on as it was raised)."""
         if self._checkpoints is None:
             return
         if self._checkpoints.last_step != self._steps:
@@ -549,7 +552,10 @@ class Trainer:
         if kind is None:
             self.close()
         elif self._checkpoints is not None:
-            self.finish_snapshots()  # the earlier snapshots, whole, before the error goes on
+            # the earlier snapshots' files, whole, before the error goes on; not
+            # finish_snapshots(), a collective call on a dist store, whose mismatch with
+            # the others' step (or a write's error) would take the exception's place
+            snapshots.finish_writes()
 
     def save_states(self, path) -> None:
         """Write the optimizer's state (atomically) to `path`."""

@@ -221,6 +221,21 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
     _passes(_scenario(n, servers, "trainer", optimizer, on_store), n - servers)
 
 
+@pytest.mark.parametrize("servers", [0, 1])
+def test_an_exception_in_a_trainers_with_block_goes_on_as_raised(tmp_path, servers):
+    """`with trainer:` left by an exception on worker 1 (the others in a step's push):
+    worker 1 gets its own ValueError back, not a PeerMismatchError of a call its
+    block's end made; the others a PeerError."""
+    pytest.importorskip("torch")
+    result = _scenario(2 + servers, servers, "trainer_raises_in_with", str(tmp_path),
+                       timeout=10, limit=90)
+    out = result.stdout + result.stderr
+    assert [c.strip() for c in _caught(result.stdout, "ValueError")] == ["bad batch 2"], out
+    others = _caught(result.stdout, "PeerError")
+    assert len(others) == 1 and "finish_snapshots" not in others[0], out
+    assert "PeerMismatchError" not in out, out
+
+
 def test_a_sparse_table_goes_dense_to_a_dist_store_with_a_warning():
     """An nn.Embedding(sparse=True) trained on a dist store: warned of, pushed dense,
     and the weights of one process training every replica densely."""
@@ -514,6 +529,23 @@ def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
     assert len(lines) == (0 if servers else n - 1), out
     assert all("rank(s) 1 calls push refused (ShapeError)" in ln for ln in lines), lines
     assert len(_caught(result.stdout, "ShapeError")) == (0 if servers else 1), out
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_a_setting_refused_by_one_worker_alone_fails_on_every_worker_at_once(n, servers):
+    """Settings refused alike change nothing and the store goes on; compression options
+    worker 1 alone refuses are its own ArgumentError and a PeerMismatchError naming the
+    refusal on every other worker, well within their timeout (not a PeerError after it)."""
+    result = _scenario(n, servers, "settings_refusals", timeout=20, limit=90)
+    out = result.stdout + result.stderr
+    assert all(f"PASS worker {w} of {n - servers}" in out for w in range(n - servers)), out
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers - 1, out
+    assert all("rank(s) " in ln and "calls set_gradient_compression refused (ArgumentError)"
+               in ln for ln in lines), lines
+    assert len(_caught(result.stdout, "ArgumentError")) == 1, out
+    took = [float(s) for s in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == n - servers and max(took) < 10, out
 
 
 def test_with_servers_an_init_one_worker_never_made_is_named():

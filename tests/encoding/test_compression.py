@@ -580,6 +580,8 @@ def test_refused_for_stores_mxnet_refuses(name):
     ({"type": "2bit", "threshold": "x"}, gpukv.ArgumentError, "'threshold'"),
     ({"type": "2bit", "threshold": [1]}, gpukv.ArgumentKindError, "'threshold'"),
     ({"type": "3bit"}, gpukv.ArgumentError, "'type'"),
+    ({"type": 3}, gpukv.ArgumentKindError, "'type' must be a str, got int 3"),
+    ({"type": None}, gpukv.ArgumentKindError, "'type' must be a str, got NoneType"),
     ({"threshold": 0.5}, gpukv.ArgumentError, "'type'"),
     ({"type": "2bit", "treshold": 0.5}, gpukv.ArgumentError, "'treshold'"),
     ({"type": "fp16", "threshold": 0.5}, gpukv.ArgumentError, "'threshold'"),

@@ -46,7 +46,11 @@ def make_compressor(params) -> Compressor | None:
         raise ArgumentError(f"gradient compression {params!r}: option 'type' is missing; "
                             f"valid types are {valid_types}")
     kind = params["type"]
-    if not isinstance(kind, str) or kind.lower() not in type_names():
+    if not isinstance(kind, str):
+        raise ArgumentKindError(f"gradient compression: option 'type' must be a str, got "
+                                f"{type(kind).__name__} {kind!r}; valid types are "
+                                f"{valid_types}")
+    if kind.lower() not in type_names():
         raise ArgumentError(f"gradient compression: option 'type' is {kind!r}; valid types "
                             f"are {valid_types}")
     kind = kind.lower()

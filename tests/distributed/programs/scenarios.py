@@ -646,6 +646,42 @@ def refusals() -> None:
     passed(kv)
 
 
+def settings_refusals() -> None:
+    """A settings call every worker refuses alike (bad compression options, a non-optimizer)
+    raises its own error everywhere, changes nothing and the store goes on; options worker
+    1 alone refuses are its ArgumentError and, at once, a PeerMismatchError naming the
+    refusal on every other worker (REFUSED ... after S prints how long each took)."""
+    kv = create()
+    r = kv.rank
+    kv.init("w", np.ones(4, np.float32))
+    kv.set_gradient_compression({"type": "sign"})
+    for call, error in [(lambda: kv.set_gradient_compression({"type": "sign", "x": 1}),
+                         gpukv.ArgumentError),
+                        (lambda: kv.set_optimizer("sgd"), gpukv.ArgumentKindError),
+                        (lambda: kv.set_updater(3), gpukv.ArgumentKindError)]:
+        try:
+            call()
+            raise AssertionError("a call refused on every worker went through")
+        except error:
+            pass
+    assert kv.gradient_compression == {"type": "sign"}, kv.gradient_compression
+    kv.set_gradient_compression(None)
+    kv.push("w", np.full(4, r + 1.0, np.float32))
+    out = np.zeros(4, np.float32)
+    kv.pull("w", out=out)
+    assert np.all(out == kv.num_workers * (kv.num_workers + 1) / 2), out
+    start = time.monotonic()
+    try:
+        kv.set_gradient_compression({"type": "sign", "x": 1} if r == 1 else {"type": "sign"})
+        raise AssertionError("options worker 1 alone refused went through")
+    except (gpukv.PeerMismatchError, gpukv.ArgumentError) as exc:
+        assert isinstance(exc, gpukv.PeerMismatchError) == (r != 1), exc
+        print(f"REFUSED on worker {r} after {time.monotonic() - start:.2f} s", flush=True)
+        caught(r, exc)
+    assert kv.gradient_compression is None, kv.gradient_compression
+    passed(kv)
+
+
 def lamb_split() -> None:
     """LAMB needs whole keys: a key split over servers is refused at set_optimizer, on
     every worker, naming the key; the store goes on with SGD."""
@@ -1653,6 +1689,31 @@ def snapshots_left_at_exit(folder: str) -> None:
         kv.push(1, np.full(4, step, np.float32))
         kv.snapshot(folder, step=step, keep=2)
     passed(kv)
+
+
+def trainer_raises_in_with(folder: str) -> None:
+    """A Trainer with snapshots, used as `with trainer:`: worker 1 raises a ValueError in
+    its third step. Leaving the block does not turn it into another error (the block's
+    end asks nothing of the others, who are in that step's push): worker 1 catches its
+    ValueError, the others a PeerError once it has gone."""
+    import torch
+
+    from gpukv.torch import Trainer
+    kv = create()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    trainer = Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                      checkpoint_dir=folder, checkpoint_every=1)
+    try:
+        with trainer:
+            for step in range(5):
+                if kv.rank == 1 and step == 2:
+                    raise ValueError(f"bad batch {step}")
+                trainer.zero_grad()
+                model(torch.ones(3, 4)).sum().backward()
+                trainer.step()
+    except (ValueError, gpukv.PeerError) as exc:
+        caught(kv.rank, exc)
 
 
 def stores_made_and_dropped(count: str = "2100") -> None:
