@@ -5,9 +5,11 @@ DDP's loss convention, a `DistributedSampler` from the Trainer's `num_replicas` 
 
     .venv/bin/python -m gpukv run -n 2 examples/torch_dist_train.py --out run1
     .venv/bin/python -m gpukv run -n 2 examples/torch_dist_train.py --out run1   # resumes
+    .venv/bin/python -m gpukv run -n 3 examples/torch_dist_train.py --out run1 --epochs 4
     .venv/bin/python -m gpukv export run1/checkpoints run1/model.safetensors
 
-Each line of DDP it replaces is named beside it. Exits with status 1 on any worker if the
+The third line resumes on 3 workers, the third one taking worker 0's `user_state` (the
+epoch). Each line of DDP it replaces is named beside it. Exits with status 1 on any worker if the
 loss does not fall or the workers' weights differ.
 """
 from __future__ import annotations
@@ -49,7 +51,9 @@ def main(argv=None) -> int:
                                  rank=trainer.replica_index(0), seed=0)
     loader = DataLoader(make_data(), batch_size=32, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()          # a mean per replica: DDP's convention
-    first = trainer.user_state.get("epoch", 0)  # a resumed run goes on from its epoch
+    # a resumed run goes on from its epoch, on any number of workers: worker 0's, which
+    # a worker the snapshot did not have takes too
+    first = trainer.saved_user_state(0).get("epoch", 0) if trainer.resumed_from else 0
     losses = []
     with trainer:                            # at the end: a last snapshot, all written
         for epoch in range(first, args.epochs):

@@ -315,21 +315,22 @@ def test_example_trains_across_processes(args):
 
 def test_the_torchrun_style_example_trains_resumes_and_exports(tmp_path):
     """examples/torch_dist_train.py as its docstring runs it: 2 workers under `gpukv run`
-    train, a second run resumes from the snapshots, and `gpukv export` writes them."""
+    train, a second run of 3 workers resumes from the snapshots at the epoch they
+    reached (the third worker too), and `gpukv export` writes them."""
     pytest.importorskip("torch")
     require_mpi()
     example = Path(__file__).resolve().parents[2] / "examples" / "torch_dist_train.py"
     env = {**gpu_env.subprocess_env(gpus=False), "GPUKV_DIST_TIMEOUT": "60"}
 
-    def launch(*args):
-        done = subprocess.run([sys.executable, "-m", "gpukv", "run", "-n", "2", str(example),
+    def launch(*args, n=2):
+        done = subprocess.run([sys.executable, "-m", "gpukv", "run", "-n", str(n), str(example),
                                "--out", str(tmp_path / "run"), *args], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout + done.stderr
     first = launch()
     assert "workers hold the same weights: True; loss fell: True" in first, first
-    second = launch("--epochs", "4")
+    second = launch("--epochs", "4", n=3)
     assert "resumed from" in second and "epoch 3:" in second and "epoch 2:" not in second
     export = subprocess.run([sys.executable, "-m", "gpukv", "export", str(tmp_path / "run" /
                              "checkpoints"), str(tmp_path / "model.safetensors")],
