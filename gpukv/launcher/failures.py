@@ -11,7 +11,9 @@ host (in rank order) whose status is not 0 once mpiexec has ended them all, and 
 kills every other process with SIGKILL, so it mostly names another rank. The rank is the
 first whose end its watcher reported (the watcher speaks before mpiexec hears of the end),
 and how it ended is its status among mpiexec's exit codes (`-print-all-exitcodes`: each
-host's statuses in local-rank order); without them, the box's.
+host's statuses in local-rank order); without them, the box's. A non-zero exit of an exec'd
+PROG (a shell script, `python -c`) has no box, and no word of the rank's: the exit codes
+alone say which rank it was (the first rank to end may well have ended with 0).
 """
 from __future__ import annotations
 
@@ -209,12 +211,30 @@ def of_mpiexec(said: MpiexecWords, started: dict[int, Started],
     return Failure(f"a process on host {box.host} ended badly: {how.words}", how.status)
 
 
-def of_silence(status: int, started: dict[int, Started], ended: list[Ended]) -> Failure:
-    """The line of a job mpiexec ended with `status` (its exit status) without a word on
-    why: its proxy may end before it forwards what a rank printed last (MPICH's banner of
-    an MPI_Abort). The rank is the first whose end its watcher reported, if one did."""
+def of_silence(status: int, started: dict[int, Started], ended: list[Ended],
+               said: MpiexecWords | None = None,
+               clean: set | frozenset = frozenset()) -> Failure:
+    """The line of a job mpiexec ended with `status` (its exit status) without a box: a
+    non-zero exit of an exec'd PROG (a shell script, `python -c`), which mpiexec tells only
+    in its exit codes, or a job whose proxy ended before it forwarded what a rank printed
+    last (MPICH's banner of an MPI_Abort).
+
+    The rank is the first whose end its watcher reported among those mpiexec's exit codes
+    (`said`) give a status other than 0, with how it ended; without a code, the first whose
+    end was reported and that is not known to have ended well (a code of 0, or its
+    program's word in `clean`): `ended first, without a word`; else mpiexec's status alone.
+    """
     words = f"mpiexec ended with status {status}"
-    first = next((end.rank for end in ended if end.rank in started), None)
+    order = [end.rank for end in ended if end.rank in started]
+    order += sorted(set(started) - set(order))  # (a watcher that never spoke)
+    codes = {rank: said.status_of(started[rank]) if said else None for rank in order}
+    for rank, code in codes.items():
+        if code:
+            how = how_it_ended(code)
+            return Failure(f"{who(rank, started)}: {how.words}", how.status)
+    ended_ranks = {end.rank for end in ended}
+    first = next((rank for rank in order if rank in ended_ranks and codes[rank] is None
+                  and rank not in clean), None)
     if first is not None:
         words = f"{who(first, started)}: ended first, without a word; {words}"
     return Failure(words, status)

@@ -718,10 +718,10 @@ class Job:
             assert status is not None
             if not status:
                 return 0
-            # no report and no words of mpiexec's (all its output is in by now, its last
-            # lines too): its exit status, and the rank that ended first
+            # no report and no box (all of mpiexec's output is in by now, its last lines
+            # too): the rank its exit codes say failed, else the first to end, and its status
             lines = [failures.of_silence(status if status > 0 else 128 - status,
-                                         self.started, self.ended)]
+                                         self.started, self.ended, self.said, self.done)]
         elif isinstance(self.first, str) or (
                 self._first_was_wordless() and self.said.abort is not None):
             # mpiexec's word; or a rank ended without one, then MPI's banner named the rank

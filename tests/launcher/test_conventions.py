@@ -128,6 +128,40 @@ def test_a_crashed_rank_is_named_with_its_signal(tmp_path):
         r"signal 11 \(SIGSEGV\)", lines[0]), err
 
 
+# rank 1 fails a moment after rank 0 has ended well; each writes its pid to DIR/rankR.pid
+_EXEC_FAILING = {
+    "python -c exit": ["python", "-c", "import os, sys, time\n"
+                       "r = os.environ['RANK']\n"
+                       "open(sys.argv[1] + '/rank' + r + '.pid', 'w').write(str(os.getpid()))\n"
+                       "if r == '1':\n"
+                       "    time.sleep(0.5)\n"
+                       "    sys.exit(4)\n"],
+    "python -c raise": ["python", "-c", "import os, sys, time\n"
+                        "r = os.environ['RANK']\n"
+                        "open(sys.argv[1] + '/rank' + r + '.pid', 'w').write(str(os.getpid()))\n"
+                        "if r == '1':\n"
+                        "    time.sleep(0.5)\n"
+                        "    1 / 0\n"],
+    "sh -c": ["sh", "-c", 'echo $$ > "$0/rank$RANK.pid"; '
+              '[ "$RANK" = 1 ] && sleep 0.5 && exit $((RANK * 4)); exit 0'],
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how,status", [("python -c exit", 4), ("python -c raise", 1),
+                                        ("sh -c", 4)])
+def test_an_exec_d_program_names_the_rank_that_failed(tmp_path, how, status):
+    """`python -c` and a shell PROG (exec'd: no report of their own, and mpiexec's box only
+    for a signal): rank 1 exits non-zero after rank 0 ended with 0; the line names rank 1
+    (its pid as it wrote it) and its exit status, from mpiexec's exit codes, not rank 0,
+    whose end came first."""
+    code, _, err, _ = _finish(_start("-n", "2", *_EXEC_FAILING[how], str(tmp_path)), 30)
+    assert code == status, err
+    pid = (tmp_path / "rank1.pid").read_text().strip()
+    assert _said(err) == [f"gpukv run: rank 1 (local rank 1) on host {HOST}, pid {pid}: "
+                          f"exit status {status}"], err
+
+
 @pytest.mark.mpi
 def test_a_rank_that_refused_a_push_alone_is_named_with_its_own_error(tmp_path):
     """A worker whose push is refused (a wrong shape) where the others push: its line is
@@ -556,6 +590,29 @@ def test_a_silent_failure_names_the_rank_that_ended_first():
         "mpiexec ended with status 4", 4)
     assert failures.of_silence(255, started, []) == failures.Failure(
         "mpiexec ended with status 255", 255)
+
+
+def test_a_silent_failure_is_the_rank_mpiexecs_exit_codes_say():
+    """mpiexec ended non-zero without a box (an exec'd PROG's exit): the first rank to end
+    whose exit code is not 0, how it ended; with no code that is not 0, the first that
+    ended and is not known to have ended well, else mpiexec's status alone."""
+    started = {r: _started(r, r) for r in range(3)}
+    ended = [run_report.Ended(0, 9000), run_report.Ended(2, 9002), run_report.Ended(1, 9001)]
+    said = failures.MpiexecWords()
+    said.read("[mpiexec@vm] Exit codes: [vm] 0,1024,9")
+    assert failures.of_silence(4, started, ended, said) == failures.Failure(
+        "rank 2 (local rank 2) on host vm, pid 9002: killed by signal 9 (SIGKILL)", 9)
+    said.codes["vm"][2] = 0
+    assert failures.of_silence(4, started, ended, said) == failures.Failure(
+        "rank 1 (local rank 1) on host vm, pid 9001: exit status 4", 4)
+    said.codes["vm"] = [0, 0, 0]
+    assert failures.of_silence(4, started, ended, said) == failures.Failure(
+        "mpiexec ended with status 4", 4)
+    # no codes: a rank whose program said it ended well is not the one named
+    assert failures.of_silence(4, started, ended, failures.MpiexecWords(),
+                               clean={0}) == failures.Failure(
+        "rank 2 (local rank 2) on host vm, pid 9002: ended first, without a word; "
+        "mpiexec ended with status 4", 4)
 
 
 def test_a_rank_that_reports_twice_gets_one_line():
