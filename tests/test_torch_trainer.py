@@ -183,6 +183,32 @@ def test_clipping_by_the_global_norm_between_allreduce_and_update_is_ddps(replic
     assert_same_weights(models, ref)
 
 
+def test_an_update_of_unsummed_gradients_warns_once_where_replicas_would_drift():
+    """update() without allreduce_grads() applies each replica's own gradient (as gluon
+    does): with several replicas it says once that they drift apart; after
+    allreduce_grads(), or with one replica, it says nothing."""
+    models = replicas_of(make_model(), 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False)
+    x, y = make_data()
+    backward_shards(models, x, y)
+    with pytest.warns(UserWarning, match=r"update\(\) without allreduce_grads\(\): each of "
+                                         r"the 2 replicas applies its own gradient"):
+        trainer.update(len(x))
+    pairs = zip(models[0].parameters(), models[1].parameters())
+    assert not all(torch.equal(p, q) for p, q in pairs)
+    for model, reduce in [(models, False), (models, True), ([make_model()], False)]:
+        t = trainer if len(model) == 2 else gt.Trainer(
+            model, "sgd", {"learning_rate": 0.1}, kvstore="local", update_on_kvstore=False)
+        t.zero_grad()
+        backward_shards(model, x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if reduce:
+                t.allreduce_grads()
+            t.update(len(x))
+
+
 def test_sums_of_allreduce_grads_are_not_summed_again():
     """After allreduce_grads(), step() and a second allreduce_grads() would sum the sums:
     refused, changing nothing; update() applies them as the step would have; zero_grad()

@@ -5,6 +5,7 @@ import contextlib
 import math
 import numbers
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -141,6 +142,7 @@ class Trainer:
             self._buckets, self._frozen, self._modules)
         #: the buckets allreduce_grads() summed, for the update() that follows it
         self._reduced: list | None = None
+        self._warned_unsummed = False  # (update() without allreduce_grads(), said once)
         # what every parameter was: put back should the Trainer fail to start, so that a
         # Trainer already running on these modules keeps them (a refusal changes nothing)
         before = [(p, p.data, p.grad, getattr(p, OWNER, None), getattr(p, _TRAINER, None))
@@ -447,11 +449,24 @@ class Trainer:
         live = self._reduced
         if live is None:
             live = self._grads.collect(ignore_stale_grad)
+            self._warn_unsummed()
         else:  # a .grad replaced since (clipping out of place) is what gets applied
             self._grads.adopt_replaced()
         self._set_scale(scale)
         replicas.apply(live)
         self._stepped()
+
+    def _warn_unsummed(self) -> None:
+        """An update of gradients no allreduce_grads() summed, where there are several
+        replicas: each applies its own, and they drift apart. gluon allows it (local SGD
+        does it on purpose), so it is said once, not refused."""
+        if self.num_replicas > 1 and not self._warned_unsummed:
+            self._warned_unsummed = True
+            warnings.warn(f"Trainer.update() without allreduce_grads(): each of the "
+                          f"{self.num_replicas} replicas applies its own gradient, not "
+                          f"their sum, and their weights drift apart; call "
+                          f"allreduce_grads() before update() (or step(), which does "
+                          f"both)", UserWarning, stacklevel=3)
 
     def _scaled_step(self, scaled: scaling.Scaled, batch_size,
                      ignore_stale_grad: bool) -> None:
