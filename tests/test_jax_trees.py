@@ -1,6 +1,9 @@
 """gpukv.jax beyond one key per leaf: calls refused inside transforms, sharded arrays,
-the tree kept by init_tree, buckets, and the mean beside an optimizer of one's own."""
+the tree kept by init_tree, buckets (and PowerSGD's keys), the mean beside an optimizer
+of one's own, and 64-bit leaves while JAX's x64 is off."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -501,3 +504,146 @@ def test_a_leaf_of_another_dtype_is_refused_whatever_the_buckets(bucket_bytes, p
     pulled = gjax.pull_tree(kv, params)
     assert not any(np.asarray(leaf, np.float32).any()
                    for leaf in jax.tree_util.tree_leaves(pulled))
+
+
+# ------------------------------------------------------------------ PowerSGD's keys
+def _powersgd(rank: int):
+    kv = gpukv.create("device")
+    kv.set_gradient_compression({"type": "powersgd", "rank": rank})
+    return kv
+
+
+@settings(max_examples=20, deadline=None)
+@given(leaves=st.lists(st.tuples(st.sampled_from([np.float32, np.int32]),
+                                 st.lists(st.integers(1, 12), min_size=1, max_size=2)),
+                       min_size=1, max_size=7),
+       rank=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_under_powersgd_each_matrix_it_compresses_keeps_a_key_of_its_own(leaves, rank,
+                                                                         seed):
+    """With PowerSGD set before init_tree, every leaf it compresses (a float matrix it
+    cuts at least in half) is a key of its own, the others share buckets as without
+    it, and the sums are the bits of one key per leaf: compressed, of rank <= R."""
+    from gpukv.encoding.compressors import compresses_key, make_compressor
+    comp = make_compressor({"type": "powersgd", "rank": rank})
+    rng = np.random.default_rng(seed)
+    names = [f"p{i}" for i in range(len(leaves))]
+    dtypes = [np.dtype(dtype) for dtype, _ in leaves]
+    shapes = [tuple(shape) for _, shape in leaves]
+    trees = [{name: jax.device_put((rng.standard_normal(shape) * 8).astype(dtype), cpu)
+              for name, dtype, shape in zip(names, dtypes, shapes)}
+             for cpu in jax.devices()[:4]]
+    compressed = [compresses_key(comp, dtype, shape) for dtype, shape in zip(dtypes, shapes)]
+    results = []
+    for bucket_bytes in (0, gjax.BUCKET_BYTES):
+        kv = _powersgd(rank)
+        gjax.init_tree(kv, jax.tree_util.tree_map(jnp.zeros_like, trees[0]),
+                       bucket_bytes=bucket_bytes)
+        results.append(gjax.pushpull_tree(kv, trees))
+    for name, alone in zip(names, compressed):
+        if alone:
+            assert f"['{name}']" in kv.keys()
+    # the rest share a key per run of consecutive leaves of one dtype
+    runs = sum(1 for i in range(len(names)) if not compressed[i] and (
+        i == 0 or compressed[i - 1] or dtypes[i - 1] != dtypes[i]))
+    assert len(kv.keys()) == sum(compressed) + runs
+    for by_leaf, bucketed in zip(*results):
+        _same(by_leaf, bucketed)
+    for name, alone in zip(names, compressed):
+        if alone:
+            assert np.linalg.matrix_rank(np.asarray(results[1][0][name])) <= rank
+
+
+@pytest.mark.parametrize("call", ["push_tree", "pushpull_tree", "mean_tree"])
+def test_powersgd_set_after_init_tree_bucketed_a_matrix_is_refused_at_the_next_push(call):
+    """PowerSGD set after init_tree put a matrix it compresses in a bucket (which it
+    would send uncompressed): the next push is an ArgumentError naming the prefix and
+    the leaf and saying to call init_tree after it; nothing changes."""
+    kv = gpukv.create("device")
+    params = {"w": jnp.ones((16, 16)), "b": jnp.ones(16)}
+    gjax.init_tree(kv, params, prefix="net")
+    kv.set_gradient_compression({"type": "powersgd", "rank": 2})
+    grads = [jax.device_put(params, d) for d in jax.devices()]
+    calls = {"push_tree": lambda: gjax.push_tree(kv, grads, prefix="net"),
+             "pushpull_tree": lambda: gjax.pushpull_tree(kv, grads, prefix="net"),
+             "mean_tree": lambda: gjax.mean_tree(kv, grads, prefix="net")}
+    with pytest.raises(gpukv.ArgumentError,
+                       match=r"PowerSGD.*prefix 'net'.*\"net\['w'\]\".*init_tree"):
+        calls[call]()
+    _same(gjax.pull_tree(kv, params, prefix="net"), params)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, None])
+def test_powersgd_set_after_init_tree_with_no_matrix_in_a_bucket_runs(bucket_bytes):
+    """PowerSGD set after init_tree is taken where no bucket holds a matrix it
+    compresses: every leaf its own key, or a bucket of matrices too small to cut."""
+    kv = gpukv.create("device")
+    params = ({"w": jnp.ones((16, 16)), "b": jnp.ones(16)} if bucket_bytes == 0
+              else {"w": jnp.ones((4, 4)), "b": jnp.ones(4)})
+    gjax.init_tree(kv, params, bucket_bytes=gjax.BUCKET_BYTES if bucket_bytes is None
+                   else bucket_bytes)
+    kv.set_gradient_compression({"type": "powersgd", "rank": 2})
+    rng = np.random.default_rng(0)
+    grads = [jax.device_put(jax.tree_util.tree_map(
+        lambda x: rng.standard_normal(x.shape).astype(np.float32), params), d)
+        for d in jax.devices()]
+    (summed, *_) = gjax.pushpull_tree(kv, grads)
+    want_rank = 2 if bucket_bytes == 0 else 4   # (4x4 is sent as it is at rank 2)
+    assert np.linalg.matrix_rank(np.asarray(summed["w"])) == want_rank
+
+
+# ------------------------------------------------------------------ 64-bit leaves
+@contextlib.contextmanager
+def _x64(on: bool):
+    """JAX's x64 set to `on` inside, set back as it was after."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", on)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+_WIDE = ["float64", "int64", "uint64", "complex128"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtypes=st.lists(st.sampled_from(["float32", "int32", *_WIDE]), min_size=1,
+                       max_size=6).filter(lambda ds: any(d in _WIDE for d in ds)))
+def test_init_tree_refuses_a_64_bit_leaf_while_x64_is_off_before_making_a_key(dtypes):
+    """With x64 off, init_tree given a float64, int64, uint64 or complex128 leaf is a
+    DTypeError naming the first such leaf and saying to cast it or enable x64; no key
+    is made and the prefix stays free."""
+    tree = {f"p{i}": np.array([2**40 + 5]).astype(d) for i, d in enumerate(dtypes)}
+    first = next(f"p{i}" for i, d in enumerate(dtypes) if d in _WIDE)
+    with _x64(False):
+        kv = gpukv.create("device")
+        with pytest.raises(gpukv.DTypeError, match=rf"leaf \"\['{first}'\]\" is "
+                                                   rf"{dtypes[int(first[1:])]}.*cast.*x64"):
+            gjax.init_tree(kv, tree)
+        assert kv.keys() == []
+        gjax.init_tree(kv, {"p": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize("call", ["pull_tree", "pushpull_tree", "mean_tree"])
+def test_pulls_refuse_64_bit_leaves_once_x64_is_turned_off(call):
+    """A tree given to init_tree with x64 on, pulled once x64 is off, is a DTypeError
+    naming its first 64-bit leaf, before anything is pushed or pulled; with x64 on
+    again its values come back whole."""
+    tree = {"step": np.array([2**40 + 5], np.int64), "w": np.array([1e-50, 1.0])}
+    if call == "mean_tree":  # (which averages floating-point leaves only)
+        del tree["step"]
+    with _x64(True):
+        kv = gpukv.create("device")
+        gjax.init_tree(kv, tree)
+    calls = {"pull_tree": lambda: gjax.pull_tree(kv, tree),
+             "pushpull_tree": lambda: gjax.pushpull_tree(kv, [tree]),
+             "mean_tree": lambda: gjax.mean_tree(kv, [tree])}
+    with _x64(False):
+        with pytest.raises(gpukv.DTypeError, match=rf"{call}: leaf \"\['{min(tree)}'\]\""
+                                                   rf".*x64.*turned off since init_tree"):
+            calls[call]()
+    with _x64(True):
+        back = gjax.pull_tree(kv, tree)
+    for name, value in tree.items():
+        assert np.asarray(back[name]).dtype == value.dtype
+        assert np.asarray(back[name]).tobytes() == value.tobytes()

@@ -16,7 +16,12 @@ key up to `bucket_bytes` (25 MB, as PyTorch DDP; a bucket of one leaf is that le
 key, one of several is named ``first..last``), and a leaf of 256 KiB or more keeps its
 own (packing it would cost more than its key); ``bucket_bytes=0`` gives every leaf its
 own key, which layer-wise optimizers on the store ('lamb') and per-key `lr_mult` /
-`wd_mult` need.
+`wd_mult` need. Under PowerSGD, set on the store before `init_tree`, every matrix it
+compresses keeps its own key too (a flat key crosses uncompressed); PowerSGD set after
+`init_tree` put such matrices in buckets makes the next push an ArgumentError.
+
+While JAX's x64 is off (its default) a float64, int64, uint64 or complex128 leaf is a
+DTypeError naming it, in `init_tree` and in every later pull: JAX would truncate it.
 
 `init_tree` keeps the tree's structure: every later call on its prefix must pass a tree
 of that structure, else a gpukv error naming what differs, and nothing changes.
@@ -47,10 +52,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise BackendError("gpukv.jax needs JAX: pip install 'gpukv[jax]' (JAX, and optax for "
                        "the update beside the store)") from exc
 
+from ..encoding.compressors import low_rank_compressor
 from ..store.base import KVStore
 from . import placing, pushing, trees
-from .buckets import BUCKET_BYTES, plan
-from .leaves import outside_transforms, whole
+from .buckets import BUCKET_BYTES, low_rank_leaves, plan
+from .leaves import check_held, outside_transforms, whole
 
 __all__ = ["init_tree", "push_tree", "pull_tree", "pushpull_tree", "mean_tree",
            "BUCKET_BYTES"]
@@ -63,7 +69,8 @@ def init_tree(kv: KVStore, tree, prefix: str = "", bucket_bytes: int = BUCKET_BY
     `tree`: a pytree of arrays (JAX arrays of any sharding, NumPy arrays). `prefix`: a
     str put before every leaf's path in its key, to keep several trees apart in one
     store. `bucket_bytes`: the most bytes of consecutive leaves of one dtype that share
-    a key (0: every leaf its own key)."""
+    a key (0: every leaf its own key); under PowerSGD, every leaf it compresses has its
+    own. While JAX's x64 is off, a 64-bit leaf is a DTypeError naming it."""
     outside_transforms("init_tree")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
             or bucket_bytes < 0:
@@ -73,8 +80,11 @@ def init_tree(kv: KVStore, tree, prefix: str = "", bucket_bytes: int = BUCKET_BY
     values = [whole(key, leaf, "init_tree") for key, leaf in zip(keys, leaves)]
     shapes = [tuple(v.shape) for v in values]
     dtypes = [np.dtype(v.dtype) for v in values]
+    check_held(keys, dtypes, "init_tree")
+    # PowerSGD compresses only a matrix with a key of its own (a flat key crosses as it is)
+    alone = low_rank_leaves(low_rank_compressor(kv.gradient_compression), shapes, dtypes)
     layout = trees.TreeLayout(treedef, keys, shapes, dtypes,
-                              plan(keys, shapes, dtypes, int(bucket_bytes)))
+                              plan(keys, shapes, dtypes, int(bucket_bytes), alone))
     if layout.buckets:
         kv.init(layout.bucket_keys, [_joined(values, bucket) for bucket in layout.buckets])
     trees.remember(kv, prefix, layout)
@@ -89,6 +99,7 @@ def push_tree(kv: KVStore, trees_per_device, prefix: str = "") -> None:
     with kv.refusals_agreed("gpukv.jax.push_tree"):  # a worker refusing alone is named
         outside_transforms("push_tree")
         layout = trees.layout_of(kv, prefix, "push_tree")
+        trees.check_low_rank(kv, layout, prefix, "push_tree")
         rows = [row for rows in pushing.rows_of(layout, trees_per_device, prefix,
                                                 "push_tree") for row in rows]
         columns = pushing.columns(layout, rows)
@@ -108,6 +119,7 @@ def pull_tree(kv: KVStore, like_tree, devices=None, prefix: str = ""):
     """
     outside_transforms("pull_tree")
     layout = trees.layout_of(kv, prefix, "pull_tree")
+    check_held(layout.keys, layout.dtypes, "pull_tree")
     likes = trees.leaves(layout, like_tree, prefix, "like_tree")
     trees.check_like(layout, likes)
     if devices is None:
@@ -126,6 +138,8 @@ def pushpull_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
     with kv.refusals_agreed("gpukv.jax.pushpull_tree"):
         outside_transforms("pushpull_tree")
         layout = trees.layout_of(kv, prefix, "pushpull_tree")
+        trees.check_low_rank(kv, layout, prefix, "pushpull_tree")
+        check_held(layout.keys, layout.dtypes, "pushpull_tree")
         per_tree = pushing.rows_of(layout, trees_per_device, prefix, "pushpull_tree")
     return _push_pull(kv, layout, per_tree, trees_per_device)
 
@@ -149,6 +163,8 @@ def mean_tree(kv: KVStore, trees_per_device, prefix: str = "") -> list:
                                 "store their sum; use a store without one (push_tree and "
                                 "pull_tree run the store's optimizer)")
         layout = trees.layout_of(kv, prefix, "mean_tree")
+        trees.check_low_rank(kv, layout, prefix, "mean_tree")
+        check_held(layout.keys, layout.dtypes, "mean_tree")
         for key, dtype in zip(layout.keys, layout.dtypes):
             if dtype.kind != "f" and dtype.name != "bfloat16":
                 raise DTypeError(f"leaf {key!r}: mean_tree averages floating-point leaves, "

@@ -3,10 +3,10 @@
 few keys cost.
 
 A bucket is consecutive leaves of one dtype, up to `BUCKET_BYTES`; a leaf of
-`ALONE_BYTES` or more is a bucket of its own. A bucket of one leaf is that leaf's key
-(named by its path); a bucket of several is one flat key named ``first..last`` by their
-paths, packed (NumPy on host devices, one jitted call on a GPU) and unpacked on the
-device.
+`ALONE_BYTES` or more, or one the store's PowerSGD compresses (`low_rank_leaves`), is a
+bucket of its own. A bucket of one leaf is that leaf's key (named by its path); a bucket
+of several is one flat key named ``first..last`` by their paths, packed (NumPy on host
+devices, one jitted call on a GPU) and unpacked on the device.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ..encoding.compressors import compresses_key
 
 #: bucket capacity in bytes (PyTorch DDP's default)
 BUCKET_BYTES = 25 << 20
@@ -44,9 +46,11 @@ class Bucket(NamedTuple):
                 in zip((0, *self.ends[:-1]), self.ends, self.shapes)]
 
 
-def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
+def plan(keys: list, shapes: list, dtypes: list, capacity: int,
+         alone: frozenset = frozenset()) -> list[Bucket]:
     """Buckets of consecutive leaves of one dtype, each up to `capacity` bytes (0: one
-    leaf per bucket)."""
+    leaf per bucket); the leaves whose indices are in `alone` each in a bucket of its
+    own."""
     buckets: list[Bucket] = []
     group: list[int] = []
     size = 0
@@ -64,18 +68,27 @@ def plan(keys: list, shapes: list, dtypes: list, capacity: int) -> list[Bucket]:
                                   dtypes[first], mine, ends))
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         nbytes = _count(shape) * dtype.itemsize
-        alone = nbytes >= ALONE_BYTES
-        if group and (alone or dtype != dtypes[group[0]] or capacity == 0
+        own = nbytes >= ALONE_BYTES or i in alone
+        if group and (own or dtype != dtypes[group[0]] or capacity == 0
                       or size + nbytes > capacity):  # (0: alone, even when empty)
             close()
             group, size = [], 0
         group.append(i)
         size += nbytes
-        if alone:
+        if own:
             close()
             group, size = [], 0
     close()
     return buckets
+
+
+def low_rank_leaves(comp, shapes: list, dtypes: list) -> frozenset:
+    """The indices of the leaves the low-rank compressor `comp` compresses (None: none):
+    flattened into a shared key, a matrix would cross uncompressed."""
+    if comp is None:
+        return frozenset()
+    return frozenset(i for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+                     if compresses_key(comp, dtype, shape))
 
 
 def pack(groups: list, device) -> list:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .._errors import ArgumentError, ArgumentKindError, GpukvError, ShapeError
+from .._errors import ArgumentError, ArgumentKindError, DTypeError, GpukvError, ShapeError
 from ..device import adopt
 
 try:  # where JAX keeps whether a trace is under way (no public name for it)
@@ -42,6 +42,28 @@ def checked(key: str, leaf, call: str) -> None:
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
         raise ArgumentError(f"leaf {key!r}: the array was deleted (donated to a jitted "
                             f"function, or deleted by hand)")
+
+
+def check_held(keys: list, dtypes: list, call: str) -> None:
+    """A DTypeError naming the first leaf whose dtype JAX cannot hold now (float64, int64,
+    uint64 and complex128 while x64 is off): JAX would make its pulled value 32-bit,
+    truncating it, and the tree pulled would no longer match the keys."""
+    for key, dtype in zip(keys, dtypes):
+        dtype = np.dtype(dtype)
+        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        if narrowed == dtype:
+            continue
+        start = (f"gpukv.jax.{call}: leaf {key!r} is {dtype}, which JAX holds as {narrowed} "
+                 f"while x64 is off (jax_enable_x64)")
+        if call == "init_tree":
+            raise DTypeError(f"{start}: pulled, it would come back truncated; cast it to "
+                             f"32 bits (float32, int32) first, or enable x64 "
+                             f"(jax.config.update('jax_enable_x64', True)); nothing was "
+                             f"created")
+        raise DTypeError(f"{start}, turned off since init_tree: pulled, it would come back "
+                         f"truncated; enable x64 again (jax.config.update("
+                         f"'jax_enable_x64', True)), or give init_tree the tree cast to "
+                         f"{narrowed} under a new prefix; nothing was done")
 
 
 def device_values(key: str, leaf, call: str) -> list:

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 
 from .._errors import ArgumentError, ArgumentKindError, DTypeError, ShapeError
+from ..encoding.compressors import low_rank_compressor
+from .buckets import low_rank_leaves
 
 #: store -> {prefix: TreeLayout}, for as long as the store lives
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -64,6 +66,26 @@ def layout_of(kv, prefix: str, call: str) -> TreeLayout:
                             f"{prefix!r} in this store (in this process); call "
                             f"gpukv.jax.init_tree(kv, tree, prefix={prefix!r}) first")
     return layout
+
+
+def check_low_rank(kv, layout: TreeLayout, prefix: str, call: str) -> None:
+    """An ArgumentError where the store compresses with PowerSGD, set after `init_tree`
+    flattened a matrix it compresses into a shared key: sent that way, the matrix would
+    cross uncompressed."""
+    compression = kv.gradient_compression
+    compressed = low_rank_leaves(low_rank_compressor(compression), layout.shapes,
+                                 layout.dtypes)
+    flattened = [layout.keys[i] for b in layout.buckets if b.fused for i in b.leaves
+                 if i in compressed]
+    if flattened:
+        raise ArgumentError(
+            f"gpukv.jax.{call}: the store compresses with PowerSGD ({compression!r}), set "
+            f"after init_tree laid out prefix {prefix!r}: its buckets hold leaf "
+            f"{flattened[0]!r} flattened with others, which PowerSGD would send "
+            f"uncompressed ({len(flattened)} such "
+            f"{'matrix' if len(flattened) == 1 else 'matrices'}); give init_tree the tree "
+            f"again after set_gradient_compression (under a new prefix, or in a new "
+            f"store): it gives every such matrix a key of its own; nothing was done")
 
 
 def leaves(layout: TreeLayout, tree, prefix: str, where: str) -> list:

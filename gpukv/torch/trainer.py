@@ -18,6 +18,7 @@ from ..api.factory import create
 from ..checkpoints import snapshots
 from ..checkpoints.snapshots import Snapshot
 from ..distributed.store import DistKVStore
+from ..encoding.compressors import low_rank_compressor
 from ..optim import LAMB, Optimizer
 from ..optim import create as create_optimizer
 from ..store.base import KVStore
@@ -122,8 +123,8 @@ class Trainer:
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | set(sparse)
         # PowerSGD (given, or already set on the store given) compresses a parameter's
         # own matrix
-        if _low_rank(compression_params if compression_params is not None
-                     else self._kv.gradient_compression):
+        if low_rank_compressor(compression_params if compression_params is not None
+                               else self._kv.gradient_compression):
             alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others
@@ -142,7 +143,7 @@ class Trainer:
             self._buckets, self._frozen, self._modules)
         #: the buckets allreduce_grads() summed, for the update() that follows it
         self._reduced: list | None = None
-        self._warned_unsummed = False  # (update() without allreduce_grads(), said once)
+        self._warned_unsummed: bool = False  # (update() without allreduce_grads(): once)
         # what every parameter was: put back should the Trainer fail to start, so that a
         # Trainer already running on these modules keeps them (a refusal changes nothing)
         before = [(p, p.data, p.grad, getattr(p, OWNER, None), getattr(p, _TRAINER, None))
@@ -780,7 +781,7 @@ class Trainer:
         """ArgumentError where PowerSGD, set on the store after the Trainer was made,
         would find its matrices flattened into buckets, which it sends uncompressed."""
         comp = self._kv.gradient_compression
-        if comp is None or not _low_rank(comp):
+        if comp is None or not low_rank_compressor(comp):
             return
         fused = [n for b in self._buckets if b.fused
                  for n, p in zip(b.names, b.params[0]) if p.dim() >= 2]
@@ -923,11 +924,3 @@ def _make_store(kvstore, deterministic: bool | None) -> KVStore:
         raise ArgumentKindError(f"kvstore: expected a store name or a gpukv.KVStore, got "
                                 f"{type(kvstore).__name__}")
     return create(kvstore, deterministic=deterministic)
-
-
-def _low_rank(compression_params) -> bool:
-    """Whether `compression_params` make a low-rank compressor (checked: a bad one is
-    its typed error here, before anything is made)."""
-    from ..encoding.compressors import make_compressor
-    comp = make_compressor(compression_params)
-    return comp is not None and comp.low_rank

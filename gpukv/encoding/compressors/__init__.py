@@ -8,7 +8,7 @@
 - `powersgd` ('powersgd'): low-rank with warm start and error feedback, its two sums run
   by the store or engine (`low_rank`);
 - `base`: what a compressor is (`Compressor`, `Ctx`) and how options are checked;
-- `registry`: `register`, `make_compressor`, `registered`;
+- `registry`: `register`, `make_compressor`, `low_rank_compressor`, `registered`;
 - `feedback`: `ErrorFeedback`, the residuals of error feedback around any compressor.
 
 Adding a compressor: a module here with a `@register('name')` class (its options, its
@@ -22,11 +22,12 @@ from .cast import Cast
 from .feedback import ErrorFeedback
 from .one_bit import OneBit
 from .powersgd import PowerSGD
-from .registry import make_compressor, register, registered, type_names
+from .registry import low_rank_compressor, make_compressor, register, registered, type_names
 from .sign import Sign
 from .ternary import Ternary
 from .two_bit import TwoBit
 
 __all__ = ["Compressor", "Ctx", "KernelTraffic", "compressible", "compresses_key", "Cast",
            "OneBit", "PowerSGD", "Sign", "Ternary", "TwoBit",
-           "ErrorFeedback", "make_compressor", "register", "registered", "type_names"]
+           "ErrorFeedback", "low_rank_compressor", "make_compressor", "register", "registered",
+           "type_names"]

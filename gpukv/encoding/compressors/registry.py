@@ -64,3 +64,11 @@ def make_compressor(params) -> Compressor | None:
     if cls is None:
         return None
     return cls.build(kind, params)
+
+
+def low_rank_compressor(params) -> Compressor | None:
+    """The compressor `params` make where it is low-rank (PowerSGD, which compresses a
+    key as a matrix: one flattened into a key shared with others crosses uncompressed),
+    else None; bad `params` are their typed error here, before anything is made."""
+    comp = make_compressor(params)
+    return comp if comp is not None and comp.low_rank else None
