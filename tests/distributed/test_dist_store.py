@@ -505,6 +505,16 @@ def test_optimizers_that_differ_are_refused(n, servers):
     assert all("set_optimizer(sgd" in ln and "0.1" in ln and "0.2" in ln for ln in lines), lines
 
 
+def test_optimizer_options_that_differ_at_a_push_are_named():
+    """num_servers=0 (each worker runs its own optimizer on its shard): a push whose
+    rescale_grad differs between workers is a PeerMismatchError saying each one's."""
+    result = _scenario(2, 0, "options_differ_at_push", timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert all("rank(s) 0 calls push updating with sgd(" in ln and "rescale_grad=0.125" in ln
+               and "rank(s) 1 calls" in ln and "rescale_grad=1.0" in ln for ln in lines), lines
+
+
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
 def test_compressions_that_differ_are_refused(n, servers):
     """Workers that set other compressions each get a PeerMismatchError naming both."""

@@ -216,8 +216,7 @@ class ShardedRounds:
         settings = optimizer.settings()
         if settings != self._settings:
             self._settings = settings
-            self._rule = (f"{optimizer.name} "
-                          f"#{zlib.crc32(repr(settings).encode()):08x}")
+            self._rule = _rule_named(optimizer.name, settings)
 
     def set_updater(self, updater) -> None:
         """Each process runs its own `updater` on the pieces it owns (every process sets
@@ -338,3 +337,15 @@ class ShardedRounds:
 
     def finish_snapshots(self) -> str | None:
         return self.control.alike(self.shard.finish_part(), "finishing the snapshots")
+
+
+def _rule_named(name: str, settings: tuple) -> str:
+    """An optimizer as a round's agreement names it: its plain options in words, so that
+    a worker whose learning rate or batch size (rescale_grad) differs sees which; the
+    rest (per-key multipliers, options that are no plain value) by a checksum."""
+    options, lr_mult, wd_mult = settings
+    plain = (bool, int, float, str, type(None))
+    words = ", ".join(f"{k}={v!r}" for k, v in options if isinstance(v, plain))
+    rest = ([(k, v) for k, v in options if not isinstance(v, plain)], lr_mult, wd_mult)
+    return (f"{name}({words})" if not any(rest)
+            else f"{name}({words}) #{zlib.crc32(repr(rest).encode()):08x}")

@@ -562,6 +562,22 @@ def optimizer_mismatch() -> None:
     passed(kv)
 
 
+def options_differ_at_push() -> None:
+    """Workers whose optimizer's rescale_grad differs at a push (a batch size given on one
+    worker only): PeerMismatchError everywhere, saying each worker's options."""
+    kv = create()
+    kv.init("w", np.ones(4, np.float32))
+    sgd = gpukv.optim.create("sgd", learning_rate=0.1)
+    kv.set_optimizer(sgd)
+    sgd.rescale_grad = 0.125 if kv.rank == 0 else 1.0
+    try:
+        kv.push("w", np.ones(4, np.float32))
+    except gpukv.PeerMismatchError as exc:
+        caught(kv.rank, exc)
+        return
+    passed(kv)
+
+
 def compression_mismatch() -> None:
     """Workers that set other compressions: PeerMismatchError everywhere, at the call."""
     kv = create()
