@@ -214,6 +214,22 @@ def _warn_if_ignored(schedule, learning_rate: float) -> None:
                     made_with, learning_rate)
 
 
+#: PyTorch's names of options that gpukv, as MXNet, names otherwise
+_TORCH_NAMES = {"lr": ("learning_rate",), "weight_decay": ("wd",), "eps": ("epsilon",),
+                "betas": ("beta1", "beta2")}
+
+
+def _with_our_name(accepted):
+    """`name` with gpukv's name for it, where it is PyTorch's for an option `accepted`
+    holds: 'lr (gpukv names it learning_rate)'."""
+    def named(name: str) -> str:
+        ours = _TORCH_NAMES.get(name, ())
+        if ours and all(o in accepted for o in ours):
+            return f"{name} (gpukv names it {' and '.join(ours)})"
+        return name
+    return named
+
+
 class Optimizer:
     """Base of every optimizer (MXNet's `mx.optimizer.Optimizer` arguments).
 
@@ -244,8 +260,8 @@ class Optimizer:
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise ArgumentKindError(f"{cls.__name__}: unknown option(s) "
-                                    f"{', '.join(unknown)}; its options are "
-                                    f"{', '.join(accepted)}")
+                                    f"{', '.join(map(_with_our_name(accepted), unknown))}; "
+                                    f"its options are {', '.join(accepted)}")
         return super().__new__(cls)
 
     def __init__(self, *, learning_rate: float | None = None, wd: float = 0.0,

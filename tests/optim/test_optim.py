@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1241,13 +1242,28 @@ class _Forwarding(optim.SGD):
     option_names = optim.SGD.option_names + ("nesterovish",)
 
 
+@pytest.mark.parametrize("name,options,says", [
+    ("sgd", {"lr": 0.1}, "lr (gpukv names it learning_rate)"),
+    ("adam", {"betas": (0.9, 0.99), "eps": 1e-8},
+     "betas (gpukv names it beta1 and beta2), eps (gpukv names it epsilon)"),
+    ("adamw", {"weight_decay": 0.01}, "weight_decay (gpukv names it wd)"),
+    ("sgd", {"betas": (0.9, 0.99)}, "betas; its"),  # (SGD has no beta1: no name to give)
+])
+def test_pytorchs_name_for_an_option_is_answered_with_gpukvs(name, options, says):
+    """An option given by PyTorch's name (lr, weight_decay, eps, betas) is refused with the
+    name gpukv gives it, where the optimizer has one."""
+    with pytest.raises(ArgumentKindError, match=re.escape(f"unknown option(s) {says}")):
+        optim.create(name, **options)
+
+
 def test_a_subclass_that_hands_its_options_on_takes_its_bases(tmp_path):
     """A rule whose __init__ takes **kwargs for its base takes the base's options, and
     refuses unknown ones naming every option it has; a file saved with its options
     loads back into it."""
     opt = _Forwarding(learning_rate=0.2, momentum=0.9, nesterovish=0.25)
     assert (opt.lr, opt.momentum, opt.nesterovish) == (0.2, 0.9, 0.25)
-    with pytest.raises(ArgumentKindError, match=r"unknown option\(s\) lr; its options are "
+    with pytest.raises(ArgumentKindError, match=r"unknown option\(s\) lr \(gpukv names it "
+                                                r"learning_rate\); its options are "
                                                 r"nesterovish, momentum, lazy_update, "
                                                 r"learning_rate"):
         _Forwarding(lr=0.2)
