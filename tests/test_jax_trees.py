@@ -98,10 +98,11 @@ def test_a_deleted_array_is_an_error_naming_its_leaf():
     _same(gjax.pull_tree(kv, params), params)
 
 
-@pytest.mark.parametrize("change", ["dropped", "tuple", "dict", "extra"])
+@pytest.mark.parametrize("change", ["dropped", "tuple", "dict", "extra", "subtree"])
 def test_a_tree_whose_structure_changed_is_refused_and_changes_nothing(change):
     """A pushed tree that lost a leaf, became a tuple, became a dict of the same paths,
-    or gained a leaf is an ArgumentError naming what differs; no key changes."""
+    gained a leaf, or has a list where a leaf was, is an ArgumentError naming what
+    differs; no key changes."""
     kv = gpukv.create("local")
     params = _tree()
     gjax.init_tree(kv, params)
@@ -115,9 +116,13 @@ def test_a_tree_whose_structure_changed_is_refused_and_changes_nothing(change):
     elif change == "dict":
         grads["layers"] = dict(enumerate(grads["layers"]))
         match = "PyTreeDef"
-    else:
+    elif change == "extra":
         grads["extra"] = jnp.ones(2)
         match = r"a leaf \"\['extra'\]\""
+    else:
+        grads["b"] = [grads["b"], grads["b"]]
+        match = (r"where init_tree's has the leaf \"\['b'\]\", it has 2 leaves "
+                 r"\(\"\['b'\]\[0\]\", \"\['b'\]\[1\]\"\): give it one array there")
     with pytest.raises(gpukv.ArgumentError, match=match):
         gjax.push_tree(kv, [_tree(2), grads])
     _same(gjax.pull_tree(kv, params), params)

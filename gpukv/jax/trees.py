@@ -116,6 +116,12 @@ def _difference(layout: TreeLayout, keys: list, treedef, where: str) -> str:
     start = f"{where} differs in structure from the tree init_tree was given"
     missing = [k for k in layout.keys if k not in set(keys)]
     if missing:
+        below = [k for k in keys if k.startswith(missing[0])]  # (the leaf made a subtree)
+        if below:
+            return (f"{start}: where init_tree's has the leaf {missing[0]!r}, it has "
+                    f"{len(below)} leaves ({', '.join(map(repr, below[:3]))}"
+                    f"{', ...' if len(below) > 3 else ''}): give it one array there; "
+                    f"nothing was done")
         return f"{start}: it has no leaf {missing[0]!r}; nothing was done"
     extra = [k for k in keys if k not in set(layout.keys)]
     if extra:
