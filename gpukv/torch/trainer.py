@@ -31,6 +31,7 @@ from .gradients import GradientCollector
 from .overlap import OWNER, EarlyReduction
 from .reduction import Reduction
 from .rows import TouchedRows, sparse_gradient_names, warn_made_dense
+from .same_model import check_same_model
 from .torch_optimizer import TorchOptimizer, optimizer_values
 from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
@@ -115,6 +116,7 @@ class Trainer:
             raise ArgumentError("the modules have no trainable parameter (requires_grad is "
                                 "False for every one): the Trainer would update nothing "
                                 "(as DDP, it refuses)")
+        check_same_model(self._kv, names, params[0])  # (before any key names a bucket)
         # the parameters with sparse gradients (a key each, whichever way they go), and
         # those whose steps push the rows touched
         trainable_names = set(names)

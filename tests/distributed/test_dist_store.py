@@ -221,6 +221,22 @@ def test_torch_trainer_on_a_dist_store(n, servers, optimizer, on_store):
     _passes(_scenario(n, servers, "trainer", optimizer, on_store), n - servers)
 
 
+@pytest.mark.parametrize("how,says", [
+    ("width", r"at parameter '0.weight' \(the first of 3 that differ\): this worker \(rank "
+              r"\d\) has it of shape \((16|32), 8\), float32"),
+    ("depth", r"they have 4 to 6 trainable parameters \(this worker, rank \d: [46]\)")])
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_trainer_over_models_that_differ_names_what_differs(n, servers, how, says):
+    """Workers whose models differ in a layer's width or in depth: making the Trainer is a
+    PeerMismatchError on every worker naming the first parameter that differs (its shape
+    here), or how many each has, before any key is made."""
+    pytest.importorskip("torch")
+    result = _scenario(n, servers, "trainer_models_differ", how, timeout=10)
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers, result.stdout + result.stderr
+    assert all(re.search(says, ln) for ln in lines), lines
+
+
 @pytest.mark.parametrize("servers", [0, 1])
 def test_an_exception_in_a_trainers_with_block_goes_on_as_raised(tmp_path, servers):
     """`with trainer:` left by an exception on worker 1 (the others in a step's push):

@@ -1707,6 +1707,25 @@ def snapshots_left_at_exit(folder: str) -> None:
     passed(kv)
 
 
+def trainer_models_differ(how: str) -> None:
+    """Workers whose models differ ('width': worker 1's hidden layer is wider; 'depth':
+    worker 1's has one more layer): making the Trainer is a PeerMismatchError on every
+    worker naming the first parameter that differs, or the counts, before any key."""
+    import torch
+
+    from gpukv.torch import Trainer
+    kv = create()
+    wide = 32 if how == "width" and kv.rank == 1 else 16
+    layers = [torch.nn.Linear(8, wide), torch.nn.ReLU(), torch.nn.Linear(wide, 3)]
+    if how == "depth" and kv.rank == 1:
+        layers.append(torch.nn.Linear(3, 3))
+    try:
+        Trainer(torch.nn.Sequential(*layers), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    except gpukv.PeerMismatchError as exc:
+        assert kv.keys() == [], kv.keys()
+        caught(kv.rank, exc)
+
+
 def trainer_raises_in_with(folder: str) -> None:
     """A Trainer with snapshots, used as `with trainer:`: worker 1 raises a ValueError in
     its third step. Leaving the block does not turn it into another error (the block's
