@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import pathlib
 import re
 import subprocess
@@ -752,3 +753,23 @@ def test_a_run_resumed_from_an_older_snapshot_keeps_its_own(tmp_path):
                        checkpoint_dir=folder)
     assert again.resumed_from.path == newest.path
     assert _bits([again._modules[0]]) == _bits([model])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_export_gets_a_new_files_permissions_or_the_old_ones(tmp_path, umask):
+    """The safetensors file has what `open` would give a new file (0o666 less the umask:
+    another account can read it where the umask lets it), not safetensors' 0o600; one
+    exported over keeps its own."""
+    pytest.importorskip("safetensors")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+    out = tmp_path / "model.safetensors"
+    before = os.umask(umask)
+    try:
+        export_safetensors(tmp_path / "ckpt", out)
+        assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+        out.chmod(0o604)
+        export_safetensors(tmp_path / "ckpt", out)
+        assert out.stat().st_mode & 0o777 == 0o604
+    finally:
+        os.umask(before)

@@ -13,7 +13,8 @@ An archive is a plain `.npz` file (an uncompressed zip of `.npy` members, readab
 
 Files are written through `atomic_write`: a temporary file in the same folder, flushed and
 fsynced, then `os.replace`d over the target and the folder fsynced, so a crash at any point
-leaves either the previous file or the new one, whole. Every problem with a path or a file
+leaves either the previous file or the new one, whole; the new one has the permissions
+the previous one had, or a new file's (0o666 less the umask). Every problem with a path or a file
 (no path, a folder, a missing or read-only folder, a full disk; a missing, truncated,
 corrupt or foreign file, a newer version) raises CheckpointError naming the path and the
 cause, chained from the OS error when there is one.
@@ -36,6 +37,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import zipfile
@@ -112,6 +114,32 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def file_mode(path: str) -> int:
+    """The permission bits a file written over `path` gets: the file's own where it
+    exists, else what `open` would give a new one (0o666 less the umask). A temporary
+    file is made 0o600, and renamed over `path` it would keep that: a snapshot or an
+    export that another account, or a serving container, could not read."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it (setting it to read it back would
+    change it for every thread meanwhile)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path):
     """Open a binary file that replaces `path` only once it is complete and on disk.
@@ -127,18 +155,20 @@ def atomic_write(path):
     if os.path.isdir(path):  # found before writing a whole file that could not be renamed
         raise CheckpointError(f"{path}: is a folder; a checkpoint needs a file name") from (
             IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path))
-    folder, name = os.path.split(os.path.abspath(path))
+    # a symlink's target is what is written (the link stays a link, as open() leaves it)
+    folder, name = os.path.split(os.path.realpath(path))
     try:  # the name is shortened so that the temporary name stays within NAME_MAX
         fd, tmp = tempfile.mkstemp(prefix=f".{name[:100]}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot write a checkpoint there: "
                               f"{_reason(exc)}") from exc
     try:
+        os.fchmod(fd, file_mode(path))
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(folder, name))
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

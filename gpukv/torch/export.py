@@ -27,6 +27,7 @@ import numpy as np
 
 from .._errors import ArgumentError, CheckpointError
 from ..checkpoints import snapshots
+from ..checkpoints.checkpoint import file_mode
 from ..checkpoints.user_state import torch_tensor
 from .checkpoints import parameter_layout
 
@@ -131,6 +132,7 @@ def _write_whole(out: str, write) -> None:
     temp = os.path.join(folder, f".{name[:100]}.{os.getpid()}.tmp")
     try:
         write(temp)
+        os.chmod(temp, file_mode(out))  # (safetensors makes it 0o600)
         os.replace(temp, out)
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"{out}: cannot write the export: {exc}") from None

@@ -191,3 +191,47 @@ def test_load_from_a_bad_path_changes_nothing(tmp_path, door, bad):
         assert str(path) in str(caught.value)
         assert isinstance(caught.value.__cause__, OSError)
     assert _fingerprint(kv) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+@pytest.mark.parametrize("call", sorted(SAVES) + ["snapshot"])
+def test_a_file_written_has_a_new_files_permissions_or_the_old_ones(tmp_path, call, umask):
+    """A new file gets what `open` would give it (0o666 less the umask), not the 0o600 of
+    the temporary file it was written as; a file written over keeps its own."""
+    kv = _store()
+    before = os.umask(umask)
+    try:
+        if call == "snapshot":
+            kv.snapshot(tmp_path / "snaps", step=1)
+            kv.finish_snapshots()
+            written = [p for p in (tmp_path / "snaps").rglob("*") if p.is_file()]
+        else:
+            SAVES[call](kv, tmp_path / "f")
+            written = [tmp_path / "f"]
+        assert written and all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in written)
+        if call != "snapshot":
+            os.chmod(tmp_path / "f", 0o604)
+            SAVES[call](kv, tmp_path / "f")
+            assert (tmp_path / "f").stat().st_mode & 0o777 == 0o604
+    finally:
+        os.umask(before)
+
+
+@pytest.mark.parametrize("call", sorted(SAVES))
+def test_a_save_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path, call):
+    """As open() does: the link's target gets the new file (in the target's folder) and
+    the link stays a link to it; a load through the link reads it."""
+    kv = _store()
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "f"
+    target.write_bytes(b"old")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    SAVES[call](kv, link)
+    assert link.is_symlink() and link.resolve() == target
+    assert target.read_bytes() != b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    other = _store(scale=2.0)
+    LOADS[call.replace("save", "load")](other, link)
+    read = slice(None) if call == "save" else slice(1, None)  # (states only: no values)
+    assert _fingerprint(other)[read] == _fingerprint(kv)[read]
