@@ -16,7 +16,6 @@ _NDARRAY = np.ndarray
 _HOST = host_device(0)
 _SUM = _HOST.sum
 _BROADCAST = _HOST.broadcast
-_TO_HOST = _HOST.to_host
 
 
 class HostStrategy(Strategy):
@@ -35,11 +34,13 @@ class HostStrategy(Strategy):
         self.broadcast_many((job,))
 
     def reduce_many(self, jobs) -> None:
-        for _, sources, _, _, out in jobs:
+        for _, sources, devices, _, out in jobs:
             for s in sources:
                 if type(s) is not _NDARRAY and not isinstance(s, _NDARRAY):
-                    # a GPU array: read by the host, synchronously
-                    sources = [_TO_HOST(s) for s in sources]
+                    # a GPU array: read by the host, synchronously, on its device's
+                    # stream, after what was queued there for it (a virtual GPU's
+                    # decoding of a compressed push runs on that GPU's own stream)
+                    sources = [d.to_host(s) for s, d in zip(sources, devices)]
                     break
             _SUM(out, sources)
 

@@ -381,6 +381,44 @@ def test_every_strategy_reduces_the_encoded_terms(cp, name, strategy):
                              f"residual of key {k!r} on {d!r}")
 
 
+@pytest.mark.parametrize("strategy", ["auto", "home", "tree", "ring", "cpu"])
+@pytest.mark.parametrize("name", ["2bit-0.5", "fp16", "bf16"])
+@pytest.mark.parametrize("home", ["gpu", "host"])
+def test_virtual_gpus_read_the_terms_their_streams_decoded(cp, monkeypatch, name, strategy,
+                                                           home):
+    """Logical GPUs dealt onto fewer physical ones (GPUKV_VIRTUAL_GPUS: two per GPU),
+    each with a stream of its own: a compressed push decodes each source's term on its
+    stream, and every strategy reads the term after it (the copy to the host of keys
+    made from NumPy arrays, whose home is the host, included: the race checker names an
+    unordered read), storing the host store's bits. Two sources on GPU 0 (its two
+    logical GPUs), as in a loop over one GPU's replicas; then one on every logical GPU."""
+    from gpukv.device.cuda.device import gpu_count, gpu_devices
+    monkeypatch.setenv("GPUKV_VIRTUAL_GPUS", str(2 * gpu_count()))
+    devs = gpu_devices()
+    on_gpu0 = [d for d in devs if d.physical == 0]
+    assert [d.slot for d in on_gpu0] == [0, 1]
+    params = COMPRESSIONS[name]
+    rng = np.random.default_rng(5)
+    keys = sorted(KEYS)
+    init = {k: _gradient(rng, *KEYS[k], {}) for k in keys}
+    host = gpukv.create("device")
+    gpu = gpukv.create("device", strategy=strategy)
+    host.init(keys, [init[k] for k in keys])
+    with cp.cuda.Device(0):
+        gpu.init(keys, [cp.asarray(init[k]) if home == "gpu" else init[k] for k in keys])
+    assert {gpu._entries[k].home.kind for k in keys} == {home if home == "gpu" else "cpu"}
+    for kv in (host, gpu):
+        kv.set_gradient_compression(params)
+    for step, sources in enumerate([on_gpu0, sorted(devs, key=lambda d: d.physical)]):
+        grads = {k: [_gradient(rng, *KEYS[k], params) for _ in sources] for k in keys}
+        host.push(keys, [grads[k] for k in keys])
+        gpu.push(keys, [[_on(cp, d, g) for d, g in zip(sources, grads[k])] for k in keys])
+        for k in keys:
+            stored = gpu._entries[k].value
+            assert_same_bits(stored if home == "host" else stored.get(),
+                             host._entries[k].value, f"key {k!r} after push {step}")
+
+
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("name", ["2bit-0.5", "1bit-0", "fp16-pre8", "bf16", *BOTH_WAYS])
 def test_compressed_pushes_feed_the_optimizer_as_on_the_host(cp, name):
