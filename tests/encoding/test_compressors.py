@@ -130,6 +130,24 @@ def test_a_residual_past_its_bound_warns_once_naming_the_key(params, scale, warn
         assert {"'w'", "'b'"} == {m.split("residual of key ")[1].split(" ")[0] for m in named}
 
 
+@pytest.mark.parametrize("params", [{"type": "2bit", "threshold": 0.5},
+                                    {"type": "1bit", "threshold": 0.5}])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_in_a_residual_warns_naming_the_key(params, bad, caplog):
+    """A gradient with a NaN (or an inf) leaves it in the residual for good: one warning
+    names the key, as for a residual past the bound (a NaN is past any bound; before,
+    its max() hid the key from the check)."""
+    feedback = compressors.ErrorFeedback(compressors.make_compressor(params))
+    g = np.zeros(64, np.float32)
+    g[3] = bad
+    with caplog.at_level("WARNING", logger="gpukv"):
+        feedback.compress(("w", 0), g)
+        for _ in range(20):
+            feedback.compress(("w", 0), np.full(64, 0.01, np.float32))
+    named = [r.getMessage() for r in caplog.records if "residual of key 'w'" in r.getMessage()]
+    assert len(named) == 1, named
+
+
 #: the compressors that scale each block of values by the block's own size
 BLOCKWISE = ["sign", "ternary"]
 

@@ -65,7 +65,7 @@ class ErrorFeedback:
         if key in self._warned or not residual.size:
             return
         largest = float(abs(residual).max())
-        if largest > bound:
+        if not largest <= bound:  # (NaN too: a NaN residual is past any bound)
             self._warned.add(key)
             # (float32 options as the user wrote them: 0.01, not 0.009999999776482582)
             params = {k: float(f"{v:.7g}") if isinstance(v, float) else v
