@@ -45,6 +45,10 @@ class KVStore(ABC):
 
     _type: str  # the name the store was made with, lower case
 
+    #: the capabilities `is_capable` takes, by MXNet's names (`kv.is_capable(KVStore.OPTIMIZER)`)
+    OPTIMIZER = "optimizer"
+    GRADIENT_COMPRESSION = "gradient_compression"
+
     # ----------------------------------------------------------------- properties
     @property
     def type(self) -> str:

@@ -135,6 +135,12 @@ def test_is_capable_gradient_compression_follows_the_store_type(kv):
     assert kv.is_capable("gradient_compression") is (kv.type == "device")
 
 
+def test_the_capabilities_have_mxnets_names_on_the_class(kv):
+    """MXNet's `kv.is_capable(KVStore.OPTIMIZER)`, on the class and on a store."""
+    assert gpukv.KVStore.OPTIMIZER == "optimizer" and kv.is_capable(type(kv).OPTIMIZER)
+    assert kv.is_capable(gpukv.KVStore.GRADIENT_COMPRESSION) is (kv.type == "device")
+
+
 def test_is_capable_unknown_is_value_error(kv):
     """An unknown capability is a ValueError naming it (MXNet raises ValueError too)."""
     assert MX["is_capable_unknown_error"] == "ValueError"
