@@ -328,7 +328,9 @@ class Optimizer:
     # ------------------------------------------------------------- MXNet's interface
     @property
     def learning_rate(self) -> float:
-        """The rate of the next update: the schedule's at `num_update`, else the set one."""
+        """The set rate, or the schedule's at `num_update` (as MXNet's: the rate of the
+        latest update; a key's next update asks it at its own count + 1, or num_update if
+        that is higher: `next_scalars`)."""
         if self.lr_scheduler is not None:
             return self.lr_scheduler(self.num_update)
         return self.lr

@@ -83,13 +83,25 @@ def export_state(opt: Optimizer, states: dict, dump_optimizer: bool = False,
         sched = opt.lr_scheduler
         saved = sched is not None and _sched.restorable(sched)
         if sched is not None and not saved:  # a function, a schedule of one's own
-            log.warning("gpukv: lr_scheduler %r cannot be saved; only its learning "
-                        "rate is (the optimizer a file is loaded into keeps its own)",
-                        sched)
-            # the rate it gives the next update, where the rule's own `lr` is None
-            options["learning_rate"] = float(opt.learning_rate)
+            log.warning("gpukv: lr_scheduler %r cannot be saved; only the rate it gives "
+                        "the next update is (the optimizer a file is loaded into keeps "
+                        "its own)", sched)
+            options["learning_rate"] = _next_rate(opt)
         header["lr_scheduler"] = sched.state() if saved else None
     return header, arrays
+
+
+def _next_rate(opt: Optimizer) -> float:
+    """The rate `opt`'s schedule gives the next update of the keys updated most: at
+    num_update + 1, as `Optimizer.next_scalars` asks (its `learning_rate`, as MXNet's, is
+    the rate at num_update, the update already done). A copy is asked: a schedule that
+    keeps books, as MXNet's do, must not count an update that has not happened."""
+    sched = opt.lr_scheduler
+    try:
+        sched = copy.deepcopy(sched)
+    except Exception:  # (one that cannot be copied is asked itself)
+        pass
+    return float(sched(opt.num_update + 1))
 
 
 def _mults(table):

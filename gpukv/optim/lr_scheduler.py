@@ -167,16 +167,17 @@ class _DecayScheduler(LRScheduler):
     def __call__(self, num_update):
         if num_update < self.warmup_steps:
             return self.get_warmup_lr(num_update)
-        if num_update <= self.max_update:
-            self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * self._decay(
-                num_update - self.warmup_steps)
+        # Past max_update, the rate at max_update: what MXNet's keeps once it gave it, and
+        # what a schedule first asked there (a resumed job's own) must give too.
+        steps = min(num_update, self.max_update) - self.warmup_steps
+        self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * self._decay(steps)
         return self.base_lr
 
 
 class PolyScheduler(_DecayScheduler):
     """`final_lr + (base_lr - final_lr) * (1 - s / (max_update - warmup_steps)) ** pwr`,
-    s = num_update - warmup_steps (the updates since warm-up); past max_update it keeps
-    the last rate it gave (final_lr, once it gave update max_update's)."""
+    s = num_update - warmup_steps (the updates since warm-up); past max_update, the rate
+    at max_update (final_lr, for pwr > 0), as MXNet's gives once it gave that one."""
 
     def __init__(self, max_update, base_lr=0.01, pwr=2, final_lr=0,
                  warmup_steps=0, warmup_begin_lr=0, warmup_mode="linear"):
@@ -190,8 +191,8 @@ class PolyScheduler(_DecayScheduler):
 
 class CosineScheduler(_DecayScheduler):
     """`final_lr + (base_lr - final_lr) * (1 + cos(pi * s / (max_update - warmup_steps)))
-    / 2`, s = num_update - warmup_steps (the updates since warm-up); past max_update it
-    keeps the last rate it gave (final_lr, once it gave update max_update's)."""
+    / 2`, s = num_update - warmup_steps (the updates since warm-up); past max_update, the
+    rate at max_update (final_lr), as MXNet's gives once it gave that one."""
 
     def _decay(self, steps):
         return (1 + math.cos(math.pi * steps / self.max_steps)) / 2
