@@ -20,7 +20,7 @@ _COMMANDS = {
                  "check and measure gpukv on this machine's GPU in one command"),
     "cluster": ("gpukv.tools.cluster",
                 "run a command on hosts emulated on this machine (network namespaces)"),
-    "export": ("gpukv.torch.export",
+    "export": ("gpukv.tools.export",
                "write a Trainer snapshot's parameters to a safetensors file, by name"),
 }
 

@@ -1,10 +1,10 @@
-"""`python -m gpukv export SNAPSHOT OUT.safetensors`: a Trainer's snapshot as a file other
-tools open, its model's parameters under their own names (`model.state_dict()`'s), in
-safetensors; `torch.load`-free: `safetensors.torch.load_file(OUT)` gives a dict that
-`model.load_state_dict(...)` takes: the trained parameters, the parameters frozen when
-the Trainer was made and the buffers (BatchNorm's running statistics), the last two as
-worker 0's replica 0 had them. (A snapshot taken before snapshots kept frozen parameters
-has none: `strict=False` then.)
+"""A Trainer's snapshot as a file other tools open (`python -m gpukv export SNAPSHOT
+OUT.safetensors`, whose command line is `gpukv.tools.export`'s): its model's parameters
+under their own names (`model.state_dict()`'s), in safetensors; `torch.load`-free:
+`safetensors.torch.load_file(OUT)` gives a dict that `model.load_state_dict(...)` takes:
+the trained parameters, the parameters frozen when the Trainer was made and the buffers
+(BatchNorm's running statistics), the last two as worker 0's replica 0 had them. (A
+snapshot taken before snapshots kept frozen parameters has none: `strict=False` then.)
 
 The snapshot records which parameters each store key holds (a bucket fuses several, in
 order, flat); the export cuts every key's value back into them. A parameter the model
@@ -19,13 +19,11 @@ SNAPSHOT is a snapshot's folder (`step-<step>-<tag>-r<run>`) or a Trainer's
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import numpy as np
 
-from .._errors import ArgumentError, CheckpointError
+from .._errors import CheckpointError
 from ..checkpoints import snapshots
 from ..checkpoints.checkpoint import file_mode
 from ..checkpoints.user_state import torch_tensor
@@ -151,25 +149,3 @@ def _apart(tensors: dict) -> dict:
         apart[name] = tensor.clone() if tensor.numel() and storage in seen else tensor
         seen.add(storage)
     return apart
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="gpukv export",
-        description="Write the model parameters of a Trainer's snapshot to a safetensors "
-                    "file, under their own names (see gpukv.torch.export).")
-    parser.add_argument("snapshot", help="a snapshot's folder, or a Trainer's "
-                                         "checkpoint_dir (its newest snapshot)")
-    parser.add_argument("out", help="the .safetensors file to write")
-    args = parser.parse_args(argv)
-    try:
-        names = export_safetensors(args.snapshot, args.out)
-    except (CheckpointError, ArgumentError) as exc:
-        print(f"gpukv export: {exc}", file=sys.stderr)
-        return 1
-    except ImportError as exc:
-        print(f"gpukv export: {exc}; pip install safetensors (the torch extra has it)",
-              file=sys.stderr)
-        return 1
-    print(f"gpukv export: {len(names)} tensors to {args.out}")
-    return 0

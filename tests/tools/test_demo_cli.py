@@ -137,14 +137,21 @@ def test_a_malformed_setting_is_one_line_and_status_2(monkeypatch, capsys):
         "gpukv demo: GPUKV_DETERMINISTIC='maybe': expected 1 (on) or 0 (off)\n")
 
 
-def test_a_command_whose_library_is_missing_says_what_to_install():
-    """`gpukv export --help` without PyTorch: one line with the install hint, exit 2."""
-    done = _run(code=textwrap.dedent("""
+@pytest.mark.parametrize("argv", [["export", "--help"], ["export", "ckpt", "m.safetensors"]])
+def test_a_command_whose_library_is_missing_says_what_to_install(argv):
+    """Without PyTorch, `gpukv export --help` shows its usage (exit 0), and an export
+    is one line with the install hint (exit 2)."""
+    done = _run(code=textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # makes `import torch` fail
         from gpukv.__main__ import main
-        sys.exit(main(["export", "--help"]))
+        sys.exit(main({argv!r}))
     """))
+    if "--help" in argv:
+        assert done.returncode == 0 and done.stdout.startswith("usage: gpukv export"), (
+            done.stdout + done.stderr)
+        assert "snapshot" in done.stdout and "PyTorch" in done.stdout
+        return
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         "gpukv export: gpukv.torch needs PyTorch: pip install torch (and for exports "
