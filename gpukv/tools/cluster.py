@@ -449,7 +449,8 @@ def _parser() -> argparse.ArgumentParser:
                     "('gpukv cluster list' shows every running cluster). Everything is "
                     "removed when COMMAND ends.",
         epilog="example: gpukv cluster --hosts 2 --rate 1gbit -- sh -c "
-               "'gpukv run -n 2 --hosts $GPUKV_CLUSTER_HOSTS python train.py'")
+               "'python -m gpukv run -n 2 --hosts $GPUKV_CLUSTER_HOSTS train.py' (with the "
+               "venv's python, as .venv/bin/python)")
     parser.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     parser.add_argument("--rate", default="1gbit",
                         help="each host's link rate, both ways (default 1gbit)")

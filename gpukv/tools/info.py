@@ -168,11 +168,12 @@ def mpi_info() -> dict:
 
 def strategy_info(on_gpu: bool) -> dict:
     """The strategy a GPU store uses by default, and what the names resolve to here."""
-    from ..comm.registry import STRATEGIES, make_strategy
+    from ..comm.registry import STRATEGIES, env_strategy, make_strategy
     env = os.environ.get("GPUKV_STRATEGY", "").strip() or None
     out = {"names": list(STRATEGIES), "env": env, "default": env or "auto",
            "deterministic": os.environ.get("GPUKV_DETERMINISTIC", "").strip() == "1"}
     try:
+        env_strategy()  # (checked without a GPU too: a GPU store would refuse it)
         chosen = make_strategy(None, on_gpu=on_gpu)
         out["resolves_to"] = chosen.name
     except Exception as exc:
