@@ -133,7 +133,9 @@ _TORCHRUN = {"--nproc-per-node": "-n N (processes; with --hosts, --ppn K per hos
              "--node-rank": "one gpukv run for every host (it starts them all)",
              "--master-addr": "nothing: gpukv's processes meet through MPI",
              "--master-port": "nothing: gpukv's processes meet through MPI",
-             "--standalone": "nothing: one machine is the default"}
+             "--standalone": "nothing: one machine is the default",
+             "-m": "PROG python -m MODULE (python runs the module)",
+             "--module": "PROG python -m MODULE (python runs the module)"}
 
 
 def _count(text: str) -> int:
@@ -370,7 +372,9 @@ def main(argv: list[str]) -> int:
         parser.error(mistaken)
     args = parser.parse_args(ours)
     if not command:
-        parser.error("PROG missing: name the program to run")
+        taken = [h for h in args.hosts or [] if h.endswith(".py")]
+        parser.error("PROG missing: name the program to run" + (
+            f" (--hosts took {taken[0]!r}: it takes H1,H2,...)" if taken else ""))
     mpiexec = find_mpiexec()
     if mpiexec is None:
         parser.error("no mpiexec found beside this Python nor on PATH "
@@ -404,6 +408,9 @@ def main(argv: list[str]) -> int:
         if hosts:
             args.ppn = per_host
     min_workers = args.n if args.min_workers is None else args.min_workers
+    if args.min_workers is not None and not args.max_restarts:
+        parser.error("--min-workers counts the processes a restart may go on with: it "
+                     "needs --max-restarts K")
     if min_workers > args.n:
         parser.error(f"--min-workers {min_workers} is more than the -n {args.n} processes")
     if args.log_dir is not None:
