@@ -6,11 +6,12 @@ the ranks that did not arrive, or that call something else (another key, shape o
 are named in the PeerError every rank raises. On a store's own communicator the check is
 one nonblocking allreduce (MAX) of each rank's digest and its negation: all agree when the
 maximum is also the minimum. Only when it does not finish in time does rank 0 call the
-roll (the ranks waiting answer; the others are named), and only when digests differ do
-the whole descriptions travel to rank 0. A small sum every rank can foretell carries
-its agreement inside itself instead (`fused`). On a communicator the program shares (the
-agreement of `create`, on COMM_WORLD) no collective is issued: each rank sends rank 0 its
-digest and waits for the verdict.
+roll (the ranks waiting answer; the others are named); once rank 0's program has ended,
+the first rank whose program has not calls it in its place, without waiting out the
+timeout. Only when digests differ do the whole descriptions travel to rank 0. A small
+sum every rank can foretell carries its agreement inside itself instead (`fused`). On a
+communicator the program shares (the agreement of `create`, on COMM_WORLD) no collective
+is issued: each rank sends rank 0 its digest and waits for the verdict.
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ _MISMATCH = ("mismatch", "")
 #: seconds an agreement waits before it also listens for rank 0's roll call and verdict
 #: (which come only once rank 0 has waited out its timeout)
 _HEAR_AFTER = 0.01
+#: seconds a call still waits once rank 0's word that its program ended is seen, before it
+#: is named as ended without making the call (capped at a quarter of the timeout): a rank
+#: 0 that made the call and then ended sent its part of it before that word, which can
+#: overtake it (another communicator's message)
+_ENDED_GRACE = 1.0
 #: signatures whose checksums an agreement keeps (beyond them, each is computed anew)
 _CHECKSUMS_KEPT = 4096
 
@@ -182,29 +188,31 @@ class Agreement:
                        f"{_difference(t, dict(enumerate(signatures)))}")
         raise t.fail(PeerMismatchError(from_rank0(t, message, what)))
 
-    def _roll_call(self, what: str) -> PeerError:
-        """Rank 0, when the agreement (or the collective after it) did not finish in time:
-        ask who is waiting in it; the ranks that do not answer are the missing ones. The
-        others hear the verdict."""
+    def _roll_call(self, what: str, answer_within: float | None = None) -> PeerError:
+        """Rank 0, when the agreement (or the collective after it) did not finish in time,
+        or the rank standing in for it (`_caller`): ask who is waiting in it; the ranks
+        that do not answer within `answer_within` seconds are the missing ones. The others
+        hear the verdict."""
         t = self.t
-        others = range(1, t.size)
+        others = range(t.rank + 1, t.size)  # (the ranks before a stand-in have ended)
         t.wait_all([t.send_object(self.seq, r, self.roll_tag) for r in others],
                    f"{what}: calling the roll", timeout=t.timeout)
         here = np.zeros(t.size, np.int64)
+        here[t.rank] = self.seq
         answers = [t.recv_array(here[r:r + 1], r, self.roll_tag) for r in others]
         # A rank waiting in the agreement answers at once; the others wait a while longer
         # for the verdict than rank 0 waited for them (see `_wait_or_hear`).
-        t.settle(answers, min(2.0, t.timeout / 4))
-        return self._absent([r for r in others if here[r] != self.seq], what)
+        t.settle(answers, min(2.0, t.timeout / 4) if answer_within is None
+                 else answer_within)
+        return self._absent([r for r in range(t.size) if here[r] != self.seq], what)
 
     def _absent(self, late: list, what: str) -> PeerError:
-        """Rank 0, after a timeout: the PeerError naming the `late` ranks, told to the
-        others."""
+        """Rank 0 (or its stand-in), after a timeout: the PeerError naming the `late`
+        ranks, told to the others."""
         t = self.t
         arrived = [r for r in range(t.size) if r not in late]
         ended = [r for r in late if job_exit.ended(t.job_rank(r))]
-        missing = [f"rank(s) {t.ranks(ended)} ended (reached the program's end or "
-                   f"sys.exit) without making this call"] if ended else []
+        missing = [_ended(t, ended)] if ended else []
         waited = [r for r in late if r not in ended]
         if waited:
             missing.append(f"rank(s) {t.ranks(waited)} did not arrive within "
@@ -213,39 +221,65 @@ class Agreement:
         if not late:  # (a transfer that stopped, all of its ranks waiting)
             message = (f"{what}: every rank is in it, and it did not finish within "
                        f"{t.timeout:g} s (GPUKV_DIST_TIMEOUT)")
-        self._tell(arrived[1:], ("peer", message))
+        self._tell([r for r in arrived if r != t.rank], ("peer", message))
         return PeerError(message)
 
+    def _caller(self) -> int:
+        """Who calls the roll: rank 0, or once its program has ended (it will never come),
+        the first rank whose program has not; every rank finds the same one (an exit's
+        word stays)."""
+        t = self.t
+        for r in range(t.size):
+            if not job_exit.ended(t.job_rank(r)):
+                return r
+        return 0
+
     def _wait_or_hear(self, requests: list, what: str) -> None:
-        """A rank but 0: wait for `requests`, answering rank 0's roll call, until done or
-        rank 0's verdict (longer than rank 0 waits, so that its verdict comes first)."""
+        """A rank but 0: wait for `requests`, answering the roll call, until done or the
+        verdict (longer than rank 0 waits, so that its verdict comes first). The roll is
+        rank 0's, or when rank 0's program has ended, its stand-in's (`_caller`): this
+        rank's own when that is this rank (after `_ended_grace`, not the timeout)."""
         t = self.t
         test_all = t.MPI.Request.Testall
+        anyone = t.MPI.ANY_SOURCE  # (rank 0, or its stand-in)
         start = time.monotonic()
+        grace, ended_for = _ended_grace(t), _Since()
 
         def done():
             if test_all(requests):
                 return True
-            if time.monotonic() - start < _HEAR_AFTER:  # rank 0 calls only after a timeout
+            waited = time.monotonic() - start
+            if waited < _HEAR_AFTER:  # rank 0 calls only after a timeout
                 return None
-            roll = t.try_recv_object(0, self.roll_tag)
+            roll = t.try_recv_object(anyone, self.roll_tag)
             if roll is not None:
-                t.wait_all([t.send_array(np.array([roll[0]], np.int64), 0, self.roll_tag)],
+                seq, caller = roll
+                t.wait_all([t.send_array(np.array([seq], np.int64), caller,
+                                         self.roll_tag)],
                            f"{what}: answering the roll", timeout=t.timeout)
-            verdict = t.try_recv_object(0, self.verdict_tag)
+            verdict = t.try_recv_object(anyone, self.verdict_tag)
             if verdict is not None:
                 kind, message = verdict[0]
                 raise t.fail((PeerMismatchError if kind == "mismatch" else PeerError)(
                     message))
+            if self._caller() == t.rank and ended_for(time.monotonic()) > grace:
+                # the ranks still to come get what is left of the timeout; those here
+                # answer at once
+                raise t.lost(self._roll_call(
+                    what, max(t.timeout - waited, min(2.0, t.timeout / 4))))
             return None
+
+        def silent() -> PeerError:
+            caller = self._caller()
+            ended = _ended(t, range(caller)) + "; " if caller else ""
+            return PeerError(
+                f"{what}: {ended}rank {t.job_rank(t.rank)} waited {patience:g} s for the "
+                f"others, and rank {t.job_rank(caller)}, which names the ranks that did "
+                f"not arrive once its own {t.timeout:g} s have passed, said nothing: rank "
+                f"{t.job_rank(caller)} did not arrive, or cannot be reached "
+                f"(GPUKV_DIST_TIMEOUT)")
         patience = t.timeout * 1.5 + 2
-        t.poll(done, what, timeout=patience,
-               on_timeout=lambda: PeerError(
-                   f"{what}: rank {t.job_rank(t.rank)} waited {patience:g} s for the "
-                   f"others, and rank {t.job_rank(0)}, which names the ranks that did not "
-                   f"arrive once its own {t.timeout:g} s have passed, said nothing: rank "
-                   f"{t.job_rank(0)} did not arrive, or cannot be reached "
-                   f"(GPUKV_DIST_TIMEOUT)"))
+        t.poll(done, what, timeout=patience, on_timeout=silent)
 
     # ----------------------------------------------------------------- rank 0
     def _coordinate(self, digest, signature, what) -> None:
@@ -282,18 +316,53 @@ class Agreement:
         patience = t.timeout * 1.5 + 1
         t.wait_all([t.send_array(digest, 0, self.digest_tag)], f"{what}: reaching rank 0",
                    timeout=patience)
-        verdict, _ = t.recv_object(0, self.verdict_tag, f"{what}: waiting for rank 0",
-                                   timeout=patience)
+        verdict = self._verdict(what, patience)
         if verdict == _MISMATCH:
             t.wait_all([t.send_object((self.seq, signature), 0, self.signature_tag)],
                        f"{what}: reaching rank 0", timeout=patience)
-            verdict, _ = t.recv_object(0, self.verdict_tag, f"{what}: waiting for rank 0",
-                                       timeout=patience)
+            verdict = self._verdict(what, patience)
         kind, message = verdict
         if kind == "ok":
             return
         error = PeerMismatchError if kind == "mismatch" else PeerError
         raise t.fail(error(message))
+
+    def _verdict(self, what: str, patience: float):
+        """Rank 0's verdict, or PeerError soon after rank 0's program has ended (no
+        verdict will come)."""
+        t = self.t
+        grace, ended_for = _ended_grace(t), _Since()
+
+        def heard():
+            got = t.try_recv_object(0, self.verdict_tag)
+            if got is None and job_exit.ended(t.job_rank(0)) and \
+                    ended_for(time.monotonic()) > grace:
+                raise t.fail(PeerError(f"{what}: {_ended(t, [0])}"))
+            return got
+        return t.poll(heard, f"{what}: waiting for rank 0", timeout=patience)[0]
+
+
+def _ended_grace(t: Transport) -> float:
+    """Seconds a rank waits on once rank 0's word at exit is seen (`_ENDED_GRACE`)."""
+    return min(_ENDED_GRACE, t.timeout / 4)
+
+
+class _Since:
+    """`since(now)`: the seconds since the first call (0 on that call)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, now: float) -> float:
+        if self.first is None:
+            self.first = now
+        return now - self.first
+
+
+def _ended(t: Transport, ranks) -> str:
+    """The words for `ranks`, whose programs ended before a call they did not make."""
+    return (f"rank(s) {t.ranks(ranks)} ended (reached the program's end or sys.exit) "
+            f"without making this call")
 
 
 def _difference(t: Transport, signatures: dict) -> str:
