@@ -24,7 +24,7 @@ _UNKNOWN_LOCK = threading.Lock()  # (stores made by several threads at once say 
 def create(name: str = "local", **options: Any) -> KVStore:
     """A new store. `name`: 'local', 'device', 'nccl' or one of MXNet's aliases in one
     process; 'dist_sync', 'dist_async' or 'dist_device_sync' across the processes of an
-    MPI job (every process calls `create` alike)::
+    MPI job (every process calls `create` alike):
 
         kv = gpukv.create('device', strategy='tree')
         kv = gpukv.create('dist_sync', num_servers=1)   # under mpiexec -n N

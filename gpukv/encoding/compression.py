@@ -18,7 +18,7 @@ after each push (`gpukv.encoding.pulls`, `serve`).
 Compressors have Horovod's shape: ``compress(x, residual) -> (payload, ctx)`` and
 ``decompress(payload, ctx, out, accumulate=False)``, wrapped around the reduction rather
 than replacing it. A compressed push is an ordinary reduce job for whichever strategy
-the store picks::
+the store picks:
 
     terms = comp.encode(key, sources, devices)    # one array per source, on its device
     strategy.reduce_many([ReduceJob(key, terms, devices, home, out)])

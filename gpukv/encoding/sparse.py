@@ -129,7 +129,7 @@ class RowSparse:
     `indices`: a 1-D integer array of row numbers, each below `shape[0]` (repeats are
     summed); `data`: the rows themselves, shaped `(len(indices),) + shape[1:]`, on the
     device of `indices`; `shape`: the dense array's shape. The indices are checked and
-    copied; `data` is kept as given::
+    copied; `data` is kept as given:
 
         g = gpukv.RowSparse(np.array([3, 7]), np.ones((2, 16)), (1000, 16))
     """

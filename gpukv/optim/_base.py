@@ -51,7 +51,7 @@ def create(name, **options: Any) -> Optimizer:
     """The optimizer called `name` ('sgd', 'nag', 'adam', 'adamw', 'adagrad', 'rmsprop',
     'lamb') made with `options`, its keyword parameters (see its class); an option it
     does not have is an ArgumentKindError naming the ones it has. An Optimizer given as
-    `name` is returned as it is (options beside it are an ArgumentKindError)::
+    `name` is returned as it is (options beside it are an ArgumentKindError):
 
         gpukv.optim.create('sgd', learning_rate=0.1, momentum=0.9, wd=1e-4)
     """

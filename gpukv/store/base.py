@@ -141,7 +141,7 @@ class KVStore(ABC):
         first one being copied. A store's keys are all ints or all strs (the first key
         decides; another kind is a KeyKindError), and a key already in the store, or
         given twice in one call, is a DuplicateKeyError. The store keeps its own copy on
-        the key's home device::
+        the key's home device:
 
             kv.init('w', np.zeros((2, 3)))
             kv.init(['b', 'c'], [np.zeros(4), np.ones(4)])
@@ -156,7 +156,7 @@ class KVStore(ABC):
         repeated in the list counts as more devices). Arrays of another dtype are converted
         to the key's; RowSparse values are summed row-wise. The whole call is checked before
         anything changes; updaters then run with int keys ascending, str keys in init
-        order. `priority` is accepted for MXNet's sake (calls run in order)::
+        order. `priority` is accepted for MXNet's sake (calls run in order):
 
             kv.push('w', grad)                          # one device
             kv.push('w', [grad_gpu0, grad_gpu1])        # summed
@@ -180,7 +180,7 @@ class KVStore(ABC):
         order). An out is written as `out.copy_(value)` would write it: a PyTorch tensor that
         requires grad only under `torch.no_grad()`, its version counter moved; an out that
         cannot be written in place (read-only, or an object whose `__array__` returns a
-        copy) is a ReadOnlyError::
+        copy) is a ReadOnlyError:
 
             kv.pull('w', out=w_host)
             kv.pull(['w', 'b'], out=[[w0, w1], [b0, b1]])
