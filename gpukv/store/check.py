@@ -58,8 +58,8 @@ _SHORT_KEY = 1 << 62
 
 def check_key(key) -> tuple:
     """(`key` as an int or a str, its kind); KeyKindError or ArgumentError otherwise."""
-    if isinstance(key, str):
-        return key, str
+    if isinstance(key, str):  # (a subclass, NumPy's str_, as a plain str, as ints are)
+        return (key if type(key) is str else str(key)), str
     if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
         key = int(key)
         if not -_LONG_KEY < key < _LONG_KEY:

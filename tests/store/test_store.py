@@ -852,6 +852,24 @@ def test_keys_len_and_contains():
     assert np.int64(3) in kv
 
 
+@pytest.mark.parametrize("name", ["local", "device"])
+def test_numpy_keys_are_kept_as_plain_ints_and_strs(name):
+    """NumPy's int and str scalars (keys read from an array) are the plain int and str
+    keys: keys() gives those, and either form reaches the key."""
+    kv = gpukv.create(name)
+    kv.init([np.int64(3), np.int32(4)], [np.zeros(2), np.zeros(2)])
+    assert [type(k) for k in kv.keys()] == [int, int]
+    words = gpukv.create(name)
+    words.init(np.array(["w", "b"])[0], np.zeros(2))
+    words.init("b", np.zeros(2))
+    assert words.keys() == ["w", "b"] and [type(k) for k in words.keys()] == [str, str]
+    words.push(np.str_("w"), np.ones(2))
+    assert np.str_("w") in words and "w" in words
+    out = np.empty(2)
+    words.pull("w", out=out)
+    assert out.tolist() == [1.0, 1.0]
+
+
 # ------------------------------------------------------------------ adopted values
 @pytest.mark.parametrize("name", ["local", "device"])
 def test_a_pull_into_an_adopted_value_writes_the_other_outs_and_copies_nothing(
