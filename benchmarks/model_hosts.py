@@ -5,6 +5,10 @@ NCCL's own cost model of its ring and tree all-reduce.
         --ways s0,mpi --out /tmp/scale
     python benchmarks/model_hosts.py /tmp/scale/cluster_<machine>.json
 
+The published table (docs/distributed.md) took the message cost measured with its runs:
+`--message-us 36.36` with benchmarks/results/cluster_hosts_intel-r-xeon-r-processor.json
+gives it again; without it the cost is measured on the machine that runs this.
+
 The model of one push+pull round with num_servers=0 on N hosts, one process each:
 - a small key (under 64 KB: one packed MPI allreduce beside the round's agreement) takes
   an allreduce plus gpukv's software cost per round, s: gpukv's round less MPI
@@ -216,10 +220,17 @@ def main(argv=None) -> int:
         return child(args.result)
     if not args.runs:
         p.error("the bench_cluster.py JSON is required")
-    record = json.loads(Path(args.runs).read_text())
+    try:
+        record = json.loads(Path(args.runs).read_text())
+        cases = record["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        p.error(f"{args.runs}: not a bench_cluster.py JSON ({type(exc).__name__}: {exc})")
     message_s = (args.message_us * 1e-6 if args.message_us is not None
                  else measure_message_s())
-    fits = fitted(record["cases"], message_s)
+    try:
+        fits = fitted(cases, message_s)
+    except SystemExit as exc:  # (the runs lack what the model needs)
+        p.error(f"{args.runs}: {exc}")
     rows = predict(fits)
     print(f"from the runs at {record['cases'][0]['rate']}: a small round's software "
           f"{fits['round_software_s'] * 1e6:.0f} us over MPI Allreduce's; the exchange's "

@@ -618,3 +618,29 @@ def test_benchmark_usage_errors_are_one_line(script, argv, says):
     proc = _script(script, *argv, "--out", "-")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+#: every benchmark a user runs (the files starting with _ are their helpers)
+PUBLIC_SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def _options_without_help(text: str) -> list[str]:
+    """The options of an argparse --help text listed with no help after them."""
+    lines = text.splitlines()
+    lacking = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^  (-{1,2}[\w-]+)(?: [A-Z_.\[\], ]+)?$", line)
+        after = lines[i + 1] if i + 1 < len(lines) else ""
+        if m and not re.match(r"^ {8,}\S", after):  # nothing beside it, nothing below
+            lacking.append(m.group(1))
+    return lacking
+
+
+@pytest.mark.parametrize("name", PUBLIC_SCRIPTS)
+def test_every_scripts_help_answers_and_explains_every_option(name):
+    """`python benchmarks/NAME --help`, for every benchmark script: status 0, its usage,
+    and a help text for every option."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+    assert _options_without_help(done.stdout) == [], done.stdout
