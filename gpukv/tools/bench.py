@@ -906,7 +906,7 @@ def run(args) -> dict:
 
 def goals(rows, on_gpu: bool) -> dict:
     """The two targets: many small keys vs the loop and torch; large key vs the copy limit."""
-    out: dict = {"applies": "GPU" if on_gpu else "GPU (this host run is informational)"}
+    out: dict = {"applies": "GPU" if on_gpu else "GPU; this host run is informational"}
     small = [r for r in rows if r["case"] == "small"]
     store = next((r for r in small if r["path"] == "store"
                   and r["name"] != "store_per_key" and r.get("time_s")), None)
