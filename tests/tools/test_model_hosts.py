@@ -103,3 +103,24 @@ def test_the_record_names_this_machine_and_the_runs_machine_apart(tmp_path, monk
     assert record["machine"]["hostname"] == socket.gethostname()
     assert record["versions"]["gpukv"]
     assert record["message_us"] == {"value": pytest.approx(3.0), "how": "given"}
+
+
+@pytest.mark.parametrize("runs,says", [
+    ("missing.json", "not a bench_cluster.py JSON (FileNotFoundError"),
+    ("other.json", "not a bench_cluster.py JSON (KeyError: 'cases')"),
+    ("rates.json", "expected the runs of one link rate, got ['100mbit', '1gbit']"),
+])
+def test_a_file_that_is_no_cluster_run_is_a_usage_error(tmp_path, monkeypatch, capsys, runs,
+                                                        says):
+    """A missing file, another benchmark's JSON, or runs the model cannot take: status 2
+    and one line naming the file and why, before anything is measured."""
+    m = _load("model_hosts.py")
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "accuracy"}))
+    (tmp_path / "rates.json").write_text(json.dumps({"cases": [
+        {**_case(2, "s0", 4096, 1e-3), "rate": "100mbit"},
+        {**_case(2, "mpi", 4096, 1e-3), "rate": "1gbit"}]}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        m.main([runs, "--message-us", "36", "--out", "-"])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
