@@ -98,10 +98,11 @@ def nccl_seconds(hosts: int, nbytes: int, link_bytes: float) -> dict:
 
 def fitted(cases: list, message_s: float) -> dict:
     """The model's figures from a bench_cluster run's cases (one rate; ways s0 and mpi
-    on 2 hosts, and whatever else they ran, kept for the record)."""
+    on 2 hosts, and whatever else they ran, kept for the record); ValueError saying what
+    the runs lack."""
     rates = {c["rate"] for c in cases}
     if len(rates) != 1:
-        raise SystemExit(f"expected the runs of one link rate, got {sorted(rates)}")
+        raise ValueError(f"expected the runs of one link rate, got {sorted(rates)}")
     rate_bytes = emulated.rate_bits(rates.pop()) / 8
     ok = [c for c in cases if c["ok"] and c["keys"] == 1 and c["way"] in ("s0", "mpi")]
 
@@ -109,14 +110,14 @@ def fitted(cases: list, message_s: float) -> dict:
         found = [c for c in ok if c["way"] == way and c["hosts"] == 2
                  and (c["bytes"] < SMALL_MAX) == small]
         if not found:
-            raise SystemExit(f"expected way {way} on 2 hosts with a key "
+            raise ValueError(f"expected way {way} on 2 hosts with a key "
                              f"{'under' if small else 'of at least'} 64 KB")
         return found[0]["median_s"]
 
     large = sorted((c for c in ok if c["way"] == "s0" and c["hosts"] > 2
                     and c["bytes"] >= SMALL_MAX), key=lambda c: c["hosts"])
     if not large:
-        raise SystemExit("expected way s0 on 3 hosts or more with a key of at least 64 KB")
+        raise ValueError("expected way s0 on 3 hosts or more with a key of at least 64 KB")
     hosts, nbytes = large[0]["hosts"], large[0]["bytes"]
     exchange_s = large[0]["median_s"] - message_s * messages(hosts, nbytes)
     return {"rate_bytes_per_s": rate_bytes,
@@ -229,10 +230,10 @@ def main(argv=None) -> int:
                  else measure_message_s())
     try:
         fits = fitted(cases, message_s)
-    except SystemExit as exc:  # (the runs lack what the model needs)
+    except ValueError as exc:  # (the runs lack what the model needs)
         p.error(f"{args.runs}: {exc}")
     rows = predict(fits)
-    print(f"from the runs at {record['cases'][0]['rate']}: a small round's software "
+    print(f"from the runs at {cases[0]['rate']}: a small round's software "
           f"{fits['round_software_s'] * 1e6:.0f} us over MPI Allreduce's; the exchange's "
           f"bytes at {fits['link_share']:.0%} of the link; {message_s * 1e6:.1f} us of "
           f"software per message")

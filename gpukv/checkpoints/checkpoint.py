@@ -12,12 +12,12 @@ An archive is a plain `.npz` file (an uncompressed zip of `.npy` members, readab
   same width and given back with their own dtype.
 
 Files are written through `atomic_write`: a temporary file in the same folder, flushed and
-fsynced, then `os.replace`d over the target and the folder fsynced, so a crash at any point
-leaves either the previous file or the new one, whole; the new one has the permissions
-the previous one had, or a new file's (0o666 less the umask). Every problem with a path or a file
-(no path, a folder, a missing or read-only folder, a full disk; a missing, truncated,
-corrupt or foreign file, a newer version) raises CheckpointError naming the path and the
-cause, chained from the OS error when there is one.
+fsynced, then `os.replace`d over the target and the folder fsynced, so a crash at any
+point leaves either the previous file or the new one, whole; the new one has the
+permissions the previous one had, or a new file's (0o666 less the umask). Every problem
+with a path or a file (no path, a folder, a missing or read-only folder, a full disk; a
+missing, truncated, corrupt or foreign file, a newer version) raises CheckpointError
+naming the path and the cause, chained from the OS error when there is one.
 
 Whole stores: `KVStore.save` hands `save_store` a `StoreSnapshot` (every key in order with
 its value and home kind, and the store's optimizer updater); `KVStore.load` reads the file
@@ -156,7 +156,8 @@ def atomic_write(path):
         raise CheckpointError(f"{path}: is a folder; a checkpoint needs a file name") from (
             IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path))
     # a symlink's target is what is written (the link stays a link, as open() leaves it)
-    folder, name = os.path.split(os.path.realpath(path))
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
     try:  # the name is shortened so that the temporary name stays within NAME_MAX
         fd, tmp = tempfile.mkstemp(prefix=f".{name[:100]}.", suffix=".tmp", dir=folder)
     except OSError as exc:
@@ -168,7 +169,7 @@ def atomic_write(path):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, name))
+        os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

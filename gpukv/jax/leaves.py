@@ -47,10 +47,11 @@ def checked(key: str, leaf, call: str) -> None:
 def check_held(keys: list, dtypes: list, call: str) -> None:
     """A DTypeError naming the first leaf whose dtype JAX cannot hold now (float64, int64,
     uint64 and complex128 while x64 is off): JAX would make its pulled value 32-bit,
-    truncating it, and the tree pulled would no longer match the keys."""
-    for key, dtype in zip(keys, dtypes):
-        dtype = np.dtype(dtype)
-        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    truncating it, and the tree pulled would no longer match the keys. Each dtype is
+    asked once (a pull's check, for every leaf)."""
+    held = {d: np.dtype(jax.dtypes.canonicalize_dtype(d)) for d in set(map(np.dtype, dtypes))}
+    for key, dtype in zip(keys, map(np.dtype, dtypes)):
+        narrowed = held[dtype]
         if narrowed == dtype:
             continue
         start = (f"gpukv.jax.{call}: leaf {key!r} is {dtype}, which JAX holds as {narrowed} "
