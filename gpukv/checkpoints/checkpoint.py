@@ -631,8 +631,11 @@ def plan_load(contents: StoreFile, snapshot: StoreSnapshot) -> LoadPlan:
         weights.update((key, value) for key, value, _ in creates)
         optimizer = _checked_optimizer(path, snapshot.updater, contents.optimizer, weights)
     elif contents.optimizer is not None:
-        log.info("gpukv: %s holds optimizer state but the store has no optimizer; "
-                 "only values were loaded", path)
+        # (a warning: a program that loads before set_optimizer would train on with
+        # fresh state, its momentum or Adam moments lost without a word)
+        log.warning("gpukv: %s holds optimizer state but the store has no optimizer: only "
+                    "the values were loaded; call set_optimizer before load to restore "
+                    "the state too", path)
     return LoadPlan(kind, updates, creates, optimizer)
 
 

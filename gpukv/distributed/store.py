@@ -540,12 +540,15 @@ class DistKVStore(KVStore):
         super().settle_before_calls(wait, background)  # (checks them)
         self._lock.settle_before_calls(wait, background)
 
-    def refusals_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:
+    def refusals_agreed(self, op: str, collective: bool = False
+                        ) -> contextlib.AbstractContextManager[None]:
         """A push's checks (the store's own, or a layer's above it: gpukv.jax's): an
         error of theirs (not a peer's) is made known to the engine before it is raised,
         so that workers refusing unlike fail together (the others with a
         PeerMismatchError naming the refusal; this worker with its own error, which says
-        why)."""
+        why). `collective=True`: told as a settings call's refusals are."""
+        if collective:
+            return self._settings_agreed(op)
         return self._refusal_told(op, self._engine.refused)
 
     def _settings_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:

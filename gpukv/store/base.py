@@ -112,13 +112,16 @@ class KVStore(ABC):
         that point in the PeerError of a dist store whose workers do not. One process:
         the values themselves (ArgumentKindError if they are not integers)."""
 
-    def refusals_agreed(self, op: str) -> contextlib.AbstractContextManager[None]:
+    def refusals_agreed(self, op: str, collective: bool = False
+                        ) -> contextlib.AbstractContextManager[None]:
         """`with kv.refusals_agreed('push'): ...checks...`: for a layer above the store
         that checks a push (or pushpull) of its own before making it, `op` naming that
         call in the others' PeerMismatchError. On a dist store, a
         gpukv error raised inside is made known to the other workers before it goes on,
         as the store's own refusals are: a worker refusing alone makes the others raise
-        a PeerMismatchError naming it, rather than sum its next push with theirs. One
+        a PeerMismatchError naming it, rather than sum its next push with theirs.
+        `collective=True`: the checks come before a collective call of every layout
+        (servers too: a Trainer's making), where the others are told at once. One
         process: nothing to tell."""
         return contextlib.nullcontext()
 

@@ -95,27 +95,34 @@ class Trainer:
                  checkpoint_dir=None, checkpoint_every: int | None = None,
                  checkpoint_keep: int = 2, deterministic: bool | None = None,
                  resume="auto"):
-        self._modules = _module_list(modules)
-        self._optimizer = _make_optimizer(optimizer, optimizer_params)
-        self._scale = self._optimizer.rescale_grad
         self._kv = _make_store(kvstore, deterministic)
-        on_store = _check_flag("update_on_kvstore", update_on_kvstore)
-        if overlap is not None:
-            _check_flag("overlap", overlap)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
-                or bucket_bytes < 0:
-            raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
+        # A worker refusing its arguments alone makes the others raise at once, naming
+        # it, where they would wait for it in the first collective call below
+        with self._kv.refusals_agreed("Trainer", collective=True):
+            self._modules = _module_list(modules)
+            self._optimizer = _make_optimizer(optimizer, optimizer_params)
+            on_store = _check_flag("update_on_kvstore", update_on_kvstore)
+            if overlap is not None:
+                _check_flag("overlap", overlap)
+            if isinstance(bucket_bytes, bool) \
+                    or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 0:
+                raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
+            checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
+                                                   checkpoint_keep, resume)
+            if checkpoints is not None:
+                _refuse_shared_snapshots(self._kv)
+            names, params = trainable(self._modules)
+            if not names:
+                raise ArgumentError("the modules have no trainable parameter (requires_grad "
+                                    "is False for every one): the Trainer would update "
+                                    "nothing (as DDP, it refuses)")
+            # PowerSGD (given, or already set on the store given) compresses a
+            # parameter's own matrix
+            low_rank = low_rank_compressor(compression_params if compression_params is not None
+                                           else self._kv.gradient_compression)
+        self._scale = self._optimizer.rescale_grad
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
-        checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
-                                               checkpoint_keep, resume)
-        if checkpoints is not None:
-            _refuse_shared_snapshots(self._kv)
-        names, params = trainable(self._modules)
-        if not names:
-            raise ArgumentError("the modules have no trainable parameter (requires_grad is "
-                                "False for every one): the Trainer would update nothing "
-                                "(as DDP, it refuses)")
         check_same_model(self._kv, names, params[0])  # (before any key names a bucket)
         # the parameters with sparse gradients (a key each, whichever way they go), and
         # those whose steps push the rows touched
@@ -123,10 +130,7 @@ class Trainer:
         sparse = [n for n in sparse_gradient_names(self._modules[0]) if n in trainable_names]
         rows = self._pushed_as_rows(sparse, on_store)
         alone = set(self._optimizer.lr_mult) | set(self._optimizer.wd_mult) | set(sparse)
-        # PowerSGD (given, or already set on the store given) compresses a parameter's
-        # own matrix
-        if low_rank_compressor(compression_params if compression_params is not None
-                               else self._kv.gradient_compression):
+        if low_rank:
             alone |= {n for n, p in zip(names, params[0]) if p.dim() >= 2}
         self._buckets: list[Bucket] = make_buckets(names, params, int(bucket_bytes), alone)
         #: parameter name -> the key it shares with others

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -615,14 +616,24 @@ def test_optimizer_state_round_trip(tmp_path):
     assert all(_same(a, b) for a, b in zip(_values(kv, keys), _values(resumed, keys)))
 
 
-def test_optimizer_state_ignored_without_optimizer(tmp_path):
-    """A store with no optimizer loads the values of a file that also holds optimizer state."""
+def test_optimizer_state_ignored_without_optimizer_is_warned_of(tmp_path, caplog):
+    """A store with no optimizer loads the values of a file that also holds optimizer
+    state, and warns, naming the file, that the state was left (set_optimizer first)."""
     optim = pytest.importorskip("gpukv.optim")
     kv, keys = _trained(optim.Adam(learning_rate=0.01))
     kv.save(tmp_path / "ck.npz")
     plain = gpukv.create("local")
-    plain.load(tmp_path / "ck.npz")
+    with caplog.at_level(logging.WARNING, logger="gpukv"):
+        plain.load(tmp_path / "ck.npz")
     assert all(_same(a, b) for a, b in zip(_values(kv, keys), _values(plain, keys)))
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "ck.npz" in record.getMessage() and "set_optimizer before load" in \
+        record.getMessage(), record.getMessage()
+    caplog.clear()
+    plain.set_optimizer(optim.Adam(learning_rate=0.01))
+    with caplog.at_level(logging.WARNING, logger="gpukv"):
+        plain.load(tmp_path / "ck.npz")  # (the state restored: nothing to warn of)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_optimizer_state_mismatch_changes_nothing(tmp_path):

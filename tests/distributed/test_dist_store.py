@@ -237,6 +237,24 @@ def test_a_trainer_over_models_that_differ_names_what_differs(n, servers, how, s
     assert all(re.search(says, ln) for ln in lines), lines
 
 
+@pytest.mark.parametrize("what", ["compression", "buckets"])
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
+def test_trainer_arguments_one_worker_alone_refuses_fail_every_worker_at_once(
+        n, servers, what):
+    """Worker 1 alone refuses its Trainer's arguments: its own ArgumentError, and at once
+    (well within the timeout) a PeerMismatchError naming the refusal on every other
+    worker, rather than a wait for worker 1 in the Trainer's first collective call."""
+    pytest.importorskip("torch")
+    result = _scenario(n, servers, "trainer_arguments_refused", what, timeout=20, limit=90)
+    out = result.stdout + result.stderr
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers - 1, out
+    assert all("calls Trainer refused (ArgumentError)" in ln for ln in lines), lines
+    assert len(_caught(result.stdout, "ArgumentError")) == 1, out
+    took = [float(s) for s in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == n - servers and max(took) < 10, out
+
+
 @pytest.mark.parametrize("servers", [0, 1])
 def test_an_exception_in_a_trainers_with_block_goes_on_as_raised(tmp_path, servers):
     """`with trainer:` left by an exception on worker 1 (the others in a step's push):

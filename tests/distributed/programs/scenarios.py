@@ -1726,6 +1726,31 @@ def trainer_models_differ(how: str) -> None:
         caught(kv.rank, exc)
 
 
+def trainer_arguments_refused(what: str) -> None:
+    """Worker 1 alone makes its Trainer with arguments it refuses ('compression': an
+    unknown compression option; 'buckets': bucket_bytes=-1): worker 1 raises its own
+    ArgumentError, every other worker at once a PeerMismatchError naming the refusal
+    (REFUSED ... after S), not a PeerError once worker 1 has gone; no key is made."""
+    import torch
+
+    from gpukv.torch import Trainer
+    kv = create()
+    options: dict = {"compression_params": {"type": "sign"}}
+    if kv.rank == 1:
+        options = ({"compression_params": {"type": "sign", "bogus": 1}}
+                   if what == "compression" else {"bucket_bytes": -1})
+    start = time.monotonic()
+    try:
+        Trainer(torch.nn.Linear(4, 2), "sgd", {"learning_rate": 0.1}, kvstore=kv, **options)
+        raise AssertionError("a Trainer worker 1 refused was made")
+    except (gpukv.PeerMismatchError, gpukv.ArgumentError) as exc:
+        assert isinstance(exc, gpukv.PeerMismatchError) == (kv.rank != 1), exc
+        assert kv.keys() == [], kv.keys()
+        print(f"REFUSED on worker {kv.rank} after {time.monotonic() - start:.2f} s",
+              flush=True)
+        caught(kv.rank, exc)
+
+
 def trainer_raises_in_with(folder: str) -> None:
     """A Trainer with snapshots, used as `with trainer:`: worker 1 raises a ValueError in
     its third step. Leaving the block does not turn it into another error (the block's
