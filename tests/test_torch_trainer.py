@@ -689,9 +689,30 @@ def test_bad_batch_size():
     t = gt.Trainer(make_model(), "sgd", kvstore="local")
     with pytest.raises(gpukv.ArgumentError, match="batch_size"):
         t.step(0)
-    for bad in ("4", True):
-        with pytest.raises(gpukv.ArgumentKindError, match=r"batch_size=.*got (str|bool)"):
+    for bad in ("4", True, torch.tensor(True), torch.tensor([4, 4])):
+        with pytest.raises(gpukv.ArgumentKindError,
+                           match=r"batch_size=.*got (str|bool|Tensor)"):
             t.step(bad)
+    with pytest.raises(gpukv.ArgumentError, match=r"batch_size=0: expected a number > 0"):
+        t.step(torch.tensor(0))
+
+
+@pytest.mark.parametrize("batch_size", [torch.tensor(8), torch.tensor([8.0]),
+                                        torch.tensor(8, dtype=torch.int32)])
+def test_a_batch_size_given_as_one_number_in_a_tensor_is_that_number(batch_size):
+    """step(batch_size) takes a tensor of one number (`len(labels)` kept as a tensor, or a
+    count summed on the device) as that number: the same weights as step(8)."""
+    x, y = make_data()
+    weights = []
+    for size in (8, batch_size):
+        model = make_model()
+        t = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local")
+        for _ in range(2):
+            t.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            t.step(size)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
 def test_import_gpukv_does_not_import_torch():

@@ -106,7 +106,8 @@ class Trainer:
                 _check_flag("overlap", overlap)
             if isinstance(bucket_bytes, bool) \
                     or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 0:
-                raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0")
+                raise ArgumentError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0 "
+                                    f"(0: a key per parameter; default {BUCKET_BYTES})")
             checkpoints = self._checkpoint_options(checkpoint_dir, checkpoint_every,
                                                    checkpoint_keep, resume)
             if checkpoints is not None:
@@ -701,6 +702,9 @@ class Trainer:
         1/batch_size are finite normal numbers."""
         if batch_size is None:
             return self._scale / self.num_replicas
+        if isinstance(batch_size, torch.Tensor) and batch_size.numel() == 1 \
+                and not batch_size.dtype.is_complex and batch_size.dtype != torch.bool:
+            batch_size = batch_size.item()  # (`len(labels)` as a tensor: one number)
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real):
             raise ArgumentKindError(f"batch_size={batch_size!r}: expected a number > 0, "
                                     f"got {type(batch_size).__name__}")
