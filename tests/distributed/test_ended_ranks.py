@@ -54,11 +54,27 @@ def test_a_worker_0_that_ended_is_named_as_ended_with_servers(n, servers):
         assert seconds < TIMEOUT, caught
 
 
+@pytest.mark.parametrize("victim", ["0", "1"])
+@pytest.mark.parametrize("n,servers", [(3, 1), (4, 1)])
+def test_a_worker_that_ended_before_a_push_is_named_by_the_servers(n, servers, victim):
+    """With dedicated servers, a worker ended before a push the others make: the servers
+    name it as ended without making the push, on every other worker, within the
+    timeout (not as a push not made within it, once it has passed)."""
+    result = _job(n, servers, "ends", "return", victim, "push")
+    caught = _caught(result.stdout)
+    assert len(caught) == n - servers - 1, result.stdout + result.stderr
+    for seconds, message in caught:
+        assert f"push of key 0: worker(s) {victim} ended (reached the program's end or " \
+               f"sys.exit) without making it" in message, message
+        assert seconds < TIMEOUT, caught
+
+
+@pytest.mark.parametrize("call", ["barrier", "push"])
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
-def test_a_late_rank_0_that_ends_after_its_calls_is_not_named(n, servers):
+def test_a_late_rank_0_that_ends_after_its_calls_is_not_named(n, servers, call):
     """Rank 0 comes late (within the timeout) and ends as soon as its last call is done,
     its word at exit maybe ahead of its part of that call: every worker passes."""
-    out = ok(_job(n, servers, "late_then_ends", "1", "20"))
+    out = ok(_job(n, servers, "late_then_ends", "1", "20", call))
     for w in range(n - servers):
         assert f"PASS worker {w} of {n - servers}" in out, out
 

@@ -54,6 +54,7 @@ from ...device.host_sum import accumulate_dtype, host_sum
 from ...encoding.compressors import make_compressor
 from ...encoding.pulls import PullCodec
 from ...layout.state import mark_starts
+from ..mpi import job_exit
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import TAG_ERROR, TAG_PUSH_DATA, TAG_REPLY, TAG_REQUEST, Transport, worker_comm
 from .partials import decode_leaves, sum_leaves
@@ -136,6 +137,11 @@ class _Pull:
         self.chunk = 0                 # the next chunk of that key
 
 
+#: seconds a round still waits for a worker once its word that its program ended is seen
+#: (as `agree._ENDED_GRACE`), before the worker is named as ended without making it
+ENDED_GRACE = 1.0
+
+
 class _Server:
     def __init__(self, transport: Transport, servers: int, shard: Shard, asynchronous: bool):
         self.t = transport
@@ -153,6 +159,7 @@ class _Server:
         self.arrivals: list = []       # (key, _Incoming, chunk) of each of them
         self.updating = False          # whether an optimizer or updater runs here
         self.stopped: set = set()
+        self.ended_since: dict = {}    # worker -> when its word that it ended was seen
         self.failure: PeerError | None = None
         self.compressors: dict = {}
         self.pull_codecs: dict = {}    # compressor params -> PullCodec (compressed pulls)
@@ -749,8 +756,9 @@ class _Server:
         # An init some worker never made holds up that worker's requests after it, so
         # its keys are named first: the key at fault, not one waiting behind it.
         in_order = sorted(self.keys.items(), key=lambda item: item[1].initialised)
+        ended = self.ended_workers(now)
         for key, state in in_order:
-            if state.since is None or now - state.since <= self.t.timeout:
+            if state.since is None:
                 continue
             if not state.initialised:
                 came = sorted(state.inits)
@@ -759,11 +767,28 @@ class _Server:
                 came = [w for w, q in enumerate(state.queues) if q and q[0].complete]
                 what = "push"
             late = [w for w in range(self.workers) if w not in came]
-            self.fail(PeerError(
-                f"{what} of key {key!r}: worker(s) {', '.join(map(str, late))} did not "
-                f"{what} it within {self.t.timeout:g} s (GPUKV_DIST_TIMEOUT); "
-                f"worker(s) {', '.join(map(str, came)) or 'none'} did"))
+            gone = [w for w in late if w in ended]
+            if gone:  # (it will never come: no need to wait out the timeout)
+                why = (f"worker(s) {', '.join(map(str, gone))} ended (reached the "
+                       f"program's end or sys.exit) without making it")
+            elif now - state.since > self.t.timeout:
+                why = (f"worker(s) {', '.join(map(str, late))} did not {what} it within "
+                       f"{self.t.timeout:g} s (GPUKV_DIST_TIMEOUT)")
+            else:
+                continue
+            self.fail(PeerError(f"{what} of key {key!r}: {why}; worker(s) "
+                                f"{', '.join(map(str, came)) or 'none'} did"))
             return
+
+    def ended_workers(self, now: float) -> set:
+        """The workers whose word that their program ended came at least `ENDED_GRACE`
+        seconds ago (a quarter of the timeout at most): their last messages, sent before
+        it on another communicator, may overtake it by a little."""
+        grace = min(ENDED_GRACE, self.t.timeout / 4)
+        for w in range(self.workers):
+            if w not in self.ended_since and job_exit.ended(self.worker_rank(w)):
+                self.ended_since[w] = now
+        return {w for w, since in self.ended_since.items() if now - since >= grace}
 
     def fail(self, error: PeerError) -> None:
         """Tell every worker, and answer everything from now on with the same failure

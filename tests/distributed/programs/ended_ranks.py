@@ -40,16 +40,17 @@ def ends(how: str, victim: str, call: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
-def late_then_ends(seconds: str, calls: str) -> None:
-    """Worker 0 comes `seconds` late to the first of `calls` barriers and ends its
-    program as soon as the last is done: it made every call, so every worker passes."""
+def late_then_ends(seconds: str, calls: str, call: str = "barrier") -> None:
+    """Worker 0 comes `seconds` late to the first of `calls` calls (barriers, or a push
+    and a pull) and ends its program as soon as the last is done: it made every call, so
+    every worker passes."""
     kv = gpukv.create("dist_sync")
     kv.init(0, np.zeros(4, np.float32))
     kv.barrier()
     if kv.rank == 0:
         time.sleep(float(seconds))
     for _ in range(int(calls)):
-        kv.barrier()
+        _call(kv, call)
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
