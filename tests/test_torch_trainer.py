@@ -1258,6 +1258,31 @@ def test_a_trainer_whose_modules_a_newer_one_took_refuses_to_step():
     new.step(len(x))
 
 
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_a_trainer_part_of_whose_model_a_newer_one_took_refuses_to_step(update_on_kvstore):
+    """A newer Trainer made on one layer of the model (a head trained apart) holds that
+    layer's parameters: the older Trainer's step is an ArgumentError naming the first
+    parameter taken over, and changes nothing; a Trainer made on another model since
+    leaves the older one stepping."""
+    models = replicas_of(make_model(), 2)
+    old = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                     update_on_kvstore=update_on_kvstore)
+    gt.Trainer(make_model(1), "sgd", kvstore="local")  # another model: nothing taken
+    x, y = make_data()
+    old.zero_grad()
+    backward_shards(models, x, y)
+    old.step(len(x))
+    gt.Trainer(models[1][4], "sgd", {"learning_rate": 0.1}, kvstore="local")
+    before = [p.detach().clone() for m in models for p in m.parameters()]
+    old.zero_grad()
+    backward_shards(models, x, y)
+    with pytest.raises(gpukv.ArgumentError, match=r"parameter '4\.weight' of replica 1 "
+                                                  r".*taken over by a newer Trainer"):
+        old.step(len(x))
+    assert all(torch.equal(a, b) for a, b in
+               zip(before, [p for m in models for p in m.parameters()]))
+
+
 def test_replicas_that_share_a_parameter_among_themselves_are_refused():
     """Replicas 1 and 2 sharing a layer (replica 0 apart) would train wrong: refused,
     naming both replicas and the parameter."""

@@ -37,6 +37,9 @@ from .updates import ReplicaUpdate, StoreUpdate, Update, layout_of
 
 #: the attribute naming, by weak reference, the Trainer that holds a parameter
 _TRAINER = "_gpukv_trainer"
+#: how many Trainers have taken parameters over in this process: a Trainer whose count
+#: seen is current holds all of its own without looking at each
+_TAKEOVERS = [0]
 
 #: the float32 limits the optimizers' rescale must keep to (as Python floats: compared
 #: with a NumPy float32, a float beyond its range would be cast first, with a warning)
@@ -173,6 +176,8 @@ class Trainer:
         self._rows.take_over([p for p, *_ in before])
         for p, *_ in before:  # an earlier Trainer on these modules steps them no more
             setattr(p, _TRAINER, me)
+        _TAKEOVERS[0] += 1
+        self._takeovers_seen: int = -1  # (`_check_owner` looks at every parameter once)
 
     def _start(self, checkpoints: tuple | None, compression_params, on_store: bool,
                overlap: bool | None) -> None:
@@ -619,12 +624,18 @@ class Trainer:
         """ArgumentError when a newer Trainer made on these modules holds their
         parameters: this one's buffers are no longer the parameters', and its steps would
         move nothing."""
+        if self._takeovers_seen == _TAKEOVERS[0]:
+            return  # (no Trainer made since the last look: every parameter is still ours)
         for bucket in self._buckets:
-            owner = getattr(bucket.params[0][0], _TRAINER, None)
-            if owner is None or owner() is not self:
-                raise ArgumentError(
-                    f"this Trainer's parameters (key {bucket.key!r}) were taken over by a "
-                    f"newer Trainer made on the same modules: step that one")
+            for r, params in enumerate(bucket.params):
+                for name, p in zip(bucket.names, params):
+                    owner = getattr(p, _TRAINER, None)
+                    if owner is None or owner() is not self:
+                        raise ArgumentError(
+                            f"this Trainer's parameter {name!r} of replica {r} (key "
+                            f"{bucket.key!r}) was taken over by a newer Trainer made on "
+                            f"the same modules, or on a module of theirs: step that one")
+        self._takeovers_seen = _TAKEOVERS[0]
 
     def _replica_update(self, op: str) -> ReplicaUpdate:
         if not isinstance(self._update, ReplicaUpdate):
