@@ -566,9 +566,16 @@ class _Server:
         self.release([h.buffer for h in heads])
 
     def apply(self, key, state, grads) -> None:
-        shape = self.shard.stored(key).shape
-        self.shard.push(key, [g.reshape(shape) for g in grads])
-        self.serve(key, state)
+        stored = self.shard.stored(key)
+        total = None
+        if state.serving is not None and not self.updating and stored.dtype != np.float32:
+            # what a compressed pull serves is the float32 sum, in worker order, as with
+            # num_servers=0: the value stored in a 16-bit dtype is rounded, or inf
+            total = np.array(grads[0], np.float32).reshape(-1)
+            for g in grads[1:]:
+                total += g.reshape(-1)
+        self.shard.push(key, [g.reshape(stored.shape) for g in grads])
+        self.serve(key, state, total)
         state.version += 1
         self.release(grads)
 
