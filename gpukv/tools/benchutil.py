@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -243,12 +244,43 @@ def write_record(path: Path, payload: dict, created_utc: str) -> Path:
     pretty JSON, through a temporary file renamed over `path`. Returns `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"created_utc": created_utc, "command": command_line(),
-              "environment_variables": environment_settings()}
+              "environment_variables": environment_settings(), "source": source_revision(),
+              "numba": _version_of("numba")}
     record.update(payload)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def source_revision() -> dict | None:
+    """The git commit of the gpukv source that ran, and whether its tracked files had
+    changes beside it (a result is read against the code that made it); None outside a
+    git checkout, or without git."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        changes = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                  "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode or changes.returncode:
+        return None
+    return {"commit": commit.stdout.strip(), "modified": bool(changes.stdout.strip())}
+
+
+def _version_of(distribution: str) -> str | None:
+    """The installed version of `distribution` (the host codecs compile with Numba: its
+    version changes their speed), None when it is missing."""
+    from importlib import metadata
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 # ----------------------------------------------------------------- the command line

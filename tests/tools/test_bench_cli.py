@@ -282,6 +282,21 @@ def test_a_record_names_the_settings_it_ran_with(monkeypatch, tmp_path):
     assert record["settings"] == {"sizes": [4096]} and record["x"] == 1
 
 
+def test_a_record_names_the_source_and_numba_it_ran_with(tmp_path):
+    """A result names the commit of the source that made it (and whether its files had
+    changes beside it), and Numba's version (the host codecs' speed follows it)."""
+    record = json.loads(benchutil.write_record(tmp_path / "r.json", {}, "now").read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode:  # (a copy of the source outside git: nothing to name)
+        assert record["source"] is None
+    else:
+        assert record["source"]["commit"] == head.stdout.strip()
+        assert isinstance(record["source"]["modified"], bool)
+    from importlib import metadata
+    assert record["numba"] == metadata.version("numba")
+
+
 def test_a_plot_carries_the_command_that_made_it(monkeypatch, tmp_path):
     """A PNG met alone says how to make it again: the command is written under it."""
     import matplotlib
