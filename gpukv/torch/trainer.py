@@ -124,7 +124,7 @@ class Trainer:
             # parameter's own matrix
             low_rank = low_rank_compressor(compression_params if compression_params is not None
                                            else self._kv.gradient_compression)
-        self._scale = self._optimizer.rescale_grad
+        self._scale: float = self._optimizer.rescale_grad
         if isinstance(self._optimizer, LAMB):
             bucket_bytes = 0
         check_same_model(self._kv, names, params[0])  # (before any key names a bucket)
