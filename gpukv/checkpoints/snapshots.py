@@ -16,9 +16,17 @@ starts were, as named arrays `compression/<j>` and a header field `compression`
 `tag` is random, picked once per store, so that a job restarted after a failure never
 mixes its files with those an earlier attempt left at the same step. `run` counts the
 runs that wrote into ROOT: a store's first snapshot there takes one more than any folder
-holds (`next_run`), and keeps it. Snapshots are ordered by run, then step: the newest is
-the last run's last step, whatever steps an earlier run reached (a run started afresh, or
-from an older snapshot). Folders written before runs were counted are run 0.
+holds (`next_run`), and keeps it (a `resume` in the same store too). Snapshots are
+ordered by run, then step: the newest is the last run's last step, whatever steps an
+earlier run reached (a run started afresh, or from an older snapshot). Folders written
+before runs were counted are run 0. So a store's steps never go back (`checked` refuses
+one below its last snapshot's, or the one it resumed from): within a run, a lower step
+would be older than the snapshots before it. The same step taken again (a Trainer's
+`checkpoint_every` and its `snapshot()` at one step) writes the same folder again: a
+writer first removes the last file of what it writes there, so the folder is not
+complete from before its first file is replaced until its last is written, and a
+one-process store killed meanwhile leaves no snapshot mixing the two. (In a dist store
+each process does so for its own files only, written on their own.)
 
 Writing: the caller's step copies the state into host buffers (`PartWriter.stage`, two
 sets used in turn), and one background thread per process writes the files, so at most
@@ -47,10 +55,10 @@ import numpy as np
 
 from .. import timeline
 from .._dtypes import SUPPORTED_DTYPES
-from .._errors import ArgumentError, CheckpointError
+from .._errors import ArgumentError, ArgumentKindError, CheckpointError
 from ..device import host_device
 from . import user_state
-from .checkpoint import StoreFile, _show, checkpoint_path, read_archive, write_archive
+from .checkpoint import StoreFile, _fsync_dir, _show, checkpoint_path, read_archive, write_archive
 from .checkpoint import read_store as checkpoint_read_store
 
 __all__ = ["Snapshot", "latest_snapshot", "complete_snapshots", "next_run", "prune",
@@ -603,6 +611,7 @@ class PartWriter:
                 turn, files, then = self._queue[0]
             try:
                 os.makedirs(os.path.dirname(files[0][0]), exist_ok=True)
+                _unmark(files[-1][0])
                 for path, header, arrays in files:
                     name = os.path.basename(path)
                     with timeline.span("snapshot write", "snapshot", file=name):
@@ -616,6 +625,22 @@ class PartWriter:
                 self._queue.popleft()
                 self._busy[turn] = False
                 self._cond.notify_all()
+
+
+def _unmark(path: str) -> None:
+    """Remove `path`, the file written last, if a snapshot taken earlier at the same step
+    left it: its folder is then not complete until the new one is written, rather than
+    complete with the files of two snapshots while they are replaced one by one."""
+    if os.path.isdir(path):  # (its write says so)
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot replace this file of the snapshot taken "
+                              f"earlier at the same step: {exc.strerror or exc}") from exc
+    _fsync_dir(os.path.dirname(path))  # gone before any other file is replaced
 
 
 _WRITERS: weakref.WeakSet = weakref.WeakSet()
@@ -635,21 +660,34 @@ def finish_writes() -> None:
 # ----------------------------------------------------------------------- the files
 def checked(root, step, keep, last: int = 0) -> tuple[str, int, int | None]:
     """`snapshot`'s arguments checked: (root as a str, step, keep; None: no pruning),
-    else ArgumentError
-    (CheckpointError for a root that is no path or is a file). A step of None is the one
-    after `last` (the store's last snapshot's, or the one it resumed from)."""
+    else ArgumentKindError for a step or keep that is no int, ArgumentError for one out
+    of range (CheckpointError for a root that is no path or is a file). `last` is the
+    step of the store's last snapshot, or of the one it resumed from: a step of None is
+    the one after it, and a step below it is refused. A store's snapshots under a root
+    are one run (`next_run`), ordered by step, so one below would not be the newest: it
+    would be the first that `prune` removes, and `resume` would pass it over. The same
+    step again is taken (the folder is written again, see `PartWriter`)."""
     root = checkpoint_path(root)
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"{root}: is a file; snapshots need a folder")
+    for name, value, low in (("step", step, 0), ("keep", keep, 1)):
+        if value is None:  # step: the next one; keep: the caller prunes itself
+            continue
+        expected = f"an int >= {low}" + (" (or None)" if name == "keep" else "")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ArgumentKindError(f"{name}={value!r}: expected {expected}, got "
+                                    f"{type(value).__name__}")
+        if value < low:
+            raise ArgumentError(f"{name}={value!r}: expected {expected}")
     if step is None:
         step = last + 1
-    for name, value, low in (("step", step, 0), ("keep", keep, 1)):
-        if name == "keep" and value is None:  # the caller removes old snapshots itself
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-                or value < low:
-            raise ArgumentError(f"{name}={value!r}: expected an int >= {low}"
-                                + (" (or None)" if name == "keep" else ""))
+    elif step < last:
+        raise ArgumentError(
+            f"step={step!r}: below {last}, the step of this store's last snapshot (or of "
+            f"the one it resumed from); its steps never go back, as its snapshots under a "
+            f"root are one run, ordered by step, where step {step} would not be the "
+            f"newest. To go back to an earlier step, load that snapshot into a new store: "
+            f"its first snapshot starts a new run")
     return root, int(step), None if keep is None else int(keep)
 
 
@@ -697,8 +735,8 @@ def shard_arrays(values: list, export) -> dict:
 
 
 def worker_files(folder: str, step: int, rank: int, workers: int, state) -> tuple:
-    """The (path, header, arrays) of worker `rank`'s file; ArgumentError for a
-    user_state that cannot be saved."""
+    """The (path, header, arrays) of worker `rank`'s file; ArgumentKindError for a
+    user_state that is no dict, ArgumentError for one that cannot be saved."""
     encoded, arrays = user_state.encode({} if state is None else state)
     header = {"kind": WORKER_KIND, "version": VERSION, "step": step, "rank": rank,
               "workers": workers, "user_state": encoded}

@@ -3,8 +3,9 @@
 Saved as it is: dicts with str keys, lists, tuples, str, int, float, bool, None, NumPy
 arrays and torch tensors, nested in any way. Tuples come back as tuples (as
 `random.setstate` wants them), arrays as NumPy arrays and tensors as CPU tensors. No
-pickle: anything that cannot come back exactly is an ArgumentError naming where in the
-state it is, raised before anything is written. In particular:
+pickle: a state that is no dict is an ArgumentKindError, and anything in it that cannot
+come back exactly an ArgumentError naming where in the state it is, raised before
+anything is written. In particular:
 
 - nesting: at most `MAX_DEPTH` dicts, lists and tuples deep, the state itself counted;
   a container inside itself (a cycle) is refused (one shared by several places is saved
@@ -29,7 +30,7 @@ import sys
 
 import numpy as np
 
-from .._errors import ArgumentError
+from .._errors import ArgumentError, ArgumentKindError
 
 _ARRAY = "__gpukv_array__"
 _TUPLE = "__gpukv_tuple__"
@@ -59,9 +60,10 @@ _ARRAY_ADVICE = {
 
 
 def encode(state, where: str = "user_state") -> tuple:
-    """(JSON-able object, {name: NumPy array}) for `state`, or ArgumentError."""
+    """(JSON-able object, {name: NumPy array}) for `state`; ArgumentKindError when it is
+    no dict, ArgumentError when something in it cannot be saved."""
     if not isinstance(state, dict):
-        raise ArgumentError(f"{where}: expected a dict, got {type(state).__name__}")
+        raise ArgumentKindError(f"{where}: expected a dict, got {type(state).__name__}")
     arrays: dict = {}
     return _encode(state, where, arrays, {}), arrays
 

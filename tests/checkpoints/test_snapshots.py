@@ -298,6 +298,66 @@ def test_a_later_runs_snapshots_are_newer_than_an_earlier_runs_higher_steps(tmp_
     assert (newest.run, newest.step, os.path.basename(newest.path)) == (2, 2, names[-1])
 
 
+def _listing(root) -> dict:
+    """{folder: {file: its bytes}} of every snapshot folder under `root`."""
+    return {name: {f: (root / name / f).read_bytes() for f in os.listdir(root / name)}
+            for name in os.listdir(root)}
+
+
+@pytest.mark.parametrize("keep", [2, 5, None])
+def test_a_step_below_the_stores_last_is_refused_before_anything_is_written(tmp_path, keep):
+    """A step below the store's last snapshot's (in its run, it would be older than the
+    snapshots before it: pruned at once, or passed over by resume) is an ArgumentError
+    naming both steps; nothing is written or pruned, and the next step goes on."""
+    kv = _store("local")
+    for step in (5, 6):
+        kv.snapshot(tmp_path, step)
+    kv.finish_snapshots()
+    before = _listing(tmp_path)
+    with pytest.raises(gpukv.ArgumentError, match=r"step=3: below 6, .* new store") as raised:
+        kv.snapshot(tmp_path, 3, user_state={"note": "after rollback"}, keep=keep)
+    assert not isinstance(raised.value, TypeError)
+    kv.finish_snapshots()
+    assert _listing(tmp_path) == before
+    path = kv.snapshot(tmp_path, user_state={"note": "next"})
+    kv.finish_snapshots()
+    assert os.path.basename(path).startswith("step-000000007-")
+    assert gpukv.latest_snapshot(tmp_path).path == path
+
+
+def test_a_resume_in_the_same_store_keeps_its_run_and_its_steps_order(tmp_path):
+    """A store that resumes under a root it snapshotted into stays in its run: a step
+    below the one it resumed from is refused, the same step and later ones are taken."""
+    kv = _store("local")
+    for step in (5, 6):
+        kv.snapshot(tmp_path, step)
+    kv.finish_snapshots()
+    assert kv.resume(tmp_path).step == 6
+    with pytest.raises(gpukv.ArgumentError, match="step=3: below 6"):
+        kv.snapshot(tmp_path, 3)
+    kv.finish_snapshots()
+    taken = [kv.snapshot(tmp_path, step) for step in (6, 8)]
+    kv.finish_snapshots()
+    assert [(s.run, s.step, s.path) for s in snapshots.complete_snapshots(tmp_path)] == [
+        (1, 6, taken[0]), (1, 8, taken[1])]
+
+
+def test_an_earlier_step_goes_on_in_a_new_store_as_a_new_run(tmp_path):
+    """Going back to an earlier snapshot: a new store loads it and snapshots on from its
+    step, in a run of its own, whose snapshots are the newest and the ones kept."""
+    kv = _store("local")
+    older = kv.snapshot(tmp_path, 5, user_state={"at": 5})
+    kv.snapshot(tmp_path, 6, user_state={"at": 6})
+    kv.finish_snapshots()
+    again = _store("local", seed=1)
+    again.load(older)
+    path = again.snapshot(tmp_path, 5, user_state={"note": "after rollback"})
+    again.finish_snapshots()
+    newest = gpukv.latest_snapshot(tmp_path)
+    assert (newest.path, newest.run, newest.step) == (path, 2, 5)
+    assert newest.user_state(0) == {"note": "after rollback"}
+
+
 def test_folders_of_an_older_gpukv_are_run_0(tmp_path):
     """`step-<step>-<tag>` without a run: a snapshot of run 0, older than any counted run
     however high its step, and still read."""
@@ -393,14 +453,20 @@ def test_a_failed_write_is_raised_later_and_spoils_nothing(tmp_path, raised_by):
 
 BAD_ARGUMENTS = [
     ({"step": -1}, gpukv.ArgumentError, "step=-1"),
-    ({"step": True}, gpukv.ArgumentError, "step=True"),
-    ({"step": 1.0}, gpukv.ArgumentError, "step=1.0"),
-    ({"step": "3"}, gpukv.ArgumentError, "step='3'"),
+    ({"step": 0}, gpukv.ArgumentError, "step=0: below 1, the step of this store's last"),
+    ({"step": True}, gpukv.ArgumentKindError, "step=True: expected an int >= 0, got bool"),
+    ({"step": 1.0}, gpukv.ArgumentKindError, "step=1.0"),
+    ({"step": 1.5}, gpukv.ArgumentKindError, "step=1.5: .* got float"),
+    ({"step": "3"}, gpukv.ArgumentKindError, "step='3'"),
+    ({"step": "a"}, gpukv.ArgumentKindError, "step='a': .* got str"),
     ({"keep": 0}, gpukv.ArgumentError, "keep=0"),
-    ({"keep": True}, gpukv.ArgumentError, "keep=True"),
+    ({"keep": True}, gpukv.ArgumentKindError, "keep=True"),
+    ({"keep": "2"}, gpukv.ArgumentKindError, r"keep='2': expected an int >= 1 \(or None\)"),
     ({"root": "a-file"}, gpukv.CheckpointError, "is a file"),
-    ({"root": None}, gpukv.CheckpointError, "checkpoint path None"),
-    ({"user_state": [1]}, gpukv.ArgumentError, "user_state: expected a dict"),
+    ({"root": None}, gpukv.CheckpointPathKindError, "checkpoint path None"),
+    ({"user_state": [1]}, gpukv.ArgumentKindError, "user_state: expected a dict, got list"),
+    ({"user_state": object()}, gpukv.ArgumentKindError,
+     "user_state: expected a dict, got object"),
     ({"user_state": {"seen": {1}}}, gpukv.ArgumentError, r"user_state\['seen'\]"),
 ]
 
@@ -409,7 +475,9 @@ BAD_ARGUMENTS = [
                          ids=[repr(c) for c, _, _ in BAD_ARGUMENTS])
 def test_bad_arguments_change_nothing(tmp_path, change, error, message):
     """snapshot() with a bad step, keep, root or user_state raises a typed error naming
-    it and writes nothing, and the earlier snapshots stay as they were."""
+    it (a TypeError too for one of the wrong kind, e.g. ArgumentKindError; ArgumentError,
+    a ValueError only, for a bad value of the right kind) and writes nothing, and the
+    earlier snapshots stay as they were."""
     root = tmp_path / "snaps"
     (tmp_path / "a-file").write_text("not a folder")
     kv = _store("local")
@@ -420,9 +488,10 @@ def test_bad_arguments_change_nothing(tmp_path, change, error, message):
     args.update(change)
     if args["root"] == "a-file":
         args["root"] = tmp_path / "a-file"
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         kv.snapshot(args["root"], args["step"], user_state=args["user_state"],
                     keep=args["keep"])
+    assert isinstance(raised.value, TypeError) == issubclass(error, TypeError)
     kv.finish_snapshots()
     assert _folders(root) == listing
     assert (tmp_path / "a-file").read_text() == "not a folder"
