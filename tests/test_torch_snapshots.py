@@ -8,8 +8,11 @@ import logging
 import os
 import pathlib
 import re
+import signal
+import stat
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -352,14 +355,20 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_refused_when_the_trainer_is_
     gt.Trainer(model, "sgd", dict(PARAMS), kvstore="local")  # the modules are free
 
 
-def test_a_damaged_newest_snapshot_says_how_to_start_from_an_older_one(tmp_path):
+@pytest.mark.parametrize("damaged", ["shard-*", "worker-*"])
+def test_a_damaged_newest_snapshot_says_how_to_start_from_an_older_one(tmp_path, damaged):
+    """A file of the newest snapshot cut to half its size (a shard of the store, or
+    worker 0's file, which the Trainer reads first): a CheckpointError naming the file
+    that says how to start from an older snapshot."""
     with _trained(tmp_path, nn.Linear(4, 2), steps=2, checkpoint_every=1):
         pass
     newest = gpukv.latest_snapshot(tmp_path)
-    for shard in pathlib.Path(newest.path).glob("shard-*"):
-        shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(gpukv.CheckpointError, match=r"make the Trainer with "
-                       r"resume=<its folder>, or move this one out of "):
+    cut, = pathlib.Path(newest.path).glob(damaged)
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    with pytest.raises(gpukv.CheckpointError,
+                       match=rf"^{re.escape(str(cut))}: .* \(to start from an older "
+                             rf"snapshot, make the Trainer with resume=<its folder>, or "
+                             rf"move this one out of {re.escape(str(tmp_path))}\)$"):
         gt.Trainer(nn.Linear(4, 2), "sgd", {"learning_rate": 0.1}, kvstore="local",
                    checkpoint_dir=tmp_path)
 
@@ -636,6 +645,32 @@ def test_a_changed_model_is_named_per_parameter_as_pytorch_does(tmp_path):
                    "sgd", kvstore="local", checkpoint_dir=tmp_path / "ckpt")
 
 
+def test_a_changed_model_is_refused_naming_every_mismatch_at_once(tmp_path):
+    """A model grown wider (its parameters, frozen parameters and BatchNorm's running
+    statistics all differ): one CheckpointError naming every one, as load_state_dict
+    does, not the buffers alone."""
+    def model(width):
+        torch.manual_seed(0)
+        made = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 1))
+        made[0].bias.requires_grad_(False)
+        return made
+    with _trained(tmp_path, model(3), steps=1):
+        pass
+    with pytest.raises(gpukv.CheckpointError) as raised:
+        gt.Trainer(model(5), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   checkpoint_dir=tmp_path)
+    said = str(raised.value)
+    assert said.startswith(f"{gpukv.latest_snapshot(tmp_path).path}: another model's "
+                           f"snapshot: size mismatch for ")
+    differ = {"0.weight": ([3, 4], [5, 4]), "1.weight": ([3], [5]), "1.bias": ([3], [5]),
+              "2.weight": ([1, 3], [1, 5]), "0.bias": ([3], [5]),  # (frozen)
+              "1.running_mean": ([3], [5]), "1.running_var": ([3], [5])}
+    for name, (saved, mine) in differ.items():
+        assert (f"size mismatch for {name}: {saved} in the snapshot, {mine} in the model"
+                in said), name
+    assert said.count("size mismatch for ") == len(differ), said
+
+
 def test_resume_never_starts_afresh_and_keeps_the_old_runs_snapshots(tmp_path):
     """resume='never' in a folder of an earlier run: trains from the model as given,
     keeps its own `checkpoint_keep` newest snapshots and removes none of the old run's."""
@@ -716,6 +751,10 @@ def test_a_user_state_a_due_snapshot_cannot_save_is_refused_before_the_step(
                            match=r"trainer.user_state\['epoch_of'\]: key 3"):
             trainer.step()
         assert _bits([model]) == before and trainer.steps == 1
+    trainer.user_state = [("epoch", 3)]  # no dict at all: the same, as a TypeError
+    with pytest.raises(gpukv.ArgumentKindError, match=r"trainer.user_state: expected a dict"):
+        trainer.step()
+    assert _bits([model]) == before and trainer.steps == 1
     trainer.user_state = {"epoch_of": {"3": "x"}}
     trainer.step()
     trainer.finish_snapshots()
@@ -773,3 +812,106 @@ def test_an_export_gets_a_new_files_permissions_or_the_old_ones(tmp_path, umask)
         assert out.stat().st_mode & 0o777 == 0o604
     finally:
         os.umask(before)
+
+
+def test_exports_to_one_file_at_once_each_write_their_own(tmp_path, monkeypatch):
+    """Four threads exporting to one OUT at once (each written, none renamed yet): every
+    one succeeds, OUT is a whole export and no temporary file or folder is left."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+    real = safetensors_torch.save_file
+    written = threading.Barrier(4, timeout=60)
+
+    def at_once(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        written.wait()
+    monkeypatch.setattr(safetensors_torch, "save_file", at_once)
+    out = tmp_path / "model.safetensors"
+    errors: list = []
+
+    def export():
+        try:
+            export_safetensors(tmp_path / "ckpt", out)
+        except Exception as exc:  # a raw OS error as well as a CheckpointError
+            errors.append(exc)
+    threads = [threading.Thread(target=export) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.safetensors"]
+    assert sorted(safetensors_torch.load_file(str(out))) == ["bias", "weight"]
+
+
+def test_an_export_is_fsynced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """As `kv.save` writes: the file is fsynced (before it is renamed to OUT), then the
+    folder that holds OUT."""
+    pytest.importorskip("safetensors")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+    real = os.fsync
+    synced: list = []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.append((stat.S_ISDIR(st.st_mode), st.st_ino))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "model.safetensors"
+    export_safetensors(tmp_path / "ckpt", out)
+    file, folder = (False, out.stat().st_ino), (True, tmp_path.stat().st_ino)
+    assert file in synced and folder in synced
+    assert synced.index(file) < len(synced) - 1 - synced[::-1].index(folder)
+
+
+def test_an_export_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path):
+    """OUT a symlink: the file it names is written (with that file's permissions), the
+    link stays a link, and nothing is left beside either."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from gpukv.torch.export import export_safetensors
+    _exported(tmp_path / "ckpt")
+    target = tmp_path / "kept" / "model.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"an older export")
+    target.chmod(0o640)
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(target)
+    export_safetensors(tmp_path / "ckpt", link)
+    assert link.is_symlink() and link.resolve() == target
+    assert sorted(safetensors_torch.load_file(str(target))) == ["bias", "weight"]
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "kept", "model.safetensors"]
+    assert [p.name for p in target.parent.iterdir()] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["before the write", "written"])
+def test_a_killed_export_leaves_one_hidden_folder_named_after_it(tmp_path, written):
+    """A process killed while it exports (before safetensors writes, or once it has
+    written and before the rename) leaves OUT as it was and, beside it, one hidden
+    folder `.OUT.<random letters>.tmp` holding at most the file written."""
+    pytest.importorskip("safetensors")
+    _exported(tmp_path / "ckpt")
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"an older export")
+    script = (
+        "import os, signal, gpukv.torch, safetensors.torch\n"
+        "from gpukv.torch.export import export_safetensors\n"
+        "real = safetensors.torch.save_file\n"
+        "def killed(tensors, path, metadata=None):\n"
+        f"    if {written}:\n"
+        "        real(tensors, path, metadata=metadata)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "safetensors.torch.save_file = killed\n"
+        f"export_safetensors({str(tmp_path / 'ckpt')!r}, {str(out)!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert out.read_bytes() == b"an older export"
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 3 and left[1:] == ["ckpt", "model.safetensors"], left
+    assert re.fullmatch(r"\.model\.safetensors\.[^.]+\.tmp", left[0]), left
+    assert (tmp_path / left[0]).is_dir()
+    inside = [p.name for p in (tmp_path / left[0]).iterdir()]
+    assert inside == (["model.safetensors"] if written else [])

@@ -1,6 +1,7 @@
 """A Trainer's snapshots: taken every few steps, and resumed from when it is made."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
@@ -8,7 +9,7 @@ import shutil
 import sys
 import time
 
-from .._errors import ArgumentError, CheckpointError
+from .._errors import ArgumentError, ArgumentKindError, CheckpointError
 from ..checkpoints import snapshots
 from ..checkpoints.user_state import encode as encode_user_state
 from ..distributed.store import DistKVStore
@@ -137,14 +138,9 @@ class Checkpoints:
         if self.resume_from == "never":
             return None
         if self.resume_from == "auto":
-            try:
+            with self._newest_refused():
                 found = self.store.resume(self.directory, check=self._fits,
                                           into=self.replicas)
-            except CheckpointError as exc:
-                raise CheckpointError(
-                    f"{exc} (to start from an older snapshot, make the Trainer with "
-                    f"resume=<its folder>, or move this one out of {self.directory})"
-                ) from exc
         else:
             found = self._chosen(self.resume_from)
         if found is None:
@@ -189,12 +185,26 @@ class Checkpoints:
         self._check_writable()
         if self.resume_from == "never":
             return
-        if self.resume_from == "auto":
-            found = snapshots.latest_snapshot(self.directory)
-        else:
-            found = _complete(self.resume_from)
+        if self.resume_from != "auto":
+            self._fits(_complete(self.resume_from))
+            return
+        found = snapshots.latest_snapshot(self.directory)
         if found is not None:
-            self._fits(found)
+            with self._newest_refused():  # a damaged file, as the resume would say it
+                saved = found.user_state(0)
+            self._fits(found, saved)
+
+    @contextlib.contextmanager
+    def _newest_refused(self):
+        """A CheckpointError raised inside, about the newest snapshot, says how to start
+        from an older one instead."""
+        try:
+            yield
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"{exc} (to start from an older snapshot, make the Trainer with "
+                f"resume=<its folder>, or move this one out of {self.directory})"
+            ) from exc
 
     def check_user_state(self, steps: int, user_state: dict) -> None:
         """ArgumentError, before a step changes anything, where the snapshot due after it
@@ -206,7 +216,7 @@ class Checkpoints:
         try:
             encode_user_state(user_state, "trainer.user_state")
             problem = None
-        except ArgumentError as exc:
+        except (ArgumentError, ArgumentKindError) as exc:
             problem = exc
         if self.store.workers_max([problem is not None], "Trainer.step: checking user_state")[0]:
             raise problem or ArgumentError(
@@ -221,35 +231,41 @@ class Checkpoints:
             store.load(found)
         return found
 
-    def _fits(self, found: snapshots.Snapshot) -> None:
-        """CheckpointError unless `found` is a snapshot of a Trainer with these keys."""
-        saved = found.user_state(0)
+    def _fits(self, found: snapshots.Snapshot, saved: dict | None = None) -> None:
+        """CheckpointError unless `found` is a snapshot of a Trainer with these keys: one
+        naming every parameter, buffer and frozen parameter that differs, as PyTorch's
+        load_state_dict names them all at once. `saved`: its worker 0's user_state, when
+        read already."""
+        saved = found.user_state(0) if saved is None else saved
         trainer = saved.get("trainer")
         if not isinstance(trainer, dict) or trainer.get("layout") != _TRAINER:
             raise CheckpointError(f"{found.path}: not a Trainer's snapshot (a bare store's "
                                   f"snapshot() made it: load it with kv.resume)")
+        problems: list[str] = []
+        layout = parameter_layout(saved, found.path) if "params" in trainer else None
+        if layout is not None and layout != self.layout:  # named per parameter
+            saved_params = {name: shape for params in layout.values()
+                            for name, shape in params}
+            mine = {name: shape for params in self.layout.values() for name, shape in params}
+            problems += _mismatches(saved_params, mine)
         if self.modules:  # what the snapshot keeps beside the store, by the model's names
             for kept, tensors, what in (
                     ("buffers", buffers.module_buffers(self.modules[0]), "buffer"),
                     ("frozen", buffers.frozen_parameters(self.frozen), "frozen parameter")):
                 if trainer.get(kept) is not None:
-                    _refuse_another_model(found.path, _mismatches(
+                    problems += _mismatches(
                         buffers.saved_shapes(trainer[kept], found.path, f"{what}s"),
-                        {name: tuple(t.shape) for name, t in tensors.items()}, f"{what} "))
-        if "params" in trainer:  # named per parameter, as PyTorch's load_state_dict does
-            layout = parameter_layout(saved, found.path)
-            if layout == self.layout:
-                return
-            saved_params = {name: shape for params in layout.values()
-                            for name, shape in params}
-            mine = {name: shape for params in self.layout.values() for name, shape in params}
-            _refuse_another_model(found.path, _mismatches(saved_params, mine))
-        elif trainer.get("keys") == self.keys:
-            return
-        raise CheckpointError(
-            f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
-            f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes, "
-            f"multipliers or embeddings' sparse=True")
+                        {name: tuple(t.shape) for name, t in tensors.items()}, f"{what} ")
+        _refuse_another_model(found.path, problems)
+        if layout is not None:
+            same = layout == self.layout
+        else:  # (a snapshot of before parameters were named: its keys)
+            same = trainer.get("keys") == self.keys
+        if not same:
+            raise CheckpointError(
+                f"{found.path}: its keys ({_few(trainer.get('keys'))}) are not this "
+                f"Trainer's ({_few(self.keys)}): another model, or other bucket_bytes, "
+                f"multipliers or embeddings' sparse=True")
 
 
 def _complete(path: str) -> snapshots.Snapshot:
@@ -276,11 +292,10 @@ def _mismatches(saved: dict, mine: dict, kind: str = "") -> list[str]:
 
 
 def _refuse_another_model(path, problems: list[str]) -> None:
-    """CheckpointError naming the first three `problems`, if any."""
+    """CheckpointError naming every one of `problems`, if any (as load_state_dict does:
+    a model changed in several places is mended once, not once a place)."""
     if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"{path}: another model's snapshot: "
-                              f"{'; '.join(problems[:3])}{more}")
+        raise CheckpointError(f"{path}: another model's snapshot: {'; '.join(problems)}")
 
 
 def parameter_layout(saved: dict, path) -> dict:

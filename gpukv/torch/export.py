@@ -20,12 +20,14 @@ SNAPSHOT is a snapshot's folder (`step-<step>-<tag>-r<run>`) or a Trainer's
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
 from .._errors import CheckpointError
 from ..checkpoints import snapshots
-from ..checkpoints.checkpoint import file_mode
+from ..checkpoints.checkpoint import _fsync_dir, file_mode
 from ..checkpoints.user_state import torch_tensor
 from .checkpoints import parameter_layout
 
@@ -94,11 +96,11 @@ def _tied_names(saved: dict, path) -> dict[str, str]:
 
 def export_safetensors(snapshot, out) -> list[str]:
     """Write the parameters and buffers of a Trainer's snapshot to `out` in safetensors
-    (written whole, then renamed: a failed or interrupted export leaves no half file and
-    no temporary one; a killed one, at worst a hidden `.<name>.<pid>.tmp` beside it);
-    their names. CheckpointError, naming `out`, when it cannot be
-    written (checked before the snapshot is read where it can be: a missing folder, a
-    folder in its place)."""
+    (written whole, fsynced, then renamed: a failed or interrupted export leaves no half
+    file and no temporary one; a killed one, at worst a hidden folder
+    `.<name>.<random letters>.tmp` beside it); their names. CheckpointError, naming
+    `out`, when it cannot be written (checked before the snapshot is read where it can
+    be: a missing folder, a folder in its place)."""
     from safetensors.torch import save_file
     out = _checked_out(os.fspath(out))
     tensors, tied, path = snapshot_tensors(snapshot)
@@ -121,22 +123,39 @@ def _checked_out(out: str) -> str:
 
 
 def _write_whole(out: str, write) -> None:
-    """`write(temp)` a temporary file beside `out`, then rename it to `out`; on any
-    failure the temporary file is removed, and an OS or safetensors error is a
+    """`write(temp)` a file in a temporary folder beside `out`, then fsync it, rename it
+    over `out` (over the file a symlink `out` names: the link stays a link) and fsync
+    the folder, as `atomic_write` does. The folder, hidden and named after `out`
+    (`.<name>.<random letters>.tmp`), is this call's own: exports to one `out` at once
+    each write their own (the last renamed is `out`), and a killed one leaves it beside
+    `out`. On any failure it is removed, and an OS or safetensors error is a
     CheckpointError naming `out`."""
     from safetensors import SafetensorError
-    folder, name = os.path.split(out)
-    # hidden, and named as `atomic_write` names its own: what a killed export leaves
-    temp = os.path.join(folder, f".{name[:100]}.{os.getpid()}.tmp")
-    try:
+    target = os.path.realpath(out)
+    folder, name = os.path.split(target)
+    mode = file_mode(out)  # (safetensors makes its file 0o600)
+    temp_folder = None
+    try:  # the name is shortened so that the temporary name stays within NAME_MAX
+        temp_folder = tempfile.mkdtemp(prefix=f".{name[:100]}.", suffix=".tmp", dir=folder)
+        # safetensors writes a temporary file of its own beside the one it is given, and
+        # renames it: in this folder, a killed export's leftovers stay in one place (a
+        # folder, not `safetensors.torch.save`'s bytes: those are a second copy of the
+        # whole model in memory)
+        temp = os.path.join(temp_folder, name)
         write(temp)
-        os.chmod(temp, file_mode(out))  # (safetensors makes it 0o600)
-        os.replace(temp, out)
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"{out}: cannot write the export: {exc}") from None
     finally:
-        if os.path.lexists(temp):
-            os.remove(temp)
+        if temp_folder is not None:  # (empty after the rename)
+            shutil.rmtree(temp_folder, ignore_errors=True)
+    _fsync_dir(folder)
 
 
 def _apart(tensors: dict) -> dict:
