@@ -9,6 +9,7 @@
 - `restarts`: the attempts, restarted on the hosts that still answer;
 - `hostfile`, `host_probe`: the hosts a job runs on, and which of them answer;
 - `process_tree`: every process an attempt started, to end them all;
+- `guard`: what ends an attempt's job on this host when the launcher is killed first;
 - `run_rank`: the entry each rank runs its program through (torchrun's variables, its
   start and end told, tracebacks without the wrapper's frames);
 - `run_report`: the one-line reports a rank sends the launcher (its start, its end, its

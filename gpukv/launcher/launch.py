@@ -25,6 +25,7 @@ from pathlib import Path
 from .._errors import ArgumentError
 from . import (
     failures,
+    guard,
     host_probe,
     hostfile,
     leftovers,
@@ -47,12 +48,15 @@ PROBE_TIMEOUT = 5.0
 GPU_QUERY_TIMEOUT = 10.0
 #: the names of a PROG that means this Python
 PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
+#: how the line after a signal names it (SIGTERM's: terminated (SIGTERM))
+_SIGNALLED = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGHUP: "hung up (SIGHUP)"}
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
 #: what a rank that ended without its program's word failed of, and the words of its line
 _ENDED_WORDLESS = "ended without a word"
 _WORDLESS = "its process ended past Python's own exit (a crash in native code, or C's _exit)"
 
+_MIB = output.LONGEST >> 20
 DESCRIPTION = f"""\
 Run PROG on N processes with MPICH's mpiexec, as torchrun runs a training script, and make
 sure the job ends. In torchrun's terms:
@@ -63,6 +67,9 @@ sure the job ends. In torchrun's terms:
   RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE: set in every rank, whatever PROG is
   OMP_NUM_THREADS=1 with several processes a host, unless set (OPENBLAS_, MKL_ too;
   --verbose says so)
+  torchrun's other options (--master-addr, --tee, --redirects, --no-python, --run-path,
+  --monitor-interval, --start-method, --role ...; with '_' or =VALUE too) are usage errors
+  saying what to write instead
 -n defaults to torchrun's --nproc-per-node gpu: this machine's GPUs (as many as
 CUDA_VISIBLE_DEVICES names, else as `nvidia-smi -L` lists, else 1) on each host (--ppn K:
 K on each), times the hosts. mpiexec (the one beside this Python, else on PATH) gets -n,
@@ -70,10 +77,11 @@ K on each), times the hosts. mpiexec (the one beside this Python, else on PATH) 
 (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC, HYDRA_IFACE ...). A PROG ending in .py, and a bare
 `python`/`python3` PROG (`gpukv run -n 2 python train.py`), run under this Python.
 Output: each whole line of a rank's stdout and stderr comes out on the launcher's after
-`[R] ` (R the rank; lines of two ranks are never joined); --log-dir DIR also writes
-DIR/attemptA/rankR.log for each rank R of attempt A (0, then one per restart), and
-mpiexec's own words to DIR/attemptA/mpiexec.log. Given -prepend-rank (-l),
--prepend-pattern, -outfile-pattern or -errfile-pattern, mpiexec's output passes as it is.
+`[R] ` (R the rank; lines of two ranks are never joined; one longer than {_MIB} MiB comes
+out in lines of {_MIB} MiB); --log-dir DIR also writes DIR/attemptA/rankR.log for each rank
+R of attempt A (0, then one per restart), and mpiexec's own words to
+DIR/attemptA/mpiexec.log. Given -prepend-rank (-l), -prepend-pattern, -outfile-pattern or
+-errfile-pattern, mpiexec's output passes as it is.
 The job runs in a session of its own, and the launcher watches:
   - reports from the ranks (a UDP socket named in {run_report.ENV}): a rank whose
     transport fails (PeerError), a Python PROG that ends on an uncaught exception or a
@@ -89,23 +97,30 @@ prints one line per failed rank: rank, local rank, host, pid and what happened, 
 (a rank's traceback shows its program's frames; gpukv's are counted, not shown). mpiexec's
 box and exit codes and MPI's Abort banners are left out, and whole tracebacks and
 KeyboardInterrupt's kept back, unless --verbose (or {run_rank.VERBOSE_ENV}=1). Ctrl-C or
-SIGTERM goes to mpiexec once, with the same grace and the same end, and one line:
+SIGTERM goes to mpiexec once, with the same grace and the same end, and one line (after
+those of the ranks that failed before it, if any):
   gpukv run: interrupted (Ctrl-C): ended N processes
-a second one ends the job at once.
+a second one ends the job at once. A hang-up (SIGHUP: the terminal closed, an ssh
+connection dropped; unless ignored, as under nohup) does as SIGTERM (mpiexec gets SIGTERM),
+its line saying `hung up (SIGHUP)`. Should the launcher itself be killed (kill -9),
+mpiexec dies with it (its proxies then kill their ranks), and a process it forks for each
+attempt, in a session of its own, kills what is left of the job on this host (every
+process whose environment has the attempt's {guard.ENV}) and removes MPICH's files.
 Exit status: mpiexec's when the job ends by itself; after a failure the failed rank's
 status (a signal's number for a rank a signal ended, as mpiexec gives it), else 1; 130
-after Ctrl-C (143 after SIGTERM); 2 for a usage error.
+after Ctrl-C, 143 after SIGTERM, 129 after a hang-up, a failure before it or not; 2 for
+a usage error.
 
 Restarts (--max-restarts K, default 0: none): after a failure or a non-zero exit (not after
-Ctrl-C or SIGTERM) the job starts again, at most K times, on the hosts that still answer:
-those of --hosts, or of the host file (-f, -hostfile or -machinefile FILE: one HOST or
-HOST:N a line, `#` starting a comment), which the first attempt gets as given and a restart
-replaces with -hosts of the entries that answer, slots kept. Each is asked to run `true`
-through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within --probe-timeout seconds; this
-machine always answers: a job without hosts restarts on it whole. A restart keeps the
-processes per host: --ppn, else -n spread evenly over the slots (HOST:N has N, a plain HOST
-one; rounded up), at most -n. Below --min-workers processes (default -n) it gives up. The
-processes of each attempt see {restarts.ATTEMPT_ENV} (0, 1, ...) and
+Ctrl-C, SIGTERM or a hang-up) the job starts again, at most K times, on the hosts that
+still answer: those of --hosts, or of the host file (-f, -hostfile or -machinefile FILE:
+one HOST or HOST:N a line, `#` starting a comment), which the first attempt gets as given
+and a restart replaces with -hosts of the entries that answer, slots kept. Each is asked to
+run `true` through HYDRA_LAUNCHER_EXEC, else ssh, all at once, within --probe-timeout
+seconds; this machine always answers: a job without hosts restarts on it whole. A restart
+keeps the processes per host: --ppn, else -n spread evenly over the slots (HOST:N has N, a
+plain HOST one; rounded up), at most -n. Below --min-workers processes (default -n) it
+gives up. The processes of each attempt see {restarts.ATTEMPT_ENV} (0, 1, ...) and
 {restarts.MAX_RESTARTS_ENV}. Instead of the failure lines, each attempt ends with one line
 saying its processes and hosts, how long it ran, why it ended (the failed ranks' words) and
 what comes next. The exit status is the last attempt's. The hosts are given once: --hosts
@@ -126,14 +141,37 @@ _OURS_WITH_VALUE = frozenset({"-n", "-np", "--hosts", "-hosts", "--ppn", "-ppn",
                               "--max-restarts", "--min-workers", "--probe-timeout",
                               "--log-dir"})
 _OURS_FLAGS = frozenset({"-h", "--help", "--verbose"})
-#: torchrun's options (which it takes with '_' for '-' too), and what gpukv run takes
-#: instead
+#: torchrun's options (which it takes with '_' for '-' too, and as --opt=value), and what
+#: gpukv run takes instead (its --log-dir and --max-restarts are gpukv run's own)
+_MEET = "nothing: gpukv's processes meet through MPI"
+_HOSTS = "--hosts H1,H2,... (or a host file, -f FILE)"
+_LINES = ("nothing: every rank's lines reach the console, each after [R] (--log-dir DIR: "
+          "also a file per rank)")
 _TORCHRUN = {"--nproc-per-node": "-n N (processes; with --hosts, --ppn K per host)",
-             "--nnodes": "--hosts H1,H2,... (or a host file, -f FILE)",
+             "--nnodes": _HOSTS,
              "--node-rank": "one gpukv run for every host (it starts them all)",
-             "--master-addr": "nothing: gpukv's processes meet through MPI",
-             "--master-port": "nothing: gpukv's processes meet through MPI",
+             "--master-addr": _MEET,
+             "--master-port": _MEET,
+             "--rdzv-endpoint": f"{_HOSTS} for the hosts, and no endpoint: gpukv's "
+                                f"processes meet through MPI",
+             "--rdzv-backend": _MEET,
+             "--rdzv-id": _MEET,
+             "--rdzv-conf": _MEET,
+             "--local-addr": f"{_MEET} (mpiexec's -iface NAME picks their network)",
              "--standalone": "nothing: one machine is the default",
+             "--monitor-interval": "nothing: a rank's failure is told as it happens "
+                                   "(--grace S: how long a failed job has to end)",
+             "--start-method": "nothing: mpiexec starts each process",
+             "--role": "nothing: every process runs PROG",
+             "--tee": _LINES,
+             "-t": _LINES,
+             "--redirects": _LINES,
+             "-r": _LINES,
+             "--local-ranks-filter": _LINES,
+             "--logs-specs": "--log-dir DIR (DIR/attemptA/rankR.log)",
+             "--no-python": "PROG as it is (only a PROG ending in .py, or python ..., "
+                            "runs under Python)",
+             "--run-path": "PROG.py (a .py PROG runs as `python PROG.py` runs it)",
              "-m": "PROG python -m MODULE (python runs the module)",
              "--module": "PROG python -m MODULE (python runs the module)"}
 
@@ -228,6 +266,8 @@ def _mistaken_option(theirs: list[str]) -> str | None:
         instead = _TORCHRUN.get(name.replace("_", "-"))
         if instead is not None:
             return f"{name} is torchrun's option; gpukv run takes {instead}"
+        if name.replace("_", "-") in ours:
+            return f"unknown option {name}: did you mean {name.replace('_', '-')}?"
         if re.fullmatch(r"-n(p)?\d+", word):
             return f"{word}: write -n {word.lstrip('-np')} (a space between)"
         close = difflib.get_close_matches(name, ours, n=1, cutoff=0.8)
@@ -520,10 +560,12 @@ class Job:
         self.exited_badly = False  # mpiexec ended non-zero (its words may still come)
         self.signal: int | None = None
         self.running_at_signal = 0
+        self.failed_at_signal = 0  # the reports of failures that came before the signal
         self.deadline: float | None = None  # when the job is ended by force
         self.process: subprocess.Popen | None = None
         self._streams: dict[int, tuple[int, output.Demux]] = {}  # fd -> (1 or 2, demux)
         self._reports: socket.socket | None = None  # the ranks' reports, while they come
+        self._guard: guard.Guard | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -535,14 +577,19 @@ class Job:
             self._reports = reports
             port = reports.getsockname()[1]
             where = f"[{self.address}]" if family == socket.AF_INET6 else self.address
-            env = {**os.environ, **self.extra_env, run_report.ENV: f"{where}:{port}"}
-            handlers = {s: signal.signal(s, self._on_signal)
-                        for s in (signal.SIGINT, signal.SIGTERM)}
             left_before = leftovers.present()
+            # forked before the handlers are set and before mpiexec starts (it holds none
+            # of the job's pipes); it ends the job should this process end first
+            self._guard = guard.Guard(left_before)
+            env = {**os.environ, **self.extra_env, **self._guard.env,
+                   run_report.ENV: f"{where}:{port}"}
+            handlers = {s: signal.signal(s, self._on_signal) for s in process_tree.ending()}
             try:
-                self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE,
-                                                start_new_session=True)
+                self.process = subprocess.Popen(
+                    self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    # mpiexec is killed with this process (its proxies then kill the ranks)
+                    preexec_fn=process_tree.die_with_parent(signal.SIGKILL))
                 assert self.process.stdout is not None and self.process.stderr is not None
                 for number, stream in ((1, self.process.stdout), (2, self.process.stderr)):
                     self._streams[stream.fileno()] = (number, output.Demux(self.token))
@@ -558,6 +605,7 @@ class Job:
                         _note(f"removed {len(removed)} file(s) MPICH left on this host "
                               f"(shared memory and topology of ranks that ended without "
                               f"MPI_Finalize)")
+                self._guard.release()
                 self._finish_output()
                 self._reports = None  # (closed with this block)
                 for s, handler in handlers.items():
@@ -706,46 +754,64 @@ class Job:
             self.deadline = time.monotonic()
             return
         self.signal = signum
+        self.failed_at_signal = len(self.failures)
         ended = {e.rank for e in self.ended}
         self.running_at_signal = (len(set(self.started) - ended) if self.started
                                   else self.processes or 0)
-        if self.process is not None:
-            process_tree.signal_all([self.process.pid], signum)
+        if self.process is not None:  # (a hang-up as SIGTERM: mpiexec ends the job on it)
+            process_tree.signal_all([self.process.pid], signal.SIGTERM
+                                    if signum == signal.SIGHUP else signum)
         self._end_soon()
 
     def _conclude(self, status: int | None) -> int:
-        """Say why the job ended (one line per failed rank, or the signal's); its status."""
+        """Say why the job ended (one line per failed rank, then the signal's, if any); its
+        status (the signal's, when one came)."""
         if self.signal is not None:
-            name = ("interrupted (Ctrl-C)" if self.signal == signal.SIGINT
-                    else f"terminated ({signal.Signals(self.signal).name})")
+            # a failure before the signal keeps its lines (a signal in the grace)
+            lines = [] if self.first is None else self._failed(status)
+            name = _SIGNALLED.get(self.signal,
+                                  f"terminated ({signal.Signals(self.signal).name})")
             count = self.running_at_signal
-            self._say([f"{name}: ended {count} process{'' if count == 1 else 'es'}"])
+            self._say([line.words for line in lines]
+                      + [f"{name}: ended {count} process{'' if count == 1 else 'es'}"])
             return 128 + self.signal
         if self.first is None:
             assert status is not None
             if not status:
                 return 0
+        lines = self._failed(status)
+        self._say([line.words for line in lines])
+        known = [line.status for line in lines if line.status]
+        return (known[0] if known else 1) & 0xFF or 1
+
+    def _failed(self, status: int | None) -> list[failures.Failure]:
+        """The lines of the failed ranks, the first first."""
+        if self.first is None:
             # no report and no box (all of mpiexec's output is in by now, its last lines
             # too): the rank its exit codes say failed, else the first to end, and its status
-            lines = [failures.of_silence(status if status > 0 else 128 - status,
-                                         self.started, self.ended, self.said, self.done)]
-        elif isinstance(self.first, str) or (
+            assert status is not None
+            return [failures.of_silence(status if status > 0 else 128 - status,
+                                        self.started, self.ended, self.said, self.done)]
+        if isinstance(self.first, str) or (
                 self._first_was_wordless() and self.said.abort is not None):
             # mpiexec's word; or a rank ended without one, then MPI's banner named the rank
             # that called MPI_Abort (the proxy ends every rank at once on an abort: the one
             # that aborted may not be the first whose end was reported)
             wordless = {e.rank for e in self.ended
                         if e.rank in self.says and not self._said_its_end(e.rank)}
-            lines = [failures.of_mpiexec(self.said, self.started, self.ended, wordless)]
-        elif self._first_was_wordless() and status and status > 0:
+            return [failures.of_mpiexec(self.said, self.started, self.ended, wordless)]
+        if self._first_was_wordless() and status and status > 0 and self.signal is None:
             # a rank ended without a word and mpiexec ended the job itself with a status
             # of its own (an MPI_Abort's code, its banner lost with the proxy): that status
-            lines = [failures.of_silence(status, self.started, self.ended)]
-        else:  # every report, the first ones first: the later ones of the grace too
-            lines = failures.of_reports(self.failures, self.started)
-        self._say([line.words for line in lines])
-        known = [line.status for line in lines if line.status]
-        return (known[0] if known else 1) & 0xFF or 1
+            return [failures.of_silence(status, self.started, self.ended)]
+        reports = self.failures
+        if self.signal is not None:  # what the signal made the others say is no failure
+            before = self.failures[:self.failed_at_signal]
+            failed = {r.rank for r in before}
+            reports = before + [r for r in self.failures[self.failed_at_signal:]
+                                if r.rank is not None and r.rank in failed]
+        # every report, the first ones first: the later ones of the grace too
+        return failures.of_reports(reports, self.started)
 
     def _first_was_wordless(self) -> bool:
         """Whether what failed first was only ranks' ends without a word (`_check_unsaid`)."""
@@ -755,17 +821,20 @@ class Job:
     def _say(self, lines: list[str]) -> None:
         self.reason = "; ".join(lines)
         if self.announce:
-            for line in lines:
-                sys.stderr.write(f"gpukv run: {line}\n")
-            sys.stderr.flush()
+            try:
+                for line in lines:
+                    sys.stderr.write(f"gpukv run: {line}\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):  # a terminal that hung up: the status says it
+                pass
 
     # ------------------------------------------------------------------- the end
     def _end_all(self) -> None:
         """SIGTERM, then SIGKILL, to every process of the job still there."""
         assert self.process is not None
-        me, pgid = os.getpid(), self.process.pid
+        pgid = self.process.pid
         for signum, wait in ((signal.SIGTERM, TERM_WAIT), (signal.SIGKILL, TERM_WAIT)):
-            living, _ = process_tree.descendants(me)
+            living, _ = self._descendants()
             if not living and self.process.poll() is not None:
                 break
             process_tree.signal_group(pgid, signum)
@@ -773,7 +842,7 @@ class Job:
             end = time.monotonic() + wait
             while time.monotonic() < end:
                 self.process.poll()
-                living, zombies = process_tree.descendants(me)
+                living, zombies = self._descendants()
                 process_tree.reap([z for z in zombies if z != self.process.pid])
                 if not living:
                     break
@@ -783,6 +852,13 @@ class Job:
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()
+
+    def _descendants(self) -> tuple[list[int], list[int]]:
+        """This process's living descendants but the guard (it goes once told), and its
+        children that are zombies to reap."""
+        living, zombies = process_tree.descendants(os.getpid())
+        keep = self._guard.pid if self._guard is not None else None
+        return [p for p in living if p != keep], [z for z in zombies if z != keep]
 
     def _drain(self, seconds: float) -> None:
         """Forward what is left of mpiexec's output, waiting for more up to `seconds`

@@ -6,8 +6,11 @@ after `[R] ` (R the rank), and with --log-dir also to that rank's file of the at
 a rank's output it forwards with a pattern holding the rank (-prepend-pattern, with a token
 drawn for the job so that no program's output is taken for it); pieces of several ranks
 arrive interleaved, and a line may come in several pieces, so each rank's text is gathered
-until a line ends (`\\n`, or `\\r` for a progress bar) before it is written: two ranks'
-partial lines are never joined. A line that never ends is written when the job ends.
+until a line ends (`\\n`, or `\\r` for a progress bar) before it is written, whole, after
+one prefix: two ranks' partial lines are never joined. A line that never ends is written
+when the job ends; one longer than `LONGEST` (16 MiB: a rank printing without newlines
+holds no more than that of the launcher's memory a stream) is written in lines of
+`LONGEST` bytes, each after its prefix.
 
 mpiexec's own words (the box it prints when a process ends badly, its exit codes, its notes
 on Ctrl-C, and, once the launcher is ending the job, its complaints about the processes it
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 #: the longest piece of a line kept waiting for its end before it is written as a line
-LONGEST = 65536
+LONGEST = 16 << 20
 #: mpiexec options under which the ranks' output is not the launcher's to prefix
 PREFIXING_OPTIONS = ("-prepend-rank", "-l", "-prepend-pattern", "-outfile-pattern",
                      "-errfile-pattern")
@@ -119,18 +122,32 @@ class Demux:
         if not data:
             return
         piece = self._pieces.setdefault(owner, bytearray())
+        # what is held has no line end but maybe a last \r: only the new data is searched,
+        # each byte once (a long line comes in many reads)
+        searched = max(0, len(piece) - 1)
         piece += data
         start = 0
-        for end in re.finditer(rb"\r\n|\n|\r", piece):
-            if end[0] == b"\r" and end.end() == len(piece):
+        newline, cr = piece.find(b"\n", searched), piece.find(b"\r", searched)
+        while newline != -1 or cr != -1:
+            if cr == -1 or (newline != -1 and newline < cr):  # \n
+                lines.append(Line(owner, bytes(piece[start:newline]), b"\n"))
+                start = newline + 1
+            elif cr + 1 == len(piece):
                 break  # maybe the \r of a \r\n cut by the read
-            lines.append(Line(owner, bytes(piece[start:end.start()]),
-                              b"\n" if end[0] == b"\r\n" else end[0]))
-            start = end.end()
+            elif newline == cr + 1:  # \r\n
+                lines.append(Line(owner, bytes(piece[start:cr]), b"\n"))
+                start = newline + 1
+            else:  # \r alone (a progress bar)
+                lines.append(Line(owner, bytes(piece[start:cr]), b"\r"))
+                start = cr + 1
+            if newline != -1 and newline < start:
+                newline = piece.find(b"\n", start)
+            if cr != -1 and cr < start:
+                cr = piece.find(b"\r", start)
         del piece[:start]
-        if len(piece) >= LONGEST:
-            lines.append(Line(owner, bytes(piece), b"\n"))
-            piece.clear()
+        while len(piece) >= LONGEST:
+            lines.append(Line(owner, bytes(piece[:LONGEST]), b"\n"))
+            del piece[:LONGEST]
 
     def flush(self) -> list[Line]:
         """The lines left unfinished (the job has ended), each ended here."""

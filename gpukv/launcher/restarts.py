@@ -2,7 +2,8 @@
 
 An attempt that fails (anything the launcher ends a job for, or a non-zero exit) is followed
 by another on the hosts that still answer, with as many processes per host as before, while
-restarts remain and at least `--min-workers` processes fit; Ctrl-C or SIGTERM ends it all.
+restarts remain and at least `--min-workers` processes fit; Ctrl-C, SIGTERM or a hang-up
+(SIGHUP) ends it all.
 Each attempt ends with one line on stderr: its number, processes and hosts, how long it ran,
 why it ended and what comes next. The exit status is the last attempt's.
 """
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from . import host_probe
+from . import host_probe, process_tree
 
 #: set in every attempt's environment: 0 for the first, 1 for the first restart...
 ATTEMPT_ENV = "GPUKV_RUN_ATTEMPT"
@@ -73,15 +74,15 @@ def _processes(n: int) -> str:
 
 
 class _Signals:
-    """Ctrl-C and SIGTERM between attempts (an attempt's job takes them over while it
-    runs): remembered, so that no new attempt starts."""
+    """Ctrl-C, SIGTERM and a hang-up between attempts (an attempt's job takes them over
+    while it runs): remembered, so that no new attempt starts."""
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._before: dict = {}
 
     def __enter__(self) -> _Signals:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in process_tree.ending():
             self._before[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -130,5 +131,8 @@ def run(plan: Plan, start: Start, probe: Probe) -> int:
 
 
 def _say(what: str) -> None:
-    sys.stderr.write(f"gpukv run: {what}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"gpukv run: {what}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a terminal that hung up: the status says it
+        pass
