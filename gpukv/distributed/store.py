@@ -52,6 +52,7 @@ from .snapshots_at_exit import ExitPrune
 if TYPE_CHECKING:
     from ..optim import Optimizer
     from . import Engine
+    from .engines.sharded import ShardedRounds
 
 log = logging.getLogger("gpukv")
 
@@ -388,10 +389,14 @@ class DistKVStore(KVStore):
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
         self._engine: Engine
+        #: the engine with num_servers=0 (None with servers): where the keys made, and
+        #: the calls making keys refused here, are agreed on at the next collective call
+        self._sharded: ShardedRounds | None = None
         if servers == 0:  # NCCL's rounds when `gpu` is one
-            from .engines.sharded import ShardedRounds
-            self._engine = ShardedRounds(transport, Shard(deterministic), bound,
-                                         deterministic=deterministic, device=gpu)
+            from .engines import sharded
+            self._engine = self._sharded = sharded.ShardedRounds(
+                transport, Shard(deterministic), bound, deterministic=deterministic,
+                device=gpu)
         else:
             _PROCESS.served = name
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
@@ -489,16 +494,19 @@ class DistKVStore(KVStore):
     @timeline.traced("init")
     def init(self, key, value) -> None:
         """Create key(s) on every worker; every worker must init the same keys (in any
-        order) before its next call that talks to the others, and rank 0's value wins."""
-        groups = check.init_group(key, value)
+        order) before its next call that talks to the others, and rank 0's value wins.
+        An init refused on one worker alone is named on every worker (with
+        num_servers=0, at that next call: see `_makes_keys`)."""
         with self._lock:
-            self._engine.control.check()
-            check.init_values(groups, self._values.entries(), self._values.key_kind)
+            with self._makes_keys("init"):
+                groups = check.init_group(key, value)
+                self._engine.control.check()
+                check.init_values(groups, self._values.entries(), self._values.key_kind)
+                if groups.keys and groups.sparse:
+                    raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
+                                            f"initialised with dense values")
             if not groups.keys:
                 return
-            if groups.sparse:
-                raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
-                                        f"initialised with dense values")
             self._values.init_checked(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
             replicas = [self._new_replica(k) for k in groups.keys]
             self._engine.init(groups.keys, replicas)
@@ -559,6 +567,33 @@ class DistKVStore(KVStore):
         agreement. Refused alike everywhere, the call changes nothing."""
         return self._refusal_told(op, lambda op, exc: self._engine.control.collective(
             f"{op} refused ({type(exc).__name__})"))
+
+    def _makes_keys(self, op: str, settles: bool = False
+                    ) -> contextlib.AbstractContextManager[None]:
+        """The checks of a call that makes keys (an init; a broadcast, which then pulls
+        them). With num_servers=0 the keys a worker makes are agreed on at its next
+        collective call, and so is a refusal (`ShardedRounds.refused_keys`), in their
+        place: refused alike everywhere, nothing is made and the store goes on; refused
+        by one worker alone, every worker raises there a PeerMismatchError naming the
+        refusal (that worker its own error at once). `settles`: the call makes that
+        agreement itself (a broadcast's pull), and so does its refusal, so that the
+        others, in it, hear of the refusal at once. With servers nothing is told: the
+        inits go to the servers, which name a worker's that never came once the timeout
+        has passed (docs/limits.md)."""
+        def tell(op: str, error: Exception) -> None:
+            if self._sharded is not None:
+                self._sharded.refused_keys(op, error)
+                if settles:
+                    self._fetch([])
+        return self._refusal_told(op, tell)
+
+    def _pull_refused(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """The checks of a pull: a pull moves nothing between workers but the keys made
+        before it (agreed on first, with num_servers=0; answered by their servers
+        otherwise), so a refusal makes that step alone, as the others' pulls do, and is
+        raised here only: the others' pulls go on, refused alike or not. (With nothing
+        made since the last agreement, the step is none: a pull is then local.)"""
+        return self._refusal_told(op, lambda op, exc: self._fetch([]))
 
     @contextlib.contextmanager
     def _refusal_told(self, op: str, tell: Callable[[str, Exception], None]) -> Iterator[None]:
@@ -703,15 +738,18 @@ class DistKVStore(KVStore):
     def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy each key's value into `out`; in dist_sync a pull returns the value after
         every push of this worker that came before it, summed with the other workers'."""
-        groups = check.pull_outs(key, out, priority, ignore_sparse)
         with self._lock:
-            self._engine.control.check()
-            entries = self._values.lookup(groups, "pull")
-            check.all_outs(groups, entries)
+            with self._pull_refused("pull"):
+                groups = check.pull_outs(key, out, priority, ignore_sparse)
+                self._engine.control.check()
+                entries = self._values.lookup(groups, "pull")
+                check.all_outs(groups, entries)
             self._fetch(groups.keys)
             self._values.pull_checked(groups, entries, ignore_sparse)
 
     def _fetch(self, keys) -> None:
+        """Bring `keys` into this process's copies (and their devices); with no keys, the
+        first step of every pull alone (the keys made before it agreed on)."""
         replicas = [self._replica(k) for k in keys]
         self._engine.pull(keys, replicas)
         if not self._engine.round_updates_replicas:
@@ -737,14 +775,19 @@ class DistKVStore(KVStore):
     @timeline.traced("broadcast")
     def broadcast(self, key, value, out, priority: int = 0) -> None:
         """init (rank 0's value wins) then pull into `out`; the outs are checked against
-        the values first, so that a refused call initialises nothing."""
-        groups = check.init_group(key, value)
-        out_groups = check.group(key, out, "out", written=True)
+        the values first, so that a refused call initialises nothing (refused on one
+        worker alone, with num_servers=0, it is a PeerMismatchError naming the refusal
+        on every other worker at once: see `_makes_keys`)."""
         with self._lock:
-            check.broadcast_args(groups, out_groups, self._values.entries(),
-                                 self._values.key_kind)
-        self.init(key, value)
-        with self._lock:
+            with self._makes_keys("broadcast", settles=True):
+                if type(priority) is not int:
+                    check.check_priority(key, priority)
+                groups = check.init_group(key, value)
+                out_groups = check.group(key, out, "out", written=True)
+                self._engine.control.check()
+                check.broadcast_args(groups, out_groups, self._values.entries(),
+                                     self._values.key_kind)
+            self.init(key, value)
             entries = self._values.lookup(out_groups, "broadcast")
             check.all_outs(out_groups, entries)
             self._fetch(out_groups.keys)
@@ -753,12 +796,14 @@ class DistKVStore(KVStore):
     @timeline.traced("row_sparse_pull")
     def row_sparse_pull(self, key, out=None, row_ids=None, priority: int = 0) -> None:
         """The rows `row_ids` of each key into RowSparse `out`(s) (see KVStore's)."""
-        if type(priority) is not int:
-            check.check_priority(key, priority, check.ROW_SPARSE_ORDER)
-        pairs = check.row_sparse_pairs(key, out, row_ids)
         with self._lock:
-            self._engine.control.check()
-            check.row_sparse_pulls(pairs, self._values.entries(), self._values.key_kind)
+            with self._pull_refused("row_sparse_pull"):
+                if type(priority) is not int:
+                    check.check_priority(key, priority, check.ROW_SPARSE_ORDER)
+                pairs = check.row_sparse_pairs(key, out, row_ids)
+                self._engine.control.check()
+                check.row_sparse_pulls(pairs, self._values.entries(),
+                                       self._values.key_kind)
             self._fetch(list(dict.fromkeys(k for k, _, _ in pairs)))
             self._values.row_sparse_pull(key, out, row_ids)
 
@@ -843,16 +888,34 @@ class DistKVStore(KVStore):
         return None if comp is None else comp.params()
 
     # ------------------------------------------------------------- checkpoints
-    # Every worker calls these (optimizer state is spread over the shards); worker 0 reads
-    # or writes the file, the same format a one-process store uses, and tells the others
-    # how it went: a failure raises the same CheckpointError on every worker.
+    # Every worker calls these (optimizer state is spread over the shards), with the same
+    # path; worker 0 reads or writes the file, the same format a one-process store uses,
+    # and tells the others how it went: a failure raises the same CheckpointError on
+    # every worker.
+    def _checkpoint_call(self, op: str, path, optimizer: bool = False) -> str:
+        """Begin checkpoint call `op` of `path` on every worker; `path` as a str. It is
+        checked first (with `optimizer`, so is the store's optimizer), each refusal told
+        as a settings call's is; then the call is agreed on with the path, before
+        anything moves: worker 0 alone writes or reads a file, so workers that name
+        different paths (one each, or each its own snapshot) would go on unlike, and
+        get a PeerMismatchError naming the call and the paths instead."""
+        from ..checkpoints.checkpoint import checkpoint_path
+        with self._settings_agreed(op):
+            self._engine.control.check()
+            text = checkpoint_path(path)
+            if optimizer:
+                self._need_optimizer(op)
+        self._engine.control.collective(f"{op} of {text!r}")
+        return text
+
     @timeline.traced("save")
     def save(self, path: str | os.PathLike) -> None:
-        """Write every key's value and the optimizer's state (see `KVStore.save`)."""
+        """Write every key's value and the optimizer's state (see `KVStore.save`) to
+        `path`, which every worker gives alike (worker 0 writes it; see
+        `_checkpoint_call`)."""
         from ..checkpoints import checkpoint
         with self._lock:
-            self._engine.control.check()
-            self._engine.control.collective("save")  # agreed before anything moves
+            path = self._checkpoint_call("save", path)  # agreed before anything moves
             keys = self._values.keys()
             self._fetch(keys)  # every worker: with num_servers=0, queued keys are agreed on
             state = self._engine.optimizer_state(dump=True) if self._has_optimizer else None
@@ -871,12 +934,13 @@ class DistKVStore(KVStore):
         """Read a file `save` wrote, or a snapshot's folder (here or in any store, with
         any number of processes or servers): keys missing from the store are created,
         the others take the saved values, and the optimizer's state is restored when an
-        optimizer is set. Checked whole first; a failure changes nothing and raises
-        CheckpointError everywhere."""
+        optimizer is set. Every worker gives the same `path` (worker 0 reads a file;
+        every worker the snapshot's folder it names): workers that give different ones
+        get a PeerMismatchError naming them, before anything is read. Checked whole
+        first; a failure changes nothing and raises CheckpointError everywhere."""
         from ..checkpoints import checkpoint
         with self._lock:
-            self._engine.control.check()
-            self._engine.control.collective("load")  # agreed before anything moves
+            path = self._checkpoint_call("load", path)  # agreed before anything moves
             contents = self._read(path)
             # The optimizer's state is checked whole, against the keys as they will be,
             # before any key is made (the shards check their parts again).
@@ -897,12 +961,12 @@ class DistKVStore(KVStore):
                 self._to_devices(keys, [self._replica(k) for k in keys])
             self._refresh()
 
-    def _read(self, path):
-        """What `path` holds, on every worker: a snapshot's folder (which every process
-        sees, as they all wrote it) is read by every worker; a file by worker 0, which
-        sends it to the others. A failure raises CheckpointError on every worker."""
+    def _read(self, path: str):
+        """What `path` (the same on every worker: agreed on) holds, on every worker: a
+        snapshot's folder (which every process sees, as they all wrote it) is read by
+        every worker; a file by worker 0, which sends it to the others. A failure raises
+        CheckpointError on every worker."""
         from ..checkpoints import snapshots
-        from ..checkpoints.checkpoint import checkpoint_path
         folder = self._engine.control.share(self.rank == 0 and snapshots.is_snapshot(path), "load")
         if not folder:
             contents = None
@@ -913,8 +977,8 @@ class DistKVStore(KVStore):
         failed = isinstance(mine, CheckpointError)
         if self._engine.control.workers_max(np.array([failed], np.int8), "load: reading")[0]:
             first = self._engine.control.share(str(mine) if failed else None, "load")
-            raise CheckpointError(first or f"{checkpoint_path(path)}: another worker could "
-                                           f"not read this snapshot")
+            raise CheckpointError(first or f"{path}: another worker could not read this "
+                                           f"snapshot")
         return mine
 
     @timeline.traced("snapshot")
@@ -929,10 +993,11 @@ class DistKVStore(KVStore):
         update_on_kvstore=False), saved instead of this store's keys, each worker writing
         every num_workers-th of its keys."""
         from ..checkpoints import snapshots
-        root, step, keep = snapshots.checked(root, step, keep, self._last_step)
-        if replicated is not None and not isinstance(replicated, LocalStore):
-            raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, got "
-                                    f"{replicated!r}")
+        with self._settings_agreed("snapshot"):  # (one worker refusing alone is named)
+            root, step, keep = snapshots.checked(root, step, keep, self._last_step)
+            if replicated is not None and not isinstance(replicated, LocalStore):
+                raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, "
+                                        f"got {replicated!r}")
         with self._lock:
             self._engine.control.check()
             self._engine.control.collective("snapshot")  # agreed before anything moves
@@ -944,7 +1009,7 @@ class DistKVStore(KVStore):
                 worker = snapshots.worker_files(folder, step, self.rank, self.num_workers,
                                                 user_state)
                 problem = None
-            except ArgumentError as exc:
+            except (ArgumentError, ArgumentKindError) as exc:
                 worker, problem = None, exc
             if self._engine.control.workers_max(np.array([problem is not None], np.int8),
                                                 "snapshot: checking user_state")[0]:
@@ -1078,13 +1143,11 @@ class DistKVStore(KVStore):
 
     def save_optimizer_states(self, fname: str | os.PathLike,
                               dump_optimizer: bool = False) -> None:
-        """Write the optimizer's state, gathered from every shard, to `fname`."""
-        from ..checkpoints.checkpoint import checkpoint_path, write_archive
-        path = checkpoint_path(fname)
-        self._need_optimizer("save_optimizer_states")
+        """Write the optimizer's state, gathered from every shard, to `fname`, which every
+        worker gives alike (worker 0 writes it; see `_checkpoint_call`)."""
+        from ..checkpoints.checkpoint import write_archive
         with self._lock:
-            self._engine.control.check()
-            self._engine.control.collective("save_optimizer_states")  # agreed before anything moves
+            path = self._checkpoint_call("save_optimizer_states", fname, optimizer=True)
             state = self._engine.optimizer_state(dump=bool(dump_optimizer))
             error = None
             if self.rank == 0:
@@ -1092,13 +1155,11 @@ class DistKVStore(KVStore):
             _raise(self._engine.control.share(error, "save_optimizer_states"))
 
     def load_optimizer_states(self, fname: str | os.PathLike) -> None:
-        """Restore what `save_optimizer_states` wrote (by any store) onto every shard."""
-        from ..checkpoints.checkpoint import checkpoint_path, read_archive
-        path = checkpoint_path(fname)
-        self._need_optimizer("load_optimizer_states")
+        """Restore what `save_optimizer_states` wrote (by any store) onto every shard;
+        every worker gives the same `fname` (worker 0 reads it; see `_checkpoint_call`)."""
+        from ..checkpoints.checkpoint import read_archive
         with self._lock:
-            self._engine.control.check()
-            self._engine.control.collective("load_optimizer_states")  # agreed before anything moves
+            path = self._checkpoint_call("load_optimizer_states", fname, optimizer=True)
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
             state = _raise(self._engine.control.share(state, "load_optimizer_states"))

@@ -186,3 +186,48 @@ def test_a_shard_from_an_earlier_step_is_refused_on_every_worker(tmp_path):
             and "step 2" in message, out
     for w in range(3):
         assert f"UNCHANGED worker {w}" in out, out
+
+
+@pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)], ids=["3x0", "3x1"])
+def test_workers_loading_different_snapshots_are_refused_everywhere(tmp_path, n, servers):
+    """Worker 0 loads the snapshot of step 1 and the others that of step 2 (each worker
+    reads a snapshot's folder itself): a PeerMismatchError on every worker naming both
+    folders, well within the timeout, before anything is read, where each worker would
+    otherwise have resumed its shards from a snapshot of its own."""
+    root = tmp_path / "snaps"
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS=str(servers), GPUKV_DIST_TIMEOUT="20")
+    result = run("snapshots.py", n, "loads_differ", str(root), env=env, timeout=90)
+    out = result.stdout + result.stderr
+    caught = re.findall(r"CAUGHT PeerMismatchError on worker (\d+) after ([\d.]+) s: "
+                        r"(.*?)(?=CAUGHT|PASS|$)", result.stdout, re.M | re.S)
+    assert sorted(int(w) for w, _, _ in caught) == list(range(n - servers)), out
+    first, second = (s.path for s in snapshots.complete_snapshots(root))
+    assert "step-000000001-" in first and "step-000000002-" in second, (first, second)
+    for _, took, message in caught:
+        assert float(took) < 10, out
+        assert message.startswith("load of ") and "processes disagree" in message and \
+            f"calls load of {first!r}" in message and f"calls load of {second!r}" in message, out
+
+
+@pytest.mark.parametrize("how,error,others", [
+    ("step", "ArgumentError", "PeerMismatchError"),
+    ("state", "ArgumentKindError", "ArgumentError")])
+def test_a_snapshot_one_worker_alone_refuses_fails_every_worker_at_once(
+        tmp_path, how, error, others):
+    """Worker 1 alone refuses its snapshot's arguments (a step below its last, a
+    user_state that is no dict): its own error, and on the others at once a
+    PeerMismatchError naming the refusal (a step is checked before the call's
+    agreement), or an ArgumentError saying another worker's user_state cannot be saved
+    (agreed inside the call, after which the store goes on), rather than a wait for
+    worker 1."""
+    env = gpu_env.subprocess_env(gpus=False)
+    env.update(GPUKV_NUM_SERVERS="0", GPUKV_DIST_TIMEOUT="20")
+    result = run("snapshots.py", 3, "snapshot_refused_on_one", str(tmp_path / "snaps"), how,
+                 env=env, timeout=90)
+    out = result.stdout + result.stderr
+    caught = re.findall(r"CAUGHT (\w+) on worker (\d+) after ([\d.]+) s", result.stdout)
+    assert sorted((int(w), kind) for kind, w, _ in caught) == [
+        (0, others), (1, error), (2, others)], out
+    assert all(float(took) < 10 for _, _, took in caught), out
+    assert all(f"PASS worker {w} of 3" in out for w in range(3)), out

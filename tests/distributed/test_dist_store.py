@@ -560,9 +560,10 @@ def test_compressions_that_differ_are_refused(n, servers):
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (3, 1)])
 def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
-    """Refused alike everywhere, a push changes nothing; refused by worker 1 alone
-    (num_servers=0), worker 1 raises its ShapeError and every other worker a
-    PeerMismatchError naming the refusal, at once."""
+    """Refused alike everywhere, a push changes nothing, even where each worker's error
+    says it in words of its own; refused by worker 1 alone (num_servers=0), worker 1
+    raises its ShapeError and every other worker a PeerMismatchError naming the refusal
+    and what worker 1's error says, at once."""
     result = _scenario(n, servers, "refusals")
     if servers:
         out = _passes(result, n - servers)
@@ -572,7 +573,8 @@ def test_a_push_refused_by_one_worker_alone_fails_on_every_worker(n, servers):
             f"PASS worker {w} of {n}" in result.stdout for w in range(n)), out
     lines = _caught(result.stdout, "PeerMismatchError")
     assert len(lines) == (0 if servers else n - 1), out
-    assert all("rank(s) 1 calls push refused (ShapeError)" in ln for ln in lines), lines
+    assert all("rank(s) 1 calls push refused (ShapeError): key 1: push expects shape (3,), "
+               "got (4,)" in ln for ln in lines), lines
     assert len(_caught(result.stdout, "ShapeError")) == (0 if servers else 1), out
 
 
@@ -591,6 +593,72 @@ def test_a_setting_refused_by_one_worker_alone_fails_on_every_worker_at_once(n, 
     assert len(_caught(result.stdout, "ArgumentError")) == 1, out
     took = [float(s) for s in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
     assert len(took) == n - servers and max(took) < 10, out
+
+
+#: what worker 1 alone refuses (refused_on_one), and the words of its refusal the others'
+#: PeerMismatchError says (None: the others' calls go on)
+REFUSED_ON_ONE = {
+    "init": ("ShapeError", "rank(s) 1 calls init refused (ShapeError): key 5: init values "
+                           "disagree in shape: (3,) and (4,)"),
+    "broadcast": ("ReadOnlyError", "rank(s) 1 calls broadcast refused (ReadOnlyError): "
+                                   "key 6: out array is read-only"),
+    "pull": ("ShapeError", None),
+}
+
+
+@pytest.mark.parametrize("n,servers,call", [(3, 0, "init"), (3, 0, "broadcast"),
+                                            (3, 0, "pull"), (3, 1, "pull")])
+def test_init_broadcast_and_pull_refused_by_one_worker_alone(n, servers, call):
+    """Refused alike everywhere, an init, a broadcast or a pull (with keys made just
+    before it or not) changes nothing and the store goes on. Refused by worker 1 alone
+    with num_servers=0, an init or a broadcast is worker 1's own error and a
+    PeerMismatchError naming the refusal, in worker 1's words, on every other worker
+    (for an init, at the next collective call, where the others agree on its keys), well
+    within the timeout rather than after it; a pull refused by worker 1 alone (right
+    after an init, whose agreement it takes part in) is its own error there, and every
+    other worker's pull and the store go on."""
+    workers = n - servers
+    error, says = REFUSED_ON_ONE[call]
+    result = _scenario(n, servers, "refused_on_one", call, timeout=20, limit=90)
+    out = result.stdout + result.stderr
+    assert all(f"PASS worker {w} of {workers}" in out for w in range(workers)), out
+    assert len(_caught(result.stdout, error)) == 1, out
+    assert "uncaught" not in out, out
+    took = [float(t) for t in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == (1 if says is None else workers) and max(took) < 10, out
+    lines = _caught(result.stdout, "PeerMismatchError")
+    if says is None:
+        assert result.returncode == 0 and not lines, out
+        return
+    expected = workers if call == "init" else workers - 1  # (worker 1's next call too)
+    assert len(lines) == expected and all(says in ln for ln in lines), out
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+@pytest.mark.parametrize("call", ["save", "load", "save_optimizer_states",
+                                  "load_optimizer_states"])
+def test_checkpoint_paths_that_differ_are_refused_on_every_worker(tmp_path, servers, call):
+    """Every worker gives a checkpoint call the same path (worker 0 alone writes or reads
+    it): workers that give different ones (a file each, or one that names no file) get a
+    PeerMismatchError naming the call and each worker's path, well within the timeout,
+    before anything is written or read."""
+    workers = 3 - servers
+    path = str(tmp_path / "c")
+    result = _scenario(3, servers, "checkpoint_paths_differ", call, path, timeout=20,
+                       limit=90)
+    out = result.stdout + result.stderr
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == workers, out
+    ending = ".states" if "optimizer" in call else ".store"
+    first = f"{path}.{call}.worker0{ending}" if call.startswith("save") else path + ending
+    other = f"{path}.{call}.worker1{ending}" if call.startswith("save") \
+        else f"{path}.worker1{ending}"
+    assert all(ln.startswith(f"{call} of ") and "processes disagree" in ln
+               and f"calls {call} of {first!r}" in ln and f"calls {call} of {other!r}" in ln
+               for ln in lines), lines
+    took = [float(t) for t in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == workers and max(took) < 10, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.states", "c.store"], out
 
 
 def test_with_servers_an_init_one_worker_never_made_is_named():

@@ -76,6 +76,7 @@ class ShardedRounds:
         self.layouts: dict = {}
         self.assigns = True         # no updater yet: a round assigns the sum
         self._pending: list = []    # (key, replica) made here, not agreed on yet
+        self._refused: list = []    # (kind, words) of calls making keys refused here, too
         self._rule = ""             # the updater, as the agreement of a round names it
         self._settings = None       # the options of the optimizer that `_rule` names
         self.rounds: MpiRounds | NcclRounds
@@ -86,8 +87,9 @@ class ShardedRounds:
 
     @property
     def pending(self) -> bool:
-        """Whether keys made here wait for the next collective call to be agreed on."""
-        return bool(self._pending)
+        """Whether keys made here (or refused here: `refused_keys`) wait for the next
+        collective call to be agreed on."""
+        return bool(self._pending or self._refused)
 
     # ------------------------------------------------------------------- init
     def init(self, keys, replicas) -> None:
@@ -97,13 +99,32 @@ class ShardedRounds:
         self.t.check()
         self._pending.extend(zip(keys, replicas))
 
+    def refused_keys(self, op: str, error: Exception) -> None:
+        """This process refused a call that makes keys (`op`: an init, a broadcast) where
+        the others may have made them: told where their keys are agreed on, at the next
+        collective call (`flush`), rather than by a collective call of its own (an init
+        is none). Refused alike everywhere, the same refusals agree and the store goes
+        on; refused here alone, every process raises a PeerMismatchError there naming
+        the refusal and its words (which need not match, as the kind must)."""
+        self.t.check()
+        self._refused.append((f"{op} refused ({type(error).__name__})", str(error)))
+
     def flush(self, during: str) -> None:
         """Agree on the queued keys: same shapes and dtypes everywhere, rank 0's values;
-        the first step of the collective call `during` names (and its errors name it)."""
-        if not self._pending:
+        the first step of the collective call `during` names (and its errors name it).
+        Calls making keys that were refused here are agreed on first, in their place."""
+        if not self._pending and not self._refused:
             return
         pending = sorted(self._pending, key=lambda p: p[0])
-        self._pending = []
+        refused = sorted(self._refused)  # (by kind: their order may differ by process)
+        self._pending, self._refused = [], []
+        if refused:
+            kinds = ", ".join(kind for kind, _ in refused)
+            self.agree.check((kinds, ()), f"{during}: first the calls refused before it "
+                                          f"({kinds})",
+                             note="; ".join(words for _, words in refused))
+            if not pending:
+                return
         signature = ("init", tuple((k, r.shape, r.dtype.name) for k, r in pending))
         what = f"{during}: first the keys made before it (init of key {pending[0][0]!r})"
         self.agree.check(signature, what)
@@ -165,13 +186,15 @@ class ShardedRounds:
 
     def refused(self, op: str, error: Exception) -> None:
         """Every process agrees on the refusal as on a push: all refusing alike changes
-        nothing; one alone is a PeerMismatchError on every rank naming it (the push's
-        collectives never start)."""
-        what = f"{op} (refused by rank {self.t.job_rank(self.t.rank)}: " \
-               f"{type(error).__name__}: {error})"
+        nothing; one alone is a PeerMismatchError on every rank naming it and what its
+        error says (the push's collectives never start). The refusal's kind is what must
+        match; its words (which may differ a little from process to process refusing
+        alike: a shape of its own) are said beside it, not compared."""
+        what = f"{op}, refused by rank {self.t.job_rank(self.t.rank)}"
         with self.t.caused_by(error):
             self.flush(what)
-            self.agree.check((f"{op} refused ({type(error).__name__})", ()), what)
+            self.agree.check((f"{op} refused ({type(error).__name__})", ()), what,
+                             note=str(error))
 
     def update(self, merged: list, what: str) -> None:
         """Run the updater (or assign) on the pieces served here: (key, summed piece)."""

@@ -73,9 +73,13 @@ class Agreement:
         self._stamps = Stamps(transport.size if transport is not None else 1)
 
     def check(self, signature: tuple, what: str, alongside=None,
-              fused: FusedSum | None = None):
+              fused: FusedSum | None = None, note: str | None = None):
         """Return once every rank called the same thing (`signature`, a tuple of plain
         values naming the call); else raise PeerError/PeerMismatchError on every rank.
+
+        `note`, if given, is said beside this rank's call where a disagreement names it
+        (the words of a refusal: "push refused (ShapeError): key 3: ..."), and is not
+        compared: ranks whose signatures are alike agree whatever their notes say.
 
         `alongside()`, if given, starts the call's own collectives, and what it returns
         (their requests) is returned. On the store's communicator it runs right after
@@ -87,9 +91,9 @@ class Agreement:
         ranks' calls foretell it, the agreement travels inside it, and what `fused.take`
         returns is returned instead (`alongside` is not called)."""
         with timeline.span("agree", "mpi", call=what):
-            return self._check(signature, what, alongside, fused)
+            return self._check(signature, what, alongside, fused, note)
 
-    def _check(self, signature: tuple, what: str, alongside, fused=None):
+    def _check(self, signature: tuple, what: str, alongside, fused=None, note=None):
         t = self.t
         t.check()
         self.seq += 1
@@ -104,14 +108,14 @@ class Agreement:
                 if taken is not None:
                     self._forecast.learn(crc, spec)
                     return taken
-            started = self._together(crc, signature, what, alongside)
+            started = self._together(crc, signature, what, alongside, note)
             self._forecast.learn(crc, spec)
             return started
         digest = np.array([self.seq, crc], dtype=np.int64)
         if t.rank == 0:
-            self._coordinate(digest, signature, what)
+            self._coordinate(digest, signature, what, note)
         else:
-            self._follow(digest, signature, what)
+            self._follow(digest, signature, what, note)
         return alongside() if alongside is not None else None
 
     def _checksum(self, signature: tuple) -> int:
@@ -171,7 +175,7 @@ class Agreement:
             return made.take(sums[STAMP:])
         return None
 
-    def _together(self, crc: int, signature, what, alongside):
+    def _together(self, crc: int, signature, what, alongside, note=None):
         t = self.t
         seq, mine, extremes = self.seq, self._mine, self._extremes
         mine[0], mine[1], mine[2], mine[3] = seq, crc, -seq, -crc
@@ -181,11 +185,10 @@ class Agreement:
         high_seq, high_crc, low_seq, low_crc = extremes.tolist()
         if high_seq == -low_seq and high_crc == -low_crc:  # the largest is the smallest
             return started
-        signatures = to_rank0(t, (self.seq, signature), what)  # every rank is here
+        calls = to_rank0(t, (self.seq, signature, note), what)  # every rank is here
         message = None
-        if signatures is not None:
-            message = (f"{what}: processes disagree: "
-                       f"{_difference(t, dict(enumerate(signatures)))}")
+        if calls is not None:
+            message = f"{what}: processes disagree: {_told(t, dict(enumerate(calls)))}"
         raise t.fail(PeerMismatchError(from_rank0(t, message, what)))
 
     def _roll_call(self, what: str, answer_within: float | None = None) -> PeerError:
@@ -282,7 +285,7 @@ class Agreement:
         t.poll(done, what, timeout=patience, on_timeout=silent)
 
     # ----------------------------------------------------------------- rank 0
-    def _coordinate(self, digest, signature, what) -> None:
+    def _coordinate(self, digest, signature, what, note=None) -> None:
         t = self.t
         others = range(1, t.size)
         digests = {r: np.zeros(2, np.int64) for r in others}
@@ -296,11 +299,11 @@ class Agreement:
             self._tell(others, _OK)
             return
         self._tell(others, _MISMATCH)
-        signatures = {0: (self.seq, signature)}
+        calls = {0: (self.seq, signature, note)}
         for r in others:
-            signatures[r], _ = t.recv_object(r, self.signature_tag,
-                                             f"{what}: rank {t.job_rank(r)}'s call")
-        message = f"{what}: processes disagree: {_difference(t, signatures)}"
+            calls[r], _ = t.recv_object(r, self.signature_tag,
+                                        f"{what}: rank {t.job_rank(r)}'s call")
+        message = f"{what}: processes disagree: {_told(t, calls)}"
         self._tell(others, ("mismatch", message))
         raise t.fail(PeerMismatchError(message))
 
@@ -310,7 +313,7 @@ class Agreement:
                    "sending the verdict of a collective call")
 
     # ------------------------------------------------------------- other ranks
-    def _follow(self, digest, signature, what) -> None:
+    def _follow(self, digest, signature, what, note=None) -> None:
         t = self.t
         # rank 0 waits `timeout` for the others before it answers: wait longer than that
         patience = t.timeout * 1.5 + 1
@@ -318,7 +321,7 @@ class Agreement:
                    timeout=patience)
         verdict = self._verdict(what, patience)
         if verdict == _MISMATCH:
-            t.wait_all([t.send_object((self.seq, signature), 0, self.signature_tag)],
+            t.wait_all([t.send_object((self.seq, signature, note), 0, self.signature_tag)],
                        f"{what}: reaching rank 0", timeout=patience)
             verdict = self._verdict(what, patience)
         kind, message = verdict
@@ -365,18 +368,26 @@ def _ended(t: Transport, ranks) -> str:
             f"without making this call")
 
 
-def _difference(t: Transport, signatures: dict) -> str:
+def _told(t: Transport, calls: dict) -> str:
+    """`_difference` of what each rank sent: {rank: (seq, signature, note)}."""
+    return _difference(t, {r: c[:2] for r, c in calls.items()},
+                       {r: c[2] for r, c in calls.items()})
+
+
+def _difference(t: Transport, signatures: dict, notes: dict | None = None) -> str:
     """What the ranks call, at the first place where some rank's call differs from rank
-    0's, with the ranks grouped by what they call there."""
+    0's, with the ranks grouped by what they call there. `notes`: {rank: words said
+    beside its call, or None} (see `Agreement.check`), added where a call is named."""
     first = signatures[0]
     other = next(r for r in sorted(signatures) if signatures[r] != first)
     seq0, (op0, items0) = first
     seq, (op, items) = signatures[other]
+    calls = {r: (*s, (notes or {}).get(r)) for r, s in signatures.items()}
     if seq != seq0:
-        return _grouped(t, signatures,
-                        lambda s: f"at collective call #{s[0]} ({_call(s[1])})")
+        return _grouped(t, calls,
+                        lambda c: f"at collective call #{c[0]} ({_call(c[1], c[2])})")
     if op != op0:
-        return _grouped(t, signatures, lambda s: f"calls {_call(s[1])}")
+        return _grouped(t, calls, lambda c: f"calls {_call(c[1], c[2])}")
     at = next((i for i, (a, b) in enumerate(zip(items0, items)) if a != b),
               min(len(items0), len(items)))
 
@@ -393,13 +404,15 @@ def _grouped(t: Transport, signatures: dict, describe) -> str:
     return "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
 
 
-def _call(signature) -> str:
-    """A call's signature in words: (op, (key, (key, shape, dtype) or (key, count), ...))."""
+def _call(signature, note: str | None = None) -> str:
+    """A call's signature in words: (op, (key, (key, shape, dtype) or (key, count), ...)),
+    then the `note` said beside it."""
     op, items = signature
+    said = f": {note}" if note is not None else ""
     if not items:
-        return op
+        return op + said
     shown = ", ".join(_item(i) for i in items[:4]) + (" ..." if len(items) > 4 else "")
-    return f"{op} of {shown}"
+    return f"{op} of {shown}{said}"
 
 
 def _item(item) -> str:

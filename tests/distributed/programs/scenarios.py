@@ -639,6 +639,11 @@ def refusals() -> None:
         raise AssertionError("a wrong shape on every worker was taken")
     except gpukv.ShapeError as exc:
         assert "key 1" in str(exc), exc
+    try:  # refused alike, each worker's error in words of its own (its shape)
+        kv.push(1, np.ones(4 + r, np.float32))
+        raise AssertionError("a wrong shape on every worker was taken")
+    except gpukv.ShapeError as exc:
+        assert f"got ({4 + r},)" in str(exc), exc
     kv.push(1, np.full(3, r + 1.0, np.float32))
     out = np.zeros(3, np.float32)
     kv.pull(1, out=out)
@@ -659,6 +664,109 @@ def refusals() -> None:
     except (gpukv.PeerMismatchError, gpukv.ShapeError) as exc:  # (worker 1: its own)
         assert isinstance(exc, gpukv.ShapeError) == (r == 1), exc
         caught(r, exc)
+    passed(kv)
+
+
+def refused_on_one(call: str) -> None:
+    """Calls every worker refuses alike change nothing and the store goes on: an init of
+    a key made already, a broadcast into a read-only out, pulls into an out of another
+    shape (with a key made just before, whose agreement they make, and without); a pull
+    worker 1 alone refuses is its own error there and the others' pulls go on. Then
+    worker 1 alone refuses `call` (init, broadcast, or a pull right after an init) where
+    the others make it: init and broadcast are its own error there and a
+    PeerMismatchError naming the refusal on the others (at their next collective call
+    for an init: a push here), well within the timeout; the pull is its own error, and
+    the store goes on (its next keys agreed on as the others', not with key 7's, whose
+    agreement the refused pull made). REFUSED ... after S prints how long each took."""
+    kv = create()
+    r, n = kv.rank, kv.num_workers
+    total = n * (n + 1) / 2
+    read_only = np.zeros(3, np.float32)
+    read_only.flags.writeable = False
+    kv.init(1, np.full(3, 5.0 + r, np.float32))
+    for alike, error in [(lambda: kv.pull(1, out=np.zeros(4, np.float32)), gpukv.ShapeError),
+                         (lambda: kv.init(1, np.zeros(3, np.float32)), gpukv.DuplicateKeyError),
+                         (lambda: kv.broadcast(2, np.ones(3, np.float32), out=read_only),
+                          gpukv.ReadOnlyError),
+                         (lambda: kv.pull(1, out=np.zeros(4, np.float32)), gpukv.ShapeError)]:
+        try:
+            alike()
+            raise AssertionError("a call refused on every worker went through")
+        except error:
+            pass
+    assert 2 not in kv and kv.keys() == [1], kv.keys()
+    out = np.zeros(3, np.float32)
+    kv.pull(1, out=out)
+    assert np.all(out == 5.0), out  # rank 0's init value
+    try:
+        kv.pull(1, out=np.zeros(4 if r == 1 else 3, np.float32))
+        assert r != 1, "a pull into a wrong out went through"
+    except gpukv.ShapeError:
+        assert r == 1
+    kv.push(1, np.full(3, r + 1.0, np.float32))
+    kv.pull(1, out=out)
+    assert np.all(out == total), out
+    start = time.monotonic()
+    try:
+        if call == "init":
+            try:
+                kv.init(5, [np.ones(3, np.float32), np.ones(4 if r == 1 else 3, np.float32)])
+                assert r != 1, "an init refused by worker 1 alone went through"
+            except gpukv.ShapeError as exc:
+                assert r == 1, exc
+                caught(r, exc)
+            kv.push(1, np.ones(3, np.float32))  # (where the others hear of the init)
+        elif call == "broadcast":
+            kv.broadcast(6, np.full(3, 7.0, np.float32),
+                         out=read_only if r == 1 else np.zeros(3, np.float32))
+        else:
+            kv.init(7, np.full(2, 3.0 + r, np.float32))
+            seven = np.zeros(5 if r == 1 else 2, np.float32)
+            kv.pull(7, out=seven)
+            assert np.all(seven == 3.0), seven
+        assert r != 1 and call == "pull", f"{call} refused by worker 1 alone went through"
+    except (gpukv.PeerMismatchError, gpukv.ShapeError, gpukv.ReadOnlyError) as exc:
+        # (the init: worker 1's push too is a PeerMismatchError, the store failed)
+        assert isinstance(exc, gpukv.PeerMismatchError) == (r != 1 or call == "init"), exc
+        print(f"REFUSED on worker {r} after {time.monotonic() - start:.2f} s", flush=True)
+        caught(r, exc)
+    if call == "pull":  # the store goes on: worker 1 made the pull's agreement on key 7,
+        # so key 8 is agreed on alone at the next collective call, as on the others
+        kv.init(8, np.zeros(2, np.float32))
+        kv.push([7, 8], [np.full(2, r + 1.0, np.float32)] * 2)
+        both = [np.zeros(2, np.float32), np.zeros(2, np.float32)]
+        kv.pull([7, 8], out=both)
+        assert all(np.all(b == total) for b in both), both
+    passed(kv)
+
+
+def checkpoint_paths_differ(call: str, path: str) -> None:
+    """Every worker saves and loads with the same paths; then worker 0 makes checkpoint
+    call `call` with its path and the others with paths of their own (for a load, ones
+    that name no file): a PeerMismatchError naming the call and the paths on every
+    worker, well within the timeout, before anything is written or read (REFUSED ...
+    after S prints how long each took)."""
+    kv = create(bigarray_bound=1000)
+    r = kv.rank
+    _keys(kv)
+    kv.set_optimizer(gpukv.optim.create("adam", learning_rate=0.1))
+    kv.push(["a", "b"], _grads(r, 0))
+    kv.save(path + ".store")
+    kv.save_optimizer_states(path + ".states")
+    kv.load(path + ".store")
+    kv.load_optimizer_states(path + ".states")
+    ending = ".states" if "optimizer" in call else ".store"
+    mine = path + ending if r == 0 else f"{path}.worker{r}{ending}"
+    if call.startswith("save"):
+        mine = f"{path}.{call}.worker{r}{ending}"
+    start = time.monotonic()
+    try:
+        getattr(kv, call)(mine)
+        raise AssertionError(f"{call} of another path on each worker went through")
+    except gpukv.PeerMismatchError as exc:
+        print(f"REFUSED on worker {r} after {time.monotonic() - start:.2f} s", flush=True)
+        caught(r, exc)
+    assert not os.path.exists(mine) or not call.startswith("save"), mine
     passed(kv)
 
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 import gpukv
+from gpukv.checkpoints import snapshots
 
 STORE = os.environ.get("STORE", "dist_sync")
 #: key -> (dtype, shape); with bigarray_bound=100 the bigger keys are split over shards
@@ -239,6 +240,59 @@ def refused(root: str) -> None:
         raise AssertionError("the spoiled snapshot was loaded")
     if _digest(kv) == before:
         print(f"UNCHANGED worker {kv.rank}", flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def loads_differ(root: str) -> None:
+    """Snapshots of steps 1 and 2, then worker 0 loads step 1's and the others step 2's:
+    a PeerMismatchError on every worker naming both folders, well within the timeout,
+    before anything is read (`CAUGHT PeerMismatchError on worker R after S s: ...`)."""
+    kv = _create()
+    dtype = {k: np.dtype(d) for k, (d, _) in KEYS.items()}
+    kv.init(list(KEYS), [np.ones(s, dtype[k]) for k, (_, s) in KEYS.items()])
+    kv.set_optimizer(gpukv.optim.Adam(learning_rate=0.01, multi_precision=True))
+    for step in (1, 2):
+        _push(kv, step)
+        kv.snapshot(root, step)
+    kv.finish_snapshots()
+    first, second = snapshots.complete_snapshots(root)
+    assert (first.step, second.step) == (1, 2), (first, second)
+    kv.load(second)  # the same snapshot everywhere: loaded
+    start = time.monotonic()
+    try:
+        kv.load(first if kv.rank == 0 else second)
+    except gpukv.PeerMismatchError as exc:
+        print(f"CAUGHT PeerMismatchError on worker {kv.rank} after "
+              f"{time.monotonic() - start:.2f} s: {exc}", flush=True)
+    else:
+        raise AssertionError("workers loaded snapshots of different steps")
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
+def snapshot_refused_on_one(root: str, how: str) -> None:
+    """Worker 1 alone makes a snapshot call it refuses ('step': a step below its last;
+    'state': a user_state that is no dict): its own error there, a PeerMismatchError
+    naming the refusal on the others at once (`CAUGHT ... after S s`); a user_state is
+    agreed on inside the call, where the others' error says another worker's cannot be
+    saved, and the store goes on: the next snapshot, made alike, is taken."""
+    kv = _create()
+    kv.init("w", np.ones(4, np.float32))
+    kv.snapshot(root, 2)
+    kv.finish_snapshots()
+    args: dict = {"step": 3}
+    if kv.rank == 1:
+        args = {"step": 1} if how == "step" else {"step": 3, "user_state": [1]}
+    start = time.monotonic()
+    try:
+        kv.snapshot(root, **args)
+        raise AssertionError("a snapshot worker 1 refused was taken")
+    except (gpukv.PeerMismatchError, gpukv.ArgumentError, gpukv.ArgumentKindError) as exc:
+        print(f"CAUGHT {type(exc).__name__} on worker {kv.rank} after "
+              f"{time.monotonic() - start:.2f} s: {exc}", flush=True)
+    if how == "state":  # (agreed inside the call: the store goes on)
+        kv.snapshot(root, 4)
+        kv.finish_snapshots()
+        assert snapshots.latest_snapshot(root).step == 4
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
