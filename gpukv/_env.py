@@ -19,6 +19,7 @@ SETTINGS = (
     "GPUKV_DIST_CHUNK_BYTES",
     # set by `gpukv run` and `gpukv cluster` for the processes they start
     "GPUKV_RUN_VERBOSE", "GPUKV_RUN_ATTEMPT", "GPUKV_RUN_MAX_RESTARTS", "GPUKV_RUN_REPORT",
+    "GPUKV_RUN_JOB",
     "GPUKV_CLUSTER", "GPUKV_CLUSTER_HOSTS",
     # the GPU tools (`gpukv gpucheck`, the kernels' resource check)
     "GPUKV_CUDA_EMULATION", "GPUKV_NVRTC_LIB", "GPUKV_PTXAS",
