@@ -10,12 +10,15 @@ Trainer's steps, nested as they ran, one row per thread. R is the MPI or torchru
 the files of a job's ranks can be put together; "ts" counts microseconds since the Unix
 epoch, so that those of several hosts line up (as far as their clocks agree). The file
 is made when recording starts and written on at exit (a job that aborts included), by
-`flush()`, and every `FLUSH_EVERY` events or `FLUSH_SECONDS` on the way, the new events
-only (a crash loses only those since the last write). A GPUKV_TIMELINE where no file can
-be made (a file's path, a folder that cannot be created or written) records nothing and
-says so in one RuntimeWarning: a diagnostic never stops the program it watches; nor does
-a write that fails on the way or at exit (one RuntimeWarning; the events are kept for
-the next), nor a span argument JSON cannot hold (written as its str).
+`flush()`, on SIGTERM before it acts (`_write_on_sigterm`), and on the way every
+`FLUSH_EVERY` events and, by a thread of its own, `FLUSH_SECONDS` after the last write,
+whatever the program does meanwhile: the new events only each time (a process killed
+outright, SIGKILL, loses only the events of its last `FLUSH_SECONDS`, and the spans still
+open). A forked child (a data loader's worker) records nothing. A GPUKV_TIMELINE where no
+file can be made (a file's path, a folder that cannot be created or written) records
+nothing and says so in one RuntimeWarning: a diagnostic never stops the program it
+watches; nor does a write that fails on the way or at exit (one RuntimeWarning; the events
+are kept for the next), nor a span argument JSON cannot hold (written as its str).
 `gpukv run`'s launcher records nothing of its own (`discard`): only its ranks do; nor do the
 other commands that call no store (`gpukv info`, `cluster`, `gpucheck`, `export`, and any
 command asked for its `--help`).
@@ -23,7 +26,8 @@ command asked for its `--help`).
 While it runs, in a process that imported PyTorch, each span is also a
 `torch.profiler.record_function` (named gpukv.<span>), so while `torch.profiler` records,
 the store's work shows in its trace beside the model's. Off (no GPUKV_TIMELINE, the
-default), a span is one global read: nothing measurable (benchmarks/bench_timeline.py).
+default), a span is one global read: nothing measurable (benchmarks/bench_timeline.py);
+no thread, no signal handler, no hook at fork.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import functools
 import inspect
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -49,6 +54,8 @@ OFF = ("", "0", "off", "none")
 #: events written out every this many, or every FLUSH_SECONDS (the new ones only)
 FLUSH_EVERY = 50_000
 FLUSH_SECONDS = 5.0
+#: seconds SIGTERM's write waits for a write under way on another thread
+TERM_WAIT = 1.0
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # gpukv/
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,7 +87,9 @@ class _Recorder:
         os.makedirs(folder, exist_ok=True)
         self.rank, self.pid = launched_rank() or 0, os.getpid()
         self.path = os.path.join(folder, f"gpukv-timeline-rank{self.rank}-pid{self.pid}.json")
-        self.lock = threading.Lock()
+        # (reentrant: a signal handler that interrupts this thread just before or after a
+        # write, when `owner` does not name it, writes in full: no half-made write is there)
+        self.lock = threading.RLock()
         # (name, category, start ns, end ns, thread, args): a tuple is the cheapest to
         # keep; list.append is atomic, so spans of several threads need no lock
         self.spans: list = []
@@ -94,22 +103,52 @@ class _Recorder:
         self.tail = json.dumps({"displayTimeUnit": "ms", "otherData": {
             "rank": self.rank, "pid": self.pid, "ts": "microseconds since the Unix epoch"}})
         self.tail = "]," + self.tail[1:]
+        self.owner: int | None = None  # the thread writing now (a signal handler may
+        #                                 interrupt it)
+        self.after_write: list = []  # (signum, frame) of SIGTERMs that came during it
         self.write()
+        # The writer thread: what is buffered reaches the file FLUSH_SECONDS after it was
+        # recorded at the latest, whatever the program's threads do next (a rank that
+        # stalls, then is killed, keeps what it recorded before).
+        self.stopping = threading.Event()
+        self.writer = threading.Thread(target=self._write_on_time, daemon=True,
+                                       name="gpukv timeline writer")
+        self.writer.start()
 
     def add(self, name: str, cat: str, start_ns: int, end_ns: int, args: dict) -> None:
         tid = threading.get_native_id()
         if tid not in self.threads:
             self.threads[tid] = threading.current_thread().name
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
-        if (len(self.spans) >= FLUSH_EVERY
-                or end_ns - self.last_write_ns >= FLUSH_SECONDS * 1e9):
+        if len(self.spans) >= FLUSH_EVERY:
             self.write_or_warn()
 
-    def write_or_warn(self) -> None:
+    def _write_on_time(self) -> None:
+        """The writer thread's loop: FLUSH_SECONDS after the last write or the last look
+        (whichever came later), the events buffered since, if any; until `end()`."""
+        looked = time.perf_counter_ns()
+        while True:
+            since = max(self.last_write_ns, looked)
+            due = (since + FLUSH_SECONDS * 1e9 - time.perf_counter_ns()) / 1e9
+            # (an hour at most: a lock's wait has a bound, and FLUSH_SECONDS may be inf)
+            if self.stopping.wait(min(max(due, 0.0), 3600.0)):
+                return
+            now = time.perf_counter_ns()
+            if now - max(self.last_write_ns, looked) < FLUSH_SECONDS * 1e9:
+                continue  # written meanwhile (a flush(), FLUSH_EVERY events)
+            looked = now
+            if self.spans:
+                self.write_or_warn()
+
+    def end(self) -> None:
+        """Stop the writer thread (the last write is the caller's)."""
+        self.stopping.set()
+
+    def write_or_warn(self, wait: float = -1) -> None:
         """`write()` for the writes nobody asked for (on the way, at exit): a failure is a
         RuntimeWarning, once, not an error in the store call or at exit."""
         try:
-            self.write()
+            self.write(wait)
         except OSError as exc:
             if not self.warned:
                 self.warned = True
@@ -137,43 +176,59 @@ class _Recorder:
             events.append(event)
         return events, [tid for tid, _ in naming]
 
-    def write(self) -> str:
+    def write(self, wait: float = -1) -> str:
         """Write the events since the last write (a reader never sees half a file: a
-        write that fails puts the file back as it was)."""
+        write that fails puts the file back as it was). `wait`: the most seconds to wait
+        for a write under way on another thread (then nothing is written; -1: as long as
+        it takes); a write under way on this thread (interrupted by a signal's handler)
+        is left to finish."""
         if os.getpid() != self.pid:  # a forked child: the file is its parent's
             return self.path
-        with self.lock:
-            taken = len(self.spans)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                if os.fstat(fd).st_size != self.size:  # removed (or cut) since: anew
-                    self.size, self.named = 0, set()
-                events, naming = self._events(self.spans[:taken])
-                if not events:
-                    return self.path
-                body = ",".join(json.dumps(e, default=_plain) for e in events)
-                tail = self.tail.encode()
-                at = 0 if self.size == 0 else self.size - len(tail)
-                data = (('{"traceEvents":[' if self.size == 0 else ",") + body).encode() + tail
-                try:
-                    if os.pwrite(fd, data, at) != len(data):
-                        raise OSError(errno.ENOSPC, "a short write")
-                    if at == 0:  # begun anew: nothing of a file there before stays after it
-                        os.ftruncate(fd, len(data))
-                except BaseException:  # (a full disk): the file as it was, or none
-                    if self.size:
-                        os.pwrite(fd, tail, at)
-                        os.ftruncate(fd, self.size)
-                    else:
-                        os.unlink(self.path)
-                    raise
-            finally:
-                os.close(fd)
-            self.size = at + len(data)
-            self.named.update(naming)
-            del self.spans[:taken]  # (other threads only append after them)
-            self.last_write_ns = time.perf_counter_ns()
+        me = threading.get_ident()
+        if self.owner == me or not self.lock.acquire(timeout=wait):
+            return self.path
+        self.owner = me
+        try:
+            self._write_new()
+        finally:
+            self.owner = None
+            self.lock.release()
+            while self.after_write:  # (on the main thread: signals are handled there)
+                _write_on_sigterm(*self.after_write.pop(0))
         return self.path
+
+    def _write_new(self) -> None:
+        """`write()`'s work, under the lock."""
+        taken = len(self.spans)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size != self.size:  # removed (or cut) since: anew
+                self.size, self.named = 0, set()
+            events, naming = self._events(self.spans[:taken])
+            if not events:
+                return
+            body = ",".join(json.dumps(e, default=_plain) for e in events)
+            tail = self.tail.encode()
+            at = 0 if self.size == 0 else self.size - len(tail)
+            data = (('{"traceEvents":[' if self.size == 0 else ",") + body).encode() + tail
+            try:
+                if os.pwrite(fd, data, at) != len(data):
+                    raise OSError(errno.ENOSPC, "a short write")
+                if at == 0:  # begun anew: nothing of a file there before stays after it
+                    os.ftruncate(fd, len(data))
+            except BaseException:  # (a full disk): the file as it was, or none
+                if self.size:
+                    os.pwrite(fd, tail, at)
+                    os.ftruncate(fd, self.size)
+                else:
+                    os.unlink(self.path)
+                raise
+        finally:
+            os.close(fd)
+        self.size = at + len(data)
+        self.named.update(naming)
+        del self.spans[:taken]  # (other threads only append after them)
+        self.last_write_ns = time.perf_counter_ns()
 
 
 _active: _Recorder | None = None
@@ -207,8 +262,10 @@ def start(folder: str | os.PathLike) -> None:
     except OSError as exc:
         raise ArgumentError(f"timeline folder {path!r}: cannot write in it ({exc})") from exc
     if _active is not None:
+        _active.end()
         _active.write()
     _active = recorder
+    _install_process_hooks()
 
 
 def _start_from_environment(environ) -> None:
@@ -231,7 +288,9 @@ def discard() -> None:
     that call no store)."""
     global _active
     recorder, _active = _active, None
+    _remove_process_hooks()
     if recorder is not None:
+        recorder.end()
         try:
             os.unlink(recorder.path)
         except OSError:
@@ -242,7 +301,11 @@ def stop() -> str | None:
     """Write the timeline and stop recording; the file's path (None when off)."""
     global _active
     recorder, _active = _active, None
-    return None if recorder is None else recorder.write()
+    if recorder is None:
+        return None
+    _remove_process_hooks()
+    recorder.end()
+    return recorder.write()
 
 
 def flush() -> str | None:
@@ -327,12 +390,75 @@ def traced(name: str, cat: str = "store") -> Callable[[F], F]:
 
 def write_before_exit() -> None:
     """Write the events so far, a failure a RuntimeWarning: at exit, and before an abort
-    of the MPI job, which ends the process before exit's handlers run."""
-    if _active is not None:
-        _active.write_or_warn()
+    of the MPI job, which ends the process before exit's handlers run. The writer thread
+    stops first (the interpreter's end would freeze it wherever it is)."""
+    recorder = _active
+    if recorder is not None:
+        recorder.end()
+        recorder.write_or_warn()
 
 
 atexit.register(write_before_exit)
+
+# Set up by a recording (off, a process has none of them).
+_fork_hooked: list = []  # True once the hook at fork is in (it cannot be taken out)
+_term_previous: list = []  # [SIGTERM's handler before `_write_on_sigterm`], while it is set
+
+
+def _install_process_hooks() -> None:
+    """A forked child records nothing (`_forget_in_child`), and SIGTERM writes the
+    timeline first (`_write_on_sigterm`), where it ends the process (its default) or
+    runs a handler the program set in Python before the recording began: a SIGTERM
+    ignored, or handled outside Python, is left alone, and so is one the program
+    handles from the time after (its handler replaces this one). Only the main thread
+    may set a handler: a recording begun on another leaves SIGTERM as it was."""
+    if not _fork_hooked:
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _fork_hooked.append(True)
+    if _term_previous or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL or callable(previous):
+        signal.signal(signal.SIGTERM, _write_on_sigterm)
+        _term_previous.append(previous)
+
+
+def _remove_process_hooks() -> None:
+    """Once the recording stops, SIGTERM's handler as it was before it (unless the program
+    set its own since: SIGTERM stays as the program left it)."""
+    if not _term_previous or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _write_on_sigterm:
+        signal.signal(signal.SIGTERM, _term_previous.pop())
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child (a data loader's worker): record nothing. The events
+    buffered and the file are the parent's, and so is the writer thread (the child has
+    none): spans recorded here would only pile up."""
+    global _active
+    _active = None
+
+
+def _write_on_sigterm(signum, frame) -> None:
+    """SIGTERM's handler while a timeline records: the events so far, then what SIGTERM
+    did before (the process ends as by SIGTERM, or the program's handler runs). It runs
+    when the main thread next runs Python: at once in a sleep or a wait of the store's,
+    once it returns from a call in native code."""
+    recorder = _active
+    if recorder is not None:
+        if recorder.owner == threading.get_ident():
+            # this handler interrupted a write of this thread (a flush(), an earlier
+            # SIGTERM's): the rest once that write is done, its events in the file
+            recorder.after_write.append((signum, frame))
+            return
+        recorder.write_or_warn(TERM_WAIT)
+    previous = _term_previous[0] if _term_previous else signal.SIG_DFL
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 _start_from_environment(os.environ)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -114,9 +116,8 @@ def test_each_write_adds_the_new_events_only(recording):
     assert names.count("init") == 1 and names.count("push") == 1
 
 
-def test_writes_come_by_count_and_by_time(recording, monkeypatch):
-    """Every FLUSH_EVERY events, and once FLUSH_SECONDS have passed since the last write,
-    the events go to the file on their own."""
+def test_writes_come_by_count(recording, monkeypatch):
+    """Every FLUSH_EVERY events, the events go to the file on their own."""
     kv = gpukv.create("local")
     kv.init(0, np.zeros(3))
     recorder = timeline._active
@@ -127,11 +128,175 @@ def test_writes_come_by_count_and_by_time(recording, monkeypatch):
     for _ in range(3):
         kv.pull(0, out=np.zeros(3))
     assert len(recorder.spans) < 3
-    monkeypatch.setattr(timeline, "FLUSH_EVERY", 10**9)
-    monkeypatch.setattr(timeline, "FLUSH_SECONDS", 0.0)
-    kv.pull(0, out=np.zeros(3))
-    assert recorder.spans == []
-    assert [e["name"] for e in _events(recorder.path)].count("pull") == 5
+    assert [e["name"] for e in _events(recorder.path)].count("pull") >= 3
+
+
+def _names(path) -> list:
+    return [e["name"] for e in _events(path)]
+
+
+def test_writes_come_on_time_whatever_the_program_does(tmp_path, monkeypatch):
+    """FLUSH_SECONDS after a span ended, it is in the file, though the program records
+    nothing more (a rank stalled, then killed): the writer thread wrote it. It writes
+    nothing while nothing is new, and ends with the recording."""
+    monkeypatch.setattr(timeline, "FLUSH_SECONDS", 0.2)
+    timeline.start(tmp_path)
+    recorder = timeline._active
+    try:
+        with timeline.span("before the stall"):
+            pass
+        deadline = time.monotonic() + 10
+        while "before the stall" not in _names(recorder.path):
+            assert time.monotonic() < deadline, "no write in 10 s"
+            time.sleep(0.05)
+        assert recorder.spans == []
+        size = os.path.getsize(recorder.path)
+        time.sleep(0.5)
+        assert os.path.getsize(recorder.path) == size
+    finally:
+        timeline.stop()
+    recorder.writer.join(timeout=10)
+    assert not recorder.writer.is_alive()
+
+
+def test_a_process_killed_outright_keeps_what_it_recorded_until_flush_seconds_before(
+        tmp_path):
+    """SIGKILL runs no handler: what a process recorded more than FLUSH_SECONDS before it
+    is in its file (valid JSON), written by the writer thread while the program slept."""
+    program = ("import sys, time\n"
+               "from gpukv import timeline\n"
+               "timeline.FLUSH_SECONDS = 0.2\n"
+               "timeline.start(sys.argv[1])\n"
+               "with timeline.span('recorded'):\n"
+               "    pass\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", program, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(1.5)
+    finally:
+        child.kill()
+        child.communicate()
+    assert child.returncode == -signal.SIGKILL
+    (path,) = tmp_path.glob("gpukv-timeline-rank0-pid*.json")
+    assert _names(path) == ["recorded"]
+
+
+#: a program that records a span, says "ready", then sleeps argv[2] seconds and says
+#: "alive"; BEFORE runs before gpukv is imported, AFTER once the recording started (none
+#: but SIGTERM's write: FLUSH_SECONDS made endless)
+_TERMINATED = """\
+import os, signal, sys, time
+def mine(signum, frame):
+    print('mine', flush=True)
+    sys.exit(7)
+{before}
+from gpukv import timeline
+timeline.FLUSH_SECONDS = float('inf')
+timeline.start(sys.argv[1])
+{after}
+with timeline.span('recorded'):
+    pass
+print('ready', flush=True)
+time.sleep(float(sys.argv[2]))
+print('alive', flush=True)
+"""
+
+
+@pytest.mark.parametrize("before, after, status, said", [
+    ("", "", -signal.SIGTERM, []),
+    ("signal.signal(signal.SIGTERM, mine)", "", 7, ["mine"]),
+    ("", "signal.signal(signal.SIGTERM, mine)", 7, ["mine"]),
+    ("signal.signal(signal.SIGTERM, signal.SIG_IGN)", "", 0, ["alive"]),
+], ids=["default", "handler before", "handler after", "ignored"])
+def test_sigterm_writes_the_timeline_and_does_what_it_did(tmp_path, before, after, status,
+                                                          said):
+    """A SIGTERM writes what the process recorded, then does what it did without the
+    timeline: ends the process as by SIGTERM, runs the handler the program set (before
+    the recording began, after it, at exit: SIGTERM's write, or exit's), or nothing
+    where the program ignores it."""
+    program = _TERMINATED.format(before=before, after=after)
+    child = subprocess.Popen([sys.executable, "-c", program, str(tmp_path), "2"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert (child.returncode, out.split()) == (status, said)
+    (path,) = tmp_path.glob("gpukv-timeline-rank0-pid*.json")
+    assert _names(path) == ["recorded"]
+
+
+def test_the_thread_and_sigterms_handler_are_there_while_recording_only(tmp_path):
+    """Off, nothing runs: no writer thread, SIGTERM as the program has it; a recording sets
+    both up, and its end takes both away."""
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "gpukv timeline writer"]
+    before = signal.getsignal(signal.SIGTERM)
+    assert not timeline.enabled() and writers() == []
+    timeline.start(tmp_path)
+    try:
+        assert len(writers()) == 1
+        assert signal.getsignal(signal.SIGTERM) is timeline._write_on_sigterm
+    finally:
+        timeline.stop()
+    for writer in writers():
+        writer.join(timeout=10)
+    assert writers() == [] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_during_a_write_comes_after_it(tmp_path, monkeypatch):
+    """A SIGTERM handled while this thread writes the timeline (a flush() it interrupted,
+    or the write of an earlier SIGTERM) waits for that write to end: the events it
+    writes are not lost (the process ends right after, as by SIGTERM)."""
+    program = ("import os, signal, sys\n"
+               "from gpukv import timeline\n"
+               "timeline.FLUSH_SECONDS = float('inf')\n"
+               "timeline.start(sys.argv[1])\n"
+               "with timeline.span('recorded'):\n"
+               "    pass\n"
+               "real = os.pwrite\n"
+               "def slow(fd, data, at):\n"
+               "    os.kill(os.getpid(), signal.SIGTERM)  # (handled on the next line)\n"
+               "    return real(fd, data, at)\n"
+               "os.pwrite = slow\n"
+               "timeline.flush()\n"
+               "print('not ended', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (-signal.SIGTERM, ""), done.stderr
+    (path,) = tmp_path.glob("gpukv-timeline-rank0-pid*.json")
+    assert _names(path) == ["recorded"]
+
+
+def test_a_forked_child_records_nothing(tmp_path):
+    """A child forked while recording (a data loader's worker) records nothing (its
+    spans would only pile up: the file is its parent's); the parent goes on recording,
+    its writer thread too."""
+    program = ("import os, sys, time\n"
+               "from gpukv import timeline\n"
+               "timeline.FLUSH_SECONDS = 0.2\n"
+               "timeline.start(sys.argv[1])\n"
+               "pid = os.fork()\n"
+               "if pid == 0:\n"
+               "    with timeline.span('in the child'):\n"
+               "        pass\n"
+               "    os._exit(0 if not timeline.enabled() else 1)\n"
+               "_, status = os.waitpid(pid, 0)\n"
+               "with timeline.span('in the parent'):\n"
+               "    pass\n"
+               "time.sleep(1.5)\n"
+               "print(status, flush=True)\n"
+               "os._exit(0)  # (no write at exit: the writer thread's alone)\n")
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr
+    (path,) = tmp_path.glob("gpukv-timeline-rank0-pid*.json")
+    assert _names(path) == ["in the parent"]
 
 
 def test_a_span_argument_json_cannot_hold_is_written_as_its_value_or_str(recording):

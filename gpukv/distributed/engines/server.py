@@ -33,6 +33,11 @@ served value whole, as float32.
 A key a low-rank compressor sums (PowerSGD's) comes as every worker's share of a sum they
 made together (`low_rank`): once all are in, laid end to end in worker order, they are the
 round's sum, which the updater gets or which becomes the value.
+
+On the timeline (GPUKV_TIMELINE), each step of a key's round the server takes (the chunks
+that came summed, the round finished, an async push applied) is a `serve` span naming the
+key, with its `sum`, the update's own spans (the shard's store) and `encode pulls` (the
+payload a compressed pull is sent) inside.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import timeline
 from ..._errors import CheckpointError, GpukvError, PeerError, PeerMismatchError
 from ...canonical.arrays import merge_into, own_sum
 from ...canonical.tree import rank_nodes
@@ -404,8 +410,9 @@ class _Server:
         if state.leaf_sum is None:
             state.leaf_sum = np.empty(stored.size, np.float32)
         # kept from round to round, as leaf_sum is (a new one would fault in every page)
-        state.leaf_terms = self.leaf_terms(heads, state.leaf_terms)
-        sum_leaves(self.compressor(heads[0].comp[0]), state.leaf_terms, state.leaf_sum)
+        with timeline.span("sum", "server"):
+            state.leaf_terms = self.leaf_terms(heads, state.leaf_terms)
+            sum_leaves(self.compressor(heads[0].comp[0]), state.leaf_terms, state.leaf_sum)
         self.serve_as(key, state, heads[0].comp)
         self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
         self.serve(key, state, state.leaf_sum)
@@ -440,9 +447,10 @@ class _Server:
         assigns = not self.updating
         value = self.shard.stored(key) if total is None or not assigns else total
         served = self.shard.served(key)
-        payload = codec.payload(key, value, served, assigns)
-        codec.apply(payload, served, assigns)
-        codec.settle(value, served, assigns, self.shard.settles_pulls())
+        with timeline.span("encode pulls", "server"):
+            payload = codec.payload(key, value, served, assigns)
+            codec.apply(payload, served, assigns)
+            codec.settle(value, served, assigns, self.shard.settles_pulls())
         # kept for the workers whose copy is one round behind (a new array each round:
         # a send of the last may still be on its way)
         state.change = (state.version + 1, np.ascontiguousarray(payload).copy())
@@ -478,34 +486,42 @@ class _Server:
         if self.asynchronous:
             for q in queues:
                 while q and q[0].complete:
-                    self.serve_as(key, state, q[0].comp)
-                    self.apply(key, state, [self.whole(q.popleft())])
+                    with timeline.span("serve", "server", key=key):
+                        self.serve_as(key, state, q[0].comp)
+                        self.apply(key, state, [self.whole(q.popleft())])
         while not self.asynchronous and all(queues):
             heads = [q[0] for q in queues]
             same_counts(key, heads)
             if any(h.share for h in heads):
                 if not all(h.complete for h in heads):
                     break
-                self.serve_as(key, state, None)
-                self.assemble_shares(key, state, [q.popleft() for q in queues])
+                with timeline.span("serve", "server", key=key):
+                    self.serve_as(key, state, None)
+                    self.assemble_shares(key, state, [q.popleft() for q in queues])
                 continue
             if any(h.comp is not None for h in heads):
                 if not all(h.complete for h in heads):
                     break
-                if heads[0].count is not None:  # leaves' payloads, in the canonical order
-                    self.sum_leaves(key, state, [q.popleft() for q in queues])
-                    continue
-                self.serve_as(key, state, heads[0].comp)
-                self.apply(key, state, [self.whole(q.popleft()) for q in queues])
+                with timeline.span("serve", "server", key=key):
+                    if heads[0].count is not None:  # leaves' payloads, in canonical order
+                        self.sum_leaves(key, state, [q.popleft() for q in queues])
+                        continue
+                    self.serve_as(key, state, heads[0].comp)
+                    self.apply(key, state, [self.whole(q.popleft()) for q in queues])
             else:
                 if state.serving is not None:  # compressed no more: its value served again
                     self.serve_as(key, state, None)
-                if not self.sum_chunks(key, state, heads):
+                if not self.chunk_ready(state, heads):
                     break
-                for q in queues:
-                    q.popleft()
-                state.summed = state.summed_to = 0
-                self.finish_round(key, state, heads)
+                with timeline.span("serve", "server", key=key):
+                    whole = self.sum_chunks(key, state, heads)
+                    if whole:
+                        for q in queues:
+                            q.popleft()
+                        state.summed = state.summed_to = 0
+                        self.finish_round(key, state, heads)
+                if not whole:
+                    break
         # the stall clock restarts only when the oldest round moved on
         if not any(queues):
             state.since = None
@@ -534,6 +550,13 @@ class _Server:
             at += h.buffer.size
         self.finish_round(key, state, heads)
 
+    @staticmethod
+    def chunk_ready(state, heads: list) -> bool:
+        """Whether `sum_chunks` has a chunk to sum (or the round's sum is whole): the
+        oldest round's next chunk has come from every worker."""
+        return state.summed == len(heads[0].ranges) or all(
+            h.ready(state.summed) for h in heads)
+
     def sum_chunks(self, key, state, heads: list) -> bool:
         """Sum, in worker order, each next chunk of the oldest round that every worker's
         push has; whether the round's every chunk is summed. Without an updater the sum
@@ -549,13 +572,14 @@ class _Server:
         if state.summed > first:
             lo, hi = ranges[first][0], ranges[state.summed - 1][1]
             state.summed_to = hi
-            if heads[0].nodes is None:
-                host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
-            else:  # every worker's node partials, merged as the canonical tree does
-                parts = [(node, row[lo:hi]) for h in heads for node, row in
-                         zip(h.nodes, h.buffer.reshape(h.rows, -1))]
-                merge_into(target[lo:hi], parts, heads[0].count * self.workers,
-                           self.scratch)
+            with timeline.span("sum", "server"):
+                if heads[0].nodes is None:
+                    host_sum(target[lo:hi], [h.buffer[lo:hi] for h in heads])
+                else:  # every worker's node partials, merged as the canonical tree does
+                    parts = [(node, row[lo:hi]) for h in heads for node, row in
+                             zip(h.nodes, h.buffer.reshape(h.rows, -1))]
+                    merge_into(target[lo:hi], parts, heads[0].count * self.workers,
+                               self.scratch)
         return state.summed == len(ranges)
 
     def finish_round(self, key, state, heads: list) -> None:
