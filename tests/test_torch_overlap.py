@@ -370,3 +370,65 @@ def test_a_gradient_penalty_through_grad_trains_as_without_the_overlap(update_on
             trainer.step(len(x))
         results.append([p.detach().clone() for p in models[0].parameters()])
     assert_equal(results[1], results[0])
+
+
+class Skipping(nn.Module):
+    """Its middle layer `b` left out of the forward pass when `use_b` is False."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.use_b = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(h)) if self.use_b else h)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, gt.BUCKET_BYTES])
+def test_a_step_of_several_workers_pushes_the_buckets_left_before_agreeing(bucket_bytes):
+    """With the early reductions pushing to a store of several workers (one here that
+    says it has two), a step pushes every bucket no early reduction started (b's,
+    whose forward pass left it out, and those after it in order), each once and in
+    order, before any agreement (the buckets some worker steps, those to reduce again):
+    another worker, whose early reductions pushed them all, is still in those pushes.
+    b used in the next step starts its reduction again; the weights are those of
+    overlap=False."""
+    weights, orders = {}, {}
+    x, y = make_data()
+    for overlap in (False, True):
+        models = [Skipping() for _ in range(2)]
+        trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                             kvstore="local", update_on_kvstore=False,
+                             bucket_bytes=bucket_bytes, overlap=overlap)
+        store = trainer.kvstore
+        store.__class__ = type("TwoWorkers", (type(store),),
+                               {"num_workers": property(lambda self: 2)})
+        calls = []  # (background thread?, call, key)
+        push, workers_max = store.push, store.workers_max
+        store.push = lambda key, *a, **k: calls.append(
+            (threading.current_thread().name.startswith(WORKER), "push", key)) or push(
+            key, *a, **k)
+        store.workers_max = lambda values, what: calls.append(
+            (False, "max", what)) or workers_max(values, what)
+        for step in range(3):
+            for m in models:
+                m.use_b = step != 1
+            trainer.zero_grad()
+            calls.clear()
+            backward_shards(models, x, y)
+            trainer.step(len(x), ignore_stale_grad=True)
+            orders[overlap, step] = calls[:]
+        weights[overlap] = [p.detach().clone() for p in models[0].parameters()]
+    assert_equal(weights[True], weights[False])
+    keys = list(reversed(trainer.keys))  # the order reductions start in
+    b_first = next(i for i, k in enumerate(keys)
+                   if any(n.startswith("b.") for n in trainer.buckets[k]))
+    for step, early_ones in ((0, len(keys)), (1, b_first), (2, len(keys))):
+        calls = orders[True, step]
+        pushed = [(early, k) for early, call, k in calls if call == "push"]
+        assert [k for _, k in pushed] == keys, (step, calls)
+        assert [early for early, _ in pushed] == [i < early_ones for i in range(len(keys))]
+        # (then the two agreements: the buckets some worker steps, those to reduce again)
+        assert [call for _, call, _ in calls][len(keys):] == ["max", "max"], (step, calls)

@@ -443,7 +443,7 @@ class Trainer:
         self._check_low_rank_keys()
         replicas = self._replica_update("allreduce_grads")
         self._refuse_summed("allreduce_grads() again", "another allreduce")
-        reduction = self._gather(ignore_stale_grad)
+        reduction = self._gather(ignore_stale_grad, "Trainer.allreduce_grads")
         replicas.allreduce(reduction)
         self._reduced = reduction.live
 
@@ -740,16 +740,21 @@ class Trainer:
         for opt in self._update.replica_optimizers:
             opt.rescale_grad = scale
 
-    def _gather(self, ignore_stale_grad: bool) -> Reduction:
+    def _gather(self, ignore_stale_grad: bool, op: str = "Trainer.step") -> Reduction:
         """The gradients to sum: the buckets to step, checked (see
-        `GradientCollector.collect`), less what the early reductions pushed."""
-        self._grads.check_trainable()
-        self._rows.check_assigned()  # (before the collector takes them into the buckets)
-        live = self._grads.collect(ignore_stale_grad)
+        `GradientCollector.collect`), less what the early reductions pushed. The checks
+        count as a push's (`op` names it): a worker refusing its gradients alone (a
+        parameter its forward pass left out, without ignore_stale_grad) makes the others
+        raise a PeerMismatchError naming the refusal in their push at once (their early
+        reductions' included) where pushes are collective (num_servers=0)."""
+        with self._kv.refusals_agreed(op):
+            self._grads.check_trainable()
+            self._rows.check_assigned()  # (before the collector takes them into the buckets)
+            live = self._grads.collect(ignore_stale_grad)
         started, current = (set(), set()) if self._early is None else self._early.finish()
-        if ignore_stale_grad:
-            live = self._agreed(live)
-        return Reduction(self._buckets, live, self._early, started, current)
+        # (agreed where the reduction says: after the pushes the early reductions began)
+        return Reduction(self._buckets, live, self._early, started, current,
+                         self._agreed if ignore_stale_grad else None)
 
     def _agreed(self, live: list) -> list:
         """The buckets that some worker steps: on a store of several workers every one

@@ -116,6 +116,7 @@ class StoreUpdate:
         """`Update.step`; `inverse`: the factor that takes a loss scale off the gradients
         before they leave this process (`scaling`)."""
         self._writes.check()
+        reduction.agree()  # (the early reductions push to a store of this process)
         keys, live = reduction.keys, reduction.live
         if not keys:
             return
@@ -205,7 +206,8 @@ class ReplicaUpdate:
         self.apply(reduction.live)
 
     def allreduce(self, reduction: Reduction) -> None:
-        """Sum every live bucket's gradients on the store, into every replica's."""
+        """Sum every live bucket's gradients on the store, into every replica's (the
+        live buckets agreed on by the push)."""
         reduction.push(self.store)
         if reduction.keys:
             self.store.pull(reduction.keys, out=[b.grads for b in reduction.live])
