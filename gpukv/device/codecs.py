@@ -17,7 +17,9 @@ Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
   bit of the first byte; 1 decodes to +1 and 0 to -1. Payload: 4 * ceil(n / 32) bytes.
 - sign (gpukv's own): a float32 scale per block of 64 values (the root mean square of
   the block's residual: its squares summed pairwise, 32 apart, then 16, ..., 1, divided
-  by the block's count, then the square root), then 1bit's bit layout with 1 for a
+  by the block's count, then the square root; for a block of finite values whose sum
+  of squares is inf or below float32's smallest normal, m times that of the values
+  divided by m, m the block's largest magnitude), then 1bit's bit layout with 1 for a
   value >= 0 (+scale) and 0 for the others (-scale). Payload: 4 * ceil(n / 64) +
   4 * ceil(n / 32) bytes.
 
@@ -26,7 +28,9 @@ Packed layouts are MXNet's (src/kvstore/gradient_compression-inl.h):
   0, 1 is +scale, 2 is -scale). A value is sent when its magnitude exceeds 0.7 times
   its block's mean magnitude (magnitudes summed pairwise, 64 apart, then 32, ..., 1,
   divided by the block's count, times 0.7f); the scale is the mean magnitude of the
-  values sent (summed in the same order, divided by their count; 0 when none is).
+  values sent (summed in the same order, divided by their count; 0 when none is). A
+  block of finite values whose magnitudes sum to inf takes the rule on the values
+  divided by its largest magnitude m, and its scale times m.
   Payload: 30 * ceil(n / 128) bytes.
 
 The residual updates are MXNet's: for 2bit `r += g; if r >= t: r -= t; elif r <= -t:

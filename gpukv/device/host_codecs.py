@@ -369,6 +369,7 @@ def uncast_bf16(payload, scale, out, accumulate):
 #: values in the kernel, and BLOCK)
 SIGN_BLOCK = 64
 _HALVES = tuple(SIGN_BLOCK >> k for k in range(1, SIGN_BLOCK.bit_length()))  # 32 .. 1
+_TINY = np.finfo(_F32).tiny  # float32's smallest normal
 
 
 def sign_nbytes(n: int) -> int:
@@ -405,12 +406,14 @@ def _block_scales(r, k, short, scales):
     """scales[:] = the root mean square of each SIGN_BLOCK of r[:k]: the squares summed
     by halves (x[i] += x[i + h], h = 32, 16, ..., 1) as the CUDA kernel's threads do,
     divided by the block's count (`short` for the last block when it is short, else 0),
-    then the square root."""
+    then the square root. A block of finite values whose sum of squares leaves float32's
+    normal range (inf, or below its smallest normal) takes `_rescaled_scales`."""
     blocks = scales.size
     n = blocks * SIGN_BLOCK
     x = _scratch("sign_x", _F32, BLOCK)[:n]
     y = _scratch("sign_y", _F32, BLOCK)[:n]
-    np.square(r, out=x[:k])
+    with np.errstate(over="ignore"):  # (such blocks are rescaled below)
+        np.square(r, out=x[:k])
     x[k:] = 0
     x = _halve(x, y, n, SIGN_BLOCK, _HALVES[:2])  # 32, 16
     # The first 16 values of each block, packed (a 64-byte item per block: one plain
@@ -421,10 +424,48 @@ def _block_scales(r, k, short, scales):
     sums = _halve(c, d, c.size, 16, _HALVES[2:])[::16]  # 8, 4, 2, 1
     if np.isnan(np.maximum.reduce(sums)):  # keep the NaNs the sums always kept
         sums = _block_sums_2d(r, k, blocks)
+    odd = np.flatnonzero((sums == np.inf) | (sums < _TINY))  # (never a NaN's block)
     np.divide(sums, _F32(SIGN_BLOCK), out=scales)
     if short:
         scales[-1] = sums[-1] / _F32(short)
     np.sqrt(scales, out=scales)
+    if odd.size:
+        _rescaled_scales(r, k, short, odd, scales)
+
+
+def _rescaled_scales(r, k, short, odd, scales):
+    """scales[odd] = m * sqrt(s / count) for the blocks `odd` of r[:k] whose sum of
+    squares is inf or below float32's smallest normal and whose largest magnitude m is
+    finite and above 0, s the sum by halves of (v / m)**2 over the block's values v
+    (zeros past a short last block's end): the root mean square without the squares'
+    overflow or underflow (every quotient is at most 1, and m's is 1). The others (an
+    inf in the block, or every value 0) keep their scale."""
+    blocks = scales.size
+    # The largest magnitudes as the largest of the values' bits, sign cleared (no NaN
+    # here): integer maxima over whole blocks run 5x faster than float maxima by rows.
+    bits = _scratch("sign_y", _U32, BLOCK)[:k]
+    np.bitwise_and(r.view(_U32), _U32(0x7FFFFFFF), out=bits)
+    top = np.maximum.reduceat(bits, np.arange(0, k, SIGN_BLOCK))[odd]
+    keep = (top > 0) & (top < 0x7F800000)  # (not all zeros, no inf: else the scale stands)
+    if not keep.any():
+        return
+    odd, m = odd[keep], top[keep].view(_F32)
+    if k == blocks * SIGN_BLOCK:
+        rows = r.reshape(blocks, SIGN_BLOCK)[odd]
+    else:  # a short last block: zeros after its values
+        padded = np.zeros(blocks * SIGN_BLOCK, _F32)
+        padded[:k] = r
+        rows = padded.reshape(blocks, SIGN_BLOCK)[odd]
+    np.divide(rows, m[:, None], out=rows)
+    np.square(rows, out=rows)
+    for h in _HALVES:
+        np.add(rows[:, :h], rows[:, h:2 * h], out=rows[:, :h])
+    counts = np.full(odd.size, SIGN_BLOCK, _F32)
+    if short:
+        counts[odd == blocks - 1] = short
+    s = np.divide(rows[:, 0], counts)
+    np.sqrt(s, out=s)
+    scales[odd] = np.multiply(s, m, out=s)
 
 
 def _block_sums_2d(r, k, blocks):
@@ -538,6 +579,29 @@ def _ternary_sums(x, out) -> None:
     np.copyto(out, _halve(flat, y, flat.size, 32, _LAST_HALVES)[::32])
 
 
+def _rescaled_magnitudes(size, sums):
+    """For the rows of `size` (magnitudes, blocks x TERNARY_BLOCK) whose sum `sums`
+    overflowed to inf while every magnitude is finite: the row divided by its largest
+    magnitude m, and its sum taken again, in place. Returns (those rows, their m), or
+    None; a row with an inf keeps its inf sum."""
+    over = np.flatnonzero(sums == np.inf)
+    if not over.size:
+        return None
+    rows = size[over]
+    m = np.maximum.reduce(rows, axis=1)
+    finite = m < np.inf
+    if not finite.all():
+        over, rows, m = over[finite], rows[finite], m[finite]
+    if not over.size:
+        return None
+    np.divide(rows, m[:, None], out=rows)
+    size[over] = rows
+    part = np.empty(over.size, _F32)
+    _ternary_sums(rows, part)
+    sums[over] = part
+    return over, m
+
+
 #: each byte's five values' signs (0, +1, -1), first value first, as one 20-byte item
 _TERNARY_SIGNS = np.array([0, 1, -1], _F32)[
     (np.arange(256)[:, None] // _POW3) % 3].view(np.dtype((np.void, 20)))[:, 0]
@@ -573,6 +637,7 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         np.abs(e, out=size)
         threshold = _scratch("ternary_mean", _F32, blocks)
         _ternary_sums(size, threshold)
+        rescaled = _rescaled_magnitudes(size, threshold)
         short = k % TERNARY_BLOCK if stop == total else 0
         with np.errstate(over="ignore", invalid="ignore"):
             last = threshold[-1] / _F32(short) if short else None
@@ -597,6 +662,9 @@ def _quantize_ternary_range(grad, residual, scales, codes, total, lo, hi):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             np.divide(sc, how_many, out=sc)
         sc[how_many == 0] = 0
+        if rescaled is not None:
+            rows, m = rescaled
+            sc[rows] = np.multiply(sc[rows], m)
         negative = _scratch("ternary_negative", np.bool_, e.size).reshape(shape)
         np.less(e, 0, out=negative)
         np.logical_and(negative, chosen, out=negative)

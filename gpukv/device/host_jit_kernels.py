@@ -20,6 +20,7 @@ if sys.byteorder != "little":  # the sign encoder reads eight bytes as one word
 _F32 = np.float32
 _TERNARY_CODE_BYTES = 26  # a ternary block's bytes of codes: five values to a byte
 _ZERO, _ONE, _SEVEN_TENTHS, _NAN = _F32(0), _F32(1), _F32(0.7), _F32(np.nan)
+_INF, _TINY = _F32(np.inf), np.finfo(_F32).tiny  # (float32's smallest normal)
 # (eight bytes of 0 or 1 as a little-endian uint64) * _GATHER_BITS >> 56 is the byte of
 # their bits, the first byte's the most significant: the partial products that reach the
 # top byte are those eight bits, and those below it never carry into it.
@@ -76,18 +77,61 @@ def halves_128(x, at, c, lanes):
 
 
 @inline
+def rescaled_square(v, m):
+    """(v / m)**2 in float32."""
+    q = v / m
+    return q * q
+
+
+@inline
+def rescaled_column(e, i, m):
+    """The first three levels of the sum by halves of (e[:64] / m)**2 at column i (< 8):
+    halves_64's c[i], without an array (writes to scratch in sign_block's rare branch
+    made its common path 2.5x slower)."""
+    return (((rescaled_square(e[i], m) + rescaled_square(e[i + 32], m))
+             + (rescaled_square(e[i + 16], m) + rescaled_square(e[i + 48], m)))
+            + ((rescaled_square(e[i + 8], m) + rescaled_square(e[i + 40], m))
+               + (rescaled_square(e[i + 24], m) + rescaled_square(e[i + 56], m))))
+
+
+@inline
+def rescaled_rms(e, count, scale):
+    """The root mean square of e[:64] (its first `count` real, zeros after them) as
+    m * sqrt(the sum by halves of (v / m)**2 / count), m the largest magnitude, for a
+    block whose squares overflow or underflow float32; `scale` where m is 0 or inf (an
+    inf in the block). m is the largest of the bits, sign cleared (no NaN here): an
+    integer maximum, which vectorises. (The uint32 view of e is made here: one passed
+    in beside e made sign_block's common path 2.5x slower.)"""
+    eu = e.view(np.uint32)
+    top = np.uint32(0)
+    for i in range(64):
+        top = np.uint32(max(top, eu[i] & np.uint32(0x7FFFFFFF)))
+    m = np.uint32(top).view(np.float32)
+    if not (m > _ZERO and m < _INF):
+        return scale
+    total = (((rescaled_column(e, 0, m) + rescaled_column(e, 4, m))
+              + (rescaled_column(e, 2, m) + rescaled_column(e, 6, m)))
+             + ((rescaled_column(e, 1, m) + rescaled_column(e, 5, m))
+                + (rescaled_column(e, 3, m) + rescaled_column(e, 7, m))))  # halves 4, 2, 1
+    return m * _F32(np.sqrt(total / _F32(count)))
+
+
+@inline
 def sign_block(g, r, at, count, e, x, c, p, words, bits, byte, plus_minus, lanes):
     """One block of 64 values from g[at:], r[at:] (its first `count` real, zeros after
     them): r += g, the squares summed by halves (x[i] += x[i + h], h = 32, ..., 1)
-    over `count`, square-rooted: the scale, returned; the signs into
-    bits[byte:byte + 8] (1 for >= 0); r -= +-scale. e, x, c and p (`words`: p as
-    uint64) are scratch."""
+    over `count`, square-rooted: the scale, returned (`rescaled_rms` where that sum is
+    inf or below float32's smallest normal); the signs into bits[byte:byte + 8] (1 for
+    >= 0); r -= +-scale. e, x, c and p (`words`: p as uint64) are scratch."""
     for i in range(64):
         v = r[at + i] + g[at + i]
         e[i] = v
         x[i] = v * v
         p[i] = 1 if v >= _ZERO else 0
-    s = _F32(np.sqrt(halves_64(x, c, lanes) / _F32(count)))
+    total = halves_64(x, c, lanes)
+    s = _F32(np.sqrt(total / _F32(count)))
+    if total == _INF or total < _TINY:  # (never for a NaN)
+        s = rescaled_rms(e, count, s)
     for j in range(8):  # eight 0/1 bytes to one byte, the first the most significant
         bits[byte + j] = np.uint8((words[j] * _GATHER_BITS) >> _SHIFT_56)
     minus, plus = plus_minus[0] * s, plus_minus[1] * s  # -1 * s, +1 * s (sign_encode)
@@ -160,13 +204,28 @@ TERNARY_GROUP = 4
 
 
 @jit
+def rescaled_magnitudes(a, at):
+    """The largest m of the magnitudes a[at:at + 128] (no NaN), after dividing them by
+    it where m is finite."""
+    m = _ZERO
+    for i in range(128):
+        m = max(m, a[at + i])
+    if m < _INF:
+        for i in range(128):
+            a[at + i] = a[at + i] / m
+    return m
+
+
+@jit
 def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
     """`blocks` blocks of 128 values from g and r: r += g; a value is sent when its
     magnitude exceeds 0.7 times the block's mean magnitude; the block's scale (scales[b])
     is the mean magnitude of those sent; codes five to a byte (codes[26 b:26 b + 26]);
-    r -= the values sent. A block with an inf or NaN sends its values as +NaN (code 1,
-    the scale NaN): r = r + g - NaN. The last block has `count` real values (zeros after
-    them), the others 128.
+    r -= the values sent. A block of finite values whose magnitudes sum to inf takes
+    them divided by the largest, m (`rescaled_magnitudes`), its scale then multiplied by
+    m. A block with an inf or NaN sends its values as +NaN (code 1, the scale NaN):
+    r = r + g - NaN. The last block has `count` real values (zeros after them), the
+    others 128.
 
     The blocks go through each pass TERNARY_GROUP at a time, and the arrays must hold
     whole groups (the caller pads the last). One function rather than a call per block:
@@ -178,6 +237,7 @@ def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
     a = np.empty(TERNARY_GROUP * 128, np.float32)
     y = np.empty(8, np.float32)
     threshold = np.empty(TERNARY_GROUP, np.float32)
+    unit = np.empty(TERNARY_GROUP, np.float32)
     sent = np.empty(TERNARY_GROUP, np.int32)
     s = np.empty(TERNARY_GROUP, np.float32)
     # (the last byte of each block's codes has two digits past 128, which stay 0)
@@ -191,7 +251,14 @@ def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
             a[i] = abs(v)
         for k in range(TERNARY_GROUP):
             real = count if first + k == blocks - 1 else 128
-            threshold[k] = halves_128(a, k * 128, y, lanes) / _F32(real) * _SEVEN_TENTHS
+            total = halves_128(a, k * 128, y, lanes)
+            unit[k] = _ONE  # (m, far above 1, for a block rescaled)
+            if total == _INF:
+                m = rescaled_magnitudes(a, k * 128)
+                if m < _INF:  # finite magnitudes, now over m (an inf: poisoned below)
+                    unit[k] = m
+                    total = halves_128(a, k * 128, y, lanes)
+            threshold[k] = total / _F32(real) * _SEVEN_TENTHS
         for k in range(TERNARY_GROUP):
             t = threshold[k]
             chosen = 0
@@ -202,6 +269,8 @@ def ternary_blocks(g, r, scales, codes, blocks, count, lanes):
             sent[k] = chosen
         for k in range(TERNARY_GROUP):
             s[k] = halves_128(a, k * 128, y, lanes) / _F32(sent[k]) if sent[k] else _ZERO
+            if unit[k] != _ONE:
+                s[k] = s[k] * unit[k]
         for k in range(TERNARY_GROUP):
             sk = s[k]
             minus = _F32(-1) * sk

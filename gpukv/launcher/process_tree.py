@@ -34,7 +34,7 @@ def adopt_orphans() -> bool:
 def ending() -> list[int]:
     """The signals that end a launcher's job: Ctrl-C, SIGTERM and a hang-up (the terminal
     closed, an ssh connection dropped), unless hang-ups are ignored here (`nohup`)."""
-    caught = [signal.SIGINT, signal.SIGTERM]
+    caught: list[int] = [signal.SIGINT, signal.SIGTERM]
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         caught.append(signal.SIGHUP)
     return caught

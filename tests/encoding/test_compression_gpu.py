@@ -10,6 +10,8 @@ from gpukv.device import codecs as K
 from gpukv.device import host_device
 
 from ..bfloat16 import BF16, needs_bfloat16
+from .test_blockwise_range import CASES as RANGE_CASES
+from .test_blockwise_range import steps as range_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -114,6 +116,33 @@ def test_blockwise_kernels_give_the_twins_bytes_and_residuals(cp, codec, n):
         dequantize(want, n, host_out, accumulate)
         dequantize(got, n, gpu_out, accumulate)
         assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+
+
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+@pytest.mark.parametrize("codec", ["sign", "ternary"])
+def test_blockwise_kernels_rescale_blocks_past_float32s_range_as_the_twin(cp, codec, case):
+    """Blocks of huge finite values (their squares or magnitudes summing to inf) and of
+    tiny ones (their squares below float32's normals), alone and beside ordinary blocks:
+    push after push, the kernel writes the twin's payload and leaves its residual, all
+    finite, and decodes to the twin's values, bit for bit."""
+    quantize, dequantize = getattr(K, f"quantize_{codec}"), getattr(K, f"dequantize_{codec}")
+    g = RANGE_CASES[case]
+    n = g.size
+    r = np.zeros(n, np.float32)
+    r_gpu = cp.asarray(r)
+    for step in range(range_steps(g)):
+        want = quantize(g, r)
+        got = quantize(cp.asarray(g), r_gpu)
+        assert got.get().tobytes() == want.tobytes(), f"payload of step {step}"
+        assert_same_bits(r_gpu.get(), r, f"residual after step {step}")
+        assert np.isfinite(r).all()
+    for accumulate in (False, True):
+        base = f32_without_subnormals(np.linspace(-1, 1, n))
+        host_out, gpu_out = base.copy(), cp.asarray(base)
+        dequantize(want, n, host_out, accumulate)
+        dequantize(got, n, gpu_out, accumulate)
+        assert_same_bits(gpu_out.get(), host_out, f"decoded, accumulate={accumulate}")
+        assert np.isfinite(host_out).all()
 
 
 def assert_same_values(got, want, what=""):

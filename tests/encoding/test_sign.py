@@ -18,26 +18,41 @@ pytestmark = pytest.mark.usefixtures("host_codec_path")
 BLOCK = 64
 
 
+def _by_halves(m: np.ndarray) -> np.ndarray:
+    """Each row's sum by halves (x[i] += x[i + h], h = 32, 16, ..., 1), in float32."""
+    m = m.copy()
+    h = BLOCK // 2
+    while h:
+        m[:, :h] = m[:, :h] + m[:, h:2 * h]
+        h //= 2
+    return m[:, 0]
+
+
 def sign_rule(grad: np.ndarray, residual: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray]:
     """(payload bytes, decoded values, new residual) of one push of float32 `grad` with
     `residual`, as the rule says: e = r + g; per block of 64 its squares summed by halves
     (x[i] += x[i+h], h = 32, 16, ..., 1), divided by the block's count, square-rooted:
     the scale; bit 1 where e >= 0; the decoded value +1 or -1 times the scale, taken out
-    of e."""
+    of e. A block of finite values whose sum of squares is inf or below float32's
+    smallest normal, and whose largest magnitude m is above 0, takes the scale
+    m * sqrt(the sum by halves of (v / m)**2 / count) instead."""
     e = residual + grad
     n = e.size
     blocks = -(-n // BLOCK)
-    a = np.zeros(blocks * BLOCK, np.float32)
-    a[:n] = e * e
-    m = a.reshape(blocks, BLOCK)
-    h = BLOCK // 2
-    while h:
-        m[:, :h] = m[:, :h] + m[:, h:2 * h]
-        h //= 2
+    v = np.zeros(blocks * BLOCK, np.float32)
+    v[:n] = e
+    v = v.reshape(blocks, BLOCK)
     counts = np.full(blocks, BLOCK, np.float32)
     if n % BLOCK:
         counts[-1] = n % BLOCK
-    scales = np.sqrt(m[:, 0] / counts)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sums = _by_halves(v * v)
+        scales = np.sqrt(sums / counts)
+        m = np.abs(v).max(axis=1)
+    odd = ((sums == np.inf) | (sums < np.finfo(np.float32).tiny)) & (m > 0) & (m < np.inf)
+    q = v / np.where(odd, m, np.float32(1))[:, None]
+    rescaled = m * np.sqrt(_by_halves(q * q) / counts)
+    scales = np.where(odd, rescaled, scales).astype(np.float32)
     bits = np.zeros(-(-n // 32) * 32, bool)
     bits[:n] = e >= 0
     signs = np.where(bits[:n], np.float32(1), np.float32(-1))

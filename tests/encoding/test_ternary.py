@@ -36,8 +36,10 @@ def ternary_rule(grad: np.ndarray,
     mean * 0.7; the scale is the sent magnitudes summed by halves over their count (0
     with none); code 1 (+scale) for a sent value > 0, 2 (-scale) for the other sent
     ones, 0 (+0) for the rest; five codes a byte, base 3, the first the lowest digit,
-    26 bytes a block; the decoded value taken out of e. A block whose mean is no finite
-    number (an inf or NaN in it) crosses as NaN: every value code 1, the scale NaN."""
+    26 bytes a block; the decoded value taken out of e. A block of finite values whose
+    magnitudes sum to inf takes them divided by the largest, m, for the whole rule, its
+    scale then multiplied by m. A block whose mean is no finite number (an inf or NaN in
+    it) crosses as NaN: every value code 1, the scale NaN."""
     e = residual + grad
     n = e.size
     blocks = -(-n // BLOCK)
@@ -47,6 +49,10 @@ def ternary_rule(grad: np.ndarray,
     if n % BLOCK:
         counts[-1] = n % BLOCK
     with np.errstate(invalid="ignore", over="ignore"):
+        rows = size.reshape(blocks, BLOCK)
+        m = rows.max(axis=1)
+        unit = np.where((_by_halves(rows) == np.inf) & (m < np.inf), m, np.float32(1))
+        size = (rows / unit[:, None]).reshape(-1)  # (exact for the others: over 1)
         mean = _by_halves(size.reshape(blocks, BLOCK)) / counts
         bar = mean * np.float32(0.7)
         poisoned = np.repeat(~np.isfinite(bar), BLOCK)
@@ -57,6 +63,7 @@ def ternary_rule(grad: np.ndarray,
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         scales = np.where(how_many > 0, _by_halves(kept) / how_many.astype(np.float32),
                           np.float32(0)).astype(np.float32)
+    scales *= unit
     scales[~np.isfinite(bar)] = np.float32(np.nan)
     positive = poisoned.copy()
     positive[:n] |= e > 0

@@ -111,6 +111,44 @@ __device__ __forceinline__ float gpukv_warp_halves(float* sh, int lane, float v)
     return t[0];
 }
 
+/* For a block whose sum by halves left float32's range: the largest magnitude m of the
+   block's `width` values v (64 or 128, in shared memory, none a NaN), and, where m is
+   finite and above 0, the sum by halves (x[i] += x[i + h], h = width / 2, ..., 1) of
+   |v| / m, or of (v / m)**2 when `square`, in the tree of gpukv_warp_halves and the
+   twins. Every lane adds the whole tree in its own registers, eight columns i + 8 k at
+   a time: no barrier, so a warp may take it alone. */
+__device__ __forceinline__ float gpukv_rescaled_halves(const float* v, int width, int square,
+                                                       float* m_out) {
+    float m = 0.0f;
+    for (int j = 0; j < width; ++j) m = fmaxf(m, fabsf(v[j]));
+    *m_out = m;
+    if (!(m > 0.0f) || isinf(m)) return 0.0f;
+    const int per = width / 8;  /* a column's values: 8 or 16 */
+    float c[8];
+    for (int i = 0; i < 8; ++i) {
+        float x[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            float q = k < per ? __fdiv_rn(fabsf(v[i + 8 * k]), m) : 0.0f;
+            x[k] = square ? __fmul_rn(q, q) : q;
+        }
+#pragma unroll
+        for (int h = 8; h > 0; h >>= 1) {  /* the halves 64 (width 128), 32, 16 and 8 */
+            if (h < per) {
+#pragma unroll
+                for (int k = 0; k < h; ++k) x[k] = __fadd_rn(x[k], x[k + h]);
+            }
+        }
+        c[i] = x[0];
+    }
+#pragma unroll
+    for (int h = 4; h > 0; h >>= 1) {  /* the halves 4, 2 and 1 */
+#pragma unroll
+        for (int i = 0; i < h; ++i) c[i] = __fadd_rn(c[i], c[i + h]);
+    }
+    return c[0];
+}
+
 __device__ __forceinline__ int gpukv_warp_count(int* sh, int lane, int v) {
     sh[lane] = v;
     __syncwarp();
@@ -125,11 +163,14 @@ __device__ __forceinline__ int gpukv_warp_count(int* sh, int lane, int v) {
    lane and lane + 32, so the halves 32 apart are added in the lane and the rest across
    the warp. A CUDA block's 8 warps take 8 blocks at a time, in step (the loop's count is
    the CUDA block's). The payload is the blocks' float32 scales, then the bits (32 values
-   per 32-bit word). */
+   per 32-bit word). A block of finite values whose sum of squares is inf or below
+   float32's smallest normal takes m * sqrt(the sum of (v / m)**2 / count), m its largest
+   magnitude (above 0), as the twins do: from the values kept in shared memory. */
 extern "C" __global__ void gpukv_quantize_sign(
         const float* __restrict__ grad, float* __restrict__ residual,
         unsigned char* __restrict__ out, long long n, long long nblocks) {
     __shared__ float sums[8][32];
+    __shared__ float values[8][64];
     __shared__ unsigned char bits[8][64];
     float* scales = (float*)out;
     unsigned char* packed = out + 4 * nblocks;
@@ -143,12 +184,18 @@ extern "C" __global__ void gpukv_quantize_sign(
         for (int k = 0; k < 2; ++k) {
             long long i = first + lane + 32 * k;
             r[k] = i < n ? __fadd_rn(residual[i], grad[i]) : 0.0f;
+            values[warp][lane + 32 * k] = r[k];  /* (read after the barrier below) */
         }
         float total = gpukv_warp_halves(sums[warp], lane,
                                         __fadd_rn(__fmul_rn(r[0], r[0]), __fmul_rn(r[1], r[1])));
         long long left = n - first;
-        float scale = left > 0 ? __fsqrt_rn(__fdiv_rn(total, (float)(left < 64 ? left : 64)))
-                               : 0.0f;
+        const float count = (float)(left < 64 ? left : 64);
+        float scale = left > 0 ? __fsqrt_rn(__fdiv_rn(total, count)) : 0.0f;
+        if (left > 0 && (isinf(total) || total < __int_as_float(0x00800000))) {  /* not NaN */
+            float m;
+            float s = gpukv_rescaled_halves(values[warp], 64, 1, &m);
+            if (m > 0.0f && !isinf(m)) scale = __fmul_rn(m, __fsqrt_rn(__fdiv_rn(s, count)));
+        }
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             long long i = first + lane + 32 * k;
@@ -162,7 +209,7 @@ extern "C" __global__ void gpukv_quantize_sign(
             packed[byte] = gpukv_pack8(bits[warp] + 8 * lane);
         }
         if (lane == 0 && b < nblocks) scales[b] = scale;
-        __syncwarp();  /* bits are the next block's */
+        __syncwarp();  /* bits and values are the next block's */
     }
 }
 
@@ -183,12 +230,15 @@ extern "C" __global__ void gpukv_dequantize_sign(
    values lane + 32 k for k = 0..3, so the halves 64 and 32 apart are added in the lane
    and the rest across the warp; 8 warps in step, as for sign. The payload is the blocks'
    float32 scales, then each block's 26 bytes of codes, five to a byte (the first value the
-   lowest base-3 digit; 0: 0, 1: +scale, 2: -scale). */
+   lowest base-3 digit; 0: 0, 1: +scale, 2: -scale). A block of finite values whose
+   magnitudes sum to inf takes them divided by the largest, m, its scale then multiplied
+   by m, as the twins do: from the magnitudes kept in shared memory. */
 extern "C" __global__ void gpukv_quantize_ternary(
         const float* __restrict__ grad, float* __restrict__ residual,
         unsigned char* __restrict__ out, long long n, long long nblocks) {
     __shared__ float sums[8][32];
     __shared__ int counts[8][32];
+    __shared__ float sizes[8][128];
     __shared__ unsigned char codes[8][128];
     float* scales = (float*)out;
     unsigned char* packed = out + 4 * nblocks;
@@ -202,10 +252,22 @@ extern "C" __global__ void gpukv_quantize_ternary(
             long long i = first + lane + 32 * k;
             r[k] = i < n ? __fadd_rn(residual[i], grad[i]) : 0.0f;
             size[k] = fabsf(r[k]);
+            sizes[warp][lane + 32 * k] = size[k];  /* (read after the barrier below) */
         }
         float total = gpukv_warp_halves(
             sums[warp], lane,
             __fadd_rn(__fadd_rn(size[0], size[2]), __fadd_rn(size[1], size[3])));
+        float unit = 1.0f;  /* m, for a block rescaled */
+        if (isinf(total)) {
+            float m;
+            float rescaled = gpukv_rescaled_halves(sizes[warp], 128, 0, &m);
+            if (!isinf(m)) {  /* finite magnitudes (an inf: poisoned below) */
+                unit = m;
+                total = rescaled;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) size[k] = __fdiv_rn(size[k], m);
+            }
+        }
         long long left = n - first;
         float mean = left > 0 ? __fdiv_rn(total, (float)(left < 128 ? left : 128)) : 0.0f;
         float bar = __fmul_rn(mean, 0.7f);
@@ -225,6 +287,7 @@ extern "C" __global__ void gpukv_quantize_ternary(
         count = gpukv_warp_count(counts[warp], lane, count);
         float scale = poisoned ? __int_as_float(0x7fc00000)
                     : (count > 0 ? __fdiv_rn(sent_sum, (float)count) : 0.0f);
+        if (unit != 1.0f) scale = __fmul_rn(scale, unit);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             long long i = first + lane + 32 * k;
@@ -241,7 +304,7 @@ extern "C" __global__ void gpukv_quantize_ternary(
             packed[b * 26 + lane] = (unsigned char)v;
         }
         if (lane == 0 && b < nblocks) scales[b] = scale;
-        __syncwarp();  /* codes are the next block's */
+        __syncwarp();  /* codes and sizes are the next block's */
     }
 }
 

@@ -1,7 +1,12 @@
 """``{'type': 'sign'}``: scaled sign with error feedback (after EF-SignSGD, Karimireddy et
 al., "Error Feedback Fixes SignSGD", 2019). Each value crosses as one bit, its sign, and
 each block of 64 values as one float32, the root mean square of the block; what the
-decoded value misses of gradient plus residual is the next push's residual.
+decoded value misses of gradient plus residual is the next push's residual. A block of
+finite values whose float32 sum of squares would overflow to inf (one value past about
+1.8e19 does) or fall below float32's smallest normal (all its values about 1e-20 or
+less) takes its root mean square as m * sqrt(mean((v / m)**2)), m its largest
+magnitude: it crosses finite (a block of one repeated value as that value). A block
+holding an inf or a NaN crosses with an inf or NaN scale.
 
 Unlike 2bit/1bit it has nothing to tune: the scale follows the gradient's own size, so
 the residual stays bounded whatever the gradients' scale, and 64 float32 values cross in

@@ -3,8 +3,11 @@ al. 2017, with the error feedback of EF-SignSGD). In each block of 128 values, t
 magnitude exceeds 0.7 times the block's mean magnitude cross as +-the mean magnitude of
 those sent, the others as 0; what the decoded value misses of gradient plus residual is
 the next push's residual. A value costs a base-3 digit (five to a byte) and a block a
-float32 scale: 128 float32 values cross in 30 bytes (a 17x cut). A block holding an inf
-or a NaN crosses as NaN (every value +, the scale NaN), so that it shows where it lands.
+float32 scale: 128 float32 values cross in 30 bytes (a 17x cut). A block of finite
+values whose magnitudes' float32 sum would overflow to inf (their mean past about
+2.6e36) takes them divided by the largest, m, for the whole rule, its scale then
+multiplied by m, so that it crosses finite. A block holding an inf or a NaN crosses as
+NaN (every value +, the scale NaN), so that it shows where it lands.
 
 Like 'sign' it has nothing to tune, and it compresses both ways: what workers pull crosses
 as ternary payloads too (`gpukv.encoding.pulls`).
