@@ -49,8 +49,8 @@ GPU_QUERY_TIMEOUT = 10.0
 #: the names of a PROG that means this Python
 PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 #: how the line after a signal names it (SIGTERM's: terminated (SIGTERM))
-_SIGNALLED: dict[int, str] = {signal.SIGINT: "interrupted (Ctrl-C)",
-                               signal.SIGHUP: "hung up (SIGHUP)"}
+_SIGNALLED: dict[int, str] = {
+    signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGHUP: "hung up (SIGHUP)"}
 #: what failed first, when mpiexec said it (a process ended badly, a rank's MPI_Abort)
 _BOX = "mpiexec's word"
 #: what a rank that ended without its program's word failed of, and the words of its line
