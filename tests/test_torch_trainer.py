@@ -1500,3 +1500,75 @@ def test_a_second_trainer_on_one_store_says_to_give_it_its_own():
     gt.Trainer([make_model()], "sgd", kvstore=kv)
     with pytest.raises(gpukv.DuplicateKeyError, match="give each Trainer a store of its own"):
         gt.Trainer([make_model(1)], "sgd", kvstore=kv)
+
+
+def _zeroings(models, trainer):
+    """Ways a program drops the gradients a step left (each before its backward)."""
+    def in_place():
+        for m in models:
+            for p in m.parameters():
+                p.grad.zero_()
+    return {"trainer": lambda: trainer.zero_grad(),
+            "set_to_none": lambda: [m.zero_grad() for m in models],
+            "in_place": in_place}
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("bucket_bytes", [gt.BUCKET_BYTES, 0])
+def test_a_backward_onto_the_sums_a_step_left_is_refused(split, bucket_bytes):
+    """update_on_kvstore=False leaves the replicas' sum in every .grad (gluon's): a
+    backward adding to it without a zero_grad, and a step (or allreduce_grads) would sum
+    the sums again. It is an ArgumentError naming a parameter and its replica, before
+    anything changes; after a zero_grad, the step is taken and the weights are plain
+    torch's. Every way of zeroing first is taken as it is."""
+    base = make_model()
+    models = replicas_of(base, 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                         update_on_kvstore=False, bucket_bytes=bucket_bytes)
+    zeroings = _zeroings(models, trainer)
+    x, y = make_data()
+
+    def take_step():
+        if split:
+            trainer.allreduce_grads()
+            trainer.update(len(x))
+        else:
+            trainer.step(len(x))
+
+    steps = 0
+    for zeroing in ("trainer", None, "set_to_none", None, "in_place"):
+        if zeroing is not None:
+            zeroings[zeroing]()
+        backward_shards(models, x, y)
+        if zeroing is None:  # the gradients of the step before, and this backward's
+            before = [p.detach().clone() for m in models for p in m.parameters()]
+            with pytest.raises(gpukv.ArgumentError,
+                               match=r"parameter '.*' of replica \d: backward added its "
+                                     r"gradient to the sum"):
+                take_step()
+            assert all(torch.equal(a, b) for a, b in
+                       zip(before, [p for m in models for p in m.parameters()]))
+            continue
+        take_step()
+        steps += 1
+    ref = train_torch(copy.deepcopy(base), lambda p: torch.optim.SGD(p, lr=0.1), steps=steps)
+    assert_same_weights(models, ref)
+
+
+def test_gradients_added_to_across_steps_with_the_optimizer_on_the_store_are_torchs():
+    """update_on_kvstore=True leaves each replica's own gradient in .grad: backward adding
+    to it across steps (no zero_grad) sums as plain torch does, and is taken."""
+    base = make_model()
+    models = replicas_of(base, 2)
+    trainer = gt.Trainer(models, "sgd", {"learning_rate": 0.1}, kvstore="local")
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = make_data()
+    trainer.zero_grad()
+    opt.zero_grad()
+    for _ in range(3):
+        backward_shards(models, x, y)
+        trainer.step(len(x))
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        opt.step()
+    assert_same_weights(models, ref)

@@ -8,7 +8,9 @@ from .buckets import Bucket
 
 class FreshGrads:
     """A post-accumulate-grad hook on every parameter of every replica marks its gradient
-    fresh; the Trainer clears the marks once a step has used them.
+    fresh; the Trainer clears the marks once a step has used them. The hooks also count
+    what backward adds to a gradient buffer that holds the replicas' sum a step left
+    there (`hold_sums`): a step would sum that sum again (`added_to_sums`).
 
     Hooks, not the gradients' version counters: the gradients of a bucket are views of one
     buffer and share one counter, so a counter cannot tell which of them backward reached.
@@ -24,11 +26,18 @@ class FreshGrads:
                        for params, row in zip(bucket.params, rows)
                        for i, p in enumerate(params)}
         _LIVE.add(self)
+        self._buckets = buckets
+        self._index = {id(bucket): b for b, bucket in enumerate(buckets)}
+        #: [bucket][replica]: [the version of the replica's gradient buffer when a step
+        #: left the replicas' sum in it (update_on_kvstore=False), the accumulations into
+        #: it backward made since], or None
+        self._sums: list = [[None] * len(bucket.params) for bucket in buckets]
         handles = []
-        for bucket, rows in zip(buckets, self._marks):
-            for params, row in zip(bucket.params, rows):
+        for bucket, rows, sums in zip(buckets, self._marks, self._sums):
+            for r, (params, row) in enumerate(zip(bucket.params, rows)):
                 for i, p in enumerate(params):
-                    handles.append(p.register_post_accumulate_grad_hook(_mark(row, i)))
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        _mark(row, i, sums, r, bucket.views)))
         # The hooks hold the marks only: a Trainer dropped takes its hooks with it.
         weakref.finalize(self, _unhook, handles)
 
@@ -43,9 +52,32 @@ class FreshGrads:
         return None if place is None else place[0][place[1]]
 
     def clear(self) -> None:
-        for rows in self._marks:
+        for rows, sums in zip(self._marks, self._sums):
             for row in rows:
                 row[:] = [False] * len(row)
+            sums[:] = [None] * len(sums)
+
+    def hold_sums(self, buckets: list[Bucket]) -> None:
+        """A step (after `clear`) left the replicas' sum in the gradients of `buckets`:
+        from now on, a backward adding to it is counted (`added_to_sums`)."""
+        for bucket in buckets:
+            self._sums[self._index[id(bucket)]][:] = [[grads._version, 0]
+                                                     for grads in bucket.grads]
+
+    def added_to_sums(self) -> tuple[str, int] | None:
+        """(name, replica) of a parameter whose gradient backward added to the sum a step
+        left in it, where nothing else wrote into its bucket since (each accumulation
+        moves the buffer's version counter by one, a zero_() or a clipping once more);
+        else None."""
+        for bucket, rows, sums in zip(self._buckets, self._marks, self._sums):
+            for r, held in enumerate(sums):
+                if held is None or not held[1] \
+                        or bucket.grads[r]._version != held[0] + held[1]:
+                    continue
+                for i, (fresh, view) in enumerate(zip(rows[r], bucket.views[r])):
+                    if fresh and bucket.params[r][i].grad is view:
+                        return bucket.names[i], r
+        return None
 
 
 #: the marks of every Trainer alive (its hooks keep them current)
@@ -62,9 +94,17 @@ def _known_mark(param) -> bool:
     return param.grad is not None
 
 
-def _mark(row: list, i: int):
-    def hook(_param) -> None:
+def _mark(row: list, i: int, sums: list, r: int, views: list):
+    """The hook of parameter i of replica r (`views`: its bucket's, [replica][i], filled
+    once the bucket's buffers are made)."""
+    def hook(param) -> None:
         row[i] = True
+        held = sums[r]
+        if held is not None:
+            if param.grad is views[r][i]:  # added into the buffer, in place
+                held[1] += 1
+            else:  # a .grad set afresh (set_to_none): no sum to add to
+                sums[r] = None
     return hook
 
 

@@ -69,6 +69,15 @@ class GradientCollector:
         ArgumentError, or with `ignore_stale_grad` zeroed; a bucket of one parameter
         stale in every replica is left out.
         """
+        onto_sums = self._fresh.added_to_sums()
+        if onto_sums is not None:
+            name, r = onto_sums
+            raise ArgumentError(
+                f"parameter {name!r} of replica {r}: backward added its gradient to the sum "
+                f"over the replicas that the last step left in .grad (update_on_kvstore="
+                f"False leaves the sums there, as gluon does), and this step would sum "
+                f"those sums again; call zero_grad() (the Trainer's, or the model's) before "
+                f"backward")
         stale: list = []  # (bucket, replica, index) of each gradient backward left alone
         adopted: list = []  # (param, view, grad): a new tensor since set_to_none
         for b, bucket in enumerate(self._buckets):
@@ -114,6 +123,11 @@ class GradientCollector:
         """A step or an update used the gradients, or zero_grad dropped them: none is
         fresh any more."""
         self._fresh.clear()
+
+    def hold_sums(self, buckets: list[Bucket]) -> None:
+        """The step just taken left the replicas' sums in the gradients of `buckets`: a
+        backward adding to them before the next step is refused there (`collect`)."""
+        self._fresh.hold_sums(buckets)
 
 
 def _moved_message(name: str, r: int) -> str:

@@ -432,6 +432,8 @@ class Trainer:
             with timeline.span("reduce and update", "trainer"):
                 self._update.step(reduction)
             self._stepped()
+            if isinstance(self._update, ReplicaUpdate):
+                self._grads.hold_sums(reduction.live)
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients of every replica on the store and pull the sum into each
@@ -467,7 +469,10 @@ class Trainer:
             self._grads.adopt_replaced()
         self._set_scale(scale)
         replicas.apply(live)
+        summed = self._reduced is not None
         self._stepped()
+        if summed:
+            self._grads.hold_sums(live)
 
     def _warn_unsummed(self) -> None:
         """An update of gradients no allreduce_grads() summed, where there are several
@@ -527,7 +532,10 @@ class Trainer:
         scaling.unscale([g for b in live for g in b.grads], scaled.inverse)
         self._set_scale(scale)
         replicas.apply(live)
+        summed = self._reduced is not None
         self._stepped()
+        if summed:
+            self._grads.hold_sums(live)
 
     def _refuse_summed(self, call: str, what: str) -> None:
         """ArgumentError for `call` while the gradients hold the sums of an
