@@ -61,8 +61,8 @@ class FreshGrads:
         """A step (after `clear`) left the replicas' sum in the gradients of `buckets`:
         from now on, a backward adding to it is counted (`added_to_sums`)."""
         for bucket in buckets:
-            self._sums[self._index[id(bucket)]][:] = [[grads._version, 0]
-                                                     for grads in bucket.grads]
+            held = [[_writes(grads), 0] for grads in bucket.grads]
+            self._sums[self._index[id(bucket)]][:] = held
 
     def added_to_sums(self) -> tuple[str, int] | None:
         """(name, replica) of a parameter whose gradient backward added to the sum a step
@@ -72,7 +72,7 @@ class FreshGrads:
         for bucket, rows, sums in zip(self._buckets, self._marks, self._sums):
             for r, held in enumerate(sums):
                 if held is None or not held[1] \
-                        or bucket.grads[r]._version != held[0] + held[1]:
+                        or _writes(bucket.grads[r]) != held[0] + held[1]:
                     continue
                 for i, (fresh, view) in enumerate(zip(rows[r], bucket.views[r])):
                     if fresh and bucket.params[r][i].grad is view:
@@ -92,6 +92,12 @@ def _known_mark(param) -> bool:
         if mark is not None:
             return mark
     return param.grad is not None
+
+
+def _writes(tensor) -> int:
+    """The in-place writes into `tensor`'s memory so far (its views' included): PyTorch's
+    version counter, which has no public name."""
+    return tensor._version  # noqa: SLF001
 
 
 def _mark(row: list, i: int, sums: list, r: int, views: list):
