@@ -566,7 +566,7 @@ class DistKVStore(KVStore):
         PeerMismatchError naming it at once, rather than wait for it in the call's
         agreement. Refused alike everywhere, the call changes nothing."""
         return self._refusal_told(op, lambda op, exc: self._engine.control.collective(
-            f"{op} refused ({type(exc).__name__})"))
+            f"{op} refused ({type(exc).__name__})", note=str(exc)))
 
     def _makes_keys(self, op: str, settles: bool = False
                     ) -> contextlib.AbstractContextManager[None]:

@@ -60,11 +60,12 @@ class WorkerControl:
         self._drain("barrier")
         self.agree.check(("barrier", ()), "barrier")
 
-    def collective(self, op: str) -> None:
+    def collective(self, op: str, note: str | None = None) -> None:
         """Every worker makes call `op` now: agreed on before anything of it moves, so a
-        worker on another call fails, naming both."""
+        worker on another call fails, naming both (and `note`, this worker's words said
+        beside its call, not compared: a refusal's error)."""
         self._settle(op)
-        self.agree.check((op, ()), op)
+        self.agree.check((op, ()), op, note=note)
 
     def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
         """The elementwise maximum of `values` over every worker."""

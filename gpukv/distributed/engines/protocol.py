@@ -68,9 +68,10 @@ class Control(Protocol):
         """Return once every worker's earlier calls are done and every worker came."""
         ...
 
-    def collective(self, op: str) -> None:
+    def collective(self, op: str, note: str | None = None) -> None:
         """Agree that every worker makes call `op` now (a checkpoint call), before any of
-        it moves; a worker on another call makes every one raise PeerMismatchError."""
+        it moves; a worker on another call makes every one raise PeerMismatchError, which
+        says `note` beside this worker's call."""
         ...
 
     def workers_max(self, values: np.ndarray, what: str) -> np.ndarray:
