@@ -424,8 +424,9 @@ class Trainer:
         self._refuse_summed("step()", "a step")
         self._check_user_state()
         with timeline.span("Trainer.step", "trainer", step=self._steps):
-            scale = self._scale_for(batch_size)
-            self._check_multipliers()
+            with self._kv.refusals_agreed("Trainer.step"):  # (told to the others' pushes)
+                scale = self._scale_for(batch_size)
+                self._check_multipliers()
             with timeline.span("gather gradients", "trainer"):
                 reduction = self._gather(ignore_stale_grad)
             self._set_scale(scale)

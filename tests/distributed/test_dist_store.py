@@ -257,6 +257,21 @@ def test_trainer_arguments_one_worker_alone_refuses_fail_every_worker_at_once(
     assert len(took) == n - servers and max(took) < 10, out
 
 
+def test_a_step_one_worker_alone_refuses_fails_every_worker_at_once():
+    """Worker 1 alone steps with a batch size of 0 (num_servers=0, where pushes are
+    collective): its own ArgumentError, and at once a PeerMismatchError carrying its
+    words on every other worker, rather than a wait for it in their step's push."""
+    pytest.importorskip("torch")
+    result = _scenario(3, 0, "trainer_step_refused", timeout=20, limit=90)
+    out = result.stdout + result.stderr
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == 2, out
+    assert all("calls Trainer.step refused (ArgumentError): batch_size=0" in ln
+               for ln in lines), lines
+    took = [float(s) for s in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == 3 and max(took) < 10, out
+
+
 @pytest.mark.parametrize("servers", [0, 1])
 def test_an_exception_in_a_trainers_with_block_goes_on_as_raised(tmp_path, servers):
     """`with trainer:` left by an exception on worker 1 (the others in a step's push):

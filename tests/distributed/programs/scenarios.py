@@ -1859,6 +1859,29 @@ def trainer_arguments_refused(what: str) -> None:
         caught(kv.rank, exc)
 
 
+def trainer_step_refused() -> None:
+    """Worker 1 alone steps with a batch size it refuses (0): its own ArgumentError, and
+    every other worker, in its step's push, a PeerMismatchError carrying worker 1's words
+    at once (REFUSED ... after S), not a PeerError once worker 1 has gone."""
+    import torch
+
+    from gpukv.torch import Trainer
+    kv = create()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    trainer = Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    model(torch.ones(3, 4)).sum().backward()
+    start = time.monotonic()
+    try:
+        trainer.step(0 if kv.rank == 1 else 3)
+        raise AssertionError("a step worker 1 refused was taken")
+    except (gpukv.PeerMismatchError, gpukv.ArgumentError) as exc:
+        assert isinstance(exc, gpukv.PeerMismatchError) == (kv.rank != 1), exc
+        print(f"REFUSED on worker {kv.rank} after {time.monotonic() - start:.2f} s",
+              flush=True)
+        caught(kv.rank, exc)
+
+
 def trainer_raises_in_with(folder: str) -> None:
     """A Trainer with snapshots, used as `with trainer:`: worker 1 raises a ValueError in
     its third step. Leaving the block does not turn it into another error (the block's
