@@ -328,3 +328,36 @@ def test_float16_replicas_summed_by_the_step_are_refused_and_summed_first_are_sk
     assert trainer.steps == 0 and scaler.get_scale() == 2.0 ** 14
     for m in models:
         assert torch.equal(m.weight, torch.ones(1, 4, dtype=torch.half))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_backward_onto_the_sums_a_scaled_step_left_is_refused(split):
+    """update_on_kvstore=False under GradScaler: the sums a scaled step leaves in .grad
+    (made by it, or by allreduce_grads) are not to be added to either; the next step is
+    an ArgumentError naming a parameter, the weights unchanged, and after zero_grad it
+    goes on."""
+    models, trainer, scaler = setup(True, update_on_kvstore=False)
+    (x, y), (x2, y2) = make_batches(2)
+
+    def scaled_step():
+        if split:
+            trainer.allreduce_grads()
+        scaler.step(trainer)
+        scaler.update()
+
+    trainer.zero_grad()
+    backward(models, x, y, scaler)
+    scaled_step()
+    backward(models, x2, y2, scaler)  # no zero_grad: onto the sums
+    before = weights(models[0])
+    with pytest.raises(gpukv.ArgumentError, match="backward added its gradient to the sum"):
+        if split:
+            trainer.allreduce_grads()
+        else:
+            scaler.step(trainer)
+    assert_bits(weights(models[0]), before)
+    trainer.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # (a refused step: anew)
+    backward(models, x2, y2, scaler)
+    scaled_step()
+    assert not all(torch.equal(a, b) for a, b in zip(weights(models[0]), before))

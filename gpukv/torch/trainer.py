@@ -533,10 +533,8 @@ class Trainer:
         scaling.unscale([g for b in live for g in b.grads], scaled.inverse)
         self._set_scale(scale)
         replicas.apply(live)
-        summed = self._reduced is not None
         self._stepped()
-        if summed:
-            self._grads.hold_sums(live)
+        self._grads.hold_sums(live)  # (summed here, or by allreduce_grads)
 
     def _refuse_summed(self, call: str, what: str) -> None:
         """ArgumentError for `call` while the gradients hold the sums of an
