@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukv.launcher import leftovers
+from gpukv.launcher import leftovers, process_tree
 from gpukv.launcher.launch import find_mpiexec, is_open_mpi
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -72,10 +72,13 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     python = [sys.executable] + ([] if bare else ["-m", "mpi4py"])
     command = [launcher, *options, "-n", str(n), *python, *target, *args]
     # A session of its own: on timeout the whole job (mpiexec and every rank) is killed.
+    # Outside the test process's group, mpiexec dies with that process however it ends
+    # (gpucheck ending a pytest process at its deadline), and its proxies end the ranks.
     before = leftovers.present()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True, env=full_env,
-                               start_new_session=True)
+                               start_new_session=True,
+                               preexec_fn=process_tree.die_with_parent(signal.SIGKILL))
     try:
         stdout, stderr = communicate(process, timeout, " ".join(command))
     finally:  # (many tests end ranks on purpose: what MPICH leaves of them goes, as

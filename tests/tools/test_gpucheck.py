@@ -150,15 +150,24 @@ def test_goals_on_the_emulation_are_listed_but_not_judged(quick_run):
     assert "none judged" in output
 
 
-def test_without_any_gpu_it_says_so_in_one_line():
-    """No GPU visible and no emulation asked for: one line, exit status 2."""
-    proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck"], capture_output=True,
-                          text=True, timeout=120,
+def test_without_any_gpu_it_says_so_in_one_line(tmp_path):
+    """No GPU visible and no emulation asked for: one line, exit status 2, and the record
+    under --out says the same."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "gpukv", "gpucheck", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120,
                           env=_env(GPUKV_CUDA_EMULATION="0", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and "no GPU here" in lines[0], proc.stdout
     assert "GPUKV_CUDA_EMULATION=1" in lines[0]
+    assert _files_under(out) == ["gpucheck-work.tar.gz", "gpucheck_unknown-gpu.json",
+                                 "gpucheck_unknown-gpu.txt"]
+    record = json.loads((out / "gpucheck_unknown-gpu.json").read_text())
+    assert record["gpucheck"]["finished"] and record["gpucheck"]["ok"] is False
+    assert record["environment"]["ok"] is False
+    assert lines[0].endswith(record["environment"]["failed"][0])
+    assert "no GPU here" in (out / "gpucheck_unknown-gpu.txt").read_text()
 
 
 def test_a_cupy_that_cannot_compile_is_named_in_the_environment(monkeypatch):
@@ -342,6 +351,25 @@ def test_kernels_section_tells_documented_differences_from_mismatches():
     assert section.data["mismatches"][0]["case"] == "wrong"
 
 
+@pytest.mark.gpu
+def test_kernels_section_keeps_each_case_as_it_goes(monkeypatch):
+    """Before each case the kernels section hands on what it has found and the case it
+    is about to run, so a case that hangs is named and the ones before it are kept."""
+    from gpukv.tools.gpucheck import section as section_module
+    out = {"out": np.array([1.0, 2.0], np.float32)}
+    cases = [_fake_case(name, out, out) for name in ("a", "b", "c")]
+    kept = []
+    monkeypatch.setattr(section_module, "_progress_sinks", [])
+    section_module.keep_progress(lambda s, running: kept.append(
+        (running, s.data["identical"], s.line)))
+    section = goldens.run(Budget(60).share(1.0), cases,
+                          {name: goldens.record(out) for name in ("a", "b", "c")})
+    assert section.ok is True and section.line.startswith("3 cases: 3 bit-identical")
+    assert [(running, identical) for running, identical, _ in kept] == [
+        ("a", 0), ("b", 1), ("c", 2)]
+    assert kept[-1][2].startswith("2 of 3 cases run: 2 bit-identical")
+
+
 def test_bfloat16_bit_patterns_compare_as_bfloat16():
     """The bf16 codec's uint16 payload named as bfloat16 bits forgets NaN payloads; the
     same bits under another name are plain integers."""
@@ -463,9 +491,15 @@ def test_test_section_names_failures_crashes_and_what_the_deadline_cut(fake_chec
     """Each failure is listed with its test id and message, a skip with its reason, a
     test that took its process down as a failure and the tests that never ran after it;
     at the deadline the hanging test is cut while running and the section is cut."""
+    seen = []
     section = suite.run(fake_checkout, False, Budget(15).share(1.0), quick=False, jobs=3,
-                        work_dir=tmp_path / "work")
+                        work_dir=tmp_path / "work",
+                        on_progress=lambda s, running: seen.append(s.to_dict()))
     data = section.data
+    # meanwhile, the outcomes so far went to the record, the hanging test not a failure
+    assert seen and all(s["cut"].startswith("still running when this record was written")
+                        and "test_hangs" not in str(s["failed"]) for s in seen), seen
+    assert seen[-1]["passed"] == 1 and seen[-1]["failed"] == 1
     assert data["collected"] == 7 and data["jobs"] == 3
     assert (data["passed"], data["failed"], data["skipped"]) == (1, 1, 1)
     assert (data["interrupted"], data["not_run"]) == (2, 2)
@@ -515,6 +549,36 @@ def test_details_keep_the_end_of_a_long_traceback_and_output():
     assert text.count("[... cut]") == 2 and text.endswith("the last words")
 
 
+def test_sigterm_lets_the_running_test_end_what_it_started(tmp_path):
+    """gpucheck ends a pytest process at its deadline with SIGTERM: under the plugin the
+    running test's `finally` runs (where it ends the MPI job or GPU work it started)
+    and the session still records its end."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_holds.py").write_text(textwrap.dedent("""
+        import time
+        from pathlib import Path
+
+        def test_holds_a_job():
+            try:
+                time.sleep(60)
+            finally:
+                Path(__file__).with_name("ended").write_text("")
+    """))
+    report = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", suite.PLUGIN, "-p",
+                             "no:cacheprovider", "tests/test_holds.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(GPUCHECK_REPORT=str(report)))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            e["event"] == "start" for e in suite.read_events(report)):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=30)
+    assert (tmp_path / "tests" / "ended").exists(), output
+    assert suite.read_events(report)[-1]["event"] == "finish", output
+
+
 def test_test_section_without_a_checkout_is_skipped_not_failed():
     """An installed gpukv without tests/ beside it skips the section, saying why."""
     section = suite.run(None, False, Budget(5).share(1.0), quick=True, jobs=1)
@@ -558,6 +622,132 @@ def test_a_section_that_hangs_or_dies_fails_alone(script, words, tmp_path, monke
         assert word in section.failed[0], section.failed
 
 
+#: a section's process (the real child side, on a made-up GPU) that measures three rows,
+#: keeping each as it goes; the section named in $FAKE_ENDS_IN hangs or dies at the third
+FAKE_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from gpukv.tools.gpucheck import isolated, machine
+    from gpukv.tools.gpucheck.section import Section
+
+    def three_rows(name, deadline, quick, found):
+        section = Section(name)
+        section.data["gpus"] = found.gpus
+        rows = section.data["rows"] = []
+        for i in range(3):
+            section.progress(running=f"row {i}")
+            if i == 2 and name == os.environ["FAKE_ENDS_IN"]:
+                if os.environ["FAKE_HOW"] == "hangs":
+                    time.sleep(300)
+                os.abort()
+            rows.append({"row": i})
+            section.line = f"{len(rows)} rows"
+        return section
+
+    machine.open_machine = lambda: machine.Machine(False, None, [{"id": 0, "name": "Fake GPU"}])
+    isolated._section = three_rows
+    sys.exit(isolated.child(sys.argv[1:]))
+""")
+
+
+@pytest.fixture
+def fake_sections(monkeypatch):
+    """Sections' processes run FAKE_CHILD; `ends(section, how)` picks the one that ends."""
+    monkeypatch.setattr(isolated, "GRACE_S", 2.0)
+    monkeypatch.setattr(isolated, "child_command", lambda name, seconds, quick, result: [
+        sys.executable, "-c", FAKE_CHILD, name, f"{seconds:.1f}", "1", str(result)])
+
+    def ends(name, how):
+        monkeypatch.setenv("FAKE_ENDS_IN", name)
+        monkeypatch.setenv("FAKE_HOW", how)
+    return ends
+
+
+@pytest.mark.parametrize("how, words", [
+    ("hangs", ["still running", "ended during row 2"]),
+    ("aborts", ["SIGABRT", "without a result during row 2"]),
+])
+def test_a_section_ended_midway_keeps_what_it_measured(how, words, fake_sections, tmp_path):
+    """A section whose process hangs (ended at its deadline and grace) or dies after two
+    rows keeps those two rows, cut, naming what it was running; while it runs its
+    parent is handed each partial result."""
+    fake_sections("store", how)
+    seen = []
+    section = isolated.run("store", Budget(3).share(1.0), quick=True, work=tmp_path,
+                           on_progress=lambda s, running: seen.append((s.data, running)))
+    assert section.data["rows"] == [{"row": 0}, {"row": 1}], section.to_dict()
+    assert section.ok is False and len(section.failed) == 1
+    for word in words:
+        assert word in section.failed[0], section.failed
+    assert section.cut == "its process ended during row 2: what it measured before is kept"
+    assert section.line.endswith("before that: 2 rows") and section.seconds > 0
+    if how == "hangs":
+        assert seen[-1] == ({"gpus": [{"id": 0, "name": "Fake GPU"}],
+                             "rows": [{"row": 0}, {"row": 1}]}, "row 2")
+
+
+def test_a_section_that_ends_by_itself_gives_its_whole_result(fake_sections, tmp_path):
+    """The partial result only stands in for a result the process did not write."""
+    fake_sections("none", "hangs")
+    section = isolated.run("store", Budget(30).share(1.0), quick=True, work=tmp_path)
+    assert section.ok is True and section.cut is None and section.line == "3 rows"
+    assert len(section.data["rows"]) == 3
+
+
+def _restore_signals():
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in kept.items()]
+
+
+def test_a_hang_in_the_environment_step_costs_that_step_alone(fake_sections, monkeypatch,
+                                                              tmp_path):
+    """The record is written before the first step starts (command, host, the environment
+    running); the environment step runs in a process of its own with a deadline, and
+    while it hangs the record keeps what it found; the run then goes on, the record
+    named after the GPU it found."""
+    fake_sections("environment", "hangs")
+    monkeypatch.delenv("GPUKV_CUDA_EMULATION", raising=False)
+    out = tmp_path / "out"
+    at_start, written = {}, []
+    real_run = isolated.run
+
+    def run(name, deadline, *, quick, work, on_progress=None):
+        if name == "environment":
+            at_start.update({p.name: json.loads(p.read_text()) for p in out.iterdir()})
+
+        def progress(section, running):
+            on_progress(section, running)
+            (path,) = out.glob("*.json")
+            written.append((path.name, json.loads(path.read_text())))
+        return real_run(name, deadline, quick=quick, work=work, on_progress=progress)
+
+    monkeypatch.setattr(isolated, "run", run)
+    restore = _restore_signals()
+    try:
+        status = cli.main(["--out", str(out), "--sections", "kernels", "--budget", "16"])
+    finally:
+        restore()
+    (first,) = at_start.values()
+    assert list(at_start) == ["gpucheck_unknown-gpu.json"]
+    assert first["gpucheck"]["command"] and first["gpucheck"]["host"]
+    assert first["gpucheck"]["running"] == "environment" and not first["gpucheck"]["ok"]
+    assert first["environment"]["running"] is True and first["environment"]["ok"] is False
+    # while it hung: what it had found, and what it was running
+    hung = [(name, r) for name, r in written if r["gpucheck"]["running"] == "environment"]
+    assert {name for name, _ in hung} == {"gpucheck_unknown-gpu.json"}
+    hung = hung[-1][1]
+    assert hung["environment"]["running"] == "row 2"
+    assert hung["environment"]["rows"] == [{"row": 0}, {"row": 1}]
+    assert status == 1
+    assert _files_under(out) == ["gpucheck-work.tar.gz", "gpucheck_fake-gpu.json",
+                                 "gpucheck_fake-gpu.txt"]
+    record = json.loads((out / "gpucheck_fake-gpu.json").read_text())
+    assert record["gpucheck"]["device"] == "Fake GPU" and record["gpucheck"]["finished"]
+    environment = record["environment"]
+    assert environment["ok"] is False and "still running" in environment["failed"][0]
+    assert environment["rows"] == [{"row": 0}, {"row": 1}] and "running" not in environment
+    assert record["kernels"]["ok"] is True and len(record["kernels"]["rows"]) == 3
+
+
 def test_sigterm_while_a_section_starts_still_ends_that_section(monkeypatch):
     """SIGTERM that lands inside Popen (after the fork): the run's handler holds it until
     the process is remembered, then raises, and stopping the run ends that process too."""
@@ -592,16 +782,21 @@ def test_sigterm_ends_the_run_and_its_children_and_keeps_the_record(tmp_path):
                              str(out), "--sections", "trainer,tests"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(GPUKV_CUDA_EMULATION="1", TMPDIR=str(work)))
+    with_torch = importlib.util.find_spec("torch") is not None
+    started = "*/trainer.partial.json" if with_torch else "*/trainer.log"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(work.glob("*/trainer.log")):
-        time.sleep(0.1)  # a section's process has started
+    while time.monotonic() < deadline and not list(work.glob(started)):
+        time.sleep(0.1)  # a section's process has started (and kept something)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, output
     (path,) = out.glob("gpucheck_*.json")
-    head = json.loads(path.read_text())["gpucheck"]
+    record = json.loads(path.read_text())
+    head = record["gpucheck"]
     assert head["ok"] is False and head["interrupted"].startswith("Interrupted SIGTERM")
     assert "INTERRUPTED" in output
+    if with_torch:  # what the section it was in had measured is kept, cut
+        assert record["trainer"]["cut"].startswith("the run was interrupted while it ran (")
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == ""
     # the logs so far are packed beside the record, the temporary folder gone

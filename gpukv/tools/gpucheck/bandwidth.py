@@ -150,12 +150,17 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         if deadline.passed():
             section.cut = f"the budget ran out before {size_text(nbytes)}"
             break
+        _keep(section, sizes, rows, copy_gbps)
+        section.progress(running=f"making the {size_text(nbytes)} arrays")
         try:
             measured = families(device, nbytes // 4)
         except Exception as exc:  # e.g. out of memory: the sizes done so far stand
             section.fail(f"making the {size_text(nbytes)} arrays: {type(exc).__name__}: {exc}")
             break
         for fam in measured:
+            # the rows so far, kept before each measure: one that hangs is named
+            _keep(section, sizes, rows, copy_gbps)
+            section.progress(running=f"{fam.label} at {size_text(nbytes)}")
             if deadline.passed():
                 section.cut = f"the budget ran out during {size_text(nbytes)}"
                 break
@@ -175,11 +180,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
                 else None
             rows.append(row)
         release_cached_memory()
-    section.data.update(sizes=list(sizes), copy_GBps={str(k): v for k, v in copy_gbps.items()},
-                        rows=rows, method="CUDA events around back-to-back calls on the "
-                        "device's stream, median of 3 batches; bytes: the least each call "
-                        "must read and write (a codec that runs several CuPy kernels "
-                        "moves more)")
+    _keep(section, sizes, rows, copy_gbps)
     _goals(section, rows, max(sizes), judged=not emulated and not quick)
     largest = max(copy_gbps, default=None)  # the largest size measured
     kernels = [r for r in rows if r["bytes"] == largest and r.get("copy_fraction")
@@ -191,6 +192,16 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
                         f"{len(kernels)} kernels at {worst['copy_fraction']:.0%} "
                         f"({worst['kernel']}) to {best['copy_fraction']:.0%} of it")
     return section
+
+
+def _keep(section: Section, sizes, rows: list, copy_gbps: dict) -> None:
+    """The section's data with the rows measured so far."""
+    section.data.update(sizes=list(sizes), copy_GBps={str(k): v for k, v in copy_gbps.items()},
+                        rows=rows, method="CUDA events around back-to-back calls on the "
+                        "device's stream, median of 3 batches; bytes: the least each call "
+                        "must read and write (a codec that runs several CuPy kernels "
+                        "moves more)")
+    section.line = f"{len(rows)} kernels measured"
 
 
 def _goals(section: Section, rows: list, size: int, judged: bool) -> None:

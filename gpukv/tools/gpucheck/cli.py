@@ -9,17 +9,22 @@ tests take whatever remains):
 - store: small-key calls against a bare CuPy loop, large keys against the copy;
 - trainer: gpukv.torch.Trainer against PyTorch's own optimizer step, weights compared;
 - tests: the checkout's gpu-marked tests, multi-GPU ones on virtual GPUs (suite.py).
-The four measuring sections each run in a process of their own (isolated.py), so a hang, a
-crash or a sticky CUDA error costs one section; SIGTERM ends every process the run started
-and keeps the record of what finished. Exit status: 0 when no section failed, 1 when one
-did or the run was interrupted, 2 when there is no GPU (and no emulation asked for with
-GPUKV_CUDA_EMULATION=1) or an option is wrong.
+The environment and the four measuring sections each run in a process of their own
+(isolated.py), so a hang, a crash or a sticky CUDA error costs one section, and keeps
+what that section had measured before it; SIGTERM ends every process the run started
+and keeps the record of what finished, and what the section it was in had measured.
+Exit status: 0 when no section failed, 1 when one did or the run was interrupted, 2 when
+there is no GPU (and no emulation asked for with GPUKV_CUDA_EMULATION=1) or an option is
+wrong.
 
 With --out DIR it writes three files there, and no more (a copy that takes back only a
 few files gets them all):
-- gpucheck_<device>.json: the record, rewritten after every section, so a run stopped
-  from outside, even by SIGKILL, keeps what it found; each failed test with the tail of
-  its traceback and captured output;
+- gpucheck_<device>.json: the record, written first as the run starts (the command, the
+  host, "environment: running"), then rewritten after every section and, while one runs,
+  whenever it has measured more (at most every second or so), so a run stopped from
+  outside, even by SIGKILL, keeps what it found; each failed test with the tail of its
+  traceback and captured output. Until the environment has named the GPU, <device> is
+  "unknown-gpu"; that file is then replaced by the GPU's;
 - gpucheck_<device>.txt: the summary printed at the end;
 - gpucheck-work.tar.gz: the sections' logs and results (gpucheck-work/<section>.log and
   .json; tests/: each pytest process's log, test ids and event lines), packed at the end
@@ -31,13 +36,16 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
 import tarfile
 import tempfile
+import traceback
 from pathlib import Path
 
+from ..._errors import ArgumentError
 from .. import benchutil
 from . import isolated, processes, suite
 from . import machine as _machine
@@ -46,7 +54,8 @@ from .section import Section
 
 SECTIONS = ("kernels", "bandwidth", "store", "trainer", "tests")
 #: share of the budget left that each section may take when it starts
-SHARES = {"kernels": 0.35, "bandwidth": 0.25, "store": 0.15, "trainer": 0.25, "tests": 1.0}
+SHARES = {"environment": 0.25, "kernels": 0.35, "bandwidth": 0.25, "store": 0.15,
+          "trainer": 0.25, "tests": 1.0}
 DEFAULT_BUDGET_S = 480.0
 QUICK_BUDGET_S = 90.0
 #: seconds the tests leave at the end of the budget, to stop their processes and write
@@ -103,22 +112,32 @@ def main(argv=None) -> int:
         build_parser().error(f"--out {args.out}: is a file; the results need a folder")
     budget = Budget(args.budget if args.budget is not None
                     else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S))
-    found = _machine.open_machine()
-    if isinstance(found, str):
-        print(f"gpukv gpucheck: {found}")
-        return 2
-    record = Record(found, args, budget, Path(args.out) if args.out else None)
+    record = Record(_machine.Machine(False, _machine.checkout_root(), []), args, budget,
+                    Path(args.out) if args.out else None)
+    # a record exists from the start: a first step that hangs or dies leaves the command,
+    # the host and the step it was in
+    record.progress(Section("environment"), None)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    unusable = None
     try:
-        _run_sections(record, found, args, budget)
+        unusable = _run_sections(record, args, budget)
     except (Interrupted, KeyboardInterrupt) as exc:
         record.interrupted = f"{type(exc).__name__} {exc}".strip()
+    except Exception as exc:  # the run's own failure: the record still says what it found
+        traceback.print_exc()
+        record.interrupted = f"{type(exc).__name__}: {exc}"
     finally:
         processes.stop_all()
     # the run is over: a second signal must not cut the record's last writes short
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    record.keep_running()
+    if unusable is not None:
+        print(f"gpukv gpucheck: {unusable}")
+        record.write(final=True)
+        record.pack_work(keep=False)
+        return 2
     print(record.summary())
     record.write(final=True)
     record.pack_work()
@@ -127,32 +146,50 @@ def main(argv=None) -> int:
     return 1 if any(s.ok is False for s in record.sections) else 0
 
 
-def _run_sections(record: Record, machine, args, budget: Budget) -> None:
-    environment = Section("environment")
-    record.current = "environment"
+def _run_sections(record: Record, args, budget: Budget) -> str | None:
+    """Run the sections in turn; the line saying why there is nothing to check, if so."""
+    root = record.machine.root
     try:
-        environment = _machine.describe(machine)
-    except Exception as exc:  # what could not be described is itself a finding
-        environment.crashed(exc)
-        environment.line = environment.failed[-1]
-    record.add(environment.finish())
+        emulated = _machine.wants_emulation()
+    except ArgumentError as exc:
+        environment = Section("environment")
+        environment.fail(str(exc))
+        environment.line = str(exc)
+        environment.data["unusable"] = str(exc)
+        record.add(environment.finish(), show=False)
+        return str(exc)
+    record.set_machine(_machine.Machine(emulated, root, []))
     work = record.work_dir()
+    record.current = "environment"
+    environment = isolated.run(
+        "environment", budget.share(SHARES["environment"], keep=isolated.GRACE_S),
+        quick=args.quick, work=work, on_progress=record.progress)
+    unusable = environment.data.get("unusable")
+    if environment.data.get("gpus"):
+        record.set_machine(_machine.Machine(emulated, root, environment.data["gpus"]))
+    record.add(environment.finish(), show=unusable is None)
+    if unusable is not None:
+        return str(unusable)
+    machine = record.machine
     for name in SECTIONS:
         if name not in args.sections:
             continue
         record.current = name
+        record.progress(Section(name), None)  # the record names it before it reports
         if name == "tests":
             # the last section keeps time to stop its processes and write the record
             deadline = budget.share(SHARES[name], keep=TESTS_KEEP_S)
             section = suite.run(machine.root, machine.emulated, deadline, quick=args.quick,
                                 jobs=args.jobs or default_jobs(machine.emulated),
-                                work_dir=work / "tests")
+                                work_dir=work / "tests", on_progress=record.progress)
             section.data["logs"] = record.logs_of("tests")
         else:
             deadline = budget.share(SHARES[name], keep=isolated.GRACE_S)
-            section = isolated.run(name, deadline, quick=args.quick, work=work)
+            section = isolated.run(name, deadline, quick=args.quick, work=work,
+                                   on_progress=record.progress)
         record.add(section.finish())
     record.current = None
+    return None
 
 
 class Record:
@@ -162,13 +199,29 @@ class Record:
         self.machine, self.args, self.budget, self.out = machine, args, budget, out
         self.sections: list[Section] = []
         self.current: str | None = None  # the section running now
+        #: (what the section running now has measured so far, what it is running)
+        self.running: tuple | None = None
         self.interrupted: str | None = None
+        self.finished = False
         self.work: Path | None = None
         self.created = datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ")
-        stem = f"gpucheck_{benchutil.slug(machine.name)}"
-        self.json_path = out / f"{stem}.json" if out else None
-        self.text_path = out / f"{stem}.txt" if out else None
+        self.json_path, self.text_path = self._paths()
+
+    def _paths(self) -> tuple:
+        if self.out is None:
+            return None, None
+        stem = f"gpucheck_{benchutil.slug(self.machine.name)}"
+        return self.out / f"{stem}.json", self.out / f"{stem}.txt"
+
+    def set_machine(self, machine) -> None:
+        """The machine as the environment found it: the record moves to its GPU's name."""
+        before = self.json_path
+        self.machine = machine
+        self.json_path, self.text_path = self._paths()
+        if before is not None and before != self.json_path and before.exists():
+            self.write()
+            before.unlink(missing_ok=True)
 
     def work_dir(self) -> Path:
         """Where the sections' processes keep their logs: a temporary folder, packed into
@@ -183,9 +236,14 @@ class Record:
             return str(self.work_dir() / name)
         return f"{self.out / WORK_ARCHIVE}: gpucheck-work/{name}/"
 
-    def pack_work(self) -> None:
-        """With --out, pack the work folder into WORK_ARCHIVE there and remove it."""
-        if self.out is None or self.work is None or not self.work.exists():
+    def pack_work(self, keep: bool = True) -> None:
+        """With --out, pack the work folder into WORK_ARCHIVE there and remove it; without,
+        leave it where it is (`keep`) or remove it."""
+        if self.work is None or not self.work.exists():
+            return
+        if self.out is None:
+            if not keep:
+                shutil.rmtree(self.work, ignore_errors=True)
             return
         archive = self.out / WORK_ARCHIVE
         tmp = archive.with_name(archive.name + ".tmp")
@@ -201,25 +259,55 @@ class Record:
             return
         shutil.rmtree(self.work, ignore_errors=True)
 
-    def add(self, section: Section) -> None:
+    def add(self, section: Section, show: bool = True) -> None:
+        self.running = None
         self.sections.append(section)
-        print(f"[{self.budget.elapsed():5.0f} s] {section.name:<11} {_status(section):<7} "
-              f"{section.line}", flush=True)
+        if show:
+            print(f"[{self.budget.elapsed():5.0f} s] {section.name:<11} {_status(section):<7} "
+                  f"{section.line}", flush=True)
         self.write()
+
+    def progress(self, section: Section, running: str | None) -> None:
+        """What the section running now has measured so far (and is running): written
+        at once, so that a run killed outright keeps it."""
+        self.running = (section, running)
+        self.write()
+
+    def keep_running(self) -> None:
+        """The run was interrupted: the section it was in is kept, cut, with what it had."""
+        if self.running is None:
+            return
+        section, running = self.running
+        during = f" ({running})" if running else ""
+        section.cut = section.cut or (f"the run was interrupted while it ran{during}: what "
+                                      "it had measured by then is kept")
+        self.add(section.finish(), show=False)
 
     def payload(self) -> dict:
         from ... import __version__
         head = {"gpukv": __version__, "created_utc": self.created,
-                "command": command_line(),
+                "command": command_line(), "host": platform.node(),
                 "device": self.machine.name, "emulated": self.machine.emulated,
                 "quick": self.args.quick, "budget_s": round(self.budget.end
                                                             - self.budget.start, 1),
                 "elapsed_s": round(self.budget.elapsed(), 1),
-                "ok": not self.interrupted and not any(s.ok is False for s in self.sections),
+                "finished": self.finished,
+                "running": self.running[0].name if self.running else None,
+                "ok": (self.finished and not self.interrupted
+                       and not any(s.ok is False for s in self.sections)),
                 "interrupted": self.interrupted and f"{self.interrupted} during {self.current}"}
-        return {"gpucheck": head, **{s.name: s.to_dict() for s in self.sections}}
+        sections = {s.name: s.to_dict() for s in self.sections}
+        if self.running is not None:
+            section, running = self.running
+            entry = section.to_dict()
+            entry.update(ok=False, running=running or True, summary=entry["summary"] or "running",
+                         cut=entry["cut"] or ("still running when this record was written: "
+                                              "what it had measured by then"))
+            sections[section.name] = entry
+        return {"gpucheck": head, **sections}
 
     def write(self, final: bool = False) -> None:
+        self.finished = self.finished or final
         if self.json_path is None:
             return
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +324,7 @@ class Record:
                  + f": {self.budget.elapsed():.0f} s of a {budget:.0f} s budget"]
         if self.interrupted:
             lines.append(f"  INTERRUPTED ({self.interrupted}) during {self.current}: the "
-                         "sections below are all it finished")
+                         "sections below are all it did")
         for s in self.sections:
             lines.append(f"  {s.name:<11} {_status(s):<7} {s.line}")
             for failure in s.failed[:5]:

@@ -162,6 +162,9 @@ def run(deadline: Deadline, cases: list | None = None, goldens: dict | None = No
     mismatched: list = []
     not_run: list = []
     for done, case in enumerate(cases):
+        # what is known so far, kept before each case: a case that hangs is named
+        _summarise(section, len(cases), done, matched, documented, mismatched, not_run)
+        section.progress(running=case.name)
         if deadline.passed():
             section.cut = f"the budget ran out after {done} of {len(cases)} cases"
             not_run += [c.name for c in cases[done:]]
@@ -188,15 +191,21 @@ def run(deadline: Deadline, cases: list | None = None, goldens: dict | None = No
             mismatched.append({"case": case.name, "family": case.family, "details": details})
             section.fail(f"{case.name}: differs from the emulation's golden; against the "
                          f"host twin: {'; '.join(details) or 'no difference'}")
-    section.data.update(cases=len(cases), identical=len(matched), documented=documented,
-                        mismatches=mismatched, not_run=not_run,
-                        goldens=str(GOLDENS.name))
-    section.line = (f"{len(cases)} cases: {len(matched)} bit-identical, {len(documented)} "
-                    f"within the documented exceptions, {len(mismatched)} mismatched"
-                    + (f", {len(not_run)} not run" if not_run else ""))
+    _summarise(section, len(cases), len(cases), matched, documented, mismatched, not_run)
     if not_run and section.cut is None:
         section.data["not_run_reason"] = "ml_dtypes (bfloat16) is not installed"
     return section
+
+
+def _summarise(section: Section, cases: int, done: int, matched: list, documented: list,
+               mismatched: list, not_run: list) -> None:
+    """The section's data and line after `done` of `cases` cases."""
+    section.data.update(cases=cases, identical=len(matched), documented=documented,
+                        mismatches=mismatched, not_run=not_run, goldens=str(GOLDENS.name))
+    section.line = ((f"{cases} cases" if done == cases else f"{done} of {cases} cases run")
+                    + f": {len(matched)} bit-identical, {len(documented)} within the "
+                    f"documented exceptions, {len(mismatched)} mismatched"
+                    + (f", {len(not_run)} not run" if not_run else ""))
 
 
 def _against_host(case: KernelCase, got: dict, host) -> list:

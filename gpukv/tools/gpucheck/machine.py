@@ -33,12 +33,13 @@ class Machine:
     emulated: bool
     root: Path | None
     gpus: list            # [{'id', 'name', 'memory_GiB', 'compute_capability', ...}]
+    #                       (empty until the environment step has found them)
 
     @property
     def name(self) -> str:
         if self.emulated:
             return "CUDA emulation"
-        return self.gpus[0]["name"] if self.gpus else "no GPU"
+        return self.gpus[0]["name"] if self.gpus else "unknown GPU"  # (not yet) known
 
 
 EMULATION_ENV = "GPUKV_CUDA_EMULATION"
@@ -82,28 +83,36 @@ def describe(machine: Machine) -> Section:
     from ...device.cuda import probe
     from ...device.cuda.device import gpu_devices
     section = Section("environment")
+    section.line = machine.name
     data = section.data
     data["emulated"] = machine.emulated
     data["gpus"] = machine.gpus
-    data["cupy"] = probe.cupy_versions()
-    data["nccl"] = probe.nccl_versions()
     data["host"] = {"python": platform.python_version(), "cpu": probe.cpu_model(),
                     "logical_cpus": os.cpu_count(), "platform": platform.platform(),
                     "numpy": np.__version__}
+    # each step is kept before the next: a driver or library that hangs is named
+    section.progress(running="CuPy's versions")
+    data["cupy"] = probe.cupy_versions()
+    section.progress(running="NCCL (libnccl)")
+    data["nccl"] = probe.nccl_versions()
     physical = [g["id"] for g in machine.gpus]
+    section.progress(running="peer access")
     try:
         data["peer_access"] = probe.peer_access(physical)
     except Exception as exc:
         section.fail(f"peer access could not be asked: {type(exc).__name__}: {exc}")
+    section.progress(running="gpukv's devices")
     try:
         data["logical_devices"] = len(gpu_devices())
     except Exception as exc:
         section.fail(f"gpukv's devices: {type(exc).__name__}: {exc}")
+    section.progress(running="PyTorch and its CUDA")
     data["torch"] = torch_facts()
     data["ml_dtypes"] = ml_dtypes_facts()
     if data["cupy"].get("error"):
         section.fail(f"CuPy: {data['cupy']['error']}")
     else:
+        section.progress(running="the first kernel's compile")
         data["first_compile"] = first_compile(section, physical[0])
     section.line = environment_line(data, machine)
     return section

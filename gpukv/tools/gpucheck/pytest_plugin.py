@@ -7,11 +7,17 @@ phase's outcome with its message, and the end, so a run killed at its deadline s
 says which tests passed, failed, or were running. A failed phase also carries `details`:
 the tail of its traceback and of the output pytest captured, enough to diagnose it from
 the record alone.
+
+SIGTERM (how gpucheck ends a pytest process at its deadline) is raised as
+KeyboardInterrupt, as Ctrl-C would be: the running test's `finally` blocks and fixtures'
+teardowns run (ending the MPI jobs and GPU work they started) and pytest ends its session,
+where SIGTERM's default would end the process at once.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 
 _MESSAGE_CHARS = 400
 #: how much of a failure's traceback, and of each captured output, `details` keeps
@@ -58,6 +64,14 @@ def details(report) -> str:
     room = max(_DETAIL_CHARS // 2, _DETAIL_CHARS - len("\n".join(captured)))
     text = "\n".join([tail(report.longreprtext, _DETAIL_LINES, room), *captured])
     return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "\n[... cut]"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} (gpucheck's deadline)")
+
+
+def pytest_configure(config):
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):

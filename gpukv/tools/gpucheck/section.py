@@ -4,6 +4,16 @@ from __future__ import annotations
 import time
 import traceback
 
+#: in a section's own process, what keeps its partial results (`keep_progress`)
+_progress_sinks: list = []
+
+
+def keep_progress(sink) -> None:
+    """Have every `Section.progress()` of this process call `sink(section, running)`: a
+    section's process keeps what it has measured so far, for a parent that may have to
+    end it mid-way."""
+    _progress_sinks[:] = [sink]
+
 
 class Section:
     """The result of one section: what failed, the goals it judged, and its data.
@@ -27,6 +37,12 @@ class Section:
 
     def fail(self, what: str) -> None:
         self.failed.append(what)
+
+    def progress(self, running: str | None = None) -> None:
+        """The section has measured something more (and is about to run `running`, when
+        given): kept at once where its process keeps partial results, else nothing."""
+        for sink in _progress_sinks:
+            sink(self, running)
 
     def goal(self, what: str, value: float | None, target: float, *, at_most: bool = False,
              unit: str = "", judged: bool = True) -> None:

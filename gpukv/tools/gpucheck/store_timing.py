@@ -95,14 +95,14 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
     from ...device.cuda.probe import release_cached_memory
     section = Section("store")
     device = cuda_device(0)
-    found: dict = {}
     with device.xp.cuda.Device(device.physical):
         for name, part in (("small", _small), ("large", _large)):
+            section.progress(running=f"the {name} key")
             try:
-                found[name] = part(section, device, deadline, quick)
-            except Exception as exc:  # the other part still runs
+                section.data[name] = part(section, device, deadline, quick)
+            except Exception as exc:  # the other part still runs (the rounds done stand)
                 section.crashed(exc)
-    small_rows, large = found.get("small", []), found.get("large", {})
+    small_rows, large = section.data.get("small") or [], section.data.get("large") or {}
     release_cached_memory()
     section.data.update(small=small_rows, large=large,
                         method="small: host seconds per call over back-to-back calls with "
@@ -140,20 +140,16 @@ def _small(section: Section, device, deadline: Deadline, quick: bool) -> list:
     for call in ways.values():  # warm: compiles, plans, pools
         per_call(call, sync, 3)
     found: dict = {k: [] for k in ways}
-    for _ in range(2 if quick else ROUNDS):
+    rows: list = []
+    for done in range(2 if quick else ROUNDS):
         if deadline.passed():
             section.cut = "the budget ran out during the small keys"
             break
         for k, call in ways.items():
             found[k].append(per_call(call, sync, calls))
-    rows = []
-    for op in ("push", "pull", "pushpull"):
-        if not found[(op, "gpukv")]:
-            continue
-        mine = statistics.median(found[(op, "gpukv")])
-        bare = statistics.median(found[(op, "cupy")])
-        rows.append({"operation": op, "bytes": SMALL_BYTES, "values": VALUES,
-                     "gpukv_us": mine * 1e6, "cupy_us": bare * 1e6, "ratio": mine / bare})
+        rows = _small_rows(found)
+        section.data["small"] = rows  # the medians so far
+        section.progress(running=f"the small key, after round {done + 1}")
     if not _sums_right(cp, small, lambda: kv.pushpull("small", small)):
         section.fail(f"the 4 KB key's pushpull did not give {SUM} in every value")
     # each CUDA event made costs the host an event's creation, record and destruction
@@ -163,6 +159,19 @@ def _small(section: Section, device, deadline: Deadline, quick: bool) -> list:
         section.data["pushpull_host_profile"] = host_profile.profile(
             lambda: kv.pushpull("small", small), 5 if quick else 100)
         sync()
+    return rows
+
+
+def _small_rows(found: dict) -> list:
+    """Per operation: the medians of gpukv's and the bare loop's times per call."""
+    rows = []
+    for op in ("push", "pull", "pushpull"):
+        if not found[(op, "gpukv")]:
+            continue
+        mine = statistics.median(found[(op, "gpukv")])
+        bare = statistics.median(found[(op, "cupy")])
+        rows.append({"operation": op, "bytes": SMALL_BYTES, "values": VALUES,
+                     "gpukv_us": mine * 1e6, "cupy_us": bare * 1e6, "ratio": mine / bare})
     return rows
 
 

@@ -35,6 +35,8 @@ QUICK_PATHS = ("tests/device",)
 #: gpucheck's own tests: their GPU cases are the kernels section's, run there already
 OWN_TESTS = "tests/tools/test_gpucheck.py"
 COLLECT_TIMEOUT_S = 120
+#: how often the outcomes so far go to the run's record
+PROGRESS_EVERY_S = 5.0
 MAX_FAILURES_LISTED = 50
 #: the failures' details in the record, all together: past it, only their messages stay
 MAX_DETAILS_CHARS = 200_000
@@ -157,8 +159,10 @@ def collect(root: Path, env: dict, paths, work: Path, deadline: Deadline) -> tup
 
 
 def run(root: Path | None, emulated: bool, deadline: Deadline, *, quick: bool, jobs: int,
-        work_dir: Path | None = None) -> Section:
-    """Run the section: collect, shard, run side by side until done or the deadline."""
+        work_dir: Path | None = None, on_progress=None) -> Section:
+    """Run the section: collect, shard, run side by side until done or the deadline.
+    `on_progress(section, None)`, when given, gets the outcomes so far every
+    PROGRESS_EVERY_S, and once more when the run ends meanwhile (a signal)."""
     section = Section("tests")
     if root is None:
         section.skipped = ("no tests/ folder beside the gpukv package (an installed wheel): "
@@ -178,18 +182,46 @@ def run(root: Path | None, emulated: bool, deadline: Deadline, *, quick: bool, j
         return section
     running = [_Shard(i, group, work, root, env) for i, group in enumerate(shards(ids, jobs))]
     section.data["jobs"] = len(running)
-    while any(s.proc.poll() is None for s in running) and not deadline.passed():
-        time.sleep(0.2)
+    shown = time.monotonic()
+    try:
+        while any(s.proc.poll() is None for s in running) and not deadline.passed():
+            time.sleep(0.2)
+            if on_progress is not None and time.monotonic() - shown >= PROGRESS_EVERY_S:
+                shown = time.monotonic()
+                still = [s for s in running if s.proc.poll() is None]
+                on_progress(_so_far(section, ids, running, still, "still running when this "
+                                    "record was written"), None)
+    except BaseException:  # the run is ending: hand on what finished
+        still = [s for s in running if s.proc.poll() is None]
+        processes.stop([s.proc for s in still])
+        if on_progress is not None:
+            on_progress(_so_far(section, ids, running, still, "the run was interrupted"),
+                        None)
+        raise
     stopped = [s for s in running if s.proc.poll() is None]
     processes.stop([s.proc for s in stopped])  # with what their tests started
-    found: dict = {}
-    for s in running:
-        found.update(outcomes(read_events(s.report)))
-    _judge(section, ids, found, running, stopped)
+    _judge(section, ids, _found(running), running, stopped)
     return section
 
 
-def _judge(section: Section, ids: list, found: dict, running: list, stopped: list) -> None:
+def _found(running: list) -> dict:
+    found: dict = {}
+    for s in running:
+        found.update(outcomes(read_events(s.report)))
+    return found
+
+
+def _so_far(section: Section, ids: list, running: list, stopped: list, why: str) -> Section:
+    """The section as it stands: the outcomes so far, the tests of the processes in
+    `stopped` (still running, or ended by the run's end) counted as cut (`why`)."""
+    now = Section(section.name)
+    now.data = dict(section.data)
+    _judge(now, ids, _found(running), running, stopped, why=why)
+    return now
+
+
+def _judge(section: Section, ids: list, found: dict, running: list, stopped: list,
+           why: str = "the budget ran out") -> None:
     counts = Counter(found[i]["outcome"] if i in found else "not run" for i in ids)
     # a test that never finished in a process the deadline ended was cut, not failed; in
     # one that ended by itself, it took the process down (a crash)
@@ -217,7 +249,7 @@ def _judge(section: Section, ids: list, found: dict, running: list, stopped: lis
     if stopped:
         midway = [i for i in cut_short if found.get(i, {}).get("outcome") == "interrupted"]
         never = [i for i in cut_short if i not in found]
-        section.cut = (f"the budget ran out: {len(never)} of {len(ids)} tests never ran, "
+        section.cut = (f"{why}: {len(never)} of {len(ids)} tests never ran, "
                        f"{len(midway)} cut while running"
                        + (f" ({', '.join(sorted(midway)[:4])})" if midway else ""))
     skipped = Counter(found[i]["message"] for i in ids

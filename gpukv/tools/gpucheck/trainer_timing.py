@@ -84,6 +84,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
         section.skipped = f"PyTorch is not installed ({exc})"
         section.line = "skipped: " + section.skipped
         return section
+    section.progress(running="PyTorch's start and the models")
     cuda = bool(torch.cuda.is_available()) and not emulated
     device = torch.device("cuda:0" if cuda else "cpu")
     spec = QUICK if quick else FULL
@@ -108,6 +109,9 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
             "gpukv": (replica, trainer.zero_grad, lambda: trainer.step(batch))}
     times: dict = {(w, part): [] for w in ways for part in ("iteration", "update")}
     for i, (x, y) in enumerate(batches):
+        section.data.update(_medians(times))  # the steps so far, kept before each step
+        section.line = f"{i} of {len(batches)} steps run"
+        section.progress(running=f"step {i + 1} of {len(batches)}")
         if deadline.passed():
             section.cut = f"the budget ran out after {i} of {len(batches)} steps"
             break
@@ -127,8 +131,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
             times[(name, "update")].append(second)
     if cuda:
         torch.cuda.synchronize()
-    medians = {f"{w}_{part}_ms": statistics.median(v) * 1e3
-               for (w, part), v in times.items() if v}
+    medians = _medians(times)
     section.data.update(device=str(device), overlap=trainer.overlap,
                         model=f"MLP {'-'.join(map(str, spec.dims))}",
                         parameters=sum(p.numel() for p in base.parameters()), batch=batch,
@@ -139,6 +142,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
             "the CUDA emulation has no PyTorch device" if emulated
             else "PyTorch has no CUDA here"))
     _compare(section, torch, plain, replica)
+    section.progress(running="the updates' host profiles")
     if not deadline.passed():  # where the update's host time goes (steps not compared)
         x, y = batches[-1]
         for name, (model, zero, update) in ways.items():
@@ -149,6 +153,7 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
                 update, 2 if quick else 10, before=backward)
         if cuda:
             torch.cuda.synchronize()
+    section.progress(running="loss scaling")
     _check_loss_scaling(section, torch, gtorch, device)
     if "gpukv_iteration_ms" in medians and "torch_iteration_ms" in medians:
         ratio = medians["gpukv_iteration_ms"] / medians["torch_iteration_ms"]
@@ -166,6 +171,11 @@ def run(deadline: Deadline, *, quick: bool, emulated: bool) -> Section:
                 f"{name} " + host_profile.summary(section.data[f"{name}_update_host_profile"])
                 for name in ways)
     return section
+
+
+def _medians(times: dict) -> dict:
+    """Milliseconds per step, medians of the steps timed so far, per way and part."""
+    return {f"{w}_{part}_ms": statistics.median(v) * 1e3 for (w, part), v in times.items() if v}
 
 
 def _compare_first_update(section: Section, torch, plain, replica, lr: float) -> None:
