@@ -93,8 +93,11 @@ class _Recorder:
         # (name, category, start ns, end ns, thread, args): a tuple is the cheapest to
         # keep; list.append is atomic, so spans of several threads need no lock
         self.spans: list = []
-        self.threads: dict = {}  # native thread id -> its name
-        self.named: set = set()  # the threads whose names the file holds
+        # native thread id -> its name, for the threads that recorded spans; a thread
+        # gone is dropped once the file holds its name (threads come and go in a long
+        # job: a data loader's, a program's own)
+        self.threads: dict = {}
+        self.named: set = set()  # the (id, name) the file holds
         self.size = 0  # the file's bytes once written (0: not yet)
         # ts in microseconds since the Unix epoch, so the files of several hosts line up
         self.epoch_ns = time.time_ns() - time.perf_counter_ns()
@@ -117,8 +120,9 @@ class _Recorder:
 
     def add(self, name: str, cat: str, start_ns: int, end_ns: int, args: dict) -> None:
         tid = threading.get_native_id()
-        if tid not in self.threads:
-            self.threads[tid] = threading.current_thread().name
+        thread = threading.current_thread().name
+        if self.threads.get(tid) != thread:  # (new, renamed, or a gone one's id again)
+            self.threads[tid] = thread
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
         if len(self.spans) >= FLUSH_EVERY:
             self.write_or_warn()
@@ -164,7 +168,7 @@ class _Recorder:
                        {"name": "process_sort_index", "ph": "M", "pid": self.rank,
                         "args": {"sort_index": self.rank}}]
         naming = [(tid, name) for tid, name in list(self.threads.items())
-                  if tid not in self.named]
+                  if (tid, name) not in self.named]
         events += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                     "args": {"name": name}} for tid, name in naming]
         epoch = self.epoch_ns
@@ -174,7 +178,16 @@ class _Recorder:
             if args:
                 event["args"] = args
             events.append(event)
-        return events, [tid for tid, _ in naming]
+        return events, naming
+
+    def _forget_gone_threads(self) -> None:
+        """Drop the threads that ended whose names the file holds (their spans name
+        them by id), so that threads started and ended all along keep nothing here."""
+        alive = {t.native_id for t in threading.enumerate()}
+        for tid, name in list(self.threads.items()):
+            if tid not in alive and (tid, name) in self.named:
+                del self.threads[tid]
+        self.named &= set(self.threads.items())
 
     def write(self, wait: float = -1) -> str:
         """Write the events since the last write (a reader never sees half a file: a
@@ -228,6 +241,7 @@ class _Recorder:
         self.size = at + len(data)
         self.named.update(naming)
         del self.spans[:taken]  # (other threads only append after them)
+        self._forget_gone_threads()
         self.last_write_ns = time.perf_counter_ns()
 
 

@@ -417,6 +417,52 @@ def test_snapshot_writes_are_spans_of_their_own_thread(recording):
     assert any(w["args"]["file"].startswith("shard") for w in writes), writes
 
 
+def _thread_names(path) -> list:
+    """(tid, name) of every thread the trace names, in order."""
+    with open(path) as f:
+        trace = json.load(f)
+    return [(e["tid"], e["args"]["name"]) for e in trace["traceEvents"]
+            if e["name"] == "thread_name"]
+
+
+def test_a_stores_snapshot_writes_are_one_row_however_many(recording):
+    """Snapshots taken one by one, the writer idle between them (as in a training loop),
+    are written by one thread: one "gpukv-snapshots" row in the trace, not one each."""
+    kv = gpukv.create("local")
+    kv.init("w", np.zeros(8, np.float32))
+    for step in range(1, 6):
+        kv.snapshot(recording / "snaps", step=step)
+        kv.finish_snapshots()
+        time.sleep(0.01)  # (the steps between two snapshots)
+    path = timeline.stop()
+    rows = [tid for tid, name in _thread_names(path) if name == "gpukv-snapshots"]
+    writes = [e for e in _events(path) if e["name"] == "snapshot write"]
+    assert len(rows) == 1 and len(writes) == 10
+    assert {w["tid"] for w in writes} == set(rows)
+
+
+def test_threads_that_ended_are_forgotten_once_their_names_are_written(recording):
+    """Threads that record spans and end (a long job starts many) are kept track of only
+    until the file names them: the trace names each, the recorder holds none of them."""
+    def one_span():
+        with timeline.span("work"):
+            pass
+    ids = []
+    for i in range(20):
+        thread = threading.Thread(target=one_span, name=f"short-lived {i}")
+        thread.start()
+        thread.join()
+        ids.append(thread.native_id)
+        if i % 5 == 4:
+            timeline.flush()
+    recorder = timeline._active
+    assert recorder is not None
+    assert not set(ids) & set(recorder.threads)
+    assert not {tid for tid, _ in recorder.named} & set(ids)
+    named = dict(_thread_names(timeline.stop()))
+    assert [named.get(tid) for tid in ids] == [f"short-lived {i}" for i in range(20)]
+
+
 def test_spans_show_in_torch_profiler(recording):
     torch = pytest.importorskip("torch")
     kv = gpukv.create("local")

@@ -170,6 +170,7 @@ def test_a_bare_store_snapshot_is_refused(tmp_path):
     kv.init(0, np.ones(3, np.float32))
     kv.snapshot(tmp_path, 1)
     kv.finish_snapshots()
+    del kv  # (its folder, free for the Trainer's store)
     with pytest.raises(gpukv.CheckpointError, match="not a Trainer's snapshot"):
         gt.Trainer([_model()], "sgd", dict(PARAMS), checkpoint_dir=tmp_path)
 
@@ -726,6 +727,87 @@ def test_a_trainer_refused_for_its_snapshot_leaves_the_store_as_it_was(tmp_path)
     assert kv.keys() == [] and not kv.has_updater
     trainer = gt.Trainer(other, "sgd", dict(PARAMS), kvstore=kv)
     assert kv.keys() == list(trainer.buckets) and kv.has_updater
+
+
+def _linear(seed):
+    torch.manual_seed(seed)
+    return nn.Linear(4, 2)
+
+
+def _step(trainer, model):
+    trainer.zero_grad()
+    model(torch.ones(8, 4)).sum().backward()
+    trainer.step()
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_two_trainers_of_one_process_in_one_folder_are_refused(tmp_path, update_on_kvstore):
+    """A second Trainer (a GAN's discriminator beside its generator) made with the
+    checkpoint_dir a live Trainer of the process snapshots into is an ArgumentError
+    naming the folder, before it resumes the other model's weights; the first goes on,
+    and the second can be made with a folder of its own."""
+    generator, discriminator = _linear(1), _linear(2)
+    options = {"update_on_kvstore": update_on_kvstore, "checkpoint_every": 1}
+    g = _trained(tmp_path / "gan", generator, steps=2, **options)
+    before = _bits([discriminator])
+    with pytest.raises(gpukv.ArgumentError,
+                       match=re.escape(f"{tmp_path / 'gan'}: a 'local' store of this "
+                                       f"process snapshots into this folder already")
+                       + ".*Give each model its own checkpoint_dir"):
+        gt.Trainer(discriminator, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   checkpoint_dir=tmp_path / "gan", **options)
+    assert _bits([discriminator]) == before
+    d = _trained(tmp_path / "d", discriminator, steps=1, **options)
+    assert d.resumed_from is None
+    _step(g, generator)  # (the generator's Trainer steps and snapshots on)
+    g.close()
+    assert [s.step for s in snapshots.complete_snapshots(tmp_path / "gan")] == [2, 3]
+
+
+def test_a_trainer_made_again_in_its_folder_takes_it_over(tmp_path):
+    """The folder of a live Trainer goes to one made again on its modules (which the
+    old one steps no more), back to it when the new one fails to resume, and to one on
+    a fresh model once the last is closed (a `with` block left by an exception)."""
+    model = _linear(1)
+    old = _trained(tmp_path, model, steps=2, checkpoint_every=1)
+    old.finish_snapshots()
+    newest = snapshots.latest_snapshot(tmp_path)
+    shard = pathlib.Path(newest.path) / snapshots.shard_file(0, 1)
+    shard.write_bytes(b"damaged")
+    with pytest.raises(gpukv.CheckpointError, match=re.escape(str(shard))) as refused:
+        gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                   checkpoint_dir=tmp_path)
+    _step(old, model)  # (the folder, and the modules, are the old one's again)
+    assert refused.traceback  # (which keeps the Trainer that failed, and its store)
+    old.finish_snapshots()
+    again = _trained(tmp_path, model, steps=0, checkpoint_every=1)
+    assert again.resumed_from.step == 3
+    with pytest.raises(RuntimeError, match="stopped"):
+        with again:
+            _step(again, model)
+            raise RuntimeError("stopped")
+    fresh = _linear(3)
+    last = _trained(tmp_path, fresh, steps=1, checkpoint_every=1)
+    assert last.resumed_from.step == 4 and last.steps == 5
+    assert old is not None and again is not None  # (both live)
+
+
+def test_a_trainer_stepped_after_close_frees_its_folder_at_the_next_close(tmp_path):
+    """A closed Trainer that steps again takes its folder back at its snapshot; closing
+    it again frees the folder for a Trainer on another model."""
+    model = _linear(1)
+    trainer = _trained(tmp_path, model, steps=1, checkpoint_every=1)
+    trainer.close()
+    _step(trainer, model)
+    trainer.close()
+    fresh = _linear(2)
+    other = gt.Trainer(fresh, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       checkpoint_dir=tmp_path, resume="never", checkpoint_every=1)
+    _step(other, fresh)
+    other.finish_snapshots()
+    newest = snapshots.latest_snapshot(tmp_path)  # (the other model's, a run of its own)
+    assert (newest.step, newest.run) == (1, 2)
+    assert trainer is not None  # (still live)
 
 
 @pytest.mark.parametrize("update_on_kvstore", [True, False])

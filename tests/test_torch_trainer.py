@@ -1572,3 +1572,93 @@ def test_gradients_added_to_across_steps_with_the_optimizer_on_the_store_are_tor
         nn.CrossEntropyLoss()(ref(x), y).backward()
         opt.step()
     assert_same_weights(models, ref)
+
+
+# ------------------------------------------------------- one optimizer, one Trainer
+@pytest.mark.parametrize("runs_it", ["trainer", "store"])
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_an_optimizer_another_trainer_or_store_runs_is_refused(runs_it, update_on_kvstore):
+    """A Trainer given the optimizer a live Trainer (or store) runs is an ArgumentError
+    saying what to do, before it touches its modules; with a copy it trains beside the
+    first, whose weights and counts are those it has beside a Trainer of its own."""
+    def adam():
+        return gpukv.optim.create("adam", learning_rate=0.1)
+
+    def train(share):
+        a, b = make_model(0), make_model(1)
+        opt = adam()
+        ta = gt.Trainer(a, opt, kvstore="local", update_on_kvstore=update_on_kvstore)
+        given, kv = opt, None
+        if runs_it == "store":
+            given, kv = adam(), gpukv.create("local")
+            kv.set_optimizer(given)
+        if share:
+            before = weights([b])
+            with pytest.raises(gpukv.ArgumentError,
+                               match=r"optimizer 'adam': a 'local' store of this process "
+                                     r".* runs this optimizer object already.*"
+                                     r"copy\.deepcopy\(optimizer\)"):
+                gt.Trainer(b, given, kvstore="local", update_on_kvstore=update_on_kvstore)
+            assert_unchanged([b], before)
+            given = copy.deepcopy(given)
+        else:
+            given = adam()
+        tb = gt.Trainer(b, given, kvstore="local", update_on_kvstore=update_on_kvstore)
+        x, y = make_data()
+        for _ in range(3):
+            step_once(ta, [a], x, y)
+            step_once(tb, [b], x, y)
+        return a, dict(opt.update_counts)
+
+    apart, counts = train(share=False)
+    refused, refused_counts = train(share=True)
+    assert_same_weights([refused], apart, rtol=0, atol=0)
+    assert refused_counts == counts
+    assert set(counts.values()) == ({3} if update_on_kvstore else set())  # (else copies')
+
+
+def test_a_trainer_made_again_on_its_modules_takes_its_optimizer_over():
+    """A Trainer made again on the same modules with the same optimizer takes it over
+    from the live one; the store a program set it on takes it too; and a Trainer of
+    other modules is still refused it, the older one closed or not."""
+    models = replicas_of(make_model(), 2)
+    opt = gpukv.optim.create("adam", learning_rate=0.01)
+    old = gt.Trainer(models, opt, kvstore="local")
+    step_once(old, models)
+    new = gt.Trainer(models, opt, kvstore="local")
+    step_once(new, models)
+    assert set(dict(opt.update_counts).values()) == {2}
+    old.close()
+    with pytest.raises(gpukv.ArgumentError, match="runs this optimizer object already"):
+        gt.Trainer(make_model(1), opt, kvstore="local")
+    kv = gpukv.create("local")
+    other = gpukv.optim.create("sgd", learning_rate=0.1)
+    kv.set_optimizer(other)
+    third = make_model(2)
+    step_once(gt.Trainer(third, other, kvstore=kv), [third])
+
+
+@pytest.mark.parametrize("how", ["closed", "with", "dropped"])
+def test_a_trainer_closed_or_dropped_frees_its_optimizer(how):
+    """The optimizer of a Trainer closed (or left by its `with` block) or dropped goes
+    to another Trainer; a closed one stepped again while the other holds it is refused,
+    changing nothing."""
+    first = replicas_of(make_model(), 2)
+    opt = gpukv.optim.create("sgd", learning_rate=0.1)
+    trainer = gt.Trainer(first, opt, kvstore="local")
+    if how == "with":
+        with trainer:
+            step_once(trainer, first)
+    elif how == "closed":
+        trainer.close()
+    else:
+        del trainer
+    second = make_model(1)
+    taker = gt.Trainer(second, opt, kvstore="local")
+    step_once(taker, [second])
+    if how == "dropped":
+        return
+    before = weights(first)
+    with pytest.raises(gpukv.ArgumentError, match="runs this optimizer object already"):
+        step_once(trainer, first)
+    assert_unchanged(first, before)

@@ -18,7 +18,9 @@ mixes its files with those an earlier attempt left at the same step. `run` count
 runs that wrote into ROOT: a store's first snapshot there takes one more than any folder
 holds (`next_run`), and keeps it (a `resume` in the same store too). Snapshots are
 ordered by run, then step: the newest is the last run's last step, whatever steps an
-earlier run reached (a run started afresh, or from an older snapshot). Folders written
+earlier run reached (a run started afresh, or from an older snapshot). So two live
+stores of one process never snapshot into one ROOT (`claims`): the later's run would
+pass for the newer, whichever model it holds. Folders written
 before runs were counted are run 0. So a store's steps never go back (`checked` refuses
 one below its last snapshot's, or the one it resumed from): within a run, a lower step
 would be older than the snapshots before it. The same step taken again (a Trainer's
@@ -29,7 +31,10 @@ one-process store killed meanwhile leaves no snapshot mixing the two. (In a dist
 each process does so for its own files only, written on their own.)
 
 Writing: the caller's step copies the state into host buffers (`PartWriter.stage`, two
-sets used in turn), and one background thread per process writes the files, so at most
+sets used in turn; each GPU array on the stream of the device that writes it, so that
+the copy follows the pushes before it whichever thread or CUDA stream takes the
+snapshot), and a background thread writes the files (one per store, started at its
+first snapshot and waiting between snapshots until the store goes), so at most
 one snapshot is being written while the next one is staged. A failed write is raised by
 the next `stage` or by `finish`.
 
@@ -56,7 +61,7 @@ import numpy as np
 from .. import timeline
 from .._dtypes import SUPPORTED_DTYPES
 from .._errors import ArgumentError, ArgumentKindError, CheckpointError
-from ..device import host_device
+from ..device import device_of, host_device
 from . import user_state
 from .checkpoint import StoreFile, _fsync_dir, _show, checkpoint_path, read_archive, write_archive
 from .checkpoint import read_store as checkpoint_read_store
@@ -467,15 +472,18 @@ class Compression(NamedTuple):
 COMPRESSION_RECORDS = ("residual", "pull", "served", "q")
 
 
-def compression_section(params: dict | None, items: list, staging: Staging) -> tuple:
+def compression_section(params: dict | None, items: list, staging: Staging,
+                        written_by=None) -> tuple:
     """(header field, arrays) of a compression state: `items` are (record, live array),
-    each array staged in `staging` (copied with the values)."""
+    each array staged in `staging` (copied with the values); `written_by(record)`: the
+    device whose stream writes that array (None: see `Staging.take`)."""
     if params is None:
         return None, {}
     records, arrays = [], {}
     for j, (record, array) in enumerate(items):
         records.append(record)
-        arrays[f"compression/{j}"] = staging.take(array)
+        device = None if written_by is None else written_by(record)
+        arrays[f"compression/{j}"] = staging.take(array, device)
     return {"params": params, "records": records}, arrays
 
 
@@ -516,9 +524,13 @@ class Staging:
     def __init__(self, buffers: list):
         self._buffers = buffers
         self._used = 0
-        self._pairs: list = []
+        self._pairs: list = []  # (buffer, array, the device whose stream writes it)
 
-    def take(self, array) -> np.ndarray:
+    def take(self, array, device=None) -> np.ndarray:
+        """The buffer `copy()` fills with `array`. `device`: the logical device whose
+        stream writes `array` (its key's home): the copy waits for the work queued
+        there, whichever stream the caller is on (another thread's, say); None, or a
+        device `array` is not on: the first logical device of the array's GPU."""
         k = self._used
         self._used += 1
         buffer = self._buffers[k] if k < len(self._buffers) else None
@@ -528,103 +540,158 @@ class Staging:
                 self._buffers[k] = buffer
             else:
                 self._buffers.append(buffer)
-        self._pairs.append((buffer, array))
+        self._pairs.append((buffer, array, device))
         return buffer
 
     def fetch(self, home, array) -> np.ndarray:
         """`take`, for the optimizer's export (which names the array's home device)."""
-        return self.take(array)
+        return self.take(array, home)
 
     def copy(self) -> None:
-        host_device().copy_many(self._pairs)
+        on_host = []
+        for buffer, array, device in self._pairs:
+            if isinstance(array, np.ndarray):
+                on_host.append((buffer, array))
+                continue
+            # by its own GPU, on the stream of the device that writes it: CuPy's current
+            # stream may be another thread's, which no event orders after that work
+            if device is None or not device.owns(array):
+                device = device_of(array)
+            np.copyto(buffer, device.to_host(array))
+        host_device().copy_many(on_host)
         self._pairs = []
 
 
 class PartWriter:
-    """The files of one process's snapshots, written by one background thread while
-    there is something to write: one snapshot being written and one staged behind it,
-    each in its own set of buffers."""
+    """The files of one process's snapshots, written by a background thread (`_Writes`):
+    one snapshot being written and one staged behind it, each in its own set of buffers.
+    The thread starts at the first `submit` and waits between snapshots: one for the
+    writer's life, where a thread for each snapshot would leave, with MPI initialised,
+    some of the MPI library's memory behind for good (and a row in the timeline)."""
 
-    def __init__(self):
-        self._cond = threading.Condition()
+    def __init__(self) -> None:
         self._sets: list = [[], []]
-        self._busy = [False, False]
         self._turn = 0
-        self._queue: collections.deque = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._pid = os.getpid()
-        _WRITERS.add(self)
+        self._writes = _Writes()
+        # a writer dropped (its store's) ends the thread once its writes are done: the
+        # thread holds the writes alone, never this writer nor its buffers
+        weakref.finalize(self, self._writes.stop).atexit = False
 
     def stage(self) -> tuple[int, Staging]:
         """A free set of buffers (waiting for the write that used it to end); raises the
         error of a write that failed since the last call."""
-        with self._cond:
-            self._raise_failure()
+        writes = self._writes
+        with writes.cond:
+            writes.raise_failure()
             turn = self._turn
-            while self._busy[turn]:
-                self._cond.wait()
-            self._raise_failure()
-            self._busy[turn] = True
+            while writes.busy[turn]:
+                writes.cond.wait()
+            writes.raise_failure()
+            writes.busy[turn] = True
             self._turn = 1 - turn
         return turn, Staging(self._sets[turn])
 
     def release(self, turn: int) -> None:
         """Give back a set `stage` gave that will not be written after all."""
-        with self._cond:
-            self._busy[turn] = False
-            self._cond.notify_all()
+        with self._writes.cond:
+            self._writes.busy[turn] = False
+            self._writes.cond.notify_all()
 
     def submit(self, turn: int, files: list, then=None) -> None:
         """Write `files` ((path, header, arrays), the arrays staged in set `turn`) in the
         background, in order, then call `then()`; the set is free again after."""
-        with self._cond:
-            self._queue.append((turn, files, then))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="gpukv-snapshots",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+        self._writes.submit((turn, files, then))
 
     def finish(self) -> None:
         """Wait until every submitted snapshot is written; raise a failed write's error.
         In a forked child there is nothing to wait for: the writes, and the thread that
         makes them, are its parent's (and its lock may have been held at the fork)."""
-        if os.getpid() != self._pid:
-            return
-        with self._cond:
-            while self._queue or any(self._busy):
-                self._cond.wait()
-            self._raise_failure()
+        self._writes.finish()
 
-    def _raise_failure(self) -> None:
-        error, self._error = self._error, None
+
+class _Writes:
+    """A `PartWriter`'s queue of snapshots to write and the thread that writes them, in
+    order; the thread waits for the next one while there is none, until `stop`."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: collections.deque = collections.deque()  # (turn, files, then)
+        self.busy = [False, False]  # each set of buffers: staged, or being written
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.pid = os.getpid()
+        _WRITERS.add(self)
+
+    def submit(self, item: tuple) -> None:
+        with self.cond:
+            self.queue.append(item)
+            # (none yet, or the last one stopped; in a forked child, the parent's is not
+            # there)
+            if self.thread is None or not self.thread.is_alive():
+                self.stopping = False
+                self.thread = threading.Thread(target=self._run, name="gpukv-snapshots",
+                                               daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        with self.cond:
+            while self.queue or any(self.busy):
+                self.cond.wait()
+            self.raise_failure()
+
+    def stop(self, wait: bool = False) -> None:
+        """End the thread once the snapshots queued are written (`wait`: wait for it);
+        a later `submit` starts another."""
+        if os.getpid() != self.pid:  # (a forked child: the thread is its parent's)
+            return
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+            thread = self.thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def raise_failure(self) -> None:
+        error, self.error = self.error, None
         if error is not None:
             raise CheckpointError(f"a snapshot could not be written: {error}") from error
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:  # done: the next `submit` starts another thread, and
-                    self._thread = None  # a store dropped meanwhile frees its buffers
-                    return
-                turn, files, then = self._queue[0]
-            try:
-                os.makedirs(os.path.dirname(files[0][0]), exist_ok=True)
-                _unmark(files[-1][0])
-                for path, header, arrays in files:
-                    name = os.path.basename(path)
-                    with timeline.span("snapshot write", "snapshot", file=name):
-                        write_archive(path, header, arrays)
-                if then is not None:
-                    then()
-            except BaseException as exc:  # kept for the caller's next call
-                with self._cond:
-                    self._error = self._error or exc
-            with self._cond:
-                self._queue.popleft()
-                self._busy[turn] = False
-                self._cond.notify_all()
+        while self._write_next():
+            pass
+
+    def _write_next(self) -> bool:
+        """Write the first snapshot queued, waiting for one; False once stopped with none
+        queued. (The snapshot is let go on return: the thread, waiting for the next one,
+        holds nothing of it, nor of whatever its `then` holds.)"""
+        with self.cond:
+            while not self.queue and not self.stopping:
+                self.cond.wait()
+            if not self.queue:
+                self.thread = None
+                return False
+            turn, files, then = self.queue[0]
+        try:
+            os.makedirs(os.path.dirname(files[0][0]), exist_ok=True)
+            _unmark(files[-1][0])
+            for path, header, arrays in files:
+                name = os.path.basename(path)
+                with timeline.span("snapshot write", "snapshot", file=name):
+                    write_archive(path, header, arrays)
+            if then is not None:
+                then()
+        except BaseException as exc:  # kept for the caller's next call
+            with self.cond:
+                self.error = self.error or exc
+        with self.cond:
+            self.queue.popleft()
+            self.busy[turn] = False
+            self.cond.notify_all()
+        return True
 
 
 def _unmark(path: str) -> None:
@@ -643,18 +710,27 @@ def _unmark(path: str) -> None:
     _fsync_dir(os.path.dirname(path))  # gone before any other file is replaced
 
 
+#: the writes of every writer alive, or whose thread has not ended yet
 _WRITERS: weakref.WeakSet = weakref.WeakSet()
 
 
-@atexit.register
 def finish_writes() -> None:
     """Wait for every snapshot write of this process (a failed one's error was raised, or
     had nobody left to tell): a program that ends normally leaves its snapshots written."""
-    for writer in list(_WRITERS):
+    for writes in list(_WRITERS):
         try:
-            writer.finish()
+            writes.finish()
         except CheckpointError:
             pass  # already said by the write's own caller, or nobody is left to tell
+
+
+@atexit.register
+def end_writes() -> None:
+    """At exit: every snapshot written (`finish_writes`), then every writer thread ended,
+    rather than left waiting while the interpreter ends."""
+    finish_writes()
+    for writes in list(_WRITERS):
+        writes.stop(wait=True)
 
 
 # ----------------------------------------------------------------------- the files

@@ -4,6 +4,7 @@ writes. LocalStore's own machinery (checks, updaters, the push pipeline) does th
 driven through its public surface."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -34,6 +35,11 @@ class Shard:
     def push(self, key, value, priority: int = 0) -> None:
         self.store.push(key, value, priority)
 
+    def run_optimizers_for(self, store) -> None:
+        """The optimizers the shard runs are `store`'s, the dist store it serves
+        (`LocalStore.run_optimizers_for`)."""
+        self.store.run_optimizers_for(store)
+
     def set_optimizer(self, optimizer) -> None:
         self.store.set_optimizer(optimizer)
 
@@ -60,6 +66,14 @@ class Shard:
 
     def update(self, keys, merged) -> None:
         self.store.update_merged(keys, merged)
+
+    def counted_as(self, num_updates: dict) -> contextlib.AbstractContextManager:
+        """The optimizer's updates inside take the num_updates ({key: it}) the workers
+        counted (see `Optimizer.counting_round`)."""
+        optimizer = self.store.optimizer
+        if not num_updates or optimizer is None:
+            return contextlib.nullcontext()
+        return optimizer.counting_round(list(num_updates), num_updates)
 
     def assign(self, key, value) -> None:
         """Set a key's value, without the updater (a checkpoint's value)."""

@@ -394,9 +394,10 @@ class DistKVStore(KVStore):
         self._sharded: ShardedRounds | None = None
         if servers == 0:  # NCCL's rounds when `gpu` is one
             from .engines import sharded
+            shard = Shard(deterministic)
+            shard.run_optimizers_for(self)  # (the optimizer it runs is this store's)
             self._engine = self._sharded = sharded.ShardedRounds(
-                transport, Shard(deterministic), bound, deterministic=deterministic,
-                device=gpu)
+                transport, shard, bound, deterministic=deterministic, device=gpu)
         else:
             _PROCESS.served = name
             self._engine = _serve_or_client(transport, servers, bound, name, deterministic)
@@ -825,6 +826,7 @@ class DistKVStore(KVStore):
             self._engine.set_updater(updater)
             self._has_updater = True
             self._has_optimizer, self._checker = False, None  # the function replaces it
+            self._let_go_of_optimizer(None)
             self._refresh()
 
     def _run_in(self, root: str) -> int:
@@ -855,21 +857,43 @@ class DistKVStore(KVStore):
         optimizers of the same kind and options (else PeerMismatchError). Later changes
         of its options (the learning rate, rescale_grad, multipliers) count, as in one
         process: made on every worker with num_servers=0 (each runs its own on its
-        shard), on worker 0's optimizer with dedicated servers (it is sent to them)."""
+        shard), on worker 0's optimizer with dedicated servers (it is sent to them).
+        Each worker's optimizer object is this store's alone (`gpukv.optim.claims`): an
+        optimizer another live store of the process runs is an ArgumentError, agreed on
+        as the call's other refusals are."""
         from ..optim import Optimizer
+        from ..optim import claims as optimizer_claims
         with self._settings_agreed("set_optimizer"):
             if not isinstance(optimizer, Optimizer):
                 raise ArgumentKindError(
                     f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
             optimizer.check_rule()  # (before any worker's engine takes it)
+            held = optimizer_claims.holder(optimizer, self)
+            if held is not None:
+                raise optimizer_claims.refusal(optimizer, held)
+            del held
         from ..optim import OptimizerUpdater
         with self._lock:
-            self._engine.set_optimizer(optimizer)
+            before = optimizer_claims.claim(optimizer, self)
+            try:
+                self._engine.set_optimizer(optimizer)
+            except BaseException:
+                optimizer_claims.give_back(optimizer, self, before)
+                raise
+            self._let_go_of_optimizer(optimizer)
             self._has_optimizer = True
             self._optimizer_followed = optimizer
             self._checker = OptimizerUpdater(optimizer)  # checks here what the shards take
             self._refresh()
+
+    def _let_go_of_optimizer(self, successor) -> None:
+        """The optimizer set before, unless it is `successor`, is free for other stores."""
+        before = self._optimizer_followed
+        if before is not None and before is not successor:
+            from ..optim import claims as optimizer_claims
+            optimizer_claims.release(before, self)
+            self._optimizer_followed = None
 
     def set_gradient_compression(self, compression_params: dict | None) -> None:
         """Compress what each worker sends (see `KVStore.set_gradient_compression`)."""
@@ -892,20 +916,24 @@ class DistKVStore(KVStore):
     # path; worker 0 reads or writes the file, the same format a one-process store uses,
     # and tells the others how it went: a failure raises the same CheckpointError on
     # every worker.
-    def _checkpoint_call(self, op: str, path, optimizer: bool = False) -> str:
+    def _checkpoint_call(self, op: str, path, optimizer: bool = False, note: str = "",
+                         check_options: Callable[[], Any] | None = None) -> str:
         """Begin checkpoint call `op` of `path` on every worker; `path` as a str. It is
-        checked first (with `optimizer`, so is the store's optimizer), each refusal told
-        as a settings call's is; then the call is agreed on with the path, before
-        anything moves: worker 0 alone writes or reads a file, so workers that name
-        different paths (one each, or each its own snapshot) would go on unlike, and
-        get a PeerMismatchError naming the call and the paths instead."""
+        checked first (with `optimizer`, so is the store's optimizer; then
+        `check_options()`, the call's own), each refusal told as a settings call's is;
+        then the call is agreed on with the path (and `note`, its options in words),
+        before anything moves: worker 0 alone writes or reads a file, so workers that
+        name different paths (one each, or each its own snapshot) or options would go
+        on unlike, and get a PeerMismatchError naming the call and the paths instead."""
         from ..checkpoints.checkpoint import checkpoint_path
         with self._settings_agreed(op):
             self._engine.control.check()
             text = checkpoint_path(path)
             if optimizer:
                 self._need_optimizer(op)
-        self._engine.control.collective(f"{op} of {text!r}")
+            if check_options is not None:
+                check_options()
+        self._engine.control.collective(f"{op} of {text!r}" + (f", {note}" if note else ""))
         return text
 
     @timeline.traced("save")
@@ -992,13 +1020,14 @@ class DistKVStore(KVStore):
         one-process store that every worker holds alike (the Trainer's with
         update_on_kvstore=False), saved instead of this store's keys, each worker writing
         every num_workers-th of its keys."""
-        from ..checkpoints import snapshots
-        with self._settings_agreed("snapshot"):  # (one worker refusing alone is named)
-            root, step, keep = snapshots.checked(root, step, keep, self._last_step)
-            if replicated is not None and not isinstance(replicated, LocalStore):
-                raise ArgumentKindError(f"replicated: expected a one-process gpukv.KVStore, "
-                                        f"got {replicated!r}")
-        with self._lock:
+        from ..checkpoints import claims, snapshots
+        with self._lock:  # (the step after the last snapshot's, whichever thread took it)
+            with self._settings_agreed("snapshot"):  # (one worker refusing alone is named)
+                root, step, keep = snapshots.checked(root, step, keep, self._last_step)
+                if replicated is not None and not isinstance(replicated, LocalStore):
+                    raise ArgumentKindError(f"replicated: expected a one-process "
+                                            f"gpukv.KVStore, got {replicated!r}")
+                held_before = claims.claim(root, self)
             self._engine.control.check()
             self._engine.control.collective("snapshot")  # agreed before anything moves
             if self._tag is None:
@@ -1013,6 +1042,7 @@ class DistKVStore(KVStore):
                 worker, problem = None, exc
             if self._engine.control.workers_max(np.array([problem is not None], np.int8),
                                                 "snapshot: checking user_state")[0]:
+                claims.give_back(root, self, held_before)  # (a refused snapshot takes nothing)
                 raise problem or ArgumentError(
                     "snapshot: another worker's user_state cannot be saved; nothing was")
             if replicated is None:
@@ -1154,15 +1184,25 @@ class DistKVStore(KVStore):
                 error = _attempt(lambda: write_archive(path, *state))
             _raise(self._engine.control.share(error, "save_optimizer_states"))
 
-    def load_optimizer_states(self, fname: str | os.PathLike) -> None:
+    def load_optimizer_states(self, fname: str | os.PathLike,
+                              update_counts: str = "saved") -> None:
         """Restore what `save_optimizer_states` wrote (by any store) onto every shard;
-        every worker gives the same `fname` (worker 0 reads it; see `_checkpoint_call`)."""
+        every worker gives the same `fname` (worker 0 reads it; see `_checkpoint_call`)
+        and the same `update_counts` ('saved' or 'restart': see
+        `KVStore.load_optimizer_states`)."""
         from ..checkpoints.checkpoint import read_archive
+        from ..layout.state import restarted
         with self._lock:
-            path = self._checkpoint_call("load_optimizer_states", fname, optimizer=True)
+            path = self._checkpoint_call("load_optimizer_states", fname, optimizer=True,
+                                         note=("" if update_counts == "saved" else
+                                               f"update_counts={update_counts!r}"),
+                                         check_options=lambda: check.update_counts(
+                                             update_counts))
             state = _attempt(lambda: read_archive(path), keep=True) if self.rank == 0 \
                 else None
             state = _raise(self._engine.control.share(state, "load_optimizer_states"))
+            if update_counts == "restart":
+                state = restarted(state, self._optimizer_followed.begin_num_update)
             try:
                 self._engine.restore({}, state)
             except CheckpointError as exc:  # (each shard checks its part: name the file)

@@ -1,5 +1,6 @@
 """Optimizer state across shards: the exports of every shard merged into the one-process
-format (`OptimizerUpdater.export_state`), and such a file cut back into shards.
+format (`OptimizerUpdater.export_state`), and such a file cut back into shards; its
+update counts read (for a worker's copy of the optimizer), or started over.
 
 A checkpoint of a dist store is then the same file a one-process store writes: it loads
 into a store with any number of servers or processes, or into a 'local' store.
@@ -93,3 +94,36 @@ def mark_starts(export, starts: dict):
     header = dict(header)
     header["keys"] = [dict(info, start=starts.get(info["key"], 0)) for info in header["keys"]]
     return header, arrays
+
+
+def restarted(state: tuple, begin_num_update: int) -> tuple:
+    """`state` ((header, arrays) of a whole store's optimizer, as a one-process file
+    holds it) with its update counts started over: every key at the begin_num_update the
+    optimizer will have (the file's, when it holds the options; else
+    `begin_num_update`), num_update there too, and no schedule (the optimizer keeps its
+    own: one saved mid-way would not start over). A damaged header is left as it is,
+    for the checks to name."""
+    header, arrays = state
+    if not isinstance(header, dict):
+        return state
+    options = header.get("options")
+    saved = options.get("begin_num_update") if isinstance(options, dict) else None
+    begin = saved if type(saved) is int and saved >= 0 else begin_num_update
+    header = dict(header, counts=[], num_update=begin, lr_scheduler=None)
+    if isinstance(header.get("keys"), list):
+        header["keys"] = [dict(info, count=begin) if isinstance(info, dict) else info
+                          for info in header["keys"]]
+    return header, arrays
+
+
+def update_counts(state: tuple) -> tuple[dict, int, int | None]:
+    """The update counts of a whole store's optimizer state that its shards have checked
+    ((header, arrays), as `merge` makes it): ({key: count}, num_update, the
+    begin_num_update of its options, or None when it holds none)."""
+    header = state[0]
+    counts = {c["key"]: c["count"] for c in header.get("counts", [])}
+    for info in header.get("keys", []):
+        counts.setdefault(info["key"], info["count"])
+    options = header.get("options")
+    begin = options.get("begin_num_update") if isinstance(options, dict) else None
+    return counts, header["num_update"], begin

@@ -239,9 +239,11 @@ class Optimizer:
     rescale_grad: multiplies the gradient first (often 1/batch_size). clip_gradient: clip
     the (rescaled) gradient to [-c, c] (None: no clipping). lr_scheduler: an object with
     `__call__(num_update) -> lr`. begin_num_update: the update count keys start from.
-    multi_precision: accepted for MXNet compatibility; float16/bfloat16 weights always get
-    a float32 master copy here. param_idx2name: {key: parameter name}, so that multipliers
-    set by name (`set_lr_mult`, `set_wd_mult`) apply to the key.
+    multi_precision: float16/bfloat16 weights always get a float32 master copy here; as in
+    MXNet, it also makes SGD update every row of a float16 weight for a row-sparse
+    gradient (MXNet's multi-precision SGD has no row-sparse form). param_idx2name: {key:
+    parameter name}, so that multipliers set by name (`set_lr_mult`, `set_wd_mult`)
+    apply to the key.
 
     Each optimizer below takes these options beside its own.
     """
@@ -293,12 +295,14 @@ class Optimizer:
                                 f"must be >= 0")
         self.begin_num_update: int = int(begin_num_update)
         self.num_update: int = self.begin_num_update
-        self.multi_precision = multi_precision
+        self.multi_precision: bool = multi_precision
         self.idx2name: dict = _checked_names(param_idx2name)
         self.lr_mult: dict = {}
         self.wd_mult: dict = {}
         self.set_wd_mult({})
         self._index_update_count: dict = {}
+        #: {key: num_update} of a push counted as a whole (`counting_round`), else None
+        self._round_num_updates: dict | None = None
 
     def check_rule(self) -> None:
         """ArgumentKindError unless this optimizer's class defines an update rule
@@ -391,13 +395,18 @@ class Optimizer:
 
         The first two are always (lr, wd) as float32 values; subclasses append theirs.
         Follows MXNet: the count of `key` goes up first, `num_update` becomes the largest
-        count, and the schedule is asked for that.
+        count, and the schedule is asked for that (inside `counting_round`, for the
+        num_update the push has reached at this key, counting its keys served elsewhere).
         """
         count = self._index_update_count.get(key, self.begin_num_update) + 1
-        num_update = max(self.num_update, count)
+        given = self._round_num_updates
+        if given is None or key not in given:
+            num_update = max(self.num_update, count)
+        else:  # the push's num_update at this key, counted over all its keys
+            num_update = max(given[key], count)
         lr = self.lr_scheduler(num_update) if self.lr_scheduler is not None else self.lr
         self._index_update_count[key] = count  # (counted once the schedule answered)
-        if num_update != self.num_update:  # (a set costs a call of __setattr__ a key)
+        if num_update > self.num_update:  # (a set costs a call of __setattr__ a key)
             self.num_update = num_update
         lr *= self._mult(self.lr_mult, key)
         wd = self.wd * self._mult(self.wd_mult, key)
@@ -420,6 +429,44 @@ class Optimizer:
                     self._index_update_count[key] = count
             self.num_update = num_update
             raise
+
+    def round_num_updates(self, keys) -> dict:
+        """{key: the num_update its update takes} in a push of `keys` (each once, in the
+        order one process updates them: int keys ascending, str keys in the order they
+        were made), as `next_scalars` would count them in turn; changes nothing."""
+        counts, begin = self._index_update_count, self.begin_num_update
+        num_update = self.num_update
+        out = {}
+        for key in keys:
+            num_update = max(num_update, counts.get(key, begin) + 1)
+            out[key] = num_update
+        return out
+
+    @contextlib.contextmanager
+    def counting_round(self, keys, num_updates: dict | None = None) -> Iterator[dict]:
+        """Count a push of `keys` (in the order of `round_num_updates`) as one process
+        does, where the block updates only some of them (those a process or a server of
+        a dist store serves): each update inside takes the num_update one process's
+        would (`num_updates`: {key: it}, counted where every key of the push is known;
+        default `round_num_updates(keys)`), and every key the block did not update is
+        counted once it ends, as one process would have counted it. Yields the
+        num_updates. A block that raises counts no key it did not update."""
+        keys = list(dict.fromkeys(keys))
+        given = self.round_num_updates(keys) if num_updates is None else dict(num_updates)
+        counts, begin = self._index_update_count, self.begin_num_update
+        before = {key: counts.get(key) for key in keys}
+        outer = self._round_num_updates
+        self._round_num_updates = given
+        try:
+            yield given
+        finally:
+            self._round_num_updates = outer
+        for key, count in before.items():  # (not reached when the block raised)
+            if counts.get(key) == count:
+                counts[key] = (begin if count is None else count) + 1
+        last = max(given.values(), default=self.num_update)
+        if last > self.num_update:
+            self.num_update = last
 
     def _scalars(self, lr, wd, t) -> tuple:
         return (f32(lr), f32(wd))
@@ -466,6 +513,13 @@ class Optimizer:
         False: the standard update of every row, absent rows with a zero gradient.
         """
         return False
+
+    def lazy_rows_for(self, dtype) -> bool:
+        """Whether a row-sparse gradient of a weight of `dtype` (a NumPy dtype, or its
+        name) updates only its rows: `lazy_rows()`, but for a rule whose update of such
+        a weight, in MXNet, has no row-sparse form and makes the gradient dense (SGD's
+        of float16 weights with multi_precision)."""
+        return self.lazy_rows()
 
     def sparse_chunk(self, w, g, states, sc, hp, tmp) -> None:
         """`host_chunk` as MXNet's kernel for row-sparse gradients rounds: run on the

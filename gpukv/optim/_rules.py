@@ -140,6 +140,16 @@ class SGD(Optimizer):
     def lazy_rows(self) -> bool:
         return self.lazy_update
 
+    # MXNet's SGD of a float16 weight with multi_precision is `mp_sgd_update` /
+    # `mp_sgd_mom_update`, which have no row-sparse kernel: MXNet makes the gradient
+    # dense, so momentum and weight decay reach every row. (Without multi_precision
+    # MXNet runs the lazy kernels on the float16 weight itself; bfloat16 is never its
+    # multi-precision case.)
+    def lazy_rows_for(self, dtype) -> bool:
+        if not (self.lazy_update and self.multi_precision):
+            return self.lazy_update
+        return (dtype if isinstance(dtype, str) else np.dtype(dtype).name) != "float16"
+
     def sparse_chunk(self, w, g, states, sc, hp, tmp):
         if self.momentum > 0:
             return self.host_chunk(w, g, states, sc, hp, tmp)

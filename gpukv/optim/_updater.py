@@ -14,10 +14,11 @@ per state; keys smaller than `SMALL` that share their scalars are gathered into 
 (their states, when adjacent in that buffer, are used in place), so a push of many small
 keys costs a few ufunc calls per piece instead of per key.
 
-Row-sparse gradients: when the rule updates lazily (`Optimizer.lazy_rows`), the rows of
-the weight and of each state named by the gradient are gathered, updated with the rule's
-sparse form and scattered back; no other row is read or written. Otherwise the gradient
-is made dense and every row gets the standard update, as MXNet 1.9.1 does.
+Row-sparse gradients: when the rule updates a key of its dtype lazily
+(`Optimizer.lazy_rows_for`), the rows of the weight and of each state named by the
+gradient are gathered, updated with the rule's sparse form and scattered back; no other
+row is read or written. Otherwise the gradient is made dense and every row gets the
+standard update, as MXNet 1.9.1 does.
 
 Saving and loading the state is `_state.py`'s (`export_state`, `check_state`,
 `loaded_states`, `apply_plan`); the updater's methods of those names hand it its states
@@ -428,7 +429,7 @@ class OptimizerUpdater:
         opt = self.optimizer
         hp = opt.hyper()
         self._ensure_states(keys, stored, homes)
-        lazy = opt.lazy_rows()
+        lazy_of: dict = {}  # dtype -> whether its keys update lazily
         host: list = []
         host_rows: list = []
         gpu: dict = {}
@@ -438,6 +439,9 @@ class OptimizerUpdater:
             for key, m, s, home, scalars in zip(keys, merged, stored, homes, per_key):
                 state = self.states[key]
                 on_gpu = not home.host_memory
+                lazy = lazy_of.get(s.dtype)
+                if lazy is None:
+                    lazy = lazy_of[s.dtype] = opt.lazy_rows_for(s.dtype)
                 if lazy:
                     item = (s, m, state, scalars)
                     if on_gpu:

@@ -245,7 +245,12 @@ class KVStore(ABC):
         """Run `optimizer` (a `gpukv.optim.Optimizer`) on every push, at each key's home.
 
         Its state (momentum, moments, float32 master copies of 16-bit weights) lives with
-        each key on its home device; replaces any updater set before.
+        each key on its home device; replaces any updater set before. An optimizer object
+        runs on one store: one that another live store of this process runs is an
+        ArgumentError that changes nothing (the update counts and per-step options it
+        keeps are one store's; give each store its own, `gpukv.optim.create(...)` again
+        or `copy.deepcopy(optimizer)`), and it is free again once that store is dropped
+        or set another optimizer or an updater (see `gpukv.optim.claims`).
         """
 
     @abstractmethod
@@ -281,9 +286,20 @@ class KVStore(ABC):
         """
 
     @abstractmethod
-    def load_optimizer_states(self, fname: str | os.PathLike) -> None:
+    def load_optimizer_states(self, fname: str | os.PathLike,
+                              update_counts: str = "saved") -> None:
         """Restore the state `save_optimizer_states` wrote to `fname`; CheckpointError if
         it does not fit, ArgumentError if the store has no optimizer.
+
+        `update_counts`: 'saved' (the default) takes the file's update counts, of every
+        key and `num_update`, so that a resumed job goes on with its schedule and
+        Adam's bias correction where it was (unlike MXNet, which keeps the loading
+        optimizer's counts for a file saved without `dump_optimizer`). 'restart' starts
+        them over, every key at the optimizer's `begin_num_update`, as a new optimizer's
+        (fine-tuning from saved state under a schedule of one's own): the optimizer
+        keeps its own `lr_scheduler` then, and the file's other options (saved with
+        `dump_optimizer=True`) load as they do with 'saved'. Any other value is an
+        ArgumentError (ArgumentKindError if not a str), before the file is read.
 
         The file, every key's state, and the options, multipliers and schedule it may
         hold are all checked before anything changes: a failed load changes nothing.
@@ -332,6 +348,10 @@ class KVStore(ABC):
         waits for it. A failed write (a full disk) is
         raised as CheckpointError by the first `snapshot` called after it failed, or by
         `finish_snapshots`. In a dist store every worker calls it at the same point.
+        One store of a process snapshots into a root at a time: a root another live
+        store of the process snapshots into is an ArgumentError naming it (see
+        `gpukv.checkpoints.claims`). Several threads may call it at once; each call
+        holds every push issued before it, whichever thread or CUDA stream calls it.
         """
 
     @abstractmethod

@@ -258,6 +258,23 @@ def check_priority(key, priority, hint: str = "") -> None:
             f"key {key!r}: priority must be an int, got {type(priority).__name__}{hint}")
 
 
+#: what `load_optimizer_states(update_counts=...)` takes: the file's counts, or a start over
+UPDATE_COUNTS = ("saved", "restart")
+
+
+def update_counts(value) -> str:
+    """`load_optimizer_states`'s `update_counts`, checked: ArgumentKindError unless a
+    str, ArgumentError unless one of UPDATE_COUNTS."""
+    if not isinstance(value, str):
+        raise ArgumentKindError(f"load_optimizer_states: update_counts must be one of "
+                                f"{', '.join(map(repr, UPDATE_COUNTS))}, got "
+                                f"{type(value).__name__}")
+    if value not in UPDATE_COUNTS:
+        raise ArgumentError(f"load_optimizer_states: update_counts={value!r} is not one of "
+                            f"{', '.join(map(repr, UPDATE_COUNTS))}")
+    return value
+
+
 # ------------------------------------------------------------- against the store
 # `entries` is the store's {key: entry}; an entry has the key's `value` (on its home).
 _DTYPE_OK: dict = {}

@@ -13,6 +13,7 @@ import operator
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from .._errors import (
     GpukvError,
     OutOfMemoryError,
 )
-from ..checkpoints import snapshots
+from ..checkpoints import claims, snapshots
 from ..comm import BroadcastJob, Strategy
 from ..comm.canonical import Canonical
 from ..comm.registry import make_strategy
@@ -44,6 +45,7 @@ from ..device.host_sum import accumulate_dtype
 from ..encoding.compression import GradientCompression
 from ..encoding.compressors import make_compressor
 from ..encoding.sparse import RowSparse
+from ..layout.state import restarted
 from . import check, pipeline, rows
 from .base import Key, Keys, KVStore, Updater, Values
 
@@ -188,6 +190,8 @@ class LocalStore(KVStore):
         self._key_kind: type | None = None
         self._updater: Any = None  # a pipeline.FunctionUpdater or an OptimizerUpdater, once set
         self._optimizer: Any = None  # the Optimizer set_optimizer installed (None otherwise)
+        #: the store this one runs optimizers for, weakly (`run_optimizers_for`); None: itself
+        self._runs_for: weakref.ref | None = None
         self._load: dict = {}  # home device -> bytes of the keys it holds
         self._pinned: Device | None = None  # where every new key lives, if set (`pin`)
         self._lock = threading.RLock()
@@ -415,6 +419,7 @@ class LocalStore(KVStore):
                 f"updater: expected a callable, got {type(updater).__name__}")
         with self._lock:
             self._updater = pipeline.FunctionUpdater(updater)
+            self._let_go_of_optimizer(None)
             self._optimizer = None
 
     @property
@@ -426,9 +431,30 @@ class LocalStore(KVStore):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentKindError(f"optimizer: expected a gpukv.optim.Optimizer (e.g. "
                                     f"gpukv.optim.create('sgd')), got {type(optimizer).__name__}")
+        from ..optim import claims as optimizer_claims
         with self._lock:
-            self._updater = OptimizerUpdater(optimizer)
+            updater = OptimizerUpdater(optimizer)
+            # one store runs an optimizer object (its counts are of one store's pushes)
+            optimizer_claims.claim(optimizer, self._optimizer_holder())
+            self._updater = updater
+            self._let_go_of_optimizer(optimizer)
             self._optimizer = optimizer
+
+    def run_optimizers_for(self, store: KVStore) -> None:
+        """The optimizers this store is given are `store`'s (it is kept inside `store`,
+        a dist store's shard): `gpukv.optim.claims` holds them for `store` (weakly)."""
+        self._runs_for = weakref.ref(store)
+
+    def _optimizer_holder(self) -> KVStore:
+        """The store that holds the optimizers this one runs (`run_optimizers_for`)."""
+        outer = None if self._runs_for is None else self._runs_for()
+        return self if outer is None else outer
+
+    def _let_go_of_optimizer(self, successor) -> None:
+        """The optimizer set before, unless it is `successor`, is free for other stores."""
+        if self._optimizer is not None and self._optimizer is not successor:
+            from ..optim import claims as optimizer_claims
+            optimizer_claims.release(self._optimizer, self._optimizer_holder())
 
     def optimizer_updater(self, op: str):
         """The OptimizerUpdater `set_optimizer` installed (the optimizer's per-key state);
@@ -446,14 +472,19 @@ class LocalStore(KVStore):
                 "save_optimizer_states").export_state(bool(dump_optimizer))
             write_archive(path, header, arrays)
 
-    def load_optimizer_states(self, fname: str | os.PathLike) -> None:
+    def load_optimizer_states(self, fname: str | os.PathLike,
+                              update_counts: str = "saved") -> None:
         from ..checkpoints.checkpoint import checkpoint_path, read_archive
+        check.update_counts(update_counts)
         self.optimizer_updater("load_optimizer_states")
         path = checkpoint_path(fname)
         header, arrays = read_archive(path)
         with self._lock:
-            self.optimizer_updater("load_optimizer_states").import_state(
-                header, arrays, self._entry_map(), path=path)
+            updater = self.optimizer_updater("load_optimizer_states")
+            if update_counts == "restart":
+                header, arrays = restarted((header, arrays),
+                                           updater.optimizer.begin_num_update)
+            updater.import_state(header, arrays, self._entry_map(), path=path)
 
     def _entry_map(self) -> dict:
         return {k: (e.value, e.home) for k, e in self._entries.items()}
@@ -467,13 +498,15 @@ class LocalStore(KVStore):
     @timeline.traced("snapshot")
     def snapshot(self, root: str | os.PathLike, step: int | None = None,
                  user_state: dict | None = None, keep: int | None = 2) -> str:
-        root, step, keep = snapshots.checked(root, step, keep, self._last_step)
-        with self._lock:
+        with self._lock:  # the step after the last snapshot's, whichever thread took it
+            root, step, keep = snapshots.checked(root, step, keep, self._last_step)
             run = self._runs.get(root)
             if run is None:
-                run = self._runs[root] = snapshots.next_run(root)
+                run = snapshots.next_run(root)
             folder = os.path.join(root, snapshots.folder_name(step, self._snapshot_tag(), run))
             worker = snapshots.worker_files(folder, step, 0, 1, user_state)
+            claims.claim(root, self)  # (once the call is known good: a refusal takes nothing)
+            self._runs[root] = run
             shard = os.path.join(folder, snapshots.shard_file(0, 1))
             then = None if keep is None else (lambda: snapshots.prune(root, keep))
             comp = self._compression
@@ -534,7 +567,7 @@ class LocalStore(KVStore):
                     start, stop, shape, home, order = place
                     infos.append({"key": key, "index": order, "home": home,
                                   "shape": list(shape), "start": start, "stop": stop})
-                    values.append(staging.take(value.reshape(-1)))
+                    values.append(staging.take(value.reshape(-1), entry.home))
                     if entry.kept is not None:
                         served.append(({"what": "served", "key": key, "start": start},
                                        entry.value.reshape(-1)))
@@ -543,7 +576,7 @@ class LocalStore(KVStore):
                 if compression is not None:
                     params, items = compression
                     section, comp_arrays = snapshots.compression_section(
-                        params, items + served, staging)
+                        params, items + served, staging, self._state_writer)
                 staging.copy()
             header = snapshots.shard_header(step, store_type or self._type, self._key_kind,
                                             infos, export)
@@ -556,6 +589,16 @@ class LocalStore(KVStore):
             self._snapshots.release(turn)
             raise
         self._snapshots.submit(turn, files, then)
+
+    def _state_writer(self, record: dict):
+        """The device whose stream writes the compression state `record` names: a
+        residual's source device; a pull residual's or served value's key's home (None:
+        not known here)."""
+        if record["what"] == "residual":
+            named = record.get("device")
+            return None if named is None else device_named(*named)
+        entry = self._entries.get(record["key"])
+        return None if entry is None else entry.home
 
     @timeline.traced("load")
     def load(self, path: str | os.PathLike) -> None:

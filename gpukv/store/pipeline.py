@@ -311,9 +311,10 @@ def run_push(plan: PushPlan, updater, compression: GradientCompression | None,
         _apply(plan, updater)
     served_apart = [(entry, merged) for _, entry, merged in plan.rows if entry.kept is not None]
     if served_apart:
-        lazy = _optimizer_takes_rows(updater) and updater.optimizer.lazy_rows()
+        optimizer = updater.optimizer if _optimizer_takes_rows(updater) else None
         for entry, merged in served_apart:
-            rows.serve_rows(entry, merged, lazy)
+            rows.serve_rows(entry, merged, optimizer is not None
+                            and optimizer.lazy_rows_for(entry.stored.dtype))
     if plan.compressed and comp is not None and comp.pulls is not None:
         assigns, settles = updater is None, settles_pulls(updater)
         with timeline.span("serve"):  # what pulls read: moved on by one payload each

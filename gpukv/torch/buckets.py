@@ -35,6 +35,11 @@ class Bucket:
         return len(self.names) > 1
 
     @property
+    def dtype_name(self) -> str:
+        """Its parameters' dtype, as NumPy names it ('float32', 'float16', ...)."""
+        return str(self.params[0][0].dtype).removeprefix("torch.")
+
+    @property
     def narrow(self) -> bool:
         """Whether its parameters are float16 or bfloat16: the stores sum and update
         them in float32 (a master copy of the weights)."""

@@ -10,7 +10,7 @@ import sys
 import time
 
 from .._errors import ArgumentError, ArgumentKindError, CheckpointError
-from ..checkpoints import snapshots
+from ..checkpoints import claims, snapshots
 from ..checkpoints.user_state import encode as encode_user_state
 from ..distributed.store import DistKVStore
 from ..store.base import KVStore
@@ -61,6 +61,8 @@ class Checkpoints:
         #: kept and given back alike
         self.modules: list = []
         self.frozen: list = []
+        #: what held the folder before `hold` (`claims.claim`'s answer); False: not held
+        self._held_from: object = False
 
     @staticmethod
     def check_resume(resume):
@@ -178,11 +180,43 @@ class Checkpoints:
             raise CheckpointError(problem or f"{self.directory}: another worker cannot "
                                              f"write snapshots there")
 
-    def check_ahead(self) -> None:
+    def _check_free(self, passing: list) -> None:
+        """ArgumentError on every worker at once when another live store of this process
+        snapshots into the folder (`claims`; the stores of `passing` hand it over):
+        found when the Trainer is made, before it would resume from that store's
+        snapshots."""
+        held = claims.holder(self.directory, self.store, passing)
+        problem = None if held is None else claims.refusal(self.directory, held)
+        del held
+        if self.store.workers_max([problem is not None],
+                                  "Trainer: whether another store uses checkpoint_dir")[0]:
+            raise problem or ArgumentError(
+                f"{self.directory}: another worker's process has a store that snapshots "
+                f"into this folder already; give each model its own checkpoint_dir")
+
+    def hold(self, passing: list) -> None:
+        """Hold the folder for this Trainer's store (see `claims`): the stores of
+        `passing` (a Trainer's taken over) hand it over; another live one refuses it."""
+        self._held_from = claims.claim(self.directory, self.store, passing)
+
+    def let_go(self, failed: bool = False) -> None:
+        """The folder is free for another store of this process again; `failed`: the
+        Trainer could not be made, and what held it before `hold` holds it again. (A
+        step after `close` takes the folder again at its snapshot: a later close frees
+        it again.)"""
+        if not failed:
+            claims.release(self.directory, self.store)
+        elif self._held_from is not False:
+            claims.give_back(self.directory, self.store, self._held_from)
+        self._held_from = False
+
+    def check_ahead(self, passing: list | tuple = ()) -> None:
         """The snapshot the resume would start from, checked to be this Trainer's before
         the store is touched, so that a Trainer refused for it leaves the store as it was
-        (the resume checks the one it loads again); and that the folder can be written."""
+        (the resume checks the one it loads again); that the folder can be written; and
+        that no other store of this process (but those of `passing`) snapshots there."""
         self._check_writable()
+        self._check_free(list(passing))
         if self.resume_from == "never":
             return
         if self.resume_from != "auto":

@@ -20,6 +20,7 @@ from ..checkpoints.snapshots import Snapshot
 from ..distributed.store import DistKVStore
 from ..encoding.compressors import low_rank_compressor
 from ..optim import LAMB, Optimizer
+from ..optim import claims as optimizer_claims
 from ..optim import create as create_optimizer
 from ..store.base import KVStore
 from . import scaling
@@ -120,6 +121,11 @@ class Trainer:
                 raise ArgumentError("the modules have no trainable parameter (requires_grad "
                                     "is False for every one): the Trainer would update "
                                     "nothing (as DDP, it refuses)")
+            # the stores of the Trainers these modules had: they step them no more, and
+            # hand their optimizer and checkpoint folder over to this one
+            taken_over = _snapshot_stores(getattr(p, _TRAINER, None)
+                                          for replica in params for p in replica)
+            _refuse_shared_optimizer(self._optimizer, self._kv, taken_over)
             # PowerSGD (given, or already set on the store given) compresses a
             # parameter's own matrix
             low_rank = low_rank_compressor(compression_params if compression_params is not None
@@ -158,19 +164,27 @@ class Trainer:
         # Trainer already running on these modules keeps them (a refusal changes nothing)
         before = [(p, p.data, p.grad, getattr(p, OWNER, None), getattr(p, _TRAINER, None))
                   for bucket in self._buckets for params in bucket.params for p in params]
+        #: what held the optimizer before this Trainer's store (`optimizer_claims.claim`'s
+        #: answer); False: not held (not yet, or let go by `close`)
+        self._optimizer_held_from: object = False
         try:
             for bucket in self._buckets:
                 flatten(bucket, len(self._modules))
             self._grads.note_weights()
             self._rows: TouchedRows = TouchedRows(
                 [b for b in self._buckets if b.names[0] in rows])
-            self._start(checkpoints, compression_params, on_store, overlap)
+            self._start(checkpoints, compression_params, on_store, overlap, taken_over)
         except BaseException:
             with torch.no_grad():
                 for p, data, grad, early, trainer in before:
                     p.data, p.grad = data, grad
                     setattr(p, OWNER, early)
                     setattr(p, _TRAINER, trainer)
+            if getattr(self, "_checkpoints", None) is not None:
+                self._checkpoints.let_go(failed=True)  # (to the Trainer that had it)
+            if self._optimizer_held_from is not False:  # (to the store that had it)
+                optimizer_claims.give_back(self._optimizer, self._kv,
+                                           self._optimizer_held_from)
             raise
         me = weakref.ref(self)
         self._rows.take_over([p for p, *_ in before])
@@ -180,16 +194,22 @@ class Trainer:
         self._takeovers_seen: int = -1  # (`_check_owner` looks at every parameter once)
 
     def _start(self, checkpoints: tuple | None, compression_params, on_store: bool,
-               overlap: bool | None) -> None:
-        """The rest of `__init__`, once the buckets hold the parameters."""
+               overlap: bool | None, taken_over: list) -> None:
+        """The rest of `__init__`, once the buckets hold the parameters. `taken_over`:
+        the stores of the Trainers these modules had, whose checkpoint folder and
+        optimizer this one may take over (they step them no more)."""
         if checkpoints is not None:  # (before the store is touched)
             directory, every, keep, resume = checkpoints
             ahead = Checkpoints(directory, every, keep, self._kv, layout_of(self._buckets),
                                 resume=resume)
             ahead.modules, ahead.frozen = self._modules, self._frozen
-            ahead.check_ahead()
+            ahead.check_ahead(taken_over)
         if compression_params is not None:
             self._kv.set_gradient_compression(compression_params)
+        # this Trainer's store holds the optimizer (it runs it, or, with
+        # update_on_kvstore=False, the replicas run copies that follow it)
+        self._optimizer_held_from = optimizer_claims.claim(self._optimizer, self._kv,
+                                                           taken_over)
         self._update: Update
         if on_store:
             self._update = StoreUpdate(self._kv, self._optimizer, self._buckets, self._rows)
@@ -205,7 +225,7 @@ class Trainer:
         self.user_state: dict = {}
         self._checkpoints: Checkpoints | None = None
         if checkpoints is not None:
-            self._start_checkpoints(*checkpoints)
+            self._start_checkpoints(*checkpoints, passing=[self._kv, *taken_over])
         #: the fewest and the most replicas of a worker: asked of every worker here, where
         #: all of them are (a step's early reductions may be under way on a dist store)
         self._replicas_per_worker: tuple[int, int] = self._count_replicas()
@@ -573,12 +593,22 @@ class Trainer:
         worker calls it. `with Trainer(...) as trainer:` calls it at the end of the block;
         after an exception, the block's end only waits for this process's snapshot
         writes (a failed step's state is not snapshotted, and nothing is asked of the
-        other workers, who may be in a step: the exception goes on as it was raised)."""
+        other workers, who may be in a step: the exception goes on as it was raised).
+        Either way the optimizer is free for another store or Trainer of the process
+        (a step taken after holds it again)."""
+        self._let_go_of_optimizer()
         if self._checkpoints is None:
             return
         if self._checkpoints.last_step != self._steps:
             self.snapshot()
         self.finish_snapshots()
+        self._checkpoints.let_go()  # (another store of this process may snapshot there)
+
+    def _let_go_of_optimizer(self) -> None:
+        """The optimizer is free for another store of this process (`optimizer_claims`)."""
+        if self._optimizer_held_from is not False:
+            optimizer_claims.release(self._optimizer, self._kv)
+            self._optimizer_held_from = False
 
     def __enter__(self) -> Trainer:
         return self
@@ -586,11 +616,14 @@ class Trainer:
     def __exit__(self, kind, error, trace) -> None:
         if kind is None:
             self.close()
-        elif self._checkpoints is not None:
+            return
+        self._let_go_of_optimizer()
+        if self._checkpoints is not None:
             # the earlier snapshots' files, whole, before the error goes on; not
             # finish_snapshots(), a collective call on a dist store, whose mismatch with
             # the others' step (or a write's error) would take the exception's place
             snapshots.finish_writes()
+            self._checkpoints.let_go()  # (a Trainer made again there resumes them)
 
     def save_states(self, path) -> None:
         """Write the optimizer's state (atomically) to `path`."""
@@ -615,12 +648,14 @@ class Trainer:
         Checkpoints.check(directory, every, keep)
         return directory, every, keep, Checkpoints.check_resume(resume)
 
-    def _start_checkpoints(self, directory, every, keep, resume) -> None:
-        """Resume from the newest complete snapshot in `directory` ('auto'), or from
-        the one `resume` names, or from none ('never')."""
+    def _start_checkpoints(self, directory, every, keep, resume, *, passing: list) -> None:
+        """Hold `directory` for the store that snapshots (`passing`: the stores that
+        hand it over), then resume from the newest complete snapshot there ('auto'), or
+        from the one `resume` names, or from none ('never')."""
         self._checkpoints = self._update.checkpoints(directory, every, keep, resume)
         self._checkpoints.modules = self._modules
         self._checkpoints.frozen = self._frozen
+        self._checkpoints.hold(passing)
         resumed = self._checkpoints.resume()
         if resumed is None:
             return
@@ -806,6 +841,10 @@ class Trainer:
         """What every step checks and takes first: the modules are still this Trainer's,
         the flag is a bool, and a torch scheduler's rate."""
         self._check_owner()
+        if self._optimizer_held_from is False:  # (closed, then stepped again)
+            with self._kv.refusals_agreed("Trainer.step"):
+                self._optimizer_held_from = optimizer_claims.claim(self._optimizer,
+                                                                   self._kv)
         _check_flag("ignore_stale_grad", ignore_stale_grad)
         self._check_low_rank_keys()
         self._take_scheduled()
@@ -882,6 +921,30 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------ helpers
+def _snapshot_stores(trainers) -> list:
+    """The stores that snapshot for the Trainers `trainers` (weak references, or None)
+    refer to: the store each was given or made, and its snapshots' own."""
+    stores: list = []
+    for ref in trainers:
+        trainer = None if ref is None else ref()
+        if trainer is None:
+            continue
+        for store in (getattr(trainer, "_kv", None),
+                      getattr(getattr(trainer, "_checkpoints", None), "store", None)):
+            if store is not None and not any(store is s for s in stores):
+                stores.append(store)
+    return stores
+
+
+def _refuse_shared_optimizer(optimizer: Optimizer, kv: KVStore, passing: list) -> None:
+    """ArgumentError when another live store of this process runs `optimizer` (its
+    update counts and per-step options would be shared: `gpukv.optim.claims`), unless
+    it is `kv` or one of `passing`, the stores of the Trainers taken over."""
+    held = optimizer_claims.holder(optimizer, kv, passing)
+    if held is not None:
+        raise optimizer_claims.refusal(optimizer, held)
+
+
 def _on_gpus(buckets: list[Bucket]) -> bool:
     """Whether the replicas are on GPUs, where a reduction runs beside backward's kernels."""
     return any(p.is_cuda for b in buckets for p in b.params[0])

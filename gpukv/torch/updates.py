@@ -139,8 +139,9 @@ class StoreUpdate:
         # unless the program wrote its weights since the last step.
         written = {id(b) for b in live if id(b) in as_rows
                    and touched.written_since_last_step(b)}
-        lazy = self._optimizer.lazy_rows()
-        by_rows = [b for b in live if lazy and id(b) in as_rows and id(b) not in written]
+        lazy = self._optimizer.lazy_rows_for
+        by_rows = [b for b in live if id(b) in as_rows and id(b) not in written
+                   and lazy(b.dtype_name)]
         whole = [b for b in live if b not in by_rows]
         if whole:
             self.store.pull([b.key for b in whole], out=[b.weights for b in whole])

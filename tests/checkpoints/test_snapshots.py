@@ -4,13 +4,16 @@ newest are kept, a failed write is raised later and spoils nothing, and `user_st
 round-trips exactly or is refused naming where."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import random
+import re
 import shutil
 import struct
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -115,6 +118,68 @@ def test_a_snapshot_resumes_bit_for_bit(tmp_path, saver, loader):
     assert _fingerprint(fresh, tmp_path / "b.states") == _fingerprint(kv, tmp_path / "a.states")
 
 
+@contextlib.contextmanager
+def _streams_of_its_own():
+    """A non-blocking CUDA stream of its own made current on every GPU, for this thread."""
+    import cupy
+    with contextlib.ExitStack() as streams:
+        for gpu in range(cupy.cuda.runtime.getDeviceCount()):
+            with cupy.cuda.Device(gpu):
+                streams.enter_context(cupy.cuda.Stream(non_blocking=True))
+        yield
+
+
+def _in_threads(*bodies) -> None:
+    """Run every body in a thread of its own; raise the first one's error."""
+    failures: list = []
+
+    def run(body):
+        try:
+            body()
+        except BaseException as exc:  # raised here, in the test's thread
+            failures.append(exc)
+    threads = [threading.Thread(target=run, args=(body,)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compression", [None, {"type": "sign"}],
+                         ids=lambda c: "plain" if c is None else c["type"])
+def test_a_snapshot_on_another_threads_streams_holds_the_pushes_before_it(
+        tmp_path, compression):
+    """A snapshot taken by one thread, on CUDA streams of its own, after another thread's
+    pushes on its own streams returned, holds the values and optimizer state those
+    pushes left, as the store does: the copies to the host wait for the keys' work (the
+    compression's residuals and served values too, which the race checker watches)."""
+    kv = _store("device")
+    if compression is not None:
+        kv.set_gradient_compression(compression)
+    _train(kv, 0, 1)
+    pushed = threading.Event()
+
+    def pushes():
+        with _streams_of_its_own():
+            _train(kv, 1, 2)
+        pushed.set()
+
+    def snapshot():
+        pushed.wait()
+        with _streams_of_its_own():
+            kv.snapshot(tmp_path / "snaps", 3)
+        kv.finish_snapshots()
+    _in_threads(pushes, snapshot)
+    fresh = _store("device", seed=9)  # (what it pulls: the served values it resumes)
+    if compression is not None:
+        fresh.set_gradient_compression(compression)
+    assert fresh.resume(tmp_path / "snaps").step == 3
+    assert _fingerprint(fresh, tmp_path / "b.states") == _fingerprint(kv, tmp_path / "a.states")
+
+
 def test_resume_without_a_snapshot_changes_nothing(tmp_path):
     """resume() of a missing or empty root returns None and leaves the store as it was;
     a `check` that refuses the snapshot leaves it as it was too."""
@@ -150,16 +215,21 @@ def test_resume_logs_the_snapshot_or_that_there_is_none(tmp_path, caplog):
 
 
 def test_a_dropped_store_leaves_no_writer_thread_nor_buffers(tmp_path):
-    """The writer's thread ends once its snapshots are written, so that a store made
-    and dropped (a new Trainer after a change, many times in a long job) leaves no
-    thread behind, and its staging buffers go with it."""
+    """A store's writer thread ends once the store is dropped and its snapshots are
+    written, so that a store made and dropped (a new Trainer after a change, many times
+    in a long job) leaves no thread behind, and its staging buffers go with it."""
     import gc
     import threading
     import weakref
 
     def writers() -> list:
         return [t for t in threading.enumerate() if t.name == "gpukv-snapshots"]
-    before, writing = len(writers()), len(snapshots._WRITERS)
+    gc.collect()  # (an earlier test's store, and its writer, go now: not in the middle)
+    writing = len(snapshots._WRITERS)
+    before = set(writers())
+
+    def new_writers() -> list:
+        return [t for t in writers() if t not in before]
     kept = []
     for i in range(3):
         kv = gpukv.create("local")
@@ -170,12 +240,70 @@ def test_a_dropped_store_leaves_no_writer_thread_nor_buffers(tmp_path):
         del kv
     gc.collect()
     for _ in range(100):  # (a thread's end after its last write is a moment away)
-        if len(writers()) == before:
+        if not new_writers():
             break
         threading.Event().wait(0.01)
-    assert len(writers()) == before
+    assert not new_writers()
     assert all(ref() is None for ref in kept)
     assert len(snapshots._WRITERS) <= writing  # (each writer, with its buffers, freed)
+
+
+def test_one_thread_writes_a_stores_snapshots_idle_between_them(tmp_path, monkeypatch):
+    """A store's snapshots are all written by one thread, started at the first and
+    waiting between them, however often it has nothing to write (in a long job, most of
+    the time): a thread started for each (with MPI initialised, each leaves some of the
+    MPI library's memory behind for good) would grow the process snapshot by snapshot."""
+    started = []
+    start = threading.Thread.start
+
+    def counted(thread):
+        if thread.name == "gpukv-snapshots":
+            started.append(thread)
+        start(thread)
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    kv = gpukv.create("local")
+    kv.init("w", np.arange(64, dtype=np.float32))
+    for _ in range(5):
+        kv.snapshot(tmp_path, keep=2)
+        kv.finish_snapshots()
+        threading.Event().wait(0.01)  # (the steps between two snapshots)
+    assert len(started) == 1 and started[0].is_alive()
+
+
+EXITING = """
+import atexit, sys, threading
+# registered before gpukv's exit handlers: runs after them
+atexit.register(lambda: print("writer threads at exit:", sum(
+    t.name == "gpukv-snapshots" for t in threading.enumerate())))
+import numpy as np
+import gpukv
+kv = gpukv.create("local")
+kv.init("w", np.zeros(1 << 20, np.float32))
+kv.snapshot(sys.argv[1], 1)
+kv.finish_snapshots()  # (its thread waits for the next one)
+kv.push("w", np.ones(1 << 20, np.float32))
+kv.snapshot(sys.argv[1], 2)  # still being written as the program ends
+"""
+
+
+def test_a_program_that_ends_leaves_its_snapshots_written_and_no_writer_thread(tmp_path):
+    """A program that ends normally, a snapshot still being written, leaves it written
+    (its exit waits for it), and the writer thread, idle or not, ended then."""
+    import subprocess
+    import sys
+
+    from .. import gpu_env
+    done = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], text=True,
+                          capture_output=True, env=gpu_env.subprocess_env(gpus=False),
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (0, "writer threads at exit: 0\n"), done.stderr
+    latest = gpukv.latest_snapshot(tmp_path)
+    assert latest is not None and latest.step == 2
+    kv = gpukv.create("local")
+    kv.load(latest)
+    out = np.zeros(1 << 20, np.float32)
+    kv.pull("w", out=out)
+    assert (out == 1).all()
 
 
 def test_a_snapshot_without_a_step_takes_the_next_one(tmp_path):
@@ -187,10 +315,66 @@ def test_a_snapshot_without_a_step_takes_the_next_one(tmp_path):
     assert Path(kv.snapshot(tmp_path, 7)).name.startswith("step-000000007-")
     assert Path(kv.snapshot(tmp_path)).name.startswith("step-000000008-")
     kv.finish_snapshots()
+    del kv  # (its folder, free for the next store)
     again = _store("local", seed=3)
     assert again.resume(tmp_path).step == 8
     assert Path(again.snapshot(tmp_path)).name.startswith("step-000000009-")
     again.finish_snapshots()
+
+
+def test_snapshots_several_threads_take_at_once_each_have_a_step_of_their_own(tmp_path):
+    """snapshot(root) called by several threads at once numbers each call the step after
+    the store's last snapshot, whichever thread took that: no two share a step (and so
+    a folder, which the later one would write over)."""
+    kv = _store("local")
+    taken: list = []
+
+    def snapshots_of_one_thread():
+        for _ in range(5):
+            taken.append(kv.snapshot(tmp_path, keep=None))
+    _in_threads(*[snapshots_of_one_thread] * 3)
+    kv.finish_snapshots()
+    steps = sorted(int(Path(folder).name.split("-")[1]) for folder in taken)
+    assert steps == list(range(1, 16))
+    assert len(snapshots.complete_snapshots(tmp_path)) == 15
+
+
+def test_a_folder_another_live_store_snapshots_into_is_refused(tmp_path):
+    """A store of the process that would snapshot into a folder another live one
+    snapshots into (by any path to it) is an ArgumentError naming the folder, and nothing
+    is written there: its snapshots would be taken for the other's. Once that store is
+    dropped, the folder is free: the second resumes from it and goes on there."""
+    root = tmp_path / "snaps"
+    first = _store("local")
+    first.snapshot(root, 1)
+    first.finish_snapshots()
+    (tmp_path / "link").symlink_to(root)
+    second = _store("local", seed=3)
+    before = _listing(root)
+    for path in (root, tmp_path / "link"):
+        said = re.escape(f"{path}: a 'local' store of this process")
+        with pytest.raises(gpukv.ArgumentError, match=said + ".*its own checkpoint_dir"):
+            second.snapshot(path)
+    assert _listing(root) == before
+    first.snapshot(root)  # (the first goes on)
+    first.finish_snapshots()
+    del first
+    assert second.resume(root).step == 2
+    assert Path(second.snapshot(root)).name.startswith("step-000000003-")
+    second.finish_snapshots()
+
+
+def test_a_refused_snapshot_leaves_its_folder_to_other_stores(tmp_path):
+    """A snapshot refused for its user_state writes nothing and holds no folder: another
+    store of the process snapshots there after it."""
+    root = tmp_path / "snaps"
+    first, second = _store("local"), _store("local", seed=3)
+    with pytest.raises(gpukv.ArgumentError, match=r"user_state\['x'\]"):
+        first.snapshot(root, user_state={"x": object()})
+    assert not root.exists() or not os.listdir(root)
+    assert Path(second.snapshot(root)).name.startswith("step-000000001-")
+    second.finish_snapshots()
+    assert first is not None  # (still live)
 
 
 @pytest.mark.parametrize("keep", [1, 2, 3])
@@ -288,6 +472,7 @@ def test_a_later_runs_snapshots_are_newer_than_an_earlier_runs_higher_steps(tmp_
     for step in (5, 6):
         first.snapshot(tmp_path, step, keep=2)
     first.finish_snapshots()
+    del first  # (its folder, free for the next store)
     assert snapshots.next_run(tmp_path) == 2
     later = _store("local", seed=1)
     names = [os.path.basename(later.snapshot(tmp_path, step, keep=2)) for step in (1, 2)]
@@ -349,6 +534,7 @@ def test_an_earlier_step_goes_on_in_a_new_store_as_a_new_run(tmp_path):
     older = kv.snapshot(tmp_path, 5, user_state={"at": 5})
     kv.snapshot(tmp_path, 6, user_state={"at": 6})
     kv.finish_snapshots()
+    del kv  # (its folder, free for the next store)
     again = _store("local", seed=1)
     again.load(older)
     path = again.snapshot(tmp_path, 5, user_state={"note": "after rollback"})
@@ -370,6 +556,7 @@ def test_folders_of_an_older_gpukv_are_run_0(tmp_path):
     (found,) = snapshots.complete_snapshots(tmp_path)
     assert (found.run, found.step, found.path) == (0, 9, legacy)
     assert snapshots.next_run(tmp_path) == 1
+    del kv  # (its folder, free for the next store)
     fresh = _store("local", seed=1)
     fresh.snapshot(tmp_path, 1, keep=None)
     fresh.finish_snapshots()

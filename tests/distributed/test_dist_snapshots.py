@@ -168,6 +168,14 @@ def test_keep_is_exact_when_files_land_late(tmp_path, n, servers, trainer):
     assert [s.step for s in snapshots.complete_snapshots(root)] == [4, 5]
 
 
+def test_snapshots_several_threads_take_at_once_each_have_a_step_of_their_own(tmp_path):
+    """A dist store's snapshots taken by two threads of each worker at once, with no
+    step, are numbered 1..6 on every worker alike: each call takes the step after the
+    last snapshot's, whichever thread took that, and every snapshot is complete."""
+    out = _job(2, 0, "threads", str(tmp_path / "snaps"))
+    assert re.findall(r"STEPS ([\d,]*)", out) == ["1,2,3,4,5,6"], out
+
+
 def test_a_shard_from_an_earlier_step_is_refused_on_every_worker(tmp_path):
     """A shard copied into the newest snapshot from an earlier step of the same run makes
     resume raise CheckpointError on every worker, naming the shard and both steps, and

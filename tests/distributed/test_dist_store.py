@@ -612,6 +612,24 @@ def test_a_setting_refused_by_one_worker_alone_fails_on_every_worker_at_once(n, 
     assert len(took) == n - servers and max(took) < 10, out
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_an_optimizer_another_store_of_the_process_runs_is_refused(n, servers):
+    """A store of a worker given the optimizer another store of that process runs (a
+    'local' one, or a second dist store, on every worker) is an ArgumentError, and a
+    copy counts apart; worker 1 alone refusing it is agreed on as set_optimizer's other
+    refusals are: a PeerMismatchError naming the refusal on the others, at once."""
+    result = _scenario(n, servers, "shared_optimizer", timeout=20, limit=90)
+    out = result.stdout + result.stderr  # (a store a refusal ended aborts the job at exit)
+    assert all(f"PASS worker {w} of {n - servers}" in out for w in range(n - servers)), out
+    lines = _caught(result.stdout, "PeerMismatchError")
+    assert len(lines) == n - servers - 1, out
+    assert all("calls set_optimizer refused (ArgumentError)" in ln
+               and "runs this optimizer object already" in ln for ln in lines), lines
+    assert len(_caught(result.stdout, "ArgumentError")) == 1, out
+    took = [float(s) for s in re.findall(r"REFUSED on worker \d+ after ([\d.]+) s", out)]
+    assert len(took) == n - servers and max(took) < 10, out
+
+
 #: what worker 1 alone refuses (refused_on_one), and the words of its refusal the others'
 #: PeerMismatchError says (None: the others' calls go on)
 REFUSED_ON_ONE = {
@@ -713,6 +731,17 @@ def test_optimizer_changes_reach_the_shards(n, servers):
     """set_learning_rate, rescale_grad and lr_mult changed between pushes count; momentum
     turned on after the first push is an ArgumentError on every worker, changing nothing."""
     _passes(_scenario(n, servers, "changing_options"), n - servers)
+
+
+@pytest.mark.parametrize("n,servers,kinds", [(2, 0, "int,str"), (4, 2, "str")])
+def test_keys_pushed_unequally_take_one_processs_rates(n, servers, kinds, tmp_path):
+    """Under a schedule, keys served by different processes or servers, one pushed at
+    every step and one at two steps only, take the rates one process gives them (its
+    bits and update counts, str keys counted in the order they were made); a save and
+    load mid-way redo the last steps to the same bits, here and in a 'local' store; and
+    update_counts='restart' starts every count over as one process's load does."""
+    _passes(_scenario(n, servers, "unequal_pushes", str(tmp_path / "c"), kinds),
+            n - servers)
 
 
 @pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])

@@ -166,6 +166,89 @@ def test_update_count_is_per_key():
     assert kv._optimizer._index_update_count == {1: 3, 2: 1}
 
 
+def _scheduled_sgd():
+    """SGD whose rate halves at every update (so a key's rate tells its num_update)."""
+    schedule = optim.FactorScheduler(step=1, factor=0.5, base_lr=0.1)
+    return optim.SGD(momentum=0.5, lr_scheduler=schedule)
+
+
+def _store_of(keys, opt):
+    kv = gpukv.create("local")
+    kv.init(list(keys), [np.full(3, 1.0 + k, np.float32) for k in keys])
+    kv.set_optimizer(opt)
+    return kv
+
+
+def _value(kv, key):
+    out = np.zeros(3, np.float32)
+    kv.pull(key, out=out)
+    return out
+
+
+#: int keys pushed unequally: key 0 at most steps, 4 at some, 9 once
+UNEQUAL = [[0, 4], [0], [0], [0, 4], [4], [0, 4, 9]]
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["every-shard-counts", "told"])
+def test_shards_counting_every_key_of_a_push_take_one_processs_rates(told):
+    """Keys pushed unequally under a schedule, each updated by a store of its own (a dist
+    store's shards): when each shard's optimizer counts every key of a push in one
+    process's order (`counting_round`), or is told the num_update a worker's copy counted
+    (a server), every key takes the rate one process gives it, bit for bit, and the
+    counts are one process's."""
+    one_opt = _scheduled_sgd()
+    one = _store_of([0, 4, 9], one_opt)
+    owners = {0: "a", 4: "b", 9: "b"}
+    shards = {name: (_store_of([k for k, o in owners.items() if o == name], opt), opt)
+              for name, opt in (("a", _scheduled_sgd()), ("b", _scheduled_sgd()))}
+    worker = _scheduled_sgd()
+    for i, keys in enumerate(UNEQUAL):
+        grad = np.full(3, i + 1.0, np.float32)
+        one.push(keys, [grad] * len(keys))
+        with worker.counting_round(keys) as num_updates:
+            pass  # (a worker's copy updates nothing: it counts)
+        for name, (kv, opt) in shards.items():
+            mine = [k for k in keys if owners[k] == name]
+            if told:  # a server updates each key as its round completes
+                for key in mine:
+                    with opt.counting_round([key], {key: num_updates[key]}):
+                        kv.push(key, grad)
+                continue
+            with opt.counting_round(keys):
+                if mine:
+                    kv.push(mine, [grad] * len(mine))
+    for key, name in owners.items():
+        assert np.array_equal(_value(shards[name][0], key), _value(one, key)), key
+    assert dict(worker.update_counts) == dict(one_opt.update_counts) == {0: 5, 4: 4, 9: 1}
+    for name, (kv, opt) in shards.items():
+        assert opt.num_update == one_opt.num_update == 5
+        if not told:
+            assert dict(opt.update_counts) == dict(one_opt.update_counts)
+    apart = _store_of([4], _scheduled_sgd())  # a shard counting its own keys alone
+    for i, keys in enumerate(UNEQUAL):
+        if 4 in keys:
+            apart.push(4, np.full(3, i + 1.0, np.float32))
+    assert not np.array_equal(_value(apart, 4), _value(one, 4))
+
+
+def test_a_round_that_raises_counts_no_key_it_did_not_update():
+    """A push whose round raises leaves the counts of the keys it did not update, and
+    num_update, as they were."""
+    opt = optim.SGD(learning_rate=0.1)
+    kv = gpukv.create("local")
+    kv.init([1, 2], [np.ones(2, np.float32)] * 2)
+    kv.set_optimizer(opt)
+    kv.push([1, 2], [np.ones(2, np.float32)] * 2)
+    with pytest.raises(RuntimeError):
+        with opt.counting_round([1, 2]):
+            raise RuntimeError("the round failed")
+    assert (dict(opt.update_counts), opt.num_update) == ({1: 1, 2: 1}, 1)
+    with opt.counting_round([1, 2]) as num_updates:
+        kv.push(2, np.ones(2, np.float32))
+    assert num_updates == {1: 2, 2: 2}
+    assert (dict(opt.update_counts), opt.num_update) == ({1: 2, 2: 2}, 2)
+
+
 # ------------------------------------------------------------------ multi-precision
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_bfloat16)])
 def test_narrow_weights_keep_a_float32_master(dtype):
@@ -904,6 +987,77 @@ def test_lazy_rows_follow_the_dense_rule_on_their_rows(make, dtype):
         assert not a[absent].any() if a is not st.master else np.array_equal(
             a[absent], w0[absent].astype(np.float32))
         assert np.array_equal(a[rows], b)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_multi_precision_sgd_of_a_float16_weight_updates_every_row_as_mxnet(momentum):
+    """MXNet's SGD of a float16 weight with multi_precision (mp_sgd_update,
+    mp_sgd_mom_update) has no row-sparse kernel: a row-sparse push updates every row,
+    the absent ones with a zero gradient (their momentum and weight decay go on), bit
+    for bit as lazy_update=False does; MXNet 1.9.1 gives [0.682 0.782 0.971 0.971]."""
+    def run(**options):
+        kv = gpukv.create("local")
+        kv.init("emb", np.ones((4, 2), np.float16))
+        kv.set_optimizer(optim.SGD(learning_rate=0.1, momentum=momentum, wd=0.1,
+                                   multi_precision=True, **options))
+        for rows in ([0, 1], [0]):
+            kv.push("emb", gpukv.RowSparse(np.array(rows), np.ones((len(rows), 2), np.float16),
+                                           (4, 2)))
+        out = np.zeros((4, 2), np.float16)
+        kv.pull("emb", out=out)
+        return out
+    got = run()
+    assert np.array_equal(got, run(lazy_update=False))
+    assert (got[2:] != 1).all(), got
+    if momentum:
+        assert np.array_equal(got[:, 0], np.array([0.682, 0.782, 0.971, 0.971], np.float16))
+
+
+@pytest.mark.gpu
+def test_gpu_multi_precision_sgd_of_a_float16_weight_updates_every_row():
+    """On a GPU too, SGD with multi_precision updates every row of a float16 weight for a
+    row-sparse gradient: MXNet's numbers, the bits of lazy_update=False."""
+    import cupy as cp
+    outs = []
+    for lazy in (True, False):
+        kv = gpukv.create("device")
+        with cp.cuda.Device(0):
+            kv.init("emb", cp.ones((4, 2), np.float16))
+            kv.set_optimizer(optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.1,
+                                       multi_precision=True, lazy_update=lazy))
+            for rows in ([0, 1], [0]):
+                kv.push("emb", gpukv.RowSparse(cp.asarray(rows), cp.ones((len(rows), 2),
+                                                                         np.float16), (4, 2)))
+            out = cp.zeros((4, 2), np.float16)
+            kv.pull("emb", out=out)
+            outs.append(cp.asnumpy(out))
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[0][:, 0], np.array([0.682, 0.782, 0.971, 0.971], np.float16))
+
+
+@pytest.mark.parametrize("dtype,make", [
+    ("float16", lambda: optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.1)),
+    ("float32", lambda: optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.1,
+                                  multi_precision=True)),
+    pytest.param("bfloat16", lambda: optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.1,
+                                               multi_precision=True), marks=needs_bfloat16),
+    ("float16", lambda: optim.Adam(learning_rate=0.1, wd=0.1, multi_precision=True)),
+], ids=["sgd-float16", "sgd-multi-precision-float32", "sgd-multi-precision-bfloat16",
+        "adam-multi-precision-float16"])
+def test_row_sparse_updates_mxnet_runs_lazily_stay_lazy(dtype, make):
+    """Where MXNet runs a lazy row-sparse kernel (SGD on a float16 weight itself without
+    multi_precision, and on any other dtype; Adam's multi-precision update, on the
+    float32 master copy), the rows absent from the gradient keep their bits."""
+    from ..bfloat16 import dtype_named
+    dt = dtype_named(dtype)
+    kv = gpukv.create("local")
+    kv.init("emb", np.ones((4, 2), dt))
+    kv.set_optimizer(make())
+    for rows in ([0, 1], [0]):
+        kv.push("emb", gpukv.RowSparse(np.array(rows), np.ones((len(rows), 2), dt), (4, 2)))
+    out = np.zeros((4, 2), dt)
+    kv.pull("emb", out=out)
+    assert (out[2:] == 1).all() and (out[:2] != 1).all(), out
 
 
 def test_standard_sparse_update_equals_a_dense_push():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import gpukv
 from gpukv import optim
+from gpukv._errors import ArgumentError, ArgumentKindError
 from gpukv.checkpoints.checkpoint import read_archive
 
 KEYS = [0, 1, 2]
@@ -213,3 +214,81 @@ def test_a_function_schedules_saved_rate_is_the_next_updates(rates, pushes, begi
     want, got = _values(kv), _values(resumed)
     for key in KEYS:
         assert got[key].tobytes() == want[key].tobytes(), key
+
+
+# --------------------------------------------- fine-tuning under a schedule of one's own
+def _trained(tmp_path, dump: bool, updates: int = 100) -> Path:
+    """SGD with momentum (and weight decay 0.01) after `updates` pushes of every key,
+    its state saved (with its options when `dump`)."""
+    kv = _store(optim.SGD(learning_rate=0.1, momentum=0.9, wd=0.01))
+    for _ in range(updates):
+        _push(kv, KEYS)
+    path = tmp_path / "pretrained.states"
+    kv.save_optimizer_states(path, dump_optimizer=dump)
+    return path
+
+
+def _cosine() -> optim.CosineScheduler:
+    return optim.CosineScheduler(max_update=50, base_lr=0.1)
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_restarted_counts_follow_a_new_schedule_from_its_start(tmp_path, dump):
+    """States saved after 100 updates, loaded into SGD with a cosine schedule over 50:
+    with the saved counts (the default) the next update is past the schedule's end, at
+    its final rate 0, and the weights move by the momentum alone; with
+    update_counts='restart' every count starts over and the schedule from its start,
+    which its own store keeps over a saved one, while the momenta are the file's."""
+    path = _trained(tmp_path, dump)
+    stores, optimizers = {}, {}
+    for counts in ("saved", "restart"):
+        opt = optimizers[counts] = optim.SGD(momentum=0.9, lr_scheduler=_cosine())
+        kv = stores[counts] = _store(opt)
+        kv.load_optimizer_states(path, update_counts=counts)
+        _push(kv, KEYS)
+    saved, restarted = optimizers["saved"], optimizers["restart"]
+    assert (saved.num_update, dict(saved.update_counts)) == (101, {0: 101, 1: 101, 2: 101})
+    assert (restarted.num_update, dict(restarted.update_counts)) == (1, {0: 1, 1: 1, 2: 1})
+    assert isinstance(restarted.lr_scheduler, optim.CosineScheduler)
+    assert restarted.lr_scheduler.max_update == 50
+    first = _cosine()(1)
+    before = np.zeros(2, np.float32)  # every store's weights start at zero
+    momentum_alone = _values(stores["saved"])
+    for i, key in enumerate(KEYS):
+        grad = GRAD * (i + 1)
+        got = _values(stores["restart"])[key]
+        assert np.allclose(got - momentum_alone[key], -first * grad, rtol=1e-5), key
+        assert not np.array_equal(momentum_alone[key], before)  # the file's momenta
+    if dump:  # the file's other options are taken
+        assert restarted.wd == saved.wd == 0.01
+
+
+def test_restarted_counts_start_at_the_optimizers_begin_num_update(tmp_path):
+    """update_counts='restart' puts every key back at begin_num_update, as a new
+    optimizer's: the next update of each is begin_num_update + 1."""
+    path = _trained(tmp_path, dump=False, updates=3)
+    opt = optim.SGD(momentum=0.9, learning_rate=0.1, begin_num_update=7)
+    kv = _store(opt)
+    kv.load_optimizer_states(path, update_counts="restart")
+    assert opt.num_update == 7
+    _push(kv, KEYS)
+    assert (opt.num_update, dict(opt.update_counts)) == (8, {0: 8, 1: 8, 2: 8})
+
+
+@pytest.mark.parametrize("store", ["local", "device"])
+@pytest.mark.parametrize("value,error", [
+    ("reset", ArgumentError), ("Saved", ArgumentError), (None, ArgumentKindError),
+    (True, ArgumentKindError), (0, ArgumentKindError)])
+def test_a_bad_update_counts_is_refused_typed_before_the_file_is_read(tmp_path, store, value,
+                                                                      error):
+    """update_counts other than 'saved' or 'restart' is an ArgumentError (of a str) or an
+    ArgumentKindError (of anything else) naming it, raised before the file is read
+    (here there is none) and changing nothing."""
+    opt = optim.SGD(learning_rate=0.1, momentum=0.9)
+    kv = gpukv.create(store)
+    kv.init(KEYS, [np.zeros(2, np.float32)] * len(KEYS))
+    kv.set_optimizer(opt)
+    _push(kv, KEYS)
+    with pytest.raises(error, match=r"update_counts.*'saved', 'restart'"):
+        kv.load_optimizer_states(tmp_path / "missing.states", update_counts=value)
+    assert (opt.num_update, dict(opt.update_counts)) == (1, {0: 1, 1: 1, 2: 1})

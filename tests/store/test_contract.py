@@ -42,6 +42,7 @@ def test_the_contract_documents_every_call_of_each_store(cls):
                            "init_checked", "push_checked", "pull_checked", "adopt",
                            "keep_apart", "settles_pulls", "rejoin", "update_merged",
                            "optimizer_updater", "write_part", "speak_as", "values_written",
+                           "run_optimizers_for",
                            "__repr__"},
               DistKVStore: {"nccl", "__repr__"}}[cls]
     assert _public(cls) - _public(KVStore) == beyond

@@ -12,6 +12,7 @@ made together (`low_rank`): the server lays the shares end to end.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import pickle
 
@@ -26,7 +27,7 @@ from ...encoding.compressors import (
     make_compressor,
 )
 from ...encoding.pulls import PullCodec
-from ...layout.state import cut, merge
+from ...layout.state import cut, merge, update_counts
 from ..mpi.agree import refuse_split
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import (
@@ -61,6 +62,7 @@ from .requests import (
     Stop,
     WriteSnapshot,
 )
+from .update_order import UpdateOrder
 
 #: reply tags cycle through this many values above TAG_DATA (MPI guarantees tags up to
 #: 32767 at least)
@@ -116,6 +118,11 @@ class ServerClient:
         # copy (PowerSGD without an updater): a pull of that round fetches nothing
         self.decoded: dict = {}
         self.updating = False       # an optimizer or updater runs on the servers
+        # the optimizer the servers run, whose copy here counts every key of a sync
+        # push as one process does: each piece tells its server the num_update its
+        # key's update takes (see `update_order`)
+        self._optimizer = None
+        self._order = UpdateOrder()
         self.compressor = None
         self.feedback: ErrorFeedback | None = None  # residuals per (key, piece start[, value])
         self._tags = itertools.count()
@@ -182,6 +189,7 @@ class ServerClient:
         self.control.check()
         if not keys:
             return
+        self._order.made(keys)
         by_server: dict = collections.defaultdict(lambda: ([], []))
         for key, value in zip(keys, replicas):
             layout = self.layouts[key] = KeyLayout.of(key, value.shape, value.dtype,
@@ -227,10 +235,24 @@ class ServerClient:
         self._settle(f"push of key {keys[0]!r}" if keys else "push")
         if not keys:
             return
+        with self._counted(keys) as num_updates:
+            self._push(keys, grads, replicas, counts, num_updates)
+
+    def _counted(self, keys) -> contextlib.AbstractContextManager[dict]:
+        """Around a sync push of `keys` with an optimizer on the servers: its copy here
+        counts them as one process does, and yields {key: the num_update its update
+        takes}, which the pieces carry to their servers; else {} (nothing told: in
+        dist_async each push is counted where it is applied)."""
+        if self._optimizer is None or self.asynchronous:
+            return contextlib.nullcontext({})
+        return self._optimizer.counting_round(self._order.of(keys))
+
+    def _push(self, keys, grads, replicas, counts, num_updates: dict) -> None:
         by_server: dict = collections.defaultdict(lambda: ([], []))
-        shares = self._low_rank_shares(keys, grads, replicas, by_server, counts)
+        shares = self._low_rank_shares(keys, grads, replicas, by_server, counts,
+                                       num_updates)
         if counts is not None:
-            self._push_partials(keys, grads, counts, shares, by_server)
+            self._push_partials(keys, grads, counts, shares, by_server, num_updates)
             return
         for key, grad in zip(keys, grads):
             if key in shares:
@@ -244,7 +266,8 @@ class ServerClient:
                 if self._compresses(layout):
                     piece, comp = self._compress(key, p, piece)
                 piece = np.ascontiguousarray(piece)
-                entries.append(PushPiece(key, piece.dtype, piece.size, comp))
+                entries.append(PushPiece(key, piece.dtype, piece.size, comp,
+                                         num_update=num_updates.get(key)))
                 data.append(piece)
             self._pushed(key, layout)
         requests = []
@@ -253,11 +276,12 @@ class ServerClient:
         self._wait(requests, f"push of key {keys[0]!r}")
 
     def _low_rank_shares(self, keys, grads, replicas, by_server: dict,
-                         counts: list | None = None) -> set:
+                         counts: list | None = None, num_updates: dict | None = None) -> set:
         """The keys a low-rank compressor sums (PowerSGD's matrices): their sums, made by
         the workers together (`low_rank.sums`; with `counts`, each key's values per
         worker, a deterministic push of `Leaves`), each worker's share of every piece
-        queued in `by_server`; the set of those keys. Without an updater on the servers
+        queued in `by_server` (with its key's num_update of `num_updates`); the set of
+        those keys. Without an updater on the servers
         each sum is the key's new value, which this worker then holds: it is decoded
         into the key's copy (`replicas`), and the pull of this round fetches nothing."""
         comp = self.compressor
@@ -286,7 +310,8 @@ class ServerClient:
                 entries, data = by_server[p.server]
                 n = p.stop - p.start
                 lo, hi = p.start + n * rank // workers, p.start + n * (rank + 1) // workers
-                entries.append(PushPiece(key, flat.dtype, hi - lo, share=True))
+                entries.append(PushPiece(key, flat.dtype, hi - lo, share=True,
+                                         num_update=(num_updates or {}).get(key)))
                 data.append(flat[lo:hi])
             self._pushed(key, layout)
             if holds:  # its copy holds this round's value, as the servers store it
@@ -300,11 +325,12 @@ class ServerClient:
                 and compresses_key(comp, layout.dtype, layout.shape))
 
     def _push_partials(self, keys, grads, counts: list, shares: set,
-                       by_server: dict) -> None:
+                       by_server: dict, num_updates: dict) -> None:
         """Send each piece's rows of this worker's node partials (or of its leaves'
         payloads, for a key it compresses), and their `counts` (the servers check every
         worker pushed the same), beside what `by_server` holds: the `shares` of the
-        keys a low-rank compressor summed."""
+        keys a low-rank compressor summed. Each piece carries its key's num_update of
+        `num_updates`."""
         for key, grad, count in zip(keys, grads, counts):
             if key in shares:
                 continue
@@ -316,11 +342,13 @@ class ServerClient:
                             for j in range(count)]
                     payloads = np.stack([payload for payload, _ in rows])
                     entries.append(PushPiece(key, payloads.dtype, payloads.shape[1],
-                                             rows[0][1], count))
+                                             rows[0][1], count,
+                                             num_update=num_updates.get(key)))
                     data.append(payloads)
                     continue
                 sums = grad.sums[:, p.start:p.stop]  # rows cross one by one
-                entries.append(PushPiece(key, sums.dtype, sums.shape[1], None, count))
+                entries.append(PushPiece(key, sums.dtype, sums.shape[1], None, count,
+                                         num_update=num_updates.get(key)))
                 data.append(sums)
             self._pushed(key, layout)
         requests = []
@@ -400,6 +428,7 @@ class ServerClient:
                                  for k, layout in self.layouts.items()}, "servers")
         self._to_servers(SetOptimizer(pickle.dumps(optimizer)), "set_optimizer")
         self.updating = True
+        self._optimizer = optimizer  # (its counts went with it)
         self._sent_settings = optimizer.settings()
 
     def follow(self, optimizer) -> None:
@@ -427,6 +456,7 @@ class ServerClient:
                                 f"(a function defined at module level): {exc}") from exc
         self._to_servers(SetUpdater(blob), "set_updater")
         self.updating = updater is not None
+        self._optimizer = None
 
     def _to_servers(self, request, what: str) -> None:
         """Worker 0 sends `request` to every server, after every worker's earlier pushes;
@@ -507,7 +537,9 @@ class ServerClient:
     def restore(self, values: dict, state) -> None:
         """Load `values` ({key: full array}) and the optimizer `state` ((header, arrays)
         of the whole store, or None) onto the servers: every part is checked on its
-        server first; any failure changes nothing and raises CheckpointError everywhere."""
+        server first; any failure changes nothing and raises CheckpointError everywhere.
+        This worker's copy of the optimizer takes the state's update counts, which it
+        goes on counting for the servers."""
         self._flush_servers("load")
         self.agree.check(("restore", tuple(sorted(values))), "load")
         outcome = None
@@ -525,6 +557,12 @@ class ServerClient:
         outcome = self.control.share(outcome, "load")
         if outcome is not None:
             raise CheckpointError(outcome)
+        optimizer = self._optimizer
+        if state is not None and optimizer is not None:  # the counts the servers took
+            counts, num_update, begin = update_counts(state)
+            if begin is not None:
+                optimizer.begin_num_update = begin
+            optimizer.restore_update_counts(counts, num_update)
         for key in values:  # the next pull brings the loaded value whole
             self.held[key] = None
 

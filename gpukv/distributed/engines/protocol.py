@@ -16,6 +16,7 @@ a test checks every member of both by name and signature.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -256,6 +257,13 @@ class Shard(Protocol):
 
     def assign(self, key: Any, value: Any) -> None:
         """Set `key`'s value to `value`, without the updater (a checkpoint's value)."""
+        ...
+
+    def counted_as(self, num_updates: dict) -> AbstractContextManager:
+        """Inside the block, the optimizer's update of each key of `num_updates` ({key:
+        num_update}: a sync round's, which the workers counted over every key of their
+        push) takes that num_update; nothing changes for an empty one, or without an
+        optimizer."""
         ...
 
     def set_optimizer(self, optimizer: Optimizer) -> None:

@@ -48,6 +48,9 @@ class PushPiece(NamedTuple):
     comp: tuple | None = None  # (compressor params, elements) of a compressed payload
     pushed: int | None = None  # the values of a push of node partials or leaves, else None
     share: bool = False
+    #: the num_update the key's update takes, as the worker counted the push's keys (in
+    #: sync mode with an optimizer: see `update_order`), else None
+    num_update: int | None = None
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,10 @@ class _Incoming:
     partials: a row each, every row's chunk by chunk)."""
 
     def __init__(self, buffer: np.ndarray, comp, chunk: int, count=None, nodes=None,
-                 share: bool = False):
+                 share: bool = False, num_update: int | None = None):
         self.buffer = buffer
         self.share = share             # a share of the round's whole sum (PushPiece.share)
+        self.num_update = num_update   # the worker's count for the update (PushPiece's)
         self.comp = comp               # (compressor params, size) of a compressed payload
         self.count = count             # the values of a push of node partials (or of
         #                                leaves' payloads, when compressed), else None
@@ -293,7 +294,7 @@ class _Server:
                 nodes = [(worker * count + j, worker * count + j + 1) for j in range(count)]
             rows = len(nodes) if nodes else 1
             incoming = _Incoming(self.buffer(np.dtype(entry.dtype), n * rows), entry.comp,
-                                 self.chunk, count, nodes, entry.share)
+                                 self.chunk, count, nodes, entry.share, entry.num_update)
             for chunk, (lo, hi) in enumerate(incoming.ranges):
                 for row in range(rows):
                     self.receiving.append(self.t.recv_array(
@@ -414,7 +415,8 @@ class _Server:
             state.leaf_terms = self.leaf_terms(heads, state.leaf_terms)
             sum_leaves(self.compressor(heads[0].comp[0]), state.leaf_terms, state.leaf_sum)
         self.serve_as(key, state, heads[0].comp)
-        self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
+        with self.shard.counted_as(told_num_update(key, heads)):
+            self.shard.update([key], [state.leaf_sum.reshape(stored.shape)])
         self.serve(key, state, state.leaf_sum)
         state.version += 1
         self.release([h.buffer for h in heads])
@@ -507,7 +509,8 @@ class _Server:
                         self.sum_leaves(key, state, [q.popleft() for q in queues])
                         continue
                     self.serve_as(key, state, heads[0].comp)
-                    self.apply(key, state, [self.whole(q.popleft()) for q in queues])
+                    with self.shard.counted_as(told_num_update(key, heads)):
+                        self.apply(key, state, [self.whole(q.popleft()) for q in queues])
             else:
                 if state.serving is not None:  # compressed no more: its value served again
                     self.serve_as(key, state, None)
@@ -585,7 +588,8 @@ class _Server:
     def finish_round(self, key, state, heads: list) -> None:
         if self.updating:
             shape = self.shard.stored(key).shape
-            self.shard.update([key], [state.merged.reshape(shape)])
+            with self.shard.counted_as(told_num_update(key, heads)):
+                self.shard.update([key], [state.merged.reshape(shape)])
         state.version += 1
         self.release([h.buffer for h in heads])
 
@@ -835,6 +839,15 @@ class _Server:
         """Send `error` to `worker` (as its kind and message: `client.reported` rebuilds it)."""
         report = ("mismatch" if isinstance(error, PeerMismatchError) else "peer", str(error))
         self.send(self.t.send_object(report, self.worker_rank(worker), TAG_ERROR))
+
+
+def told_num_update(key, heads: list) -> dict:
+    """{key: the num_update its update in the round of `heads` takes}: the largest any
+    worker counted (workers that make the same calls count alike; workers that group
+    keys into calls otherwise differ, and the count furthest on wins), or {} where
+    none told one (no optimizer on the workers' side, or dist_async)."""
+    told = [h.num_update for h in heads if h.num_update is not None]
+    return {key: max(told)} if told else {}
 
 
 def same_counts(key, heads: list) -> None:

@@ -12,6 +12,7 @@ GPUs.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import numpy as np
@@ -35,6 +36,7 @@ from .mpi_rounds import MpiRounds
 from .nccl_rounds import NcclRounds
 from .partials import check_partials
 from .protocol import Shard
+from .update_order import UpdateOrder
 
 
 class ShardedRounds:
@@ -79,6 +81,8 @@ class ShardedRounds:
         self._refused: list = []    # (kind, words) of calls making keys refused here, too
         self._rule = ""             # the updater, as the agreement of a round names it
         self._settings = None       # the options of the optimizer that `_rule` names
+        self._optimizer = None      # the optimizer the shard runs (None: none)
+        self._order = UpdateOrder()  # the keys made, for the optimizer's counts
         self.rounds: MpiRounds | NcclRounds
         if device is None:
             self.rounds = MpiRounds(self)
@@ -98,6 +102,7 @@ class ShardedRounds:
         so processes may create keys in any order between two calls."""
         self.t.check()
         self._pending.extend(zip(keys, replicas))
+        self._order.made(keys)
 
     def refused_keys(self, op: str, error: Exception) -> None:
         """This process refused a call that makes keys (`op`: an init, a broadcast) where
@@ -176,13 +181,22 @@ class ShardedRounds:
             by_key = dict(zip(keys, zip(grads, replicas)))
             alongside, fused = self.rounds.openers(keys, by_key)
             started = self.agree.check((op, keys), what, alongside=alongside, fused=fused)
-            self.rounds.round(keys, by_key, what, started)
+            with self._counted(keys):
+                self.rounds.round(keys, by_key, what, started)
             return
         # the count of values each process pushes shapes the tree: every one must agree
         self.agree.check((op + " in the canonical order", tuple(zip(keys, counts))), what)
         assert isinstance(self.rounds, MpiRounds)  # a deterministic engine sums host arrays
-        self.rounds.canonical_round(keys, tuple(counts),
-                                    dict(zip(keys, zip(grads, replicas))), what)
+        with self._counted(keys):
+            self.rounds.canonical_round(keys, tuple(counts),
+                                        dict(zip(keys, zip(grads, replicas))), what)
+
+    def _counted(self, keys) -> contextlib.AbstractContextManager:
+        """Around a round of `keys`: the optimizer counts every key of it, as one process
+        does, where the shard updates those it serves (see `update_order`)."""
+        if self._optimizer is None:
+            return contextlib.nullcontext()
+        return self._optimizer.counting_round(self._order.of(keys))
 
     def refused(self, op: str, error: Exception) -> None:
         """Every process agrees on the refusal as on a push: all refusing alike changes
@@ -221,7 +235,8 @@ class ShardedRounds:
     # --------------------------------------------------------------- settings
     def set_optimizer(self, optimizer) -> None:
         """Every process runs its own `optimizer` on its shard (they must agree), so that
-        changes made to it on every process (the learning rate, ...) count."""
+        changes made to it on every process (the learning rate, ...) count; each counts
+        every key of a round, served here or not, as one process does (`_counted`)."""
         self.flush("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
@@ -229,6 +244,7 @@ class ShardedRounds:
                                  for k, layout in self.layouts.items()}, "processes")
         self.shard.set_optimizer(optimizer)
         self.assigns = False
+        self._optimizer = optimizer
         self.rounds.forget()
         self.follow(optimizer)
 
@@ -248,6 +264,7 @@ class ShardedRounds:
         self.agree.check(("set_updater", ()), "set_updater")
         self.shard.set_updater(updater)
         self.assigns = False
+        self._optimizer = None
         self._rule = "a function"
         self._settings = None  # a later optimizer, even of the same options, is named again
         self.rounds.forget()

@@ -9,6 +9,7 @@ STORE (default dist_sync).
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import sys
@@ -562,6 +563,49 @@ def optimizer_mismatch() -> None:
     passed(kv)
 
 
+def shared_optimizer() -> None:
+    """An optimizer object runs on one store of a process: a 'local' store (and with
+    num_servers=0 a second dist store, refused alike by every worker) given the dist
+    store's is an ArgumentError and keeps no optimizer; a copy runs there, counting
+    apart. Then worker 1 alone gives the dist store an optimizer another store runs:
+    its ArgumentError and, at once, a PeerMismatchError on the others (REFUSED ...
+    after S prints how long each took); the optimizer stays the store's."""
+    from gpukv.optim import claims
+    kv = create()
+    r = kv.rank
+    kv.init("w", np.ones(4, np.float32))
+    opt = gpukv.optim.create("adam", learning_rate=0.1)
+    kv.set_optimizer(opt)
+    kv.set_optimizer(opt)  # (the same store again)
+    others = [gpukv.create("local")] + ([create()] if kv.num_servers == 0 else [])
+    for other in others:
+        other.init("w", np.ones(4, np.float32))
+        try:
+            other.set_optimizer(opt)
+            raise AssertionError(f"{other.type}: an optimizer another store runs was taken")
+        except gpukv.ArgumentError as exc:
+            assert "runs this optimizer object already" in str(exc), exc
+        assert not other.has_updater, other.type
+        other.set_optimizer(copy.deepcopy(opt))
+    for store in [kv, *others]:
+        store.push("w", np.ones(4, np.float32))
+    local_one = others[0].optimizer
+    assert dict(opt.update_counts) == {"w": 1}, dict(opt.update_counts)
+    assert dict(local_one.update_counts) == {"w": 1}, dict(local_one.update_counts)
+    fresh = gpukv.optim.create("adam", learning_rate=0.1)
+    start = time.monotonic()
+    try:
+        kv.set_optimizer(local_one if r == 1 else fresh)
+        raise AssertionError("an optimizer worker 1 alone refused went through")
+    except (gpukv.PeerMismatchError, gpukv.ArgumentError) as exc:
+        assert isinstance(exc, gpukv.PeerMismatchError) == (r != 1), exc
+        print(f"REFUSED on worker {r} after {time.monotonic() - start:.2f} s", flush=True)
+        caught(r, exc)
+    assert claims.holder(opt) is kv and claims.holder(fresh) is None
+    assert claims.holder(local_one) is others[0]
+    passed(kv)
+
+
 def options_differ_at_push() -> None:
     """Workers whose optimizer's rescale_grad differs at a push (a batch size given on one
     worker only): PeerMismatchError everywhere, saying each worker's options."""
@@ -624,6 +668,102 @@ def changing_options() -> None:
     kv.pull("a", out=out)
     assert np.allclose(out, expect["a"] - 0.01 * 0.5 * s), out
     passed(kv)
+
+
+def unequal_pushes(path: str, kinds: str = "int") -> None:
+    """Keys pushed unequally under a learning-rate schedule take the rates one process
+    gives them, whichever process or server serves each (`kinds`: the key kinds tried,
+    each on a store of its own)."""
+    for kind in kinds.split(","):
+        kv = _unequal_pushes(f"{path}.{kind}", kind)
+    passed(kv)
+
+
+def _unequal_pushes(path: str, kind: str):
+    """One key pushed at every step, one at two steps only, beside a 'local' store given
+    the same sums: the same bits and update counts after every step; a save mid-way
+    loaded back (here, and by a 'local' store) redoes the last steps to the same bits;
+    and update_counts='restart' starts every count over, as one process's load does."""
+    kv = create()
+    r = kv.rank
+    # served by different processes (crc32), made in this order: one process counts 'w'
+    # before 'b', and 0 before 4
+    every, lagging = (0, 4) if kind == "int" else ("w", "b")
+    keys = [every, lagging]
+    rng = np.random.default_rng(0)
+    start = [rng.standard_normal(5).astype(np.float32) for _ in keys]
+    grads = [[rng.standard_normal(5).astype(np.float32) for _ in keys] for _ in range(6)]
+
+    def sgd(schedule=None):  # the rate halves at every update
+        return gpukv.optim.SGD(momentum=0.5, lr_scheduler=schedule or gpukv.optim.FactorScheduler(
+            step=1, factor=0.5, base_lr=0.1))
+
+    def step(store, i, alone=False):
+        pushed = keys if i in (0, 4) else [every]
+        # rank 0 pushes the gradients, the others zeros: every layout's sums are exact
+        store.push(pushed, [grads[i][keys.index(k)] * (1.0 if alone or r == 0 else 0.0)
+                            for k in pushed])
+
+    def same(store, reference, optimizer, reference_optimizer, what):
+        got, want = ([np.zeros(5, np.float32) for _ in keys] for _ in range(2))
+        store.pull(keys, out=got)
+        reference.pull(keys, out=want)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), (kind, what, got, want)
+        if optimizer is not None:
+            assert (dict(optimizer.update_counts), optimizer.num_update) == (
+                dict(reference_optimizer.update_counts), reference_optimizer.num_update), (
+                kind, what, dict(optimizer.update_counts), optimizer.num_update)
+        return want
+
+    one = gpukv.create("local")
+    one.init(keys, [s.copy() for s in start])
+    one_sgd = sgd()
+    one.set_optimizer(one_sgd)
+    kv.init(keys, [s.copy() for s in start])
+    mine = sgd()
+    kv.set_optimizer(mine)
+    for i in range(6):
+        step(kv, i)
+        step(one, i, alone=True)
+        same(kv, one, mine, one_sgd, f"step {i}")
+        if i == 2:
+            kv.save(path + ".store")
+            kv.save_optimizer_states(path + ".states", dump_optimizer=True)
+    kv.load(path + ".store")
+    kv.load_optimizer_states(path + ".states")
+    for i in range(3, 6):
+        step(kv, i)
+    same(kv, one, mine, one_sgd, "resumed")
+    if r == 0:  # the files a dist store wrote resume one process alike
+        again = gpukv.create("local")
+        again.set_optimizer(sgd())
+        again.load(path + ".store")
+        again.load_optimizer_states(path + ".states")
+        for i in range(3, 6):
+            step(again, i, alone=True)
+        same(again, one, None, None, "resumed in one process")
+    # fine-tuning from the saved states under a schedule of one's own, from its start
+    cosine = gpukv.optim.CosineScheduler(max_update=4, base_lr=0.2)
+    mine, one_sgd = sgd(cosine), sgd(copy.deepcopy(cosine))
+    kv.set_optimizer(mine)
+    one.set_optimizer(one_sgd)
+    kv.load_optimizer_states(path + ".states", update_counts="restart")
+    one.load_optimizer_states(path + ".states", update_counts="restart")
+    assert mine.num_update == 0 and not any(mine.update_counts.values()), kind
+    for i in (4, 5):
+        step(kv, i)
+        step(one, i, alone=True)
+        same(kv, one, mine, one_sgd, f"restarted, step {i}")
+    assert dict(mine.update_counts) == {every: 2, lagging: 1}, dict(mine.update_counts)
+    try:  # refused alike by every worker, changing nothing
+        kv.load_optimizer_states(path + ".states", update_counts="reset")
+        raise AssertionError("update_counts='reset' was taken")
+    except gpukv.ArgumentError as exc:
+        assert "update_counts='reset'" in str(exc), exc
+    step(kv, 4)
+    step(one, 4, alone=True)
+    same(kv, one, mine, one_sgd, "after a refused load")
+    return kv
 
 
 def refusals() -> None:

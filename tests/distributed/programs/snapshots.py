@@ -296,5 +296,28 @@ def snapshot_refused_on_one(root: str, how: str) -> None:
     print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
 
 
+def threads(root: str) -> None:
+    """Two threads of each worker snapshot three times each at once, with no step: each
+    call takes the step after the store's last snapshot, whichever thread took it, on
+    every worker alike (`STEPS s1,s2,...` of the complete snapshots, once written)."""
+    import threading
+    kv = _create()
+    kv.init("w", np.ones(4, np.float32))
+
+    def snapshots_of_one_thread():
+        for _ in range(3):
+            kv.snapshot(root, keep=None)
+    workers = [threading.Thread(target=snapshots_of_one_thread) for _ in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    kv.finish_snapshots()
+    if kv.rank == 0:
+        steps = [s.step for s in snapshots.complete_snapshots(root)]
+        print(f"STEPS {','.join(map(str, steps))}", flush=True)
+    print(f"PASS worker {kv.rank} of {kv.num_workers}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
