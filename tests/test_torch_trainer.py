@@ -591,6 +591,36 @@ def test_save_and_load_states_round_trip(tmp_path, update_on_kvstore):
     assert_same_weights(b, a[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("update_on_kvstore", [True, False])
+def test_load_states_can_start_the_update_counts_over(tmp_path, update_on_kvstore):
+    """load_states(update_counts='restart') takes the saved moments but starts the
+    counts over: the schedule of the Trainer loading them from its first rate, where
+    'saved' goes on from the file's; a bad value is refused before anything changes."""
+    base = make_model()
+    x, y = make_data()
+
+    def trained(steps):
+        models = replicas_of(base, 2)
+        trainer = gt.Trainer(models, "adam", {
+            "learning_rate": 0.01, "lr_scheduler": gpukv.optim.FactorScheduler(
+                step=2, factor=0.5)}, kvstore="local", update_on_kvstore=update_on_kvstore)
+        for _ in range(steps):
+            trainer.zero_grad()
+            backward_shards(models, x, y)
+            trainer.step(len(x))
+        return trainer
+
+    path = tmp_path / "states.bin"
+    trained(5).save_states(path)
+    fresh = trained(0)
+    with pytest.raises(gpukv.ArgumentError, match="update_counts"):
+        fresh.load_states(path, update_counts="fresh")
+    fresh.load_states(path, update_counts="restart")
+    assert fresh.learning_rate == 0.01
+    fresh.load_states(path)
+    assert fresh.learning_rate == 0.0025
+
+
 def test_learning_rate():
     """learning_rate reads the optimizer's rate and set_learning_rate changes the steps."""
     models = replicas_of(make_model(), 2)

@@ -629,12 +629,15 @@ class Trainer:
         """Write the optimizer's state (atomically) to `path`."""
         self._update.state_stores[0].save_optimizer_states(path)
 
-    def load_states(self, path) -> None:
+    def load_states(self, path, update_counts: str = "saved") -> None:
         """Restore the optimizer's state `save_states` wrote to `path` (CheckpointError if
-        it does not fit; nothing changes then)."""
-        # The first load checks the file whole: if it fails, nothing has changed.
+        it does not fit; nothing changes then). `update_counts`: 'saved' goes on with the
+        file's update counts, 'restart' starts them over (fine-tuning under a schedule of
+        one's own), as `KVStore.load_optimizer_states`'s."""
+        # The first load checks the file and the argument whole: if it fails, nothing
+        # has changed.
         for store in self._update.state_stores:
-            store.load_optimizer_states(path)
+            store.load_optimizer_states(path, update_counts=update_counts)
 
     # ------------------------------------------------------------------ internals
     def _checkpoint_options(self, directory, every, keep, resume) -> tuple | None:
