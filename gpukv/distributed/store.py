@@ -52,7 +52,6 @@ from .snapshots_at_exit import ExitPrune
 if TYPE_CHECKING:
     from ..optim import Optimizer
     from . import Engine
-    from .engines.sharded import ShardedRounds
 
 log = logging.getLogger("gpukv")
 
@@ -389,14 +388,11 @@ class DistKVStore(KVStore):
         #: process's GPU with NCCL (every key then lives there)
         self._engine_device = gpu if gpu is not None else host_device(0)
         self._engine: Engine
-        #: the engine with num_servers=0 (None with servers): where the keys made, and
-        #: the calls making keys refused here, are agreed on at the next collective call
-        self._sharded: ShardedRounds | None = None
         if servers == 0:  # NCCL's rounds when `gpu` is one
             from .engines import sharded
             shard = Shard(deterministic)
             shard.run_optimizers_for(self)  # (the optimizer it runs is this store's)
-            self._engine = self._sharded = sharded.ShardedRounds(
+            self._engine = sharded.ShardedRounds(
                 transport, shard, bound, deterministic=deterministic, device=gpu)
         else:
             _PROCESS.served = name
@@ -506,6 +502,7 @@ class DistKVStore(KVStore):
                 if groups.keys and groups.sparse:
                     raise ArgumentKindError(f"key {groups.keys[0]!r}: a dist store is "
                                             f"initialised with dense values")
+                self._engine.check_new_keys(groups.keys, [a[0] for a in groups.arrays])
             if not groups.keys:
                 return
             self._values.init_checked(groups._replace(arrays=[[a[0]] for a in groups.arrays]))
@@ -573,7 +570,7 @@ class DistKVStore(KVStore):
                     ) -> contextlib.AbstractContextManager[None]:
         """The checks of a call that makes keys (an init; a broadcast, which then pulls
         them). With num_servers=0 the keys a worker makes are agreed on at its next
-        collective call, and so is a refusal (`ShardedRounds.refused_keys`), in their
+        collective call, and so is a refusal (`Engine.refused_keys`), in their
         place: refused alike everywhere, nothing is made and the store goes on; refused
         by one worker alone, every worker raises there a PeerMismatchError naming the
         refusal (that worker its own error at once). `settles`: the call makes that
@@ -582,10 +579,8 @@ class DistKVStore(KVStore):
         inits go to the servers, which name a worker's that never came once the timeout
         has passed (docs/limits.md)."""
         def tell(op: str, error: Exception) -> None:
-            if self._sharded is not None:
-                self._sharded.refused_keys(op, error)
-                if settles:
-                    self._fetch([])
+            if self._engine.refused_keys(op, error) and settles:
+                self._fetch([])
         return self._refusal_told(op, tell)
 
     def _pull_refused(self, op: str) -> contextlib.AbstractContextManager[None]:

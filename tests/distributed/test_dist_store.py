@@ -206,11 +206,15 @@ def test_updater_function_runs_where_keys_are_served(n, servers):
 
 
 @pytest.mark.parametrize("n,servers", [(3, 0), (4, 2)])  # one server splits nothing
-def test_lamb_refuses_split_keys(n, servers):
-    out = _passes(_scenario(n, servers, "lamb_split"), n - servers)
+def test_lamb_refuses_split_keys(n, servers, tmp_path):
+    """At set_optimizer, and at every call that makes a key once LAMB is set."""
+    out = _passes(_scenario(n, servers, "lamb_split", str(tmp_path / "w.npz")), n - servers)
     lines = _caught(out, "ArgumentError")
     assert len(lines) == n - servers, out
     assert all("key 'w': lamb needs each key whole" in ln for ln in lines), lines
+    made = re.findall(r"MADE ArgumentError on worker \d+: (key 'w': lamb needs each key "
+                      r"whole .*? split over (?:servers|processes))", out)
+    assert len(made) == 3 * (n - servers), out  # init, broadcast, load
 
 
 @pytest.mark.parametrize("optimizer,on_store", [("sgd", "1"), ("adam", "1"), ("sgd", "0")])

@@ -183,6 +183,17 @@ class ServerClient:
         return reply
 
     # ------------------------------------------------------------------- calls
+    def check_new_keys(self, keys: list, values: list) -> None:
+        """What the optimizer set refuses of keys about to be made (`refuse_split`)."""
+        refuse_split(self._optimizer, {k: KeyLayout.of(k, v.shape, v.dtype, self.servers,
+                                                       self.bound)
+                                       for k, v in zip(keys, values)}, "servers")
+
+    def refused_keys(self, op: str, error: Exception) -> bool:
+        """Nothing to tell: the inits go to the servers, which name a worker's that
+        never came once the timeout has passed."""
+        return False
+
     def init(self, keys, replicas) -> None:
         """Send the keys to their servers (worker 0 with its values); the servers agree
         on them once every worker has sent them, in whatever order."""
@@ -424,8 +435,7 @@ class ServerClient:
         self._settle("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
-        refuse_split(optimizer, {k: (layout.split, layout.shape)
-                                 for k, layout in self.layouts.items()}, "servers")
+        refuse_split(optimizer, self.layouts, "servers")
         self._to_servers(SetOptimizer(pickle.dumps(optimizer)), "set_optimizer")
         self.updating = True
         self._optimizer = optimizer  # (its counts went with it)

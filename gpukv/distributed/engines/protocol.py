@@ -115,6 +115,21 @@ class Rounds(Protocol):
         """Bring the current values of `keys` into `replicas`."""
         ...
 
+    def check_new_keys(self, keys: list, values: list) -> None:
+        """Raise what the engine's settings refuse of `keys` about to be made with
+        `values` (an optimizer that needs keys whole, LAMB, and a key split over the
+        processes or servers: ArgumentError), before any is made. It depends on the
+        keys' sizes and the agreed settings only, so every worker refuses alike."""
+        ...
+
+    def refused_keys(self, op: str, error: Exception) -> bool:
+        """This worker refused a call that makes keys (`op`: an init, a broadcast) before
+        it reached the engine (`error`). Where keys are agreed on at the next collective
+        call (num_servers=0), the refusal is agreed on there too, and this returns True;
+        where the servers agree on them (and name a worker's init that never came once
+        the timeout has passed), nothing is told, and this returns False."""
+        ...
+
     def refused(self, op: str, error: Exception) -> None:
         """This worker refused a push (`op`) before it reached the engine (`error`): where
         pushes are collective, every worker learns it, so that one worker refusing alone

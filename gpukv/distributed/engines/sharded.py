@@ -104,15 +104,23 @@ class ShardedRounds:
         self._pending.extend(zip(keys, replicas))
         self._order.made(keys)
 
-    def refused_keys(self, op: str, error: Exception) -> None:
+    def check_new_keys(self, keys: list, values: list) -> None:
+        """What the optimizer set refuses of keys about to be made (`refuse_split`)."""
+        refuse_split(self._optimizer, {k: KeyLayout.of(k, v.shape, v.dtype, self.t.size,
+                                                       self.bound)
+                                       for k, v in zip(keys, values)}, "processes")
+
+    def refused_keys(self, op: str, error: Exception) -> bool:
         """This process refused a call that makes keys (`op`: an init, a broadcast) where
         the others may have made them: told where their keys are agreed on, at the next
         collective call (`flush`), rather than by a collective call of its own (an init
         is none). Refused alike everywhere, the same refusals agree and the store goes
         on; refused here alone, every process raises a PeerMismatchError there naming
-        the refusal and its words (which need not match, as the kind must)."""
+        the refusal and its words (which need not match, as the kind must). True: told
+        at that call."""
         self.t.check()
         self._refused.append((f"{op} refused ({type(error).__name__})", str(error)))
+        return True
 
     def flush(self, during: str) -> None:
         """Agree on the queued keys: same shapes and dtypes everywhere, rank 0's values;
@@ -240,8 +248,7 @@ class ShardedRounds:
         self.flush("set_optimizer")
         self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
                          "set_optimizer")
-        refuse_split(optimizer, {k: (layout.split, layout.shape)
-                                 for k, layout in self.layouts.items()}, "processes")
+        refuse_split(optimizer, self.layouts, "processes")
         self.shard.set_optimizer(optimizer)
         self.assigns = False
         self._optimizer = optimizer

@@ -455,14 +455,15 @@ def from_rank0(t: Transport, obj, what: str):
 
 def refuse_split(optimizer, layouts: dict, over: str) -> None:
     """ArgumentError naming a split key when `optimizer` needs whole keys (LAMB: its norms
-    are per key); `layouts`: {key: (split, shape)}."""
+    are per key); `layouts`: {key: KeyLayout}, the keys it would run or the keys about to
+    be made."""
     if not getattr(optimizer, "per_key_norms", False):
         return
-    for key, (split, shape) in layouts.items():
-        if split:
+    for key, layout in layouts.items():
+        if layout.split:
             raise ArgumentError(
                 f"key {key!r}: {optimizer.name} needs each key whole (its norms are per "
-                f"key), but this key of {int(np.prod(shape))} elements is split over "
+                f"key), but this key of {layout.size} elements is split over "
                 f"{over}; raise bigarray_bound above its size")
 
 

@@ -946,16 +946,42 @@ def settings_refusals() -> None:
     passed(kv)
 
 
-def lamb_split() -> None:
-    """LAMB needs whole keys: a key split over servers is refused at set_optimizer, on
-    every worker, naming the key; the store goes on with SGD."""
+def lamb_split(path: str = "") -> None:
+    """LAMB needs whole keys: a key that would be split over servers (or processes) is
+    refused at every call that makes one once LAMB is set (init, broadcast, and, given a
+    `path` every process sees, a load of a file holding it), and at set_optimizer when it
+    exists, on every worker, naming the key; each refusal makes nothing, and the store
+    goes on with LAMB, then SGD."""
     kv = create(bigarray_bound=100)
-    kv.init("w", np.ones(1000, np.float32))
+    kv.init("s", np.ones(10, np.float32))
+    kv.set_optimizer(gpukv.optim.create("lamb", learning_rate=0.1))
+    calls = [lambda: kv.init("w", np.ones(1000, np.float32)),
+             lambda: kv.broadcast("w", np.ones(1000, np.float32),
+                                  out=np.zeros(1000, np.float32))]
+    if path:
+        if kv.rank == 0:  # a file holding a key that would be split
+            other = gpukv.create("local")
+            other.init("w", np.ones(1000, np.float32))
+            other.save(path)
+        kv.barrier()
+        calls.append(lambda: kv.load(path))
+    for call in calls:
+        try:
+            call()
+            raise AssertionError("LAMB took a key split over the servers or processes")
+        except gpukv.ArgumentError as exc:
+            print(f"MADE {type(exc).__name__} on worker {kv.rank}: {exc}", flush=True)
+    assert kv.keys() == ["s"], kv.keys()  # (nothing was made)
+    kv.push("s", np.ones(10, np.float32))  # the store goes on: LAMB on the whole key
+    out = np.zeros(10, np.float32)
+    kv.pull("s", out=out)
+    assert np.all(out < 1), out
+    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.5))
+    kv.init("w", np.ones(1000, np.float32))  # SGD takes it split
     try:
         kv.set_optimizer(gpukv.optim.create("lamb"))
     except gpukv.ArgumentError as exc:
         caught(kv.rank, exc)
-    kv.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.5))
     kv.push("w", np.ones(1000, np.float32))
     out = np.zeros(1000, np.float32)
     kv.pull("w", out=out)
