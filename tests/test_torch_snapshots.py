@@ -792,6 +792,31 @@ def test_a_trainer_made_again_in_its_folder_takes_it_over(tmp_path):
     assert old is not None and again is not None  # (both live)
 
 
+def test_a_trainer_made_again_resumes_the_snapshot_still_being_written(tmp_path,
+                                                                       monkeypatch):
+    """A Trainer made again on the modules of one whose last snapshot is still being
+    written waits for it, and resumes from it, not from the one before."""
+    model = _linear(1)
+    old = _trained(tmp_path, model, steps=1, checkpoint_every=1)
+    old.finish_snapshots()
+    writing, may_end = threading.Event(), threading.Event()
+    write_archive = snapshots.write_archive
+
+    def slow_write(*args, **kw):
+        writing.set()
+        assert may_end.wait(30), "the write was never let end"
+        return write_archive(*args, **kw)
+
+    monkeypatch.setattr(snapshots, "write_archive", slow_write)
+    _step(old, model)  # (its snapshot of step 2 waits in its writer thread)
+    assert writing.wait(30)
+    threading.Timer(0.2, may_end.set).start()
+    again = gt.Trainer(model, "sgd", {"learning_rate": 0.1}, kvstore="local",
+                       checkpoint_dir=tmp_path)
+    assert (again.resumed_from.step, again.steps) == (2, 2)
+    assert old is not None  # (live)
+
+
 def test_a_trainer_stepped_after_close_frees_its_folder_at_the_next_close(tmp_path):
     """A closed Trainer that steps again takes its folder back at its snapshot; closing
     it again frees the folder for a Trainer on another model."""

@@ -199,6 +199,7 @@ class Trainer:
         the stores of the Trainers these modules had, whose checkpoint folder and
         optimizer this one may take over (they step them no more)."""
         if checkpoints is not None:  # (before the store is touched)
+            _finish_writes_of(taken_over)  # (their newest snapshot is the one to resume)
             directory, every, keep, resume = checkpoints
             ahead = Checkpoints(directory, every, keep, self._kv, layout_of(self._buckets),
                                 resume=resume)
@@ -937,6 +938,18 @@ def _snapshot_stores(trainers) -> list:
             if store is not None and not any(store is s for s in stores):
                 stores.append(store)
     return stores
+
+
+def _finish_writes_of(stores: list) -> None:
+    """Wait until the snapshots `stores` (those of the Trainers taken over) started are
+    written, by every process (every worker makes this Trainer, at the same point): the
+    newest of them is then whole, and is the one resumed. A write of theirs that failed
+    was theirs to raise; the resume starts from the newest complete snapshot."""
+    for store in stores:
+        try:
+            store.finish_snapshots()
+        except CheckpointError:
+            pass
 
 
 def _refuse_shared_optimizer(optimizer: Optimizer, kv: KVStore, passing: list) -> None:
