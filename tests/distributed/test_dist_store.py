@@ -557,7 +557,11 @@ def test_optimizers_that_differ_are_refused(n, servers):
     result = _scenario(n, servers, "optimizer_mismatch", timeout=10)
     lines = _caught(result.stdout, "PeerMismatchError")
     assert len(lines) == n - servers, result.stdout + result.stderr
-    assert all("set_optimizer(sgd" in ln and "0.1" in ln and "0.2" in ln for ln in lines), lines
+    # each worker's options in words, and which worker each rank is
+    assert all("set_optimizer(sgd(" in ln and "learning_rate=0.1," in ln
+               and "learning_rate=0.2," in ln for ln in lines), lines
+    assert all(("(worker W is rank 1+W of the job)" in ln) == (servers == 1)
+               for ln in lines), lines
 
 
 def test_optimizer_options_that_differ_at_a_push_are_named():

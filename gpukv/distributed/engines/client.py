@@ -28,7 +28,7 @@ from ...encoding.compressors import (
 )
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, merge, update_counts
-from ..mpi.agree import refuse_split
+from ..mpi.agree import optimizer_named, refuse_split
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import (
     TAG_DATA,
@@ -433,8 +433,8 @@ class ServerClient:
     def set_optimizer(self, optimizer) -> None:
         """Worker 0's optimizer goes to the servers (every worker's must agree)."""
         self._settle("set_optimizer")
-        self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
-                         "set_optimizer")
+        self.agree.check((f"set_optimizer({optimizer_named(optimizer.name, optimizer.settings())})",
+                          ()), "set_optimizer")
         refuse_split(optimizer, self.layouts, "servers")
         self._to_servers(SetOptimizer(pickle.dumps(optimizer)), "set_optimizer")
         self.updating = True

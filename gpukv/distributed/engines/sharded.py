@@ -13,7 +13,6 @@ GPUs.
 from __future__ import annotations
 
 import contextlib
-import zlib
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from ...encoding.compressors import (
 )
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, mark_starts, merge
-from ..mpi.agree import Agreement, refuse_split, to_rank0
+from ..mpi.agree import Agreement, optimizer_named, refuse_split, to_rank0
 from ..mpi.transport import Transport
 from . import residuals
 from .control import WorkerControl
@@ -246,8 +245,8 @@ class ShardedRounds:
         changes made to it on every process (the learning rate, ...) count; each counts
         every key of a round, served here or not, as one process does (`_counted`)."""
         self.flush("set_optimizer")
-        self.agree.check((f"set_optimizer({optimizer.name}, {optimizer.settings()!r})", ()),
-                         "set_optimizer")
+        self.agree.check((f"set_optimizer({optimizer_named(optimizer.name, optimizer.settings())})",
+                          ()), "set_optimizer")
         refuse_split(optimizer, self.layouts, "processes")
         self.shard.set_optimizer(optimizer)
         self.assigns = False
@@ -262,7 +261,7 @@ class ShardedRounds:
         settings = optimizer.settings()
         if settings != self._settings:
             self._settings = settings
-            self._rule = _rule_named(optimizer.name, settings)
+            self._rule = optimizer_named(optimizer.name, settings)
 
     def set_updater(self, updater) -> None:
         """Each process runs its own `updater` on the pieces it owns (every process sets
@@ -384,15 +383,3 @@ class ShardedRounds:
 
     def finish_snapshots(self) -> str | None:
         return self.control.alike(self.shard.finish_part(), "finishing the snapshots")
-
-
-def _rule_named(name: str, settings: tuple) -> str:
-    """An optimizer as a round's agreement names it: its plain options in words, so that
-    a worker whose learning rate or batch size (rescale_grad) differs sees which; the
-    rest (per-key multipliers, options that are no plain value) by a checksum."""
-    options, lr_mult, wd_mult = settings
-    plain = (bool, int, float, str, type(None))
-    words = ", ".join(f"{k}={v!r}" for k, v in options if isinstance(v, plain))
-    rest = ([(k, v) for k, v in options if not isinstance(v, plain)], lr_mult, wd_mult)
-    return (f"{name}({words})" if not any(rest)
-            else f"{name}({words}) #{zlib.crc32(repr(rest).encode()):08x}")

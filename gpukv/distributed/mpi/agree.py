@@ -401,7 +401,10 @@ def _grouped(t: Transport, signatures: dict, describe) -> str:
     groups: dict = {}
     for rank in sorted(signatures):
         groups.setdefault(describe(signatures[rank]), []).append(rank)
-    return "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
+    told = "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
+    if t.first_rank:  # (the workers of a job with servers, which are its first ranks)
+        told += f" (worker W is rank {t.first_rank}+W of the job)"
+    return told
 
 
 def _call(signature, note: str | None = None) -> str:
@@ -451,6 +454,18 @@ def from_rank0(t: Transport, obj, what: str):
     t.wait_all([t.recv_array(blob, 0, TAG_SHARE)], f"{what}: receiving from rank 0",
                timeout=patience)
     return pickle.loads(blob.data)
+
+
+def optimizer_named(name: str, settings: tuple) -> str:
+    """An optimizer as an agreement names it: its plain options in words, so that a
+    worker whose learning rate or batch size (rescale_grad) differs sees which; the
+    rest (per-key multipliers, options that are no plain value) by a checksum."""
+    options, lr_mult, wd_mult = settings
+    plain = (bool, int, float, str, type(None))
+    words = ", ".join(f"{k}={v!r}" for k, v in options if isinstance(v, plain))
+    rest = ([(k, v) for k, v in options if not isinstance(v, plain)], lr_mult, wd_mult)
+    return (f"{name}({words})" if not any(rest)
+            else f"{name}({words}) #{zlib.crc32(repr(rest).encode()):08x}")
 
 
 def refuse_split(optimizer, layouts: dict, over: str) -> None:
