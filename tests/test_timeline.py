@@ -17,7 +17,7 @@ import pytest
 import gpukv
 from gpukv import timeline
 
-from .distributed.mpirun import require_mpi
+from .distributed.mpirun import dies_with_us, require_mpi
 from .launcher.test_launch import _finish
 
 
@@ -533,7 +533,8 @@ def test_gpukv_run_writes_the_ranks_timelines_only(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "gpukv", "run", "-n", "2",
                                  str(tmp_path / "prog.py")], env=env, text=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=dies_with_us())
     status, _, err, _ = _finish(launcher, 120)  # (which ends the job if it overruns)
     assert status == 0, err
     names = sorted(os.listdir(tmp_path / "tl"))
@@ -562,7 +563,8 @@ def test_a_job_that_aborts_leaves_each_ranks_timeline(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "gpukv", "run", "-n", "2",
                                  str(tmp_path / "prog.py")], env=env, text=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=dies_with_us())
     status, _, err, _ = _finish(launcher, 120)
     assert status != 0 and "rank 1 fails" in err, err
     (failed,) = (tmp_path / "tl").glob("gpukv-timeline-rank1-pid*.json")

@@ -17,7 +17,7 @@ import pytest
 
 from gpukv.tools.cluster import EmulatedCluster, unavailable
 
-from ..distributed.mpirun import NUMPY_CODECS, PROGRAMS, communicate, require_mpi
+from ..distributed.mpirun import NUMPY_CODECS, PROGRAMS, communicate, dies_with_us, require_mpi
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -81,7 +81,7 @@ def start(made: EmulatedCluster, n: int, hosts: str, command: list[str], env: di
             command = command[3:]
     return made.popen(0, [*head, *command], env=env, stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                      start_new_session=True)
+                      start_new_session=True, preexec_fn=dies_with_us())
 
 
 def finish(process: subprocess.Popen, limit: float) -> tuple[int, str, str, float]:

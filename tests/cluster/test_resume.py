@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ..distributed.mpirun import dies_with_us
 from .hosts import Watched, cluster, finish, host_list, job_env, passes, program_command
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
@@ -65,7 +66,7 @@ def _launch(made, hosts: list[int], folder: Path, out: Path, env: dict,
         head += ["--max-restarts", "1", "--min-workers", "2"]
     return made.popen(0, [*head, *command], env=env, stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                      start_new_session=True)
+                      start_new_session=True, preexec_fn=dies_with_us())
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -77,14 +77,20 @@ def run(program: str | Path, n: int, *args: str, env: dict | None = None,
     before = leftovers.present()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True, env=full_env,
-                               start_new_session=True,
-                               preexec_fn=process_tree.die_with_parent(signal.SIGKILL))
+                               start_new_session=True, preexec_fn=dies_with_us())
     try:
         stdout, stderr = communicate(process, timeout, " ".join(command))
     finally:  # (many tests end ranks on purpose: what MPICH leaves of them goes, as
         # `gpukv run` removes it)
         leftovers.remove_new(before)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def dies_with_us():
+    """A `preexec_fn` for a job a test starts (mpiexec, `gpukv run`), in a session of its
+    own: the job's launcher is killed when the test process ends, however it ends (a
+    deadline's SIGKILL included), and it ends its ranks."""
+    return process_tree.die_with_parent(signal.SIGKILL)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import pytest
 
 from .. import gpu_env
 from ..launcher.test_launch import _finish
-from .mpirun import PROGRAMS, ok, require_mpi, run
+from .mpirun import PROGRAMS, dies_with_us, ok, require_mpi, run
 
 pytestmark = pytest.mark.mpi
 
@@ -93,7 +93,8 @@ def test_sigterm_writes_each_ranks_timeline(tmp_path):
         [sys.executable, "-m", "gpukv", "run", "-n", "2",
          str(PROGRAMS / "timeline_ends.py"), "sigterm", str(marks)],
         env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True)
+        stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=dies_with_us())
     deadline = time.monotonic() + 90
     while len(list(marks.iterdir())) < 2 and launcher.poll() is None:
         assert time.monotonic() < deadline, "the ranks never began ticking"

@@ -21,7 +21,7 @@ import pytest
 
 from gpukv.launcher import failures, launch, output, restarts, run_report
 
-from ..distributed.mpirun import require_mpi
+from ..distributed.mpirun import dies_with_us, require_mpi
 from .test_launch import _alive, _finish, _said
 
 GRACE = 1.0
@@ -51,7 +51,7 @@ def _start(*argv: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gpukv", "run", "--grace", str(GRACE),
                              *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env=full_env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=dies_with_us())
 
 
 def _pids(folder: Path, n: int, launcher: subprocess.Popen, limit: float = 30) -> list[int]:

@@ -27,7 +27,7 @@ from gpukv.launcher import (
     run_report,
 )
 
-from ..distributed.mpirun import PROGRAMS, require_mpi, run
+from ..distributed.mpirun import PROGRAMS, dies_with_us, require_mpi, run
 
 GRACE = 2.0
 #: seconds allowed past grace + TERM_WAIT for the launcher to notice, kill and reap
@@ -45,7 +45,7 @@ def _launch(mode: str, folder: Path, n: int = 3, env: dict | None = None,
                *options, str(PROGRAMS / "launched.py"), mode, str(folder)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env=full_env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=dies_with_us())
 
 
 def _finish(launcher: subprocess.Popen, limit: float = 90) -> tuple[int, str, str, float]:
@@ -189,7 +189,8 @@ def test_a_clean_end_past_pythons_exit_is_no_failure(mode):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "gpukv", "run", "-n", "3", "--grace", str(GRACE),
          str(PROGRAMS / "ends_past_python.py"), mode], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+        preexec_fn=dies_with_us())
     status, out, err, _ = _finish(launcher)
     assert status == 0, err
     assert sorted(re.findall(r"rank \d of 3 ran", out)) == [
