@@ -159,6 +159,16 @@ def apply_plan(opt: Optimizer, plan: StatePlan) -> None:
     opt.restore_update_counts(plan.counts, plan.num_update)
 
 
+def header_plan(opt: Optimizer, header: dict, counts: dict, num_update: int) -> StatePlan:
+    """A plan of a state's `header` without its states: `counts`, `num_update`, and the
+    options, multipliers and schedule it holds (see `Optimizer.take_saved`)."""
+    options, _ = _checked_options(opt, header.get("options"), "")
+    return StatePlan([], counts, num_update, options,
+                     _checked_mults(header.get("lr_mult"), "lr_mult", ""),
+                     _checked_mults(header.get("wd_mult"), "wd_mult", ""),
+                     _checked_schedule(header.get("lr_scheduler"), num_update, ""))
+
+
 def _checked_plan(opt, header, arrays, weights, where) -> StatePlan:
     options, rule = _checked_options(opt, header.get("options"), where)
     num_update = _checked_count(header.get("num_update"), "num_update", where)

@@ -205,6 +205,11 @@ def test_updater_function_runs_where_keys_are_served(n, servers):
     assert len(_caught(out, "ArgumentError")) == (n - servers if servers else 0), out
 
 
+@pytest.mark.parametrize("n,servers", [(2, 0), (3, 1)])
+def test_a_load_of_dumped_options_reaches_every_workers_optimizer(n, servers, tmp_path):
+    _passes(_scenario(n, servers, "dumped_options", str(tmp_path / "o.states")), n - servers)
+
+
 @pytest.mark.parametrize("n,servers", [(3, 0), (4, 2)])  # one server splits nothing
 def test_lamb_refuses_split_keys(n, servers, tmp_path):
     """At set_optimizer, and at every call that makes a key once LAMB is set."""

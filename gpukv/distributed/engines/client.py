@@ -549,7 +549,8 @@ class ServerClient:
         of the whole store, or None) onto the servers: every part is checked on its
         server first; any failure changes nothing and raises CheckpointError everywhere.
         This worker's copy of the optimizer takes the state's update counts, which it
-        goes on counting for the servers."""
+        goes on counting for the servers, and the options, multipliers and schedule the
+        state holds (saved with `dump_optimizer`), as the servers' optimizers do."""
         self._flush_servers("load")
         self.agree.check(("restore", tuple(sorted(values))), "load")
         outcome = None
@@ -568,11 +569,10 @@ class ServerClient:
         if outcome is not None:
             raise CheckpointError(outcome)
         optimizer = self._optimizer
-        if state is not None and optimizer is not None:  # the counts the servers took
-            counts, num_update, begin = update_counts(state)
-            if begin is not None:
-                optimizer.begin_num_update = begin
-            optimizer.restore_update_counts(counts, num_update)
+        if state is not None and optimizer is not None:  # what the servers took
+            counts, num_update, _ = update_counts(state)
+            optimizer.take_saved(state[0], counts, num_update)
+            self._sent_settings = optimizer.settings()  # (the servers have them)
         for key in values:  # the next pull brings the loaded value whole
             self.held[key] = None
 

@@ -989,6 +989,35 @@ def lamb_split(path: str = "") -> None:
     passed(kv)
 
 
+def dumped_options(path: str) -> None:
+    """Optimizer state saved with dump_optimizer, loaded: every worker's optimizer takes
+    the file's options as the servers' (or each process's) do, reports them, and a rate
+    set anew after the load is the one the next push runs at; the values are one
+    process's, bit for bit."""
+    kv, reference = create(), gpukv.create("local")
+    workers = kv.num_workers
+    for store in (kv, reference):
+        store.init(0, np.ones(4, np.float32))
+        store.set_optimizer(gpukv.optim.create("sgd", learning_rate=0.05, momentum=0.9))
+    kv.push(0, np.ones(4, np.float32))
+    reference.push(0, [np.ones(4, np.float32)] * workers)
+    kv.save_optimizer_states(path, dump_optimizer=True)
+    reference.save_optimizer_states(f"{path}.{kv.rank}", dump_optimizer=True)
+    for store, where in ((kv, path), (reference, f"{path}.{kv.rank}")):
+        optimizer = gpukv.optim.create("sgd", learning_rate=0.1, momentum=0.9)
+        store.set_optimizer(optimizer)
+        store.load_optimizer_states(where)
+        assert optimizer.learning_rate == 0.05, optimizer.learning_rate
+        optimizer.set_learning_rate(0.1)  # set anew: the next push runs at it
+    kv.push(0, np.ones(4, np.float32))
+    reference.push(0, [np.ones(4, np.float32)] * workers)
+    got, expected = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    kv.pull(0, out=got)
+    reference.pull(0, out=expected)
+    assert got.tobytes() == expected.tobytes(), (got, expected)
+    passed(kv)
+
+
 def updater_function() -> None:
     """set_updater with a function defined at module level runs where the keys are
     served (pickled to dedicated servers), once per round with the workers' sum; one
