@@ -561,16 +561,6 @@ class Optimizer:
         self._index_update_count.update(counts)
         self.num_update = num_update
 
-    def take_saved(self, header: dict, counts: dict, num_update: int) -> None:
-        """Take what a saved optimizer state's `header` (checked where its states are
-        loaded) gives beside the states: the update counts ({key: count}) and
-        `num_update`, and the options, multipliers and schedule when it holds them
-        (saved with `dump_optimizer`), as a load into this optimizer's own store does.
-        For a copy of an optimizer that others run (a worker's, whose servers hold the
-        states), which then goes on as they do."""
-        from ._state import apply_plan, header_plan
-        apply_plan(self, header_plan(self, header, counts, num_update))
-
     def settings(self) -> tuple:
         """What may change while training (the options, such as the learning rate and
         rescale_grad, and the per-key multipliers), as a comparable, picklable value:

@@ -159,14 +159,17 @@ def apply_plan(opt: Optimizer, plan: StatePlan) -> None:
     opt.restore_update_counts(plan.counts, plan.num_update)
 
 
-def header_plan(opt: Optimizer, header: dict, counts: dict, num_update: int) -> StatePlan:
-    """A plan of a state's `header` without its states: `counts`, `num_update`, and the
-    options, multipliers and schedule it holds (see `Optimizer.take_saved`)."""
+def take_saved(opt: Optimizer, header: dict, counts: dict, num_update: int) -> None:
+    """`opt` takes what a saved state's `header` (checked where its states are loaded)
+    gives beside the states: the update counts ({key: count}) and `num_update`, and the
+    options, multipliers and schedule when it holds them (saved with `dump_optimizer`),
+    as a load into its own store gives them. For a copy of an optimizer that others run
+    (a worker's, whose servers hold the states), which then goes on as they do."""
     options, _ = _checked_options(opt, header.get("options"), "")
-    return StatePlan([], counts, num_update, options,
-                     _checked_mults(header.get("lr_mult"), "lr_mult", ""),
-                     _checked_mults(header.get("wd_mult"), "wd_mult", ""),
-                     _checked_schedule(header.get("lr_scheduler"), num_update, ""))
+    apply_plan(opt, StatePlan([], counts, num_update, options,
+                              _checked_mults(header.get("lr_mult"), "lr_mult", ""),
+                              _checked_mults(header.get("wd_mult"), "wd_mult", ""),
+                              _checked_schedule(header.get("lr_scheduler"), num_update, "")))
 
 
 def _checked_plan(opt, header, arrays, weights, where) -> StatePlan:

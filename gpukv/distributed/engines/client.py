@@ -28,6 +28,7 @@ from ...encoding.compressors import (
 )
 from ...encoding.pulls import PullCodec
 from ...layout.state import cut, merge, update_counts
+from ...optim._state import take_saved
 from ..mpi.agree import optimizer_named, refuse_split
 from ..mpi.chunks import chunk_bytes, chunk_ranges
 from ..mpi.transport import (
@@ -571,7 +572,7 @@ class ServerClient:
         optimizer = self._optimizer
         if state is not None and optimizer is not None:  # what the servers took
             counts, num_update, _ = update_counts(state)
-            optimizer.take_saved(state[0], counts, num_update)
+            take_saved(optimizer, state[0], counts, num_update)
             self._sent_settings = optimizer.settings()  # (the servers have them)
         for key in values:  # the next pull brings the loaded value whole
             self.held[key] = None
