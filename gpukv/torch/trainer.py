@@ -941,15 +941,15 @@ def _snapshot_stores(trainers) -> list:
 
 
 def _finish_writes_of(stores: list) -> None:
-    """Wait until the snapshots `stores` (those of the Trainers taken over) started are
-    written, by every process (every worker makes this Trainer, at the same point): the
-    newest of them is then whole, and is the one resumed. A write of theirs that failed
-    was theirs to raise; the resume starts from the newest complete snapshot."""
-    for store in stores:
-        try:
-            store.finish_snapshots()
-        except CheckpointError:
-            pass
+    """Wait until the snapshot writes of this process are done when `stores` (those of
+    the Trainers taken over) may have started some: the newest snapshot is then whole,
+    and is the one resumed (on a dist store, every worker waits for its own parts, and
+    the checks that follow, collective, come before any looks). Only this process's
+    writes: which Trainers are still alive to take over may differ between workers. A
+    write that failed was theirs to raise; the resume starts from the newest complete
+    snapshot."""
+    if stores:
+        snapshots.finish_writes()
 
 
 def _refuse_shared_optimizer(optimizer: Optimizer, kv: KVStore, passing: list) -> None:
