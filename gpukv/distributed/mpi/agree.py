@@ -188,7 +188,8 @@ class Agreement:
         calls = to_rank0(t, (self.seq, signature, note), what)  # every rank is here
         message = None
         if calls is not None:
-            message = f"{what}: processes disagree: {_told(t, dict(enumerate(calls)))}"
+            message = (f"{what}: processes disagree: {_told(t, dict(enumerate(calls)))}"
+                       f"{_workers_are(t)}")
         raise t.fail(PeerMismatchError(from_rank0(t, message, what)))
 
     def _roll_call(self, what: str, answer_within: float | None = None) -> PeerError:
@@ -303,7 +304,7 @@ class Agreement:
         for r in others:
             calls[r], _ = t.recv_object(r, self.signature_tag,
                                         f"{what}: rank {t.job_rank(r)}'s call")
-        message = f"{what}: processes disagree: {_told(t, calls)}"
+        message = f"{what}: processes disagree: {_told(t, calls)}{_workers_are(t)}"
         self._tell(others, ("mismatch", message))
         raise t.fail(PeerMismatchError(message))
 
@@ -401,10 +402,13 @@ def _grouped(t: Transport, signatures: dict, describe) -> str:
     groups: dict = {}
     for rank in sorted(signatures):
         groups.setdefault(describe(signatures[rank]), []).append(rank)
-    told = "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
-    if t.first_rank:  # (the workers of a job with servers, which are its first ranks)
-        told += f" (worker W is rank {t.first_rank}+W of the job)"
-    return told
+    return "; ".join(f"rank(s) {t.ranks(ranks)} {what}" for what, ranks in groups.items())
+
+
+def _workers_are(t: Transport) -> str:
+    """How a disagreement's ranks (the job's) map to workers, where they differ: the
+    servers of a job are its first ranks."""
+    return f" (worker W is rank {t.first_rank}+W of the job)" if t.first_rank else ""
 
 
 def _call(signature, note: str | None = None) -> str:
